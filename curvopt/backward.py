@@ -1,0 +1,198 @@
+"""State of one backward pass inside ``collect``: pending results, written when it finishes.
+
+Results are buffered and written as attributes by a callback the autograd engine runs at the
+end of the pass, so an exception in the middle leaves no half-written attribute (a reused
+result buffer that was already being overwritten is removed instead).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch.autograd import Variable
+
+from curvopt.buffers import empty_result
+from curvopt.errors import MissingLossError, UnsupportedModuleError
+from curvopt.layers import rule_for
+from curvopt.records import Call
+
+#: elements per chunk when per-sample gradients are materialised only to be reduced
+_CHUNK_ELEMENTS = 1 << 21
+
+_REDUCED = ("batch_l2", "sum_grad_squared", "variance")
+
+
+def module_error(module, reason: str) -> UnsupportedModuleError:
+    return UnsupportedModuleError(
+        f"curvopt cannot compute this for module {module._curvopt_path!r} "
+        f"({type(module).__name__}): {reason}"
+    )
+
+
+class BackwardPass:
+    """Per-pass buffers; ``on_module`` is called by every extended module's gradient hook."""
+
+    def __init__(self, extensions, task: int):
+        self.task = task
+        self.extensions = extensions
+        self.attrs = {ext.attr for ext in extensions if ext.order == 1}
+        self.second_order_exts = [ext for ext in extensions if ext.order == 2]
+        self.loss_seen = False
+        self.batch_size: Optional[int] = None
+        self.reused: Dict[int, bool] = {}
+        self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
+        self.results: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
+        self.overwritten: List[Tuple[torch.Tensor, str]] = []
+        self.failed = False
+        Variable._execution_engine.queue_callback(self._finish)
+
+    # ---------------------------------------------------------------- module hooks
+    def on_module(self, record, grads) -> None:
+        if self.failed:
+            return
+        try:
+            self._on_module(record, grads)
+        except BaseException:
+            self._abort()
+            raise
+
+    def _on_module(self, record, grads) -> None:
+        module = record.module
+        if self.second_order_exts and not self.loss_seen:
+            names = ", ".join(repr(e) for e in self.second_order_exts)
+            raise MissingLossError(
+                f"{names} need(s) the loss: the loss that was backpropagated was not computed "
+                "by an extended loss module; wrap it, e.g. "
+                "lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())"
+            )
+        if not self.attrs:
+            return
+        rule = rule_for(module)
+        reason = rule.check(module)
+        if reason is not None:
+            raise module_error(module, reason)
+        grad_out = grads[0] if len(grads) == 1 else grads
+        call = Call(module, record.args, record.kwargs, grad_out, rule.batch_dim(module))
+        self._check_batch_size(call)
+        key = id(module)
+        if key not in self.reused:
+            self.reused[key] = module._curvopt_live > 1 or module._curvopt_shared
+        materialise = "grad_batch" in self.attrs or self.reused[key]
+        for name, p in _owned(module):
+            if materialise:
+                self._accumulate(p, rule, call, name)
+            else:
+                self._reduce(p, rule, call, name)
+
+    def _check_batch_size(self, call: Call) -> None:
+        n = call.batch_size
+        if self.batch_size is None:
+            self.batch_size = n
+        elif n != self.batch_size:
+            raise module_error(
+                call.module,
+                f"it sees {n} samples along dim {call.batch_dim} while other modules saw "
+                f"{self.batch_size}; per-sample quantities need the batch dimension kept intact "
+                "(do not fold other dims into it before a layer with parameters)",
+            )
+
+    def _accumulate(self, p, rule, call, name) -> None:
+        """Add this call's per-sample gradients into ``[N, *p.shape]``."""
+        shape = (call.batch_size, *p.shape)
+        like = call.grad_out if isinstance(call.grad_out, torch.Tensor) else call.grad_out[0]
+        if id(p) not in self.batch_grads:
+            if "grad_batch" in self.attrs:
+                buffer = empty_result(p, "grad_batch", shape, like)
+                if buffer is p.__dict__.get("grad_batch"):
+                    self.overwritten.append((p, "grad_batch"))
+            else:
+                buffer = torch.empty(shape, dtype=like.dtype, device=like.device)
+            self.batch_grads[id(p)] = (p, rule.batch_grad(call, name, out=buffer))
+        else:
+            self.batch_grads[id(p)][1].add_(rule.batch_grad(call, name))
+
+    def _reduce(self, p, rule, call, name) -> None:
+        """Reduced quantities of a parameter used once, via fast paths where the rule has them."""
+        want = self.attrs.intersection(_REDUCED)
+        l2 = rule.batch_l2(call, name) if "batch_l2" in want else None
+        moments = want & {"sum_grad_squared", "variance"}
+        sgs = rule.sum_grad_squared(call, name) if moments else None
+        total = rule.grad_sum(call, name) if "variance" in want else None
+        if ("batch_l2" in want and l2 is None) or (moments and sgs is None) or (
+            "variance" in want and total is None
+        ):
+            l2_c, sgs_c, total_c = _reduce_in_chunks(rule, call, name, p.shape)
+            l2 = l2_c if l2 is None else l2
+            sgs = sgs_c if sgs is None else sgs
+            total = total_c if total is None else total
+        self._store(p, l2, sgs, total, call.batch_size)
+
+    def _store(self, p, l2, sgs, total, n) -> None:
+        if "batch_l2" in self.attrs:
+            self.put(p, "batch_l2", l2)
+        if "sum_grad_squared" in self.attrs:
+            self.put(p, "sum_grad_squared", sgs)
+        if "variance" in self.attrs:
+            self.put(p, "variance", (sgs / n).sub_((total / n).pow_(2)))
+
+    def put(self, p, attr: str, value: torch.Tensor) -> None:
+        """Set ``p.<attr> = value`` when the pass has finished."""
+        self.results[(id(p), attr)] = (p, value)
+
+    def add(self, p, attr: str, value) -> None:
+        """Add ``value`` to the pending ``p.<attr>`` (a tensor, or a list of tensors)."""
+        old = self.results.get((id(p), attr))
+        if old is None:
+            self.put(p, attr, value)
+        elif isinstance(value, list):
+            for acc, v in zip(old[1], value):
+                acc.add_(v)
+        else:
+            old[1].add_(value)
+
+    # ---------------------------------------------------------------- end of pass
+    def _finish(self) -> None:
+        if self.failed:
+            return
+        for p, batch in self.batch_grads.values():
+            if "grad_batch" in self.attrs:
+                self.put(p, "grad_batch", batch)
+            if self.attrs.intersection(_REDUCED):
+                flat = batch.flatten(1)
+                l2 = torch.linalg.vector_norm(flat, dim=1).pow_(2)
+                sgs = torch.linalg.vector_norm(batch, dim=0).pow_(2)
+                self._store(p, l2, sgs, batch.sum(0), batch.shape[0])
+        for (_, attr), (p, value) in self.results.items():
+            setattr(p, attr, value)
+        self.batch_grads.clear()
+        self.results.clear()
+
+    def _abort(self) -> None:
+        """Forget everything; remove attributes whose buffers were partly overwritten."""
+        self.failed = True
+        for p, attr in self.overwritten:
+            p.__dict__.pop(attr, None)
+        self.batch_grads.clear()
+        self.results.clear()
+
+
+def _owned(module):
+    """``(name, parameter)`` of the parameters the module's rule handles that require grad."""
+    return [(name, p) for name, p in module._curvopt_named if p.requires_grad]
+
+
+def _reduce_in_chunks(rule, call, name, shape):
+    """``(||g_n||^2 [N], sum_n g_n**2, sum_n g_n)`` from per-sample gradients, chunk by chunk."""
+    n = call.batch_size
+    per_sample = max(1, int(torch.Size(shape).numel()))
+    step = max(1, _CHUNK_ELEMENTS // per_sample)
+    l2_parts, sgs, total = [], None, None
+    for start in range(0, n, step):
+        chunk = rule.batch_grad(call.slice(start, min(n, start + step)), name)
+        l2_parts.append(torch.linalg.vector_norm(chunk.flatten(1), dim=1).pow_(2))
+        sq = torch.linalg.vector_norm(chunk, dim=0).pow_(2)
+        s = chunk.sum(0)
+        sgs = sq if sgs is None else sgs.add_(sq)
+        total = s if total is None else total.add_(s)
+    return torch.cat(l2_parts), sgs, total

@@ -1,0 +1,59 @@
+"""``collect(*extensions)``: the context in which backward passes write quantities."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from curvopt.backward import BackwardPass
+from curvopt.errors import ExtensionConflictError
+from curvopt.extensions.base import Extension
+from curvopt.state import STATE
+
+
+class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...):``)
+    """Compute ``extensions`` during every ``backward()`` run inside this block.
+
+    Extensions that share work (per-sample gradients, propagated curvature factors, Monte-Carlo
+    samples) compute it once. Results are written as attributes when a backward pass has
+    finished; a pass that raises writes nothing.
+    """
+
+    def __init__(self, *extensions: Extension):
+        by_attr: Dict[str, Extension] = {}
+        for ext in extensions:
+            if not isinstance(ext, Extension):
+                raise TypeError(
+                    f"curvopt.collect expects extension instances such as "
+                    f"curvopt.extensions.BatchGrad(), got {ext!r}"
+                )
+            other = by_attr.get(ext.attr)
+            if other is not None and other.key() != ext.key():
+                raise ExtensionConflictError(
+                    f"{other!r} and {ext!r} both write p.{ext.attr} with different settings; "
+                    "pass only one of them"
+                )
+            by_attr[ext.attr] = ext
+        self.extensions: Tuple[Extension, ...] = tuple(by_attr.values())
+        self._pass: Optional[BackwardPass] = None
+
+    def __enter__(self):
+        if STATE.collecting is not None:
+            raise RuntimeError(
+                "curvopt.collect blocks cannot be nested; pass all extensions to one collect(...)"
+            )
+        STATE.collecting = self
+        return self
+
+    def __exit__(self, *exc):
+        STATE.collecting = None
+        self._pass = None
+        return False
+
+    def backward_pass(self) -> BackwardPass:
+        """The state of the backward pass now running, created at its first hook."""
+        task = torch._C._current_graph_task_id()
+        if self._pass is None or self._pass.task != task:
+            self._pass = BackwardPass(self.extensions, task)
+        return self._pass

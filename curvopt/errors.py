@@ -1,0 +1,26 @@
+"""Exceptions raised by curvopt.
+
+Every error names what is wrong (the module and its path in the model, the loss, the option)
+and how to fix it. They derive from the built-in exception a user would expect, so
+``except ValueError`` / ``except NotImplementedError`` keep working.
+"""
+
+
+class CurvoptError(Exception):
+    """Base class of all curvopt errors."""
+
+
+class UnsupportedModuleError(CurvoptError, NotImplementedError):
+    """A module the requested quantity cannot be computed for."""
+
+
+class UnsupportedLossError(CurvoptError, ValueError):
+    """A loss (or loss option, e.g. ``reduction='none'``) the quantity cannot handle."""
+
+
+class ExtensionConflictError(CurvoptError, ValueError):
+    """Extensions passed to one ``collect`` whose requirements conflict."""
+
+
+class MissingLossError(CurvoptError, RuntimeError):
+    """A second-order quantity was requested but the loss was not an extended loss module."""

@@ -1,0 +1,140 @@
+"""``extend``: forward hooks that leave, on each output's autograd node, what backward needs.
+
+Outside ``collect`` a hook only keeps references to inputs that autograd already saved for
+the weight gradient, and drops them as soon as the gradient passes the module; nothing is
+computed. Hooks are installed on every module that owns parameters (and on losses).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from curvopt.layers import rule_for
+from curvopt.layers.generic import owned_parameters
+from curvopt.state import STATE
+
+_HOOKED = "_curvopt_hooked"
+#: key of the autograd-node metadata listing the module calls whose output the node produced
+_METADATA = "curvopt"
+
+
+class Record:
+    """One call of an extended module: its inputs until the gradient w.r.t. its output arrives."""
+
+    __slots__ = ("module", "args", "kwargs")
+
+    def __init__(self, module, args, kwargs):
+        self.module, self.args, self.kwargs = module, args, kwargs
+        module._curvopt_live += 1
+
+    def release(self):
+        """Drop the inputs; the module has one call fewer awaiting its gradient."""
+        if self.args is not None:
+            self.args = self.kwargs = None
+            self.module._curvopt_live -= 1
+
+    def __del__(self):
+        self.release()
+
+    def on_grad(self, grad):
+        self._dispatch((grad,))
+
+    def on_grads(self, grads):
+        self._dispatch(tuple(grads))
+
+    def _dispatch(self, grads):
+        if STATE.suspended or self.args is None:
+            return
+        try:
+            if STATE.collecting is not None:
+                STATE.collecting.backward_pass().on_module(self, grads)
+        finally:
+            self.release()
+
+
+def _module_forward_hook(module, args, kwargs, output):
+    if STATE.suspended or not torch.is_grad_enabled():
+        return
+    if not any(p.requires_grad for p in module._curvopt_params):
+        return
+    outputs = [t for t in _tensors(output) if t.requires_grad]
+    if not outputs:
+        return
+    record = Record(module, args, kwargs)
+    for index, t in enumerate(outputs):
+        if t.grad_fn is not None:
+            t.grad_fn.metadata.setdefault(_METADATA, []).append((record, index, t.output_nr))
+    if len(outputs) == 1:
+        outputs[0].register_hook(record.on_grad)
+    else:
+        register_multi_grad_hook(outputs, record.on_grads, mode="all")
+
+
+def _loss_forward_hook(module, args, kwargs, output):
+    if STATE.suspended or not torch.is_grad_enabled() or not output.requires_grad:
+        return
+    from curvopt.second_order import LossRecord
+
+    record = LossRecord(module, args, kwargs, output)
+    output.register_hook(record.on_grad)
+
+
+def _tensors(output) -> List[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for t in output if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _hook(module: nn.Module, path: str, fn) -> None:
+    module._curvopt_path = path or type(module).__name__
+    if getattr(module, _HOOKED, False):
+        return
+    module.register_forward_hook(fn, with_kwargs=True)
+    setattr(module, _HOOKED, True)
+
+
+def _install(module: nn.Module, path: str, shared: set) -> None:
+    rule = rule_for(module)
+    named = list(owned_parameters(module, rule.owns_children).items())
+    params = [p for _, p in named]
+    if params:
+        module._curvopt_named = named
+        module._curvopt_params = params
+        if not hasattr(module, "_curvopt_live"):
+            module._curvopt_live = 0
+        module._curvopt_shared = any(id(p) in shared for p in params)
+        _hook(module, path, _module_forward_hook)
+    if rule.owns_children:
+        return
+    for name, child in module.named_children():
+        _install(child, f"{path}.{name}" if path else name, shared)
+
+
+def _shared_parameters(root: nn.Module) -> set:
+    """ids of parameters owned by more than one module (weight tying)."""
+    seen, shared = set(), set()
+    for module in root.modules():
+        for p in module.parameters(recurse=False):
+            (shared if id(p) in seen else seen).add(id(p))
+    return shared
+
+
+def extend(module: nn.Module, name: Optional[str] = None) -> nn.Module:
+    """Install curvopt's hooks on ``module`` (a model, any submodule, or a loss) and return it.
+
+    Idempotent. An extended model computes exactly what the plain model computes; the hooks only
+    act inside :func:`curvopt.collect`.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"curvopt.extend expects a torch.nn.Module, got {type(module).__name__}")
+    if isinstance(module, nn.modules.loss._Loss):
+        _hook(module, name or "", _loss_forward_hook)
+        return module
+    _install(module, name or "", _shared_parameters(module))
+    return module

@@ -1,0 +1,6 @@
+"""Per-module rules (one file per layer family), looked up with :func:`rule_for`."""
+
+from curvopt.layers import conv, embedding, generic, linear, norm  # noqa: F401  (registration)
+from curvopt.layers.registry import LayerRule, register, rule_for
+
+__all__ = ["LayerRule", "register", "rule_for"]

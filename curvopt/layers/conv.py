@@ -1,0 +1,105 @@
+"""Convolutions ``nn.Conv{1,2,3}d`` and ``nn.ConvTranspose{1,2,3}d`` (stride, padding, dilation,
+groups, padding modes).
+
+Convolution, with patches ``X_n = unfold(x_n)`` (``[C_in k, L]``) and ``G_n = dL/dy_n``
+(``[C_out, L]``), per group: ``g_n(W) = G_n X_n^T``.
+
+Transposed convolution is the adjoint of a convolution with the same hyper-parameters, so the
+roles swap: ``g_n(W) = x_n unfold(G_n)^T`` with ``x_n`` ``[C_in, L]`` and ``unfold(G_n)``
+``[C_out k, L]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from curvopt.layers.registry import LayerRule, register
+from curvopt.layers.unfold import unfold, unfold_conv_input
+
+
+def _grouped_outer(left, right, groups, out):
+    """``left [N, g*a, L]``, ``right [N, g*b, L]`` -> per group ``left right^T``: ``[N, g*a, b]``."""
+    n, length = left.shape[0], left.shape[-1]
+    if groups == 1:
+        flat = None if out is None else out.view(n, left.shape[1], right.shape[1])
+        return torch.bmm(left, right.transpose(1, 2), out=flat)
+    left = left.reshape(n * groups, -1, length)
+    right = right.reshape(n * groups, -1, length)
+    flat = None if out is None else out.view(n * groups, left.shape[1], right.shape[1])
+    return torch.bmm(left, right.transpose(1, 2), out=flat)
+
+
+class _ConvRuleBase(LayerRule):
+    def _operands(self, call):
+        """``(left [N, *, L], right [N, *, L])`` with ``g_n(W) = left_n right_n^T`` per group."""
+        raise NotImplementedError
+
+    def batch_grad(self, call, name, out=None):
+        g = call.grad_out
+        n = g.shape[0]
+        if name == "bias":
+            return torch.sum(g.reshape(n, g.shape[1], -1), 2, out=out)
+        weight = call.module.weight
+        left, right = self._operands(call)
+        result = _grouped_outer(left, right, call.module.groups, out)
+        return result.view(n, *weight.shape)
+
+    def batch_l2(self, call, name):
+        g = call.grad_out
+        n = g.shape[0]
+        if name == "bias":
+            return g.reshape(n, g.shape[1], -1).sum(2).pow_(2).sum(1)
+        if call.module.groups != 1:
+            return None
+        left, right = self._operands(call)
+        a, b, length = left.shape[1], right.shape[1], left.shape[2]
+        if length * (a + b) >= a * b:
+            return None
+        gram_left = left.transpose(1, 2) @ left
+        gram_right = right.transpose(1, 2) @ right
+        return (gram_left * gram_right).sum((1, 2))
+
+    def grad_sum(self, call, name):
+        g = call.grad_out
+        if name == "bias":
+            return g.transpose(0, 1).reshape(g.shape[1], -1).sum(1)
+        return None
+
+
+@register(nn.Conv1d, nn.Conv2d, nn.Conv3d)
+class ConvRule(_ConvRuleBase):
+    def _operands(self, call):
+        g = call.grad_out
+        n = g.shape[0]
+        return g.reshape(n, g.shape[1], -1), unfold_conv_input(call.module, call.input)
+
+
+@register(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+class ConvTransposeRule(_ConvRuleBase):
+    def check(self, module):
+        if module.padding_mode != "zeros":
+            return f"padding_mode={module.padding_mode!r} is not supported for transposed convolutions"
+        return None
+
+    def _operands(self, call):
+        module, x, g = call.module, call.input, call.grad_out
+        n = x.shape[0]
+        patches = unfold(g, module.kernel_size, module.dilation, module.padding, module.stride)
+        in_size = x.shape[2:]
+        if patches.shape[-1] != math.prod(in_size):
+            # output_padding >= stride adds trailing patch positions no input location maps to
+            grid = patches.shape[-1]
+            out_grid = [
+                (o + 2 * p - d * (k - 1) - 1) // s + 1
+                for o, p, d, k, s in zip(
+                    g.shape[2:], module.padding, module.dilation, module.kernel_size, module.stride
+                )
+            ]
+            assert math.prod(out_grid) == grid
+            patches = patches.reshape(n, -1, *out_grid)
+            patches = patches[(slice(None), slice(None)) + tuple(slice(0, s) for s in in_size)]
+            patches = patches.reshape(n, patches.shape[1], -1)
+        return x.reshape(n, x.shape[1], -1), patches

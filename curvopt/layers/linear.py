@@ -1,0 +1,59 @@
+"""``nn.Linear`` with any number of leading dims: ``x [N, *, I] -> y = x W^T + b  [N, *, O]``.
+
+With the positions ``t`` of the middle dims flattened (``x_nt``, ``g_nt = dL/dy_nt``):
+
+* ``g_n(W) = sum_t g_nt x_nt^T``                         ``[N, O, I]``
+* ``||g_n(W)||^2 = sum_{t,s} (g_nt . g_ns)(x_nt . x_ns)``  (ghost norm, ``T^2 (O+I)`` flops)
+* ``sum_n g_n(W)**2 = (g**2)^T (x**2)``                  when ``T = 1``
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from curvopt.layers.registry import LayerRule, register
+
+
+def _flat(call):
+    """``x [N, T, I]`` and ``g [N, T, O]`` with the middle dims flattened into ``T``."""
+    x, g = call.input, call.grad_out
+    n = g.shape[0]
+    return x.reshape(n, -1, x.shape[-1]), g.reshape(n, -1, g.shape[-1])
+
+
+@register(nn.Linear)
+class LinearRule(LayerRule):
+    def batch_grad(self, call, name, out=None):
+        x, g = _flat(call)
+        if name == "bias":
+            return torch.sum(g, 1, out=out)
+        if x.shape[1] == 1:
+            return torch.mul(g.transpose(1, 2), x, out=out)
+        return torch.bmm(g.transpose(1, 2), x, out=out)
+
+    def batch_l2(self, call, name):
+        x, g = _flat(call)
+        if name == "bias":
+            return g.sum(1).pow_(2).sum(1)
+        n, t, i = x.shape
+        o = g.shape[2]
+        if t == 1:
+            return g.pow(2).sum((1, 2)) * x.pow(2).sum((1, 2))
+        if t * (o + i) < o * i:
+            return torch.einsum("nts,nts->n", g @ g.transpose(1, 2), x @ x.transpose(1, 2))
+        return None
+
+    def sum_grad_squared(self, call, name):
+        x, g = _flat(call)
+        if name == "bias":
+            return g.sum(1).pow_(2).sum(0)
+        if x.shape[1] == 1:
+            return g[:, 0].pow(2).T @ x[:, 0].pow(2)
+        return None
+
+    def grad_sum(self, call, name):
+        x, g = _flat(call)
+        if name == "bias":
+            return g.sum((0, 1))
+        return g.flatten(0, 1).T @ x.flatten(0, 1)

@@ -1,0 +1,81 @@
+"""Normalisation layers with an elementwise affine map ``y = x_hat * w + b``.
+
+``x_hat`` is recomputed from the input; the per-sample gradients are
+``g_n(w) = sum_{positions} g_n * x_hat_n`` and ``g_n(b) = sum_{positions} g_n``, summed over the
+dims of the output that the parameters do not index.
+
+* ``LayerNorm``/``RMSNorm``: parameters index the trailing ``normalized_shape`` dims.
+* ``GroupNorm``, ``BatchNorm{1,2,3}d`` (eval mode, running statistics): parameters index dim 1.
+  ``BatchNorm`` in training mode normalises with batch statistics, which mixes samples: per-sample
+  gradients do not exist and an error says so.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from curvopt.layers.registry import LayerRule, register
+
+
+class _AffineNormRule(LayerRule):
+    def normalized(self, module, x: torch.Tensor) -> torch.Tensor:
+        """``x_hat``, the input normalised without the affine map."""
+        raise NotImplementedError
+
+    def param_dims(self, module, grad: torch.Tensor):
+        """Dims of the output indexed by the parameters."""
+        return (1,)
+
+    def batch_grad(self, call, name, out=None):
+        g = call.grad_out
+        if name == "weight":
+            g = g * self.normalized(call.module, call.input)
+        keep = set(self.param_dims(call.module, g)) | {0}
+        summed = [d for d in range(g.dim()) if d not in keep]
+        result = g.sum(summed) if summed else g
+        if out is None:
+            return result
+        return out.copy_(result)
+
+
+@register(nn.LayerNorm)
+class LayerNormRule(_AffineNormRule):
+    def normalized(self, module, x):
+        return F.layer_norm(x, module.normalized_shape, None, None, module.eps)
+
+    def param_dims(self, module, grad):
+        return range(grad.dim() - len(module.normalized_shape), grad.dim())
+
+
+if hasattr(nn, "RMSNorm"):
+
+    @register(nn.RMSNorm)
+    class RMSNormRule(LayerNormRule):
+        def normalized(self, module, x):
+            return F.rms_norm(x, module.normalized_shape, None, module.eps)
+
+
+@register(nn.GroupNorm)
+class GroupNormRule(_AffineNormRule):
+    def normalized(self, module, x):
+        return F.group_norm(x, module.num_groups, None, None, module.eps)
+
+
+@register(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+class BatchNormRule(_AffineNormRule):
+    def check(self, module):
+        if module.training or module.running_mean is None:
+            return (
+                "BatchNorm normalises with statistics of the whole batch (training mode or "
+                "track_running_stats=False), which mixes samples, so per-sample quantities do not "
+                "exist; call model.eval() (running statistics), or use GroupNorm/LayerNorm"
+            )
+        return None
+
+    def normalized(self, module, x):
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        mean = module.running_mean.view(shape)
+        var = module.running_var.view(shape)
+        return (x - mean) * torch.rsqrt(var + module.eps)

@@ -1,0 +1,85 @@
+"""Registry of per-module rules.
+
+A *rule* knows how to turn what a module saw in the forward pass (its inputs) and what flows
+back into it (the gradient of the loss w.r.t. its output) into per-sample quantities of the
+module's own parameters. Adding support for a new layer type is one file with one class::
+
+    @register(nn.MyLayer)
+    class MyLayerRule(LayerRule):
+        def batch_grad(self, call, name, out=None): ...
+
+Module types without a registered rule fall back to :class:`curvopt.layers.generic.GenericRule`
+(``torch.func`` over single samples).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Type
+
+import torch
+from torch import nn
+
+_RULES: Dict[Type[nn.Module], "LayerRule"] = {}
+
+
+def register(*module_types: Type[nn.Module]) -> Callable:
+    """Class decorator: register one rule instance for the given module types."""
+
+    def wrap(rule_cls):
+        for module_type in module_types:
+            _RULES[module_type] = rule_cls()
+        return rule_cls
+
+    return wrap
+
+
+def rule_for(module: nn.Module) -> "LayerRule":
+    """The rule of ``module``'s exact type (subclasses included), else the generic fallback."""
+    for klass in type(module).__mro__:
+        if klass in _RULES:
+            return _RULES[klass]
+    from curvopt.layers.generic import GENERIC
+
+    return GENERIC
+
+
+class LayerRule:
+    """Per-module rule for first-order quantities.
+
+    Every method receives a :class:`curvopt.records.Call`: the module, the positional and keyword
+    inputs it was called with (``call.args``, ``call.kwargs``) and the gradient of the loss w.r.t.
+    its output (``call.grad_out``; a tuple for modules with several outputs), and the parameter
+    name (``"weight"``, ``"bias"``, ...). Per-sample results have the batch dimension first:
+    ``[N, *p.shape]``; ``out``, when given, is a buffer of that shape to write into.
+
+    Only :meth:`batch_grad` is required. The others are optional fast paths that avoid
+    materialising ``[N, *p.shape]``; returning ``None`` means "derive it from batch_grad".
+    """
+
+    #: whether the rule also owns the parameters of the module's children
+    #: (modules whose forward uses their children's parameters functionally, e.g. attention)
+    owns_children: bool = False
+
+    def batch_dim(self, module: nn.Module) -> int:
+        """Dimension of the inputs/outputs that indexes samples."""
+        return 0
+
+    def check(self, module: nn.Module) -> Optional[str]:
+        """Why per-sample quantities of ``module`` cannot be computed, or ``None`` if they can."""
+        return None
+
+    def batch_grad(self, call, name: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[N, *p.shape]``: the per-sample gradients ``g_n``."""
+        raise NotImplementedError
+
+    def batch_l2(self, call, name: str) -> Optional[torch.Tensor]:
+        """``[N]``: ``||g_n||^2`` without materialising ``g_n``, or ``None``."""
+        return None
+
+    def sum_grad_squared(self, call, name: str) -> Optional[torch.Tensor]:
+        """``p.shape``: ``sum_n g_n**2`` without materialising ``g_n``, or ``None``."""
+        return None
+
+    def grad_sum(self, call, name: str) -> Optional[torch.Tensor]:
+        """``p.shape``: ``sum_n g_n`` (this call's share of ``p.grad``), or ``None``."""
+        return None

@@ -1,0 +1,165 @@
+"""Registry and base classes of loss rules.
+
+A rule factorises, for one loss type, the Hessian of the loss value w.r.t. the loss input
+``output`` of shape ``[N, *F]`` (sample ``n`` is ``output[n]``, ``P = prod(F)``). The loss is a
+sum over samples, so that Hessian is block-diagonal with ``P x P`` blocks ``H_n``. A factor
+``S`` of shape ``[K, N, *F]``, with ``s_k = S[k, n].flatten()``, satisfies
+
+    H_n = sum_k s_k s_k^T          exact factor (``sqrt_hessian``)
+    H_n = E[sum_m s_m s_m^T]       Monte-Carlo factor (``sqrt_hessian_mc``), targets sampled
+                                   from the predictive distribution the loss implies.
+"""
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from curvopt.errors import UnsupportedLossError
+
+_RULES = {}
+
+
+def register_loss_rule(loss_type):
+    """Class decorator: register an instance of the decorated ``LossRule`` for ``loss_type``."""
+
+    def register(rule_cls):
+        rule_cls.loss_type = loss_type
+        _RULES[loss_type] = rule_cls()
+        return rule_cls
+
+    return register
+
+
+def loss_rule_for(loss_module):
+    """The rule of ``loss_module``; raises ``UnsupportedLossError`` for unknown losses/options.
+
+    A subclass of a registered loss uses that loss's rule unless it overrides ``forward``.
+    """
+    loss_cls = type(loss_module)
+    rule = _RULES.get(loss_cls)
+    if rule is None:
+        base = next((c for c in loss_cls.__mro__[1:] if c in _RULES), None)
+        if base is None or loss_cls.forward is not base.forward:
+            supported = ", ".join(sorted(c.__name__ for c in _RULES))
+            raise UnsupportedLossError(
+                f"curvopt cannot compute curvature for the loss {loss_cls.__name__}"
+                + (f" (it overrides {base.__name__}.forward)" if base is not None else "")
+                + f". Use one of: {supported}; or add a rule: a curvopt.losses.LossRule subclass "
+                f"decorated with @curvopt.losses.register_loss_rule({loss_cls.__name__})."
+            )
+        rule = _RULES[base]
+    rule.check_options(loss_module)
+    return rule
+
+
+def reduction_scale(loss_module, count):
+    """Factor the reduction puts on the summed loss: 1 for "sum", ``1 / count`` for "mean"."""
+    return 1.0 if loss_module.reduction == "sum" else 1.0 / count
+
+
+def _column_indices(columns, num_columns, device):
+    """Column indices ``[k]`` (long) selected by ``columns`` (None, range or slice)."""
+    if columns is None:
+        columns = range(num_columns)
+    elif isinstance(columns, slice):
+        columns = range(*columns.indices(num_columns))
+    elif not isinstance(columns, range):
+        raise TypeError(f"columns must be None, a range or a slice, got {type(columns).__name__}")
+    if len(columns) and (min(columns) < 0 or max(columns) >= num_columns):
+        raise ValueError(f"columns {columns} out of bounds for a factor with {num_columns} columns")
+    return torch.arange(columns.start, columns.stop, columns.step, device=device)
+
+
+class LossRule(ABC):
+    """Square-root factorisation of one loss type's Hessian w.r.t. its input (see module doc)."""
+
+    loss_type = None  # set by ``register_loss_rule``
+
+    def check_options(self, loss_module):
+        """Reject module options the math cannot honour (independent of the data)."""
+        name = type(loss_module).__name__
+        if loss_module.reduction == "none":
+            raise UnsupportedLossError(
+                f"{name}(reduction='none') returns per-element losses, which have no single "
+                f"Hessian; use reduction='mean' or reduction='sum'."
+            )
+        if loss_module.reduction not in ("mean", "sum"):
+            raise UnsupportedLossError(
+                f"{name} has unknown reduction={loss_module.reduction!r}; use 'mean' or 'sum'."
+            )
+
+    def check(self, loss_module, output, target):
+        """Validate options, ``output`` (float, ``[N, ...]``, finite) and ``target``."""
+        self.check_options(loss_module)
+        name = type(loss_module).__name__
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(
+                f"{name}: the loss input must be a tensor, got {type(output).__name__}."
+            )
+        if not output.is_floating_point():
+            raise ValueError(
+                f"{name}: the loss input must be a floating-point tensor, got {output.dtype}."
+            )
+        if output.dim() == 0 or output.numel() == 0:
+            raise ValueError(
+                f"{name}: the loss input must have a batch dimension and at least one "
+                f"element, got shape {tuple(output.shape)}."
+            )
+        if not torch.isfinite(output).all():
+            raise ValueError(
+                f"{name}: the loss input contains inf or nan; its Hessian is undefined."
+            )
+        if not isinstance(target, torch.Tensor):
+            raise TypeError(f"{name}: target must be a tensor, got {type(target).__name__}.")
+        self._check_target(loss_module, output, target)
+
+    @abstractmethod
+    def _check_target(self, loss_module, output, target):
+        """Raise ``ValueError``/``UnsupportedLossError`` for bad targets (output already valid)."""
+
+    @abstractmethod
+    def num_columns(self, loss_module, output):
+        """Number ``K`` of columns of the exact factor."""
+
+    def sqrt_hessian(self, loss_module, output, target, columns=None):
+        """Exact factor ``[k, *output.shape]``: rows ``columns`` (default all ``K``) of ``S``."""
+        self.check(loss_module, output, target)
+        output = output.detach()
+        ks = _column_indices(columns, self.num_columns(loss_module, output), output.device)
+        return self._sqrt_hessian(loss_module, output, target, ks)
+
+    def sqrt_hessian_mc(self, loss_module, output, target, mc_samples):
+        """Monte-Carlo factor ``[mc_samples, *output.shape]``, unbiased for ``H_n``."""
+        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
+            raise ValueError(f"mc_samples must be a positive int, got {mc_samples!r}")
+        self.check(loss_module, output, target)
+        output = output.detach()
+        return self._sqrt_hessian_mc(loss_module, output, target, mc_samples)
+
+    @abstractmethod
+    def _sqrt_hessian(self, loss_module, output, target, ks):
+        """Rows ``ks`` (long tensor ``[k]``) of the exact factor, ``[k, *output.shape]``."""
+
+    @abstractmethod
+    def _sqrt_hessian_mc(self, loss_module, output, target, mc_samples):
+        """Monte-Carlo factor ``[mc_samples, *output.shape]``, already scaled by 1/sqrt(M)."""
+
+
+class DiagonalLossRule(LossRule):
+    """A loss with diagonal ``H_n = diag(r_n ** 2)``: exact column ``k`` is ``r_n[k] e_k``.
+
+    ``K = P`` (one column per element of a sample).
+    """
+
+    def num_columns(self, loss_module, output):
+        return output[0].numel()
+
+    def _sqrt_hessian(self, loss_module, output, target, ks):
+        r = self._sqrt_diagonal(loss_module, output, target).reshape(output.shape[0], -1)
+        factor = r.new_zeros(len(ks), *r.shape)
+        factor[torch.arange(len(ks), device=ks.device), :, ks] = r[:, ks].T
+        return factor.reshape(len(ks), *output.shape)
+
+    @abstractmethod
+    def _sqrt_diagonal(self, loss_module, output, target):
+        """``r`` of ``output``'s shape with ``H_n = diag(r[n].flatten() ** 2)``."""

@@ -1,0 +1,134 @@
+"""Rule for ``torch.nn.CrossEntropyLoss`` on logits ``[N, C, *d]`` (``D = prod(d)`` positions).
+
+At position ``d`` of sample ``n``, with ``p = softmax(x[n, :, d])``, the Hessian block is
+
+    H_{n,d} = beta_{n,d} (diag(p) - p p^T) = beta_{n,d} sum_c p_c (e_c - p)(e_c - p)^T
+
+and blocks of different positions do not interact. With class weights ``w`` (1 when absent)
+and label smoothing ``eps``, ``beta = s * alpha`` where
+
+* class-index target ``y``: ``alpha = (1 - eps) w_y + eps / C * sum_c w_c`` (0 where
+  ``y == ignore_index``); "mean" has ``s = 1 / sum_{kept} w_y``;
+* probability target ``t``: ``alpha = sum_c w_c t~_c``, ``t~ = (1 - eps) t + eps / C``
+  (``alpha = 1`` for distributions without weights); "mean" has ``s = 1 / (N D)``;
+* "sum" has ``s = 1``.
+
+Exact factor: ``K = C D`` columns; column ``k = c D + d`` is ``sqrt(beta_{n,d} p_c) (e_c - p)``
+at position ``d`` and zero elsewhere. MC: ``y' ~ Categorical(p)`` independently per position and
+one column ``sqrt(beta_{n,d} / M) (e_{y'} - p)`` at every position; cross-position terms vanish
+in expectation because the draws are independent and zero-mean.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from curvopt.errors import UnsupportedLossError
+from curvopt.losses.base import LossRule, reduction_scale, register_loss_rule
+
+
+@register_loss_rule(nn.CrossEntropyLoss)
+class CrossEntropyLossRule(LossRule):
+    def check_options(self, loss_module):
+        super().check_options(loss_module)
+        if loss_module.weight is not None and (loss_module.weight < 0).any():
+            raise UnsupportedLossError(
+                "CrossEntropyLoss with a negative class weight has a Hessian that is not "
+                "positive semi-definite, so it has no square root; use nonnegative weights."
+            )
+
+    def _check_target(self, loss_module, output, target):
+        shape = tuple(output.shape)
+        if output.dim() < 2:
+            raise ValueError(
+                f"CrossEntropyLoss: input of shape {shape} has no batch dimension; curvopt needs "
+                f"[N, C, *d], e.g. output.unsqueeze(0) and target.unsqueeze(0)."
+            )
+        if target.is_floating_point():
+            if target.shape != output.shape:
+                raise ValueError(
+                    f"CrossEntropyLoss: probability targets must have the input's shape {shape}, "
+                    f"got {tuple(target.shape)}."
+                )
+            if loss_module.ignore_index >= 0:
+                raise ValueError(
+                    "CrossEntropyLoss: ignore_index is not supported with probability targets "
+                    "(as in torch); leave it at its default -100."
+                )
+        else:
+            self._check_class_indices(loss_module, output, target)
+        self._beta(loss_module, output, target)
+
+    @staticmethod
+    def _check_class_indices(loss_module, output, target):
+        expected = (output.shape[0], *output.shape[2:])
+        if target.dtype == torch.bool or target.is_complex():
+            raise ValueError(
+                f"CrossEntropyLoss: target must hold class indices (integer) or probabilities "
+                f"(float), got {target.dtype}."
+            )
+        if tuple(target.shape) != expected:
+            raise ValueError(
+                f"CrossEntropyLoss: class-index target must have shape {expected} for input "
+                f"{tuple(output.shape)}, got {tuple(target.shape)}."
+            )
+        kept = target[target != loss_module.ignore_index]
+        if ((kept < 0) | (kept >= output.shape[1])).any():
+            raise ValueError(
+                f"CrossEntropyLoss: class indices must lie in [0, {output.shape[1]}) or equal "
+                f"ignore_index={loss_module.ignore_index}."
+            )
+
+    def _beta(self, loss_module, output, target):
+        """``beta`` of shape ``[N, D]`` (see module doc); validates the normaliser and sign."""
+        num_classes = output.shape[1]
+        eps = loss_module.label_smoothing
+        weight = loss_module.weight
+        weight = output.new_ones(num_classes) if weight is None else weight.to(output)
+        if target.is_floating_point():
+            probs = target.to(output).reshape(*output.shape[:2], -1)  # [N, C, D]
+            alpha = (1 - eps) * torch.einsum("c,ncd->nd", weight, probs) + eps * weight.mean()
+            count = output.shape[0]
+        else:
+            labels = target.reshape(output.shape[0], -1)
+            kept = labels != loss_module.ignore_index
+            weight_y = torch.where(kept, weight[labels.where(kept, 0)], 0)
+            alpha = (1 - eps) * weight_y + eps * weight.mean() * kept
+            count = weight_y.sum()
+            if loss_module.reduction == "mean" and count == 0:
+                raise ValueError(
+                    "CrossEntropyLoss(reduction='mean'): every target is ignore_index or has "
+                    "zero class weight, so the loss is 0/0 = nan; use reduction='sum' or keep a "
+                    "target."
+                )
+        if (alpha < 0).any():
+            raise UnsupportedLossError(
+                "CrossEntropyLoss: probability targets with sum_c weight_c * target_c < 0 make "
+                "the Hessian negative definite, so it has no square root; use nonnegative "
+                "probabilities."
+            )
+        return alpha * reduction_scale(loss_module, count)
+
+    def num_columns(self, loss_module, output):
+        return output[0].numel()
+
+    def _sqrt_hessian(self, loss_module, output, target, ks):
+        batch, num_classes = output.shape[:2]
+        probs = output.softmax(1).reshape(batch, num_classes, -1)  # [N, C, D]
+        beta = self._beta(loss_module, output, target)  # [N, D]
+        cs, ds = ks // probs.shape[2], ks % probs.shape[2]
+        coeff = (beta[:, ds] * probs[:, cs, ds]).sqrt().T  # [k, N]
+        one_hot = F.one_hot(cs, num_classes).to(output)[:, None, :]  # [k, 1, C]
+        columns = coeff[..., None] * (one_hot - probs[:, :, ds].permute(2, 0, 1))  # [k, N, C]
+        factor = output.new_zeros(len(ks), *probs.shape)
+        factor[torch.arange(len(ks), device=ks.device), :, :, ds] = columns
+        return factor.reshape(len(ks), *output.shape)
+
+    def _sqrt_hessian_mc(self, loss_module, output, target, mc_samples):
+        batch, num_classes = output.shape[:2]
+        probs = output.softmax(1).reshape(batch, num_classes, -1).transpose(1, 2)  # [N, D, C]
+        beta = self._beta(loss_module, output, target)  # [N, D]
+        sampled = torch.multinomial(probs.reshape(-1, num_classes), mc_samples, replacement=True)
+        one_hot = F.one_hot(sampled.T.reshape(mc_samples, *beta.shape), num_classes).to(output)
+        columns = (beta / mc_samples).sqrt()[..., None] * (one_hot - probs)  # [M, N, D, C]
+        return columns.transpose(2, 3).reshape(mc_samples, *output.shape)

@@ -1,0 +1,256 @@
+"""The base class of curvopt's optimizers: collecting, stepping, checking, saving.
+
+A step is planned for every parameter first and applied only when the whole plan is valid, so
+an error (missing or non-finite quantity, failed inversion) leaves parameters and optimizer
+state untouched. Per-parameter state is replaced, never modified in place, so a
+``state_dict()`` taken earlier stays a snapshot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from dataclasses import dataclass, field
+from numbers import Real
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.optim import Optimizer
+
+#: an extension to collect, as ``(class name in curvopt.extensions, constructor options)``
+ExtensionSpec = Tuple[str, Dict[str, Any]]
+
+
+@dataclass
+class ParamUpdate:
+    """The planned change of one parameter: ``θ ← θ − delta`` and its new ``state``."""
+
+    param: torch.Tensor
+    description: str
+    delta: torch.Tensor
+    state: Dict[str, Any]
+    #: ``(what, tensor)`` pairs that must be finite for the step to be taken
+    checks: List[Tuple[str, torch.Tensor]] = field(default_factory=list)
+    #: the quantity objects read from the parameter (to detect stale ones next time)
+    consumed: Dict[str, Any] = field(default_factory=dict)
+
+
+def check_number(name: str, value, low: float = 0.0, high: float = math.inf, *,
+                 open_high: bool = False, integer: bool = False) -> None:
+    """Raise ``ValueError`` unless ``low <= value <= high`` (``< high`` if ``open_high``)."""
+    kind = int if integer else Real
+    ok = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and low <= value and (value < high if open_high else value <= high)
+    if not ok:
+        bound = f"< {high}" if open_high else (f"<= {high}" if high < math.inf else "")
+        what = "an int" if integer else "a finite number"
+        raise ValueError(f"{name} must be {what} >= {low} {bound}, got {value!r}".rstrip())
+
+
+def check_choice(name: str, value, choices: Sequence) -> None:
+    """Raise ``ValueError`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+class CurvatureOptimizer(Optimizer):
+    """A ``torch.optim.Optimizer`` that reads quantities computed by ``curvopt.collect``.
+
+    Subclasses implement :meth:`_validate` (per-group hyper-parameters), :meth:`_needs`
+    (the extensions a group needs at its next step) and :meth:`_plan_group`.
+
+    Two equivalent ways to take a step::
+
+        with opt.collect():          # curvopt.collect(<extensions this optimizer needs>)
+            loss.backward()
+        opt.step()
+
+        def closure():               # must zero the grads, compute the loss, call backward
+            opt.zero_grad()
+            loss = lossfunc(model(X), y)
+            loss.backward()
+            return loss
+        opt.step(closure)            # runs the closure inside opt.collect(); returns the loss
+    """
+
+    def __init__(self, params, defaults: Dict[str, Any]):
+        self._group_state: List[Dict[str, Any]] = []
+        self._consumed: Dict[torch.Tensor, Dict[str, Any]] = {}
+        super().__init__(params, defaults)
+
+    # ----------------------------------------------------------------- hyper-parameters
+    def _validate(self, group: Dict[str, Any]) -> None:
+        """Raise ``ValueError`` for invalid hyper-parameters of ``group`` (without params)."""
+        check_number("lr", group["lr"])
+        check_number("weight_decay", group["weight_decay"])
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """As in ``torch.optim``; the group's hyper-parameters are validated first."""
+        options = {k: v for k, v in param_group.items() if k not in ("params", "param_names")}
+        self._validate({**self.defaults, **options})
+        super().add_param_group(param_group)
+        self._group_state.append({"step": 0, "damping": {}})
+
+    # ----------------------------------------------------------------- collecting
+    def _needs(self, group: Dict[str, Any], group_state: Dict[str, Any]) -> List[ExtensionSpec]:
+        """The extensions ``group`` needs for its next step."""
+        raise NotImplementedError
+
+    def collect(self):
+        """``curvopt.collect(...)`` with the extensions the next ``step()`` needs.
+
+        A null context when the next step needs none (e.g. between curvature updates).
+        """
+        specs: Dict[str, ExtensionSpec] = {}
+        for group, group_state in zip(self.param_groups, self._group_state):
+            for name, options in self._needs(group, group_state):
+                if specs.setdefault(name, (name, options)) != (name, options):
+                    raise ValueError(
+                        f"param groups need {name} with different options "
+                        f"({specs[name][1]} and {options}); use the same options in all groups"
+                    )
+        if not specs:
+            return contextlib.nullcontext()
+        from curvopt import collect, extensions
+
+        return collect(*(getattr(extensions, name)(**options) for name, options in specs.values()))
+
+    # ----------------------------------------------------------------- reading quantities
+    @staticmethod
+    def _describe(group: Dict[str, Any], index: int, param: torch.Tensor) -> str:
+        names = group.get("param_names")
+        where = repr(names[index]) if names else f"#{index}"
+        return f"parameter {where} (shape {tuple(param.shape)})"
+
+    def _read(self, param: torch.Tensor, attr: str, description: str, extension: str,
+              fallback: Optional[str]) -> Any:
+        """``param.<attr>``, or ``None`` when it is missing and a ``fallback`` is set.
+
+        Raises ``RuntimeError`` when it is missing without fallback, or when it is the very
+        object a previous step already used (the backward pass ran outside ``opt.collect()``).
+        """
+        value = getattr(param, attr, None)
+        if value is None:
+            if fallback is not None:
+                return None
+            raise RuntimeError(
+                f"{description} has no `{attr}` after the backward pass, so {type(self).__name__} "
+                f"cannot precondition it. Either its module type is not supported by {extension}, "
+                "the model or the loss was not passed through curvopt.extend, or the backward pass "
+                "did not run inside `opt.collect()` / `opt.step(closure)`. To update such "
+                "parameters with the plain (weight-decayed) gradient instead, pass "
+                "fallback='sgd' (for all parameters or in their param group)."
+            )
+        if value is self._consumed.get(param, {}).get(attr):
+            raise RuntimeError(
+                f"{description}: `{attr}` is the same object a previous step already used; run "
+                "the backward pass inside `with opt.collect():` (or use `opt.step(closure)`) before "
+                "every step"
+            )
+        return value
+
+    # ----------------------------------------------------------------- stepping
+    def _plan_group(self, group: Dict[str, Any], group_state: Dict[str, Any],
+                    with_model: bool) -> Tuple[List[ParamUpdate], float]:
+        """Plan the step of one group without modifying anything.
+
+        Returns the updates and, when ``with_model``, the change ``q(s) − q(0)`` that the
+        quadratic model predicts for the objective (0.0 otherwise).
+        """
+        raise NotImplementedError
+
+    def _model_due(self) -> List[int]:
+        """Indices of the groups whose adaptive damping measures ``ρ`` after this step."""
+        return []
+
+    def _adapt(self, due: List[int], actual: float, predicted: float) -> None:
+        """Update adaptive damping of the groups ``due`` from the measured change."""
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], torch.Tensor]] = None):
+        """Take one step; with a ``closure``, run it inside :meth:`collect` first.
+
+        Raises ``FloatingPointError`` (and changes nothing) if a gradient, a curvature
+        quantity or the resulting update is not finite. Returns the closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad(), self.collect():
+                loss = closure()
+        due = self._model_due()
+        if due and closure is None:
+            raise RuntimeError(
+                "adaptive (Levenberg-Marquardt) damping measures the loss after the step: call "
+                "opt.step(closure) with a closure that recomputes the loss on the same batch"
+            )
+        plans = [
+            self._plan_group(group, group_state, with_model=bool(due))
+            for group, group_state in zip(self.param_groups, self._group_state)
+        ]
+        updates = [u for group_updates, _ in plans for u in group_updates]
+        self._check_finite(updates)
+        regularizer_change = self._regularizer_change(plans) if due else 0.0
+        for update in updates:
+            update.param.sub_(update.delta)
+            self.state[update.param] = update.state
+            self._consumed.setdefault(update.param, {}).update(update.consumed)
+        for group_state in self._group_state:
+            group_state["step"] += 1
+        if due:
+            with torch.enable_grad():
+                new_loss = float(closure())
+            actual = new_loss - float(loss) + regularizer_change
+            self._adapt(due, actual, sum(predicted for _, predicted in plans))
+        return loss
+
+    def _regularizer_change(self, plans) -> float:
+        """``Σ δ/2 (‖θ − Δ‖² − ‖θ‖²)``: the change of the weight-decay term by the step."""
+        change = 0.0
+        for group, (updates, _) in zip(self.param_groups, plans):
+            for u in updates:
+                change += 0.5 * group["weight_decay"] * float(
+                    (u.delta * (u.delta - 2 * u.param)).sum()
+                )
+        return change
+
+    @staticmethod
+    def _check_finite(updates: List[ParamUpdate]) -> None:
+        checks = [(u, what, t) for u in updates for what, t in u.checks]
+        if not checks:
+            return
+        flags = [t.isfinite().all().to(checks[0][2].device) for _, _, t in checks]
+        if bool(torch.stack(flags).all()):
+            return
+        for (update, what, _), flag in zip(checks, flags):
+            if not flag:
+                raise FloatingPointError(
+                    f"the {what} of {update.description} is not finite; no parameter was updated. "
+                    "Check the loss and the learning rate, or increase the damping."
+                )
+
+    # ----------------------------------------------------------------- saving
+    def state_dict(self) -> Dict[str, Any]:
+        """As in ``torch.optim``, plus ``"group_state"``: step counters and damping state."""
+        state_dict = super().state_dict()
+        state_dict["group_state"] = copy.deepcopy(self._group_state)
+        return state_dict
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        group_state = state_dict.pop("group_state", None)
+        if group_state is None or len(group_state) != len(state_dict["param_groups"]):
+            raise ValueError(
+                f"this state_dict was not saved by {type(self).__name__}.state_dict() (it has no "
+                "'group_state' for every param group)"
+            )
+        super().load_state_dict(state_dict)
+        self._group_state = copy.deepcopy(group_state)
+        self._consumed = {}
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {**super().__getstate__(), "_group_state": self._group_state}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_consumed", {})

@@ -1,0 +1,107 @@
+"""Kronecker-factored curvature ``C = B ⊗ A``: damping, inversion and application.
+
+Factors come as a list in the API order: ``[B, A]`` for a weight of shape ``[out, in, *k]``
+(``B``: ``[out, out]``, output side; ``A``: ``[in·k, in·k]``, input side) or ``[B]`` for a bias.
+A gradient is handled as the matrix ``G = grad.reshape(out, -1)`` of shape ``[out, in·k]``
+(``[out, 1]`` for a bias), so that with row-major ``vec``::
+
+    (B ⊗ A) vec(G) = vec(B G Aᵀ)
+
+and ``B ⊗ A`` is never formed. Two ways to damp by ``λ``:
+
+* trace-norm (:func:`trace_norm_inverse`): ``(B + π√λ I)⁻¹ ⊗ (A + √λ/π I)⁻¹`` with
+  ``π = sqrt((tr A / dim A) / (tr B / dim B))`` (Martens & Grosse 2015, Sec. 6.3);
+* exact (:func:`kron_eigh` + :func:`exact_damped_solve`): ``(B ⊗ A + λ I)⁻¹`` from the
+  eigendecompositions of both factors.
+
+A single factor ``[B]`` is damped plainly: ``(B + λ I)⁻¹`` in both cases.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+from curvopt.optim.linalg import cholesky_inverse, psd_eigh
+
+Factors = Sequence[torch.Tensor]
+
+
+def as_matrix(grad: torch.Tensor, factors: Factors) -> torch.Tensor:
+    """``grad`` (any shape) as the ``[dim B, dim A]`` (or ``[dim B, 1]``) matrix ``G``.
+
+    Raises ``ValueError`` when the factor sizes do not multiply to ``grad.numel()``.
+    """
+    sizes = [f.shape[0] for f in factors]
+    expected = sizes[0] * (sizes[1] if len(sizes) == 2 else 1)
+    if len(sizes) not in (1, 2) or expected != grad.numel():
+        raise ValueError(
+            f"Kronecker factors of sizes {sizes} do not match a parameter of shape "
+            f"{tuple(grad.shape)}: expected [B, A] with dim B * dim A == numel or [B] with "
+            "dim B == numel"
+        )
+    return grad.reshape(sizes[0], -1)
+
+
+def kron_matmul(factors: Factors, matrix: torch.Tensor) -> torch.Tensor:
+    """``(B ⊗ A) vec(G)`` as the matrix ``B G Aᵀ`` (``B G`` for ``[B]``); ``G``: ``[dim B, ·]``."""
+    result = factors[0] @ matrix
+    if len(factors) == 2:
+        result = result @ factors[1].mT
+    return result
+
+
+def kron_quadratic(factors: Factors, matrix: torch.Tensor) -> torch.Tensor:
+    """``vec(S)ᵀ (B ⊗ A) vec(S) = Σ S ⊙ (B S Aᵀ)``, a scalar tensor."""
+    return (matrix * kron_matmul(factors, matrix)).sum()
+
+
+def trace_norm_pi(factors: Factors) -> torch.Tensor:
+    """``π = sqrt((tr A / dim A) / (tr B / dim B))`` for ``[B, A]``; 1 for ``[B]``.
+
+    Also 1 when a trace is not positive (a zero factor), so that the damping stays ``λ I``.
+    """
+    if len(factors) == 1:
+        return torch.ones((), dtype=factors[0].dtype, device=factors[0].device)
+    mean_b, mean_a = (torch.diagonal(f).mean() for f in factors)
+    usable = (mean_a > 0) & (mean_b > 0)
+    ratio = torch.where(usable, mean_a / torch.where(usable, mean_b, 1), 1)
+    return ratio.sqrt()
+
+
+def trace_norm_damped(factors: Factors, damping: float) -> List[torch.Tensor]:
+    """``[B + π√λ I, A + √λ/π I]`` for ``[B, A]``; ``[B + λ I]`` for ``[B]``."""
+    eye = [torch.eye(f.shape[0], dtype=f.dtype, device=f.device) for f in factors]
+    if len(factors) == 1:
+        return [factors[0] + damping * eye[0]]
+    pi = trace_norm_pi(factors)
+    root = damping**0.5
+    return [factors[0] + (pi * root) * eye[0], factors[1] + (root / pi) * eye[1]]
+
+
+def trace_norm_inverse(factors: Factors, damping: float) -> List[torch.Tensor]:
+    """Inverses of :func:`trace_norm_damped` (Cholesky, float64 retry); apply with
+    :func:`kron_matmul`."""
+    return [cholesky_inverse(f) for f in trace_norm_damped(factors, damping)]
+
+
+def kron_eigh(factors: Factors) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """``[(s_B, Q_B), (s_A, Q_A)]``: eigendecompositions of the factors (see ``psd_eigh``)."""
+    return [psd_eigh(f) for f in factors]
+
+
+def exact_damped_solve(
+    eigs: Sequence[Tuple[torch.Tensor, torch.Tensor]], matrix: torch.Tensor, damping: float
+) -> torch.Tensor:
+    """``(B ⊗ A + λ I)⁻¹ vec(G)`` as a matrix, from ``eigs = kron_eigh([B, A])``::
+
+        Q_B [(Q_Bᵀ G Q_A) / (s_B s_Aᵀ + λ)] Q_Aᵀ
+
+    (``Q_B [(Q_Bᵀ G) / (s_B + λ)]`` for ``[B]``).
+    """
+    values = [s for s, _ in eigs]
+    vectors = [q for _, q in eigs]
+    spectrum = values[0][:, None] * (values[1][None, :] if len(eigs) == 2 else 1)
+    rotated = kron_matmul([q.mT for q in vectors], matrix)
+    return kron_matmul(vectors, rotated / (spectrum + damping))

@@ -1,0 +1,57 @@
+"""Small pure transforms shared by the optimizers; none modifies its inputs.
+
+* :func:`ema` -- exponential moving average of curvature (tensors or factor lists).
+* :func:`add_weight_decay` -- ``g + δ θ``.
+* :func:`momentum` -- heavy-ball buffer ``v ← μ v + d``.
+* :func:`kl_clip_factor` -- ``ν = min(1, sqrt(κ / (lr² Σ g·d)))``, the KL/norm clip of a step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, List, Optional, Union
+
+import torch
+
+Curvature = Union[torch.Tensor, List[torch.Tensor]]
+
+
+def ema(average: Optional[Curvature], new: Curvature, decay: float) -> Curvature:
+    """``β · average + (1 − β) · new`` (element-wise, also over factor lists).
+
+    With no previous average (``None``) or ``β = 0`` it is ``new`` itself.
+    """
+    if average is None or decay == 0:
+        return new
+    if isinstance(new, torch.Tensor):
+        return torch.lerp(new, average, decay)
+    return [torch.lerp(n, a, decay) for a, n in zip(average, new)]
+
+
+def add_weight_decay(grad: torch.Tensor, param: torch.Tensor, weight_decay: float) -> torch.Tensor:
+    """``g + δ θ``: the gradient of ``L + δ/2 ‖θ‖²``."""
+    if weight_decay == 0:
+        return grad
+    return grad.add(param, alpha=weight_decay)
+
+
+def momentum(buffer: Optional[torch.Tensor], direction: torch.Tensor, mu: float) -> torch.Tensor:
+    """``v ← μ v + d`` with ``v = 0`` before the first step (so the first ``v`` is ``d``)."""
+    if buffer is None or mu == 0:
+        return direction
+    return buffer.mul(mu).add_(direction)
+
+
+def kl_clip_factor(
+    grads: Iterable[torch.Tensor], directions: Iterable[torch.Tensor], lr: float, kl_clip: float
+) -> float:
+    """``ν = min(1, sqrt(κ / (lr² Σ g·d)))`` over all pairs ``(g, d)`` of a group.
+
+    ``lr² Σ g·d`` is the squared step length ``lr² dᵀ C d`` measured in the (damped) curvature
+    ``C`` when ``d = C⁻¹ g``, a proxy for the KL divergence of the step; scaling the step by ``ν``
+    keeps it at most ``κ``. Returns 1 when ``Σ g·d ≤ 0``, or ``lr == 0``.
+    """
+    total = sum(float((g * d).sum()) for g, d in zip(grads, directions)) * lr**2
+    if not total > 0:
+        return 1.0
+    return min(1.0, math.sqrt(kl_clip / total))
