@@ -47,7 +47,22 @@ class BackwardPass:
         self.failed = False
         Variable._execution_engine.queue_callback(self._finish)
 
-    # ---------------------------------------------------------------- module hooks
+    # ---------------------------------------------------------------- hooks
+    def on_loss(self, record, grad) -> None:
+        """The gradient reached an extended loss: check it, then compute all curvature."""
+        if self.failed:
+            return
+        try:
+            from curvopt.second_order import CurvaturePass, check_reduction
+
+            check_reduction(record.module)
+            self.loss_seen = True
+            if self.second_order_exts:
+                CurvaturePass(self, record, grad).run()
+        except BaseException:
+            self._abort()
+            raise
+
     def on_module(self, record, grads) -> None:
         if self.failed:
             return

@@ -25,10 +25,10 @@ _METADATA = "curvopt"
 class Record:
     """One call of an extended module: its inputs until the gradient w.r.t. its output arrives."""
 
-    __slots__ = ("module", "args", "kwargs")
+    __slots__ = ("module", "args", "kwargs", "out_numel")
 
-    def __init__(self, module, args, kwargs):
-        self.module, self.args, self.kwargs = module, args, kwargs
+    def __init__(self, module, args, kwargs, out_numel):
+        self.module, self.args, self.kwargs, self.out_numel = module, args, kwargs, out_numel
         module._curvopt_live += 1
 
     def release(self):
@@ -64,7 +64,7 @@ def _module_forward_hook(module, args, kwargs, output):
     outputs = [t for t in _tensors(output) if t.requires_grad]
     if not outputs:
         return
-    record = Record(module, args, kwargs)
+    record = Record(module, args, kwargs, tuple(t.numel() for t in outputs))
     for index, t in enumerate(outputs):
         if t.grad_fn is not None:
             t.grad_fn.metadata.setdefault(_METADATA, []).append((record, index, t.output_nr))
@@ -79,7 +79,7 @@ def _loss_forward_hook(module, args, kwargs, output):
         return
     from curvopt.second_order import LossRecord
 
-    record = LossRecord(module, args, kwargs, output)
+    record = LossRecord(module, args, kwargs)
     output.register_hook(record.on_grad)
 
 

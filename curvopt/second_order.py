@@ -1,16 +1,256 @@
-"""Second-order quantities: placeholder until the curvature propagation lands."""
+"""Curvature from one backward pass: square-root factors of the loss Hessian, propagated.
+
+When the gradient reaches an extended loss (the first hook of a backward pass), the loss
+supplies ``S`` with ``H_n = sum_k s_nk s_nk^T`` (exact columns, or Monte-Carlo columns from
+sampled targets). PyTorch's autograd propagates all columns at once to the output of every
+extended module (vector-Jacobian products batched over columns, ``is_grads_batched``), giving
+``V = J_{y}^T S`` there; each module turns ``V`` and its saved input into diagonals or Kronecker
+factors. Any graph works: residual adds, functional ops, attention, reused modules.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Dict, List, Tuple
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+from curvopt.errors import UnsupportedLossError
+from curvopt.hooks import _METADATA
+from curvopt.layers import rule_for
+from curvopt.layers.kron import kron_factors
+from curvopt.records import Call
+from curvopt.state import STATE
+
+#: bound on the elements of propagated columns held at once (all module outputs together)
+_COLUMN_BUDGET = 1 << 25
 
 
 class LossRecord:
+    """One call of an extended loss: its input and target until the backward pass starts."""
+
     __slots__ = ("module", "args", "kwargs")
 
-    def __init__(self, module, args, kwargs, output):
+    def __init__(self, module, args, kwargs):
         self.module, self.args, self.kwargs = module, args, kwargs
 
-    def on_grad(self, grad):
-        from curvopt.state import STATE
+    @property
+    def output(self) -> torch.Tensor:
+        return self.args[0]
 
-        if STATE.suspended or STATE.collecting is None or self.args is None:
+    @property
+    def target(self):
+        return self.args[1] if len(self.args) > 1 else self.kwargs["target"]
+
+    def on_grad(self, grad):
+        if STATE.suspended or self.args is None:
             return
-        STATE.collecting.backward_pass().loss_seen = True
-        self.args = self.kwargs = None
+        try:
+            if STATE.collecting is not None:
+                STATE.collecting.backward_pass().on_loss(self, grad)
+        finally:
+            self.args = self.kwargs = None
+
+
+def check_reduction(loss_module) -> None:
+    if getattr(loss_module, "reduction", None) == "none":
+        raise UnsupportedLossError(
+            f"{type(loss_module).__name__}(reduction='none') returns per-sample losses, whose "
+            "scaling curvopt cannot know; use reduction='mean' or 'sum'"
+        )
+
+
+# ------------------------------------------------------------------------ graph traversal
+def module_outputs(root: torch.Tensor) -> Dict[object, List[Tuple[int, GradientEdge]]]:
+    """Extended-module calls upstream of ``root``: record -> [(output index, gradient edge)]."""
+    found: Dict[object, List[Tuple[int, GradientEdge]]] = defaultdict(list)
+    stack, seen = [root.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for record, index, output_nr in node.metadata.get(_METADATA, ()):
+            if record.args is not None:
+                found[record].append((index, GradientEdge(node, output_nr)))
+        stack.extend(fn for fn, _ in node.next_functions)
+    return found
+
+
+def expand_call(call: Call, columns) -> Call:
+    """The call seen by ``K`` columns as ``K * N`` pseudo-samples (index ``k * N + n``).
+
+    ``columns`` are ``[K, *out]`` (a tuple for several outputs); batched inputs are repeated.
+    """
+    bd, n = call.batch_dim, call.batch_size
+    first = next(c for c in (columns if isinstance(columns, tuple) else (columns,)) if c is not None)
+    k = first.shape[0]
+
+    def rep(x):
+        if isinstance(x, torch.Tensor) and x.dim() > bd and x.shape[bd] == n:
+            shape = list(x.shape)
+            return x.unsqueeze(bd).expand(*shape[:bd], k, *shape[bd:]).flatten(bd, bd + 1)
+        if isinstance(x, tuple):
+            return tuple(rep(y) for y in x)
+        return x
+
+    def merge(v):
+        return None if v is None else v.movedim(0, bd).flatten(bd, bd + 1)
+
+    grad = tuple(merge(v) for v in columns) if isinstance(columns, tuple) else merge(columns)
+    return Call(call.module, rep(call.args), {a: rep(b) for a, b in call.kwargs.items()}, grad, bd)
+
+
+# ------------------------------------------------------------------------ per-module work
+def diag_from_columns(rule, call: Call, columns, name: str, batched: bool, n: int):
+    """``sum_k (J_n^T v_nk)**2`` summed over n (``batched=False``) or per n, ``[N, *p]``."""
+    ecall = expand_call(call, columns)
+    if not batched:
+        fast = rule.sum_grad_squared(ecall, name)
+        if fast is not None:
+            return fast
+    grads = rule.batch_grad(ecall, name)  # [K N, *p.shape]
+    squares = grads.pow_(2) if not grads.requires_grad else grads.pow(2)
+    squares = squares.view(-1, n, *squares.shape[1:]).sum(0)
+    return squares if batched else squares.sum(0)
+
+
+class CurvaturePass:
+    """Second-order work of one backward pass, run from the loss hook."""
+
+    def __init__(self, backward_pass, loss_record: LossRecord, weight: torch.Tensor):
+        self.bp = backward_pass
+        self.loss = loss_record
+        self.exts = backward_pass.second_order_exts
+        w = float(weight)
+        if w < 0:
+            raise UnsupportedLossError(
+                "the loss enters the backward pass with a negative factor, so its "
+                "Gauss-Newton matrix is not positive semi-definite; curvopt cannot factor it"
+            )
+        self.scale = math.sqrt(w)
+
+    def run(self) -> None:
+        from curvopt.losses import loss_rule_for
+
+        module, output, target = self.loss.module, self.loss.output, self.loss.target
+        rule = loss_rule_for(module)
+        rule.check(module, output.detach(), target)
+        calls = module_outputs(output)
+        self._check_modules(calls)
+        groups = defaultdict(list)
+        for ext in self.exts:
+            if ext.attr == "kfra":
+                continue
+            key = ("mc", ext.options["mc_samples"]) if ext.source == "mc" else ("exact", 0)
+            groups[key].append(ext)
+        for (source, mc_samples), exts in groups.items():
+            self._propagate(rule, calls, exts, source, mc_samples)
+        if any(ext.attr == "kfra" for ext in self.exts):
+            from curvopt.kfra import kfra
+
+            kfra(self, rule, calls)
+
+    def _check_modules(self, calls) -> None:
+        from curvopt.backward import module_error
+
+        for record in calls:
+            reason = rule_for(record.module).check(record.module)
+            if reason is not None:
+                raise module_error(record.module, reason)
+
+    def columns(self, rule, source: str, mc_samples: int, chunk: int):
+        """Chunks ``[k, *output.shape]`` of the (scaled) square-root factor."""
+        module, output, target = self.loss.module, self.loss.output.detach(), self.loss.target
+        if source == "mc":
+            yield rule.sqrt_hessian_mc(module, output, target, mc_samples) * self.scale
+            return
+        total = rule.num_columns(module, output)
+        for start in range(0, total, chunk):
+            cols = rule.sqrt_hessian(module, output, target, columns=range(start, min(total, start + chunk)))
+            yield cols * self.scale
+
+    def _chunk_size(self, calls) -> int:
+        """Columns per chunk so that all propagated columns fit in ``_COLUMN_BUDGET`` elements."""
+        per_column = self.loss.output.numel() + sum(
+            record.out_numel[index] for record, edges in calls.items() for index, _ in edges
+        )
+        return max(1, _COLUMN_BUDGET // per_column)
+
+    def _propagate(self, rule, calls, exts, source, mc_samples) -> None:
+        records = list(calls)
+        edges = [edge for r in records for _, edge in calls[r]]
+        kron_exts = [e for e in exts if e.attr in ("kfac", "kflr")]
+        if kron_exts:
+            _check_single_use(records)
+        kron_b: Dict[Tuple[object, str, str], torch.Tensor] = {}
+        for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
+            with STATE.suspend():
+                back = torch.autograd.grad(
+                    self.loss.output, edges, cols, retain_graph=True,
+                    is_grads_batched=True, allow_unused=True,
+                )
+            it = iter(back)
+            for record in records:
+                outs = {index: next(it) for index, _ in calls[record]}
+                self._accumulate(record, outs, exts, kron_exts, kron_b)
+        for (record, name, attr), factors in kron_b.items():
+            p = dict(record.module._curvopt_named)[name]
+            self.bp.add(p, attr, factors)
+
+    def _accumulate(self, record, outs, exts, kron_exts, kron_b) -> None:
+        module = record.module
+        rule = rule_for(module)
+        n_out = len(record.out_numel)
+        columns = [outs.get(i) for i in range(n_out)]
+        if all(c is None for c in columns):
+            return
+        if n_out == 1:
+            columns = columns[0]
+        else:
+            columns = tuple(columns)
+        call = Call(module, record.args, record.kwargs, None, rule.batch_dim(module))
+        n = _batch_size(call, columns)
+        call.grad_out = _zeros_like_sample(columns)
+        for name, p in [(nm, p) for nm, p in module._curvopt_named if p.requires_grad]:
+            for ext in exts:
+                if ext in kron_exts:
+                    continue
+                batched = ext.attr.endswith("_batch")
+                self.bp.add(p, ext.attr, diag_from_columns(rule, call, columns, name, batched, n))
+            for ext in kron_exts:
+                factors = kron_factors(call, columns, name, p, ext.options["kfac_approx"], n)
+                key = (record, name, ext.attr)
+                if key in kron_b:
+                    kron_b[key][0].add_(factors[0])
+                else:
+                    kron_b[key] = factors
+
+
+def _check_single_use(records) -> None:
+    from curvopt.backward import module_error
+
+    seen = set()
+    for record in records:
+        if record.module in seen:
+            raise module_error(
+                record.module,
+                "Kronecker factors of a module used several times in one forward pass are not "
+                "defined (the uses' input and output factors do not combine into one Kronecker "
+                "product); use a diagonal quantity such as DiagGGNExact",
+            )
+        seen.add(record.module)
+
+
+def _batch_size(call, columns) -> int:
+    first = columns if isinstance(columns, torch.Tensor) else next(c for c in columns if c is not None)
+    return first.shape[1 + call.batch_dim]
+
+
+def _zeros_like_sample(columns):
+    """A stand-in ``grad_out`` with the per-sample shape of the columns (for batch sizes)."""
+    if isinstance(columns, torch.Tensor):
+        return columns[0]
+    return tuple(None if c is None else c[0] for c in columns)

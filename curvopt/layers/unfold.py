@@ -1,31 +1,44 @@
 """im2col for 1d/2d/3d convolutions: ``x [N, C, *S] -> [N, C * prod(k), L]``.
 
 Column ``l`` holds the input patch that output location ``l`` of the convolution sees, with
-rows ordered channel-major then kernel position, i.e. like ``weight.flatten(1)``.
+rows ordered channel-major then kernel position, i.e. like ``weight.flatten(1)``. Built as one
+strided view of the padded input, copied once (several times faster on CPU than
+``F.unfold``'s im2col loop, and the same code for every dimension).
 """
 
 from __future__ import annotations
 
+import math
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from unfoldNd import unfoldNd
 
 
-def unfold(x: torch.Tensor, kernel_size, dilation, padding, stride) -> torch.Tensor:
-    """Patches of ``x`` (zero padding ``padding``) as ``[N, C * prod(kernel), L]``."""
-    dims = x.dim() - 2
-    if dims == 2:
-        return F.unfold(x, kernel_size, dilation=dilation, padding=padding, stride=stride)
-    if dims == 1:
-        return F.unfold(
-            x.unsqueeze(2),
-            (1, kernel_size[0]),
-            dilation=(1, dilation[0]),
-            padding=(0, padding[0]),
-            stride=(1, stride[0]),
-        )
-    return unfoldNd(x, kernel_size, dilation=dilation, padding=padding, stride=stride)
+def unfold(
+    x: torch.Tensor,
+    kernel_size: Sequence[int],
+    dilation: Sequence[int],
+    padding: Sequence[int],
+    stride: Sequence[int],
+) -> torch.Tensor:
+    """Patches of ``x`` (zero padding ``padding`` on both sides) as ``[N, C * prod(k), L]``."""
+    if any(padding):
+        x = F.pad(x, [p for p in reversed(padding) for _ in range(2)])
+    n, c, *size = x.shape
+    out = [(s - d * (k - 1) - 1) // st + 1 for s, k, d, st in zip(size, kernel_size, dilation, stride)]
+    spatial_strides = x.stride()[2:]
+    view = x.as_strided(
+        (n, c, *kernel_size, *out),
+        (
+            x.stride(0),
+            x.stride(1),
+            *(st * d for st, d in zip(spatial_strides, dilation)),
+            *(st * s for st, s in zip(spatial_strides, stride)),
+        ),
+    )
+    return view.reshape(n, c * math.prod(kernel_size), math.prod(out))
 
 
 def unfold_conv_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

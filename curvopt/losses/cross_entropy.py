@@ -88,7 +88,7 @@ class CrossEntropyLossRule(LossRule):
         if target.is_floating_point():
             probs = target.to(output).reshape(*output.shape[:2], -1)  # [N, C, D]
             alpha = (1 - eps) * torch.einsum("c,ncd->nd", weight, probs) + eps * weight.mean()
-            count = output.shape[0]
+            count = output[:, 0].numel()
         else:
             labels = target.reshape(output.shape[0], -1)
             kept = labels != loss_module.ignore_index

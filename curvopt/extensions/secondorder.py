@@ -1,0 +1,112 @@
+"""Second-order quantities: curvature of the loss as the loss module computes it.
+
+``G = sum_n J_n^T H_n J_n`` is the generalized Gauss-Newton matrix (``J_n`` the Jacobian of the
+model output of sample ``n`` w.r.t. the parameters, ``H_n`` the Hessian of the loss w.r.t. that
+output, including the reduction's ``1/N``). Every quantity is computed from a square-root
+factor ``H_n = sum_k s_nk s_nk^T`` (exact: ``K`` columns from the loss; Monte-Carlo: ``mc_samples``
+columns from targets sampled from the model's predictive distribution), propagated backwards.
+"""
+
+from curvopt.extensions.base import Extension
+
+
+class _Curvature(Extension):
+    order = 2
+    #: "exact" or "mc": which square-root factor of the loss Hessian the quantity uses
+    source = "exact"
+
+    def mc_samples(self) -> int:
+        return self.options.get("mc_samples", 0)
+
+
+class _MonteCarlo(_Curvature):
+    source = "mc"
+
+    def __init__(self, mc_samples: int = 1, **options):
+        if not isinstance(mc_samples, int) or isinstance(mc_samples, bool) or mc_samples < 1:
+            raise ValueError(f"{type(self).__name__}: mc_samples must be a positive int, got {mc_samples!r}")
+        super().__init__(mc_samples=mc_samples, **options)
+
+
+def _check_approx(name, kfac_approx):
+    if kfac_approx not in ("expand", "reduce"):
+        raise ValueError(f"{name}: kfac_approx must be 'expand' or 'reduce', got {kfac_approx!r}")
+
+
+class DiagGGNExact(_Curvature):
+    """``p.diag_ggn_exact``: ``diag(G)`` for ``p`` (shape of ``p``)."""
+
+    attr = "diag_ggn_exact"
+
+
+class BatchDiagGGNExact(_Curvature):
+    """``p.diag_ggn_exact_batch``: per-sample terms ``diag(J_n^T H_n J_n)``, ``[N, *p.shape]``."""
+
+    attr = "diag_ggn_exact_batch"
+
+
+class DiagGGNMC(_MonteCarlo):
+    """``p.diag_ggn_mc``: unbiased Monte-Carlo estimate of ``diag(G)`` (shape of ``p``)."""
+
+    attr = "diag_ggn_mc"
+
+
+class BatchDiagGGNMC(_MonteCarlo):
+    """``p.diag_ggn_mc_batch``: per-sample terms of ``diag_ggn_mc``, ``[N, *p.shape]``."""
+
+    attr = "diag_ggn_mc_batch"
+
+
+class DiagHessian(_Curvature):
+    """``p.diag_h``: ``diag(H)``, the GGN diagonal plus the curvature of nonlinearities."""
+
+    attr = "diag_h"
+
+
+class BatchDiagHessian(_Curvature):
+    """``p.diag_h_batch``: per-sample terms of ``diag_h``, ``[N, *p.shape]``."""
+
+    attr = "diag_h_batch"
+
+
+class KFLR(_Curvature):
+    """``p.kflr``: Kronecker factors ``[B, A]`` (weights) or ``[B]`` (biases) of the GGN block.
+
+    ``B = sum_{n,k} V_nk V_nk^T`` (output side, exact loss-Hessian square root ``V`` propagated
+    to the layer output), ``A = mean_n x_n x_n^T`` (input side). For inputs with extra positions
+    (sequences, conv locations) ``kfac_approx="expand"`` treats positions like samples
+    (``A`` averages over samples and positions, ``B`` sums over them) and ``"reduce"`` sums
+    ``V`` and averages ``x`` over positions first (Eschenhagen et al., 2023).
+    """
+
+    attr = "kflr"
+
+    def __init__(self, kfac_approx: str = "expand"):
+        _check_approx(type(self).__name__, kfac_approx)
+        super().__init__(kfac_approx=kfac_approx)
+
+
+class KFAC(_MonteCarlo):
+    """``p.kfac``: as :class:`KFLR` with ``mc_samples`` sampled columns instead of the exact ones."""
+
+    attr = "kfac"
+
+    def __init__(self, mc_samples: int = 1, kfac_approx: str = "expand"):
+        _check_approx(type(self).__name__, kfac_approx)
+        super().__init__(mc_samples=mc_samples, kfac_approx=kfac_approx)
+
+
+class KFRA(_Curvature):
+    """``p.kfra``: Kronecker factors with the batch-averaged GGN propagated recursively
+    (Botev et al., 2017): ``B_l = (W_{l+1}^T B_{l+1} W_{l+1}) * mean_n d_n d_n^T`` with
+    ``d_n`` the activation derivative. Feed-forward chains of ``Linear`` layers and elementwise
+    activations only.
+    """
+
+    attr = "kfra"
+
+
+SECOND_ORDER = (
+    DiagGGNExact, BatchDiagGGNExact, DiagGGNMC, BatchDiagGGNMC,
+    DiagHessian, BatchDiagHessian, KFLR, KFAC, KFRA,
+)

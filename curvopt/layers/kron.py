@@ -1,0 +1,80 @@
+"""Kronecker factors of a parameter's GGN block from columns ``V`` propagated to the layer output.
+
+``kron(*factors)`` is indexed like ``p.flatten()``. With per-sample outputs ``V [K, N, *out]``:
+
+* ``Linear`` (``x [N, T, I]``, ``V [K, N, T, O]``): ``[B (O x O), A (I x I)]``;
+  "expand": ``B = sum_{k,n,t} v v^T``, ``A = mean_{n,t} x x^T``;
+  "reduce": ``B = sum_{k,n} (sum_t v)(sum_t v)^T``, ``A = mean_n xbar xbar^T``, ``xbar = mean_t x``.
+* ``Conv{1,2,3}d``: as "expand" with conv locations as positions and ``x`` the unfolded patches
+  (KFC, Grosse & Martens 2016); ``groups > 1`` is rejected (no single Kronecker product).
+* ``Embedding`` (``W [V, D]``): ``[A (V x V), B (D x D)]`` in the order of ``W``'s dims, ``A``
+  the diagonal of token frequencies, averaged like ``x`` above.
+* Any one-dimensional parameter (biases, norm scales): ``[B]``, the exact block
+  ``sum_{k,n} g_nk g_nk^T`` from the per-(sample, column) gradients.
+
+For ``N = 1`` and one position each factorisation is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from curvopt.errors import UnsupportedModuleError
+from curvopt.layers.registry import rule_for
+from curvopt.layers.unfold import unfold_conv_input
+
+
+def _outer(v: torch.Tensor) -> torch.Tensor:
+    """``v [M, D] -> v^T v``."""
+    return v.T @ v
+
+
+def _linear_like(x, v, approx):
+    """``[B, A]`` from inputs ``x [N, P, I]`` and columns ``v [K, N, P, O]``."""
+    n = x.shape[0]
+    if approx == "reduce":
+        xbar = x.mean(1)
+        return [_outer(v.sum(2).flatten(0, 1)), _outer(xbar) / n]
+    return [_outer(v.flatten(0, 2)), _outer(x.flatten(0, 1)) / (n * x.shape[1])]
+
+
+def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int):
+    """Kronecker factors of ``p`` (see module docstring) for one call."""
+    from curvopt.backward import module_error
+    from curvopt.second_order import expand_call
+
+    module = call.module
+    if p.dim() == 1:
+        rule = rule_for(module)
+        grads = rule.batch_grad(expand_call(call, columns), name)
+        return [_outer(grads)]
+    if isinstance(columns, tuple):
+        raise module_error(module, "Kronecker factors need a module with a single output")
+    if isinstance(module, nn.Linear) and name == "weight":
+        x = call.input.reshape(n, -1, call.input.shape[-1])
+        v = columns.reshape(columns.shape[0], n, -1, columns.shape[-1])
+        return _linear_like(x, v, approx)
+    if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed and name == "weight":
+        if module.groups != 1:
+            raise module_error(
+                module,
+                f"groups={module.groups}: each group has its own input factor, so the weight's "
+                "GGN block is not one Kronecker product; use a diagonal quantity instead",
+            )
+        patches = unfold_conv_input(module, call.input).transpose(1, 2)  # [N, L, C_in k]
+        k = columns.shape[0]
+        v = columns.reshape(k, n, columns.shape[2], -1).transpose(2, 3)  # [K, N, L, C_out]
+        return _linear_like(patches, v, approx)
+    if isinstance(module, nn.Embedding) and name == "weight":
+        idx = call.input.reshape(n, -1)
+        counts = torch.bincount(idx.flatten(), minlength=module.num_embeddings).to(columns.dtype)
+        if module.padding_idx is not None:
+            counts[module.padding_idx] = 0
+        return [torch.diag(counts / idx.numel()), _outer(columns.reshape(-1, columns.shape[-1]))]
+    raise UnsupportedModuleError(
+        f"curvopt has no Kronecker factorisation for parameter {name!r} of module "
+        f"{module._curvopt_path!r} ({type(module).__name__}); supported: Linear, Conv1d/2d/3d "
+        "(groups=1), Embedding weights and all one-dimensional parameters. Use a diagonal "
+        "quantity (DiagGGNExact/DiagGGNMC) for this model"
+    )
