@@ -7,6 +7,7 @@ computed. Hooks are installed on every module that owns parameters (and on losse
 
 from __future__ import annotations
 
+import itertools
 from typing import List, Optional
 
 import torch
@@ -20,15 +21,17 @@ from curvopt.state import STATE
 _HOOKED = "_curvopt_hooked"
 #: key of the autograd-node metadata listing the module calls whose output the node produced
 _METADATA = "curvopt"
+_SEQUENCE = itertools.count()
 
 
 class Record:
     """One call of an extended module: its inputs until the gradient w.r.t. its output arrives."""
 
-    __slots__ = ("module", "args", "kwargs", "out_numel")
+    __slots__ = ("module", "args", "kwargs", "out_numel", "seq")
 
     def __init__(self, module, args, kwargs, out_numel):
         self.module, self.args, self.kwargs, self.out_numel = module, args, kwargs, out_numel
+        self.seq = next(_SEQUENCE)  # forward order
         module._curvopt_live += 1
 
     def release(self):

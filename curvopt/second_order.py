@@ -148,6 +148,11 @@ class CurvaturePass:
             groups[key].append(ext)
         for (source, mc_samples), exts in groups.items():
             self._propagate(rule, calls, exts, source, mc_samples)
+        hessian_exts = [e for e in self.exts if e.attr in ("diag_h", "diag_h_batch")]
+        if hessian_exts:
+            from curvopt.hessian import add_residuals
+
+            add_residuals(self, calls, hessian_exts)
         if any(ext.attr == "kfra" for ext in self.exts):
             from curvopt.kfra import kfra
 

@@ -11,15 +11,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from numbers import Real
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable
 
 import torch
 from torch.optim import Optimizer
 
 #: an extension to collect, as ``(class name in curvopt.extensions, constructor options)``
-ExtensionSpec = Tuple[str, Dict[str, Any]]
+ExtensionSpec = tuple[str, dict[str, Any]]
 
 
 @dataclass
@@ -28,12 +29,12 @@ class ParamUpdate:
 
     param: torch.Tensor
     description: str
-    delta: torch.Tensor
-    state: Dict[str, Any]
+    delta: torch.Tensor | None = None
+    state: dict[str, Any] = field(default_factory=dict)
     #: ``(what, tensor)`` pairs that must be finite for the step to be taken
-    checks: List[Tuple[str, torch.Tensor]] = field(default_factory=list)
+    checks: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     #: the quantity objects read from the parameter (to detect stale ones next time)
-    consumed: Dict[str, Any] = field(default_factory=dict)
+    consumed: dict[str, Any] = field(default_factory=dict)
 
 
 def check_number(name: str, value, low: float = 0.0, high: float = math.inf, *,
@@ -52,6 +53,10 @@ def check_choice(name: str, value, choices: Sequence) -> None:
     """Raise ``ValueError`` unless ``value`` is one of ``choices``."""
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def _number(loss) -> float:
+    return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
 
 
 class CurvatureOptimizer(Optimizer):
@@ -74,18 +79,18 @@ class CurvatureOptimizer(Optimizer):
         opt.step(closure)            # runs the closure inside opt.collect(); returns the loss
     """
 
-    def __init__(self, params, defaults: Dict[str, Any]):
-        self._group_state: List[Dict[str, Any]] = []
-        self._consumed: Dict[torch.Tensor, Dict[str, Any]] = {}
+    def __init__(self, params, defaults: dict[str, Any]):
+        self._group_state: list[dict[str, Any]] = []
+        self._consumed: dict[torch.Tensor, dict[str, Any]] = {}
         super().__init__(params, defaults)
 
     # ----------------------------------------------------------------- hyper-parameters
-    def _validate(self, group: Dict[str, Any]) -> None:
+    def _validate(self, group: dict[str, Any]) -> None:
         """Raise ``ValueError`` for invalid hyper-parameters of ``group`` (without params)."""
         check_number("lr", group["lr"])
         check_number("weight_decay", group["weight_decay"])
 
-    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As in ``torch.optim``; the group's hyper-parameters are validated first."""
         options = {k: v for k, v in param_group.items() if k not in ("params", "param_names")}
         self._validate({**self.defaults, **options})
@@ -93,7 +98,7 @@ class CurvatureOptimizer(Optimizer):
         self._group_state.append({"step": 0, "damping": {}})
 
     # ----------------------------------------------------------------- collecting
-    def _needs(self, group: Dict[str, Any], group_state: Dict[str, Any]) -> List[ExtensionSpec]:
+    def _needs(self, group: dict[str, Any], group_state: dict[str, Any]) -> list[ExtensionSpec]:
         """The extensions ``group`` needs for its next step."""
         raise NotImplementedError
 
@@ -102,7 +107,7 @@ class CurvatureOptimizer(Optimizer):
 
         A null context when the next step needs none (e.g. between curvature updates).
         """
-        specs: Dict[str, ExtensionSpec] = {}
+        specs: dict[str, ExtensionSpec] = {}
         for group, group_state in zip(self.param_groups, self._group_state):
             for name, options in self._needs(group, group_state):
                 if specs.setdefault(name, (name, options)) != (name, options):
@@ -118,13 +123,13 @@ class CurvatureOptimizer(Optimizer):
 
     # ----------------------------------------------------------------- reading quantities
     @staticmethod
-    def _describe(group: Dict[str, Any], index: int, param: torch.Tensor) -> str:
+    def _describe(group: dict[str, Any], index: int, param: torch.Tensor) -> str:
         names = group.get("param_names")
         where = repr(names[index]) if names else f"#{index}"
         return f"parameter {where} (shape {tuple(param.shape)})"
 
     def _read(self, param: torch.Tensor, attr: str, description: str, extension: str,
-              fallback: Optional[str]) -> Any:
+              fallback: str | None) -> Any:
         """``param.<attr>``, or ``None`` when it is missing and a ``fallback`` is set.
 
         Raises ``RuntimeError`` when it is missing without fallback, or when it is the very
@@ -151,8 +156,8 @@ class CurvatureOptimizer(Optimizer):
         return value
 
     # ----------------------------------------------------------------- stepping
-    def _plan_group(self, group: Dict[str, Any], group_state: Dict[str, Any],
-                    with_model: bool) -> Tuple[List[ParamUpdate], float]:
+    def _plan_group(self, group: dict[str, Any], group_state: dict[str, Any],
+                    with_model: bool) -> tuple[list[ParamUpdate], float]:
         """Plan the step of one group without modifying anything.
 
         Returns the updates and, when ``with_model``, the change ``q(s) − q(0)`` that the
@@ -160,15 +165,15 @@ class CurvatureOptimizer(Optimizer):
         """
         raise NotImplementedError
 
-    def _model_due(self) -> List[int]:
+    def _model_due(self) -> list[int]:
         """Indices of the groups whose adaptive damping measures ``ρ`` after this step."""
         return []
 
-    def _adapt(self, due: List[int], actual: float, predicted: float) -> None:
+    def _adapt(self, due: list[int], actual: float, predicted: float) -> None:
         """Update adaptive damping of the groups ``due`` from the measured change."""
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], torch.Tensor]] = None):
+    def step(self, closure: Callable[[], torch.Tensor] | None = None):
         """Take one step; with a ``closure``, run it inside :meth:`collect` first.
 
         Raises ``FloatingPointError`` (and changes nothing) if a gradient, a curvature
@@ -199,8 +204,8 @@ class CurvatureOptimizer(Optimizer):
             group_state["step"] += 1
         if due:
             with torch.enable_grad():
-                new_loss = float(closure())
-            actual = new_loss - float(loss) + regularizer_change
+                new_loss = closure()
+            actual = _number(new_loss) - _number(loss) + regularizer_change
             self._adapt(due, actual, sum(predicted for _, predicted in plans))
         return loss
 
@@ -215,7 +220,7 @@ class CurvatureOptimizer(Optimizer):
         return change
 
     @staticmethod
-    def _check_finite(updates: List[ParamUpdate]) -> None:
+    def _check_finite(updates: list[ParamUpdate]) -> None:
         checks = [(u, what, t) for u in updates for what, t in u.checks]
         if not checks:
             return
@@ -230,13 +235,13 @@ class CurvatureOptimizer(Optimizer):
                 )
 
     # ----------------------------------------------------------------- saving
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """As in ``torch.optim``, plus ``"group_state"``: step counters and damping state."""
         state_dict = super().state_dict()
         state_dict["group_state"] = copy.deepcopy(self._group_state)
         return state_dict
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         group_state = state_dict.pop("group_state", None)
         if group_state is None or len(group_state) != len(state_dict["param_groups"]):
@@ -248,9 +253,9 @@ class CurvatureOptimizer(Optimizer):
         self._group_state = copy.deepcopy(group_state)
         self._consumed = {}
 
-    def __getstate__(self) -> Dict[str, Any]:
+    def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_group_state": self._group_state}
 
-    def __setstate__(self, state: Dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_consumed", {})

@@ -6,13 +6,14 @@ in an optimizer's ``state`` and be saved with ``state_dict``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Hashable, Optional
+from collections.abc import Hashable
+from typing import Any, Callable
 
-CacheEntry = Dict[str, Any]
+CacheEntry = dict[str, Any]
 
 
 def cached(
-    entry: Optional[CacheEntry],
+    entry: CacheEntry | None,
     key: Hashable,
     step: int,
     interval: int,

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import math
 from numbers import Real
-from typing import Callable, Dict, Union
+from typing import Callable, Union
 
-State = Dict[str, float]
+import torch
+
+State = dict[str, float]
 
 
 def _check_nonnegative(name: str, value: float) -> None:
@@ -57,7 +59,7 @@ class ScheduledDamping:
 
     def __init__(self, schedule: Callable[[int], float]):
         if not callable(schedule):
-            raise ValueError(f"schedule must be callable, got {schedule!r}")
+            raise TypeError(f"schedule must be callable, got {schedule!r}")
         self.schedule = schedule
 
     def init(self) -> State:
@@ -91,7 +93,7 @@ class LevenbergMarquardt:
     def __init__(
         self,
         damping: float,
-        omega: Union[float, None] = None,
+        omega: float | None = None,
         interval: int = 5,
         min_damping: float = 1e-8,
         max_damping: float = 1e8,
@@ -173,3 +175,7 @@ def reduction_ratio(actual: float, predicted: float) -> float:
     if not math.isfinite(actual):
         return -math.inf
     return actual / predicted
+
+
+# plain-data strategies may be loaded with torch.load(weights_only=True) (a schedule holds code)
+torch.serialization.add_safe_globals([ConstantDamping, LevenbergMarquardt])

@@ -19,7 +19,7 @@ A single factor ``[B]`` is damped plainly: ``(B + λ I)⁻¹`` in both cases.
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 
@@ -70,7 +70,7 @@ def trace_norm_pi(factors: Factors) -> torch.Tensor:
     return ratio.sqrt()
 
 
-def trace_norm_damped(factors: Factors, damping: float) -> List[torch.Tensor]:
+def trace_norm_damped(factors: Factors, damping: float) -> list[torch.Tensor]:
     """``[B + π√λ I, A + √λ/π I]`` for ``[B, A]``; ``[B + λ I]`` for ``[B]``."""
     eye = [torch.eye(f.shape[0], dtype=f.dtype, device=f.device) for f in factors]
     if len(factors) == 1:
@@ -80,19 +80,19 @@ def trace_norm_damped(factors: Factors, damping: float) -> List[torch.Tensor]:
     return [factors[0] + (pi * root) * eye[0], factors[1] + (root / pi) * eye[1]]
 
 
-def trace_norm_inverse(factors: Factors, damping: float) -> List[torch.Tensor]:
+def trace_norm_inverse(factors: Factors, damping: float) -> list[torch.Tensor]:
     """Inverses of :func:`trace_norm_damped` (Cholesky, float64 retry); apply with
     :func:`kron_matmul`."""
     return [cholesky_inverse(f) for f in trace_norm_damped(factors, damping)]
 
 
-def kron_eigh(factors: Factors) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+def kron_eigh(factors: Factors) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``[(s_B, Q_B), (s_A, Q_A)]``: eigendecompositions of the factors (see ``psd_eigh``)."""
     return [psd_eigh(f) for f in factors]
 
 
 def exact_damped_solve(
-    eigs: Sequence[Tuple[torch.Tensor, torch.Tensor]], matrix: torch.Tensor, damping: float
+    eigs: Sequence[tuple[torch.Tensor, torch.Tensor]], matrix: torch.Tensor, damping: float
 ) -> torch.Tensor:
     """``(B ⊗ A + λ I)⁻¹ vec(G)`` as a matrix, from ``eigs = kron_eigh([B, A])``::
 

@@ -7,12 +7,10 @@
 
 from __future__ import annotations
 
-from typing import Tuple
-
 import torch
 
 
-def _cholesky_inverse(matrix: torch.Tensor) -> Tuple[torch.Tensor, bool]:
+def _cholesky_inverse(matrix: torch.Tensor) -> tuple[torch.Tensor, bool]:
     factor, info = torch.linalg.cholesky_ex(matrix)
     if bool((info != 0).any()):
         return matrix, False
@@ -40,7 +38,7 @@ def cholesky_inverse(matrix: torch.Tensor) -> torch.Tensor:
     )
 
 
-def psd_eigh(matrix: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def psd_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, Q)`` with ``M = Q diag(s) Qᵀ`` for a symmetric PSD ``M`` of shape ``[d, d]``.
 
     Eigenvalues below 0 (round-off of a PSD matrix) are clipped to 0; ``s`` has shape ``[d]``,

@@ -9,14 +9,15 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable, List, Optional, Union
+from collections.abc import Iterable
+from typing import Union
 
 import torch
 
-Curvature = Union[torch.Tensor, List[torch.Tensor]]
+Curvature = Union[torch.Tensor, list[torch.Tensor]]
 
 
-def ema(average: Optional[Curvature], new: Curvature, decay: float) -> Curvature:
+def ema(average: Curvature | None, new: Curvature, decay: float) -> Curvature:
     """``β · average + (1 − β) · new`` (element-wise, also over factor lists).
 
     With no previous average (``None``) or ``β = 0`` it is ``new`` itself.
@@ -35,7 +36,7 @@ def add_weight_decay(grad: torch.Tensor, param: torch.Tensor, weight_decay: floa
     return grad.add(param, alpha=weight_decay)
 
 
-def momentum(buffer: Optional[torch.Tensor], direction: torch.Tensor, mu: float) -> torch.Tensor:
+def momentum(buffer: torch.Tensor | None, direction: torch.Tensor, mu: float) -> torch.Tensor:
     """``v ← μ v + d`` with ``v = 0`` before the first step (so the first ``v`` is ``d``)."""
     if buffer is None or mu == 0:
         return direction

@@ -1,0 +1,237 @@
+"""Residual terms of the Hessian diagonal: the curvature of elementwise nonlinearities.
+
+``diag(H) = diag(G) + sum_a diag(J_a^T diag(r_a) J_a)`` where, for every curved elementwise op
+``y = phi(u)`` in the graph, ``r_a = (dL/dy) * phi''(u)`` (per sample, at ``u``) and ``J_a`` is
+the Jacobian of ``u`` w.r.t. the parameters. ``phi''`` is read off the autograd node's saved
+tensors, so functional calls (``torch.sigmoid``, ``F.gelu``) are covered too.
+
+Column budget: when ``u`` is directly the output of a Linear/Conv/norm layer, that layer's term
+is a weighted sum of squared inputs (no columns); layers further upstream receive
+``sqrt(r+)`` and ``sqrt(r-)`` one-hot columns (``2 * numel(u) / N`` of them) through autograd.
+Any op whose curvature is unknown (products of two activations, softmax, normalisation inside
+the graph...) raises an error naming it instead of returning a wrong diagonal.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.graph import GradientEdge
+
+from curvopt.errors import UnsupportedModuleError
+from curvopt.hooks import _METADATA
+from curvopt.layers import rule_for
+from curvopt.layers.unfold import unfold_conv_input
+from curvopt.records import Call
+from curvopt.state import STATE
+
+
+def _from_result(fn: Callable) -> Callable:
+    return lambda node: fn(node._saved_result)
+
+
+def _from_input(make: Callable) -> Callable:
+    """``phi''(u)`` by double differentiation of ``make(node)(u)``, ``u`` the saved input."""
+
+    def second(node):
+        u = node._saved_self.detach().requires_grad_(True)
+        with torch.enable_grad():
+            (d1,) = torch.autograd.grad(make(node)(u).sum(), u, create_graph=True)
+            (d2,) = torch.autograd.grad(d1.sum(), u)
+        return d2
+
+    return second
+
+
+#: autograd node type -> phi''(u) of the elementwise op it belongs to
+SECOND_DERIVATIVES: Dict[str, Callable] = {
+    "SigmoidBackward0": _from_result(lambda s: s * (1 - s) * (1 - 2 * s)),
+    "TanhBackward0": _from_result(lambda t: -2 * t * (1 - t * t)),
+    "GeluBackward0": _from_input(lambda n: lambda u: F.gelu(u, approximate=n._saved_approximate)),
+    "SiluBackward0": _from_input(lambda n: F.silu),
+    "MishBackward0": _from_input(lambda n: F.mish),
+    "LogSigmoidBackward0": _from_input(lambda n: F.logsigmoid),
+    "SoftplusBackward0": _from_input(
+        lambda n: lambda u: F.softplus(u, n._saved_beta, n._saved_threshold)
+    ),
+    "CeluBackward0": _from_input(lambda n: lambda u: F.celu(u, n._saved_alpha)),
+    "EluBackward0": _from_input(
+        lambda n: lambda u: float(n._saved_scale)
+        * F.elu(u * float(n._saved_input_scale), float(n._saved_alpha))
+    ),
+}
+
+#: ops with zero second derivative (linear or piecewise linear) in every input
+LINEAR_OPS = {
+    "AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "NegBackward0",
+    "ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "TBackward0",
+    "PermuteBackward0", "TransposeBackward0", "TransposeBackward1", "ExpandBackward0",
+    "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "SqueezeBackward3",
+    "UnsqueezeBackward0", "CloneBackward0", "CatBackward0", "SplitBackward0",
+    "SplitWithSizesBackward0", "SliceBackward0", "SelectBackward0", "IndexBackward0",
+    "SumBackward0", "SumBackward1", "MeanBackward0", "MeanBackward1", "ReluBackward0",
+    "ReluBackward1", "ThresholdBackward0", "ThresholdBackward1", "LeakyReluBackward0",
+    "LeakyReluBackward1", "HardtanhBackward0", "HardtanhBackward1",
+    "MaxPool1DWithIndicesBackward0", "MaxPool2DWithIndicesBackward0",
+    "MaxPool3DWithIndicesBackward0", "AvgPool2DBackward0", "AvgPool3DBackward0",
+    "AdaptiveAvgPool2DBackward0", "AdaptiveAvgPool3DBackward0", "ConstantPadNdBackward0",
+    "ReflectionPad1DBackward0", "ReflectionPad2DBackward0", "ReplicationPad2DBackward0",
+    "MulBackward1", "DivBackward1", "NativeDropoutBackward0", "AccumulateGrad",
+    "AsStridedBackward0", "StackBackward0", "UnbindBackward0", "NarrowBackward0",
+}
+#: products: linear when at most one operand depends on the parameters
+BILINEAR_OPS = {"MulBackward0", "DivBackward0", "MmBackward0", "BmmBackward0", "AddmmBackward0"}
+
+#: modules linear in their input, whose internal nodes need no inspection
+_LINEAR_MODULES = (
+    nn.Linear, nn.modules.conv._ConvNd, nn.Embedding, nn.modules.batchnorm._BatchNorm,
+)
+
+
+def _error(what: str) -> UnsupportedModuleError:
+    return UnsupportedModuleError(
+        f"DiagHessian: {what}. curvopt handles Linear/Conv/Embedding/BatchNorm(eval) layers, "
+        f"piecewise-linear ops and the elementwise nonlinearities "
+        f"{', '.join(sorted(k[:-9] for k in SECOND_DERIVATIVES))}; use DiagGGNExact for this model"
+    )
+
+
+def curved_nodes(root: torch.Tensor) -> List[object]:
+    """Autograd nodes of curved elementwise ops upstream of ``root``; errors on unknown ops."""
+    found, stack, seen = [], [root.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        entries = [e for e in node.metadata.get(_METADATA, ()) if e[0].args is not None]
+        if entries:
+            record = entries[0][0]
+            module = record.module
+            if not isinstance(module, _LINEAR_MODULES):
+                raise _error(
+                    f"module {module._curvopt_path!r} ({type(module).__name__}) is nonlinear in "
+                    "its input, and the curvature of that is not implemented"
+                )
+            x = record.args[0]
+            if isinstance(x, torch.Tensor):
+                stack.append(x.grad_fn)
+            continue
+        name = type(node).__name__
+        if name in SECOND_DERIVATIVES:
+            found.append(node)
+        elif name in BILINEAR_OPS:
+            dependent = [fn for fn, _ in node.next_functions if fn is not None and type(fn).__name__ != "AccumulateGrad"]
+            if len(dependent) > 1:
+                raise _error(f"the op {name} multiplies two parameter-dependent tensors")
+        elif name not in LINEAR_OPS:
+            raise _error(f"the op {name} has curvature curvopt cannot account for")
+        stack.extend(fn for fn, _ in node.next_functions)
+    return found
+
+
+def _weighted_squares(record, r: torch.Tensor, name: str, batched: bool):
+    """``sum_j r_j (d u_j / d p)^2`` for ``u`` the output of ``record``'s module, or None."""
+    module, x = record.module, record.args[0]
+    n = r.shape[0]
+    dims = "n" if batched else ""
+    if isinstance(module, nn.Linear):
+        x2 = x.reshape(n, -1, x.shape[-1]).pow(2)
+        rr = r.reshape(n, -1, r.shape[-1])
+        if name == "bias":
+            return rr.sum(1) if batched else rr.sum((0, 1))
+        return torch.einsum(f"nto,nti->{dims}oi", rr, x2)
+    if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed and module.groups == 1:
+        rr = r.reshape(n, r.shape[1], -1)
+        if name == "bias":
+            return rr.sum(2) if batched else rr.sum((0, 2))
+        x2 = unfold_conv_input(module, x).pow(2)
+        out = torch.einsum(f"nol,nil->{dims}oi", rr, x2)
+        return out.reshape(*out.shape[:-2], *module.weight.shape)
+    return None
+
+
+def add_residuals(cpass, calls, exts) -> None:
+    """Add the residual terms to the pending ``diag_h``/``diag_h_batch`` of every parameter."""
+    output = cpass.loss.output
+    nodes = curved_nodes(output)
+    if not nodes:
+        return
+    loss = cpass.loss
+    with STATE.suspend(), torch.enable_grad():
+        o = output.detach().requires_grad_(True)
+        (g0,) = torch.autograd.grad(loss.module(o, loss.target), o)
+    g0 = g0 * cpass.scale**2
+    with STATE.suspend():
+        deltas = torch.autograd.grad(
+            output, [GradientEdge(nd, 0) for nd in nodes], g0, retain_graph=True, allow_unused=True
+        )
+    producers = {}
+    for record, edges in calls.items():
+        for _, edge in edges:
+            producers[(edge.node, edge.output_nr)] = record
+    for node, delta in zip(nodes, deltas):
+        if delta is None:
+            continue
+        r = delta * SECOND_DERIVATIVES[type(node).__name__](node)
+        fn, nr = node.next_functions[0]
+        if fn is None:
+            continue
+        direct = producers.get((fn, nr))
+        others = dict(calls)
+        if direct is not None and all(
+            _weighted_squares(direct, r[:1], name, True) is not None
+            for name, _ in direct.module._curvopt_named
+        ):
+            for ext in exts:
+                batched = ext.attr.endswith("_batch")
+                for name, p in direct.module._curvopt_named:
+                    if p.requires_grad:
+                        cpass.bp.add(p, ext.attr, _weighted_squares(direct, r, name, batched))
+            others.pop(direct)
+        if others:
+            _columns(cpass, GradientEdge(fn, nr), r, others, exts)
+
+
+def _columns(cpass, source: GradientEdge, r: torch.Tensor, calls, exts) -> None:
+    """Signed one-hot columns ``sqrt(|r|)`` at ``u``, propagated to the modules upstream."""
+    records = list(calls)
+    edges = [edge for rec in records for _, edge in calls[rec]]
+    n = r.shape[0]
+    flat = r.reshape(n, -1)
+    size = flat.shape[1]
+    per_column = flat.numel() + sum(rec.out_numel[i] for rec in records for i, _ in calls[rec])
+    chunk = max(1, (1 << 24) // per_column)
+    eye = torch.eye(size, dtype=r.dtype, device=r.device)
+    for sign, part in ((1.0, flat.clamp(min=0)), (-1.0, (-flat).clamp(min=0))):
+        root = part.sqrt()
+        if not bool(root.any()):
+            continue
+        for start in range(0, size, chunk):
+            stop = min(size, start + chunk)
+            cols = (eye[start:stop, None, :] * root[None]).reshape(stop - start, *r.shape)
+            with STATE.suspend():
+                back = torch.autograd.grad(
+                    [source], edges, [cols], retain_graph=True, is_grads_batched=True, allow_unused=True
+                )
+            it = iter(back)
+            for record in records:
+                outs = [next(it) for _ in calls[record]]
+                if all(v is None for v in outs):
+                    continue
+                module = record.module
+                rule = rule_for(module)
+                columns = outs[0] if len(outs) == 1 else tuple(outs)
+                call = Call(module, record.args, record.kwargs, None, rule.batch_dim(module))
+                from curvopt.second_order import diag_from_columns, _zeros_like_sample
+
+                call.grad_out = _zeros_like_sample(columns)
+                for ext in exts:
+                    batched = ext.attr.endswith("_batch")
+                    for name, p in module._curvopt_named:
+                        if p.requires_grad:
+                            d = diag_from_columns(rule, call, columns, name, batched, n)
+                            cpass.bp.add(p, ext.attr, d.mul_(sign))

@@ -1,0 +1,94 @@
+"""KFRA (Botev et al., 2017): Kronecker factors with recursively propagated batch-averaged GGN.
+
+For a chain of ``Linear`` layers ``h_l = W_l x_l + b_l``, ``x_{l+1} = phi(h_l)`` (elementwise):
+
+    B_L = sum_{n,k} v_nk v_nk^T                       (exact loss-Hessian factor at h_L)
+    B_l = (W_{l+1}^T B_{l+1} W_{l+1}) * mean_n d_n d_n^T,   d_n = phi'(h_{l,n})
+
+and ``p.kfra = [B_l, mean_n x_n x_n^T]`` (weight) or ``[B_l]`` (bias). With one sample the
+recursion is exact, so KFRA equals KFLR there. Only ``O x O`` matrices are propagated, which
+is why the recursion is restricted to feed-forward chains of ``Linear`` layers: for conv
+feature maps the dense ``(C H W)^2`` matrices would not fit in memory.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from curvopt.state import STATE
+
+
+def _reject(record, reason):
+    from curvopt.backward import module_error
+
+    return module_error(record.module, f"KFRA: {reason}")
+
+
+def _chain(calls):
+    records = sorted(calls, key=lambda r: r.seq)
+    seen = set()
+    for record in records:
+        module = record.module
+        if not isinstance(module, nn.Linear):
+            raise _reject(
+                record,
+                "the recursion propagates dense (features x features) matrices and is "
+                "implemented for feed-forward chains of Linear layers and elementwise "
+                "activations only (conv feature maps would not fit in memory); use KFAC or KFLR",
+            )
+        if record.args[0].dim() != 2:
+            raise _reject(record, "inputs with extra (sequence) dims are not supported; use KFLR")
+        if module in seen:
+            raise _reject(record, "a module used several times breaks the layer chain")
+        seen.add(module)
+    return records
+
+
+def kfra(cpass, loss_rule, calls) -> None:
+    """Write ``kfra`` factors of every Linear layer in the chain ending at the loss."""
+    records = _chain(calls)
+    if not records:
+        return
+    output = cpass.loss.output
+    last = records[-1]
+    (index, edge), = calls[last]
+    b = None
+    for cols in cpass.columns(loss_rule, "exact", 0, 1 << 30):
+        with STATE.suspend():
+            (v,) = torch.autograd.grad(output, [edge], cols, retain_graph=True, is_grads_batched=True)
+        v = v.flatten(0, 1)
+        b = v.T @ v if b is None else b.add_(v.T @ v)
+    factors = {}
+    for pos in range(len(records) - 1, -1, -1):
+        record = records[pos]
+        if pos < len(records) - 1:
+            b = _backpropagate(b, record, records[pos + 1], calls)
+        factors[record] = b
+    for record, b in factors.items():
+        x = record.args[0].detach()
+        n = x.shape[0]
+        for name, p in record.module._curvopt_named:
+            if p.requires_grad:
+                cpass.bp.add(p, "kfra", [b.clone(), x.T @ x / n] if name == "weight" else [b.clone()])
+
+
+def _backpropagate(b_next, record, nxt, calls):
+    """``B_l`` from ``B_{l+1}``: through ``W_{l+1}`` and the elementwise map between them."""
+    (_, edge), = calls[record]
+    x_next = nxt.args[0]
+    with STATE.suspend():
+        ones = torch.ones_like(x_next)
+        probe = torch.randn_like(x_next)
+        (both,) = torch.autograd.grad(
+            x_next, [edge], torch.stack([ones, probe]), retain_graph=True,
+            is_grads_batched=True, allow_unused=True,
+        )
+    if both is None or both.shape[1:] != x_next.shape:
+        raise _reject(nxt, "its input is not computed from the previous Linear layer's output")
+    d, dprobe = both[0], both[1]
+    if not torch.allclose(dprobe, probe * d, rtol=1e-4, atol=1e-6 * float(d.abs().max()) + 1e-12):
+        raise _reject(nxt, "the map from the previous Linear layer's output to its input is not elementwise")
+    w = nxt.module.weight.detach()
+    n = d.shape[0]
+    return (w.T @ b_next @ w) * (d.T @ d / n)

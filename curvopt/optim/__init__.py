@@ -1,0 +1,73 @@
+"""Curvature optimizers and the damping-and-inversion layer they share.
+
+Optimizers (``torch.optim.Optimizer`` subclasses): :class:`DiagGGNNewton`, :class:`KFAC`,
+:class:`VarianceAdaptedSGD`. The layer (pure tensor functions, usable on their own):
+
+* damping strategies: :class:`ConstantDamping`, :class:`ScheduledDamping`,
+  :class:`LevenbergMarquardt`, :func:`as_damping`, :func:`reduction_ratio`;
+* inversion: :func:`cholesky_inverse`, :func:`psd_eigh`, :func:`cached`;
+* diagonal curvature: :func:`diag_precondition`, :func:`diag_quadratic`;
+* Kronecker curvature: :func:`as_matrix`, :func:`kron_matmul`, :func:`kron_quadratic`,
+  :func:`trace_norm_pi`, :func:`trace_norm_damped`, :func:`trace_norm_inverse`,
+  :func:`kron_eigh`, :func:`exact_damped_solve`;
+* transforms: :func:`ema`, :func:`add_weight_decay`, :func:`momentum`, :func:`kl_clip_factor`.
+
+See ``docs/optim.md``.
+"""
+
+from curvopt.optim.base import CurvatureOptimizer
+from curvopt.optim.cache import cached
+from curvopt.optim.damping import (
+    ConstantDamping,
+    LevenbergMarquardt,
+    ScheduledDamping,
+    as_damping,
+    reduction_ratio,
+)
+from curvopt.optim.diag_ggn import DiagGGNNewton
+from curvopt.optim.diagonal import diag_precondition, diag_quadratic
+from curvopt.optim.kfac import KFAC
+from curvopt.optim.kronecker import (
+    as_matrix,
+    exact_damped_solve,
+    kron_eigh,
+    kron_matmul,
+    kron_quadratic,
+    trace_norm_damped,
+    trace_norm_inverse,
+    trace_norm_pi,
+)
+from curvopt.optim.linalg import cholesky_inverse, psd_eigh
+from curvopt.optim.newton import NewtonOptimizer
+from curvopt.optim.transforms import add_weight_decay, ema, kl_clip_factor, momentum
+from curvopt.optim.variance import VarianceAdaptedSGD
+
+__all__ = [
+    "KFAC",
+    "ConstantDamping",
+    "CurvatureOptimizer",
+    "DiagGGNNewton",
+    "LevenbergMarquardt",
+    "NewtonOptimizer",
+    "ScheduledDamping",
+    "VarianceAdaptedSGD",
+    "add_weight_decay",
+    "as_damping",
+    "as_matrix",
+    "cached",
+    "cholesky_inverse",
+    "diag_precondition",
+    "diag_quadratic",
+    "ema",
+    "exact_damped_solve",
+    "kl_clip_factor",
+    "kron_eigh",
+    "kron_matmul",
+    "kron_quadratic",
+    "momentum",
+    "psd_eigh",
+    "reduction_ratio",
+    "trace_norm_damped",
+    "trace_norm_inverse",
+    "trace_norm_pi",
+]

@@ -1,0 +1,60 @@
+"""``DiagGGNNewton``: damped Newton steps with the diagonal of the GGN."""
+
+from __future__ import annotations
+
+import torch
+
+from curvopt.optim.base import check_choice, check_number
+from curvopt.optim.diagonal import diag_precondition, diag_quadratic
+from curvopt.optim.newton import NewtonOptimizer
+
+_EXTENSIONS = {"mc": ("DiagGGNMC", "diag_ggn_mc"), "exact": ("DiagGGNExact", "diag_ggn_exact")}
+
+
+class DiagGGNNewton(NewtonOptimizer):
+    """``θ ← θ − lr · (diag(G) + (λ + δ) I)⁻¹ (∇L + δ θ)``, element-wise.
+
+    Args:
+        params: parameters or param groups, as for ``torch.optim.SGD``.
+        lr: learning rate ``≥ 0``.
+        damping: ``λ``: a number ``≥ 0``, a callable of the step count, or a damping strategy
+            (:class:`ConstantDamping`, :class:`ScheduledDamping`, :class:`LevenbergMarquardt`).
+        curvature: ``"mc"`` (``DiagGGNMC``, ``p.diag_ggn_mc``) or ``"exact"``
+            (``DiagGGNExact``, ``p.diag_ggn_exact``).
+        weight_decay: ``δ ≥ 0`` (added to the gradient and to the damping).
+        mc_samples: Monte-Carlo samples for ``curvature="mc"``.
+        momentum, curvature_ema, curvature_interval, kl_clip, fallback: see
+            :mod:`curvopt.optim.newton` (all off by default).
+    """
+
+    def __init__(self, params, lr: float, damping, curvature: str = "mc",
+                 weight_decay: float = 0.0, *, mc_samples: int = 1, momentum: float = 0.0,
+                 curvature_ema: float = 0.0, curvature_interval: int = 1,
+                 kl_clip: float | None = None, fallback: str | None = None):
+        defaults = {"lr": lr, "damping": damping, "curvature": curvature, "weight_decay": weight_decay,
+                        "mc_samples": mc_samples, "momentum": momentum, "curvature_ema": curvature_ema,
+                        "curvature_interval": curvature_interval, "kl_clip": kl_clip, "fallback": fallback}
+        super().__init__(params, defaults)
+
+    def _validate(self, group):
+        super()._validate(group)
+        check_choice("curvature", group["curvature"], tuple(_EXTENSIONS))
+        check_number("mc_samples", group["mc_samples"], 1, integer=True)
+
+    def _extension(self, group):
+        name, attr = _EXTENSIONS[group["curvature"]]
+        options = {"mc_samples": group["mc_samples"]} if group["curvature"] == "mc" else {}
+        return (name, options), attr
+
+    def _check_curvature(self, curvature, param):
+        if not isinstance(curvature, torch.Tensor) or curvature.shape != param.shape:
+            raise ValueError(
+                f"expected a diagonal curvature tensor of shape {tuple(param.shape)}, got "
+                f"{getattr(curvature, 'shape', type(curvature))}"
+            )
+
+    def _direction(self, grad, curvature, state, group, step, damping, curvature_step):
+        return diag_precondition(grad, curvature, damping), {}
+
+    def _quadratic(self, curvature, step):
+        return diag_quadratic(curvature, step)

@@ -1,0 +1,91 @@
+"""``KFAC``: damped Newton steps with Kronecker-factored curvature ``B ⊗ A``."""
+
+from __future__ import annotations
+
+import torch
+
+from curvopt.optim.base import check_choice, check_number
+from curvopt.optim.cache import cached
+from curvopt.optim.kronecker import (
+    as_matrix,
+    exact_damped_solve,
+    kron_eigh,
+    kron_matmul,
+    kron_quadratic,
+    trace_norm_inverse,
+)
+from curvopt.optim.newton import NewtonOptimizer
+
+_EXTENSIONS = {"kfac": "KFAC", "kflr": "KFLR", "kfra": "KFRA"}
+
+
+class KFAC(NewtonOptimizer):
+    """``θ ← θ − lr · (B ⊗ A + (λ + δ) I)⁻¹ (∇L + δ θ)`` with factors ``p.<curvature>``.
+
+    The gradient of a weight ``[out, in, *k]`` is handled as ``G = grad.reshape(out, -1)``;
+    ``(B ⊗ A)⁻¹ vec(G) = vec(B⁻¹ G A⁻¹)``. A bias (factors ``[B]``) uses ``(B + (λ + δ) I)⁻¹``.
+
+    Args:
+        params: parameters or param groups, as for ``torch.optim.SGD``.
+        lr: learning rate ``≥ 0``.
+        damping: ``λ``: a number ``≥ 0``, a callable of the step count, or a damping strategy.
+        curvature: ``"kfac"`` (MC-sampled), ``"kflr"`` (exact loss Hessian) or ``"kfra"``.
+        weight_decay: ``δ ≥ 0`` (added to the gradient and to the damping).
+        kronecker_damping: ``"trace_norm"`` (default): ``(B + π√λ I)⁻¹ G (A + √λ/π I)⁻¹`` with
+            ``π = sqrt((tr A/dim A)/(tr B/dim B))``; ``"exact"``: ``(B ⊗ A + λ I)⁻¹`` through
+            eigendecompositions of ``B`` and ``A``.
+        inverse_interval: recompute inverses (or eigendecompositions) at most every ``m``
+            steps, reusing them in between (default 1: whenever curvature or damping changed).
+        mc_samples: Monte-Carlo samples for ``curvature="kfac"``.
+        momentum, curvature_ema, curvature_interval, kl_clip, fallback: see
+            :mod:`curvopt.optim.newton` (all off by default).
+    """
+
+    def __init__(self, params, lr: float, damping, curvature: str = "kfac",
+                 weight_decay: float = 0.0, *, kronecker_damping: str = "trace_norm",
+                 inverse_interval: int = 1, mc_samples: int = 1, momentum: float = 0.0,
+                 curvature_ema: float = 0.0, curvature_interval: int = 1,
+                 kl_clip: float | None = None, fallback: str | None = None):
+        defaults = {"lr": lr, "damping": damping, "curvature": curvature, "weight_decay": weight_decay,
+                        "kronecker_damping": kronecker_damping, "inverse_interval": inverse_interval,
+                        "mc_samples": mc_samples, "momentum": momentum, "curvature_ema": curvature_ema,
+                        "curvature_interval": curvature_interval, "kl_clip": kl_clip, "fallback": fallback}
+        super().__init__(params, defaults)
+
+    def _validate(self, group):
+        super()._validate(group)
+        check_choice("curvature", group["curvature"], tuple(_EXTENSIONS))
+        check_choice("kronecker_damping", group["kronecker_damping"], ("trace_norm", "exact"))
+        check_number("inverse_interval", group["inverse_interval"], 1, integer=True)
+        check_number("mc_samples", group["mc_samples"], 1, integer=True)
+
+    def _extension(self, group):
+        curvature = group["curvature"]
+        options = {"mc_samples": group["mc_samples"]} if curvature == "kfac" else {}
+        return (_EXTENSIONS[curvature], options), curvature
+
+    def _check_curvature(self, curvature, param):
+        if not isinstance(curvature, (list, tuple)) or not all(
+            isinstance(f, torch.Tensor) and f.dim() == 2 and f.shape[0] == f.shape[1]
+            for f in curvature
+        ):
+            raise ValueError(f"expected a list of square Kronecker factors, got {curvature!r}")
+        as_matrix(param, curvature)
+
+    def _direction(self, grad, curvature, state, group, step, damping, curvature_step):
+        matrix = as_matrix(grad, curvature)
+        interval = group["inverse_interval"]
+        if group["kronecker_damping"] == "exact":
+            entry = cached(state.get("eigh"), curvature_step, step, interval,
+                           lambda: kron_eigh(curvature))
+            direction = exact_damped_solve(entry["value"], matrix, damping)
+            cache = {"eigh": entry}
+        else:
+            entry = cached(state.get("inverse"), (curvature_step, damping), step, interval,
+                           lambda: trace_norm_inverse(curvature, damping))
+            direction = kron_matmul(entry["value"], matrix)
+            cache = {"inverse": entry}
+        return direction.reshape(grad.shape), cache
+
+    def _quadratic(self, curvature, step):
+        return kron_quadratic(curvature, as_matrix(step, curvature))

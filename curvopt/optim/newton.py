@@ -1,0 +1,165 @@
+"""Damped Newton steps with a curvature ``C`` read from each parameter.
+
+Per parameter, with damping ``λ`` and weight decay ``δ`` (BackPACK paper, Dangel et al. 2020)::
+
+    g = ∇L + δ θ
+    d = (C + (λ + δ) I)⁻¹ g                      (subclass: diagonal or Kronecker)
+    v = μ v + ν d                                (momentum μ, KL clip ν; defaults 0 and 1)
+    θ ← θ − lr · v
+
+Opt-in, per param group: ``curvature_interval`` (read ``C`` every k steps, reuse it between),
+``curvature_ema`` (``C ← β C + (1 − β) C_new``), ``momentum``, ``kl_clip``, adaptive damping
+(:class:`~curvopt.optim.damping.LevenbergMarquardt`) and ``fallback='sgd'``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from curvopt.optim.base import (
+    CurvatureOptimizer,
+    ExtensionSpec,
+    ParamUpdate,
+    check_choice,
+    check_number,
+)
+from curvopt.optim.damping import as_damping, reduction_ratio
+from curvopt.optim.transforms import add_weight_decay, ema, kl_clip_factor, momentum
+
+
+class NewtonOptimizer(CurvatureOptimizer):
+    """Shared step of :class:`DiagGGNNewton` and :class:`KFAC`.
+
+    Subclasses define :meth:`_extension` (which curvature to collect), :meth:`_direction`
+    (``(C + λ I)⁻¹ g``) and :meth:`_quadratic` (``sᵀ C s``), and may check the curvature's
+    shape in :meth:`_check_curvature`.
+    """
+
+    def _validate(self, group: dict[str, Any]) -> None:
+        super()._validate(group)
+        as_damping(group["damping"])
+        check_number("momentum", group["momentum"], 0.0, 1.0, open_high=True)
+        check_number("curvature_ema", group["curvature_ema"], 0.0, 1.0, open_high=True)
+        check_number("curvature_interval", group["curvature_interval"], 1, integer=True)
+        if group["kl_clip"] is not None:
+            check_number("kl_clip", group["kl_clip"])
+        check_choice("fallback", group["fallback"], (None, "sgd"))
+
+    # ----------------------------------------------------------------- subclass hooks
+    def _extension(self, group: dict[str, Any]) -> tuple[ExtensionSpec, str]:
+        """The extension giving the curvature of ``group`` and the attribute it writes."""
+        raise NotImplementedError
+
+    def _check_curvature(self, curvature: Any, param: torch.Tensor) -> None:
+        """Raise ``ValueError`` if ``curvature`` does not fit ``param``."""
+
+    def _direction(self, grad: torch.Tensor, curvature: Any, state: dict[str, Any],
+                   group: dict[str, Any], step: int, damping: float,
+                   curvature_step: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        """``(C + λ I)⁻¹ g`` (shape of ``grad``) and the cache entries to keep in the state."""
+        raise NotImplementedError
+
+    def _quadratic(self, curvature: Any, step: torch.Tensor) -> torch.Tensor:
+        """``sᵀ C s`` for a step ``s`` of the parameter's shape."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- planning
+    def _curvature_due(self, group: dict[str, Any], group_state: dict[str, Any]) -> bool:
+        return group_state["step"] % group["curvature_interval"] == 0
+
+    def _needs(self, group, group_state) -> list[ExtensionSpec]:
+        if self._curvature_due(group, group_state) or any(
+            self._lacks_curvature(group, p) for p in group["params"] if p.requires_grad
+        ):
+            return [self._extension(group)[0]]
+        return []
+
+    def _lacks_curvature(self, group, param) -> bool:
+        """No stored curvature and no fallback: must be read at the next step, due or not."""
+        return group["fallback"] is None and "curvature" not in self.state.get(param, {})
+
+    def _damping(self, group, group_state):
+        strategy = as_damping(group["damping"])
+        return strategy, group_state["damping"] or strategy.init()
+
+    def _plan_group(self, group, group_state, with_model):
+        step = group_state["step"]
+        strategy, damping_state = self._damping(group, group_state)
+        weight_decay = group["weight_decay"]
+        damping = strategy.value(damping_state, step) + weight_decay
+        (extension, _), attr = self._extension(group)
+        due = self._curvature_due(group, group_state)
+
+        planned = []  # (update, g, d, C, old state)
+        for index, param in enumerate(group["params"]):
+            if param.grad is None:
+                continue
+            state = self.state.get(param, {})
+            update = ParamUpdate(param, self._describe(group, index, param))
+            update.checks.append(("gradient", param.grad))
+            grad = add_weight_decay(param.grad, param, weight_decay)
+            curvature, curvature_step = state.get("curvature"), state.get("curvature_step")
+            if due or self._lacks_curvature(group, param):
+                raw = self._read(param, attr, update.description, extension, group["fallback"])
+                if raw is not None:
+                    try:
+                        self._check_curvature(raw, param)
+                    except ValueError as error:
+                        raise ValueError(f"{update.description}: {error}") from None
+                    tensors = [raw] if isinstance(raw, torch.Tensor) else list(raw)
+                    update.checks += [(f"`{attr}`", t) for t in tensors]
+                    update.consumed[attr] = raw
+                    curvature = ema(curvature, raw, group["curvature_ema"])
+                    curvature_step = step
+            direction = grad
+            if curvature is not None:
+                try:
+                    direction, update.state = self._direction(
+                        grad, curvature, state, group, step, damping, curvature_step
+                    )
+                except torch.linalg.LinAlgError as error:
+                    raise torch.linalg.LinAlgError(f"{update.description}: {error}") from None
+                update.state.update(curvature=curvature, curvature_step=curvature_step)
+            planned.append((update, grad, direction, curvature, state))
+
+        nu = 1.0
+        if group["kl_clip"] is not None:
+            nu = kl_clip_factor([p[1] for p in planned], [p[2] for p in planned],
+                                group["lr"], group["kl_clip"])
+        predicted = 0.0
+        for update, grad, direction, curvature, state in planned:
+            velocity = momentum(state.get("momentum"), direction * nu, group["momentum"])
+            if group["momentum"] > 0:
+                update.state["momentum"] = velocity
+            update.delta = group["lr"] * velocity
+            update.checks.append(("update", update.delta))
+            if with_model:
+                s = -update.delta
+                model = (grad * s).sum() + 0.5 * weight_decay * (s * s).sum()
+                if curvature is not None:
+                    model = model + 0.5 * self._quadratic(curvature, s)
+                predicted += float(model)
+        return [p[0] for p in planned], predicted
+
+    # ----------------------------------------------------------------- adaptive damping
+    def _model_due(self) -> list[int]:
+        due = []
+        for index, (group, group_state) in enumerate(zip(self.param_groups, self._group_state)):
+            strategy, _ = self._damping(group, group_state)
+            if strategy.adaptive and strategy.due(group_state["step"]):
+                due.append(index)
+        return due
+
+    def _adapt(self, due, actual, predicted) -> None:
+        rho = reduction_ratio(actual, predicted)
+        for index in due:
+            strategy, damping_state = self._damping(self.param_groups[index], self._group_state[index])
+            self._group_state[index]["damping"] = strategy.update(damping_state, rho)
+
+    def damping(self, group_index: int = 0) -> float:
+        """The damping ``λ`` that the next step of param group ``group_index`` uses."""
+        group, group_state = self.param_groups[group_index], self._group_state[group_index]
+        strategy, damping_state = self._damping(group, group_state)
+        return strategy.value(damping_state, group_state["step"])
