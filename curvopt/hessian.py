@@ -23,9 +23,8 @@ from torch.autograd.graph import GradientEdge
 
 from curvopt.errors import UnsupportedModuleError
 from curvopt.hooks import _METADATA
-from curvopt.layers import rule_for
 from curvopt.layers.unfold import unfold_conv_input
-from curvopt.records import Call
+from curvopt.second_order import add_diagonals
 from curvopt.state import STATE
 
 
@@ -218,20 +217,5 @@ def _columns(cpass, source: GradientEdge, r: torch.Tensor, calls, exts) -> None:
                     [source], edges, [cols], retain_graph=True, is_grads_batched=True, allow_unused=True
                 )
             it = iter(back)
-            for record in records:
-                outs = [next(it) for _ in calls[record]]
-                if all(v is None for v in outs):
-                    continue
-                module = record.module
-                rule = rule_for(module)
-                columns = outs[0] if len(outs) == 1 else tuple(outs)
-                call = Call(module, record.args, record.kwargs, None, rule.batch_dim(module))
-                from curvopt.second_order import diag_from_columns, _zeros_like_sample
-
-                call.grad_out = _zeros_like_sample(columns)
-                for ext in exts:
-                    batched = ext.attr.endswith("_batch")
-                    for name, p in module._curvopt_named:
-                        if p.requires_grad:
-                            d = diag_from_columns(rule, call, columns, name, batched, n)
-                            cpass.bp.add(p, ext.attr, d.mul_(sign))
+            outs = {record: [next(it) for _ in calls[record]] for record in records}
+            add_diagonals(cpass.bp, calls, outs, exts, sign)

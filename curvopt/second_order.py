@@ -188,9 +188,10 @@ class CurvaturePass:
         records = list(calls)
         edges = [edge for r in records for _, edge in calls[r]]
         kron_exts = [e for e in exts if e.attr in ("kfac", "kflr")]
+        diag_exts = [e for e in exts if e not in kron_exts]
         if kron_exts:
             _check_single_use(records)
-        kron_b: Dict[Tuple[object, str, str], torch.Tensor] = {}
+        kron_b: Dict[Tuple[object, str, str], list] = {}
         for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
             with STATE.suspend():
                 back = torch.autograd.grad(
@@ -198,33 +199,20 @@ class CurvaturePass:
                     is_grads_batched=True, allow_unused=True,
                 )
             it = iter(back)
+            outs = {record: [next(it) for _ in calls[record]] for record in records}
+            if diag_exts:
+                add_diagonals(self.bp, calls, outs, diag_exts)
             for record in records:
-                outs = {index: next(it) for index, _ in calls[record]}
-                self._accumulate(record, outs, exts, kron_exts, kron_b)
+                self._kron(record, outs[record], kron_exts, kron_b)
         for (record, name, attr), factors in kron_b.items():
             p = dict(record.module._curvopt_named)[name]
             self.bp.add(p, attr, factors)
 
-    def _accumulate(self, record, outs, exts, kron_exts, kron_b) -> None:
-        module = record.module
-        rule = rule_for(module)
-        n_out = len(record.out_numel)
-        columns = [outs.get(i) for i in range(n_out)]
-        if all(c is None for c in columns):
+    def _kron(self, record, outs, kron_exts, kron_b) -> None:
+        call, columns, n = module_call(record, outs)
+        if call is None:
             return
-        if n_out == 1:
-            columns = columns[0]
-        else:
-            columns = tuple(columns)
-        call = Call(module, record.args, record.kwargs, None, rule.batch_dim(module))
-        n = _batch_size(call, columns)
-        call.grad_out = _zeros_like_sample(columns)
-        for name, p in [(nm, p) for nm, p in module._curvopt_named if p.requires_grad]:
-            for ext in exts:
-                if ext in kron_exts:
-                    continue
-                batched = ext.attr.endswith("_batch")
-                self.bp.add(p, ext.attr, diag_from_columns(rule, call, columns, name, batched, n))
+        for name, p in _trainable(record.module):
             for ext in kron_exts:
                 factors = kron_factors(call, columns, name, p, ext.options["kfac_approx"], n)
                 key = (record, name, ext.attr)
@@ -232,6 +220,53 @@ class CurvaturePass:
                     kron_b[key][0].add_(factors[0])
                 else:
                     kron_b[key] = factors
+
+
+def _trainable(module):
+    return [(name, p) for name, p in module._curvopt_named if p.requires_grad]
+
+
+def module_call(record, outs):
+    """``(call, columns, N)`` for one module call given its propagated columns (None if unused)."""
+    if all(v is None for v in outs):
+        return None, None, 0
+    columns = outs[0] if len(outs) == 1 else tuple(outs)
+    rule = rule_for(record.module)
+    call = Call(record.module, record.args, record.kwargs, None, rule.batch_dim(record.module))
+    n = _batch_size(call, columns)
+    call.grad_out = _zeros_like_sample(columns)
+    return call, columns, n
+
+
+def add_diagonals(bp, calls, outs, exts, sign: float = 1.0) -> None:
+    """Add ``sign * sum_k (J^T v_k)**2`` (summed or per sample) for every parameter.
+
+    A parameter reached through several calls (a reused module, tied weights) gets the squares
+    of its summed per-(column, sample) gradients, not the sum of per-call squares.
+    """
+    uses = defaultdict(list)
+    for record in calls:
+        call, columns, n = module_call(record, outs[record])
+        if call is None:
+            continue
+        for name, p in _trainable(record.module):
+            uses[id(p)].append((p, name, call, columns, n))
+    for entries in uses.values():
+        p = entries[0][0]
+        for ext in exts:
+            batched = ext.attr.endswith("_batch")
+            if len(entries) == 1:
+                _, name, call, columns, n = entries[0]
+                d = diag_from_columns(rule_for(call.module), call, columns, name, batched, n)
+            else:
+                grads = sum(
+                    rule_for(call.module).batch_grad(expand_call(call, columns), name)
+                    for _, name, call, columns, _ in entries
+                )
+                n = entries[0][4]
+                d = grads.pow_(2).view(-1, n, *grads.shape[1:]).sum(0)
+                d = d if batched else d.sum(0)
+            bp.add(p, ext.attr, d.mul_(sign) if sign != 1.0 else d)
 
 
 def _check_single_use(records) -> None:
