@@ -2,12 +2,12 @@
 
 Results are buffered and written as attributes by a callback the autograd engine runs at the
 end of the pass, so an exception in the middle leaves no half-written attribute (a reused
-result buffer that was already being overwritten is removed instead).
+result buffer is taken off its parameter while it is being overwritten, see ``buffers``).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch.autograd import Variable
@@ -43,7 +43,6 @@ class BackwardPass:
         self.reused: Dict[int, bool] = {}
         self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
         self.results: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
-        self.overwritten: List[Tuple[torch.Tensor, str]] = []
         self.failed = False
         Variable._execution_engine.queue_callback(self._finish)
 
@@ -119,8 +118,6 @@ class BackwardPass:
         if id(p) not in self.batch_grads:
             if "grad_batch" in self.attrs:
                 buffer = empty_result(p, "grad_batch", shape, like)
-                if buffer is p.__dict__.get("grad_batch"):
-                    self.overwritten.append((p, "grad_batch"))
             else:
                 buffer = torch.empty(shape, dtype=like.dtype, device=like.device)
             self.batch_grads[id(p)] = (p, rule.batch_grad(call, name, out=buffer))
@@ -184,10 +181,8 @@ class BackwardPass:
         self.results.clear()
 
     def _abort(self) -> None:
-        """Forget everything; remove attributes whose buffers were partly overwritten."""
+        """Forget everything written so far; the pass writes nothing."""
         self.failed = True
-        for p, attr in self.overwritten:
-            p.__dict__.pop(attr, None)
         self.batch_grads.clear()
         self.results.clear()
 

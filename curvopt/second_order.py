@@ -26,6 +26,8 @@ from curvopt.state import STATE
 
 #: bound on the elements of propagated columns held at once (all module outputs together)
 _COLUMN_BUDGET = 1 << 25
+#: bound on the elements of per-(column, sample) parameter gradients held at once
+_GRAD_BUDGET = 1 << 24
 
 
 class LossRecord:
@@ -105,16 +107,29 @@ def expand_call(call: Call, columns) -> Call:
 
 # ------------------------------------------------------------------------ per-module work
 def diag_from_columns(rule, call: Call, columns, name: str, batched: bool, n: int):
-    """``sum_k (J_n^T v_nk)**2`` summed over n (``batched=False``) or per n, ``[N, *p]``."""
-    ecall = expand_call(call, columns)
-    if not batched:
-        fast = rule.sum_grad_squared(ecall, name)
-        if fast is not None:
-            return fast
-    grads = rule.batch_grad(ecall, name)  # [K N, *p.shape]
-    squares = grads.pow_(2) if not grads.requires_grad else grads.pow(2)
-    squares = squares.view(-1, n, *squares.shape[1:]).sum(0)
-    return squares if batched else squares.sum(0)
+    """``sum_k (J_n^T v_nk)**2`` summed over n (``batched=False``) or per n, ``[N, *p]``.
+
+    Columns are processed in chunks so that ``[k, N, *p.shape]`` stays within a budget.
+    """
+    k = _first(columns).shape[0]
+    numel = dict(call.module._curvopt_named)[name].numel()
+    step = max(1, _GRAD_BUDGET // max(1, n * numel))
+    total = None
+    for start in range(0, k, step):
+        chunk = _narrow(columns, start, min(k, start + step))
+        squares = rule.column_grads(call, chunk, name).pow_(2).sum(0)
+        total = squares if total is None else total.add_(squares)
+    return total if batched else total.sum(0)
+
+
+def _first(columns) -> torch.Tensor:
+    return columns if isinstance(columns, torch.Tensor) else next(c for c in columns if c is not None)
+
+
+def _narrow(columns, start: int, stop: int):
+    if isinstance(columns, torch.Tensor):
+        return columns[start:stop]
+    return tuple(None if c is None else c[start:stop] for c in columns)
 
 
 class CurvaturePass:
@@ -260,11 +275,10 @@ def add_diagonals(bp, calls, outs, exts, sign: float = 1.0) -> None:
                 d = diag_from_columns(rule_for(call.module), call, columns, name, batched, n)
             else:
                 grads = sum(
-                    rule_for(call.module).batch_grad(expand_call(call, columns), name)
+                    rule_for(call.module).column_grads(call, columns, name)
                     for _, name, call, columns, _ in entries
                 )
-                n = entries[0][4]
-                d = grads.pow_(2).view(-1, n, *grads.shape[1:]).sum(0)
+                d = grads.pow_(2).sum(0)
                 d = d if batched else d.sum(0)
             bp.add(p, ext.attr, d.mul_(sign) if sign != 1.0 else d)
 

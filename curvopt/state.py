@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
 
 
 class _State:
@@ -22,7 +21,3 @@ class _State:
 
 
 STATE = _State()
-
-
-def active_collect() -> Optional[object]:
-    return None if STATE.suspended else STATE.collecting

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from curvopt.layers.registry import LayerRule, register
+from curvopt.records import Call
 from curvopt.layers.unfold import unfold, unfold_conv_input
 
 
@@ -46,6 +47,21 @@ class _ConvRuleBase(LayerRule):
         left, right = self._operands(call)
         result = _grouped_outer(left, right, call.module.groups, out)
         return result.view(n, *weight.shape)
+
+    def column_grads(self, call, columns, name):
+        """Patches are unfolded once and broadcast over the ``K`` columns."""
+        k, n = columns.shape[:2]
+        if name == "bias":
+            return columns.reshape(k, n, columns.shape[2], -1).sum(3)
+        module = call.module
+        left, right = self._operands(Call(module, call.args, call.kwargs, columns.flatten(0, 1)))
+        groups = module.groups
+
+        def split(t):  # [k N, G a, L] or [N, G a, L] -> [k or 1, N, G, a, L]
+            return t.reshape(-1, n, groups, t.shape[1] // groups, t.shape[2])
+
+        result = split(left) @ split(right).transpose(-1, -2)
+        return result.reshape(k, n, *module.weight.shape)
 
     def batch_l2(self, call, name):
         g = call.grad_out
@@ -86,7 +102,7 @@ class ConvTransposeRule(_ConvRuleBase):
 
     def _operands(self, call):
         module, x, g = call.module, call.input, call.grad_out
-        n = x.shape[0]
+        n = g.shape[0]
         patches = unfold(g, module.kernel_size, module.dilation, module.padding, module.stride)
         in_size = x.shape[2:]
         if patches.shape[-1] != math.prod(in_size):
@@ -102,4 +118,4 @@ class ConvTransposeRule(_ConvRuleBase):
             patches = patches.reshape(n, -1, *out_grid)
             patches = patches[(slice(None), slice(None)) + tuple(slice(0, s) for s in in_size)]
             patches = patches.reshape(n, patches.shape[1], -1)
-        return x.reshape(n, x.shape[1], -1), patches
+        return x.reshape(x.shape[0], x.shape[1], -1), patches

@@ -52,6 +52,15 @@ class LinearRule(LayerRule):
             return g[:, 0].pow(2).T @ x[:, 0].pow(2)
         return None
 
+    def column_grads(self, call, columns, name):
+        """``[K, N, O, I]`` by one broadcast matmul (inputs are not repeated over columns)."""
+        x = call.input
+        k, n, o = columns.shape[0], columns.shape[1], columns.shape[-1]
+        v = columns.reshape(k, n, -1, o)
+        if name == "bias":
+            return v.sum(2)
+        return v.transpose(2, 3) @ x.reshape(1, n, -1, x.shape[-1])
+
     def grad_sum(self, call, name):
         x, g = _flat(call)
         if name == "bias":

@@ -80,6 +80,16 @@ class LayerRule:
         """``p.shape``: ``sum_n g_n**2`` without materialising ``g_n``, or ``None``."""
         return None
 
+    def column_grads(self, call, columns, name: str) -> torch.Tensor:
+        """``[K, N, *p.shape]``: ``J_n^T v_nk`` for columns ``v`` (``[K, *out]``) at the output.
+
+        Default: the columns as ``K * N`` pseudo-samples through :meth:`batch_grad`.
+        """
+        from curvopt.second_order import expand_call
+
+        grads = self.batch_grad(expand_call(call, columns), name)
+        return grads.view(-1, call.batch_size, *grads.shape[1:])
+
     def grad_sum(self, call, name: str) -> Optional[torch.Tensor]:
         """``p.shape``: ``sum_n g_n`` (this call's share of ``p.grad``), or ``None``."""
         return None
