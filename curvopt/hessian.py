@@ -24,7 +24,7 @@ from torch.autograd.graph import GradientEdge
 from curvopt.errors import UnsupportedModuleError
 from curvopt.hooks import _METADATA
 from curvopt.layers.unfold import unfold_conv_input
-from curvopt.second_order import add_diagonals
+from curvopt.second_order import add_diagonals, backpropagate
 from curvopt.state import STATE
 
 
@@ -212,10 +212,7 @@ def _columns(cpass, source: GradientEdge, r: torch.Tensor, calls, exts) -> None:
         for start in range(0, size, chunk):
             stop = min(size, start + chunk)
             cols = (eye[start:stop, None, :] * root[None]).reshape(stop - start, *r.shape)
-            with STATE.suspend():
-                back = torch.autograd.grad(
-                    [source], edges, [cols], retain_graph=True, is_grads_batched=True, allow_unused=True
-                )
+            back = backpropagate(source, edges, cols, cpass.batched)
             it = iter(back)
             outs = {record: [next(it) for _ in calls[record]] for record in records}
             add_diagonals(cpass.bp, calls, outs, exts, sign)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from curvopt.second_order import backpropagate
 from curvopt.state import STATE
 
 
@@ -55,8 +56,7 @@ def kfra(cpass, loss_rule, calls) -> None:
     (index, edge), = calls[last]
     b = None
     for cols in cpass.columns(loss_rule, "exact", 0, 1 << 30):
-        with STATE.suspend():
-            (v,) = torch.autograd.grad(output, [edge], cols, retain_graph=True, is_grads_batched=True)
+        (v,) = backpropagate(output, [edge], cols, cpass.batched)
         v = v.flatten(0, 1)
         b = v.T @ v if b is None else b.add_(v.T @ v)
     factors = {}

@@ -65,20 +65,46 @@ def check_reduction(loss_module) -> None:
 
 
 # ------------------------------------------------------------------------ graph traversal
-def module_outputs(root: torch.Tensor) -> Dict[object, List[Tuple[int, GradientEdge]]]:
-    """Extended-module calls upstream of ``root``: record -> [(output index, gradient edge)]."""
+#: backward ops that ``vmap`` runs sample by sample (no batching rule in PyTorch): graphs with
+#: them propagate columns one at a time, which is faster than the vmap fallback
+_NO_BATCHING_RULE = {
+    "MaxPool1DWithIndicesBackward0", "MaxPool2DWithIndicesBackward0",
+    "MaxPool3DWithIndicesBackward0", "ScaledDotProductFlashAttentionForCpuBackward0",
+    "ScaledDotProductEfficientAttentionBackward0", "ScaledDotProductFlashAttentionBackward0",
+}
+
+
+def module_outputs(root: torch.Tensor):
+    """Extended-module calls upstream of ``root``: record -> [(output index, gradient edge)],
+    and whether the graph may propagate columns batched (``vmap``) efficiently."""
     found: Dict[object, List[Tuple[int, GradientEdge]]] = defaultdict(list)
-    stack, seen = [root.grad_fn], set()
+    stack, seen, batchable = [root.grad_fn], set(), True
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
+        batchable = batchable and type(node).__name__ not in _NO_BATCHING_RULE
         for record, index, output_nr in node.metadata.get(_METADATA, ()):
             if record.args is not None:
                 found[record].append((index, GradientEdge(node, output_nr)))
         stack.extend(fn for fn, _ in node.next_functions)
-    return found
+    return found, batchable
+
+
+def backpropagate(outputs, edges, columns: torch.Tensor, batched: bool):
+    """``J^T`` of each edge applied to every column (``[k, *out]`` per edge, None if unused)."""
+    with STATE.suspend():
+        if batched:
+            return torch.autograd.grad(
+                outputs, edges, columns, retain_graph=True, is_grads_batched=True,
+                allow_unused=True,
+            )
+        per_column = [
+            torch.autograd.grad(outputs, edges, column, retain_graph=True, allow_unused=True)
+            for column in columns
+        ]
+    return [None if parts[0] is None else torch.stack(parts) for parts in zip(*per_column)]
 
 
 def expand_call(call: Call, columns) -> Call:
@@ -153,7 +179,7 @@ class CurvaturePass:
         module, output, target = self.loss.module, self.loss.output, self.loss.target
         rule = loss_rule_for(module)
         rule.check(module, output.detach(), target)
-        calls = module_outputs(output)
+        calls, self.batched = module_outputs(output)
         self._check_modules(calls)
         groups = defaultdict(list)
         for ext in self.exts:
@@ -208,11 +234,7 @@ class CurvaturePass:
             _check_single_use(records)
         kron_b: Dict[Tuple[object, str, str], list] = {}
         for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
-            with STATE.suspend():
-                back = torch.autograd.grad(
-                    self.loss.output, edges, cols, retain_graph=True,
-                    is_grads_batched=True, allow_unused=True,
-                )
+            back = backpropagate(self.loss.output, edges, cols, self.batched)
             it = iter(back)
             outs = {record: [next(it) for _ in calls[record]] for record in records}
             if diag_exts:
