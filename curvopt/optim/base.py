@@ -37,8 +37,15 @@ class ParamUpdate:
     consumed: dict[str, Any] = field(default_factory=dict)
 
 
-def check_number(name: str, value, low: float = 0.0, high: float = math.inf, *,
-                 open_high: bool = False, integer: bool = False) -> None:
+def check_number(
+    name: str,
+    value,
+    low: float = 0.0,
+    high: float = math.inf,
+    *,
+    open_high: bool = False,
+    integer: bool = False,
+) -> None:
     """Raise ``ValueError`` unless ``low <= value <= high`` (``< high`` if ``open_high``)."""
     kind = int if integer else Real
     ok = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
@@ -122,14 +129,23 @@ class CurvatureOptimizer(Optimizer):
         return collect(*(getattr(extensions, name)(**options) for name, options in specs.values()))
 
     # ----------------------------------------------------------------- reading quantities
-    @staticmethod
-    def _describe(group: dict[str, Any], index: int, param: torch.Tensor) -> str:
+    def _describe(self, group: dict[str, Any], index: int, param: torch.Tensor) -> str:
+        """``parameter 'name' (shape ...)``, or its position over all groups (as in state_dict)."""
         names = group.get("param_names")
-        where = repr(names[index]) if names else f"#{index}"
+        if names:
+            where = repr(names[index])
+        else:
+            offset = 0
+            for other in self.param_groups:
+                if other is group:
+                    break
+                offset += len(other["params"])
+            where = f"#{offset + index}"
         return f"parameter {where} (shape {tuple(param.shape)})"
 
-    def _read(self, param: torch.Tensor, attr: str, description: str, extension: str,
-              fallback: str | None) -> Any:
+    def _read(
+        self, param: torch.Tensor, attr: str, description: str, extension: str, fallback: str | None
+    ) -> Any:
         """``param.<attr>``, or ``None`` when it is missing and a ``fallback`` is set.
 
         Raises ``RuntimeError`` when it is missing without fallback, or when it is the very
@@ -149,15 +165,16 @@ class CurvatureOptimizer(Optimizer):
             )
         if value is self._consumed.get(param, {}).get(attr):
             raise RuntimeError(
-                f"{description}: `{attr}` is the same object a previous step already used; run "
-                "the backward pass inside `with opt.collect():` (or use `opt.step(closure)`) before "
-                "every step"
+                f"{description}: `{attr}` is the same object a previous step already used; "
+                "run the backward pass inside `with opt.collect():` (or use "
+                "`opt.step(closure)`) before every step"
             )
         return value
 
     # ----------------------------------------------------------------- stepping
-    def _plan_group(self, group: dict[str, Any], group_state: dict[str, Any],
-                    with_model: bool) -> tuple[list[ParamUpdate], float]:
+    def _plan_group(
+        self, group: dict[str, Any], group_state: dict[str, Any], with_model: bool
+    ) -> tuple[list[ParamUpdate], float]:
         """Plan the step of one group without modifying anything.
 
         Returns the updates and, when ``with_model``, the change ``q(s) − q(0)`` that the
@@ -213,9 +230,11 @@ class CurvatureOptimizer(Optimizer):
         """``Σ δ/2 (‖θ − Δ‖² − ‖θ‖²)``: the change of the weight-decay term by the step."""
         change = 0.0
         for group, (updates, _) in zip(self.param_groups, plans):
+            if group["weight_decay"] == 0:
+                continue
             for u in updates:
-                change += 0.5 * group["weight_decay"] * float(
-                    (u.delta * (u.delta - 2 * u.param)).sum()
+                change += (
+                    0.5 * group["weight_decay"] * float((u.delta * (u.delta - 2 * u.param)).sum())
                 )
         return change
 

@@ -27,13 +27,33 @@ class DiagGGNNewton(NewtonOptimizer):
             :mod:`curvopt.optim.newton` (all off by default).
     """
 
-    def __init__(self, params, lr: float, damping, curvature: str = "mc",
-                 weight_decay: float = 0.0, *, mc_samples: int = 1, momentum: float = 0.0,
-                 curvature_ema: float = 0.0, curvature_interval: int = 1,
-                 kl_clip: float | None = None, fallback: str | None = None):
-        defaults = {"lr": lr, "damping": damping, "curvature": curvature, "weight_decay": weight_decay,
-                        "mc_samples": mc_samples, "momentum": momentum, "curvature_ema": curvature_ema,
-                        "curvature_interval": curvature_interval, "kl_clip": kl_clip, "fallback": fallback}
+    def __init__(
+        self,
+        params,
+        lr: float,
+        damping,
+        curvature: str = "mc",
+        weight_decay: float = 0.0,
+        *,
+        mc_samples: int = 1,
+        momentum: float = 0.0,
+        curvature_ema: float = 0.0,
+        curvature_interval: int = 1,
+        kl_clip: float | None = None,
+        fallback: str | None = None,
+    ):
+        defaults = {
+            "lr": lr,
+            "damping": damping,
+            "curvature": curvature,
+            "weight_decay": weight_decay,
+            "mc_samples": mc_samples,
+            "momentum": momentum,
+            "curvature_ema": curvature_ema,
+            "curvature_interval": curvature_interval,
+            "kl_clip": kl_clip,
+            "fallback": fallback,
+        }
         super().__init__(params, defaults)
 
     def _validate(self, group):

@@ -41,15 +41,37 @@ class KFAC(NewtonOptimizer):
             :mod:`curvopt.optim.newton` (all off by default).
     """
 
-    def __init__(self, params, lr: float, damping, curvature: str = "kfac",
-                 weight_decay: float = 0.0, *, kronecker_damping: str = "trace_norm",
-                 inverse_interval: int = 1, mc_samples: int = 1, momentum: float = 0.0,
-                 curvature_ema: float = 0.0, curvature_interval: int = 1,
-                 kl_clip: float | None = None, fallback: str | None = None):
-        defaults = {"lr": lr, "damping": damping, "curvature": curvature, "weight_decay": weight_decay,
-                        "kronecker_damping": kronecker_damping, "inverse_interval": inverse_interval,
-                        "mc_samples": mc_samples, "momentum": momentum, "curvature_ema": curvature_ema,
-                        "curvature_interval": curvature_interval, "kl_clip": kl_clip, "fallback": fallback}
+    def __init__(
+        self,
+        params,
+        lr: float,
+        damping,
+        curvature: str = "kfac",
+        weight_decay: float = 0.0,
+        *,
+        kronecker_damping: str = "trace_norm",
+        inverse_interval: int = 1,
+        mc_samples: int = 1,
+        momentum: float = 0.0,
+        curvature_ema: float = 0.0,
+        curvature_interval: int = 1,
+        kl_clip: float | None = None,
+        fallback: str | None = None,
+    ):
+        defaults = {
+            "lr": lr,
+            "damping": damping,
+            "curvature": curvature,
+            "weight_decay": weight_decay,
+            "kronecker_damping": kronecker_damping,
+            "inverse_interval": inverse_interval,
+            "mc_samples": mc_samples,
+            "momentum": momentum,
+            "curvature_ema": curvature_ema,
+            "curvature_interval": curvature_interval,
+            "kl_clip": kl_clip,
+            "fallback": fallback,
+        }
         super().__init__(params, defaults)
 
     def _validate(self, group):
@@ -76,13 +98,19 @@ class KFAC(NewtonOptimizer):
         matrix = as_matrix(grad, curvature)
         interval = group["inverse_interval"]
         if group["kronecker_damping"] == "exact":
-            entry = cached(state.get("eigh"), curvature_step, step, interval,
-                           lambda: kron_eigh(curvature))
+            entry = cached(
+                state.get("eigh"), curvature_step, step, interval, lambda: kron_eigh(curvature)
+            )
             direction = exact_damped_solve(entry["value"], matrix, damping)
             cache = {"eigh": entry}
         else:
-            entry = cached(state.get("inverse"), (curvature_step, damping), step, interval,
-                           lambda: trace_norm_inverse(curvature, damping))
+            entry = cached(
+                state.get("inverse"),
+                (curvature_step, damping),
+                step,
+                interval,
+                lambda: trace_norm_inverse(curvature, damping),
+            )
             direction = kron_matmul(entry["value"], matrix)
             cache = {"inverse": entry}
         return direction.reshape(grad.shape), cache

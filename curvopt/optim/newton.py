@@ -55,9 +55,16 @@ class NewtonOptimizer(CurvatureOptimizer):
     def _check_curvature(self, curvature: Any, param: torch.Tensor) -> None:
         """Raise ``ValueError`` if ``curvature`` does not fit ``param``."""
 
-    def _direction(self, grad: torch.Tensor, curvature: Any, state: dict[str, Any],
-                   group: dict[str, Any], step: int, damping: float,
-                   curvature_step: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    def _direction(
+        self,
+        grad: torch.Tensor,
+        curvature: Any,
+        state: dict[str, Any],
+        group: dict[str, Any],
+        step: int,
+        damping: float,
+        curvature_step: int,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         """``(C + λ I)⁻¹ g`` (shape of ``grad``) and the cache entries to keep in the state."""
         raise NotImplementedError
 
@@ -126,8 +133,9 @@ class NewtonOptimizer(CurvatureOptimizer):
 
         nu = 1.0
         if group["kl_clip"] is not None:
-            nu = kl_clip_factor([p[1] for p in planned], [p[2] for p in planned],
-                                group["lr"], group["kl_clip"])
+            nu = kl_clip_factor(
+                [p[1] for p in planned], [p[2] for p in planned], group["lr"], group["kl_clip"]
+            )
         predicted = 0.0
         for update, grad, direction, curvature, state in planned:
             velocity = momentum(state.get("momentum"), direction * nu, group["momentum"])
@@ -155,7 +163,9 @@ class NewtonOptimizer(CurvatureOptimizer):
     def _adapt(self, due, actual, predicted) -> None:
         rho = reduction_ratio(actual, predicted)
         for index in due:
-            strategy, damping_state = self._damping(self.param_groups[index], self._group_state[index])
+            strategy, damping_state = self._damping(
+                self.param_groups[index], self._group_state[index]
+            )
             self._group_state[index]["damping"] = strategy.update(damping_state, rho)
 
     def damping(self, group_index: int = 0) -> float:
