@@ -1,0 +1,161 @@
+"""Command line: ``python -m experiments run ...`` and ``python -m experiments grid ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .data import DataMissingError, default_root
+from .problems import PROBLEMS
+from .runner import (
+    DAMPED,
+    OPTIMIZERS,
+    PAPER_DAMPINGS,
+    PAPER_LRS,
+    RunConfig,
+    SetupError,
+    grid,
+    run,
+)
+
+SYNTHETIC_BANNER = "*** SYNTHETIC DATA: random images and labels, not a real result ***"
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("problem", choices=list(PROBLEMS))
+    p.add_argument("optimizer", choices=list(OPTIMIZERS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=int, help="default: the problem's (50/100/100/350)")
+    p.add_argument("--batch-size", type=int, help="default: the problem's (128, 256 for All-CNN-C)")
+    p.add_argument("--train-size", type=int, help="train on this many samples only (budgeted runs)")
+    p.add_argument("--eval-size", type=int, help="cap the train-eval/valid/test sets at this size")
+    p.add_argument(
+        "--valid-size",
+        type=int,
+        default=10_000,
+        help="training samples held out for validation (default 10000)",
+    )
+    p.add_argument(
+        "--no-augment",
+        dest="augment",
+        action="store_false",
+        default=None,
+        help="switch off the CIFAR data augmentation",
+    )
+    p.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="use random data of the right shape (marked synthetic everywhere)",
+    )
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:1, ...")
+    p.add_argument(
+        "--data-root",
+        default=None,
+        help=f"data folder (default $CURVOPT_DATA or ./data; now {default_root()})",
+    )
+    p.add_argument("--results-dir", default="results")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m experiments", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_run = sub.add_parser("run", help="one training run")
+    _common(p_run)
+    p_run.add_argument("--lr", type=float, required=True)
+    p_run.add_argument("--damping", type=float, help=f"required for {', '.join(sorted(DAMPED))}")
+    p_grid = sub.add_parser("grid", help="the paper's grid search, then seeds of the best setting")
+    _common(p_grid)
+    p_grid.add_argument("--lrs", type=float, nargs="+", default=list(PAPER_LRS))
+    p_grid.add_argument("--dampings", type=float, nargs="+", default=list(PAPER_DAMPINGS))
+    p_grid.add_argument(
+        "--seeds", type=int, default=10, help="seeds of the best setting (default 10)"
+    )
+    return parser.parse_args(argv)
+
+
+def _config(args, lr: float, damping: float | None) -> RunConfig:
+    return RunConfig(
+        problem=args.problem,
+        optimizer=args.optimizer,
+        lr=lr,
+        damping=damping,
+        seed=args.seed,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        train_size=args.train_size,
+        eval_size=args.eval_size,
+        valid_size=args.valid_size,
+        augment=args.augment,
+        synthetic=args.synthetic,
+    )
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def _print_run(result: dict) -> None:
+    if result["synthetic"]:
+        print(SYNTHETIC_BANNER)
+    f, t = result["final"], result["timing"]
+    state = "skipped (already finished)" if result.get("skipped") else result["status"]
+    print(
+        f"{result['name']}: {state}; epoch {f['epoch']}: train loss {_fmt(f['train_loss'])} "
+        f"acc {_fmt(f['train_acc'])}, valid acc {_fmt(f['valid_acc'])}, "
+        f"test loss {_fmt(f['test_loss'])} acc {_fmt(f['test_acc'])}; "
+        f"train {t['epoch_s']:.1f}s (update {t['update_s']:.1f}s), eval {t['eval_s']:.1f}s"
+    )
+
+
+def _print_grid(summary: dict) -> None:
+    banner = [SYNTHETIC_BANNER] if summary["synthetic"] else []
+    print(
+        "\n".join(
+            banner
+            + [
+                f"grid {summary['problem']} / {summary['optimizer']}"
+                + (" [SYNTHETIC]" if summary["synthetic"] else "")
+            ]
+        )
+    )
+    print(f"{'lr':>8} {'damping':>8} {'status':>9} {'valid acc':>9} {'test acc':>9}")
+    best = summary["best"]
+    for row in summary["search"]:
+        mark = "  <- best" if (row["lr"], row["damping"]) == (best["lr"], best["damping"]) else ""
+        damping = "-" if row["damping"] is None else f"{row['damping']:g}"
+        print(
+            f"{row['lr']:>8g} {damping:>8} {row['status']:>9} {_fmt(row['valid_acc']):>9} "
+            f"{_fmt(row['test_acc']):>9}{mark}"
+        )
+    print(
+        f"best over {len(summary['seeds'])} seeds: test acc {_fmt(summary['test_acc_mean'])} "
+        f"± {_fmt(summary['test_acc_std'])}  ({summary['path']})"
+    )
+    if banner:
+        print(SYNTHETIC_BANNER)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    where = {
+        "results_dir": args.results_dir,
+        "data_root": args.data_root,
+        "device": args.device,
+        "progress": args.progress,
+    }
+    try:
+        if args.command == "run":
+            _print_run(run(_config(args, args.lr, args.damping), **where))
+        else:
+            damping = args.dampings[0] if args.optimizer in DAMPED else None
+            base = _config(args, args.lrs[0], damping)
+            _print_grid(grid(base, args.lrs, args.dampings, args.seeds, **where))
+    except (DataMissingError, SetupError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
