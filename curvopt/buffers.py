@@ -5,6 +5,11 @@ itself on a CPU. Like ``p.grad``, a per-sample result is therefore written into 
 the previous pass left on the parameter, but only when nothing else can observe it: no other
 Python reference and no view of its storage. Otherwise a new tensor is allocated, so results a
 user kept are never overwritten.
+
+A reused tensor is taken off the parameter while it is being overwritten: the pass puts it back
+when it has finished, and a pass that fails half-way (for whatever reason: an unsupported
+module, an exception in a user's tensor hook, an interrupt) leaves the attribute absent rather
+than half-written.
 """
 
 from __future__ import annotations
@@ -14,21 +19,45 @@ from typing import Optional
 
 import torch
 
-# references held while inspecting: the attribute dict, two local names, getrefcount's argument
-_PRIVATE_REFS = 4
-# storage references while inspecting: the tensor itself and the temporary storage object
-_PRIVATE_STORAGE_REFS = 2
+
+def _references(tensor: torch.Tensor):
+    """``(Python refs of tensor, refs of its StorageImpl, Python refs of its storage object)``.
+
+    A view, a ``.numpy()`` array or ``set_`` shares the StorageImpl; a kept
+    ``untyped_storage()`` object does not add a StorageImpl reference (the Python storage object
+    is cached on it) but is itself referenced once more.
+    """
+    storage = tensor.untyped_storage()
+    storage_refs = torch._C._storage_Use_Count(storage._cdata)
+    return sys.getrefcount(tensor), storage_refs, sys.getrefcount(storage)
+
+
+def _calibrate():
+    """The references of a tensor only a parameter's ``__dict__`` holds, inspected through the
+    same call depth as :func:`reusable_attribute` uses (the counts depend on the Python and torch
+    versions, so they are measured rather than hard-coded)."""
+    param = torch.nn.Parameter(torch.empty(1))
+    param.__dict__["_curvopt_probe"] = torch.empty(1)
+    old = param.__dict__.get("_curvopt_probe")
+    return _probe(old)
+
+
+def _probe(tensor: torch.Tensor):
+    return _references(tensor)
 
 
 def _is_private(tensor: torch.Tensor) -> bool:
-    storage_refs = torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
-    return sys.getrefcount(tensor) <= _PRIVATE_REFS and storage_refs <= _PRIVATE_STORAGE_REFS
+    """No Python reference and no storage sharer besides ``param.__dict__``."""
+    return all(a <= b for a, b in zip(_references(tensor), _PRIVATE))
+
+
+_PRIVATE = _calibrate()
 
 
 def reusable_attribute(
     param: torch.Tensor, attr: str, shape: torch.Size, like: torch.Tensor
 ) -> Optional[torch.Tensor]:
-    """``param.<attr>`` if it has ``shape`` and ``like``'s dtype/device and is private, else None."""
+    """``param.<attr>`` if it has ``shape``, ``like``'s dtype/device and is private, else None."""
     old = param.__dict__.get(attr)
     if (
         isinstance(old, torch.Tensor)
@@ -43,9 +72,11 @@ def reusable_attribute(
 
 
 def empty_result(param: torch.Tensor, attr: str, shape, like: torch.Tensor) -> torch.Tensor:
-    """A tensor to write ``param.<attr>`` into: the previous one when private, else a new one."""
+    """A tensor to write ``param.<attr>`` into: the previous one when private (then removed from
+    ``param`` until the pass writes it back), else a new one."""
     shape = torch.Size(shape)
     old = reusable_attribute(param, attr, shape, like)
     if old is not None:
+        del param.__dict__[attr]
         return old
     return torch.empty(shape, dtype=like.dtype, device=like.device)

@@ -5,8 +5,11 @@ vector-Jacobian product with ``dL/dy_n`` gives ``g_n``; ``vmap`` batches this ov
 Costs one extra forward per sample; registered rules are faster.
 
 Inputs are split into samples along ``batch_dim`` for every tensor argument whose size there
-equals ``N``; others (masks, shared tensors) are passed whole. Stochastic modules in training
-mode (dropout) cannot be re-run identically, so they are rejected.
+equals ``N``; others (masks, shared tensors) are passed whole; rules for known modules name
+them instead (:meth:`GenericRule.sample_inputs`). Modules with several tensor outputs get the
+gradient of each (outputs that depend on other outputs are handled, see
+:meth:`GenericRule._external_gradients`). Stochastic modules in training mode (dropout) cannot
+be re-run identically, so they are rejected; so are modules ``vmap`` cannot run.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers.registry import LayerRule, register
 from curvopt.state import STATE
+
+#: elements of per-sample gradients held at once when only reduced quantities are wanted
+_CHUNK_ELEMENTS = 1 << 21
 
 _STOCHASTIC = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
 
@@ -52,6 +58,45 @@ class GenericRule(LayerRule):
         result = call.cache["generic"][name]
         return result if out is None else out.copy_(result)
 
+    # Reduced quantities: all owned parameters at once, chunk by chunk of samples split with
+    # this rule's own knowledge of which inputs are batched (``Call.slice`` cannot know it).
+    def batch_l2(self, call, name):
+        return self._reduced(call)[name][0]
+
+    def sum_grad_squared(self, call, name):
+        return self._reduced(call)[name][1]
+
+    def grad_sum(self, call, name):
+        return self._reduced(call)[name][2]
+
+    def _reduced(self, call) -> Dict[str, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``name -> (||g_n||^2 [N], sum_n g_n**2, sum_n g_n)`` for every owned parameter."""
+        if "generic_reduced" in call.cache:
+            return call.cache["generic_reduced"]
+        numel = sum(
+            p.numel()
+            for p in owned_parameters(call.module, self.owns_children).values()
+            if p.requires_grad
+        )
+        n = call.batch_size
+        step = max(1, _CHUNK_ELEMENTS // max(1, numel))
+        parts: Dict[str, list] = {}
+        sums: Dict[str, list] = {}
+        for start in range(0, n, step):
+            chunk = self._run(call, (start, min(n, start + step)))
+            for name, g in chunk.items():
+                l2 = torch.linalg.vector_norm(g.flatten(1), dim=1).pow_(2)
+                sq = torch.linalg.vector_norm(g, dim=0).pow_(2)
+                parts.setdefault(name, []).append(l2)
+                if name in sums:
+                    sums[name][0].add_(sq)
+                    sums[name][1].add_(g.sum(0))
+                else:
+                    sums[name] = [sq, g.sum(0)]
+        result = {k: (torch.cat(parts[k]), sums[k][0], sums[k][1]) for k in parts}
+        call.cache["generic_reduced"] = result
+        return result
+
     def sample_inputs(self, call) -> Tuple[tuple, dict, List[Optional[int]]]:
         """``(args, kwargs, dims)``: the inputs to re-run the module on and, for each leaf of
         ``tree_flatten((args, kwargs))``, the dim that indexes samples (``None``: the leaf is
@@ -74,13 +119,34 @@ class GenericRule(LayerRule):
 
     def batch_grads(self, call) -> Dict[str, torch.Tensor]:
         """All owned parameters' per-sample gradients from one vmapped pass."""
+        return self._run(call)
+
+    def _run(self, call, samples=None) -> Dict[str, torch.Tensor]:
+        """:meth:`_vmapped` with the output gradients of ``call`` (all samples, or a range)."""
+        if "generic_grads" not in call.cache:
+            grad_out = call.grad_out if isinstance(call.grad_out, tuple) else (call.grad_out,)
+            if sum(g is not None for g in grad_out) > 1:
+                call.cache["generic_grads"] = self._external_gradients(call, grad_out)
+            else:
+                call.cache["generic_grads"] = None, grad_out
+        positions, grad_out = call.cache["generic_grads"]
+        try:
+            return self._vmapped(call, grad_out, positions, samples)
+        except _OutputMismatch:  # some tensor outputs do not require grad: find which do
+            positions = self._grad_positions(call, len(grad_out))
+            call.cache["generic_grads"] = positions, grad_out
+            return self._vmapped(call, grad_out, positions, samples)
+
+    def _vmapped(self, call, grad_out, positions, samples=None) -> Dict[str, torch.Tensor]:
+        """``vmap`` over samples of the VJP of the re-run module with the output gradients;
+        ``positions[i]``: the index among the module's tensor outputs of gradient ``i``
+        (``None``: the same index, checked); ``samples``: ``(start, stop)`` to restrict to."""
         module = call.module
         params = {
             k: p.detach()
             for k, p in owned_parameters(module, self.owns_children).items()
             if p.requires_grad
         }
-        grad_out = call.grad_out if isinstance(call.grad_out, tuple) else (call.grad_out,)
         args, kwargs, dims = self.sample_inputs(call)
         leaves, spec = tree_flatten((args, kwargs))
         leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -91,6 +157,11 @@ class GenericRule(LayerRule):
         used = [i for i, g in enumerate(grad_out) if g is not None]
         grads = [grad_out[i] for i in used]
         grad_dims = [out_dims[i] for i in used]
+        if samples is not None:
+            start, length = samples[0], samples[1] - samples[0]
+            sample_leaves = [x.narrow(d, start, length) for x, d in zip(sample_leaves, sample_dims)]
+            grads = [g.narrow(d, start, length) for g, d in zip(grads, grad_dims)]
+        picked = used if positions is None else [positions[i] for i in used]
 
         def one_sample(sample, cotangents):
             it = iter(zip(sample, sample_dims))
@@ -98,9 +169,10 @@ class GenericRule(LayerRule):
             args, kwargs = tree_unflatten(full, spec)
 
             def forward(p):
-                out = self.rerun(module, p, args, kwargs)
-                outs = out if isinstance(out, tuple) else (out,)
-                return tuple(outs[i] for i in used)
+                outs = _tensors(self.rerun(module, p, args, kwargs))
+                if positions is None and len(outs) != len(grad_out):
+                    raise _OutputMismatch
+                return tuple(outs[i] for i in picked)
 
             _, pullback = vjp(forward, params)
             return pullback(tuple(c.unsqueeze(d) for c, d in zip(cotangents, grad_dims)))[0]
@@ -109,13 +181,98 @@ class GenericRule(LayerRule):
             try:
                 return vmap(one_sample, in_dims=(sample_dims, grad_dims))(sample_leaves, grads)
             except (RuntimeError, NotImplementedError, ValueError) as error:
-                path = getattr(module, "_curvopt_path", type(module).__name__)
                 raise UnsupportedModuleError(
-                    f"curvopt cannot compute per-sample quantities for module {path!r} "
+                    f"curvopt cannot compute per-sample quantities for module {_path(module)!r} "
                     f"({type(module).__name__}): it has no dedicated rule and re-running it sample "
                     f"by sample with torch.func.vmap failed ({type(error).__name__}: {error}); "
                     "register a rule for it with curvopt.layers.register"
                 ) from error
+
+    def _grad_positions(self, call, count: int, outs=None) -> List[int]:
+        """Indices of the tensor outputs that required grad in the recorded call (the hooks
+        receive gradients for those only)."""
+        outs = self._eager_outputs(call) if outs is None else outs
+        positions = [i for i, t in enumerate(outs) if t.requires_grad]
+        if len(positions) != count:
+            raise UnsupportedModuleError(
+                f"curvopt cannot match the {count} output gradients of module "
+                f"{_path(call.module)!r} ({type(call.module).__name__}) to its {len(outs)} tensor "
+                "outputs when re-running it; register a rule for it with curvopt.layers.register"
+            )
+        return positions
+
+    def _external_gradients(self, call, grad_out):
+        """``(positions, grads)``: which of the module's tensor outputs the gradients belong to,
+        and the gradients that reach each output from *outside* the module.
+
+        The hooks see the total derivative of the loss w.r.t. each output. When one output is
+        computed from another inside the module (``h = o * tanh(c)`` in ``LSTMCell``), the
+        total gradient of ``c`` already contains the path through ``h``; back-propagating both
+        through the module would count it twice. With ``D_ij`` the module-internal derivative
+        of output ``i`` w.r.t. output ``j``, the totals are ``g_j = e_j + sum_i D_ij^T e_i``,
+        solved for the external gradients ``e`` starting from the outputs nothing else
+        depends on. Costs one eager forward of the batch; only for modules with several outputs
+        that receive gradients."""
+        count = len(grad_out)
+        all_outs = self._eager_outputs(call)
+        positions = self._grad_positions(call, count, all_outs)
+        outs = [all_outs[i] for i in positions]
+        with STATE.suspend(), torch.enable_grad():
+
+            def pull(i, j, cotangent):
+                return torch.autograd.grad(
+                    outs[i], outs[j], cotangent, retain_graph=True, allow_unused=True
+                )[0]
+
+            depends = {
+                (i, j): i != j and pull(i, j, torch.ones_like(outs[i])) is not None
+                for i in range(count)
+                for j in range(count)
+            }
+            external: List[Optional[torch.Tensor]] = [None] * count
+            remaining = set(range(count))
+            while remaining:
+                ready = [j for j in remaining if not any(depends[i, j] for i in remaining)]
+                for j in ready:
+                    g = grad_out[j]
+                    if g is not None:
+                        for i in range(count):
+                            if depends[i, j] and external[i] is not None:
+                                g = g - pull(i, j, external[i])
+                    external[j] = g
+                remaining.difference_update(ready)
+        return positions, tuple(external)
+
+    def _eager_outputs(self, call) -> List[torch.Tensor]:
+        """The module's tensor outputs re-computed on the whole batch with autograd, inputs
+        requiring grad as they did in the recorded call."""
+
+        def prep(x):
+            if isinstance(x, torch.Tensor):
+                return x.detach().requires_grad_(x.requires_grad)
+            return x
+
+        leaves, spec = tree_flatten((call.args, call.kwargs))
+        args, kwargs = tree_unflatten([prep(x) for x in leaves], spec)
+        with STATE.suspend(), torch.enable_grad():
+            return _tensors(call.module(*args, **kwargs))
+
+
+class _OutputMismatch(Exception):
+    """The re-run module has more tensor outputs than gradients arrived for."""
+
+
+def _path(module) -> str:
+    return getattr(module, "_curvopt_path", type(module).__name__)
+
+
+def _tensors(output) -> List[torch.Tensor]:
+    """The top-level tensors of a module output, as the forward hooks see them."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for t in output if isinstance(t, torch.Tensor)]
+    return []
 
 
 def _unsqueeze(x, dim):
@@ -170,3 +327,16 @@ class MultiheadAttentionRule(GenericRule):
         if isinstance(mask, torch.Tensor) and mask.dim() == 4:
             kwargs = {**kwargs, "attn_mask": mask.flatten(0, 1)}
         return functional_call(module, params, args, kwargs)
+
+
+@register(nn.RNNBase)
+class RecurrentRule(GenericRule):
+    """``nn.RNN``/``nn.LSTM``/``nn.GRU`` are rejected with a clear error: their hidden-state
+    outputs (nested in a tuple), the ``batch_first``-dependent batch dim of ``output`` but not of
+    ``h_n``, and packed sequences cannot be handled by the generic re-run."""
+
+    def check(self, module):
+        return (
+            "recurrent layers (nn.RNN/LSTM/GRU) are not supported; unroll the sequence with "
+            "nn.RNNCell/LSTMCell/GRUCell (passing the initial state explicitly), which is supported"
+        )
