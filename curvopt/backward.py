@@ -14,6 +14,7 @@ from torch.autograd import Variable
 
 from curvopt.buffers import empty_result
 from curvopt.errors import MissingLossError, UnsupportedModuleError
+from curvopt.hooks import shared_parameters, trainable
 from curvopt.layers import rule_for
 from curvopt.records import Call
 
@@ -41,6 +42,8 @@ class BackwardPass:
         self.loss_seen = False
         self.batch_size: Optional[int] = None
         self.reused: Dict[int, bool] = {}
+        self.shared: Optional[set] = None
+        self.totals: Dict[int, torch.Tensor] = {}  # id(p): sum_n g_n, where computed
         self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
         self.results: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
         self.failed = False
@@ -89,11 +92,14 @@ class BackwardPass:
         grad_out = grads[0] if len(grads) == 1 else grads
         call = Call(module, record.args, record.kwargs, grad_out, rule.batch_dim(module))
         self._check_batch_size(call)
+        params = trainable(module)
+        if self.shared is None:
+            self.shared = shared_parameters()
         key = id(module)
         if key not in self.reused:
-            self.reused[key] = module._curvopt_live > 1 or module._curvopt_shared
+            self.reused[key] = module._curvopt_live > 1 or any(id(p) in self.shared for _, p in params)
         materialise = "grad_batch" in self.attrs or self.reused[key]
-        for name, p in _owned(module):
+        for name, p in params:
             if materialise:
                 self._accumulate(p, rule, call, name)
             else:
@@ -114,7 +120,7 @@ class BackwardPass:
     def _accumulate(self, p, rule, call, name) -> None:
         """Add this call's per-sample gradients into ``[N, *p.shape]``."""
         shape = (call.batch_size, *p.shape)
-        like = call.grad_out if isinstance(call.grad_out, torch.Tensor) else call.grad_out[0]
+        like = call.first_grad
         if id(p) not in self.batch_grads:
             if "grad_batch" in self.attrs:
                 buffer = empty_result(p, "grad_batch", shape, like)
@@ -130,7 +136,7 @@ class BackwardPass:
         l2 = rule.batch_l2(call, name) if "batch_l2" in want else None
         moments = want & {"sum_grad_squared", "variance"}
         sgs = rule.sum_grad_squared(call, name) if moments else None
-        total = rule.grad_sum(call, name) if "variance" in want else None
+        total = rule.grad_sum(call, name)  # also checked against p's whole gradient
         if ("batch_l2" in want and l2 is None) or (moments and sgs is None) or (
             "variance" in want and total is None
         ):
@@ -140,7 +146,34 @@ class BackwardPass:
             total = total_c if total is None else total
         self._store(p, l2, sgs, total, call.batch_size)
 
+    def check_total(self, p, grad: torch.Tensor) -> None:
+        """``p``'s whole gradient has arrived: the per-sample gradients must sum to it.
+
+        Catches parameters also used outside the module that owns them (e.g. a tied output
+        layer ``h @ embedding.weight.T``), whose per-sample gradients no hook can see. Checked
+        wherever the per-sample sum is at hand: materialised gradients, every rule with a
+        ``grad_sum`` (Linear, Embedding, biases, norms) and chunked reductions; conv weights
+        reduced by ghost norms alone are not checked.
+        """
+        if self.failed:
+            return
+        entry = self.batch_grads.get(id(p))
+        total = entry[1].sum(0) if entry is not None else self.totals.get(id(p))
+        if total is None or grad.is_sparse:
+            return
+        tol = 1e-4 * float(grad.abs().max()) + 1e-12
+        if float((total - grad).abs().max()) > tol:
+            self._abort()
+            raise UnsupportedModuleError(
+                f"curvopt: a parameter of shape {tuple(p.shape)} receives gradient from outside "
+                "the module that owns it (used functionally, e.g. a tied output layer "
+                "'h @ embedding.weight.T'); per-sample quantities cannot see that use. Use the "
+                "parameter only through its module (e.g. an nn.Linear sharing the weight)"
+            )
+
     def _store(self, p, l2, sgs, total, n) -> None:
+        if total is not None:
+            self.totals[id(p)] = total
         if "batch_l2" in self.attrs:
             self.put(p, "batch_l2", l2)
         if "sum_grad_squared" in self.attrs:
@@ -185,11 +218,6 @@ class BackwardPass:
         self.failed = True
         self.batch_grads.clear()
         self.results.clear()
-
-
-def _owned(module):
-    """``(name, parameter)`` of the parameters the module's rule handles that require grad."""
-    return [(name, p) for name, p in module._curvopt_named if p.requires_grad]
 
 
 def _reduce_in_chunks(rule, call, name, shape):

@@ -24,3 +24,7 @@ class ExtensionConflictError(CurvoptError, ValueError):
 
 class MissingLossError(CurvoptError, RuntimeError):
     """A second-order quantity was requested but the loss was not an extended loss module."""
+
+
+class GraphReuseError(CurvoptError, RuntimeError):
+    """A second backward pass inside ``collect`` through a graph whose inputs were released."""

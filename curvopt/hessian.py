@@ -22,7 +22,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge
 
 from curvopt.errors import UnsupportedModuleError
-from curvopt.hooks import _METADATA
+from curvopt.hooks import _METADATA, owned
 from curvopt.layers.unfold import unfold_conv_input
 from curvopt.second_order import add_diagonals, backpropagate
 from curvopt.state import STATE
@@ -183,11 +183,11 @@ def add_residuals(cpass, calls, exts) -> None:
         others = dict(calls)
         if direct is not None and all(
             _weighted_squares(direct, r[:1], name, True) is not None
-            for name, _ in direct.module._curvopt_named
+            for name, _ in owned(direct.module)
         ):
             for ext in exts:
                 batched = ext.attr.endswith("_batch")
-                for name, p in direct.module._curvopt_named:
+                for name, p in owned(direct.module):
                     if p.requires_grad:
                         cpass.bp.add(p, ext.attr, _weighted_squares(direct, r, name, batched))
             others.pop(direct)

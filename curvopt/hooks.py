@@ -8,12 +8,14 @@ computed. Hooks are installed on every module that owns parameters (and on losse
 from __future__ import annotations
 
 import itertools
-from typing import List, Optional
+import weakref
+from typing import List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
+from curvopt.errors import GraphReuseError
 from curvopt.layers import rule_for
 from curvopt.layers.generic import owned_parameters
 from curvopt.state import STATE
@@ -22,6 +24,8 @@ _HOOKED = "_curvopt_hooked"
 #: key of the autograd-node metadata listing the module calls whose output the node produced
 _METADATA = "curvopt"
 _SEQUENCE = itertools.count()
+#: every module with parameters that ``extend`` hooked
+_EXTENDED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 class Record:
@@ -50,7 +54,16 @@ class Record:
         self._dispatch(tuple(grads))
 
     def _dispatch(self, grads):
-        if STATE.suspended or self.args is None:
+        if STATE.suspended:
+            return
+        if self.args is None:
+            if STATE.collecting is not None:
+                raise GraphReuseError(
+                    f"curvopt: a second backward pass through the graph of module "
+                    f"{self.module._curvopt_path!r} inside collect; each backward pass inside "
+                    "collect needs its own forward pass (retain_graph=True is not enough, "
+                    "the module inputs were released after the first pass)"
+                )
             return
         try:
             if STATE.collecting is not None:
@@ -59,10 +72,30 @@ class Record:
             self.release()
 
 
+def owned(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` pairs the module's rule handles, looked up now (not at extend)."""
+    if module._curvopt_owns_children:
+        return list(module.named_parameters())
+    return [(name, p) for name, p in module._parameters.items() if p is not None]
+
+
+def trainable(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
+    return [(name, p) for name, p in owned(module) if p.requires_grad]
+
+
+def shared_parameters() -> Set[int]:
+    """ids of parameters owned by more than one extended module (weight tying)."""
+    seen, shared = set(), set()
+    for module in list(_EXTENDED):
+        for _, p in owned(module):
+            (shared if id(p) in seen else seen).add(id(p))
+    return shared
+
+
 def _module_forward_hook(module, args, kwargs, output):
     if STATE.suspended or not torch.is_grad_enabled():
         return
-    if not any(p.requires_grad for p in module._curvopt_params):
+    if not any(p.requires_grad for _, p in owned(module)):
         return
     outputs = [t for t in _tensors(output) if t.requires_grad]
     if not outputs:
@@ -102,30 +135,31 @@ def _hook(module: nn.Module, path: str, fn) -> None:
     setattr(module, _HOOKED, True)
 
 
-def _install(module: nn.Module, path: str, shared: set) -> None:
+def _parameter_hook(p: nn.Parameter):
+    def check(grad):
+        if not STATE.suspended and STATE.collecting is not None:
+            STATE.collecting.backward_pass().check_total(p, grad)
+
+    return check
+
+
+def _install(module: nn.Module, path: str) -> None:
     rule = rule_for(module)
-    named = list(owned_parameters(module, rule.owns_children).items())
-    params = [p for _, p in named]
+    params = owned_parameters(module, rule.owns_children)
+    for p in params.values():
+        if p.requires_grad and not getattr(p, "_curvopt_checked", False):
+            p.register_hook(_parameter_hook(p))
+            p._curvopt_checked = True
     if params:
-        module._curvopt_named = named
-        module._curvopt_params = params
+        module._curvopt_owns_children = rule.owns_children
         if not hasattr(module, "_curvopt_live"):
             module._curvopt_live = 0
-        module._curvopt_shared = any(id(p) in shared for p in params)
+        _EXTENDED.add(module)
         _hook(module, path, _module_forward_hook)
     if rule.owns_children:
         return
     for name, child in module.named_children():
-        _install(child, f"{path}.{name}" if path else name, shared)
-
-
-def _shared_parameters(root: nn.Module) -> set:
-    """ids of parameters owned by more than one module (weight tying)."""
-    seen, shared = set(), set()
-    for module in root.modules():
-        for p in module.parameters(recurse=False):
-            (shared if id(p) in seen else seen).add(id(p))
-    return shared
+        _install(child, f"{path}.{name}" if path else name)
 
 
 def extend(module: nn.Module, name: Optional[str] = None) -> nn.Module:
@@ -139,5 +173,5 @@ def extend(module: nn.Module, name: Optional[str] = None) -> nn.Module:
     if isinstance(module, nn.modules.loss._Loss):
         _hook(module, name or "", _loss_forward_hook)
         return module
-    _install(module, name or "", _shared_parameters(module))
+    _install(module, name or "")
     return module

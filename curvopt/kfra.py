@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from curvopt.hooks import owned
 from curvopt.second_order import backpropagate
 from curvopt.state import STATE
 
@@ -68,7 +69,7 @@ def kfra(cpass, loss_rule, calls) -> None:
     for record, b in factors.items():
         x = record.args[0].detach()
         n = x.shape[0]
-        for name, p in record.module._curvopt_named:
+        for name, p in owned(record.module):
             if p.requires_grad:
                 cpass.bp.add(p, "kfra", [b.clone(), x.T @ x / n] if name == "weight" else [b.clone()])
 

@@ -30,9 +30,15 @@ class Call:
         return self.args[0]
 
     @property
+    def first_grad(self) -> torch.Tensor:
+        """The gradient of the first output that received one."""
+        if isinstance(self.grad_out, torch.Tensor):
+            return self.grad_out
+        return next(g for g in self.grad_out if g is not None)
+
+    @property
     def batch_size(self) -> int:
-        grad = self.grad_out if isinstance(self.grad_out, torch.Tensor) else self.grad_out[0]
-        return grad.shape[self.batch_dim]
+        return self.first_grad.shape[self.batch_dim]
 
     def slice(self, start: int, stop: int) -> "Call":
         """The same call restricted to samples ``start:stop`` (tensors batched along batch_dim)."""

@@ -18,7 +18,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from curvopt.errors import UnsupportedLossError
-from curvopt.hooks import _METADATA
+from curvopt.hooks import _METADATA, owned, trainable
 from curvopt.layers import rule_for
 from curvopt.layers.kron import kron_factors
 from curvopt.records import Call
@@ -138,7 +138,7 @@ def diag_from_columns(rule, call: Call, columns, name: str, batched: bool, n: in
     Columns are processed in chunks so that ``[k, N, *p.shape]`` stays within a budget.
     """
     k = _first(columns).shape[0]
-    numel = dict(call.module._curvopt_named)[name].numel()
+    numel = dict(owned(call.module))[name].numel()
     step = max(1, _GRAD_BUDGET // max(1, n * numel))
     total = None
     for start in range(0, k, step):
@@ -242,14 +242,14 @@ class CurvaturePass:
             for record in records:
                 self._kron(record, outs[record], kron_exts, kron_b)
         for (record, name, attr), factors in kron_b.items():
-            p = dict(record.module._curvopt_named)[name]
+            p = dict(owned(record.module))[name]
             self.bp.add(p, attr, factors)
 
     def _kron(self, record, outs, kron_exts, kron_b) -> None:
         call, columns, n = module_call(record, outs)
         if call is None:
             return
-        for name, p in _trainable(record.module):
+        for name, p in trainable(record.module):
             for ext in kron_exts:
                 factors = kron_factors(call, columns, name, p, ext.options["kfac_approx"], n)
                 key = (record, name, ext.attr)
@@ -257,10 +257,6 @@ class CurvaturePass:
                     kron_b[key][0].add_(factors[0])
                 else:
                     kron_b[key] = factors
-
-
-def _trainable(module):
-    return [(name, p) for name, p in module._curvopt_named if p.requires_grad]
 
 
 def module_call(record, outs):
@@ -286,7 +282,7 @@ def add_diagonals(bp, calls, outs, exts, sign: float = 1.0) -> None:
         call, columns, n = module_call(record, outs[record])
         if call is None:
             continue
-        for name, p in _trainable(record.module):
+        for name, p in trainable(record.module):
             uses[id(p)].append((p, name, call, columns, n))
     for entries in uses.values():
         p = entries[0][0]

@@ -438,8 +438,7 @@ def test_clear_attributes_helper():
 
 
 # ------------------------------------------------------------------------------ known engine gaps
-# Each test accepts either the correct numbers or a clear curvopt error; today the engine returns
-# silently wrong numbers (strict xfail: the test starts passing when the engine is fixed).
+# Each test accepts either the correct numbers or a clear curvopt error, never wrong numbers.
 
 
 def _correct_or_clear_error(plain, model, lossfunc, inputs, target, attrs):
@@ -464,12 +463,6 @@ class _FunctionalTie(nn.Module):
         return (h @ self.wte.weight.T).mean(1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine: a parameter used functionally outside the module that owns it "
-    "(h @ wte.weight.T in the parent's forward) is not seen by any hook; its per-sample "
-    "gradients miss that use",
-)
 @pytest.mark.parametrize("attrs", [("grad_batch",), ("batch_l2",)])
 def test_parameter_used_outside_its_module(attrs, seed):
     plain = _FunctionalTie().to(DT)
@@ -488,12 +481,6 @@ class _TwoLinear(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hooks.extend: weight sharing is detected per extend() call (_curvopt_shared), so a "
-    "weight shared by two separately extended submodules is reduced twice and the second "
-    "write wins for batch_l2/sum_grad_squared/variance",
-)
 @pytest.mark.parametrize("attrs", [("batch_l2",), ("sum_grad_squared", "variance")])
 def test_tied_weight_in_separately_extended_submodules(attrs, seed):
     plain = _TwoLinear().to(DT)
@@ -504,11 +491,6 @@ def test_tied_weight_in_separately_extended_submodules(attrs, seed):
     _correct_or_clear_error(plain, model, nn.MSELoss(), x, y, attrs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hooks.extend caches module._curvopt_named: a parameter replaced after extend (here: "
-    "tying b.weight to a.weight) keeps receiving results on the stale Parameter object",
-)
 def test_parameter_replaced_after_extend(seed):
     plain = _TwoLinear().to(DT)
     model = copy.deepcopy(plain)
@@ -519,12 +501,6 @@ def test_parameter_replaced_after_extend(seed):
     _correct_or_clear_error(plain, model, nn.MSELoss(), x, y, ("grad_batch",))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hooks.Record drops its inputs after the first gradient arrives, so a second backward "
-    "through a retained graph inside collect writes nothing and leaves the first pass's "
-    "per-sample gradients (grad_batch.sum(0) != the second pass's gradient)",
-)
 def test_second_backward_through_retained_graph(seed):
     plain = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
     model = extended_copy(plain)

@@ -563,11 +563,6 @@ def test_embedding_bag(seed):
     _run_case(nn.EmbeddingBag(7, 3, mode="mean"), torch.randint(0, 7, (N, 4)), "sum")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="records.Call.batch_size / BackwardPass._accumulate read grad_out[0], which is None "
-    "when only a later output of a multi-output module reaches the loss",
-)
 def test_generic_only_second_output_used(seed):
     _run_case(_LSTMCellLoop(2, "c"), _x(3, 3), "sum", vmap=False)
 
