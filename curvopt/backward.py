@@ -44,6 +44,7 @@ class BackwardPass:
         self.reused: Dict[int, bool] = {}
         self.shared: Optional[set] = None
         self.totals: Dict[int, torch.Tensor] = {}  # id(p): sum_n g_n, where computed
+        self.kron_owner: Dict[Tuple[int, str], object] = {}  # (id(p), attr): module call
         self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
         self.results: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
         self.failed = False
@@ -185,14 +186,30 @@ class BackwardPass:
         """Set ``p.<attr> = value`` when the pass has finished."""
         self.results[(id(p), attr)] = (p, value)
 
+    def add_kron(self, p, attr: str, record, factors, out_index: int) -> None:
+        """Kronecker factors of one module call: the output-side factor sums over column chunks
+        and over losses; the input-side factors belong to the call. Two calls (a module used
+        twice, or under two losses on different inputs) do not form one Kronecker product."""
+        key = (id(p), attr)
+        owner = self.kron_owner.get(key)
+        if owner is None:
+            self.kron_owner[key] = record
+            self.put(p, attr, factors)
+        elif owner is record:
+            self.results[key][1][out_index].add_(factors[out_index])
+        else:
+            raise module_error(
+                record.module,
+                "Kronecker factors of a module used several times in one backward pass are not "
+                "defined (the uses' input and output factors do not combine into one Kronecker "
+                "product); use a diagonal quantity such as DiagGGNExact",
+            )
+
     def add(self, p, attr: str, value) -> None:
-        """Add ``value`` to the pending ``p.<attr>`` (a tensor, or a list of tensors)."""
+        """Add ``value`` to the pending ``p.<attr>``."""
         old = self.results.get((id(p), attr))
         if old is None:
             self.put(p, attr, value)
-        elif isinstance(value, list):
-            for acc, v in zip(old[1], value):
-                acc.add_(v)
         else:
             old[1].add_(value)
 

@@ -132,8 +132,14 @@ def curved_nodes(root: torch.Tensor) -> List[object]:
     return found
 
 
-def _weighted_squares(record, r: torch.Tensor, name: str, batched: bool):
-    """``sum_j r_j (d u_j / d p)^2`` for ``u`` the output of ``record``'s module, or None."""
+def _has_weighted_squares(module) -> bool:
+    return isinstance(module, nn.Linear) or (
+        isinstance(module, nn.modules.conv._ConvNd) and not module.transposed and module.groups == 1
+    )
+
+
+def _weighted_squares(record, r: torch.Tensor, name: str, batched: bool) -> torch.Tensor:
+    """``sum_j r_j (d u_j / d p)^2`` for ``u`` the output of ``record``'s module."""
     module, x = record.module, record.args[0]
     n = r.shape[0]
     dims = "n" if batched else ""
@@ -150,11 +156,27 @@ def _weighted_squares(record, r: torch.Tensor, name: str, batched: bool):
         x2 = unfold_conv_input(module, x).pow(2)
         out = torch.einsum(f"nol,nil->{dims}oi", rr, x2)
         return out.reshape(*out.shape[:-2], *module.weight.shape)
-    return None
+    raise AssertionError(f"no weighted squares for {type(module).__name__}")
+
+
+def _reject_shared(calls) -> None:
+    """A parameter reached through several calls has cross second derivatives between its uses
+    (``W f(W x)`` is bilinear in ``W``), which the residual terms do not include."""
+    seen = {}
+    for record in calls:
+        for name, p in owned(record.module):
+            if id(p) in seen:
+                raise _error(
+                    f"parameter {name!r} of module {record.module._curvopt_path!r} is used by "
+                    "several calls (a reused module or tied weights), whose cross second "
+                    "derivatives are not implemented"
+                )
+            seen[id(p)] = record
 
 
 def add_residuals(cpass, calls, exts) -> None:
     """Add the residual terms to the pending ``diag_h``/``diag_h_batch`` of every parameter."""
+    _reject_shared(calls)
     output = cpass.loss.output
     nodes = curved_nodes(output)
     if not nodes:
@@ -181,10 +203,7 @@ def add_residuals(cpass, calls, exts) -> None:
             continue
         direct = producers.get((fn, nr))
         others = dict(calls)
-        if direct is not None and all(
-            _weighted_squares(direct, r[:1], name, True) is not None
-            for name, _ in owned(direct.module)
-        ):
+        if direct is not None and _has_weighted_squares(direct.module):
             for ext in exts:
                 batched = ext.attr.endswith("_batch")
                 for name, p in owned(direct.module):

@@ -20,7 +20,7 @@ from torch.autograd.graph import GradientEdge
 from curvopt.errors import UnsupportedLossError
 from curvopt.hooks import _METADATA, owned, trainable
 from curvopt.layers import rule_for
-from curvopt.layers.kron import kron_factors
+from curvopt.layers.kron import kron_factors, output_factor_index
 from curvopt.records import Call
 from curvopt.state import STATE
 
@@ -143,7 +143,7 @@ def diag_from_columns(rule, call: Call, columns, name: str, batched: bool, n: in
     total = None
     for start in range(0, k, step):
         chunk = _narrow(columns, start, min(k, start + step))
-        squares = rule.column_grads(call, chunk, name).pow_(2).sum(0)
+        squares = rule.column_grads(call, chunk, name).square().sum(0)  # may alias the columns
         total = squares if total is None else total.add_(squares)
     return total if batched else total.sum(0)
 
@@ -230,9 +230,6 @@ class CurvaturePass:
         edges = [edge for r in records for _, edge in calls[r]]
         kron_exts = [e for e in exts if e.attr in ("kfac", "kflr")]
         diag_exts = [e for e in exts if e not in kron_exts]
-        if kron_exts:
-            _check_single_use(records)
-        kron_b: Dict[Tuple[object, str, str], list] = {}
         for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
             back = backpropagate(self.loss.output, edges, cols, self.batched)
             it = iter(back)
@@ -240,23 +237,16 @@ class CurvaturePass:
             if diag_exts:
                 add_diagonals(self.bp, calls, outs, diag_exts)
             for record in records:
-                self._kron(record, outs[record], kron_exts, kron_b)
-        for (record, name, attr), factors in kron_b.items():
-            p = dict(owned(record.module))[name]
-            self.bp.add(p, attr, factors)
+                self._kron(record, outs[record], kron_exts)
 
-    def _kron(self, record, outs, kron_exts, kron_b) -> None:
+    def _kron(self, record, outs, kron_exts) -> None:
         call, columns, n = module_call(record, outs)
         if call is None:
             return
         for name, p in trainable(record.module):
             for ext in kron_exts:
                 factors = kron_factors(call, columns, name, p, ext.options["kfac_approx"], n)
-                key = (record, name, ext.attr)
-                if key in kron_b:
-                    kron_b[key][0].add_(factors[0])
-                else:
-                    kron_b[key] = factors
+                self.bp.add_kron(p, ext.attr, record, factors, output_factor_index(call.module, name))
 
 
 def module_call(record, outs):
@@ -299,21 +289,6 @@ def add_diagonals(bp, calls, outs, exts, sign: float = 1.0) -> None:
                 d = grads.pow_(2).sum(0)
                 d = d if batched else d.sum(0)
             bp.add(p, ext.attr, d.mul_(sign) if sign != 1.0 else d)
-
-
-def _check_single_use(records) -> None:
-    from curvopt.backward import module_error
-
-    seen = set()
-    for record in records:
-        if record.module in seen:
-            raise module_error(
-                record.module,
-                "Kronecker factors of a module used several times in one forward pass are not "
-                "defined (the uses' input and output factors do not combine into one Kronecker "
-                "product); use a diagonal quantity such as DiagGGNExact",
-            )
-        seen.add(record.module)
 
 
 def _batch_size(call, columns) -> int:

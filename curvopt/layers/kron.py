@@ -7,8 +7,10 @@
   "reduce": ``B = sum_{k,n} (sum_t v)(sum_t v)^T``, ``A = mean_n xbar xbar^T``, ``xbar = mean_t x``.
 * ``Conv{1,2,3}d``: as "expand" with conv locations as positions and ``x`` the unfolded patches
   (KFC, Grosse & Martens 2016); ``groups > 1`` is rejected (no single Kronecker product).
-* ``Embedding`` (``W [V, D]``): ``[A (V x V), B (D x D)]`` in the order of ``W``'s dims, ``A``
-  the diagonal of token frequencies, averaged like ``x`` above.
+* ``Embedding`` (``W [V, D]``): ``[A (V x V), B (D x D)]`` in the order of ``W``'s dims; the
+  factors of a bias-free ``Linear`` on one-hot tokens (padding tokens: zero vectors): "expand"
+  ``A = diag(token counts) / (N T)``, "reduce" ``A = mean_n xbar xbar^T`` with ``xbar`` the
+  token frequencies of sample ``n``; ``B`` as above.
 * Any one-dimensional parameter (biases, norm scales): ``[B]``, the exact block
   ``sum_{k,n} g_nk g_nk^T`` from the per-(sample, column) gradients.
 
@@ -68,13 +70,28 @@ def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int)
         return _linear_like(patches, v, approx)
     if isinstance(module, nn.Embedding) and name == "weight":
         idx = call.input.reshape(n, -1)
+        dim = columns.shape[-1]
+        if approx == "reduce":
+            # the lookup is a Linear on one-hot tokens: xbar_n = token frequencies of sample n
+            counts = columns.new_zeros(n, module.num_embeddings)
+            counts.scatter_add_(1, idx, columns.new_ones(idx.shape))
+            if module.padding_idx is not None:
+                counts[:, module.padding_idx] = 0
+            xbar = counts / idx.shape[1]
+            v = columns.reshape(columns.shape[0], n, -1, dim).sum(2)
+            return [_outer(xbar) / n, _outer(v.flatten(0, 1))]
         counts = torch.bincount(idx.flatten(), minlength=module.num_embeddings).to(columns.dtype)
         if module.padding_idx is not None:
             counts[module.padding_idx] = 0
-        return [torch.diag(counts / idx.numel()), _outer(columns.reshape(-1, columns.shape[-1]))]
+        return [torch.diag(counts / idx.numel()), _outer(columns.reshape(-1, dim))]
     raise UnsupportedModuleError(
         f"curvopt has no Kronecker factorisation for parameter {name!r} of module "
         f"{module._curvopt_path!r} ({type(module).__name__}); supported: Linear, Conv1d/2d/3d "
         "(groups=1), Embedding weights and all one-dimensional parameters. Use a diagonal "
         "quantity (DiagGGNExact/DiagGGNMC) for this model"
     )
+
+
+def output_factor_index(module, name: str) -> int:
+    """Position of the output-side factor ``B`` (the one built from the columns) in the list."""
+    return 1 if isinstance(module, nn.Embedding) and name == "weight" else 0
