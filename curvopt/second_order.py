@@ -141,11 +141,13 @@ def diag_from_columns(rule, call: Call, columns, name: str, batched: bool, n: in
     numel = dict(owned(call.module))[name].numel()
     step = max(1, _GRAD_BUDGET // max(1, n * numel))
     total = None
+    dims = (0,) if batched else (0, 1)
     for start in range(0, k, step):
         chunk = _narrow(columns, start, min(k, start + step))
-        squares = rule.column_grads(call, chunk, name).square().sum(0)  # may alias the columns
+        grads = rule.column_grads(call, chunk, name)  # may alias the columns: no in-place ops
+        squares = torch.linalg.vector_norm(grads, dim=dims).square_()
         total = squares if total is None else total.add_(squares)
-    return total if batched else total.sum(0)
+    return total
 
 
 def _first(columns) -> torch.Tensor:
