@@ -1,6 +1,6 @@
 """CUDA check: every quantity on the GPU equals the CPU result (float64), plus GPU timings.
 
-    python benchmarks/gpu_check.py        # needs a CUDA device
+python benchmarks/gpu_check.py        # needs a CUDA device
 """
 
 import copy
@@ -18,18 +18,35 @@ SECOND = [ext.DiagGGNExact(), ext.BatchDiagGGNExact(), ext.KFLR(), ext.DiagHessi
 
 def cnn():
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.Sigmoid(), nn.MaxPool2d(2),
-        nn.Conv2d(8, 8, 3, stride=2, padding="valid"), nn.ReLU(), nn.Flatten(),
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.Sigmoid(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, stride=2, padding="valid"),
+        nn.ReLU(),
+        nn.Flatten(),
         nn.Linear(8 * 2 * 2, 10),
     )
 
 
 def c3d3():
     return nn.Sequential(
-        nn.Conv2d(3, 64, 5), nn.ReLU(), nn.ZeroPad2d((0, 1, 0, 1)), nn.MaxPool2d(3, 2),
-        nn.Conv2d(64, 96, 3), nn.ReLU(), nn.ZeroPad2d((0, 1, 0, 1)), nn.MaxPool2d(3, 2),
-        nn.Conv2d(96, 128, 3, padding=1), nn.ReLU(), nn.ZeroPad2d((0, 1, 0, 1)), nn.MaxPool2d(3, 2),
-        nn.Flatten(), nn.Linear(128 * 3 * 3, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(),
+        nn.Conv2d(3, 64, 5),
+        nn.ReLU(),
+        nn.ZeroPad2d((0, 1, 0, 1)),
+        nn.MaxPool2d(3, 2),
+        nn.Conv2d(64, 96, 3),
+        nn.ReLU(),
+        nn.ZeroPad2d((0, 1, 0, 1)),
+        nn.MaxPool2d(3, 2),
+        nn.Conv2d(96, 128, 3, padding=1),
+        nn.ReLU(),
+        nn.ZeroPad2d((0, 1, 0, 1)),
+        nn.MaxPool2d(3, 2),
+        nn.Flatten(),
+        nn.Linear(128 * 3 * 3, 512),
+        nn.ReLU(),
+        nn.Linear(512, 256),
+        nn.ReLU(),
         nn.Linear(256, 10),
     )
 

@@ -98,7 +98,9 @@ class BackwardPass:
             self.shared = shared_parameters()
         key = id(module)
         if key not in self.reused:
-            self.reused[key] = module._curvopt_live > 1 or any(id(p) in self.shared for _, p in params)
+            self.reused[key] = module._curvopt_live > 1 or any(
+                id(p) in self.shared for _, p in params
+            )
         materialise = "grad_batch" in self.attrs or self.reused[key]
         for name, p in params:
             if materialise:
@@ -138,8 +140,10 @@ class BackwardPass:
         moments = want & {"sum_grad_squared", "variance"}
         sgs = rule.sum_grad_squared(call, name) if moments else None
         total = rule.grad_sum(call, name)  # also checked against p's whole gradient
-        if ("batch_l2" in want and l2 is None) or (moments and sgs is None) or (
-            "variance" in want and total is None
+        if (
+            ("batch_l2" in want and l2 is None)
+            or (moments and sgs is None)
+            or ("variance" in want and total is None)
         ):
             l2_c, sgs_c, total_c = _reduce_in_chunks(rule, call, name, p.shape)
             l2 = l2_c if l2 is None else l2

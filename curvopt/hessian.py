@@ -58,35 +58,83 @@ SECOND_DERIVATIVES: Dict[str, Callable] = {
     ),
     "CeluBackward0": _from_input(lambda n: lambda u: F.celu(u, n._saved_alpha)),
     "EluBackward0": _from_input(
-        lambda n: lambda u: float(n._saved_scale)
-        * F.elu(u * float(n._saved_input_scale), float(n._saved_alpha))
+        lambda n: (
+            lambda u: (
+                float(n._saved_scale)
+                * F.elu(u * float(n._saved_input_scale), float(n._saved_alpha))
+            )
+        )
     ),
 }
 
 #: ops with zero second derivative (linear or piecewise linear) in every input
 LINEAR_OPS = {
-    "AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "NegBackward0",
-    "ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0", "TBackward0",
-    "PermuteBackward0", "TransposeBackward0", "TransposeBackward1", "ExpandBackward0",
-    "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "SqueezeBackward3",
-    "UnsqueezeBackward0", "CloneBackward0", "CatBackward0", "SplitBackward0",
-    "SplitWithSizesBackward0", "SliceBackward0", "SelectBackward0", "IndexBackward0",
-    "SumBackward0", "SumBackward1", "MeanBackward0", "MeanBackward1", "ReluBackward0",
-    "ReluBackward1", "ThresholdBackward0", "ThresholdBackward1", "LeakyReluBackward0",
-    "LeakyReluBackward1", "HardtanhBackward0", "HardtanhBackward1",
-    "MaxPool1DWithIndicesBackward0", "MaxPool2DWithIndicesBackward0",
-    "MaxPool3DWithIndicesBackward0", "AvgPool2DBackward0", "AvgPool3DBackward0",
-    "AdaptiveAvgPool2DBackward0", "AdaptiveAvgPool3DBackward0", "ConstantPadNdBackward0",
-    "ReflectionPad1DBackward0", "ReflectionPad2DBackward0", "ReplicationPad2DBackward0",
-    "MulBackward1", "DivBackward1", "NativeDropoutBackward0", "AccumulateGrad",
-    "AsStridedBackward0", "StackBackward0", "UnbindBackward0", "NarrowBackward0",
+    "AddBackward0",
+    "AddBackward1",
+    "SubBackward0",
+    "SubBackward1",
+    "NegBackward0",
+    "ViewBackward0",
+    "ReshapeAliasBackward0",
+    "UnsafeViewBackward0",
+    "TBackward0",
+    "PermuteBackward0",
+    "TransposeBackward0",
+    "TransposeBackward1",
+    "ExpandBackward0",
+    "SqueezeBackward0",
+    "SqueezeBackward1",
+    "SqueezeBackward2",
+    "SqueezeBackward3",
+    "UnsqueezeBackward0",
+    "CloneBackward0",
+    "CatBackward0",
+    "SplitBackward0",
+    "SplitWithSizesBackward0",
+    "SliceBackward0",
+    "SelectBackward0",
+    "IndexBackward0",
+    "SumBackward0",
+    "SumBackward1",
+    "MeanBackward0",
+    "MeanBackward1",
+    "ReluBackward0",
+    "ReluBackward1",
+    "ThresholdBackward0",
+    "ThresholdBackward1",
+    "LeakyReluBackward0",
+    "LeakyReluBackward1",
+    "HardtanhBackward0",
+    "HardtanhBackward1",
+    "MaxPool1DWithIndicesBackward0",
+    "MaxPool2DWithIndicesBackward0",
+    "MaxPool3DWithIndicesBackward0",
+    "AvgPool2DBackward0",
+    "AvgPool3DBackward0",
+    "AdaptiveAvgPool2DBackward0",
+    "AdaptiveAvgPool3DBackward0",
+    "ConstantPadNdBackward0",
+    "ReflectionPad1DBackward0",
+    "ReflectionPad2DBackward0",
+    "ReplicationPad2DBackward0",
+    "MulBackward1",
+    "DivBackward1",
+    "NativeDropoutBackward0",
+    "AccumulateGrad",
+    "AsStridedBackward0",
+    "StackBackward0",
+    "UnbindBackward0",
+    "NarrowBackward0",
 }
 #: products: linear when at most one operand depends on the parameters
 BILINEAR_OPS = {"MulBackward0", "DivBackward0", "MmBackward0", "BmmBackward0", "AddmmBackward0"}
 
 #: modules linear in their input, whose internal nodes need no inspection
 _LINEAR_MODULES = (
-    nn.Linear, nn.modules.conv._ConvNd, nn.Embedding, nn.modules.batchnorm._BatchNorm,
+    nn.Linear,
+    nn.modules.conv._ConvNd,
+    nn.Embedding,
+    nn.modules.batchnorm._BatchNorm,
 )
 
 
@@ -123,7 +171,11 @@ def curved_nodes(root: torch.Tensor) -> List[object]:
         if name in SECOND_DERIVATIVES:
             found.append(node)
         elif name in BILINEAR_OPS:
-            dependent = [fn for fn, _ in node.next_functions if fn is not None and type(fn).__name__ != "AccumulateGrad"]
+            dependent = [
+                fn
+                for fn, _ in node.next_functions
+                if fn is not None and type(fn).__name__ != "AccumulateGrad"
+            ]
             if len(dependent) > 1:
                 raise _error(f"the op {name} multiplies two parameter-dependent tensors")
         elif name not in LINEAR_OPS:

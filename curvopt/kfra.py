@@ -54,7 +54,7 @@ def kfra(cpass, loss_rule, calls) -> None:
         return
     output = cpass.loss.output
     last = records[-1]
-    (index, edge), = calls[last]
+    ((index, edge),) = calls[last]
     b = None
     for cols in cpass.columns(loss_rule, "exact", 0, 1 << 30):
         (v,) = backpropagate(output, [edge], cols, cpass.batched)
@@ -71,25 +71,33 @@ def kfra(cpass, loss_rule, calls) -> None:
         n = x.shape[0]
         for name, p in owned(record.module):
             if p.requires_grad:
-                cpass.bp.add(p, "kfra", [b.clone(), x.T @ x / n] if name == "weight" else [b.clone()])
+                cpass.bp.add(
+                    p, "kfra", [b.clone(), x.T @ x / n] if name == "weight" else [b.clone()]
+                )
 
 
 def _backpropagate(b_next, record, nxt, calls):
     """``B_l`` from ``B_{l+1}``: through ``W_{l+1}`` and the elementwise map between them."""
-    (_, edge), = calls[record]
+    ((_, edge),) = calls[record]
     x_next = nxt.args[0]
     with STATE.suspend():
         ones = torch.ones_like(x_next)
         probe = torch.randn_like(x_next)
         (both,) = torch.autograd.grad(
-            x_next, [edge], torch.stack([ones, probe]), retain_graph=True,
-            is_grads_batched=True, allow_unused=True,
+            x_next,
+            [edge],
+            torch.stack([ones, probe]),
+            retain_graph=True,
+            is_grads_batched=True,
+            allow_unused=True,
         )
     if both is None or both.shape[1:] != x_next.shape:
         raise _reject(nxt, "its input is not computed from the previous Linear layer's output")
     d, dprobe = both[0], both[1]
     if not torch.allclose(dprobe, probe * d, rtol=1e-4, atol=1e-6 * float(d.abs().max()) + 1e-12):
-        raise _reject(nxt, "the map from the previous Linear layer's output to its input is not elementwise")
+        raise _reject(
+            nxt, "the map from the previous Linear layer's output to its input is not elementwise"
+        )
     w = nxt.module.weight.detach()
     n = d.shape[0]
     return (w.T @ b_next @ w) * (d.T @ d / n)

@@ -45,7 +45,11 @@ class Call:
         n = self.batch_size
 
         def cut(x):
-            if isinstance(x, torch.Tensor) and x.dim() > self.batch_dim and x.shape[self.batch_dim] == n:
+            if (
+                isinstance(x, torch.Tensor)
+                and x.dim() > self.batch_dim
+                and x.shape[self.batch_dim] == n
+            ):
                 return x.narrow(self.batch_dim, start, stop - start)
             if isinstance(x, tuple):
                 return tuple(cut(y) for y in x)

@@ -68,9 +68,12 @@ def check_reduction(loss_module) -> None:
 #: backward ops that ``vmap`` runs sample by sample (no batching rule in PyTorch): graphs with
 #: them propagate columns one at a time, which is faster than the vmap fallback
 _NO_BATCHING_RULE = {
-    "MaxPool1DWithIndicesBackward0", "MaxPool2DWithIndicesBackward0",
-    "MaxPool3DWithIndicesBackward0", "ScaledDotProductFlashAttentionForCpuBackward0",
-    "ScaledDotProductEfficientAttentionBackward0", "ScaledDotProductFlashAttentionBackward0",
+    "MaxPool1DWithIndicesBackward0",
+    "MaxPool2DWithIndicesBackward0",
+    "MaxPool3DWithIndicesBackward0",
+    "ScaledDotProductFlashAttentionForCpuBackward0",
+    "ScaledDotProductEfficientAttentionBackward0",
+    "ScaledDotProductFlashAttentionBackward0",
 }
 
 
@@ -97,7 +100,11 @@ def backpropagate(outputs, edges, columns: torch.Tensor, batched: bool):
     with STATE.suspend():
         if batched:
             return torch.autograd.grad(
-                outputs, edges, columns, retain_graph=True, is_grads_batched=True,
+                outputs,
+                edges,
+                columns,
+                retain_graph=True,
+                is_grads_batched=True,
                 allow_unused=True,
             )
         per_column = [
@@ -113,7 +120,9 @@ def expand_call(call: Call, columns) -> Call:
     ``columns`` are ``[K, *out]`` (a tuple for several outputs); batched inputs are repeated.
     """
     bd, n = call.batch_dim, call.batch_size
-    first = next(c for c in (columns if isinstance(columns, tuple) else (columns,)) if c is not None)
+    first = next(
+        c for c in (columns if isinstance(columns, tuple) else (columns,)) if c is not None
+    )
     k = first.shape[0]
 
     def rep(x):
@@ -151,7 +160,9 @@ def diag_from_columns(rule, call: Call, columns, name: str, batched: bool, n: in
 
 
 def _first(columns) -> torch.Tensor:
-    return columns if isinstance(columns, torch.Tensor) else next(c for c in columns if c is not None)
+    return (
+        columns if isinstance(columns, torch.Tensor) else next(c for c in columns if c is not None)
+    )
 
 
 def _narrow(columns, start: int, stop: int):
@@ -217,7 +228,9 @@ class CurvaturePass:
             return
         total = rule.num_columns(module, output)
         for start in range(0, total, chunk):
-            cols = rule.sqrt_hessian(module, output, target, columns=range(start, min(total, start + chunk)))
+            cols = rule.sqrt_hessian(
+                module, output, target, columns=range(start, min(total, start + chunk))
+            )
             yield cols * self.scale
 
     def _chunk_size(self, calls) -> int:
@@ -248,7 +261,9 @@ class CurvaturePass:
         for name, p in trainable(record.module):
             for ext in kron_exts:
                 factors = kron_factors(call, columns, name, p, ext.options["kfac_approx"], n)
-                self.bp.add_kron(p, ext.attr, record, factors, output_factor_index(call.module, name))
+                self.bp.add_kron(
+                    p, ext.attr, record, factors, output_factor_index(call.module, name)
+                )
 
 
 def module_call(record, outs):
@@ -294,7 +309,9 @@ def add_diagonals(bp, calls, outs, exts, sign: float = 1.0) -> None:
 
 
 def _batch_size(call, columns) -> int:
-    first = columns if isinstance(columns, torch.Tensor) else next(c for c in columns if c is not None)
+    first = (
+        columns if isinstance(columns, torch.Tensor) else next(c for c in columns if c is not None)
+    )
     return first.shape[1 + call.batch_dim]
 
 

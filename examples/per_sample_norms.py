@@ -24,9 +24,12 @@ def main(epochs: int = 8, batch_size: int = 64, seed: int = 0) -> None:
     y = torch.tensor(digits.target)
     model = curvopt.extend(
         nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, padding=1, stride=2), nn.ReLU(),
-            nn.Flatten(), nn.Linear(32 * 4 * 4, 10),
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1, stride=2),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(32 * 4 * 4, 10),
         )
     )
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
@@ -45,8 +48,10 @@ def main(epochs: int = 8, batch_size: int = 64, seed: int = 0) -> None:
             for name, p in model.named_parameters()
         }
         acc = (model(X).argmax(1) == y).float().mean().item()
-        print(f"epoch {epoch}: loss {loss.item():.3f}  train acc {acc:.3f}  "
-              "grad SNR per layer " + " ".join(f"{k}={v:.2g}" for k, v in snr.items()))
+        print(
+            f"epoch {epoch}: loss {loss.item():.3f}  train acc {acc:.3f}  "
+            "grad SNR per layer " + " ".join(f"{k}={v:.2g}" for k, v in snr.items())
+        )
     # per-sample gradient norms of every training example (sum over layers)
     norms = torch.zeros(len(X))
     for idx in torch.arange(len(X)).split(256):

@@ -15,7 +15,18 @@ from curvopt.extensions.secondorder import (
 )
 
 __all__ = [
-    "Extension", "BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance",
-    "DiagGGNExact", "BatchDiagGGNExact", "DiagGGNMC", "BatchDiagGGNMC",
-    "DiagHessian", "BatchDiagHessian", "KFAC", "KFLR", "KFRA",
+    "Extension",
+    "BatchGrad",
+    "BatchL2Grad",
+    "SumGradSquared",
+    "Variance",
+    "DiagGGNExact",
+    "BatchDiagGGNExact",
+    "DiagGGNMC",
+    "BatchDiagGGNMC",
+    "DiagHessian",
+    "BatchDiagHessian",
+    "KFAC",
+    "KFLR",
+    "KFRA",
 ]

@@ -24,7 +24,9 @@ class _MonteCarlo(_Curvature):
 
     def __init__(self, mc_samples: int = 1, **options):
         if not isinstance(mc_samples, int) or isinstance(mc_samples, bool) or mc_samples < 1:
-            raise ValueError(f"{type(self).__name__}: mc_samples must be a positive int, got {mc_samples!r}")
+            raise ValueError(
+                f"{type(self).__name__}: mc_samples must be a positive int, got {mc_samples!r}"
+            )
         super().__init__(mc_samples=mc_samples, **options)
 
 
@@ -107,6 +109,13 @@ class KFRA(_Curvature):
 
 
 SECOND_ORDER = (
-    DiagGGNExact, BatchDiagGGNExact, DiagGGNMC, BatchDiagGGNMC,
-    DiagHessian, BatchDiagHessian, KFLR, KFAC, KFRA,
+    DiagGGNExact,
+    BatchDiagGGNExact,
+    DiagGGNMC,
+    BatchDiagGGNMC,
+    DiagHessian,
+    BatchDiagHessian,
+    KFLR,
+    KFAC,
+    KFRA,
 )

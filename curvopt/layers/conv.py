@@ -97,7 +97,9 @@ class ConvRule(_ConvRuleBase):
 class ConvTransposeRule(_ConvRuleBase):
     def check(self, module):
         if module.padding_mode != "zeros":
-            return f"padding_mode={module.padding_mode!r} is not supported for transposed convolutions"
+            return (
+                f"padding_mode={module.padding_mode!r} is not supported for transposed convolutions"
+            )
         return None
 
     def _operands(self, call):

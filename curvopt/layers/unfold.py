@@ -27,7 +27,9 @@ def unfold(
     if any(padding):
         x = F.pad(x, [p for p in reversed(padding) for _ in range(2)])
     n, c, *size = x.shape
-    out = [(s - d * (k - 1) - 1) // st + 1 for s, k, d, st in zip(size, kernel_size, dilation, stride)]
+    out = [
+        (s - d * (k - 1) - 1) // st + 1 for s, k, d, st in zip(size, kernel_size, dilation, stride)
+    ]
     spatial_strides = x.stride()[2:]
     view = x.as_strided(
         (n, c, *kernel_size, *out),
