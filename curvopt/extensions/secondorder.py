@@ -15,9 +15,6 @@ class _Curvature(Extension):
     #: "exact" or "mc": which square-root factor of the loss Hessian the quantity uses
     source = "exact"
 
-    def mc_samples(self) -> int:
-        return self.options.get("mc_samples", 0)
-
 
 class _MonteCarlo(_Curvature):
     source = "mc"
@@ -89,7 +86,7 @@ class KFLR(_Curvature):
 
 
 class KFAC(_MonteCarlo):
-    """``p.kfac``: as :class:`KFLR` with ``mc_samples`` sampled columns instead of the exact ones."""
+    """``p.kfac``: as :class:`KFLR` with ``mc_samples`` sampled columns instead of exact ones."""
 
     attr = "kfac"
 

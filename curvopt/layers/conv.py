@@ -22,7 +22,7 @@ from curvopt.layers.unfold import unfold, unfold_conv_input
 
 
 def _grouped_outer(left, right, groups, out):
-    """``left [N, g*a, L]``, ``right [N, g*b, L]`` -> per group ``left right^T``: ``[N, g*a, b]``."""
+    """``left [N, g*a, L]``, ``right [N, g*b, L]`` -> per group ``left right^T`` ``[N, g*a, b]``."""
     n, length = left.shape[0], left.shape[-1]
     if groups == 1:
         flat = None if out is None else out.view(n, left.shape[1], right.shape[1])
