@@ -10,6 +10,7 @@ factors. Any graph works: residual adds, functional ops, attention, reused modul
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from typing import Dict, List, Tuple
@@ -144,19 +145,32 @@ def expand_call(call: Call, columns) -> Call:
 def diag_from_columns(rule, call: Call, columns, name: str, batched: bool, n: int):
     """``sum_k (J_n^T v_nk)**2`` summed over n (``batched=False``) or per n, ``[N, *p]``.
 
-    Columns are processed in chunks so that ``[k, N, *p.shape]`` stays within a budget.
+    Uses the rule's factorised ``column_diag`` where it has one; otherwise materialises
+    ``[k, n, *p.shape]`` in chunks of columns and samples that stay within a budget.
     """
+    fast = rule.column_diag(call, columns, name, batched)
+    if fast is not None:
+        return fast
     k = _first(columns).shape[0]
     numel = dict(owned(call.module))[name].numel()
-    step = max(1, _GRAD_BUDGET // max(1, n * numel))
-    total = None
+    samples = max(1, min(n, _GRAD_BUDGET // max(1, numel)))
+    step = max(1, _GRAD_BUDGET // max(1, samples * numel))
     dims = (0,) if batched else (0, 1)
-    for start in range(0, k, step):
-        chunk = _narrow(columns, start, min(k, start + step))
-        grads = rule.column_grads(call, chunk, name)  # may alias the columns: no in-place ops
-        squares = torch.linalg.vector_norm(grads, dim=dims).square_()
-        total = squares if total is None else total.add_(squares)
-    return total
+    parts = []
+    for first in range(0, n, samples):
+        last = min(n, first + samples)
+        sub = call if (first, last) == (0, n) else call.slice(first, last)
+        sub_columns = _narrow(columns, first, last, dim=1 + call.batch_dim)
+        total = None
+        for start in range(0, k, step):
+            chunk = _narrow(sub_columns, start, min(k, start + step))
+            grads = rule.column_grads(sub, chunk, name)  # may alias the columns: no in-place ops
+            squares = torch.linalg.vector_norm(grads, dim=dims).square_()
+            total = squares if total is None else total.add_(squares)
+        parts.append(total)
+    if batched:
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return functools.reduce(torch.Tensor.add_, parts)
 
 
 def _first(columns) -> torch.Tensor:
@@ -165,10 +179,10 @@ def _first(columns) -> torch.Tensor:
     )
 
 
-def _narrow(columns, start: int, stop: int):
+def _narrow(columns, start: int, stop: int, dim: int = 0):
     if isinstance(columns, torch.Tensor):
-        return columns[start:stop]
-    return tuple(None if c is None else c[start:stop] for c in columns)
+        return columns.narrow(dim, start, stop - start)
+    return tuple(None if c is None else c.narrow(dim, start, stop - start) for c in columns)
 
 
 class CurvaturePass:

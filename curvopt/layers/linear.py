@@ -61,6 +61,16 @@ class LinearRule(LayerRule):
             return v.sum(2)
         return v.transpose(2, 3) @ x.reshape(1, n, -1, x.shape[-1])
 
+    def column_diag(self, call, columns, name, batched):
+        """Without positions (``T = 1``): ``sum_k v_nko^2 x_ni^2``, a product of two squares."""
+        x = call.input
+        if name == "bias" or x.reshape(x.shape[0], -1, x.shape[-1]).shape[1] != 1:
+            return None
+        v2 = torch.linalg.vector_norm(columns.reshape(columns.shape[0], x.shape[0], -1), dim=0)
+        v2 = v2.square_()  # [N, O]
+        x2 = x.reshape(x.shape[0], -1).square()  # [N, I]
+        return v2.unsqueeze(2) * x2.unsqueeze(1) if batched else v2.T @ x2
+
     def grad_sum(self, call, name):
         x, g = _flat(call)
         if name == "bias":

@@ -90,6 +90,11 @@ class LayerRule:
         grads = self.batch_grad(expand_call(call, columns), name)
         return grads.view(-1, call.batch_size, *grads.shape[1:])
 
+    def column_diag(self, call, columns, name: str, batched: bool) -> Optional[torch.Tensor]:
+        """``sum_k (J_n^T v_nk)**2`` per sample (``batched``) or summed, without materialising
+        ``[K, N, *p.shape]``, or ``None``."""
+        return None
+
     def grad_sum(self, call, name: str) -> Optional[torch.Tensor]:
         """``p.shape``: ``sum_n g_n`` (this call's share of ``p.grad``), or ``None``."""
         return None

@@ -4,6 +4,10 @@ A step is planned for every parameter first and applied only when the whole plan
 an error (missing or non-finite quantity, failed inversion) leaves parameters and optimizer
 state untouched. Per-parameter state is replaced, never modified in place, so a
 ``state_dict()`` taken earlier stays a snapshot.
+
+Under ``torch.distributed`` an optimizer that supports it (``_distributable``) averages the
+quantities it collects across ranks and spreads its inversions over them through a
+:class:`~curvopt.optim.distributed.DistributedCurvature` (``process_group=``, see there).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from typing import Any, Callable
 
 import torch
 from torch.optim import Optimizer
+
+from curvopt.optim import distributed
 
 #: an extension to collect, as ``(class name in curvopt.extensions, constructor options)``
 ExtensionSpec = tuple[str, dict[str, Any]]
@@ -86,10 +92,16 @@ class CurvatureOptimizer(Optimizer):
         opt.step(closure)            # runs the closure inside opt.collect(); returns the loss
     """
 
-    def __init__(self, params, defaults: dict[str, Any]):
+    #: whether averaging the collected quantities over ranks gives the right step (opt-in)
+    _distributable = False
+
+    def __init__(self, params, defaults: dict[str, Any], process_group=None):
         self._group_state: list[dict[str, Any]] = []
         self._consumed: dict[torch.Tensor, dict[str, Any]] = {}
         super().__init__(params, defaults)
+        self._distributed = distributed.resolve(
+            process_group, self._distributable, type(self).__name__
+        )
 
     # ----------------------------------------------------------------- hyper-parameters
     def _validate(self, group: dict[str, Any]) -> None:
@@ -109,12 +121,12 @@ class CurvatureOptimizer(Optimizer):
         """The extensions ``group`` needs for its next step."""
         raise NotImplementedError
 
-    def collect(self):
-        """``curvopt.collect(...)`` with the extensions the next ``step()`` needs.
+    def _requests(self) -> tuple[list, list[tuple[torch.Tensor, str]]]:
+        """The extensions the next step needs, and the ``(param, attr)`` pairs they write."""
+        from curvopt import extensions
 
-        A null context when the next step needs none (e.g. between curvature updates).
-        """
         specs: dict[str, ExtensionSpec] = {}
+        users: list[tuple[dict[str, Any], str]] = []
         for group, group_state in zip(self.param_groups, self._group_state):
             for name, options in self._needs(group, group_state):
                 if specs.setdefault(name, (name, options)) != (name, options):
@@ -122,11 +134,32 @@ class CurvatureOptimizer(Optimizer):
                         f"param groups need {name} with different options "
                         f"({specs[name][1]} and {options}); use the same options in all groups"
                     )
-        if not specs:
-            return contextlib.nullcontext()
-        from curvopt import collect, extensions
+                users.append((group, name))
+        made = {name: getattr(extensions, name)(**options) for name, options in specs.values()}
+        targets = [
+            (p, made[name].attr)
+            for group, name in users
+            for p in group["params"]
+            if p.requires_grad
+        ]
+        return list(made.values()), targets
 
-        return collect(*(getattr(extensions, name)(**options) for name, options in specs.values()))
+    def collect(self):
+        """``curvopt.collect(...)`` with the extensions the next ``step()`` needs.
+
+        A null context when the next step needs none (e.g. between curvature updates). Under
+        ``torch.distributed`` the collected quantities are then averaged over the ranks.
+        """
+        exts, targets = self._requests()
+        if not exts:
+            return contextlib.nullcontext()
+        from curvopt import collect
+
+        context = collect(*exts)
+        if self._distributed is None:
+            return context
+        sampled = any(getattr(ext, "source", None) == "mc" for ext in exts)
+        return self._distributed.collecting(context, targets, sampled)
 
     # ----------------------------------------------------------------- reading quantities
     def _describe(self, group: dict[str, Any], index: int, param: torch.Tensor) -> str:
@@ -169,6 +202,8 @@ class CurvatureOptimizer(Optimizer):
                 "run the backward pass inside `with opt.collect():` (or use "
                 "`opt.step(closure)`) before every step"
             )
+        if self._distributed is not None:
+            return self._distributed.averaged(param, attr, value)
         return value
 
     # ----------------------------------------------------------------- stepping
@@ -206,6 +241,8 @@ class CurvatureOptimizer(Optimizer):
                 "adaptive (Levenberg-Marquardt) damping measures the loss after the step: call "
                 "opt.step(closure) with a closure that recomputes the loss on the same batch"
             )
+        if self._distributed is not None:
+            self._distributed.ensure(self._requests()[1])
         plans = [
             self._plan_group(group, group_state, with_model=bool(due))
             for group, group_state in zip(self.param_groups, self._group_state)
@@ -222,7 +259,10 @@ class CurvatureOptimizer(Optimizer):
         if due:
             with torch.enable_grad():
                 new_loss = closure()
-            actual = _number(new_loss) - _number(loss) + regularizer_change
+            actual = _number(new_loss) - _number(loss)
+            if self._distributed is not None:  # the change of the ranks' mean loss
+                actual = self._distributed.mean(actual)
+            actual += regularizer_change
             self._adapt(due, actual, sum(predicted for _, predicted in plans))
         return loss
 
@@ -273,8 +313,10 @@ class CurvatureOptimizer(Optimizer):
         self._consumed = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "_group_state": self._group_state}
+        state = {**super().__getstate__(), "_group_state": self._group_state}
+        return {**state, "_distributed": self._distributed}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_consumed", {})
+        self.__dict__.setdefault("_distributed", None)

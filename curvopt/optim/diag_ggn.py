@@ -25,6 +25,9 @@ class DiagGGNNewton(NewtonOptimizer):
         mc_samples: Monte-Carlo samples for ``curvature="mc"``.
         momentum, curvature_ema, curvature_interval, kl_clip, fallback: see
             :mod:`curvopt.optim.newton` (all off by default).
+        process_group: under ``torch.distributed``: ``None`` (the default group if initialized
+            with several ranks), a ``ProcessGroup``, a ``DistributedCurvature``, or ``False``
+            (rank-local); see :mod:`curvopt.optim.distributed`.
     """
 
     def __init__(
@@ -41,6 +44,7 @@ class DiagGGNNewton(NewtonOptimizer):
         curvature_interval: int = 1,
         kl_clip: float | None = None,
         fallback: str | None = None,
+        process_group=None,
     ):
         defaults = {
             "lr": lr,
@@ -54,7 +58,7 @@ class DiagGGNNewton(NewtonOptimizer):
             "kl_clip": kl_clip,
             "fallback": fallback,
         }
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, process_group)
 
     def _validate(self, group):
         super()._validate(group)

@@ -14,7 +14,7 @@ from curvopt.optim.kronecker import (
     kron_quadratic,
     trace_norm_inverse,
 )
-from curvopt.optim.newton import NewtonOptimizer
+from curvopt.optim.newton import Derived, NewtonOptimizer
 
 _EXTENSIONS = {"kfac": "KFAC", "kflr": "KFLR", "kfra": "KFRA"}
 
@@ -39,6 +39,9 @@ class KFAC(NewtonOptimizer):
         mc_samples: Monte-Carlo samples for ``curvature="kfac"``.
         momentum, curvature_ema, curvature_interval, kl_clip, fallback: see
             :mod:`curvopt.optim.newton` (all off by default).
+        process_group: under ``torch.distributed``: ``None`` (the default group if initialized
+            with several ranks), a ``ProcessGroup``, a ``DistributedCurvature``, or ``False``
+            (rank-local); see :mod:`curvopt.optim.distributed`.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class KFAC(NewtonOptimizer):
         curvature_interval: int = 1,
         kl_clip: float | None = None,
         fallback: str | None = None,
+        process_group=None,
     ):
         defaults = {
             "lr": lr,
@@ -72,7 +76,7 @@ class KFAC(NewtonOptimizer):
             "kl_clip": kl_clip,
             "fallback": fallback,
         }
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, process_group)
 
     def _validate(self, group):
         super()._validate(group)
@@ -94,26 +98,35 @@ class KFAC(NewtonOptimizer):
             raise ValueError(f"expected a list of square Kronecker factors, got {curvature!r}")
         as_matrix(param, curvature)
 
-    def _direction(self, grad, curvature, state, group, step, damping, curvature_step):
-        matrix = as_matrix(grad, curvature)
+    def _derived(self, curvature, group, damping, curvature_step):
         interval = group["inverse_interval"]
         if group["kronecker_damping"] == "exact":
-            entry = cached(
-                state.get("eigh"), curvature_step, step, interval, lambda: kron_eigh(curvature)
-            )
-            direction = exact_damped_solve(entry["value"], matrix, damping)
-            cache = {"eigh": entry}
-        else:
-            entry = cached(
-                state.get("inverse"),
-                (curvature_step, damping),
-                step,
+            return Derived(
+                "eigh",
+                curvature_step,
                 interval,
-                lambda: trace_norm_inverse(curvature, damping),
+                lambda: kron_eigh(curvature),
+                lambda: [(f.new_empty(f.shape[0]), torch.empty_like(f)) for f in curvature],
             )
+        return Derived(
+            "inverse",
+            (curvature_step, damping),
+            interval,
+            lambda: trace_norm_inverse(curvature, damping),
+            lambda: [torch.empty_like(f) for f in curvature],
+        )
+
+    def _direction(self, grad, curvature, state, group, step, damping, curvature_step):
+        matrix = as_matrix(grad, curvature)
+        derived = self._derived(curvature, group, damping, curvature_step)
+        entry = cached(
+            state.get(derived.name), derived.key, step, derived.interval, derived.compute
+        )
+        if derived.name == "eigh":
+            direction = exact_damped_solve(entry["value"], matrix, damping)
+        else:
             direction = kron_matmul(entry["value"], matrix)
-            cache = {"inverse": entry}
-        return direction.reshape(grad.shape), cache
+        return direction.reshape(grad.shape), {derived.name: entry}
 
     def _quadratic(self, curvature, step):
         return kron_quadratic(curvature, as_matrix(step, curvature))

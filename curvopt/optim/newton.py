@@ -10,11 +10,16 @@ Per parameter, with damping ``λ`` and weight decay ``δ`` (BackPACK paper, Dang
 Opt-in, per param group: ``curvature_interval`` (read ``C`` every k steps, reuse it between),
 ``curvature_ema`` (``C ← β C + (1 − β) C_new``), ``momentum``, ``kl_clip``, adaptive damping
 (:class:`~curvopt.optim.damping.LevenbergMarquardt`) and ``fallback='sgd'``.
+
+Under ``torch.distributed`` (see :mod:`curvopt.optim.distributed`) the curvature is averaged over
+the ranks when it is read, and the derived quantities that are due (:meth:`_derived`: inverses,
+eigendecompositions) are computed before the directions, each on one rank, and broadcast.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -25,8 +30,25 @@ from curvopt.optim.base import (
     check_choice,
     check_number,
 )
+from curvopt.optim.cache import cached
 from curvopt.optim.damping import as_damping, reduction_ratio
+from curvopt.optim.distributed import Job, inversion_cost
 from curvopt.optim.transforms import add_weight_decay, ema, kl_clip_factor, momentum
+
+
+@dataclass
+class Derived:
+    """An expensive quantity derived from a parameter's curvature, cached in its state.
+
+    ``cached(state.get(name), key, step, interval, compute)`` gives the entry to use;
+    ``empty()`` returns uninitialised tensors of ``compute()``'s structure (to receive it).
+    """
+
+    name: str
+    key: Any
+    interval: int
+    compute: Callable[[], Any]
+    empty: Callable[[], Any]
 
 
 class NewtonOptimizer(CurvatureOptimizer):
@@ -34,8 +56,10 @@ class NewtonOptimizer(CurvatureOptimizer):
 
     Subclasses define :meth:`_extension` (which curvature to collect), :meth:`_direction`
     (``(C + λ I)⁻¹ g``) and :meth:`_quadratic` (``sᵀ C s``), and may check the curvature's
-    shape in :meth:`_check_curvature`.
+    shape in :meth:`_check_curvature` and declare a cached inverse in :meth:`_derived`.
     """
+
+    _distributable = True
 
     def _validate(self, group: dict[str, Any]) -> None:
         super()._validate(group)
@@ -72,6 +96,16 @@ class NewtonOptimizer(CurvatureOptimizer):
         """``sᵀ C s`` for a step ``s`` of the parameter's shape."""
         raise NotImplementedError
 
+    def _derived(
+        self, curvature: Any, group: dict[str, Any], damping: float, curvature_step: int
+    ) -> Derived | None:
+        """The cached quantity :meth:`_direction` derives from ``curvature`` (None: none).
+
+        Computed lazily by ``_direction`` in one process; under ``torch.distributed`` computed
+        ahead, each on one rank, and handed to ``_direction`` in its ``state``.
+        """
+        return None
+
     # ----------------------------------------------------------------- planning
     def _curvature_due(self, group: dict[str, Any], group_state: dict[str, Any]) -> bool:
         return group_state["step"] % group["curvature_interval"] == 0
@@ -99,7 +133,7 @@ class NewtonOptimizer(CurvatureOptimizer):
         (extension, _), attr = self._extension(group)
         due = self._curvature_due(group, group_state)
 
-        planned = []  # (update, g, d, C, old state)
+        items = []  # (update, g, C, curvature step, old state)
         for index, param in enumerate(group["params"]):
             if param.grad is None:
                 continue
@@ -120,6 +154,12 @@ class NewtonOptimizer(CurvatureOptimizer):
                     update.consumed[attr] = raw
                     curvature = ema(curvature, raw, group["curvature_ema"])
                     curvature_step = step
+            items.append((update, grad, curvature, curvature_step, state))
+
+        if self._distributed is not None:
+            items = self._spread_derived(items, group, step, damping)
+        planned = []  # (update, g, d, C, old state)
+        for update, grad, curvature, curvature_step, state in items:
             direction = grad
             if curvature is not None:
                 try:
@@ -150,6 +190,31 @@ class NewtonOptimizer(CurvatureOptimizer):
                     model = model + 0.5 * self._quadratic(curvature, s)
                 predicted += float(model)
         return [p[0] for p in planned], predicted
+
+    def _spread_derived(self, items, group, step, damping):
+        """``items`` with the due derived quantities computed on their ranks and put into the
+        state that ``_direction`` reads (where ``cached`` finds them current)."""
+        due = []  # (item index, Derived)
+        for index, (_, _, curvature, curvature_step, state) in enumerate(items):
+            if curvature is None:
+                continue
+            derived = self._derived(curvature, group, damping, curvature_step)
+            if derived is None:
+                continue
+            old = state.get(derived.name)
+            if cached(old, derived.key, step, derived.interval, lambda: None) is not old:
+                due.append((index, derived))
+        jobs = [
+            Job(items[i][0].description, d.compute, d.empty, inversion_cost(items[i][2]))
+            for i, d in due
+        ]
+        values = self._distributed.spread(jobs)
+        items = list(items)
+        for (index, derived), value in zip(due, values):
+            update, grad, curvature, curvature_step, state = items[index]
+            entry = {"value": value, "key": derived.key, "step": step}
+            items[index] = (update, grad, curvature, curvature_step, {**state, derived.name: entry})
+        return items
 
     # ----------------------------------------------------------------- adaptive damping
     def _model_due(self) -> list[int]:
