@@ -25,6 +25,7 @@ from curvopt.optim.damping import (
     reduction_ratio,
 )
 from curvopt.optim.diag_ggn import DiagGGNNewton
+from curvopt.optim.distributed import DistributedCurvature
 from curvopt.optim.diagonal import diag_precondition, diag_quadratic
 from curvopt.optim.kfac import KFAC
 from curvopt.optim.kronecker import (
@@ -47,6 +48,7 @@ __all__ = [
     "ConstantDamping",
     "CurvatureOptimizer",
     "DiagGGNNewton",
+    "DistributedCurvature",
     "LevenbergMarquardt",
     "NewtonOptimizer",
     "ScheduledDamping",
