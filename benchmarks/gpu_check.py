@@ -11,6 +11,7 @@ from torch import nn
 
 import curvopt
 from curvopt import extensions as ext
+from experiments.problems import cifar10_3c3d
 
 FIRST = [ext.BatchGrad(), ext.BatchL2Grad(), ext.SumGradSquared(), ext.Variance()]
 SECOND = [ext.DiagGGNExact(), ext.BatchDiagGGNExact(), ext.KFLR(), ext.DiagHessian()]
@@ -25,29 +26,6 @@ def cnn():
         nn.ReLU(),
         nn.Flatten(),
         nn.Linear(8 * 2 * 2, 10),
-    )
-
-
-def c3d3():
-    return nn.Sequential(
-        nn.Conv2d(3, 64, 5),
-        nn.ReLU(),
-        nn.ZeroPad2d((0, 1, 0, 1)),
-        nn.MaxPool2d(3, 2),
-        nn.Conv2d(64, 96, 3),
-        nn.ReLU(),
-        nn.ZeroPad2d((0, 1, 0, 1)),
-        nn.MaxPool2d(3, 2),
-        nn.Conv2d(96, 128, 3, padding=1),
-        nn.ReLU(),
-        nn.ZeroPad2d((0, 1, 0, 1)),
-        nn.MaxPool2d(3, 2),
-        nn.Flatten(),
-        nn.Linear(128 * 3 * 3, 512),
-        nn.ReLU(),
-        nn.Linear(512, 256),
-        nn.ReLU(),
-        nn.Linear(256, 10),
     )
 
 
@@ -82,7 +60,7 @@ def compare():
 
 def timings(n=64, repeats=30):
     torch.manual_seed(0)
-    model = c3d3().cuda()
+    model = cifar10_3c3d().cuda()
     plain = copy.deepcopy(model)
     ext_model = curvopt.extend(model)
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())

@@ -18,6 +18,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from curvopt.errors import GraphReuseError
 from curvopt.layers import rule_for
 from curvopt.layers.generic import owned_parameters
+from curvopt.records import output_tensors
 from curvopt.state import STATE
 
 _HOOKED = "_curvopt_hooked"
@@ -97,7 +98,7 @@ def _module_forward_hook(module, args, kwargs, output):
         return
     if not any(p.requires_grad for _, p in owned(module)):
         return
-    outputs = [t for t in _tensors(output) if t.requires_grad]
+    outputs = [t for t in output_tensors(output) if t.requires_grad]
     if not outputs:
         return
     record = Record(module, args, kwargs, tuple(t.numel() for t in outputs))
@@ -117,14 +118,6 @@ def _loss_forward_hook(module, args, kwargs, output):
 
     record = LossRecord(module, args, kwargs)
     output.register_hook(record.on_grad)
-
-
-def _tensors(output) -> List[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for t in output if isinstance(t, torch.Tensor)]
-    return []
 
 
 def _hook(module: nn.Module, path: str, fn) -> None:

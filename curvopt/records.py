@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Tuple, Union
+from typing import Any, Dict, List, Tuple, Union
 
 import torch
 from torch import nn
@@ -62,3 +62,12 @@ class Call:
             cut(self.grad_out),
             self.batch_dim,
         )
+
+
+def output_tensors(output) -> List[torch.Tensor]:
+    """The top-level tensors of a module output, as the forward hooks see them."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for t in output if isinstance(t, torch.Tensor)]
+    return []

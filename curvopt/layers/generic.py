@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers.registry import LayerRule, register
+from curvopt.records import output_tensors
 from curvopt.state import STATE
 
 #: elements of per-sample gradients held at once when only reduced quantities are wanted
@@ -169,7 +170,7 @@ class GenericRule(LayerRule):
             args, kwargs = tree_unflatten(full, spec)
 
             def forward(p):
-                outs = _tensors(self.rerun(module, p, args, kwargs))
+                outs = output_tensors(self.rerun(module, p, args, kwargs))
                 if positions is None and len(outs) != len(grad_out):
                     raise _OutputMismatch
                 return tuple(outs[i] for i in picked)
@@ -255,7 +256,7 @@ class GenericRule(LayerRule):
         leaves, spec = tree_flatten((call.args, call.kwargs))
         args, kwargs = tree_unflatten([prep(x) for x in leaves], spec)
         with STATE.suspend(), torch.enable_grad():
-            return _tensors(call.module(*args, **kwargs))
+            return output_tensors(call.module(*args, **kwargs))
 
 
 class _OutputMismatch(Exception):
@@ -264,15 +265,6 @@ class _OutputMismatch(Exception):
 
 def _path(module) -> str:
     return getattr(module, "_curvopt_path", type(module).__name__)
-
-
-def _tensors(output) -> List[torch.Tensor]:
-    """The top-level tensors of a module output, as the forward hooks see them."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for t in output if isinstance(t, torch.Tensor)]
-    return []
 
 
 def _unsqueeze(x, dim):
