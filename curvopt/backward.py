@@ -17,6 +17,7 @@ from curvopt.errors import MissingLossError, UnsupportedModuleError
 from curvopt.hooks import shared_parameters, trainable
 from curvopt.layers import rule_for
 from curvopt.records import Call
+from curvopt.reductions import probe_indices, squared_norms, sum_of_squares
 
 #: elements per chunk when per-sample gradients are materialised only to be reduced
 _CHUNK_ELEMENTS = 1 << 21
@@ -44,6 +45,7 @@ class BackwardPass:
         self.reused: Dict[int, bool] = {}
         self.shared: Optional[set] = None
         self.totals: Dict[int, torch.Tensor] = {}  # id(p): sum_n g_n, where computed
+        self.param_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, grad
         self.kron_owner: Dict[Tuple[int, str], object] = {}  # (id(p), attr): module call
         self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
         self.results: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -140,41 +142,54 @@ class BackwardPass:
         moments = want & {"sum_grad_squared", "variance"}
         sgs = rule.sum_grad_squared(call, name) if moments else None
         total = rule.grad_sum(call, name)  # also checked against p's whole gradient
-        if (
-            ("batch_l2" in want and l2 is None)
-            or (moments and sgs is None)
-            or ("variance" in want and total is None)
-        ):
-            l2_c, sgs_c, total_c = _reduce_in_chunks(rule, call, name, p.shape)
-            l2 = l2_c if l2 is None else l2
-            sgs = sgs_c if sgs is None else sgs
-            total = total_c if total is None else total
+        missing = {
+            "batch_l2": "batch_l2" in want and l2 is None,
+            "sum_grad_squared": bool(moments) and sgs is None,
+            "grad_sum": "variance" in want and total is None,
+        }
+        if any(missing.values()):
+            chunked = _reduce_in_chunks(rule, call, name, p.shape, missing)
+            l2 = chunked.get("batch_l2", l2)
+            sgs = chunked.get("sum_grad_squared", sgs)
+            total = chunked.get("grad_sum", total)
         self._store(p, l2, sgs, total, call.batch_size)
 
-    def check_total(self, p, grad: torch.Tensor) -> None:
-        """``p``'s whole gradient has arrived: the per-sample gradients must sum to it.
+    def on_parameter_grad(self, p, grad: torch.Tensor) -> None:
+        """``p``'s whole gradient of this pass; checked against the per-sample gradients at the
+        end of the pass (see :meth:`_check_totals`)."""
+        self.param_grads[id(p)] = (p, grad)
+
+    def _check_totals(self) -> None:
+        """The per-sample gradients must sum to each parameter's gradient.
 
         Catches parameters also used outside the module that owns them (e.g. a tied output
-        layer ``h @ embedding.weight.T``), whose per-sample gradients no hook can see. Checked
-        wherever the per-sample sum is at hand: materialised gradients, every rule with a
-        ``grad_sum`` (Linear, Embedding, biases, norms) and chunked reductions; conv weights
-        reduced by ghost norms alone are not checked.
+        layer ``h @ embedding.weight.T``), whose per-sample gradients no hook can see. Exact
+        where the sum is computed anyway (reduced quantities: every rule with a ``grad_sum``,
+        chunked reductions, ``Variance``); a spot check of evenly spread entries for
+        materialised per-sample gradients; conv weights reduced by ghost norms alone are not
+        checked.
         """
-        if self.failed:
-            return
-        entry = self.batch_grads.get(id(p))
-        total = entry[1].sum(0) if entry is not None else self.totals.get(id(p))
-        if total is None or grad.is_sparse:
-            return
-        tol = 1e-4 * float(grad.abs().max()) + 1e-12
-        if float((total - grad).abs().max()) > tol:
-            self._abort()
-            raise UnsupportedModuleError(
-                f"curvopt: a parameter of shape {tuple(p.shape)} receives gradient from outside "
-                "the module that owns it (used functionally, e.g. a tied output layer "
-                "'h @ embedding.weight.T'); per-sample quantities cannot see that use. Use the "
-                "parameter only through its module (e.g. an nn.Linear sharing the weight)"
-            )
+        for key, (p, grad) in self.param_grads.items():
+            if grad.is_sparse:
+                continue
+            if key in self.batch_grads:
+                batch = self.batch_grads[key][1]
+                batch = batch.reshape(batch.shape[0], -1)
+                idx = probe_indices(batch.shape[1], device=batch.device)
+                total, grad = batch[:, idx].sum(0), grad.reshape(-1)[idx]
+            elif key in self.totals:
+                total = self.totals[key]
+            else:
+                continue
+            tol = 1e-4 * float(grad.abs().max()) + 1e-12
+            if float((total - grad).abs().max()) > tol:
+                raise UnsupportedModuleError(
+                    f"curvopt: a parameter of shape {tuple(p.shape)} receives gradient from "
+                    "outside the module that owns it (used functionally, e.g. a tied output "
+                    "layer 'h @ embedding.weight.T'); per-sample quantities cannot see that "
+                    "use. Use the parameter only through its module (e.g. an nn.Linear sharing "
+                    "the weight)"
+                )
 
     def _store(self, p, l2, sgs, total, n) -> None:
         if total is not None:
@@ -221,14 +236,20 @@ class BackwardPass:
     def _finish(self) -> None:
         if self.failed:
             return
+        try:
+            self._check_totals()
+        except BaseException:
+            self._abort()
+            raise
         for p, batch in self.batch_grads.values():
             if "grad_batch" in self.attrs:
                 self.put(p, "grad_batch", batch)
-            if self.attrs.intersection(_REDUCED):
-                flat = batch.flatten(1)
-                l2 = torch.linalg.vector_norm(flat, dim=1).pow_(2)
-                sgs = torch.linalg.vector_norm(batch, dim=0).pow_(2)
-                self._store(p, l2, sgs, batch.sum(0), batch.shape[0])
+            want = self.attrs.intersection(_REDUCED)
+            if want:
+                l2 = squared_norms(batch) if "batch_l2" in want else None
+                sgs = sum_of_squares(batch) if want - {"batch_l2"} else None
+                total = batch.sum(0) if "variance" in want else None
+                self._store(p, l2, sgs, total, batch.shape[0])
         for (_, attr), (p, value) in self.results.items():
             setattr(p, attr, value)
         self.batch_grads.clear()
@@ -239,19 +260,24 @@ class BackwardPass:
         self.failed = True
         self.batch_grads.clear()
         self.results.clear()
+        self.param_grads.clear()
 
 
-def _reduce_in_chunks(rule, call, name, shape):
-    """``(||g_n||^2 [N], sum_n g_n**2, sum_n g_n)`` from per-sample gradients, chunk by chunk."""
+def _reduce_in_chunks(rule, call, name, shape, want):
+    """The ``want``-ed of ``batch_l2`` (``[N]``), ``sum_grad_squared`` and ``grad_sum``
+    (``p.shape``) from per-sample gradients, materialised chunk by chunk."""
     n = call.batch_size
-    per_sample = max(1, int(torch.Size(shape).numel()))
-    step = max(1, _CHUNK_ELEMENTS // per_sample)
-    l2_parts, sgs, total = [], None, None
+    step = max(1, _CHUNK_ELEMENTS // max(1, torch.Size(shape).numel()))
+    parts = {key: [] for key, wanted in want.items() if wanted}
     for start in range(0, n, step):
         chunk = rule.batch_grad(call.slice(start, min(n, start + step)), name)
-        l2_parts.append(torch.linalg.vector_norm(chunk.flatten(1), dim=1).pow_(2))
-        sq = torch.linalg.vector_norm(chunk, dim=0).pow_(2)
-        s = chunk.sum(0)
-        sgs = sq if sgs is None else sgs.add_(sq)
-        total = s if total is None else total.add_(s)
-    return torch.cat(l2_parts), sgs, total
+        if "batch_l2" in parts:
+            parts["batch_l2"].append(squared_norms(chunk))
+        if "sum_grad_squared" in parts:
+            parts["sum_grad_squared"].append(sum_of_squares(chunk))
+        if "grad_sum" in parts:
+            parts["grad_sum"].append(chunk.sum(0))
+    return {
+        key: torch.cat(values) if key == "batch_l2" else torch.stack(values).sum(0)
+        for key, values in parts.items()
+    }

@@ -131,7 +131,7 @@ def _hook(module: nn.Module, path: str, fn) -> None:
 def _parameter_hook(p: nn.Parameter):
     def check(grad):
         if not STATE.suspended and STATE.collecting is not None:
-            STATE.collecting.backward_pass().check_total(p, grad)
+            STATE.collecting.backward_pass().on_parameter_grad(p, grad)
 
     return check
 

@@ -23,6 +23,7 @@ from curvopt.hooks import _METADATA, owned, trainable
 from curvopt.layers import rule_for
 from curvopt.layers.kron import kron_factors, output_factor_index
 from curvopt.records import Call
+from curvopt.reductions import sum_of_squares
 from curvopt.state import STATE
 
 #: bound on the elements of propagated columns held at once (all module outputs together)
@@ -155,7 +156,7 @@ def diag_from_columns(rule, call: Call, columns, name: str, batched: bool, n: in
     numel = dict(owned(call.module))[name].numel()
     samples = max(1, min(n, _GRAD_BUDGET // max(1, numel)))
     step = max(1, _GRAD_BUDGET // max(1, samples * numel))
-    dims = (0,) if batched else (0, 1)
+    summed = 1 if batched else 2  # leading dims summed: columns (and samples)
     parts = []
     for first in range(0, n, samples):
         last = min(n, first + samples)
@@ -165,7 +166,7 @@ def diag_from_columns(rule, call: Call, columns, name: str, batched: bool, n: in
         for start in range(0, k, step):
             chunk = _narrow(sub_columns, start, min(k, start + step))
             grads = rule.column_grads(sub, chunk, name)  # may alias the columns: no in-place ops
-            squares = torch.linalg.vector_norm(grads, dim=dims).square_()
+            squares = sum_of_squares(grads, dims=summed)
             total = squares if total is None else total.add_(squares)
         parts.append(total)
     if batched:

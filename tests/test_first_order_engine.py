@@ -69,8 +69,8 @@ def _live(model):
 def _record_objects():
     from curvopt.hooks import Record
 
-    gc.collect()
-    return sum(isinstance(o, Record) for o in gc.get_objects())
+    gc.collect()  # released records hold no tensors; count those still holding inputs
+    return sum(isinstance(o, Record) and o.args is not None for o in gc.get_objects())
 
 
 # ------------------------------------------------------------------------------ outside collect
