@@ -17,7 +17,7 @@ from curvopt.errors import MissingLossError, UnsupportedModuleError
 from curvopt.hooks import shared_parameters, trainable
 from curvopt.layers import rule_for
 from curvopt.records import Call
-from curvopt.reductions import probe_indices, squared_norms, sum_of_squares
+from curvopt.reductions import probe_spans, squared_norms, sum_of_squares
 
 #: elements per chunk when per-sample gradients are materialised only to be reduced
 _CHUNK_ELEMENTS = 1 << 21
@@ -174,9 +174,10 @@ class BackwardPass:
                 continue
             if key in self.batch_grads:
                 batch = self.batch_grads[key][1]
-                batch = batch.reshape(batch.shape[0], -1)
-                idx = probe_indices(batch.shape[1], device=batch.device)
-                total, grad = batch[:, idx].sum(0), grad.reshape(-1)[idx]
+                batch, flat = batch.reshape(batch.shape[0], -1), grad.reshape(-1)
+                spans = probe_spans(batch.shape[1])
+                total = torch.cat([batch.narrow(1, a, w).sum(0) for a, w in spans])
+                grad = torch.cat([flat.narrow(0, a, w) for a, w in spans])
             elif key in self.totals:
                 total = self.totals[key]
             else:

@@ -28,8 +28,10 @@ def squared_norms(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1).square_()
 
 
-def probe_indices(numel: int, count: int = 4096, device=None) -> torch.Tensor:
-    """Evenly spread flat indices (all of them when ``numel <= count``) for cheap spot checks."""
-    if numel <= count:
-        return torch.arange(numel, device=device)
-    return torch.linspace(0, numel - 1, count, device=device).long()
+def probe_spans(numel: int, spans: int = 16, width: int = 256) -> list:
+    """``(start, length)`` of evenly spread contiguous runs of flat indices covering at most
+    ``spans * width`` entries (all of them for small tensors), for cheap spot checks."""
+    if numel <= spans * width:
+        return [(0, numel)]
+    step = (numel - width) / (spans - 1)
+    return [(round(i * step), width) for i in range(spans)]

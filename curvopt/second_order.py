@@ -156,22 +156,21 @@ def diag_from_columns(rule, call: Call, columns, name: str, batched: bool, n: in
     numel = dict(owned(call.module))[name].numel()
     samples = max(1, min(n, _GRAD_BUDGET // max(1, numel)))
     step = max(1, _GRAD_BUDGET // max(1, samples * numel))
-    summed = 1 if batched else 2  # leading dims summed: columns (and samples)
-    parts = []
+    per_sample = []
     for first in range(0, n, samples):
         last = min(n, first + samples)
         sub = call if (first, last) == (0, n) else call.slice(first, last)
         sub_columns = _narrow(columns, first, last, dim=1 + call.batch_dim)
-        total = None
+        totals = None
         for start in range(0, k, step):
             chunk = _narrow(sub_columns, start, min(k, start + step))
-            grads = rule.column_grads(sub, chunk, name)  # may alias the columns: no in-place ops
-            squares = sum_of_squares(grads, dims=summed)
-            total = squares if total is None else total.add_(squares)
-        parts.append(total)
+            grads = rule.column_grads(sub, chunk, name)  # [n, k, *p]; may alias the columns
+            squares = [sum_of_squares(g) for g in grads]
+            totals = squares if totals is None else [t.add_(s) for t, s in zip(totals, squares)]
+        per_sample.extend(totals)
     if batched:
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-    return functools.reduce(torch.Tensor.add_, parts)
+        return torch.stack(per_sample)
+    return functools.reduce(torch.Tensor.add_, per_sample)
 
 
 def _first(columns) -> torch.Tensor:
@@ -317,8 +316,8 @@ def add_diagonals(bp, calls, outs, exts, sign: float = 1.0) -> None:
                 grads = sum(
                     rule_for(call.module).column_grads(call, columns, name)
                     for _, name, call, columns, _ in entries
-                )
-                d = grads.pow_(2).sum(0)
+                )  # [N, K, *p]
+                d = torch.stack([sum_of_squares(g) for g in grads])
                 d = d if batched else d.sum(0)
             bp.add(p, ext.attr, d.mul_(sign) if sign != 1.0 else d)
 

@@ -33,6 +33,24 @@ def _grouped_outer(left, right, groups, out):
     return torch.bmm(left, right.transpose(1, 2), out=flat)
 
 
+def _column_outer(left, right, k: int, n: int, groups: int) -> torch.Tensor:
+    """Per group ``left right^T`` where one operand is per column (batch ``K N``, k-major) and
+    the other per sample (batch ``N``): ``[N, K, G*a, b]`` from ``[., G*a, L]``, ``[., G*b, L]``.
+    """
+
+    def arrange(t):  # -> [N * G, K_t * c, L]
+        t = t.reshape(-1, n, groups, t.shape[1] // groups, t.shape[-1]).permute(1, 2, 0, 3, 4)
+        return t.reshape(n * groups, -1, t.shape[-1])
+
+    lt, rt = arrange(left), arrange(right)
+    a, b = left.shape[1] // groups, right.shape[1] // groups
+    if right.shape[0] == n:
+        out = torch.bmm(lt, rt.transpose(1, 2)).view(n, groups, k, a, b)
+    else:
+        out = torch.bmm(rt, lt.transpose(1, 2)).view(n, groups, k, b, a).transpose(-1, -2)
+    return out.permute(0, 2, 1, 3, 4).reshape(n, k, groups * a, b)
+
+
 class _ConvRuleBase(LayerRule):
     def _operands(self, call):
         """``(left [N, *, L], right [N, *, L])`` with ``g_n(W) = left_n right_n^T`` per group."""
@@ -49,19 +67,13 @@ class _ConvRuleBase(LayerRule):
         return result.view(n, *weight.shape)
 
     def column_grads(self, call, columns, name):
-        """Patches are unfolded once and broadcast over the ``K`` columns."""
+        """``[N, K, *w.shape]``; the input side is unfolded once, not repeated over columns."""
         k, n = columns.shape[:2]
         if name == "bias":
-            return columns.reshape(k, n, columns.shape[2], -1).sum(3)
+            return columns.reshape(k, n, columns.shape[2], -1).sum(3).transpose(0, 1)
         module = call.module
         left, right = self._operands(Call(module, call.args, call.kwargs, columns.flatten(0, 1)))
-        groups = module.groups
-
-        def split(t):  # [k N, G a, L] or [N, G a, L] -> [k or 1, N, G, a, L]
-            return t.reshape(-1, n, groups, t.shape[1] // groups, t.shape[2])
-
-        result = split(left) @ split(right).transpose(-1, -2)
-        return result.reshape(k, n, *module.weight.shape)
+        return _column_outer(left, right, k, n, module.groups).view(n, k, *module.weight.shape)
 
     def batch_l2(self, call, name):
         g = call.grad_out

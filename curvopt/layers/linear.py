@@ -53,13 +53,15 @@ class LinearRule(LayerRule):
         return None
 
     def column_grads(self, call, columns, name):
-        """``[K, N, O, I]`` by one broadcast matmul (inputs are not repeated over columns)."""
+        """``[N, K, O, I]`` by one batched matmul over samples (inputs are not repeated)."""
         x = call.input
         k, n, o = columns.shape[0], columns.shape[1], columns.shape[-1]
         v = columns.reshape(k, n, -1, o)
         if name == "bias":
-            return v.sum(2)
-        return v.transpose(2, 3) @ x.reshape(1, n, -1, x.shape[-1])
+            return v.sum(2).transpose(0, 1)
+        t = v.shape[2]
+        v = v.permute(1, 0, 3, 2).reshape(n, k * o, t)
+        return torch.bmm(v, x.reshape(n, t, x.shape[-1])).view(n, k, o, x.shape[-1])
 
     def column_diag(self, call, columns, name, batched):
         """Without positions (``T = 1``): ``sum_k v_nko^2 x_ni^2``, a product of two squares."""

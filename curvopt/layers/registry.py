@@ -81,18 +81,19 @@ class LayerRule:
         return None
 
     def column_grads(self, call, columns, name: str) -> torch.Tensor:
-        """``[K, N, *p.shape]``: ``J_n^T v_nk`` for columns ``v`` (``[K, *out]``) at the output.
+        """``[N, K, *p.shape]`` (sample-major): ``J_n^T v_nk`` for columns ``v`` (``[K, *out]``)
+        at the output.
 
         Default: the columns as ``K * N`` pseudo-samples through :meth:`batch_grad`.
         """
         from curvopt.second_order import expand_call
 
         grads = self.batch_grad(expand_call(call, columns), name)
-        return grads.view(-1, call.batch_size, *grads.shape[1:])
+        return grads.view(-1, call.batch_size, *grads.shape[1:]).transpose(0, 1)
 
     def column_diag(self, call, columns, name: str, batched: bool) -> Optional[torch.Tensor]:
         """``sum_k (J_n^T v_nk)**2`` per sample (``batched``) or summed, without materialising
-        ``[K, N, *p.shape]``, or ``None``."""
+        ``[N, K, *p.shape]``, or ``None``."""
         return None
 
     def grad_sum(self, call, name: str) -> Optional[torch.Tensor]:
