@@ -1,0 +1,423 @@
+"""paper_figs on tiny result files written here, and experiments.reproduce end to end on
+synthetic data (no network, no real data)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import paper_figs
+from paper_figs import common, curves, overhead, table
+from paper_figs.__main__ import main as figs_main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _run_json(
+    problem="mnist_logreg",
+    optimizer="momentum",
+    seed=0,
+    lr=0.1,
+    damping=None,
+    epochs=3,
+    train_size=1000,
+    eval_size=None,
+    synthetic=False,
+    final_test=0.9,
+    valid=0.9,
+    diverge_at=None,
+    train_samples=None,
+    test_samples=10_000,
+    batch_size=None,
+):
+    """A run JSON shaped like experiments.runner's output."""
+    history = []
+    last = epochs if diverge_at is None else diverge_at - 1
+    for e in range(last + 1):
+        frac = e / max(1, epochs)
+        history.append(
+            {
+                "epoch": e,
+                "train_loss": 2.3 - frac + 0.01 * seed,
+                "train_acc": 0.1 + 0.8 * frac,
+                "valid_loss": 2.3 - frac,
+                "valid_acc": 0.1 + (valid - 0.1) * frac,
+                "test_loss": 2.3 - 0.9 * frac,
+                "test_acc": 0.1 + (final_test - 0.1) * frac + 0.001 * seed,
+                "time": {"eval_s": 0.1, **({"epoch_s": 1.0 + seed} if e else {})},
+            }
+        )
+    cfg = {
+        "problem": problem,
+        "optimizer": optimizer,
+        "lr": lr,
+        "damping": damping,
+        "seed": seed,
+        "epochs": epochs,
+        "batch_size": batch_size or (256 if problem == "cifar100_allcnnc" else 128),
+        "train_size": train_size,
+        "eval_size": eval_size,
+        "valid_size": 10_000,
+        "augment": problem.startswith("cifar"),
+        "synthetic": synthetic,
+    }
+    return {
+        "name": f"{problem}_{optimizer}_lr{lr:g}_seed{seed}",
+        "status": "finished" if diverge_at is None else "diverged",
+        "synthetic": synthetic,
+        "config": cfg,
+        "problem": {
+            "train_samples": train_samples if train_samples is not None else (train_size or 50_000),
+            "test_samples": test_samples,
+        },
+        "final": history[-1],
+        "history": history,
+        "timing": {"epoch_s": float(epochs)},
+    }
+
+
+def _write(folder: Path, obj: dict, name: str | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name or obj['name']}.json"
+    path.write_text(json.dumps(obj))
+    return path
+
+
+def _overhead_json(backends=("curvopt",), batch=64):
+    results = [
+        {
+            "problem": "3c3d",
+            "quantity": "plain",
+            "backend": "plain",
+            "ratio_median": 1.0,
+            "ratio_q1": 1.0,
+            "ratio_q3": 1.0,
+        }
+    ]
+    for i, q in enumerate(("hooks", "BatchGrad", "Variance", "DiagGGNMC", "KFAC")):
+        for j, b in enumerate(backends):
+            entry = {"problem": "3c3d", "quantity": q, "backend": b}
+            if b == "backpack" and q == "hooks":
+                entry.update(ratio_median=None, ratio_q1=None, ratio_q3=None, error="n/a: no")
+            else:
+                r = 1.0 + 0.3 * i + 0.1 * j
+                entry.update(ratio_median=r, ratio_q1=r - 0.05, ratio_q3=r + 0.05, error=None)
+            results.append(entry)
+    return {
+        "torch": "2.x",
+        "threads": 2,
+        "device": "cpu",
+        "load_average_at_start": 1.0,
+        "backends": list(backends),
+        "problems": {"3c3d": {"description": f"DeepOBS 3C3D, N={batch}", "plain_ms": 120.0}},
+        "results": results,
+    }
+
+
+@pytest.fixture
+def results(tmp_path):
+    """Two problems, two optimizers, two seeds; plus a synthetic problem, a worse lr setting
+    (a grid), a diverged seed and an unrelated JSON."""
+    runs = tmp_path / "results" / "runs"
+    for seed in (0, 1):
+        _write(runs, _run_json(seed=seed))
+        _write(runs, _run_json(optimizer="kfac", lr=0.1, damping=0.01, seed=seed, final_test=0.91))
+        _write(
+            runs,
+            _run_json(optimizer="kfac", lr=1.0, damping=0.01, seed=seed, valid=0.5, final_test=0.5),
+        )
+        _write(
+            runs,
+            _run_json(
+                problem="fmnist_2c2d",
+                optimizer="adam",
+                lr=1e-3,
+                seed=seed,
+                epochs=2,
+                train_size=384,
+                eval_size=500,
+                test_samples=500,
+                diverge_at=2 if seed else None,
+            ),
+        )
+        _write(runs, _run_json(problem="cifar10_3c3d", synthetic=True, seed=seed, final_test=0.1))
+    _write(tmp_path / "results", {"something": "else"}, "unrelated")
+    _write(tmp_path / "results", _overhead_json(("curvopt", "backpack")), "overhead")
+    return tmp_path / "results"
+
+
+def _is_png(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 1000 and path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_curves_one_png_per_problem(results, tmp_path):
+    out = tmp_path / "figs"
+    paths = paper_figs.plot_curves(results, out)
+    names = sorted(p.name for p in paths)
+    assert names == [
+        "curves_cifar10_3c3d_synthetic.png",
+        "curves_fmnist_2c2d.png",
+        "curves_mnist_logreg.png",
+    ]
+    assert all(_is_png(p) for p in paths)
+
+
+def test_curves_series_median_quartiles_and_dropouts(results):
+    chosen = common.best_settings(common.load_runs(results))
+    s = chosen[("mnist_logreg", False)]["kfac"]
+    assert s.config["lr"] == 0.1  # the better validation accuracy of the two kfac settings
+    assert len(s.runs) == 2
+    data = curves.series(s, "test_acc")
+    assert data["epoch"] == [0, 1, 2, 3]
+    assert data["q1"][-1] <= data["median"][-1] <= data["q3"][-1]
+    assert data["median"][-1] == pytest.approx(0.9105)
+    assert data["time"] == [0.0, 1.5, 3.0, 4.5]  # median of the seeds' cumulative epoch_s
+    adam = chosen[("fmnist_2c2d", False)]["adam"]
+    d = curves.series(adam, "test_acc")
+    assert d["n"] == [2, 2, 1]  # the diverged seed stops after epoch 1
+
+
+def test_overhead_png_with_backpack_side_by_side(results, tmp_path):
+    paths = paper_figs.plot_overhead(results, tmp_path / "figs")
+    assert [p.name for p in paths] == ["overhead.png"]
+    assert _is_png(paths[0])
+    panels = overhead.collect_panels(common.load_overheads(results))
+    assert list(panels) == [("3c3d", 64)]
+    assert ("KFAC", "backpack") in panels[("3c3d", 64)]["cells"]
+    assert paper_figs.plot_overhead(tmp_path / "empty_dir_that_does_not_exist", tmp_path) == []
+
+
+def test_overhead_single_file_and_several_batch_sizes(tmp_path):
+    a = _write(tmp_path / "o", _overhead_json(batch=32), "o32")
+    _write(tmp_path / "o", _overhead_json(batch=128), "o128")
+    assert _is_png(paper_figs.plot_overhead(a, tmp_path / "f1")[0])
+    panels = overhead.collect_panels(common.load_overheads(tmp_path / "o"))
+    assert sorted(panels) == [("3c3d", 32), ("3c3d", 128)]
+    assert _is_png(paper_figs.plot_overhead(tmp_path / "o", tmp_path / "f2")[0])
+
+
+def test_table_has_the_papers_numbers_and_marks_budget_and_synthetic(results, tmp_path):
+    path = paper_figs.write_table(results, tmp_path / "t", "note at the top")
+    text = path.read_text()
+    assert path.name == "comparison.md" and "note at the top" in text
+    for number in (
+        "0.925–0.927",
+        "0.926",
+        "0.924",
+        "0.923",
+        "0.922",
+        "0.851",
+        "0.850",
+        "0.837",
+        "0.834",
+        "0.824",
+        "0.612",
+        "0.600",
+        "0.576",
+        "0.561",
+    ):
+        assert number in text, number
+    rows = {
+        (r["problem"], r["synthetic"], r["optimizer"]): r for r in table.comparison_rows(results)
+    }
+    kfac = rows[("mnist_logreg", False, "kfac")]
+    assert kfac["ours"] == pytest.approx(0.9105) and kfac["seeds"] == 2 and kfac["lr"] == 0.1
+    assert not kfac["comparable"]
+    assert "3 of 50 epochs" in kfac["notes"] and "1,000 of 50,000 training samples" in kfac["notes"]
+    adam = rows[("fmnist_2c2d", False, "adam")]
+    assert "test on 500 of 10,000 samples" in adam["notes"]
+    assert adam["status"] == "1 of 2 diverged"
+    syn = rows[("cifar10_3c3d", True, "momentum")]
+    assert not syn["comparable"] and "SYNTHETIC" in syn["notes"][0]
+    assert rows[("cifar100_allcnnc", False, "kfac")]["status"] == "not run"
+    lines = [line for line in text.splitlines() if line.startswith("| CIFAR-10 3C3D (SYNTHETIC)")]
+    assert lines and all("⚠ SYNTHETIC" in line and "**no**" in line for line in lines)
+    mnist = [
+        line for line in text.splitlines() if line.startswith("| MNIST logistic regression | KFAC")
+    ]
+    assert "⚠" in mnist[0] and "**no**: 3 of 50 epochs" in mnist[0]
+
+
+def test_table_full_protocol_run_is_comparable(tmp_path):
+    runs = tmp_path / "r"
+    for seed in range(10):
+        _write(
+            runs,
+            _run_json(
+                problem="fmnist_2c2d",
+                optimizer="kfac",
+                lr=0.01,
+                damping=0.01,
+                seed=seed,
+                epochs=100,
+                train_size=None,
+                final_test=0.925,
+            ),
+        )
+    row = [
+        r
+        for r in table.comparison_rows(runs)
+        if r["optimizer"] == "kfac" and r["problem"] == "fmnist_2c2d"
+    ][0]
+    assert row["comparable"] and row["notes"] == []
+    text = paper_figs.write_table(runs, tmp_path).read_text()
+    line = [x for x in text.splitlines() if x.startswith("| Fashion-MNIST 2C2D | KFAC")][0]
+    assert "| yes |" in line and "+0.00" in line and "⚠" not in line
+
+
+def test_cli(tmp_path, capsys):
+    results = tmp_path / "small"
+    _write(results, _run_json(optimizer="adam", lr=0.01))
+    _write(results, _overhead_json(), "overhead")
+    out = tmp_path / "cli"
+    assert figs_main(["all", str(results), str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "overhead.png" in printed and "comparison.md" in printed
+    assert "curves_mnist_logreg.png" in printed
+    assert (out / "comparison.md").exists() and _is_png(out / "overhead.png")
+    assert figs_main(["curves", str(tmp_path / "nothing"), str(out)]) == 1
+    assert overhead.main([str(tmp_path / "nothing"), str(out)]) == 1
+    assert table.main([str(results), str(tmp_path / "t2")]) == 0
+    assert (tmp_path / "t2" / "comparison.md").exists()
+
+
+# --- experiments.reproduce ------------------------------------------------------------------
+
+
+def test_reproduce_arguments_and_plans():
+    from experiments import reproduce as rep
+
+    args = rep.parse_args([])
+    assert args.out == Path("results/reproduce") and not args.full
+    plan = rep.make_plan(args)
+    assert plan.problems == ["mnist_logreg", "fmnist_2c2d"]
+    assert plan.optimizers["fmnist_2c2d"] == ["momentum", "adam", "diagggn_mc", "kfac"]
+    assert plan.seeds == {"mnist_logreg": 3, "fmnist_2c2d": 3}
+    assert plan.budgets["mnist_logreg"].epochs < 50
+    cfgs = plan.configs("mnist_logreg", synthetic=False)
+    assert len(cfgs) == 12 and {c.seed for c in cfgs} == {0, 1, 2}
+    assert all(c.damping is None for c in cfgs if c.optimizer in ("momentum", "adam"))
+    assert all(c.damping is not None for c in cfgs if c.optimizer in ("kfac", "diagggn_mc"))
+
+    full = rep.make_plan(rep.parse_args(["--full"]))
+    assert rep.parse_args(["--full"]).out == Path("results/reproduce_full")
+    assert full.problems == ["mnist_logreg", "fmnist_2c2d", "cifar10_3c3d", "cifar100_allcnnc"]
+    assert set(full.seeds.values()) == {10} and full.optimizers["cifar100_allcnnc"] == [
+        "momentum",
+        "adam",
+        "diagggn_mc",
+        "kfac",
+    ]
+    assert full.budgets["cifar100_allcnnc"] == rep.Budget(350, None, None, 10)
+
+    custom = rep.make_plan(
+        rep.parse_args(
+            [
+                "--problems",
+                "mnist_logreg",
+                "--optimizers",
+                "adam",
+                "--epochs",
+                "1",
+                "--train-size",
+                "0",
+                "--eval-size",
+                "256",
+                "--seeds",
+                "3",
+            ]
+        )
+    )
+    assert custom.budgets["mnist_logreg"] == rep.Budget(1, None, 256, 3)
+    assert custom.optimizers == {"mnist_logreg": ["adam"]} and custom.seeds == {"mnist_logreg": 3}
+    for bad in (
+        ["--seeds", "0"],
+        ["--epochs", "0"],
+        ["--train-size", "-1"],
+        ["--problems", "imagenet"],
+        ["--threads", "0"],
+    ):
+        with pytest.raises(SystemExit):
+            rep.parse_args(bad)
+    assert rep.choose_threads(3) == (3, "--threads")
+    assert rep.choose_threads(None)[0] in (1, 2)
+
+
+def test_reproduce_full_protocol_commands_and_dry_run(capsys):
+    from experiments import reproduce as rep
+
+    cmds = rep.full_protocol_commands("X")
+    grids = [c for c in cmds if " grid " in c]
+    assert len(grids) == sum(len(v) for v in rep.PAPER_OPTIMIZERS.values()) == 22
+    assert (
+        "python -m experiments grid cifar100_allcnnc kfac --seeds 10 --results-dir X/runs" in cmds
+    )
+    assert rep.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "python -m experiments grid fmnist_2c2d kflr --seeds 10" in out
+
+
+def test_reproduce_registers_second_order_overhead_quantities():
+    from experiments import overhead as oh
+    from experiments import reproduce as rep
+
+    before = set(oh.QUANTITIES)
+    try:
+        added = rep._register_second_order(["DiagGGNMC", "KFAC", "NoSuchExtension"])
+        assert added == ["DiagGGNMC", "KFAC"]
+        assert oh.QUANTITIES["KFAC"].order == 2 and oh.QUANTITIES["KFAC"].attrs() == ("kfac",)
+    finally:
+        for name in set(oh.QUANTITIES) - before:
+            del oh.QUANTITIES[name]
+
+
+def test_reproduce_smoke_on_synthetic_data(tmp_path, capsys):
+    from experiments import reproduce as rep
+
+    out = tmp_path / "rep"
+    argv = [
+        "--synthetic",
+        "--problems",
+        "mnist_logreg",
+        "--optimizers",
+        "momentum",
+        "kfac",
+        "--epochs",
+        "1",
+        "--train-size",
+        "128",
+        "--eval-size",
+        "128",
+        "--seeds",
+        "1",
+        "--no-overhead",
+        "--no-fetch",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
+    assert rep.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "SYNTHETIC" in printed and "python -m experiments.reproduce --full" in printed
+    assert _is_png(out / "figures" / "curves_mnist_logreg_synthetic.png")
+    text = (out / "comparison.md").read_text()
+    assert "⚠ SYNTHETIC" in text and "Budgeted run" in text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["runs"] == 2 and summary["synthetic"] and summary["wall_clock_s"] > 0
+    assert len(list((out / "runs").glob("*_synthetic.json"))) == 2
+
+
+def test_grid_selection_follows_the_search_run_like_runner_grid(tmp_path):
+    """runner.grid picks by the seed-0 search run and reruns that setting with more seeds;
+    the figures and table must show that setting, even if a later seed is worse."""
+    runs = tmp_path / "grid"
+    _write(runs, _run_json(lr=0.1, seed=0, valid=0.90, final_test=0.90))
+    for seed in (1, 2):
+        _write(runs, _run_json(lr=0.1, seed=seed, valid=0.50, final_test=0.50))
+    _write(runs, _run_json(lr=1.0, seed=0, valid=0.85, final_test=0.85))
+    _write(runs, _run_json(lr=0.01, seed=0, valid=0.95, final_test=0.95, diverge_at=2))
+    chosen = common.best_settings(common.load_runs(runs))[("mnist_logreg", False)]["momentum"]
+    assert chosen.config["lr"] == 0.1 and chosen.seeds == [0, 1, 2]
