@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-run: $(STAMP)  ## the main job on its embedded default
-	OMP_NUM_THREADS=2 $(PY) examples/per_sample_norms.py
+run: $(STAMP)  ## the main job: budgeted reproduction of the BackPACK paper on real data
+	$(PY) -m experiments.reproduce
 
 test: $(STAMP)  ## the unit tests
 	OMP_NUM_THREADS=2 $(PY) -m pytest tests
