@@ -1,9 +1,17 @@
-"""Command line: ``python -m experiments run ...`` and ``python -m experiments grid ...``."""
+"""Command line: ``python -m experiments run ...`` and ``python -m experiments grid ...``.
+
+Data-parallel on K processes: ``torchrun --nproc_per_node=K -m experiments run ...`` (gloo on
+CPU, NCCL on CUDA with one device per process, ``cuda:LOCAL_RANK``); the global batch size stays
+the problem's (or ``--batch-size``), each rank trains on ``batch_size / K`` of every batch.
+"""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
+
+import torch.distributed as dist
 
 from .data import DataMissingError, default_root
 from .problems import PROBLEMS
@@ -14,7 +22,9 @@ from .runner import (
     PAPER_LRS,
     RunConfig,
     SetupError,
+    dist_info,
     grid,
+    init_distributed,
     run,
 )
 
@@ -144,16 +154,29 @@ def main(argv=None) -> int:
         "device": args.device,
         "progress": args.progress,
     }
+    started = False
     try:
+        started = init_distributed(args.device)  # under torchrun with WORLD_SIZE > 1
+        main_rank = dist_info().main
         if args.command == "run":
-            _print_run(run(_config(args, args.lr, args.damping), **where))
+            result = run(_config(args, args.lr, args.damping), **where)
+            if main_rank:
+                _print_run(result)
         else:
             damping = args.dampings[0] if args.optimizer in DAMPED else None
             base = _config(args, args.lrs[0], damping)
-            _print_grid(grid(base, args.lrs, args.dampings, args.seeds, **where))
+            summary = grid(base, args.lrs, args.dampings, args.seeds, **where)
+            if main_rank:
+                _print_grid(summary)
     except (DataMissingError, SetupError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        info = dist_info()
+        rank = f"[rank {info.rank}/{info.world_size}] " if info.active else ""
+        print(f"{rank}error: {err}", file=sys.stderr)
         return 2
+    finally:
+        if started:
+            gc.collect()  # free what holds the group's work (e.g. DDP) before destroying it
+            dist.destroy_process_group()
     return 0
 
 
