@@ -499,7 +499,13 @@ class _Run:
             else:
                 loss.backward()
             t2 = clock()
-            self.opt.step()
+            try:
+                self.opt.step()
+            except (torch.linalg.LinAlgError, FloatingPointError):
+                # a curvature that cannot be inverted or a non-finite step: the setting diverged
+                # (raised on every rank alike, so all ranks stop together)
+                diverged = True
+                break
             t3 = clock()
             times["forward_s"] += t1 - t0
             times["backward_s"] += t2 - t1
