@@ -24,7 +24,7 @@ from torch.autograd.graph import GradientEdge
 from curvopt.errors import UnsupportedModuleError
 from curvopt.hooks import _METADATA, owned
 from curvopt.layers.unfold import unfold_conv_input
-from curvopt.second_order import add_diagonals, backpropagate
+from curvopt.second_order import add_diagonals, backpropagate, module_outputs
 from curvopt.state import STATE
 
 
@@ -254,7 +254,8 @@ def add_residuals(cpass, calls, exts) -> None:
         if fn is None:
             continue
         direct = producers.get((fn, nr))
-        others = dict(calls)
+        upstream, batchable = module_outputs(fn)
+        others = {record: calls[record] for record in upstream if record in calls}
         if direct is not None and _has_weighted_squares(direct.module):
             for ext in exts:
                 batched = ext.attr.endswith("_batch")
@@ -263,10 +264,10 @@ def add_residuals(cpass, calls, exts) -> None:
                         cpass.bp.add(p, ext.attr, _weighted_squares(direct, r, name, batched))
             others.pop(direct)
         if others:
-            _columns(cpass, GradientEdge(fn, nr), r, others, exts)
+            _columns(cpass, GradientEdge(fn, nr), r, others, exts, batchable)
 
 
-def _columns(cpass, source: GradientEdge, r: torch.Tensor, calls, exts) -> None:
+def _columns(cpass, source: GradientEdge, r: torch.Tensor, calls, exts, batched: bool) -> None:
     """Signed one-hot columns ``sqrt(|r|)`` at ``u``, propagated to the modules upstream."""
     records = list(calls)
     edges = [edge for rec in records for _, edge in calls[rec]]
@@ -283,7 +284,7 @@ def _columns(cpass, source: GradientEdge, r: torch.Tensor, calls, exts) -> None:
         for start in range(0, size, chunk):
             stop = min(size, start + chunk)
             cols = (eye[start:stop, None, :] * root[None]).reshape(stop - start, *r.shape)
-            back = backpropagate(source, edges, cols, cpass.batched)
+            back = backpropagate(source, edges, cols, batched)
             it = iter(back)
             outs = {record: [next(it) for _ in calls[record]] for record in records}
             add_diagonals(cpass.bp, calls, outs, exts, sign)

@@ -79,11 +79,13 @@ _NO_BATCHING_RULE = {
 }
 
 
-def module_outputs(root: torch.Tensor):
-    """Extended-module calls upstream of ``root``: record -> [(output index, gradient edge)],
-    and whether the graph may propagate columns batched (``vmap``) efficiently."""
+def module_outputs(root):
+    """Extended-module calls upstream of ``root`` (a tensor or an autograd node):
+    record -> [(output index, gradient edge)], and whether the graph may propagate columns
+    batched (``vmap``) efficiently."""
     found: Dict[object, List[Tuple[int, GradientEdge]]] = defaultdict(list)
-    stack, seen, batchable = [root.grad_fn], set(), True
+    start = root.grad_fn if isinstance(root, torch.Tensor) else root
+    stack, seen, batchable = [start], set(), True
     while stack:
         node = stack.pop()
         if node is None or node in seen:
