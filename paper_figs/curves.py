@@ -14,7 +14,6 @@ as ``experiments.runner.grid`` applies it) and named in the legend.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -169,19 +168,10 @@ def plot_curves(results_dir: str | Path, out_dir: str | Path) -> list[Path]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m paper_figs.curves", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument("results_dir", type=Path, help="folder with run JSONs (searched recursively)")
-    p.add_argument("out_dir", type=Path)
-    args = p.parse_args(argv)
-    paths = plot_curves(args.results_dir, args.out_dir)
-    if not paths:
-        print(f"no run JSON below {args.results_dir}", file=sys.stderr)
-        return 1
-    for path in paths:
-        print(path)
-    return 0
+    """``python -m paper_figs.curves RESULTS OUT``: same as ``python -m paper_figs curves``."""
+    from .__main__ import main as figs_main
+
+    return figs_main(["curves", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

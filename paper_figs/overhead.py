@@ -12,7 +12,6 @@ marks 1 = the gradient alone. Cells a backend cannot compute are written as ``n/
 
 from __future__ import annotations
 
-import argparse
 import math
 import re
 import sys
@@ -202,23 +201,10 @@ def _draw_panel(ax, key, panel) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m paper_figs.overhead", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument("results_dir", type=Path, help="folder (searched recursively) or one JSON file")
-    p.add_argument("out_dir", type=Path)
-    args = p.parse_args(argv)
-    paths = plot_overhead(args.results_dir, args.out_dir)
-    if not paths:
-        print(
-            f"no overhead JSON below {args.results_dir} "
-            "(write one with: python -m experiments.overhead --json FILE)",
-            file=sys.stderr,
-        )
-        return 1
-    for path in paths:
-        print(path)
-    return 0
+    """``python -m paper_figs.overhead RESULTS OUT``: same as ``python -m paper_figs overhead``."""
+    from .__main__ import main as figs_main
+
+    return figs_main(["overhead", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
