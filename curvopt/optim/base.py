@@ -176,6 +176,16 @@ class CurvatureOptimizer(Optimizer):
             where = f"#{offset + index}"
         return f"parameter {where} (shape {tuple(param.shape)})"
 
+    def _unused(self, param: torch.Tensor, attrs: Sequence[str]) -> bool:
+        """Whether ``param`` took no part in this step: ``grad`` is None, or all zero (after
+        ``zero_grad(set_to_none=False)``) while its ``attrs`` are still those a previous step
+        used. As in ``torch.optim``, such a parameter is left unchanged (zero step)."""
+        if param.grad is None:
+            return True
+        used = self._consumed.get(param, {})
+        stale = bool(used) and all(getattr(param, a, None) is used.get(a) for a in attrs)
+        return stale and not bool(param.grad.any())
+
     def _read(
         self, param: torch.Tensor, attr: str, description: str, extension: str, fallback: str | None
     ) -> Any:

@@ -135,7 +135,7 @@ class NewtonOptimizer(CurvatureOptimizer):
 
         items = []  # (update, g, C, curvature step, old state)
         for index, param in enumerate(group["params"]):
-            if param.grad is None:
+            if self._unused(param, (attr,)):
                 continue
             state = self.state.get(param, {})
             update = ParamUpdate(param, self._describe(group, index, param))

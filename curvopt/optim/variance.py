@@ -46,7 +46,7 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
         beta = group["momentum"]
         updates = []
         for index, param in enumerate(group["params"]):
-            if param.grad is None:
+            if self._unused(param, ("variance", "batch_l2")):
                 continue
             state = self.state.get(param, {})
             update = ParamUpdate(param, self._describe(group, index, param))
