@@ -13,18 +13,22 @@ from curvopt.optim import (
     as_damping,
     as_matrix,
     cached,
+    cholesky_factor,
     cholesky_inverse,
+    cholesky_solve_right,
     diag_precondition,
     diag_quadratic,
     ema,
     exact_damped_solve,
     kl_clip_factor,
+    kron_cholesky_solve,
     kron_eigh,
     kron_matmul,
     kron_quadratic,
     momentum,
     psd_eigh,
     reduction_ratio,
+    trace_norm_cholesky,
     trace_norm_damped,
     trace_norm_inverse,
     trace_norm_pi,
@@ -280,3 +284,37 @@ def test_kl_clip_factor():
     assert kl_clip_factor(g, d, lr=0.1, kl_clip=total / 4) == pytest.approx(0.5)
     assert kl_clip_factor(g, d, lr=0.1, kl_clip=total * 10) == 1.0
     assert kl_clip_factor([torch.zeros(3)], [torch.zeros(3)], lr=0.1, kl_clip=1e-3) == 1.0
+
+
+# ----------------------------------------------------------------------------- Cholesky solves
+
+
+def test_trace_norm_cholesky_solve_matches_dense_solve_and_inverses(kron_case):
+    B, A, G = kron_case
+    for factors, matrix in (([B, A], G), ([B], rand(3, 1, seed=20))):
+        damped = trace_norm_damped(factors, 0.3)
+        dense = torch.kron(*damped) if len(damped) == 2 else damped[0]
+        cholesky = trace_norm_cholesky(factors, 0.3)
+        for L, M in zip(cholesky, damped):
+            assert torch.equal(L, L.tril())
+            torch.testing.assert_close(L @ L.T, M)
+        result = kron_cholesky_solve(cholesky, matrix)
+        torch.testing.assert_close(result.flatten(), torch.linalg.solve(dense, matrix.flatten()))
+        torch.testing.assert_close(result, kron_matmul(trace_norm_inverse(factors, 0.3), matrix))
+
+
+def test_cholesky_solve_right_is_product_with_inverse():
+    matrix = spd(5, 21) + 0.1 * torch.eye(5, dtype=DT)
+    X = rand(3, 5, seed=22)
+    expected = X @ torch.linalg.inv(matrix)
+    torch.testing.assert_close(cholesky_solve_right(X, cholesky_factor(matrix)), expected)
+
+
+def test_cholesky_factor_retries_in_float64_and_raises_when_indefinite():
+    matrix = near_singular_float32()
+    factor = cholesky_factor(matrix)
+    assert factor.dtype == torch.float32
+    product = factor.double() @ factor.double().T
+    torch.testing.assert_close(product, matrix.double(), rtol=0, atol=1e-6)
+    with pytest.raises(torch.linalg.LinAlgError, match="increase the damping"):
+        cholesky_factor(-torch.eye(3, dtype=DT))

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from curvopt.optim import KFAC, DiagGGNNewton, LevenbergMarquardt, VarianceAdaptedSGD
+from curvopt.optim.base import CurvatureOptimizer, ParamUpdate
 
 DT = torch.float64
 torch.set_num_threads(1)
@@ -609,3 +610,15 @@ def test_variance_adapted_sgd_update_rule():
             m = averages[i] / (1 - beta**t)
             s = 4**2 / 3 * p.variance  # N = 4 samples
             torch.testing.assert_close(p.detach(), old - 0.1 * m**2 / (m**2 + rho * s) * m)
+
+
+def test_finite_check_tolerates_overflowing_sums_and_names_the_bad_tensor():
+    p = torch.zeros(2)
+    big = torch.full((4,), 3e38)  # finite entries, float32 sum overflows to inf
+    update = ParamUpdate(p, "parameter 'w' (shape (2,))", checks=[("gradient", big)])
+    CurvatureOptimizer._check_finite([update])
+    bad = ParamUpdate(
+        p, "parameter 'v' (shape (2,))", checks=[("update", torch.tensor([1, -math.inf]))]
+    )
+    with pytest.raises(FloatingPointError, match=r"update of parameter 'v'"):
+        CurvatureOptimizer._check_finite([update, bad])

@@ -5,11 +5,13 @@ Optimizers (``torch.optim.Optimizer`` subclasses): :class:`DiagGGNNewton`, :clas
 
 * damping strategies: :class:`ConstantDamping`, :class:`ScheduledDamping`,
   :class:`LevenbergMarquardt`, :func:`as_damping`, :func:`reduction_ratio`;
-* inversion: :func:`cholesky_inverse`, :func:`psd_eigh`, :func:`cached`;
+* inversion: :func:`cholesky_factor`, :func:`cholesky_solve_right`, :func:`cholesky_inverse`,
+  :func:`psd_eigh`, :func:`cached`;
 * diagonal curvature: :func:`diag_precondition`, :func:`diag_quadratic`;
 * Kronecker curvature: :func:`as_matrix`, :func:`kron_matmul`, :func:`kron_quadratic`,
   :func:`trace_norm_pi`, :func:`trace_norm_damped`, :func:`trace_norm_inverse`,
-  :func:`kron_eigh`, :func:`exact_damped_solve`;
+  :func:`trace_norm_cholesky`, :func:`kron_cholesky_solve`, :func:`kron_eigh`,
+  :func:`exact_damped_solve`;
 * transforms: :func:`ema`, :func:`add_weight_decay`, :func:`momentum`, :func:`kl_clip_factor`.
 
 See ``docs/optim.md``.
@@ -31,14 +33,16 @@ from curvopt.optim.kfac import KFAC
 from curvopt.optim.kronecker import (
     as_matrix,
     exact_damped_solve,
+    kron_cholesky_solve,
     kron_eigh,
     kron_matmul,
     kron_quadratic,
+    trace_norm_cholesky,
     trace_norm_damped,
     trace_norm_inverse,
     trace_norm_pi,
 )
-from curvopt.optim.linalg import cholesky_inverse, psd_eigh
+from curvopt.optim.linalg import cholesky_factor, cholesky_inverse, cholesky_solve_right, psd_eigh
 from curvopt.optim.newton import NewtonOptimizer
 from curvopt.optim.transforms import add_weight_decay, ema, kl_clip_factor, momentum
 from curvopt.optim.variance import VarianceAdaptedSGD
@@ -57,18 +61,22 @@ __all__ = [
     "as_damping",
     "as_matrix",
     "cached",
+    "cholesky_factor",
     "cholesky_inverse",
+    "cholesky_solve_right",
     "diag_precondition",
     "diag_quadratic",
     "ema",
     "exact_damped_solve",
     "kl_clip_factor",
+    "kron_cholesky_solve",
     "kron_eigh",
     "kron_matmul",
     "kron_quadratic",
     "momentum",
     "psd_eigh",
     "reduction_ratio",
+    "trace_norm_cholesky",
     "trace_norm_damped",
     "trace_norm_inverse",
     "trace_norm_pi",

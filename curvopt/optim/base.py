@@ -293,7 +293,13 @@ class CurvatureOptimizer(Optimizer):
         checks = [(u, what, t) for u in updates for what, t in u.checks]
         if not checks:
             return
-        flags = [t.isfinite().all().to(checks[0][2].device) for _, _, t in checks]
+        device = checks[0][2].device
+        # one read per tensor and one host sync: a finite sum means finite entries (a NaN or
+        # inf entry makes the sum NaN or inf); only a non-finite sum (or overflow) is looked into
+        sums = torch.stack([t.sum().to(device) for _, _, t in checks])
+        if bool(sums.isfinite().all()):
+            return
+        flags = [t.isfinite().all().to(device) for _, _, t in checks]
         if bool(torch.stack(flags).all()):
             return
         for (update, what, _), flag in zip(checks, flags):

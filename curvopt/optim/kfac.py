@@ -9,10 +9,10 @@ from curvopt.optim.cache import cached
 from curvopt.optim.kronecker import (
     as_matrix,
     exact_damped_solve,
+    kron_cholesky_solve,
     kron_eigh,
-    kron_matmul,
     kron_quadratic,
-    trace_norm_inverse,
+    trace_norm_cholesky,
 )
 from curvopt.optim.newton import Derived, NewtonOptimizer
 
@@ -34,7 +34,8 @@ class KFAC(NewtonOptimizer):
         kronecker_damping: ``"trace_norm"`` (default): ``(B + π√λ I)⁻¹ G (A + √λ/π I)⁻¹`` with
             ``π = sqrt((tr A/dim A)/(tr B/dim B))``; ``"exact"``: ``(B ⊗ A + λ I)⁻¹`` through
             eigendecompositions of ``B`` and ``A``.
-        inverse_interval: recompute inverses (or eigendecompositions) at most every ``m``
+        inverse_interval: recompute the inverses (kept as Cholesky factors of the damped
+            factors, applied by triangular solves) or eigendecompositions at most every ``m``
             steps, reusing them in between (default 1: whenever curvature or damping changed).
         mc_samples: Monte-Carlo samples for ``curvature="kfac"``.
         momentum, curvature_ema, curvature_interval, kl_clip, fallback: see
@@ -109,10 +110,10 @@ class KFAC(NewtonOptimizer):
                 lambda: [(f.new_empty(f.shape[0]), torch.empty_like(f)) for f in curvature],
             )
         return Derived(
-            "inverse",
+            "cholesky",
             (curvature_step, damping),
             interval,
-            lambda: trace_norm_inverse(curvature, damping),
+            lambda: trace_norm_cholesky(curvature, damping),
             lambda: [torch.empty_like(f) for f in curvature],
         )
 
@@ -125,7 +126,7 @@ class KFAC(NewtonOptimizer):
         if derived.name == "eigh":
             direction = exact_damped_solve(entry["value"], matrix, damping)
         else:
-            direction = kron_matmul(entry["value"], matrix)
+            direction = kron_cholesky_solve(entry["value"], matrix)
         return direction.reshape(grad.shape), {derived.name: entry}
 
     def _quadratic(self, curvature, step):
