@@ -1,0 +1,36 @@
+"""Curvature as ``scipy.sparse.linalg.LinearOperator``s, for comparing approximations.
+
+* exact, by automatic differentiation: :class:`GGN`, :class:`Hessian`,
+  :class:`EmpiricalFisher`, :class:`FisherMC`;
+* curvopt's approximations, from ``collect``: :class:`Diagonal`, :class:`KFAC` (with
+  ``.inverse(damping, ...)``, what the optimizers apply);
+* spectra and traces of any of them: :func:`top_eigenpairs`, :func:`hutchinson_trace`,
+  :func:`hutchinson_diagonal`.
+
+Conventions (parameter order, scaling over batches): ``API.md``, "Curvature as linear operators".
+"""
+
+from curvopt.linalg.base import CurvatureOperator
+from curvopt.linalg.diagonal import Diagonal
+from curvopt.linalg.exact import GGN, EmpiricalFisher, FisherMC, Hessian
+from curvopt.linalg.kronecker import KFAC
+from curvopt.linalg.spectral import (
+    Estimate,
+    hutchinson_diagonal,
+    hutchinson_trace,
+    top_eigenpairs,
+)
+
+__all__ = [
+    "KFAC",
+    "CurvatureOperator",
+    "Diagonal",
+    "Estimate",
+    "EmpiricalFisher",
+    "FisherMC",
+    "GGN",
+    "Hessian",
+    "hutchinson_diagonal",
+    "hutchinson_trace",
+    "top_eigenpairs",
+]

@@ -1,0 +1,106 @@
+"""Curvature-matrix products by automatic differentiation (``torch.func``), one batch at a time.
+
+With ``f(θ)`` the model output (the loss input, ``[R, *F]``, row ``r`` of dim 0 a sample) and
+``J = ∂f/∂θ``:
+
+* :func:`jtmj`: ``Jᵀ M J V`` for a symmetric ``M`` on the output space: ``J V`` as the
+  transpose of the pullback ``u ↦ Jᵀ u`` (reverse over reverse, which every differentiable op
+  supports, unlike forward mode), then ``M``, then ``Jᵀ``; the ``K`` columns of ``V`` batched
+  by ``vmap``;
+* :func:`hessian_matmat`: ``∇²_θ L V`` by double backward (reverse over reverse).
+
+curvopt's hooks are suspended meanwhile (these products never touch ``collect``), and
+attention runs in PyTorch's math kernel, the one whose backward is itself differentiable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, jvp, vjp, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from curvopt.state import STATE
+
+Tensors = Sequence[torch.Tensor]
+
+#: columns per vectorised product (bounds memory at CHUNK forward passes)
+CHUNK = 32
+
+
+@contextlib.contextmanager
+def _differentiable() -> Iterator[None]:
+    with STATE.suspend(), sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
+def model_function(model: nn.Module, names: Sequence[str], inputs) -> Callable:
+    """``θ ↦ model(inputs)`` with the parameters ``names`` replaced by ``θ`` (a tuple)."""
+
+    def forward(*params):
+        return functional_call(model, dict(zip(names, params)), (inputs,))
+
+    return forward
+
+
+def jtmj(
+    forward: Callable,
+    params: Tensors,
+    vectors: Tensors,
+    output_operator: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]],
+) -> tuple[int, list[torch.Tensor]]:
+    """``(R, Jᵀ M J V)``: ``vectors [[K, *p.shape]]``; ``output_operator(f)`` returns ``u ↦ M u``
+    for one output-shaped ``u``."""
+    params = tuple(p.detach() for p in params)
+    with _differentiable():
+        output, pullback = vjp(forward, *params)
+        output = output.detach()
+        apply_m = output_operator(output)
+        _, transpose = vjp(pullback, torch.zeros_like(output))
+
+        def one(*vector):
+            return pullback(apply_m(transpose(vector)[0]))
+
+        result = vmap(one, chunk_size=CHUNK)(*vectors)
+    return output.shape[0], list(result)
+
+
+def hessian_matmat(
+    forward: Callable, loss: Callable, params: Tensors, vectors: Tensors
+) -> tuple[int, list[torch.Tensor]]:
+    """``(R, ∇²_θ loss(forward(θ)) V)`` by reverse-over-reverse differentiation."""
+    params = tuple(p.detach() for p in params)
+
+    def objective(*ps):
+        output = forward(*ps)
+        return loss(output), output
+
+    with _differentiable():
+        gradient = grad(objective, argnums=tuple(range(len(params))), has_aux=True)
+        _, pullback, output = vjp(gradient, *params, has_aux=True)
+        result = vmap(lambda *v: pullback(v), chunk_size=CHUNK)(*vectors)
+    return output.shape[0], list(result)
+
+
+def loss_hessian(loss: Callable) -> Callable:
+    """``f ↦ (u ↦ ∇²_f loss(f) u)``: the loss Hessian on the output space (exact GGN)."""
+
+    def operator(output):
+        gradient = grad(loss)
+        return lambda u: jvp(gradient, (output,), (u,))[1]
+
+    return operator
+
+
+def per_row_outer(columns: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``u ↦ Σ_m s_m ⟨s_m, u⟩_r`` for ``columns = S [M, R, *F]``: the block-diagonal
+    ``M_r = Σ_m s_mr s_mrᵀ``, ``⟨·,·⟩_r`` summing over all dims but the row ``r``."""
+
+    def apply(u):
+        coeff = (columns * u).flatten(2).sum(2)  # [M, R]
+        return torch.einsum("mr,mr...->r...", coeff, columns)
+
+    return apply

@@ -1,0 +1,160 @@
+"""``CurvatureOperator``: a ``(P, P)`` ``scipy.sparse.linalg.LinearOperator`` over a data set.
+
+``P`` counts the entries of the trainable parameters, ordered as ``model.parameters()``, each
+``vec(p)`` row-major. Vectors cross the boundary as numpy arrays and are computed on as torch
+tensors of the model's dtype and device. Curvature over batches ``b`` with ``R_b`` loss rows
+(dim 0 of the loss input) is ``C = (1/R) Σ_b R_b C_b`` for ``reduction="mean"`` (as if the
+data were one batch, ``R = Σ_b R_b``) and ``C = Σ_b C_b`` for ``"sum"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import torch
+from scipy.sparse.linalg import LinearOperator
+from torch import nn
+
+from curvopt.errors import MissingLossError
+from curvopt.hooks import _HOOKED
+from curvopt.losses import loss_rule_for
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def check_extended(model: nn.Module, lossfunc: nn.Module) -> None:
+    """Raise unless ``curvopt.extend`` was applied to ``model`` (all trainable parameters) and
+    to ``lossfunc``, and the loss is one curvopt supports (``UnsupportedLossError`` otherwise)."""
+    if not getattr(lossfunc, _HOOKED, False):
+        raise MissingLossError(
+            f"curvopt.linalg: the loss {type(lossfunc).__name__} is not extended; "
+            "call lossfunc = curvopt.extend(lossfunc) first"
+        )
+    loss_rule_for(lossfunc)
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and not _extended(p)]
+    if missing:
+        raise ValueError(
+            f"curvopt.linalg: the model is not extended (parameters {missing[:3]} have no "
+            "curvopt hooks); call model = curvopt.extend(model) first"
+        )
+
+
+def _extended(p: torch.Tensor) -> bool:
+    return getattr(p, "_curvopt_checked", False)
+
+
+class ParameterOperator(LinearOperator):
+    """A symmetric ``(P, P)`` operator on the flattened ``params``: numpy in and out, computed
+    in torch (the parameters' dtype and device) by :meth:`_apply` on ``V [P, K]``."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+        self.torch_dtype = params[0].dtype
+        self.device = params[0].device
+        size = sum(p.numel() for p in params)
+        numpy_dtype = torch.empty(0, dtype=self.torch_dtype).numpy().dtype
+        super().__init__(dtype=numpy_dtype, shape=(size, size))
+
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``[P, K] -> [[K, *p.shape] per parameter]``."""
+        chunks = flat.split([p.numel() for p in self.params])
+        return [c.T.reshape(-1, *p.shape) for c, p in zip(chunks, self.params)]
+
+    @staticmethod
+    def join(tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Inverse of :meth:`split`: ``[[K, *p.shape]] -> [P, K]``."""
+        return torch.cat([t.flatten(1) for t in tensors], 1).T
+
+    def _apply(self, matrix: torch.Tensor) -> torch.Tensor:
+        """``C V`` for ``V [P, K]`` (torch)."""
+        raise NotImplementedError
+
+    def _matmat(self, matrix):
+        matrix = torch.as_tensor(np.asarray(matrix), dtype=self.torch_dtype, device=self.device)
+        result = self._apply(matrix.reshape(self.shape[0], -1))
+        return result.detach().cpu().numpy()
+
+    def _matvec(self, vector):
+        return self._matmat(np.asarray(vector).reshape(-1, 1)).reshape(-1)
+
+    def _adjoint(self):
+        return self  # every curvature here is symmetric
+
+    def to_dense(self) -> np.ndarray:
+        """The ``(P, P)`` matrix (``P`` products; for small models and tests)."""
+        return self @ np.eye(self.shape[0], dtype=self.dtype)
+
+
+class BlockDiagonal(ParameterOperator):
+    """``diag(C_1, ..., C_m)`` with one block per parameter, ``blocks[i]`` mapping
+    ``[K, *p_i.shape]`` to ``[K, *p_i.shape]``."""
+
+    def __init__(self, params: list[torch.Tensor], blocks: list[Callable]):
+        super().__init__(params)
+        self.blocks = blocks
+
+    def _apply(self, matrix):
+        parts = self.split(matrix)
+        return self.join([block(part) for block, part in zip(self.blocks, parts)])
+
+
+class CurvatureOperator(ParameterOperator):
+    """A curvature of ``lossfunc(model(inputs), targets)`` over ``data`` (see module doc).
+
+    Subclasses implement :meth:`_batch_matmat` or override :meth:`_apply`.
+    """
+
+    def __init__(self, model: nn.Module, lossfunc: nn.Module, data: Iterable[Batch]):
+        check_extended(model, lossfunc)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("curvopt.linalg: the model has no parameter that requires grad")
+        if next(iter(data), None) is None:
+            raise ValueError(
+                "curvopt.linalg: data is empty; pass a re-iterable of (input, target) batches, "
+                "e.g. a list or a DataLoader (not a generator that is already exhausted)"
+            )
+        super().__init__([p for _, p in named])
+        self.model, self.lossfunc, self.data = model, lossfunc, data
+        self.names = [n for n, _ in named]
+
+    @property
+    def mean(self) -> bool:
+        return self.lossfunc.reduction == "mean"
+
+    def batches(self) -> Iterable[Batch]:
+        """``data`` on the model's device, floating-point tensors in the model's dtype."""
+        for inputs, targets in self.data:
+            yield self.to_model(inputs), self.to_model(targets)
+
+    def to_model(self, t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            return t.to(self.device, self.torch_dtype)
+        return t.to(self.device)
+
+    def weighted_sum(self, pairs: Iterable[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """``Σ_b R_b C_b / R`` ("mean") or ``Σ_b C_b`` ("sum") over ``pairs`` ``(R_b, C_b)``."""
+        total, rows = None, 0
+        for count, value in pairs:
+            value = value * count if self.mean else value
+            total = value if total is None else total + value
+            rows += count
+        if total is None:
+            raise ValueError("curvopt.linalg: data yielded no batch this time (exhausted?)")
+        return total / rows if self.mean else total
+
+    def _batch_matmat(self, inputs, targets, vectors: list[torch.Tensor]):
+        """``(R_b, [C_b V per parameter])`` for ``vectors`` ``[[K, *p.shape]]``."""
+        raise NotImplementedError
+
+    def _apply(self, matrix: torch.Tensor) -> torch.Tensor:
+        """``C V`` for ``V [P, K]`` (torch)."""
+        vectors = self.split(matrix)
+
+        def pairs():
+            for inputs, targets in self.batches():
+                rows, result = self._batch_matmat(inputs, targets, vectors)
+                yield rows, self.join(result)
+
+        return self.weighted_sum(pairs())

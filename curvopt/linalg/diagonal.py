@@ -1,0 +1,47 @@
+"""``Diagonal``: curvopt's curvature diagonals over a data set, and their damped inverse."""
+
+from __future__ import annotations
+
+import torch
+
+from curvopt import extensions
+from curvopt.linalg.base import BlockDiagonal, CurvatureOperator
+from curvopt.linalg.collected import collected
+from curvopt.optim.diagonal import diag_precondition
+
+_CURVATURES = {
+    "ggn_exact": lambda mc: extensions.DiagGGNExact(),
+    "ggn_mc": lambda mc: extensions.DiagGGNMC(mc_samples=mc),
+    "hessian": lambda mc: extensions.DiagHessian(),
+}
+
+
+class Diagonal(CurvatureOperator):
+    """``diag(c)``: ``c`` from ``DiagGGNExact`` / ``DiagGGNMC`` / ``DiagHessian``, summed over
+    batches with the weights of :mod:`curvopt.linalg.base` (one pass over ``data`` at
+    construction). ``inverse(λ)`` is ``(diag(c) + λ I)⁻¹``, the step of ``optim.DiagGGNNewton``.
+    """
+
+    def __init__(
+        self, model, lossfunc, data, curvature: str = "ggn_exact", seed: int = 0, mc_samples=1
+    ):
+        super().__init__(model, lossfunc, data)
+        if curvature not in _CURVATURES:
+            raise ValueError(
+                f"Diagonal: curvature must be one of {', '.join(_CURVATURES)}, got {curvature!r}"
+            )
+        extension = _CURVATURES[curvature](mc_samples)
+
+        self.diagonal = self.weighted_sum(
+            (rows, torch.cat([v.detach().flatten() for v in values]))
+            for rows, values in collected(self, extension, seed)
+        )
+
+    def _apply(self, matrix):
+        return self.diagonal[:, None] * matrix
+
+    def inverse(self, damping: float) -> BlockDiagonal:
+        """``(diag(c) + λ I)⁻¹`` as an operator (``optim.diag_precondition``)."""
+        return BlockDiagonal(
+            [self.diagonal], [lambda v: diag_precondition(v, self.diagonal, damping)]
+        )
