@@ -20,6 +20,9 @@ from curvopt import linalg
 from curvopt.errors import MissingLossError, UnsupportedLossError, UnsupportedModuleError
 
 DT = torch.float64
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script` is deprecated:DeprecationWarning"
+)
 
 
 class Residual(nn.Module):
