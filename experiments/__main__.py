@@ -15,18 +15,11 @@ import torch.distributed as dist
 
 from .data import DataMissingError, default_root
 from .problems import PROBLEMS
-from .runner import (
-    DAMPED,
-    OPTIMIZERS,
-    PAPER_DAMPINGS,
-    PAPER_LRS,
-    RunConfig,
-    SetupError,
-    dist_info,
-    grid,
-    init_distributed,
-    run,
-)
+from . import ttr_cli
+from .config import RunConfig
+from .distributed import dist_info, init_distributed
+from .optimizers import DAMPED, OPTIMIZERS, PRESETS, SetupError, parse_options
+from .runner import PAPER_DAMPINGS, PAPER_LRS, grid, run
 
 SYNTHETIC_BANNER = "*** SYNTHETIC DATA: random images and labels, not a real result ***"
 
@@ -57,6 +50,20 @@ def _common(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="use random data of the right shape (marked synthetic everywhere)",
     )
+    p.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        help="curvature optimizers: paper (every step, constant damping) or practical "
+        "(amortised curvature and inverses, EMA, momentum, KL clip); see docs/optim.md",
+    )
+    p.add_argument(
+        "--opt",
+        dest="options",
+        action="append",
+        metavar="KEY=VALUE",
+        help="any constructor option of the optimizer (repeatable; overrides the preset), "
+        "e.g. --opt momentum=0.9 --opt curvature_interval=10",
+    )
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:1, ...")
     p.add_argument(
         "--data-root",
@@ -81,6 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p_grid.add_argument(
         "--seeds", type=int, default=10, help="seeds of the best setting (default 10)"
     )
+    ttr_cli.add_parser(sub)
     return parser.parse_args(argv)
 
 
@@ -98,6 +106,8 @@ def _config(args, lr: float, damping: float | None) -> RunConfig:
         valid_size=args.valid_size,
         augment=args.augment,
         synthetic=args.synthetic,
+        preset=args.preset,
+        options=parse_options(args.options),
     )
 
 
@@ -148,6 +158,12 @@ def _print_grid(summary: dict) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.command == "ttr":
+        try:
+            return ttr_cli.main(args)
+        except (DataMissingError, SetupError, ValueError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     where = {
         "results_dir": args.results_dir,
         "data_root": args.data_root,

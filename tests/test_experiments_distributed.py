@@ -28,9 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from experiments import runner
+from experiments import files, runner, training
 from experiments.__main__ import main
-from experiments.runner import RunConfig, SetupError, run
+from experiments.config import RunConfig
+from experiments.optimizers import SetupError
+from experiments.runner import run
 
 WORLD = 2
 #: eval_size 63: the ranks evaluate slices of unequal size (32 and 31)
@@ -56,38 +58,39 @@ def _free_port() -> int:
 
 def _record_params(out: Path, tag: str) -> None:
     """Make ``_Run.result`` save the final parameters to ``out/<name>.<tag>.pt``."""
-    original = runner._Run.result
+    original = training.TrainingRun.result
 
     def result(self, status, diverged_epoch):
         params = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         torch.save(params, out / f"{self.cfg.name}.{tag}.pt")
         return original(self, status, diverged_epoch)
 
-    runner._Run.result = result
+    training.TrainingRun.result = result
 
 
 @contextlib.contextmanager
 def _recording_batches(name: str, log: list):
-    """Log ``[size, sum of labels, sum of inputs]`` of every batch ``runner.<name>`` yields."""
-    original = getattr(runner, name)
+    """Log ``[size, sum of labels, sum of inputs]`` of every batch ``training.<name>`` yields."""
+    original = getattr(training, name)
 
     def recording(*args, **kwargs):
         for x, y in original(*args, **kwargs):
             log.append([len(y), int(y.sum()), float(x.double().sum())])
             yield x, y
 
-    setattr(runner, name, recording)
+    setattr(training, name, recording)
     try:
         yield log
     finally:
-        setattr(runner, name, original)
+        setattr(training, name, original)
 
 
 def _scenarios(rank: int, out: Path) -> dict:
     report: dict = {"results": {}}
     writes: list[str] = []
-    atomic_write = runner._atomic_write
-    runner._atomic_write = lambda path, write: writes.append(path.name) or atomic_write(path, write)
+    atomic_write = files.atomic_write
+    for module in (runner, training):
+        module.atomic_write = lambda path, write: writes.append(path.name) or atomic_write(path, write)
     _record_params(out, f"rank{rank}")
     cpu = torch.device("cpu")
     splits = runner.load_splits(CONFIGS["momentum"], None, cpu)
@@ -95,7 +98,7 @@ def _scenarios(rank: int, out: Path) -> dict:
 
     for key, cfg in CONFIGS.items():
         err, batches = io.StringIO(), []
-        with contextlib.redirect_stderr(err), _recording_batches("_shard", batches):
+        with contextlib.redirect_stderr(err), _recording_batches("shard", batches):
             result = run(cfg, out / "runs", progress=key == "momentum", **kw)
         report.setdefault("batches", {})[key] = batches
         report["results"][key] = result
@@ -106,17 +109,17 @@ def _scenarios(rank: int, out: Path) -> dict:
 
     # interrupted in epoch 2 on both ranks (before its checkpoint), then resumed
     straight = run(RESUME, out / "straight", progress=False, **kw)
-    eval_entry = runner._Run.eval_entry
+    eval_entry = training.TrainingRun.eval_entry
 
     def crash_in_epoch_2(self, epoch, stats):
         if epoch == 2:
             raise KeyboardInterrupt
         return eval_entry(self, epoch, stats)
 
-    runner._Run.eval_entry = crash_in_epoch_2
+    training.TrainingRun.eval_entry = crash_in_epoch_2
     with contextlib.suppress(KeyboardInterrupt):
         run(RESUME, out / "resumed", progress=False, **kw)
-    runner._Run.eval_entry = eval_entry
+    training.TrainingRun.eval_entry = eval_entry
     dist.barrier()
     if rank == 0:
         ckpt = torch.load(out / "resumed" / f"{RESUME.name}.ckpt.pt", weights_only=True)
@@ -194,7 +197,7 @@ def ranks(tmp_path_factory):
 def single(tmp_path_factory):
     """One process on the same global batches: results and final parameters."""
     out = tmp_path_factory.mktemp("single")
-    original = runner._Run.result
+    original = training.TrainingRun.result
     _record_params(out, "single")
     try:
         splits = runner.load_splits(CONFIGS["momentum"], None, torch.device("cpu"))
@@ -203,7 +206,7 @@ def single(tmp_path_factory):
             with _recording_batches("train_batches", batches.setdefault(key, [])):
                 results[key] = run(cfg, out / "runs", device="cpu", progress=False, splits=splits)
     finally:
-        runner._Run.result = original
+        training.TrainingRun.result = original
     return out, results, batches
 
 

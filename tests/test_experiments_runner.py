@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from experiments import runner
+from experiments import runner, training
 from experiments.__main__ import main
-from experiments.runner import RunConfig, SetupError, grid, make_optimizer, run
+from experiments.config import RunConfig
+from experiments.optimizers import SetupError, make_optimizer
+from experiments.runner import grid, run
 
 TINY = {"epochs": 1, "batch_size": 32, "valid_size": 100}
 
@@ -89,23 +91,23 @@ def test_interrupted_run_resumes(tmp_path, data_root, monkeypatch):
     cfg = RunConfig("mnist_logreg", "momentum", 0.05, **{**TINY, "epochs": 3})
     reference = _run(cfg, tmp_path / "straight", data_root)
 
-    original_eval, trained = runner._Run.eval_entry, []
+    original_eval, trained = training.TrainingRun.eval_entry, []
 
     def crash_in_epoch_2(self, epoch, stats):
         if epoch == 2:
             raise KeyboardInterrupt
         return original_eval(self, epoch, stats)
 
-    monkeypatch.setattr(runner._Run, "eval_entry", crash_in_epoch_2)
+    monkeypatch.setattr(training.TrainingRun, "eval_entry", crash_in_epoch_2)
     with pytest.raises(KeyboardInterrupt):
         _run(cfg, tmp_path, data_root)
     assert (tmp_path / f"{cfg.name}.ckpt.pt").exists()
     assert not (tmp_path / f"{cfg.name}.json").exists()
 
-    monkeypatch.setattr(runner._Run, "eval_entry", original_eval)
-    original_train = runner._Run.train_epoch
+    monkeypatch.setattr(training.TrainingRun, "eval_entry", original_eval)
+    original_train = training.TrainingRun.train_epoch
     monkeypatch.setattr(
-        runner._Run,
+        training.TrainingRun,
         "train_epoch",
         lambda self, epoch: trained.append(epoch) or original_train(self, epoch),
     )

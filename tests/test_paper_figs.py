@@ -365,7 +365,7 @@ def test_reproduce_registers_second_order_overhead_quantities():
 
     before = set(oh.QUANTITIES)
     try:
-        added = rep._register_second_order(["DiagGGNMC", "KFAC", "NoSuchExtension"])
+        added = rep.register_second_order(["DiagGGNMC", "KFAC", "NoSuchExtension"])
         assert added == ["DiagGGNMC", "KFAC"]
         assert oh.QUANTITIES["KFAC"].order == 2 and oh.QUANTITIES["KFAC"].attrs() == ("kfac",)
     finally:

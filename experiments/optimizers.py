@@ -1,0 +1,159 @@
+"""The optimizers of the experiments: names, presets, extra options, construction.
+
+An optimizer is named (``adam``, ``kfac``, ...); its keyword options come from a preset and from
+explicit ``KEY=VALUE`` options (``--opt momentum=0.9``), explicit ones winning. Every keyword of
+the optimizer's constructor is reachable except those the run fixes: ``params``, ``lr``,
+``damping`` (its own field), ``curvature`` (part of the name), ``weight_decay`` (the problem's)
+and ``process_group``.
+
+Presets (curvature optimizers only; see docs/optim.md for the reasoning):
+
+* ``paper``: the BackPACK paper's update: fresh curvature and inverses at every step, constant
+  damping, no momentum (the constructors' defaults).
+* ``practical``: amortised curvature and inverses (every 10 steps), an exponential average of
+  the curvature (0.95), heavy-ball momentum 0.9 and KL clipping (1e-3), as kfac-pytorch and
+  K-FAC JAX configure K-FAC for speed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from .problems import Problem
+
+
+class SetupError(RuntimeError):
+    """A run cannot start: its optimizer or device is not available."""
+
+
+#: name -> (class in ``curvopt.optim`` or None for torch.optim, fixed keyword arguments)
+OPTIMIZERS: dict[str, tuple[str | None, dict]] = {
+    "momentum": (None, {"momentum": 0.9}),
+    "adam": (None, {}),
+    "diagggn": ("DiagGGNNewton", {"curvature": "exact"}),
+    "diagggn_mc": ("DiagGGNNewton", {"curvature": "mc"}),
+    "kfac": ("KFAC", {"curvature": "kfac"}),
+    "kflr": ("KFAC", {"curvature": "kflr"}),
+    "kfra": ("KFAC", {"curvature": "kfra"}),
+    "vsgd": ("VarianceAdaptedSGD", {}),
+}
+DAMPED = {"diagggn", "diagggn_mc", "kfac", "kflr", "kfra"}
+
+#: Keywords a run fixes itself (not settable as options).
+FIXED_KEYWORDS = {"self", "params", "lr", "damping", "curvature", "weight_decay", "process_group"}
+
+_AMORTISED = {"curvature_interval": 10, "curvature_ema": 0.95, "momentum": 0.9, "kl_clip": 1e-3}
+
+#: preset -> class name -> options (a class missing from a preset gets no options)
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "paper": {"DiagGGNNewton": {}, "KFAC": {}},
+    "practical": {
+        "DiagGGNNewton": dict(_AMORTISED),
+        "KFAC": {**_AMORTISED, "inverse_interval": 10},
+    },
+}
+
+
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    """The class behind optimizer ``name``; ``SetupError`` if curvopt does not provide it.
+
+    ``curvopt`` is imported here, at first use, so that the first-order baselines run without it.
+    """
+    cls_name = OPTIMIZERS[name][0]
+    if cls_name is None:
+        return torch.optim.SGD if name == "momentum" else torch.optim.Adam
+    try:
+        import curvopt.optim
+
+        return getattr(curvopt.optim, cls_name)
+    except (ImportError, AttributeError) as err:
+        raise SetupError(
+            f"optimizer {name!r} needs curvopt.optim.{cls_name}, which is not available: {err}"
+        ) from err
+
+
+def allowed_options(name: str) -> list[str]:
+    """The constructor keywords of optimizer ``name`` that may be set as options."""
+    params = inspect.signature(optimizer_class(name).__init__).parameters
+    return sorted(k for k in params if k not in FIXED_KEYWORDS and k not in OPTIMIZERS[name][1])
+
+
+def parse_value(text: str) -> Any:
+    """``"0.9"`` -> 0.9, ``"10"`` -> 10, ``"none"`` -> None, ``"true"`` -> True, else the text."""
+    low = text.strip().lower()
+    if low in ("none", "null"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_options(items: list[str] | None) -> tuple[tuple[str, Any], ...]:
+    """``["momentum=0.9", ...]`` as a sorted tuple of ``(key, value)`` pairs."""
+    out = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"optimizer option {item!r} is not KEY=VALUE (e.g. momentum=0.9)")
+        out[key.strip()] = parse_value(value)
+    return tuple(sorted(out.items()))
+
+
+def check_options(name: str, preset: str | None, options: tuple[tuple[str, Any], ...]) -> None:
+    """Raise ``ValueError`` for an unknown preset or an option the optimizer does not take."""
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+        if OPTIMIZERS[name][0] not in PRESETS[preset]:
+            raise ValueError(
+                f"preset {preset!r} is for the curvature optimizers ({', '.join(sorted(DAMPED))}),"
+                f" not {name}; leave --preset out"
+            )
+    allowed = allowed_options(name)
+    for key, _ in options:
+        if key not in allowed:
+            raise ValueError(
+                f"{name} has no option {key!r}; it takes {', '.join(allowed) or 'none'}"
+            )
+
+
+def resolve_options(name: str, preset: str | None, options) -> dict[str, Any]:
+    """The preset's options of ``name`` overridden by the explicit ``options``."""
+    base = PRESETS[preset].get(OPTIMIZERS[name][0], {}) if preset is not None else {}
+    return {**base, **dict(options)}
+
+
+def make_optimizer(
+    cfg, problem: Problem, model: torch.nn.Module, lossfunc: torch.nn.Module
+) -> tuple[torch.optim.Optimizer, bool]:
+    """Build ``cfg``'s optimizer (a ``RunConfig``); for curvopt's also extend model and loss.
+
+    Returns the optimizer and whether its backward pass must run inside ``opt.collect()``.
+    """
+    cls_name, fixed = OPTIMIZERS[cfg.optimizer]
+    groups = problem.param_groups(model)
+    cls = optimizer_class(cfg.optimizer)
+    kwargs = {**fixed, **resolve_options(cfg.optimizer, cfg.preset, cfg.options)}
+    if cls_name is None:
+        return cls(groups, lr=cfg.lr, **kwargs), False
+    if cfg.damping is not None:
+        kwargs["damping"] = cfg.damping
+    import curvopt
+
+    curvopt.extend(model)
+    curvopt.extend(lossfunc)
+    opt = cls(groups, lr=cfg.lr, **kwargs)
+    if problem.weight_decay and "weight_decay" not in opt.defaults:
+        raise SetupError(
+            f"{cls_name} has no weight_decay; {problem.name} needs "
+            f"{problem.weight_decay} on its weights"
+        )
+    return opt, True

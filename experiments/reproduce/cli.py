@@ -1,0 +1,211 @@
+"""Command line of the main job: ``python -m experiments.reproduce [--full] [--dry-run] ...``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..data import default_root
+from ..optimizers import OPTIMIZERS
+from ..problems import PROBLEMS
+from .jobs import Log, load_data, run_budgeted, run_full
+from .overhead_table import run_overhead
+from .plan import (
+    BUDGET_OPTIMIZERS,
+    BUDGET_PROBLEMS,
+    PAPER_SEEDS,
+    choose_threads,
+    describe,
+    full_protocol_commands,
+    make_plan,
+)
+from .report import make_outputs
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.reproduce",
+        description="The BackPACK paper's experiments (Dangel et al., ICLR 2020), budgeted "
+        "by default.",
+        epilog="Without --full every number is budgeted and marked as not comparable.",
+    )
+    p.add_argument("--full", action="store_true", help="the paper's whole protocol (see above)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="output folder (default results/reproduce, results/reproduce_full with --full)",
+    )
+    p.add_argument(
+        "--problems",
+        nargs="+",
+        choices=list(PROBLEMS),
+        help=f"default: {' '.join(BUDGET_PROBLEMS)} (--full: all four)",
+    )
+    p.add_argument(
+        "--optimizers",
+        nargs="+",
+        choices=list(OPTIMIZERS),
+        help=f"default: {' '.join(BUDGET_OPTIMIZERS)} (--full: the paper's per problem)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        help=f"seeds per setting (default 3, CIFAR 1; --full: {PAPER_SEEDS})",
+    )
+    p.add_argument("--epochs", type=int, help="override the epochs of every problem")
+    p.add_argument(
+        "--train-size",
+        type=int,
+        help="override the training subset of every problem (0: the whole training set)",
+    )
+    p.add_argument("--eval-size", type=int, help="override the evaluation cap (0: no cap)")
+    p.add_argument(
+        "--lr-grid",
+        action="store_true",
+        help="budgeted: search the paper's grid on the budget instead of the fixed "
+        "hyper-parameters (30 runs per curvature method; slow)",
+    )
+    p.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="random data of the right shapes instead of the real data sets (for "
+        "checking the pipeline; marked SYNTHETIC everywhere)",
+    )
+    p.add_argument(
+        "--data-root",
+        type=Path,
+        default=None,
+        help=f"data folder (default $CURVOPT_DATA or ./data; now {default_root()})",
+    )
+    p.add_argument(
+        "--no-fetch",
+        dest="fetch",
+        action="store_false",
+        help="do not run experiments.fetch_data when a data set is missing",
+    )
+    p.add_argument(
+        "--no-overhead", dest="overhead", action="store_false", help="skip the overhead table"
+    )
+    p.add_argument("--overhead-rounds", type=int, help="interleaved rounds (default 7; --full 25)")
+    p.add_argument(
+        "--overhead-seconds",
+        type=float,
+        help="time limit of the overhead rounds per network (default 30; --full 120)",
+    )
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, ...")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads for training and the overhead table (default: "
+        "min(2, CPUs) on an idle machine, 1 when the load average is above half the "
+        "CPUs: on a busy machine OpenMP threads wait for each other, e.g. a KFAC "
+        "step of MNIST logreg took 3-8 s with 2 threads and 0.05 s with 1)",
+    )
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="delete this output folder's earlier runs first (default: reuse them)",
+    )
+    p.add_argument("--progress", action="store_true", help="progress bars per epoch")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and the commands only")
+    args = p.parse_args(argv)
+    for name in ("seeds", "epochs", "overhead_rounds", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("train_size", "eval_size"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0")
+    if args.out is None:
+        args.out = Path("results/reproduce_full" if args.full else "results/reproduce")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    plan = make_plan(args)
+    log = Log()
+    commands = full_protocol_commands()
+    if args.dry_run:
+        print(f"{'FULL protocol' if plan.full else 'Budgeted run'} into {args.out}:")
+        print(describe(plan))
+        print("\nThe paper's full protocol, step by step:\n  " + "\n  ".join(commands))
+        print("or in one go: python -m experiments.reproduce --full")
+        return 0
+    args.threads, why_threads = choose_threads(args.threads)
+    torch.set_num_threads(args.threads)
+    if args.fresh and args.out.exists():
+        for sub in ("runs", "figures"):
+            shutil.rmtree(args.out / sub, ignore_errors=True)
+        (args.out / "overhead.json").unlink(missing_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log(
+        f"{'FULL protocol' if plan.full else 'budgeted run'} into {args.out} "
+        f"(torch {torch.__version__}, {torch.get_num_threads()} thread(s): {why_threads}; "
+        f"device {args.device})" + (" [SYNTHETIC DATA]" if args.synthetic else "")
+    )
+    for line in describe(plan).splitlines():
+        log("plan: " + line)
+    with log.phase("data"):
+        datasets, skipped = load_data(
+            plan.problems, args.data_root, args.fetch, args.synthetic, log
+        )
+    if plan.full:
+        results = run_full(plan, skipped, args, log)
+    else:
+        results = run_budgeted(plan, datasets, skipped, args, log)
+    del datasets
+    overhead_path = None
+    if args.overhead:
+        with log.phase("overhead table"):
+            overhead_path = run_overhead(args, log)
+    with log.phase("figures and table"):
+        written = make_outputs(plan, args, log)
+    total = time.perf_counter() - log.start
+    summary = {
+        "full": plan.full,
+        "synthetic": args.synthetic,
+        "plan": asdict(plan),
+        "skipped_problems": skipped,
+        "runs": len(results),
+        "wall_clock_s": total,
+        "phases_s": log.phases,
+        "files": written,
+        "overhead_json": str(overhead_path) if overhead_path else None,
+        "full_protocol_commands": commands,
+    }
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    table_path = Path(written["table"][0])
+    print("\n" + table_path.read_text())
+    print(
+        f"Wall-clock: {total:.0f}s ("
+        + ", ".join(f"{k} {v:.0f}s" for k, v in log.phases.items())
+        + ")"
+    )
+    print("Written:")
+    for kind, paths in written.items():
+        for path in paths:
+            print(f"  {kind:>8}: {path}")
+    if overhead_path:
+        print(f"  {'overhead':>8}: {overhead_path}")
+    print(f"  {'summary':>8}: {args.out / 'summary.json'}")
+    if skipped:
+        print("Skipped (data not available): " + ", ".join(skipped))
+    if not plan.full:
+        print(
+            "\nThese are BUDGETED numbers, not comparable with the paper. The paper's full "
+            "protocol (grid lr x damping, best by final validation accuracy, 10 seeds, full "
+            "epochs, all four problems; CIFAR needs its archives in the data root):"
+        )
+        print("  python -m experiments.reproduce --full      # all of the below in one go")
+        for cmd in commands:
+            print("  " + cmd)
+    return 0
