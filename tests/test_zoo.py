@@ -1,0 +1,282 @@
+"""Every quantity of API.md on every model of ``experiments.zoo``, float64, both reductions,
+against the independent torch.func references of ``tests/reference.py``.
+
+A cell either returns the right numbers or raises the specific documented error with no
+attribute written (``UNSUPPORTED``, from the README's support table). Nothing is xfailed.
+Monte-Carlo quantities are checked with tolerances derived from the estimator's standard error
+over independent passes (``assert_unbiased``), tight enough to catch a 10 % bias.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import reference
+import torch
+from conftest import ALL_ATTRS, DT, assert_close, assert_no_attributes, trainable
+
+import curvopt
+from curvopt import extensions as ext
+from curvopt.errors import UnsupportedModuleError
+from experiments import zoo
+
+N = 3
+MODELS = list(zoo.ZOO)
+REDUCTIONS = ["mean", "sum"]
+
+#: quantity name -> (extension factory, attribute)
+QUANTITIES = {
+    "BatchGrad": (ext.BatchGrad, "grad_batch"),
+    "BatchL2Grad": (ext.BatchL2Grad, "batch_l2"),
+    "SumGradSquared": (ext.SumGradSquared, "sum_grad_squared"),
+    "Variance": (ext.Variance, "variance"),
+    "DiagGGNExact": (ext.DiagGGNExact, "diag_ggn_exact"),
+    "BatchDiagGGNExact": (ext.BatchDiagGGNExact, "diag_ggn_exact_batch"),
+    "DiagHessian": (ext.DiagHessian, "diag_h"),
+    "BatchDiagHessian": (ext.BatchDiagHessian, "diag_h_batch"),
+    "KFLR-expand": (lambda: ext.KFLR(kfac_approx="expand"), "kflr"),
+    "KFLR-reduce": (lambda: ext.KFLR(kfac_approx="reduce"), "kflr"),
+    "KFRA": (ext.KFRA, "kfra"),
+}
+MC_QUANTITIES = {
+    "DiagGGNMC": (ext.DiagGGNMC, "diag_ggn_mc"),
+    "BatchDiagGGNMC": (ext.BatchDiagGGNMC, "diag_ggn_mc_batch"),
+    "KFAC-expand": (lambda mc_samples: ext.KFAC(mc_samples, kfac_approx="expand"), "kfac"),
+    "KFAC-reduce": (lambda mc_samples: ext.KFAC(mc_samples, kfac_approx="reduce"), "kfac"),
+}
+
+_KRON = ("KFLR-expand", "KFLR-reduce", "KFAC-expand", "KFAC-reduce")
+_HESS = ("DiagHessian", "BatchDiagHessian")
+_ALL = tuple(QUANTITIES) + tuple(MC_QUANTITIES)
+
+#: (model, quantity) -> the documented error (README "What is supported and how the rest fails")
+UNSUPPORTED = {
+    # KFRA: feed-forward chains of Linear layers and elementwise activations only
+    **{(m, "KFRA"): UnsupportedModuleError for m in MODELS if m != "mlp"},
+    # DiagHessian: LayerNorm and attention are ops whose curvature it does not account for
+    **{(m, q): UnsupportedModuleError for m in ("gpt", "bert", "vit", "seq_first") for q in _HESS},
+    # Kronecker factors: MultiheadAttention's 2-D in_proj_weight and the ViT's class token /
+    # positions (parameters of no Kronecker-factored layer); GPT's weight tied across two layers
+    **{(m, q): UnsupportedModuleError for m in ("vit", "seq_first", "gpt") for q in _KRON},
+    # a parameter used outside its module (h @ tok.weight.T) is rejected by every quantity
+    **{("gpt_functional", q): UnsupportedModuleError for q in _ALL},
+}
+
+_CACHE: dict = {}
+
+
+def _problem(name, reduction):
+    """``(problem, X, y)`` with a fixed batch of ``N`` samples."""
+    problem = zoo.ZOO[name](reduction)
+    X, y = problem.make_batch(N, 0)
+    return problem, X, y
+
+
+def _reference(kind, name, reduction, *args):
+    """Cached torch.func references (computed once per model, reduction and kind)."""
+    key = (kind, name, reduction, *args)
+    if key not in _CACHE:
+        problem, X, y = _problem(name, reduction)
+        fn = getattr(reference, kind)
+        _CACHE[key] = fn(problem.model, problem.loss_on, X, y, problem.batch_dim, *args)
+    return _CACHE[key]
+
+
+def _run(name, reduction, *extensions):
+    """An extended copy of the zoo model after one backward pass inside ``collect``."""
+    problem, X, y = _problem(name, reduction)
+    model = curvopt.extend(copy.deepcopy(problem.model))
+    lossfunc = curvopt.extend(copy.deepcopy(problem.lossfunc))
+    loss = problem.loss_of(model, X, y, lossfunc)
+    with curvopt.collect(*extensions):
+        loss.backward()
+    return model
+
+
+def _check_unsupported(name, reduction, quantity, make):
+    error = UNSUPPORTED[name, quantity]
+    problem, X, y = _problem(name, reduction)
+    model = curvopt.extend(copy.deepcopy(problem.model))
+    lossfunc = curvopt.extend(copy.deepcopy(problem.lossfunc))
+    loss = problem.loss_of(model, X, y, lossfunc)
+    with pytest.raises(error) as info:
+        with curvopt.collect(make()):
+            loss.backward()
+    assert len(str(info.value)) > 20, f"uninformative message: {info.value!r}"
+    assert_no_attributes(model, ALL_ATTRS, f"{name} {quantity}: ")
+
+
+# ------------------------------------------------------------------------------ expected values
+
+
+def _kronecker_expected(name, reduction, approx, model):
+    """``param name -> expected factor list``: from the layer definitions for Linear / Conv2d /
+    Embedding weights, the exact GGN block ``[G]`` for every 1-D parameter (biases, norms)."""
+    layers = _reference("kronecker", name, reduction, approx)
+    blocks, _ = _reference("ggn", name, reduction)
+    expected = {}
+    for layer, (b, a) in layers.items():
+        module = model.get_submodule(layer)
+        prefix = f"{layer}." if layer else ""
+        if isinstance(module, torch.nn.Embedding):
+            expected[prefix + "weight"] = [a, b]
+        else:
+            expected[prefix + "weight"] = [b, a]
+    for pname, p in trainable(model).items():
+        if p.dim() == 1:  # biases and norm scales: the exact block
+            expected[pname] = [blocks[pname]]
+    return expected
+
+
+def _expected(name, reduction, quantity, model):
+    """``param name -> expected value`` of the quantity's attribute."""
+    if quantity in ("BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance"):
+        attr = QUANTITIES[quantity][1]
+        ref = _reference("first_order", name, reduction)
+        return {k: v[attr] for k, v in ref.items()}
+    if quantity in ("DiagGGNExact", "BatchDiagGGNExact", "DiagGGNMC", "BatchDiagGGNMC"):
+        blocks, per_sample = _reference("ggn", name, reduction)
+        if quantity.startswith("Batch"):
+            return per_sample
+        return {k: torch.diagonal(b).reshape(per_sample[k].shape[1:]) for k, b in blocks.items()}
+    if quantity in _HESS:
+        diag, per_sample = _reference("hessian", name, reduction)
+        return per_sample if quantity.startswith("Batch") else diag
+    if quantity == "KFRA":
+        problem, X, y = _problem(name, reduction)
+        bs = reference.kfra_mlp(problem.model, problem.loss_on, X, y)
+        kflr = _kronecker_expected(name, reduction, "expand", model)
+        out = {}
+        for i, b in zip((0, 2), bs):
+            out[f"{i}.weight"] = [b, kflr[f"{i}.weight"][1]]
+            out[f"{i}.bias"] = [b]  # KFRA's recursion: the bias gets the propagated B
+        return out
+    return _kronecker_expected(name, reduction, quantity.split("-")[1], model)
+
+
+# ------------------------------------------------------------------------------ exact quantities
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("quantity", list(QUANTITIES))
+@pytest.mark.parametrize("name", MODELS)
+def test_exact(name, quantity, reduction):
+    make, attr = QUANTITIES[quantity]
+    if (name, quantity) in UNSUPPORTED:
+        _check_unsupported(name, reduction, quantity, make)
+        return
+    model = _run(name, reduction, make())
+    expected = _expected(name, reduction, quantity, model)
+    params = trainable(model)
+    assert set(expected) == set(params), f"reference covers {set(expected) ^ set(params)}"
+    for pname, p in params.items():
+        value = getattr(p, attr, None)
+        if isinstance(expected[pname], list):
+            assert isinstance(value, list), f"{pname}.{attr}: {type(value)}"
+            assert len(value) == len(expected[pname]), f"{pname}.{attr}: {len(value)} factors"
+            for i, (v, e) in enumerate(zip(value, expected[pname])):
+                assert_close(v, e, f"{name} {pname}.{attr}[{i}]")
+        else:
+            assert_close(value, expected[pname], f"{name} {pname}.{attr}")
+
+
+@pytest.mark.parametrize("quantity", ["KFLR-expand", "KFRA"])
+def test_kronecker_single_sample_is_exact_block(quantity):
+    """API.md: with ``N = 1`` and no weight sharing, ``kron(*p.kflr)`` (and KFRA) is the GGN block."""
+    problem = zoo.mlp("mean")
+    X, y = problem.make_batch(1, 3)
+    model = curvopt.extend(copy.deepcopy(problem.model))
+    loss = problem.loss_of(model, X, y, curvopt.extend(copy.deepcopy(problem.lossfunc)))
+    make, attr = QUANTITIES[quantity]
+    with curvopt.collect(make()):
+        loss.backward()
+    blocks, _ = reference.ggn(problem.model, problem.loss_on, X, y)
+    for pname, p in trainable(model).items():
+        factors = getattr(p, attr)
+        full = factors[0] if len(factors) == 1 else torch.kron(*factors)
+        assert_close(full, blocks[pname], f"{pname}.{attr}")
+
+
+# ------------------------------------------------------------------------------ Monte-Carlo
+
+PASSES = 10
+
+
+def assert_unbiased(samples: torch.Tensor, exact: torch.Tensor, what: str, z: float = 8.0):
+    """``samples [K, ...]`` (independent estimates) have mean ``exact``.
+
+    Per entry: ``|mean − exact| <= 1.25 z · SE`` with ``SE = std / sqrt(K)`` (a false alarm
+    below 1e-5 per entry for K = 10, Student's t). Globally: the scale ``s_k = <sample_k, exact>
+    / <exact, exact>`` has mean 1 within ``z`` SE, and that SE is small enough that a 10 % bias
+    fails (else the check is underpowered and fails too).
+    """
+    k = samples.shape[0]
+    mean, se = samples.mean(0), samples.std(0) / k**0.5
+    floor = 1e-10 * exact.abs().max().item() + 1e-14
+    bad = (mean - exact).abs() > 1.25 * z * se + floor
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())}/{bad.numel()} entries off by more than {z} SE; worst "
+        f"{((mean - exact).abs() / (se + floor)).max().item():.3g} SE"
+    )
+    norm = (exact * exact).sum()
+    if norm == 0:  # then every entry was checked to be 0 above
+        return
+    scales = (samples * exact).flatten(1).sum(1) / norm
+    scale, scale_se = scales.mean().item(), (scales.std() / k**0.5).item()
+    assert z * scale_se < 0.1, f"{what}: underpowered (SE of the scale {scale_se:.3g})"
+    assert abs(scale - 1) <= z * scale_se, f"{what}: scale {scale:.5f} != 1 (SE {scale_se:.3g})"
+
+
+#: Monte-Carlo samples per pass: enough for the power condition of ``assert_unbiased``
+MC_SAMPLES = {"mlp": 400, "resnet_block": 400, "vit": 400}
+#: the sequence models' Monte-Carlo cells with reduction "sum" are slow (several s each)
+_SEQUENCE = ("gpt", "gpt_functional", "bert", "seq_first")
+MC_CASES = [
+    pytest.param(m, r, marks=[pytest.mark.slow] if m in _SEQUENCE and r == "sum" else [])
+    for m in MODELS
+    for r in REDUCTIONS
+]
+
+
+@pytest.mark.parametrize("quantity", list(MC_QUANTITIES))
+@pytest.mark.parametrize("name, reduction", MC_CASES)
+def test_monte_carlo(name, quantity, reduction):
+    make, attr = MC_QUANTITIES[quantity]
+    mc = MC_SAMPLES.get(name, 1500)
+    if (name, quantity) in UNSUPPORTED:
+        _check_unsupported(name, reduction, quantity, lambda: make(mc_samples=mc))
+        return
+    draws = {}
+    for seed in range(PASSES):
+        torch.manual_seed(seed)
+        model = _run(name, reduction, make(mc_samples=mc))
+        for pname, p in trainable(model).items():
+            value = getattr(p, attr, None)
+            assert value is not None, f"{name} {pname}.{attr}: missing"
+            draws.setdefault(pname, []).append(value)
+    if quantity.startswith("KFAC"):
+        expected = _kronecker_expected(name, reduction, quantity.split("-")[1], model)
+        for pname, values in draws.items():
+            exact = expected[pname]
+            assert all(len(v) == len(exact) for v in values), f"{pname}.kfac: factor count"
+            owner = model.get_submodule(pname.rpartition(".")[0])
+            out = int(isinstance(owner, torch.nn.Embedding) and len(exact) == 2)  # [A, B]
+            samples = torch.stack([v[out] for v in values])
+            assert_unbiased(samples, exact[out], f"{name} {pname}.kfac output side")
+            for v in values:
+                if len(exact) == 2:  # the input side is not sampled
+                    assert_close(v[1 - out], exact[1 - out], f"{name} {pname}.kfac input side")
+        return
+    expected = _expected(name, reduction, quantity, model)
+    for pname, values in draws.items():
+        assert_unbiased(torch.stack(values), expected[pname], f"{name} {pname}.{attr}")
+
+
+def test_zoo_models_are_float64_and_deterministic():
+    for name in MODELS:
+        a, b = zoo.ZOO[name](), zoo.ZOO[name]()
+        for (k, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+            assert p.dtype == DT and torch.equal(p, q), f"{name}.{k}"
+        for x, z in zip(a.make_batch(2, 5), b.make_batch(2, 5)):
+            assert torch.equal(x, z), name
