@@ -14,7 +14,7 @@ import copy
 import pytest
 import reference
 import torch
-from conftest import ALL_ATTRS, DT, assert_close, assert_no_attributes, trainable
+from conftest import ALL_ATTRS, DT, assert_close, assert_no_attributes, assert_unbiased, trainable
 
 import curvopt
 from curvopt import extensions as ext
@@ -201,31 +201,6 @@ def test_kronecker_single_sample_is_exact_block(quantity):
 # ------------------------------------------------------------------------------ Monte-Carlo
 
 PASSES = 10
-
-
-def assert_unbiased(samples: torch.Tensor, exact: torch.Tensor, what: str, z: float = 8.0):
-    """``samples [K, ...]`` (independent estimates) have mean ``exact``.
-
-    Per entry: ``|mean − exact| <= 1.25 z · SE`` with ``SE = std / sqrt(K)`` (a false alarm
-    below 1e-5 per entry for K = 10, Student's t). Globally: the scale ``s_k = <sample_k, exact>
-    / <exact, exact>`` has mean 1 within ``z`` SE, and that SE is small enough that a 10 % bias
-    fails (else the check is underpowered and fails too).
-    """
-    k = samples.shape[0]
-    mean, se = samples.mean(0), samples.std(0) / k**0.5
-    floor = 1e-10 * exact.abs().max().item() + 1e-14
-    bad = (mean - exact).abs() > 1.25 * z * se + floor
-    assert not bad.any(), (
-        f"{what}: {int(bad.sum())}/{bad.numel()} entries off by more than {z} SE; worst "
-        f"{((mean - exact).abs() / (se + floor)).max().item():.3g} SE"
-    )
-    norm = (exact * exact).sum()
-    if norm == 0:  # then every entry was checked to be 0 above
-        return
-    scales = (samples * exact).flatten(1).sum(1) / norm
-    scale, scale_se = scales.mean().item(), (scales.std() / k**0.5).item()
-    assert z * scale_se < 0.1, f"{what}: underpowered (SE of the scale {scale_se:.3g})"
-    assert abs(scale - 1) <= z * scale_se, f"{what}: scale {scale:.5f} != 1 (SE {scale_se:.3g})"
 
 
 #: Monte-Carlo samples per pass: enough for the power condition of ``assert_unbiased``
