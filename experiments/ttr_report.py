@@ -22,14 +22,18 @@ ROWS, SEARCH, SUMMARY = "ttr_rows.json", "ttr_search.json", "ttr_summary.json"
 
 
 def quartiles(times: list[float | None]) -> tuple[float | None, float | None, float | None]:
-    """25 %, 50 % and 75 % of the times (inclusive method), "not reached" counting as infinite;
-    a quartile that is infinite is ``None``."""
+    """25 %, 50 % and 75 % of the times (linear interpolation between order statistics),
+    "not reached" (``None``) counting as infinite; an infinite quartile is ``None``."""
     values = sorted(math.inf if t is None else t for t in times)
-    if len(values) == 1:
-        q = (values[0],) * 3
-    else:
-        q = tuple(statistics.quantiles(values, n=4, method="inclusive"))
-    return tuple(None if not math.isfinite(v) else v for v in q)
+
+    def at(p: float) -> float:
+        pos = p * (len(values) - 1)
+        lo, frac = int(pos), pos - int(pos)
+        if frac == 0:
+            return values[lo]
+        return values[lo] + frac * (values[lo + 1] - values[lo])
+
+    return tuple(None if not math.isfinite(v) else v for v in map(at, (0.25, 0.5, 0.75)))
 
 
 def summarize(rows: list[dict]) -> list[dict]:

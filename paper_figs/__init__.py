@@ -9,9 +9,13 @@ directory, draws with matplotlib's Agg canvas (no display needed) and returns th
   against wall-clock, one line per optimizer
 * :func:`write_table`   -> ``comparison.md``: our final test accuracies next to the paper's,
   budgeted and synthetic runs marked as not comparable
+* :func:`plot_ttr`      -> ``ttr_bars.png``, ``ttr_curves.png``: the time-to-result benchmark
+  (``ttr_rows.json`` of ``python -m experiments ttr``)
 
-Command line: ``python -m paper_figs [all|overhead|curves|table] RESULTS_DIR OUT_DIR`` or
-``python -m paper_figs.<overhead|curves|table> RESULTS_DIR OUT_DIR``.
+``paper_figs`` reads result files only; it never imports ``experiments``.
+
+Command line: ``python -m paper_figs [all|overhead|curves|table|ttr] RESULTS_DIR OUT_DIR``
+(:mod:`paper_figs.cli`), or ``python -m paper_figs.table RESULTS_DIR OUT_DIR``.
 """
 
 import importlib
@@ -24,6 +28,8 @@ _EXPORTS = {
     "write_table": "table",
     "comparison_rows": "table",
     "PAPER_TEST_ACC": "table",
+    "plot_ttr": "ttr",
+    "make_all": "cli",
 }
 
 
@@ -33,17 +39,4 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def make_all(results_dir, out_dir) -> list:
-    """All figures and the table; returns the written paths."""
-    from .curves import plot_curves
-    from .overhead import plot_overhead
-    from .table import write_table
-
-    return [
-        *plot_overhead(results_dir, out_dir),
-        *plot_curves(results_dir, out_dir),
-        write_table(results_dir, out_dir),
-    ]
-
-
-__all__ = [*_EXPORTS, "make_all"]
+__all__ = list(_EXPORTS)

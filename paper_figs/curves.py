@@ -1,6 +1,6 @@
 """Optimizer curves: median and quartiles over seeds, per epoch and against wall-clock time.
 
-    python -m paper_figs.curves RESULTS_DIR OUT_DIR
+    python -m paper_figs curves RESULTS_DIR OUT_DIR
 
 One PNG per problem (``curves_<problem>.png``, ``..._synthetic.png`` for random data): the top
 row against epochs, the bottom row against training wall-clock time (the summed ``epoch_s`` of
@@ -14,7 +14,6 @@ as ``experiments.runner.grid`` applies it) and named in the legend.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from .common import (
@@ -165,14 +164,3 @@ def plot_curves(results_dir: str | Path, out_dir: str | Path) -> list[Path]:
     return [
         plot_problem(p, syn, chosen[(p, syn)], Path(out_dir)) for p, syn in ordered_keys(chosen)
     ]
-
-
-def main(argv=None) -> int:
-    """``python -m paper_figs.curves RESULTS OUT``: same as ``python -m paper_figs curves``."""
-    from .__main__ import main as figs_main
-
-    return figs_main(["curves", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 import paper_figs
+from experiments.data import SPECS
+from experiments.problems import PROBLEMS
 from paper_figs import common, curves, overhead, table
 from paper_figs.__main__ import main as figs_main
 
@@ -421,3 +423,17 @@ def test_grid_selection_follows_the_search_run_like_runner_grid(tmp_path):
     _write(runs, _run_json(lr=0.01, seed=0, valid=0.95, final_test=0.95, diverge_at=2))
     chosen = common.best_settings(common.load_runs(runs))[("mnist_logreg", False)]["momentum"]
     assert chosen.config["lr"] == 0.1 and chosen.seeds == [0, 1, 2]
+
+
+def test_paper_protocol_reference_matches_the_experiments_problems():
+    """paper_figs keeps the paper's protocol as reference data (it never imports experiments)."""
+    assert set(common.PAPER_PROTOCOL) == set(PROBLEMS)
+    for name, ref in common.PAPER_PROTOCOL.items():
+        p = PROBLEMS[name]
+        assert (ref["epochs"], ref["batch_size"], ref["augment"]) == (
+            p.epochs,
+            p.batch_size,
+            p.augment,
+        )
+        train, test = SPECS[p.dataset].sizes
+        assert (ref["train_samples"], ref["test_samples"]) == (train - 10_000, test)

@@ -1,0 +1,143 @@
+"""Time-to-result figures from the benchmark's ``ttr_rows.json`` (``python -m experiments ttr``).
+
+* ``ttr_bars.png``: per problem, one bar per optimizer (and preset): the median training time
+  to the target over the seeds, whiskers from the first to the third quartile; an optimizer
+  whose median run did not reach the target gets an empty bar up to the cap, labelled.
+* ``ttr_curves.png``: per problem, test accuracy against training wall-clock (evaluation time
+  excluded), one thin line per seed, the target as a dashed line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .common import (
+    new_figure,
+    optimizer_color,
+    optimizer_title,
+    ordered_keys,
+    problem_title,
+    quantiles,
+    save,
+)
+
+ROWS, SUMMARY = "ttr_rows.json", "ttr_summary.json"
+
+
+def load_ttr(results_dir: str | Path) -> tuple[list[dict], dict]:
+    """``(rows, meta)`` from ``results_dir`` (``([], {})`` when there is no benchmark there)."""
+    folder = Path(results_dir)
+    if not (folder / ROWS).is_file():
+        return [], {}
+    rows = json.loads((folder / ROWS).read_text())
+    summary = folder / SUMMARY
+    meta = json.loads(summary.read_text()).get("meta", {}) if summary.is_file() else {}
+    return rows, meta
+
+
+def entry_label(row: dict) -> str:
+    return optimizer_title(row["optimizer"]) + (f" ({row['preset']})" if row["preset"] else "")
+
+
+def _by_problem(rows: list[dict]) -> dict[str, dict[str, list[dict]]]:
+    """problem -> entry label -> rows, problems in the paper's order, entries as they come."""
+    out: dict[str, dict[str, list[dict]]] = {}
+    for row in rows:
+        out.setdefault(row["problem"], {}).setdefault(entry_label(row), []).append(row)
+    return {p: out[p] for p, _ in ordered_keys((p, False) for p in out)}
+
+
+def _cap(meta: dict, problem: str, runs: list[dict]) -> float:
+    cap = meta.get("problems", {}).get(problem, {}).get("time_cap_s")
+    return cap if cap is not None else max(r["train_s"] for r in runs)
+
+
+def _style(row: dict) -> str:
+    return "--" if row["preset"] == "practical" else "-"
+
+
+def plot_bars(rows: list[dict], meta: dict, out_dir: Path) -> Path:
+    groups = _by_problem(rows)
+    fig = new_figure(5.5 * len(groups), 0.45 * max(len(e) for e in groups.values()) + 1.6)
+    fig.subplots_adjust(left=0.2, right=0.97, bottom=0.18, top=0.85, wspace=0.55)
+    for i, (problem, entries) in enumerate(groups.items()):
+        ax = fig.add_subplot(1, len(groups), i + 1)
+        all_runs = [r for runs in entries.values() for r in runs]
+        cap = _cap(meta, problem, all_runs)
+        for y, runs in enumerate(entries.values()):
+            color = optimizer_color(runs[0]["optimizer"])
+            times = [r["time_to_target"] for r in runs]
+            reached = [t for t in times if t is not None]
+            if len(reached) * 2 > len(times):  # the median run reached the target
+                # a run that did not reach the target counts as infinite: q3 goes to the cap
+                q1, med, q3 = quantiles(reached + [cap] * (len(times) - len(reached)))
+                ax.barh(y, med, color=color, alpha=0.8)
+                ax.errorbar(med, y, xerr=[[med - q1], [q3 - med]], color="black", capsize=3)
+                ax.text(
+                    med, y, f" {med:.1f}s ({len(reached)}/{len(times)})", va="center", fontsize=7
+                )
+            else:
+                ax.barh(y, cap, color="none", edgecolor=color, hatch="//")
+                ax.text(
+                    cap * 0.02,
+                    y,
+                    f"not reached ({len(reached)}/{len(times)})",
+                    va="center",
+                    fontsize=7,
+                )
+        ax.set_yticks(range(len(entries)), list(entries), fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlim(0, cap * 1.25)
+        ax.set_xlabel("training wall-clock to the target, s (median, quartiles)", fontsize=8)
+        ax.set_title(f"{problem_title(problem)}: test acc ≥ {all_runs[0]['target']:g}", fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(_caption(meta), fontsize=8)
+    return save(fig, out_dir / "ttr_bars.png")
+
+
+def plot_accuracy(rows: list[dict], meta: dict, out_dir: Path) -> Path:
+    groups = _by_problem(rows)
+    fig = new_figure(5.5 * len(groups), 4.2)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.3, top=0.86, wspace=0.25)
+    for i, (problem, entries) in enumerate(groups.items()):
+        ax = fig.add_subplot(1, len(groups), i + 1)
+        for label, runs in entries.items():
+            for k, run in enumerate(runs):
+                if not run["curve"]:
+                    continue
+                t, acc = zip(*run["curve"])
+                ax.plot(
+                    t,
+                    acc,
+                    _style(run),
+                    color=optimizer_color(run["optimizer"]),
+                    lw=1,
+                    alpha=0.8,
+                    label=label if k == 0 else None,
+                )
+        target = next(iter(entries.values()))[0]["target"]
+        ax.axhline(target, color="black", ls=":", lw=1)
+        ax.set_ylim(max(0.0, target - 0.3), min(1.0, target + 0.1))
+        ax.set_xlabel("training wall-clock, s (evaluation excluded)", fontsize=8)
+        ax.set_ylabel("test accuracy", fontsize=8)
+        ax.set_title(f"{problem_title(problem)} (target {target:g}, dotted)", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.15))
+    fig.suptitle(_caption(meta), fontsize=8)
+    return save(fig, out_dir / "ttr_curves.png")
+
+
+def _caption(meta: dict) -> str:
+    parts = [meta.get("date", ""), meta.get("machine", ""), f"{meta.get('threads', '?')} thread(s)"]
+    text = "; ".join(p for p in parts if p)
+    return ("SYNTHETIC DATA - " if meta.get("synthetic") else "") + text
+
+
+def plot_ttr(results_dir: str | Path, out_dir: str | Path) -> list[Path]:
+    """Both figures for the benchmark in ``results_dir``; ``[]`` if there is none."""
+    rows, meta = load_ttr(results_dir)
+    if not rows:
+        return []
+    out = Path(out_dir)
+    return [plot_bars(rows, meta, out), plot_accuracy(rows, meta, out)]
