@@ -622,3 +622,12 @@ def test_finite_check_tolerates_overflowing_sums_and_names_the_bad_tensor():
     )
     with pytest.raises(FloatingPointError, match=r"update of parameter 'v'"):
         CurvatureOptimizer._check_finite([update, bad])
+
+
+def test_momentum_of_a_fallback_parameter_does_not_alias_its_gradient():
+    p = nn.Parameter(torch.ones(3, dtype=DT))
+    opt = manual(DiagGGNNewton([p], lr=0.1, damping=1e-2, momentum=0.9, fallback="sgd"))
+    p.grad = torch.full_like(p, 2.0)
+    opt.step()
+    p.grad.zero_()  # zero_grad(set_to_none=False) must not reset the velocity
+    torch.testing.assert_close(opt.state[p]["momentum"], torch.full_like(p, 2.0))

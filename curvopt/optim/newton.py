@@ -178,7 +178,9 @@ class NewtonOptimizer(CurvatureOptimizer):
             )
         predicted = 0.0
         for update, grad, direction, curvature, state in planned:
-            velocity = momentum(state.get("momentum"), direction * nu, group["momentum"])
+            if nu != 1.0 or direction is grad:  # a fresh tensor: it may become momentum state
+                direction = direction * nu
+            velocity = momentum(state.get("momentum"), direction, group["momentum"])
             if group["momentum"] > 0:
                 update.state["momentum"] = velocity
             update.delta = group["lr"] * velocity
