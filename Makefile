@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test bench data lint clean
+.PHONY: install run ttr test bench data lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ install: $(STAMP)
 
 run: $(STAMP)  ## the main job: budgeted reproduction of the BackPACK paper on real data
 	$(PY) -m experiments.reproduce
+
+ttr: $(STAMP)  ## time-to-result benchmark (~25 min on one core), results and figures
+	OMP_NUM_THREADS=1 nice $(PY) -m experiments ttr --out experiments/results
+	$(PY) -m paper_figs ttr experiments/results experiments/results
 
 test: $(STAMP)  ## the unit tests
 	OMP_NUM_THREADS=2 $(PY) -m pytest tests
