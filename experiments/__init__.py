@@ -1,5 +1,15 @@
-"""Reproduction of the BackPACK paper's optimizer benchmarks on DeepOBS problems.
+"""Reproduction of the BackPACK paper's optimizer benchmarks on DeepOBS problems, and the
+time-to-result benchmark.
 
-``python -m experiments.fetch_data`` fetches the data, ``python -m experiments run|grid ...``
-trains; see :mod:`experiments.problems`, :mod:`experiments.data` and :mod:`experiments.runner`.
+Layers (imports point down only; ``paper_figs`` reads result files and never imports this
+package; :mod:`experiments.reproduce` is the one place that calls ``paper_figs``):
+
+1. data and problems: :mod:`.data`, :mod:`.fetch_data`, :mod:`.problems`
+2. what to train: :mod:`.optimizers` (names, presets, options), :mod:`.config` (``RunConfig``)
+3. how to train: :mod:`.distributed` (torchrun), :mod:`.evaluation`, :mod:`.files`,
+   :mod:`.training` (the loop of one run)
+4. protocols: :mod:`.runner` (run, grid), :mod:`.ttr` and :mod:`.ttr_report` (time to result),
+   :mod:`.overhead` (cost of each quantity)
+5. entry points: :mod:`.__main__` (``run``, ``grid``, ``ttr`` via :mod:`.ttr_cli`),
+   :mod:`.reproduce` (the main job, with figures)
 """
