@@ -177,6 +177,8 @@ def grid(
     }
     tag = "_synthetic" if splits.synthetic else ""
     fixed = {k: v for k, v in asdict(base).items() if k not in ("lr", "damping")}
+    if base.preset is None and not base.options:  # the names of grids from before presets
+        del fixed["preset"], fixed["options"]
     digest = hashlib.sha1(
         json.dumps([fixed, list(lrs), list(damping_values), seeds], sort_keys=True).encode()
     ).hexdigest()[:8]
