@@ -74,13 +74,13 @@ def markdown_table(table: list[dict]) -> str:
     """The table as markdown: time to target (median [q1, q3]) and seconds per step."""
     lines = [
         "| problem | optimizer | preset | lr | damping | target | reached | time to target, s "
-        "(median [q1, q3]) | s/step: forward / backward / step |",
+        "(median [q1, q3]) | ms/step: forward / backward / step |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for e in table:
         damping = "-" if e["damping"] is None else f"{e['damping']:g}"
         ps = e["per_step_s"]
-        step = "-" if ps is None else " / ".join(f"{ps[k]:.3f}" for k in ps)
+        step = "-" if ps is None else " / ".join(f"{1e3 * ps[k]:.1f}" for k in ps)
         lines.append(
             f"| {e['problem']} | {e['optimizer']} | {e['preset'] or '-'} | {e['lr']:g} | "
             f"{damping} | {e['target']:g} | {e['reached']}/{e['seeds']} | {_s(e['median_s'])} "

@@ -60,7 +60,7 @@ def _style(row: dict) -> str:
 def plot_bars(rows: list[dict], meta: dict, out_dir: Path) -> Path:
     groups = _by_problem(rows)
     fig = new_figure(5.5 * len(groups), 0.45 * max(len(e) for e in groups.values()) + 1.6)
-    fig.subplots_adjust(left=0.2, right=0.97, bottom=0.18, top=0.85, wspace=0.55)
+    fig.subplots_adjust(left=0.14, right=0.97, bottom=0.18, top=0.85, wspace=0.6)
     for i, (problem, entries) in enumerate(groups.items()):
         ax = fig.add_subplot(1, len(groups), i + 1)
         all_runs = [r for runs in entries.values() for r in runs]
@@ -99,7 +99,7 @@ def plot_bars(rows: list[dict], meta: dict, out_dir: Path) -> Path:
 def plot_accuracy(rows: list[dict], meta: dict, out_dir: Path) -> Path:
     groups = _by_problem(rows)
     fig = new_figure(5.5 * len(groups), 4.2)
-    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.3, top=0.86, wspace=0.25)
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.34, top=0.86, wspace=0.25)
     for i, (problem, entries) in enumerate(groups.items()):
         ax = fig.add_subplot(1, len(groups), i + 1)
         for label, runs in entries.items():
@@ -118,12 +118,12 @@ def plot_accuracy(rows: list[dict], meta: dict, out_dir: Path) -> Path:
                 )
         target = next(iter(entries.values()))[0]["target"]
         ax.axhline(target, color="black", ls=":", lw=1)
-        ax.set_ylim(max(0.0, target - 0.3), min(1.0, target + 0.1))
+        ax.set_ylim(max(0.0, target - 0.2), min(1.0, target + 0.08))
         ax.set_xlabel("training wall-clock, s (evaluation excluded)", fontsize=8)
         ax.set_ylabel("test accuracy", fontsize=8)
         ax.set_title(f"{problem_title(problem)} (target {target:g}, dotted)", fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.15))
+        ax.legend(fontsize=6, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     fig.suptitle(_caption(meta), fontsize=8)
     return save(fig, out_dir / "ttr_curves.png")
 
