@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .data import DataMissingError, default_root
 from .problems import PROBLEMS
-from . import ttr_cli
+from . import compare, ttr_cli
 from .config import RunConfig
 from .distributed import dist_info, init_distributed
 from .optimizers import DAMPED, OPTIMIZERS, PRESETS, SetupError, parse_options
@@ -89,6 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--seeds", type=int, default=10, help="seeds of the best setting (default 10)"
     )
     ttr_cli.add_parser(sub)
+    compare.add_parser(sub)
     return parser.parse_args(argv)
 
 
@@ -158,6 +159,8 @@ def _print_grid(summary: dict) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.command == "compare":
+        return compare.main(args)
     if args.command == "ttr":
         try:
             return ttr_cli.main(args)

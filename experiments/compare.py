@@ -1,0 +1,287 @@
+"""``python -m experiments compare PROBLEM``: how good is each curvature approximation?
+
+Along a short momentum-SGD run (checkpoints after the listed epochs, 0 = at initialisation),
+on a fixed curvature subset of the training data, for every parameter block ``S`` (all of a
+small parameter, a random rows x columns sub-block of a large one; see
+:mod:`experiments.compare_metrics`) and every approximation
+
+* ``diag_ggn_exact``, ``diag_ggn_mc``, ``diag_hessian`` (``curvopt.linalg.Diagonal``),
+* ``kfac``, ``kflr``, ``kfra`` (``curvopt.linalg.KFAC``; undefined ones are recorded with the
+  engine's reason),
+* ``empirical_fisher``,
+
+against the exact GGN block: relative Frobenius error, top-k eigenspace overlap, cosine of the
+damped Newton directions and the decrease the exact quadratic model predicts for each.
+Problems: ``mnist_logreg`` (full blocks: exact everything), ``fmnist_2c2d`` (sub-blocks of at
+most ``--max-block`` coordinates) and ``gpt`` (the zoo's GPT-style decoder on random tokens).
+Writes ``RESULTS_DIR/compare/<problem>.json`` (``_synthetic`` for random data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+import curvopt
+from curvopt import linalg
+from curvopt.errors import CurvoptError
+
+from . import zoo
+from .compare_metrics import block_metrics, exact_blocks, kron_block, reference, select
+from .data import DataMissingError, load_dataset, make_splits
+from .problems import get_problem
+
+PROBLEMS = ("mnist_logreg", "fmnist_2c2d", "gpt")
+DIAGONALS = {"diag_ggn_exact": "ggn_exact", "diag_ggn_mc": "ggn_mc", "diag_hessian": "hessian"}
+KRONECKER = ("kfac", "kflr", "kfra")
+APPROXIMATIONS = (*DIAGONALS, *KRONECKER, "empirical_fisher")
+#: default coordinates per block: logistic regression is small enough for full blocks
+MAX_BLOCK = {"mnist_logreg": 0, "fmnist_2c2d": 1024, "gpt": 0}
+LR = {"mnist_logreg": 0.1, "fmnist_2c2d": 0.02, "gpt": 0.05}
+
+
+class Rows(nn.Module):
+    """``model(x)`` with all leading dims flattened into loss rows: ``[N, T, V] -> [N T, V]``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x).flatten(0, -2)
+
+
+@dataclass
+class Setup:
+    """What a comparison runs on. ``model`` is trained; its output dim 0 is the sample. With
+    ``rows`` the loss sees outputs and targets flattened into rows (language models)."""
+
+    model: nn.Module
+    train: list[tuple[torch.Tensor, torch.Tensor]]
+    curvature: tuple[torch.Tensor, torch.Tensor]
+    batch_size: int
+    synthetic: bool
+    rows: bool = False
+
+    def loss_on(self, lossfunc: nn.Module) -> Callable:
+        """``(output, targets) -> loss`` as the problem computes it."""
+        if self.rows:
+            return lambda out, y: lossfunc(out.flatten(0, -2), y.reshape(-1))
+        return lossfunc
+
+    def batches(self, x, y, drop_last: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        size = self.batch_size
+        stop = len(y) - size + 1 if drop_last else len(y)
+        return [(x[i : i + size], y[i : i + size]) for i in range(0, stop, size)]
+
+
+def _image_setup(args) -> Setup:
+    problem = get_problem(args.problem)
+    data = load_dataset(problem.dataset, args.data_root, synthetic=args.synthetic)
+    splits = make_splits(data, train_size=args.train_size)
+    x, y = problem.preprocess(augment=False)(splits.train.x), splits.train.y
+    setup = Setup(
+        problem.model(args.seed), [], (x, y), args.batch_size or problem.batch_size, data.synthetic
+    )
+    setup.train = setup.batches(x, y)
+    setup.curvature = (x[: args.curvature_size], y[: args.curvature_size])
+    return setup
+
+
+def _gpt_setup(args) -> Setup:
+    problem = zoo.gpt(vocab=16, T=8, dtype=torch.float32)
+    x, y = problem.make_batch(args.train_size, args.seed)
+    setup = Setup(problem.model, [], (x, y), args.batch_size or 32, True, rows=True)
+    setup.train = setup.batches(x, y)
+    setup.curvature = (x[: args.curvature_size], y[: args.curvature_size])
+    return setup
+
+
+def _approximations(model, lossfunc, data, seed: int) -> dict:
+    """``{name: Diagonal | KFAC | error message}`` on the curvature data."""
+    out = {}
+    for name, curvature in DIAGONALS.items():
+        try:
+            out[name] = linalg.Diagonal(model, lossfunc, data, curvature=curvature, seed=seed)
+        except CurvoptError as err:
+            out[name] = f"{type(err).__name__}: {err}"
+    for name in KRONECKER:
+        try:
+            out[name] = linalg.KFAC(model, lossfunc, data, curvature=name, seed=seed)
+        except CurvoptError as err:
+            out[name] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def _block(op, index: int, offset: int, numel: int, sel) -> torch.Tensor:
+    if isinstance(op, linalg.Diagonal):
+        return torch.diag(op.diagonal[offset : offset + numel][sel.flat])
+    return kron_block(op.factors[index], sel)
+
+
+def checkpoint(setup: Setup, plain: nn.Module, selections, args) -> dict:
+    """All metrics at the current parameters of ``setup.model``; ``plain`` is an unextended
+    copy of it, used as the skeleton of the per-sample Jacobians."""
+    x, y = setup.curvature
+    model = curvopt.extend(Rows(setup.model) if setup.rows else setup.model)
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    flatten = (lambda t: t.reshape(-1)) if setup.rows else (lambda t: t)
+    data = [(inputs, flatten(targets)) for inputs, targets in setup.batches(x, y, False)]
+    started = time.perf_counter()
+    plain.load_state_dict(setup.model.state_dict())
+    loss_on = setup.loss_on(nn.CrossEntropyLoss())
+    exact = exact_blocks(plain, loss_on, x, y, selections, mean=True)
+    approx = _approximations(model, lossfunc, data, args.seed)
+    params = [p for p in setup.model.parameters() if p.requires_grad]
+    offsets = [0]
+    for p in params:
+        offsets.append(offsets[-1] + p.numel())
+    layers = []
+    for index, (sel, p) in enumerate(zip(selections, params)):
+        ggn, ef, gradient = exact[sel.name]
+        k = max(1, min(args.top_k, sel.size // 2))
+        ref = reference(ggn, gradient, args.damping, k)
+        results = {}
+        for name in APPROXIMATIONS:
+            op = approx.get(name)
+            if isinstance(op, str):
+                results[name] = {"error": op}
+                continue
+            if name == "empirical_fisher":
+                block = ef
+            else:
+                block = _block(op, index, offsets[index], p.numel(), sel)
+            results[name] = block_metrics(ref, block)
+        layers.append(
+            {
+                "name": sel.name,
+                "shape": list(sel.shape),
+                "block": [len(sel.rows), len(sel.cols)],
+                "full": sel.size == p.numel(),
+                "top_k": k,
+                "exact_top_eigenvalues": [float(v) for v in ref.values],
+                "exact_decrease": ref.decrease,
+                "approximations": results,
+            }
+        )
+    with torch.no_grad():
+        loss = float(loss_on(plain(x), y))
+    return {"loss": loss, "seconds": time.perf_counter() - started, "layers": layers}
+
+
+def run_compare(args) -> dict:
+    setup = _gpt_setup(args) if args.problem == "gpt" else _image_setup(args)
+    plain = copy.deepcopy(setup.model)
+    max_block = MAX_BLOCK[args.problem] if args.max_block is None else args.max_block
+    gen = torch.Generator().manual_seed(args.seed)
+    selections = [
+        select(n, tuple(p.shape), max_block, gen)
+        for n, p in setup.model.named_parameters()
+        if p.requires_grad
+    ]
+    lr = LR[args.problem] if args.lr is None else args.lr
+    opt = torch.optim.SGD(setup.model.parameters(), lr=lr, momentum=0.9)
+    loss_on = setup.loss_on(nn.CrossEntropyLoss())
+    checkpoints = sorted(set(args.checkpoints))
+    results = []
+    torch.manual_seed(args.seed)
+    for epoch in range(max(checkpoints) + 1):
+        if epoch > 0:
+            for inputs, targets in setup.train:
+                opt.zero_grad()
+                loss_on(setup.model(inputs), targets).backward()
+                opt.step()
+        if epoch in checkpoints:
+            results.append({"epoch": epoch, **checkpoint(setup, plain, selections, args)})
+            if args.progress:
+                last = results[-1]
+                print(f"epoch {epoch}: loss {last['loss']:.4f} ({last['seconds']:.1f}s)")
+    return {
+        "kind": "compare",
+        "problem": args.problem,
+        "synthetic": setup.synthetic,
+        "config": {
+            "seed": args.seed,
+            "lr": lr,
+            "momentum": 0.9,
+            "batch_size": setup.batch_size,
+            "train_size": sum(len(t) for _, t in setup.train),
+            "curvature_size": len(setup.curvature[1]),
+            "max_block": max_block,
+            "damping": args.damping,
+            "top_k": args.top_k,
+        },
+        "checkpoints": results,
+    }
+
+
+def result_path(results_dir: str | Path, problem: str, synthetic: bool) -> Path:
+    return Path(results_dir) / "compare" / f"{problem}{'_synthetic' if synthetic else ''}.json"
+
+
+def table(result: dict, metric: str = "rel_frobenius") -> str:
+    """Markdown table of ``metric`` at the last checkpoint: approximations x layers."""
+    last = result["checkpoints"][-1]
+    names = [layer["name"] for layer in last["layers"]]
+    lines = [
+        f"| {metric} (epoch {last['epoch']}) | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 1) + "|",
+    ]
+    for approx in APPROXIMATIONS:
+        cells = []
+        for layer in last["layers"]:
+            value = layer["approximations"][approx].get(metric)
+            cells.append("n/a" if value is None else f"{value:.3g}")
+        lines.append(f"| {approx} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def add_parser(sub) -> None:
+    """Register ``compare`` on the ``python -m experiments`` sub-command parsers ``sub``."""
+    p = sub.add_parser(
+        "compare",
+        help="curvature approximations vs the exact GGN along a training run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("problem", choices=PROBLEMS)
+    p.add_argument("--checkpoints", type=int, nargs="+", default=[0, 1, 2], help="epochs")
+    p.add_argument("--train-size", type=int, default=2048)
+    p.add_argument("--curvature-size", type=int, default=256, help="samples for the curvature")
+    p.add_argument("--batch-size", type=int, help="default: the problem's")
+    p.add_argument(
+        "--max-block", type=int, help=f"coordinates per block, 0: all (default: {MAX_BLOCK})"
+    )
+    p.add_argument("--damping", type=float, default=1e-3)
+    p.add_argument("--top-k", type=int, default=10)
+    p.add_argument("--lr", type=float, help=f"momentum SGD (default {LR})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--synthetic", action="store_true", help="random images (marked synthetic)")
+    p.add_argument("--data-root", default=None)
+    p.add_argument("--results-dir", default="results")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def main(args) -> int:
+    try:
+        result = run_compare(args)
+    except (DataMissingError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    path = result_path(args.results_dir, args.problem, result["synthetic"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(table(result))
+    print()
+    print(table(result, "cosine"))
+    print(path)
+    return 0
