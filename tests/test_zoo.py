@@ -205,17 +205,25 @@ PASSES = 10
 
 #: Monte-Carlo samples per pass: enough for the power condition of ``assert_unbiased``
 MC_SAMPLES = {"mlp": 400, "resnet_block": 400, "vit": 400}
-#: the sequence models' Monte-Carlo cells with reduction "sum" are slow (several s each)
+#: slow (several s each on 2 cores): the sequence models' Monte-Carlo cells except DiagGGNMC and
+#: KFAC-expand with reduction "mean"
 _SEQUENCE = ("gpt", "gpt_functional", "bert", "seq_first")
 MC_CASES = [
-    pytest.param(m, r, marks=[pytest.mark.slow] if m in _SEQUENCE and r == "sum" else [])
+    pytest.param(
+        m,
+        r,
+        q,
+        marks=[pytest.mark.slow]
+        if m in _SEQUENCE and (r == "sum" or q in ("BatchDiagGGNMC", "KFAC-reduce"))
+        else [],
+    )
     for m in MODELS
     for r in REDUCTIONS
+    for q in MC_QUANTITIES
 ]
 
 
-@pytest.mark.parametrize("quantity", list(MC_QUANTITIES))
-@pytest.mark.parametrize("name, reduction", MC_CASES)
+@pytest.mark.parametrize("name, reduction, quantity", MC_CASES)
 def test_monte_carlo(name, quantity, reduction):
     make, attr = MC_QUANTITIES[quantity]
     mc = MC_SAMPLES.get(name, 1500)
