@@ -3,6 +3,16 @@
 Results are buffered and written as attributes by a callback the autograd engine runs at the
 end of the pass, so an exception in the middle leaves no half-written attribute (a reused
 result buffer is taken off its parameter while it is being overwritten, see ``buffers``).
+
+Checks that keep the numbers honest, each raising before anything is written:
+
+* every parameter that received a gradient was seen through its module's call;
+* the per-sample gradients of each parameter sum to its gradient (a parameter also used
+  outside its module, e.g. a tied head ``h @ emb.weight.T``, breaks this), with a tolerance
+  from the dtype's precision and the per-sample magnitudes ``sum_n |g_n|``;
+* for curvature, each module's output gradient is what the extended losses send it (nothing
+  from other terms of the objective), and the loss rows map onto the model's samples
+  (``rows``).
 """
 
 from __future__ import annotations
@@ -13,11 +23,20 @@ import torch
 from torch.autograd import Variable
 
 from curvopt.buffers import empty_result
-from curvopt.errors import MissingLossError, UnsupportedModuleError
-from curvopt.hooks import shared_parameters, trainable
+from curvopt.curvature import CurvaturePass, check_reduction
+from curvopt.errors import (
+    MissingLossError,
+    UnsupportedLossError,
+    UnsupportedModuleError,
+    module_error,
+)
 from curvopt.layers import rule_for
+from curvopt.losses import loss_rule_for
+from curvopt.params import shared_parameters, trainable
+from curvopt.propagate import module_outputs
 from curvopt.records import Call
 from curvopt.reductions import probe_spans, squared_norms, sum_of_squares
+from curvopt.rows import establish
 
 #: elements per chunk when per-sample gradients are materialised only to be reduced
 _CHUNK_ELEMENTS = 1 << 21
@@ -25,29 +44,33 @@ _CHUNK_ELEMENTS = 1 << 21
 _REDUCED = ("batch_l2", "sum_grad_squared", "variance")
 
 
-def module_error(module, reason: str) -> UnsupportedModuleError:
-    return UnsupportedModuleError(
-        f"curvopt cannot compute this for module {module._curvopt_path!r} "
-        f"({type(module).__name__}): {reason}"
-    )
+def _eps(*tensors) -> float:
+    """Unit roundoff of the least precise floating dtype among ``tensors``."""
+    return max(torch.finfo(t.dtype).eps for t in tensors if t is not None and t.is_floating_point())
 
 
 class BackwardPass:
     """Per-pass buffers; ``on_module`` is called by every extended module's gradient hook."""
 
-    def __init__(self, extensions, task: int):
+    def __init__(self, extensions, task: int, accumulator):
         self.task = task
         self.extensions = extensions
+        self.accumulator = accumulator
         self.attrs = {ext.attr for ext in extensions if ext.order == 1}
         self.second_order_exts = [ext for ext in extensions if ext.order == 2]
         self.loss_seen = False
         self.batch_size: Optional[int] = None
         self.reused: Dict[int, bool] = {}
         self.shared: Optional[set] = None
-        self.totals: Dict[int, torch.Tensor] = {}  # id(p): sum_n g_n, where computed
+        self.totals: Dict[int, Tuple[object, object, torch.Tensor]] = {}  # id(p): rule, call, sum
         self.param_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, grad
+        self.seen: set = set()  # ids of parameters whose module call was processed
+        self.suspects: list = []  # (p, sum_n g_n, grad, sum_n |g_n|) beyond the cheap bound
+        self.expected: Dict[object, list] = {}  # record: the extended losses' output gradients
         self.kron_owner: Dict[Tuple[int, str], object] = {}  # (id(p), attr): module call
+        self.out_index: Dict[Tuple[int, str], int] = {}
         self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
+        self.moments: Dict[int, Tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.results: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
         self.failed = False
         Variable._execution_engine.queue_callback(self._finish)
@@ -58,15 +81,45 @@ class BackwardPass:
         if self.failed:
             return
         try:
-            from curvopt.second_order import CurvaturePass, check_reduction
-
             check_reduction(record.module)
             self.loss_seen = True
             if self.second_order_exts:
-                CurvaturePass(self, record, grad).run()
+                cpass = CurvaturePass(self, record, grad)
+                cpass.run()
+                self.batch_size = self.batch_size or cpass.layout.samples
+            elif self.attrs:
+                self._check_layout(record)
         except BaseException:
             self._abort()
             raise
+
+    def _check_layout(self, record) -> None:
+        """First order under an extended loss: the loss rows map onto the model's samples
+        (catches ops that mix samples; probes run once per graph structure, see ``rows``)."""
+        try:
+            elementwise = loss_rule_for(record.module).elementwise
+        except UnsupportedLossError:
+            return  # a loss without a curvature rule still gets first-order quantities
+        upstream = module_outputs(record.output)
+        if upstream.calls:
+            output = record.output
+            establish(
+                output, output.shape, upstream.calls, upstream.batchable, upstream.signature,
+                elementwise,
+            )
+
+    def expect_gradients(self, calls, grads) -> None:
+        """Add one extended loss's share ``{record: [grad per output]}`` of the gradients the
+        module hooks will see."""
+        for record in calls:
+            old = self.expected.get(record)
+            new = grads[record]
+            if old is None:
+                self.expected[record] = list(new)
+            else:
+                self.expected[record] = [
+                    b if a is None else a if b is None else a + b for a, b in zip(old, new)
+                ]
 
     def on_module(self, record, grads) -> None:
         if self.failed:
@@ -79,23 +132,30 @@ class BackwardPass:
 
     def _on_module(self, record, grads) -> None:
         module = record.module
-        if self.second_order_exts and not self.loss_seen:
-            names = ", ".join(repr(e) for e in self.second_order_exts)
-            raise MissingLossError(
-                f"{names} need(s) the loss: the loss that was backpropagated was not computed "
-                "by an extended loss module; wrap it, e.g. "
-                "lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())"
-            )
-        if not self.attrs:
+        if self.second_order_exts:
+            if not self.loss_seen:
+                names = ", ".join(repr(e) for e in self.second_order_exts)
+                raise MissingLossError(
+                    f"{names} need(s) the loss: the loss that was backpropagated was not "
+                    "computed by an extended loss module; wrap it, e.g. "
+                    "lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())"
+                )
+            self._check_expected(record, grads)
+        elif not self.attrs:
             return
         rule = rule_for(module)
         reason = rule.check(module)
         if reason is not None:
             raise module_error(module, reason)
         grad_out = grads[0] if len(grads) == 1 else grads
-        call = Call(module, record.args, record.kwargs, grad_out, rule.batch_dim(module))
-        self._check_batch_size(call)
+        call = Call(module, record.args, record.kwargs, grad_out, record.batch_dim)
         params = trainable(module)
+        self.seen.update(id(p) for _, p in params)
+        if not self.attrs:
+            for name, p in params:
+                self._add_total(p, rule, call, name, rule.grad_sum(call, name))
+            return
+        self._check_batch_size(call)
         if self.shared is None:
             self.shared = shared_parameters()
         key = id(module)
@@ -110,6 +170,28 @@ class BackwardPass:
             else:
                 self._reduce(p, rule, call, name)
 
+    def _check_expected(self, record, grads) -> None:
+        """The module's output gradients must come from the extended losses alone."""
+        expected = self.expected.get(record)
+        for index, grad in enumerate(grads):
+            if grad is None:
+                continue
+            want = None if expected is None else expected[index]
+            if want is None:
+                bad = bool(grad.any())
+            else:
+                scale = max(float(grad.abs().max()), float(want.abs().max()))
+                bad = float((grad - want).abs().max()) > 256 * _eps(grad, want) * scale
+            if bad:
+                raise module_error(
+                    record.module,
+                    "its output gradient does not come from the extended loss(es) alone: the "
+                    "backpropagated objective has other terms (a regulariser on activations, "
+                    "a loss that is not extended, a term of the parameters), whose curvature "
+                    "curvopt would miss; backpropagate only sums of extended losses inside "
+                    "collect, or add the other terms' curvature yourself",
+                )
+
     def _check_batch_size(self, call: Call) -> None:
         n = call.batch_size
         if self.batch_size is None:
@@ -119,7 +201,10 @@ class BackwardPass:
                 call.module,
                 f"it sees {n} samples along dim {call.batch_dim} while other modules saw "
                 f"{self.batch_size}; per-sample quantities need the batch dimension kept intact "
-                "(do not fold other dims into it before a layer with parameters)",
+                "(do not fold other dims into it before a layer with parameters; sequence-first "
+                "models: use batch_first=True; parameters broadcast over the batch, such as "
+                "position embeddings of a shared arange(T): index them per sample, e.g. "
+                "pos_emb(torch.arange(T).expand(N, T)))",
             )
 
     def _accumulate(self, p, rule, call, name) -> None:
@@ -152,77 +237,135 @@ class BackwardPass:
             l2 = chunked.get("batch_l2", l2)
             sgs = chunked.get("sum_grad_squared", sgs)
             total = chunked.get("grad_sum", total)
+        self._add_total(p, rule, call, name, total)
         self._store(p, l2, sgs, total, call.batch_size)
 
+    def _add_total(self, p, rule, call, name, total) -> None:
+        """Add this call's ``sum_n g_n`` (computed in chunks if the rule has no fast path)."""
+        if total is None:
+            total = _reduce_in_chunks(rule, call, name, p.shape, {"grad_sum": True})["grad_sum"]
+        old = self.totals.get(id(p))
+        if old is None:
+            self.totals[id(p)] = [(rule, call, name)], total
+        else:
+            old[0].append((rule, call, name))
+            self.totals[id(p)] = old[0], old[1] + total
+        if id(p) in self.param_grads:  # the parameter's hook ran first (dependent outputs)
+            self._check_sum(p)
+
     def on_parameter_grad(self, p, grad: torch.Tensor) -> None:
-        """``p``'s whole gradient of this pass; checked against the per-sample gradients at the
-        end of the pass (see :meth:`_check_totals`)."""
+        """``p``'s whole gradient of this pass. Its hook normally runs after those of all the
+        module calls using ``p`` (a module whose outputs depend on each other is the
+        exception), so the sum of per-sample gradients is checked at whichever comes last."""
+        if self.failed or not (self.attrs or self.second_order_exts):
+            return
         self.param_grads[id(p)] = (p, grad)
+        if id(p) in self.totals:
+            self._checked(self._check_sum, p)
 
-    def _check_totals(self) -> None:
-        """The per-sample gradients must sum to each parameter's gradient.
+    def _checked(self, check, *args) -> None:
+        try:
+            check(*args)
+        except BaseException:
+            self._abort()
+            raise
 
-        Catches parameters also used outside the module that owns them (e.g. a tied output
-        layer ``h @ embedding.weight.T``), whose per-sample gradients no hook can see. Exact
-        where the sum is computed anyway (reduced quantities: every rule with a ``grad_sum``,
-        chunked reductions, ``Variance``); a spot check of evenly spread entries for
-        materialised per-sample gradients; conv weights reduced by ghost norms alone are not
-        checked.
-        """
-        for key, (p, grad) in self.param_grads.items():
-            if grad.is_sparse:
-                continue
-            if key in self.batch_grads:
-                batch = self.batch_grads[key][1]
-                batch, flat = batch.reshape(batch.shape[0], -1), grad.reshape(-1)
-                spans = probe_spans(batch.shape[1])
-                total = torch.cat([batch.narrow(1, a, w).sum(0) for a, w in spans])
-                grad = torch.cat([flat.narrow(0, a, w) for a, w in spans])
-            elif key in self.totals:
-                total = self.totals[key]
-            else:
-                continue
-            tol = 1e-4 * float(grad.abs().max()) + 1e-12
-            if float((total - grad).abs().max()) > tol:
+    def _check_sum(self, p) -> None:
+        """``sum_n g_n == grad``: a mismatch beyond the cheap bound
+        ``|sum - grad| <= 64 eps max(|sum|, |grad|)`` is measured against the rounding bound
+        ``8 eps (sum_n |g_n| + |grad|)`` before it raises."""
+        grad = self.param_grads[id(p)][1]
+        uses, total = self.totals.pop(id(p))
+        if grad.is_sparse or not _off(total, grad, 64):
+            return
+        magnitude = sum(
+            _reduce_in_chunks(rule, call, name, p.shape, {"abs_sum": True})["abs_sum"]
+            for rule, call, name in uses
+        )
+        self.suspects.append((p, total, grad, magnitude))
+
+    def _check_suspects(self) -> None:
+        """Sums that missed the cheap bound, against ``8 eps (sum_n |g_n| + |grad|)`` plus
+        ``1000 eps`` times the largest gradient entry of the pass (rounding inside each
+        ``g_n`` when a parameter's gradient cancels to nearly zero); raises on a real gap."""
+        if not self.suspects:
+            return
+        largest = max(float(g.abs().max()) for _, g in self.param_grads.values() if g.numel())
+        for p, total, grad, magnitude in self.suspects:
+            eps = _eps(total, grad)
+            tol = 8 * eps * (magnitude + grad.abs()) + 1000 * eps * largest
+            if bool(((total - grad.to(total.dtype)).abs() > tol).any()):
                 raise UnsupportedModuleError(
-                    f"curvopt: a parameter of shape {tuple(p.shape)} receives gradient from "
-                    "outside the module that owns it (used functionally, e.g. a tied output "
-                    "layer 'h @ embedding.weight.T'); per-sample quantities cannot see that "
-                    "use. Use the parameter only through its module (e.g. an nn.Linear sharing "
-                    "the weight)"
+                    f"curvopt: parameter {_name(p)!r} receives gradient from outside the module "
+                    "that owns it (used functionally, e.g. a tied output layer "
+                    "'h @ embedding.weight.T', or a penalty on the parameter added to the loss); "
+                    "per-sample quantities and curvature cannot see that use. Use the parameter "
+                    "only through its module (e.g. an nn.Linear sharing the weight) and keep "
+                    "penalties on parameters out of the backward pass inside collect"
                 )
 
+    def _check_seen(self) -> None:
+        """Every parameter with a gradient was seen through a call of its module."""
+        for key, (p, _) in self.param_grads.items():
+            if key not in self.seen:
+                raise UnsupportedModuleError(
+                    f"curvopt: parameter {_name(p)!r} received a gradient, but its module was "
+                    "never called in this pass (the parameter is used functionally, e.g. "
+                    "F.linear(h, layer.weight)); curvopt sees parameters only through their "
+                    "module's forward: call the module instead"
+                )
+        for key in list(self.totals):
+            if key in self.param_grads:
+                self._check_sum(self.param_grads[key][0])
+
+    def _check_materialised(self) -> None:
+        """Spot check of ``sum_n g_n == grad`` on evenly spread entries of materialised
+        per-sample gradients (see :meth:`_check_parameter`)."""
+        for key, (p, grad) in self.param_grads.items():
+            if key not in self.batch_grads or grad.is_sparse:
+                continue
+            batch = self.batch_grads[key][1]
+            batch, flat = batch.reshape(batch.shape[0], -1), grad.reshape(-1)
+            spans = probe_spans(batch.shape[1])
+            total = torch.cat([batch.narrow(1, a, w).sum(0) for a, w in spans])
+            grad = torch.cat([flat.narrow(0, a, w) for a, w in spans])
+            if _off(total, grad, 64):
+                magnitude = torch.cat([batch.narrow(1, a, w).abs().sum(0) for a, w in spans])
+                self.suspects.append((p, total, grad, magnitude))
+
     def _store(self, p, l2, sgs, total, n) -> None:
-        if total is not None:
-            self.totals[id(p)] = total
         if "batch_l2" in self.attrs:
             self.put(p, "batch_l2", l2)
         if "sum_grad_squared" in self.attrs:
             self.put(p, "sum_grad_squared", sgs)
         if "variance" in self.attrs:
-            self.put(p, "variance", (sgs / n).sub_((total / n).pow_(2)))
+            self.moments[id(p)] = (sgs, total, n)
+            self.put(p, "variance", None)
 
-    def put(self, p, attr: str, value: torch.Tensor) -> None:
+    def put(self, p, attr: str, value) -> None:
         """Set ``p.<attr> = value`` when the pass has finished."""
         self.results[(id(p), attr)] = (p, value)
 
     def add_kron(self, p, attr: str, record, factors, out_index: int) -> None:
         """Kronecker factors of one module call: the output-side factor sums over column chunks
         and over losses; the input-side factors belong to the call. Two calls (a module used
-        twice, or under two losses on different inputs) do not form one Kronecker product."""
+        twice, tied weights, or two losses on different inputs) do not form one Kronecker
+        product."""
         key = (id(p), attr)
         owner = self.kron_owner.get(key)
         if owner is None:
             self.kron_owner[key] = record
+            self.out_index[key] = out_index
             self.put(p, attr, factors)
         elif owner is record:
             self.results[key][1][out_index].add_(factors[out_index])
         else:
             raise module_error(
                 record.module,
-                "Kronecker factors of a module used several times in one backward pass are not "
-                "defined (the uses' input and output factors do not combine into one Kronecker "
-                "product); use a diagonal quantity such as DiagGGNExact",
+                "Kronecker factors of a module used several times in one backward pass (or of "
+                "a weight tied across modules) are not defined (the "
+                "uses' input and output factors do not combine into one Kronecker product); use "
+                "a diagonal quantity such as DiagGGNExact",
             )
 
     def add(self, p, attr: str, value) -> None:
@@ -238,7 +381,10 @@ class BackwardPass:
         if self.failed:
             return
         try:
-            self._check_totals()
+            self._check_seen()
+            self._check_materialised()
+            self._check_suspects()
+            self._check_complete()
         except BaseException:
             self._abort()
             raise
@@ -251,10 +397,29 @@ class BackwardPass:
                 sgs = sum_of_squares(batch) if want - {"batch_l2"} else None
                 total = batch.sum(0) if "variance" in want else None
                 self._store(p, l2, sgs, total, batch.shape[0])
+        n = self.batch_size or 0
+        acc = self.accumulator
         for (_, attr), (p, value) in self.results.items():
+            if attr == "variance":
+                value = acc.variance(p, *self.moments[id(p)])
+            else:
+                value = acc.combine(p, attr, value, n, self.out_index.get((id(p), attr), 0))
             setattr(p, attr, value)
         self.batch_grads.clear()
         self.results.clear()
+
+    def _check_complete(self) -> None:
+        """Every parameter that received a gradient gets every requested curvature attribute."""
+        attrs = {ext.attr for ext in self.second_order_exts}
+        for key, (p, _) in self.param_grads.items():
+            missing = [a for a in attrs if (key, a) not in self.results]
+            if missing:
+                raise UnsupportedModuleError(
+                    f"curvopt: parameter {_name(p)!r} received "
+                    f"a gradient but no {', '.join(sorted(missing))}: the columns of the "
+                    "extended loss do not reach its module's output (the parameter's gradient "
+                    "comes from another term of the objective)"
+                )
 
     def _abort(self) -> None:
         """Forget everything written so far; the pass writes nothing."""
@@ -264,9 +429,21 @@ class BackwardPass:
         self.param_grads.clear()
 
 
+def _name(p) -> str:
+    return getattr(p, "_curvopt_path", f"of shape {tuple(p.shape)}")
+
+
+def _off(total, grad, factor: float) -> bool:
+    """``|total - grad|`` beyond ``factor * eps * max(|total|, |grad|)`` somewhere."""
+    grad = grad.to(total.dtype)
+    scale = max(float(total.abs().max()), float(grad.abs().max())) if total.numel() else 0.0
+    return float((total - grad).abs().max()) > factor * _eps(total, grad) * scale
+
+
 def _reduce_in_chunks(rule, call, name, shape, want):
-    """The ``want``-ed of ``batch_l2`` (``[N]``), ``sum_grad_squared`` and ``grad_sum``
-    (``p.shape``) from per-sample gradients, materialised chunk by chunk."""
+    """The ``want``-ed of ``batch_l2`` (``[N]``), ``sum_grad_squared``, ``grad_sum`` and
+    ``abs_sum`` (``sum_n |g_n|``, ``p.shape``) from per-sample gradients, materialised chunk by
+    chunk."""
     n = call.batch_size
     step = max(1, _CHUNK_ELEMENTS // max(1, torch.Size(shape).numel()))
     parts = {key: [] for key, wanted in want.items() if wanted}
@@ -278,6 +455,8 @@ def _reduce_in_chunks(rule, call, name, shape, want):
             parts["sum_grad_squared"].append(sum_of_squares(chunk))
         if "grad_sum" in parts:
             parts["grad_sum"].append(chunk.sum(0))
+        if "abs_sum" in parts:
+            parts["abs_sum"].append(chunk.abs().sum(0))
     return {
         key: torch.cat(values) if key == "batch_l2" else torch.stack(values).sum(0)
         for key, values in parts.items()

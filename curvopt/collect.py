@@ -6,6 +6,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from curvopt.accumulate import Accumulator
 from curvopt.backward import BackwardPass
 from curvopt.errors import ExtensionConflictError
 from curvopt.extensions.base import Extension
@@ -17,7 +18,8 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
 
     Extensions that share work (per-sample gradients, propagated curvature factors, Monte-Carlo
     samples) compute it once. Results are written as attributes when a backward pass has
-    finished; a pass that raises writes nothing.
+    finished; a pass that raises writes nothing. Several backward passes in one block
+    (micro-batches) combine like ``p.grad`` does (see ``accumulate``).
     """
 
     def __init__(self, *extensions: Extension):
@@ -37,6 +39,7 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
             by_attr[ext.attr] = ext
         self.extensions: Tuple[Extension, ...] = tuple(by_attr.values())
         self._pass: Optional[BackwardPass] = None
+        self._accumulator = Accumulator()
 
     def __enter__(self):
         if STATE.collecting is not None:
@@ -44,6 +47,7 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
                 "curvopt.collect blocks cannot be nested; pass all extensions to one collect(...)"
             )
         STATE.collecting = self
+        self._accumulator = Accumulator()
         return self
 
     def __exit__(self, *exc):
@@ -55,5 +59,5 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
         """The state of the backward pass now running, created at its first hook."""
         task = torch._C._current_graph_task_id()
         if self._pass is None or self._pass.task != task:
-            self._pass = BackwardPass(self.extensions, task)
+            self._pass = BackwardPass(self.extensions, task, self._accumulator)
         return self._pass

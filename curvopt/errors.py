@@ -28,3 +28,15 @@ class MissingLossError(CurvoptError, RuntimeError):
 
 class GraphReuseError(CurvoptError, RuntimeError):
     """A second backward pass inside ``collect`` through a graph whose inputs were released."""
+
+
+def module_error(module, reason: str) -> UnsupportedModuleError:
+    """``UnsupportedModuleError`` naming ``module`` by its path in the model and its type."""
+    path = getattr(module, "_curvopt_path", type(module).__name__)
+    return UnsupportedModuleError(
+        f"curvopt cannot compute this for module {path!r} ({type(module).__name__}): {reason}"
+    )
+
+
+class AccumulationError(CurvoptError, RuntimeError):
+    """Results of several backward passes in one ``collect`` that do not combine."""

@@ -22,9 +22,12 @@ from torch import nn
 from torch.autograd.graph import GradientEdge
 
 from curvopt.errors import UnsupportedModuleError
-from curvopt.hooks import _METADATA, owned
+from curvopt.diagonals import add_diagonals
 from curvopt.layers.unfold import unfold_conv_input
-from curvopt.second_order import add_diagonals, backpropagate, module_outputs
+from curvopt.params import owned
+from curvopt.propagate import backpropagate, loss_gradient, module_outputs
+from curvopt.records import records_on
+from curvopt.rows import establish
 from curvopt.state import STATE
 
 
@@ -154,7 +157,7 @@ def curved_nodes(root: torch.Tensor) -> List[object]:
         if node is None or node in seen:
             continue
         seen.add(node)
-        entries = [e for e in node.metadata.get(_METADATA, ()) if e[0].args is not None]
+        entries = records_on(node)
         if entries:
             record = entries[0][0]
             module = record.module
@@ -233,11 +236,7 @@ def add_residuals(cpass, calls, exts) -> None:
     nodes = curved_nodes(output)
     if not nodes:
         return
-    loss = cpass.loss
-    with STATE.suspend(), torch.enable_grad():
-        o = output.detach().requires_grad_(True)
-        (g0,) = torch.autograd.grad(loss.module(o, loss.target), o)
-    g0 = g0 * cpass.scale**2
+    g0 = loss_gradient(cpass.loss, cpass.weight)
     with STATE.suspend():
         deltas = torch.autograd.grad(
             output, [GradientEdge(nd, 0) for nd in nodes], g0, retain_graph=True, allow_unused=True
@@ -254,8 +253,8 @@ def add_residuals(cpass, calls, exts) -> None:
         if fn is None:
             continue
         direct = producers.get((fn, nr))
-        upstream, batchable = module_outputs(fn)
-        others = {record: calls[record] for record in upstream if record in calls}
+        upstream = module_outputs(fn)
+        others = {record: calls[record] for record in upstream.calls if record in calls}
         if direct is not None and _has_weighted_squares(direct.module):
             for ext in exts:
                 batched = ext.attr.endswith("_batch")
@@ -264,18 +263,22 @@ def add_residuals(cpass, calls, exts) -> None:
                         cpass.bp.add(p, ext.attr, _weighted_squares(direct, r, name, batched))
             others.pop(direct)
         if others:
-            _columns(cpass, GradientEdge(fn, nr), r, others, exts, batchable)
+            source = GradientEdge(fn, nr)
+            layout = establish(
+                source, r.shape, others, upstream.batchable, upstream.signature, elementwise=True
+            )
+            _columns(cpass, source, r, others, exts, upstream.batchable, layout)
 
 
-def _columns(cpass, source: GradientEdge, r: torch.Tensor, calls, exts, batched: bool) -> None:
-    """Signed one-hot columns ``sqrt(|r|)`` at ``u``, propagated to the modules upstream."""
+def _columns(cpass, source, r: torch.Tensor, calls, exts, batched: bool, layout) -> None:
+    """Signed one-hot columns ``sqrt(|r|)`` at ``u`` (one per element of a row, packed over
+    rows by ``layout``), propagated to the modules upstream."""
     records = list(calls)
     edges = [edge for rec in records for _, edge in calls[rec]]
-    n = r.shape[0]
-    flat = r.reshape(n, -1)
+    flat = r.reshape(r.shape[0], -1)
     size = flat.shape[1]
     per_column = flat.numel() + sum(rec.out_numel[i] for rec in records for i, _ in calls[rec])
-    chunk = max(1, (1 << 24) // per_column)
+    chunk = max(1, (1 << 24) // (per_column * layout.num_slots))
     eye = torch.eye(size, dtype=r.dtype, device=r.device)
     for sign, part in ((1.0, flat.clamp(min=0)), (-1.0, (-flat).clamp(min=0))):
         root = part.sqrt()
@@ -284,6 +287,7 @@ def _columns(cpass, source: GradientEdge, r: torch.Tensor, calls, exts, batched:
         for start in range(0, size, chunk):
             stop = min(size, start + chunk)
             cols = (eye[start:stop, None, :] * root[None]).reshape(stop - start, *r.shape)
+            cols = layout.pack(cols, 0, layout.num_slots)
             back = backpropagate(source, edges, cols, batched)
             it = iter(back)
             outs = {record: [next(it) for _ in calls[record]] for record in records}

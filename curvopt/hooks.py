@@ -7,90 +7,20 @@ computed. Hooks are installed on every module that owns parameters (and on losse
 
 from __future__ import annotations
 
-import itertools
-import weakref
-from typing import List, Optional, Set, Tuple
+from typing import Optional
 
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from curvopt.errors import GraphReuseError
 from curvopt.layers import rule_for
-from curvopt.layers.generic import owned_parameters
-from curvopt.records import output_tensors
+from curvopt.params import EXTENDED, owned, owned_parameters
+from curvopt.records import LossRecord, Record, output_tensors
 from curvopt.state import STATE
 
+__all__ = ["extend", "Record"]
+
 _HOOKED = "_curvopt_hooked"
-#: key of the autograd-node metadata listing the module calls whose output the node produced
-_METADATA = "curvopt"
-_SEQUENCE = itertools.count()
-#: every module with parameters that ``extend`` hooked
-_EXTENDED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-
-
-class Record:
-    """One call of an extended module: its inputs until the gradient w.r.t. its output arrives."""
-
-    __slots__ = ("module", "args", "kwargs", "out_numel", "seq")
-
-    def __init__(self, module, args, kwargs, out_numel):
-        self.module, self.args, self.kwargs, self.out_numel = module, args, kwargs, out_numel
-        self.seq = next(_SEQUENCE)  # forward order
-        module._curvopt_live += 1
-
-    def release(self):
-        """Drop the inputs; the module has one call fewer awaiting its gradient."""
-        if self.args is not None:
-            self.args = self.kwargs = None
-            self.module._curvopt_live -= 1
-
-    def __del__(self):
-        self.release()
-
-    def on_grad(self, grad):
-        self._dispatch((grad,))
-
-    def on_grads(self, grads):
-        self._dispatch(tuple(grads))
-
-    def _dispatch(self, grads):
-        if STATE.suspended:
-            return
-        if self.args is None:
-            if STATE.collecting is not None:
-                raise GraphReuseError(
-                    f"curvopt: a second backward pass through the graph of module "
-                    f"{self.module._curvopt_path!r} inside collect; each backward pass inside "
-                    "collect needs its own forward pass (retain_graph=True is not enough, "
-                    "the module inputs were released after the first pass)"
-                )
-            return
-        try:
-            if STATE.collecting is not None:
-                STATE.collecting.backward_pass().on_module(self, grads)
-        finally:
-            self.release()
-
-
-def owned(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
-    """``(name, parameter)`` pairs the module's rule handles, looked up now (not at extend)."""
-    if module._curvopt_owns_children:
-        return list(module.named_parameters())
-    return [(name, p) for name, p in module._parameters.items() if p is not None]
-
-
-def trainable(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
-    return [(name, p) for name, p in owned(module) if p.requires_grad]
-
-
-def shared_parameters() -> Set[int]:
-    """ids of parameters owned by more than one extended module (weight tying)."""
-    seen, shared = set(), set()
-    for module in list(_EXTENDED):
-        for _, p in owned(module):
-            (shared if id(p) in seen else seen).add(id(p))
-    return shared
 
 
 def _module_forward_hook(module, args, kwargs, output):
@@ -101,10 +31,7 @@ def _module_forward_hook(module, args, kwargs, output):
     outputs = [t for t in output_tensors(output) if t.requires_grad]
     if not outputs:
         return
-    record = Record(module, args, kwargs, tuple(t.numel() for t in outputs))
-    for index, t in enumerate(outputs):
-        if t.grad_fn is not None:
-            t.grad_fn.metadata.setdefault(_METADATA, []).append((record, index, t.output_nr))
+    record = Record(module, args, kwargs, outputs, rule_for(module).batch_dim(module))
     if len(outputs) == 1:
         outputs[0].register_hook(record.on_grad)
     else:
@@ -114,8 +41,6 @@ def _module_forward_hook(module, args, kwargs, output):
 def _loss_forward_hook(module, args, kwargs, output):
     if STATE.suspended or not torch.is_grad_enabled() or not output.requires_grad:
         return
-    from curvopt.second_order import LossRecord
-
     record = LossRecord(module, args, kwargs)
     output.register_hook(record.on_grad)
 
@@ -139,15 +64,17 @@ def _parameter_hook(p: nn.Parameter):
 def _install(module: nn.Module, path: str) -> None:
     rule = rule_for(module)
     params = owned_parameters(module, rule.owns_children)
-    for p in params.values():
+    for name, p in params.items():
         if p.requires_grad and not getattr(p, "_curvopt_checked", False):
             p.register_hook(_parameter_hook(p))
             p._curvopt_checked = True
+        if not hasattr(p, "_curvopt_path"):
+            p._curvopt_path = f"{path}.{name}" if path else name
     if params:
         module._curvopt_owns_children = rule.owns_children
         if not hasattr(module, "_curvopt_live"):
             module._curvopt_live = 0
-        _EXTENDED.add(module)
+        EXTENDED.add(module)
         _hook(module, path, _module_forward_hook)
     if rule.owns_children:
         return

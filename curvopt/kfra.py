@@ -16,15 +16,37 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from curvopt.hooks import owned
-from curvopt.second_order import backpropagate
+from curvopt.errors import module_error
+from curvopt.params import trainable
+from curvopt.propagate import backpropagate
+from curvopt.records import records_on
 from curvopt.state import STATE
 
 
 def _reject(record, reason):
-    from curvopt.backward import module_error
-
     return module_error(record.module, f"KFRA: {reason}")
+
+
+def _check_link(record, nxt) -> None:
+    """``nxt``'s input must be computed from ``record``'s output alone (no skip connection
+    from an earlier layer, no parameter used outside a layer): the recursion is for chains."""
+    stack, seen = [nxt.args[0].grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        owners = {entry[0] for entry in records_on(node)}
+        if record in owners:
+            continue
+        if owners or type(node).__name__ == "AccumulateGrad":
+            raise _reject(
+                nxt,
+                "its input is not computed from the previous Linear layer's output alone (a "
+                "residual or skip connection, or a parameter used outside a layer); the KFRA "
+                "recursion is defined for feed-forward chains only; use KFLR or KFAC",
+            )
+        stack.extend(fn for fn, _ in node.next_functions)
 
 
 def _chain(calls):
@@ -69,16 +91,15 @@ def kfra(cpass, loss_rule, calls) -> None:
     for record, b in factors.items():
         x = record.args[0].detach()
         n = x.shape[0]
-        for name, p in owned(record.module):
-            if p.requires_grad:
-                cpass.bp.add(
-                    p, "kfra", [b.clone(), x.T @ x / n] if name == "weight" else [b.clone()]
-                )
+        for name, p in trainable(record.module):
+            kron = [b.clone(), x.T @ x / n] if name == "weight" else [b.clone()]
+            cpass.bp.add_kron(p, "kfra", record, kron, 0)
 
 
 def _backpropagate(b_next, record, nxt, calls):
     """``B_l`` from ``B_{l+1}``: through ``W_{l+1}`` and the elementwise map between them."""
     ((_, edge),) = calls[record]
+    _check_link(record, nxt)
     x_next = nxt.args[0]
     with STATE.suspend():
         ones = torch.ones_like(x_next)
@@ -94,7 +115,8 @@ def _backpropagate(b_next, record, nxt, calls):
     if both is None or both.shape[1:] != x_next.shape:
         raise _reject(nxt, "its input is not computed from the previous Linear layer's output")
     d, dprobe = both[0], both[1]
-    if not torch.allclose(dprobe, probe * d, rtol=1e-4, atol=1e-6 * float(d.abs().max()) + 1e-12):
+    tol = 64 * torch.finfo(d.dtype).eps
+    if not torch.allclose(dprobe, probe * d, rtol=tol, atol=tol * float(d.abs().max()) + 1e-12):
         raise _reject(
             nxt, "the map from the previous Linear layer's output to its input is not elementwise"
         )

@@ -1,12 +1,125 @@
-"""What one call of an extended module leaves for the backward pass."""
+"""What one call of an extended module (or loss) leaves for the backward pass.
+
+A forward hook creates a :class:`Record` per call and lists it in the metadata of each output's
+autograd node (:func:`records_on` reads it back), so the backward pass can find every module
+call upstream of a tensor. The gradient hook on the output completes the record into a
+:class:`Call`, the unit every per-module rule works on.
+"""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple, Union
 
 import torch
 from torch import nn
+
+from curvopt.errors import GraphReuseError
+from curvopt.state import STATE
+
+#: key of the autograd-node metadata listing the module calls whose output the node produced
+_METADATA = "curvopt"
+_SEQUENCE = itertools.count()
+
+
+def records_on(node) -> List[Tuple["Record", int, int]]:
+    """``(record, output index, node output nr)`` of the live module calls ``node`` produced."""
+    return [e for e in node.metadata.get(_METADATA, ()) if e[0].args is not None]
+
+
+class Record:
+    """One call of an extended module: its inputs until the gradient w.r.t. its output arrives.
+
+    ``out_shapes`` are the shapes of the outputs that require grad, ``batch_dim`` the dim of
+    the first of them that indexes samples (as the module's rule defines it).
+    """
+
+    __slots__ = ("module", "args", "kwargs", "out_shapes", "batch_dim", "dtype", "device", "seq")
+
+    def __init__(self, module, args, kwargs, outputs, batch_dim):
+        self.args = None  # set last: ``release`` must work on a half-built record
+        self.module, self.kwargs = module, kwargs
+        self.out_shapes = tuple(t.shape for t in outputs)
+        self.batch_dim = batch_dim
+        self.dtype, self.device = outputs[0].dtype, outputs[0].device
+        self.seq = next(_SEQUENCE)  # forward order
+        module._curvopt_live += 1
+        self.args = args
+        for index, t in enumerate(outputs):
+            if t.grad_fn is not None:
+                t.grad_fn.metadata.setdefault(_METADATA, []).append((self, index, t.output_nr))
+
+    @property
+    def out_numel(self) -> Tuple[int, ...]:
+        return tuple(s.numel() for s in self.out_shapes)
+
+    @property
+    def batch_size(self) -> int:
+        shape = self.out_shapes[0]
+        return shape[self.batch_dim] if len(shape) > self.batch_dim else 1
+
+    def release(self):
+        """Drop the inputs; the module has one call fewer awaiting its gradient."""
+        if getattr(self, "args", None) is not None:
+            self.args = self.kwargs = None
+            self.module._curvopt_live -= 1
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001  (interpreter shutdown: never print from __del__)
+            pass
+
+    def on_grad(self, grad):
+        self._dispatch((grad,))
+
+    def on_grads(self, grads):
+        self._dispatch(tuple(grads))
+
+    def _dispatch(self, grads):
+        if STATE.suspended:
+            return
+        if self.args is None:
+            if STATE.collecting is not None:
+                raise GraphReuseError(
+                    f"curvopt: a second backward pass through the graph of module "
+                    f"{self.module._curvopt_path!r} inside collect; each backward pass inside "
+                    "collect needs its own forward pass (retain_graph=True is not enough, "
+                    "the module inputs were released after the first pass)"
+                )
+            return
+        try:
+            if STATE.collecting is not None:
+                STATE.collecting.backward_pass().on_module(self, grads)
+        finally:
+            self.release()
+
+
+class LossRecord:
+    """One call of an extended loss: its input and target until the backward pass starts."""
+
+    __slots__ = ("module", "args", "kwargs")
+
+    def __init__(self, module, args, kwargs):
+        self.module, self.args, self.kwargs = module, args, kwargs
+
+    @property
+    def output(self) -> torch.Tensor:
+        return self.args[0]
+
+    @property
+    def target(self):
+        return self.args[1] if len(self.args) > 1 else self.kwargs["target"]
+
+    def on_grad(self, grad):
+        if STATE.suspended or self.args is None:
+            return
+        try:
+            if STATE.collecting is not None:
+                STATE.collecting.backward_pass().on_loss(self, grad)
+        finally:
+            self.args = self.kwargs = None
 
 
 @dataclass
@@ -40,27 +153,52 @@ class Call:
     def batch_size(self) -> int:
         return self.first_grad.shape[self.batch_dim]
 
+    def _map_batched(self, fn, value):
+        """``fn`` applied to every tensor of ``value`` batched along ``batch_dim``."""
+        n, bd = self.batch_size, self.batch_dim
+        if isinstance(value, torch.Tensor) and value.dim() > bd and value.shape[bd] == n:
+            return fn(value)
+        if isinstance(value, tuple):
+            return tuple(self._map_batched(fn, v) for v in value)
+        return value
+
     def slice(self, start: int, stop: int) -> "Call":
         """The same call restricted to samples ``start:stop`` (tensors batched along batch_dim)."""
-        n = self.batch_size
 
         def cut(x):
-            if (
-                isinstance(x, torch.Tensor)
-                and x.dim() > self.batch_dim
-                and x.shape[self.batch_dim] == n
-            ):
-                return x.narrow(self.batch_dim, start, stop - start)
-            if isinstance(x, tuple):
-                return tuple(cut(y) for y in x)
-            return x
+            return x.narrow(self.batch_dim, start, stop - start)
 
         return Call(
             self.module,
-            cut(self.args),
-            {k: cut(v) for k, v in self.kwargs.items()},
-            cut(self.grad_out),
+            self._map_batched(cut, self.args),
+            {k: self._map_batched(cut, v) for k, v in self.kwargs.items()},
+            self._map_batched(cut, self.grad_out),
             self.batch_dim,
+        )
+
+    def expand(self, columns) -> "Call":
+        """The call seen by ``K`` columns as ``K * N`` pseudo-samples (index ``k * N + n``).
+
+        ``columns`` are ``[K, *out]`` (a tuple for several outputs); batched inputs are repeated.
+        """
+        bd = self.batch_dim
+        first = next(c for c in (columns if isinstance(columns, tuple) else (columns,)) if c is not None)
+        k = first.shape[0]
+
+        def rep(x):
+            shape = list(x.shape)
+            return x.unsqueeze(bd).expand(*shape[:bd], k, *shape[bd:]).flatten(bd, bd + 1)
+
+        def merge(v):
+            return None if v is None else v.movedim(0, bd).flatten(bd, bd + 1)
+
+        grad = tuple(merge(v) for v in columns) if isinstance(columns, tuple) else merge(columns)
+        return Call(
+            self.module,
+            self._map_batched(rep, self.args),
+            {a: self._map_batched(rep, b) for a, b in self.kwargs.items()},
+            grad,
+            bd,
         )
 
 

@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 import curvopt.backward
-import curvopt.second_order
+import curvopt.curvature
+import curvopt.diagonals
 from curvopt import extensions as ext
 from tests.conftest import (
     assert_close,
@@ -32,8 +33,8 @@ def _cnn():
 
 @pytest.mark.parametrize("budget", [1, 50, 10**9])
 def test_second_order_budget(monkeypatch, budget, seed):
-    monkeypatch.setattr(curvopt.second_order, "_GRAD_BUDGET", budget)
-    monkeypatch.setattr(curvopt.second_order, "_COLUMN_BUDGET", max(budget, 1))
+    monkeypatch.setattr(curvopt.diagonals, "_GRAD_BUDGET", budget)
+    monkeypatch.setattr(curvopt.curvature, "_COLUMN_BUDGET", max(budget, 1))
     plain = _cnn()
     x, y = torch.randn(5, 2, 6, 6, dtype=DT), torch.randint(0, 3, (5,))
     lossfunc = nn.CrossEntropyLoss()

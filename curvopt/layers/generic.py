@@ -23,7 +23,8 @@ from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from curvopt.errors import UnsupportedModuleError
-from curvopt.layers.registry import LayerRule, register
+from curvopt.layers.registry import LayerRule, register, register_fallback
+from curvopt.params import owned_parameters
 from curvopt.records import output_tensors
 from curvopt.state import STATE
 
@@ -31,13 +32,6 @@ from curvopt.state import STATE
 _CHUNK_ELEMENTS = 1 << 21
 
 _STOCHASTIC = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
-
-
-def owned_parameters(module: nn.Module, owns_children: bool) -> Dict[str, nn.Parameter]:
-    """The parameters a rule is responsible for, by (dotted) name."""
-    if owns_children:
-        return dict(module.named_parameters())
-    return dict(module.named_parameters(recurse=False))
 
 
 class GenericRule(LayerRule):
@@ -271,7 +265,7 @@ def _unsqueeze(x, dim):
     return x.unsqueeze(dim)
 
 
-GENERIC = GenericRule()
+GENERIC = register_fallback(GenericRule())
 
 
 @register(nn.MultiheadAttention)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from curvopt.errors import UnsupportedModuleError
+from curvopt.errors import UnsupportedModuleError, module_error
 from curvopt.layers.registry import rule_for
 from curvopt.layers.unfold import unfold_conv_input
 
@@ -43,13 +43,10 @@ def _linear_like(x, v, approx):
 
 def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int):
     """Kronecker factors of ``p`` (see module docstring) for one call."""
-    from curvopt.backward import module_error
-    from curvopt.second_order import expand_call
-
     module = call.module
     if p.dim() == 1:
         rule = rule_for(module)
-        grads = rule.batch_grad(expand_call(call, columns), name)
+        grads = rule.batch_grad(call.expand(columns), name)
         return [_outer(grads)]
     if isinstance(columns, tuple):
         raise module_error(module, "Kronecker factors need a module with a single output")

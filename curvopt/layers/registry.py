@@ -14,12 +14,13 @@ Module types without a registered rule fall back to :class:`curvopt.layers.gener
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Type
+from typing import Callable, Dict, List, Optional, Type
 
 import torch
 from torch import nn
 
 _RULES: Dict[Type[nn.Module], "LayerRule"] = {}
+_FALLBACK: List["LayerRule"] = []
 
 
 def register(*module_types: Type[nn.Module]) -> Callable:
@@ -33,14 +34,18 @@ def register(*module_types: Type[nn.Module]) -> Callable:
     return wrap
 
 
+def register_fallback(rule: "LayerRule") -> "LayerRule":
+    """Make ``rule`` the rule of every module type without a registered one."""
+    _FALLBACK[:] = [rule]
+    return rule
+
+
 def rule_for(module: nn.Module) -> "LayerRule":
     """The rule of ``module``'s exact type (subclasses included), else the generic fallback."""
     for klass in type(module).__mro__:
         if klass in _RULES:
             return _RULES[klass]
-    from curvopt.layers.generic import GENERIC
-
-    return GENERIC
+    return _FALLBACK[0]
 
 
 class LayerRule:
@@ -86,9 +91,7 @@ class LayerRule:
 
         Default: the columns as ``K * N`` pseudo-samples through :meth:`batch_grad`.
         """
-        from curvopt.second_order import expand_call
-
-        grads = self.batch_grad(expand_call(call, columns), name)
+        grads = self.batch_grad(call.expand(columns), name)
         return grads.view(-1, call.batch_size, *grads.shape[1:]).transpose(0, 1)
 
     def column_diag(self, call, columns, name: str, batched: bool) -> Optional[torch.Tensor]:

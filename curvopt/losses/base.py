@@ -74,6 +74,8 @@ class LossRule(ABC):
     """Square-root factorisation of one loss type's Hessian w.r.t. its input (see module doc)."""
 
     loss_type = None  # set by ``register_loss_rule``
+    #: whether ``H_n`` is diagonal (every entry of the input an independent unit)
+    elementwise = False
 
     def check_options(self, loss_module):
         """Reject module options the math cannot honour (independent of the data)."""
@@ -150,6 +152,8 @@ class DiagonalLossRule(LossRule):
 
     ``K = P`` (one column per element of a sample).
     """
+
+    elementwise = True
 
     def num_columns(self, loss_module, output):
         return output[0].numel()

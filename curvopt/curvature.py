@@ -1,0 +1,145 @@
+"""Curvature from one backward pass: square-root factors of the loss Hessian, propagated.
+
+When the gradient reaches an extended loss (the first hook of a backward pass), the loss
+supplies ``S`` with ``H_r = sum_k s_rk s_rk^T`` for every row ``r`` of its input (exact columns,
+or Monte-Carlo columns from sampled targets). The rows are packed so that one propagated
+column never holds two rows of the same sample (``rows.RowLayout``); autograd propagates the
+columns to the output of every extended module (``propagate``), giving ``V = J_y^T S`` there,
+and each module turns ``V`` and its saved input into diagonals or Kronecker factors. Any graph
+works: residual adds, functional ops, attention, reused modules.
+
+The same propagation carries the loss gradient itself, so the gradient hooks of the modules can
+check that nothing outside the extended losses contributes to their output gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+
+from curvopt.diagonals import add_diagonals, module_call
+from curvopt.errors import UnsupportedLossError, module_error
+from curvopt.hessian import add_residuals
+from curvopt.kfra import kfra
+from curvopt.layers import rule_for
+from curvopt.layers.kron import kron_factors, output_factor_index
+from curvopt.losses import loss_rule_for
+from curvopt.params import trainable
+from curvopt.propagate import backpropagate, loss_gradient, module_outputs
+from curvopt.rows import establish
+
+#: bound on the elements of propagated columns held at once (all module outputs together)
+_COLUMN_BUDGET = 1 << 25
+
+
+def check_reduction(loss_module) -> None:
+    if getattr(loss_module, "reduction", None) == "none":
+        raise UnsupportedLossError(
+            f"{type(loss_module).__name__}(reduction='none') returns per-sample losses, whose "
+            "scaling curvopt cannot know; use reduction='mean' or 'sum'"
+        )
+
+
+class CurvaturePass:
+    """Second-order work of one backward pass, run from the loss hook."""
+
+    def __init__(self, backward_pass, loss_record, weight: torch.Tensor):
+        self.bp = backward_pass
+        self.loss = loss_record
+        self.exts = backward_pass.second_order_exts
+        self.weight = float(weight)
+        if self.weight < 0:
+            raise UnsupportedLossError(
+                "the loss enters the backward pass with a negative factor, so its "
+                "Gauss-Newton matrix is not positive semi-definite; curvopt cannot factor it"
+            )
+        self.scale = math.sqrt(self.weight)
+
+    def run(self) -> None:
+        module, output, target = self.loss.module, self.loss.output, self.loss.target
+        rule = loss_rule_for(module)
+        rule.check(module, output.detach(), target)
+        upstream = module_outputs(output)
+        calls, self.batched = upstream.calls, upstream.batchable
+        for record in calls:
+            reason = rule_for(record.module).check(record.module)
+            if reason is not None:
+                raise module_error(record.module, reason)
+        self.layout = establish(
+            output, output.shape, calls, self.batched, upstream.signature, rule.elementwise
+        )
+        self.bp.expect_gradients(calls, self._propagate_gradient(calls))
+        groups = defaultdict(list)
+        for ext in self.exts:
+            if ext.attr == "kfra":
+                continue
+            key = ("mc", ext.options["mc_samples"]) if ext.source == "mc" else ("exact", 0)
+            groups[key].append(ext)
+        for (source, mc_samples), exts in groups.items():
+            self._propagate(rule, calls, exts, source, mc_samples)
+        hessian_exts = [e for e in self.exts if e.attr in ("diag_h", "diag_h_batch")]
+        if hessian_exts:
+            add_residuals(self, calls, hessian_exts)
+        if any(ext.attr == "kfra" for ext in self.exts):
+            kfra(self, rule, calls)
+
+    def _propagate_gradient(self, calls):
+        """The loss's share of every module output gradient: ``{record: [grad per output]}``."""
+        records = list(calls)
+        edges = [edge for r in records for _, edge in calls[r]]
+        g = loss_gradient(self.loss, self.weight)
+        back = iter(backpropagate(self.loss.output, edges, g[None], self.batched))
+        return {record: [next(back) for _ in calls[record]] for record in records}
+
+    def columns(self, rule, source: str, mc_samples: int, chunk: int):
+        """Chunks ``[k, *output.shape]`` of the (scaled) square-root factor, rows packed by
+        slot for the exact factor (Monte-Carlo rows are independent draws: no packing)."""
+        module, output, target = self.loss.module, self.loss.output.detach(), self.loss.target
+        if source == "mc":
+            yield rule.sqrt_hessian_mc(module, output, target, mc_samples) * self.scale
+            return
+        total = rule.num_columns(module, output)
+        slots = self.layout.num_slots
+        per_chunk = max(1, chunk // slots)
+        slot_chunk = min(slots, max(1, chunk))
+        for start in range(0, total, per_chunk):
+            cols = rule.sqrt_hessian(
+                module, output, target, columns=range(start, min(total, start + per_chunk))
+            )
+            cols = cols * self.scale
+            for first in range(0, slots, slot_chunk):
+                yield self.layout.pack(cols, first, min(slots, first + slot_chunk))
+
+    def _chunk_size(self, calls) -> int:
+        """Columns per chunk so that all propagated columns fit in ``_COLUMN_BUDGET`` elements."""
+        per_column = self.loss.output.numel() + sum(
+            record.out_numel[index] for record, edges in calls.items() for index, _ in edges
+        )
+        return max(1, _COLUMN_BUDGET // per_column)
+
+    def _propagate(self, rule, calls, exts, source, mc_samples) -> None:
+        records = list(calls)
+        edges = [edge for r in records for _, edge in calls[r]]
+        kron_exts = [e for e in exts if e.attr in ("kfac", "kflr")]
+        diag_exts = [e for e in exts if e not in kron_exts]
+        for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
+            back = backpropagate(self.loss.output, edges, cols, self.batched)
+            it = iter(back)
+            outs = {record: [next(it) for _ in calls[record]] for record in records}
+            if diag_exts:
+                add_diagonals(self.bp, calls, outs, diag_exts)
+            for record in records:
+                self._kron(record, outs[record], kron_exts)
+
+    def _kron(self, record, outs, kron_exts) -> None:
+        call, columns, n = module_call(record, outs)
+        if call is None:
+            return
+        for name, p in trainable(record.module):
+            for ext in kron_exts:
+                factors = kron_factors(call, columns, name, p, ext.options["kfac_approx"], n)
+                self.bp.add_kron(
+                    p, ext.attr, record, factors, output_factor_index(call.module, name)
+                )

@@ -1,0 +1,118 @@
+"""Diagonals from columns propagated to module outputs: ``sum_k (J_n^T v_nk)**2``.
+
+``v`` are columns ``[K, *out]`` at a module's output (the loss-Hessian square root or
+Hessian-residual columns, propagated); each module's rule turns them into per-(column, sample)
+parameter gradients, or straight into their squares where it has a factorised form.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+
+import torch
+
+from curvopt.layers import rule_for
+from curvopt.params import owned, trainable
+from curvopt.records import Call
+from curvopt.reductions import sum_of_squares
+
+#: bound on the elements of per-(column, sample) parameter gradients held at once
+_GRAD_BUDGET = 1 << 24
+
+
+def diag_from_columns(rule, call: Call, columns, name: str, batched: bool, n: int):
+    """``sum_k (J_n^T v_nk)**2`` summed over n (``batched=False``) or per n, ``[N, *p]``.
+
+    Uses the rule's factorised ``column_diag`` where it has one; otherwise materialises
+    ``[k, n, *p.shape]`` in chunks of columns and samples that stay within a budget.
+    """
+    fast = rule.column_diag(call, columns, name, batched)
+    if fast is not None:
+        return fast
+    k = _first(columns).shape[0]
+    numel = dict(owned(call.module))[name].numel()
+    samples = max(1, min(n, _GRAD_BUDGET // max(1, numel)))
+    step = max(1, _GRAD_BUDGET // max(1, samples * numel))
+    per_sample = []
+    for first in range(0, n, samples):
+        last = min(n, first + samples)
+        sub = call if (first, last) == (0, n) else call.slice(first, last)
+        sub_columns = _narrow(columns, first, last, dim=1 + call.batch_dim)
+        totals = None
+        for start in range(0, k, step):
+            chunk = _narrow(sub_columns, start, min(k, start + step))
+            grads = rule.column_grads(sub, chunk, name)  # [n, k, *p]; may alias the columns
+            squares = [sum_of_squares(g) for g in grads]
+            totals = squares if totals is None else [t.add_(s) for t, s in zip(totals, squares)]
+        per_sample.extend(totals)
+    if batched:
+        return torch.stack(per_sample)
+    return functools.reduce(torch.Tensor.add_, per_sample)
+
+
+def _first(columns) -> torch.Tensor:
+    return (
+        columns if isinstance(columns, torch.Tensor) else next(c for c in columns if c is not None)
+    )
+
+
+def _narrow(columns, start: int, stop: int, dim: int = 0):
+    if isinstance(columns, torch.Tensor):
+        return columns.narrow(dim, start, stop - start)
+    return tuple(None if c is None else c.narrow(dim, start, stop - start) for c in columns)
+
+
+def module_call(record, outs):
+    """``(call, columns, N)`` for one module call given its propagated columns (None if unused)."""
+    if all(v is None for v in outs):
+        return None, None, 0
+    columns = outs[0] if len(outs) == 1 else tuple(outs)
+    call = Call(record.module, record.args, record.kwargs, None, record.batch_dim)
+    n = _batch_size(call, columns)
+    call.grad_out = _zeros_like_sample(columns)
+    return call, columns, n
+
+
+def add_diagonals(bp, calls, outs, exts, sign: float = 1.0) -> None:
+    """Add ``sign * sum_k (J^T v_k)**2`` (summed or per sample) for every parameter.
+
+    A parameter reached through several calls (a reused module, tied weights) gets the squares
+    of its summed per-(column, sample) gradients, not the sum of per-call squares.
+    """
+    uses = defaultdict(list)
+    for record in calls:
+        call, columns, n = module_call(record, outs[record])
+        if call is None:
+            continue
+        for name, p in trainable(record.module):
+            uses[id(p)].append((p, name, call, columns, n))
+    for entries in uses.values():
+        p = entries[0][0]
+        for ext in exts:
+            batched = ext.attr.endswith("_batch")
+            if len(entries) == 1:
+                _, name, call, columns, n = entries[0]
+                d = diag_from_columns(rule_for(call.module), call, columns, name, batched, n)
+            else:
+                grads = sum(
+                    rule_for(call.module).column_grads(call, columns, name)
+                    for _, name, call, columns, _ in entries
+                )  # [N, K, *p]
+                d = torch.stack([sum_of_squares(g) for g in grads])
+                d = d if batched else d.sum(0)
+            bp.add(p, ext.attr, d.mul_(sign) if sign != 1.0 else d)
+
+
+def _batch_size(call, columns) -> int:
+    first = (
+        columns if isinstance(columns, torch.Tensor) else next(c for c in columns if c is not None)
+    )
+    return first.shape[1 + call.batch_dim]
+
+
+def _zeros_like_sample(columns):
+    """A stand-in ``grad_out`` with the per-sample shape of the columns (for batch sizes)."""
+    if isinstance(columns, torch.Tensor):
+        return columns[0]
+    return tuple(None if c is None else c[0] for c in columns)

@@ -1,0 +1,96 @@
+"""Columns through the autograd graph: which module calls lie upstream, and ``J^T`` of each.
+
+PyTorch's autograd applies the transposed Jacobian from a tensor (or gradient edge) to the
+outputs of every extended module call upstream, for many columns at once
+(``is_grads_batched``, i.e. ``vmap`` over the backward graph) where every backward op has a
+batching rule, one column at a time otherwise.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, List, Tuple
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+from curvopt.errors import UnsupportedModuleError
+from curvopt.records import records_on
+from curvopt.state import STATE
+
+#: backward ops that ``vmap`` runs sample by sample (no batching rule in PyTorch): graphs with
+#: them propagate columns one at a time, which is faster than the vmap fallback
+_NO_BATCHING_RULE = {
+    "MaxPool1DWithIndicesBackward0",
+    "MaxPool2DWithIndicesBackward0",
+    "MaxPool3DWithIndicesBackward0",
+    "ScaledDotProductFlashAttentionForCpuBackward0",
+    "ScaledDotProductEfficientAttentionBackward0",
+    "ScaledDotProductFlashAttentionBackward0",
+}
+#: backward nodes of graphs compiled by ``torch.compile``, whose ops columns cannot pass
+_COMPILED = {"CompiledFunctionBackward", "CompiledFunction"}
+
+
+class Upstream:
+    """The extended-module calls upstream of a root: ``calls[record] = [(output index, edge)]``,
+    whether columns may be propagated batched, and a key of the graph's structure."""
+
+    def __init__(self, calls, batchable: bool, signature: Tuple):
+        self.calls: Dict[object, List[Tuple[int, GradientEdge]]] = calls
+        self.batchable = batchable
+        self.signature = signature
+
+
+def module_outputs(root) -> Upstream:
+    """Walk the graph upstream of ``root`` (a tensor or an autograd node)."""
+    found: Dict[object, List[Tuple[int, GradientEdge]]] = defaultdict(list)
+    start = root.grad_fn if isinstance(root, torch.Tensor) else root
+    stack, seen, batchable, kinds = [start], set(), True, []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        kind = type(node).__name__
+        if kind in _COMPILED:
+            raise UnsupportedModuleError(
+                "curvopt cannot propagate curvature through a graph compiled by torch.compile "
+                "(its backward is one fused op); compute curvature on the uncompiled model "
+                "(for a compiled module m, use m._orig_mod) — first-order quantities do work "
+                "with torch.compile"
+            )
+        kinds.append(kind)
+        batchable = batchable and kind not in _NO_BATCHING_RULE
+        for record, index, output_nr in records_on(node):
+            found[record].append((index, GradientEdge(node, output_nr)))
+            kinds.append((id(record.module), index, record.out_shapes))
+        stack.extend(fn for fn, _ in node.next_functions)
+    return Upstream(found, batchable, tuple(kinds))
+
+
+def backpropagate(outputs, edges, columns: torch.Tensor, batched: bool):
+    """``J^T`` of each edge applied to every column (``[k, *out]`` per edge, None if unused)."""
+    with STATE.suspend():
+        if batched:
+            return torch.autograd.grad(
+                outputs,
+                edges,
+                columns,
+                retain_graph=True,
+                is_grads_batched=True,
+                allow_unused=True,
+            )
+        per_column = [
+            torch.autograd.grad(outputs, edges, column, retain_graph=True, allow_unused=True)
+            for column in columns
+        ]
+    return [None if parts[0] is None else torch.stack(parts) for parts in zip(*per_column)]
+
+
+def loss_gradient(loss, weight: float) -> torch.Tensor:
+    """``weight * d loss / d input`` of an extended loss call (a ``LossRecord``)."""
+    with STATE.suspend(), torch.enable_grad():
+        o = loss.output.detach().requires_grad_(True)
+        (g,) = torch.autograd.grad(loss.module(o, loss.target), o)
+    return g * weight

@@ -1,0 +1,182 @@
+"""Which rows of the loss input belong to which sample of the model: the packing of columns.
+
+A square-root factor ``S [K, R, *F]`` of the loss Hessian covers the ``R`` rows of the loss input
+(``logits.reshape(-1, C)`` has ``R = N T`` rows for a batch of ``N`` sequences). Propagating one
+column ``S[k]`` for all rows at once gives, at a module seeing ``N`` samples,
+``g_n = sum_{r -> n} J_rn^T s_rk``: exact per-sample terms only if no two rows of the column
+reach the same sample. ``RowLayout`` maps each row to the one sample it depends on
+(``sample[r]``) and packs the rows into slots whose rows reach distinct samples; the engine
+propagates ``S[k] * [slot(r) == s]`` for every ``(k, s)``: ``K * num_slots`` columns, where
+``num_slots = max_n |{r : sample[r] = n}|`` (``1`` for the K-dim form ``[N, C, T...]``).
+
+The map comes from the shapes (``R == N``: row ``r`` is sample ``r``; ``R == N T``: batch-first
+``r // T`` or sequence-first ``r % N``) and is verified by probes: a random vector on the rows
+of the samples whose bit ``b`` is ``1`` (and one on those whose bit is ``0``), propagated to every
+module output, must vanish exactly on the samples whose bit ``b`` differs. These
+``2 ceil(log2 N)`` columns catch any row that depends on a sample other than its own:
+functional batch norm or ``h - h.mean(0)`` between layers, a sequence-first model read as
+batch-first, layers that disagree on the batch. Verified layouts are cached per graph structure
+(node types and shapes), so the probes run once per model and input shape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Dict, Hashable, List, Optional
+
+import torch
+
+from curvopt.errors import UnsupportedModuleError, module_error
+from curvopt.propagate import backpropagate
+
+_CACHE: "OrderedDict[Hashable, Optional[torch.Tensor]]" = OrderedDict()
+_CACHE_SIZE = 256
+
+
+class RowLayout:
+    """Rows ``[R]`` -> samples, and the slots that pack rows of distinct samples together."""
+
+    def __init__(self, sample: torch.Tensor, samples: int, row_dims: int = 1):
+        self.sample = sample  # [R] long, R = prod(shape[:row_dims])
+        self.samples = samples
+        self.row_dims = row_dims
+        counts = torch.bincount(sample)
+        self.num_slots = int(counts.max()) if counts.numel() else 1
+        if self.num_slots == 1:
+            self.slot = None
+            return
+        # slot of row r = number of earlier rows of the same sample
+        order = torch.argsort(sample, stable=True)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.empty_like(sample)
+        rank[order] = torch.arange(sample.numel(), device=sample.device) - starts[sample[order]]
+        self.slot = rank
+
+    def masks(self, first: int, stop: int, dtype, device) -> torch.Tensor:
+        """``[stop - first, R]``: 1 where row ``r`` is in slot ``s``."""
+        slots = torch.arange(first, stop, device=device)
+        return (self.slot.to(device)[None, :] == slots[:, None]).to(dtype)
+
+    def pack(self, columns: torch.Tensor, first: int, stop: int) -> torch.Tensor:
+        """``[k, R, *F] -> [k * (stop - first), R, *F]``: every column restricted to each slot."""
+        if self.slot is None:
+            return columns
+        m = self.masks(first, stop, columns.dtype, columns.device)
+        rows = columns.shape[1 : 1 + self.row_dims]
+        m = m.reshape(1, m.shape[0], *rows, *([1] * (columns.dim() - 1 - self.row_dims)))
+        return (columns.unsqueeze(1) * m).flatten(0, 1)
+
+
+def batch_sizes(calls) -> Dict[object, int]:
+    """Samples seen by each module call (along its rule's batch dim of its first output)."""
+    return {record: record.batch_size for record in calls}
+
+
+def model_batch(calls) -> Optional[int]:
+    """The batch size all module calls agree on; raises naming a module that disagrees."""
+    sizes = batch_sizes(calls)
+    if not sizes:
+        return None
+    records = sorted(sizes, key=lambda r: r.seq)
+    first = records[0]
+    for record in records[1:]:
+        if sizes[record] != sizes[first]:
+            raise module_error(
+                record.module,
+                f"it sees {sizes[record]} samples along dim {record.batch_dim} while module "
+                f"{first.module._curvopt_path!r} saw {sizes[first]}; every layer with parameters "
+                "must keep the batch dimension intact (a sequence-first model: use "
+                "batch_first=True; a parameter broadcast over the batch, such as position "
+                "embeddings looked up with a shared arange(T) or a class token: index or expand "
+                "it per sample, e.g. pos_emb(torch.arange(T).expand(N, T)), inside a module that "
+                "receives the batch)",
+            )
+    return sizes[first]
+
+
+def _candidates(rows: int, n: int, device) -> List[torch.Tensor]:
+    index = torch.arange(rows, device=device)
+    if n == 1:
+        return [torch.zeros_like(index)]
+    if rows == n:
+        return [index]
+    if rows % n:
+        return []
+    per = rows // n
+    return [index // per, index % n]  # batch-first [N, T] -> N T, sequence-first [T, N] -> T N
+
+
+def establish(
+    source, shape, calls, batched: bool, signature: Hashable, elementwise: bool = False
+) -> RowLayout:
+    """The verified layout of the rows of ``source`` (a tensor or gradient edge of ``shape``)
+    over the samples of ``calls``; raises when no candidate map passes the probes.
+
+    Rows are dim 0; where the Hessian is ``elementwise`` (independent entries, so dim 1 holds
+    independent units too) also the pairs of dims 0 and 1 (a sequence-first ``[T, N, D]``).
+    """
+    n = model_batch(calls)
+    key = (signature, tuple(shape), elementwise)
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        found = _CACHE[key]
+    else:
+        found = _verified(source, shape, calls, batched, n, elementwise)
+        _CACHE[key] = found
+        if len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    if found is None:
+        raise UnsupportedModuleError(
+            f"curvopt cannot tell which of the {shape[0]} rows of the loss input belong to which of "
+            f"the {n} samples of the model (each row must depend on exactly one sample of every "
+            "layer with parameters): an op between the layers mixes samples (batch norm in "
+            "training mode, statistics over the batch), or the loss input is laid out in an "
+            "unusual order. Keep samples independent and give the loss [N, C, ...] (K-dim), or "
+            "rows flattened from [N, T, C] or [T, N, C]"
+        )
+    return RowLayout(found[1], n, found[0])
+
+
+def _verified(source, shape, calls, batched, n, elementwise) -> Optional[tuple]:
+    """``(row_dims, sample)`` of the first candidate map that passes the probes."""
+    device = next(iter(calls)).device
+    for row_dims in (1, 2) if elementwise and len(shape) > 1 else (1,):
+        rows = math.prod(shape[:row_dims])
+        for sample in _candidates(rows, n, device):
+            if _passes(source, shape, calls, batched, sample, n, row_dims):
+                return row_dims, sample
+    return None
+
+
+def _passes(source, shape, calls, batched, sample, n, row_dims) -> bool:
+    """Probe columns (see module doc) vanish where the map says they must."""
+    if n == 1 or not calls:
+        return True
+    records = list(calls)
+    edges = [edge for r in records for _, edge in calls[r]]
+    gen = torch.Generator(device=sample.device).manual_seed(0)
+    dtype = records[0].dtype
+    noise = torch.randn(shape, generator=gen, dtype=dtype, device=sample.device)
+    bits = max(1, math.ceil(math.log2(n)))
+    ids = torch.arange(n, device=sample.device)
+    probes, keep = [], []  # keep[j]: [N] bool, samples that may be nonzero in probe j
+    for b in range(bits):
+        on = (ids >> b) & 1 == 1
+        for side in (on, ~on):
+            rows = side[sample].reshape(*shape[:row_dims], *([1] * (len(shape) - row_dims)))
+            probes.append(noise * rows.to(dtype))
+            keep.append(side)
+    back = backpropagate(source, edges, torch.stack(probes), batched)
+    it = iter(back)
+    for record in records:
+        for index, _ in calls[record]:
+            v = next(it)
+            dim = record.batch_dim
+            if v is None or v.dim() <= 1 + dim or v.shape[1 + dim] != n:
+                continue
+            v = v.movedim(1 + dim, 1).reshape(len(probes), n, -1)
+            leaked = v.abs().amax(2) != 0  # [probes, N]
+            if bool((leaked & ~torch.stack(keep)).any()):
+                return False
+    return True
