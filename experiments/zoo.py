@@ -52,7 +52,9 @@ def _flat_ce(lossfunc: nn.Module) -> Callable:
     """``lossfunc(logits.reshape(-1, V), y.reshape(-1))``: the language-model loss."""
 
     def loss_on(logits, y, other=None):
-        return (lossfunc if other is None else other)(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        return (lossfunc if other is None else other)(
+            logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
+        )
 
     return loss_on
 
@@ -81,7 +83,7 @@ def _generator(seed: int) -> torch.Generator:
 
 
 class CausalSelfAttention(nn.Module):
-    """``proj(softmax(q kᵀ/√d_h + causal mask) v)`` with ``q, k, v = split(qkv(x))``, ``x: [N, T, d]``."""
+    """``proj(softmax(q kᵀ/√d_h + mask) v)``, ``q, k, v = split(qkv(x))``, ``x: [N, T, d]``."""
 
     def __init__(self, d: int, heads: int, causal: bool = True):
         super().__init__()
@@ -127,7 +129,9 @@ class GPT(nn.Module):
     functional ``h @ tok.weight.T`` (``tied_linear=False``).
     """
 
-    def __init__(self, vocab: int = 7, d: int = 8, heads: int = 2, t_max: int = 4, tied_linear=True):
+    def __init__(
+        self, vocab: int = 7, d: int = 8, heads: int = 2, t_max: int = 4, tied_linear=True
+    ):
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         nn.init.normal_(self.tok.weight, std=0.3)  # tied logits of order one
@@ -146,7 +150,11 @@ class GPT(nn.Module):
 
 
 def gpt(
-    reduction: str = "mean", tied_linear: bool = True, vocab: int = 7, T: int = 4, dtype=torch.float64
+    reduction: str = "mean",
+    tied_linear: bool = True,
+    vocab: int = 7,
+    T: int = 4,
+    dtype=torch.float64,
 ) -> Problem:
     """GPT-style decoder; targets are the next tokens, the last position of sample 0 ignored
     (``-100``); loss ``CrossEntropyLoss(reduction)(logits.reshape(-1, V), y.reshape(-1))``."""
@@ -248,7 +256,9 @@ def vit(reduction: str = "mean", classes: int = 3, dtype=torch.float64) -> Probl
 
     def make_batch(n: int, seed: int = 0) -> Batch:
         g = _generator(seed)
-        return torch.randn(n, 2, 4, 4, generator=g, dtype=dtype), torch.randint(0, classes, (n,), generator=g)
+        return torch.randn(n, 2, 4, 4, generator=g, dtype=dtype), torch.randint(
+            0, classes, (n,), generator=g
+        )
 
     return _problem(model, lossfunc, make_batch, _plain(lossfunc), dtype=dtype)
 
@@ -257,7 +267,7 @@ def vit(reduction: str = "mean", classes: int = 3, dtype=torch.float64) -> Probl
 
 
 class SeqFirstEncoder(nn.Module):
-    """``x [T, N, D] -> logits [T, N, V]`` through ``nn.TransformerEncoder`` (``batch_first=False``)."""
+    """``x [T, N, D] -> logits [T, N, V]`` via ``nn.TransformerEncoder(batch_first=False)``."""
 
     def __init__(self, d_in: int = 3, d: int = 8, heads: int = 2, vocab: int = 5):
         super().__init__()
@@ -326,7 +336,9 @@ def resnet_block(reduction: str = "mean", classes: int = 3, dtype=torch.float64)
 
     def make_batch(n: int, seed: int = 0) -> Batch:
         g = _generator(seed)
-        return torch.randn(n, 2, 4, 4, generator=g, dtype=dtype), torch.randint(0, classes, (n,), generator=g)
+        return torch.randn(n, 2, 4, 4, generator=g, dtype=dtype), torch.randint(
+            0, classes, (n,), generator=g
+        )
 
     return _problem(model, lossfunc, make_batch, _plain(lossfunc), dtype=dtype)
 
@@ -341,7 +353,9 @@ def mlp(reduction: str = "mean", classes: int = 3, dtype=torch.float64) -> Probl
 
     def make_batch(n: int, seed: int = 0) -> Batch:
         g = _generator(seed)
-        return torch.randn(n, 4, generator=g, dtype=dtype), torch.randint(0, classes, (n,), generator=g)
+        return torch.randn(n, 4, generator=g, dtype=dtype), torch.randint(
+            0, classes, (n,), generator=g
+        )
 
     return _problem(model, lossfunc, make_batch, _plain(lossfunc), dtype=dtype)
 

@@ -93,7 +93,8 @@ def kronecker(plain: nn.Module, loss_on, X, y, bd: int = 0, approx: str = "expan
     input rows ``x[g, r]`` and ``G_z`` the exact GGN w.r.t. ``z``:
 
     * expand: ``B = Σ_{g,r} G_z[(g,r),(g,r)]``, ``A = mean_{g,r} x x ᵀ``;
-    * reduce: ``B = Σ_g Σ_{r,r'} G_z[(g,r),(g,r')]``, ``A = mean_g x̄_g x̄_gᵀ``, ``x̄_g = mean_r x[g, r]``.
+    * reduce: ``B = Σ_g Σ_{r,r'} G_z[(g,r),(g,r')]``, ``A = mean_g x̄_g x̄_gᵀ``,
+      ``x̄_g = mean_r x[g, r]``.
 
     For an Embedding ``(A, B)`` swap roles: the one-hot side is the first factor (``[V, V]``).
     """
@@ -115,8 +116,7 @@ def kronecker(plain: nn.Module, loss_on, X, y, bd: int = 0, approx: str = "expan
     result = {}
     for name, (module, x, z) in seen.items():
         cols = [
-            torch.autograd.grad(out, z, s.reshape(out.shape), retain_graph=True)[0]
-            for s in sqrt.T
+            torch.autograd.grad(out, z, s.reshape(out.shape), retain_graph=True)[0] for s in sqrt.T
         ]
         v = torch.stack([_output_rows(module, c, bd) for c in cols])  # [K, G, R, out]
         rows = _layer_rows(module, x, bd)  # [G, R, in]

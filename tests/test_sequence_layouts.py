@@ -77,8 +77,18 @@ LAYOUTS = {
     "ce_label_smoothing": (_flat, nn.CrossEntropyLoss, {"label_smoothing": 0.1}, _classes),
     "mse_3d": (_as_is, nn.MSELoss, {}, lambda g: torch.randn(N, T, C, generator=g, dtype=DT)),
     "mse_flat": (_flat, nn.MSELoss, {}, lambda g: torch.randn(N, T, C, generator=g, dtype=DT)),
-    "bce_3d": (_as_is, nn.BCEWithLogitsLoss, {}, lambda g: torch.rand(N, T, C, generator=g, dtype=DT)),
-    "bce_flat": (_flat, nn.BCEWithLogitsLoss, {}, lambda g: torch.rand(N, T, C, generator=g, dtype=DT)),
+    "bce_3d": (
+        _as_is,
+        nn.BCEWithLogitsLoss,
+        {},
+        lambda g: torch.rand(N, T, C, generator=g, dtype=DT),
+    ),
+    "bce_flat": (
+        _flat,
+        nn.BCEWithLogitsLoss,
+        {},
+        lambda g: torch.rand(N, T, C, generator=g, dtype=DT),
+    ),
 }
 REDUCTIONS = ["mean", "sum"]
 
@@ -185,7 +195,9 @@ def test_layout_mc_unbiased(layout, reduction):
         exact = torch.diagonal(blocks[name]).reshape(per_sample[name].shape[1:])
         assert_unbiased(torch.stack([v[0] for v in values]), exact, f"{layout} {name}.diag_ggn_mc")
         assert_unbiased(
-            torch.stack([v[1] for v in values]), per_sample[name], f"{layout} {name}.diag_ggn_mc_batch"
+            torch.stack([v[1] for v in values]),
+            per_sample[name],
+            f"{layout} {name}.diag_ggn_mc_batch",
         )
 
 

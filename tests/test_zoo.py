@@ -183,7 +183,7 @@ def test_exact(name, quantity, reduction):
 
 @pytest.mark.parametrize("quantity", ["KFLR-expand", "KFRA"])
 def test_kronecker_single_sample_is_exact_block(quantity):
-    """API.md: with ``N = 1`` and no weight sharing, ``kron(*p.kflr)`` (and KFRA) is the GGN block."""
+    """API.md: with ``N = 1`` and no weight sharing, ``kron(*p.kflr)`` (and KFRA) is exact."""
     problem = zoo.mlp("mean")
     X, y = problem.make_batch(1, 3)
     model = curvopt.extend(copy.deepcopy(problem.model))
