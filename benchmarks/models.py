@@ -11,17 +11,30 @@ independent copies of the same network (``Problem.build`` returns fresh copies e
 * ``transformer`` one pre-LN transformer block (token + position embeddings, batch-first
                   MultiheadAttention, LayerNorm, MLP, residuals), mean-pooled to 10 classes;
                   N=16, T=32, d=64, vocabulary 1000
+* ``logreg``, ``2c2d``  DeepOBS MNIST logistic regression and Fashion-MNIST 2C2D, N=64
+* ``gpt``         GPT-style decoder of ``experiments/zoo.py`` (causal block, tied output layer),
+                  next-token loss over the flattened ``[N·T, V]`` logits; N=16, T=32, d=64,
+                  vocabulary 256
+
+``problem.resized(n)`` is the same problem with batch size ``n`` (the first ``n`` samples of
+the same random stream are not guaranteed; the data is redrawn from the same seed).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 from torch import nn
 
-from experiments.problems import cifar10_3c3d, cifar100_allcnnc
+from experiments import zoo
+from experiments.problems import (
+    cifar10_3c3d,
+    cifar100_allcnnc,
+    fmnist_2c2d,
+    mnist_logreg,
+)
 
 
 def c3d3() -> nn.Sequential:
@@ -89,39 +102,72 @@ class TransformerBlock(nn.Module):
         return self.head(self.ln_f(h).mean(1))
 
 
+class TokenLogits(nn.Module):
+    """A language model's logits ``[N, T, V]`` flattened to the loss rows ``[N·T, V]``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        logits = self.model(idx)
+        return logits.reshape(-1, logits.shape[-1])
+
+
+def gpt(vocab: int = 256, d: int = 64, heads: int = 4, seq_len: int = 32) -> nn.Module:
+    """``experiments.zoo.GPT`` at benchmark size, logits flattened for ``CrossEntropyLoss``."""
+    return TokenLogits(zoo.GPT(vocab=vocab, d=d, heads=heads, t_max=seq_len))
+
+
 @dataclass(frozen=True)
 class Problem:
-    """A network, a random batch and a loss; ``build()`` returns fresh, identical copies."""
+    """A network, a random batch of ``batch_size`` samples and a loss; ``build()`` returns
+    fresh, identical copies."""
 
     name: str
-    description: str
+    what: str
     make_model: Callable[[], nn.Module]
-    make_data: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    make_data: Callable[[torch.Generator, int], tuple[torch.Tensor, torch.Tensor]]
+    batch_size: int
     seed: int = 0
 
     @property
-    def batch_size(self) -> int:
-        return self.make_data(torch.Generator().manual_seed(self.seed))[0].shape[0]
+    def description(self) -> str:
+        return f"{self.what}, N={self.batch_size}"
+
+    def resized(self, batch_size: int) -> Problem:
+        """The same network and loss with a batch of ``batch_size`` samples."""
+        return replace(self, batch_size=batch_size)
 
     def build(self) -> tuple[nn.Module, torch.Tensor, torch.Tensor, nn.Module]:
         """``(model, X, y, lossfunc)``, float32, identical on every call (fixed seed)."""
         torch.manual_seed(self.seed)
         model = self.make_model().float()
-        X, y = self.make_data(torch.Generator().manual_seed(self.seed + 1))
+        X, y = self.make_data(torch.Generator().manual_seed(self.seed + 1), self.batch_size)
         return model, X, y, nn.CrossEntropyLoss()
 
 
-def _images(n, shape, classes):
-    def make(gen):
+def _images(shape, classes):
+    def make(gen, n):
         return torch.randn(n, *shape, generator=gen), torch.randint(classes, (n,), generator=gen)
 
     return make
 
 
-def _tokens(n, seq_len, vocab, classes):
-    def make(gen):
+def _tokens(seq_len, vocab, classes):
+    def make(gen, n):
         X = torch.randint(vocab, (n, seq_len), generator=gen)
         return X, torch.randint(classes, (n,), generator=gen)
+
+    return make
+
+
+def _next_tokens(seq_len, vocab):
+    """Token inputs ``[N, T]`` and their next tokens, flattened: targets ``[N·T]``."""
+
+    def make(gen, n):
+        tokens = torch.randint(vocab, (n, seq_len + 1), generator=gen)
+        return tokens[:, :-1], tokens[:, 1:].reshape(-1)
 
     return make
 
@@ -129,27 +175,38 @@ def _tokens(n, seq_len, vocab, classes):
 PROBLEMS: dict[str, Problem] = {
     p.name: p
     for p in (
-        Problem("3c3d", "DeepOBS 3C3D, CIFAR-10 shapes, N=64", c3d3, _images(64, (3, 32, 32), 10)),
+        Problem("3c3d", "DeepOBS 3C3D, CIFAR-10 shapes", c3d3, _images((3, 32, 32), 10), 64),
         Problem(
-            "3c3d_sigmoid", "3C3D, first ReLU -> Sigmoid, N=8", c3d3_sigmoid,
-            _images(8, (3, 32, 32), 10),
+            "3c3d_sigmoid",
+            "3C3D, first ReLU -> Sigmoid",
+            c3d3_sigmoid,
+            _images((3, 32, 32), 10),
+            8,
         ),
         Problem(
-            "allcnnc", "DeepOBS All-CNN-C, CIFAR-100 shapes, N=16", cifar100_allcnnc,
-            _images(16, (3, 32, 32), 100),
+            "allcnnc",
+            "DeepOBS All-CNN-C, CIFAR-100 shapes",
+            cifar100_allcnnc,
+            _images((3, 32, 32), 100),
+            16,
         ),
-        Problem("mlp", "MLP 784-512-256-10, N=64", mlp, _images(64, (784,), 10)),
+        Problem("mlp", "MLP 784-512-256-10", mlp, _images((784,), 10), 64),
         Problem(
             "cnn",
-            "small CNN (2 conv + linear), 3x32x32, N=64",
+            "small CNN (2 conv + linear), 3x32x32",
             small_cnn,
-            _images(64, (3, 32, 32), 10),
+            _images((3, 32, 32), 10),
+            64,
         ),
         Problem(
             "transformer",
-            "transformer block, N=16 T=32 d=64",
+            "transformer block, T=32 d=64",
             TransformerBlock,
-            _tokens(16, 32, 1000, 10),
+            _tokens(32, 1000, 10),
+            16,
         ),
+        Problem("logreg", "DeepOBS MNIST logreg", mnist_logreg, _images((1, 28, 28), 10), 64),
+        Problem("2c2d", "DeepOBS Fashion-MNIST 2C2D", fmnist_2c2d, _images((1, 28, 28), 10), 64),
+        Problem("gpt", "GPT-style decoder, T=32 d=64 V=256", gpt, _next_tokens(32, 256), 16),
     )
 }

@@ -1,0 +1,146 @@
+"""The cases of the overhead benchmark: problems, quantities, default cases and targets.
+
+* problems   ``PROBLEMS``: ``benchmarks/models.py`` (3C3D, MLP, small CNN, transformer block,
+             DeepOBS logreg and 2C2D, a GPT-style decoder, ...); ``Problem.resized(n)`` changes
+             the batch size
+* quantities ``QUANTITIES``: the plain baseline, "hooks only" (extended model, no ``collect``),
+             every first- and second-order extension; more with :func:`register_quantity`
+* cases      ``DEFAULT_CASES`` (and the slow ``EXTRA_CASES``): ``(problem, quantity)`` pairs;
+             ``TARGETS``: the issues' goals for curvopt's ratio to the plain step
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from curvopt import extensions as ext
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_models():
+    """``benchmarks/models.py`` of this repository, loaded by path.
+
+    ``benchmarks/`` has no ``__init__.py``, so ``import benchmarks.models`` would pick up any
+    installed top-level ``benchmarks`` package first (the Opacus wheel ships one).
+    """
+    path = _ROOT / "benchmarks" / "models.py"
+    for name in ("benchmarks.models", "_curvopt_benchmark_models"):
+        mod = sys.modules.get(name)
+        if mod is not None and Path(getattr(mod, "__file__", "")).resolve() == path:
+            return mod
+    spec = importlib.util.spec_from_file_location("_curvopt_benchmark_models", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+models = _load_models()
+PROBLEMS: dict[str, models.Problem] = models.PROBLEMS
+Problem = models.Problem
+
+PLAIN = "plain"  # name of the baseline quantity: un-extended model, forward + backward
+
+
+@dataclass(frozen=True)
+class Quantity:
+    """What a step computes. ``extensions`` are curvopt extension factories (empty: no collect)."""
+
+    name: str
+    label: str
+    extensions: tuple[Callable[[], ext.Extension], ...] = ()
+    order: int = 1
+    extended: bool = True  # whether the model is ``curvopt.extend``-ed at all (False: baseline)
+
+    def attrs(self) -> tuple[str, ...]:
+        return tuple(factory().attr for factory in self.extensions)
+
+
+QUANTITIES: dict[str, Quantity] = {}
+
+
+def register_quantity(quantity: Quantity) -> Quantity:
+    QUANTITIES[quantity.name] = quantity
+    return quantity
+
+
+register_quantity(Quantity(PLAIN, "plain forward+backward", extended=False))
+register_quantity(Quantity("hooks", "extended, no collect (hooks only)"))
+FIRST_ORDER = (ext.BatchGrad, ext.BatchL2Grad, ext.SumGradSquared, ext.Variance)
+for _cls in FIRST_ORDER:
+    register_quantity(Quantity(_cls.__name__, _cls.__name__, (_cls,)))
+register_quantity(Quantity("first_order", "all four first-order", FIRST_ORDER))
+SECOND_ORDER = (
+    ext.DiagGGNMC,
+    ext.KFAC,
+    ext.KFLR,
+    ext.DiagGGNExact,
+    ext.DiagHessian,
+    ext.KFRA,
+)
+for _cls in SECOND_ORDER:
+    register_quantity(Quantity(_cls.__name__, _cls.__name__, (_cls,), order=2))
+
+#: cases measured by default: (problem, quantity); the plain step is always measured too
+DEFAULT_CASES: list[tuple[str, str]] = [
+    (problem, quantity)
+    for problem in ("3c3d", "mlp", "cnn", "transformer")
+    for quantity in (
+        "hooks",
+        "BatchGrad",
+        "BatchL2Grad",
+        "SumGradSquared",
+        "Variance",
+        "first_order",
+    )
+] + [
+    ("3c3d", "DiagGGNMC"),
+    ("3c3d", "KFAC"),
+    ("3c3d", "KFLR"),
+    ("3c3d", "DiagGGNExact"),
+    ("mlp", "KFRA"),
+]
+#: slow cases, measured only when asked for (``--problems 3c3d_sigmoid allcnnc``)
+EXTRA_CASES: list[tuple[str, str]] = [
+    ("3c3d_sigmoid", "DiagHessian"),
+    ("allcnnc", "DiagGGNExact"),
+]
+
+#: the issue's targets for curvopt (ratio to plain forward+backward)
+TARGETS: dict[tuple[str, str], float] = {
+    ("3c3d", "hooks"): 1.03,
+    ("3c3d", "BatchL2Grad"): 1.2,
+    ("3c3d", "SumGradSquared"): 1.4,
+    ("3c3d", "Variance"): 1.4,
+    ("cnn", "BatchGrad"): 1.1,
+    ("mlp", "BatchGrad"): 4.0,
+    ("3c3d", "DiagGGNMC"): 1.8,
+    ("3c3d", "KFAC"): 1.8,
+    ("3c3d", "KFLR"): 3.4,
+    ("3c3d", "DiagGGNExact"): 5.9,
+    ("3c3d_sigmoid", "DiagHessian"): 180.0,
+    ("mlp", "KFRA"): 5.0,
+}
+
+
+#: the BackPACK comparison of issue 11: DeepOBS networks, every second-order quantity and
+#: per-sample gradients (``--cases backpack``; run at ``--batch 8 --threads 1`` and
+#: ``--batch 64 --threads 2``)
+BACKPACK_CASES: list[tuple[str, str]] = [
+    (problem, quantity)
+    for problem in ("logreg", "2c2d", "3c3d")
+    for quantity in (
+        "BatchGrad",
+        "DiagGGNMC",
+        "DiagGGNExact",
+        "DiagHessian",
+        "KFAC",
+        "KFLR",
+        "KFRA",
+    )
+]

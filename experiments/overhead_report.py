@@ -1,0 +1,143 @@
+"""The overhead benchmark's report: the markdown table and the JSON payload.
+
+One row per (problem, quantity), one column per backend (median ratio to the plain step of the
+same round). When curvopt and BackPACK both ran, a column ``curvopt/BackPACK`` gives, per cell,
+the median over rounds of curvopt's time divided by BackPACK's time in the same round (< 1:
+curvopt is faster), and a last row their geometric mean over the cells both computed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+from collections.abc import Sequence
+
+import torch
+
+from .overhead_cases import PLAIN, PROBLEMS, QUANTITIES, TARGETS
+from .overhead_timing import Result
+
+VERSUS = ("curvopt", "backpack")  # the pair compared head to head
+
+
+def head_to_head(mine: Result | None, theirs: Result | None) -> float | None:
+    """Median over rounds of ``mine.times[r] / theirs.times[r]`` (None if either is missing)."""
+    if mine is None or theirs is None or not mine.times or len(mine.times) != len(theirs.times):
+        return None
+    return statistics.median(a / b for a, b in zip(mine.times, theirs.times))
+
+
+def geometric_mean(values: Sequence[float]) -> float:
+    """``exp(mean(log v))``; NaN for no values."""
+    if not values:
+        return math.nan
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def _cell(result: Result | None, target: float | None = None, spread=False) -> str:
+    if result is None:
+        return ""
+    if result.error is not None:
+        return "n/a" if result.error.startswith("n/a") else "error"
+    text = f"{result.ratio:.2f}"
+    if spread:
+        q1, q3 = result.quartiles()
+        text += f" ({q1:.2f}–{q3:.2f})"
+    if target is not None:
+        text += " ✓" if result.ratio <= target else " ✗"
+    return text
+
+
+def markdown_table(
+    results: list[Result], infos: dict[str, dict], backends: Sequence[str], spread: bool = False
+) -> str:
+    """One row per (problem, quantity), one column per backend; the plain row gives its time.
+
+    With both of ``VERSUS`` among ``backends``: the ``curvopt/BackPACK`` column and a geometric
+    mean row.
+    """
+    index = {(r.problem, r.quantity, r.backend): r for r in results}
+    versus = all(b in backends for b in VERSUS)
+    header = ["problem", "quantity", *backends, *(["curvopt/BackPACK"] if versus else [])]
+    header.append("target (curvopt)")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    compared: list[float] = []
+    for problem in infos:
+        plain = f"1.00 = {infos[problem]['plain_ms']:.2f} ms"
+        cells = [plain] + [""] * (len(backends) - 1 + versus)
+        lines.append(f"| {problem} | {QUANTITIES[PLAIN].label} | " + " | ".join(cells) + " | |")
+        measured = {r.quantity for r in results if r.problem == problem}
+        for q, quantity in QUANTITIES.items():
+            if q == PLAIN or q not in measured:
+                continue
+            target = TARGETS.get((problem, q))
+            cells = [
+                _cell(index.get((problem, q, b)), target if b == "curvopt" else None, spread)
+                for b in backends
+            ]
+            if versus:
+                ratio = head_to_head(*(index.get((problem, q, b)) for b in VERSUS))
+                cells.append("" if ratio is None else f"{ratio:.2f}")
+                if ratio is not None:
+                    compared.append(ratio)
+            goal = f"≤ {target:.2f}" if target else ""
+            lines.append(f"| {problem} | {quantity.label} | " + " | ".join(cells) + f" | {goal} |")
+    if versus:
+        mean = f"{geometric_mean(compared):.2f} ({len(compared)} cells)" if compared else ""
+        blanks = " | ".join([""] * len(backends))
+        lines.append(f"| geometric mean | | {blanks} | {mean} | |")
+    return "\n".join(lines)
+
+
+def payload(args, backends, skipped, infos, results, load) -> dict:
+    """Everything measured, for ``--json`` (read by ``paper_figs``)."""
+    index = {(r.problem, r.quantity, r.backend): r for r in results}
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": args.device,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "cpu_count": os.cpu_count(),
+        "load_average_at_start": load,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "backends": backends,
+        "skipped_backends": skipped,
+        "problems": {
+            p: {
+                "description": PROBLEMS[p].resized(args.batch).description
+                if args.batch
+                else PROBLEMS[p].description,
+                "batch_size": args.batch or PROBLEMS[p].batch_size,
+                **infos[p],
+            }
+            for p in infos
+        },
+        "targets": {f"{p}:{q}": t for (p, q), t in TARGETS.items()},
+        "results": [
+            {
+                "problem": r.problem,
+                "quantity": r.quantity,
+                "backend": r.backend,
+                "ratio_median": r.ratio if r.ratios else None,
+                "ratio_q1": r.quartiles()[0] if r.ratios else None,
+                "ratio_q3": r.quartiles()[1] if r.ratios else None,
+                "time_median_ms": 1e3 * statistics.median(r.times) if r.times else None,
+                "times_ms": [1e3 * t for t in r.times],
+                "error": r.error,
+                **(
+                    {
+                        "versus_backpack": head_to_head(
+                            r, index.get((r.problem, r.quantity, VERSUS[1]))
+                        )
+                    }
+                    if r.backend == VERSUS[0]
+                    else {}
+                ),
+            }
+            for r in results
+        ],
+    }

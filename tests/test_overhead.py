@@ -1,0 +1,74 @@
+"""Tests of the overhead benchmark's machinery (``experiments.overhead``): cases, the BackPACK
+column, the CLI. Timings themselves are never asserted."""
+
+import json
+import math
+
+import pytest
+
+from curvopt import extensions as ext
+from experiments import overhead as ov
+from experiments.overhead_backends import backpack_options
+from experiments.overhead_report import geometric_mean, head_to_head
+
+
+def result(backend, quantity, times, plain):
+    r = ov.Result("p", quantity, backend, times=list(times))
+    r.ratios = [t / b for t, b in zip(times, plain)]
+    return r
+
+
+def test_backpack_column_is_the_median_per_round_ratio_and_has_a_geometric_mean():
+    plain = [1.0, 1.0, 2.0]
+    results = [
+        result("plain", ov.PLAIN, plain, plain),
+        result("curvopt", "DiagGGNMC", [2.0, 3.0, 8.0], plain),  # / backpack: 0.5, 1.0, 2.0
+        result("backpack", "DiagGGNMC", [4.0, 3.0, 4.0], plain),
+        result("curvopt", "KFAC", [1.0, 1.0, 1.0], plain),  # / backpack: 0.25 each
+        result("backpack", "KFAC", [4.0, 4.0, 4.0], plain),
+        result("curvopt", "KFLR", [1.0, 1.0, 1.0], plain),
+        ov.Result("p", "KFLR", "backpack", error="error: TypeError: no"),
+    ]
+    assert head_to_head(results[1], results[2]) == 1.0
+    assert head_to_head(results[5], results[6]) is None
+    table = ov.markdown_table(results, {"p": {"plain_ms": 1.0}}, ["curvopt", "backpack"])
+    lines = table.splitlines()
+    assert "curvopt/BackPACK" in lines[0]
+    row = next(line for line in lines if "| DiagGGNMC |" in line)
+    assert row.split("|")[3:6] == [" 3.00 ", " 3.00 ", " 1.00 "]
+    assert lines[-1].startswith("| geometric mean |")
+    assert f"{math.sqrt(1.0 * 0.25):.2f} (2 cells)" in lines[-1]
+    without = ov.markdown_table(results, {"p": {"plain_ms": 1.0}}, ["curvopt"])
+    assert "BackPACK" not in without and "geometric mean" not in without
+
+
+def test_geometric_mean():
+    assert geometric_mean([2.0, 8.0]) == pytest.approx(4.0)
+    assert math.isnan(geometric_mean([]))
+
+
+def test_backpack_options_drop_only_what_backpack_does_anyway():
+    def KFAC(mc_samples=1):  # BackPACK's signature: no kfac_approx
+        return None
+
+    assert backpack_options(ext.KFAC(mc_samples=2), KFAC) == {"mc_samples": 2}
+    with pytest.raises(ov.Unsupported, match="kfac_approx='reduce'"):
+        backpack_options(ext.KFAC(kfac_approx="reduce"), KFAC)
+
+
+def test_resized_problem_and_gpt_case_run_in_curvopt():
+    problem = ov.PROBLEMS["gpt"].resized(2)
+    assert problem.batch_size == 2 and problem.description.endswith("N=2")
+    steps, failed = ov.build_steps(problem, ["DiagGGNMC"], ["curvopt"])
+    assert failed == [] and set(steps) == {("plain", ov.PLAIN), ("curvopt", "DiagGGNMC")}
+
+
+def test_cli_batch_option_and_json(tmp_path, capsys):
+    path = tmp_path / "o.json"
+    argv = ["--problems", "logreg", "--quantities", "BatchGrad", "--batch", "4", "--rounds", "1"]
+    argv += ["--warmup", "1", "--max-seconds", "0", "--min-sample-ms", "0.1", "--threads", "1"]
+    assert ov.main([*argv, "--backends", "curvopt", "--json", str(path)]) == 0
+    assert "| logreg | BatchGrad |" in capsys.readouterr().out
+    payload = json.loads(path.read_text())
+    assert payload["problems"]["logreg"]["batch_size"] == 4
+    assert payload["problems"]["logreg"]["description"].endswith("N=4")
