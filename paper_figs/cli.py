@@ -1,4 +1,4 @@
-"""``python -m paper_figs [all|overhead|curves|table|ttr] RESULTS_DIR OUT_DIR``."""
+"""``python -m paper_figs [all|overhead|curves|table|ttr|compare] RESULTS_DIR OUT_DIR``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .compare import plot_compare
 from .curves import plot_curves
 from .overhead import plot_overhead
 from .table import write_table
@@ -27,6 +28,7 @@ WHAT = {
     "curves": plot_curves,
     "table": lambda r, o: [write_table(r, o)],
     "ttr": plot_ttr,
+    "compare": plot_compare,
 }
 
 

@@ -22,7 +22,7 @@ from experiments.compare_metrics import (
     select,
 )
 from experiments.problems import get_problem
-from paper_figs.compare import plot_compare
+from paper_figs.cli import main as figs_main
 
 DT = torch.float64
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -114,8 +114,9 @@ def test_compare_command_and_figure_end_to_end(tmp_path, problem, capsys):
     undefined = layers[0]["approximations"]["kfra"]
     assert "error" in undefined and "Error" in undefined["error"]  # KFRA: no convs, no attention
     assert "| kflr |" in capsys.readouterr().out
-    (png,) = plot_compare(tmp_path, tmp_path / "figs")
-    assert png.name == f"compare_{problem}_synthetic.png" and png.read_bytes()[:8] == PNG_MAGIC
+    assert figs_main(["compare", str(tmp_path), str(tmp_path / "figs")]) == 0
+    png = tmp_path / "figs" / f"compare_{problem}_synthetic.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC
 
 
 def result_model_names(problem):
