@@ -27,7 +27,7 @@ from curvopt.layers import rule_for
 from curvopt.layers.kron import kron_factors, output_factor_index
 from curvopt.losses import loss_rule_for
 from curvopt.params import trainable
-from curvopt.propagate import backpropagate, loss_gradient, module_outputs
+from curvopt.propagate import loss_gradient, module_outputs, to_calls
 from curvopt.rows import establish
 
 #: bound on the elements of propagated columns held at once (all module outputs together)
@@ -87,11 +87,9 @@ class CurvaturePass:
 
     def _propagate_gradient(self, calls):
         """The loss's share of every module output gradient: ``{record: [grad per output]}``."""
-        records = list(calls)
-        edges = [edge for r in records for _, edge in calls[r]]
         g = loss_gradient(self.loss, self.weight)
-        back = iter(backpropagate(self.loss.output, edges, g[None], self.batched))
-        return {record: [next(back) for _ in calls[record]] for record in records}
+        outs = to_calls(self.loss.output, calls, g[None], self.batched)
+        return {record: [None if v is None else v[0] for v in cols] for record, cols in outs.items()}
 
     def columns(self, rule, source: str, mc_samples: int, chunk: int):
         """Chunks ``[k, *output.shape]`` of the (scaled) square-root factor, rows packed by
@@ -120,17 +118,13 @@ class CurvaturePass:
         return max(1, _COLUMN_BUDGET // per_column)
 
     def _propagate(self, rule, calls, exts, source, mc_samples) -> None:
-        records = list(calls)
-        edges = [edge for r in records for _, edge in calls[r]]
         kron_exts = [e for e in exts if e.attr in ("kfac", "kflr")]
         diag_exts = [e for e in exts if e not in kron_exts]
         for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
-            back = backpropagate(self.loss.output, edges, cols, self.batched)
-            it = iter(back)
-            outs = {record: [next(it) for _ in calls[record]] for record in records}
+            outs = to_calls(self.loss.output, calls, cols, self.batched)
             if diag_exts:
                 add_diagonals(self.bp, calls, outs, diag_exts)
-            for record in records:
+            for record in calls:
                 self._kron(record, outs[record], kron_exts)
 
     def _kron(self, record, outs, kron_exts) -> None:

@@ -25,7 +25,7 @@ from curvopt.errors import UnsupportedModuleError
 from curvopt.diagonals import add_diagonals
 from curvopt.layers.unfold import unfold_conv_input
 from curvopt.params import owned
-from curvopt.propagate import backpropagate, loss_gradient, module_outputs
+from curvopt.propagate import loss_gradient, module_outputs, to_calls
 from curvopt.records import records_on
 from curvopt.rows import establish
 from curvopt.state import STATE
@@ -273,11 +273,9 @@ def add_residuals(cpass, calls, exts) -> None:
 def _columns(cpass, source, r: torch.Tensor, calls, exts, batched: bool, layout) -> None:
     """Signed one-hot columns ``sqrt(|r|)`` at ``u`` (one per element of a row, packed over
     rows by ``layout``), propagated to the modules upstream."""
-    records = list(calls)
-    edges = [edge for rec in records for _, edge in calls[rec]]
     flat = r.reshape(r.shape[0], -1)
     size = flat.shape[1]
-    per_column = flat.numel() + sum(rec.out_numel[i] for rec in records for i, _ in calls[rec])
+    per_column = flat.numel() + sum(rec.out_numel[i] for rec in calls for i, _ in calls[rec])
     chunk = max(1, (1 << 24) // (per_column * layout.num_slots))
     eye = torch.eye(size, dtype=r.dtype, device=r.device)
     for sign, part in ((1.0, flat.clamp(min=0)), (-1.0, (-flat).clamp(min=0))):
@@ -288,7 +286,5 @@ def _columns(cpass, source, r: torch.Tensor, calls, exts, batched: bool, layout)
             stop = min(size, start + chunk)
             cols = (eye[start:stop, None, :] * root[None]).reshape(stop - start, *r.shape)
             cols = layout.pack(cols, 0, layout.num_slots)
-            back = backpropagate(source, edges, cols, batched)
-            it = iter(back)
-            outs = {record: [next(it) for _ in calls[record]] for record in records}
+            outs = to_calls(source, calls, cols, batched)
             add_diagonals(cpass.bp, calls, outs, exts, sign)

@@ -88,6 +88,20 @@ def backpropagate(outputs, edges, columns: torch.Tensor, batched: bool):
     return [None if parts[0] is None else torch.stack(parts) for parts in zip(*per_column)]
 
 
+def to_calls(root, calls, columns: torch.Tensor, batched: bool):
+    """``{record: [columns at output i, or None where they do not arrive]}`` for ``calls``
+    (``[k, *out_i]`` per output of each call), from ``columns`` (``[k, *root.shape]``)."""
+    records = list(calls)
+    edges = [edge for r in records for _, edge in calls[r]]
+    back = iter(backpropagate(root, edges, columns, batched))
+    outs = {}
+    for record in records:
+        outs[record] = [None] * len(record.out_shapes)
+        for index, _ in calls[record]:
+            outs[record][index] = next(back)
+    return outs
+
+
 def loss_gradient(loss, weight: float) -> torch.Tensor:
     """``weight * d loss / d input`` of an extended loss call (a ``LossRecord``)."""
     with STATE.suspend(), torch.enable_grad():

@@ -28,7 +28,7 @@ from typing import Dict, Hashable, List, Optional
 import torch
 
 from curvopt.errors import UnsupportedModuleError, module_error
-from curvopt.propagate import backpropagate
+from curvopt.propagate import to_calls
 
 _CACHE: "OrderedDict[Hashable, Optional[torch.Tensor]]" = OrderedDict()
 _CACHE_SIZE = 256
@@ -153,10 +153,8 @@ def _passes(source, shape, calls, batched, sample, n, row_dims) -> bool:
     """Probe columns (see module doc) vanish where the map says they must."""
     if n == 1 or not calls:
         return True
-    records = list(calls)
-    edges = [edge for r in records for _, edge in calls[r]]
     gen = torch.Generator(device=sample.device).manual_seed(0)
-    dtype = records[0].dtype
+    dtype = next(iter(calls)).dtype
     noise = torch.randn(shape, generator=gen, dtype=dtype, device=sample.device)
     bits = max(1, math.ceil(math.log2(n)))
     ids = torch.arange(n, device=sample.device)
@@ -167,11 +165,9 @@ def _passes(source, shape, calls, batched, sample, n, row_dims) -> bool:
             rows = side[sample].reshape(*shape[:row_dims], *([1] * (len(shape) - row_dims)))
             probes.append(noise * rows.to(dtype))
             keep.append(side)
-    back = backpropagate(source, edges, torch.stack(probes), batched)
-    it = iter(back)
-    for record in records:
-        for index, _ in calls[record]:
-            v = next(it)
+    outs = to_calls(source, calls, torch.stack(probes), batched)
+    for record, columns in outs.items():
+        for v in columns:
             dim = record.batch_dim
             if v is None or v.dim() <= 1 + dim or v.shape[1 + dim] != n:
                 continue
