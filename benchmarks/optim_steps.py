@@ -10,9 +10,7 @@ Every optimizer works on its own copy of the network. A sample of one optimizer 
 time of ``--block`` consecutive steps (10 by default, so that ``kfac_interval10``'s curvature
 and inverses, computed every 10 steps, are amortised exactly as in training); each round runs
 every optimizer's sample in a shuffled order and divides by SGD's sample of the same round. The
-table shows the median ratio over rounds, SGD's median time per step, and the peak memory
-allocated during one step (``tracemalloc`` is not used: the peak is read from the CPU
-allocator's statistics where available, else omitted).
+table shows the median ratio over rounds and SGD's median time per step.
 """
 
 from __future__ import annotations
