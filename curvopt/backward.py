@@ -104,7 +104,11 @@ class BackwardPass:
         if upstream.calls:
             output = record.output
             establish(
-                output, output.shape, upstream.calls, upstream.batchable, upstream.signature,
+                output,
+                output.shape,
+                upstream.calls,
+                upstream.batchable,
+                upstream.signature,
                 elementwise,
             )
 

@@ -89,7 +89,9 @@ class CurvaturePass:
         """The loss's share of every module output gradient: ``{record: [grad per output]}``."""
         g = loss_gradient(self.loss, self.weight)
         outs = to_calls(self.loss.output, calls, g[None], self.batched)
-        return {record: [None if v is None else v[0] for v in cols] for record, cols in outs.items()}
+        return {
+            record: [None if v is None else v[0] for v in cols] for record, cols in outs.items()
+        }
 
     def columns(self, rule, source: str, mc_samples: int, chunk: int):
         """Chunks ``[k, *output.shape]`` of the (scaled) square-root factor, rows packed by

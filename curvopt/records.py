@@ -182,7 +182,9 @@ class Call:
         ``columns`` are ``[K, *out]`` (a tuple for several outputs); batched inputs are repeated.
         """
         bd = self.batch_dim
-        first = next(c for c in (columns if isinstance(columns, tuple) else (columns,)) if c is not None)
+        first = next(
+            c for c in (columns if isinstance(columns, tuple) else (columns,)) if c is not None
+        )
         k = first.shape[0]
 
         def rep(x):

@@ -61,7 +61,7 @@ def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int)
                 f"groups={module.groups}: each group has its own input factor, so the weight's "
                 "GGN block is not one Kronecker product; use a diagonal quantity instead",
             )
-        patches = unfold_conv_input(module, call.input).transpose(1, 2)  # [N, L, C_in k]
+        patches = unfold_conv_input(module, call.input, positions_first=True)  # [N, L, C_in k]
         k = columns.shape[0]
         v = columns.reshape(k, n, columns.shape[2], -1).transpose(2, 3)  # [K, N, L, C_out]
         return _linear_like(patches, v, approx)

@@ -22,8 +22,10 @@ def unfold(
     dilation: Sequence[int],
     padding: Sequence[int],
     stride: Sequence[int],
+    positions_first: bool = False,
 ) -> torch.Tensor:
-    """Patches of ``x`` (zero padding ``padding`` on both sides) as ``[N, C * prod(k), L]``."""
+    """Patches of ``x`` (zero padding ``padding`` on both sides) as ``[N, C * prod(k), L]``, or
+    ``[N, L, C * prod(k)]`` with ``positions_first`` (copied once in that layout)."""
     if any(padding):
         x = F.pad(x, [p for p in reversed(padding) for _ in range(2)])
     n, c, *size = x.shape
@@ -40,15 +42,22 @@ def unfold(
             *(st * s for st, s in zip(spatial_strides, stride)),
         ),
     )
+    if positions_first:
+        dims = len(out)
+        view = view.permute(0, *range(2 + dims, 2 + 2 * dims), *range(1, 2 + dims))
+        return view.reshape(n, math.prod(out), c * math.prod(kernel_size))
     return view.reshape(n, c * math.prod(kernel_size), math.prod(out))
 
 
-def unfold_conv_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The patches a ``ConvNd`` module convolves, honouring string padding and padding modes."""
+def unfold_conv_input(
+    module: nn.Module, x: torch.Tensor, positions_first: bool = False
+) -> torch.Tensor:
+    """The patches a ``ConvNd`` module convolves, honouring string padding and padding modes
+    (layout as in :func:`unfold`)."""
     if module.padding_mode == "zeros" and not isinstance(module.padding, str):
         padding = module.padding
     else:
         pad_mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         x = F.pad(x, module._reversed_padding_repeated_twice, mode=pad_mode)
         padding = (0,) * (x.dim() - 2)
-    return unfold(x, module.kernel_size, module.dilation, padding, module.stride)
+    return unfold(x, module.kernel_size, module.dilation, padding, module.stride, positions_first)
