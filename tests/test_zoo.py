@@ -61,6 +61,8 @@ UNSUPPORTED = {
     **{(m, q): UnsupportedModuleError for m in ("vit", "seq_first", "gpt") for q in _KRON},
     # a parameter used outside its module (h @ tok.weight.T) is rejected by every quantity
     **{("gpt_functional", q): UnsupportedModuleError for q in _ALL},
+    # README: sequence-first layers (batch on dim 1 of Linear inputs) raise; use batch_first=True
+    **{("seq_first", q): UnsupportedModuleError for q in _ALL},
 }
 
 _CACHE: dict = {}
