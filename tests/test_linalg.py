@@ -18,6 +18,7 @@ import curvopt
 from curvopt import extensions as ext
 from curvopt import linalg
 from curvopt.errors import MissingLossError, UnsupportedLossError, UnsupportedModuleError
+from experiments import zoo
 
 DT = torch.float64
 pytestmark = pytest.mark.filterwarnings(
@@ -46,6 +47,17 @@ class TinyTransformer(nn.Module):
 
     def forward(self, tokens):
         return self.head(self.layer(self.embed(tokens))).transpose(1, 2)
+
+
+class TokenRows(nn.Module):
+    """The zoo's GPT-style decoder with its logits flattened into loss rows ``[N T, V]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = zoo.gpt().model
+
+    def forward(self, tokens):
+        return self.gpt(tokens).flatten(0, 1)
 
 
 def mlp():
@@ -77,7 +89,15 @@ def problem(name, reduction="mean", sizes=(3, 2), seed=0):
     """``(model, lossfunc, data)``: extended model, cross-entropy, batches of ``sizes``."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    if name == "transformer":
+    if name == "gpt":
+        model = TokenRows()
+        # the zoo ignores one target per batch; "mean" weights batches by rows, the
+        # concatenated reference by kept rows: equal only without ignored targets
+        batches = [zoo.gpt().make_batch(n, seed + i) for i, n in enumerate(sizes)]
+        data = [
+            (x, y.flatten().clamp(min=0) if len(sizes) > 1 else y.flatten()) for x, y in batches
+        ]
+    elif name == "transformer":
         model = TinyTransformer().to(DT).eval()
         data = [
             (torch.randint(0, 5, (n, 3), generator=gen), torch.randint(0, 5, (n, 3), generator=gen))
@@ -162,6 +182,14 @@ def test_ggn_and_hessian_match_dense(name, reduction):
     assert_matrix(
         linalg.Hessian(model, lossfunc, data).to_dense(), dense_hessian(model, lossfunc, data)
     )
+
+
+@pytest.mark.parametrize("sizes", [(2, 1), (3,)])
+def test_ggn_of_the_zoo_gpt(sizes):
+    """Tied embedding and head, causal attention, LayerNorms; one batch with ignored targets."""
+    model, lossfunc, data = problem("gpt", sizes=sizes)
+    assert (data[0][1] == -100).any() == (len(sizes) == 1)
+    assert_matrix(linalg.GGN(model, lossfunc, data).to_dense(), dense_ggn(model, lossfunc, data))
 
 
 @pytest.mark.parametrize("name", ["mlp", "transformer"])

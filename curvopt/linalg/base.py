@@ -4,7 +4,10 @@
 ``vec(p)`` row-major. Vectors cross the boundary as numpy arrays and are computed on as torch
 tensors of the model's dtype and device. Curvature over batches ``b`` with ``R_b`` loss rows
 (dim 0 of the loss input) is ``C = (1/R) Σ_b R_b C_b`` for ``reduction="mean"`` (as if the
-data were one batch, ``R = Σ_b R_b``) and ``C = Σ_b C_b`` for ``"sum"``.
+data were one batch, ``R = Σ_b R_b``) and ``C = Σ_b C_b`` for ``"sum"``. ``R_b`` counts rows
+whatever their targets: with ``ignore_index`` or class weights each ``C_b`` keeps its own
+normaliser and batches are still weighted by ``R_b`` (equal to one big batch when every batch
+has the same share of counted rows).
 """
 
 from __future__ import annotations
