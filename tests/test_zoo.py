@@ -265,3 +265,18 @@ def test_zoo_models_are_float64_and_deterministic():
             assert p.dtype == DT and torch.equal(p, q), f"{name}.{k}"
         for x, z in zip(a.make_batch(2, 5), b.make_batch(2, 5)):
             assert torch.equal(x, z), name
+
+
+@pytest.mark.parametrize("quantity", ["BatchGrad", "DiagGGNExact", "KFLR-expand"])
+def test_sequence_first_with_batch_equal_to_length(quantity):
+    """Issue 14 item 4: the sequence-first encoder with ``N == T`` (shapes cannot tell the
+    batch from the sequence) must not return numbers either: the documented error, nothing
+    written."""
+    problem = zoo.seq_first("mean", T=N)
+    X, y = problem.make_batch(N, 0)
+    model = curvopt.extend(copy.deepcopy(problem.model))
+    loss = problem.loss_of(model, X, y, curvopt.extend(copy.deepcopy(problem.lossfunc)))
+    with pytest.raises(UnsupportedModuleError):
+        with curvopt.collect(QUANTITIES[quantity][0]()):
+            loss.backward()
+    assert_no_attributes(model, ALL_ATTRS, f"seq_first N == T {quantity}: ")
