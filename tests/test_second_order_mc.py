@@ -72,7 +72,9 @@ def _problem(model_name, loss_name, reduction="mean"):
 
 def _snapshot(model, attrs):
     return {
-        (name, a): copy.deepcopy(getattr(p, a)) for name, p in trainable(model).items() for a in attrs
+        (name, a): copy.deepcopy(getattr(p, a))
+        for name, p in trainable(model).items()
+        for a in attrs
     }
 
 
@@ -144,7 +146,9 @@ MC_EXTS = {
     "diag": lambda: [ext.DiagGGNMC(mc_samples=2)],
     "batch": lambda: [ext.BatchDiagGGNMC(mc_samples=2)],
     "kfac": lambda: [ext.KFAC(mc_samples=2)],
-    "all": lambda: [ext.DiagGGNMC(mc_samples=2), ext.BatchDiagGGNMC(mc_samples=2), ext.KFAC(mc_samples=2)],
+    "all": lambda: [
+        ext.DiagGGNMC(mc_samples=2), ext.BatchDiagGGNMC(mc_samples=2), ext.KFAC(mc_samples=2)
+    ],
 }
 _ATTRS = {ext.DiagGGNMC: "diag_ggn_mc", ext.BatchDiagGGNMC: "diag_ggn_mc_batch", ext.KFAC: "kfac"}
 
