@@ -72,6 +72,7 @@ class BackwardPass:
         self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
         self.moments: Dict[int, Tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.results: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
+        self.handles: list = []  # hooks on autograd nodes, removed when the pass ends
         self.failed = False
         Variable._execution_engine.queue_callback(self._finish)
 
@@ -101,6 +102,7 @@ class BackwardPass:
         except UnsupportedLossError:
             return  # a loss without a curvature rule still gets first-order quantities
         upstream = module_outputs(record.output)
+        self.watch_broadcasts(upstream.calls)
         if upstream.calls:
             output = record.output
             establish(
@@ -111,6 +113,17 @@ class BackwardPass:
                 upstream.signature,
                 elementwise,
             )
+
+    def watch_broadcasts(self, calls) -> None:
+        """Read the per-sample output gradients of broadcast calls where they still exist."""
+        for record in calls:
+            broadcast = record.broadcast
+            if broadcast is not None:
+
+                def keep(grad_outputs, broadcast=broadcast):
+                    broadcast.grad = broadcast.per_sample(grad_outputs[0][None])[0]
+
+                self.handles.append(broadcast.edge.node.register_prehook(keep))
 
     def expect_gradients(self, calls, grads) -> None:
         """Add one extended loss's share ``{record: [grad per output]}`` of the gradients the
@@ -136,6 +149,8 @@ class BackwardPass:
 
     def _on_module(self, record, grads) -> None:
         module = record.module
+        if record.broadcast is not None:
+            grads = (record.broadcast.grad,)  # per sample, read downstream of the broadcast
         if self.second_order_exts:
             if not self.loss_seen:
                 names = ", ".join(repr(e) for e in self.second_order_exts)
@@ -152,7 +167,7 @@ class BackwardPass:
         if reason is not None:
             raise module_error(module, reason)
         grad_out = grads[0] if len(grads) == 1 else grads
-        call = Call(module, record.args, record.kwargs, grad_out, record.batch_dim)
+        call = record.call(grad_out)
         params = trainable(module)
         self.seen.update(id(p) for _, p in params)
         if not self.attrs:
@@ -206,8 +221,10 @@ class BackwardPass:
                 f"it sees {n} samples along dim {call.batch_dim} while other modules saw "
                 f"{self.batch_size}; per-sample quantities need the batch dimension kept intact "
                 "(do not fold other dims into it before a layer with parameters; sequence-first "
-                "models: use batch_first=True; parameters broadcast over the batch, such as "
-                "position embeddings of a shared arange(T): index them per sample, e.g. "
+                "models: use batch_first=True; a module called without the batch whose output "
+                "is added to every sample, such as position embeddings of a shared arange(T): "
+                "extend the loss module too, curvopt.extend(lossfunc), so that curvopt can "
+                "follow the broadcast, or index them per sample, "
                 "pos_emb(torch.arange(T).expand(N, T)))",
             )
 
@@ -382,6 +399,8 @@ class BackwardPass:
 
     # ---------------------------------------------------------------- end of pass
     def _finish(self) -> None:
+        for handle in self.handles:
+            handle.remove()
         if self.failed:
             return
         try:

@@ -63,6 +63,7 @@ class CurvaturePass:
         rule.check(module, output.detach(), target)
         upstream = module_outputs(output)
         calls, self.batched = upstream.calls, upstream.batchable
+        self.bp.watch_broadcasts(calls)
         for record in calls:
             reason = rule_for(record.module).check(record.module)
             if reason is not None:

@@ -68,7 +68,7 @@ def module_call(record, outs):
     if all(v is None for v in outs):
         return None, None, 0
     columns = outs[0] if len(outs) == 1 else tuple(outs)
-    call = Call(record.module, record.args, record.kwargs, None, record.batch_dim)
+    call = record.call()
     n = _batch_size(call, columns)
     call.grad_out = _zeros_like_sample(columns)
     return call, columns, n

@@ -14,6 +14,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch.autograd.graph import GradientEdge
 
+from curvopt.broadcast import find
 from curvopt.errors import UnsupportedModuleError
 from curvopt.records import records_on
 from curvopt.state import STATE
@@ -45,6 +46,7 @@ class Upstream:
 def module_outputs(root) -> Upstream:
     """Walk the graph upstream of ``root`` (a tensor or an autograd node)."""
     found: Dict[object, List[Tuple[int, GradientEdge]]] = defaultdict(list)
+    consumers = defaultdict(list)
     start = root.grad_fn if isinstance(root, torch.Tensor) else root
     stack, seen, batchable, kinds = [start], set(), True, []
     while stack:
@@ -65,7 +67,17 @@ def module_outputs(root) -> Upstream:
         for record, index, output_nr in records_on(node):
             found[record].append((index, GradientEdge(node, output_nr)))
             kinds.append((id(record.module), index, record.out_shapes))
-        stack.extend(fn for fn, _ in node.next_functions)
+        for fn, nr in node.next_functions:
+            if fn is not None:
+                consumers[(fn, nr)].append(node)
+                stack.append(fn)
+    for record, edges in found.items():
+        if len(record.out_shapes) == 1:
+            ((index, edge),) = edges
+            record.broadcast = find(edge.node, edge.output_nr, record.out_shapes[0], consumers)
+            if record.broadcast is not None:
+                found[record] = [(index, record.broadcast.edge)]
+                kinds.append(("broadcast", id(record.module)))
     return Upstream(found, batchable, tuple(kinds))
 
 
@@ -98,7 +110,10 @@ def to_calls(root, calls, columns: torch.Tensor, batched: bool):
     for record in records:
         outs[record] = [None] * len(record.out_shapes)
         for index, _ in calls[record]:
-            outs[record][index] = next(back)
+            v = next(back)
+            if v is not None and record.broadcast is not None:
+                v = record.broadcast.per_sample(v)
+            outs[record][index] = v
     return outs
 
 

@@ -32,10 +32,22 @@ class Record:
     """One call of an extended module: its inputs until the gradient w.r.t. its output arrives.
 
     ``out_shapes`` are the shapes of the outputs that require grad, ``batch_dim`` the dim of
-    the first of them that indexes samples (as the module's rule defines it).
+    the first of them that indexes samples (as the module's rule defines it). ``broadcast`` is
+    set by the backward pass for a call without a batch dim whose output is broadcast over the
+    batch (``curvopt.broadcast``).
     """
 
-    __slots__ = ("module", "args", "kwargs", "out_shapes", "batch_dim", "dtype", "device", "seq")
+    __slots__ = (
+        "module",
+        "args",
+        "kwargs",
+        "out_shapes",
+        "batch_dim",
+        "dtype",
+        "device",
+        "seq",
+        "broadcast",
+    )
 
     def __init__(self, module, args, kwargs, outputs, batch_dim):
         self.args = None  # set last: ``release`` must work on a half-built record
@@ -44,6 +56,7 @@ class Record:
         self.batch_dim = batch_dim
         self.dtype, self.device = outputs[0].dtype, outputs[0].device
         self.seq = next(_SEQUENCE)  # forward order
+        self.broadcast = None
         module._curvopt_live += 1
         self.args = args
         for index, t in enumerate(outputs):
@@ -56,8 +69,18 @@ class Record:
 
     @property
     def batch_size(self) -> int:
+        if self.broadcast is not None:
+            return self.broadcast.samples
         shape = self.out_shapes[0]
         return shape[self.batch_dim] if len(shape) > self.batch_dim else 1
+
+    def call(self, grad_out=None) -> "Call":
+        """The call as the rules see it (inputs repeated over the batch for a broadcast call)."""
+        args, kwargs = self.args, self.kwargs
+        if self.broadcast is not None:
+            args = tuple(self.broadcast.repeat(x) for x in args)
+            kwargs = {k: self.broadcast.repeat(v) for k, v in kwargs.items()}
+        return Call(self.module, args, kwargs, grad_out, self.batch_dim)
 
     def release(self):
         """Drop the inputs; the module has one call fewer awaiting its gradient."""
