@@ -128,8 +128,8 @@ def establish(
             _CACHE.popitem(last=False)
     if found is None:
         raise UnsupportedModuleError(
-            f"curvopt cannot tell which of the {shape[0]} rows of the loss input belong to which of "
-            f"the {n} samples of the model (each row must depend on exactly one sample of every "
+            f"curvopt cannot tell which of the {shape[0]} rows of the loss input belong to which "
+            f"of the {n} samples of the model (each row must depend on exactly one sample of every "
             "layer with parameters): an op between the layers mixes samples (batch norm in "
             "training mode, statistics over the batch), or the loss input is laid out in an "
             "unusual order. Keep samples independent and give the loss [N, C, ...] (K-dim), or "
