@@ -384,3 +384,34 @@ def test_flattened_rows_equal_the_reference(layout, reduction):
         assert_close(p.diag_ggn_exact, torch.diagonal(blocks[name]).reshape(p.shape), name)
         assert_close(p.diag_ggn_exact_batch, per_sample[name], name)
         assert_close(p.grad_batch, grads[name], name)
+
+
+# ------------------------------------------------------------------ curvopt.verify
+def test_verify_passes_a_supported_model_with_flattened_rows():
+    model, _ = _extended(_mlp())
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    x, y = torch.randn(3, 2, 4, dtype=DT), torch.randint(0, 3, (3, 2))
+    exts = [
+        ext.BatchGrad(),
+        ext.Variance(),
+        ext.BatchL2Grad(),
+        ext.SumGradSquared(),
+        ext.DiagGGNExact(),
+        ext.BatchDiagGGNExact(),
+        ext.DiagHessian(),
+        ext.BatchDiagHessian(),
+    ]
+    errors = curvopt.verify(
+        model, lambda out, t: lossfunc(out.reshape(-1, 3), t.reshape(-1)), x, y, exts
+    )
+    assert set(errors["0.weight"]) == {e.attr for e in exts}
+    assert max(max(e.values()) for e in errors.values()) < 1e-10
+    assert model[0].weight.grad is not None
+
+
+def test_verify_reports_a_model_that_mixes_samples():
+    """With a plain (not extended) loss nothing in the pass can see the mixing; verify can."""
+    model = curvopt.extend(_Mixing("mean").to(DT))
+    x, y = _data(4)
+    with pytest.raises(curvopt.VerificationError, match="a.weight.grad_batch"):
+        curvopt.verify(model, nn.CrossEntropyLoss(), x, y, [ext.BatchGrad()])

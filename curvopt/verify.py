@@ -1,0 +1,172 @@
+"""``curvopt.verify``: one batch of a model checked against ``torch.func``, for the graph
+patterns curvopt cannot detect by itself (see README, "When to run curvopt.verify").
+
+The reference never uses curvopt's hooks: every sample ``n`` runs through the model alone with
+its own copy ``theta_n`` of the parameters (a batch of one), the outputs are concatenated along
+``batch_dim`` and the loss is computed on them exactly as ``loss_of`` computes it. Then
+
+* per-sample gradients are ``dL/d theta_n`` (``grad_batch``, and ``batch_l2``,
+  ``sum_grad_squared``, ``variance`` from them);
+* ``diag_ggn_exact``/``diag_ggn_exact_batch`` are the diagonals of ``J^T H J`` with ``J`` the
+  Jacobian of the concatenated output w.r.t. the shared / the per-sample parameters and ``H``
+  the loss Hessian w.r.t. that output;
+* ``diag_h``/``diag_h_batch`` are the diagonals of ``d^2 L / d theta^2`` (shared / per sample).
+
+A model that mixes samples (batch statistics, ``h - h.mean(0)``) or that curvopt reads wrongly
+gives a different answer from its per-sample re-runs, and the mismatch is reported. Monte-Carlo
+and Kronecker quantities are approximations without a per-batch reference and are not checked.
+Cost: ``O(N P)`` memory for the per-sample parameter copies, Jacobians and Hessians of size
+``P``: meant for a few samples of a small or sliced model.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Sequence
+
+import torch
+from torch.func import functional_call, hessian, jacrev
+
+from curvopt.collect import collect
+from curvopt.errors import CurvoptError
+from curvopt.extensions.base import Extension
+from curvopt.state import STATE
+
+CHECKED = (
+    "grad_batch",
+    "batch_l2",
+    "sum_grad_squared",
+    "variance",
+    "diag_ggn_exact",
+    "diag_ggn_exact_batch",
+    "diag_h",
+    "diag_h_batch",
+)
+
+
+class VerificationError(CurvoptError, AssertionError):
+    """curvopt's numbers for a model differ from the ``torch.func`` reference."""
+
+
+def verify(
+    model: torch.nn.Module,
+    loss_of: Callable,
+    X: torch.Tensor,
+    y,
+    extensions: Sequence[Extension],
+    batch_dim: int = 0,
+    rtol: float = None,
+) -> Dict[str, Dict[str, float]]:
+    """Relative errors ``{parameter name: {attribute: max|curvopt - ref| / max|ref|}}``.
+
+    ``loss_of(output, y)`` computes the loss with an extended loss module as the training code
+    does (e.g. ``lambda out, y: lossfunc(out.reshape(-1, V), y.reshape(-1))``); ``X`` is one
+    small batch along ``batch_dim``. Raises :class:`VerificationError` when an error exceeds
+    ``rtol`` (default: ``1e-6`` in float64, ``1e-3`` otherwise). Parameters and ``.grad`` are
+    left as they were; the checked attributes are written as by ``collect``.
+    """
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    grads = {k: p.grad for k, p in params.items()}
+    with collect(*extensions):
+        loss_of(model(X), y).backward()
+    for k, p in params.items():
+        p.grad = grads[k]
+    wanted = [e.attr for e in extensions if e.attr in CHECKED]
+    ref = _reference(model, loss_of, X, y, batch_dim, {k: p.detach() for k, p in params.items()})
+    with STATE.suspend():
+        return _compare(params, wanted, ref, rtol, X)
+
+
+def _compare(params, wanted, ref, rtol, X):
+    if rtol is None:
+        rtol = 1e-6 if X.dtype == torch.float64 or not X.is_floating_point() else 1e-3
+    errors, failed = {}, []
+    for k, p in params.items():
+        errors[k] = {}
+        for attr in wanted:
+            got, want = getattr(p, attr), ref[attr](k)
+            scale = float(want.abs().max()) if want.numel() else 0.0
+            diff = float((got - want).abs().max())
+            err = diff / scale if scale > 0 else diff
+            errors[k][attr] = err
+            if err > rtol and diff > 1e3 * torch.finfo(want.dtype).eps:
+                failed.append(f"{k}.{attr}: relative error {err:.3g}")
+    if failed:
+        raise VerificationError(
+            "curvopt's quantities differ from the torch.func reference (per-sample re-runs of "
+            "the model): " + "; ".join(failed) + ". The model probably mixes samples, uses a "
+            "parameter outside its module, or has a layout curvopt cannot see; do not trust "
+            "these quantities for it"
+        )
+    return errors
+
+
+def _reference(model, loss_of, X, y, batch_dim, params):
+    """Lazily computed reference values: ``ref[attr](name)``."""
+    n = X.shape[batch_dim]
+    samples = [X.narrow(batch_dim, i, 1) for i in range(n)]
+    names = list(params)
+    cache: Dict[str, Dict[str, torch.Tensor]] = {}
+
+    def output_of(copies):
+        outs = [
+            functional_call(model, {k: copies[k][i] for k in names}, (x,))
+            for i, x in enumerate(samples)
+        ]
+        return torch.cat(outs, batch_dim)
+
+    def per_sample_loss(copies):  # copies: name -> [N, *p.shape]
+        return loss_of(output_of(copies), y)
+
+    def stacked():
+        return {k: p.unsqueeze(0).expand(n, *p.shape).clone() for k, p in params.items()}
+
+    def first():
+        if "g" not in cache:
+            cache["g"] = torch.func.grad(per_sample_loss)(stacked())
+        return cache["g"]
+
+    def ggn(batched: bool):
+        key = f"ggn{batched}"
+        if key not in cache:
+            copies = stacked()
+            out = output_of(copies).detach()
+            jac = jacrev(output_of)(copies)
+            h = hessian(lambda o: loss_of(o, y))(out).reshape(out.numel(), out.numel())
+            result = {}
+            for k, p in params.items():
+                j = jac[k].reshape(out.numel(), n, -1)  # [O, N, P]
+                if batched:
+                    d = torch.einsum("onp,oq,qnp->np", j, h, j).reshape(n, *p.shape)
+                else:
+                    js = j.sum(1)
+                    d = torch.einsum("op,oq,qp->p", js, h, js).reshape(p.shape)
+                result[k] = d
+            cache[key] = result
+        return cache[key]
+
+    def hess(k: str, batched: bool):
+        if batched:
+
+            def f(q):
+                return per_sample_loss({**stacked(), k: q})
+
+            q = stacked()[k]
+        else:
+
+            def f(q):
+                return per_sample_loss({**stacked(), k: q.unsqueeze(0).expand(n, *q.shape)})
+
+            q = params[k]
+        h = hessian(f)(q).reshape(q.numel(), q.numel())
+        return torch.diagonal(h).reshape(q.shape)
+
+    return {
+        "grad_batch": lambda k: first()[k],
+        "batch_l2": lambda k: first()[k].flatten(1).pow(2).sum(1),
+        "sum_grad_squared": lambda k: first()[k].pow(2).sum(0),
+        "variance": lambda k: first()[k].pow(2).mean(0) - first()[k].mean(0).pow(2),
+        "diag_ggn_exact": lambda k: ggn(False)[k],
+        "diag_ggn_exact_batch": lambda k: ggn(True)[k],
+        "diag_h": lambda k: hess(k, False),
+        "diag_h_batch": lambda k: hess(k, True),
+    }
