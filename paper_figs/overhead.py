@@ -7,7 +7,9 @@ single such file) and draws one panel per network and batch size: one group of b
 quantity, one bar per backend (curvopt, and BackPACK / torch.func / Opacus side by side when the
 JSON has them), the bar height the median over interleaved rounds of (time of the step / time
 of the plain forward+backward in the same round), the whisker the quartiles. A dashed line
-marks 1 = the gradient alone. Cells a backend cannot compute are written as ``n/a``.
+marks 1 = the gradient alone. Cells a backend cannot compute are written as ``n/a``. Where the
+JSON has curvopt's head-to-head ratios to BackPACK (``versus_backpack``), the panel title gives
+their geometric mean.
 """
 
 from __future__ import annotations
@@ -124,6 +126,18 @@ def plot_overhead(results_dir: str | Path, out_dir: str | Path) -> list[Path]:
     return [save(fig, Path(out_dir) / "overhead.png")]
 
 
+def versus_backpack(cells: dict) -> tuple[float, int] | None:
+    """Geometric mean of curvopt's per-cell time ratios to BackPACK, and the number of cells."""
+    ratios = [
+        r["versus_backpack"]
+        for (_, backend), r in cells.items()
+        if backend == "curvopt" and _finite(r.get("versus_backpack")) and r["versus_backpack"] > 0
+    ]
+    if not ratios:
+        return None
+    return math.exp(sum(math.log(v) for v in ratios) / len(ratios)), len(ratios)
+
+
 def _draw_panel(ax, key, panel) -> None:
     problem, batch = key
     cells = panel["cells"]
@@ -191,6 +205,9 @@ def _draw_panel(ax, key, panel) -> None:
     title = f"{problem}" + (f", batch size {batch}" if batch else "")
     if _finite(plain):
         title += f"  (gradient: {plain:.1f} ms)"
+    versus = versus_backpack(cells)
+    if versus is not None:
+        title += f"; curvopt/BackPACK time: {versus[0]:.2f} (geometric mean, {versus[1]} cells)"
     info = panel["source"].get("problems", {}).get(problem, {})
     if _finite(info.get("other_load_median")):
         title += f"; other processes used {100 * info['other_load_median']:.0f}% of the CPUs"

@@ -437,3 +437,17 @@ def test_paper_protocol_reference_matches_the_experiments_problems():
         )
         train, test = SPECS[p.dataset].sizes
         assert (ref["train_samples"], ref["test_samples"]) == (train - 10_000, test)
+
+
+def test_overhead_versus_backpack_geometric_mean(tmp_path):
+    obj = _overhead_json(backends=("curvopt", "backpack"))
+    for r, v in zip((r for r in obj["results"] if r["backend"] == "curvopt"), (0.5, 2.0, None)):
+        r["versus_backpack"] = v
+    panels = overhead.collect_panels([obj])
+    mean, cells = overhead.versus_backpack(panels[("3c3d", 64)]["cells"])
+    assert cells == 2 and mean == pytest.approx(1.0)
+    assert (
+        overhead.versus_backpack(overhead.collect_panels([_overhead_json()])[("3c3d", 64)]["cells"])
+        is None
+    )
+    assert _is_png(paper_figs.plot_overhead(_write(tmp_path / "o", obj, "v"), tmp_path / "f")[0])
