@@ -21,7 +21,9 @@ Writes ``RESULTS_DIR/compare/<problem>.json`` (``_synthetic`` for random data).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import functools
 import json
 import sys
 import time
@@ -107,25 +109,66 @@ def _gpt_setup(args) -> Setup:
     return setup
 
 
+def _tied(model: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters registered under several names (tied weights)."""
+    seen, tied = set(), []
+    for _, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen and p.requires_grad and all(p is not q for q in tied):
+            tied.append(p)
+        seen.add(id(p))
+    return tied
+
+
+@contextlib.contextmanager
+def _frozen(params: list[nn.Parameter]):
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
+def _approximation(build: Callable, model: nn.Module):
+    """``(operator or None, error message or None)``. Where the engine refuses a model with tied
+    weights, the operator is built for the other parameters (tied ones frozen) and the message
+    says why the tied ones have none."""
+    try:
+        return build(), None
+    except CurvoptError as err:
+        message = f"{type(err).__name__}: {err}"
+        tied = _tied(model)
+        if not tied:
+            return None, message
+    try:
+        with _frozen(tied):
+            return build(), message
+    except CurvoptError as err:
+        return None, f"{type(err).__name__}: {err}"
+
+
 def _approximations(model, lossfunc, data, seed: int) -> dict:
-    """``{name: Diagonal | KFAC | error message}`` on the curvature data."""
-    out = {}
-    for name, curvature in DIAGONALS.items():
-        try:
-            out[name] = linalg.Diagonal(model, lossfunc, data, curvature=curvature, seed=seed)
-        except CurvoptError as err:
-            out[name] = f"{type(err).__name__}: {err}"
-    for name in KRONECKER:
-        try:
-            out[name] = linalg.KFAC(model, lossfunc, data, curvature=name, seed=seed)
-        except CurvoptError as err:
-            out[name] = f"{type(err).__name__}: {err}"
-    return out
+    """``{name: (Diagonal | KFAC | None, error message | None)}`` on the curvature data."""
+    builds = {
+        name: functools.partial(linalg.Diagonal, curvature=curvature)
+        for name, curvature in DIAGONALS.items()
+    }
+    builds.update({name: functools.partial(linalg.KFAC, curvature=name) for name in KRONECKER})
+    return {
+        name: _approximation(lambda build=build: build(model, lossfunc, data, seed=seed), model)
+        for name, build in builds.items()
+    }
 
 
-def _block(op, index: int, offset: int, numel: int, sel) -> torch.Tensor:
+def _block(op, param: torch.Tensor, sel) -> torch.Tensor | None:
+    """The ``S``-block of ``op`` for parameter ``param`` (None if ``op`` does not cover it)."""
+    index = next((i for i, p in enumerate(op.params) if p is param), None)
+    if index is None:
+        return None
     if isinstance(op, linalg.Diagonal):
-        return torch.diag(op.diagonal[offset : offset + numel][sel.flat])
+        offset = sum(p.numel() for p in op.params[:index])
+        return torch.diag(op.diagonal[offset : offset + param.numel()][sel.flat])
     return kron_block(op.factors[index], sel)
 
 
@@ -143,25 +186,16 @@ def checkpoint(setup: Setup, plain: nn.Module, selections, args) -> dict:
     exact = exact_blocks(plain, loss_on, x, y, selections, mean=True)
     approx = _approximations(model, lossfunc, data, args.seed)
     params = [p for p in setup.model.parameters() if p.requires_grad]
-    offsets = [0]
-    for p in params:
-        offsets.append(offsets[-1] + p.numel())
     layers = []
-    for index, (sel, p) in enumerate(zip(selections, params)):
+    for sel, p in zip(selections, params):
         ggn, ef, gradient = exact[sel.name]
         k = max(1, min(args.top_k, sel.size // 2))
         ref = reference(ggn, gradient, args.damping, k)
-        results = {}
-        for name in APPROXIMATIONS:
-            op = approx.get(name)
-            if isinstance(op, str):
-                results[name] = {"error": op}
-                continue
-            if name == "empirical_fisher":
-                block = ef
-            else:
-                block = _block(op, index, offsets[index], p.numel(), sel)
-            results[name] = block_metrics(ref, block)
+        results = {"empirical_fisher": block_metrics(ref, ef)}
+        for name, (op, error) in approx.items():
+            block = None if op is None else _block(op, p, sel)
+            results[name] = {"error": error} if block is None else block_metrics(ref, block)
+        results = {name: results[name] for name in APPROXIMATIONS}
         layers.append(
             {
                 "name": sel.name,

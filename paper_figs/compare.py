@@ -6,7 +6,7 @@ the exact GGN, per layer.
 Reads every compare JSON below ``RESULTS_DIR`` (``results/compare/<problem>.json``) and writes
 ``compare_<problem>.png`` (``_synthetic`` for random data) with four panels: heatmaps of the
 relative Frobenius error and of the cosine between approximate and exact damped Newton
-directions (approximation x layer, last checkpoint; blank: undefined for that network), the
+directions (approximation x layer, last checkpoint; n/a: undefined for that layer), the
 median error over layers at each checkpoint, and the top eigenvalues of the exact block and of
 each approximation for the largest layer block.
 """
@@ -60,8 +60,8 @@ def _heatmap(ax, fig, layers, approxs, key, title, vmin, vmax, cmap):
     ax.set_yticks(range(len(approxs)), [LABELS.get(a, a) for a in approxs])
     for i, row in enumerate(grid):
         for j, value in enumerate(row):
-            if math.isfinite(value):
-                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7)
+            text = f"{value:.2f}" if math.isfinite(value) else "n/a"
+            ax.text(j, i, text, ha="center", va="center", fontsize=7)
     ax.set_title(title, fontsize=9)
     fig.colorbar(image, ax=ax, fraction=0.04)
 
