@@ -107,7 +107,8 @@ def plot_compare(results_dir, out_dir) -> list[Path]:
                 values = [_metric(layer, a, "rel_frobenius") for layer in c["layers"]]
                 values = [v for v in values if math.isfinite(v)]
                 medians.append(statistics.median(values) if values else math.nan)
-            ax.plot(epochs, medians, "o-", color=COLORS.get(a), label=LABELS.get(a, a))
+            if any(math.isfinite(m) for m in medians):
+                ax.plot(epochs, medians, "o-", color=COLORS.get(a), label=LABELS.get(a, a))
         ax.set_xlabel("epoch")
         ax.set_ylabel("median rel. Frobenius error over layers")
         ax.set_xticks(epochs)
