@@ -360,6 +360,9 @@ def test_bad_input_raises_clear_errors():
         linalg.KFAC(model, lossfunc, data, curvature="kfc")
     with pytest.raises(ValueError, match="kronecker_damping"):
         linalg.KFAC(model, lossfunc, data, curvature="kflr").inverse(1.0, "traces")
+    normed = curvopt.extend(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).to(DT))
+    with pytest.raises(UnsupportedModuleError, match="train mode"):
+        linalg.EmpiricalFisher(normed, lossfunc, data)
     grouped = curvopt.extend(nn.Sequential(nn.Conv2d(2, 2, 1, groups=2), nn.Flatten()).to(DT))
     images = [(torch.randn(2, 2, 1, 1, dtype=DT), torch.tensor([0, 1]))]
     with pytest.raises(UnsupportedModuleError, match="groups"):

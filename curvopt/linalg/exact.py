@@ -15,8 +15,10 @@ of batch ``b`` as the loss module computes it), except the Hessian:
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.func import grad
 
+from curvopt.errors import UnsupportedModuleError
 from curvopt.linalg.autodiff import (
     hessian_matmat,
     jtmj,
@@ -43,6 +45,20 @@ class _OutputCurvature(CurvatureOperator):
         return lambda output: self.lossfunc(output, targets)
 
 
+class _PerSample(_OutputCurvature):
+    """Curvature built from per-sample outer products: samples must not interact."""
+
+    def __init__(self, model, lossfunc, data):
+        for name, module in model.named_modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
+                raise UnsupportedModuleError(
+                    f"curvopt.linalg.{type(self).__name__}: module {name!r} "
+                    f"({type(module).__name__}) is in train mode and mixes the samples of a "
+                    "batch, so per-sample gradients are undefined; call model.eval() first"
+                )
+        super().__init__(model, lossfunc, data)
+
+
 class GGN(_OutputCurvature):
     """Exact generalized Gauss-Newton matrix ``G = Σ_b Jᵀ ∇²_f L_b J`` (weighted over batches)."""
 
@@ -50,7 +66,7 @@ class GGN(_OutputCurvature):
         return loss_hessian(self.loss(targets))
 
 
-class EmpiricalFisher(_OutputCurvature):
+class EmpiricalFisher(_PerSample):
     """``(1/R) Σ_r ∇ℓ_r ∇ℓ_rᵀ`` ("mean") or ``Σ_r ∇ℓ_r ∇ℓ_rᵀ`` ("sum"), ``ℓ_r`` the loss of
     sample ``r`` at its data target."""
 
@@ -64,7 +80,7 @@ class EmpiricalFisher(_OutputCurvature):
         return operator
 
 
-class FisherMC(_OutputCurvature):
+class FisherMC(_PerSample):
     """Monte-Carlo Fisher: the empirical Fisher at ``mc_samples`` targets per sample drawn from
     the model's predictive distribution (as ``DiagGGNMC``/``KFAC`` draw them); ``E = G``.
 
