@@ -15,7 +15,7 @@ check that nothing outside the extended losses contributes to their output gradi
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 
 import torch
 
@@ -32,6 +32,18 @@ from curvopt.rows import establish
 
 #: bound on the elements of propagated columns held at once (all module outputs together)
 _COLUMN_BUDGET = 1 << 25
+#: graph structures whose passes were checked (output gradients from the extended losses
+#: alone, per-sample gradients summing to p.grad): later passes with the same structure skip
+#: those checks (``BackwardPass`` adds a key when such a pass has finished without error)
+CHECKED: "OrderedDict[object, None]" = OrderedDict()
+_CHECKED_SIZE = 256
+
+
+def mark_checked(signature) -> None:
+    CHECKED[signature] = None
+    CHECKED.move_to_end(signature)
+    if len(CHECKED) > _CHECKED_SIZE:
+        CHECKED.popitem(last=False)
 
 
 def check_reduction(loss_module) -> None:
@@ -71,7 +83,8 @@ class CurvaturePass:
         self.layout = establish(
             output, output.shape, calls, self.batched, upstream.signature, rule.elementwise
         )
-        self.bp.expect_gradients(calls, self._propagate_gradient(calls))
+        if upstream.signature not in CHECKED:
+            self.bp.expect_gradients(calls, self._propagate_gradient(calls), upstream.signature)
         groups = defaultdict(list)
         for ext in self.exts:
             if ext.attr == "kfra":

@@ -91,10 +91,16 @@ class _ConvRuleBase(LayerRule):
         return (gram_left * gram_right).sum((1, 2))
 
     def grad_sum(self, call, name):
+        """``sum_n left_n right_n^T`` per group: one matmul over samples and positions."""
         g = call.grad_out
         if name == "bias":
             return g.transpose(0, 1).reshape(g.shape[1], -1).sum(1)
-        return None
+        groups = call.module.groups
+        left, right = self._operands(call)
+        n, length = left.shape[0], left.shape[-1]
+        left = left.reshape(n, groups, -1, length).permute(1, 2, 0, 3).flatten(2)
+        right = right.reshape(n, groups, -1, length).permute(1, 2, 0, 3).flatten(2)
+        return torch.bmm(left, right.transpose(1, 2)).reshape(call.module.weight.shape)
 
 
 @register(nn.Conv1d, nn.Conv2d, nn.Conv3d)
