@@ -18,7 +18,7 @@ from curvopt.params import EXTENDED, owned, owned_parameters
 from curvopt.records import LossRecord, Record, output_tensors
 from curvopt.state import STATE
 
-__all__ = ["extend", "Record"]
+__all__ = ["extend", "is_extended", "Record"]
 
 _HOOKED = "_curvopt_hooked"
 
@@ -80,6 +80,14 @@ def _install(module: nn.Module, path: str) -> None:
         return
     for name, child in module.named_children():
         _install(child, f"{path}.{name}" if path else name)
+
+
+def is_extended(obj) -> bool:
+    """Whether ``extend`` hooked ``obj``: a module (or loss) itself, or a parameter of an
+    extended module."""
+    if isinstance(obj, nn.Parameter):
+        return getattr(obj, "_curvopt_checked", False)
+    return getattr(obj, _HOOKED, False)
 
 
 def extend(module: nn.Module, name: Optional[str] = None) -> nn.Module:

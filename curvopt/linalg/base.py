@@ -20,7 +20,7 @@ from scipy.sparse.linalg import LinearOperator
 from torch import nn
 
 from curvopt.errors import MissingLossError
-from curvopt.hooks import _HOOKED
+from curvopt.hooks import is_extended
 from curvopt.losses import loss_rule_for
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -29,22 +29,18 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 def check_extended(model: nn.Module, lossfunc: nn.Module) -> None:
     """Raise unless ``curvopt.extend`` was applied to ``model`` (all trainable parameters) and
     to ``lossfunc``, and the loss is one curvopt supports (``UnsupportedLossError`` otherwise)."""
-    if not getattr(lossfunc, _HOOKED, False):
+    if not is_extended(lossfunc):
         raise MissingLossError(
             f"curvopt.linalg: the loss {type(lossfunc).__name__} is not extended; "
             "call lossfunc = curvopt.extend(lossfunc) first"
         )
     loss_rule_for(lossfunc)
-    missing = [n for n, p in model.named_parameters() if p.requires_grad and not _extended(p)]
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and not is_extended(p)]
     if missing:
         raise ValueError(
             f"curvopt.linalg: the model is not extended (parameters {missing[:3]} have no "
             "curvopt hooks); call model = curvopt.extend(model) first"
         )
-
-
-def _extended(p: torch.Tensor) -> bool:
-    return getattr(p, "_curvopt_checked", False)
 
 
 class ParameterOperator(LinearOperator):
