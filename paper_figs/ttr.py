@@ -1,8 +1,9 @@
 """Time-to-result figures from the benchmark's ``ttr_rows.json`` (``python -m experiments ttr``).
 
 * ``ttr_bars.png``: per problem, one bar per optimizer (and preset): the median training time
-  to the target over the seeds, whiskers from the first to the third quartile; an optimizer
-  whose median run did not reach the target gets an empty bar up to the cap, labelled.
+  to the target over the seeds, whiskers from the first to the third quartile (from the table
+  of ``ttr_summary.json``; "not reached" counts as infinite); an optimizer whose median run did
+  not reach the target gets an empty bar up to the cap, labelled.
 * ``ttr_curves.png``: per problem, test accuracy against training wall-clock (evaluation time
   excluded), one thin line per seed, the target as a dashed line.
 """
@@ -18,22 +19,21 @@ from .common import (
     optimizer_title,
     ordered_keys,
     problem_title,
-    quantiles,
     save,
 )
 
 ROWS, SUMMARY = "ttr_rows.json", "ttr_summary.json"
 
 
-def load_ttr(results_dir: str | Path) -> tuple[list[dict], dict]:
-    """``(rows, meta)`` from ``results_dir`` (``([], {})`` when there is no benchmark there)."""
+def load_ttr(results_dir: str | Path) -> tuple[list[dict], dict, list[dict]]:
+    """``(rows, meta, table)`` from ``results_dir`` (empty when there is no benchmark there)."""
     folder = Path(results_dir)
     if not (folder / ROWS).is_file():
-        return [], {}
+        return [], {}, []
     rows = json.loads((folder / ROWS).read_text())
     summary = folder / SUMMARY
-    meta = json.loads(summary.read_text()).get("meta", {}) if summary.is_file() else {}
-    return rows, meta
+    summary = json.loads(summary.read_text()) if summary.is_file() else {}
+    return rows, summary.get("meta", {}), summary.get("table", [])
 
 
 def entry_label(row: dict) -> str:
@@ -57,39 +57,36 @@ def _style(row: dict) -> str:
     return "--" if row["preset"] == "practical" else "-"
 
 
-def plot_bars(rows: list[dict], meta: dict, out_dir: Path) -> Path:
+def plot_bars(rows: list[dict], meta: dict, table: list[dict], out_dir: Path) -> Path:
+    """Bars of the summary's median time to target, whiskers q1..q3 (to the edge: not reached)."""
     groups = _by_problem(rows)
+    scores = {(e["problem"], e["optimizer"], e["preset"]): e for e in table}
     fig = new_figure(5.5 * len(groups), 0.45 * max(len(e) for e in groups.values()) + 1.6)
     fig.subplots_adjust(left=0.14, right=0.97, bottom=0.18, top=0.85, wspace=0.6)
     for i, (problem, entries) in enumerate(groups.items()):
         ax = fig.add_subplot(1, len(groups), i + 1)
         all_runs = [r for runs in entries.values() for r in runs]
         cap = _cap(meta, problem, all_runs)
+        right = 1.3 * max([cap] + [r["time_to_target"] or 0.0 for r in all_runs])
         for y, runs in enumerate(entries.values()):
-            color = optimizer_color(runs[0]["optimizer"])
-            times = [r["time_to_target"] for r in runs]
-            reached = [t for t in times if t is not None]
-            if len(reached) * 2 > len(times):  # the median run reached the target
-                # a run that did not reach the target counts as infinite: q3 goes to the cap
-                q1, med, q3 = quantiles(reached + [cap] * (len(times) - len(reached)))
-                ax.barh(y, med, color=color, alpha=0.8)
-                ax.errorbar(med, y, xerr=[[med - q1], [q3 - med]], color="black", capsize=3)
-                ax.text(
-                    med, y, f" {med:.1f}s ({len(reached)}/{len(times)})", va="center", fontsize=7
-                )
-            else:
+            e = scores[(problem, runs[0]["optimizer"], runs[0]["preset"])]
+            color = optimizer_color(e["optimizer"])
+            count = f"({e['reached']}/{e['seeds']})"
+            if e["median_s"] is None:
                 ax.barh(y, cap, color="none", edgecolor=color, hatch="//")
-                ax.text(
-                    cap * 0.02,
-                    y,
-                    f"not reached ({len(reached)}/{len(times)})",
-                    va="center",
-                    fontsize=7,
-                )
+                ax.text(cap * 0.02, y, f"not reached {count}", va="center", fontsize=7)
+                continue
+            q3 = right if e["q3_s"] is None else e["q3_s"]
+            ax.barh(y, e["median_s"], color=color, alpha=0.8)
+            ax.plot([e["q1_s"], q3], [y, y], color="black", lw=1)
+            ax.text(q3, y, f" {e['median_s']:.1f}s {count}", va="center", fontsize=7)
+        ax.axvline(cap, color="black", ls=":", lw=1)
         ax.set_yticks(range(len(entries)), list(entries), fontsize=8)
         ax.invert_yaxis()
-        ax.set_xlim(0, cap * 1.25)
-        ax.set_xlabel("training wall-clock to the target, s (median, quartiles)", fontsize=8)
+        ax.set_xlim(0, right * 1.15)
+        ax.set_xlabel(
+            "training wall-clock to the target, s (median, quartiles; dotted: cap)", fontsize=8
+        )
         ax.set_title(f"{problem_title(problem)}: test acc ≥ {all_runs[0]['target']:g}", fontsize=9)
         ax.grid(axis="x", alpha=0.3)
     fig.suptitle(_caption(meta), fontsize=8)
@@ -136,8 +133,8 @@ def _caption(meta: dict) -> str:
 
 def plot_ttr(results_dir: str | Path, out_dir: str | Path) -> list[Path]:
     """Both figures for the benchmark in ``results_dir``; ``[]`` if there is none."""
-    rows, meta = load_ttr(results_dir)
+    rows, meta, table = load_ttr(results_dir)
     if not rows:
         return []
     out = Path(out_dir)
-    return [plot_bars(rows, meta, out), plot_accuracy(rows, meta, out)]
+    return [plot_bars(rows, meta, table, out), plot_accuracy(rows, meta, out)]
