@@ -74,6 +74,7 @@ class BackwardPass:
         self.moments: Dict[int, Tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.results: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
         self.handles: list = []  # hooks on autograd nodes, removed when the pass ends
+        self.upstream: list = []  # module calls upstream of the extended losses
         self.failed = False
         Variable._execution_engine.queue_callback(self._finish)
 
@@ -116,7 +117,9 @@ class BackwardPass:
             )
 
     def watch_broadcasts(self, calls) -> None:
-        """Read the per-sample output gradients of broadcast calls where they still exist."""
+        """Read the per-sample output gradients of broadcast calls where they still exist (and
+        remember the calls upstream of the loss, to release them if the pass fails)."""
+        self.upstream.extend(calls)
         for record in calls:
             broadcast = record.broadcast
             if broadcast is not None:
@@ -451,8 +454,13 @@ class BackwardPass:
                 )
 
     def _abort(self) -> None:
-        """Forget everything written so far; the pass writes nothing."""
+        """Forget everything written so far; the pass writes nothing. The calls whose hooks will
+        not run now drop their inputs (an exception's traceback may keep the graph alive)."""
         self.failed = True
+        for record in self.upstream:
+            record.release()
+        for handle in self.handles:
+            handle.remove()
         self.batch_grads.clear()
         self.results.clear()
         self.param_grads.clear()
