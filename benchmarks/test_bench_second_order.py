@@ -13,12 +13,7 @@ import pytest
 
 from experiments import overhead as ov
 
-#: KFRA needs a chain of Linear layers (README), so not on the conv nets
-CASES = [
-    (p, q)
-    for p, q in ov.BACKPACK_CASES
-    if ov.QUANTITIES[q].order == 2 and not (q == "KFRA" and p in ("2c2d", "3c3d"))
-] + [("mlp", "KFRA")]
+CASES = [(p, q) for p, q in ov.BACKPACK_CASES if ov.QUANTITIES[q].order == 2] + [("mlp", "KFRA")]
 
 
 def _cases():
