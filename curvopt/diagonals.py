@@ -69,7 +69,7 @@ def module_call(record, outs):
         return None, None, 0
     columns = outs[0] if len(outs) == 1 else tuple(outs)
     call = record.call()
-    n = _batch_size(call, columns)
+    n = _first(columns).shape[1 + call.batch_dim]
     call.grad_out = _zeros_like_sample(columns)
     return call, columns, n
 
@@ -102,13 +102,6 @@ def add_diagonals(bp, calls, outs, exts, sign: float = 1.0) -> None:
                 d = torch.stack([sum_of_squares(g) for g in grads])
                 d = d if batched else d.sum(0)
             bp.add(p, ext.attr, d.mul_(sign) if sign != 1.0 else d)
-
-
-def _batch_size(call, columns) -> int:
-    first = (
-        columns if isinstance(columns, torch.Tensor) else next(c for c in columns if c is not None)
-    )
-    return first.shape[1 + call.batch_dim]
 
 
 def _zeros_like_sample(columns):

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+from .common import draw_main
 from .compare import plot_compare
 from .curves import plot_curves
 from .overhead import plot_overhead
@@ -38,10 +38,4 @@ def main(argv=None) -> int:
     p.add_argument("results_dir", type=Path, help="folder (searched recursively) or one JSON")
     p.add_argument("out_dir", type=Path)
     args = p.parse_args(argv)
-    paths = WHAT[args.what](args.results_dir, args.out_dir)
-    if not paths:
-        print(f"nothing to draw: no matching JSON below {args.results_dir}", file=sys.stderr)
-        return 1
-    for path in paths:
-        print(path)
-    return 0
+    return draw_main(WHAT[args.what], args.results_dir, args.out_dir)

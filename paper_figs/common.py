@@ -7,6 +7,8 @@ directory; anything else (grid summaries, checkpoints, unrelated JSON) is skippe
 
 from __future__ import annotations
 
+import sys
+
 import json
 import math
 from dataclasses import dataclass, field
@@ -319,3 +321,14 @@ def save(fig: Figure, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     return path
+
+
+def draw_main(draw, results_dir, out_dir) -> int:
+    """Run one figure function as a command: print the written paths, 1 when none."""
+    paths = draw(results_dir, out_dir)
+    if not paths:
+        print(f"nothing to draw: no matching JSON below {results_dir}", file=sys.stderr)
+        return 1
+    for path in paths:
+        print(path)
+    return 0

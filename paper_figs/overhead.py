@@ -14,12 +14,13 @@ their geometric mean.
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
 import sys
 from pathlib import Path
 
-from .common import load_overheads, new_figure, save
+from .common import draw_main, load_overheads, new_figure, save
 
 PLAIN = "plain"
 QUANTITY_LABELS = {
@@ -219,9 +220,11 @@ def _draw_panel(ax, key, panel) -> None:
 
 def main(argv=None) -> int:
     """``python -m paper_figs.overhead RESULTS OUT``: same as ``python -m paper_figs overhead``."""
-    from .__main__ import main as figs_main
-
-    return figs_main(["overhead", *(sys.argv[1:] if argv is None else argv)])
+    p = argparse.ArgumentParser(prog="python -m paper_figs.overhead", description=__doc__)
+    p.add_argument("results_dir", type=Path, help="folder (searched recursively) or one JSON")
+    p.add_argument("out_dir", type=Path)
+    args = p.parse_args(argv)
+    return draw_main(plot_overhead, args.results_dir, args.out_dir)
 
 
 if __name__ == "__main__":

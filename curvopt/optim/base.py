@@ -23,6 +23,8 @@ from typing import Any, Callable
 import torch
 from torch.optim import Optimizer
 
+from curvopt import extensions
+from curvopt.collect import collect
 from curvopt.optim import distributed
 
 #: an extension to collect, as ``(class name in curvopt.extensions, constructor options)``
@@ -123,8 +125,6 @@ class CurvatureOptimizer(Optimizer):
 
     def _requests(self) -> tuple[list, list[tuple[torch.Tensor, str]]]:
         """The extensions the next step needs, and the ``(param, attr)`` pairs they write."""
-        from curvopt import extensions
-
         specs: dict[str, ExtensionSpec] = {}
         users: list[tuple[dict[str, Any], str]] = []
         for group, group_state in zip(self.param_groups, self._group_state):
@@ -153,8 +153,6 @@ class CurvatureOptimizer(Optimizer):
         exts, targets = self._requests()
         if not exts:
             return contextlib.nullcontext()
-        from curvopt import collect
-
         context = collect(*exts)
         if self._distributed is None:
             return context
