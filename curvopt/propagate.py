@@ -82,17 +82,24 @@ def module_outputs(root) -> Upstream:
 
 
 def backpropagate(outputs, edges, columns: torch.Tensor, batched: bool):
-    """``J^T`` of each edge applied to every column (``[k, *out]`` per edge, None if unused)."""
+    """``J^T`` of each edge applied to every column (``[k, *out]`` per edge, None if unused).
+
+    Batched through ``vmap`` where ``batched``; a backward op that ``vmap`` cannot run (a custom
+    ``autograd.Function`` without a batching rule) falls back to one column at a time.
+    """
     with STATE.suspend():
         if batched:
-            return torch.autograd.grad(
-                outputs,
-                edges,
-                columns,
-                retain_graph=True,
-                is_grads_batched=True,
-                allow_unused=True,
-            )
+            try:
+                return torch.autograd.grad(
+                    outputs,
+                    edges,
+                    columns,
+                    retain_graph=True,
+                    is_grads_batched=True,
+                    allow_unused=True,
+                )
+            except (RuntimeError, NotImplementedError):
+                pass
         per_column = [
             torch.autograd.grad(outputs, edges, column, retain_graph=True, allow_unused=True)
             for column in columns

@@ -415,3 +415,40 @@ def test_verify_reports_a_model_that_mixes_samples():
     x, y = _data(4)
     with pytest.raises(curvopt.VerificationError, match="a.weight.grad_batch"):
         curvopt.verify(model, nn.CrossEntropyLoss(), x, y, [ext.BatchGrad()])
+
+
+class _SignedSquare(torch.autograd.Function):
+    """A custom op without a vmap rule of its own (``x |x|``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x.abs()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * 2 * x.abs()
+
+
+class _Custom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.b(_SignedSquare.apply(self.a(x)))
+
+
+def test_custom_autograd_function_first_and_second_order():
+    torch.manual_seed(0)
+    plain = _Custom().to(DT)
+    model, lossfunc = _extended(plain)
+    x, y = _data()
+    with curvopt.collect(ext.BatchGrad(), ext.DiagGGNExact()):
+        lossfunc(model(x), y).backward()
+    blocks, _ = ggn_reference(plain, nn.CrossEntropyLoss(), x, y)
+    grads = per_sample_grads(plain, nn.CrossEntropyLoss(), x, y)
+    for name, p in model.named_parameters():
+        assert_close(p.diag_ggn_exact, torch.diagonal(blocks[name]).reshape(p.shape), name)
+        assert_close(p.grad_batch, grads[name], name)
