@@ -419,7 +419,7 @@ def test_verify_reports_a_model_that_mixes_samples():
 
 
 class _SignedSquare(torch.autograd.Function):
-    """A custom op without a vmap rule of its own (``x |x|``)."""
+    """A custom op (``x |x|``) whose backward branches on values, which ``vmap`` cannot run."""
 
     @staticmethod
     def forward(ctx, x):
@@ -429,6 +429,8 @@ class _SignedSquare(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
+        if not g.any():  # data-dependent control flow
+            return torch.zeros_like(g)
         return g * 2 * x.abs()
 
 
