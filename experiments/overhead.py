@@ -249,7 +249,9 @@ def main(argv=None) -> int:
     if skipped:
         print("Not installed: " + ", ".join(skipped) + ".")
     print()
-    print(markdown_table(results, infos, backends, spread=args.spread))
+    resized = args.batch is not None and any(PROBLEMS[p].batch_size != args.batch for p in infos)
+    targets = {} if resized else None  # the targets hold for the problems' own batch sizes
+    print(markdown_table(results, infos, backends, spread=args.spread, targets=targets))
 
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -51,13 +51,19 @@ def _cell(result: Result | None, target: float | None = None, spread=False) -> s
 
 
 def markdown_table(
-    results: list[Result], infos: dict[str, dict], backends: Sequence[str], spread: bool = False
+    results: list[Result],
+    infos: dict[str, dict],
+    backends: Sequence[str],
+    spread: bool = False,
+    targets: dict | None = None,
 ) -> str:
     """One row per (problem, quantity), one column per backend; the plain row gives its time.
 
     With both of ``VERSUS`` among ``backends``: the ``curvopt/BackPACK`` column and a geometric
-    mean row.
+    mean row. ``targets`` (default ``TARGETS``, which hold for each problem's own batch size)
+    mark curvopt's cells.
     """
+    targets = TARGETS if targets is None else targets
     index = {(r.problem, r.quantity, r.backend): r for r in results}
     versus = all(b in backends for b in VERSUS)
     header = ["problem", "quantity", *backends, *(["curvopt/BackPACK"] if versus else [])]
@@ -72,7 +78,7 @@ def markdown_table(
         for q, quantity in QUANTITIES.items():
             if q == PLAIN or q not in measured:
                 continue
-            target = TARGETS.get((problem, q))
+            target = targets.get((problem, q))
             cells = [
                 _cell(index.get((problem, q, b)), target if b == "curvopt" else None, spread)
                 for b in backends
