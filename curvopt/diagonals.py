@@ -7,7 +7,6 @@ parameter gradients, or straight into their squares where it has a factorised fo
 
 from __future__ import annotations
 
-import functools
 from collections import defaultdict
 
 import torch
@@ -19,6 +18,8 @@ from curvopt.reductions import sum_of_squares
 
 #: bound on the elements of per-(column, sample) parameter gradients held at once
 _GRAD_BUDGET = 1 << 24
+#: per-sample gradients ``[k, *p]`` up to this size are squared in one vectorised op
+_VECTORISED = 1 << 16
 
 
 def diag_from_columns(rule, call: Call, columns, name: str, batched: bool, n: int):
@@ -43,12 +44,19 @@ def diag_from_columns(rule, call: Call, columns, name: str, batched: bool, n: in
         for start in range(0, k, step):
             chunk = _narrow(sub_columns, start, min(k, start + step))
             grads = rule.column_grads(sub, chunk, name)  # [n, k, *p]; may alias the columns
-            squares = [sum_of_squares(g) for g in grads]
-            totals = squares if totals is None else [t.add_(s) for t, s in zip(totals, squares)]
-        per_sample.extend(totals)
-    if batched:
-        return torch.stack(per_sample)
-    return functools.reduce(torch.Tensor.add_, per_sample)
+            squares = _squares_per_sample(grads)
+            totals = squares if totals is None else totals.add_(squares)
+        per_sample.append(totals)
+    result = torch.cat(per_sample)
+    return result if batched else result.sum(0)
+
+
+def _squares_per_sample(grads: torch.Tensor) -> torch.Tensor:
+    """``[n, k, *p] -> [n, *p]``, the sum over ``k`` of squares: one vectorised op for small
+    samples, sample by sample (no temporary copy) for large ones."""
+    if grads[0].numel() <= _VECTORISED:
+        return grads.square().sum(1)
+    return torch.stack([sum_of_squares(g) for g in grads])
 
 
 def _first(columns) -> torch.Tensor:
