@@ -35,7 +35,7 @@ from curvopt.losses import loss_rule_for
 from curvopt.params import shared_parameters, trainable
 from curvopt.propagate import module_outputs
 from curvopt.records import Call
-from curvopt.reductions import probe_spans, squared_norms, sum_of_squares
+from curvopt.reductions import probe_index, squared_norms, sum_of_squares
 from curvopt.rows import establish
 
 #: elements per chunk when per-sample gradients are materialised only to be reduced
@@ -348,18 +348,19 @@ class BackwardPass:
 
     def _check_materialised(self) -> None:
         """Spot check of ``sum_n g_n == grad`` on evenly spread entries of materialised
-        per-sample gradients (see :meth:`_check_parameter`)."""
+        per-sample gradients (see :meth:`_check_sum`)."""
         for key, (p, grad) in self.param_grads.items():
             if key not in self.batch_grads or grad.is_sparse:
                 continue
             batch = self.batch_grads[key][1]
-            batch, flat = batch.reshape(batch.shape[0], -1), grad.reshape(-1)
-            spans = probe_spans(batch.shape[1])
-            total = torch.cat([batch.narrow(1, a, w).sum(0) for a, w in spans])
-            grad = torch.cat([flat.narrow(0, a, w) for a, w in spans])
+            batch, grad = batch.reshape(batch.shape[0], -1), grad.reshape(-1)
+            index = probe_index(batch.shape[1])
+            if index is not None:
+                index = index.to(batch.device)
+                batch, grad = batch.index_select(1, index), grad.index_select(0, index)
+            total = batch.sum(0)
             if _off(total, grad, 64):
-                magnitude = torch.cat([batch.narrow(1, a, w).abs().sum(0) for a, w in spans])
-                self.suspects.append((p, total, grad, magnitude))
+                self.suspects.append((p, total, grad, batch.abs().sum(0)))
 
     def _store(self, p, l2, sgs, total, n) -> None:
         if "batch_l2" in self.attrs:

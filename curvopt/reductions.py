@@ -6,6 +6,10 @@
 
 from __future__ import annotations
 
+import functools
+
+from typing import Optional
+
 import torch
 
 #: rows at least this large are accumulated one by one; smaller ones in one vectorised op
@@ -28,10 +32,12 @@ def squared_norms(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1).square_()
 
 
-def probe_spans(numel: int, spans: int = 16, width: int = 256) -> list:
-    """``(start, length)`` of evenly spread contiguous runs of flat indices covering at most
-    ``spans * width`` entries (all of them for small tensors), for cheap spot checks."""
+@functools.lru_cache(maxsize=256)
+def probe_index(numel: int, spans: int = 16, width: int = 256) -> Optional[torch.Tensor]:
+    """Flat indices of ``spans`` evenly spread contiguous runs of ``width`` entries, for cheap
+    spot checks; ``None`` when the tensor is small enough to check whole."""
     if numel <= spans * width:
-        return [(0, numel)]
+        return None
     step = (numel - width) / (spans - 1)
-    return [(round(i * step), width) for i in range(spans)]
+    starts = torch.tensor([round(i * step) for i in range(spans)])
+    return (starts[:, None] + torch.arange(width)).flatten()
