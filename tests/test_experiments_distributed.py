@@ -90,7 +90,9 @@ def _scenarios(rank: int, out: Path) -> dict:
     writes: list[str] = []
     atomic_write = files.atomic_write
     for module in (runner, training):
-        module.atomic_write = lambda path, write: writes.append(path.name) or atomic_write(path, write)
+        module.atomic_write = lambda path, write: (
+            writes.append(path.name) or atomic_write(path, write)
+        )
     _record_params(out, f"rank{rank}")
     cpu = torch.device("cpu")
     splits = runner.load_splits(CONFIGS["momentum"], None, cpu)
