@@ -31,6 +31,7 @@ from curvopt.errors import (
     module_error,
 )
 from curvopt.layers import rule_for
+from curvopt.layers.kron import nearest_kronecker
 from curvopt.losses import loss_rule_for
 from curvopt.params import shared_parameters, trainable
 from curvopt.propagate import module_outputs
@@ -68,7 +69,7 @@ class BackwardPass:
         self.suspects: list = []  # (p, sum_n g_n, grad, sum_n |g_n|) beyond the cheap bound
         self.expected: Dict[object, list] = {}  # record: the extended losses' output gradients
         self.checking: list = []  # graph structures this pass checks (see curvature.CHECKED)
-        self.kron_owner: Dict[Tuple[int, str], object] = {}  # (id(p), attr): module call
+        self.kron_uses: Dict[Tuple[int, str], dict] = {}  # (id(p), attr): {call: factors}
         self.out_index: Dict[Tuple[int, str], int] = {}
         self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
         self.moments: Dict[int, Tuple[torch.Tensor, torch.Tensor, int]] = {}
@@ -377,25 +378,24 @@ class BackwardPass:
 
     def add_kron(self, p, attr: str, record, factors, out_index: int) -> None:
         """Kronecker factors of one module call: the output-side factor sums over column chunks
-        and over losses; the input-side factors belong to the call. Two calls (a module used
-        twice, tied weights, or two losses on different inputs) do not form one Kronecker
-        product."""
+        and over losses. Several calls using ``p`` (a reused module, a weight tied across
+        modules, two losses on different inputs) are combined when the pass ends into the
+        nearest Kronecker product of their sum (``layers.kron.nearest_kronecker``); KFRA's
+        recursion is for chains and raises instead."""
         key = (id(p), attr)
-        owner = self.kron_owner.get(key)
-        if owner is None:
-            self.kron_owner[key] = record
-            self.out_index[key] = out_index
-            self.put(p, attr, factors)
-        elif owner is record:
-            self.results[key][1][out_index].add_(factors[out_index])
-        else:
+        uses = self.kron_uses.setdefault(key, {})
+        if record in uses:
+            uses[record][0][out_index].add_(factors[out_index])
+            return
+        if uses and attr == "kfra":
             raise module_error(
                 record.module,
-                "Kronecker factors of a module used several times in one backward pass (or of "
-                "a weight tied across modules) are not defined (the "
-                "uses' input and output factors do not combine into one Kronecker product); use "
-                "a diagonal quantity such as DiagGGNExact",
+                "KFRA: a module used several times in one backward pass (or a weight tied "
+                "across modules) breaks the layer chain; use KFLR or KFAC",
             )
+        if not uses:
+            self.put(p, attr, None)
+        uses[record] = (factors, out_index)
 
     def add(self, p, attr: str, value) -> None:
         """Add ``value`` to the pending ``p.<attr>``."""
@@ -430,6 +430,13 @@ class BackwardPass:
                 self._store(p, l2, sgs, total, batch.shape[0])
         n = self.batch_size or 0
         acc = self.accumulator
+        for key, uses in self.kron_uses.items():
+            terms = [uses[r] for r in sorted(uses, key=lambda r: r.seq)]  # forward order
+            self.out_index[key] = terms[0][1]
+            factors = [t[0] for t in terms]
+            if len(factors) > 1:
+                factors = [nearest_kronecker(factors, 1 - terms[0][1])]
+            self.results[key] = (self.results[key][0], factors[0])
         for signature in self.checking:
             mark_checked(signature)
         for (_, attr), (p, value) in self.results.items():
@@ -458,6 +465,7 @@ class BackwardPass:
         """Forget everything written so far; the pass writes nothing. The calls whose hooks will
         not run now drop their inputs (an exception's traceback may keep the graph alive)."""
         self.failed = True
+        self.kron_uses.clear()
         for record in self.upstream:
             record.release()
         for handle in self.handles:

@@ -330,7 +330,6 @@ ERRORS = {
     "conv-transpose": (
         lambda: nn.Sequential(OrderedDict(up=nn.ConvTranspose1d(2, 3, 3))), (2, 4), "up", "ConvTranspose1d",
     ),
-    "used-twice": (_Twice, (3,), "block.shared", "several times"),
     "attention": (lambda: nn.Sequential(OrderedDict(enc=_Attention())), (3, 4), "enc.attn", "MultiheadAttention"),
 }
 
