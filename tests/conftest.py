@@ -367,3 +367,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("slow") is not None:
             item.add_marker(skip)
+
+
+def nearest_kronecker_dense(matrix: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """``kron(F0, F1)`` nearest in Frobenius norm to ``matrix`` (``[a b, a b]``, ``F0`` ``a x a``):
+    the best rank-one term of the rearranged matrix, by a dense SVD (Van Loan & Pitsianis)."""
+    r = matrix.reshape(a, b, a, b).permute(0, 2, 1, 3).reshape(a * a, b * b)
+    u, s, vh = torch.linalg.svd(r)
+    return torch.kron((u[:, 0] * s[0]).reshape(a, a), vh[0].reshape(b, b))

@@ -10,20 +10,11 @@ import copy
 
 import pytest
 import torch
-from conftest import DT
+from conftest import DT, nearest_kronecker_dense
 from torch import nn
 
 import curvopt
 from curvopt import extensions as ext
-
-
-def _nearest_kronecker_dense(matrix, a, b):
-    """``kron(F0, F1)`` nearest to ``matrix`` (``[a b, a b]``), ``F0`` ``a x a``."""
-    r = matrix.reshape(a, b, a, b).permute(0, 2, 1, 3).reshape(a * a, b * b)
-    u, s, vh = torch.linalg.svd(r)
-    f0 = (u[:, 0] * s[0]).reshape(a, a)
-    f1 = vh[0].reshape(b, b)
-    return torch.kron(f0, f1)
 
 
 class _TiedHead(nn.Module):
@@ -73,7 +64,7 @@ def test_tied_embedding_and_head(approx):
     got = _kflr(copy.deepcopy(tied), lambda o, t: loss(o, t), idx, y, approx)
     parts = _kflr(untied, lambda o, t: loss(o, t), idx, y, approx)
     dense = torch.kron(*parts.emb.weight.kflr) + torch.kron(*parts.head.weight.kflr)
-    want = _nearest_kronecker_dense(dense, 6, 4)
+    want = nearest_kronecker_dense(dense, 6, 4)
     factors = got.emb.weight.kflr
     torch.testing.assert_close(torch.kron(*factors), want, rtol=1e-8, atol=1e-12)
     for f in factors:  # symmetric positive semi-definite
@@ -95,7 +86,7 @@ def test_module_used_twice():
     parts = _kflr(separate, lossfunc, x, y, "expand")
     dense = torch.kron(*parts.first.weight.kflr) + torch.kron(*parts.second.weight.kflr)
     torch.testing.assert_close(
-        torch.kron(*got.first.weight.kflr), _nearest_kronecker_dense(dense, 3, 3)
+        torch.kron(*got.first.weight.kflr), nearest_kronecker_dense(dense, 3, 3)
     )
     bias = parts.first.bias.kflr[0] + parts.second.bias.kflr[0]  # 1-D: the blocks add exactly
     torch.testing.assert_close(got.first.bias.kflr[0], bias)

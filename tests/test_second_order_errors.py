@@ -15,6 +15,7 @@ from conftest import (
     clear_attributes,
     extended_copy,
     ggn_reference,
+    nearest_kronecker_dense,
     run_second_order,
     trainable,
 )
@@ -333,14 +334,29 @@ def test_sum_of_two_losses_on_one_output_adds_kronecker_b(cls, seed):
             assert_close(both[1], first[1], f"{name} A (a statistic of the inputs, not summed)")
 
 
-def test_kflr_with_module_under_two_losses_raises(seed):
+def test_kflr_with_module_under_two_losses_is_the_nearest_kronecker_product(seed):
     """Two batches through one module under two losses: ``B1 (x) A1 + B2 (x) A2`` is not one
-    Kronecker product, so it must be an error (as for a module called twice), not numbers."""
+    Kronecker product; the factors are those of the nearest one (as for a module called
+    twice), the biases' blocks add."""
     model = extended_copy(_mlp())
     (x1, y1), (x2, y2) = _data(), _data()
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    separate = []
+    for x, y in ((x1, y1), (x2, y2)):
+        run_second_order(model, lossfunc, x, y, ext.KFLR())
+        separate.append({n: p.kflr for n, p in trainable(model).items()})
+    clear_attributes(model, ALL_ATTRS)
     loss = lossfunc(model(x1), y1) + lossfunc(model(x2), y2)
-    _backward_raises(model, loss, UnsupportedModuleError, ext.KFLR(), match="fc")
+    with curvopt.collect(ext.KFLR()):
+        loss.backward()
+    for name, p in trainable(model).items():
+        uses = [s[name] for s in separate]
+        if p.dim() == 1:
+            assert_close(p.kflr[0], uses[0][0] + uses[1][0], name)
+            continue
+        dense = torch.kron(*uses[0]) + torch.kron(*uses[1])
+        want = nearest_kronecker_dense(dense, p.shape[0], p.shape[1])
+        assert_close(torch.kron(*p.kflr), want, name)
 
 
 def test_sum_of_losses_on_two_batches_adds_diagonals(seed):
