@@ -123,18 +123,21 @@ class LossRule(ABC):
     def num_columns(self, loss_module, output):
         """Number ``K`` of columns of the exact factor."""
 
-    def sqrt_hessian(self, loss_module, output, target, columns=None):
-        """Exact factor ``[k, *output.shape]``: rows ``columns`` (default all ``K``) of ``S``."""
-        self.check(loss_module, output, target)
+    def sqrt_hessian(self, loss_module, output, target, columns=None, check=True):
+        """Exact factor ``[k, *output.shape]``: rows ``columns`` (default all ``K``) of ``S``
+        (``check=False``: the caller has run :meth:`check` on these arguments)."""
+        if check:
+            self.check(loss_module, output, target)
         output = output.detach()
         ks = _column_indices(columns, self.num_columns(loss_module, output), output.device)
         return self._sqrt_hessian(loss_module, output, target, ks)
 
-    def sqrt_hessian_mc(self, loss_module, output, target, mc_samples):
+    def sqrt_hessian_mc(self, loss_module, output, target, mc_samples, check=True):
         """Monte-Carlo factor ``[mc_samples, *output.shape]``, unbiased for ``H_n``."""
         if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
             raise ValueError(f"mc_samples must be a positive int, got {mc_samples!r}")
-        self.check(loss_module, output, target)
+        if check:
+            self.check(loss_module, output, target)
         output = output.detach()
         return self._sqrt_hessian_mc(loss_module, output, target, mc_samples)
 
