@@ -143,7 +143,8 @@ class TorchFuncBackend(Backend):
     """``vmap(grad(loss of one sample))`` via ``functional_call``; reductions computed from it.
 
     The per-sample loss is divided by N (the ``reduction="mean"`` convention) and ``p.grad`` is
-    set to the sum of the per-sample gradients, so the step yields what curvopt's does.
+    set to the sum of the per-sample gradients, so the step yields what curvopt's does. Targets
+    with more rows than samples (a language model's flattened ``[N·T]``) are split per sample.
     """
 
     name = "torch.func"
@@ -160,8 +161,14 @@ class TorchFuncBackend(Backend):
         buffers = dict(model.named_buffers())
         attrs = quantity.attrs()
 
+        rows = y.shape[0] != n  # flattened rows [N·T]: per sample, its T rows (batch-first)
+        if rows:
+            y = y.reshape(n, -1, *y.shape[1:])  # a sample's mean over its T rows, / N below
+
         def loss_one(p, x, t):
             out = functional_call(model, (p, buffers), (x.unsqueeze(0),))
+            if rows:
+                return lossfunc(out, t) / n
             return lossfunc(out, t.unsqueeze(0)) / n
 
         per_sample = vmap(grad(loss_one), in_dims=(None, 0, 0))
