@@ -36,7 +36,7 @@ from curvopt.losses import loss_rule_for
 from curvopt.params import shared_parameters, trainable
 from curvopt.propagate import module_outputs
 from curvopt.records import Call
-from curvopt.reductions import probe_index, squared_norms, sum_of_squares
+from curvopt.reductions import probe_columns, squared_norms, sum_of_squares
 from curvopt.rows import establish
 
 #: elements per chunk when per-sample gradients are materialised only to be reduced
@@ -353,12 +353,8 @@ class BackwardPass:
         for key, (p, grad) in self.param_grads.items():
             if key not in self.batch_grads or grad.is_sparse:
                 continue
-            batch = self.batch_grads[key][1]
-            batch, grad = batch.reshape(batch.shape[0], -1), grad.reshape(-1)
-            index = probe_index(batch.shape[1])
-            if index is not None:
-                index = index.to(batch.device)
-                batch, grad = batch.index_select(1, index), grad.index_select(0, index)
+            batch = probe_columns(self.batch_grads[key][1].flatten(1))
+            grad = probe_columns(grad.reshape(1, -1))[0]
             total = batch.sum(0)
             if _off(total, grad, 64):
                 self.suspects.append((p, total, grad, batch.abs().sum(0)))
@@ -481,9 +477,11 @@ def _name(p) -> str:
 
 def _off(total, grad, factor: float) -> bool:
     """``|total - grad|`` beyond ``factor * eps * max(|total|, |grad|)`` somewhere."""
+    if not total.numel():
+        return False
     grad = grad.to(total.dtype)
-    scale = max(float(total.abs().max()), float(grad.abs().max())) if total.numel() else 0.0
-    return float((total - grad).abs().max()) > factor * _eps(total, grad) * scale
+    scale = torch.maximum(total.abs().max(), grad.abs().max())
+    return bool((total - grad).abs().max() > factor * _eps(total, grad) * scale)  # one sync
 
 
 def _reduce_in_chunks(rule, call, name, shape, want):

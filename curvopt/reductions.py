@@ -6,10 +6,6 @@
 
 from __future__ import annotations
 
-import functools
-
-from typing import Optional
-
 import torch
 
 #: rows at least this large are accumulated one by one; smaller ones in one vectorised op
@@ -32,12 +28,14 @@ def squared_norms(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1).square_()
 
 
-@functools.lru_cache(maxsize=256)
-def probe_index(numel: int, spans: int = 16, width: int = 256) -> Optional[torch.Tensor]:
-    """Flat indices of ``spans`` evenly spread contiguous runs of ``width`` entries, for cheap
-    spot checks; ``None`` when the tensor is small enough to check whole."""
+def probe_columns(x: torch.Tensor, spans: int = 16, width: int = 256) -> torch.Tensor:
+    """``x [R, M]`` (contiguous rows) restricted to ``spans`` evenly spaced runs of ``width``
+    columns, as a strided view ``[R, spans, width]`` (no copy), for cheap spot checks; ``x``
+    itself (as ``[R, 1, M]``) when it has at most ``spans * width`` columns."""
+    rows, numel = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
     if numel <= spans * width:
-        return None
-    step = (numel - width) / (spans - 1)
-    starts = torch.tensor([round(i * step) for i in range(spans)])
-    return (starts[:, None] + torch.arange(width)).flatten()
+        return x.unsqueeze(1)
+    step = (numel - width) // (spans - 1)
+    return x.as_strided((rows, spans, width), (x.stride(0), step, 1), x.storage_offset())
