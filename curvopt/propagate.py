@@ -109,15 +109,20 @@ def backpropagate(outputs, edges, columns: torch.Tensor, batched: bool):
 
 def to_calls(root, calls, columns: torch.Tensor, batched: bool):
     """``{record: [columns at output i, or None where they do not arrive]}`` for ``calls``
-    (``[k, *out_i]`` per output of each call), from ``columns`` (``[k, *root.shape]``)."""
+    (``[k, *out_i]`` per output of each call), from ``columns`` (``[k, *root.shape]``). A call
+    whose output is the root itself (the last layer feeding the loss) takes the columns as
+    they are, without autograd."""
+    root_edge = None
+    if isinstance(root, torch.Tensor) and root.grad_fn is not None:
+        root_edge = (root.grad_fn, root.output_nr)
     records = list(calls)
-    edges = [edge for r in records for _, edge in calls[r]]
-    back = iter(backpropagate(root, edges, columns, batched))
+    edges = [e for r in records for _, e in calls[r] if (e.node, e.output_nr) != root_edge]
+    back = iter(backpropagate(root, edges, columns, batched) if edges else ())
     outs = {}
     for record in records:
         outs[record] = [None] * len(record.out_shapes)
-        for index, _ in calls[record]:
-            v = next(back)
+        for index, edge in calls[record]:
+            v = columns if (edge.node, edge.output_nr) == root_edge else next(back)
             if v is not None and record.broadcast is not None:
                 v = record.broadcast.per_sample(v)
             outs[record][index] = v
