@@ -157,6 +157,7 @@ class BackwardPass:
         module = record.module
         if record.broadcast is not None:
             grads = (record.broadcast.grad,)  # per sample, read downstream of the broadcast
+        grads = tuple(record.batch_first(g) for g in grads)
         if self.second_order_exts:
             if not self.loss_seen:
                 names = ", ".join(repr(e) for e in self.second_order_exts)
@@ -229,7 +230,8 @@ class BackwardPass:
                 f"it sees {n} samples along dim {call.batch_dim} while other modules saw "
                 f"{self.batch_size}; per-sample quantities need the batch dimension kept intact "
                 "(do not fold other dims into it before a layer with parameters; sequence-first "
-                "models: use batch_first=True; a module called without the batch whose output "
+                "models: extend the loss module too, so that curvopt can find the batch, or use "
+                "batch_first=True; a module called without the batch whose output "
                 "is added to every sample, such as position embeddings of a shared arange(T): "
                 "extend the loss module too, curvopt.extend(lossfunc), so that curvopt can "
                 "follow the broadcast, or index them per sample, "

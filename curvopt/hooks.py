@@ -31,7 +31,8 @@ def _module_forward_hook(module, args, kwargs, output):
     outputs = [t for t in output_tensors(output) if t.requires_grad]
     if not outputs:
         return
-    record = Record(module, args, kwargs, outputs, rule_for(module).batch_dim(module))
+    rule = rule_for(module)
+    record = Record(module, args, kwargs, outputs, rule.batch_dim(module), rule.positionwise)
     if len(outputs) == 1:
         outputs[0].register_hook(record.on_grad)
     else:

@@ -125,6 +125,8 @@ def to_calls(root, calls, columns: torch.Tensor, batched: bool):
             v = columns if (edge.node, edge.output_nr) == root_edge else next(back)
             if v is not None and record.broadcast is not None:
                 v = record.broadcast.per_sample(v)
+            if v is not None and record.transposed:
+                v = v.movedim(2, 1)
             outs[record][index] = v
     return outs
 

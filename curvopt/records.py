@@ -47,9 +47,11 @@ class Record:
         "device",
         "seq",
         "broadcast",
+        "positionwise",
+        "transposed",
     )
 
-    def __init__(self, module, args, kwargs, outputs, batch_dim):
+    def __init__(self, module, args, kwargs, outputs, batch_dim, positionwise=False):
         self.args = None  # set last: ``release`` must work on a half-built record
         self.module, self.kwargs = module, kwargs
         self.out_shapes = tuple(t.shape for t in outputs)
@@ -57,6 +59,8 @@ class Record:
         self.dtype, self.device = outputs[0].dtype, outputs[0].device
         self.seq = next(_SEQUENCE)  # forward order
         self.broadcast = None
+        self.positionwise = positionwise
+        self.transposed = False  # the batch is dim 1 of a positionwise call (sequence-first)
         module._curvopt_live += 1
         self.args = args
         for index, t in enumerate(outputs):
@@ -72,7 +76,15 @@ class Record:
         if self.broadcast is not None:
             return self.broadcast.samples
         shape = self.out_shapes[0]
-        return shape[self.batch_dim] if len(shape) > self.batch_dim else 1
+        dim = 1 if self.transposed else self.batch_dim
+        return shape[dim] if len(shape) > dim else 1
+
+    def batch_first(self, x):
+        """``x`` with the batch moved to dim 0 where the call is transposed (sequence-first):
+        ``[T, N, ...] -> [N, T, ...]`` (``[k, T, N, ...] -> [k, N, T, ...]`` for ``columns``)."""
+        if not self.transposed or not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return x
+        return x.movedim(1, 0)
 
     def call(self, grad_out=None) -> "Call":
         """The call as the rules see it (inputs repeated over the batch for a broadcast call)."""
@@ -80,6 +92,9 @@ class Record:
         if self.broadcast is not None:
             args = tuple(self.broadcast.repeat(x) for x in args)
             kwargs = {k: self.broadcast.repeat(v) for k, v in kwargs.items()}
+        if self.transposed:
+            args = tuple(self.batch_first(x) for x in args)
+            kwargs = {k: self.batch_first(v) for k, v in kwargs.items()}
         return Call(self.module, args, kwargs, grad_out, self.batch_dim)
 
     def release(self):

@@ -86,13 +86,38 @@ def model_batch(calls) -> Optional[int]:
                 record.module,
                 f"it sees {sizes[record]} samples along dim {record.batch_dim} while module "
                 f"{first.module._curvopt_path!r} saw {sizes[first]}; every layer with parameters "
-                "must keep the batch dimension intact (a sequence-first model: use "
-                "batch_first=True; a parameter broadcast over the batch, such as position "
+                "must keep the batch dimension intact (a sequence-first model: extend the loss "
+                "too, so that curvopt can find the batch, or use batch_first=True; a parameter "
+                "broadcast over the batch, such as position "
                 "embeddings looked up with a shared arange(T) or a class token: index or expand "
                 "it per sample, e.g. pos_emb(torch.arange(T).expand(N, T)), inside a module that "
                 "receives the batch)",
             )
     return sizes[first]
+
+
+def align(calls) -> List[object]:
+    """Sequence-first models: a positionwise call (Linear, LayerNorm, Embedding) whose output
+    ``[T, N, ...]`` has the batch of the calls with a fixed batch dim (``MultiheadAttention
+    (batch_first=False)``, convolutions, ...) on dim 1 is marked ``transposed``. Returns the
+    calls for which dims 0 and 1 both fit (``T == N``): the probes decide those."""
+
+    def flexible(record):
+        shape = record.out_shapes[0]
+        return record.positionwise and record.broadcast is None and len(shape) >= 3
+
+    anchors = {record.batch_size for record in calls if not flexible(record)}
+    if len(anchors) != 1:
+        return []
+    (n,) = anchors
+    ambiguous = []
+    for record in filter(flexible, calls):
+        shape = record.out_shapes[0]
+        if shape[0] != n and shape[1] == n:
+            record.transposed = True
+        elif shape[0] == n == shape[1]:
+            ambiguous.append(record)
+    return ambiguous
 
 
 def _candidates(rows: int, n: int, device) -> List[torch.Tensor]:
@@ -116,13 +141,25 @@ def establish(
     Rows are dim 0; where the Hessian is ``elementwise`` (independent entries, so dim 1 holds
     independent units too) also the pairs of dims 0 and 1 (a sequence-first ``[T, N, D]``).
     """
-    n = model_batch(calls)
     key = (signature, tuple(shape), elementwise)
+    records = list(calls)
     if key in _CACHE:
         _CACHE.move_to_end(key)
         found = _CACHE[key]
+        if found is not None:
+            for index in found[2]:
+                records[index].transposed = True
+        n = model_batch(calls)
     else:
+        ambiguous = align(calls)
+        n = model_batch(calls)
         found = _verified(source, shape, calls, batched, n, elementwise)
+        if found is None and ambiguous:  # T == N: the batch may be dim 1 of those calls
+            for record in ambiguous:
+                record.transposed = True
+            found = _verified(source, shape, calls, batched, n, elementwise)
+        if found is not None:
+            found = (*found, [i for i, r in enumerate(records) if r.transposed])
         _CACHE[key] = found
         if len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)

@@ -160,22 +160,42 @@ def test_kfra_does_not_accumulate():
             lossfunc(model(x[3:]), y[3:]).backward()
 
 
-def test_sequence_first_transformer_raises_or_is_right():
-    """batch_first=False: the layers disagree on the batch (T != N) or the probes catch the
-    mix-up (T == N); first and second order alike."""
+@pytest.mark.parametrize("length", [5, 3])  # T != N, and T == N (only the probes can tell)
+@pytest.mark.parametrize("extension", [ext.DiagGGNExact, ext.BatchGrad])
+def test_sequence_first_transformer_is_per_sample_of_dim_1(length, extension):
+    """batch_first=False: the Linear/LayerNorm calls see [T, N, D]; with the loss extended the
+    batch is found on their dim 1 (MultiheadAttention's batch), first and second order."""
     torch.manual_seed(0)
-    for length in (5, 3):
-        plain = nn.Sequential(nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0), nn.Linear(4, 3)).to(
-            DT
-        )
-        x = torch.randn(length, 3, 4, dtype=DT)
-        y = torch.randint(0, 3, (length * 3,))
-        for extension in (ext.DiagGGNExact, ext.BatchGrad):
-            model, lossfunc = _extended(plain)
-            with pytest.raises(UnsupportedModuleError, match="samples"):
-                with curvopt.collect(extension()):
-                    lossfunc(model(x).reshape(-1, 3), y).backward()
-            assert_no_attributes(model)
+    plain = nn.Sequential(nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0), nn.Linear(4, 3)).to(DT)
+    x = torch.randn(length, 3, 4, dtype=DT)
+    y = torch.randint(0, 3, (length * 3,))
+    model, lossfunc = _extended(plain)
+
+    def loss_on(out, target):
+        return nn.CrossEntropyLoss()(out.reshape(-1, 3), target)
+
+    with curvopt.collect(extension()):
+        lossfunc(model(x).reshape(-1, 3), y).backward()
+    if extension is ext.BatchGrad:
+        want = per_sample_grads(plain, loss_on, x, y, 1)
+        for name, p in model.named_parameters():
+            assert_close(p.grad_batch, want[name], name)
+    else:
+        blocks, _ = ggn_reference(plain, loss_on, x, y, out_dim=1)
+        for name, p in model.named_parameters():
+            assert_close(p.diag_ggn_exact, torch.diagonal(blocks[name]).reshape(p.shape), name)
+
+
+def test_sequence_first_with_a_plain_loss_raises_when_layers_disagree():
+    """Without the extended loss nothing can find the batch: T != N raises (T == N is what
+    curvopt.verify is for, README)."""
+    plain = nn.Sequential(nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0), nn.Linear(4, 3)).to(DT)
+    model = curvopt.extend(_copy(plain))
+    x, y = torch.randn(5, 3, 4, dtype=DT), torch.randint(0, 3, (15,))
+    with pytest.raises(UnsupportedModuleError, match="samples"):
+        with curvopt.collect(ext.BatchGrad()):
+            nn.CrossEntropyLoss()(model(x).reshape(-1, 3), y).backward()
+    assert_no_attributes(model)
 
 
 class _Mixing(nn.Module):

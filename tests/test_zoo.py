@@ -69,8 +69,6 @@ UNSUPPORTED = {
     **{(m, q): UnsupportedModuleError for m in ("vit", "seq_first") for q in _KRON},
     # a parameter used outside its module (h @ tok.weight.T) is rejected by every quantity
     **{("gpt_functional", q): UnsupportedModuleError for q in _ALL},
-    # README: sequence-first layers (batch on dim 1 of Linear inputs) raise; use batch_first=True
-    **{("seq_first", q): UnsupportedModuleError for q in _ALL},
 }
 
 #: weights used by several layers: KFAC's factors are the nearest Kronecker product of the sum
@@ -303,19 +301,29 @@ def test_zoo_models_are_float64_and_deterministic():
             assert torch.equal(x, z), name
 
 
-@pytest.mark.parametrize("quantity", ["BatchGrad", "DiagGGNExact", "KFLR-expand"])
+@pytest.mark.parametrize("quantity", ["BatchGrad", "DiagGGNExact", "BatchDiagGGNExact"])
 def test_sequence_first_with_batch_equal_to_length(quantity):
     """Issue 14 item 4: the sequence-first encoder with ``N == T`` (shapes cannot tell the
-    batch from the sequence) must not return numbers either: the documented error, nothing
-    written."""
+    batch from the sequence): the probes find the batch on dim 1, and the numbers are per
+    sample of the model's batch."""
     problem = zoo.seq_first("mean", T=N)
     X, y = problem.make_batch(N, 0)
     model = curvopt.extend(copy.deepcopy(problem.model))
     loss = problem.loss_of(model, X, y, curvopt.extend(copy.deepcopy(problem.lossfunc)))
-    with pytest.raises(UnsupportedModuleError):
-        with curvopt.collect(QUANTITIES[quantity][0]()):
-            loss.backward()
-    assert_no_attributes(model, ALL_ATTRS, f"seq_first N == T {quantity}: ")
+    make, attr = QUANTITIES[quantity]
+    with curvopt.collect(make()):
+        loss.backward()
+    if quantity == "BatchGrad":
+        want = reference.per_sample_grads(problem.model, problem.loss_on, X, y, 1)
+    else:
+        blocks, per_sample = reference.ggn(problem.model, problem.loss_on, X, y, 1)
+        want = (
+            per_sample
+            if quantity.startswith("Batch")
+            else {k: torch.diagonal(b).reshape(per_sample[k].shape[1:]) for k, b in blocks.items()}
+        )
+    for pname, p in trainable(model).items():
+        assert_close(getattr(p, attr), want[pname], f"seq_first N == T {pname}.{attr}")
 
 
 @pytest.mark.parametrize("name", MODELS)

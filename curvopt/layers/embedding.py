@@ -38,6 +38,8 @@ def _aggregate(call):
 
 @register(nn.Embedding)
 class EmbeddingRule(LayerRule):
+    positionwise = True
+
     def check(self, module):
         if module.scale_grad_by_freq:
             return (

@@ -24,6 +24,8 @@ def _flat(call):
 
 @register(nn.Linear)
 class LinearRule(LayerRule):
+    positionwise = True
+
     def batch_grad(self, call, name, out=None):
         x, g = _flat(call)
         if name == "bias":

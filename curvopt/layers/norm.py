@@ -42,6 +42,8 @@ class _AffineNormRule(LayerRule):
 
 @register(nn.LayerNorm)
 class LayerNormRule(_AffineNormRule):
+    positionwise = True
+
     def normalized(self, module, x):
         return F.layer_norm(x, module.normalized_shape, None, None, module.eps)
 

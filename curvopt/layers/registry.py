@@ -64,6 +64,9 @@ class LayerRule:
     #: whether the rule also owns the parameters of the module's children
     #: (modules whose forward uses their children's parameters functionally, e.g. attention)
     owns_children: bool = False
+    #: whether the module acts on every position of its leading dims alike (Linear, LayerNorm,
+    #: Embedding), so that the batch may be its dim 1 in a sequence-first model
+    positionwise: bool = False
 
     def batch_dim(self, module: nn.Module) -> int:
         """Dimension of the inputs/outputs that indexes samples."""
