@@ -106,7 +106,7 @@ class BackwardPass:
             return  # a loss without a curvature rule still gets first-order quantities
         upstream = module_outputs(record.output)
         self.watch_broadcasts(upstream.calls)
-        if upstream.calls:
+        if upstream.calls and upstream.signature is not None:  # not for logits[mask] & co
             output = record.output
             establish(
                 output,
@@ -115,6 +115,7 @@ class BackwardPass:
                 upstream.batchable,
                 upstream.signature,
                 elementwise,
+                required=False,
             )
 
     def watch_broadcasts(self, calls) -> None:

@@ -40,6 +40,8 @@ _CHECKED_SIZE = 256
 
 
 def mark_checked(signature) -> None:
+    if signature is None:  # a graph that indexes by data: checked on every pass
+        return
     CHECKED[signature] = None
     CHECKED.move_to_end(signature)
     if len(CHECKED) > _CHECKED_SIZE:
@@ -83,7 +85,7 @@ class CurvaturePass:
         self.layout = establish(
             output, output.shape, calls, self.batched, upstream.signature, rule.elementwise
         )
-        if upstream.signature not in CHECKED:
+        if upstream.signature is None or upstream.signature not in CHECKED:
             self.bp.expect_gradients(calls, self._propagate_gradient(calls), upstream.signature)
         groups = defaultdict(list)
         for ext in self.exts:

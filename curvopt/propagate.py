@@ -9,7 +9,7 @@ batching rule, one column at a time otherwise.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -29,15 +29,26 @@ _NO_BATCHING_RULE = {
     "ScaledDotProductEfficientAttentionBackward0",
     "ScaledDotProductFlashAttentionBackward0",
 }
+#: ops that pick entries by data (boolean masks, index tensors): which rows of the loss belong
+#: to which sample can change from batch to batch under the same graph structure
+_DATA_INDEXING = {
+    "IndexBackward0",
+    "MaskedSelectBackward0",
+    "IndexSelectBackward0",
+    "GatherBackward0",
+    "TakeBackward0",
+    "MaskedScatterBackward0",
+}
 #: backward nodes of graphs compiled by ``torch.compile``, whose ops columns cannot pass
 _COMPILED = {"CompiledFunctionBackward", "CompiledFunction"}
 
 
 class Upstream:
     """The extended-module calls upstream of a root: ``calls[record] = [(output index, edge)]``,
-    whether columns may be propagated batched, and a key of the graph's structure."""
+    whether columns may be propagated batched, and a key of the graph's structure (``None``
+    where the graph indexes by data, so that what holds for one batch need not for the next)."""
 
-    def __init__(self, calls, batchable: bool, signature: Tuple):
+    def __init__(self, calls, batchable: bool, signature: Optional[Tuple]):
         self.calls: Dict[object, List[Tuple[int, GradientEdge]]] = calls
         self.batchable = batchable
         self.signature = signature
@@ -78,7 +89,8 @@ def module_outputs(root) -> Upstream:
             if record.broadcast is not None:
                 found[record] = [(index, record.broadcast.edge)]
                 kinds.append(("broadcast", id(record.module)))
-    return Upstream(found, batchable, tuple(kinds))
+    by_data = any(kind in _DATA_INDEXING for kind in kinds if isinstance(kind, str))
+    return Upstream(found, batchable, None if by_data else tuple(kinds))
 
 
 def backpropagate(outputs, edges, columns: torch.Tensor, batched: bool):

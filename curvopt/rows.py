@@ -16,7 +16,8 @@ module output, must vanish exactly on the samples whose bit ``b`` differs. These
 ``2 ceil(log2 N)`` columns catch any row that depends on a sample other than its own:
 functional batch norm or ``h - h.mean(0)`` between layers, a sequence-first model read as
 batch-first, layers that disagree on the batch. Verified layouts are cached per graph structure
-(node types and shapes), so the probes run once per model and input shape.
+(node types and shapes), so the probes run once per model and input shape; graphs that index by
+data (``logits[mask]``) are probed on every pass.
 """
 
 from __future__ import annotations
@@ -124,8 +125,8 @@ def _candidates(rows: int, n: int, device) -> List[torch.Tensor]:
     index = torch.arange(rows, device=device)
     if n == 1:
         return [torch.zeros_like(index)]
-    if rows == n:
-        return [index]
+    if rows <= n:
+        return [index]  # one row per sample (rows < n: the first ``rows`` samples, out[:k])
     if rows % n:
         return []
     per = rows // n
@@ -133,26 +134,35 @@ def _candidates(rows: int, n: int, device) -> List[torch.Tensor]:
 
 
 def establish(
-    source, shape, calls, batched: bool, signature: Hashable, elementwise: bool = False
-) -> RowLayout:
+    source,
+    shape,
+    calls,
+    batched: bool,
+    signature: Hashable,
+    elementwise: bool = False,
+    required: bool = True,
+) -> Optional[RowLayout]:
     """The verified layout of the rows of ``source`` (a tensor or gradient edge of ``shape``)
     over the samples of ``calls``; raises when no candidate map passes the probes.
 
     Rows are dim 0; where the Hessian is ``elementwise`` (independent entries, so dim 1 holds
     independent units too) also the pairs of dims 0 and 1 (a sequence-first ``[T, N, D]``).
+    Not ``required`` (a check only): ``None`` when the shapes suggest no map at all.
     """
-    key = (signature, tuple(shape), elementwise)
+    key = None if signature is None else (signature, tuple(shape), elementwise)
     records = list(calls)
-    if key in _CACHE:
+    cached = key is not None and key in _CACHE
+    if cached:
         _CACHE.move_to_end(key)
         found = _CACHE[key]
-        if found is not None:
-            for index in found[2]:
-                records[index].transposed = True
-        n = model_batch(calls)
+        for index in () if found is None else found[2]:
+            records[index].transposed = True
     else:
         ambiguous = align(calls)
-        n = model_batch(calls)
+    n = model_batch(calls)
+    if not required and not _any_candidate(shape, n, elementwise):
+        return None
+    if not cached:
         found = _verified(source, shape, calls, batched, n, elementwise)
         if found is None and ambiguous:  # T == N: the batch may be dim 1 of those calls
             for record in ambiguous:
@@ -160,9 +170,10 @@ def establish(
             found = _verified(source, shape, calls, batched, n, elementwise)
         if found is not None:
             found = (*found, [i for i, r in enumerate(records) if r.transposed])
-        _CACHE[key] = found
-        if len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
+        if key is not None:
+            _CACHE[key] = found
+            if len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
     if found is None:
         raise UnsupportedModuleError(
             f"curvopt cannot tell which of the {shape[0]} rows of the loss input belong to which "
@@ -175,10 +186,18 @@ def establish(
     return RowLayout(found[1], n, found[0])
 
 
+def _row_dims(shape, elementwise):
+    return (1, 2) if elementwise and len(shape) > 1 else (1,)
+
+
+def _any_candidate(shape, n, elementwise) -> bool:
+    return any(_candidates(math.prod(shape[:d]), n, "cpu") for d in _row_dims(shape, elementwise))
+
+
 def _verified(source, shape, calls, batched, n, elementwise) -> Optional[tuple]:
     """``(row_dims, sample)`` of the first candidate map that passes the probes."""
     device = next(iter(calls)).device
-    for row_dims in (1, 2) if elementwise and len(shape) > 1 else (1,):
+    for row_dims in _row_dims(shape, elementwise):
         rows = math.prod(shape[:row_dims])
         for sample in _candidates(rows, n, device):
             if _passes(source, shape, calls, batched, sample, n, row_dims):

@@ -486,3 +486,31 @@ def test_custom_autograd_function_first_and_second_order():
         want = torch.einsum("op,oq,qp->p", j, hess, j).reshape(p.shape)
         assert_close(p.diag_ggn_exact, want, name)
         assert_close(p.grad_batch, grads[name], name)
+
+
+@pytest.mark.parametrize("case", ["mask", "prefix"])
+def test_loss_on_rows_selected_by_data_or_a_prefix(case):
+    """``logits[mask]`` (a fresh mask every step: the row map is probed on every pass, never
+    cached) and ``out[:k]`` (a loss on the first k samples only) give the reference numbers."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Embedding(7, 4), nn.Tanh(), nn.Linear(4, 7)).to(DT)
+    model, lossfunc = _extended(plain)
+    for _ in range(3):  # a fresh selection every step
+        idx = torch.randint(0, 7, (4, 6) if case == "mask" else (4,))
+        if case == "mask":
+            select = torch.zeros(4, 6, dtype=torch.bool)
+            for n in range(4):
+                select[n, torch.randperm(6)[:3]] = True  # 3 rows of every sample
+        else:
+            select = slice(0, 3)
+
+        def loss_on(out, target, select=select):
+            return nn.CrossEntropyLoss()(out[select].reshape(-1, 7), target[select].reshape(-1))
+
+        with curvopt.collect(ext.BatchGrad(), ext.DiagGGNExact()):
+            lossfunc(model(idx)[select].reshape(-1, 7), idx[select].reshape(-1)).backward()
+        blocks, _ = ggn_reference(plain, loss_on, idx, idx)
+        grads = per_sample_grads(plain, loss_on, idx, idx)
+        for name, p in model.named_parameters():
+            assert_close(p.diag_ggn_exact, torch.diagonal(blocks[name]).reshape(p.shape), name)
+            assert_close(p.grad_batch, grads[name], name)
