@@ -10,6 +10,8 @@ importable. A backend that cannot compute a case raises :class:`Unsupported`.
 
 from __future__ import annotations
 
+import importlib
+
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -71,8 +73,17 @@ class Backend:
     """Turns a problem and a quantity into a step; ``available()`` says why not, if not."""
 
     name = ""
+    #: the optional package the backend needs (None: always available)
+    package: str | None = None
 
     def available(self) -> str | None:
+        """Why the backend cannot run here (its package is not importable), or None."""
+        if self.package is None:
+            return None
+        try:
+            importlib.import_module(self.package)
+        except Exception as e:  # noqa: BLE001
+            return f"not importable ({type(e).__name__}: {e})"
         return None
 
     def make_step(self, inst: Instance, quantity: Quantity) -> Step:
@@ -194,13 +205,7 @@ class OpacusBackend(Backend):
     """
 
     name = "opacus"
-
-    def available(self):
-        try:
-            import opacus  # noqa: F401
-        except Exception as e:  # noqa: BLE001
-            return f"not importable ({type(e).__name__}: {e})"
-        return None
+    package = "opacus"
 
     def make_step(self, inst, quantity):
         from opacus import GradSampleModule
@@ -253,17 +258,11 @@ class BackpackBackend(Backend):
     """
 
     name = "backpack"
+    package = "backpack"
 
     def verify(self, inst, quantity):
         # BackPACK only warns about modules it has no rule for (here: attention, LayerNorm)
         _verify_attributes(self.name, inst, quantity)
-
-    def available(self):
-        try:
-            import backpack  # noqa: F401
-        except Exception as e:  # noqa: BLE001
-            return f"not importable ({type(e).__name__}: {e})"
-        return None
 
     def make_step(self, inst, quantity):
         import backpack

@@ -75,6 +75,17 @@ def _seeded(build: Callable[..., nn.Module], *args, **kwargs) -> nn.Module:
         return build(*args, **kwargs)
 
 
+def _images(classes: int, dtype) -> Callable:
+    """``make_batch(n, seed)``: images ``[n, 2, 4, 4]`` and class labels."""
+
+    def make_batch(n: int, seed: int = 0) -> Batch:
+        g = _generator(seed)
+        images = torch.randn(n, 2, 4, 4, generator=g, dtype=dtype)
+        return images, torch.randint(0, classes, (n,), generator=g)
+
+    return make_batch
+
+
 def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -254,13 +265,7 @@ def vit(reduction: str = "mean", classes: int = 3, dtype=torch.float64) -> Probl
     model = _seeded(ViT, classes=classes)
     lossfunc = nn.CrossEntropyLoss(reduction=reduction)
 
-    def make_batch(n: int, seed: int = 0) -> Batch:
-        g = _generator(seed)
-        return torch.randn(n, 2, 4, 4, generator=g, dtype=dtype), torch.randint(
-            0, classes, (n,), generator=g
-        )
-
-    return _problem(model, lossfunc, make_batch, _plain(lossfunc), dtype=dtype)
+    return _problem(model, lossfunc, _images(classes, dtype), _plain(lossfunc), dtype=dtype)
 
 
 # ------------------------------------------------------------------------------ sequence-first
@@ -334,13 +339,7 @@ def resnet_block(reduction: str = "mean", classes: int = 3, dtype=torch.float64)
     model = _seeded(ResNetBlock, classes=classes)
     lossfunc = nn.CrossEntropyLoss(reduction=reduction)
 
-    def make_batch(n: int, seed: int = 0) -> Batch:
-        g = _generator(seed)
-        return torch.randn(n, 2, 4, 4, generator=g, dtype=dtype), torch.randint(
-            0, classes, (n,), generator=g
-        )
-
-    return _problem(model, lossfunc, make_batch, _plain(lossfunc), dtype=dtype)
+    return _problem(model, lossfunc, _images(classes, dtype), _plain(lossfunc), dtype=dtype)
 
 
 # ------------------------------------------------------------------------------ MLP
