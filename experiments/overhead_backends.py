@@ -11,7 +11,6 @@ importable. A backend that cannot compute a case raises :class:`Unsupported`.
 from __future__ import annotations
 
 import importlib
-
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
