@@ -36,7 +36,7 @@ from curvopt.losses import loss_rule_for
 from curvopt.params import shared_parameters, trainable
 from curvopt.propagate import module_outputs
 from curvopt.records import Call
-from curvopt.reductions import probe_columns, squared_norms, sum_of_squares
+from curvopt.reductions import gram_add_, probe_columns, squared_norms, sum_of_squares
 from curvopt.rows import establish
 
 #: elements per chunk when per-sample gradients are materialised only to be reduced
@@ -384,7 +384,7 @@ class BackwardPass:
         key = (id(p), attr)
         uses = self.kron_uses.setdefault(key, {})
         if record in uses:
-            uses[record][0][out_index].add_(factors[out_index])
+            gram_add_(uses[record][0][out_index], factors[out_index])
             return
         if uses and attr == "kfra":
             raise module_error(

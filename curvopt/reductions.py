@@ -39,3 +39,52 @@ def probe_columns(x: torch.Tensor, spans: int = 16, width: int = 256) -> torch.T
         return x.unsqueeze(1)
     step = (numel - width) // (spans - 1)
     return x.as_strided((rows, spans, width), (x.stride(0), step, 1), x.storage_offset())
+
+
+#: Gram products at least this wide (and at least as tall) are computed by symmetric blocks
+_GRAM_BLOCKED = 512
+_GRAM_BLOCKS = 4
+
+
+def gram(rows: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``scale · rowsᵀ rows`` (``[M, D] -> [D, D]``, symmetric positive semi-definite).
+
+    Wide and tall products (``D ≥ 512``, ``M ≥ D``) compute only the upper block triangle of a
+    4 x 4 block split and mirror it (10/16 of the flops of one matmul, a stand-in for BLAS
+    ``syrk``). When ``M < D`` the product has rank at most ``M`` and carries its root: see
+    :func:`gram_root`.
+    """
+    dim = rows.shape[1]
+    if dim >= _GRAM_BLOCKED and rows.shape[0] >= dim:
+        product = rows.new_empty(dim, dim)
+        bounds = [dim * i // _GRAM_BLOCKS for i in range(_GRAM_BLOCKS + 1)]
+        for lo, hi in zip(bounds, bounds[1:]):
+            block = rows[:, lo:hi].T @ rows[:, lo:]
+            product[lo:hi, lo:] = block
+            product[hi:, lo:hi] = block[:, hi - lo :].T
+        return product.mul_(scale) if scale != 1 else product
+    product = torch.addmm(rows.new_zeros(()), rows.T, rows, beta=0, alpha=scale)
+    if rows.shape[0] < dim:
+        product.gram_root = rows * scale**0.5
+    return product
+
+
+def gram_root(matrix: torch.Tensor) -> torch.Tensor | None:
+    """``U [M, D]`` with ``matrix = Uᵀ U`` and ``M < D``, for a product of :func:`gram` (or of
+    :func:`gram_add_`); ``None`` for any other matrix. Whoever modifies such a matrix in place
+    must go through :func:`gram_add_`; consumers check the root against the matrix anyway."""
+    return getattr(matrix, "gram_root", None)
+
+
+def gram_add_(matrix: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``matrix += other`` in place, keeping the root (the rows of both stacked) while the
+    stacked rows stay fewer than ``D``, dropping it otherwise."""
+    roots = (gram_root(matrix), gram_root(other))
+    matrix.add_(other)
+    if hasattr(matrix, "gram_root"):
+        del matrix.gram_root
+    if roots[0] is not None and roots[1] is not None:
+        stacked = torch.cat(roots)
+        if stacked.shape[0] < matrix.shape[0]:
+            matrix.gram_root = stacked
+    return matrix

@@ -14,7 +14,8 @@
 * Any one-dimensional parameter (biases, norm scales): ``[B]``, the exact block
   ``sum_{k,n} g_nk g_nk^T`` from the per-(sample, column) gradients.
 
-For ``N = 1`` and one position each factorisation is exact.
+For ``N = 1`` and one position each factorisation is exact. Every factor built from fewer
+rows than its size carries its root (``reductions.gram_root``), for low-rank inversion.
 """
 
 from __future__ import annotations
@@ -25,11 +26,7 @@ from torch import nn
 from curvopt.errors import UnsupportedModuleError, module_error
 from curvopt.layers.registry import rule_for
 from curvopt.layers.unfold import unfold_conv_input
-
-
-def _outer(v: torch.Tensor) -> torch.Tensor:
-    """``v [M, D] -> v^T v``."""
-    return v.T @ v
+from curvopt.reductions import gram
 
 
 def _linear_like(x, v, approx):
@@ -37,8 +34,8 @@ def _linear_like(x, v, approx):
     n = x.shape[0]
     if approx == "reduce":
         xbar = x.mean(1)
-        return [_outer(v.sum(2).flatten(0, 1)), _outer(xbar) / n]
-    return [_outer(v.flatten(0, 2)), _outer(x.flatten(0, 1)) / (n * x.shape[1])]
+        return [gram(v.sum(2).flatten(0, 1)), gram(xbar, 1 / n)]
+    return [gram(v.flatten(0, 2)), gram(x.flatten(0, 1), 1 / (n * x.shape[1]))]
 
 
 def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int):
@@ -47,7 +44,7 @@ def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int)
     if p.dim() == 1:
         rule = rule_for(module)
         grads = rule.batch_grad(call.expand(columns), name)
-        return [_outer(grads)]
+        return [gram(grads)]
     if isinstance(columns, tuple):
         raise module_error(module, "Kronecker factors need a module with a single output")
     if isinstance(module, nn.Linear) and name == "weight":
@@ -76,11 +73,11 @@ def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int)
                 counts[:, module.padding_idx] = 0
             xbar = counts / idx.shape[1]
             v = columns.reshape(columns.shape[0], n, -1, dim).sum(2)
-            return [_outer(xbar) / n, _outer(v.flatten(0, 1))]
+            return [gram(xbar, 1 / n), gram(v.flatten(0, 1))]
         counts = torch.bincount(idx.flatten(), minlength=module.num_embeddings).to(columns.dtype)
         if module.padding_idx is not None:
             counts[module.padding_idx] = 0
-        return [torch.diag(counts / idx.numel()), _outer(columns.reshape(-1, dim))]
+        return [torch.diag(counts / idx.numel()), gram(columns.reshape(-1, dim))]
     raise UnsupportedModuleError(
         f"curvopt has no Kronecker factorisation for parameter {name!r} of module "
         f"{module._curvopt_path!r} ({type(module).__name__}); supported: Linear, Conv1d/2d/3d "

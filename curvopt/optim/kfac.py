@@ -113,7 +113,8 @@ class KFAC(NewtonOptimizer):
             "cholesky",
             (curvature_step, damping),
             interval,
-            lambda: trace_norm_cholesky(curvature, damping),
+            # Woodbury needs each rank's own roots: off when inverses are spread over ranks
+            lambda: trace_norm_cholesky(curvature, damping, low_rank=self._distributed is None),
             lambda: [torch.empty_like(f) for f in curvature],
         )
 
