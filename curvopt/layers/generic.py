@@ -26,6 +26,7 @@ from curvopt.errors import UnsupportedModuleError
 from curvopt.layers.registry import LayerRule, register, register_fallback
 from curvopt.params import owned_parameters
 from curvopt.records import output_tensors
+from curvopt.reductions import squared_norms, sum_of_squares
 from curvopt.state import STATE
 
 #: elements of per-sample gradients held at once when only reduced quantities are wanted
@@ -80,8 +81,8 @@ class GenericRule(LayerRule):
         for start in range(0, n, step):
             chunk = self._run(call, (start, min(n, start + step)))
             for name, g in chunk.items():
-                l2 = torch.linalg.vector_norm(g.flatten(1), dim=1).pow_(2)
-                sq = torch.linalg.vector_norm(g, dim=0).pow_(2)
+                l2 = squared_norms(g)
+                sq = sum_of_squares(g)
                 parts.setdefault(name, []).append(l2)
                 if name in sums:
                     sums[name][0].add_(sq)

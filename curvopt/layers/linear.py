@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from curvopt.layers.registry import LayerRule, register
+from curvopt.reductions import sum_of_squares
 
 
 def _flat(call):
@@ -70,8 +71,7 @@ class LinearRule(LayerRule):
         x = call.input
         if name == "bias" or x.reshape(x.shape[0], -1, x.shape[-1]).shape[1] != 1:
             return None
-        v2 = torch.linalg.vector_norm(columns.reshape(columns.shape[0], x.shape[0], -1), dim=0)
-        v2 = v2.square_()  # [N, O]
+        v2 = sum_of_squares(columns.reshape(columns.shape[0], x.shape[0], -1))  # [N, O]
         x2 = x.reshape(x.shape[0], -1).square()  # [N, I]
         return v2.unsqueeze(2) * x2.unsqueeze(1) if batched else v2.T @ x2
 

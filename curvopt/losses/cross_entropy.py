@@ -72,8 +72,11 @@ class CrossEntropyLossRule(LossRule):
                 f"CrossEntropyLoss: class-index target must have shape {expected} for input "
                 f"{tuple(output.shape)}, got {tuple(target.shape)}."
             )
-        kept = target[target != loss_module.ignore_index]
-        if ((kept < 0) | (kept >= output.shape[1])).any():
+        low, high = torch.aminmax(target)
+        if low >= 0 and high < output.shape[1]:  # one sync in the usual case
+            return
+        bad = ((target < 0) | (target >= output.shape[1])) & (target != loss_module.ignore_index)
+        if bad.any():
             raise ValueError(
                 f"CrossEntropyLoss: class indices must lie in [0, {output.shape[1]}) or equal "
                 f"ignore_index={loss_module.ignore_index}."
@@ -89,24 +92,28 @@ class CrossEntropyLossRule(LossRule):
             probs = target.to(output).reshape(*output.shape[:2], -1)  # [N, C, D]
             alpha = (1 - eps) * torch.einsum("c,ncd->nd", weight, probs) + eps * weight.mean()
             count = output[:, 0].numel()
-        else:
+            if (alpha < 0).any():
+                raise UnsupportedLossError(
+                    "CrossEntropyLoss: probability targets with sum_c weight_c * target_c < 0 "
+                    "make the Hessian negative definite, so it has no square root; use "
+                    "nonnegative probabilities."
+                )
+        else:  # nonnegative class weights (check_options): alpha >= 0
             labels = target.reshape(output.shape[0], -1)
             kept = labels != loss_module.ignore_index
-            weight_y = torch.where(kept, weight[labels.where(kept, 0)], 0)
-            alpha = (1 - eps) * weight_y + eps * weight.mean() * kept
-            count = weight_y.sum()
+            if loss_module.weight is None and eps == 0:  # the usual case: 1 where kept
+                alpha = kept.to(output.dtype)
+                count = alpha.sum()
+            else:
+                weight_y = torch.where(kept, weight[labels.where(kept, 0)], 0)
+                alpha = (1 - eps) * weight_y + eps * weight.mean() * kept
+                count = weight_y.sum()
             if loss_module.reduction == "mean" and count == 0:
                 raise ValueError(
                     "CrossEntropyLoss(reduction='mean'): every target is ignore_index or has "
                     "zero class weight, so the loss is 0/0 = nan; use reduction='sum' or keep a "
                     "target."
                 )
-        if (alpha < 0).any():
-            raise UnsupportedLossError(
-                "CrossEntropyLoss: probability targets with sum_c weight_c * target_c < 0 make "
-                "the Hessian negative definite, so it has no square root; use nonnegative "
-                "probabilities."
-            )
         return alpha * reduction_scale(loss_module, count)
 
     def num_columns(self, loss_module, output):
@@ -117,8 +124,12 @@ class CrossEntropyLossRule(LossRule):
         probs = output.softmax(1).reshape(batch, num_classes, -1)  # [N, C, D]
         beta = self._beta(loss_module, output, target)  # [N, D]
         cs, ds = ks // probs.shape[2], ks % probs.shape[2]
-        coeff = (beta[:, ds] * probs[:, cs, ds]).sqrt().T  # [k, N]
         one_hot = F.one_hot(cs, num_classes).to(output)[:, None, :]  # [k, 1, C]
+        if probs.shape[2] == 1:  # one position: the columns are the factor
+            p = probs[:, :, 0]
+            coeff = (beta * p)[:, cs].sqrt_().T  # [k, N]
+            return (coeff[..., None] * (one_hot - p)).reshape(len(ks), *output.shape)
+        coeff = (beta[:, ds] * probs[:, cs, ds]).sqrt().T  # [k, N]
         columns = coeff[..., None] * (one_hot - probs[:, :, ds].permute(2, 0, 1))  # [k, N, C]
         factor = output.new_zeros(len(ks), *probs.shape)
         factor[torch.arange(len(ks), device=ks.device), :, :, ds] = columns
