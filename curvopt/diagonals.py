@@ -44,16 +44,19 @@ def diag_from_columns(rule, call: Call, columns, name: str, batched: bool, n: in
         for start in range(0, k, step):
             chunk = _narrow(sub_columns, start, min(k, start + step))
             grads = rule.column_grads(sub, chunk, name)  # [n, k, *p]; may alias the columns
-            squares = _squares_per_sample(grads)
+            squares = _squares_per_sample(grads) if batched else sum_of_squares(grads, dims=2)
             totals = squares if totals is None else totals.add_(squares)
         per_sample.append(totals)
-    result = torch.cat(per_sample)
-    return result if batched else result.sum(0)
+    if not batched:
+        return per_sample[0] if len(per_sample) == 1 else torch.stack(per_sample).sum(0)
+    return per_sample[0] if len(per_sample) == 1 else torch.cat(per_sample)
 
 
 def _squares_per_sample(grads: torch.Tensor) -> torch.Tensor:
     """``[n, k, *p] -> [n, *p]``, the sum over ``k`` of squares: one vectorised op for small
     samples, sample by sample (no temporary copy) for large ones."""
+    if grads.shape[1] == 1:  # one column (Monte-Carlo): nothing to sum
+        return grads[:, 0].square()
     if grads[0].numel() <= _VECTORISED:
         return grads.square().sum(1)
     return torch.stack([sum_of_squares(g) for g in grads])

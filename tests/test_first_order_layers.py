@@ -22,6 +22,7 @@ from conftest import (
 from torch import nn
 
 import curvopt
+import curvopt.layers.conv
 from curvopt import extensions as ext
 from curvopt.errors import UnsupportedModuleError
 
@@ -161,6 +162,14 @@ CONV = {
 def test_conv(case, reduction, seed):
     make, shape = CONV[case]
     _run_case(make(), _x(*shape), reduction)
+
+
+@pytest.mark.parametrize("case", [c for c in CONV if not c.startswith("T")])
+def test_conv_per_sample_grads_by_grouped_convolution(case, monkeypatch, seed):
+    """The grouped-convolution kernel (samples as groups), forced on for small layers."""
+    monkeypatch.setattr(curvopt.layers.conv, "_GROUPED_MIN_CHANNELS", 1)
+    make, shape = CONV[case]
+    _run_case(make(), _x(*shape), "mean")
 
 
 class _TransposeWithOutputSize(nn.Module):

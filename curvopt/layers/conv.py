@@ -18,7 +18,7 @@ from torch import nn
 
 from curvopt.layers.registry import LayerRule, register
 from curvopt.records import Call
-from curvopt.layers.unfold import unfold, unfold_conv_input
+from curvopt.layers.unfold import padded_conv_input, unfold, unfold_conv_input
 
 
 def _grouped_outer(left, right, groups, out):
@@ -103,8 +103,55 @@ class _ConvRuleBase(LayerRule):
         return torch.bmm(left, right.transpose(1, 2)).reshape(call.module.weight.shape)
 
 
+#: per-group input channels from which one grouped convolution backward (samples as groups)
+#: beats unfolding the input and a batched matmul for per-sample weight gradients
+_GROUPED_MIN_CHANNELS = 16
+
+
+def _per_sample_weight_grads(module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``[N, *w.shape]``: the weight gradient of every sample at once, as the weight gradient of
+    one convolution over the batch stacked along channels (``[1, N C_in, *S]``) with ``N``
+    times the module's groups: no unfolded copy of the input."""
+    x, padding = padded_conv_input(module, x)
+    n = x.shape[0]
+    weight = module.weight
+    stacked_weight = weight.new_empty(n * weight.shape[0], *weight.shape[1:])
+    _, grads, _ = torch.ops.aten.convolution_backward(
+        g.reshape(1, n * g.shape[1], *g.shape[2:]),
+        x.reshape(1, n * x.shape[1], *x.shape[2:]),
+        stacked_weight,
+        None,
+        module.stride,
+        padding,
+        module.dilation,
+        False,
+        [0] * len(padding),
+        n * module.groups,
+        [False, True, False],
+    )
+    return grads.view(n, *weight.shape)
+
+
 @register(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 class ConvRule(_ConvRuleBase):
+    """Per-sample weight gradients (``batch_grad``, one column per sample) by one grouped
+    convolution backward where the layer has ``_GROUPED_MIN_CHANNELS`` input channels per group
+    or more, by unfolded patches otherwise (and for several columns per sample, which share
+    one unfolding)."""
+
+    def _grouped(self, module, name) -> bool:
+        return name == "weight" and module.in_channels // module.groups >= _GROUPED_MIN_CHANNELS
+
+    def batch_grad(self, call, name, out=None):
+        if self._grouped(call.module, name):
+            return _per_sample_weight_grads(call.module, call.input, call.grad_out)
+        return super().batch_grad(call, name, out)
+
+    def column_grads(self, call, columns, name):
+        if columns.shape[0] == 1 and self._grouped(call.module, name):
+            return _per_sample_weight_grads(call.module, call.input, columns[0]).unsqueeze(1)
+        return super().column_grads(call, columns, name)
+
     def _operands(self, call):
         g = call.grad_out
         n = g.shape[0]

@@ -49,15 +49,21 @@ def unfold(
     return view.reshape(n, c * math.prod(kernel_size), math.prod(out))
 
 
+def padded_conv_input(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """``(x', padding)``: the input of a ``ConvNd`` module and the zero padding on both sides
+    that its convolution applies to ``x'`` (string padding and padding modes applied to ``x'``
+    already, with ``padding`` 0)."""
+    if module.padding_mode == "zeros" and not isinstance(module.padding, str):
+        return x, tuple(module.padding)
+    pad_mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    x = F.pad(x, module._reversed_padding_repeated_twice, mode=pad_mode)
+    return x, (0,) * (x.dim() - 2)
+
+
 def unfold_conv_input(
     module: nn.Module, x: torch.Tensor, positions_first: bool = False
 ) -> torch.Tensor:
     """The patches a ``ConvNd`` module convolves, honouring string padding and padding modes
     (layout as in :func:`unfold`)."""
-    if module.padding_mode == "zeros" and not isinstance(module.padding, str):
-        padding = module.padding
-    else:
-        pad_mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, module._reversed_padding_repeated_twice, mode=pad_mode)
-        padding = (0,) * (x.dim() - 2)
+    x, padding = padded_conv_input(module, x)
     return unfold(x, module.kernel_size, module.dilation, padding, module.stride, positions_first)
