@@ -15,6 +15,7 @@ from torch import nn
 
 from curvopt.errors import UnsupportedLossError
 from curvopt.losses import LossRule, loss_rule_for
+from curvopt.losses.cross_entropy import _sample_classes
 
 torch.set_num_threads(1)
 # torch.func.hessian (the reference) uses torch.jit.script internally
@@ -442,3 +443,18 @@ def test_bad_mc_samples_are_rejected(mc_samples):
 def test_rules_are_loss_rules():
     for loss in (nn.CrossEntropyLoss(), nn.MSELoss(), nn.BCEWithLogitsLoss()):
         assert isinstance(loss_rule_for(loss), LossRule)
+
+
+def test_cross_entropy_samples_classes_with_the_predicted_frequencies():
+    """Inverse-CDF sampling: frequencies within 5 standard errors, zero-probability classes
+    never drawn, every index in range."""
+    torch.manual_seed(0)
+    probs = torch.tensor([[0.0, 0.2, 0.8, 0.0], [0.5, 0.0, 0.25, 0.25]], dtype=torch.float64)
+    draws = 200_000
+    sampled = _sample_classes(probs, draws)
+    assert sampled.shape == (2, draws) and int(sampled.min()) >= 0 and int(sampled.max()) <= 3
+    for row, p in zip(sampled, probs):
+        freq = torch.bincount(row, minlength=4).double() / draws
+        stderr = (p * (1 - p) / draws).sqrt()
+        assert bool(((freq - p).abs() <= 5 * stderr + 1e-12).all()), (freq, p)
+        assert bool((freq[p == 0] == 0).all())

@@ -139,7 +139,16 @@ class CrossEntropyLossRule(LossRule):
         batch, num_classes = output.shape[:2]
         probs = output.softmax(1).reshape(batch, num_classes, -1).transpose(1, 2)  # [N, D, C]
         beta = self._beta(loss_module, output, target)  # [N, D]
-        sampled = torch.multinomial(probs.reshape(-1, num_classes), mc_samples, replacement=True)
+        sampled = _sample_classes(probs.reshape(-1, num_classes), mc_samples)
         one_hot = F.one_hot(sampled.T.reshape(mc_samples, *beta.shape), num_classes).to(output)
         columns = (beta / mc_samples).sqrt()[..., None] * (one_hot - probs)  # [M, N, D, C]
         return columns.transpose(2, 3).reshape(mc_samples, *output.shape)
+
+
+def _sample_classes(probs: torch.Tensor, samples: int) -> torch.Tensor:
+    """``[R, samples]`` class indices drawn from the rows of ``probs`` (``[R, C]``) by inverting
+    the cumulative distribution with ``u ~ U(0, 1]`` (``torch.multinomial`` is 5-25x slower on
+    CPU). A class of probability 0 is never drawn, up to rounding of the last cumulative sum."""
+    cdf = probs.cumsum(1)
+    u = 1 - torch.rand(probs.shape[0], samples, dtype=probs.dtype, device=probs.device)
+    return torch.searchsorted(cdf, u).clamp_(max=probs.shape[1] - 1)
