@@ -69,6 +69,25 @@ def gram(rows: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     return product
 
 
+#: elements of the per-block products that :func:`block_gram` holds at once
+_BLOCK_GRAM_BUDGET = 1 << 22
+
+
+def block_gram(blocks: torch.Tensor) -> torch.Tensor:
+    """``sum_m B_m B_mᵀ`` for blocks ``[M, C, L]`` (``[C, C]``): the Gram matrix of the rows of
+    all blocks side by side, by batched matmuls on the blocks as laid out (the single matmul of
+    :func:`gram` would need them transposed to ``[M L, C]``, a copy that costs more than the
+    products), in chunks of blocks whose ``C x C`` products stay within a budget."""
+    count, channels = blocks.shape[:2]
+    step = max(1, _BLOCK_GRAM_BUDGET // (channels * channels))
+    total = None
+    for start in range(0, count, step):
+        chunk = blocks[start : start + step]
+        part = torch.bmm(chunk, chunk.transpose(1, 2)).sum(0)
+        total = part if total is None else total.add_(part)
+    return total
+
+
 def gram_root(matrix: torch.Tensor) -> torch.Tensor | None:
     """``U [M, D]`` with ``matrix = Uᵀ U`` and ``M < D``, for a product of :func:`gram` (or of
     :func:`gram_add_`); ``None`` for any other matrix. Whoever modifies such a matrix in place

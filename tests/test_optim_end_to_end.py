@@ -135,7 +135,7 @@ def test_kfac_kflr_step_solves_least_squares(kronecker_damping):
     [
         lambda ps: DiagGGNNewton(ps, lr=0.5, damping=1.0, curvature="mc"),
         lambda ps: DiagGGNNewton(ps, lr=0.5, damping=1.0, curvature="exact", momentum=0.5),
-        lambda ps: KFAC(ps, lr=0.5, damping=1e-2, curvature="kfac"),
+        lambda ps: KFAC(ps, lr=0.5, damping=1e-2, curvature="kfac", mc_samples=16),
         lambda ps: KFAC(ps, lr=0.5, damping=1e-2, curvature="kflr", curvature_interval=2),
         lambda ps: KFAC(ps, lr=0.5, damping=1e-2, curvature="kfra", kronecker_damping="exact"),
     ],

@@ -238,7 +238,7 @@ PASSES = 10
 
 
 #: Monte-Carlo samples per pass: enough for the power condition of ``assert_unbiased``
-MC_SAMPLES = {"mlp": 400, "resnet_block": 400, "vit": 400}
+MC_SAMPLES = {"mlp": 1000, "resnet_block": 1000, "vit": 1000}
 #: slow (several s each on 2 cores): the sequence models' Monte-Carlo cells except DiagGGNMC and
 #: KFAC-expand with reduction "mean"
 _SEQUENCE = ("gpt", "gpt_functional", "bert", "seq_first")

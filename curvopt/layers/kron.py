@@ -26,16 +26,21 @@ from torch import nn
 from curvopt.errors import UnsupportedModuleError, module_error
 from curvopt.layers.registry import rule_for
 from curvopt.layers.unfold import unfold_conv_input
-from curvopt.reductions import gram
+from curvopt.reductions import block_gram, gram
+
+
+def _input_factor(x, approx):
+    """``A`` from inputs ``x [N, P, I]``: mean over samples and positions of ``x xᵀ``
+    ("expand"), or over samples of ``xbar xbarᵀ`` with ``xbar`` the mean over positions."""
+    if approx == "reduce":
+        return gram(x.mean(1), 1 / x.shape[0])
+    return gram(x.flatten(0, 1), 1 / x.shape[:2].numel())
 
 
 def _linear_like(x, v, approx):
     """``[B, A]`` from inputs ``x [N, P, I]`` and columns ``v [K, N, P, O]``."""
-    n = x.shape[0]
-    if approx == "reduce":
-        xbar = x.mean(1)
-        return [gram(v.sum(2).flatten(0, 1)), gram(xbar, 1 / n)]
-    return [gram(v.flatten(0, 2)), gram(x.flatten(0, 1), 1 / (n * x.shape[1]))]
+    outputs = v.sum(2).flatten(0, 1) if approx == "reduce" else v.flatten(0, 2)
+    return [gram(outputs), _input_factor(x, approx)]
 
 
 def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int):
@@ -60,8 +65,9 @@ def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int)
             )
         patches = unfold_conv_input(module, call.input, positions_first=True)  # [N, L, C_in k]
         k = columns.shape[0]
-        v = columns.reshape(k, n, columns.shape[2], -1).transpose(2, 3)  # [K, N, L, C_out]
-        return _linear_like(patches, v, approx)
+        v = columns.reshape(k * n, columns.shape[2], -1)  # [K N, C_out, L], as laid out
+        output_factor = gram(v.sum(2)) if approx == "reduce" else block_gram(v)
+        return [output_factor, _input_factor(patches, approx)]
     if isinstance(module, nn.Embedding) and name == "weight":
         idx = call.input.reshape(n, -1)
         dim = columns.shape[-1]

@@ -10,8 +10,8 @@ Optimizers (``torch.optim.Optimizer`` subclasses): :class:`DiagGGNNewton`, :clas
 * diagonal curvature: :func:`diag_precondition`, :func:`diag_quadratic`;
 * Kronecker curvature: :func:`as_matrix`, :func:`kron_matmul`, :func:`kron_quadratic`,
   :func:`trace_norm_pi`, :func:`trace_norm_damped`, :func:`trace_norm_inverse`,
-  :func:`trace_norm_cholesky`, :func:`kron_cholesky_solve`, :func:`kron_eigh`,
-  :func:`exact_damped_solve`;
+  :func:`trace_norm_cholesky`, :func:`kron_cholesky_solve`, :class:`LowRankInverse`,
+  :func:`kron_eigh`, :func:`exact_damped_solve`;
 * transforms: :func:`ema`, :func:`add_weight_decay`, :func:`momentum`, :func:`kl_clip_factor`.
 
 See ``docs/optim.md``.
@@ -31,6 +31,7 @@ from curvopt.optim.distributed import DistributedCurvature
 from curvopt.optim.diagonal import diag_precondition, diag_quadratic
 from curvopt.optim.kfac import KFAC
 from curvopt.optim.kronecker import (
+    LowRankInverse,
     as_matrix,
     exact_damped_solve,
     kron_cholesky_solve,
@@ -54,6 +55,7 @@ __all__ = [
     "DiagGGNNewton",
     "DistributedCurvature",
     "LevenbergMarquardt",
+    "LowRankInverse",
     "NewtonOptimizer",
     "ScheduledDamping",
     "VarianceAdaptedSGD",
