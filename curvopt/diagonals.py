@@ -47,9 +47,9 @@ def diag_from_columns(rule, call: Call, columns, name: str, batched: bool, n: in
             squares = _squares_per_sample(grads) if batched else sum_of_squares(grads, dims=2)
             totals = squares if totals is None else totals.add_(squares)
         per_sample.append(totals)
-    if not batched:
-        return per_sample[0] if len(per_sample) == 1 else torch.stack(per_sample).sum(0)
-    return per_sample[0] if len(per_sample) == 1 else torch.cat(per_sample)
+    if len(per_sample) == 1:
+        return per_sample[0]
+    return torch.cat(per_sample) if batched else torch.stack(per_sample).sum(0)
 
 
 def _squares_per_sample(grads: torch.Tensor) -> torch.Tensor:
