@@ -130,7 +130,7 @@ def test_curvature_ema_diagonal(beta, seed):
 @pytest.mark.parametrize("beta", [0.8, 0.3])
 def test_curvature_ema_kronecker(beta, seed):
     """Each Kronecker factor is averaged: ``B_2 = β B_1 + (1 − β) B_new`` (and ``A``), then the
-    trace-norm damped step ``lr (B + π√λ I)⁻¹ G (A + √λ/π I)⁻¹``."""
+    trace-norm damped step ``lr (B + √λ/π I)⁻¹ G (A + π√λ I)⁻¹``."""
     layer = curvopt.extend(nn.Linear(3, 2).to(DT))
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
     lr, damping = 0.3, 0.05
@@ -151,11 +151,11 @@ def test_curvature_ema_kronecker(beta, seed):
 
 
 def _trace_norm_step(b, a, g, damping):
-    """``(B + π√λ I)⁻¹ G (A + √λ/π I)⁻¹`` with ``π = sqrt((tr A / dim A) / (tr B / dim B))``."""
+    """``(B + √λ/π I)⁻¹ G (A + π√λ I)⁻¹`` with ``π = sqrt((tr A / dim A) / (tr B / dim B))``."""
     pi = ((a.trace() / a.shape[0]) / (b.trace() / b.shape[0])).sqrt()
     root = damping**0.5
-    left = torch.linalg.solve(b + pi * root * torch.eye(b.shape[0], dtype=DT), g)
-    return torch.linalg.solve(a + root / pi * torch.eye(a.shape[0], dtype=DT), left.T).T
+    left = torch.linalg.solve(b + root / pi * torch.eye(b.shape[0], dtype=DT), g)
+    return torch.linalg.solve(a + pi * root * torch.eye(a.shape[0], dtype=DT), left.T).T
 
 
 def test_levenberg_marquardt_damping_update(monkeypatch, seed):

@@ -202,8 +202,8 @@ def test_trace_norm_damping_matches_dense_form(kron_case):
     pi = math.sqrt((A.trace() / 4) / (B.trace() / 3))
     assert trace_norm_pi([B, A]).item() == pytest.approx(pi)
     dense = torch.kron(
-        B + pi * math.sqrt(lam) * torch.eye(3, dtype=DT),
-        A + math.sqrt(lam) / pi * torch.eye(4, dtype=DT),
+        B + math.sqrt(lam) / pi * torch.eye(3, dtype=DT),
+        A + pi * math.sqrt(lam) * torch.eye(4, dtype=DT),
     )
     torch.testing.assert_close(torch.kron(*trace_norm_damped([B, A], lam)), dense)
     result = kron_matmul(trace_norm_inverse([B, A], lam), G)

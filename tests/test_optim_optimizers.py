@@ -220,8 +220,8 @@ def test_kfac_update_rule_matches_dense_solve(kronecker_damping):
             pi = math.sqrt((A.trace() / A.shape[0]) / (B.trace() / B.shape[0]))
             r = math.sqrt(lam + wd)
             dense = torch.kron(
-                B + pi * r * torch.eye(B.shape[0], dtype=DT),
-                A + r / pi * torch.eye(A.shape[0], dtype=DT),
+                B + r / pi * torch.eye(B.shape[0], dtype=DT),
+                A + pi * r * torch.eye(A.shape[0], dtype=DT),
             )
         expected.append(old - 0.7 * torch.linalg.solve(dense, g).reshape(p.shape))
     opt.step()
@@ -286,8 +286,8 @@ def test_inverse_interval_reuses_inverses():
             pi = math.sqrt((A.trace() / A.shape[0]) / (B.trace() / B.shape[0]))
             r = math.sqrt(0.1)
             dense = torch.kron(
-                B + pi * r * torch.eye(B.shape[0], dtype=DT),
-                A + r / pi * torch.eye(A.shape[0], dtype=DT),
+                B + r / pi * torch.eye(B.shape[0], dtype=DT),
+                A + pi * r * torch.eye(A.shape[0], dtype=DT),
             )
         else:
             dense = dense + 0.1 * torch.eye(B.shape[0], dtype=DT)

@@ -93,7 +93,7 @@ class KFAC(CurvatureOperator):
 
     def inverse(self, damping: float, kronecker_damping: str = "trace_norm") -> BlockDiagonal:
         """``(B ⊗ A + λ I)⁻¹`` as ``optim.KFAC`` applies it: ``"trace_norm"`` inverts
-        ``(B + π√λ I) ⊗ (A + √λ/π I)``, ``"exact"`` the damped product itself."""
+        ``(B + √λ/π I) ⊗ (A + π√λ I)``, ``"exact"`` the damped product itself."""
         if kronecker_damping == "trace_norm":
             inverses = [trace_norm_inverse(fs, damping) for fs in self.factors]
             apply = [lambda m, inv=inv: kron_matmul(inv, m) for inv in inverses]

@@ -9,8 +9,9 @@ A gradient is handled as the matrix ``G = grad.reshape(out, -1)`` of shape ``[ou
 
 and ``B ⊗ A`` is never formed. Two ways to damp by ``λ``:
 
-* trace-norm (:func:`trace_norm_inverse`): ``(B + π√λ I)⁻¹ ⊗ (A + √λ/π I)⁻¹`` with
-  ``π = sqrt((tr A / dim A) / (tr B / dim B))`` (Martens & Grosse 2015, Sec. 6.3); what the
+* trace-norm (:func:`trace_norm_inverse`): ``(B + √λ/π I)⁻¹ ⊗ (A + π√λ I)⁻¹`` with
+  ``π = sqrt((tr A / dim A) / (tr B / dim B))`` (Martens & Grosse 2015, Sec. 6.3: each factor
+  is damped in proportion to its own scale, the input side ``A`` gets ``π√λ``); what the
   optimizer applies: the damped factors' Cholesky factors (:func:`trace_norm_cholesky`) and
   triangular solves (:func:`kron_cholesky_solve`), the same numbers without forming inverses;
   a factor ``F = UᵀU`` with a root of ``r < d`` rows (a batch smaller than the layer's width,
@@ -82,19 +83,22 @@ def trace_norm_pi(factors: Factors) -> torch.Tensor:
 
 
 def trace_norm_damped(factors: Factors, damping: float) -> list[torch.Tensor]:
-    """``[B + π√λ I, A + √λ/π I]`` for ``[B, A]``; ``[B + λ I]`` for ``[B]``."""
+    """``[B + √λ/π I, A + π√λ I]`` for ``[B, A]``; ``[B + λ I]`` for ``[B]``."""
     return [
         _add_diagonal(f, shift) for f, shift in zip(factors, _trace_norm_shifts(factors, damping))
     ]
 
 
 def _trace_norm_shifts(factors: Factors, damping: float) -> list:
-    """The damping added to each factor: ``[π√λ, √λ/π]`` for ``[B, A]``; ``[λ]`` for ``[B]``."""
+    """The damping added to each factor: ``[√λ/π, π√λ]`` for ``[B, A]``; ``[λ]`` for ``[B]``.
+
+    With ``π² = (tr A/dim A)/(tr B/dim B)`` each shift is ``√λ`` times its factor's mean
+    eigenvalue over the geometric mean of both, so their product is ``λ``."""
     if len(factors) == 1:
         return [damping]
     pi = trace_norm_pi(factors)
     root = damping**0.5
-    return [pi * root, root / pi]
+    return [root / pi, pi * root]
 
 
 def _add_diagonal(matrix: torch.Tensor, shift) -> torch.Tensor:
