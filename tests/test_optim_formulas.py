@@ -114,7 +114,12 @@ def test_curvature_ema_diagonal(beta, seed):
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
     lr, damping = 0.3, 0.05
     opt = curvopt.optim.DiagGGNNewton(
-        layer.parameters(), lr=lr, damping=damping, curvature="exact", curvature_ema=beta
+        layer.parameters(),
+        lr=lr,
+        damping=damping,
+        curvature="exact",
+        curvature_ema=beta,
+        kl_clip=None,
     )
     (x1, y1), (x2, y2) = _linear_problem(4, 1), _linear_problem(4, 2)
     c1 = _exact_curvature(layer, x1, y1)
@@ -135,7 +140,12 @@ def test_curvature_ema_kronecker(beta, seed):
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
     lr, damping = 0.3, 0.05
     opt = curvopt.optim.KFAC(
-        layer.parameters(), lr=lr, damping=damping, curvature="kflr", curvature_ema=beta
+        layer.parameters(),
+        lr=lr,
+        damping=damping,
+        curvature="kflr",
+        curvature_ema=beta,
+        kl_clip=None,
     )
     (x1, y1), (x2, y2) = _linear_problem(4, 1), _linear_problem(4, 2)
     _, _, b1, a1 = _exact_curvature(layer, x1, y1)
@@ -188,6 +198,7 @@ def test_levenberg_marquardt_damping_update(monkeypatch, seed):
             damping=strategy,
             curvature="exact",
             weight_decay=weight_decay,
+            kl_clip=None,
         )
         w, b = (p.detach().clone() for p in layer.parameters())
         loss0 = _loss(w, b, x, y)
@@ -239,7 +250,9 @@ def test_kfac_kfra_uses_kfra_factors(seed):
     assert not torch.allclose(first.kfra[0], first.kflr[0]), "KFRA equals KFLR: no test"
     model = curvopt.extend(copy.deepcopy(plain))
     lr, damping = 0.5, 0.01
-    opt = curvopt.optim.KFAC(model.parameters(), lr=lr, damping=damping, curvature="kfra")
+    opt = curvopt.optim.KFAC(
+        model.parameters(), lr=lr, damping=damping, curvature="kfra", kl_clip=None
+    )
     deltas = _step(opt, model, lossfunc, x, y)
     for (name, p), delta in zip(probe.named_parameters(), deltas):
         if p.dim() == 2:

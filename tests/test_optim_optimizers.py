@@ -145,7 +145,7 @@ def least_squares(N=8, D_in=3, D_out=2, orthogonal=False):
 
 def test_diag_newton_step_solves_least_squares_with_orthogonal_features():
     layer, X, Y, solution = least_squares(orthogonal=True)
-    opt = DiagGGNNewton(layer.parameters(), lr=1.0, damping=0.0, curvature="exact")
+    opt = DiagGGNNewton(layer.parameters(), lr=1.0, damping=0.0, curvature="exact", kl_clip=None)
     nn.functional.mse_loss(layer(X), Y).backward()
     # GGN of the mean squared error: 2 / (N D_out) X^T X per output row
     layer.weight.diag_ggn_exact = (2 / (8 * 2) * (X**2).sum(0)).expand(2, 3).clone()
@@ -162,6 +162,7 @@ def test_kfac_newton_step_solves_least_squares(kronecker_damping):
         damping=0.0,
         curvature="kflr",
         kronecker_damping=kronecker_damping,
+        kl_clip=None,
     )
     nn.functional.mse_loss(layer(X), Y).backward()
     layer.weight.kflr = [2 / (8 * 2) * torch.eye(2, dtype=DT), X.T @ X]
@@ -180,6 +181,7 @@ def test_diag_update_rule_with_weight_decay_and_groups():
         lr=1.0,
         damping=1e-2,
         curvature="exact",
+        kl_clip=None,
     )
     before = problem.state()
     problem.closure(opt, "diag_ggn_exact")()
@@ -204,6 +206,7 @@ def test_kfac_update_rule_matches_dense_solve(kronecker_damping):
             curvature="kflr",
             weight_decay=wd,
             kronecker_damping=kronecker_damping,
+            kl_clip=None,
         )
     )
     before = problem.state()
@@ -254,7 +257,13 @@ def test_curvature_interval_and_ema():
     ps = problem.params()
     opt = manual(
         DiagGGNNewton(
-            ps, lr=0.1, damping=0.1, curvature="exact", curvature_interval=2, curvature_ema=0.5
+            ps,
+            lr=0.1,
+            damping=0.1,
+            curvature="exact",
+            curvature_interval=2,
+            curvature_ema=0.5,
+            kl_clip=None,
         )
     )
     opt.step(problem.closure(opt, "diag_ggn_exact"))
@@ -273,7 +282,7 @@ def test_curvature_interval_and_ema():
 def test_inverse_interval_reuses_inverses():
     problem = Problem()
     ps = problem.params()
-    opt = manual(KFAC(ps, lr=0.1, damping=0.1, curvature="kflr", inverse_interval=2))
+    opt = manual(KFAC(ps, lr=0.1, damping=0.1, curvature="kflr", inverse_interval=2, kl_clip=None))
     opt.step(problem.closure(opt, "kflr"))
     first = [[f.clone() for f in p.kflr] for p in ps]
     before = problem.state()
@@ -298,7 +307,7 @@ def test_inverse_interval_reuses_inverses():
 def test_lr_scheduler():
     problem = Problem()
     ps = problem.params()
-    opt = manual(DiagGGNNewton(ps, lr=1.0, damping=0.1, curvature="exact"))
+    opt = manual(DiagGGNNewton(ps, lr=1.0, damping=0.1, curvature="exact", kl_clip=None))
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     for lr in (1.0, 0.5, 0.25):
         assert opt.param_groups[0]["lr"] == lr
@@ -329,7 +338,7 @@ def test_levenberg_marquardt_damping_rises_after_bad_step_and_falls_after_good_o
     h = torch.tensor([1.0, 4.0, 0.5], dtype=DT)
     w = torch.tensor([1.0, -1.0, 2.0], dtype=DT, requires_grad=True)
     lm = LevenbergMarquardt(1e-3, omega=2.0, interval=1)
-    opt = manual(DiagGGNNewton([w], lr=1.0, damping=lm, curvature="exact"))
+    opt = manual(DiagGGNNewton([w], lr=1.0, damping=lm, curvature="exact", kl_clip=None))
     assert opt.damping() == 1e-3
     opt.step(quadratic_closure(opt, w, h, factor=0.1))  # curvature too small: overshoot
     assert opt.damping() == 2e-3
@@ -529,6 +538,7 @@ def test_fallback_sgd_updates_parameters_without_curvature():
         damping=1e-2,
         curvature="kflr",
         weight_decay=0.1,
+        kl_clip=None,
     )
     model(torch.randn(4, 3, dtype=DT)).sum().backward()
     with pytest.raises(RuntimeError, match=r"parameter #0 \(shape \(2, 3\)\) has no `kflr`"):
@@ -626,7 +636,9 @@ def test_finite_check_tolerates_overflowing_sums_and_names_the_bad_tensor():
 
 def test_momentum_of_a_fallback_parameter_does_not_alias_its_gradient():
     p = nn.Parameter(torch.ones(3, dtype=DT))
-    opt = manual(DiagGGNNewton([p], lr=0.1, damping=1e-2, momentum=0.9, fallback="sgd"))
+    opt = manual(
+        DiagGGNNewton([p], lr=0.1, damping=1e-2, momentum=0.9, fallback="sgd", kl_clip=None)
+    )
     p.grad = torch.full_like(p, 2.0)
     opt.step()
     p.grad.zero_()  # zero_grad(set_to_none=False) must not reset the velocity

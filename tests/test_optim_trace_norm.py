@@ -60,14 +60,17 @@ def test_kfac_step_uses_the_paper_split(in_features, batch, woodbury, weight_dec
     b, a = factors["weight"]
     pi = ((a.trace() / a.shape[0]) / (b.trace() / b.shape[0])).sqrt()
     assert pi > 30  # far from 1: a swapped split is off by a factor of ~π² in each factor
-    grads = {
-        name: p.grad + weight_decay * p.detach() for name, p in layer.named_parameters()
-    }
+    grads = {name: p.grad + weight_decay * p.detach() for name, p in layer.named_parameters()}
     before = {name: p.detach().clone() for name, p in layer.named_parameters()}
     layer.zero_grad()
 
     opt = curvopt.optim.KFAC(
-        layer.parameters(), lr=lr, damping=damping, curvature="kflr", weight_decay=weight_decay
+        layer.parameters(),
+        lr=lr,
+        damping=damping,
+        curvature="kflr",
+        weight_decay=weight_decay,
+        kl_clip=None,
     )
     with opt.collect():
         lossfunc(layer(x), y).backward()

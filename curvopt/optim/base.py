@@ -243,6 +243,12 @@ class CurvatureOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad(), self.collect():
                 loss = closure()
+            if loss is not None and not math.isfinite(_number(loss)):
+                raise FloatingPointError(
+                    f"the loss returned by the closure is {_number(loss)}: the loss exploded "
+                    "(non-finite loss); no parameter was updated. Lower the learning rate, "
+                    "increase the damping, or keep the step's trust region (kl_clip) on."
+                )
         due = self._model_due()
         if due and closure is None:
             raise RuntimeError(
@@ -302,9 +308,14 @@ class CurvatureOptimizer(Optimizer):
             return
         for (update, what, _), flag in zip(checks, flags):
             if not flag:
+                cause = (
+                    " (the loss exploded, or the backward pass overflowed)"
+                    if what == "gradient"
+                    else ""
+                )
                 raise FloatingPointError(
-                    f"the {what} of {update.description} is not finite; no parameter was updated. "
-                    "Check the loss and the learning rate, or increase the damping."
+                    f"the {what} of {update.description} is not finite{cause}; no parameter was "
+                    "updated. Check the loss and the learning rate, or increase the damping."
                 )
 
     # ----------------------------------------------------------------- saving

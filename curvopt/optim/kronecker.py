@@ -34,6 +34,7 @@ from curvopt.optim.linalg import (
     cholesky_inverse,
     cholesky_solve_right,
     psd_eigh,
+    working_dtype,
 )
 from curvopt.reductions import gram_root
 
@@ -129,10 +130,11 @@ class LowRankInverse:
 
     @classmethod
     def of(cls, root: torch.Tensor, shift) -> "LowRankInverse":
+        """From ``U`` and ``c``; ``K`` is factorised as ``cholesky_factor`` does, its float64
+        retry recomputing ``U Uᵀ`` from ``U`` in float64 (casting a float32 ``U Uᵀ`` keeps the
+        rounding, of order ``eps |U|²``, that can exceed a small ``c``)."""
         shift = torch.as_tensor(shift, dtype=root.dtype, device=root.device)
-        inner = root @ root.mT
-        inner.diagonal().add_(shift)
-        return cls(root, cholesky_factor(inner), shift)
+        return cls(root, cholesky_factor(_inner(root, shift), lambda: _inner(root, shift, 1)), shift)
 
     def solve_left(self, matrix: torch.Tensor) -> torch.Tensor:
         """``(F + c I)⁻¹ M`` for ``M [d, m]``."""
@@ -145,14 +147,25 @@ class LowRankInverse:
         return (matrix - inner.mT @ self.root) / self.shift
 
 
+def _inner(root: torch.Tensor, shift: torch.Tensor, in_float64=False) -> torch.Tensor:
+    """``c I_r + U Uᵀ`` (in float64 if asked)."""
+    if in_float64:
+        root, shift = root.to(torch.float64), shift.to(torch.float64)
+    inner = root @ root.mT
+    inner.diagonal().add_(shift)
+    return inner
+
+
 def _usable_root(factor: torch.Tensor, others: int) -> torch.Tensor | None:
     """The factor's Gram root ``U [r, d]`` (``reductions.gram_root``) when the Woodbury form is
     cheaper than a Cholesky factorisation for ``others`` right-hand sides and ``U`` still
     reproduces the factor (checked on the all-ones vector against the rounding bound
-    ``√eps · |U|ᵀ|U| 1``: a factor changed in place after the pass falls back to Cholesky)."""
+    ``√eps · |U|ᵀ|U| 1``: a factor changed in place after the pass falls back to Cholesky).
+    ``U`` comes in ``factor``'s dtype (both promoted to ``working_dtype`` by the caller)."""
     root = gram_root(factor)
     if root is None:
         return None
+    root = root.to(factor.dtype)
     rank, dim = root.shape
     if dim * rank * rank + 4 * others * dim * rank >= dim**3 / 3 + 2 * others * dim * dim:
         return None
@@ -169,18 +182,49 @@ def trace_norm_cholesky(
     """Per factor of :func:`trace_norm_damped`: its Cholesky factor ``L`` (float64 retry, see
     ``cholesky_factor``), or, with ``low_rank`` and a positive shift, a :class:`LowRankInverse`
     where the factor carries a Gram root that makes that cheaper (a batch smaller than the
-    layer's width). Apply with :func:`kron_cholesky_solve`."""
+    layer's width). Apply with :func:`kron_cholesky_solve`.
+
+    Factors in bfloat16/float16 are factorised in float32 (``working_dtype``). A factor that
+    cannot be factorised raises ``torch.linalg.LinAlgError`` naming it (output-side ``B`` or
+    input-side ``A``, its size, trace and shift)."""
+    factors = [_promoted(f) for f in factors]
     shifts = _trace_norm_shifts(factors, damping)
     sizes = [f.shape[0] for f in factors]
     solvers = []
     for index, (factor, shift) in enumerate(zip(factors, shifts)):
         others = sizes[1 - index] if len(factors) == 2 else 1
         root = _usable_root(factor, others) if low_rank and damping > 0 else None
-        if root is not None:
-            solvers.append(LowRankInverse.of(root, shift))
-        else:
-            solvers.append(cholesky_factor(_add_diagonal(factor, shift)))
+        try:
+            if root is not None:
+                solvers.append(LowRankInverse.of(root, shift))
+            else:
+                solvers.append(cholesky_factor(_add_diagonal(factor, shift)))
+        except torch.linalg.LinAlgError as error:
+            raise torch.linalg.LinAlgError(
+                f"{_FACTOR_NAMES[len(factors)][index]} {tuple(factor.shape)} (trace "
+                f"{float(factor.trace()):.3g}, damping shift {float(shift):.3g}"
+                f"{', Woodbury form' if root is not None else ''}): {error}"
+            ) from None
     return solvers
+
+
+#: the factors' names by list length, as in the API order ``[B, A]`` / ``[B]``
+_FACTOR_NAMES = {
+    1: ["Kronecker factor B (bias)"],
+    2: ["output-side Kronecker factor B", "input-side Kronecker factor A"],
+}
+
+
+def _promoted(factor: torch.Tensor) -> torch.Tensor:
+    """``factor`` in ``working_dtype`` (float32 for bfloat16/float16), keeping its Gram root."""
+    dtype = working_dtype(factor.dtype)
+    if dtype == factor.dtype:
+        return factor
+    promoted = factor.to(dtype)
+    root = gram_root(factor)
+    if root is not None:
+        promoted.gram_root = root.to(dtype)
+    return promoted
 
 
 def kron_cholesky_solve(solvers: Sequence, matrix: torch.Tensor) -> torch.Tensor:
@@ -190,8 +234,11 @@ def kron_cholesky_solve(solvers: Sequence, matrix: torch.Tensor) -> torch.Tensor
 
     Triangular solves cost ``2 dim_B² dim_A + 2 dim_B dim_A²`` flops, as many as multiplying by
     cached inverses, while factorising costs a third of inverting (``d³/3`` instead of ``d³``).
+    Solved in the solvers' precision; the result has ``matrix``'s dtype.
     """
+    dtype = matrix.dtype
     left = solvers[0]
+    matrix = matrix.to(left.cholesky.dtype if isinstance(left, LowRankInverse) else left.dtype)
     if isinstance(left, LowRankInverse):
         result = left.solve_left(matrix)
     else:
@@ -202,7 +249,7 @@ def kron_cholesky_solve(solvers: Sequence, matrix: torch.Tensor) -> torch.Tensor
             result = right.solve_right(result)
         else:
             result = cholesky_solve_right(result, right)
-    return result
+    return result.to(dtype)
 
 
 def kron_eigh(factors: Factors) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -217,10 +264,11 @@ def exact_damped_solve(
 
         Q_B [(Q_Bᵀ G Q_A) / (s_B s_Aᵀ + λ)] Q_Aᵀ
 
-    (``Q_B [(Q_Bᵀ G) / (s_B + λ)]`` for ``[B]``).
+    (``Q_B [(Q_Bᵀ G) / (s_B + λ)]`` for ``[B]``), computed in the eigenvectors' precision and
+    returned in ``matrix``'s dtype.
     """
     values = [s for s, _ in eigs]
     vectors = [q for _, q in eigs]
     spectrum = values[0][:, None] * (values[1][None, :] if len(eigs) == 2 else 1)
-    rotated = kron_matmul([q.mT for q in vectors], matrix)
-    return kron_matmul(vectors, rotated / (spectrum + damping))
+    rotated = kron_matmul([q.mT for q in vectors], matrix.to(vectors[0].dtype))
+    return kron_matmul(vectors, rotated / (spectrum + damping)).to(matrix.dtype)

@@ -1,5 +1,6 @@
 """Factorising and inverting symmetric positive (semi-)definite matrices.
 
+* :func:`working_dtype` -- the precision factorisations run in: float32 at least.
 * :func:`cholesky_factor` -- ``L`` with ``M = L Lᵀ``, retried in float64 when the factorization
   fails in lower precision.
 * :func:`cholesky_solve_right` -- ``X M⁻¹`` from ``L`` by two triangular solves.
@@ -9,14 +10,28 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
-def _cholesky(matrix: torch.Tensor) -> torch.Tensor:
-    """``L`` of ``M``, in float64 when the input's precision fails (raises if that fails)."""
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """``dtype``, or float32 for floating types of less precision (bfloat16, float16): torch
+    cannot factorise in those on CPU, and their 8 or 11 bits cannot resolve a damping."""
+    if dtype.is_floating_point and torch.finfo(dtype).bits < 32:
+        return torch.float32
+    return dtype
+
+
+def _cholesky(
+    matrix: torch.Tensor, in_float64: Callable[[], torch.Tensor] | None = None
+) -> torch.Tensor:
+    """``L`` of ``M``, in float64 when the input's precision fails (raises if that fails);
+    ``in_float64()`` gives ``M`` computed in float64 for the retry (default: ``M`` cast)."""
     factor, info = torch.linalg.cholesky_ex(matrix)
     if bool((info != 0).any()) and matrix.dtype != torch.float64:
-        factor, info = torch.linalg.cholesky_ex(matrix.to(torch.float64))
+        exact = matrix.to(torch.float64) if in_float64 is None else in_float64()
+        factor, info = torch.linalg.cholesky_ex(exact)
     if bool((info != 0).any()):
         raise torch.linalg.LinAlgError(
             f"cholesky: the {tuple(matrix.shape)} matrix is not positive definite, even in "
@@ -25,14 +40,19 @@ def _cholesky(matrix: torch.Tensor) -> torch.Tensor:
     return factor
 
 
-def cholesky_factor(matrix: torch.Tensor) -> torch.Tensor:
+def cholesky_factor(
+    matrix: torch.Tensor, in_float64: Callable[[], torch.Tensor] | None = None
+) -> torch.Tensor:
     """The lower-triangular ``L`` with ``M = L Lᵀ`` for a symmetric positive definite ``[d, d]``.
 
-    If the factorization fails in the input's precision (a near-singular ``M`` in float32), it is
-    retried in float64 and ``L`` cast back to the input's dtype. Raises
+    Factorised in :func:`working_dtype` (``M`` in bfloat16/float16 is promoted to float32, and
+    ``L`` returned in float32). If the factorization fails in that precision (a near-singular
+    ``M`` in float32), it is retried in float64 (on ``in_float64()`` if given: ``M`` recomputed
+    from float64 inputs, else ``M`` cast) and ``L`` cast back. Raises
     ``torch.linalg.LinAlgError`` when ``M`` is not positive definite even in float64.
     """
-    return _cholesky(matrix).to(matrix.dtype)
+    dtype = working_dtype(matrix.dtype)
+    return _cholesky(matrix.to(dtype), in_float64).to(dtype)
 
 
 def cholesky_solve_right(matrix: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
@@ -51,18 +71,19 @@ def cholesky_solve_right(matrix: torch.Tensor, factor: torch.Tensor) -> torch.Te
 def cholesky_inverse(matrix: torch.Tensor) -> torch.Tensor:
     """``M⁻¹ = L⁻ᵀ L⁻¹`` for a symmetric positive definite ``M`` of shape ``[d, d]``.
 
-    As :func:`cholesky_factor`, a failed factorization is retried in float64 (the inverse is
+    As :func:`cholesky_factor` (float32 at least), a failed factorization is retried in float64 (the inverse is
     computed there and cast back); ``torch.linalg.LinAlgError`` if ``M`` is not positive
     definite even then.
     """
-    return torch.cholesky_inverse(_cholesky(matrix)).to(matrix.dtype)
+    dtype = working_dtype(matrix.dtype)
+    return torch.cholesky_inverse(_cholesky(matrix.to(dtype))).to(dtype)
 
 
 def psd_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, Q)`` with ``M = Q diag(s) Qᵀ`` for a symmetric PSD ``M`` of shape ``[d, d]``.
 
     Eigenvalues below 0 (round-off of a PSD matrix) are clipped to 0; ``s`` has shape ``[d]``,
-    ``Q`` is orthogonal ``[d, d]``.
+    ``Q`` is orthogonal ``[d, d]``; both in :func:`working_dtype`.
     """
-    eigenvalues, eigenvectors = torch.linalg.eigh(matrix)
+    eigenvalues, eigenvectors = torch.linalg.eigh(matrix.to(working_dtype(matrix.dtype)))
     return eigenvalues.clamp(min=0), eigenvectors

@@ -4,11 +4,23 @@ Per parameter, with damping ``λ`` and weight decay ``δ`` (BackPACK paper, Dang
 
     g = ∇L + δ θ
     d = (C + (λ + δ) I)⁻¹ g                      (subclass: diagonal or Kronecker)
-    v = μ v + ν d                                (momentum μ, KL clip ν; defaults 0 and 1)
+    ν = min(1, sqrt(κ / (lr² Σ gᵀd)))            (trust region over the group; κ = kl_clip)
+    v = μ v + ν d                                (momentum μ, default 0)
     θ ← θ − lr · v
 
+The trust region is on by default (``kl_clip=1e-3``, as kfac-pytorch): ``lr² gᵀd`` is the
+step's squared length in the damped curvature, ``sᵀ(C + λ'I)s`` (twice the curvature term of
+the damped quadratic model of the loss) and, for a Fisher-type ``C``, a proxy for twice the
+KL divergence between the model's predictions before and after the step (for
+``reduction="mean"``: per sample). With a damping far below the curvature's scale (or sampled
+factors whose range misses part of the gradient), the paper's step ``lr · d`` is many times
+longer than the model can be trusted, and training diverges; ``ν`` shortens exactly those
+steps, so the effective step is ``min(lr, sqrt(κ / gᵀd)) · d``. ``kl_clip=None`` gives the
+paper's update ``θ ← θ − lr · d`` (Dangel et al. 2020). For ``reduction="sum"`` ``gᵀd``
+grows with the batch size ``N``; scale ``κ`` by ``N`` to keep the same per-sample bound.
+
 Opt-in, per param group: ``curvature_interval`` (read ``C`` every k steps, reuse it between),
-``curvature_ema`` (``C ← β C + (1 − β) C_new``), ``momentum``, ``kl_clip``, adaptive damping
+``curvature_ema`` (``C ← β C + (1 − β) C_new``), ``momentum``, adaptive damping
 (:class:`~curvopt.optim.damping.LevenbergMarquardt`) and ``fallback='sgd'``.
 
 Under ``torch.distributed`` (see :mod:`curvopt.optim.distributed`) the curvature is averaged over
@@ -34,6 +46,10 @@ from curvopt.optim.cache import cached
 from curvopt.optim.damping import as_damping, reduction_ratio
 from curvopt.optim.distributed import Job, inversion_cost
 from curvopt.optim.transforms import add_weight_decay, ema, kl_clip_factor, momentum
+
+
+#: ``κ`` of the trust region every step is clipped to (``kl_clip``) unless given
+DEFAULT_KL_CLIP = 1e-3
 
 
 @dataclass

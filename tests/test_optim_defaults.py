@@ -1,0 +1,172 @@
+"""The settings the README shows, ``lr=0.05, damping=1e-3``, train without diverging.
+
+The default trust region (``kl_clip=1e-3``: the step scaled by ``ν = min(1, sqrt(κ / (lr² gᵀd)))``)
+is what makes them work; the paper's unclipped update (``kl_clip=None``) diverges on the digits
+CNN. When a step fails, the error names the cause.
+"""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import curvopt
+from curvopt.optim import DiagGGNNewton, KFAC
+from experiments import zoo
+
+README = {"lr": 0.05, "damping": 1e-3}
+OPTIMIZERS = {"KFAC": KFAC, "DiagGGNNewton": DiagGGNNewton}
+
+
+def _digits():
+    datasets = pytest.importorskip("sklearn.datasets")
+    X, y = datasets.load_digits(return_X_y=True)
+    return torch.tensor(X, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16, torch.tensor(y)
+
+
+def _digits_cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(128, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
+
+
+def _train(opt, loss_of, X, y, steps, batch):
+    """``steps`` steps on random batches of ``(X, y)``; the loss on all of it before and after."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        first = loss_of(X, y).item()
+    for _ in range(steps):
+        index = torch.randint(0, len(X), (batch,), generator=generator)
+        opt.zero_grad()
+        loss = loss_of(X[index], y[index])
+        with opt.collect():
+            loss.backward()
+        opt.step()
+    with torch.no_grad():
+        return first, loss_of(X, y).item()
+
+
+@pytest.mark.parametrize("batch", [32, 128])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_readme_settings_train_the_digits_cnn(name, batch):
+    X, y = _digits()
+    model = curvopt.extend(_digits_cnn())
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    opt = OPTIMIZERS[name](model.parameters(), **README)
+    first, last = _train(opt, lambda a, b: lossfunc(model(a), b), X, y, steps=40, batch=batch)
+    assert math.isfinite(last) and last < 0.5 * first, (first, last)
+
+
+def test_paper_update_diverges_on_the_digits_cnn_and_the_error_names_the_factor():
+    """Without the trust region the README's settings blow up within a few steps (the reason it
+    is on); the step that fails names the parameter and which Kronecker factor failed."""
+    X, y = _digits()
+    model = curvopt.extend(_digits_cnn())
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    opt = KFAC(model.named_parameters(), kl_clip=None, **README)
+    with pytest.raises(torch.linalg.LinAlgError, match=r"parameter '.*' .*Kronecker factor [AB]"):
+        _train(opt, lambda a, b: lossfunc(model(a), b), X, y, steps=40, batch=128)
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "resnet_block", "gpt", "bert"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_readme_settings_train_zoo_models(name, model_name):
+    problem = zoo.ZOO[model_name](dtype=torch.float32)
+    model, lossfunc = curvopt.extend(problem.model), curvopt.extend(problem.lossfunc)
+    X, y = problem.make_batch(64, 0)
+    opt = OPTIMIZERS[name](model.parameters(), **README)
+    first, last = _train(
+        opt, lambda a, b: problem.loss_of(model, a, b, lossfunc), X, y, steps=40, batch=16
+    )
+    assert math.isfinite(last) and last < 0.95 * first, (first, last)
+
+
+# ----------------------------------------------------------------------------- the trust region
+
+
+def _one_layer(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    layer = curvopt.extend(nn.Linear(4, 3).to(torch.float64))
+    x = 3 * torch.randn(16, 4, dtype=torch.float64, generator=generator)
+    y = torch.randint(0, 3, (16,), generator=generator)
+    return layer, curvopt.extend(nn.CrossEntropyLoss()), x, y
+
+
+@pytest.mark.parametrize("lr", [1e-3, 0.5])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_default_step_is_the_paper_step_scaled_into_the_trust_region(name, lr):
+    """Default ``θ ← θ − lr ν d`` with ``ν = min(1, sqrt(1e-3 / (lr² Σ gᵀd)))`` and ``d`` the
+    paper's direction (taken from a ``kl_clip=None`` twin); ``ν < 1`` for the large ``lr``."""
+    steps = {}
+    for kl_clip in (None, "default"):
+        layer, lossfunc, x, y = _one_layer()
+        options = {} if kl_clip == "default" else {"kl_clip": None}
+        opt = OPTIMIZERS[name](layer.parameters(), lr=lr, damping=1e-2, **options)
+        before = [p.detach().clone() for p in layer.parameters()]
+        torch.manual_seed(1)
+        with opt.collect():
+            lossfunc(layer(x), y).backward()
+        grads = [p.grad.clone() for p in layer.parameters()]
+        opt.step()
+        steps[kl_clip] = [b - p.detach() for b, p in zip(before, layer.parameters())]
+    paper = steps[None]
+    total = sum(float((g * s / lr).sum()) for g, s in zip(grads, paper)) * lr**2
+    nu = min(1.0, math.sqrt(1e-3 / total))
+    assert (nu < 1) == (lr == 0.5)
+    for clipped, full in zip(steps["default"], paper):
+        torch.testing.assert_close(clipped, nu * full)
+
+
+# ----------------------------------------------------------------------------- errors name causes
+
+
+def test_a_closure_whose_loss_exploded_raises_and_changes_nothing():
+    layer, lossfunc, x, y = _one_layer()
+    opt = KFAC(layer.parameters(), **README)
+    before = [p.detach().clone() for p in layer.parameters()]
+
+    def closure():
+        opt.zero_grad()
+        loss = lossfunc(layer(x), y)
+        loss.backward()
+        return loss * math.inf
+
+    with pytest.raises(FloatingPointError, match="loss exploded"):
+        opt.step(closure)
+    for p, b in zip(layer.parameters(), before):
+        torch.testing.assert_close(p.detach(), b)
+
+
+def test_a_non_finite_gradient_names_the_exploded_loss():
+    layer, lossfunc, x, y = _one_layer()
+    opt = DiagGGNNewton(layer.named_parameters(), **README)
+    with opt.collect():
+        lossfunc(layer(x), y).backward()
+    layer.weight.grad[0, 0] = math.nan
+    with pytest.raises(FloatingPointError, match=r"gradient of parameter 'weight'.*loss exploded"):
+        opt.step()
+
+
+@pytest.mark.parametrize("side, index", [("output-side Kronecker factor B", 0), ("input", 1)])
+def test_a_factor_that_cannot_be_factorised_is_named(side, index):
+    layer, lossfunc, x, y = _one_layer()
+    opt = KFAC(layer.named_parameters(), lr=0.1, damping=0.0, curvature="kflr")
+    with opt.collect():
+        lossfunc(layer(x), y).backward()
+    factors = [torch.eye(f.shape[0], dtype=torch.float64) for f in layer.weight.kflr]
+    factors[index] = -factors[index]
+    layer.weight.kflr = factors
+    with pytest.raises(torch.linalg.LinAlgError, match=rf"parameter 'weight' .*{side}"):
+        opt.step()
