@@ -5,6 +5,14 @@ an error (missing or non-finite quantity, failed inversion) leaves parameters an
 state untouched. Per-parameter state is replaced, never modified in place, so a
 ``state_dict()`` taken earlier stays a snapshot.
 
+With ``torch.amp.GradScaler`` (``scaler.step(opt)``) the optimizers read the loss scale ``S``
+and the overflow flag through the scaler (``_step_supports_amp_scaling``): a scaled backward
+pass multiplies ``p.grad``, ``grad_batch``, the curvature diagonals and the output-side
+Kronecker factor ``B`` by ``S``, and ``variance``, ``batch_l2`` and ``sum_grad_squared`` by
+``S²``; each is divided by its power of ``S`` when it is read (``p.grad`` itself is left as
+it is), so the steps are those without scaling. A step whose gradients overflowed (``inf`` or
+NaN, as the scaler found) is skipped, as ``torch.optim`` optimizers are skipped by the scaler.
+
 Under ``torch.distributed`` an optimizer that supports it (``_distributable``) averages the
 quantities it collects across ranks and spreads its inversions over them through a
 :class:`~curvopt.optim.distributed.DistributedCurvature` (``process_group=``, see there).
@@ -26,6 +34,7 @@ from torch.optim import Optimizer
 from curvopt import extensions
 from curvopt.collect import collect
 from curvopt.optim import distributed
+from curvopt.optim.kronecker import rescaled
 
 #: an extension to collect, as ``(class name in curvopt.extensions, constructor options)``
 ExtensionSpec = tuple[str, dict[str, Any]]
@@ -96,10 +105,17 @@ class CurvatureOptimizer(Optimizer):
 
     #: whether averaging the collected quantities over ranks gives the right step (opt-in)
     _distributable = False
+    #: ``torch.amp.GradScaler.step`` hands this optimizer ``grad_scale`` and ``found_inf``
+    #: (attributes set during ``step``) instead of unscaling ``p.grad`` only
+    _step_supports_amp_scaling = True
+    #: the power of the loss scale a tensor attribute carries (1 if not listed); a Kronecker
+    #: factor list carries it on its output-side factor ``B`` (the first) only
+    _SQUARED = ("variance", "batch_l2", "sum_grad_squared")
 
     def __init__(self, params, defaults: dict[str, Any], process_group=None):
         self._group_state: list[dict[str, Any]] = []
         self._consumed: dict[torch.Tensor, dict[str, Any]] = {}
+        self._loss_scale: float | None = None
         super().__init__(params, defaults)
         self._distributed = distributed.resolve(
             process_group, self._distributable, type(self).__name__
@@ -211,8 +227,41 @@ class CurvatureOptimizer(Optimizer):
                 "`opt.step(closure)`) before every step"
             )
         if self._distributed is not None:
-            return self._distributed.averaged(param, attr, value)
-        return value
+            value = self._distributed.averaged(param, attr, value)
+        return self._unscaled(attr, value)
+
+    def _grad(self, param: torch.Tensor) -> torch.Tensor:
+        """``param.grad``, divided by the loss scale of a ``GradScaler`` step."""
+        return param.grad if self._loss_scale is None else param.grad / self._loss_scale
+
+    def _unscaled(self, attr: str, value: Any) -> Any:
+        """``value`` of ``param.<attr>`` divided by the power of the loss scale it carries."""
+        scale = self._loss_scale
+        if scale is None:
+            return value
+        if isinstance(value, torch.Tensor):
+            return value / scale ** (2 if attr in self._SQUARED else 1)
+        return [rescaled(f, 1 / scale) if i == 0 else f for i, f in enumerate(value)]
+
+    def _amp_scale(self) -> float | None:
+        """The loss scale ``S`` handed over by ``GradScaler.step`` (None outside it), or
+        ``math.inf`` when the scaler found an overflow (the step is skipped)."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            return None
+        if bool(found_inf.sum() > 0):
+            return math.inf
+        scale = getattr(self, "grad_scale", None)
+        if scale is None:
+            raise RuntimeError(
+                f"{type(self).__name__} under GradScaler: scaler.unscale_(opt) was called before "
+                "scaler.step(opt); it unscales p.grad only, while the curvature from the same "
+                "backward pass is scaled too, and the optimizer can no longer learn the scale. "
+                "Call scaler.step(opt) without scaler.unscale_(opt): the optimizer unscales "
+                "gradient and curvature itself (its trust region, kl_clip, bounds the step in "
+                "place of gradient clipping)."
+            )
+        return float(scale)
 
     # ----------------------------------------------------------------- stepping
     def _plan_group(
@@ -239,6 +288,16 @@ class CurvatureOptimizer(Optimizer):
         Raises ``FloatingPointError`` (and changes nothing) if a gradient, a curvature
         quantity or the resulting update is not finite. Returns the closure's loss, or None.
         """
+        scale = self._amp_scale()
+        if scale == math.inf:  # as GradScaler skips torch.optim optimizers
+            return None
+        self._loss_scale = scale
+        try:
+            return self._step(closure)
+        finally:
+            self._loss_scale = None
+
+    def _step(self, closure):
         loss = None
         if closure is not None:
             with torch.enable_grad(), self.collect():
@@ -345,3 +404,4 @@ class CurvatureOptimizer(Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_consumed", {})
         self.__dict__.setdefault("_distributed", None)
+        self.__dict__.setdefault("_loss_scale", None)

@@ -32,8 +32,8 @@ class KFAC(NewtonOptimizer):
         curvature: ``"kfac"`` (MC-sampled), ``"kflr"`` (exact loss Hessian) or ``"kfra"``.
         weight_decay: ``δ ≥ 0`` (added to the gradient and to the damping).
         kronecker_damping: ``"trace_norm"`` (default): ``(B + √λ/π I)⁻¹ G (A + π√λ I)⁻¹`` with
-            ``π = sqrt((tr A/dim A)/(tr B/dim B))`` (Martens & Grosse 2015, Sec. 6.3); ``"exact"``: ``(B ⊗ A + λ I)⁻¹`` through
-            eigendecompositions of ``B`` and ``A``.
+            ``π = sqrt((tr A/dim A)/(tr B/dim B))`` (Martens & Grosse 2015, Sec. 6.3);
+            ``"exact"``: ``(B ⊗ A + λ I)⁻¹`` through eigendecompositions of ``B`` and ``A``.
         inverse_interval: recompute the inverses (kept as Cholesky factors of the damped
             factors, applied by triangular solves) or eigendecompositions at most every ``m``
             steps, reusing them in between (default 1: whenever curvature or damping changed).

@@ -134,7 +134,9 @@ class LowRankInverse:
         retry recomputing ``U Uᵀ`` from ``U`` in float64 (casting a float32 ``U Uᵀ`` keeps the
         rounding, of order ``eps |U|²``, that can exceed a small ``c``)."""
         shift = torch.as_tensor(shift, dtype=root.dtype, device=root.device)
-        return cls(root, cholesky_factor(_inner(root, shift), lambda: _inner(root, shift, 1)), shift)
+        return cls(
+            root, cholesky_factor(_inner(root, shift), lambda: _inner(root, shift, 1)), shift
+        )
 
     def solve_left(self, matrix: torch.Tensor) -> torch.Tensor:
         """``(F + c I)⁻¹ M`` for ``M [d, m]``."""
@@ -156,12 +158,15 @@ def _inner(root: torch.Tensor, shift: torch.Tensor, in_float64=False) -> torch.T
     return inner
 
 
-def _usable_root(factor: torch.Tensor, others: int) -> torch.Tensor | None:
+def _usable_root(
+    factor: torch.Tensor, others: int, stored: torch.dtype | None = None
+) -> torch.Tensor | None:
     """The factor's Gram root ``U [r, d]`` (``reductions.gram_root``) when the Woodbury form is
     cheaper than a Cholesky factorisation for ``others`` right-hand sides and ``U`` still
     reproduces the factor (checked on the all-ones vector against the rounding bound
     ``√eps · |U|ᵀ|U| 1``: a factor changed in place after the pass falls back to Cholesky).
-    ``U`` comes in ``factor``'s dtype (both promoted to ``working_dtype`` by the caller)."""
+    ``U`` comes in ``factor``'s dtype (both promoted to ``working_dtype`` by the caller); the
+    bound uses the precision the factor was ``stored`` in (default: its dtype)."""
     root = gram_root(factor)
     if root is None:
         return None
@@ -171,7 +176,8 @@ def _usable_root(factor: torch.Tensor, others: int) -> torch.Tensor | None:
         return None
     magnitude = root.abs().mT @ root.abs().sum(1)
     error = (factor.sum(1) - root.mT @ root.sum(1)).abs()
-    if not bool((error <= torch.finfo(root.dtype).eps ** 0.5 * magnitude).all()):
+    eps = torch.finfo(root.dtype if stored is None else stored).eps
+    if not bool((error <= eps**0.5 * magnitude).all()):
         return None
     return root
 
@@ -187,13 +193,15 @@ def trace_norm_cholesky(
     Factors in bfloat16/float16 are factorised in float32 (``working_dtype``). A factor that
     cannot be factorised raises ``torch.linalg.LinAlgError`` naming it (output-side ``B`` or
     input-side ``A``, its size, trace and shift)."""
+    stored = [f.dtype for f in factors]
     factors = [_promoted(f) for f in factors]
     shifts = _trace_norm_shifts(factors, damping)
     sizes = [f.shape[0] for f in factors]
     solvers = []
     for index, (factor, shift) in enumerate(zip(factors, shifts)):
         others = sizes[1 - index] if len(factors) == 2 else 1
-        root = _usable_root(factor, others) if low_rank and damping > 0 else None
+        usable = low_rank and damping > 0
+        root = _usable_root(factor, others, stored[index]) if usable else None
         try:
             if root is not None:
                 solvers.append(LowRankInverse.of(root, shift))
@@ -218,13 +226,18 @@ _FACTOR_NAMES = {
 def _promoted(factor: torch.Tensor) -> torch.Tensor:
     """``factor`` in ``working_dtype`` (float32 for bfloat16/float16), keeping its Gram root."""
     dtype = working_dtype(factor.dtype)
-    if dtype == factor.dtype:
-        return factor
-    promoted = factor.to(dtype)
+    return factor if dtype == factor.dtype else rescaled(factor, 1.0, dtype)
+
+
+def rescaled(factor: torch.Tensor, scale: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``scale · F`` (a new tensor, in ``dtype`` if given) that keeps ``F``'s Gram root as
+    ``√scale · U`` (``reductions.gram_root``), so the Woodbury form stays available."""
+    dtype = factor.dtype if dtype is None else dtype
+    result = factor.to(dtype) * scale
     root = gram_root(factor)
     if root is not None:
-        promoted.gram_root = root.to(dtype)
-    return promoted
+        result.gram_root = root.to(dtype) * scale**0.5
+    return result
 
 
 def kron_cholesky_solve(solvers: Sequence, matrix: torch.Tensor) -> torch.Tensor:
@@ -272,3 +285,7 @@ def exact_damped_solve(
     spectrum = values[0][:, None] * (values[1][None, :] if len(eigs) == 2 else 1)
     rotated = kron_matmul([q.mT for q in vectors], matrix.to(vectors[0].dtype))
     return kron_matmul(vectors, rotated / (spectrum + damping)).to(matrix.dtype)
+
+
+# cached Woodbury inverses live in optimizer state: loadable with torch.load(weights_only=True)
+torch.serialization.add_safe_globals([LowRankInverse])

@@ -71,9 +71,9 @@ def cholesky_solve_right(matrix: torch.Tensor, factor: torch.Tensor) -> torch.Te
 def cholesky_inverse(matrix: torch.Tensor) -> torch.Tensor:
     """``M⁻¹ = L⁻ᵀ L⁻¹`` for a symmetric positive definite ``M`` of shape ``[d, d]``.
 
-    As :func:`cholesky_factor` (float32 at least), a failed factorization is retried in float64 (the inverse is
-    computed there and cast back); ``torch.linalg.LinAlgError`` if ``M`` is not positive
-    definite even then.
+    As :func:`cholesky_factor` (float32 at least), a failed factorization is retried in float64
+    (the inverse is computed there and cast back); ``torch.linalg.LinAlgError`` if ``M`` is not
+    positive definite even then.
     """
     dtype = working_dtype(matrix.dtype)
     return torch.cholesky_inverse(_cholesky(matrix.to(dtype))).to(dtype)

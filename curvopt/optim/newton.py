@@ -156,7 +156,7 @@ class NewtonOptimizer(CurvatureOptimizer):
             state = self.state.get(param, {})
             update = ParamUpdate(param, self._describe(group, index, param))
             update.checks.append(("gradient", param.grad))
-            grad = add_weight_decay(param.grad, param, weight_decay)
+            grad = add_weight_decay(self._grad(param), param, weight_decay)
             curvature, curvature_step = state.get("curvature"), state.get("curvature_step")
             if due or self._lacks_curvature(group, param):
                 raw = self._read(param, attr, update.description, extension, group["fallback"])

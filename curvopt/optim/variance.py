@@ -57,7 +57,7 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
             n = batch_l2.shape[0]
             noise = variance * (n * n / (n - 1)) if n > 1 else torch.zeros_like(variance)
 
-            grad = add_weight_decay(param.grad, param, group["weight_decay"])
+            grad = add_weight_decay(self._grad(param), param, group["weight_decay"])
             t = state.get("step", 0) + 1
             average = grad * (1 - beta) if t == 1 else torch.lerp(grad, state["exp_avg"], beta)
             mean = average / (1 - beta**t)
