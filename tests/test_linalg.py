@@ -273,9 +273,10 @@ def test_kflr_of_one_sample_is_the_exact_ggn_block():
 
 
 def _optimizer_step(opt_cls, model, lossfunc, batch, **kwargs):
-    """The update ``θ_new − θ_old`` of one step of ``opt_cls(lr=1)`` (restores ``θ``)."""
+    """The update ``θ_new − θ_old`` of one paper step of ``opt_cls(lr=1, kl_clip=None)`` (no
+    trust region; restores ``θ``)."""
     before = [p.detach().clone() for p in model.parameters()]
-    opt = opt_cls(model.parameters(), lr=1.0, **kwargs)
+    opt = opt_cls(model.parameters(), lr=1.0, kl_clip=None, **kwargs)
     X, y = batch
     loss = lossfunc(model(X), y)
     with opt.collect():
