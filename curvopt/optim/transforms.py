@@ -52,7 +52,14 @@ def kl_clip_factor(
     ``C`` when ``d = C⁻¹ g``, a proxy for the KL divergence of the step; scaling the step by ``ν``
     keeps it at most ``κ``. Returns 1 when ``Σ g·d ≤ 0``, or ``lr == 0``.
     """
-    total = sum(float((g * d).sum()) for g, d in zip(grads, directions)) * lr**2
+    products = [
+        (g * d).sum(dtype=torch.promote_types(d.dtype, torch.float32))
+        for g, d in zip(grads, directions)
+    ]
+    if not products:
+        return 1.0
+    # one host sync for the whole group
+    total = float(sum(p.to(products[0].device) for p in products)) * lr**2
     if not total > 0:
         return 1.0
     return min(1.0, math.sqrt(kl_clip / total))
