@@ -5,7 +5,6 @@ carries its root ``U`` (``reductions.gram_root``); ``optim.KFAC`` then inverts `
 Woodbury. Everything is checked in float64 against dense products and dense solves.
 """
 
-import math
 
 import pytest
 import torch
@@ -162,18 +161,46 @@ def test_kfac_step_with_woodbury_matches_dense_solve(curvature):
         torch.testing.assert_close(p.detach(), e)
 
 
-def test_kfac_with_curvature_ema_uses_dense_factors():
-    """An average of factors from several batches has no root: Cholesky, same numbers."""
-    model, lossfunc, x, y = _mlp(batch=4)
-    opt = KFAC(model.parameters(), lr=0.1, damping=0.03, curvature="kflr", curvature_ema=0.5)
-    for _ in range(2):
+@pytest.mark.parametrize("beta", [0.5, 0.9])
+def test_curvature_ema_keeps_the_woodbury_form_while_the_stacked_roots_stay_low_rank(beta):
+    """``β F̄ + (1 − β) F`` of low-rank factors is the Gram of ``[√β Ū; √(1−β) U]``: the step is
+    the dense solve with the averaged factors (float64), by Woodbury while the stacked roots have
+    fewer rows than the factor (batches of 4 for the 30-wide input: 7 steps) and that is cheaper,
+    by Cholesky after."""
+    model, lossfunc, _, _ = _mlp(batch=4)
+    lam, lr = 0.03, 0.5
+    opt = KFAC(
+        model.parameters(), lr=lr, damping=lam, curvature="kflr", curvature_ema=beta, kl_clip=None
+    )
+    first = model[0].weight
+    averages = {}
+    for step in range(9):
+        x = torch.randn(4, 30, dtype=DT, generator=gen(20 + step))
+        y = torch.randint(0, 12, (4,), generator=gen(40 + step))
         opt.zero_grad()
         with opt.collect():
             lossfunc(model(x), y).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        expected = []
+        for p, old in zip(model.parameters(), before):
+            new = [f.clone() for f in p.kflr]
+            last = averages.get(p)
+            averages[p] = (
+                new if last is None else [beta * a + (1 - beta) * n for a, n in zip(last, new)]
+            )
+            matrix = p.grad.reshape(new[0].shape[0], -1)
+            step_ = _dense_trace_norm_solve(averages[p], lam, matrix).reshape(p.shape)
+            expected.append(old - lr * step_)
         opt.step()
-    kinds = {type(s) for p in model.parameters() for s in opt.state[p]["cholesky"]["value"]}
-    assert kinds == {torch.Tensor}
-    assert all(math.isfinite(float(p.sum())) for p in model.parameters())
+        for p, e in zip(model.parameters(), expected):
+            torch.testing.assert_close(p.detach(), e)
+        rows, dim, others = 4 * (step + 1), 30, 40  # the input factor of the first layer
+        root = gram_root(opt.state[first]["curvature"][1])
+        assert (root is not None) == (rows < dim)
+        cheaper = dim * rows**2 + 4 * others * dim * rows < dim**3 / 3 + 2 * others * dim**2
+        woodbury = isinstance(opt.state[first]["cholesky"]["value"][1], LowRankInverse)
+        assert woodbury == (rows < dim and cheaper), step
+    assert not woodbury
 
 
 def test_woodbury_in_float32_is_as_accurate_as_float64_allows():

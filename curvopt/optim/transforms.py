@@ -1,6 +1,7 @@
 """Small pure transforms shared by the optimizers; none modifies its inputs.
 
-* :func:`ema` -- exponential moving average of curvature (tensors or factor lists).
+* :func:`ema` -- exponential moving average of curvature (tensors or factor lists; low-rank
+  factors keep their Gram roots, stacked).
 * :func:`add_weight_decay` -- ``g + δ θ``.
 * :func:`momentum` -- heavy-ball buffer ``v ← μ v + d``.
 * :func:`kl_clip_factor` -- ``ν = min(1, sqrt(κ / (lr² Σ g·d)))``, the KL/norm clip of a step.
@@ -14,6 +15,8 @@ from typing import Union
 
 import torch
 
+from curvopt.reductions import gram_root
+
 Curvature = Union[torch.Tensor, list[torch.Tensor]]
 
 
@@ -26,7 +29,21 @@ def ema(average: Curvature | None, new: Curvature, decay: float) -> Curvature:
         return new
     if isinstance(new, torch.Tensor):
         return torch.lerp(new, average, decay)
-    return [torch.lerp(n, a, decay) for a, n in zip(average, new)]
+    return [_ema_factor(a, n, decay) for a, n in zip(average, new)]
+
+
+def _ema_factor(average: torch.Tensor, new: torch.Tensor, decay: float) -> torch.Tensor:
+    """``β F̄ + (1 − β) F`` of one Kronecker factor. When both carry Gram roots
+    (``F̄ = ŪᵀŪ``, ``F = UᵀU``, see ``reductions.gram_root``) the average is the Gram of the
+    stacked, weighted roots ``[√β Ū; √(1−β) U]``, kept while it has fewer rows than the factor's
+    size, so that the optimizer can still invert it by Woodbury where that is cheaper."""
+    result = torch.lerp(new, average, decay)
+    roots = gram_root(average), gram_root(new)
+    if roots[0] is not None and roots[1] is not None:
+        rows = roots[0].shape[0] + roots[1].shape[0]
+        if rows < result.shape[0]:
+            result.gram_root = torch.cat([roots[0] * decay**0.5, roots[1] * (1 - decay) ** 0.5])
+    return result
 
 
 def add_weight_decay(grad: torch.Tensor, param: torch.Tensor, weight_decay: float) -> torch.Tensor:
