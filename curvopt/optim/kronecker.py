@@ -135,7 +135,7 @@ class LowRankInverse:
         rounding, of order ``eps |U|²``, that can exceed a small ``c``)."""
         shift = torch.as_tensor(shift, dtype=root.dtype, device=root.device)
         return cls(
-            root, cholesky_factor(_inner(root, shift), lambda: _inner(root, shift, 1)), shift
+            root, cholesky_factor(_inner(root, shift), lambda: _inner(root, shift, True)), shift
         )
 
     def solve_left(self, matrix: torch.Tensor) -> torch.Tensor:
@@ -170,7 +170,6 @@ def _usable_root(
     root = gram_root(factor)
     if root is None:
         return None
-    root = root.to(factor.dtype)
     rank, dim = root.shape
     if dim * rank * rank + 4 * others * dim * rank >= dim**3 / 3 + 2 * others * dim * dim:
         return None
