@@ -108,8 +108,8 @@ class CurvatureOptimizer(Optimizer):
     #: ``torch.amp.GradScaler.step`` hands this optimizer ``grad_scale`` and ``found_inf``
     #: (attributes set during ``step``) instead of unscaling ``p.grad`` only
     _step_supports_amp_scaling = True
-    #: the power of the loss scale a tensor attribute carries (1 if not listed); a Kronecker
-    #: factor list carries it on its output-side factor ``B`` (the first) only
+    #: tensor attributes that carry the loss scale squared (every other tensor carries it once;
+    #: a Kronecker factor list carries it once, on its output-side factor ``B``, the first)
     _SQUARED = ("variance", "batch_l2", "sum_grad_squared")
 
     def __init__(self, params, defaults: dict[str, Any], process_group=None):
