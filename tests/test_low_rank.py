@@ -5,7 +5,6 @@ carries its root ``U`` (``reductions.gram_root``); ``optim.KFAC`` then inverts `
 Woodbury. Everything is checked in float64 against dense products and dense solves.
 """
 
-
 import pytest
 import torch
 from torch import nn
