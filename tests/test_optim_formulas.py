@@ -119,7 +119,6 @@ def test_curvature_ema_diagonal(beta, seed):
         damping=damping,
         curvature="exact",
         curvature_ema=beta,
-        kl_clip=None,
     )
     (x1, y1), (x2, y2) = _linear_problem(4, 1), _linear_problem(4, 2)
     c1 = _exact_curvature(layer, x1, y1)
@@ -145,7 +144,6 @@ def test_curvature_ema_kronecker(beta, seed):
         damping=damping,
         curvature="kflr",
         curvature_ema=beta,
-        kl_clip=None,
     )
     (x1, y1), (x2, y2) = _linear_problem(4, 1), _linear_problem(4, 2)
     _, _, b1, a1 = _exact_curvature(layer, x1, y1)
@@ -198,7 +196,6 @@ def test_levenberg_marquardt_damping_update(monkeypatch, seed):
             damping=strategy,
             curvature="exact",
             weight_decay=weight_decay,
-            kl_clip=None,
         )
         w, b = (p.detach().clone() for p in layer.parameters())
         loss0 = _loss(w, b, x, y)
@@ -251,7 +248,7 @@ def test_kfac_kfra_uses_kfra_factors(seed):
     model = curvopt.extend(copy.deepcopy(plain))
     lr, damping = 0.5, 0.01
     opt = curvopt.optim.KFAC(
-        model.parameters(), lr=lr, damping=damping, curvature="kfra", kl_clip=None
+        model.parameters(), lr=lr, damping=damping, curvature="kfra"
     )
     deltas = _step(opt, model, lossfunc, x, y)
     for (name, p), delta in zip(probe.named_parameters(), deltas):

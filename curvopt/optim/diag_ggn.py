@@ -6,7 +6,7 @@ import torch
 
 from curvopt.optim.base import check_choice, check_number
 from curvopt.optim.diagonal import diag_precondition, diag_quadratic
-from curvopt.optim.newton import DEFAULT_KL_CLIP, NewtonOptimizer
+from curvopt.optim.newton import NewtonOptimizer
 
 _EXTENSIONS = {"mc": ("DiagGGNMC", "diag_ggn_mc"), "exact": ("DiagGGNExact", "diag_ggn_exact")}
 
@@ -23,10 +23,10 @@ class DiagGGNNewton(NewtonOptimizer):
             (``DiagGGNExact``, ``p.diag_ggn_exact``).
         weight_decay: ``δ ≥ 0`` (added to the gradient and to the damping).
         mc_samples: Monte-Carlo samples for ``curvature="mc"``.
-        kl_clip: ``κ``: the trust region of every step, on by default (``1e-3``): the step is
-            scaled by ``ν = min(1, sqrt(κ / (lr² gᵀ d)))``, ``d`` the damped direction, so its
-            length in the damped curvature (a proxy for the KL divergence it causes) is at most
-            ``κ``; ``None`` takes the paper's update unclipped. See :mod:`curvopt.optim.newton`.
+        kl_clip: ``κ``: a trust region for every step, off by default (``None``: the paper's
+            update): the step is scaled by ``ν = min(1, sqrt(κ / (lr² gᵀ d)))``, ``d`` the damped
+            direction, so its length in the damped curvature (a proxy for the KL divergence it
+            causes) is at most ``κ``. ``1e-3`` makes small dampings such as ``1e-3`` train. See :mod:`curvopt.optim.newton`.
         momentum, curvature_ema, curvature_interval, fallback: see
             :mod:`curvopt.optim.newton` (all off by default).
         process_group: under ``torch.distributed``: ``None`` (the default group if initialized
@@ -46,7 +46,7 @@ class DiagGGNNewton(NewtonOptimizer):
         momentum: float = 0.0,
         curvature_ema: float = 0.0,
         curvature_interval: int = 1,
-        kl_clip: float | None = DEFAULT_KL_CLIP,
+        kl_clip: float | None = None,
         fallback: str | None = None,
         process_group=None,
     ):

@@ -14,7 +14,7 @@ from curvopt.optim.kronecker import (
     kron_quadratic,
     trace_norm_cholesky,
 )
-from curvopt.optim.newton import DEFAULT_KL_CLIP, Derived, NewtonOptimizer
+from curvopt.optim.newton import Derived, NewtonOptimizer
 
 _EXTENSIONS = {"kfac": "KFAC", "kflr": "KFLR", "kfra": "KFRA"}
 
@@ -38,10 +38,10 @@ class KFAC(NewtonOptimizer):
             factors, applied by triangular solves) or eigendecompositions at most every ``m``
             steps, reusing them in between (default 1: whenever curvature or damping changed).
         mc_samples: Monte-Carlo samples for ``curvature="kfac"``.
-        kl_clip: ``κ``: the trust region of every step, on by default (``1e-3``): the step is
-            scaled by ``ν = min(1, sqrt(κ / (lr² gᵀ d)))``, ``d`` the damped direction, so its
-            length in the damped curvature (a proxy for the KL divergence it causes) is at most
-            ``κ``; ``None`` takes the paper's update unclipped. See :mod:`curvopt.optim.newton`.
+        kl_clip: ``κ``: a trust region for every step, off by default (``None``: the paper's
+            update): the step is scaled by ``ν = min(1, sqrt(κ / (lr² gᵀ d)))``, ``d`` the damped
+            direction, so its length in the damped curvature (a proxy for the KL divergence it
+            causes) is at most ``κ``. ``1e-3`` makes small dampings such as ``1e-3`` train. See :mod:`curvopt.optim.newton`.
         momentum, curvature_ema, curvature_interval, fallback: see
             :mod:`curvopt.optim.newton` (all off by default).
         process_group: under ``torch.distributed``: ``None`` (the default group if initialized
@@ -63,7 +63,7 @@ class KFAC(NewtonOptimizer):
         momentum: float = 0.0,
         curvature_ema: float = 0.0,
         curvature_interval: int = 1,
-        kl_clip: float | None = DEFAULT_KL_CLIP,
+        kl_clip: float | None = None,
         fallback: str | None = None,
         process_group=None,
     ):

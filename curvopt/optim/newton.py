@@ -8,15 +8,16 @@ Per parameter, with damping ``λ`` and weight decay ``δ`` (BackPACK paper, Dang
     v = μ v + ν d                                (momentum μ, default 0)
     θ ← θ − lr · v
 
-The trust region is on by default (``kl_clip=1e-3``, as kfac-pytorch): ``lr² gᵀd`` is the
+The trust region is opt-in (``kl_clip=κ``; off by default, so that the default update is the
+paper's). ``kl_clip=1e-3`` (kfac-pytorch's value) is the setting the README shows: ``lr² gᵀd`` is the
 step's squared length in the damped curvature, ``sᵀ(C + λ'I)s`` (twice the curvature term of
 the damped quadratic model of the loss) and, for a Fisher-type ``C``, a proxy for twice the
 KL divergence between the model's predictions before and after the step (for
 ``reduction="mean"``: per sample). With a damping far below the curvature's scale (or sampled
 factors whose range misses part of the gradient), the paper's step ``lr · d`` is many times
 longer than the model can be trusted, and training diverges; ``ν`` shortens exactly those
-steps, so the effective step is ``min(lr, sqrt(κ / gᵀd)) · d``. ``kl_clip=None`` gives the
-paper's update ``θ ← θ − lr · d`` (Dangel et al. 2020). For ``reduction="sum"`` ``gᵀd``
+steps, so the effective step is ``min(lr, sqrt(κ / gᵀd)) · d``. ``kl_clip=None`` (the default)
+gives the paper's update ``θ ← θ − lr · d`` (Dangel et al. 2020). For ``reduction="sum"`` ``gᵀd``
 grows with the batch size ``N``; scale ``κ`` by ``N`` to keep the same per-sample bound.
 
 Opt-in, per param group: ``curvature_interval`` (read ``C`` every k steps, reuse it between),
@@ -46,10 +47,6 @@ from curvopt.optim.cache import cached
 from curvopt.optim.damping import as_damping, reduction_ratio
 from curvopt.optim.distributed import Job, inversion_cost
 from curvopt.optim.transforms import add_weight_decay, ema, kl_clip_factor, momentum
-
-
-#: ``κ`` of the trust region every step is clipped to (``kl_clip``) unless given
-DEFAULT_KL_CLIP = 1e-3
 
 
 @dataclass
