@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)  ## the main job: budgeted reproduction of the BackPACK paper on real data
-	$(PY) -m experiments.reproduce
+	$(PY) -m experiments reproduce
 
 ttr: $(STAMP)  ## time-to-result benchmark (~25 min on one core), results and figures
 	OMP_NUM_THREADS=1 nice $(PY) -m experiments ttr --out experiments/results
@@ -28,10 +28,10 @@ test: $(STAMP)  ## the unit tests
 
 bench: $(STAMP)  ## overhead benchmarks (pytest-benchmark) and the ratio table
 	$(PY) -m pytest benchmarks --benchmark-only
-	$(PY) -m experiments.overhead
+	$(PY) -m experiments overhead
 
 data: $(STAMP)  ## fetch the real data sets that can be fetched here
-	$(PY) -m experiments.fetch_data
+	$(PY) -m experiments fetch_data
 
 lint: $(STAMP)
 	$(PY) -m ruff check curvopt tests experiments

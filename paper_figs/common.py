@@ -1,7 +1,7 @@
 """Shared pieces of the figure scripts: finding result files, grouping runs, labels, budgets.
 
 Result files are the JSONs that ``experiments.runner.run`` writes (one per training run) and the
-JSON of ``python -m experiments.overhead --json``. Both are found recursively below a results
+JSON of ``python -m experiments overhead --json``. Both are found recursively below a results
 directory; anything else (grid summaries, checkpoints, unrelated JSON) is skipped.
 """
 
@@ -118,7 +118,7 @@ def load_runs(results_dir: str | Path) -> list[dict]:
 
 
 def load_overheads(results_dir: str | Path) -> list[dict]:
-    """Every overhead JSON below ``results_dir`` (``python -m experiments.overhead --json``)."""
+    """Every overhead JSON below ``results_dir`` (``python -m experiments overhead --json``)."""
     found = []
     for path in _json_files(results_dir):
         obj = _read(path)

@@ -403,7 +403,7 @@ def test_reproduce_smoke_on_synthetic_data(tmp_path, capsys):
     ]
     assert rep.main(argv) == 0
     printed = capsys.readouterr().out
-    assert "SYNTHETIC" in printed and "python -m experiments.reproduce --full" in printed
+    assert "SYNTHETIC" in printed and "python -m experiments reproduce --full" in printed
     assert _is_png(out / "figures" / "curves_mnist_logreg_synthetic.png")
     text = (out / "comparison.md").read_text()
     assert "⚠ SYNTHETIC" in text and "Budgeted run" in text

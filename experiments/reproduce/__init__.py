@@ -1,8 +1,8 @@
 """The main job: the BackPACK paper's experiments (Dangel et al., ICLR 2020), budgeted by default.
 
-    python -m experiments.reproduce               # budgeted: a few minutes on 2 CPU cores
-    python -m experiments.reproduce --dry-run     # print the plan and the full-protocol commands
-    python -m experiments.reproduce --full        # the paper's protocol (days; use a GPU)
+    python -m experiments reproduce               # budgeted: a few minutes on 2 CPU cores
+    python -m experiments reproduce --dry-run     # print the plan and the full-protocol commands
+    python -m experiments reproduce --full        # the paper's protocol (days; use a GPU)
 
 Default (budgeted, real data): MNIST logistic regression (2 epochs) and Fashion-MNIST 2C2D (3
 epochs on 1024 training images), momentum / Adam / DiagGGN-MC / KFAC with fixed

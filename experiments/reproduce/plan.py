@@ -196,7 +196,7 @@ def full_protocol_commands(out: str = "results/reproduce_full") -> list[str]:
                 f"--results-dir {out}/runs"
             )
     cmds.append(
-        f"python -m experiments.overhead --problems 3c3d --rounds 25 --json {out}/overhead.json"
+        f"python -m experiments overhead --problems 3c3d --rounds 25 --json {out}/overhead.json"
     )
     cmds.append(f"python -m paper_figs curves {out}/runs {out}/figures")
     cmds.append(f"python -m paper_figs overhead {out}/overhead.json {out}/figures")
