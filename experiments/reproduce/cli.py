@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..commands import Command, add_threads, at_least, choose_threads
+from ..commands import Command, add_threads, at_least, choose_threads, relative
 from ..data import default_root
 from ..optimizers import OPTIMIZERS
 from ..problems import PROBLEMS
@@ -198,8 +198,8 @@ def execute(args: argparse.Namespace) -> int:
         "runs": len(results),
         "wall_clock_s": total,
         "phases_s": log.phases,
-        "files": written,
-        "overhead_json": str(overhead_path) if overhead_path else None,
+        "files": {kind: [relative(p) for p in paths] for kind, paths in written.items()},
+        "overhead_json": relative(overhead_path) if overhead_path else None,
         "full_protocol_commands": commands,
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
