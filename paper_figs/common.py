@@ -197,7 +197,41 @@ def is_synthetic(run: dict) -> bool:
     return bool(run.get("synthetic") or run["config"].get("synthetic"))
 
 
-# --- grouping runs into (problem, optimizer, setting) -> seeds ------------------------------------
+# --- grouping runs into (problem, data, budget) -> optimizer -> setting -> seeds ------------------
+
+#: what two runs must share to be drawn in one figure or compared in one table section
+_BUDGET_KEYS = ("epochs", "batch_size", "train_size", "eval_size", "valid_size", "augment")
+
+
+def budget_of(run: dict) -> tuple:
+    """The run's budget as ``((key, value), ...)`` over ``_BUDGET_KEYS``."""
+    cfg = run["config"]
+    return tuple((k, cfg.get(k)) for k in _BUDGET_KEYS)
+
+
+def budget_label(budget: tuple, keys) -> str:
+    """``train_size 5120`` (``budget``'s values of ``keys``)."""
+    return ", ".join(f"{k} {v}" for k, v in budget if k in keys)
+
+
+def budget_slug(budget: tuple, keys) -> str:
+    """A file-name part: ``train5120``."""
+    short = {"batch_size": "batch", "train_size": "train", "eval_size": "eval", "valid_size": "valid"}
+    return "_".join(f"{short.get(k, k)}{v}" for k, v in budget if k in keys)
+
+
+def varying_budgets(keys) -> dict[tuple[str, bool], list[str]]:
+    """For each (problem, synthetic) that occurs with several budgets among the
+    ``(problem, synthetic, budget)`` ``keys``: the budget keys whose values differ."""
+    seen: dict[tuple[str, bool], set] = {}
+    for problem, synthetic, budget in keys:
+        seen.setdefault((problem, synthetic), set()).add(budget)
+    return {
+        k: [name for i, name in enumerate(_BUDGET_KEYS) if len({b[i] for b in budgets}) > 1]
+        for k, budgets in seen.items()
+        if len(budgets) > 1
+    }
+
 
 _SETTING_KEYS = (
     "lr",
@@ -244,12 +278,13 @@ class Setting:
         return budget_notes(self.runs[0]) if self.runs else []
 
 
-def group_settings(runs: list[dict]) -> dict[tuple[str, bool], dict[str, list[Setting]]]:
-    """``{(problem, synthetic): {optimizer: [Setting, ...]}}``."""
-    out: dict[tuple[str, bool], dict[str, dict[tuple, Setting]]] = {}
+def group_settings(runs: list[dict]) -> dict[tuple[str, bool, tuple], dict[str, list[Setting]]]:
+    """``{(problem, synthetic, budget): {optimizer: [Setting, ...]}}``: runs of different
+    budgets (epochs, training subset, ...) are never mixed in one curve or one table row."""
+    out: dict[tuple[str, bool, tuple], dict[str, dict[tuple, Setting]]] = {}
     for r in runs:
         cfg = r["config"]
-        key = (cfg["problem"], is_synthetic(r))
+        key = (cfg["problem"], is_synthetic(r), budget_of(r))
         setting = tuple(cfg.get(k) for k in _SETTING_KEYS)
         by_opt = out.setdefault(key, {}).setdefault(cfg["optimizer"], {})
         s = by_opt.setdefault(setting, Setting(cfg["problem"], cfg["optimizer"], dict(cfg)))
@@ -262,8 +297,8 @@ def group_settings(runs: list[dict]) -> dict[tuple[str, bool], dict[str, list[Se
     }
 
 
-def best_settings(runs: list[dict]) -> dict[tuple[str, bool], dict[str, Setting]]:
-    """Per problem and optimizer, the setting with the best final validation accuracy of its
+def best_settings(runs: list[dict]) -> dict[tuple[str, bool, tuple], dict[str, Setting]]:
+    """Per problem, data kind, budget and optimizer, the setting with the best final validation accuracy of its
     lowest-seed run (the paper's selection rule, as ``experiments.runner.grid`` applies it);
     ties go to the setting with more seeds (the grid's rerun)."""
     chosen = {}
@@ -276,9 +311,10 @@ def best_settings(runs: list[dict]) -> dict[tuple[str, bool], dict[str, Setting]
 
 
 def ordered_keys(keys):
-    """(problem, synthetic) keys: the paper's problem order, real data first."""
+    """(problem, synthetic[, budget]) keys: the paper's problem order, real data first, then
+    the budgets in a fixed order."""
     rank = {p: i for i, p in enumerate(PROBLEM_ORDER)}
-    return sorted(keys, key=lambda k: (rank.get(k[0], len(rank)), k[0], k[1]))
+    return sorted(keys, key=lambda k: (rank.get(k[0], len(rank)), k[0], k[1], str(k[2:])))
 
 
 def ordered_optimizers(names):
