@@ -216,7 +216,12 @@ def budget_label(budget: tuple, keys) -> str:
 
 def budget_slug(budget: tuple, keys) -> str:
     """A file-name part: ``train5120``."""
-    short = {"batch_size": "batch", "train_size": "train", "eval_size": "eval", "valid_size": "valid"}
+    short = {
+        "batch_size": "batch",
+        "train_size": "train",
+        "eval_size": "eval",
+        "valid_size": "valid",
+    }
     return "_".join(f"{short.get(k, k)}{v}" for k, v in budget if k in keys)
 
 
@@ -278,7 +283,9 @@ class Setting:
         return budget_notes(self.runs[0]) if self.runs else []
 
 
-def group_settings(runs: list[dict]) -> dict[tuple[str, bool, tuple], dict[str, list[Setting]]]:
+def group_settings(
+    runs: list[dict],
+) -> dict[tuple[str, bool, tuple], dict[str, list[Setting]]]:
     """``{(problem, synthetic, budget): {optimizer: [Setting, ...]}}``: runs of different
     budgets (epochs, training subset, ...) are never mixed in one curve or one table row."""
     out: dict[tuple[str, bool, tuple], dict[str, dict[tuple, Setting]]] = {}
@@ -298,8 +305,8 @@ def group_settings(runs: list[dict]) -> dict[tuple[str, bool, tuple], dict[str, 
 
 
 def best_settings(runs: list[dict]) -> dict[tuple[str, bool, tuple], dict[str, Setting]]:
-    """Per problem, data kind, budget and optimizer, the setting with the best final validation accuracy of its
-    lowest-seed run (the paper's selection rule, as ``experiments.runner.grid`` applies it);
+    """Per problem, data kind, budget and optimizer, the setting with the best final validation
+    accuracy of its lowest-seed run (the paper's selection rule, as ``experiments.runner.grid`` applies it);
     ties go to the setting with more seeds (the grid's rerun)."""
     chosen = {}
     for key, by_opt in group_settings(runs).items():
