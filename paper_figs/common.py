@@ -306,8 +306,8 @@ def group_settings(
 
 def best_settings(runs: list[dict]) -> dict[tuple[str, bool, tuple], dict[str, Setting]]:
     """Per problem, data kind, budget and optimizer, the setting with the best final validation
-    accuracy of its lowest-seed run (the paper's selection rule, as ``experiments.runner.grid`` applies it);
-    ties go to the setting with more seeds (the grid's rerun)."""
+    accuracy of its lowest-seed run (the paper's selection rule, as ``experiments.runner.grid``
+    applies it); ties go to the setting with more seeds (the grid's rerun)."""
     chosen = {}
     for key, by_opt in group_settings(runs).items():
         chosen[key] = {
