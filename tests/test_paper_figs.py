@@ -495,3 +495,41 @@ def test_runs_of_different_budgets_are_never_mixed(tmp_path):
     assert [p.name for p in paper_figs.plot_curves(results / "reproduce", tmp_path / "f2")] == [
         "curves_fmnist_2c2d.png"  # one budget: the name stays as before
     ]
+
+
+def test_ttr_curves_few_lines_per_panel():
+    """9 optimizers x 3 seeds: grouped panels of at most 4 lines each (one per optimizer,
+    Adam for reference), every optimizer drawn once per problem."""
+    from paper_figs import ttr
+
+    entries = [("momentum", None), ("adam", None), ("vsgd", None), ("diagggn_mc", "paper")]
+    entries += [("diagggn", "paper"), ("kfac", "paper"), ("kflr", "paper")]
+    entries += [("kfac", "practical"), ("kflr", "practical")]
+    rows = [
+        {
+            "problem": problem,
+            "optimizer": opt,
+            "preset": preset,
+            "seed": seed,
+            "target": 0.9,
+            "time_to_target": 2.0 + seed if seed else None,
+            "train_s": 8.0,
+            "curve": [[t / 2, 0.8 + 0.01 * t] for t in range(1, 17 if seed == 0 else 5)],
+        }
+        for problem in ("mnist_logreg", "fmnist_2c2d")
+        for opt, preset in entries
+        for seed in range(3)
+    ]
+    fig = ttr.accuracy_figure(rows, {"threads": 1})
+    assert len(fig.axes) == 8  # 2 problems x (first order, diagonal, Kronecker x 2 presets)
+    drawn = {}
+    for ax in fig.axes:
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert len(labels) <= 4, labels
+        curves = [line for line in ax.get_lines() if len(line.get_xdata()) > 2]
+        assert len(curves) == len(labels) <= 4
+        for label in labels:
+            drawn.setdefault(ax.get_title().split(":")[0], []).append(label)
+    for problem_labels in drawn.values():
+        own = [label for label in problem_labels if "reference" not in label]
+        assert len(own) == len(set(own)) == len(entries)
