@@ -6,8 +6,8 @@ sequence-first, ``ignore_index`` with a sample whose rows are all ignored, class
 smoothing, MSE / BCE on ``[N, T, D]`` and flattened). docs/conventions.md: ``G`` and ``H`` are
 those of the loss as computed, per-sample quantities are per sample of the model's batch.
 References: ``tests/reference.py`` (torch.func). Also the cases where Eschenhagen et al. (2023)
-show KFAC exact: a deep linear network with the loss over all positions ("expand") and with the shared
-dimension reduced before the loss ("reduce").
+show KFAC exact: a deep linear network with the loss over all positions ("expand") and with the
+shared dimension reduced before the loss ("reduce").
 """
 
 from __future__ import annotations
