@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -131,15 +132,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="delete this output folder's earlier runs first (default: reuse them)",
     )
     p.add_argument(
-        "--no-progress",
-        dest="progress",
-        action="store_false",
-        help="no progress bars (they show the time left of each epoch, evaluation and run)",
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bars with the time left of each epoch, evaluation and run (default: "
+        "when stderr is a terminal)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan and the commands only")
 
 
 def _resolved(args: argparse.Namespace) -> argparse.Namespace:
+    if args.progress is None:
+        args.progress = sys.stderr.isatty()
     if args.out is None:
         args.out = Path("results/reproduce_full" if args.full else "results/reproduce")
     return args
