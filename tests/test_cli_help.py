@@ -98,7 +98,18 @@ def test_old_entry_points_are_aliases(module, name, capsys):
     assert old.split("\n\n", 1)[1] == new.split("\n\n", 1)[1]  # same text after the usage
 
 
-def test_reproduce_alias_and_plain_plain_text():
+def test_paper_figs_help_is_plain(capsys):
+    from paper_figs.cli import main as figs_main
+
+    with pytest.raises(SystemExit):
+        figs_main(["--help"])
+    text = capsys.readouterr().out
+    _assert_plain(text, "python -m paper_figs")
+    for what in ("all", "overhead", "curves", "table", "ttr", "compare"):
+        assert f"  {what} " in text
+
+
+def test_reproduce_alias_and_plain_text():
     assert rep.parse_args([]).out.as_posix() == "results/reproduce"
     assert commands.plain_text("``a`` :mod:`experiments.b` :func:`~.c`") == "a experiments.b c"
 
