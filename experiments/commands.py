@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -22,12 +21,6 @@ SHARED_MACHINE = (
     "busy 2-core machine a KFAC step of MNIST logreg took 3-8 s with 2 threads, 0.05 s with 1)."
 )
 THREADS_HELP = "torch threads. " + SHARED_MACHINE
-
-
-def plain_text(doc: str) -> str:
-    """A docstring as ``--help`` shows it: without reST roles and literal quotes."""
-    text = re.sub(r":[a-z]+:`~?\.?([^`]*)`", r"\1", doc)
-    return text.replace("``", "").strip()
 
 
 def _shown(value) -> str:
@@ -136,9 +129,10 @@ class Command:
     execute: Callable[[argparse.Namespace], int]
     aliases: tuple[str, ...] = field(default=())
 
-    def parser(self, prog: str | None = None) -> argparse.ArgumentParser:
+    def parser(self) -> argparse.ArgumentParser:
+        """The command's own parser (for the old entry point)."""
         p = argparse.ArgumentParser(
-            prog=prog or f"python -m experiments {self.name}",
+            prog=f"python -m experiments {self.name}",
             description=self.description,
             formatter_class=HelpFormatter,
         )

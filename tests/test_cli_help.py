@@ -109,9 +109,9 @@ def test_paper_figs_help_is_plain(capsys):
         assert f"  {what} " in text
 
 
-def test_reproduce_alias_and_plain_text():
+def test_reproduce_alias():
     assert rep.parse_args([]).out.as_posix() == "results/reproduce"
-    assert commands.plain_text("``a`` :mod:`experiments.b` :func:`~.c`") == "a experiments.b c"
+    assert rep.parse_args(["--threads", "1", "--no-progress"]).progress is False
 
 
 def test_threads_are_applied(tmp_path, capsys):

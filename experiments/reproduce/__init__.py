@@ -25,6 +25,7 @@ training runs), :mod:`.overhead_table` (the overhead measurement), :mod:`.report
 table through ``paper_figs``: the one place in ``experiments`` that draws), :mod:`.cli`.
 """
 
+from ..commands import choose_threads
 from .cli import main, parse_args
 from .overhead_table import register_second_order
 from .plan import (
@@ -34,7 +35,6 @@ from .plan import (
     PAPER_SEEDS,
     Budget,
     Plan,
-    choose_threads,
     describe,
     full_protocol_commands,
     make_plan,

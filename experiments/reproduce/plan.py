@@ -1,9 +1,8 @@
-"""What the main job runs: problems, optimizers, budgets, hyper-parameters, threads."""
+"""What the main job runs: problems, optimizers, budgets, hyper-parameters."""
 
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field, replace
 
 from ..config import RunConfig
@@ -122,20 +121,6 @@ class Plan:
                     )
                 )
         return out
-
-
-def choose_threads(requested: int | None) -> tuple[int, str]:
-    """``torch.set_num_threads`` value and why: see ``--threads``."""
-    if requested:
-        return requested, "--threads"
-    cpus = os.cpu_count() or 1
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return min(2, cpus), "load average unknown"
-    if load > cpus / 2:
-        return 1, f"load average {load:.1f} on {cpus} CPUs: busy machine"
-    return min(2, cpus), f"load average {load:.1f} on {cpus} CPUs"
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
