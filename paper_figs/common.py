@@ -209,20 +209,27 @@ def budget_of(run: dict) -> tuple:
     return tuple((k, cfg.get(k)) for k in _BUDGET_KEYS)
 
 
+def _budget_value(key: str, value) -> str:
+    """A budget value as text; unset sizes mean the whole set."""
+    if value is None:
+        return "all" if key.endswith("_size") else "default"
+    return str(value)
+
+
 def budget_label(budget: tuple, keys) -> str:
-    """``train_size 5120`` (``budget``'s values of ``keys``)."""
-    return ", ".join(f"{k} {v}" for k, v in budget if k in keys)
+    """``train_size 5120, eval_size all`` (``budget``'s values of ``keys``)."""
+    return ", ".join(f"{k} {_budget_value(k, v)}" for k, v in budget if k in keys)
 
 
 def budget_slug(budget: tuple, keys) -> str:
-    """A file-name part: ``train5120``."""
+    """A file-name part: ``train5120_evalall``."""
     short = {
         "batch_size": "batch",
         "train_size": "train",
         "eval_size": "eval",
         "valid_size": "valid",
     }
-    return "_".join(f"{short.get(k, k)}{v}" for k, v in budget if k in keys)
+    return "_".join(f"{short.get(k, k)}{_budget_value(k, v)}" for k, v in budget if k in keys)
 
 
 def varying_budgets(keys) -> dict[tuple[str, bool], list[str]]:

@@ -96,11 +96,12 @@ def comparison_rows(results_dir: str | Path) -> list[dict]:
     varying = varying_budgets(chosen)
     for problem, synthetic, budget in ordered_keys(set(keys)):
         ours = chosen.get((problem, synthetic, budget), {})
-        names = set(ours) | (set(PAPER_TEST_ACC.get(problem, {})) if not synthetic else set())
-        for opt in ordered_optimizers(names):
+        varied = varying.get((problem, synthetic))
+        # the paper's other optimizers as "not run", unless the rows are split by budget
+        papers = set(PAPER_TEST_ACC.get(problem, {})) if not (synthetic or varied) else set()
+        for opt in ordered_optimizers(set(ours) | papers):
             row = _row(problem, synthetic, opt, ours.get(opt))
-            keys = varying.get((problem, synthetic))
-            row["budget"] = budget_label(budget, keys) if keys else None
+            row["budget"] = budget_label(budget, varied) if varied else None
             rows.append(row)
     return rows
 

@@ -490,6 +490,11 @@ def test_runs_of_different_budgets_are_never_mixed(tmp_path):
     text = table.markdown(table.comparison_rows(results))
     assert "Fashion-MNIST 2C2D [train_size 5120]" in text
 
+    budget = common.budget_of(_run_json(train_size=None, eval_size=500))
+    keys = ["train_size", "eval_size", "augment"]
+    assert common.budget_slug(budget, keys) == "trainall_eval500_augmentFalse"
+    assert common.budget_label(budget, keys) == "train_size all, eval_size 500, augment False"
+
     alone = _by_problem(common.best_settings(common.load_runs(results / "reproduce")))
     assert alone[("fmnist_2c2d", False)]["kfac"].seeds == [0, 1, 2]
     assert [p.name for p in paper_figs.plot_curves(results / "reproduce", tmp_path / "f2")] == [
