@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run ttr test bench data lint clean
+.PHONY: install reference run ttr test bench data lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,8 +16,21 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# BackPACK 1.7.1 and Opacus 1.6.0 for the comparisons (experiments overhead, benchmarks/),
+# without replacing the CPU torch: their pure-python dependencies from the "reference" extra,
+# the libraries themselves without dependencies (torchvision, which BackPACK declares, would
+# bring a CUDA torch; neither import needs it). The Opacus wheel also installs top-level
+# "benchmarks" and "examples" folders that are not part of the library: removed.
+reference: $(STAMP)  ## BackPACK and Opacus for the comparison columns (keeps the CPU torch)
+	$(PY) -m pip install --quiet -e ".[dev,experiments,reference]"
+	$(PY) -m pip install --quiet --no-deps backpack-for-pytorch==1.7.1 opacus==1.6.0
+	SP=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	    rm -rf "$$SP/benchmarks" "$$SP/examples"
+	$(PY) -c 'import torch, backpack, opacus; from importlib.metadata import version as v; \
+	    print("torch", torch.__version__, "backpack", v("backpack-for-pytorch"), "opacus", v("opacus"))'
+
 run: $(STAMP)  ## the main job: budgeted reproduction of the BackPACK paper on real data
-	$(PY) -m experiments.reproduce
+	$(PY) -m experiments reproduce
 
 ttr: $(STAMP)  ## time-to-result benchmark (~25 min on one core), results and figures
 	OMP_NUM_THREADS=1 nice $(PY) -m experiments ttr --out experiments/results
@@ -28,10 +41,10 @@ test: $(STAMP)  ## the unit tests
 
 bench: $(STAMP)  ## overhead benchmarks (pytest-benchmark) and the ratio table
 	$(PY) -m pytest benchmarks --benchmark-only
-	$(PY) -m experiments.overhead
+	$(PY) -m experiments overhead
 
 data: $(STAMP)  ## fetch the real data sets that can be fetched here
-	$(PY) -m experiments.fetch_data
+	$(PY) -m experiments fetch_data
 
 lint: $(STAMP)
 	$(PY) -m ruff check curvopt tests experiments

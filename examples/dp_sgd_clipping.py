@@ -7,8 +7,9 @@ DP-SGD (Abadi et al., 2016) replaces the mini-batch gradient by
 where ``g_n`` is the gradient of sample ``n``'s own loss, ``C`` the clipping norm, ``σ`` the noise
 multiplier and ``B`` the batch size. curvopt gives everything in one backward pass:
 ``BatchL2Grad`` the squared norms ``‖g_n‖²`` (summed over parameters) and ``BatchGrad`` the
-``g_n`` themselves. Note the loss convention (API.md): with ``reduction="mean"`` the rows of
-``grad_batch`` are ``g_n / B`` and ``batch_l2`` is ``‖g_n‖² / B²``; they are rescaled here.
+``g_n`` themselves. Note the loss convention (docs/conventions.md): with ``reduction="mean"``
+the rows of ``grad_batch`` are ``g_n / B`` and ``batch_l2`` is ``‖g_n‖² / B²``; they are
+rescaled here.
 
     python examples/dp_sgd_clipping.py                   # sklearn digits, ~10 s on 2 cores
     python examples/dp_sgd_clipping.py --dataset mnist   # 10 000 MNIST images (./data)

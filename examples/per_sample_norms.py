@@ -1,9 +1,14 @@
 """Per-sample gradient norms on scikit-learn's 8x8 digits: which training examples are hardest?
 
-Trains a small CNN for a few epochs; in every step one backward pass also yields each sample's
-gradient norm (``BatchL2Grad``) and the gradient variance (``Variance``). Prints the examples with
-the largest gradient norm after training (often mislabelled or ambiguous digits) and the
-signal-to-noise ratio of the gradient per layer.
+Trains a small CNN for a few epochs. After every epoch it prints the epoch's mean training loss
+and, per layer, the signal-to-noise ratio of a mini-batch gradient, estimated on a fixed probe
+batch by one backward pass with ``Variance``. After training one pass per chunk yields every
+example's gradient norm (``BatchL2Grad``); the examples with the largest norms are printed
+(often mislabelled or ambiguous digits).
+
+Scaling (docs/conventions.md): with ``reduction="mean"`` over ``N`` samples, the per-sample
+quantities are those of ``g_n / N``, ``g_n`` the gradient of sample ``n``'s own loss. Hence the
+factors ``N`` and ``N**2`` below; with ``reduction="sum"`` they are 1.
 """
 
 import time
@@ -16,7 +21,42 @@ import curvopt
 from curvopt import extensions as ext
 
 
-def main(epochs: int = 8, batch_size: int = 64, seed: int = 0) -> None:
+def _scale(lossfunc: nn.Module, n: int) -> int:
+    """``N`` for a mean-reduced loss over ``n`` samples (rows are ``g_n / N``), else 1."""
+    return n if lossfunc.reduction == "mean" else 1
+
+
+def gradient_snr(model, lossfunc, X, y, batch_size: int) -> dict[str, float]:
+    """Per parameter: ``|E g|^2 / (tr Cov(g) / batch_size)``, the signal-to-noise ratio of a
+    mini-batch gradient of ``batch_size`` samples, with the mean and covariance of the
+    per-sample gradients ``g_n`` estimated on the probe batch ``(X, y)``."""
+    model.zero_grad()
+    with curvopt.collect(ext.Variance()):
+        lossfunc(model(X), y).backward()
+    s = _scale(lossfunc, len(X))
+    out = {}
+    for name, p in model.named_parameters():
+        mean_g = p.grad * s / len(X)  # p.grad = sum_n g_n / s
+        cov_trace = p.variance.sum() * s**2  # variance is that of the rows g_n / s
+        out[name] = (mean_g.pow(2).sum() / (cov_trace / batch_size)).item()
+    model.zero_grad()
+    return out
+
+
+def sample_grad_norms(model, lossfunc, X, y, chunk: int = 256) -> torch.Tensor:
+    """``|g_n|`` of every sample (all parameters), one backward pass per chunk."""
+    norms = torch.zeros(len(X), dtype=X.dtype)
+    for idx in torch.arange(len(X)).split(chunk):
+        model.zero_grad()
+        with curvopt.collect(ext.BatchL2Grad()):
+            lossfunc(model(X[idx]), y[idx]).backward()
+        squared = sum(p.batch_l2 for p in model.parameters())  # of the rows g_n / s
+        norms[idx] = (squared * _scale(lossfunc, len(idx)) ** 2).sqrt()
+    model.zero_grad()
+    return norms
+
+
+def main(epochs: int = 8, batch_size: int = 64, seed: int = 0, probe: int = 512) -> None:
     torch.manual_seed(seed)
     torch.set_num_threads(2)
     digits = load_digits()
@@ -34,38 +74,30 @@ def main(epochs: int = 8, batch_size: int = 64, seed: int = 0) -> None:
     )
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    probe_idx = torch.randperm(len(X))[:probe]  # the same probe batch after every epoch
     start = time.perf_counter()
     for epoch in range(epochs):
-        order = torch.randperm(len(X))
-        for idx in order.split(batch_size):
+        loss_sum = 0.0
+        for idx in torch.randperm(len(X)).split(batch_size):
             opt.zero_grad()
             loss = lossfunc(model(X[idx]), y[idx])
-            with curvopt.collect(ext.Variance()):
-                loss.backward()
+            loss.backward()
             opt.step()
-        snr = {
-            name: (p.grad.pow(2).sum() / p.variance.sum()).item()
-            for name, p in model.named_parameters()
-        }
+            loss_sum += loss.item() * len(idx)
+        snr = gradient_snr(model, lossfunc, X[probe_idx], y[probe_idx], batch_size)
         acc = (model(X).argmax(1) == y).float().mean().item()
         print(
-            f"epoch {epoch}: loss {loss.item():.3f}  train acc {acc:.3f}  "
-            "grad SNR per layer " + " ".join(f"{k}={v:.2g}" for k, v in snr.items())
+            f"epoch {epoch}: mean train loss {loss_sum / len(X):.3f}  train acc {acc:.3f}  "
+            f"SNR of a {batch_size}-sample gradient "
+            + " ".join(f"{k}={v:.2g}" for k, v in snr.items())
         )
-    # per-sample gradient norms of every training example (sum over layers)
-    norms = torch.zeros(len(X))
-    for idx in torch.arange(len(X)).split(256):
-        model.zero_grad()
-        loss = lossfunc(model(X[idx]), y[idx])
-        with curvopt.collect(ext.BatchL2Grad()):
-            loss.backward()
-        norms[idx] = sum(p.batch_l2 for p in model.parameters()) * len(idx) ** 2
+    norms = sample_grad_norms(model, lossfunc, X, y)
     hardest = norms.argsort(descending=True)[:10]
     pred = model(X[hardest]).argmax(1)
     print(f"\n{len(X)} digits, {time.perf_counter() - start:.1f}s. Hardest examples:")
     print(" index  label  predicted  grad-norm")
     for i, p in zip(hardest.tolist(), pred.tolist()):
-        print(f" {i:5d}  {y[i].item():5d}  {p:9d}  {norms[i].sqrt().item():9.3f}")
+        print(f" {i:5d}  {y[i].item():5d}  {p:9d}  {norms[i].item():9.3f}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@ package; :mod:`experiments.reproduce` is the one place that calls ``paper_figs``
    :mod:`.training` (the loop of one run)
 4. protocols: :mod:`.runner` (run, grid), :mod:`.ttr` and :mod:`.ttr_report` (time to result),
    :mod:`.overhead` (cost of each quantity)
-5. entry points: :mod:`.__main__` (``run``, ``grid``, ``ttr`` via :mod:`.ttr_cli`),
-   :mod:`.reproduce` (the main job, with figures)
+5. entry points: :mod:`.cli` (``python -m experiments COMMAND``, every command listed there),
+   :mod:`.train_cli` (``run``, ``grid``), :mod:`.ttr_cli`, :mod:`.reproduce` (the main job,
+   with figures); :mod:`.fetch_data`, :mod:`.overhead`, :mod:`.step_profile` and
+   :mod:`.compare` define their own command next to their code
+
+Every command is a :class:`.commands.Command` (help formatter, ``--threads``; below all layers,
+it imports nothing of this package); its ``main`` is the old ``python -m experiments.X``.
 """

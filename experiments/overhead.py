@@ -1,10 +1,12 @@
 """Overhead of curvopt's quantities, as ratios to a plain forward+backward pass.
 
-    python -m experiments.overhead                       # default: all problems, all backends found
-    python -m experiments.overhead --problems 3c3d --json overhead.json
-    python -m experiments.overhead --cases backpack --batch 8 --threads 1   # issue 11's table
-    python -m experiments.overhead --problems gpt --quantities BatchGrad DiagGGNMC
-    python -m experiments.overhead --profile 3c3d:Variance   # torch.profiler table of one case
+    python -m experiments overhead                       # default: all problems, all backends found
+    python -m experiments overhead --problems 3c3d --json overhead.json
+    python -m experiments overhead --cases backpack --batch 8 --threads 1   # against BackPACK
+    python -m experiments overhead --problems gpt --quantities BatchGrad DiagGGNMC
+    python -m experiments overhead --profile 3c3d:Variance   # torch.profiler table of one case
+
+(``python -m experiments.overhead`` is the same command.)
 
 Every *case* is a (problem, quantity) pair, run by every *backend* that can compute it; the
 jobs live in their own modules:
@@ -19,9 +21,9 @@ Each backend works on its own copy of the network (same weights, same batch). Th
 the median over interleaved rounds of the per-round ratio to the plain step (``--spread`` adds
 quartiles; JSON has them, the raw times, and how busy other processes kept the CPUs in each
 round; ``--max-other-load`` drops busy rounds). ``torch.set_num_threads`` is fixed
-(``--threads``, default 2) and printed. Run as a script, this module sets
-``OMP_WAIT_POLICY=PASSIVE`` unless the variable is set: with spinning OpenMP workers a busy
-machine makes 2-thread steps erratically 5-100x slower.
+(``--threads``, default 2) and printed. Run as a command, ``OMP_WAIT_POLICY=PASSIVE`` is set
+unless the variable is set: with spinning OpenMP workers a busy machine makes 2-thread steps
+erratically 5-100x slower.
 
 Competitors are optional. Opacus and BackPACK need no install into the project's environment:
 ``pip install --no-deps --target DIR opacus backpack-for-pytorch`` and ``PYTHONPATH=DIR``
@@ -70,7 +72,8 @@ from experiments.overhead_cases import (  # noqa: E402
     Quantity,
     register_quantity,
 )
-from experiments.overhead_report import markdown_table, payload  # noqa: E402
+from experiments.commands import Command, add_threads  # noqa: E402
+from experiments.overhead_report import TARGETS_NOTE, markdown_table, payload  # noqa: E402
 from experiments.overhead_timing import Result, build_steps, measure, profile  # noqa: E402
 
 __all__ = [
@@ -104,17 +107,30 @@ __all__ = [
 CASE_SETS = {"default": DEFAULT_CASES + EXTRA_CASES, "backpack": BACKPACK_CASES}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m experiments.overhead", description=__doc__.split("\n\n")[0]
-    )
+DESCRIPTION = """\
+Overhead of curvopt's quantities: the time of a forward+backward pass that also computes a
+quantity, as a ratio to the plain forward+backward pass, median over interleaved rounds. Every
+case (problem, quantity) runs on every backend that can compute it: curvopt, torch.func, and
+Opacus and BackPACK when importable (make reference installs them; README, "Reference
+libraries"). The "target (curvopt)" column is the ratio the project set as curvopt's goal for
+that cell (at the problem's own batch size); the lines below the table explain the marks.
+
+examples:
+  python -m experiments overhead                     # all problems, every backend found
+  python -m experiments overhead --cases backpack --batch 8 --threads 1   # against BackPACK
+  python -m experiments overhead --problems gpt --quantities BatchGrad DiagGGNMC
+  python -m experiments overhead --profile 3c3d:Variance   # torch.profiler table of one case
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cases",
         choices=list(CASE_SETS),
         default="default",
         help="the case set: 'default' (first order on 3C3D, MLP, CNN, transformer; second "
         "order on 3C3D and MLP) or 'backpack' (DeepOBS logreg, 2C2D, 3C3D, every second-order "
-        "quantity: issue 11's comparison with BackPACK)",
+        "quantity and per-sample gradients: the comparison with BackPACK)",
     )
     p.add_argument(
         "--problems",
@@ -141,10 +157,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=list(BACKENDS),
         help="default: every backend that is importable",
     )
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
-    p.add_argument("--rounds", type=int, default=25, help="interleaved rounds (default 25)")
-    p.add_argument("--warmup", type=int, default=3, help="warm-up steps per case (default 3)")
+    add_threads(p, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--rounds", type=int, default=25, help="interleaved rounds")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up steps per case")
     p.add_argument(
         "--min-sample-ms",
         type=float,
@@ -155,7 +171,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--max-seconds",
         type=float,
         default=15.0,
-        help="stop a problem's rounds after this long, at least 3 rounds (default 15)",
+        help="stop a problem's rounds after this long, at least 3 rounds",
     )
     p.add_argument(
         "--max-other-load",
@@ -163,7 +179,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="drop rounds in which other processes used more than this share (0-1) of the CPUs",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="weights and batches")
     p.add_argument(
         "--spread", action="store_true", help="show the quartiles of the ratios in each cell"
     )
@@ -173,11 +189,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="PROBLEM:QUANTITY[:BACKEND]",
         help="print a torch.profiler table of one case instead of the ratio table",
     )
-    return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def execute(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)
     if args.profile:
@@ -252,6 +266,8 @@ def main(argv=None) -> int:
     resized = args.batch is not None and any(PROBLEMS[p].batch_size != args.batch for p in infos)
     targets = {} if resized else None  # the targets hold for the problems' own batch sizes
     print(markdown_table(results, infos, backends, spread=args.spread, targets=targets))
+    if targets is None:
+        print("\n" + TARGETS_NOTE)
 
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -260,6 +276,23 @@ def main(argv=None) -> int:
         )
         log(f"wrote {args.json}")
     return 0
+
+
+OVERHEAD = Command(
+    "overhead",
+    "cost of each quantity relative to a plain forward+backward pass",
+    DESCRIPTION,
+    add_arguments,
+    execute,
+)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return OVERHEAD.parser().parse_args(argv)
+
+
+def main(argv=None) -> int:
+    return OVERHEAD.main(argv)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ class Instance:
 
 
 def reductions(gb: torch.Tensor, attrs: Sequence[str], n: int) -> dict[str, torch.Tensor]:
-    """First-order quantities from per-sample gradients ``gb [N, *p]`` (API.md conventions)."""
+    """First-order quantities from per-sample gradients ``gb [N, *p]`` (docs/conventions.md)."""
     out: dict[str, torch.Tensor] = {}
     if "grad_batch" in attrs:
         out["grad_batch"] = gb
@@ -252,8 +252,8 @@ def backpack_options(mine: ext.Extension, theirs: type) -> dict:
 class BackpackBackend(Backend):
     """BackPACK: ``extend`` model and loss, ``with backpack(...)`` around ``backward``.
 
-    BackPACK's extensions have curvopt's class names, options and attribute names (API.md
-    follows BackPACK), so any quantity maps by name, second-order ones included.
+    BackPACK's extensions have curvopt's class names, options and attribute names (curvopt's
+    conventions follow BackPACK), so any quantity maps by name, second-order ones included.
     """
 
     name = "backpack"

@@ -29,6 +29,18 @@ def head_to_head(mine: Result | None, theirs: Result | None) -> float | None:
     return statistics.median(a / b for a, b in zip(mine.times, theirs.times))
 
 
+#: the legend printed below a table with targets
+TARGETS_NOTE = (
+    "target (curvopt): the goal the project set for curvopt's ratio in that cell when the\n"
+    "quantity was optimised, at the problem's own batch size (experiments/overhead_cases.py,\n"
+    "TARGETS). ✓: this run's median ratio is at or below it, ✗: above. Ratios measured on a\n"
+    "busy machine, with 1 thread or with few rounds (the main job takes 7) scatter widely:\n"
+    "a ✗ there says to measure again on an idle machine\n"
+    "(python -m experiments overhead --problems 3c3d --rounds 25 --threads 2), not that a\n"
+    "computed quantity is wrong."
+)
+
+
 def geometric_mean(values: Sequence[float]) -> float:
     """``exp(mean(log v))``; NaN for no values."""
     if not values:

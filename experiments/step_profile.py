@@ -1,6 +1,6 @@
 """Where an optimizer step's time goes: forward, backward and step, curvature steps apart.
 
-    OMP_NUM_THREADS=1 python -m experiments.step_profile fmnist_2c2d kfac:practical:0.01:0.1
+    OMP_NUM_THREADS=1 python -m experiments step_profile fmnist_2c2d kfac:practical:0.01:0.1
 
 Each ``OPTIMIZER[:PRESET[:LR[:DAMPING]]]`` trains ``--steps`` steps on one fixed random batch of
 the problem's batch size (the first step, a warm-up, is not counted) and reports the median
@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from .commands import Command, add_threads, set_threads
 from .config import RunConfig
 from .data import SPECS
 from .optimizers import DAMPED, make_optimizer, resolve_options
@@ -73,14 +74,29 @@ def _config(problem: str, spec: str) -> RunConfig:
     )
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.step_profile", description=__doc__)
-    p.add_argument("problem", choices=list(PROBLEMS))
-    p.add_argument("optimizers", nargs="+", help="OPTIMIZER[:PRESET[:LR[:DAMPING]]]")
-    p.add_argument("--steps", type=int, default=21)
-    p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+DESCRIPTION = """\
+Where an optimizer step's time goes. Each OPTIMIZER[:PRESET[:LR[:DAMPING]]] (lr and damping
+1e-3 when left out) trains --steps steps on one fixed random batch of the problem's batch size
+(the first step, a warm-up, is not counted) and prints the median milliseconds of forward,
+backward and step, separately for curvature steps (every curvature_interval steps: their
+backward pass computes the curvature, their step inverts it) and plain steps.
+
+example: OMP_NUM_THREADS=1 python -m experiments step_profile fmnist_2c2d adam \\
+           kfac:paper:0.1:0.1 kfac:practical:0.01:0.1
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("problem", choices=list(PROBLEMS), help="the DeepOBS problem")
+    p.add_argument(
+        "optimizers", nargs="+", metavar="OPTIMIZER[:PRESET[:LR[:DAMPING]]]", help="what to time"
+    )
+    p.add_argument("--steps", type=int, default=21, help="steps per optimizer, warm-up included")
+    add_threads(p, default=1)
+
+
+def execute(args: argparse.Namespace) -> int:
+    set_threads(args.threads)
     for spec in args.optimizers:
         for kind, r in profile(_config(args.problem, spec), args.steps).items():
             print(
@@ -89,6 +105,20 @@ def main(argv=None) -> int:
                 flush=True,
             )
     return 0
+
+
+STEP_PROFILE = Command(
+    "step_profile",
+    "milliseconds of forward, backward and step of optimizers on one batch",
+    DESCRIPTION,
+    add_arguments,
+    execute,
+    aliases=("step-profile",),
+)
+
+
+def main(argv=None) -> int:
+    return STEP_PROFILE.main(argv)
 
 
 if __name__ == "__main__":

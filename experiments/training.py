@@ -137,7 +137,8 @@ class TrainingRun:
         bar = tqdm(
             batches,
             total=n_batches,
-            desc=f"{self.label} epoch {epoch}/{cfg.epochs}",
+            desc=f"epoch {epoch}/{cfg.epochs}",
+            unit="batch",
             leave=False,
             disable=not self.progress,
             dynamic_ncols=True,
@@ -207,7 +208,13 @@ class TrainingRun:
     def eval_entry(self, epoch: int, train_stats: dict | None) -> dict:
         t0 = self.clock()
         metrics = evaluate(
-            self.model, self.lossfunc, self.splits, self.cfg.batch_size, self.prep, self.info
+            self.model,
+            self.lossfunc,
+            self.splits,
+            self.cfg.batch_size,
+            self.prep,
+            self.info,
+            f"eval {epoch}/{self.cfg.epochs}" if self.progress else None,
         )
         entry = {"epoch": epoch, **metrics}
         if train_stats is not None:
@@ -220,17 +227,30 @@ class TrainingRun:
         return entry
 
     def train(self, ckpt: Path) -> tuple[str, int | None]:
-        """Train the remaining epochs, checkpointing after each; returns status and bad epoch."""
-        for epoch in range(len(self.history), self.cfg.epochs + 1):
-            stats = self.train_epoch(epoch)
-            if stats["diverged"]:
-                return "diverged", epoch
-            entry = self.eval_entry(epoch, stats)
-            self.history.append(entry)
-            self.log(entry)
-            if not math.isfinite(entry["train_loss"]):
-                return "diverged", epoch
-            self.save(ckpt)
+        """Train the remaining epochs, checkpointing after each; returns status and bad epoch.
+        With progress, a bar over the epochs (training and evaluation) estimates the time
+        left of the whole run."""
+        done = len(self.history) - 1
+        with tqdm(
+            total=self.cfg.epochs,
+            initial=done,
+            desc=self.label,
+            unit="epoch",
+            leave=False,
+            disable=not self.progress,
+            dynamic_ncols=True,
+        ) as run_bar:
+            for epoch in range(done + 1, self.cfg.epochs + 1):
+                stats = self.train_epoch(epoch)
+                if stats["diverged"]:
+                    return "diverged", epoch
+                entry = self.eval_entry(epoch, stats)
+                self.history.append(entry)
+                self.log(entry)
+                if not math.isfinite(entry["train_loss"]):
+                    return "diverged", epoch
+                self.save(ckpt)
+                run_bar.update()
         return "finished", None
 
     def log(self, e: dict) -> None:

@@ -1,4 +1,4 @@
-"""``python -m paper_figs [all|overhead|curves|table|ttr|compare] RESULTS_DIR OUT_DIR``."""
+"""``python -m paper_figs WHAT RESULTS_DIR OUT_DIR`` (``DESCRIPTION`` is its ``--help``)."""
 
 from __future__ import annotations
 
@@ -32,10 +32,33 @@ WHAT = {
 }
 
 
+DESCRIPTION = """\
+Figures and tables from the result files of python -m experiments (paper_figs reads JSON files
+only). WHAT is one of:
+
+  all       overhead, curves and table
+  overhead  overhead.png: each quantity's time as a ratio to the plain gradient
+  curves    curves_PROBLEM.png: test/train loss and accuracy per epoch and against training
+            time, median and quartiles over seeds; one figure per budget when the results hold
+            runs of several budgets of a problem (they are never pooled)
+  table     comparison.md: final test accuracies next to the BackPACK paper's
+  ttr       ttr_bars.png, ttr_curves.png of the time-to-result benchmark
+  compare   compare_PROBLEM.png of python -m experiments compare
+
+example: python -m paper_figs all results figures
+"""
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m paper_figs", description=__doc__)
-    p.add_argument("what", choices=list(WHAT))
-    p.add_argument("results_dir", type=Path, help="folder (searched recursively) or one JSON")
-    p.add_argument("out_dir", type=Path)
+    p = argparse.ArgumentParser(
+        prog="python -m paper_figs",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("what", choices=list(WHAT), metavar="WHAT", help=", ".join(WHAT))
+    p.add_argument(
+        "results_dir", type=Path, help="folder of result JSONs (searched recursively) or one JSON"
+    )
+    p.add_argument("out_dir", type=Path, help="where the figures and the table go")
     args = p.parse_args(argv)
     return draw_main(WHAT[args.what], args.results_dir, args.out_dir)

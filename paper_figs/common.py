@@ -1,7 +1,7 @@
 """Shared pieces of the figure scripts: finding result files, grouping runs, labels, budgets.
 
 Result files are the JSONs that ``experiments.runner.run`` writes (one per training run) and the
-JSON of ``python -m experiments.overhead --json``. Both are found recursively below a results
+JSON of ``python -m experiments overhead --json``. Both are found recursively below a results
 directory; anything else (grid summaries, checkpoints, unrelated JSON) is skipped.
 """
 
@@ -118,7 +118,7 @@ def load_runs(results_dir: str | Path) -> list[dict]:
 
 
 def load_overheads(results_dir: str | Path) -> list[dict]:
-    """Every overhead JSON below ``results_dir`` (``python -m experiments.overhead --json``)."""
+    """Every overhead JSON below ``results_dir`` (``python -m experiments overhead --json``)."""
     found = []
     for path in _json_files(results_dir):
         obj = _read(path)
@@ -197,7 +197,53 @@ def is_synthetic(run: dict) -> bool:
     return bool(run.get("synthetic") or run["config"].get("synthetic"))
 
 
-# --- grouping runs into (problem, optimizer, setting) -> seeds ------------------------------------
+# --- grouping runs into (problem, data, budget) -> optimizer -> setting -> seeds ------------------
+
+#: what two runs must share to be drawn in one figure or compared in one table section
+_BUDGET_KEYS = ("epochs", "batch_size", "train_size", "eval_size", "valid_size", "augment")
+
+
+def budget_of(run: dict) -> tuple:
+    """The run's budget as ``((key, value), ...)`` over ``_BUDGET_KEYS``."""
+    cfg = run["config"]
+    return tuple((k, cfg.get(k)) for k in _BUDGET_KEYS)
+
+
+def _budget_value(key: str, value) -> str:
+    """A budget value as text; unset sizes mean the whole set."""
+    if value is None:
+        return "all" if key.endswith("_size") else "default"
+    return str(value)
+
+
+def budget_label(budget: tuple, keys) -> str:
+    """``train_size 5120, eval_size all`` (``budget``'s values of ``keys``)."""
+    return ", ".join(f"{k} {_budget_value(k, v)}" for k, v in budget if k in keys)
+
+
+def budget_slug(budget: tuple, keys) -> str:
+    """A file-name part: ``train5120_evalall``."""
+    short = {
+        "batch_size": "batch",
+        "train_size": "train",
+        "eval_size": "eval",
+        "valid_size": "valid",
+    }
+    return "_".join(f"{short.get(k, k)}{_budget_value(k, v)}" for k, v in budget if k in keys)
+
+
+def varying_budgets(keys) -> dict[tuple[str, bool], list[str]]:
+    """For each (problem, synthetic) that occurs with several budgets among the
+    ``(problem, synthetic, budget)`` ``keys``: the budget keys whose values differ."""
+    seen: dict[tuple[str, bool], set] = {}
+    for problem, synthetic, budget in keys:
+        seen.setdefault((problem, synthetic), set()).add(budget)
+    return {
+        k: [name for i, name in enumerate(_BUDGET_KEYS) if len({b[i] for b in budgets}) > 1]
+        for k, budgets in seen.items()
+        if len(budgets) > 1
+    }
+
 
 _SETTING_KEYS = (
     "lr",
@@ -244,12 +290,15 @@ class Setting:
         return budget_notes(self.runs[0]) if self.runs else []
 
 
-def group_settings(runs: list[dict]) -> dict[tuple[str, bool], dict[str, list[Setting]]]:
-    """``{(problem, synthetic): {optimizer: [Setting, ...]}}``."""
-    out: dict[tuple[str, bool], dict[str, dict[tuple, Setting]]] = {}
+def group_settings(
+    runs: list[dict],
+) -> dict[tuple[str, bool, tuple], dict[str, list[Setting]]]:
+    """``{(problem, synthetic, budget): {optimizer: [Setting, ...]}}``: runs of different
+    budgets (epochs, training subset, ...) are never mixed in one curve or one table row."""
+    out: dict[tuple[str, bool, tuple], dict[str, dict[tuple, Setting]]] = {}
     for r in runs:
         cfg = r["config"]
-        key = (cfg["problem"], is_synthetic(r))
+        key = (cfg["problem"], is_synthetic(r), budget_of(r))
         setting = tuple(cfg.get(k) for k in _SETTING_KEYS)
         by_opt = out.setdefault(key, {}).setdefault(cfg["optimizer"], {})
         s = by_opt.setdefault(setting, Setting(cfg["problem"], cfg["optimizer"], dict(cfg)))
@@ -262,10 +311,10 @@ def group_settings(runs: list[dict]) -> dict[tuple[str, bool], dict[str, list[Se
     }
 
 
-def best_settings(runs: list[dict]) -> dict[tuple[str, bool], dict[str, Setting]]:
-    """Per problem and optimizer, the setting with the best final validation accuracy of its
-    lowest-seed run (the paper's selection rule, as ``experiments.runner.grid`` applies it);
-    ties go to the setting with more seeds (the grid's rerun)."""
+def best_settings(runs: list[dict]) -> dict[tuple[str, bool, tuple], dict[str, Setting]]:
+    """Per problem, data kind, budget and optimizer, the setting with the best final validation
+    accuracy of its lowest-seed run (the paper's selection rule, as ``experiments.runner.grid``
+    applies it); ties go to the setting with more seeds (the grid's rerun)."""
     chosen = {}
     for key, by_opt in group_settings(runs).items():
         chosen[key] = {
@@ -276,9 +325,10 @@ def best_settings(runs: list[dict]) -> dict[tuple[str, bool], dict[str, Setting]
 
 
 def ordered_keys(keys):
-    """(problem, synthetic) keys: the paper's problem order, real data first."""
+    """(problem, synthetic[, budget]) keys: the paper's problem order, real data first, then
+    the budgets in a fixed order."""
     rank = {p: i for i, p in enumerate(PROBLEM_ORDER)}
-    return sorted(keys, key=lambda k: (rank.get(k[0], len(rank)), k[0], k[1]))
+    return sorted(keys, key=lambda k: (rank.get(k[0], len(rank)), k[0], k[1], str(k[2:])))
 
 
 def ordered_optimizers(names):

@@ -2,7 +2,9 @@
 
     python -m paper_figs curves RESULTS_DIR OUT_DIR
 
-One PNG per problem (``curves_<problem>.png``, ``..._synthetic.png`` for random data): the top
+One PNG per problem (``curves_<problem>.png``, ``..._synthetic.png`` for random data; where the
+results hold runs of several budgets of a problem, e.g. 1,024 and 5,120 training samples, one
+PNG per budget, ``curves_<problem>_<budget>.png``, never one curve of mixed runs): the top
 row against epochs, the bottom row against training wall-clock time (the summed ``epoch_s`` of
 the run, evaluation excluded), four columns: test loss, test accuracy, train loss, train
 accuracy (train = the runner's train-eval set, evaluated without augmentation). One line per
@@ -19,6 +21,8 @@ from pathlib import Path
 from .common import (
     Setting,
     best_settings,
+    budget_label,
+    budget_slug,
     load_runs,
     new_figure,
     optimizer_color,
@@ -28,6 +32,7 @@ from .common import (
     problem_title,
     quantiles,
     save,
+    varying_budgets,
 )
 
 METRICS = (
@@ -92,7 +97,16 @@ def _banner(settings: list[Setting], synthetic: bool) -> str:
     return "\n".join(parts)
 
 
-def plot_problem(problem: str, synthetic: bool, chosen: dict[str, Setting], out_dir: Path) -> Path:
+def plot_problem(
+    problem: str,
+    synthetic: bool,
+    chosen: dict[str, Setting],
+    out_dir: Path,
+    budget: tuple | None = None,
+    varying: list[str] = (),
+) -> Path:
+    """One figure of ``chosen`` (runs of one budget). ``varying``: the budget keys that differ
+    between the problem's budgets in the results; file name and title give their values."""
     fig = new_figure(17, 8.6)
     axes = fig.subplots(2, len(METRICS), squeeze=False)
     fig.subplots_adjust(left=0.045, right=0.99, top=0.88, bottom=0.15, wspace=0.22, hspace=0.32)
@@ -149,18 +163,23 @@ def plot_problem(problem: str, synthetic: bool, chosen: dict[str, Setting], out_
         f"{problem_title(problem)} - median and quartiles over seeds "
         "(y-axes fit to epochs >= 1; the initial point may lie outside)"
     )
+    if varying:
+        title += f"\nruns of one budget: {budget_label(budget, varying)}"
     fig.suptitle(
         title + ("\n" + banner if banner else ""),
         fontsize=11,
         color="firebrick" if banner else "black",
     )
-    name = f"curves_{problem}" + ("_synthetic" if synthetic else "") + ".png"
+    name = f"curves_{problem}" + ("_synthetic" if synthetic else "")
+    name += (f"_{budget_slug(budget, varying)}" if varying else "") + ".png"
     return save(fig, Path(out_dir) / name)
 
 
 def plot_curves(results_dir: str | Path, out_dir: str | Path) -> list[Path]:
     """One PNG per problem found below ``results_dir``; returns the written paths."""
     chosen = best_settings(load_runs(results_dir))
+    varying = varying_budgets(chosen)
     return [
-        plot_problem(p, syn, chosen[(p, syn)], Path(out_dir)) for p, syn in ordered_keys(chosen)
+        plot_problem(p, syn, chosen[(p, syn, b)], Path(out_dir), b, varying.get((p, syn), []))
+        for p, syn, b in ordered_keys(chosen)
     ]

@@ -2,7 +2,7 @@
 
     python -m paper_figs.overhead RESULTS_DIR OUT_DIR
 
-Reads every JSON written by ``python -m experiments.overhead --json`` below ``RESULTS_DIR`` (or a
+Reads every JSON written by ``python -m experiments overhead --json`` below ``RESULTS_DIR`` (or a
 single such file) and draws one panel per network and batch size: one group of bars per
 quantity, one bar per backend (curvopt, and BackPACK / torch.func / Opacus side by side when the
 JSON has them), the bar height the median over interleaved rounds of (time of the step / time

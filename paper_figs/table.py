@@ -22,12 +22,14 @@ from pathlib import Path
 from .common import (
     Setting,
     best_settings,
+    budget_label,
     load_runs,
     optimizer_title,
     ordered_keys,
     ordered_optimizers,
     problem_title,
     quantiles,
+    varying_budgets,
 )
 
 #: Final test accuracies of Dangel, Kunstner & Hennig, "BackPACK: Packing more into backprop",
@@ -89,13 +91,18 @@ def comparison_rows(results_dir: str | Path) -> list[dict]:
     """One dict per (problem, data kind, optimizer): paper value, ours, and comparability."""
     chosen = best_settings(load_runs(results_dir))
     rows = []
-    real_problems = {p for p, syn in chosen if not syn}
-    keys = list(chosen) + [(p, False) for p in PAPER_TEST_ACC if p not in real_problems]
-    for problem, synthetic in ordered_keys(set(keys)):
-        ours = chosen.get((problem, synthetic), {})
-        names = set(ours) | (set(PAPER_TEST_ACC.get(problem, {})) if not synthetic else set())
-        for opt in ordered_optimizers(names):
-            rows.append(_row(problem, synthetic, opt, ours.get(opt)))
+    real_problems = {p for p, syn, _ in chosen if not syn}
+    keys = list(chosen) + [(p, False, ()) for p in PAPER_TEST_ACC if p not in real_problems]
+    varying = varying_budgets(chosen)
+    for problem, synthetic, budget in ordered_keys(set(keys)):
+        ours = chosen.get((problem, synthetic, budget), {})
+        varied = varying.get((problem, synthetic))
+        # the paper's other optimizers as "not run", unless the rows are split by budget
+        papers = set(PAPER_TEST_ACC.get(problem, {})) if not (synthetic or varied) else set()
+        for opt in ordered_optimizers(set(ours) | papers):
+            row = _row(problem, synthetic, opt, ours.get(opt))
+            row["budget"] = budget_label(budget, varied) if varied else None
+            rows.append(row)
     return rows
 
 
@@ -168,7 +175,9 @@ def markdown(rows: list[dict], title_note: str = "") -> str:
         f"{MNIST_LOGREG_RANGE[0]:.3f}–{MNIST_LOGREG_RANGE[1]:.3f}).",
         "Ours: median [first quartile, third quartile] over seeds of the test accuracy after "
         "the last epoch; where several settings were run (a grid), the one with the best final "
-        "validation accuracy of its search run (seed 0).",
+        "validation accuracy of its search run (seed 0). Runs of different budgets (epochs, "
+        "training subset, ...) are never pooled: a problem run with several budgets has one "
+        "group of rows per budget, named in brackets.",
         "",
         "**⚠ = not comparable with the paper's number**: a *budgeted* run (fewer epochs, a subset "
         "of the training or test set, another batch size) or *SYNTHETIC* data (random images and "
@@ -185,6 +194,8 @@ def markdown(rows: list[dict], title_note: str = "") -> str:
     ]
     for row in rows:
         problem = problem_title(row["problem"]) + (" (SYNTHETIC)" if row["synthetic"] else "")
+        if row.get("budget"):
+            problem += f" [{row['budget']}]"
         delta = "—"
         if row["comparable"] and row["ours"] is not None:
             delta = f"{row['ours'] - _mid(row['paper']):+.3f}"

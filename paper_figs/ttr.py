@@ -4,8 +4,10 @@
   to the target over the seeds, whiskers from the first to the third quartile (from the table
   of ``ttr_summary.json``; "not reached" counts as infinite); an optimizer whose median run did
   not reach the target gets an empty bar up to the cap, labelled.
-* ``ttr_curves.png``: per problem, test accuracy against training wall-clock (evaluation time
-  excluded), one thin line per seed, the target as a dashed line.
+* ``ttr_curves.png``: per problem and group of optimizers (first order, diagonal, Kronecker
+  per preset; at most four lines a panel), test accuracy against training wall-clock
+  (evaluation time excluded) of each optimizer's tuning run, Adam in every panel for
+  reference, the seeds' times to the target as dots on the dotted target line.
 """
 
 from __future__ import annotations
@@ -93,36 +95,87 @@ def plot_bars(rows: list[dict], meta: dict, table: list[dict], out_dir: Path) ->
     return save(fig, out_dir / "ttr_bars.png")
 
 
+#: the entry drawn in every panel for reference
+REFERENCE = ("adam", None)
+
+
+def _panel(row: dict) -> str:
+    """Which panel of its problem an entry goes into: few lines per panel."""
+    if row["preset"] is None:
+        return "first order"
+    kind = "diagonal" if row["optimizer"].startswith("diag") else "Kronecker"
+    return f"{kind}, {row['preset']} preset"
+
+
+def _seed0(runs: list[dict]) -> dict:
+    """The tuning run (lowest seed): it trains for the whole cap, the others stop at the
+    target."""
+    return min(runs, key=lambda r: r["seed"])
+
+
 def plot_accuracy(rows: list[dict], meta: dict, out_dir: Path) -> Path:
+    return save(accuracy_figure(rows, meta), out_dir / "ttr_curves.png")
+
+
+def accuracy_figure(rows: list[dict], meta: dict):
+    """Per problem (row) and group of optimizers (column): test accuracy against training time
+    of each optimizer's tuning run (one line each, Adam for reference in every panel), the
+    other seeds' times to the target as marks on the dotted target line."""
     groups = _by_problem(rows)
-    fig = new_figure(5.5 * len(groups), 4.2)
-    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.34, top=0.86, wspace=0.25)
-    for i, (problem, entries) in enumerate(groups.items()):
-        ax = fig.add_subplot(1, len(groups), i + 1)
-        for label, runs in entries.items():
-            for k, run in enumerate(runs):
-                if not run["curve"]:
-                    continue
-                t, acc = zip(*run["curve"])
-                ax.plot(
-                    t,
-                    acc,
-                    _style(run),
-                    color=optimizer_color(run["optimizer"]),
-                    lw=1,
-                    alpha=0.8,
-                    label=label if k == 0 else None,
-                )
+    panels = {problem: _group_panels(entries) for problem, entries in groups.items()}
+    cols = max(len(p) for p in panels.values())
+    fig = new_figure(4.2 * cols, 3.3 * len(groups) + 0.6)
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.08, top=0.9, wspace=0.22, hspace=0.45)
+    for i, (problem, by_panel) in enumerate(panels.items()):
+        entries = groups[problem]
+        reference = next(
+            (
+                runs
+                for runs in entries.values()
+                if (runs[0]["optimizer"], runs[0]["preset"]) == REFERENCE
+            ),
+            None,
+        )
         target = next(iter(entries.values()))[0]["target"]
-        ax.axhline(target, color="black", ls=":", lw=1)
-        ax.set_ylim(max(0.0, target - 0.2), min(1.0, target + 0.08))
-        ax.set_xlabel("training wall-clock, s (evaluation excluded)", fontsize=8)
-        ax.set_ylabel("test accuracy", fontsize=8)
-        ax.set_title(f"{problem_title(problem)} (target {target:g}, dotted)", fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.2))
-    fig.suptitle(_caption(meta), fontsize=8)
-    return save(fig, out_dir / "ttr_curves.png")
+        for j, (title, labels) in enumerate(by_panel.items()):
+            ax = fig.add_subplot(len(groups), cols, i * cols + j + 1)
+            shown = [(label, entries[label], False) for label in labels]
+            if reference is not None and entry_label(reference[0]) not in labels:
+                shown.insert(0, (entry_label(reference[0]) + " (reference)", reference, True))
+            top = target
+            for label, runs, is_reference in shown:
+                color = "black" if is_reference else optimizer_color(runs[0]["optimizer"])
+                style = "-." if is_reference else _style(runs[0])
+                run = _seed0(runs)
+                if run["curve"]:
+                    t, acc = zip(*run["curve"])
+                    top = max(top, *acc)
+                    ax.plot(t, acc, style, color=color, lw=1.2 - 0.4 * is_reference, label=label)
+                hits = [r["time_to_target"] for r in runs if r["time_to_target"] is not None]
+                ax.plot(hits, [target] * len(hits), "o", color=color, ms=4, alpha=0.8)
+            ax.axhline(target, color="black", ls=":", lw=1)
+            ax.set_ylim(max(0.0, target - 0.2), min(1.0, max(target + 0.05, top + 0.02)))
+            ax.set_xlabel("training wall-clock, s (evaluation excluded)", fontsize=7)
+            if j == 0:
+                ax.set_ylabel("test accuracy", fontsize=8)
+            ax.set_title(f"{problem_title(problem)}: {title}", fontsize=8)
+            ax.tick_params(labelsize=7)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6.5, loc="lower right")
+    fig.suptitle(
+        _caption(meta) + "\nlines: each optimizer's tuning run (seed 0, whole cap); dots: the "
+        "seeds' times to the target (dotted line)",
+        fontsize=8,
+    )
+    return fig
+
+
+def _group_panels(entries: dict[str, list[dict]]) -> dict[str, list[str]]:
+    """panel title -> entry labels, in the order the entries come."""
+    out: dict[str, list[str]] = {}
+    for label, runs in entries.items():
+        out.setdefault(_panel(runs[0]), []).append(label)
+    return out
 
 
 def _caption(meta: dict) -> str:

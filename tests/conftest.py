@@ -123,7 +123,7 @@ def per_sample_grads_vmap(
 
 
 def reduce_reference(grad_batch: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """All first-order quantities (API.md conventions) from per-sample gradients."""
+    """All first-order quantities (docs/conventions.md) from per-sample gradients."""
     return {
         "grad_batch": grad_batch,
         "batch_l2": (grad_batch**2).flatten(1).sum(1),

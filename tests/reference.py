@@ -37,7 +37,7 @@ def per_sample_grads(plain: nn.Module, loss_on, X, y, bd: int = 0) -> Dict[str, 
 
 
 def first_order(plain, loss_on, X, y, bd=0) -> Dict[str, Dict[str, torch.Tensor]]:
-    """``name -> {attr: value}`` for the four first-order quantities of API.md."""
+    """``name -> {attr: value}`` for the four first-order quantities of docs/conventions.md."""
     return {k: reduce_reference(g) for k, g in per_sample_grads(plain, loss_on, X, y, bd).items()}
 
 

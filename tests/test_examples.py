@@ -193,3 +193,50 @@ def test_ema_is_bias_corrected():
     e = gns.EMA(0.9)
     assert e.update(3.0) == pytest.approx(3.0)
     assert e.update(3.0) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_per_sample_norms_snr_and_norms_against_loops(reduction):
+    """per_sample_norms: the mini-batch gradient SNR and every sample's gradient norm, from one
+    pass each, equal those of a loop over samples, whatever the reduction and chunk sizes (the
+    last chunk of 7 samples in chunks of 3 has one sample)."""
+    ex = _load("per_sample_norms")
+    model = curvopt.extend(_net(conv=True))
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss(reduction=reduction))
+    X, y = _data(n=7)
+    grads = [torch.cat([g.flatten() for g in gs]) for gs in _sample_grads(model, X, y)]
+    sizes = [p.numel() for p in model.parameters()]
+    per_param = [torch.stack(gs) for gs in zip(*(g.split(sizes) for g in grads))]
+    snr = ex.gradient_snr(model, lossfunc, X, y, batch_size=4)
+    for (name, _), g in zip(model.named_parameters(), per_param):
+        mean = g.mean(0)
+        cov_trace = (g - mean).pow(2).sum(1).mean()
+        assert snr[name] == pytest.approx((mean.pow(2).sum() / (cov_trace / 4)).item(), rel=1e-9)
+    norms = ex.sample_grad_norms(model, lossfunc, X, y, chunk=3)
+    expected = torch.stack([g.norm() for g in grads])
+    torch.testing.assert_close(norms, expected, rtol=1e-9, atol=0)
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_conventions_dp_sgd_snippet_against_a_loop():
+    """The DP-SGD snippet of docs/conventions.md, run as written, gives the clipped mean of the
+    per-sample gradients of a loop (the point of that section: rows are ``∇ℓ_n / N``)."""
+    text = (EXAMPLES.parent / "docs" / "conventions.md").read_text()
+    section = text.split("### Per-sample gradients", 1)[1]
+    snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
+    model = curvopt.extend(_net())
+    X, y = _data(n=7)
+    scope = {"torch": torch, "nn": nn, "curvopt": curvopt, "ext": ext, "model": model}
+    scope.update(X=X, y=y, C=0.5, sigma=0.0)
+    exec(snippet, scope)
+    params = [p for p in model.parameters() if p.requires_grad]
+    expected = [torch.zeros_like(p) for p in params]
+    for grads in _sample_grads(model, X, y):
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        factor = min(1.0, 0.5 / (norm.item() + 1e-6))
+        for e, g in zip(expected, grads):
+            e += factor * g / len(X)
+    assert any(min(1.0, 0.5 / torch.sqrt(sum(g.pow(2).sum() for g in gs)).item()) < 1
+               for gs in _sample_grads(model, X, y))  # some samples are clipped
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-9, atol=1e-12)

@@ -335,7 +335,7 @@ def test_torchrun_command_line(single, tmp_path):
     name = CONFIGS["momentum"].name
     assert [p.name for p in tmp_path.iterdir()] == [f"{name}.json"]
     assert proc.stdout.count(f"{name}: finished") == 1  # rank 0 prints, rank 1 does not
-    assert proc.stderr.count(" epoch 2/2") >= 1  # rank 0's progress bar
+    assert proc.stderr.count("epoch 2/2") >= 1  # rank 0's progress bar
     result = json.loads((tmp_path / f"{name}.json").read_text())
     assert result["world_size"] == 2 and result["synthetic"] is True
     want = ref["momentum"]["final"]

@@ -72,3 +72,16 @@ def test_cli_batch_option_and_json(tmp_path, capsys):
     payload = json.loads(path.read_text())
     assert payload["problems"]["logreg"]["batch_size"] == 4
     assert payload["problems"]["logreg"]["description"].endswith("N=4")
+
+
+def test_cli_explains_the_targets_below_the_table(capsys):
+    """The ✓/✗ marks come with their meaning (the main job prints this table too); with another
+    batch size there are no targets and no explanation."""
+    argv = ["--problems", "mlp", "--quantities", "BatchGrad", "--rounds", "1", "--warmup", "1"]
+    argv += ["--max-seconds", "0", "--min-sample-ms", "0.1", "--threads", "1"]
+    assert ov.main([*argv, "--backends", "curvopt"]) == 0
+    out = capsys.readouterr().out
+    assert "| mlp | " in out and ("✓" in out or "✗" in out)
+    assert "target (curvopt): the goal" in out and "not that a\ncomputed quantity is wrong" in out
+    assert ov.main([*argv, "--backends", "curvopt", "--batch", "3"]) == 0
+    assert "target (curvopt): the goal" not in capsys.readouterr().out

@@ -150,6 +150,15 @@ def results(tmp_path):
     return tmp_path / "results"
 
 
+def _by_problem(chosen: dict) -> dict:
+    """``{(problem, synthetic): ...}`` of results with one budget per problem."""
+    out = {}
+    for problem, synthetic, _budget in chosen:
+        assert (problem, synthetic) not in out, "several budgets"
+        out[(problem, synthetic)] = chosen[(problem, synthetic, _budget)]
+    return out
+
+
 def _is_png(path: Path) -> bool:
     return path.is_file() and path.stat().st_size > 1000 and path.read_bytes()[:8] == PNG_MAGIC
 
@@ -167,7 +176,7 @@ def test_curves_one_png_per_problem(results, tmp_path):
 
 
 def test_curves_series_median_quartiles_and_dropouts(results):
-    chosen = common.best_settings(common.load_runs(results))
+    chosen = _by_problem(common.best_settings(common.load_runs(results)))
     s = chosen[("mnist_logreg", False)]["kfac"]
     assert s.config["lr"] == 0.1  # the better validation accuracy of the two kfac settings
     assert len(s.runs) == 2
@@ -403,7 +412,7 @@ def test_reproduce_smoke_on_synthetic_data(tmp_path, capsys):
     ]
     assert rep.main(argv) == 0
     printed = capsys.readouterr().out
-    assert "SYNTHETIC" in printed and "python -m experiments.reproduce --full" in printed
+    assert "SYNTHETIC" in printed and "python -m experiments reproduce --full" in printed
     assert _is_png(out / "figures" / "curves_mnist_logreg_synthetic.png")
     text = (out / "comparison.md").read_text()
     assert "⚠ SYNTHETIC" in text and "Budgeted run" in text
@@ -421,7 +430,8 @@ def test_grid_selection_follows_the_search_run_like_runner_grid(tmp_path):
         _write(runs, _run_json(lr=0.1, seed=seed, valid=0.50, final_test=0.50))
     _write(runs, _run_json(lr=1.0, seed=0, valid=0.85, final_test=0.85))
     _write(runs, _run_json(lr=0.01, seed=0, valid=0.95, final_test=0.95, diverge_at=2))
-    chosen = common.best_settings(common.load_runs(runs))[("mnist_logreg", False)]["momentum"]
+    chosen = _by_problem(common.best_settings(common.load_runs(runs)))
+    chosen = chosen[("mnist_logreg", False)]["momentum"]
     assert chosen.config["lr"] == 0.1 and chosen.seeds == [0, 1, 2]
 
 
@@ -451,3 +461,80 @@ def test_overhead_versus_backpack_geometric_mean(tmp_path):
         is None
     )
     assert _is_png(paper_figs.plot_overhead(_write(tmp_path / "o", obj, "v"), tmp_path / "f")[0])
+
+
+def test_runs_of_different_budgets_are_never_mixed(tmp_path):
+    """The main job's 3-seed 1,024-sample KFAC runs and one 5,120-sample run of the README
+    in one results folder: two figures and two groups of table rows, each of one budget (the
+    single better run must not replace the three seeds)."""
+    results = tmp_path / "results"
+    small = dict(problem="fmnist_2c2d", optimizer="kfac", lr=0.1, damping=0.1, train_size=1024)
+    for seed in range(3):
+        _write(results / "reproduce", _run_json(**small, seed=seed, valid=0.6, final_test=0.6))
+    _write(results / "reproduce", _run_json(problem="fmnist_2c2d", train_size=1024))
+    big = _run_json(**{**small, "train_size": 5120}, valid=0.8, final_test=0.8)
+    _write(results, big, name=big["name"] + "_5120")
+
+    chosen = common.best_settings(common.load_runs(results))
+    assert len(chosen) == 2
+    by_train = {dict(b)["train_size"]: opts for (_, _, b), opts in chosen.items()}
+    assert by_train[1024]["kfac"].seeds == [0, 1, 2] and by_train[5120]["kfac"].seeds == [0]
+    assert "momentum" not in by_train[5120]
+
+    names = sorted(p.name for p in paper_figs.plot_curves(results, tmp_path / "figs"))
+    assert names == ["curves_fmnist_2c2d_train1024.png", "curves_fmnist_2c2d_train5120.png"]
+    rows = [r for r in table.comparison_rows(results) if r["problem"] == "fmnist_2c2d"]
+    kfac = {r["budget"]: r for r in rows if r["optimizer"] == "kfac"}
+    assert set(kfac) == {"train_size 1024", "train_size 5120"}
+    assert kfac["train_size 1024"]["seeds"] == 3 and kfac["train_size 5120"]["seeds"] == 1
+    text = table.markdown(table.comparison_rows(results))
+    assert "Fashion-MNIST 2C2D [train_size 5120]" in text
+
+    budget = common.budget_of(_run_json(train_size=None, eval_size=500))
+    keys = ["train_size", "eval_size", "augment"]
+    assert common.budget_slug(budget, keys) == "trainall_eval500_augmentFalse"
+    assert common.budget_label(budget, keys) == "train_size all, eval_size 500, augment False"
+
+    alone = _by_problem(common.best_settings(common.load_runs(results / "reproduce")))
+    assert alone[("fmnist_2c2d", False)]["kfac"].seeds == [0, 1, 2]
+    assert [p.name for p in paper_figs.plot_curves(results / "reproduce", tmp_path / "f2")] == [
+        "curves_fmnist_2c2d.png"  # one budget: the name stays as before
+    ]
+
+
+def test_ttr_curves_few_lines_per_panel():
+    """9 optimizers x 3 seeds: grouped panels of at most 4 lines each (one per optimizer,
+    Adam for reference), every optimizer drawn once per problem."""
+    from paper_figs import ttr
+
+    entries = [("momentum", None), ("adam", None), ("vsgd", None), ("diagggn_mc", "paper")]
+    entries += [("diagggn", "paper"), ("kfac", "paper"), ("kflr", "paper")]
+    entries += [("kfac", "practical"), ("kflr", "practical")]
+    rows = [
+        {
+            "problem": problem,
+            "optimizer": opt,
+            "preset": preset,
+            "seed": seed,
+            "target": 0.9,
+            "time_to_target": 2.0 + seed if seed else None,
+            "train_s": 8.0,
+            "curve": [[t / 2, 0.8 + 0.01 * t] for t in range(1, 17 if seed == 0 else 5)],
+        }
+        for problem in ("mnist_logreg", "fmnist_2c2d")
+        for opt, preset in entries
+        for seed in range(3)
+    ]
+    fig = ttr.accuracy_figure(rows, {"threads": 1})
+    assert len(fig.axes) == 8  # 2 problems x (first order, diagonal, Kronecker x 2 presets)
+    drawn = {}
+    for ax in fig.axes:
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert len(labels) <= 4, labels
+        curves = [line for line in ax.get_lines() if len(line.get_xdata()) > 2]
+        assert len(curves) == len(labels) <= 4
+        for label in labels:
+            drawn.setdefault(ax.get_title().split(":")[0], []).append(label)
+    for problem_labels in drawn.values():
+        own = [label for label in problem_labels if "reference" not in label]
+        assert len(own) == len(set(own)) == len(entries)

@@ -3,11 +3,11 @@
 The model sees a batch of ``N`` sequences ``x [N, T, D]``; the loss sees its output in one of
 the layouts of ``LAYOUTS`` (PyTorch's K-dim ``[N, C, T]``, rows flattened batch-first or
 sequence-first, ``ignore_index`` with a sample whose rows are all ignored, class weights, label
-smoothing, MSE / BCE on ``[N, T, D]`` and flattened). API.md: ``G`` and ``H`` are those of the
-loss as computed, per-sample quantities are per sample of the model's batch. References:
-``tests/reference.py`` (torch.func). Also the cases where Eschenhagen et al. (2023) show KFAC
-exact: a deep linear network with the loss over all positions ("expand") and with the shared
-dimension reduced before the loss ("reduce").
+smoothing, MSE / BCE on ``[N, T, D]`` and flattened). docs/conventions.md: ``G`` and ``H`` are
+those of the loss as computed, per-sample quantities are per sample of the model's batch.
+References: ``tests/reference.py`` (torch.func). Also the cases where Eschenhagen et al. (2023)
+show KFAC exact: a deep linear network with the loss over all positions ("expand") and with the
+shared dimension reduced before the loss ("reduce").
 """
 
 from __future__ import annotations

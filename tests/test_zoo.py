@@ -1,5 +1,5 @@
-"""Every quantity of API.md on every model of ``experiments.zoo``, float64, both reductions,
-against the independent torch.func references of ``tests/reference.py``.
+"""Every quantity of docs/conventions.md on every model of ``experiments.zoo``, float64, both
+reductions, against the independent torch.func references of ``tests/reference.py``.
 
 A cell either returns the right numbers or raises the specific documented error with no
 attribute written (``UNSUPPORTED``, from the README's support table). Nothing is xfailed.
@@ -217,7 +217,8 @@ def test_exact(name, quantity, reduction):
 
 @pytest.mark.parametrize("quantity", ["KFLR-expand", "KFRA"])
 def test_kronecker_single_sample_is_exact_block(quantity):
-    """API.md: with ``N = 1`` and no weight sharing, ``kron(*p.kflr)`` (and KFRA) is exact."""
+    """docs/conventions.md: with ``N = 1`` and no weight sharing, ``kron(*p.kflr)`` (and KFRA)
+    is exact."""
     problem = zoo.mlp("mean")
     X, y = problem.make_batch(1, 3)
     model = curvopt.extend(copy.deepcopy(problem.model))

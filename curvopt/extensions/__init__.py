@@ -1,4 +1,4 @@
-"""The quantities ``curvopt.collect`` computes (see ``API.md`` for their exact conventions)."""
+"""The quantities ``curvopt.collect`` computes (exact conventions: ``docs/conventions.md``)."""
 
 from curvopt.extensions.base import Extension
 from curvopt.extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance

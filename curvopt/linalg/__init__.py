@@ -7,7 +7,7 @@
 * spectra and traces of any of them: :func:`top_eigenpairs`, :func:`hutchinson_trace`,
   :func:`hutchinson_diagonal`.
 
-Conventions (parameter order, scaling over batches): ``API.md``, "Curvature as linear operators".
+Conventions (parameter order, scaling over batches): ``docs/conventions.md``, "curvopt.linalg".
 """
 
 from curvopt.linalg.base import CurvatureOperator

@@ -1,8 +1,8 @@
 """The main job: the BackPACK paper's experiments (Dangel et al., ICLR 2020), budgeted by default.
 
-    python -m experiments.reproduce               # budgeted: a few minutes on 2 CPU cores
-    python -m experiments.reproduce --dry-run     # print the plan and the full-protocol commands
-    python -m experiments.reproduce --full        # the paper's protocol (days; use a GPU)
+    python -m experiments reproduce               # budgeted: a few minutes on 2 CPU cores
+    python -m experiments reproduce --dry-run     # print the plan and the full-protocol commands
+    python -m experiments reproduce --full        # the paper's protocol (days; use a GPU)
 
 Default (budgeted, real data): MNIST logistic regression (2 epochs) and Fashion-MNIST 2C2D (3
 epochs on 1024 training images), momentum / Adam / DiagGGN-MC / KFAC with fixed
@@ -25,6 +25,7 @@ training runs), :mod:`.overhead_table` (the overhead measurement), :mod:`.report
 table through ``paper_figs``: the one place in ``experiments`` that draws), :mod:`.cli`.
 """
 
+from ..commands import choose_threads
 from .cli import main, parse_args
 from .overhead_table import register_second_order
 from .plan import (
@@ -34,7 +35,6 @@ from .plan import (
     PAPER_SEEDS,
     Budget,
     Plan,
-    choose_threads,
     describe,
     full_protocol_commands,
     make_plan,

@@ -1,16 +1,19 @@
-"""Command line of the main job: ``python -m experiments.reproduce [--full] [--dry-run] ...``."""
+"""Command line of the main job: ``python -m experiments reproduce [--full] [--dry-run] ...``
+(also ``python -m experiments reproduce``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import shutil
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from ..commands import Command, add_threads, at_least, choose_threads, relative
 from ..data import default_root
 from ..optimizers import OPTIMIZERS
 from ..problems import PROBLEMS
@@ -20,7 +23,6 @@ from .plan import (
     BUDGET_OPTIMIZERS,
     BUDGET_PROBLEMS,
     PAPER_SEEDS,
-    choose_threads,
     describe,
     full_protocol_commands,
     make_plan,
@@ -28,14 +30,31 @@ from .plan import (
 from .report import make_outputs
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m experiments.reproduce",
-        description="The BackPACK paper's experiments (Dangel et al., ICLR 2020), budgeted "
-        "by default.",
-        epilog="Without --full every number is budgeted and marked as not comparable.",
+DESCRIPTION = """\
+The main job (what make run runs): the BackPACK paper's optimizer experiments (Dangel, Kunstner,
+Hennig, ICLR 2020) on real data, budgeted by default so that it fits in about 7 minutes on 2
+CPU cores. It fetches MNIST and Fashion-MNIST when missing, trains mnist_logreg (2 epochs) and
+fmnist_2c2d (3 epochs on 1024 images) with momentum, Adam, DiagGGN-MC and KFAC (fixed
+hyper-parameters, 3 seeds), measures the overhead table of 3C3D, and writes the figures and a
+table of final test accuracies next to the paper's into OUT. Without --full every number is
+budgeted and marked as not comparable with the paper.
+
+--full runs the paper's whole protocol instead: all four problems, the optimizers the paper ran
+on each, the grid lr in {1e-4 .. 1} x damping in {1e-4 .. 10}, the best setting by final
+validation accuracy rerun with 10 seeds, full epochs and training sets, the full overhead table
+(days on a CPU; use a GPU). --dry-run prints the plan and the full protocol's commands.
+
+Everything goes below OUT: runs/ (one JSON per run; started again, finished runs are reused),
+overhead.json, figures/*.png, comparison.md and summary.json.
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="the paper's whole protocol: grid, 10 seeds, full epochs, all four problems",
     )
-    p.add_argument("--full", action="store_true", help="the paper's whole protocol (see above)")
     p.add_argument(
         "--out",
         type=Path,
@@ -45,26 +64,31 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--problems",
         nargs="+",
         choices=list(PROBLEMS),
-        help=f"default: {' '.join(BUDGET_PROBLEMS)} (--full: all four)",
+        metavar="PROBLEM",
+        help=f"of {', '.join(PROBLEMS)} (default: {' '.join(BUDGET_PROBLEMS)}; --full: all four)",
     )
     p.add_argument(
         "--optimizers",
         nargs="+",
         choices=list(OPTIMIZERS),
-        help=f"default: {' '.join(BUDGET_OPTIMIZERS)} (--full: the paper's per problem)",
+        metavar="OPTIMIZER",
+        help=f"of {', '.join(OPTIMIZERS)} (default: {' '.join(BUDGET_OPTIMIZERS)}; --full: the "
+        "paper's per problem)",
     )
     p.add_argument(
         "--seeds",
-        type=int,
+        type=at_least(1),
         help=f"seeds per setting (default 3, CIFAR 1; --full: {PAPER_SEEDS})",
     )
-    p.add_argument("--epochs", type=int, help="override the epochs of every problem")
+    p.add_argument("--epochs", type=at_least(1), help="override the epochs of every problem")
     p.add_argument(
         "--train-size",
-        type=int,
+        type=at_least(0),
         help="override the training subset of every problem (0: the whole training set)",
     )
-    p.add_argument("--eval-size", type=int, help="override the evaluation cap (0: no cap)")
+    p.add_argument(
+        "--eval-size", type=at_least(0), help="override the evaluation cap (0: no cap)"
+    )
     p.add_argument(
         "--lr-grid",
         action="store_true",
@@ -87,50 +111,50 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--no-fetch",
         dest="fetch",
         action="store_false",
-        help="do not run experiments.fetch_data when a data set is missing",
+        help="do not run fetch_data when a data set is missing",
     )
     p.add_argument(
         "--no-overhead", dest="overhead", action="store_false", help="skip the overhead table"
     )
-    p.add_argument("--overhead-rounds", type=int, help="interleaved rounds (default 7; --full 25)")
+    p.add_argument(
+        "--overhead-rounds", type=at_least(1), help="interleaved rounds (default 7; --full 25)"
+    )
     p.add_argument(
         "--overhead-seconds",
         type=float,
         help="time limit of the overhead rounds per network (default 30; --full 120)",
     )
-    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, ...")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch.set_num_threads for training and the overhead table (default: "
-        "min(2, CPUs) on an idle machine, 1 when the load average is above half the "
-        "CPUs: on a busy machine OpenMP threads wait for each other, e.g. a KFAC "
-        "step of MNIST logreg took 3-8 s with 2 threads and 0.05 s with 1)",
-    )
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
+    add_threads(p, default=None)
     p.add_argument(
         "--fresh",
         action="store_true",
         help="delete this output folder's earlier runs first (default: reuse them)",
     )
-    p.add_argument("--progress", action="store_true", help="progress bars per epoch")
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bars with the time left of each epoch, evaluation and run (default: "
+        "when stderr is a terminal)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan and the commands only")
-    args = p.parse_args(argv)
-    for name in ("seeds", "epochs", "overhead_rounds", "threads"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("train_size", "eval_size"):
-        value = getattr(args, name)
-        if value is not None and value < 0:
-            p.error(f"--{name.replace('_', '-')} must be >= 0")
+
+
+def _resolved(args: argparse.Namespace) -> argparse.Namespace:
+    if args.progress is None:
+        args.progress = sys.stderr.isatty()
     if args.out is None:
         args.out = Path("results/reproduce_full" if args.full else "results/reproduce")
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def parse_args(argv=None) -> argparse.Namespace:
+    return _resolved(REPRODUCE.parser().parse_args(argv))
+
+
+def execute(args: argparse.Namespace) -> int:
+    args = _resolved(args)
     plan = make_plan(args)
     log = Log()
     commands = full_protocol_commands()
@@ -138,7 +162,7 @@ def main(argv=None) -> int:
         print(f"{'FULL protocol' if plan.full else 'Budgeted run'} into {args.out}:")
         print(describe(plan))
         print("\nThe paper's full protocol, step by step:\n  " + "\n  ".join(commands))
-        print("or in one go: python -m experiments.reproduce --full")
+        print("or in one go: python -m experiments reproduce --full")
         return 0
     args.threads, why_threads = choose_threads(args.threads)
     torch.set_num_threads(args.threads)
@@ -178,8 +202,8 @@ def main(argv=None) -> int:
         "runs": len(results),
         "wall_clock_s": total,
         "phases_s": log.phases,
-        "files": written,
-        "overhead_json": str(overhead_path) if overhead_path else None,
+        "files": {kind: [relative(p) for p in paths] for kind, paths in written.items()},
+        "overhead_json": relative(overhead_path) if overhead_path else None,
         "full_protocol_commands": commands,
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
@@ -205,7 +229,20 @@ def main(argv=None) -> int:
             "protocol (grid lr x damping, best by final validation accuracy, 10 seeds, full "
             "epochs, all four problems; CIFAR needs its archives in the data root):"
         )
-        print("  python -m experiments.reproduce --full      # all of the below in one go")
+        print("  python -m experiments reproduce --full      # all of the below in one go")
         for cmd in commands:
             print("  " + cmd)
     return 0
+
+
+REPRODUCE = Command(
+    "reproduce",
+    "the main job (make run): budgeted reproduction of the BackPACK paper, figures, table",
+    DESCRIPTION,
+    add_arguments,
+    execute,
+)
+
+
+def main(argv=None) -> int:
+    return REPRODUCE.main(argv)

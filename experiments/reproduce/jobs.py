@@ -54,7 +54,7 @@ def load_data(
             first_error = err
         if fetch and not fetched and name in ("mnist", "fmnist"):
             fetched = True
-            log(f"{name} is missing; running `python -m experiments.fetch_data` ...")
+            log(f"{name} is missing; running `python -m experiments fetch_data` ...")
             try:
                 argv = [] if root is None else ["--root", str(root)]
                 fetch_data.main(argv)

@@ -65,7 +65,7 @@ def run_overhead(args, log) -> Path | None:
         argv += ["--device", args.device]
     elif args.device == "auto" and torch.cuda.is_available():
         argv += ["--device", "cuda"]
-    log("overhead table: python -m experiments.overhead " + shlex.join(argv))
+    log("overhead table: python -m experiments overhead " + shlex.join(argv))
     before = torch.get_num_threads()
     try:
         code = overhead.main(argv)

@@ -1,9 +1,8 @@
-"""What the main job runs: problems, optimizers, budgets, hyper-parameters, threads."""
+"""What the main job runs: problems, optimizers, budgets, hyper-parameters."""
 
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, field, replace
 
 from ..config import RunConfig
@@ -124,20 +123,6 @@ class Plan:
         return out
 
 
-def choose_threads(requested: int | None) -> tuple[int, str]:
-    """``torch.set_num_threads`` value and why: see ``--threads``."""
-    if requested:
-        return requested, "--threads"
-    cpus = os.cpu_count() or 1
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return min(2, cpus), "load average unknown"
-    if load > cpus / 2:
-        return 1, f"load average {load:.1f} on {cpus} CPUs: busy machine"
-    return min(2, cpus), f"load average {load:.1f} on {cpus} CPUs"
-
-
 def make_plan(args: argparse.Namespace) -> Plan:
     problems = list(args.problems or (PROBLEMS if args.full else BUDGET_PROBLEMS))
     if args.optimizers:
@@ -196,7 +181,7 @@ def full_protocol_commands(out: str = "results/reproduce_full") -> list[str]:
                 f"--results-dir {out}/runs"
             )
     cmds.append(
-        f"python -m experiments.overhead --problems 3c3d --rounds 25 --json {out}/overhead.json"
+        f"python -m experiments overhead --problems 3c3d --rounds 25 --json {out}/overhead.json"
     )
     cmds.append(f"python -m paper_figs curves {out}/runs {out}/figures")
     cmds.append(f"python -m paper_figs overhead {out}/overhead.json {out}/figures")

@@ -20,7 +20,7 @@ def budget_note(plan: Plan, synthetic: bool) -> str:
         parts.append("**SYNTHETIC DATA** — random images and labels; these numbers mean nothing.")
     if not plan.full:
         parts.append(
-            "**Budgeted run** (`python -m experiments.reproduce` default): "
+            "**Budgeted run** (`python -m experiments reproduce` default): "
             + "; ".join(
                 f"{p}: {b.epochs} of {get_problem(p).epochs} epochs on "
                 + (f"{b.train_size:,}" if b.train_size else "all")
