@@ -63,7 +63,7 @@ def test_readme_optimizer_snippet_zeroes_gradients():
     loader *= 3
     torch.manual_seed(2)  # KFAC samples targets from the global generator: the same draws
     exec(snippet, {"curvopt": curvopt, "model": model, "lossfunc": lossfunc, "loader": loader})
-    opt = curvopt.optim.KFAC(reference.parameters(), lr=0.05, damping=1e-3)
+    opt = curvopt.optim.KFAC(reference.parameters(), lr=0.05, damping=1e-3, kl_clip=1e-3)
     torch.manual_seed(2)
     for X, y in loader:
         for p in reference.parameters():
