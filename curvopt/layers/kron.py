@@ -11,6 +11,8 @@
   factors of a bias-free ``Linear`` on one-hot tokens (padding tokens: zero vectors): "expand"
   ``A = diag(token counts) / (N T)``, "reduce" ``A = mean_n xbar xbar^T`` with ``xbar`` the
   token frequencies of sample ``n``; ``B`` as above.
+* A layer registered elsewhere gives its own (:meth:`LayerRule.kron_factors`), e.g. Hugging
+  Face's ``Conv1D`` (``layers.transposed_linear``).
 * Any one-dimensional parameter (biases, norm scales): ``[B]``, the exact block
   ``sum_{k,n} g_nk g_nk^T`` from the per-(sample, column) gradients.
 
@@ -37,7 +39,7 @@ def _input_factor(x, approx):
     return gram(x.flatten(0, 1), 1 / x.shape[:2].numel())
 
 
-def _linear_like(x, v, approx):
+def linear_like(x, v, approx):
     """``[B, A]`` from inputs ``x [N, P, I]`` and columns ``v [K, N, P, O]``."""
     outputs = v.sum(2).flatten(0, 1) if approx == "reduce" else v.flatten(0, 2)
     return [gram(outputs), _input_factor(x, approx)]
@@ -52,10 +54,13 @@ def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int)
         return [gram(grads)]
     if isinstance(columns, tuple):
         raise module_error(module, "Kronecker factors need a module with a single output")
+    own = rule_for(module).kron_factors(call, columns, name, approx, n)
+    if own is not None:
+        return own
     if isinstance(module, nn.Linear) and name == "weight":
         x = call.input.reshape(n, -1, call.input.shape[-1])
         v = columns.reshape(columns.shape[0], n, -1, columns.shape[-1])
-        return _linear_like(x, v, approx)
+        return linear_like(x, v, approx)
     if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed and name == "weight":
         if module.groups != 1:
             raise module_error(
@@ -87,14 +92,17 @@ def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int)
     raise UnsupportedModuleError(
         f"curvopt has no Kronecker factorisation for parameter {name!r} of module "
         f"{module._curvopt_path!r} ({type(module).__name__}); supported: Linear, Conv1d/2d/3d "
-        "(groups=1), Embedding weights and all one-dimensional parameters. Use a diagonal "
-        "quantity (DiagGGNExact/DiagGGNMC) for this model"
+        "(groups=1), Embedding weights, Hugging Face Conv1D and all one-dimensional parameters. "
+        "Use a diagonal quantity (DiagGGNExact/DiagGGNMC) for this model, or skip such "
+        "parameters explicitly with curvopt.collect(..., skip_unsupported=True)"
     )
 
 
 def output_factor_index(module, name: str) -> int:
     """Position of the output-side factor ``B`` (the one built from the columns) in the list."""
-    return 1 if isinstance(module, nn.Embedding) and name == "weight" else 0
+    if isinstance(module, nn.Embedding) and name == "weight":
+        return 1
+    return rule_for(module).output_factor_index(name)
 
 
 def nearest_kronecker(terms, input_side: int):
