@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -20,9 +21,14 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
     samples) compute it once. Results are written as attributes when a backward pass has
     finished; a pass that raises writes nothing. Several backward passes in one block
     (micro-batches) combine like ``p.grad`` does (see ``accumulate``).
+
+    ``skip_unsupported=True`` opts in to leaving out the parameters that have no Kronecker
+    factorisation (a ViT's class token and position embeddings, raw 3-D parameters): they get
+    no ``kfac``/``kflr`` attribute, their names are listed in ``self.skipped`` (name -> reason)
+    and a warning names them. Without it such a parameter raises, naming it and this option.
     """
 
-    def __init__(self, *extensions: Extension):
+    def __init__(self, *extensions: Extension, skip_unsupported: bool = False):
         by_attr: Dict[str, Extension] = {}
         for ext in extensions:
             if not isinstance(ext, Extension):
@@ -40,6 +46,9 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
         self.extensions: Tuple[Extension, ...] = tuple(by_attr.values())
         self._pass: Optional[BackwardPass] = None
         self._accumulator = Accumulator()
+        self.skip_unsupported = bool(skip_unsupported)
+        #: parameters left out under ``skip_unsupported``: name -> why
+        self.skipped: Dict[str, str] = {}
 
     def __enter__(self):
         if STATE.collecting is not None:
@@ -53,11 +62,19 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
     def __exit__(self, *exc):
         STATE.collecting = None
         self._pass = None
+        if self.skipped and exc[0] is None:
+            warnings.warn(
+                "curvopt.collect(skip_unsupported=True) wrote no Kronecker factors for "
+                f"{sorted(self.skipped)} (no Kronecker factorisation for them); precondition "
+                "them otherwise, e.g. optim.KFAC(..., fallback='adam')",
+                stacklevel=2,
+            )
         return False
 
     def backward_pass(self) -> BackwardPass:
         """The state of the backward pass now running, created at its first hook."""
         task = torch._C._current_graph_task_id()
         if self._pass is None or self._pass.task != task:
-            self._pass = BackwardPass(self.extensions, task, self._accumulator)
+            skipped = self.skipped if self.skip_unsupported else None
+            self._pass = BackwardPass(self.extensions, task, self._accumulator, skipped)
         return self._pass

@@ -20,7 +20,7 @@ from collections import OrderedDict, defaultdict
 import torch
 
 from curvopt.diagonals import add_diagonals, module_call
-from curvopt.errors import UnsupportedLossError, module_error
+from curvopt.errors import UnsupportedKroneckerError, UnsupportedLossError, module_error
 from curvopt.hessian import add_residuals
 from curvopt.kfra import kfra
 from curvopt.layers import rule_for
@@ -155,7 +155,11 @@ class CurvaturePass:
             return
         for name, p in trainable(record.module):
             for ext in kron_exts:
-                factors = kron_factors(call, columns, name, p, ext.options["kfac_approx"], n)
+                try:
+                    factors = kron_factors(call, columns, name, p, ext.options["kfac_approx"], n)
+                except UnsupportedKroneckerError as error:
+                    self.bp.skip(p, ext.attr, error)
+                    continue
                 self.bp.add_kron(
                     p, ext.attr, record, factors, output_factor_index(call.module, name)
                 )

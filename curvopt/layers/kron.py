@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from curvopt.errors import UnsupportedModuleError, module_error
+from curvopt.errors import UnsupportedKroneckerError, module_error
 from curvopt.layers.registry import rule_for
 from curvopt.layers.unfold import unfold_conv_input
 from curvopt.reductions import block_gram, gram
@@ -63,11 +63,12 @@ def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int)
         return linear_like(x, v, approx)
     if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed and name == "weight":
         if module.groups != 1:
-            raise module_error(
-                module,
+            reason = (
                 f"groups={module.groups}: each group has its own input factor, so the weight's "
-                "GGN block is not one Kronecker product; use a diagonal quantity instead",
+                "GGN block is not one Kronecker product; use a diagonal quantity instead, or "
+                "skip it with curvopt.collect(..., skip_unsupported=True)"
             )
+            raise UnsupportedKroneckerError(str(module_error(module, reason)))
         patches = unfold_conv_input(module, call.input, positions_first=True)  # [N, L, C_in k]
         k = columns.shape[0]
         v = columns.reshape(k * n, columns.shape[2], -1)  # [K N, C_out, L], as laid out
@@ -89,12 +90,13 @@ def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int)
         if module.padding_idx is not None:
             counts[module.padding_idx] = 0
         return [torch.diag(counts / idx.numel()), gram(columns.reshape(-1, dim))]
-    raise UnsupportedModuleError(
+    raise UnsupportedKroneckerError(
         f"curvopt has no Kronecker factorisation for parameter {name!r} of module "
         f"{module._curvopt_path!r} ({type(module).__name__}); supported: Linear, Conv1d/2d/3d "
         "(groups=1), Embedding weights, Hugging Face Conv1D and all one-dimensional parameters. "
         "Use a diagonal quantity (DiagGGNExact/DiagGGNMC) for this model, or skip such "
-        "parameters explicitly with curvopt.collect(..., skip_unsupported=True)"
+        "parameters explicitly with curvopt.collect(..., skip_unsupported=True) (optim.KFAC: "
+        "fallback='adam' or 'sgd')"
     )
 
 

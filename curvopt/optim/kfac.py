@@ -6,6 +6,7 @@ import torch
 
 from curvopt.optim.base import check_choice, check_number
 from curvopt.optim.cache import cached
+from curvopt.optim.fallback import adam_direction
 from curvopt.optim.kronecker import (
     as_matrix,
     exact_damped_solve,
@@ -38,7 +39,11 @@ class KFAC(NewtonOptimizer):
             factors, applied by triangular solves) or eigendecompositions at most every ``m``
             steps, reusing them in between (default 1: whenever curvature or damping changed).
         mc_samples: Monte-Carlo samples for ``curvature="kfac"``.
-        momentum, curvature_ema, curvature_interval, kl_clip, fallback: see
+        fallback: for parameters without Kronecker factors (a ViT's class token and position
+            embeddings): ``None`` (default: raise, naming them), ``"sgd"`` (the plain gradient)
+            or ``"adam"`` (a diagonal Adam-style direction, :mod:`curvopt.optim.fallback`); with
+            either, the backward pass skips them (``collect(skip_unsupported=True)``).
+        momentum, curvature_ema, curvature_interval, kl_clip: see
             :mod:`curvopt.optim.newton` (all off by default).
         process_group: under ``torch.distributed``: ``None`` (the default group if initialized
             with several ranks), a ``ProcessGroup``, a ``DistributedCurvature``, or ``False``
@@ -78,6 +83,16 @@ class KFAC(NewtonOptimizer):
             "fallback": fallback,
         }
         super().__init__(params, defaults, process_group)
+
+    _fallbacks = (None, "sgd", "adam")
+
+    def _collect_options(self):
+        return {"skip_unsupported": any(g["fallback"] is not None for g in self.param_groups)}
+
+    def _fallback_direction(self, grad, state, group):
+        if group["fallback"] == "adam":
+            return adam_direction(grad, state)
+        return super()._fallback_direction(grad, state, group)
 
     def _validate(self, group):
         super()._validate(group)
