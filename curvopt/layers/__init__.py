@@ -6,6 +6,7 @@ from curvopt.layers import (  # noqa: F401  (registration)
     generic,
     linear,
     norm,
+    recurrent,
     transposed_linear,
 )
 from curvopt.layers.registry import LayerRule, register, rule_for

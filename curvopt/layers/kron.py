@@ -48,15 +48,15 @@ def linear_like(x, v, approx):
 def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int):
     """Kronecker factors of ``p`` (see module docstring) for one call."""
     module = call.module
+    own = rule_for(module).kron_factors(call, columns, name, approx, n)
+    if own is not None:
+        return own
     if p.dim() == 1:
         rule = rule_for(module)
         grads = rule.batch_grad(call.expand(columns), name)
         return [gram(grads)]
     if isinstance(columns, tuple):
         raise module_error(module, "Kronecker factors need a module with a single output")
-    own = rule_for(module).kron_factors(call, columns, name, approx, n)
-    if own is not None:
-        return own
     if isinstance(module, nn.Linear) and name == "weight":
         x = call.input.reshape(n, -1, call.input.shape[-1])
         v = columns.reshape(columns.shape[0], n, -1, columns.shape[-1])

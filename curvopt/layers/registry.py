@@ -92,6 +92,10 @@ class LayerRule:
         """Dimension of the inputs/outputs that indexes samples."""
         return 0
 
+    def output_batch_dims(self, module: nn.Module, count: int) -> List[int]:
+        """The dim indexing samples in each of the module's ``count`` tensor outputs."""
+        return [self.batch_dim(module)] * count
+
     def check(self, module: nn.Module) -> Optional[str]:
         """Why per-sample quantities of ``module`` cannot be computed, or ``None`` if they can."""
         return None

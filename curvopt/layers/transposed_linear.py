@@ -63,6 +63,8 @@ class TransposedLinearRule(LinearRule):
         return result if name == "bias" else result.T
 
     def kron_factors(self, call, columns, name, approx, n):
+        if name == "bias":
+            return None  # the exact block of a one-dimensional parameter (layers.kron)
         x = call.input.reshape(n, -1, call.input.shape[-1])
         v = columns.reshape(columns.shape[0], n, -1, columns.shape[-1])
         output_factor, input_factor = linear_like(x, v, approx)
