@@ -58,6 +58,7 @@ class BackwardPass:
         #: ``collect(skip_unsupported=True)``: where to report the parameters left out
         self.skip_into = skipped
         self.skipped: Dict[Tuple[int, str], Tuple[str, str]] = {}  # (id(p), attr): name, why
+        self.skipped_calls: Dict[Tuple[int, str], object] = {}  # (id(p), attr): its record
         self.extensions = extensions
         self.accumulator = accumulator
         self.attrs = {ext.attr for ext in extensions if ext.order == 1}
@@ -397,10 +398,19 @@ class BackwardPass:
         """Set ``p.<attr> = value`` when the pass has finished."""
         self.results[(id(p), attr)] = (p, value)
 
-    def skip(self, p, attr: str, error: Exception) -> None:
-        """Leave ``p.<attr>`` out (``collect(skip_unsupported=True)``), or re-raise ``error``."""
+    def skip(self, p, attr: str, error: Exception, record) -> None:
+        """Leave ``p.<attr>`` out (``collect(skip_unsupported=True)``), or re-raise ``error``.
+        The diagonal written instead needs ``p`` used by one call."""
         if self.skip_into is None:
             raise error
+        first = self.skipped_calls.setdefault((id(p), attr), record)
+        if first is not record:
+            raise module_error(
+                record.module,
+                f"parameter {_name(p)!r} has no Kronecker factorisation and is used by several "
+                "module calls in this pass, so its diagonal fallback would miss the cross terms "
+                "between the calls; use DiagGGNExact/DiagGGNMC for it",
+            )
         self.skipped[(id(p), attr)] = (_name(p), str(error))
 
     def add_kron(self, p, attr: str, record, factors, out_index: int) -> None:

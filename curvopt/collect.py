@@ -23,9 +23,12 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
     (micro-batches) combine like ``p.grad`` does (see ``accumulate``).
 
     ``skip_unsupported=True`` opts in to leaving out the parameters that have no Kronecker
-    factorisation (a ViT's class token and position embeddings, raw 3-D parameters): they get
-    no ``kfac``/``kflr`` attribute, their names are listed in ``self.skipped`` (name -> reason)
-    and a warning names them. Without it such a parameter raises, naming it and this option.
+    factorisation (a ViT's class token and position embeddings, raw 3-D parameters, recurrent
+    weights): they get no ``kfac``/``kflr`` attribute but the diagonal of the same curvature,
+    ``p.kfac_diagonal``/``p.kflr_diagonal`` (``p.shape``; from the same columns: the
+    Monte-Carlo GGN diagonal for ``KFAC``, the exact one for ``KFLR``); their names are listed
+    in ``self.skipped`` (name -> reason) and a warning names them. Without it such a parameter
+    raises, naming it and this option.
     """
 
     def __init__(self, *extensions: Extension, skip_unsupported: bool = False):
@@ -65,8 +68,8 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
         if self.skipped and exc[0] is None:
             warnings.warn(
                 "curvopt.collect(skip_unsupported=True) wrote no Kronecker factors for "
-                f"{sorted(self.skipped)} (no Kronecker factorisation for them); precondition "
-                "them otherwise, e.g. optim.KFAC(..., fallback='adam')",
+                f"{sorted(self.skipped)} (no Kronecker factorisation for them), only the "
+                "diagonal p.<attr>_diagonal; optim.KFAC(..., fallback='diagonal') uses it",
                 stacklevel=2,
             )
         return False

@@ -19,7 +19,7 @@ from collections import OrderedDict, defaultdict
 
 import torch
 
-from curvopt.diagonals import add_diagonals, module_call
+from curvopt.diagonals import add_diagonals, diag_from_columns, module_call
 from curvopt.errors import UnsupportedKroneckerError, UnsupportedLossError, module_error
 from curvopt.hessian import add_residuals
 from curvopt.kfra import kfra
@@ -158,7 +158,9 @@ class CurvaturePass:
                 try:
                     factors = kron_factors(call, columns, name, p, ext.options["kfac_approx"], n)
                 except UnsupportedKroneckerError as error:
-                    self.bp.skip(p, ext.attr, error)
+                    self.bp.skip(p, ext.attr, error, record)
+                    d = diag_from_columns(rule_for(call.module), call, columns, name, False, n)
+                    self.bp.add(p, f"{ext.attr}_diagonal", d)
                     continue
                 self.bp.add_kron(
                     p, ext.attr, record, factors, output_factor_index(call.module, name)

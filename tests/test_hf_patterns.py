@@ -214,7 +214,13 @@ def test_kfac_names_raw_parameters_and_the_opt_in():
 
 
 def test_skip_unsupported_skips_exactly_the_raw_parameters_and_says_so():
-    model, X, y = _vit_problem()
+    """Skipped parameters get the diagonal of the same curvature instead: for KFLR the exact
+    GGN diagonal (checked against torch.func)."""
+    torch.manual_seed(0)
+    plain = ViT().to(DT)
+    model = extended_copy(plain)
+    X, y = torch.randn(4, 3, 8, 8, dtype=DT), torch.randint(0, 3, (4,))
+    blocks, _ = ggn_reference(plain, nn.CrossEntropyLoss(), X, y)
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
     with pytest.warns(UserWarning, match="cls_token"):
         with curvopt.collect(ext.KFLR(), ext.BatchGrad(), skip_unsupported=True) as ctx:
@@ -222,13 +228,59 @@ def test_skip_unsupported_skips_exactly_the_raw_parameters_and_says_so():
     assert set(ctx.skipped) == RAW
     for name, p in model.named_parameters():
         assert hasattr(p, "kflr") == (name not in RAW), name
-        assert p.grad_batch.shape == (16, *p.shape)  # other quantities are untouched
+        assert hasattr(p, "kflr_diagonal") == (name in RAW), name
+        assert p.grad_batch.shape == (4, *p.shape)  # other quantities are untouched
+        if name in RAW:
+            want = torch.diagonal(blocks[name]).reshape(p.shape)
+            assert_close(p.kflr_diagonal, want, name)
     with warnings.catch_warnings():  # nothing to skip: no warning
         warnings.simplefilter("error")
         mlp = curvopt.extend(nn.Sequential(nn.Linear(4, 3)).to(DT))
         with curvopt.collect(ext.KFLR(), skip_unsupported=True) as ctx:
             lossfunc(mlp(torch.randn(2, 4, dtype=DT)), torch.tensor([0, 1])).backward()
     assert ctx.skipped == {}
+
+
+def test_skipped_kfac_diagonal_is_the_monte_carlo_ggn_diagonal():
+    """KFAC's sampled columns give DiagGGNMC's estimate: the same draws, the same numbers."""
+    model, X, y = _vit_problem(n=4)
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    torch.manual_seed(5)
+    with pytest.warns(UserWarning):
+        with curvopt.collect(ext.KFAC(mc_samples=3), skip_unsupported=True):
+            lossfunc(model(X), y).backward()
+    torch.manual_seed(5)
+    with curvopt.collect(ext.DiagGGNMC(mc_samples=3)):
+        lossfunc(model(X), y).backward()
+    for name in RAW:
+        p = model.get_parameter(name)
+        assert_close(p.kfac_diagonal, p.diag_ggn_mc, name)
+
+
+def test_skip_rejects_a_raw_parameter_used_by_two_calls():
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(2, 4, dtype=DT))
+
+        def forward(self, x):
+            return x * self.w
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale, self.lin = Scale(), nn.Linear(4, 3).to(DT)
+
+        def forward(self, x):
+            return self.lin(self.scale(self.scale(x)).sum(1))
+
+    model = curvopt.extend(Net())
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    x = torch.randn(3, 2, 4, dtype=DT)
+    with pytest.raises(curvopt.errors.UnsupportedModuleError, match="several"):
+        with curvopt.collect(ext.KFLR(), skip_unsupported=True):
+            lossfunc(model(x), torch.tensor([0, 1, 2])).backward()
+    assert not hasattr(model.lin.weight, "kflr")
 
 
 def _train(fallback, steps=30, lr=0.05, damping=0.1):
@@ -252,42 +304,57 @@ def test_optim_kfac_without_fallback_raises_naming_the_parameter():
     model, X, y = _vit_problem()
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
     opt = curvopt.optim.KFAC(model.parameters(), lr=0.05, damping=0.1)
-    with pytest.raises(curvopt.errors.UnsupportedModuleError, match="cls_token.*fallback='adam'"):
+    with pytest.raises(
+        curvopt.errors.UnsupportedModuleError, match="cls_token.*fallback='diagonal'"
+    ):
         with opt.collect():
             lossfunc(model(X), y).backward()
 
 
-@pytest.mark.parametrize("fallback", ["adam", "sgd"])
+@pytest.mark.parametrize("fallback", ["diagonal", "sgd"])
 def test_optim_kfac_trains_a_vit_with_a_fallback(fallback):
     model, opt, losses = _train(fallback)
     assert losses[-1] < 0.5 * losses[0], losses
     cls = model.embeddings.cls_token
-    assert ("fallback_sq" in opt.state[cls]) == (fallback == "adam")
+    assert ("fallback_diagonal" in opt.state[cls]) == (fallback == "diagonal")
     assert "curvature" not in opt.state[cls]
     assert "curvature" in opt.state[model.head.weight]
 
 
-def test_adam_fallback_direction_formula():
-    """Two steps of ``d = g / (sqrt(v / (1 - β^t)) + ε)`` with unequal gradients."""
-    from curvopt.optim.fallback import BETA, EPS, adam_direction
-
-    g1, g2 = torch.tensor([1.0, -2.0], dtype=DT), torch.tensor([3.0, 0.5], dtype=DT)
-    d1, s1 = adam_direction(g1, {})
-    torch.testing.assert_close(d1, g1 / (g1.abs() + EPS))
-    d2, s2 = adam_direction(g2, s1)
-    v = BETA * (1 - BETA) * g1**2 + (1 - BETA) * g2**2
-    torch.testing.assert_close(d2, g2 / ((v / (1 - BETA**2)).sqrt() + EPS))
-    assert s2["fallback_step"] == 2 and s1["fallback_step"] == 1
+@pytest.mark.parametrize("weight_decay", [0.0, 0.3])
+def test_diagonal_fallback_step_formula(weight_decay):
+    """``θ ← θ − lr (g + δθ) / (c + λ + δ)`` with ``c`` the exact GGN diagonal (KFLR)."""
+    torch.manual_seed(0)
+    plain = ViT().to(DT)
+    model = extended_copy(plain)
+    X, y = torch.randn(4, 3, 8, 8, dtype=DT), torch.randint(0, 3, (4,))
+    blocks, _ = ggn_reference(plain, nn.CrossEntropyLoss(), X, y)
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    lr, lam = 0.3, 0.7
+    opt = curvopt.optim.KFAC(
+        model.parameters(), lr, lam, "kflr", weight_decay=weight_decay, fallback="diagonal"
+    )
+    before = {n: model.get_parameter(n).detach().clone() for n in RAW}
+    with pytest.warns(UserWarning):
+        with opt.collect():
+            lossfunc(model(X), y).backward()
+    grads = {n: model.get_parameter(n).grad.clone() for n in RAW}
+    opt.step()
+    for name in RAW:
+        c = torch.diagonal(blocks[name]).reshape(before[name].shape)
+        g = grads[name] + weight_decay * before[name]
+        want = before[name] - lr * g / (c + lam + weight_decay)
+        assert_close(model.get_parameter(name).detach(), want, name)
 
 
 def test_invalid_fallback_rejected():
     with pytest.raises(ValueError, match="fallback"):
         curvopt.optim.KFAC([nn.Parameter(torch.zeros(2))], lr=0.1, damping=0.1, fallback="x")
     with pytest.raises(ValueError, match="fallback"):
-        curvopt.optim.DiagGGNNewton([nn.Parameter(torch.zeros(2))], 0.1, 0.1, fallback="adam")
+        curvopt.optim.DiagGGNNewton([nn.Parameter(torch.zeros(2))], 0.1, 0.1, fallback="diagonal")
 
 
-# ------------------------------------------------------------------------------ dict in, ModelOutput out
+# ------------------------------------------------------------------------------ dicts, ModelOutput
 @dataclasses.dataclass
 class Output:
     logits: torch.Tensor

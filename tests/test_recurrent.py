@@ -150,6 +150,10 @@ def test_kronecker_raises_or_is_skipped():
             lossfunc(model(x), y).backward()
     assert set(ctx.skipped) == {n for n, _ in model.rnn.named_parameters(prefix="rnn")}
     assert len(model.head.weight.kflr) == 2
+    with curvopt.collect(ext.DiagGGNExact()):
+        lossfunc(model(x), y).backward()
+    for name, p in model.rnn.named_parameters():
+        assert_close(p.kflr_diagonal, p.diag_ggn_exact, name)
 
 
 def test_optim_kfac_with_fallback_trains_an_lstm():
@@ -157,7 +161,7 @@ def test_optim_kfac_with_fallback_trains_an_lstm():
     model = curvopt.extend(Net(nn.LSTM, True, "both").to(DT))
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
     x, y = _data(True, n=16)
-    opt = curvopt.optim.KFAC(model.parameters(), lr=0.05, damping=0.1, fallback="adam")
+    opt = curvopt.optim.KFAC(model.parameters(), lr=0.2, damping=0.1, fallback="diagonal")
     losses = []
     for _ in range(30):
         opt.zero_grad()

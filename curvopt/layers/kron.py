@@ -96,7 +96,7 @@ def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int)
         "(groups=1), Embedding weights, Hugging Face Conv1D and all one-dimensional parameters. "
         "Use a diagonal quantity (DiagGGNExact/DiagGGNMC) for this model, or skip such "
         "parameters explicitly with curvopt.collect(..., skip_unsupported=True) (optim.KFAC: "
-        "fallback='adam' or 'sgd')"
+        "fallback='diagonal' or 'sgd')"
     )
 
 

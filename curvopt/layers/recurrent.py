@@ -15,12 +15,12 @@ factors (there is no Kronecker structure for the recurrent weights here).
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 from torch import nn
 
-from curvopt.errors import UnsupportedKroneckerError, UnsupportedModuleError, module_error
+from curvopt.errors import UnsupportedKroneckerError, module_error
 from curvopt.layers.registry import LayerRule, register
 from curvopt.reductions import squared_norms, sum_of_squares
 from curvopt.state import STATE
@@ -105,8 +105,9 @@ class RecurrentRule(LayerRule):
         x = call.args[0] if call.args else call.kwargs.get("input")
         if not isinstance(x, torch.Tensor):
             raise module_error(
-                module, "packed sequences are not supported; pass a padded tensor (and mask the "
-                "loss) instead"
+                module,
+                "packed sequences are not supported; pass a padded tensor (and mask the "
+                "loss) instead",
             )
         if x.dim() != 3:
             raise module_error(module, "unbatched (2-D) input: add a batch dimension")
@@ -157,7 +158,8 @@ class RecurrentRule(LayerRule):
                 allow_unused=True,
             )
         return {
-            name: torch.zeros_like(c) if g is None else g for (name, c), g in zip(copies.items(), found)
+            name: torch.zeros_like(c) if g is None else g
+            for (name, c), g in zip(copies.items(), found)
         }
 
     def _all(self, call) -> Dict[str, torch.Tensor]:
@@ -206,7 +208,7 @@ class RecurrentRule(LayerRule):
             stop = min(k, start + step)
             kk = stop - start
 
-            def rep(t):
+            def rep(t, kk=kk):
                 return None if t is None else t.unsqueeze(0).expand(kk, *t.shape).flatten(0, 1)
 
             chunk = [None if c is None else c[start:stop].flatten(0, 1) for c in cols]
@@ -219,7 +221,8 @@ class RecurrentRule(LayerRule):
                     g = g.transpose(0, 1)
                 parts.setdefault(name, []).append(g)
         result = {
-            name: (torch.stack(v).sum(0) if squared else torch.cat(v, 1)) for name, v in parts.items()
+            name: (torch.stack(v).sum(0) if squared else torch.cat(v, 1))
+            for name, v in parts.items()
         }
         call.cache[key] = result
         return result
@@ -244,7 +247,7 @@ class RecurrentRule(LayerRule):
                     call.module,
                     f"recurrent layers have no Kronecker factorisation of {name!r} in curvopt; use "
                     "a diagonal quantity, or skip them with curvopt.collect(..., "
-                    "skip_unsupported=True) (optim.KFAC: fallback='adam' or 'sgd')",
+                    "skip_unsupported=True) (optim.KFAC: fallback='diagonal' or 'sgd')",
                 )
             )
         )

@@ -133,9 +133,9 @@ class LayerRule:
     def kron_factors(
         self, call, columns, name: str, approx: str, n: int
     ) -> Optional[List[torch.Tensor]]:
-        """Kronecker factors of a parameter with more than one dim (``kron(*factors)`` indexed
-        like ``vec(p)``) from columns ``[K, *out]`` at the output (``n`` samples), or ``None`` (no rule here;
-        ``layers.kron`` handles the built-in layers)."""
+        """Kronecker factors of ``name`` (``kron(*factors)`` indexed like ``vec(p)``) from
+        columns ``[K, *out]`` at the output (``n`` samples), or ``None``: ``layers.kron``'s
+        built-in factors (Linear, Conv, Embedding weights, one-dimensional parameters)."""
         return None
 
     def output_factor_index(self, name: str) -> int:

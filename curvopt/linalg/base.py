@@ -110,9 +110,7 @@ class CurvatureOperator(ParameterOperator):
     Subclasses implement :meth:`_batch_matmat` or override :meth:`_apply`.
     """
 
-    def __init__(
-        self, model: nn.Module, lossfunc: nn.Module, data: Iterable[Batch], output=None
-    ):
+    def __init__(self, model: nn.Module, lossfunc: nn.Module, data: Iterable[Batch], output=None):
         check_extended(model, lossfunc)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:

@@ -6,7 +6,7 @@ import torch
 
 from curvopt.optim.base import check_choice, check_number
 from curvopt.optim.cache import cached
-from curvopt.optim.fallback import adam_direction
+from curvopt.optim.fallback import fallback_diagonal
 from curvopt.optim.kronecker import (
     as_matrix,
     exact_damped_solve,
@@ -41,8 +41,9 @@ class KFAC(NewtonOptimizer):
         mc_samples: Monte-Carlo samples for ``curvature="kfac"``.
         fallback: for parameters without Kronecker factors (a ViT's class token and position
             embeddings): ``None`` (default: raise, naming them), ``"sgd"`` (the plain gradient)
-            or ``"adam"`` (a diagonal Adam-style direction, :mod:`curvopt.optim.fallback`); with
-            either, the backward pass skips them (``collect(skip_unsupported=True)``).
+            or ``"diagonal"`` (the damped diagonal Newton step with the diagonal of the same
+            curvature, :mod:`curvopt.optim.fallback`); with either, the backward pass skips
+            their Kronecker factors (``collect(skip_unsupported=True)``).
         momentum, curvature_ema, curvature_interval, kl_clip: see
             :mod:`curvopt.optim.newton` (all off by default).
         process_group: under ``torch.distributed``: ``None`` (the default group if initialized
@@ -84,15 +85,16 @@ class KFAC(NewtonOptimizer):
         }
         super().__init__(params, defaults, process_group)
 
-    _fallbacks = (None, "sgd", "adam")
+    _fallbacks = (None, "sgd", "diagonal")
 
     def _collect_options(self):
         return {"skip_unsupported": any(g["fallback"] is not None for g in self.param_groups)}
 
-    def _fallback_direction(self, grad, state, group):
-        if group["fallback"] == "adam":
-            return adam_direction(grad, state)
-        return super()._fallback_direction(grad, state, group)
+    def _fallback_direction(self, update, grad, state, group, damping):
+        if group["fallback"] != "diagonal":
+            return super()._fallback_direction(update, grad, state, group, damping)
+        (extension, _), attr = self._extension(group)
+        return fallback_diagonal(self, update, grad, state, attr, extension, damping)
 
     def _validate(self, group):
         super()._validate(group)

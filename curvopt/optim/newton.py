@@ -98,8 +98,10 @@ class NewtonOptimizer(CurvatureOptimizer):
         """``sᵀ C s`` for a step ``s`` of the parameter's shape."""
         raise NotImplementedError
 
-    def _fallback_direction(self, grad, state, group) -> tuple[torch.Tensor, dict[str, Any]]:
-        """The direction (and new state) of a parameter without curvature: ``grad`` itself
+    def _fallback_direction(
+        self, update: ParamUpdate, grad, state, group, damping
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The direction (and new state) of ``update.param`` without curvature: ``grad`` itself
         (``fallback='sgd'``)."""
         return grad, {}
 
@@ -168,7 +170,9 @@ class NewtonOptimizer(CurvatureOptimizer):
         planned = []  # (update, g, d, C, old state)
         for update, grad, curvature, curvature_step, state in items:
             if curvature is None:
-                direction, update.state = self._fallback_direction(grad, state, group)
+                direction, update.state = self._fallback_direction(
+                    update, grad, state, group, damping
+                )
             else:
                 try:
                     direction, update.state = self._direction(
