@@ -67,8 +67,8 @@ def verify(
     into samples, others shared). ``output`` picks the tensor ``loss_of`` takes from the model's
     output (default: the output itself, or the ``.logits`` of a ``ModelOutput``; a name or a
     callable otherwise, see :mod:`curvopt.inputs`). Raises :class:`VerificationError` when an
-    error exceeds ``rtol`` (default: ``1e-6`` in float64, ``1e-3`` otherwise). Parameters and ``.grad`` are
-    left as they were; the checked attributes are written as by ``collect``.
+    error exceeds ``rtol`` (default: ``1e-6`` in float64, ``1e-3`` otherwise). Parameters and
+    ``.grad`` are left as they were; the checked attributes are written as by ``collect``.
     """
     params = {k: p for k, p in model.named_parameters() if p.requires_grad}
     grads = {k: p.grad for k, p in params.items()}

@@ -2,7 +2,8 @@
 
 Skipped without ``transformers``; every pattern is reproduced in plain torch in
 ``test_hf_patterns.py``, ``test_conv1d.py`` and ``test_recurrent.py``. References:
-``curvopt.verify`` (per-sample re-runs through ``torch.func``) with the models' keyword inputs and ``.logits``.
+``curvopt.verify`` (per-sample re-runs through ``torch.func``) with the models' keyword
+inputs and ``.logits``.
 """
 
 from __future__ import annotations
