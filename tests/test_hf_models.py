@@ -55,6 +55,22 @@ def bert():
     return transformers.BertForMaskedLM(config)
 
 
+def llama():
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+        vocab_size=V,
+        max_position_embeddings=16,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
 def vit():
     config = transformers.ViTConfig(
         image_size=8,
@@ -96,7 +112,12 @@ def _loss_of(kind):
     return lossfunc
 
 
-PROBLEMS = {"gpt2": (gpt2, _text, "lm"), "bert": (bert, _text, "mlm"), "vit": (vit, _images, "cls")}
+PROBLEMS = {
+    "gpt2": (gpt2, _text, "lm"),
+    "bert": (bert, _text, "mlm"),
+    "llama": (llama, _text, "lm"),
+    "vit": (vit, _images, "cls"),
+}
 
 
 @pytest.mark.parametrize("name", list(PROBLEMS))
@@ -109,7 +130,7 @@ def test_against_torch_func(name):
     assert len(errors) == len([p for p in model.parameters() if p.requires_grad])
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert"])
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
 def test_first_order_with_the_models_own_labels_loss(name):
     """``model(input_ids, labels=...).loss`` (not an extended module) gives the per-sample
     gradients of the same loss written out with an extended loss."""
@@ -197,6 +218,7 @@ def _train(name, lr, damping, steps=30, **options):
         ("gpt2", "kfac", 0.1, 0.9),
         ("gpt2", "kflr", 0.1, 0.7),
         ("bert", "kfac", 0.1, 0.6),
+        ("llama", "kfac", 0.1, 0.7),
         ("vit", "kfac", 0.05, 0.6),
         ("vit", "kflr", 0.05, 0.3),
     ],
