@@ -53,10 +53,12 @@ def _eps(*tensors) -> float:
 class BackwardPass:
     """Per-pass buffers; ``on_module`` is called by every extended module's gradient hook."""
 
-    def __init__(self, extensions, task: int, accumulator, skipped=None):
+    def __init__(self, extensions, task: int, accumulator, skipped=None, diagonal=False):
         self.task = task
-        #: ``collect(skip_unsupported=True)``: where to report the parameters left out
+        #: ``collect(skip_unsupported=...)``: where to report the parameters left out, and
+        #: whether they get the diagonal of the curvature instead
         self.skip_into = skipped
+        self.skip_diagonal = diagonal
         self.skipped: Dict[Tuple[int, str], Tuple[str, str]] = {}  # (id(p), attr): name, why
         self.skipped_calls: Dict[Tuple[int, str], object] = {}  # (id(p), attr): its record
         self.extensions = extensions

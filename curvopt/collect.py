@@ -24,14 +24,15 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
 
     ``skip_unsupported=True`` opts in to leaving out the parameters that have no Kronecker
     factorisation (a ViT's class token and position embeddings, raw 3-D parameters, recurrent
-    weights): they get no ``kfac``/``kflr`` attribute but the diagonal of the same curvature,
-    ``p.kfac_diagonal``/``p.kflr_diagonal`` (``p.shape``; from the same columns: the
-    Monte-Carlo GGN diagonal for ``KFAC``, the exact one for ``KFLR``); their names are listed
-    in ``self.skipped`` (name -> reason) and a warning names them. Without it such a parameter
+    weights): they get no ``kfac``/``kflr`` attribute, their names are listed in
+    ``self.skipped`` (name -> reason) and a warning names them. ``skip_unsupported="diagonal"``
+    writes for them the diagonal of the same curvature instead, ``p.kfac_diagonal`` /
+    ``p.kflr_diagonal`` (``p.shape``, from the same propagated columns: the Monte-Carlo GGN
+    diagonal for ``KFAC``, the exact one for ``KFLR``). Without the opt-in such a parameter
     raises, naming it and this option.
     """
 
-    def __init__(self, *extensions: Extension, skip_unsupported: bool = False):
+    def __init__(self, *extensions: Extension, skip_unsupported=False):
         by_attr: Dict[str, Extension] = {}
         for ext in extensions:
             if not isinstance(ext, Extension):
@@ -49,7 +50,11 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
         self.extensions: Tuple[Extension, ...] = tuple(by_attr.values())
         self._pass: Optional[BackwardPass] = None
         self._accumulator = Accumulator()
-        self.skip_unsupported = bool(skip_unsupported)
+        if skip_unsupported not in (False, True, "diagonal"):
+            raise ValueError(
+                f"skip_unsupported must be False, True or 'diagonal', got {skip_unsupported!r}"
+            )
+        self.skip_unsupported = skip_unsupported
         #: parameters left out under ``skip_unsupported``: name -> why
         self.skipped: Dict[str, str] = {}
 
@@ -68,8 +73,8 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
         if self.skipped and exc[0] is None:
             warnings.warn(
                 "curvopt.collect(skip_unsupported=True) wrote no Kronecker factors for "
-                f"{sorted(self.skipped)} (no Kronecker factorisation for them), only the "
-                "diagonal p.<attr>_diagonal; optim.KFAC(..., fallback='diagonal') uses it",
+                f"{sorted(self.skipped)} (no Kronecker factorisation for them); "
+                "optim.KFAC(..., fallback='diagonal') preconditions them by their diagonal",
                 stacklevel=2,
             )
         return False
@@ -79,5 +84,11 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
         task = torch._C._current_graph_task_id()
         if self._pass is None or self._pass.task != task:
             skipped = self.skipped if self.skip_unsupported else None
-            self._pass = BackwardPass(self.extensions, task, self._accumulator, skipped)
+            self._pass = BackwardPass(
+                self.extensions,
+                task,
+                self._accumulator,
+                skipped,
+                diagonal=self.skip_unsupported == "diagonal",
+            )
         return self._pass

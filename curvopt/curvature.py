@@ -159,8 +159,9 @@ class CurvaturePass:
                     factors = kron_factors(call, columns, name, p, ext.options["kfac_approx"], n)
                 except UnsupportedKroneckerError as error:
                     self.bp.skip(p, ext.attr, error, record)
-                    d = diag_from_columns(rule_for(call.module), call, columns, name, False, n)
-                    self.bp.add(p, f"{ext.attr}_diagonal", d)
+                    if self.bp.skip_diagonal:
+                        d = diag_from_columns(rule_for(call.module), call, columns, name, False, n)
+                        self.bp.add(p, f"{ext.attr}_diagonal", d)
                     continue
                 self.bp.add_kron(
                     p, ext.attr, record, factors, output_factor_index(call.module, name)

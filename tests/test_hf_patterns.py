@@ -223,7 +223,7 @@ def test_skip_unsupported_skips_exactly_the_raw_parameters_and_says_so():
     blocks, _ = ggn_reference(plain, nn.CrossEntropyLoss(), X, y)
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
     with pytest.warns(UserWarning, match="cls_token"):
-        with curvopt.collect(ext.KFLR(), ext.BatchGrad(), skip_unsupported=True) as ctx:
+        with curvopt.collect(ext.KFLR(), ext.BatchGrad(), skip_unsupported="diagonal") as ctx:
             lossfunc(model(X), y).backward()
     assert set(ctx.skipped) == RAW
     for name, p in model.named_parameters():
@@ -247,7 +247,7 @@ def test_skipped_kfac_diagonal_is_the_monte_carlo_ggn_diagonal():
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
     torch.manual_seed(5)
     with pytest.warns(UserWarning):
-        with curvopt.collect(ext.KFAC(mc_samples=3), skip_unsupported=True):
+        with curvopt.collect(ext.KFAC(mc_samples=3), skip_unsupported="diagonal"):
             lossfunc(model(X), y).backward()
     torch.manual_seed(5)
     with curvopt.collect(ext.DiagGGNMC(mc_samples=3)):
@@ -278,7 +278,7 @@ def test_skip_rejects_a_raw_parameter_used_by_two_calls():
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
     x = torch.randn(3, 2, 4, dtype=DT)
     with pytest.raises(curvopt.errors.UnsupportedModuleError, match="several"):
-        with curvopt.collect(ext.KFLR(), skip_unsupported=True):
+        with curvopt.collect(ext.KFLR(), skip_unsupported="diagonal"):
             lossfunc(model(x), torch.tensor([0, 1, 2])).backward()
     assert not hasattr(model.lin.weight, "kflr")
 
@@ -345,6 +345,18 @@ def test_diagonal_fallback_step_formula(weight_decay):
         g = grads[name] + weight_decay * before[name]
         want = before[name] - lr * g / (c + lam + weight_decay)
         assert_close(model.get_parameter(name).detach(), want, name)
+
+
+def test_skip_without_diagonal_writes_none_and_bad_values_are_rejected():
+    model, X, y = _vit_problem(n=4)
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    with pytest.warns(UserWarning):
+        with curvopt.collect(ext.KFLR(), skip_unsupported=True) as ctx:
+            lossfunc(model(X), y).backward()
+    assert set(ctx.skipped) == RAW
+    assert not any(hasattr(p, "kflr_diagonal") for p in model.parameters())
+    with pytest.raises(ValueError, match="skip_unsupported"):
+        curvopt.collect(ext.KFLR(), skip_unsupported="yes")
 
 
 def test_invalid_fallback_rejected():

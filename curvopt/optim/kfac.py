@@ -43,7 +43,7 @@ class KFAC(NewtonOptimizer):
             embeddings): ``None`` (default: raise, naming them), ``"sgd"`` (the plain gradient)
             or ``"diagonal"`` (the damped diagonal Newton step with the diagonal of the same
             curvature, :mod:`curvopt.optim.fallback`); with either, the backward pass skips
-            their Kronecker factors (``collect(skip_unsupported=True)``).
+            their Kronecker factors (``collect(skip_unsupported=True / "diagonal")``).
         momentum, curvature_ema, curvature_interval, kl_clip: see
             :mod:`curvopt.optim.newton` (all off by default).
         process_group: under ``torch.distributed``: ``None`` (the default group if initialized
@@ -88,7 +88,10 @@ class KFAC(NewtonOptimizer):
     _fallbacks = (None, "sgd", "diagonal")
 
     def _collect_options(self):
-        return {"skip_unsupported": any(g["fallback"] is not None for g in self.param_groups)}
+        fallbacks = {g["fallback"] for g in self.param_groups}
+        if "diagonal" in fallbacks:
+            return {"skip_unsupported": "diagonal"}
+        return {"skip_unsupported": fallbacks != {None}}
 
     def _fallback_direction(self, update, grad, state, group, damping):
         if group["fallback"] != "diagonal":
