@@ -53,8 +53,14 @@ def _eps(*tensors) -> float:
 class BackwardPass:
     """Per-pass buffers; ``on_module`` is called by every extended module's gradient hook."""
 
-    def __init__(self, extensions, task: int, accumulator):
+    def __init__(self, extensions, task: int, accumulator, skipped=None, diagonal=False):
         self.task = task
+        #: ``collect(skip_unsupported=...)``: where to report the parameters left out, and
+        #: whether they get the diagonal of the curvature instead
+        self.skip_into = skipped
+        self.skip_diagonal = diagonal
+        self.skipped: Dict[Tuple[int, str], Tuple[str, str]] = {}  # (id(p), attr): name, why
+        self.skipped_calls: Dict[Tuple[int, str], object] = {}  # (id(p), attr): its record
         self.extensions = extensions
         self.accumulator = accumulator
         self.attrs = {ext.attr for ext in extensions if ext.order == 1}
@@ -77,6 +83,7 @@ class BackwardPass:
         self.handles: list = []  # hooks on autograd nodes, removed when the pass ends
         self.upstream: list = []  # module calls upstream of the extended losses
         self.failed = False
+        self.walked = False  # the graph upstream was searched for broadcast calls
         Variable._execution_engine.queue_callback(self._finish)
 
     # ---------------------------------------------------------------- hooks
@@ -131,6 +138,19 @@ class BackwardPass:
 
                 self.handles.append(broadcast.edge.node.register_prehook(keep))
 
+    def _watch_upstream(self, record) -> None:
+        """First order without an extended loss (Hugging Face's ``labels=`` loss): at the first
+        module hook, find the broadcast calls upstream of the node now running (the one that
+        produced ``record``'s output), whose per-sample gradients still exist downstream."""
+        self.walked = True
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return
+        calls = module_outputs(node).calls
+        if record in calls:
+            record.broadcast = None  # its gradient has arrived already, summed or not
+        self.watch_broadcasts([r for r in calls if r is not record])
+
     def expect_gradients(self, calls, grads, signature) -> None:
         """Add one extended loss's share ``{record: [grad per output]}`` of the gradients the
         module hooks will see, for a graph structure not checked before."""
@@ -156,9 +176,14 @@ class BackwardPass:
 
     def _on_module(self, record, grads) -> None:
         module = record.module
+        if not self.walked and not self.loss_seen and self.attrs:
+            self._watch_upstream(record)
         if record.broadcast is not None:
             grads = (record.broadcast.grad,)  # per sample, read downstream of the broadcast
         grads = tuple(record.batch_first(g) for g in grads)
+        if len(grads) > 1 and grads[0] is None:  # the batch size is read from the first output
+            zeros = torch.zeros(record.out_shapes[0], dtype=record.dtype, device=record.device)
+            grads = (zeros, *grads[1:])
         if self.second_order_exts:
             if not self.loss_seen:
                 names = ", ".join(repr(e) for e in self.second_order_exts)
@@ -375,6 +400,21 @@ class BackwardPass:
         """Set ``p.<attr> = value`` when the pass has finished."""
         self.results[(id(p), attr)] = (p, value)
 
+    def skip(self, p, attr: str, error: Exception, record) -> None:
+        """Leave ``p.<attr>`` out (``collect(skip_unsupported=True)``), or re-raise ``error``.
+        The diagonal written instead needs ``p`` used by one call."""
+        if self.skip_into is None:
+            raise error
+        first = self.skipped_calls.setdefault((id(p), attr), record)
+        if first is not record:
+            raise module_error(
+                record.module,
+                f"parameter {_name(p)!r} has no Kronecker factorisation and is used by several "
+                "module calls in this pass, so its diagonal fallback would miss the cross terms "
+                "between the calls; use DiagGGNExact/DiagGGNMC for it",
+            )
+        self.skipped[(id(p), attr)] = (_name(p), str(error))
+
     def add_kron(self, p, attr: str, record, factors, out_index: int) -> None:
         """Kronecker factors of one module call: the output-side factor sums over column chunks
         and over losses. Several calls using ``p`` (a reused module, a weight tied across
@@ -438,6 +478,8 @@ class BackwardPass:
             self.results[key] = (self.results[key][0], factors[0])
         for signature in self.checking:
             mark_checked(signature)
+        if self.skip_into is not None:
+            self.skip_into.update(self.skipped.values())
         for (_, attr), (p, value) in self.results.items():
             if attr == "variance":
                 value = acc.variance(p, *self.moments[id(p)])
@@ -451,7 +493,9 @@ class BackwardPass:
         """Every parameter that received a gradient gets every requested curvature attribute."""
         attrs = {ext.attr for ext in self.second_order_exts}
         for key, (p, _) in self.param_grads.items():
-            missing = [a for a in attrs if (key, a) not in self.results]
+            missing = [
+                a for a in attrs if (key, a) not in self.results and (key, a) not in self.skipped
+            ]
             if missing:
                 raise UnsupportedModuleError(
                     f"curvopt: parameter {_name(p)!r} received "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -20,9 +21,18 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
     samples) compute it once. Results are written as attributes when a backward pass has
     finished; a pass that raises writes nothing. Several backward passes in one block
     (micro-batches) combine like ``p.grad`` does (see ``accumulate``).
+
+    ``skip_unsupported=True`` opts in to leaving out the parameters that have no Kronecker
+    factorisation (a ViT's class token and position embeddings, raw 3-D parameters, recurrent
+    weights): they get no ``kfac``/``kflr`` attribute, their names are listed in
+    ``self.skipped`` (name -> reason) and a warning names them. ``skip_unsupported="diagonal"``
+    writes for them the diagonal of the same curvature instead, ``p.kfac_diagonal`` /
+    ``p.kflr_diagonal`` (``p.shape``, from the same propagated columns: the Monte-Carlo GGN
+    diagonal for ``KFAC``, the exact one for ``KFLR``). Without the opt-in such a parameter
+    raises, naming it and this option.
     """
 
-    def __init__(self, *extensions: Extension):
+    def __init__(self, *extensions: Extension, skip_unsupported=False):
         by_attr: Dict[str, Extension] = {}
         for ext in extensions:
             if not isinstance(ext, Extension):
@@ -40,6 +50,13 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
         self.extensions: Tuple[Extension, ...] = tuple(by_attr.values())
         self._pass: Optional[BackwardPass] = None
         self._accumulator = Accumulator()
+        if skip_unsupported not in (False, True, "diagonal"):
+            raise ValueError(
+                f"skip_unsupported must be False, True or 'diagonal', got {skip_unsupported!r}"
+            )
+        self.skip_unsupported = skip_unsupported
+        #: parameters left out under ``skip_unsupported``: name -> why
+        self.skipped: Dict[str, str] = {}
 
     def __enter__(self):
         if STATE.collecting is not None:
@@ -53,11 +70,25 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
     def __exit__(self, *exc):
         STATE.collecting = None
         self._pass = None
+        if self.skipped and exc[0] is None:
+            warnings.warn(
+                "curvopt.collect(skip_unsupported=True) wrote no Kronecker factors for "
+                f"{sorted(self.skipped)} (no Kronecker factorisation for them); "
+                "optim.KFAC(..., fallback='diagonal') preconditions them by their diagonal",
+                stacklevel=2,
+            )
         return False
 
     def backward_pass(self) -> BackwardPass:
         """The state of the backward pass now running, created at its first hook."""
         task = torch._C._current_graph_task_id()
         if self._pass is None or self._pass.task != task:
-            self._pass = BackwardPass(self.extensions, task, self._accumulator)
+            skipped = self.skipped if self.skip_unsupported else None
+            self._pass = BackwardPass(
+                self.extensions,
+                task,
+                self._accumulator,
+                skipped,
+                diagonal=self.skip_unsupported == "diagonal",
+            )
         return self._pass

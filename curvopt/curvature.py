@@ -19,8 +19,8 @@ from collections import OrderedDict, defaultdict
 
 import torch
 
-from curvopt.diagonals import add_diagonals, module_call
-from curvopt.errors import UnsupportedLossError, module_error
+from curvopt.diagonals import add_diagonals, diag_from_columns, module_call
+from curvopt.errors import UnsupportedKroneckerError, UnsupportedLossError, module_error
 from curvopt.hessian import add_residuals
 from curvopt.kfra import kfra
 from curvopt.layers import rule_for
@@ -155,7 +155,14 @@ class CurvaturePass:
             return
         for name, p in trainable(record.module):
             for ext in kron_exts:
-                factors = kron_factors(call, columns, name, p, ext.options["kfac_approx"], n)
+                try:
+                    factors = kron_factors(call, columns, name, p, ext.options["kfac_approx"], n)
+                except UnsupportedKroneckerError as error:
+                    self.bp.skip(p, ext.attr, error, record)
+                    if self.bp.skip_diagonal:
+                        d = diag_from_columns(rule_for(call.module), call, columns, name, False, n)
+                        self.bp.add(p, f"{ext.attr}_diagonal", d)
+                    continue
                 self.bp.add_kron(
                     p, ext.attr, record, factors, output_factor_index(call.module, name)
                 )

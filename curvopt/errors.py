@@ -14,6 +14,11 @@ class UnsupportedModuleError(CurvoptError, NotImplementedError):
     """A module the requested quantity cannot be computed for."""
 
 
+class UnsupportedKroneckerError(UnsupportedModuleError):
+    """A parameter without a Kronecker factorisation (``collect(skip_unsupported=True)`` skips
+    these)."""
+
+
 class UnsupportedLossError(CurvoptError, ValueError):
     """A loss (or loss option, e.g. ``reduction='none'``) the quantity cannot handle."""
 

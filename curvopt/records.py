@@ -243,9 +243,10 @@ class Call:
 
 
 def output_tensors(output) -> List[torch.Tensor]:
-    """The top-level tensors of a module output, as the forward hooks see them."""
+    """The tensors of a module output, as the forward hooks see them, nested tuples flattened
+    (``nn.LSTM``: ``(output, (h_n, c_n))``)."""
     if isinstance(output, torch.Tensor):
         return [output]
     if isinstance(output, (tuple, list)):
-        return [t for t in output if isinstance(t, torch.Tensor)]
+        return [t for item in output for t in output_tensors(item)]
     return []

@@ -29,6 +29,7 @@ from typing import Dict, Hashable, List, Optional
 import torch
 
 from curvopt.errors import UnsupportedModuleError, module_error
+from curvopt.layers import rule_for
 from curvopt.propagate import to_calls
 
 _CACHE: "OrderedDict[Hashable, Optional[torch.Tensor]]" = OrderedDict()
@@ -223,8 +224,8 @@ def _passes(source, shape, calls, batched, sample, n, row_dims) -> bool:
             keep.append(side)
     outs = to_calls(source, calls, torch.stack(probes), batched)
     for record, columns in outs.items():
-        for v in columns:
-            dim = record.batch_dim
+        dims = rule_for(record.module).output_batch_dims(record.module, len(columns))
+        for v, dim in zip(columns, dims):
             if v is None or v.dim() <= 1 + dim or v.shape[1 + dim] != n:
                 continue
             v = v.movedim(1 + dim, 1).reshape(len(probes), n, -1)

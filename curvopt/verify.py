@@ -26,6 +26,7 @@ from typing import Callable, Dict, Sequence
 import torch
 from torch.func import functional_call, hessian, jacrev
 
+from curvopt import inputs as io
 from curvopt.collect import collect
 from curvopt.errors import CurvoptError
 from curvopt.extensions.base import Extension
@@ -50,30 +51,36 @@ class VerificationError(CurvoptError, AssertionError):
 def verify(
     model: torch.nn.Module,
     loss_of: Callable,
-    X: torch.Tensor,
+    X,
     y,
     extensions: Sequence[Extension],
     batch_dim: int = 0,
     rtol: float = None,
+    output: io.Selector = None,
 ) -> Dict[str, Dict[str, float]]:
     """Relative errors ``{parameter name: {attribute: max|curvopt - ref| / max|ref|}}``.
 
     ``loss_of(output, y)`` computes the loss with an extended loss module as the training code
     does (e.g. ``lambda out, y: lossfunc(out.reshape(-1, V), y.reshape(-1))``); ``X`` is one
-    small batch along ``batch_dim``. Raises :class:`VerificationError` when an error exceeds
-    ``rtol`` (default: ``1e-6`` in float64, ``1e-3`` otherwise). Parameters and ``.grad`` are
-    left as they were; the checked attributes are written as by ``collect``.
+    small batch along ``batch_dim``: a tensor, a tuple of inputs (``model(*X)``) or a dict
+    (``model(**X)``, Hugging Face style; tensors with ``N`` entries along ``batch_dim`` are split
+    into samples, others shared). ``output`` picks the tensor ``loss_of`` takes from the model's
+    output (default: the output itself, or the ``.logits`` of a ``ModelOutput``; a name or a
+    callable otherwise, see :mod:`curvopt.inputs`). Raises :class:`VerificationError` when an
+    error exceeds ``rtol`` (default: ``1e-6`` in float64, ``1e-3`` otherwise). Parameters and
+    ``.grad`` are left as they were; the checked attributes are written as by ``collect``.
     """
     params = {k: p for k, p in model.named_parameters() if p.requires_grad}
     grads = {k: p.grad for k, p in params.items()}
     with collect(*extensions):
-        loss_of(model(X), y).backward()
+        loss_of(io.select(io.call(model, X), output), y).backward()
     for k, p in params.items():
         p.grad = grads[k]
     wanted = [e.attr for e in extensions if e.attr in CHECKED]
-    ref = _reference(model, loss_of, X, y, batch_dim, {k: p.detach() for k, p in params.items()})
+    detached = {k: p.detach() for k, p in params.items()}
+    ref = _reference(model, loss_of, X, y, batch_dim, detached, output)
     with STATE.suspend():
-        return _compare(params, wanted, ref, rtol, X)
+        return _compare(params, wanted, ref, rtol, io.first_tensor(X))
 
 
 def _compare(params, wanted, ref, rtol, X):
@@ -100,16 +107,16 @@ def _compare(params, wanted, ref, rtol, X):
     return errors
 
 
-def _reference(model, loss_of, X, y, batch_dim, params):
+def _reference(model, loss_of, X, y, batch_dim, params, output):
     """Lazily computed reference values: ``ref[attr](name)``."""
-    n = X.shape[batch_dim]
-    samples = [X.narrow(batch_dim, i, 1) for i in range(n)]
+    n = io.first_tensor(X).shape[batch_dim]
+    samples = [io.split(io.sample(X, batch_dim, n, i)) for i in range(n)]
     names = list(params)
     cache: Dict[str, Dict[str, torch.Tensor]] = {}
 
     def output_of(copies):
         outs = [
-            functional_call(model, {k: copies[k][i] for k in names}, (x,))
+            io.select(functional_call(model, {k: copies[k][i] for k in names}, *x), output)
             for i, x in enumerate(samples)
         ]
         return torch.cat(outs, batch_dim)

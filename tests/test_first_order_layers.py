@@ -576,23 +576,6 @@ def test_generic_only_second_output_used(seed):
     _run_case(_LSTMCellLoop(2, "c"), _x(3, 3), "sum", vmap=False)
 
 
-@pytest.mark.parametrize("cls", [nn.RNN, nn.LSTM, nn.GRU])
-def test_recurrent_layers_are_rejected(cls, seed):
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.rnn = cls(3, 4, batch_first=True)
-
-        def forward(self, x):
-            return self.rnn(x)[0].sum(1)
-
-    model = extended_copy(Net().to(DT))
-    loss = model(_x(5, 3)).pow(2).sum()
-    with pytest.raises(UnsupportedModuleError, match="'rnn'.*recurrent"):
-        with curvopt.collect(ext.BatchGrad()):
-            loss.backward()
-
-
 def test_dropout_in_generic_module_is_rejected(seed):
     class Net(nn.Module):
         def __init__(self):

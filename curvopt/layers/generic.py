@@ -314,16 +314,3 @@ class MultiheadAttentionRule(GenericRule):
         if isinstance(mask, torch.Tensor) and mask.dim() == 4:
             kwargs = {**kwargs, "attn_mask": mask.flatten(0, 1)}
         return functional_call(module, params, args, kwargs)
-
-
-@register(nn.RNNBase)
-class RecurrentRule(GenericRule):
-    """``nn.RNN``/``nn.LSTM``/``nn.GRU`` are rejected with a clear error: their hidden-state
-    outputs (nested in a tuple), the ``batch_first``-dependent batch dim of ``output`` but not of
-    ``h_n``, and packed sequences cannot be handled by the generic re-run."""
-
-    def check(self, module):
-        return (
-            "recurrent layers (nn.RNN/LSTM/GRU) are not supported; unroll the sequence with "
-            "nn.RNNCell/LSTMCell/GRUCell (passing the initial state explicitly), which is supported"
-        )

@@ -11,6 +11,8 @@
   factors of a bias-free ``Linear`` on one-hot tokens (padding tokens: zero vectors): "expand"
   ``A = diag(token counts) / (N T)``, "reduce" ``A = mean_n xbar xbar^T`` with ``xbar`` the
   token frequencies of sample ``n``; ``B`` as above.
+* A layer registered elsewhere gives its own (:meth:`LayerRule.kron_factors`), e.g. Hugging
+  Face's ``Conv1D`` (``layers.transposed_linear``).
 * Any one-dimensional parameter (biases, norm scales): ``[B]``, the exact block
   ``sum_{k,n} g_nk g_nk^T`` from the per-(sample, column) gradients.
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from curvopt.errors import UnsupportedModuleError, module_error
+from curvopt.errors import UnsupportedKroneckerError, module_error
 from curvopt.layers.registry import rule_for
 from curvopt.layers.unfold import unfold_conv_input
 from curvopt.reductions import block_gram, gram
@@ -37,7 +39,7 @@ def _input_factor(x, approx):
     return gram(x.flatten(0, 1), 1 / x.shape[:2].numel())
 
 
-def _linear_like(x, v, approx):
+def linear_like(x, v, approx):
     """``[B, A]`` from inputs ``x [N, P, I]`` and columns ``v [K, N, P, O]``."""
     outputs = v.sum(2).flatten(0, 1) if approx == "reduce" else v.flatten(0, 2)
     return [gram(outputs), _input_factor(x, approx)]
@@ -46,6 +48,9 @@ def _linear_like(x, v, approx):
 def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int):
     """Kronecker factors of ``p`` (see module docstring) for one call."""
     module = call.module
+    own = rule_for(module).kron_factors(call, columns, name, approx, n)
+    if own is not None:
+        return own
     if p.dim() == 1:
         rule = rule_for(module)
         grads = rule.batch_grad(call.expand(columns), name)
@@ -55,14 +60,15 @@ def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int)
     if isinstance(module, nn.Linear) and name == "weight":
         x = call.input.reshape(n, -1, call.input.shape[-1])
         v = columns.reshape(columns.shape[0], n, -1, columns.shape[-1])
-        return _linear_like(x, v, approx)
+        return linear_like(x, v, approx)
     if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed and name == "weight":
         if module.groups != 1:
-            raise module_error(
-                module,
+            reason = (
                 f"groups={module.groups}: each group has its own input factor, so the weight's "
-                "GGN block is not one Kronecker product; use a diagonal quantity instead",
+                "GGN block is not one Kronecker product; use a diagonal quantity instead, or "
+                "skip it with curvopt.collect(..., skip_unsupported=True)"
             )
+            raise UnsupportedKroneckerError(str(module_error(module, reason)))
         patches = unfold_conv_input(module, call.input, positions_first=True)  # [N, L, C_in k]
         k = columns.shape[0]
         v = columns.reshape(k * n, columns.shape[2], -1)  # [K N, C_out, L], as laid out
@@ -84,17 +90,21 @@ def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int)
         if module.padding_idx is not None:
             counts[module.padding_idx] = 0
         return [torch.diag(counts / idx.numel()), gram(columns.reshape(-1, dim))]
-    raise UnsupportedModuleError(
+    raise UnsupportedKroneckerError(
         f"curvopt has no Kronecker factorisation for parameter {name!r} of module "
         f"{module._curvopt_path!r} ({type(module).__name__}); supported: Linear, Conv1d/2d/3d "
-        "(groups=1), Embedding weights and all one-dimensional parameters. Use a diagonal "
-        "quantity (DiagGGNExact/DiagGGNMC) for this model"
+        "(groups=1), Embedding weights, Hugging Face Conv1D and all one-dimensional parameters. "
+        "Use a diagonal quantity (DiagGGNExact/DiagGGNMC) for this model, or skip such "
+        "parameters explicitly with curvopt.collect(..., skip_unsupported=True) (optim.KFAC: "
+        "fallback='diagonal' or 'sgd')"
     )
 
 
 def output_factor_index(module, name: str) -> int:
     """Position of the output-side factor ``B`` (the one built from the columns) in the list."""
-    return 1 if isinstance(module, nn.Embedding) and name == "weight" else 0
+    if isinstance(module, nn.Embedding) and name == "weight":
+        return 1
+    return rule_for(module).output_factor_index(name)
 
 
 def nearest_kronecker(terms, input_side: int):

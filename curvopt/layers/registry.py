@@ -9,7 +9,8 @@ module's own parameters. Adding support for a new layer type is one file with on
         def batch_grad(self, call, name, out=None): ...
 
 Module types without a registered rule fall back to :class:`curvopt.layers.generic.GenericRule`
-(``torch.func`` over single samples).
+(``torch.func`` over single samples). Types of other libraries that curvopt must not import
+(Hugging Face's ``Conv1D``) are registered by class name with :func:`register_name`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 _RULES: Dict[Type[nn.Module], "LayerRule"] = {}
+_NAMED: Dict[str, "LayerRule"] = {}
 _FALLBACK: List["LayerRule"] = []
 
 
@@ -34,6 +36,18 @@ def register(*module_types: Type[nn.Module]) -> Callable:
     return wrap
 
 
+def register_name(*class_names: str) -> Callable:
+    """Class decorator: register one rule instance for module classes called ``class_names``
+    (whatever library defines them); the rule's :meth:`LayerRule.check` verifies the layout."""
+
+    def wrap(rule_cls):
+        for class_name in class_names:
+            _NAMED[class_name] = rule_cls()
+        return rule_cls
+
+    return wrap
+
+
 def register_fallback(rule: "LayerRule") -> "LayerRule":
     """Make ``rule`` the rule of every module type without a registered one."""
     _FALLBACK[:] = [rule]
@@ -41,10 +55,15 @@ def register_fallback(rule: "LayerRule") -> "LayerRule":
 
 
 def rule_for(module: nn.Module) -> "LayerRule":
-    """The rule of ``module``'s exact type (subclasses included), else the generic fallback."""
+    """The rule of ``module``'s exact type (subclasses included), else of its class name, else
+    the generic fallback. A match by name is remembered for the type."""
     for klass in type(module).__mro__:
         if klass in _RULES:
             return _RULES[klass]
+    for klass in type(module).__mro__:
+        if klass.__name__ in _NAMED:
+            _RULES[type(module)] = _NAMED[klass.__name__]
+            return _RULES[type(module)]
     return _FALLBACK[0]
 
 
@@ -72,6 +91,10 @@ class LayerRule:
     def batch_dim(self, module: nn.Module) -> int:
         """Dimension of the inputs/outputs that indexes samples."""
         return 0
+
+    def output_batch_dims(self, module: nn.Module, count: int) -> List[int]:
+        """The dim indexing samples in each of the module's ``count`` tensor outputs."""
+        return [self.batch_dim(module)] * count
 
     def check(self, module: nn.Module) -> Optional[str]:
         """Why per-sample quantities of ``module`` cannot be computed, or ``None`` if they can."""
@@ -106,3 +129,15 @@ class LayerRule:
     def grad_sum(self, call, name: str) -> Optional[torch.Tensor]:
         """``p.shape``: ``sum_n g_n`` (this call's share of ``p.grad``), or ``None``."""
         return None
+
+    def kron_factors(
+        self, call, columns, name: str, approx: str, n: int
+    ) -> Optional[List[torch.Tensor]]:
+        """Kronecker factors of ``name`` (``kron(*factors)`` indexed like ``vec(p)``) from
+        columns ``[K, *out]`` at the output (``n`` samples), or ``None``: ``layers.kron``'s
+        built-in factors (Linear, Conv, Embedding weights, one-dimensional parameters)."""
+        return None
+
+    def output_factor_index(self, name: str) -> int:
+        """Position, in :meth:`kron_factors`' list, of the factor built from the columns."""
+        return 0

@@ -23,6 +23,7 @@ from torch import nn
 from torch.func import functional_call, grad, jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from curvopt import inputs as io
 from curvopt.state import STATE
 
 Tensors = Sequence[torch.Tensor]
@@ -37,11 +38,13 @@ def _differentiable() -> Iterator[None]:
         yield
 
 
-def model_function(model: nn.Module, names: Sequence[str], inputs) -> Callable:
-    """``θ ↦ model(inputs)`` with the parameters ``names`` replaced by ``θ`` (a tuple)."""
+def model_function(model: nn.Module, names: Sequence[str], inputs, output=None) -> Callable:
+    """``θ ↦ model(inputs)`` (the tensor ``output`` selects, :mod:`curvopt.inputs`) with the
+    parameters ``names`` replaced by ``θ`` (a tuple)."""
+    args, kwargs = io.split(inputs)
 
     def forward(*params):
-        return functional_call(model, dict(zip(names, params)), (inputs,))
+        return io.select(functional_call(model, dict(zip(names, params)), args, kwargs), output)
 
     return forward
 

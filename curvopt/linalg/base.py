@@ -8,6 +8,11 @@ data were one batch, ``R = Σ_b R_b``) and ``C = Σ_b C_b`` for ``"sum"``. ``R_b
 whatever their targets: with ``ignore_index`` or class weights each ``C_b`` keeps its own
 normaliser and batches are still weighted by ``R_b`` (equal to one big batch when every batch
 has the same share of counted rows).
+
+Inputs may be a tensor, a tuple or a dict (``model(**inputs)``, Hugging Face style), and
+``output=`` picks the tensor of the model's output the loss takes (default: the output, or the
+``.logits`` of a ``ModelOutput``); see :mod:`curvopt.inputs`. The loss must take that tensor
+as it is (e.g. a language model's logits flattened by ``output=lambda o: o.logits.flatten(0, 1)``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from scipy.sparse.linalg import LinearOperator
 from torch import nn
 
+from curvopt import inputs as io
 from curvopt.errors import MissingLossError
 from curvopt.hooks import is_extended
 from curvopt.losses import loss_rule_for
@@ -104,7 +110,7 @@ class CurvatureOperator(ParameterOperator):
     Subclasses implement :meth:`_batch_matmat` or override :meth:`_apply`.
     """
 
-    def __init__(self, model: nn.Module, lossfunc: nn.Module, data: Iterable[Batch]):
+    def __init__(self, model: nn.Module, lossfunc: nn.Module, data: Iterable[Batch], output=None):
         check_extended(model, lossfunc)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
@@ -116,6 +122,7 @@ class CurvatureOperator(ParameterOperator):
             )
         super().__init__([p for _, p in named])
         self.model, self.lossfunc, self.data = model, lossfunc, data
+        self.output = output  # which tensor of the model's output the loss takes
         self.names = [n for n, _ in named]
 
     @property
@@ -125,7 +132,7 @@ class CurvatureOperator(ParameterOperator):
     def batches(self) -> Iterable[Batch]:
         """``data`` on the model's device, floating-point tensors in the model's dtype."""
         for inputs, targets in self.data:
-            yield self.to_model(inputs), self.to_model(targets)
+            yield io.apply(self.to_model, inputs), self.to_model(targets)
 
     def to_model(self, t: torch.Tensor) -> torch.Tensor:
         if t.is_floating_point():

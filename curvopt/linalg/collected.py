@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
+from curvopt import inputs as io
 from curvopt.collect import collect
 from curvopt.errors import UnsupportedModuleError
 from curvopt.extensions.base import Extension
@@ -44,7 +45,7 @@ def collected(op: CurvatureOperator, extension: Extension, seed: int) -> Iterato
             for p in op.params:
                 p.grad = None
                 p.__dict__.pop(extension.attr, None)
-            output = op.model(inputs)
+            output = io.select(io.call(op.model, inputs), op.output)
             loss = op.lossfunc(output, targets)
             with collect(extension):
                 loss.backward()

@@ -23,9 +23,16 @@ class Diagonal(CurvatureOperator):
     """
 
     def __init__(
-        self, model, lossfunc, data, curvature: str = "ggn_exact", seed: int = 0, mc_samples=1
+        self,
+        model,
+        lossfunc,
+        data,
+        curvature: str = "ggn_exact",
+        seed: int = 0,
+        mc_samples=1,
+        output=None,
     ):
-        super().__init__(model, lossfunc, data)
+        super().__init__(model, lossfunc, data, output)
         if curvature not in _CURVATURES:
             raise ValueError(
                 f"Diagonal: curvature must be one of {', '.join(_CURVATURES)}, got {curvature!r}"

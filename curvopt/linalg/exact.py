@@ -38,7 +38,7 @@ class _OutputCurvature(CurvatureOperator):
         raise NotImplementedError
 
     def _batch_matmat(self, inputs, targets, vectors):
-        forward = model_function(self.model, self.names, inputs)
+        forward = model_function(self.model, self.names, inputs, self.output)
         return jtmj(forward, self.params, vectors, self.output_operator(targets))
 
     def loss(self, targets):
@@ -48,7 +48,7 @@ class _OutputCurvature(CurvatureOperator):
 class _PerSample(_OutputCurvature):
     """Curvature built from per-sample outer products: samples must not interact."""
 
-    def __init__(self, model, lossfunc, data):
+    def __init__(self, model, lossfunc, data, output=None):
         for name, module in model.named_modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
                 raise UnsupportedModuleError(
@@ -56,7 +56,7 @@ class _PerSample(_OutputCurvature):
                     f"({type(module).__name__}) is in train mode and mixes the samples of a "
                     "batch, so per-sample gradients are undefined; call model.eval() first"
                 )
-        super().__init__(model, lossfunc, data)
+        super().__init__(model, lossfunc, data, output)
 
 
 class GGN(_OutputCurvature):
@@ -88,8 +88,8 @@ class FisherMC(_PerSample):
     is left untouched.
     """
 
-    def __init__(self, model, lossfunc, data, mc_samples: int = 1, seed: int = 0):
-        super().__init__(model, lossfunc, data)
+    def __init__(self, model, lossfunc, data, mc_samples: int = 1, seed: int = 0, output=None):
+        super().__init__(model, lossfunc, data, output)
         if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
             raise ValueError(f"FisherMC: mc_samples must be a positive int, got {mc_samples!r}")
         self.mc_samples, self.seed = mc_samples, seed
@@ -113,6 +113,6 @@ class Hessian(CurvatureOperator):
     """Hessian ``∇²_θ L`` of the loss on all of ``data`` (double backward per batch)."""
 
     def _batch_matmat(self, inputs, targets, vectors):
-        forward = model_function(self.model, self.names, inputs)
+        forward = model_function(self.model, self.names, inputs, self.output)
         loss = lambda output: self.lossfunc(output, targets)
         return hessian_matmat(forward, loss, self.params, vectors)

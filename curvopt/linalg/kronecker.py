@@ -56,8 +56,10 @@ class KFAC(CurvatureOperator):
     """Block diagonal ``diag(B_i ⊗ A_i)`` from ``p.kfac`` / ``p.kflr`` / ``p.kfra`` (one pass over
     ``data`` at construction). ``self.factors[i]`` is the list of parameter ``i``."""
 
-    def __init__(self, model, lossfunc, data, curvature: str = "kfac", seed: int = 0, mc_samples=1):
-        super().__init__(model, lossfunc, data)
+    def __init__(
+        self, model, lossfunc, data, curvature="kfac", seed: int = 0, mc_samples=1, output=None
+    ):
+        super().__init__(model, lossfunc, data, output)
         if curvature not in _CURVATURES:
             raise ValueError(
                 f"KFAC: curvature must be one of {', '.join(_CURVATURES)}, got {curvature!r}"

@@ -169,11 +169,15 @@ class CurvatureOptimizer(Optimizer):
         exts, targets = self._requests()
         if not exts:
             return contextlib.nullcontext()
-        context = collect(*exts)
+        context = collect(*exts, **self._collect_options())
         if self._distributed is None:
             return context
         sampled = any(getattr(ext, "source", None) == "mc" for ext in exts)
         return self._distributed.collecting(context, targets, sampled)
+
+    def _collect_options(self) -> dict[str, Any]:
+        """Keyword options of the ``curvopt.collect`` that :meth:`collect` opens."""
+        return {}
 
     # ----------------------------------------------------------------- reading quantities
     def _describe(self, group: dict[str, Any], index: int, param: torch.Tensor) -> str:

@@ -6,6 +6,7 @@ import torch
 
 from curvopt.optim.base import check_choice, check_number
 from curvopt.optim.cache import cached
+from curvopt.optim.fallback import fallback_diagonal
 from curvopt.optim.kronecker import (
     as_matrix,
     exact_damped_solve,
@@ -41,8 +42,13 @@ class KFAC(NewtonOptimizer):
         kl_clip: ``κ``: a trust region for every step, off by default (``None``: the paper's
             update): the step is scaled by ``ν = min(1, sqrt(κ / (lr² gᵀ d)))``, ``d`` the damped
             direction, so its length in the damped curvature (a proxy for the KL divergence it
-            causes) is at most ``κ``. ``1e-3`` makes small dampings such as ``1e-3`` train. See :mod:`curvopt.optim.newton`.
-        momentum, curvature_ema, curvature_interval, fallback: see
+            causes) is at most ``κ``. ``1e-3`` makes small dampings such as ``1e-3`` train.
+        fallback: for parameters without Kronecker factors (a ViT's class token and position
+            embeddings): ``None`` (default: raise, naming them), ``"sgd"`` (the plain gradient)
+            or ``"diagonal"`` (the damped diagonal Newton step with the diagonal of the same
+            curvature, :mod:`curvopt.optim.fallback`); with either, the backward pass skips
+            their Kronecker factors (``collect(skip_unsupported=True / "diagonal")``).
+        momentum, curvature_ema, curvature_interval: see
             :mod:`curvopt.optim.newton` (all off by default).
         process_group: under ``torch.distributed``: ``None`` (the default group if initialized
             with several ranks), a ``ProcessGroup``, a ``DistributedCurvature``, or ``False``
@@ -82,6 +88,20 @@ class KFAC(NewtonOptimizer):
             "fallback": fallback,
         }
         super().__init__(params, defaults, process_group)
+
+    _fallbacks = (None, "sgd", "diagonal")
+
+    def _collect_options(self):
+        fallbacks = {g["fallback"] for g in self.param_groups}
+        if "diagonal" in fallbacks:
+            return {"skip_unsupported": "diagonal"}
+        return {"skip_unsupported": fallbacks != {None}}
+
+    def _fallback_direction(self, update, grad, state, group, damping):
+        if group["fallback"] != "diagonal":
+            return super()._fallback_direction(update, grad, state, group, damping)
+        (extension, _), attr = self._extension(group)
+        return fallback_diagonal(self, update, grad, state, attr, extension, damping)
 
     def _validate(self, group):
         super()._validate(group)

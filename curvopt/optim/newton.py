@@ -73,6 +73,8 @@ class NewtonOptimizer(CurvatureOptimizer):
     """
 
     _distributable = True
+    #: the values of ``fallback`` this optimizer accepts
+    _fallbacks: tuple = (None, "sgd")
 
     def _validate(self, group: dict[str, Any]) -> None:
         super()._validate(group)
@@ -82,7 +84,7 @@ class NewtonOptimizer(CurvatureOptimizer):
         check_number("curvature_interval", group["curvature_interval"], 1, integer=True)
         if group["kl_clip"] is not None:
             check_number("kl_clip", group["kl_clip"])
-        check_choice("fallback", group["fallback"], (None, "sgd"))
+        check_choice("fallback", group["fallback"], self._fallbacks)
 
     # ----------------------------------------------------------------- subclass hooks
     def _extension(self, group: dict[str, Any]) -> tuple[ExtensionSpec, str]:
@@ -108,6 +110,13 @@ class NewtonOptimizer(CurvatureOptimizer):
     def _quadratic(self, curvature: Any, step: torch.Tensor) -> torch.Tensor:
         """``sᵀ C s`` for a step ``s`` of the parameter's shape."""
         raise NotImplementedError
+
+    def _fallback_direction(
+        self, update: ParamUpdate, grad, state, group, damping
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The direction (and new state) of ``update.param`` without curvature: ``grad`` itself
+        (``fallback='sgd'``)."""
+        return grad, {}
 
     def _derived(
         self, curvature: Any, group: dict[str, Any], damping: float, curvature_step: int
@@ -173,8 +182,11 @@ class NewtonOptimizer(CurvatureOptimizer):
             items = self._spread_derived(items, group, step, damping)
         planned = []  # (update, g, d, C, old state)
         for update, grad, curvature, curvature_step, state in items:
-            direction = grad
-            if curvature is not None:
+            if curvature is None:
+                direction, update.state = self._fallback_direction(
+                    update, grad, state, group, damping
+                )
+            else:
                 try:
                     direction, update.state = self._direction(
                         grad, curvature, state, group, step, damping, curvature_step

@@ -1,0 +1,74 @@
+"""Hugging Face's ``Conv1D`` (GPT-2, GPT-J's ancestors): a linear layer with a transposed weight.
+
+``x [N, *, I] -> y = x W + b  [N, *, O]`` with ``W [I, O]`` (``nx = I``, ``nf = O``). Every
+quantity is that of ``nn.Linear`` with ``Wᵀ``, so the rule reuses :class:`LinearRule` and
+transposes the weight's results: ``g_n(W) = sum_t x_nt g_ntᵀ`` ``[N, I, O]``.
+
+Kronecker factors: ``vec(W)`` (row-major, input index first) pairs with ``kron(A, B)``, so the
+list is ``[A (I x I), B (O x O)]``: input side first, unlike ``nn.Linear``'s ``[B, A]``; the
+factors themselves are those of the equivalent ``nn.Linear``.
+
+The class is matched by name (curvopt does not import ``transformers``); :meth:`check`
+verifies the layout (``weight [nx, nf]``, ``bias [nf]``) before any number is computed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from curvopt.layers.kron import linear_like
+from curvopt.layers.linear import LinearRule
+from curvopt.layers.registry import register_name
+
+
+@register_name("Conv1D")
+class TransposedLinearRule(LinearRule):
+    def check(self, module):
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        nf = getattr(module, "nf", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != nf:
+            return (
+                "a module named Conv1D is handled as Hugging Face's transposed linear layer "
+                "(weight [nx, nf], y = x @ weight + bias), but this one has no such weight; "
+                "rename the class or register a rule for it with curvopt.layers.register"
+            )
+        if bias is not None and tuple(bias.shape) != (nf,):
+            return f"its bias has shape {tuple(bias.shape)}, expected [nf] = [{nf}]"
+        return None
+
+    def batch_grad(self, call, name, out=None):
+        if name == "bias":
+            return super().batch_grad(call, name, out)
+        x, g = call.input, call.grad_out
+        n = g.shape[0]
+        x, g = x.reshape(n, -1, x.shape[-1]), g.reshape(n, -1, g.shape[-1])
+        if x.shape[1] == 1:
+            return torch.mul(x.transpose(1, 2), g, out=out)
+        return torch.bmm(x.transpose(1, 2), g, out=out)
+
+    def sum_grad_squared(self, call, name):
+        result = super().sum_grad_squared(call, name)
+        return result if result is None or name == "bias" else result.T
+
+    def column_grads(self, call, columns, name):
+        result = super().column_grads(call, columns, name)
+        return result if name == "bias" else result.transpose(2, 3)
+
+    def column_diag(self, call, columns, name, batched):
+        result = super().column_diag(call, columns, name, batched)
+        return result if result is None else result.transpose(-1, -2)
+
+    def grad_sum(self, call, name):
+        result = super().grad_sum(call, name)
+        return result if name == "bias" else result.T
+
+    def kron_factors(self, call, columns, name, approx, n):
+        if name == "bias":
+            return None  # the exact block of a one-dimensional parameter (layers.kron)
+        x = call.input.reshape(n, -1, call.input.shape[-1])
+        v = columns.reshape(columns.shape[0], n, -1, columns.shape[-1])
+        output_factor, input_factor = linear_like(x, v, approx)
+        return [input_factor, output_factor]
+
+    def output_factor_index(self, name):
+        return 1 if name == "weight" else 0
