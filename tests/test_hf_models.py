@@ -8,6 +8,8 @@ inputs and ``.logits``.
 
 from __future__ import annotations
 
+import pathlib
+import re
 import warnings
 
 import pytest
@@ -231,39 +233,17 @@ def test_optim_kfac_trains(name, curvature, lr, bound):
     assert losses[-1] < bound * losses[0], losses
 
 
-README_SNIPPET = """
-import torch, curvopt
-from transformers import GPT2Config, GPT2LMHeadModel, ViTConfig, ViTForImageClassification
-
-# a GPT-2 language-model step with curvopt.optim.KFAC
-config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=64)
-model = curvopt.extend(GPT2LMHeadModel(config).eval())     # eval(): no dropout
-lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())
-opt = curvopt.optim.KFAC(model.parameters(), lr=0.05, damping=1e-3)
-
-ids = torch.randint(0, config.vocab_size, (8, 32))
-logits = model(input_ids=ids).logits                         # [N, T, V]
-loss = lossfunc(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-with opt.collect():
-    loss.backward()
-opt.step()
-
-# per-sample gradient norms of a ViT, with its own labels= loss (first order needs no extend)
-vit = curvopt.extend(ViTForImageClassification(ViTConfig(
-    image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-    intermediate_size=128, num_labels=10)).eval())
-images, labels = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
-with curvopt.collect(curvopt.extensions.BatchL2Grad()):
-    vit(pixel_values=images, labels=labels).loss.backward()
-norms = sum(p.batch_l2 for p in vit.parameters()).sqrt()   # [8]
-"""
+def _readme_snippet() -> str:
+    """The README's "Hugging Face and timm" code block, as written."""
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    return next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "GPT2LMHeadModel" in b)
 
 
 def test_readme_snippet():
     scope = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        exec(compile(README_SNIPPET, "README", "exec"), scope)  # noqa: S102
+        exec(compile(_readme_snippet(), "README", "exec"), scope)  # noqa: S102
     norms, vit = scope["norms"], scope["vit"]
     assert norms.shape == (8,) and bool((norms > 0).all())
     # against one sample's gradient norm, computed plainly (mean over 8 -> 1/8 scale)
