@@ -255,7 +255,8 @@ def _has_weighted_squares(module) -> bool:
 
 def _weighted_squares(record, r: torch.Tensor, name: str, batched: bool) -> torch.Tensor:
     """``sum_j r_j (d u_j / d p)^2`` for ``u`` the output of ``record``'s module."""
-    module, x = record.module, record.args[0]
+    module = record.module
+    x, r = record.at_parameter_precision((record.args[0], r))
     n = r.shape[0]
     dims = "n" if batched else ""
     if isinstance(module, nn.Linear):
