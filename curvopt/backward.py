@@ -379,7 +379,8 @@ class BackwardPass:
         for key, (p, grad) in self.param_grads.items():
             if key not in self.batch_grads or grad.is_sparse:
                 continue
-            batch = probe_columns(self.batch_grads[key][1].flatten(1))
+            per_sample = self.batch_grads[key][1]
+            batch = probe_columns(per_sample.reshape(len(per_sample), -1))  # 0-dim p: [N, 1]
             grad = probe_columns(grad.reshape(1, -1))[0]
             total = batch.sum(0)
             if _off(total, grad, 64, self.compute_eps.get(key, 0.0)):

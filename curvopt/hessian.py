@@ -23,6 +23,7 @@ from torch.autograd.graph import GradientEdge
 
 from curvopt.errors import UnsupportedModuleError
 from curvopt.diagonals import add_diagonals
+from curvopt.layers.registry import reparametrization
 from curvopt.layers.unfold import unfold_conv_input
 from curvopt.params import owned
 from curvopt.propagate import loss_gradient, module_outputs, to_calls
@@ -221,6 +222,13 @@ def curved_nodes(root: torch.Tensor) -> List[object]:
         if entries:
             record = entries[0][0]
             module = record.module
+            how = reparametrization(module)
+            if how is not None:
+                raise _error(
+                    f"module {module._curvopt_path!r} ({type(module).__name__}) has the "
+                    f"reparametrized parameter {how}, whose weight is nonlinear in the "
+                    "originals, and the curvature of that is not implemented"
+                )
             if not isinstance(module, _LINEAR_MODULES):
                 raise _error(
                     f"module {module._curvopt_path!r} ({type(module).__name__}) is nonlinear in "

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from curvopt.errors import module_error
+from curvopt.layers.registry import reparametrization
 from curvopt.params import trainable
 from curvopt.propagate import backpropagate
 from curvopt.records import records_on
@@ -54,6 +55,12 @@ def _chain(calls):
     seen = set()
     for record in records:
         module = record.module
+        if reparametrization(module) is not None:
+            raise _reject(
+                record,
+                f"its parameter {reparametrization(module)} is reparametrized: the layer's "
+                "weight is not a parameter with Kronecker factors; use a diagonal quantity",
+            )
         if not isinstance(module, nn.Linear):
             raise _reject(
                 record,
