@@ -51,9 +51,14 @@ def _eps(*tensors) -> float:
     return max(torch.finfo(t.dtype).eps for t in tensors if t is not None and t.is_floating_point())
 
 
+_NO_OP = contextlib.nullcontext()
+
+
 def _autocast_off() -> contextlib.AbstractContextManager:
     """Autocast disabled while curvopt computes (a backward pass run inside ``autocast`` would
     otherwise compute the quantities in whatever dtype each op's autocast policy picks)."""
+    if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+        return _NO_OP
     stack = contextlib.ExitStack()
     for device in ("cpu", "cuda"):
         if torch.is_autocast_enabled(device):
