@@ -88,7 +88,7 @@ class Record:
 
     def call(self, grad_out=None) -> "Call":
         """The call as the rules see it (inputs repeated over the batch for a broadcast call;
-        in the parameters' precision, see :func:`at_parameter_precision`)."""
+        in the parameters' precision, see :meth:`at_parameter_precision`)."""
         args, kwargs, grad_out = self.at_parameter_precision((self.args, self.kwargs, grad_out))
         if self.broadcast is not None:
             args = tuple(self.broadcast.repeat(x) for x in args)
@@ -266,7 +266,7 @@ def _parameter_precision(module: nn.Module, compute: torch.dtype):
 def _cast(value, compute: torch.dtype, accumulate: torch.dtype):
     """Every floating tensor in ``value`` rounded to ``compute``, then cast to ``accumulate``."""
     if isinstance(value, torch.Tensor):
-        if not value.is_floating_point() or value.dtype == accumulate:
+        if not value.is_floating_point():
             return value
         return value.to(compute).to(accumulate)
     if isinstance(value, (tuple, list)):
