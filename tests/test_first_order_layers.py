@@ -302,7 +302,8 @@ def test_norm(case, reduction, seed):
 def test_instancenorm_running_statistics_are_updated_once_per_forward(seed):
     """The rule never re-runs the module: after a collect pass the running statistics are
     those of one forward of the plain model."""
-    plain = nn.Sequential(nn.Conv2d(2, 3, 2), nn.InstanceNorm2d(3, affine=True, track_running_stats=True)).to(DT)
+    norm = nn.InstanceNorm2d(3, affine=True, track_running_stats=True)
+    plain = nn.Sequential(nn.Conv2d(2, 3, 2), norm).to(DT)
     model = extended_copy(plain)
     x = _x(2, 4, 4)
     loss = model(x).square().sum()

@@ -13,7 +13,14 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DT, assert_close, assert_no_attributes, extended_copy, run_second_order, trainable
+from conftest import (
+    DT,
+    assert_close,
+    assert_no_attributes,
+    extended_copy,
+    run_second_order,
+    trainable,
+)
 from torch import nn
 from torch.func import functional_call
 
@@ -29,10 +36,16 @@ def _diagonal(loss, q):
     forward-mode derivative of their backward, which ``torch.func.hessian`` needs)."""
     (g,) = torch.autograd.grad(loss, q, create_graph=True)
     g = g.flatten()
-    rows = [torch.autograd.grad(g[i], q, retain_graph=True, allow_unused=True)[0] for i in range(g.numel())]
-    return torch.stack([
-        torch.zeros((), dtype=q.dtype) if r is None else r.flatten()[i] for i, r in enumerate(rows)
-    ]).reshape(q.shape)
+    rows = [
+        torch.autograd.grad(g[i], q, retain_graph=True, allow_unused=True)[0]
+        for i in range(g.numel())
+    ]
+    return torch.stack(
+        [
+            torch.zeros((), dtype=q.dtype) if r is None else r.flatten()[i]
+            for i, r in enumerate(rows)
+        ]
+    ).reshape(q.shape)
 
 
 def hessian_diagonals(plain, lossfunc, x, target):
@@ -74,6 +87,7 @@ def check_hessian(plain, x, reduction, target, reference=None, rtol=None):
                 p.diag_h_batch, per_sample[name], rtol=rtol, atol=rtol * scale
             )
 
+
 #: op on ``h [N, 4, 2, 2]``; a module class (built per test); or ``(op, reference)`` where the
 #: op has no double backward (the reference is the same function written differently)
 SPATIAL = {
@@ -87,7 +101,9 @@ SPATIAL = {
     "nearest": nn.Upsample(scale_factor=2),
     "nearest-exact": lambda h: F.interpolate(h, scale_factor=1.5, mode="nearest-exact"),
     "bilinear": nn.Upsample(scale_factor=2, mode="bilinear"),
-    "bilinear-aligned": lambda h: F.interpolate(h, size=(5, 3), mode="bilinear", align_corners=True),
+    "bilinear-aligned": lambda h: F.interpolate(
+        h, size=(5, 3), mode="bilinear", align_corners=True
+    ),
     "bicubic": nn.Upsample(scale_factor=2, mode="bicubic"),
     "linear1d": lambda h: F.interpolate(h.flatten(2), scale_factor=2, mode="linear"),
     "trilinear": lambda h: F.interpolate(h[:, None], scale_factor=2, mode="trilinear"),
@@ -105,7 +121,9 @@ SPATIAL = {
     "flip-roll": lambda h: h.flip(1).roll(1, 2),
     "repeat": lambda h: h.repeat(1, 2, 1, 1),
     "index-select": lambda h: h.index_select(1, torch.tensor([0, 2, 2])),
-    "gather": lambda h: h.gather(1, torch.tensor([1, 0, 3]).view(1, 3, 1, 1).expand(len(h), 3, 2, 2)),
+    "gather": lambda h: h.gather(
+        1, torch.tensor([1, 0, 3]).view(1, 3, 1, 1).expand(len(h), 3, 2, 2)
+    ),
     "im2col": lambda h: F.unfold(h, 2),
     "fold": lambda h: F.fold(F.unfold(h, 2, stride=2), (2, 2), 2, stride=2),
     "tensor-unfold": lambda h: h.unfold(2, 2, 1),

@@ -33,8 +33,12 @@ def mlp():
 
 def cnn():
     return nn.Sequential(
-        nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.Conv2d(3, 2, 2, stride=2), nn.Tanh(),
-        nn.Flatten(), nn.Linear(8, 3),
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(3, 2, 2, stride=2),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(8, 3),
     )
 
 
@@ -68,8 +72,14 @@ MODELS = {
     "attention": (Attention, "tokens"),
 }
 #: no Kronecker factors for attention's weights, no Hessian for GroupNorm and softmax
-FIRST_ORDER_AND_GGN = ("BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance",
-                       "DiagGGNExact", "BatchDiagGGNExact")
+FIRST_ORDER_AND_GGN = (
+    "BatchGrad",
+    "BatchL2Grad",
+    "SumGradSquared",
+    "Variance",
+    "DiagGGNExact",
+    "BatchDiagGGNExact",
+)
 
 EXACT = {
     "BatchGrad": ext.BatchGrad,

@@ -138,8 +138,9 @@ def test_spectral_norm_in_training_mode_names_the_fix(old, seed):
     layer = nn.utils.spectral_norm(layer) if old else parametrizations.spectral_norm(layer)
     model = curvopt.extend(nn.Sequential(layer, nn.Tanh(), nn.Linear(4, 3).to(DT)))
     loss = curvopt.extend(nn.CrossEntropyLoss())(model(_inputs("mlp")), torch.randint(0, 3, (N,)))
-    with pytest.raises(CurvoptError, match=r"spectral norm.*\.eval\(\)"), curvopt.collect(
-        ext.BatchGrad()
+    with (
+        pytest.raises(CurvoptError, match=r"spectral norm.*\.eval\(\)"),
+        curvopt.collect(ext.BatchGrad()),
     ):
         loss.backward()
     assert_no_attributes(model)
