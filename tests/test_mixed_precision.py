@@ -222,3 +222,37 @@ def test_sampled_and_kfra_quantities_have_the_parameter_dtype(mode):
     for layer, b in zip(linears, expected):
         assert layer.weight.kfra[0].dtype == layer.weight.dtype
         _assert_near(layer.weight.kfra[0], b, TOL[dtype], "kfra B")
+
+
+OPTIMIZERS = {
+    "KFAC": lambda ps: curvopt.optim.KFAC(ps, lr=0.1, damping=0.1),
+    "DiagGGNNewton": lambda ps: curvopt.optim.DiagGGNNewton(ps, lr=0.1, damping=0.1),
+    "VarianceAdaptedSGD": lambda ps: curvopt.optim.VarianceAdaptedSGD(ps, lr=0.1),
+}
+
+
+@pytest.mark.parametrize("mode", ["outside", "inside"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_optimizer_step_under_autocast_matches_float32(name, mode):
+    """The curvature arrives in float32, so the optimizers factorise in float32 and take the
+    float32 step up to the rounding of the bf16 forward and backward pass."""
+    steps = []
+    for use_autocast in (False, True):
+        model, _, X, y = _setup("mlp", mode, torch.bfloat16)
+        lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+        opt = OPTIMIZERS[name](model.parameters())
+        before = [p.detach().clone() for p in model.parameters()]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_autocast):
+            loss = lossfunc(model(X), y)
+            if mode == "inside":
+                with opt.collect():
+                    loss.backward()
+        if mode == "outside":
+            with opt.collect():
+                loss.backward()
+        opt.step()
+        steps.append(
+            torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
+        )
+    reference, mixed = steps
+    assert float((mixed - reference).norm() / reference.norm()) <= TOL[torch.bfloat16]
