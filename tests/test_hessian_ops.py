@@ -112,7 +112,7 @@ SPATIAL = {
     "no-op-slice": lambda h: h[:, slice(0, None), :],
     "full-slice": lambda h: h[:, :],
     "ellipsis": lambda h: h[...],
-    "to-float64": lambda h: h.to(torch.float64),
+    "copy-cast": lambda h: h.to(torch.float64, copy=True),  # ToCopyBackward0, as a dtype cast
     "abs": torch.abs,
     "clamp": lambda h: h.clamp(-0.3, 0.4),
     "clamp-min": lambda h: h.clamp(min=0.1),
