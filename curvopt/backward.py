@@ -17,6 +17,7 @@ Checks that keep the numbers honest, each raising before anything is written:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -50,6 +51,21 @@ def _eps(*tensors) -> float:
     return max(torch.finfo(t.dtype).eps for t in tensors if t is not None and t.is_floating_point())
 
 
+_NO_OP = contextlib.nullcontext()
+
+
+def _autocast_off() -> contextlib.AbstractContextManager:
+    """Autocast disabled while curvopt computes (a backward pass run inside ``autocast`` would
+    otherwise compute the quantities in whatever dtype each op's autocast policy picks)."""
+    if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+        return _NO_OP
+    stack = contextlib.ExitStack()
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
+
+
 class BackwardPass:
     """Per-pass buffers; ``on_module`` is called by every extended module's gradient hook."""
 
@@ -73,6 +89,7 @@ class BackwardPass:
         self.param_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, grad
         self.seen: set = set()  # ids of parameters whose module call was processed
         self.suspects: list = []  # (p, sum_n g_n, grad, sum_n |g_n|) beyond the cheap bound
+        self.compute_eps: Dict[int, float] = {}  # id(p): roundoff of autocast calls using p
         self.expected: Dict[object, list] = {}  # record: the extended losses' output gradients
         self.checking: list = []  # graph structures this pass checks (see curvature.CHECKED)
         self.kron_uses: Dict[Tuple[int, str], dict] = {}  # (id(p), attr): {call: factors}
@@ -94,12 +111,13 @@ class BackwardPass:
         try:
             check_reduction(record.module)
             self.loss_seen = True
-            if self.second_order_exts:
-                cpass = CurvaturePass(self, record, grad)
-                cpass.run()
-                self.batch_size = self.batch_size or cpass.layout.samples
-            elif self.attrs:
-                self._check_layout(record)
+            with _autocast_off():
+                if self.second_order_exts:
+                    cpass = CurvaturePass(self, record, grad)
+                    cpass.run()
+                    self.batch_size = self.batch_size or cpass.layout.samples
+                elif self.attrs:
+                    self._check_layout(record)
         except BaseException:
             self._abort()
             raise
@@ -169,7 +187,8 @@ class BackwardPass:
         if self.failed:
             return
         try:
-            self._on_module(record, grads)
+            with _autocast_off():
+                self._on_module(record, grads)
         except BaseException:
             self._abort()
             raise
@@ -203,6 +222,7 @@ class BackwardPass:
         grad_out = grads[0] if len(grads) == 1 else grads
         call = record.call(grad_out)
         params = trainable(module)
+        self._note_precision(record, params)
         self.seen.update(id(p) for _, p in params)
         if not self.attrs:
             if self.checking:
@@ -223,6 +243,14 @@ class BackwardPass:
                 self._accumulate(p, rule, call, name)
             else:
                 self._reduce(p, rule, call, name)
+
+    def _note_precision(self, record, params) -> None:
+        """A call computed in a lower precision than its parameters (autocast) makes ``p.grad``
+        that precise only: the sum checks use its roundoff."""
+        for _, p in params:
+            if record.dtype != p.dtype and p.is_floating_point():
+                eps = torch.finfo(record.dtype).eps
+                self.compute_eps[id(p)] = max(eps, self.compute_eps.get(id(p), 0.0))
 
     def _check_expected(self, record, grads) -> None:
         """The module's output gradients must come from the extended losses alone."""
@@ -333,7 +361,7 @@ class BackwardPass:
         ``8 eps (sum_n |g_n| + |grad|)`` before it raises."""
         grad = self.param_grads[id(p)][1]
         uses, total = self.totals.pop(id(p))
-        if grad.is_sparse or not _off(total, grad, 64):
+        if grad.is_sparse or not _off(total, grad, 64, self.compute_eps.get(id(p), 0.0)):
             return
         magnitude = sum(
             _reduce_in_chunks(rule, call, name, p.shape, {"abs_sum": True})["abs_sum"]
@@ -349,7 +377,7 @@ class BackwardPass:
             return
         largest = max(float(g.abs().max()) for _, g in self.param_grads.values() if g.numel())
         for p, total, grad, magnitude in self.suspects:
-            eps = _eps(total, grad)
+            eps = max(_eps(total, grad), self.compute_eps.get(id(p), 0.0))
             tol = 8 * eps * (magnitude + grad.abs()) + 1000 * eps * largest
             if bool(((total - grad.to(total.dtype)).abs() > tol).any()):
                 raise UnsupportedModuleError(
@@ -381,10 +409,11 @@ class BackwardPass:
         for key, (p, grad) in self.param_grads.items():
             if key not in self.batch_grads or grad.is_sparse:
                 continue
-            batch = probe_columns(self.batch_grads[key][1].flatten(1))
+            per_sample = self.batch_grads[key][1]
+            batch = probe_columns(per_sample.reshape(len(per_sample), -1))  # 0-dim p: [N, 1]
             grad = probe_columns(grad.reshape(1, -1))[0]
             total = batch.sum(0)
-            if _off(total, grad, 64):
+            if _off(total, grad, 64, self.compute_eps.get(key, 0.0)):
                 self.suspects.append((p, total, grad, batch.abs().sum(0)))
 
     def _store(self, p, l2, sgs, total, n) -> None:
@@ -446,6 +475,10 @@ class BackwardPass:
 
     # ---------------------------------------------------------------- end of pass
     def _finish(self) -> None:
+        with _autocast_off():
+            self._finish_pass()
+
+    def _finish_pass(self) -> None:
         for handle in self.handles:
             handle.remove()
         if self.failed:
@@ -522,13 +555,15 @@ def _name(p) -> str:
     return getattr(p, "_curvopt_path", f"of shape {tuple(p.shape)}")
 
 
-def _off(total, grad, factor: float) -> bool:
-    """``|total - grad|`` beyond ``factor * eps * max(|total|, |grad|)`` somewhere."""
+def _off(total, grad, factor: float, eps: float = 0.0) -> bool:
+    """``|total - grad|`` beyond ``factor * eps * max(|total|, |grad|)`` somewhere (``eps`` at
+    least the roundoff of their dtypes)."""
     if not total.numel():
         return False
     grad = grad.to(total.dtype)
     scale = torch.maximum(total.abs().max(), grad.abs().max())
-    return bool((total - grad).abs().max() > factor * _eps(total, grad) * scale)  # one sync
+    eps = max(eps, _eps(total, grad))
+    return bool((total - grad).abs().max() > factor * eps * scale)  # one sync
 
 
 def _reduce_in_chunks(rule, call, name, shape, want):

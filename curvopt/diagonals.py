@@ -78,7 +78,7 @@ def module_call(record, outs):
     """``(call, columns, N)`` for one module call given its propagated columns (None if unused)."""
     if all(v is None for v in outs):
         return None, None, 0
-    columns = outs[0] if len(outs) == 1 else tuple(outs)
+    columns = record.at_parameter_precision(outs[0] if len(outs) == 1 else tuple(outs))
     call = record.call()
     n = _first(columns).shape[1 + call.batch_dim]
     call.grad_out = _zeros_like_sample(columns)

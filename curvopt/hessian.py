@@ -23,6 +23,7 @@ from torch.autograd.graph import GradientEdge
 
 from curvopt.errors import UnsupportedModuleError
 from curvopt.diagonals import add_diagonals
+from curvopt.layers.registry import reparametrization
 from curvopt.layers.unfold import unfold_conv_input
 from curvopt.params import owned
 from curvopt.propagate import loss_gradient, module_outputs, to_calls
@@ -128,22 +129,82 @@ LINEAR_OPS = {
     "StackBackward0",
     "UnbindBackward0",
     "NarrowBackward0",
+    # views and copies: the no-op slice ``h[:, slice(0, None)]`` of a causal LM head, casts
+    "AliasBackward0",
+    "ToCopyBackward0",
+    "DiagonalBackward0",
+    "FlipBackward0",
+    "RollBackward0",
+    "RepeatBackward0",
+    "IndexSelectBackward0",
+    "GatherBackward0",
+    "MaskedFillBackward0",
+    "CumsumBackward0",
+    "UnfoldBackward0",
+    "Im2ColBackward0",
+    "Col2ImBackward0",
+    "PixelShuffleBackward0",
+    "PixelUnshuffleBackward0",
+    "ChannelShuffleBackward0",
+    # interpolation: fixed weights on the input
+    "UpsampleNearest1DBackward0",
+    "UpsampleNearest2DBackward0",
+    "UpsampleNearest3DBackward0",
+    "UpsampleNearestExact1DBackward0",
+    "UpsampleNearestExact2DBackward0",
+    "UpsampleNearestExact3DBackward0",
+    "UpsampleLinear1DBackward0",
+    "UpsampleBilinear2DBackward0",
+    "UpsampleBicubic2DBackward0",
+    "UpsampleTrilinear3DBackward0",
+    # selections and piecewise-linear functions
+    "WhereBackward0",
+    "AbsBackward0",
+    "ClampBackward1",
+    "ClampMinBackward0",
+    "ClampMaxBackward0",
+    "MaxBackward0",
+    "MaxBackward1",
+    "MinBackward0",
+    "MinBackward1",
+    "AmaxBackward0",
+    "AminBackward0",
+    "MaximumBackward0",
+    "MinimumBackward0",
+    "HardsigmoidBackward0",
+    "SoftshrinkBackward0",
+    "HardshrinkBackward0",
+    "AdaptiveMaxPool2DBackward0",
+    "AdaptiveMaxPool3DBackward0",
+    "MaxUnpool2DBackward0",
+    "MaxUnpool3DBackward0",
 }
-#: products: linear when at most one operand depends on the parameters
-BILINEAR_OPS = {"MulBackward0", "DivBackward0", "MmBackward0", "BmmBackward0", "AddmmBackward0"}
+#: products: linear when at most one operand depends on the parameters; ``prelu(u, a)`` is
+#: piecewise linear in ``u`` and linear in ``a``, its cross derivative ``1[u < 0]`` pairs them
+BILINEAR_OPS = {
+    "MulBackward0",
+    "DivBackward0",
+    "MmBackward0",
+    "BmmBackward0",
+    "AddmmBackward0",
+    "PreluKernelBackward0",
+}
 
-#: modules linear in their input, whose internal nodes need no inspection
+#: modules whose internal nodes need no inspection: linear in their input, or (``PReLU``)
+#: piecewise linear in it and linear in their own (leaf) weight, whose second derivatives are
+#: then all off the diagonal (weight x upstream parameters)
 _LINEAR_MODULES = (
     nn.Linear,
     nn.modules.conv._ConvNd,
     nn.Embedding,
     nn.modules.batchnorm._BatchNorm,
+    nn.PReLU,
 )
 
 
 def _error(what: str) -> UnsupportedModuleError:
     return UnsupportedModuleError(
-        f"DiagHessian: {what}. curvopt handles Linear/Conv/Embedding/BatchNorm(eval) layers, "
+        f"DiagHessian: {what}. curvopt handles Linear/Conv/Embedding/BatchNorm(eval)/PReLU layers, "
         f"piecewise-linear ops and the elementwise nonlinearities "
         f"{', '.join(sorted(k[:-9] for k in SECOND_DERIVATIVES))}; use DiagGGNExact for this model"
     )
@@ -161,6 +222,13 @@ def curved_nodes(root: torch.Tensor) -> List[object]:
         if entries:
             record = entries[0][0]
             module = record.module
+            how = reparametrization(module)
+            if how is not None:
+                raise _error(
+                    f"module {module._curvopt_path!r} ({type(module).__name__}) has the "
+                    f"reparametrized parameter {how}, whose weight is nonlinear in the "
+                    "originals, and the curvature of that is not implemented"
+                )
             if not isinstance(module, _LINEAR_MODULES):
                 raise _error(
                     f"module {module._curvopt_path!r} ({type(module).__name__}) is nonlinear in "
@@ -195,7 +263,8 @@ def _has_weighted_squares(module) -> bool:
 
 def _weighted_squares(record, r: torch.Tensor, name: str, batched: bool) -> torch.Tensor:
     """``sum_j r_j (d u_j / d p)^2`` for ``u`` the output of ``record``'s module."""
-    module, x = record.module, record.args[0]
+    module = record.module
+    x, r = record.at_parameter_precision((record.args[0], r))
     n = r.shape[0]
     dims = "n" if batched else ""
     if isinstance(module, nn.Linear):

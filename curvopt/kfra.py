@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from curvopt.errors import module_error
+from curvopt.layers.registry import reparametrization
 from curvopt.params import trainable
 from curvopt.propagate import backpropagate
 from curvopt.records import records_on
@@ -54,6 +55,12 @@ def _chain(calls):
     seen = set()
     for record in records:
         module = record.module
+        if reparametrization(module) is not None:
+            raise _reject(
+                record,
+                f"its parameter {reparametrization(module)} is reparametrized: the layer's "
+                "weight is not a parameter with Kronecker factors; use a diagonal quantity",
+            )
         if not isinstance(module, nn.Linear):
             raise _reject(
                 record,
@@ -80,7 +87,7 @@ def kfra(cpass, loss_rule, calls) -> None:
     b = None
     for cols in cpass.columns(loss_rule, "exact", 0, 1 << 30):
         (v,) = backpropagate(output, [edge], cols, cpass.batched)
-        v = v.flatten(0, 1)
+        v = last.at_parameter_precision(v.flatten(0, 1))
         b = v.T @ v if b is None else b.add_(v.T @ v)
     factors = {}
     for pos in range(len(records) - 1, -1, -1):
@@ -89,7 +96,7 @@ def kfra(cpass, loss_rule, calls) -> None:
             b = _backpropagate(b, record, records[pos + 1], calls)
         factors[record] = b
     for record, b in factors.items():
-        x = record.args[0].detach()
+        x = record.at_parameter_precision(record.args[0].detach())
         n = x.shape[0]
         for name, p in trainable(record.module):
             kron = [b.clone(), x.T @ x / n] if name == "weight" else [b.clone()]
@@ -121,5 +128,6 @@ def _backpropagate(b_next, record, nxt, calls):
             nxt, "the map from the previous Linear layer's output to its input is not elementwise"
         )
     w = nxt.module.weight.detach()
+    d = nxt.at_parameter_precision(d)
     n = d.shape[0]
     return (w.T @ b_next @ w) * (d.T @ d / n)

@@ -144,8 +144,12 @@ def to_calls(root, calls, columns: torch.Tensor, batched: bool):
 
 
 def loss_gradient(loss, weight: float) -> torch.Tensor:
-    """``weight * d loss / d input`` of an extended loss call (a ``LossRecord``)."""
+    """``weight * d loss / d input`` of an extended loss call (a ``LossRecord``); a bf16/fp16
+    input in float32, as autocast runs the losses (curvopt computes with autocast off)."""
     with STATE.suspend(), torch.enable_grad():
-        o = loss.output.detach().requires_grad_(True)
+        o = loss.output.detach()
+        if o.is_floating_point() and torch.finfo(o.dtype).bits < 32:
+            o = o.float()
+        o.requires_grad_(True)
         (g,) = torch.autograd.grad(loss.module(o, loss.target), o)
     return g * weight

@@ -87,8 +87,9 @@ class Record:
         return x.movedim(1, 0)
 
     def call(self, grad_out=None) -> "Call":
-        """The call as the rules see it (inputs repeated over the batch for a broadcast call)."""
-        args, kwargs = self.args, self.kwargs
+        """The call as the rules see it (inputs repeated over the batch for a broadcast call;
+        in the parameters' precision, see :meth:`at_parameter_precision`)."""
+        args, kwargs, grad_out = self.at_parameter_precision((self.args, self.kwargs, grad_out))
         if self.broadcast is not None:
             args = tuple(self.broadcast.repeat(x) for x in args)
             kwargs = {k: self.broadcast.repeat(v) for k, v in kwargs.items()}
@@ -96,6 +97,15 @@ class Record:
             args = tuple(self.batch_first(x) for x in args)
             kwargs = {k: self.batch_first(v) for k, v in kwargs.items()}
         return Call(self.module, args, kwargs, grad_out, self.batch_dim)
+
+    def at_parameter_precision(self, value):
+        """``value`` (tensors, nested in tuples, lists, dicts) as the rules take it: when the
+        module computed in a dtype other than its parameters' (autocast), every floating tensor
+        rounded to that dtype (as the module used it), then cast to the parameters' dtype, so
+        that each quantity is computed and accumulated in the parameters' dtype, like
+        ``p.grad``; otherwise ``value`` itself."""
+        target = _parameter_precision(self.module, self.dtype)
+        return value if target is None else _cast(value, *target)
 
     def release(self):
         """Drop the inputs; the module has one call fewer awaiting its gradient."""
@@ -240,6 +250,30 @@ class Call:
             grad,
             bd,
         )
+
+
+def _parameter_precision(module: nn.Module, compute: torch.dtype):
+    """``(compute, accumulate)`` when ``module`` computed in a dtype other than its parameters'
+    (``compute``, its output's dtype: autocast), else ``None``."""
+    p = next((q for q in module._parameters.values() if q is not None), None)
+    if p is None:  # parameters of children only (a rule owning them)
+        p = next(module.parameters(), None)
+    if p is None or p.dtype == compute or not p.is_floating_point():
+        return None
+    return compute, p.dtype
+
+
+def _cast(value, compute: torch.dtype, accumulate: torch.dtype):
+    """Every floating tensor in ``value`` rounded to ``compute``, then cast to ``accumulate``."""
+    if isinstance(value, torch.Tensor):
+        if not value.is_floating_point():
+            return value
+        return value.to(compute).to(accumulate)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast(v, compute, accumulate) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast(v, compute, accumulate) for k, v in value.items()}
+    return value
 
 
 def output_tensors(output) -> List[torch.Tensor]:

@@ -126,7 +126,7 @@ def reduce_reference(grad_batch: torch.Tensor) -> Dict[str, torch.Tensor]:
     """All first-order quantities (docs/conventions.md) from per-sample gradients."""
     return {
         "grad_batch": grad_batch,
-        "batch_l2": (grad_batch**2).flatten(1).sum(1),
+        "batch_l2": (grad_batch**2).reshape(len(grad_batch), -1).sum(1),
         "sum_grad_squared": (grad_batch**2).sum(0),
         "variance": (grad_batch**2).mean(0) - grad_batch.mean(0) ** 2,
     }

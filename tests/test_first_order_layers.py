@@ -15,9 +15,11 @@ from conftest import (
     assert_first_order,
     check_against_loop,
     extended_copy,
+    ggn_reference,
     per_sample_grads_loop,
     per_sample_grads_vmap,
     run_collect,
+    run_second_order,
 )
 from torch import nn
 
@@ -267,6 +269,22 @@ NORM = {
     "batchnorm1d-3d-input": (lambda: _bn_eval(nn.BatchNorm1d(3)), (3, 5)),
     "batchnorm2d": (lambda: _bn_eval(nn.BatchNorm2d(3)), (3, 2, 3)),
     "batchnorm3d": (lambda: _bn_eval(nn.BatchNorm3d(2)), (2, 2, 2, 3)),
+    # training mode with running statistics: normalised per sample, the statistics only updated
+    "instancenorm1d-running-train": (
+        lambda: nn.InstanceNorm1d(3, affine=True, track_running_stats=True), (3, 5)
+    ),
+    "instancenorm2d-running-train": (
+        lambda: nn.InstanceNorm2d(2, affine=True, track_running_stats=True), (2, 3, 4)
+    ),
+    "instancenorm3d-running-train": (
+        lambda: nn.InstanceNorm3d(2, affine=True, track_running_stats=True, momentum=0.3),
+        (2, 2, 3, 2),
+    ),
+    "instancenorm2d-running-eval": (
+        lambda: _bn_eval(nn.InstanceNorm2d(2, affine=True, track_running_stats=True)),
+        (2, 3, 3),
+    ),
+    "instancenorm2d": (lambda: nn.InstanceNorm2d(3, affine=True), (3, 2, 3)),
 }
 
 
@@ -277,7 +295,68 @@ def test_norm(case, reduction, seed):
     module = make()
     if not case.startswith("batchnorm"):
         _randomise_affine(module)
-    _run_case(module, _x(*shape) * 2 + 0.5, reduction)
+    # vmap cannot run a module that updates running statistics (the loop reference can)
+    _run_case(module, _x(*shape) * 2 + 0.5, reduction, vmap="running-train" not in case)
+
+
+def test_instancenorm_running_statistics_are_updated_once_per_forward(seed):
+    """The rule never re-runs the module: after a collect pass the running statistics are
+    those of one forward of the plain model."""
+    norm = nn.InstanceNorm2d(3, affine=True, track_running_stats=True)
+    plain = nn.Sequential(nn.Conv2d(2, 3, 2), norm).to(DT)
+    model = extended_copy(plain)
+    x = _x(2, 4, 4)
+    loss = model(x).square().sum()
+    with curvopt.collect(ext.BatchGrad(), ext.Variance()):
+        loss.backward()
+    with torch.no_grad():
+        plain(x)
+    assert_close(model[1].running_mean, plain[1].running_mean, "running_mean")
+    assert_close(model[1].running_var, plain[1].running_var, "running_var")
+
+
+def test_instancenorm_running_train_ggn_diagonals(seed):
+    """Second order through the same rule (GGN columns as pseudo-samples)."""
+    plain = nn.Sequential(
+        nn.Conv2d(2, 3, 2), nn.InstanceNorm2d(3, affine=True, track_running_stats=True),
+        nn.Tanh(), nn.Flatten(), nn.Linear(27, 3),
+    ).to(DT)
+    _randomise_affine(plain[1])
+    x, y = _x(2, 4, 4), torch.randint(0, 3, (N,))
+    model = extended_copy(plain)
+    blocks, per_sample = ggn_reference(plain, nn.CrossEntropyLoss(), x, y)
+    run_second_order(
+        model, curvopt.extend(nn.CrossEntropyLoss()), x, y,
+        ext.DiagGGNExact(), ext.BatchDiagGGNExact(),
+    )
+    for name, p in model.named_parameters():
+        assert_close(p.diag_ggn_exact, torch.diagonal(blocks[name]).reshape(p.shape), name)
+        assert_close(p.diag_ggn_exact_batch, per_sample[name], name)
+
+
+class _WithInstanceNorm(nn.Module):
+    """A parameter of its own (so the generic rule re-runs it) around a tracking InstanceNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(2, 1, 1))
+        self.norm = nn.InstanceNorm2d(2, track_running_stats=True)
+
+    def forward(self, x):
+        return self.norm(x * self.scale)
+
+
+def test_generic_module_with_tracking_instancenorm_names_the_fix(seed):
+    model = extended_copy(nn.Sequential(_WithInstanceNorm(), nn.Flatten(), nn.Linear(18, 2)).to(DT))
+    loss = model(_x(2, 3, 3)).square().sum()
+    with pytest.raises(UnsupportedModuleError, match="track_running_stats=False"):
+        with curvopt.collect(ext.BatchGrad()):
+            loss.backward()
+    model.eval()
+    loss = model(_x(2, 3, 3)).square().sum()
+    with curvopt.collect(ext.BatchGrad()):
+        loss.backward()
+    assert model[0].scale.grad_batch.shape == (N, 2, 1, 1)
 
 
 def _bn_model(**kwargs):

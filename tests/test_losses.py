@@ -458,3 +458,20 @@ def test_cross_entropy_samples_classes_with_the_predicted_frequencies():
         stderr = (p * (1 - p) / draws).sqrt()
         assert bool(((freq - p).abs() <= 5 * stderr + 1e-12).all()), (freq, p)
         assert bool((freq[p == 0] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cross_entropy_sampler_stays_in_range_for_rows_not_summing_to_one(dtype):
+    """A softmax row sums to ``1 ± eps``; rows summing to 0.9999 make ``u > cdf[-1]`` about
+    once in 10^4 draws (20 expected here), which must neither leave ``[0, C)`` nor land on a
+    class of probability 0; frequencies follow the normalised row."""
+    torch.manual_seed(0)
+    probs = torch.tensor([[0.2, 0.3, 0.4999, 0.0], [0.25, 0.25, 0.25, 0.2499]], dtype=dtype)
+    draws = 200_000
+    sampled = _sample_classes(probs, draws)
+    assert int(sampled.min()) >= 0 and int(sampled.max()) <= 3
+    assert not bool((sampled[0] == 3).any())
+    for row, p in zip(sampled, probs.double()):
+        p = p / p.sum()
+        freq = torch.bincount(row, minlength=4).double() / draws
+        assert bool(((freq - p).abs() <= 5 * (p * (1 - p) / draws).sqrt() + 1e-12).all())

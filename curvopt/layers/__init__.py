@@ -7,6 +7,7 @@ from curvopt.layers import (  # noqa: F401  (registration)
     linear,
     norm,
     recurrent,
+    reparametrized,
     transposed_linear,
 )
 from curvopt.layers.registry import LayerRule, register, rule_for

@@ -46,6 +46,17 @@ class GenericRule(LayerRule):
                 )
             if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
                 return f"it contains BatchNorm in training mode{where}, which mixes samples"
+            if (
+                isinstance(sub, nn.modules.instancenorm._InstanceNorm)
+                and sub.training
+                and sub.track_running_stats
+            ):
+                return (
+                    f"it contains InstanceNorm with track_running_stats=True in training "
+                    f"mode{where}, whose running statistics re-running the module sample by "
+                    "sample would update again; call .eval() on it, set "
+                    "track_running_stats=False, or call it outside this module"
+                )
         return None
 
     def batch_grad(self, call, name, out=None):

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from curvopt.errors import UnsupportedKroneckerError, module_error
-from curvopt.layers.registry import rule_for
+from curvopt.layers.registry import reparametrization, rule_for
 from curvopt.layers.unfold import unfold_conv_input
 from curvopt.reductions import block_gram, gram
 
@@ -90,6 +90,14 @@ def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int)
         if module.padding_idx is not None:
             counts[module.padding_idx] = 0
         return [torch.diag(counts / idx.numel()), gram(columns.reshape(-1, dim))]
+    how = reparametrization(module)
+    if how is not None:
+        raise module_error(
+            module,
+            f"parameter {name!r} is an original of the reparametrized parameter {how}, and the "
+            "layer's weight is not linear in it, so its GGN block has no Kronecker factors; "
+            "use a diagonal quantity (DiagGGNExact/DiagGGNMC), or remove the parametrization",
+        )
     raise UnsupportedKroneckerError(
         f"curvopt has no Kronecker factorisation for parameter {name!r} of module "
         f"{module._curvopt_path!r} ({type(module).__name__}); supported: Linear, Conv1d/2d/3d "

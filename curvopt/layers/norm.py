@@ -6,6 +6,10 @@ dims of the output that the parameters do not index.
 
 * ``LayerNorm``/``RMSNorm``: parameters index the trailing ``normalized_shape`` dims.
 * ``GroupNorm``, ``BatchNorm{1,2,3}d`` (eval mode, running statistics): parameters index dim 1.
+* ``InstanceNorm{1,2,3}d``: parameters index dim 1; each sample's own statistics (training
+  mode, or ``track_running_stats=False``) or the running ones (eval mode). In training mode the
+  running statistics are only updated, not used, so samples stay independent; the rule never
+  re-runs the module (that would update them again).
   ``BatchNorm`` in training mode normalises with batch statistics, which mixes samples: per-sample
   gradients do not exist and an error says so.
 """
@@ -65,6 +69,22 @@ class GroupNormRule(_AffineNormRule):
         return F.group_norm(x, module.num_groups, None, None, module.eps)
 
 
+@register(nn.modules.instancenorm._InstanceNorm)
+class InstanceNormRule(_AffineNormRule):
+    def normalized(self, module, x):
+        if module.training or not module.track_running_stats:
+            return F.instance_norm(x, eps=module.eps)
+        return _running_normalized(module, x)
+
+
+def _running_normalized(module, x):
+    """``(x - running_mean) / sqrt(running_var + eps)``, statistics along dim 1."""
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    mean = module.running_mean.view(shape)
+    var = module.running_var.view(shape)
+    return (x - mean) * torch.rsqrt(var + module.eps)
+
+
 @register(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 class BatchNormRule(_AffineNormRule):
     def check(self, module):
@@ -77,7 +97,4 @@ class BatchNormRule(_AffineNormRule):
         return None
 
     def normalized(self, module, x):
-        shape = [1, -1] + [1] * (x.dim() - 2)
-        mean = module.running_mean.view(shape)
-        var = module.running_var.view(shape)
-        return (x - mean) * torch.rsqrt(var + module.eps)
+        return _running_normalized(module, x)

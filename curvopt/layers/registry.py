@@ -9,7 +9,9 @@ module's own parameters. Adding support for a new layer type is one file with on
         def batch_grad(self, call, name, out=None): ...
 
 Module types without a registered rule fall back to :class:`curvopt.layers.generic.GenericRule`
-(``torch.func`` over single samples). Types of other libraries that curvopt must not import
+(``torch.func`` over single samples); so do modules whose parameters are reparametrized (weight
+norm, spectral norm, ``torch.nn.utils.parametrize``), whatever their type
+(:mod:`curvopt.layers.reparametrized`). Types of other libraries that curvopt must not import
 (Hugging Face's ``Conv1D``) are registered by class name with :func:`register_name`.
 """
 
@@ -19,10 +21,14 @@ from typing import Callable, Dict, List, Optional, Type
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 _RULES: Dict[Type[nn.Module], "LayerRule"] = {}
 _NAMED: Dict[str, "LayerRule"] = {}
 _FALLBACK: List["LayerRule"] = []
+_REPARAMETRIZED: List["LayerRule"] = []
 
 
 def register(*module_types: Type[nn.Module]) -> Callable:
@@ -54,9 +60,39 @@ def register_fallback(rule: "LayerRule") -> "LayerRule":
     return rule
 
 
+def register_reparametrized(rule: "LayerRule") -> "LayerRule":
+    """Make ``rule`` the rule of every module with a :func:`reparametrization`."""
+    _REPARAMETRIZED[:] = [rule]
+    return rule
+
+
+def reparametrization(module: nn.Module) -> Optional[str]:
+    """How ``module``'s parameters are reparametrized (its own rule would treat the originals
+    as the layer's weights), or ``None``: ``torch.nn.utils.parametrize`` (the
+    ``parametrizations`` API) or the older ``weight_norm``/``spectral_norm`` forward hooks."""
+    if parametrize.is_parametrized(module):
+        return ", ".join(
+            f"{name!r} (torch.nn.utils.parametrize: "
+            + ", ".join(type(f).__name__ for f in functions)
+            + ")"
+            for name, functions in module.parametrizations.items()
+        )
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, WeightNorm):
+            return f"{hook.name!r} (torch.nn.utils.weight_norm)"
+        if isinstance(hook, SpectralNorm):
+            return f"{hook.name!r} (torch.nn.utils.spectral_norm)"
+    return None
+
+
 def rule_for(module: nn.Module) -> "LayerRule":
     """The rule of ``module``'s exact type (subclasses included), else of its class name, else
-    the generic fallback. A match by name is remembered for the type."""
+    the generic fallback. A match by name is remembered for the type. A module with a
+    :func:`reparametrization` gets the reparametrized-module rule."""
+    if (module._forward_pre_hooks or "parametrizations" in module._modules) and reparametrization(
+        module
+    ):
+        return _REPARAMETRIZED[0]
     for klass in type(module).__mro__:
         if klass in _RULES:
             return _RULES[klass]

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad, jvp, vjp, vmap
+from torch.func import functional_call, grad, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from curvopt import inputs as io
@@ -89,11 +89,14 @@ def hessian_matmat(
 
 
 def loss_hessian(loss: Callable) -> Callable:
-    """``f ↦ (u ↦ ∇²_f loss(f) u)``: the loss Hessian on the output space (exact GGN)."""
+    """``f ↦ (u ↦ ∇²_f loss(f) u)``: the loss Hessian on the output space (exact GGN), as the
+    pullback of the gradient (the Hessian is symmetric): reverse over reverse, because the
+    forward-mode derivative of some losses' backward fails (``mse_loss``'s with "mean" writes
+    into an immutable zero tangent)."""
 
     def operator(output):
-        gradient = grad(loss)
-        return lambda u: jvp(gradient, (output,), (u,))[1]
+        _, pullback = vjp(grad(loss), output)
+        return lambda u: pullback(u)[0]
 
     return operator
 
