@@ -23,7 +23,7 @@ import torch
 from torch.autograd import Variable
 
 from curvopt.buffers import empty_result
-from curvopt.curvature import CurvaturePass, check_reduction, mark_checked
+from curvopt.curvature import CurvaturePass, check_reduction
 from curvopt.errors import (
     MissingLossError,
     UnsupportedLossError,
@@ -68,7 +68,6 @@ class BackwardPass:
         self.seen: set = set()  # ids of parameters whose module call was processed
         self.suspects: list = []  # (p, sum_n g_n, grad, sum_n |g_n|) beyond the cheap bound
         self.expected: Dict[object, list] = {}  # record: the extended losses' output gradients
-        self.checking: list = []  # graph structures this pass checks (see curvature.CHECKED)
         self.kron_uses: Dict[Tuple[int, str], dict] = {}  # (id(p), attr): {call: factors}
         self.out_index: Dict[Tuple[int, str], int] = {}
         self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
@@ -131,11 +130,10 @@ class BackwardPass:
 
                 self.handles.append(broadcast.edge.node.register_prehook(keep))
 
-    def expect_gradients(self, calls, grads, signature) -> None:
+    def expect_gradients(self, grads) -> None:
         """Add one extended loss's share ``{record: [grad per output]}`` of the gradients the
-        module hooks will see, for a graph structure not checked before."""
-        self.checking.append(signature)
-        for record in calls:
+        module hooks will see."""
+        for record in grads:
             old = self.expected.get(record)
             new = grads[record]
             if old is None:
@@ -167,8 +165,7 @@ class BackwardPass:
                     "computed by an extended loss module; wrap it, e.g. "
                     "lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())"
                 )
-            if self.checking:
-                self._check_expected(record, grads)
+            self._check_expected(record, grads)
         elif not self.attrs:
             return
         rule = rule_for(module)
@@ -180,9 +177,8 @@ class BackwardPass:
         params = trainable(module)
         self.seen.update(id(p) for _, p in params)
         if not self.attrs:
-            if self.checking:
-                for name, p in params:
-                    self._add_total(p, rule, call, name, rule.grad_sum(call, name))
+            for name, p in params:
+                self._add_total(p, rule, call, name, rule.grad_sum(call, name))
             return
         self._check_batch_size(call)
         if self.shared is None:
@@ -207,11 +203,11 @@ class BackwardPass:
                 continue
             want = None if expected is None else expected[index]
             if want is None:
-                bad = bool(grad.any())
+                bad = grad.any()
             else:
-                scale = max(float(grad.abs().max()), float(want.abs().max()))
-                bad = float((grad - want).abs().max()) > 256 * _eps(grad, want) * scale
-            if bad:
+                scale = torch.maximum(grad.abs().max(), want.abs().max())
+                bad = (grad - want).abs().max() > 256 * _eps(grad, want) * scale
+            if bool(bad):  # one sync
                 raise module_error(
                     record.module,
                     "its output gradient does not come from the extended loss(es) alone: the "
@@ -436,8 +432,6 @@ class BackwardPass:
             if len(factors) > 1:
                 factors = [nearest_kronecker(factors, 1 - terms[0][1])]
             self.results[key] = (self.results[key][0], factors[0])
-        for signature in self.checking:
-            mark_checked(signature)
         for (_, attr), (p, value) in self.results.items():
             if attr == "variance":
                 value = acc.variance(p, *self.moments[id(p)])

@@ -16,7 +16,7 @@ from torch.autograd.graph import GradientEdge
 
 from curvopt.broadcast import find
 from curvopt.errors import UnsupportedModuleError
-from curvopt.records import records_on
+from curvopt.records import records_on, token
 from curvopt.state import STATE
 
 #: backward ops that ``vmap`` runs sample by sample (no batching rule in PyTorch): graphs with
@@ -77,7 +77,7 @@ def module_outputs(root) -> Upstream:
         batchable = batchable and kind not in _NO_BATCHING_RULE
         for record, index, output_nr in records_on(node):
             found[record].append((index, GradientEdge(node, output_nr)))
-            kinds.append((id(record.module), index, record.out_shapes))
+            kinds.append((token(record.module), index, record.out_shapes))
         for fn, nr in node.next_functions:
             if fn is not None:
                 consumers[(fn, nr)].append(node)
@@ -88,7 +88,7 @@ def module_outputs(root) -> Upstream:
             record.broadcast = find(edge.node, edge.output_nr, record.out_shapes[0], consumers)
             if record.broadcast is not None:
                 found[record] = [(index, record.broadcast.edge)]
-                kinds.append(("broadcast", id(record.module)))
+                kinds.append(("broadcast", token(record.module)))
     by_data = any(kind in _DATA_INDEXING for kind in kinds if isinstance(kind, str))
     return Upstream(found, batchable, None if by_data else tuple(kinds))
 

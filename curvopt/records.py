@@ -9,6 +9,7 @@ call upstream of a tensor. The gradient hook on the output completes the record 
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple, Union
 
@@ -21,6 +22,17 @@ from curvopt.state import STATE
 #: key of the autograd-node metadata listing the module calls whose output the node produced
 _METADATA = "curvopt"
 _SEQUENCE = itertools.count()
+_TOKENS: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+_TOKEN_COUNT = itertools.count()
+
+
+def token(module) -> int:
+    """A number naming ``module`` in cache keys, never reused by another module (``id`` is,
+    once a module is freed: fresh models in a sweep)."""
+    value = _TOKENS.get(module)
+    if value is None:
+        value = _TOKENS[module] = next(_TOKEN_COUNT)
+    return value
 
 
 def records_on(node) -> List[Tuple["Record", int, int]]:
