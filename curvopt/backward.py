@@ -13,6 +13,14 @@ Checks that keep the numbers honest, each raising before anything is written:
 * for curvature, each module's output gradient is what the extended losses send it (nothing
   from other terms of the objective), and the loss rows map onto the model's samples
   (``rows``).
+
+The checks run on every pass (a term whose weight is zero on one pass may not be on the next).
+
+Only gradient that is accumulated into ``p.grad`` counts: a pass that does not accumulate into a
+parameter (``torch.autograd.grad``, e.g. the input gradient of an adversarial attack, or
+``backward(inputs=...)`` without it) writes nothing for it, and a pass that accumulates into
+none of the parameters it reaches is ignored altogether (its module inputs stay, so a retained
+graph can still be backpropagated).
 """
 
 from __future__ import annotations
@@ -76,36 +84,76 @@ class BackwardPass:
         self.handles: list = []  # hooks on autograd nodes, removed when the pass ends
         self.upstream: list = []  # module calls upstream of the extended losses
         self.failed = False
+        self.ignored = False  # the pass accumulates into no parameter it reaches
+        self.skipped: Dict[int, bool] = {}  # id(p): the pass does not accumulate into p.grad
         Variable._execution_engine.queue_callback(self._finish)
+
+    def _skips(self, p) -> bool:
+        """Whether this pass leaves ``p.grad`` alone (``torch.autograd.grad``, ``backward(inputs=
+        ...)`` without ``p``): the engine will not run ``p``'s gradient accumulator."""
+        key = id(p)
+        skip = self.skipped.get(key)
+        if skip is None:
+            with torch.enable_grad():
+                accumulator = p.view_as(p).grad_fn.next_functions[0][0]
+            try:
+                skip = not torch._C._will_engine_execute_node(accumulator)
+            except RuntimeError:  # p is an input of torch.autograd.grad
+                skip = True
+            self.skipped[key] = skip
+        return skip
+
+    def _ignores(self, modules) -> bool:
+        """The pass accumulates into none of the trainable parameters of ``modules`` (and there
+        is one): ignore it."""
+        if not self.ignored:
+            skips = [self._skips(p) for m in modules for _, p in trainable(m)]
+            self.ignored = bool(skips) and all(skips)
+        return self.ignored
 
     # ---------------------------------------------------------------- hooks
     def on_loss(self, record, grad) -> None:
         """The gradient reached an extended loss: check it, then compute all curvature."""
-        if self.failed:
+        if self.failed or self.ignored:
             return
         try:
             check_reduction(record.module)
+            if not (self.second_order_exts or self.attrs):
+                return
+            upstream = module_outputs(record.output)
+            if not upstream.calls and upstream.foreign:
+                raise UnsupportedModuleError(
+                    f"curvopt: the input of the extended loss {type(record.module).__name__} "
+                    f"depends on parameters (one of shape {tuple(upstream.foreign[0].shape)}) "
+                    "of modules that were not extended, "
+                    "so curvopt cannot compute anything for them; extend the model too: "
+                    "model = curvopt.extend(model)"
+                )
+            if self._ignores(r.module for r in upstream.calls):
+                return
             self.loss_seen = True
             if self.second_order_exts:
                 cpass = CurvaturePass(self, record, grad)
-                cpass.run()
+                cpass.run(upstream)
                 self.batch_size = self.batch_size or cpass.layout.samples
-            elif self.attrs:
-                self._check_layout(record)
+            else:
+                self._check_layout(record, upstream)
         except BaseException:
             self._abort()
             raise
 
-    def _check_layout(self, record) -> None:
+    def _check_layout(self, record, upstream) -> None:
         """First order under an extended loss: the loss rows map onto the model's samples
-        (catches ops that mix samples; probes run once per graph structure, see ``rows``)."""
+        (catches ops that mix samples; probes run once per graph structure, see ``rows``, and on
+        every pass where the model indexes by data)."""
         try:
             elementwise = loss_rule_for(record.module).elementwise
         except UnsupportedLossError:
             return  # a loss without a curvature rule still gets first-order quantities
-        upstream = module_outputs(record.output)
         self.watch_broadcasts(upstream.calls)
-        if upstream.calls and upstream.signature is not None:  # not for logits[mask] & co
+        # not for logits[mask] & co: the rows need not map onto samples as the shapes suggest;
+        # an index inside the model (mixup by h[perm]) is probed, on every pass
+        if upstream.calls and (upstream.signature is not None or upstream.indexes_inside):
             output = record.output
             establish(
                 output,
@@ -144,7 +192,7 @@ class BackwardPass:
                 ]
 
     def on_module(self, record, grads) -> None:
-        if self.failed:
+        if self.failed or self.ignored or self._ignores((record.module,)):
             return
         try:
             self._on_module(record, grads)
@@ -174,7 +222,7 @@ class BackwardPass:
             raise module_error(module, reason)
         grad_out = grads[0] if len(grads) == 1 else grads
         call = record.call(grad_out)
-        params = trainable(module)
+        params = [(name, p) for name, p in trainable(module) if not self._skips(p)]
         self.seen.update(id(p) for _, p in params)
         if not self.attrs:
             for name, p in params:
@@ -285,7 +333,9 @@ class BackwardPass:
         """``p``'s whole gradient of this pass. Its hook normally runs after those of all the
         module calls using ``p`` (a module whose outputs depend on each other is the
         exception), so the sum of per-sample gradients is checked at whichever comes last."""
-        if self.failed or not (self.attrs or self.second_order_exts):
+        if self.failed or self.ignored or not (self.attrs or self.second_order_exts):
+            return
+        if self._skips(p):
             return
         self.param_grads[id(p)] = (p, grad)
         if id(p) in self.totals:
@@ -302,9 +352,9 @@ class BackwardPass:
         """``sum_n g_n == grad``: a mismatch beyond the cheap bound
         ``|sum - grad| <= 64 eps max(|sum|, |grad|)`` is measured against the rounding bound
         ``8 eps (sum_n |g_n| + |grad|)`` before it raises."""
-        grad = self.param_grads[id(p)][1]
+        grad = _dense(self.param_grads[id(p)][1])
         uses, total = self.totals.pop(id(p))
-        if grad.is_sparse or not _off(total, grad, 64):
+        if not _off(total, grad, 64):
             return
         magnitude = sum(
             _reduce_in_chunks(rule, call, name, p.shape, {"abs_sum": True})["abs_sum"]
@@ -318,7 +368,9 @@ class BackwardPass:
         ``g_n`` when a parameter's gradient cancels to nearly zero); raises on a real gap."""
         if not self.suspects:
             return
-        largest = max(float(g.abs().max()) for _, g in self.param_grads.values() if g.numel())
+        largest = max(
+            float(_dense(g).abs().max()) for _, g in self.param_grads.values() if g.numel()
+        )
         for p, total, grad, magnitude in self.suspects:
             eps = _eps(total, grad)
             tol = 8 * eps * (magnitude + grad.abs()) + 1000 * eps * largest
@@ -350,10 +402,10 @@ class BackwardPass:
         """Spot check of ``sum_n g_n == grad`` on evenly spread entries of materialised
         per-sample gradients (see :meth:`_check_sum`)."""
         for key, (p, grad) in self.param_grads.items():
-            if key not in self.batch_grads or grad.is_sparse:
+            if key not in self.batch_grads:
                 continue
             batch = probe_columns(self.batch_grads[key][1].flatten(1))
-            grad = probe_columns(grad.reshape(1, -1))[0]
+            grad = probe_columns(_dense(grad).reshape(1, -1))[0]
             total = batch.sum(0)
             if _off(total, grad, 64):
                 self.suspects.append((p, total, grad, batch.abs().sum(0)))
@@ -432,7 +484,9 @@ class BackwardPass:
             if len(factors) > 1:
                 factors = [nearest_kronecker(factors, 1 - terms[0][1])]
             self.results[key] = (self.results[key][0], factors[0])
-        for (_, attr), (p, value) in self.results.items():
+        for (key, attr), (p, value) in self.results.items():
+            if self.skipped.get(key):
+                continue
             if attr == "variance":
                 value = acc.variance(p, *self.moments[id(p)])
             else:
@@ -470,6 +524,11 @@ class BackwardPass:
 
 def _name(p) -> str:
     return getattr(p, "_curvopt_path", f"of shape {tuple(p.shape)}")
+
+
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient (``nn.Embedding(sparse=True)``) as the dense tensor it stands for."""
+    return grad.coalesce().to_dense() if grad.is_sparse else grad
 
 
 def _off(total, grad, factor: float) -> bool:

@@ -29,7 +29,7 @@ from curvopt.layers import rule_for
 from curvopt.layers.kron import kron_factors, output_factor_index
 from curvopt.losses import loss_rule_for
 from curvopt.params import trainable
-from curvopt.propagate import loss_gradient, module_outputs, to_calls
+from curvopt.propagate import loss_gradient, to_calls
 from curvopt.rows import establish
 
 #: bound on the elements of propagated columns held at once (all module outputs together)
@@ -57,11 +57,12 @@ class CurvaturePass:
             )
         self.scale = math.sqrt(self.weight)
 
-    def run(self) -> None:
+    def run(self, upstream) -> None:
+        """All curvature of this loss, given the calls ``upstream`` (``propagate.module_outputs``
+        of its input)."""
         module, output, target = self.loss.module, self.loss.output, self.loss.target
         rule = loss_rule_for(module)
         rule.check(module, output.detach(), target)
-        upstream = module_outputs(output)
         calls, self.batched = upstream.calls, upstream.batchable
         self.bp.watch_broadcasts(calls)
         for record in calls:

@@ -45,13 +45,16 @@ _COMPILED = {"CompiledFunctionBackward", "CompiledFunction"}
 
 class Upstream:
     """The extended-module calls upstream of a root: ``calls[record] = [(output index, edge)]``,
-    whether columns may be propagated batched, and a key of the graph's structure (``None``
-    where the graph indexes by data, so that what holds for one batch need not for the next)."""
+    whether columns may be propagated batched, a key of the graph's structure (``None``
+    where the graph indexes by data, so that what holds for one batch need not for the next),
+    and ``foreign``: the parameters it reaches that no extended module owns."""
 
-    def __init__(self, calls, batchable: bool, signature: Optional[Tuple]):
+    def __init__(self, calls, batchable: bool, signature: Optional[Tuple], foreign=()):
         self.calls: Dict[object, List[Tuple[int, GradientEdge]]] = calls
         self.batchable = batchable
         self.signature = signature
+        self.foreign = list(foreign)
+        self.indexes_inside = False  # see ``_indexes_inside``
 
 
 def module_outputs(root) -> Upstream:
@@ -59,7 +62,7 @@ def module_outputs(root) -> Upstream:
     found: Dict[object, List[Tuple[int, GradientEdge]]] = defaultdict(list)
     consumers = defaultdict(list)
     start = root.grad_fn if isinstance(root, torch.Tensor) else root
-    stack, seen, batchable, kinds = [start], set(), True, []
+    stack, seen, batchable, kinds, foreign = [start], set(), True, [], []
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -74,6 +77,10 @@ def module_outputs(root) -> Upstream:
                 "with torch.compile"
             )
         kinds.append(kind)
+        if kind == "AccumulateGrad":
+            leaf = node.variable
+            if isinstance(leaf, torch.nn.Parameter) and not getattr(leaf, "_curvopt_checked", 0):
+                foreign.append(leaf)
         batchable = batchable and kind not in _NO_BATCHING_RULE
         for record, index, output_nr in records_on(node):
             found[record].append((index, GradientEdge(node, output_nr)))
@@ -90,7 +97,26 @@ def module_outputs(root) -> Upstream:
                 found[record] = [(index, record.broadcast.edge)]
                 kinds.append(("broadcast", token(record.module)))
     by_data = any(kind in _DATA_INDEXING for kind in kinds if isinstance(kind, str))
-    return Upstream(found, batchable, None if by_data else tuple(kinds))
+    upstream = Upstream(found, batchable, None if by_data else tuple(kinds), foreign)
+    upstream.indexes_inside = by_data and _indexes_inside(found)
+    return upstream
+
+
+def _indexes_inside(found) -> bool:
+    """Whether an op that picks entries by data lies upstream of a module call's output, i.e.
+    inside the model, where it may mix samples (``h[perm]``), rather than between the model and
+    the loss (``logits[mask]``)."""
+    stack = [edge.node for edges in found.values() for _, edge in edges]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ in _DATA_INDEXING:
+            return True
+        stack.extend(fn for fn, _ in node.next_functions)
+    return False
 
 
 def backpropagate(outputs, edges, columns: torch.Tensor, batched: bool):

@@ -139,11 +139,13 @@ class Record:
                     "the module inputs were released after the first pass)"
                 )
             return
+        bp = None if STATE.collecting is None else STATE.collecting.backward_pass()
         try:
-            if STATE.collecting is not None:
-                STATE.collecting.backward_pass().on_module(self, grads)
+            if bp is not None:
+                bp.on_module(self, grads)
         finally:
-            self.release()
+            if bp is None or not bp.ignored:  # an ignored pass leaves the graph usable
+                self.release()
 
 
 class LossRecord:
@@ -165,11 +167,13 @@ class LossRecord:
     def on_grad(self, grad):
         if STATE.suspended or self.args is None:
             return
+        bp = None if STATE.collecting is None else STATE.collecting.backward_pass()
         try:
-            if STATE.collecting is not None:
-                STATE.collecting.backward_pass().on_loss(self, grad)
+            if bp is not None:
+                bp.on_loss(self, grad)
         finally:
-            self.args = self.kwargs = None
+            if bp is None or not bp.ignored:
+                self.args = self.kwargs = None
 
 
 @dataclass
