@@ -86,40 +86,58 @@ class BackwardPass:
         self.failed = False
         self.ignored = False  # the pass accumulates into no parameter it reaches
         self.skipped: Dict[int, bool] = {}  # id(p): the pass does not accumulate into p.grad
+        self.walked: set = set()  # autograd nodes whose upstream ``_reaches`` has walked
         Variable._execution_engine.queue_callback(self._finish)
 
     def _skips(self, p) -> bool:
         """Whether this pass leaves ``p.grad`` alone (``torch.autograd.grad``, ``backward(inputs=
-        ...)`` without ``p``): the engine will not run ``p``'s gradient accumulator."""
+        ...)`` without ``p``): ``p``'s gradient accumulator is in the graph, but the engine will
+        not run it. (A parameter outside the graph, unused in this pass, is not skipped: it gets
+        zeros, as its module's output gradient says.)"""
         key = id(p)
         skip = self.skipped.get(key)
         if skip is None:
             with torch.enable_grad():
                 accumulator = p.view_as(p).grad_fn.next_functions[0][0]
             try:
-                skip = not torch._C._will_engine_execute_node(accumulator)
+                skip = not torch._C._will_engine_execute_node(accumulator) and self._reaches(
+                    accumulator
+                )
             except RuntimeError:  # p is an input of torch.autograd.grad
                 skip = True
             self.skipped[key] = skip
         return skip
 
-    def _ignores(self, modules) -> bool:
+    def _reaches(self, node) -> bool:
+        """Whether ``node`` lies upstream of the autograd node running now (the graph is walked
+        once per pass, incrementally: a node seen before had its whole upstream walked)."""
+        stack = [torch._C._current_autograd_node()]
+        while stack:
+            current = stack.pop()
+            if current is None or current in self.walked:
+                continue
+            self.walked.add(current)
+            stack.extend(fn for fn, _ in current.next_functions)
+        return node in self.walked
+
+    def _skips_all(self, modules) -> bool:
         """The pass accumulates into none of the trainable parameters of ``modules`` (and there
-        is one): ignore it."""
-        if not self.ignored:
-            skips = [self._skips(p) for m in modules for _, p in trainable(m)]
-            self.ignored = bool(skips) and all(skips)
-        return self.ignored
+        is one)."""
+        skips = [self._skips(p) for m in modules for _, p in trainable(m)]
+        return bool(skips) and all(skips)
 
     # ---------------------------------------------------------------- hooks
-    def on_loss(self, record, grad) -> None:
-        """The gradient reached an extended loss: check it, then compute all curvature."""
-        if self.failed or self.ignored:
-            return
+    def on_loss(self, record, grad) -> bool:
+        """The gradient reached an extended loss: check it, then compute all curvature. False
+        where the pass is ignored (the loss's record stays for another pass)."""
+        if self.failed:
+            return True
+        if self.ignored:
+            return False
         try:
             check_reduction(record.module)
             if not (self.second_order_exts or self.attrs):
-                return
+                return True
             upstream = module_outputs(record.output)
             if not upstream.calls and upstream.foreign:
                 raise UnsupportedModuleError(
@@ -129,8 +147,17 @@ class BackwardPass:
                     "so curvopt cannot compute anything for them; extend the model too: "
                     "model = curvopt.extend(model)"
                 )
-            if self._ignores(r.module for r in upstream.calls):
-                return
+            if self._skips_all(r.module for r in upstream.calls):
+                self.ignored = True
+                return False
+            if upstream.reentrant and self.second_order_exts:
+                raise UnsupportedModuleError(
+                    "curvopt cannot propagate curvature through "
+                    "torch.utils.checkpoint(..., use_reentrant=True): the checkpointed segment "
+                    "is rebuilt inside its own backward, out of reach of the loss's columns; "
+                    "use torch.utils.checkpoint(..., use_reentrant=False) (first-order "
+                    "quantities work with either)"
+                )
             self.loss_seen = True
             if self.second_order_exts:
                 cpass = CurvaturePass(self, record, grad)
@@ -141,6 +168,7 @@ class BackwardPass:
         except BaseException:
             self._abort()
             raise
+        return True
 
     def _check_layout(self, record, upstream) -> None:
         """First order under an extended loss: the loss rows map onto the model's samples
@@ -153,7 +181,9 @@ class BackwardPass:
         self.watch_broadcasts(upstream.calls)
         # not for logits[mask] & co: the rows need not map onto samples as the shapes suggest;
         # an index inside the model (mixup by h[perm]) is probed, on every pass
-        if upstream.calls and (upstream.signature is not None or upstream.indexes_inside):
+        # (not through a reentrant checkpoint, which refuses torch.autograd.grad)
+        probe = upstream.signature is not None or upstream.indexes_inside
+        if upstream.calls and probe and not upstream.reentrant:
             output = record.output
             establish(
                 output,
@@ -191,14 +221,19 @@ class BackwardPass:
                     b if a is None else a if b is None else a + b for a, b in zip(old, new)
                 ]
 
-    def on_module(self, record, grads) -> None:
-        if self.failed or self.ignored or self._ignores((record.module,)):
-            return
+    def on_module(self, record, grads) -> bool:
+        """One module call's output gradient. False where the pass leaves the call alone (it
+        accumulates into none of its parameters): its record stays for another pass."""
+        if self.failed:
+            return True
+        if self.ignored or self._skips_all((record.module,)):
+            return False
         try:
             self._on_module(record, grads)
         except BaseException:
             self._abort()
             raise
+        return True
 
     def _on_module(self, record, grads) -> None:
         module = record.module

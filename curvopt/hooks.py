@@ -15,7 +15,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from curvopt.layers import rule_for
 from curvopt.params import EXTENDED, owned, owned_parameters
-from curvopt.records import LossRecord, Record, output_tensors
+from curvopt.records import LossRecord, Record, anchor, output_tensors
 from curvopt.state import STATE
 
 __all__ = ["extend", "is_extended", "Record"]
@@ -32,11 +32,14 @@ def _module_forward_hook(module, args, kwargs, output):
     if not outputs:
         return
     rule = rule_for(module)
-    record = Record(module, args, kwargs, outputs, rule.batch_dim(module), rule.positionwise)
-    if len(outputs) == 1:
-        outputs[0].register_hook(record.on_grad)
+    anchors = [anchor(t, (*args, *kwargs.values())) for t in outputs]
+    record = Record(
+        module, args, kwargs, outputs, rule.batch_dim(module), rule.positionwise, anchors
+    )
+    if len(anchors) == 1:
+        anchors[0].register_hook(record.on_grad)
     else:
-        register_multi_grad_hook(outputs, record.on_grads, mode="all")
+        register_multi_grad_hook(anchors, record.on_grads, mode="all")
 
 
 def _loss_forward_hook(module, args, kwargs, output):

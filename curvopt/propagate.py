@@ -39,6 +39,9 @@ _DATA_INDEXING = {
     "TakeBackward0",
     "MaskedScatterBackward0",
 }
+#: ``torch.utils.checkpoint(use_reentrant=True)``: the segment's graph exists only while this
+#: node runs (recomputed inside it), and it refuses ``torch.autograd.grad``
+_REENTRANT = "CheckpointFunctionBackward"
 #: backward nodes of graphs compiled by ``torch.compile``, whose ops columns cannot pass
 _COMPILED = {"CompiledFunctionBackward", "CompiledFunction"}
 
@@ -55,6 +58,7 @@ class Upstream:
         self.signature = signature
         self.foreign = list(foreign)
         self.indexes_inside = False  # see ``_indexes_inside``
+        self.reentrant = False  # a reentrant checkpoint lies upstream (see ``_REENTRANT``)
 
 
 def module_outputs(root) -> Upstream:
@@ -63,6 +67,7 @@ def module_outputs(root) -> Upstream:
     consumers = defaultdict(list)
     start = root.grad_fn if isinstance(root, torch.Tensor) else root
     stack, seen, batchable, kinds, foreign = [start], set(), True, [], []
+    reentrant = False
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -77,6 +82,9 @@ def module_outputs(root) -> Upstream:
                 "with torch.compile"
             )
         kinds.append(kind)
+        if kind == _REENTRANT:
+            reentrant = True
+            continue  # nothing upstream can be reached by columns
         if kind == "AccumulateGrad":
             leaf = node.variable
             if isinstance(leaf, torch.nn.Parameter) and not getattr(leaf, "_curvopt_checked", 0):
@@ -99,6 +107,7 @@ def module_outputs(root) -> Upstream:
     by_data = any(kind in _DATA_INDEXING for kind in kinds if isinstance(kind, str))
     upstream = Upstream(found, batchable, None if by_data else tuple(kinds), foreign)
     upstream.indexes_inside = by_data and _indexes_inside(found)
+    upstream.reentrant = reentrant
     return upstream
 
 
@@ -163,6 +172,8 @@ def to_calls(root, calls, columns: torch.Tensor, batched: bool):
             v = columns if (edge.node, edge.output_nr) == root_edge else next(back)
             if v is not None and record.broadcast is not None:
                 v = record.broadcast.per_sample(v)
+            else:
+                v = record.shaped(index, v, columns=True)
             if v is not None and record.transposed:
                 v = v.movedim(2, 1)
             outs[record][index] = v
