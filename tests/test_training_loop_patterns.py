@@ -502,3 +502,38 @@ def test_model_not_extended_raises_naming_the_fix(extension):
         with curvopt.collect(extension()):
             lossfunc(model(x), y).backward()
     assert_no_attributes(model)
+
+
+# ------------------------------------------------------------------ item 7: positionwise, [T, N]
+class _Positionwise(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin, self.head = nn.Embedding(7, 4), nn.Linear(4, 4), nn.Linear(4, 7)
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.lin(self.emb(idx))))
+
+
+@pytest.mark.parametrize("length", [5, N])
+def test_sequence_first_positionwise_model_declared(length):
+    """Embedding -> Linear -> head on ``[T, N]`` with flattened rows has nothing that tells
+    ``T`` from ``N``; declared with ``extend(model, sequence_first=True)`` every per-sample
+    quantity has ``N`` rows and equals the reference."""
+    torch.manual_seed(0)
+    plain = _Positionwise().to(DT)
+    model = curvopt.extend(copy.deepcopy(plain), sequence_first=True)
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    idx, y = torch.randint(0, 7, (length, N)), torch.randint(0, 7, (length, N))
+
+    def loss_on(out, target):
+        return CE(out.reshape(-1, 7), target.reshape(-1))
+
+    with curvopt.collect(ext.BatchGrad(), ext.DiagGGNExact(), ext.BatchDiagGGNExact()):
+        lossfunc(model(idx).reshape(-1, 7), y.reshape(-1)).backward()
+    grads = per_sample_grads_loop(plain, loss_on, idx, y, in_dim=1, out_dim=1)
+    blocks, per_sample = ggn_reference(plain, loss_on, idx, y, out_dim=1)
+    for name, p in model.named_parameters():
+        assert p.grad_batch.shape[0] == N, name
+        assert_close(p.grad_batch, grads[name], name)
+        assert_close(p.diag_ggn_exact, _diag(blocks, p, name), name)
+        assert_close(p.diag_ggn_exact_batch, per_sample[name], name)
