@@ -33,7 +33,7 @@ def _module_forward_hook(module, args, kwargs, output):
     if not outputs:
         return
     rule = rule_for(module)
-    anchors = [anchor(t, (*args, *kwargs.values())) for t in outputs]
+    anchors = [anchor(outputs[0], (*args, *kwargs.values()))] if len(outputs) == 1 else outputs
     record = Record(
         module, args, kwargs, outputs, rule.batch_dim(module), rule.positionwise, anchors
     )
