@@ -311,8 +311,9 @@ class BackwardPass:
                 f"{self.batch_size}; per-sample quantities need the batch dimension kept intact "
                 "(do not fold other dims into it before a layer with parameters; sequence-first "
                 "models: extend the loss module too, so that curvopt can find the batch, declare "
-                "curvopt.extend(model, sequence_first=True), or use batch_first=True; a module called without the batch whose output "
-                "is added to every sample, such as position embeddings of a shared arange(T): "
+                "curvopt.extend(model, sequence_first=True), or use batch_first=True; a module "
+                "called without the batch whose output is added to every sample, such as "
+                "position embeddings of a shared arange(T): "
                 "extend the loss module too, curvopt.extend(lossfunc), so that curvopt can "
                 "follow the broadcast, or index them per sample, "
                 "pos_emb(torch.arange(T).expand(N, T)))",

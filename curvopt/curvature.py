@@ -34,6 +34,8 @@ from curvopt.rows import establish
 
 #: bound on the elements of propagated columns held at once (all module outputs together)
 _COLUMN_BUDGET = 1 << 25
+
+
 def check_reduction(loss_module) -> None:
     if getattr(loss_module, "reduction", None) == "none":
         raise UnsupportedLossError(

@@ -99,7 +99,9 @@ def is_extended(obj) -> bool:
     return getattr(obj, _HOOKED, False)
 
 
-def extend(module: nn.Module, name: Optional[str] = None, sequence_first: bool = False) -> nn.Module:
+def extend(
+    module: nn.Module, name: Optional[str] = None, sequence_first: bool = False
+) -> nn.Module:
     """Install curvopt's hooks on ``module`` (a model, any submodule, or a loss) and return it.
 
     Idempotent. An extended model computes exactly what the plain model computes; the hooks only

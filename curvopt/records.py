@@ -38,8 +38,9 @@ def token(module) -> int:
 def anchor(t: torch.Tensor, inputs=()) -> torch.Tensor:
     """Where the gradient of a module's only output is read: ``t`` itself, or, for a reshaped
     view of a tensor the call made (``nn.Linear`` on ``[N, T, D]`` returns a view of
-    ``[N T, out]``), its base. The view's autograd node leaves the graph when the output is modified in place
-    (``h.relu_()``, ``h += 1``); the base's node stays, and sees the gradient before the change."""
+    ``[N T, out]``), its base. The view's autograd node leaves the graph when the output is
+    modified in place (``h.relu_()``, ``h += 1``); the base's node stays, and sees the gradient
+    before the change."""
     base = t._base if t._is_view() else None
     if (
         base is None

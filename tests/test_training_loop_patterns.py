@@ -136,7 +136,7 @@ def test_adversarial_closure_steps_like_the_training_pass_alone(optimizer):
         else:
             opt = curvopt.optim.VarianceAdaptedSGD(model.parameters(), lr=0.1)
 
-        def closure(model=model, lossfunc=lossfunc, attack=attack):
+        def closure(model=model, lossfunc=lossfunc, attack=attack, opt=opt):
             opt.zero_grad()
             if attack:  # recompute the attack inside the closure
                 xr = x.detach().requires_grad_(True)
