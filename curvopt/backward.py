@@ -13,6 +13,14 @@ Checks that keep the numbers honest, each raising before anything is written:
 * for curvature, each module's output gradient is what the extended losses send it (nothing
   from other terms of the objective), and the loss rows map onto the model's samples
   (``rows``).
+
+The checks run on every pass (a term whose weight is zero on one pass may not be on the next).
+
+Only gradient that is accumulated into ``p.grad`` counts: a pass that does not accumulate into a
+parameter (``torch.autograd.grad``, e.g. the input gradient of an adversarial attack, or
+``backward(inputs=...)`` without it) writes nothing for it, and a pass that accumulates into
+none of the parameters it reaches is ignored altogether (its module inputs stay, so a retained
+graph can still be backpropagated).
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import torch
 from torch.autograd import Variable
 
 from curvopt.buffers import empty_result
-from curvopt.curvature import CurvaturePass, check_reduction, mark_checked
+from curvopt.curvature import CurvaturePass, check_reduction
 from curvopt.errors import (
     MissingLossError,
     UnsupportedLossError,
@@ -91,7 +99,6 @@ class BackwardPass:
         self.suspects: list = []  # (p, sum_n g_n, grad, sum_n |g_n|) beyond the cheap bound
         self.compute_eps: Dict[int, float] = {}  # id(p): roundoff of autocast calls using p
         self.expected: Dict[object, list] = {}  # record: the extended losses' output gradients
-        self.checking: list = []  # graph structures this pass checks (see curvature.CHECKED)
         self.kron_uses: Dict[Tuple[int, str], dict] = {}  # (id(p), attr): {call: factors}
         self.out_index: Dict[Tuple[int, str], int] = {}
         self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
@@ -100,38 +107,108 @@ class BackwardPass:
         self.handles: list = []  # hooks on autograd nodes, removed when the pass ends
         self.upstream: list = []  # module calls upstream of the extended losses
         self.failed = False
-        self.walked = False  # the graph upstream was searched for broadcast calls
+        self.searched = False  # the graph upstream was searched for broadcast calls
+        self.ignored = False  # the pass accumulates into no parameter it reaches
+        self.untouched: Dict[int, bool] = {}  # id(p): the pass does not accumulate into p.grad
+        self.reached: set = set()  # autograd nodes whose upstream ``_reaches`` has walked
         Variable._execution_engine.queue_callback(self._finish)
 
+    def _skips(self, p) -> bool:
+        """Whether this pass leaves ``p.grad`` alone (``torch.autograd.grad``, ``backward(inputs=
+        ...)`` without ``p``): ``p``'s gradient accumulator is in the graph, but the engine will
+        not run it. (A parameter outside the graph, unused in this pass, is not skipped: it gets
+        zeros, as its module's output gradient says.)"""
+        key = id(p)
+        skip = self.untouched.get(key)
+        if skip is None:
+            with torch.enable_grad():
+                accumulator = p.view_as(p).grad_fn.next_functions[0][0]
+            try:
+                skip = not torch._C._will_engine_execute_node(accumulator) and self._reaches(
+                    accumulator
+                )
+            except RuntimeError:  # p is an input of torch.autograd.grad
+                skip = True
+            self.untouched[key] = skip
+        return skip
+
+    def _reaches(self, node) -> bool:
+        """Whether ``node`` lies upstream of the autograd node running now (the graph is walked
+        once per pass, incrementally: a node seen before had its whole upstream walked)."""
+        stack = [torch._C._current_autograd_node()]
+        while stack:
+            current = stack.pop()
+            if current is None or current in self.reached:
+                continue
+            self.reached.add(current)
+            stack.extend(fn for fn, _ in current.next_functions)
+        return node in self.reached
+
+    def _skips_all(self, modules) -> bool:
+        """The pass accumulates into none of the trainable parameters of ``modules`` (and there
+        is one)."""
+        skips = [self._skips(p) for m in modules for _, p in trainable(m)]
+        return bool(skips) and all(skips)
+
     # ---------------------------------------------------------------- hooks
-    def on_loss(self, record, grad) -> None:
-        """The gradient reached an extended loss: check it, then compute all curvature."""
+    def on_loss(self, record, grad) -> bool:
+        """The gradient reached an extended loss: check it, then compute all curvature. False
+        where the pass is ignored (the loss's record stays for another pass)."""
         if self.failed:
-            return
+            return True
+        if self.ignored:
+            return False
         try:
             check_reduction(record.module)
+            if not (self.second_order_exts or self.attrs):
+                return True
+            upstream = module_outputs(record.output)
+            if not upstream.calls and upstream.foreign:
+                raise UnsupportedModuleError(
+                    f"curvopt: the input of the extended loss {type(record.module).__name__} "
+                    f"depends on parameters (one of shape {tuple(upstream.foreign[0].shape)}) "
+                    "of modules that were not extended, "
+                    "so curvopt cannot compute anything for them; extend the model too: "
+                    "model = curvopt.extend(model)"
+                )
+            if self._skips_all(r.module for r in upstream.calls):
+                self.ignored = True
+                return False
+            if upstream.reentrant and self.second_order_exts:
+                raise UnsupportedModuleError(
+                    "curvopt cannot propagate curvature through "
+                    "torch.utils.checkpoint(..., use_reentrant=True): the checkpointed segment "
+                    "is rebuilt inside its own backward, out of reach of the loss's columns; "
+                    "use torch.utils.checkpoint(..., use_reentrant=False) (first-order "
+                    "quantities work with either)"
+                )
             self.loss_seen = True
             with _autocast_off():
                 if self.second_order_exts:
                     cpass = CurvaturePass(self, record, grad)
-                    cpass.run()
+                    cpass.run(upstream)
                     self.batch_size = self.batch_size or cpass.layout.samples
-                elif self.attrs:
-                    self._check_layout(record)
+                else:
+                    self._check_layout(record, upstream)
         except BaseException:
             self._abort()
             raise
+        return True
 
-    def _check_layout(self, record) -> None:
+    def _check_layout(self, record, upstream) -> None:
         """First order under an extended loss: the loss rows map onto the model's samples
-        (catches ops that mix samples; probes run once per graph structure, see ``rows``)."""
+        (catches ops that mix samples; probes run once per graph structure, see ``rows``, and on
+        every pass where the model indexes by data)."""
         try:
             elementwise = loss_rule_for(record.module).elementwise
         except UnsupportedLossError:
             return  # a loss without a curvature rule still gets first-order quantities
-        upstream = module_outputs(record.output)
         self.watch_broadcasts(upstream.calls)
-        if upstream.calls and upstream.signature is not None:  # not for logits[mask] & co
+        # not for logits[mask] & co: the rows need not map onto samples as the shapes suggest;
+        # an index inside the model (mixup by h[perm]) is probed, on every pass
+        # (not through a reentrant checkpoint, which refuses torch.autograd.grad)
+        probe = upstream.signature is not None or upstream.indexes_inside
+        if upstream.calls and probe and not upstream.reentrant:
             output = record.output
             establish(
                 output,
@@ -160,7 +237,7 @@ class BackwardPass:
         """First order without an extended loss (Hugging Face's ``labels=`` loss): at the first
         module hook, find the broadcast calls upstream of the node now running (the one that
         produced ``record``'s output), whose per-sample gradients still exist downstream."""
-        self.walked = True
+        self.searched = True
         node = torch._C._current_autograd_node()
         if node is None:
             return
@@ -169,11 +246,10 @@ class BackwardPass:
             record.broadcast = None  # its gradient has arrived already, summed or not
         self.watch_broadcasts([r for r in calls if r is not record])
 
-    def expect_gradients(self, calls, grads, signature) -> None:
+    def expect_gradients(self, grads) -> None:
         """Add one extended loss's share ``{record: [grad per output]}`` of the gradients the
-        module hooks will see, for a graph structure not checked before."""
-        self.checking.append(signature)
-        for record in calls:
+        module hooks will see."""
+        for record in grads:
             old = self.expected.get(record)
             new = grads[record]
             if old is None:
@@ -183,19 +259,24 @@ class BackwardPass:
                     b if a is None else a if b is None else a + b for a, b in zip(old, new)
                 ]
 
-    def on_module(self, record, grads) -> None:
+    def on_module(self, record, grads) -> bool:
+        """One module call's output gradient. False where the pass leaves the call alone (it
+        accumulates into none of its parameters): its record stays for another pass."""
         if self.failed:
-            return
+            return True
+        if self.ignored or self._skips_all((record.module,)):
+            return False
         try:
             with _autocast_off():
                 self._on_module(record, grads)
         except BaseException:
             self._abort()
             raise
+        return True
 
     def _on_module(self, record, grads) -> None:
         module = record.module
-        if not self.walked and not self.loss_seen and self.attrs:
+        if not self.searched and not self.loss_seen and self.attrs:
             self._watch_upstream(record)
         if record.broadcast is not None:
             grads = (record.broadcast.grad,)  # per sample, read downstream of the broadcast
@@ -211,8 +292,7 @@ class BackwardPass:
                     "computed by an extended loss module; wrap it, e.g. "
                     "lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())"
                 )
-            if self.checking:
-                self._check_expected(record, grads)
+            self._check_expected(record, grads)
         elif not self.attrs:
             return
         rule = rule_for(module)
@@ -221,13 +301,12 @@ class BackwardPass:
             raise module_error(module, reason)
         grad_out = grads[0] if len(grads) == 1 else grads
         call = record.call(grad_out)
-        params = trainable(module)
+        params = [(name, p) for name, p in trainable(module) if not self._skips(p)]
         self._note_precision(record, params)
         self.seen.update(id(p) for _, p in params)
         if not self.attrs:
-            if self.checking:
-                for name, p in params:
-                    self._add_total(p, rule, call, name, rule.grad_sum(call, name))
+            for name, p in params:
+                self._add_total(p, rule, call, name, rule.grad_sum(call, name))
             return
         self._check_batch_size(call)
         if self.shared is None:
@@ -260,11 +339,11 @@ class BackwardPass:
                 continue
             want = None if expected is None else expected[index]
             if want is None:
-                bad = bool(grad.any())
+                bad = grad.any()
             else:
-                scale = max(float(grad.abs().max()), float(want.abs().max()))
-                bad = float((grad - want).abs().max()) > 256 * _eps(grad, want) * scale
-            if bad:
+                scale = torch.maximum(grad.abs().max(), want.abs().max())
+                bad = (grad - want).abs().max() > 256 * _eps(grad, want) * scale
+            if bool(bad):  # one sync
                 raise module_error(
                     record.module,
                     "its output gradient does not come from the extended loss(es) alone: the "
@@ -284,9 +363,10 @@ class BackwardPass:
                 f"it sees {n} samples along dim {call.batch_dim} while other modules saw "
                 f"{self.batch_size}; per-sample quantities need the batch dimension kept intact "
                 "(do not fold other dims into it before a layer with parameters; sequence-first "
-                "models: extend the loss module too, so that curvopt can find the batch, or use "
-                "batch_first=True; a module called without the batch whose output "
-                "is added to every sample, such as position embeddings of a shared arange(T): "
+                "models: extend the loss module too, so that curvopt can find the batch, declare "
+                "curvopt.extend(model, sequence_first=True), or use batch_first=True; a module "
+                "called without the batch whose output is added to every sample, such as "
+                "position embeddings of a shared arange(T): "
                 "extend the loss module too, curvopt.extend(lossfunc), so that curvopt can "
                 "follow the broadcast, or index them per sample, "
                 "pos_emb(torch.arange(T).expand(N, T)))",
@@ -342,7 +422,9 @@ class BackwardPass:
         """``p``'s whole gradient of this pass. Its hook normally runs after those of all the
         module calls using ``p`` (a module whose outputs depend on each other is the
         exception), so the sum of per-sample gradients is checked at whichever comes last."""
-        if self.failed or not (self.attrs or self.second_order_exts):
+        if self.failed or self.ignored or not (self.attrs or self.second_order_exts):
+            return
+        if self._skips(p):
             return
         self.param_grads[id(p)] = (p, grad)
         if id(p) in self.totals:
@@ -359,9 +441,9 @@ class BackwardPass:
         """``sum_n g_n == grad``: a mismatch beyond the cheap bound
         ``|sum - grad| <= 64 eps max(|sum|, |grad|)`` is measured against the rounding bound
         ``8 eps (sum_n |g_n| + |grad|)`` before it raises."""
-        grad = self.param_grads[id(p)][1]
+        grad = _dense(self.param_grads[id(p)][1])
         uses, total = self.totals.pop(id(p))
-        if grad.is_sparse or not _off(total, grad, 64, self.compute_eps.get(id(p), 0.0)):
+        if not _off(total, grad, 64, self.compute_eps.get(id(p), 0.0)):
             return
         magnitude = sum(
             _reduce_in_chunks(rule, call, name, p.shape, {"abs_sum": True})["abs_sum"]
@@ -375,7 +457,9 @@ class BackwardPass:
         ``g_n`` when a parameter's gradient cancels to nearly zero); raises on a real gap."""
         if not self.suspects:
             return
-        largest = max(float(g.abs().max()) for _, g in self.param_grads.values() if g.numel())
+        largest = max(
+            float(_dense(g).abs().max()) for _, g in self.param_grads.values() if g.numel()
+        )
         for p, total, grad, magnitude in self.suspects:
             eps = max(_eps(total, grad), self.compute_eps.get(id(p), 0.0))
             tol = 8 * eps * (magnitude + grad.abs()) + 1000 * eps * largest
@@ -407,11 +491,11 @@ class BackwardPass:
         """Spot check of ``sum_n g_n == grad`` on evenly spread entries of materialised
         per-sample gradients (see :meth:`_check_sum`)."""
         for key, (p, grad) in self.param_grads.items():
-            if key not in self.batch_grads or grad.is_sparse:
+            if key not in self.batch_grads:
                 continue
             per_sample = self.batch_grads[key][1]
             batch = probe_columns(per_sample.reshape(len(per_sample), -1))  # 0-dim p: [N, 1]
-            grad = probe_columns(grad.reshape(1, -1))[0]
+            grad = probe_columns(_dense(grad).reshape(1, -1))[0]
             total = batch.sum(0)
             if _off(total, grad, 64, self.compute_eps.get(key, 0.0)):
                 self.suspects.append((p, total, grad, batch.abs().sum(0)))
@@ -509,11 +593,11 @@ class BackwardPass:
             if len(factors) > 1:
                 factors = [nearest_kronecker(factors, 1 - terms[0][1])]
             self.results[key] = (self.results[key][0], factors[0])
-        for signature in self.checking:
-            mark_checked(signature)
         if self.skip_into is not None:
             self.skip_into.update(self.skipped.values())
-        for (_, attr), (p, value) in self.results.items():
+        for (key, attr), (p, value) in self.results.items():
+            if self.untouched.get(key):
+                continue
             if attr == "variance":
                 value = acc.variance(p, *self.moments[id(p)])
             else:
@@ -553,6 +637,11 @@ class BackwardPass:
 
 def _name(p) -> str:
     return getattr(p, "_curvopt_path", f"of shape {tuple(p.shape)}")
+
+
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient (``nn.Embedding(sparse=True)``) as the dense tensor it stands for."""
+    return grad.coalesce().to_dense() if grad.is_sparse else grad
 
 
 def _off(total, grad, factor: float, eps: float = 0.0) -> bool:

@@ -49,6 +49,7 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
             by_attr[ext.attr] = ext
         self.extensions: Tuple[Extension, ...] = tuple(by_attr.values())
         self._pass: Optional[BackwardPass] = None
+        self._nested: set = set()  # autograd tasks run inside the current pass (see backward_pass)
         self._accumulator = Accumulator()
         if skip_unsupported not in (False, True, "diagonal"):
             raise ValueError(
@@ -79,10 +80,20 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
             )
         return False
 
-    def backward_pass(self) -> BackwardPass:
-        """The state of the backward pass now running, created at its first hook."""
+    def backward_pass(self, outer: Optional[int] = None) -> BackwardPass:
+        """The state of the backward pass now running, created at its first hook.
+
+        A backward run from inside another (``torch.utils.checkpoint(use_reentrant=True)``
+        backpropagates its recomputed segment in a nested autograd task) belongs to the
+        outer pass: ``outer`` is the task that ran the forward of the call asking."""
         task = torch._C._current_graph_task_id()
-        if self._pass is None or self._pass.task != task:
+        current = self._pass
+        if current is not None and task != current.task:
+            if outer is not None and outer == current.task:
+                self._nested.add(task)
+            if task in self._nested:
+                return current
+        if current is None or current.task != task:
             skipped = self.skipped if self.skip_unsupported else None
             self._pass = BackwardPass(
                 self.extensions,
@@ -91,4 +102,5 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
                 skipped,
                 diagonal=self.skip_unsupported == "diagonal",
             )
+            self._nested = set()
         return self._pass

@@ -8,14 +8,16 @@ columns to the output of every extended module (``propagate``), giving ``V = J_y
 and each module turns ``V`` and its saved input into diagonals or Kronecker factors. Any graph
 works: residual adds, functional ops, attention, reused modules.
 
-The same propagation carries the loss gradient itself, so the gradient hooks of the modules can
-check that nothing outside the extended losses contributes to their output gradients.
+The same propagation carries the loss gradient itself (one more column in the first chunk), so
+the gradient hooks of the modules can check, on every pass, that nothing outside the extended
+losses contributes to their output gradients: a term whose weight is zero on one pass (a penalty
+warmed up later) is caught on the pass where it is not.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 
 import torch
 
@@ -27,25 +29,11 @@ from curvopt.layers import rule_for
 from curvopt.layers.kron import kron_factors, output_factor_index
 from curvopt.losses import loss_rule_for
 from curvopt.params import trainable
-from curvopt.propagate import loss_gradient, module_outputs, to_calls
+from curvopt.propagate import loss_gradient, to_calls
 from curvopt.rows import establish
 
 #: bound on the elements of propagated columns held at once (all module outputs together)
 _COLUMN_BUDGET = 1 << 25
-#: graph structures whose passes were checked (output gradients from the extended losses
-#: alone, per-sample gradients summing to p.grad): later passes with the same structure skip
-#: those checks (``BackwardPass`` adds a key when such a pass has finished without error)
-CHECKED: "OrderedDict[object, None]" = OrderedDict()
-_CHECKED_SIZE = 256
-
-
-def mark_checked(signature) -> None:
-    if signature is None:  # a graph that indexes by data: checked on every pass
-        return
-    CHECKED[signature] = None
-    CHECKED.move_to_end(signature)
-    if len(CHECKED) > _CHECKED_SIZE:
-        CHECKED.popitem(last=False)
 
 
 def check_reduction(loss_module) -> None:
@@ -71,11 +59,12 @@ class CurvaturePass:
             )
         self.scale = math.sqrt(self.weight)
 
-    def run(self) -> None:
+    def run(self, upstream) -> None:
+        """All curvature of this loss, given the calls ``upstream`` (``propagate.module_outputs``
+        of its input)."""
         module, output, target = self.loss.module, self.loss.output, self.loss.target
         rule = loss_rule_for(module)
         rule.check(module, output.detach(), target)
-        upstream = module_outputs(output)
         calls, self.batched = upstream.calls, upstream.batchable
         self.bp.watch_broadcasts(calls)
         for record in calls:
@@ -85,8 +74,7 @@ class CurvaturePass:
         self.layout = establish(
             output, output.shape, calls, self.batched, upstream.signature, rule.elementwise
         )
-        if upstream.signature is None or upstream.signature not in CHECKED:
-            self.bp.expect_gradients(calls, self._propagate_gradient(calls), upstream.signature)
+        self.gradient = loss_gradient(self.loss, self.weight)  # carried by the first chunk
         groups = defaultdict(list)
         for ext in self.exts:
             if ext.attr == "kfra":
@@ -98,16 +86,20 @@ class CurvaturePass:
         hessian_exts = [e for e in self.exts if e.attr in ("diag_h", "diag_h_batch")]
         if hessian_exts:
             add_residuals(self, calls, hessian_exts)
+        if self.gradient is not None:  # no propagated columns (KFRA alone)
+            self._expect(to_calls(self.loss.output, calls, self.gradient[None], self.batched))
         if any(ext.attr == "kfra" for ext in self.exts):
             kfra(self, rule, calls)
 
-    def _propagate_gradient(self, calls):
-        """The loss's share of every module output gradient: ``{record: [grad per output]}``."""
-        g = loss_gradient(self.loss, self.weight)
-        outs = to_calls(self.loss.output, calls, g[None], self.batched)
-        return {
-            record: [None if v is None else v[0] for v in cols] for record, cols in outs.items()
-        }
+    def _expect(self, outs) -> None:
+        """Hand the last column of ``outs`` (the propagated loss gradient) to the backward pass
+        as this loss's share of every module output gradient; ``outs`` keeps the others."""
+        self.gradient = None
+        grads = {}
+        for record, cols in outs.items():
+            grads[record] = [None if v is None else v[-1] for v in cols]
+            outs[record] = [None if v is None else v[:-1] for v in cols]
+        self.bp.expect_gradients(grads)
 
     def columns(self, rule, source: str, mc_samples: int, chunk: int):
         """Chunks ``[k, *output.shape]`` of the (scaled) square-root factor, rows packed by
@@ -143,7 +135,12 @@ class CurvaturePass:
         kron_exts = [e for e in exts if e.attr in ("kfac", "kflr")]
         diag_exts = [e for e in exts if e not in kron_exts]
         for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
+            carry = self.gradient is not None
+            if carry:
+                cols = torch.cat([cols, self.gradient[None].to(cols.dtype)])
             outs = to_calls(self.loss.output, calls, cols, self.batched)
+            if carry:
+                self._expect(outs)
             if diag_exts:
                 add_diagonals(self.bp, calls, outs, diag_exts)
             for record in calls:

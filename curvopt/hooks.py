@@ -15,12 +15,13 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from curvopt.layers import rule_for
 from curvopt.params import EXTENDED, owned, owned_parameters
-from curvopt.records import LossRecord, Record, output_tensors
+from curvopt.records import LossRecord, Record, anchor, output_tensors
 from curvopt.state import STATE
 
 __all__ = ["extend", "is_extended", "Record"]
 
 _HOOKED = "_curvopt_hooked"
+_SEQUENCE_FIRST = "_curvopt_sequence_first"
 
 
 def _module_forward_hook(module, args, kwargs, output):
@@ -32,11 +33,16 @@ def _module_forward_hook(module, args, kwargs, output):
     if not outputs:
         return
     rule = rule_for(module)
-    record = Record(module, args, kwargs, outputs, rule.batch_dim(module), rule.positionwise)
-    if len(outputs) == 1:
-        outputs[0].register_hook(record.on_grad)
+    anchors = [anchor(outputs[0], (*args, *kwargs.values()))] if len(outputs) == 1 else outputs
+    record = Record(
+        module, args, kwargs, outputs, rule.batch_dim(module), rule.positionwise, anchors
+    )
+    if rule.positionwise and getattr(module, _SEQUENCE_FIRST, False) and outputs[0].dim() >= 3:
+        record.transposed = True  # declared: extend(model, sequence_first=True)
+    if len(anchors) == 1:
+        anchors[0].register_hook(record.on_grad)
     else:
-        register_multi_grad_hook(outputs, record.on_grads, mode="all")
+        register_multi_grad_hook(anchors, record.on_grads, mode="all")
 
 
 def _loss_forward_hook(module, args, kwargs, output):
@@ -62,8 +68,10 @@ def _parameter_hook(p: nn.Parameter):
     return check
 
 
-def _install(module: nn.Module, path: str) -> None:
+def _install(module: nn.Module, path: str, sequence_first: bool) -> None:
     rule = rule_for(module)
+    if sequence_first:
+        setattr(module, _SEQUENCE_FIRST, True)
     params = owned_parameters(module, rule.owns_children)
     for name, p in params.items():
         if p.requires_grad and not getattr(p, "_curvopt_checked", False):
@@ -80,7 +88,7 @@ def _install(module: nn.Module, path: str) -> None:
     if rule.owns_children:
         return
     for name, child in module.named_children():
-        _install(child, f"{path}.{name}" if path else name)
+        _install(child, f"{path}.{name}" if path else name, sequence_first)
 
 
 def is_extended(obj) -> bool:
@@ -91,16 +99,24 @@ def is_extended(obj) -> bool:
     return getattr(obj, _HOOKED, False)
 
 
-def extend(module: nn.Module, name: Optional[str] = None) -> nn.Module:
+def extend(
+    module: nn.Module, name: Optional[str] = None, sequence_first: bool = False
+) -> nn.Module:
     """Install curvopt's hooks on ``module`` (a model, any submodule, or a loss) and return it.
 
     Idempotent. An extended model computes exactly what the plain model computes; the hooks only
     act inside :func:`curvopt.collect`.
+
+    ``sequence_first=True`` declares that the positionwise layers (``Linear``, ``Embedding``,
+    norms) see ``[T, N, ...]``: their batch is dim 1. curvopt finds that by itself where a layer
+    with a fixed batch dim (``MultiheadAttention(batch_first=False)``, a convolution) or a
+    broadcast position embedding anchors the batch; a model made of positionwise layers only
+    has nothing to tell ``[T, N]`` from ``[N, T]``, and is read batch-first unless declared.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"curvopt.extend expects a torch.nn.Module, got {type(module).__name__}")
     if isinstance(module, nn.modules.loss._Loss):
         _hook(module, name or "", _loss_forward_hook)
         return module
-    _install(module, name or "")
+    _install(module, name or "", sequence_first)
     return module

@@ -16,7 +16,7 @@ from torch.autograd.graph import GradientEdge
 
 from curvopt.broadcast import find
 from curvopt.errors import UnsupportedModuleError
-from curvopt.records import records_on
+from curvopt.records import records_on, token
 from curvopt.state import STATE
 
 #: backward ops that ``vmap`` runs sample by sample (no batching rule in PyTorch): graphs with
@@ -39,19 +39,26 @@ _DATA_INDEXING = {
     "TakeBackward0",
     "MaskedScatterBackward0",
 }
+#: ``torch.utils.checkpoint(use_reentrant=True)``: the segment's graph exists only while this
+#: node runs (recomputed inside it), and it refuses ``torch.autograd.grad``
+_REENTRANT = "CheckpointFunctionBackward"
 #: backward nodes of graphs compiled by ``torch.compile``, whose ops columns cannot pass
 _COMPILED = {"CompiledFunctionBackward", "CompiledFunction"}
 
 
 class Upstream:
     """The extended-module calls upstream of a root: ``calls[record] = [(output index, edge)]``,
-    whether columns may be propagated batched, and a key of the graph's structure (``None``
-    where the graph indexes by data, so that what holds for one batch need not for the next)."""
+    whether columns may be propagated batched, a key of the graph's structure (``None``
+    where the graph indexes by data, so that what holds for one batch need not for the next),
+    and ``foreign``: the parameters it reaches that no extended module owns."""
 
-    def __init__(self, calls, batchable: bool, signature: Optional[Tuple]):
+    def __init__(self, calls, batchable: bool, signature: Optional[Tuple], foreign=()):
         self.calls: Dict[object, List[Tuple[int, GradientEdge]]] = calls
         self.batchable = batchable
         self.signature = signature
+        self.foreign = list(foreign)
+        self.indexes_inside = False  # see ``_indexes_inside``
+        self.reentrant = False  # a reentrant checkpoint lies upstream (see ``_REENTRANT``)
 
 
 def module_outputs(root) -> Upstream:
@@ -59,7 +66,8 @@ def module_outputs(root) -> Upstream:
     found: Dict[object, List[Tuple[int, GradientEdge]]] = defaultdict(list)
     consumers = defaultdict(list)
     start = root.grad_fn if isinstance(root, torch.Tensor) else root
-    stack, seen, batchable, kinds = [start], set(), True, []
+    stack, seen, batchable, kinds, foreign = [start], set(), True, [], []
+    reentrant = False
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -74,10 +82,17 @@ def module_outputs(root) -> Upstream:
                 "with torch.compile"
             )
         kinds.append(kind)
+        if kind == _REENTRANT:
+            reentrant = True
+            continue  # nothing upstream can be reached by columns
+        if kind == "AccumulateGrad":
+            leaf = node.variable
+            if isinstance(leaf, torch.nn.Parameter) and not getattr(leaf, "_curvopt_checked", 0):
+                foreign.append(leaf)
         batchable = batchable and kind not in _NO_BATCHING_RULE
         for record, index, output_nr in records_on(node):
             found[record].append((index, GradientEdge(node, output_nr)))
-            kinds.append((id(record.module), index, record.out_shapes))
+            kinds.append((token(record.module), index, record.out_shapes))
         for fn, nr in node.next_functions:
             if fn is not None:
                 consumers[(fn, nr)].append(node)
@@ -88,9 +103,29 @@ def module_outputs(root) -> Upstream:
             record.broadcast = find(edge.node, edge.output_nr, record.out_shapes[0], consumers)
             if record.broadcast is not None:
                 found[record] = [(index, record.broadcast.edge)]
-                kinds.append(("broadcast", id(record.module)))
+                kinds.append(("broadcast", token(record.module)))
     by_data = any(kind in _DATA_INDEXING for kind in kinds if isinstance(kind, str))
-    return Upstream(found, batchable, None if by_data else tuple(kinds))
+    upstream = Upstream(found, batchable, None if by_data else tuple(kinds), foreign)
+    upstream.indexes_inside = by_data and _indexes_inside(found)
+    upstream.reentrant = reentrant
+    return upstream
+
+
+def _indexes_inside(found) -> bool:
+    """Whether an op that picks entries by data lies upstream of a module call's output, i.e.
+    inside the model, where it may mix samples (``h[perm]``), rather than between the model and
+    the loss (``logits[mask]``)."""
+    stack = [edge.node for edges in found.values() for _, edge in edges]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ in _DATA_INDEXING:
+            return True
+        stack.extend(fn for fn, _ in node.next_functions)
+    return False
 
 
 def backpropagate(outputs, edges, columns: torch.Tensor, batched: bool):
@@ -137,6 +172,8 @@ def to_calls(root, calls, columns: torch.Tensor, batched: bool):
             v = columns if (edge.node, edge.output_nr) == root_edge else next(back)
             if v is not None and record.broadcast is not None:
                 v = record.broadcast.per_sample(v)
+            else:
+                v = record.shaped(index, v, columns=True)
             if v is not None and record.transposed:
                 v = v.movedim(2, 1)
             outs[record][index] = v

@@ -9,6 +9,7 @@ call upstream of a tensor. The gradient hook on the output completes the record 
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple, Union
 
@@ -21,6 +22,36 @@ from curvopt.state import STATE
 #: key of the autograd-node metadata listing the module calls whose output the node produced
 _METADATA = "curvopt"
 _SEQUENCE = itertools.count()
+_TOKENS: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+_TOKEN_COUNT = itertools.count()
+
+
+def token(module) -> int:
+    """A number naming ``module`` in cache keys, never reused by another module (``id`` is,
+    once a module is freed: fresh models in a sweep)."""
+    value = _TOKENS.get(module)
+    if value is None:
+        value = _TOKENS[module] = next(_TOKEN_COUNT)
+    return value
+
+
+def anchor(t: torch.Tensor, inputs=()) -> torch.Tensor:
+    """Where the gradient of a module's only output is read: ``t`` itself, or, for a reshaped
+    view of a tensor the call made (``nn.Linear`` on ``[N, T, D]`` returns a view of
+    ``[N T, out]``), its base. The view's autograd node leaves the graph when the output is
+    modified in place (``h.relu_()``, ``h += 1``); the base's node stays, and sees the gradient
+    before the change."""
+    base = t._base if t._is_view() else None
+    if (
+        base is None
+        or base.grad_fn is None
+        or base.numel() != t.numel()
+        or base.storage_offset() != t.storage_offset()
+        or not (t.is_contiguous() and base.is_contiguous())
+        or any(base is x for x in inputs)
+    ):
+        return t
+    return base
 
 
 def records_on(node) -> List[Tuple["Record", int, int]]:
@@ -49,9 +80,10 @@ class Record:
         "broadcast",
         "positionwise",
         "transposed",
+        "outer",
     )
 
-    def __init__(self, module, args, kwargs, outputs, batch_dim, positionwise=False):
+    def __init__(self, module, args, kwargs, outputs, batch_dim, positionwise=False, anchors=None):
         self.args = None  # set last: ``release`` must work on a half-built record
         self.module, self.kwargs = module, kwargs
         self.out_shapes = tuple(t.shape for t in outputs)
@@ -61,9 +93,15 @@ class Record:
         self.broadcast = None
         self.positionwise = positionwise
         self.transposed = False  # the batch is dim 1 of a positionwise call (sequence-first)
+        #: the backward pass that runs this call's forward (a reentrant checkpoint recomputing
+        #: its segment), whose state its gradient belongs to; None for an ordinary forward
+        self.outer = None
+        if STATE.collecting is not None:
+            task = torch._C._current_graph_task_id()
+            self.outer = None if task < 0 else task
         module._curvopt_live += 1
         self.args = args
-        for index, t in enumerate(outputs):
+        for index, t in enumerate(outputs if anchors is None else anchors):
             if t.grad_fn is not None:
                 t.grad_fn.metadata.setdefault(_METADATA, []).append((self, index, t.output_nr))
 
@@ -125,9 +163,18 @@ class Record:
     def on_grads(self, grads):
         self._dispatch(tuple(grads))
 
+    def shaped(self, index: int, grad, columns: bool = False):
+        """``grad`` read at the anchor of output ``index`` (see :func:`anchor`) in the output's
+        shape (``[k, *anchor] -> [k, *out]`` for ``columns``)."""
+        shape = self.out_shapes[index]
+        if grad is None or grad.shape[int(columns) :] == shape:
+            return grad
+        return grad.reshape(*grad.shape[: int(columns)], *shape)
+
     def _dispatch(self, grads):
         if STATE.suspended:
             return
+        grads = tuple(self.shaped(i, g) for i, g in enumerate(grads))
         if self.args is None:
             if STATE.collecting is not None:
                 raise GraphReuseError(
@@ -137,11 +184,13 @@ class Record:
                     "the module inputs were released after the first pass)"
                 )
             return
+        used = True  # False: a pass that leaves this call alone, for another pass to use
         try:
             if STATE.collecting is not None:
-                STATE.collecting.backward_pass().on_module(self, grads)
+                used = STATE.collecting.backward_pass(self.outer).on_module(self, grads)
         finally:
-            self.release()
+            if used:
+                self.release()
 
 
 class LossRecord:
@@ -163,11 +212,13 @@ class LossRecord:
     def on_grad(self, grad):
         if STATE.suspended or self.args is None:
             return
+        used = True
         try:
             if STATE.collecting is not None:
-                STATE.collecting.backward_pass().on_loss(self, grad)
+                used = STATE.collecting.backward_pass().on_loss(self, grad)
         finally:
-            self.args = self.kwargs = None
+            if used:
+                self.args = self.kwargs = None
 
 
 @dataclass

@@ -96,10 +96,12 @@ def test_unextended_loss_term_raises():
             (lossfunc(out, y) + F.cross_entropy(out, y)).backward()
 
 
+@pytest.mark.parametrize("split", [3, 4])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_micro_batches_accumulate_like_one_batch(reduction):
+def test_micro_batches_accumulate_like_one_batch(reduction, split):
     """Two backward passes in one collect equal one pass over the concatenated batch (the
-    micro-batch losses scaled so that they sum to the full-batch loss)."""
+    micro-batch losses scaled so that they sum to the full-batch loss); unequal micro-batches
+    (4 + 2) weight the input-side Kronecker factors by their sizes."""
     plain = _mlp()
     x, y = _data()
     attrs = [
@@ -137,9 +139,10 @@ def test_micro_batches_accumulate_like_one_batch(reduction):
     assert parts[0].weight.grad_batch.shape[0] == 2
     parts, lossfunc = _extended(plain)
     lossfunc.reduction = reduction
+    first, second = (split / N, 1 - split / N) if reduction == "mean" else (1.0, 1.0)
     with curvopt.collect(*exts):
-        (weight * lossfunc(parts(x[:3]), y[:3])).backward()
-        (weight * lossfunc(parts(x[3:]), y[3:])).backward()
+        (first * lossfunc(parts(x[:split]), y[:split])).backward()
+        (second * lossfunc(parts(x[split:]), y[split:])).backward()
     for (name, p), q in zip(whole.named_parameters(), parts.parameters()):
         assert_close(q.grad, p.grad, f"{name}.grad")
         for attr in attrs:
@@ -514,3 +517,95 @@ def test_loss_on_rows_selected_by_data_or_a_prefix(case):
         for name, p in model.named_parameters():
             assert_close(p.diag_ggn_exact, torch.diagonal(blocks[name]).reshape(p.shape), name)
             assert_close(p.grad_batch, grads[name], name)
+
+
+# ------------------------------------------------------------------ every probe, every key counts
+class _HalfFeedsHalf(nn.Module):
+    """One half of the batch also feeds the other: sample ``n`` and ``n ± N/2`` differ only in
+    the top bit of the sample index, and the leak goes one way, so only the top bit's probe on
+    one of its two sides sees it."""
+
+    def __init__(self, upper_into_lower):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+        self.upper_into_lower = upper_into_lower
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        half = h.shape[0] // 2
+        low, high = h[:half], h[half:]
+        if self.upper_into_lower:
+            low = low + 0.5 * high
+        else:
+            high = high + 0.5 * low
+        return self.b(torch.cat([low, high]))
+
+
+@pytest.mark.parametrize("upper_into_lower", [True, False])
+@pytest.mark.parametrize("extension", [ext.BatchGrad, ext.DiagGGNExact, ext.BatchDiagGGNExact])
+def test_mixing_seen_only_by_the_top_bit_on_one_side_raises(upper_into_lower, extension):
+    torch.manual_seed(0)
+    model = curvopt.extend(_HalfFeedsHalf(upper_into_lower).to(DT))
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    x, y = _data(8)
+    with pytest.raises(UnsupportedModuleError, match="which of the 8 samples"):
+        with curvopt.collect(extension()):
+            lossfunc(model(x), y).backward()
+    assert_no_attributes(model)
+
+
+def test_row_layout_follows_the_loss_input_shape():
+    """One graph structure, the loss input reshaped two ways (``[N T, C]`` rows and
+    ``[N, T C]``) on alternate passes: the verified row layout is keyed by that shape too."""
+    torch.manual_seed(0)
+    plain = _mlp()
+    model = curvopt.extend(_copy(plain))
+    lossfunc = curvopt.extend(nn.MSELoss())
+    x, target = torch.randn(N, 3, 4, dtype=DT), torch.randn(N, 3, 3, dtype=DT)
+    for shape in [(-1, 3), (N, -1), (-1, 3), (N, -1)]:
+
+        def loss_on(out, t, shape=shape):
+            return nn.MSELoss()(out.reshape(shape), t.reshape(shape))
+
+        for p in model.parameters():
+            p.__dict__.pop("diag_ggn_exact_batch", None)
+            p.__dict__.pop("grad_batch", None)
+        with curvopt.collect(ext.BatchDiagGGNExact(), ext.BatchGrad()):
+            lossfunc(model(x).reshape(shape), target.reshape(shape)).backward()
+        _, per_sample = ggn_reference(plain, loss_on, x, target)
+        grads = per_sample_grads(plain, loss_on, x, target)
+        for name, p in model.named_parameters():
+            assert_close(p.diag_ggn_exact_batch, per_sample[name], f"{shape} {name}")
+            assert_close(p.grad_batch, grads[name], f"{shape} {name}")
+
+
+class _SharedToken(nn.Module):
+    """A call without the batch (one shared index, output ``[1, D]``) added to every position
+    of every sample: broadcast along the batch and along the sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.shared, self.head = nn.Embedding(7, 4), nn.Embedding(2, 4), nn.Linear(4, 7)
+
+    def forward(self, idx):
+        h = self.tok(idx) + self.shared(torch.zeros(1, dtype=torch.long, device=idx.device))
+        return self.head(torch.tanh(h))
+
+
+def test_broadcast_along_batch_and_sequence_sums_over_the_sequence():
+    torch.manual_seed(0)
+    plain = _SharedToken().to(DT)
+    model, lossfunc = _extended(plain)
+    idx, y = torch.randint(0, 7, (N, 3)), torch.randint(0, 7, (N, 3))
+
+    def loss_on(out, target):
+        return nn.CrossEntropyLoss()(out.reshape(-1, 7), target.reshape(-1))
+
+    with curvopt.collect(ext.BatchGrad(), ext.DiagGGNExact(), ext.BatchDiagGGNExact()):
+        lossfunc(model(idx).reshape(-1, 7), y.reshape(-1)).backward()
+    grads = per_sample_grads(plain, loss_on, idx, y)
+    blocks, per_sample = ggn_reference(plain, loss_on, idx, y)
+    for name, p in model.named_parameters():
+        assert_close(p.grad_batch, grads[name], name)
+        assert_close(p.diag_ggn_exact, torch.diagonal(blocks[name]).reshape(p.shape), name)
+        assert_close(p.diag_ggn_exact_batch, per_sample[name], name)
