@@ -5,8 +5,12 @@
 the Jacobian of ``u`` w.r.t. the parameters. ``phi''`` is read off the autograd node's saved
 tensors, so functional calls (``torch.sigmoid``, ``F.gelu``) are covered too.
 
-Column budget: when ``u`` is directly the output of a Linear/Conv/norm layer, that layer's term
-is a weighted sum of squared inputs (no columns); layers further upstream receive
+Which modules need no look inside (linear in their input) and which give their term as a
+weighted sum of squared inputs is their layer rule's to say (``LayerRule.curvature_free``,
+``LayerRule.weighted_squares``).
+
+Column budget: when ``u`` is directly the output of a layer whose rule has weighted squares
+(Linear, Conv), that layer's term is a weighted sum of squared inputs (no columns); layers further upstream receive
 ``sqrt(r+)`` and ``sqrt(r-)`` one-hot columns (``2 * numel(u) / N`` of them) through autograd.
 Any op whose curvature is unknown (products of two activations, softmax, normalisation inside
 the graph...) raises an error naming it instead of returning a wrong diagonal.
@@ -18,13 +22,11 @@ from typing import Callable, Dict, List
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.autograd.graph import GradientEdge
 
 from curvopt.errors import UnsupportedModuleError
 from curvopt.diagonals import add_diagonals
-from curvopt.layers.registry import reparametrization
-from curvopt.layers.unfold import unfold_conv_input
+from curvopt.layers.registry import reparametrization, rule_for
 from curvopt.params import owned
 from curvopt.propagate import loss_gradient, module_outputs, to_calls
 from curvopt.records import records_on
@@ -190,18 +192,6 @@ BILINEAR_OPS = {
     "PreluKernelBackward0",
 }
 
-#: modules whose internal nodes need no inspection: linear in their input, or (``PReLU``)
-#: piecewise linear in it and linear in their own (leaf) weight, whose second derivatives are
-#: then all off the diagonal (weight x upstream parameters)
-_LINEAR_MODULES = (
-    nn.Linear,
-    nn.modules.conv._ConvNd,
-    nn.Embedding,
-    nn.modules.batchnorm._BatchNorm,
-    nn.PReLU,
-)
-
-
 def _error(what: str) -> UnsupportedModuleError:
     return UnsupportedModuleError(
         f"DiagHessian: {what}. curvopt handles Linear/Conv/Embedding/BatchNorm(eval)/PReLU layers, "
@@ -229,7 +219,7 @@ def curved_nodes(root: torch.Tensor) -> List[object]:
                     f"reparametrized parameter {how}, whose weight is nonlinear in the "
                     "originals, and the curvature of that is not implemented"
                 )
-            if not isinstance(module, _LINEAR_MODULES):
+            if not rule_for(module).curvature_free:
                 raise _error(
                     f"module {module._curvopt_path!r} ({type(module).__name__}) is nonlinear in "
                     "its input, and the curvature of that is not implemented"
@@ -255,32 +245,11 @@ def curved_nodes(root: torch.Tensor) -> List[object]:
     return found
 
 
-def _has_weighted_squares(module) -> bool:
-    return isinstance(module, nn.Linear) or (
-        isinstance(module, nn.modules.conv._ConvNd) and not module.transposed and module.groups == 1
-    )
-
-
 def _weighted_squares(record, r: torch.Tensor, name: str, batched: bool) -> torch.Tensor:
-    """``sum_j r_j (d u_j / d p)^2`` for ``u`` the output of ``record``'s module."""
-    module = record.module
+    """``sum_j r_j (d u_j / d p)^2`` for ``u`` the output of ``record``'s module (its rule's
+    :meth:`LayerRule.weighted_squares`), at the parameters' precision."""
     x, r = record.at_parameter_precision((record.args[0], r))
-    n = r.shape[0]
-    dims = "n" if batched else ""
-    if isinstance(module, nn.Linear):
-        x2 = x.reshape(n, -1, x.shape[-1]).pow(2)
-        rr = r.reshape(n, -1, r.shape[-1])
-        if name == "bias":
-            return rr.sum(1) if batched else rr.sum((0, 1))
-        return torch.einsum(f"nto,nti->{dims}oi", rr, x2)
-    if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed and module.groups == 1:
-        rr = r.reshape(n, r.shape[1], -1)
-        if name == "bias":
-            return rr.sum(2) if batched else rr.sum((0, 2))
-        x2 = unfold_conv_input(module, x).pow(2)
-        out = torch.einsum(f"nol,nil->{dims}oi", rr, x2)
-        return out.reshape(*out.shape[:-2], *module.weight.shape)
-    raise AssertionError(f"no weighted squares for {type(module).__name__}")
+    return rule_for(record.module).weighted_squares(record.module, x, r, name, batched)
 
 
 def _reject_shared(calls) -> None:
@@ -324,7 +293,7 @@ def add_residuals(cpass, calls, exts) -> None:
         direct = producers.get((fn, nr))
         upstream = module_outputs(fn)
         others = {record: calls[record] for record in upstream.calls if record in calls}
-        if direct is not None and _has_weighted_squares(direct.module):
+        if direct is not None and rule_for(direct.module).has_weighted_squares(direct.module):
             for ext in exts:
                 batched = ext.attr.endswith("_batch")
                 for name, p in owned(direct.module):
