@@ -12,7 +12,8 @@ Module types without a registered rule fall back to :class:`curvopt.layers.gener
 (``torch.func`` over single samples); so do modules whose parameters are reparametrized (weight
 norm, spectral norm, ``torch.nn.utils.parametrize``), whatever their type
 (:mod:`curvopt.layers.reparametrized`). Types of other libraries that curvopt must not import
-(Hugging Face's ``Conv1D``) are registered by class name with :func:`register_name`.
+(Hugging Face's ``Conv1D``) are registered by class name with :func:`register_name`. Every
+module of ``curvopt.layers`` is imported by the package, so the one file is all there is to add.
 """
 
 from __future__ import annotations
