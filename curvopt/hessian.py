@@ -10,18 +10,18 @@ weighted sum of squared inputs is their layer rule's to say (``LayerRule.curvatu
 ``LayerRule.weighted_squares``).
 
 Column budget: when ``u`` is directly the output of a layer whose rule has weighted squares
-(Linear, Conv), that layer's term is a weighted sum of squared inputs (no columns); layers further upstream receive
-``sqrt(r+)`` and ``sqrt(r-)`` one-hot columns (``2 * numel(u) / N`` of them) through autograd.
+(Linear, Conv), that layer's term is a weighted sum of squared inputs (no columns); layers
+further upstream receive ``sqrt(r+)`` and ``sqrt(r-)`` one-hot columns (``2 * numel(u) / N`` of
+them) through autograd.
 Any op whose curvature is unknown (products of two activations, softmax, normalisation inside
 the graph...) raises an error naming it instead of returning a wrong diagonal.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import List
 
 import torch
-import torch.nn.functional as F
 from torch.autograd.graph import GradientEdge
 
 from curvopt.errors import UnsupportedModuleError
@@ -32,165 +32,8 @@ from curvopt.propagate import loss_gradient, module_outputs, to_calls
 from curvopt.records import records_on
 from curvopt.rows import establish
 from curvopt.state import STATE
+from curvopt.torch_internals import ACCUMULATE_GRAD, BILINEAR_OPS, LINEAR_OPS, SECOND_DERIVATIVES
 
-
-def _from_result(fn: Callable) -> Callable:
-    return lambda node: fn(node._saved_result)
-
-
-def _from_input(make: Callable) -> Callable:
-    """``phi''(u)`` by double differentiation of ``make(node)(u)``, ``u`` the saved input."""
-
-    def second(node):
-        u = node._saved_self.detach().requires_grad_(True)
-        with torch.enable_grad():
-            (d1,) = torch.autograd.grad(make(node)(u).sum(), u, create_graph=True)
-            (d2,) = torch.autograd.grad(d1.sum(), u)
-        return d2
-
-    return second
-
-
-#: autograd node type -> phi''(u) of the elementwise op it belongs to
-SECOND_DERIVATIVES: Dict[str, Callable] = {
-    "SigmoidBackward0": _from_result(lambda s: s * (1 - s) * (1 - 2 * s)),
-    "TanhBackward0": _from_result(lambda t: -2 * t * (1 - t * t)),
-    "GeluBackward0": _from_input(lambda n: lambda u: F.gelu(u, approximate=n._saved_approximate)),
-    "SiluBackward0": _from_input(lambda n: F.silu),
-    "MishBackward0": _from_input(lambda n: F.mish),
-    "LogSigmoidBackward0": _from_input(lambda n: F.logsigmoid),
-    "SoftplusBackward0": _from_input(
-        lambda n: lambda u: F.softplus(u, n._saved_beta, n._saved_threshold)
-    ),
-    "CeluBackward0": _from_input(lambda n: lambda u: F.celu(u, n._saved_alpha)),
-    "EluBackward0": _from_input(
-        lambda n: (
-            lambda u: (
-                float(n._saved_scale)
-                * F.elu(u * float(n._saved_input_scale), float(n._saved_alpha))
-            )
-        )
-    ),
-}
-
-#: ops with zero second derivative (linear or piecewise linear) in every input
-LINEAR_OPS = {
-    "AddBackward0",
-    "AddBackward1",
-    "SubBackward0",
-    "SubBackward1",
-    "NegBackward0",
-    "ViewBackward0",
-    "ReshapeAliasBackward0",
-    "UnsafeViewBackward0",
-    "TBackward0",
-    "PermuteBackward0",
-    "TransposeBackward0",
-    "TransposeBackward1",
-    "ExpandBackward0",
-    "SqueezeBackward0",
-    "SqueezeBackward1",
-    "SqueezeBackward2",
-    "SqueezeBackward3",
-    "UnsqueezeBackward0",
-    "CloneBackward0",
-    "CatBackward0",
-    "SplitBackward0",
-    "SplitWithSizesBackward0",
-    "SliceBackward0",
-    "SelectBackward0",
-    "IndexBackward0",
-    "SumBackward0",
-    "SumBackward1",
-    "MeanBackward0",
-    "MeanBackward1",
-    "ReluBackward0",
-    "ReluBackward1",
-    "ThresholdBackward0",
-    "ThresholdBackward1",
-    "LeakyReluBackward0",
-    "LeakyReluBackward1",
-    "HardtanhBackward0",
-    "HardtanhBackward1",
-    "MaxPool1DWithIndicesBackward0",
-    "MaxPool2DWithIndicesBackward0",
-    "MaxPool3DWithIndicesBackward0",
-    "AvgPool2DBackward0",
-    "AvgPool3DBackward0",
-    "AdaptiveAvgPool2DBackward0",
-    "AdaptiveAvgPool3DBackward0",
-    "ConstantPadNdBackward0",
-    "ReflectionPad1DBackward0",
-    "ReflectionPad2DBackward0",
-    "ReplicationPad2DBackward0",
-    "MulBackward1",
-    "DivBackward1",
-    "NativeDropoutBackward0",
-    "AccumulateGrad",
-    "AsStridedBackward0",
-    "StackBackward0",
-    "UnbindBackward0",
-    "NarrowBackward0",
-    # views and copies: the no-op slice ``h[:, slice(0, None)]`` of a causal LM head, casts
-    "AliasBackward0",
-    "ToCopyBackward0",
-    "DiagonalBackward0",
-    "FlipBackward0",
-    "RollBackward0",
-    "RepeatBackward0",
-    "IndexSelectBackward0",
-    "GatherBackward0",
-    "MaskedFillBackward0",
-    "CumsumBackward0",
-    "UnfoldBackward0",
-    "Im2ColBackward0",
-    "Col2ImBackward0",
-    "PixelShuffleBackward0",
-    "PixelUnshuffleBackward0",
-    "ChannelShuffleBackward0",
-    # interpolation: fixed weights on the input
-    "UpsampleNearest1DBackward0",
-    "UpsampleNearest2DBackward0",
-    "UpsampleNearest3DBackward0",
-    "UpsampleNearestExact1DBackward0",
-    "UpsampleNearestExact2DBackward0",
-    "UpsampleNearestExact3DBackward0",
-    "UpsampleLinear1DBackward0",
-    "UpsampleBilinear2DBackward0",
-    "UpsampleBicubic2DBackward0",
-    "UpsampleTrilinear3DBackward0",
-    # selections and piecewise-linear functions
-    "WhereBackward0",
-    "AbsBackward0",
-    "ClampBackward1",
-    "ClampMinBackward0",
-    "ClampMaxBackward0",
-    "MaxBackward0",
-    "MaxBackward1",
-    "MinBackward0",
-    "MinBackward1",
-    "AmaxBackward0",
-    "AminBackward0",
-    "MaximumBackward0",
-    "MinimumBackward0",
-    "HardsigmoidBackward0",
-    "SoftshrinkBackward0",
-    "HardshrinkBackward0",
-    "AdaptiveMaxPool2DBackward0",
-    "AdaptiveMaxPool3DBackward0",
-    "MaxUnpool2DBackward0",
-    "MaxUnpool3DBackward0",
-}
-#: products: linear when at most one operand depends on the parameters; ``prelu(u, a)`` is
-#: piecewise linear in ``u`` and linear in ``a``, its cross derivative ``1[u < 0]`` pairs them
-BILINEAR_OPS = {
-    "MulBackward0",
-    "DivBackward0",
-    "MmBackward0",
-    "BmmBackward0",
-    "AddmmBackward0",
-    "PreluKernelBackward0",
-}
 
 def _error(what: str) -> UnsupportedModuleError:
     return UnsupportedModuleError(
@@ -235,7 +78,7 @@ def curved_nodes(root: torch.Tensor) -> List[object]:
             dependent = [
                 fn
                 for fn, _ in node.next_functions
-                if fn is not None and type(fn).__name__ != "AccumulateGrad"
+                if fn is not None and type(fn).__name__ != ACCUMULATE_GRAD
             ]
             if len(dependent) > 1:
                 raise _error(f"the op {name} multiplies two parameter-dependent tensors")

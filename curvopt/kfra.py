@@ -22,6 +22,7 @@ from curvopt.params import trainable
 from curvopt.propagate import backpropagate
 from curvopt.records import records_on
 from curvopt.state import STATE
+from curvopt.torch_internals import ACCUMULATE_GRAD
 
 
 def _reject(record, reason):
@@ -40,7 +41,7 @@ def _check_link(record, nxt) -> None:
         owners = {entry[0] for entry in records_on(node)}
         if record in owners:
             continue
-        if owners or type(node).__name__ == "AccumulateGrad":
+        if owners or type(node).__name__ == ACCUMULATE_GRAD:
             raise _reject(
                 nxt,
                 "its input is not computed from the previous Linear layer's output alone (a "
