@@ -29,7 +29,6 @@ import contextlib
 from typing import Dict, Optional, Tuple
 
 import torch
-from torch.autograd import Variable
 
 from curvopt.buffers import empty_result
 from curvopt.curvature import CurvaturePass, check_reduction
@@ -47,6 +46,7 @@ from curvopt.propagate import module_outputs
 from curvopt.records import Call
 from curvopt.reductions import gram_add_, probe_columns, squared_norms, sum_of_squares
 from curvopt.rows import establish
+from curvopt.torch_internals import current_autograd_node, queue_callback, will_engine_execute_node
 
 #: elements per chunk when per-sample gradients are materialised only to be reduced
 _CHUNK_ELEMENTS = 1 << 21
@@ -111,7 +111,7 @@ class BackwardPass:
         self.ignored = False  # the pass accumulates into no parameter it reaches
         self.untouched: Dict[int, bool] = {}  # id(p): the pass does not accumulate into p.grad
         self.reached: set = set()  # autograd nodes whose upstream ``_reaches`` has walked
-        Variable._execution_engine.queue_callback(self._finish)
+        queue_callback(self._finish)
 
     def _skips(self, p) -> bool:
         """Whether this pass leaves ``p.grad`` alone (``torch.autograd.grad``, ``backward(inputs=
@@ -124,9 +124,7 @@ class BackwardPass:
             with torch.enable_grad():
                 accumulator = p.view_as(p).grad_fn.next_functions[0][0]
             try:
-                skip = not torch._C._will_engine_execute_node(accumulator) and self._reaches(
-                    accumulator
-                )
+                skip = not will_engine_execute_node(accumulator) and self._reaches(accumulator)
             except RuntimeError:  # p is an input of torch.autograd.grad
                 skip = True
             self.untouched[key] = skip
@@ -135,7 +133,7 @@ class BackwardPass:
     def _reaches(self, node) -> bool:
         """Whether ``node`` lies upstream of the autograd node running now (the graph is walked
         once per pass, incrementally: a node seen before had its whole upstream walked)."""
-        stack = [torch._C._current_autograd_node()]
+        stack = [current_autograd_node()]
         while stack:
             current = stack.pop()
             if current is None or current in self.reached:
@@ -238,7 +236,7 @@ class BackwardPass:
         module hook, find the broadcast calls upstream of the node now running (the one that
         produced ``record``'s output), whose per-sample gradients still exist downstream."""
         self.searched = True
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         if node is None:
             return
         calls = module_outputs(node).calls

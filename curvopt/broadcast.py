@@ -18,10 +18,7 @@ from typing import Optional
 import torch
 from torch.autograd.graph import GradientEdge
 
-#: ops that only change the shape of their input (their output has the input's elements)
-_SHAPE_OPS = {"UnsqueezeBackward0", "ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"}
-#: ops whose output gradient is the per-sample gradient of a broadcast operand
-_BROADCASTING = {"AddBackward0", "ExpandBackward0"}
+from curvopt.torch_internals import BROADCASTING_OPS, SHAPE_OPS, add_alpha, input_shape
 
 
 class Broadcast:
@@ -76,15 +73,15 @@ def find(node, output_nr: int, out_shape, consumers) -> Optional[Broadcast]:
             return None
         user = users[0]
         kind = type(user).__name__
-        full = tuple(user._input_metadata[0].shape)
-        if kind in _BROADCASTING:
+        full = input_shape(user, 0)
+        if kind in BROADCASTING_OPS:
             operand = (1,) * (len(full) - len(shape)) + shape
             if len(shape) > len(full) or operand[0] != 1 or operand == full:
                 return None  # the operand has a batch dim, or nothing is broadcast
-            if kind == "AddBackward0" and float(user._saved_alpha) != 1.0:
+            if kind == "AddBackward0" and add_alpha(user) != 1.0:
                 return None
             return Broadcast(GradientEdge(user, 0), out_shape, shape, full)
-        if kind not in _SHAPE_OPS:
+        if kind not in SHAPE_OPS:
             return None
         shape = full
         edge = (user, 0)

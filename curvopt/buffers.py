@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from curvopt.torch_internals import storage_use_count
+
 
 def _references(tensor: torch.Tensor):
     """``(Python refs of tensor, refs of its StorageImpl, Python refs of its storage object)``.
@@ -28,7 +30,7 @@ def _references(tensor: torch.Tensor):
     is cached on it) but is itself referenced once more.
     """
     storage = tensor.untyped_storage()
-    storage_refs = torch._C._storage_Use_Count(storage._cdata)
+    storage_refs = storage_use_count(storage)
     return sys.getrefcount(tensor), storage_refs, sys.getrefcount(storage)
 
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 import warnings
 from typing import Dict, Optional, Tuple
 
-import torch
-
 from curvopt.accumulate import Accumulator
 from curvopt.backward import BackwardPass
 from curvopt.errors import ExtensionConflictError
 from curvopt.extensions.base import Extension
 from curvopt.state import STATE
+from curvopt.torch_internals import current_graph_task_id
 
 
 class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...):``)
@@ -86,7 +85,7 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
         A backward run from inside another (``torch.utils.checkpoint(use_reentrant=True)``
         backpropagates its recomputed segment in a nested autograd task) belongs to the
         outer pass: ``outer`` is the task that ran the forward of the call asking."""
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task_id()
         current = self._pass
         if current is not None and task != current.task:
             if outer is not None and outer == current.task:

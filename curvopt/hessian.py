@@ -5,201 +5,34 @@
 the Jacobian of ``u`` w.r.t. the parameters. ``phi''`` is read off the autograd node's saved
 tensors, so functional calls (``torch.sigmoid``, ``F.gelu``) are covered too.
 
-Column budget: when ``u`` is directly the output of a Linear/Conv/norm layer, that layer's term
-is a weighted sum of squared inputs (no columns); layers further upstream receive
-``sqrt(r+)`` and ``sqrt(r-)`` one-hot columns (``2 * numel(u) / N`` of them) through autograd.
+Which modules need no look inside (linear in their input) and which give their term as a
+weighted sum of squared inputs is their layer rule's to say (``LayerRule.curvature_free``,
+``LayerRule.weighted_squares``).
+
+Column budget: when ``u`` is directly the output of a layer whose rule has weighted squares
+(Linear, Conv), that layer's term is a weighted sum of squared inputs (no columns); layers
+further upstream receive ``sqrt(r+)`` and ``sqrt(r-)`` one-hot columns (``2 * numel(u) / N`` of
+them) through autograd.
 Any op whose curvature is unknown (products of two activations, softmax, normalisation inside
 the graph...) raises an error naming it instead of returning a wrong diagonal.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import List
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.autograd.graph import GradientEdge
 
 from curvopt.errors import UnsupportedModuleError
 from curvopt.diagonals import add_diagonals
-from curvopt.layers.registry import reparametrization
-from curvopt.layers.unfold import unfold_conv_input
+from curvopt.layers.registry import reparametrization, rule_for
 from curvopt.params import owned
 from curvopt.propagate import loss_gradient, module_outputs, to_calls
 from curvopt.records import records_on
 from curvopt.rows import establish
 from curvopt.state import STATE
-
-
-def _from_result(fn: Callable) -> Callable:
-    return lambda node: fn(node._saved_result)
-
-
-def _from_input(make: Callable) -> Callable:
-    """``phi''(u)`` by double differentiation of ``make(node)(u)``, ``u`` the saved input."""
-
-    def second(node):
-        u = node._saved_self.detach().requires_grad_(True)
-        with torch.enable_grad():
-            (d1,) = torch.autograd.grad(make(node)(u).sum(), u, create_graph=True)
-            (d2,) = torch.autograd.grad(d1.sum(), u)
-        return d2
-
-    return second
-
-
-#: autograd node type -> phi''(u) of the elementwise op it belongs to
-SECOND_DERIVATIVES: Dict[str, Callable] = {
-    "SigmoidBackward0": _from_result(lambda s: s * (1 - s) * (1 - 2 * s)),
-    "TanhBackward0": _from_result(lambda t: -2 * t * (1 - t * t)),
-    "GeluBackward0": _from_input(lambda n: lambda u: F.gelu(u, approximate=n._saved_approximate)),
-    "SiluBackward0": _from_input(lambda n: F.silu),
-    "MishBackward0": _from_input(lambda n: F.mish),
-    "LogSigmoidBackward0": _from_input(lambda n: F.logsigmoid),
-    "SoftplusBackward0": _from_input(
-        lambda n: lambda u: F.softplus(u, n._saved_beta, n._saved_threshold)
-    ),
-    "CeluBackward0": _from_input(lambda n: lambda u: F.celu(u, n._saved_alpha)),
-    "EluBackward0": _from_input(
-        lambda n: (
-            lambda u: (
-                float(n._saved_scale)
-                * F.elu(u * float(n._saved_input_scale), float(n._saved_alpha))
-            )
-        )
-    ),
-}
-
-#: ops with zero second derivative (linear or piecewise linear) in every input
-LINEAR_OPS = {
-    "AddBackward0",
-    "AddBackward1",
-    "SubBackward0",
-    "SubBackward1",
-    "NegBackward0",
-    "ViewBackward0",
-    "ReshapeAliasBackward0",
-    "UnsafeViewBackward0",
-    "TBackward0",
-    "PermuteBackward0",
-    "TransposeBackward0",
-    "TransposeBackward1",
-    "ExpandBackward0",
-    "SqueezeBackward0",
-    "SqueezeBackward1",
-    "SqueezeBackward2",
-    "SqueezeBackward3",
-    "UnsqueezeBackward0",
-    "CloneBackward0",
-    "CatBackward0",
-    "SplitBackward0",
-    "SplitWithSizesBackward0",
-    "SliceBackward0",
-    "SelectBackward0",
-    "IndexBackward0",
-    "SumBackward0",
-    "SumBackward1",
-    "MeanBackward0",
-    "MeanBackward1",
-    "ReluBackward0",
-    "ReluBackward1",
-    "ThresholdBackward0",
-    "ThresholdBackward1",
-    "LeakyReluBackward0",
-    "LeakyReluBackward1",
-    "HardtanhBackward0",
-    "HardtanhBackward1",
-    "MaxPool1DWithIndicesBackward0",
-    "MaxPool2DWithIndicesBackward0",
-    "MaxPool3DWithIndicesBackward0",
-    "AvgPool2DBackward0",
-    "AvgPool3DBackward0",
-    "AdaptiveAvgPool2DBackward0",
-    "AdaptiveAvgPool3DBackward0",
-    "ConstantPadNdBackward0",
-    "ReflectionPad1DBackward0",
-    "ReflectionPad2DBackward0",
-    "ReplicationPad2DBackward0",
-    "MulBackward1",
-    "DivBackward1",
-    "NativeDropoutBackward0",
-    "AccumulateGrad",
-    "AsStridedBackward0",
-    "StackBackward0",
-    "UnbindBackward0",
-    "NarrowBackward0",
-    # views and copies: the no-op slice ``h[:, slice(0, None)]`` of a causal LM head, casts
-    "AliasBackward0",
-    "ToCopyBackward0",
-    "DiagonalBackward0",
-    "FlipBackward0",
-    "RollBackward0",
-    "RepeatBackward0",
-    "IndexSelectBackward0",
-    "GatherBackward0",
-    "MaskedFillBackward0",
-    "CumsumBackward0",
-    "UnfoldBackward0",
-    "Im2ColBackward0",
-    "Col2ImBackward0",
-    "PixelShuffleBackward0",
-    "PixelUnshuffleBackward0",
-    "ChannelShuffleBackward0",
-    # interpolation: fixed weights on the input
-    "UpsampleNearest1DBackward0",
-    "UpsampleNearest2DBackward0",
-    "UpsampleNearest3DBackward0",
-    "UpsampleNearestExact1DBackward0",
-    "UpsampleNearestExact2DBackward0",
-    "UpsampleNearestExact3DBackward0",
-    "UpsampleLinear1DBackward0",
-    "UpsampleBilinear2DBackward0",
-    "UpsampleBicubic2DBackward0",
-    "UpsampleTrilinear3DBackward0",
-    # selections and piecewise-linear functions
-    "WhereBackward0",
-    "AbsBackward0",
-    "ClampBackward1",
-    "ClampMinBackward0",
-    "ClampMaxBackward0",
-    "MaxBackward0",
-    "MaxBackward1",
-    "MinBackward0",
-    "MinBackward1",
-    "AmaxBackward0",
-    "AminBackward0",
-    "MaximumBackward0",
-    "MinimumBackward0",
-    "HardsigmoidBackward0",
-    "SoftshrinkBackward0",
-    "HardshrinkBackward0",
-    "AdaptiveMaxPool2DBackward0",
-    "AdaptiveMaxPool3DBackward0",
-    "MaxUnpool2DBackward0",
-    "MaxUnpool3DBackward0",
-}
-#: products: linear when at most one operand depends on the parameters; ``prelu(u, a)`` is
-#: piecewise linear in ``u`` and linear in ``a``, its cross derivative ``1[u < 0]`` pairs them
-BILINEAR_OPS = {
-    "MulBackward0",
-    "DivBackward0",
-    "MmBackward0",
-    "BmmBackward0",
-    "AddmmBackward0",
-    "PreluKernelBackward0",
-}
-
-#: modules whose internal nodes need no inspection: linear in their input, or (``PReLU``)
-#: piecewise linear in it and linear in their own (leaf) weight, whose second derivatives are
-#: then all off the diagonal (weight x upstream parameters)
-_LINEAR_MODULES = (
-    nn.Linear,
-    nn.modules.conv._ConvNd,
-    nn.Embedding,
-    nn.modules.batchnorm._BatchNorm,
-    nn.PReLU,
-)
+from curvopt.torch_internals import ACCUMULATE_GRAD, BILINEAR_OPS, LINEAR_OPS, SECOND_DERIVATIVES
 
 
 def _error(what: str) -> UnsupportedModuleError:
@@ -229,7 +62,7 @@ def curved_nodes(root: torch.Tensor) -> List[object]:
                     f"reparametrized parameter {how}, whose weight is nonlinear in the "
                     "originals, and the curvature of that is not implemented"
                 )
-            if not isinstance(module, _LINEAR_MODULES):
+            if not rule_for(module).curvature_free:
                 raise _error(
                     f"module {module._curvopt_path!r} ({type(module).__name__}) is nonlinear in "
                     "its input, and the curvature of that is not implemented"
@@ -245,7 +78,7 @@ def curved_nodes(root: torch.Tensor) -> List[object]:
             dependent = [
                 fn
                 for fn, _ in node.next_functions
-                if fn is not None and type(fn).__name__ != "AccumulateGrad"
+                if fn is not None and type(fn).__name__ != ACCUMULATE_GRAD
             ]
             if len(dependent) > 1:
                 raise _error(f"the op {name} multiplies two parameter-dependent tensors")
@@ -255,32 +88,11 @@ def curved_nodes(root: torch.Tensor) -> List[object]:
     return found
 
 
-def _has_weighted_squares(module) -> bool:
-    return isinstance(module, nn.Linear) or (
-        isinstance(module, nn.modules.conv._ConvNd) and not module.transposed and module.groups == 1
-    )
-
-
 def _weighted_squares(record, r: torch.Tensor, name: str, batched: bool) -> torch.Tensor:
-    """``sum_j r_j (d u_j / d p)^2`` for ``u`` the output of ``record``'s module."""
-    module = record.module
+    """``sum_j r_j (d u_j / d p)^2`` for ``u`` the output of ``record``'s module (its rule's
+    :meth:`LayerRule.weighted_squares`), at the parameters' precision."""
     x, r = record.at_parameter_precision((record.args[0], r))
-    n = r.shape[0]
-    dims = "n" if batched else ""
-    if isinstance(module, nn.Linear):
-        x2 = x.reshape(n, -1, x.shape[-1]).pow(2)
-        rr = r.reshape(n, -1, r.shape[-1])
-        if name == "bias":
-            return rr.sum(1) if batched else rr.sum((0, 1))
-        return torch.einsum(f"nto,nti->{dims}oi", rr, x2)
-    if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed and module.groups == 1:
-        rr = r.reshape(n, r.shape[1], -1)
-        if name == "bias":
-            return rr.sum(2) if batched else rr.sum((0, 2))
-        x2 = unfold_conv_input(module, x).pow(2)
-        out = torch.einsum(f"nol,nil->{dims}oi", rr, x2)
-        return out.reshape(*out.shape[:-2], *module.weight.shape)
-    raise AssertionError(f"no weighted squares for {type(module).__name__}")
+    return rule_for(record.module).weighted_squares(record.module, x, r, name, batched)
 
 
 def _reject_shared(calls) -> None:
@@ -324,7 +136,7 @@ def add_residuals(cpass, calls, exts) -> None:
         direct = producers.get((fn, nr))
         upstream = module_outputs(fn)
         others = {record: calls[record] for record in upstream.calls if record in calls}
-        if direct is not None and _has_weighted_squares(direct.module):
+        if direct is not None and rule_for(direct.module).has_weighted_squares(direct.module):
             for ext in exts:
                 batched = ext.attr.endswith("_batch")
                 for name, p in owned(direct.module):

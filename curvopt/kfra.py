@@ -8,20 +8,21 @@ For a chain of ``Linear`` layers ``h_l = W_l x_l + b_l``, ``x_{l+1} = phi(h_l)``
 and ``p.kfra = [B_l, mean_n x_n x_n^T]`` (weight) or ``[B_l]`` (bias). With one sample the
 recursion is exact, so KFRA equals KFLR there. Only ``O x O`` matrices are propagated, which
 is why the recursion is restricted to feed-forward chains of ``Linear`` layers: for conv
-feature maps the dense ``(C H W)^2`` matrices would not fit in memory.
+feature maps the dense ``(C H W)^2`` matrices would not fit in memory. Which modules can be
+links, their ``W`` and their factors, is their layer rule's to say
+(``LayerRule.kfra_weight``, ``LayerRule.kfra_factors``).
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from curvopt.errors import module_error
-from curvopt.layers.registry import reparametrization
+from curvopt.layers.registry import reparametrization, rule_for
 from curvopt.params import trainable
 from curvopt.propagate import backpropagate
 from curvopt.records import records_on
 from curvopt.state import STATE
+from curvopt.torch_internals import ACCUMULATE_GRAD
 
 
 def _reject(record, reason):
@@ -40,7 +41,7 @@ def _check_link(record, nxt) -> None:
         owners = {entry[0] for entry in records_on(node)}
         if record in owners:
             continue
-        if owners or type(node).__name__ == "AccumulateGrad":
+        if owners or type(node).__name__ == ACCUMULATE_GRAD:
             raise _reject(
                 nxt,
                 "its input is not computed from the previous Linear layer's output alone (a "
@@ -61,7 +62,7 @@ def _chain(calls):
                 f"its parameter {reparametrization(module)} is reparametrized: the layer's "
                 "weight is not a parameter with Kronecker factors; use a diagonal quantity",
             )
-        if not isinstance(module, nn.Linear):
+        if rule_for(module).kfra_weight(module) is None:
             raise _reject(
                 record,
                 "the recursion propagates dense (features x features) matrices and is "
@@ -97,10 +98,9 @@ def kfra(cpass, loss_rule, calls) -> None:
         factors[record] = b
     for record, b in factors.items():
         x = record.at_parameter_precision(record.args[0].detach())
-        n = x.shape[0]
+        rule = rule_for(record.module)
         for name, p in trainable(record.module):
-            kron = [b.clone(), x.T @ x / n] if name == "weight" else [b.clone()]
-            cpass.bp.add_kron(p, "kfra", record, kron, 0)
+            cpass.bp.add_kron(p, "kfra", record, rule.kfra_factors(x, b, name), 0)
 
 
 def _backpropagate(b_next, record, nxt, calls):
@@ -127,7 +127,7 @@ def _backpropagate(b_next, record, nxt, calls):
         raise _reject(
             nxt, "the map from the previous Linear layer's output to its input is not elementwise"
         )
-    w = nxt.module.weight.detach()
+    w = rule_for(nxt.module).kfra_weight(nxt.module).detach()
     d = nxt.at_parameter_precision(d)
     n = d.shape[0]
     return (w.T @ b_next @ w) * (d.T @ d / n)

@@ -18,32 +18,13 @@ from curvopt.broadcast import find
 from curvopt.errors import UnsupportedModuleError
 from curvopt.records import records_on, token
 from curvopt.state import STATE
-
-#: backward ops that ``vmap`` runs sample by sample (no batching rule in PyTorch): graphs with
-#: them propagate columns one at a time, which is faster than the vmap fallback
-_NO_BATCHING_RULE = {
-    "MaxPool1DWithIndicesBackward0",
-    "MaxPool2DWithIndicesBackward0",
-    "MaxPool3DWithIndicesBackward0",
-    "ScaledDotProductFlashAttentionForCpuBackward0",
-    "ScaledDotProductEfficientAttentionBackward0",
-    "ScaledDotProductFlashAttentionBackward0",
-}
-#: ops that pick entries by data (boolean masks, index tensors): which rows of the loss belong
-#: to which sample can change from batch to batch under the same graph structure
-_DATA_INDEXING = {
-    "IndexBackward0",
-    "MaskedSelectBackward0",
-    "IndexSelectBackward0",
-    "GatherBackward0",
-    "TakeBackward0",
-    "MaskedScatterBackward0",
-}
-#: ``torch.utils.checkpoint(use_reentrant=True)``: the segment's graph exists only while this
-#: node runs (recomputed inside it), and it refuses ``torch.autograd.grad``
-_REENTRANT = "CheckpointFunctionBackward"
-#: backward nodes of graphs compiled by ``torch.compile``, whose ops columns cannot pass
-_COMPILED = {"CompiledFunctionBackward", "CompiledFunction"}
+from curvopt.torch_internals import (
+    ACCUMULATE_GRAD,
+    COMPILED,
+    DATA_INDEXING,
+    NO_BATCHING_RULE,
+    REENTRANT_CHECKPOINT,
+)
 
 
 class Upstream:
@@ -58,7 +39,7 @@ class Upstream:
         self.signature = signature
         self.foreign = list(foreign)
         self.indexes_inside = False  # see ``_indexes_inside``
-        self.reentrant = False  # a reentrant checkpoint lies upstream (see ``_REENTRANT``)
+        self.reentrant = False  # a reentrant checkpoint lies upstream (REENTRANT_CHECKPOINT)
 
 
 def module_outputs(root) -> Upstream:
@@ -74,7 +55,7 @@ def module_outputs(root) -> Upstream:
             continue
         seen.add(node)
         kind = type(node).__name__
-        if kind in _COMPILED:
+        if kind in COMPILED:
             raise UnsupportedModuleError(
                 "curvopt cannot propagate curvature through a graph compiled by torch.compile "
                 "(its backward is one fused op); compute curvature on the uncompiled model "
@@ -82,14 +63,14 @@ def module_outputs(root) -> Upstream:
                 "with torch.compile"
             )
         kinds.append(kind)
-        if kind == _REENTRANT:
+        if kind == REENTRANT_CHECKPOINT:
             reentrant = True
             continue  # nothing upstream can be reached by columns
-        if kind == "AccumulateGrad":
+        if kind == ACCUMULATE_GRAD:
             leaf = node.variable
             if isinstance(leaf, torch.nn.Parameter) and not getattr(leaf, "_curvopt_checked", 0):
                 foreign.append(leaf)
-        batchable = batchable and kind not in _NO_BATCHING_RULE
+        batchable = batchable and kind not in NO_BATCHING_RULE
         for record, index, output_nr in records_on(node):
             found[record].append((index, GradientEdge(node, output_nr)))
             kinds.append((token(record.module), index, record.out_shapes))
@@ -104,7 +85,7 @@ def module_outputs(root) -> Upstream:
             if record.broadcast is not None:
                 found[record] = [(index, record.broadcast.edge)]
                 kinds.append(("broadcast", token(record.module)))
-    by_data = any(kind in _DATA_INDEXING for kind in kinds if isinstance(kind, str))
+    by_data = any(kind in DATA_INDEXING for kind in kinds if isinstance(kind, str))
     upstream = Upstream(found, batchable, None if by_data else tuple(kinds), foreign)
     upstream.indexes_inside = by_data and _indexes_inside(found)
     upstream.reentrant = reentrant
@@ -122,7 +103,7 @@ def _indexes_inside(found) -> bool:
         if node is None or node in seen:
             continue
         seen.add(node)
-        if type(node).__name__ in _DATA_INDEXING:
+        if type(node).__name__ in DATA_INDEXING:
             return True
         stack.extend(fn for fn, _ in node.next_functions)
     return False

@@ -18,6 +18,7 @@ from torch import nn
 
 from curvopt.errors import GraphReuseError
 from curvopt.state import STATE
+from curvopt.torch_internals import current_graph_task_id
 
 #: key of the autograd-node metadata listing the module calls whose output the node produced
 _METADATA = "curvopt"
@@ -97,7 +98,7 @@ class Record:
         #: its segment), whose state its gradient belongs to; None for an ordinary forward
         self.outer = None
         if STATE.collecting is not None:
-            task = torch._C._current_graph_task_id()
+            task = current_graph_task_id()
             self.outer = None if task < 0 else task
         module._curvopt_live += 1
         self.args = args

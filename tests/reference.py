@@ -86,8 +86,13 @@ def _hessian_sqrt(loss_on, out, y):
     return evecs * evals.clamp(min=0).sqrt()
 
 
-def kronecker(plain: nn.Module, loss_on, X, y, bd: int = 0, approx: str = "expand"):
-    """``module name -> (B, A)`` of every ``Linear``/``Conv2d``/``Embedding`` called as a module.
+#: the layer types :func:`kronecker` factors by default
+KRONECKER_TYPES = (nn.Linear, nn.Conv2d, nn.Embedding)
+
+
+def kronecker(plain: nn.Module, loss_on, X, y, bd=0, approx="expand", types=KRONECKER_TYPES):
+    """``module name -> (B, A)`` of every module of ``types`` called as a module (a type other
+    than ``Conv2d`` and ``Embedding`` is taken as linear-like: ``x [N, *, I] -> z [N, *, O]``).
 
     With the layer's output ``z`` as rows ``z[g, r]`` (group ``g``: sample, position ``r``),
     input rows ``x[g, r]`` and ``G_z`` the exact GGN w.r.t. ``z``:
@@ -101,7 +106,7 @@ def kronecker(plain: nn.Module, loss_on, X, y, bd: int = 0, approx: str = "expan
     seen = {}
     handles = []
     for name, module in plain.named_modules():
-        if isinstance(module, (nn.Linear, nn.Conv2d, nn.Embedding)):
+        if isinstance(module, types):
 
             def hook(m, inputs, output, name=name):
                 seen[name] = (m, inputs[0].detach(), output)

@@ -17,7 +17,17 @@ PACKAGES = ("curvopt", "experiments", "paper_figs")
 
 #: core layers, bottom up (docs/architecture.md); a module may import its layer or lower ones
 LAYERS = [
-    {"errors", "state", "records", "params", "reductions", "buffers", "extensions", "inputs"},
+    {
+        "errors",
+        "state",
+        "records",
+        "params",
+        "reductions",
+        "buffers",
+        "extensions",
+        "inputs",
+        "torch_internals",
+    },
     {"layers", "losses"},
     {"broadcast", "propagate", "rows", "diagonals", "hessian", "kfra"},
     {"curvature", "accumulate", "backward"},

@@ -1,15 +1,16 @@
-"""Per-module rules (one file per layer family), looked up with :func:`rule_for`."""
+"""Per-module rules (one file per layer family), looked up with :func:`rule_for`.
 
-from curvopt.layers import (  # noqa: F401  (registration)
-    conv,
-    embedding,
-    generic,
-    linear,
-    norm,
-    recurrent,
-    reparametrized,
-    transposed_linear,
-)
-from curvopt.layers.registry import LayerRule, register, rule_for
+Every module of this package is imported here, so a new layer type is added by adding one
+module that defines a ``LayerRule`` subclass decorated with ``@register(TheModule)`` (or
+``@register_name("TheClassName")`` for another library's class).
+"""
 
-__all__ = ["LayerRule", "register", "rule_for"]
+import importlib
+import pkgutil
+
+from curvopt.layers.registry import LayerRule, register, register_name, rule_for
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+__all__ = ["LayerRule", "register", "register_name", "rule_for"]

@@ -7,6 +7,11 @@ Convolution, with patches ``X_n = unfold(x_n)`` (``[C_in k, L]``) and ``G_n = dL
 Transposed convolution is the adjoint of a convolution with the same hyper-parameters, so the
 roles swap: ``g_n(W) = x_n unfold(G_n)^T`` with ``x_n`` ``[C_in, L]`` and ``unfold(G_n)``
 ``[C_out k, L]``.
+
+Second order (convolutions with ``groups=1``): Kronecker factors with the conv locations as
+the shared dim and the patches as inputs (KFC, Grosse & Martens 2016; ``groups > 1`` has no
+single Kronecker product and is rejected), and the ``DiagHessian`` residual of a curved op on
+the output, ``sum_l r_nol X_nil^2``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import math
 import torch
 from torch import nn
 
+from curvopt.errors import UnsupportedKroneckerError, module_error
+from curvopt.layers.kron import input_factor, output_factor_channels_first
 from curvopt.layers.registry import LayerRule, register
 from curvopt.records import Call
 from curvopt.layers.unfold import padded_conv_input, unfold, unfold_conv_input
@@ -52,6 +59,8 @@ def _column_outer(left, right, k: int, n: int, groups: int) -> torch.Tensor:
 
 
 class _ConvRuleBase(LayerRule):
+    curvature_free = True
+
     def _operands(self, call):
         """``(left [N, *, L], right [N, *, L])`` with ``g_n(W) = left_n right_n^T`` per group."""
         raise NotImplementedError
@@ -156,6 +165,33 @@ class ConvRule(_ConvRuleBase):
         g = call.grad_out
         n = g.shape[0]
         return g.reshape(n, g.shape[1], -1), unfold_conv_input(call.module, call.input)
+
+    def kron_factors(self, call, columns, name, approx, n):
+        module = call.module
+        if name != "weight":
+            return None  # the exact block of the bias (layers.kron)
+        if module.groups != 1:
+            reason = (
+                f"groups={module.groups}: each group has its own input factor, so the weight's "
+                "GGN block is not one Kronecker product; use a diagonal quantity instead, or "
+                "skip it with curvopt.collect(..., skip_unsupported=True)"
+            )
+            raise UnsupportedKroneckerError(str(module_error(module, reason)))
+        patches = unfold_conv_input(module, call.input, positions_first=True)  # [N, L, C_in k]
+        v = columns.reshape(columns.shape[0] * n, columns.shape[2], -1)  # [K N, C_out, L]
+        return [output_factor_channels_first(v, approx), input_factor(patches, approx)]
+
+    def has_weighted_squares(self, module):
+        return module.groups == 1
+
+    def weighted_squares(self, module, x, r, name, batched):
+        n = r.shape[0]
+        rr = r.reshape(n, r.shape[1], -1)
+        if name == "bias":
+            return rr.sum(2) if batched else rr.sum((0, 2))
+        x2 = unfold_conv_input(module, x).pow(2)
+        out = torch.einsum(f"nol,nil->{'n' if batched else ''}oi", rr, x2)
+        return out.reshape(*out.shape[:-2], *module.weight.shape)
 
 
 @register(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)

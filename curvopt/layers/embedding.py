@@ -3,6 +3,11 @@
 With ``g_nt = dL/dy_nt``: ``g_n(W)[v] = sum_{t: idx_nt = v} g_nt``. Rows are aggregated per
 distinct (sample, token) pair ``a_nv``, so that ``||g_n||^2 = sum_v ||a_nv||^2`` and
 ``sum_n g_n**2 = sum_n a_nv**2`` cost ``O(N T D)`` instead of ``O(N V D)``.
+
+Kronecker factors ``[A (V x V), B (D x D)]``, in the order of ``W``'s dims: those of a
+bias-free ``Linear`` on one-hot tokens (padding tokens: zero vectors), "expand"
+``A = diag(token counts) / (N T)``, "reduce" ``A = mean_n xbar xbar^T`` with ``xbar`` the token
+frequencies of sample ``n``; ``B`` as for ``Linear`` (``layers.kron``).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import torch
 from torch import nn
 
 from curvopt.layers.registry import LayerRule, register
+from curvopt.reductions import gram
 
 
 def _rows(call):
@@ -39,6 +45,7 @@ def _aggregate(call):
 @register(nn.Embedding)
 class EmbeddingRule(LayerRule):
     positionwise = True
+    curvature_free = True
 
     def check(self, module):
         if module.scale_grad_by_freq:
@@ -72,3 +79,24 @@ class EmbeddingRule(LayerRule):
         idx, _, g = _rows(call)
         result = torch.zeros_like(call.module.weight, dtype=g.dtype)
         return result.index_add_(0, idx, g)
+
+    def kron_factors(self, call, columns, name, approx, n):
+        module = call.module
+        idx = call.input.reshape(n, -1)
+        dim = columns.shape[-1]
+        if approx == "reduce":
+            # the lookup is a Linear on one-hot tokens: xbar_n = token frequencies of sample n
+            counts = columns.new_zeros(n, module.num_embeddings)
+            counts.scatter_add_(1, idx, columns.new_ones(idx.shape))
+            if module.padding_idx is not None:
+                counts[:, module.padding_idx] = 0
+            xbar = counts / idx.shape[1]
+            v = columns.reshape(columns.shape[0], n, -1, dim).sum(2)
+            return [gram(xbar, 1 / n), gram(v.flatten(0, 1))]
+        counts = torch.bincount(idx.flatten(), minlength=module.num_embeddings).to(columns.dtype)
+        if module.padding_idx is not None:
+            counts[module.padding_idx] = 0
+        return [torch.diag(counts / idx.numel()), gram(columns.reshape(-1, dim))]
+
+    def output_factor_index(self, name):
+        return 1

@@ -280,6 +280,15 @@ def _unsqueeze(x, dim):
 GENERIC = register_fallback(GenericRule())
 
 
+@register(nn.PReLU, nn.SyncBatchNorm)
+class CurvatureFreeGenericRule(GenericRule):
+    """The generic rule for modules that are linear in their input (``SyncBatchNorm`` in eval
+    mode) or, ``PReLU``, piecewise linear in it and linear in their own leaf weight, whose
+    second derivatives are then all off the diagonal (weight x upstream parameters)."""
+
+    curvature_free = True
+
+
 @register(nn.MultiheadAttention)
 class MultiheadAttentionRule(GenericRule):
     """Attention calls its projections functionally, so the rule owns ``out_proj`` too."""

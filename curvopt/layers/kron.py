@@ -1,20 +1,20 @@
 """Kronecker factors of a parameter's GGN block from columns ``V`` propagated to the layer output.
 
-``kron(*factors)`` is indexed like ``p.flatten()``. With per-sample outputs ``V [K, N, *out]``:
+``kron(*factors)`` is indexed like ``p.flatten()``. Each layer rule gives its own factors
+(:meth:`LayerRule.kron_factors`) with the functions below, which work on one canonical
+weight-sharing format: inputs ``x [N, P, I]`` and columns ``V [K, N, P, O]``, ``P`` the
+positions that share the weight (sequence positions, conv locations), and give
+``[B (O x O), A (I x I)]``:
 
-* ``Linear`` (``x [N, T, I]``, ``V [K, N, T, O]``): ``[B (O x O), A (I x I)]``;
-  "expand": ``B = sum_{k,n,t} v v^T``, ``A = mean_{n,t} x x^T``;
-  "reduce": ``B = sum_{k,n} (sum_t v)(sum_t v)^T``, ``A = mean_n xbar xbar^T``, ``xbar = mean_t x``.
-* ``Conv{1,2,3}d``: as "expand" with conv locations as positions and ``x`` the unfolded patches
-  (KFC, Grosse & Martens 2016); ``groups > 1`` is rejected (no single Kronecker product).
-* ``Embedding`` (``W [V, D]``): ``[A (V x V), B (D x D)]`` in the order of ``W``'s dims; the
-  factors of a bias-free ``Linear`` on one-hot tokens (padding tokens: zero vectors): "expand"
-  ``A = diag(token counts) / (N T)``, "reduce" ``A = mean_n xbar xbar^T`` with ``xbar`` the
-  token frequencies of sample ``n``; ``B`` as above.
-* A layer registered elsewhere gives its own (:meth:`LayerRule.kron_factors`), e.g. Hugging
-  Face's ``Conv1D`` (``layers.transposed_linear``).
-* Any one-dimensional parameter (biases, norm scales): ``[B]``, the exact block
-  ``sum_{k,n} g_nk g_nk^T`` from the per-(sample, column) gradients.
+* "expand": ``B = sum_{k,n,p} v v^T``, ``A = mean_{n,p} x x^T``;
+* "reduce": ``B = sum_{k,n} (sum_p v)(sum_p v)^T``, ``A = mean_n xbar xbar^T``,
+  ``xbar = mean_p x`` (Eschenhagen et al., 2023).
+
+The rules: ``Linear`` and Hugging Face's ``Conv1D`` (``layers.linear``,
+``layers.transposed_linear``), ``Conv{1,2,3}d`` with unfolded patches as inputs (KFC, Grosse &
+Martens 2016; ``layers.conv``), ``Embedding`` (``layers.embedding``). A parameter whose rule
+gives none and that is one-dimensional (biases, norm scales) gets ``[B]``, the exact block
+``sum_{k,n} g_nk g_nk^T`` from the per-(sample, column) gradients; any other is unsupported.
 
 For ``N = 1`` and one position each factorisation is exact. Every factor built from fewer
 rows than its size carries its root (``reductions.gram_root``), for low-rank inversion.
@@ -23,15 +23,13 @@ rows than its size carries its root (``reductions.gram_root``), for low-rank inv
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from curvopt.errors import UnsupportedKroneckerError, module_error
-from curvopt.layers.registry import reparametrization, rule_for
-from curvopt.layers.unfold import unfold_conv_input
+from curvopt.layers.registry import rule_for
 from curvopt.reductions import block_gram, gram
 
 
-def _input_factor(x, approx):
+def input_factor(x, approx):
     """``A`` from inputs ``x [N, P, I]``: mean over samples and positions of ``x xᵀ``
     ("expand"), or over samples of ``xbar xbarᵀ`` with ``xbar`` the mean over positions."""
     if approx == "reduce":
@@ -39,65 +37,34 @@ def _input_factor(x, approx):
     return gram(x.flatten(0, 1), 1 / x.shape[:2].numel())
 
 
+def output_factor(v, approx):
+    """``B`` from columns ``v [K, N, P, O]``."""
+    return gram(v.sum(2).flatten(0, 1) if approx == "reduce" else v.flatten(0, 2))
+
+
+def output_factor_channels_first(v, approx):
+    """:func:`output_factor` from the columns laid out ``[K N, O, P]`` (as a convolution's
+    output is), by batched products on that layout: no transposed copy."""
+    return gram(v.sum(2)) if approx == "reduce" else block_gram(v)
+
+
 def linear_like(x, v, approx):
     """``[B, A]`` from inputs ``x [N, P, I]`` and columns ``v [K, N, P, O]``."""
-    outputs = v.sum(2).flatten(0, 1) if approx == "reduce" else v.flatten(0, 2)
-    return [gram(outputs), _input_factor(x, approx)]
+    return [output_factor(v, approx), input_factor(x, approx)]
 
 
 def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int):
     """Kronecker factors of ``p`` (see module docstring) for one call."""
     module = call.module
-    own = rule_for(module).kron_factors(call, columns, name, approx, n)
+    rule = rule_for(module)
+    own = rule.kron_factors(call, columns, name, approx, n)
     if own is not None:
         return own
     if p.dim() == 1:
-        rule = rule_for(module)
         grads = rule.batch_grad(call.expand(columns), name)
         return [gram(grads)]
     if isinstance(columns, tuple):
         raise module_error(module, "Kronecker factors need a module with a single output")
-    if isinstance(module, nn.Linear) and name == "weight":
-        x = call.input.reshape(n, -1, call.input.shape[-1])
-        v = columns.reshape(columns.shape[0], n, -1, columns.shape[-1])
-        return linear_like(x, v, approx)
-    if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed and name == "weight":
-        if module.groups != 1:
-            reason = (
-                f"groups={module.groups}: each group has its own input factor, so the weight's "
-                "GGN block is not one Kronecker product; use a diagonal quantity instead, or "
-                "skip it with curvopt.collect(..., skip_unsupported=True)"
-            )
-            raise UnsupportedKroneckerError(str(module_error(module, reason)))
-        patches = unfold_conv_input(module, call.input, positions_first=True)  # [N, L, C_in k]
-        k = columns.shape[0]
-        v = columns.reshape(k * n, columns.shape[2], -1)  # [K N, C_out, L], as laid out
-        output_factor = gram(v.sum(2)) if approx == "reduce" else block_gram(v)
-        return [output_factor, _input_factor(patches, approx)]
-    if isinstance(module, nn.Embedding) and name == "weight":
-        idx = call.input.reshape(n, -1)
-        dim = columns.shape[-1]
-        if approx == "reduce":
-            # the lookup is a Linear on one-hot tokens: xbar_n = token frequencies of sample n
-            counts = columns.new_zeros(n, module.num_embeddings)
-            counts.scatter_add_(1, idx, columns.new_ones(idx.shape))
-            if module.padding_idx is not None:
-                counts[:, module.padding_idx] = 0
-            xbar = counts / idx.shape[1]
-            v = columns.reshape(columns.shape[0], n, -1, dim).sum(2)
-            return [gram(xbar, 1 / n), gram(v.flatten(0, 1))]
-        counts = torch.bincount(idx.flatten(), minlength=module.num_embeddings).to(columns.dtype)
-        if module.padding_idx is not None:
-            counts[module.padding_idx] = 0
-        return [torch.diag(counts / idx.numel()), gram(columns.reshape(-1, dim))]
-    how = reparametrization(module)
-    if how is not None:
-        raise module_error(
-            module,
-            f"parameter {name!r} is an original of the reparametrized parameter {how}, and the "
-            "layer's weight is not linear in it, so its GGN block has no Kronecker factors; "
-            "use a diagonal quantity (DiagGGNExact/DiagGGNMC), or remove the parametrization",
-        )
     raise UnsupportedKroneckerError(
         f"curvopt has no Kronecker factorisation for parameter {name!r} of module "
         f"{module._curvopt_path!r} ({type(module).__name__}); supported: Linear, Conv1d/2d/3d "
@@ -110,8 +77,6 @@ def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int)
 
 def output_factor_index(module, name: str) -> int:
     """Position of the output-side factor ``B`` (the one built from the columns) in the list."""
-    if isinstance(module, nn.Embedding) and name == "weight":
-        return 1
     return rule_for(module).output_factor_index(name)
 
 

@@ -5,6 +5,10 @@ With the positions ``t`` of the middle dims flattened (``x_nt``, ``g_nt = dL/dy_
 * ``g_n(W) = sum_t g_nt x_nt^T``                         ``[N, O, I]``
 * ``||g_n(W)||^2 = sum_{t,s} (g_nt . g_ns)(x_nt . x_ns)``  (ghost norm, ``T^2 (O+I)`` flops)
 * ``sum_n g_n(W)**2 = (g**2)^T (x**2)``                  when ``T = 1``
+
+Second order: Kronecker factors with the positions ``t`` as the shared dim (``layers.kron``);
+the ``DiagHessian`` residual of a curved op on the output, ``sum_t r_nto x_nti^2``; the KFRA
+link ``W`` (two-dimensional inputs).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from curvopt.layers.kron import linear_like
 from curvopt.layers.registry import LayerRule, register
 from curvopt.reductions import sum_of_squares
 
@@ -23,9 +28,17 @@ def _flat(call):
     return x.reshape(n, -1, x.shape[-1]), g.reshape(n, -1, g.shape[-1])
 
 
+def canonical(call, columns, n: int):
+    """Inputs ``x [N, T, I]`` and columns ``v [K, N, T, O]`` in the canonical weight-sharing
+    format of ``layers.kron``, the middle dims flattened into ``T``."""
+    x = call.input.reshape(n, -1, call.input.shape[-1])
+    return x, columns.reshape(columns.shape[0], n, -1, columns.shape[-1])
+
+
 @register(nn.Linear)
 class LinearRule(LayerRule):
     positionwise = True
+    curvature_free = True
 
     def batch_grad(self, call, name, out=None):
         x, g = _flat(call)
@@ -80,3 +93,25 @@ class LinearRule(LayerRule):
         if name == "bias":
             return g.sum((0, 1))
         return g.flatten(0, 1).T @ x.flatten(0, 1)
+
+    def kron_factors(self, call, columns, name, approx, n):
+        if name != "weight":
+            return None  # the exact block of the bias (layers.kron)
+        return linear_like(*canonical(call, columns, n), approx)
+
+    def has_weighted_squares(self, module):
+        return True
+
+    def weighted_squares(self, module, x, r, name, batched):
+        n = r.shape[0]
+        rr = r.reshape(n, -1, r.shape[-1])
+        if name == "bias":
+            return rr.sum(1) if batched else rr.sum((0, 1))
+        x2 = x.reshape(n, -1, x.shape[-1]).pow(2)
+        return torch.einsum(f"nto,nti->{'n' if batched else ''}oi", rr, x2)
+
+    def kfra_weight(self, module):
+        return module.weight
+
+    def kfra_factors(self, x, b, name):
+        return [b.clone(), x.T @ x / x.shape[0]] if name == "weight" else [b.clone()]

@@ -87,6 +87,8 @@ def _running_normalized(module, x):
 
 @register(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 class BatchNormRule(_AffineNormRule):
+    curvature_free = True  # eval mode: an affine map of the input
+
     def check(self, module):
         if module.training or module.running_mean is None:
             return (

@@ -12,7 +12,8 @@ Module types without a registered rule fall back to :class:`curvopt.layers.gener
 (``torch.func`` over single samples); so do modules whose parameters are reparametrized (weight
 norm, spectral norm, ``torch.nn.utils.parametrize``), whatever their type
 (:mod:`curvopt.layers.reparametrized`). Types of other libraries that curvopt must not import
-(Hugging Face's ``Conv1D``) are registered by class name with :func:`register_name`.
+(Hugging Face's ``Conv1D``) are registered by class name with :func:`register_name`. Every
+module of ``curvopt.layers`` is imported by the package, so the one file is all there is to add.
 """
 
 from __future__ import annotations
@@ -166,14 +167,44 @@ class LayerRule:
         """``p.shape``: ``sum_n g_n`` (this call's share of ``p.grad``), or ``None``."""
         return None
 
+    # ------------------------------------------------------------ optional second-order hooks
+    #: whether the module's output is linear in its input (or, ``PReLU``, piecewise linear in it
+    #: and linear in its own leaf weight), so that ``DiagHessian`` needs no look inside it
+    curvature_free: bool = False
+
     def kron_factors(
         self, call, columns, name: str, approx: str, n: int
     ) -> Optional[List[torch.Tensor]]:
         """Kronecker factors of ``name`` (``kron(*factors)`` indexed like ``vec(p)``) from
-        columns ``[K, *out]`` at the output (``n`` samples), or ``None``: ``layers.kron``'s
-        built-in factors (Linear, Conv, Embedding weights, one-dimensional parameters)."""
+        columns ``[K, *out]`` at the output (``n`` samples, ``approx`` "expand" or "reduce"),
+        built with ``layers.kron``'s functions on the canonical weight-sharing format (inputs
+        ``[N, P, I]``, columns ``[K, N, P, O]``, ``P`` positions sharing the weight), or
+        ``None``: the exact block of a one-dimensional parameter, any other is unsupported."""
         return None
 
     def output_factor_index(self, name: str) -> int:
         """Position, in :meth:`kron_factors`' list, of the factor built from the columns."""
         return 0
+
+    def has_weighted_squares(self, module: nn.Module) -> bool:
+        """Whether :meth:`weighted_squares` applies to ``module`` (every parameter)."""
+        return False
+
+    def weighted_squares(
+        self, module: nn.Module, x: torch.Tensor, r: torch.Tensor, name: str, batched: bool
+    ) -> torch.Tensor:
+        """The ``DiagHessian`` residual of a curved op applied right after the module:
+        ``sum_j r_j (d u_j / d p)^2`` for the module's output ``u`` (input ``x``, weights ``r``
+        shaped like ``u``), per sample (``batched``) or summed, without propagating columns."""
+        raise NotImplementedError
+
+    def kfra_weight(self, module: nn.Module) -> Optional[torch.Tensor]:
+        """``W [O, I]`` of a layer ``h = W x (+ b)`` on inputs ``x [N, I]``, through which KFRA
+        propagates ``B -> W^T B W`` (:meth:`kfra_factors` gives its factors), or ``None``:
+        the module cannot be a link of a KFRA chain."""
+        return None
+
+    def kfra_factors(self, x: torch.Tensor, b: torch.Tensor, name: str) -> List[torch.Tensor]:
+        """KFRA factors of ``name`` from the inputs ``x [N, I]`` and the propagated output-side
+        factor ``b`` (``O x O``), output side first."""
+        raise NotImplementedError

@@ -15,6 +15,7 @@ that updates buffers, so re-running it changes the layer); Kronecker factors of 
 
 from __future__ import annotations
 
+from curvopt.errors import module_error
 from curvopt.layers.generic import GenericRule
 from curvopt.layers.registry import register_reparametrized, reparametrization
 
@@ -41,6 +42,17 @@ class ReparametrizedRule(GenericRule):
                 "(the power iteration stops)"
             )
         return None
+
+    def kron_factors(self, call, columns, name, approx, n):
+        if call.module.get_parameter(name).dim() == 1 or isinstance(columns, tuple):
+            return None  # the exact block (layers.kron), or its single-output error
+        raise module_error(
+            call.module,
+            f"parameter {name!r} is an original of the reparametrized parameter "
+            f"{reparametrization(call.module)}, and the layer's weight is not linear in it, so "
+            "its GGN block has no Kronecker factors; use a diagonal quantity "
+            "(DiagGGNExact/DiagGGNMC), or remove the parametrization",
+        )
 
 
 REPARAMETRIZED = register_reparametrized(ReparametrizedRule())

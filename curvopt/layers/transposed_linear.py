@@ -6,7 +6,8 @@ transposes the weight's results: ``g_n(W) = sum_t x_nt g_ntᵀ`` ``[N, I, O]``.
 
 Kronecker factors: ``vec(W)`` (row-major, input index first) pairs with ``kron(A, B)``, so the
 list is ``[A (I x I), B (O x O)]``: input side first, unlike ``nn.Linear``'s ``[B, A]``; the
-factors themselves are those of the equivalent ``nn.Linear``.
+factors themselves are those of the equivalent ``nn.Linear``. ``DiagHessian`` and ``KFRA``
+do not handle it (they reject the model).
 
 The class is matched by name (curvopt does not import ``transformers``); :meth:`check`
 verifies the layout (``weight [nx, nf]``, ``bias [nf]``) before any number is computed.
@@ -17,12 +18,14 @@ from __future__ import annotations
 import torch
 
 from curvopt.layers.kron import linear_like
-from curvopt.layers.linear import LinearRule
+from curvopt.layers.linear import LinearRule, canonical
 from curvopt.layers.registry import register_name
 
 
 @register_name("Conv1D")
 class TransposedLinearRule(LinearRule):
+    curvature_free = False
+
     def check(self, module):
         weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
         nf = getattr(module, "nf", None)
@@ -65,10 +68,14 @@ class TransposedLinearRule(LinearRule):
     def kron_factors(self, call, columns, name, approx, n):
         if name == "bias":
             return None  # the exact block of a one-dimensional parameter (layers.kron)
-        x = call.input.reshape(n, -1, call.input.shape[-1])
-        v = columns.reshape(columns.shape[0], n, -1, columns.shape[-1])
-        output_factor, input_factor = linear_like(x, v, approx)
+        output_factor, input_factor = linear_like(*canonical(call, columns, n), approx)
         return [input_factor, output_factor]
 
     def output_factor_index(self, name):
         return 1 if name == "weight" else 0
+
+    def has_weighted_squares(self, module):
+        return False
+
+    def kfra_weight(self, module):
+        return None

@@ -1,0 +1,244 @@
+"""Everything curvopt reads from torch's internals, in one place: the autograd node names it
+branches on, and the private accessors it calls. ``tests/test_torch_internals.py`` builds
+small graphs and checks that each name and accessor still exists in the installed torch.
+
+Node names are the class names of autograd nodes (``type(tensor.grad_fn).__name__``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import torch
+import torch.nn.functional as F
+from torch.autograd import Variable
+
+# ----------------------------------------------------------------------------- accessors
+
+
+def current_graph_task_id() -> int:
+    """Id of the autograd task (backward run) now executing on this thread, ``-1`` outside."""
+    return torch._C._current_graph_task_id()
+
+
+def current_autograd_node():
+    """The autograd node whose hook is running now, or ``None`` outside a backward pass."""
+    return torch._C._current_autograd_node()
+
+
+def will_engine_execute_node(node) -> bool:
+    """Whether the running backward pass will execute ``node`` (raises ``RuntimeError`` for a
+    node that is an input of ``torch.autograd.grad``)."""
+    return torch._C._will_engine_execute_node(node)
+
+
+def queue_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the running backward pass ends."""
+    Variable._execution_engine.queue_callback(fn)
+
+
+def storage_use_count(storage) -> int:
+    """References held to the ``StorageImpl`` of an untyped storage."""
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+def input_shape(node, index: int):
+    """Shape of the ``index``-th input of an autograd node (that of its output gradient)."""
+    return tuple(node._input_metadata[index].shape)
+
+
+def add_alpha(node) -> float:
+    """The ``alpha`` of ``AddBackward0`` (``a + alpha * b``)."""
+    return float(node._saved_alpha)
+
+
+# ----------------------------------------------------------------------------- node names
+
+#: the leaf node of a tensor that requires grad (``node.variable`` is the tensor)
+ACCUMULATE_GRAD = "AccumulateGrad"
+
+#: ops that only change the shape of their input (their output has the input's elements)
+SHAPE_OPS = {"UnsqueezeBackward0", "ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"}
+#: ops whose output gradient is the per-sample gradient of a broadcast operand
+BROADCASTING_OPS = {"AddBackward0", "ExpandBackward0"}
+
+#: backward ops that ``vmap`` runs sample by sample (no batching rule in PyTorch): graphs with
+#: them propagate columns one at a time, which is faster than the vmap fallback
+NO_BATCHING_RULE = {
+    "MaxPool2DWithIndicesBackward0",
+    "MaxPool3DWithIndicesBackward0",
+    "ScaledDotProductFlashAttentionForCpuBackward0",
+    "ScaledDotProductEfficientAttentionBackward0",
+    "ScaledDotProductFlashAttentionBackward0",
+}
+#: ops that pick entries by data (boolean masks, index tensors): which rows of the loss belong
+#: to which sample can change from batch to batch under the same graph structure
+DATA_INDEXING = {
+    "IndexBackward0",
+    "MaskedSelectBackward0",
+    "IndexSelectBackward0",
+    "GatherBackward0",
+    "TakeBackward0",
+    "MaskedScatterBackward0",
+}
+#: ``torch.utils.checkpoint(use_reentrant=True)``: the segment's graph exists only while this
+#: node runs (recomputed inside it), and it refuses ``torch.autograd.grad``
+REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
+#: backward nodes of graphs compiled by ``torch.compile``, whose ops columns cannot pass
+COMPILED = {"CompiledFunctionBackward", "CompiledFunction"}
+
+# ------------------------------------------------- curvature of ops (``hessian``, DiagHessian)
+
+
+def _from_result(fn: Callable) -> Callable:
+    return lambda node: fn(node._saved_result)
+
+
+def _from_input(make: Callable) -> Callable:
+    """``phi''(u)`` by double differentiation of ``make(node)(u)``, ``u`` the saved input."""
+
+    def second(node):
+        u = node._saved_self.detach().requires_grad_(True)
+        with torch.enable_grad():
+            (d1,) = torch.autograd.grad(make(node)(u).sum(), u, create_graph=True)
+            (d2,) = torch.autograd.grad(d1.sum(), u)
+        return d2
+
+    return second
+
+
+#: autograd node type -> phi''(u) of the elementwise op it belongs to
+SECOND_DERIVATIVES: Dict[str, Callable] = {
+    "SigmoidBackward0": _from_result(lambda s: s * (1 - s) * (1 - 2 * s)),
+    "TanhBackward0": _from_result(lambda t: -2 * t * (1 - t * t)),
+    "GeluBackward0": _from_input(lambda n: lambda u: F.gelu(u, approximate=n._saved_approximate)),
+    "SiluBackward0": _from_input(lambda n: F.silu),
+    "MishBackward0": _from_input(lambda n: F.mish),
+    "LogSigmoidBackward0": _from_input(lambda n: F.logsigmoid),
+    "SoftplusBackward0": _from_input(
+        lambda n: lambda u: F.softplus(u, n._saved_beta, n._saved_threshold)
+    ),
+    "CeluBackward0": _from_input(lambda n: lambda u: F.celu(u, n._saved_alpha)),
+    "EluBackward0": _from_input(
+        lambda n: (
+            lambda u: (
+                float(n._saved_scale)
+                * F.elu(u * float(n._saved_input_scale), float(n._saved_alpha))
+            )
+        )
+    ),
+}
+
+#: ops with zero second derivative (linear or piecewise linear) in every input (shape-only and
+#: broadcasting ops among them)
+LINEAR_OPS = (
+    SHAPE_OPS
+    | BROADCASTING_OPS
+    | {
+        "AddBackward1",
+        "SubBackward0",
+        "SubBackward1",
+        "NegBackward0",
+        "TBackward0",
+        "PermuteBackward0",
+        "TransposeBackward0",
+        "TransposeBackward1",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "SqueezeBackward2",
+        "SqueezeBackward3",
+        "CloneBackward0",
+        "CatBackward0",
+        "SplitBackward0",
+        "SplitWithSizesBackward0",
+        "SliceBackward0",
+        "SelectBackward0",
+        "IndexBackward0",
+        "SumBackward0",
+        "SumBackward1",
+        "MeanBackward0",
+        "MeanBackward1",
+        "ReluBackward0",
+        "ThresholdBackward0",
+        "ThresholdBackward1",
+        "LeakyReluBackward0",
+        "LeakyReluBackward1",
+        "HardtanhBackward0",
+        "MaxPool2DWithIndicesBackward0",
+        "MaxPool3DWithIndicesBackward0",
+        "AvgPool2DBackward0",
+        "AvgPool3DBackward0",
+        "AdaptiveAvgPool2DBackward0",
+        "AdaptiveAvgPool3DBackward0",
+        "ConstantPadNdBackward0",
+        "ReflectionPad1DBackward0",
+        "ReflectionPad2DBackward0",
+        "ReplicationPad2DBackward0",
+        "MulBackward1",
+        "DivBackward1",
+        "NativeDropoutBackward0",
+        "AccumulateGrad",
+        "AsStridedBackward0",
+        "StackBackward0",
+        "UnbindBackward0",
+        # views and copies: the no-op slice ``h[:, slice(0, None)]`` of a causal LM head, casts
+        "AliasBackward0",
+        "ToCopyBackward0",
+        "DiagonalBackward0",
+        "FlipBackward0",
+        "RollBackward0",
+        "RepeatBackward0",
+        "IndexSelectBackward0",
+        "GatherBackward0",
+        "MaskedFillBackward0",
+        "CumsumBackward0",
+        "UnfoldBackward0",
+        "Im2ColBackward0",
+        "Col2ImBackward0",
+        "PixelShuffleBackward0",
+        "PixelUnshuffleBackward0",
+        "ChannelShuffleBackward0",
+        # interpolation: fixed weights on the input
+        "UpsampleNearest1DBackward0",
+        "UpsampleNearest2DBackward0",
+        "UpsampleNearest3DBackward0",
+        "UpsampleNearestExact1DBackward0",
+        "UpsampleNearestExact2DBackward0",
+        "UpsampleNearestExact3DBackward0",
+        "UpsampleLinear1DBackward0",
+        "UpsampleBilinear2DBackward0",
+        "UpsampleBicubic2DBackward0",
+        "UpsampleTrilinear3DBackward0",
+        # selections and piecewise-linear functions
+        "WhereBackward0",
+        "AbsBackward0",
+        "ClampBackward1",
+        "ClampMinBackward0",
+        "ClampMaxBackward0",
+        "MaxBackward0",
+        "MaxBackward1",
+        "MinBackward0",
+        "MinBackward1",
+        "AmaxBackward0",
+        "AminBackward0",
+        "MaximumBackward0",
+        "MinimumBackward0",
+        "HardsigmoidBackward0",
+        "SoftshrinkBackward0",
+        "HardshrinkBackward0",
+        "AdaptiveMaxPool2DBackward0",
+        "AdaptiveMaxPool3DBackward0",
+        "MaxUnpool2DBackward0",
+        "MaxUnpool3DBackward0",
+    }
+)
+#: products: linear when at most one operand depends on the parameters; ``prelu(u, a)`` is
+#: piecewise linear in ``u`` and linear in ``a``, its cross derivative ``1[u < 0]`` pairs them
+BILINEAR_OPS = {
+    "MulBackward0",
+    "DivBackward0",
+    "MmBackward0",
+    "BmmBackward0",
+    "AddmmBackward0",
+    "PreluKernelBackward0",
+}

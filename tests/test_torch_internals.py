@@ -1,0 +1,162 @@
+"""Every autograd node name and private accessor curvopt relies on still exists in the installed
+torch (``curvopt/torch_internals.py``): the names are node classes of torch and the nodes that
+small graphs create; the accessors answer as documented inside and outside a backward pass."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from curvopt import torch_internals as ti
+
+#: the tables of node names generated from torch's derivatives (``torch._C._functions``)
+GENERATED = {
+    "SHAPE_OPS": ti.SHAPE_OPS,
+    "BROADCASTING_OPS": ti.BROADCASTING_OPS,
+    "NO_BATCHING_RULE": ti.NO_BATCHING_RULE,
+    "DATA_INDEXING": ti.DATA_INDEXING,
+    "LINEAR_OPS": ti.LINEAR_OPS,
+    "BILINEAR_OPS": ti.BILINEAR_OPS,
+    "SECOND_DERIVATIVES": set(ti.SECOND_DERIVATIVES),
+    "ACCUMULATE_GRAD": {ti.ACCUMULATE_GRAD},
+}
+
+
+@pytest.mark.parametrize("table", sorted(GENERATED))
+def test_every_name_is_a_node_class_of_torch(table):
+    missing = sorted(n for n in GENERATED[table] if not hasattr(torch._C._functions, n))
+    assert not missing, f"{table}: no autograd node class {missing} in torch {torch.__version__}"
+
+
+def _names(t: torch.Tensor):
+    """Class names of every autograd node upstream of ``t``."""
+    found, stack = set(), [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or type(node).__name__ in found:
+            continue
+        found.add(type(node).__name__)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return found
+
+
+def _x(*shape):
+    return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+
+
+#: (graph builder, table, node name the graph must contain)
+GRAPHS = [
+    (lambda: _x(3).unsqueeze(0), ti.SHAPE_OPS, "UnsqueezeBackward0"),
+    (lambda: _x(2, 3).view(6), ti.SHAPE_OPS, "ViewBackward0"),
+    (lambda: _x(2, 3) + _x(3), ti.BROADCASTING_OPS, "AddBackward0"),
+    (lambda: _x(1, 3).expand(4, 3), ti.BROADCASTING_OPS, "ExpandBackward0"),
+    (lambda: F.max_pool2d(_x(1, 1, 4, 4), 2), ti.NO_BATCHING_RULE, "MaxPool2DWithIndicesBackward0"),
+    (lambda: F.max_pool1d(_x(1, 1, 4), 2), ti.NO_BATCHING_RULE, "MaxPool2DWithIndicesBackward0"),
+    (lambda: _x(4, 2)[torch.tensor([0, 2])], ti.DATA_INDEXING, "IndexBackward0"),
+    (
+        lambda: _x(4).masked_select(torch.tensor([1, 0, 1, 0]).bool()),
+        ti.DATA_INDEXING,
+        "MaskedSelectBackward0",
+    ),
+    (lambda: _x(4, 2).index_select(0, torch.tensor([1])), ti.DATA_INDEXING, "IndexSelectBackward0"),
+    (lambda: _x(4, 2).gather(1, torch.tensor([[0]] * 4)), ti.DATA_INDEXING, "GatherBackward0"),
+    (lambda: _x(4).take(torch.tensor([3])), ti.DATA_INDEXING, "TakeBackward0"),
+    (lambda: _x(2, 3) @ _x(3, 2), ti.BILINEAR_OPS, "MmBackward0"),
+    (lambda: _x(2, 3) * _x(2, 3), ti.BILINEAR_OPS, "MulBackward0"),
+    (lambda: F.linear(_x(2, 3), _x(4, 3), _x(4)), ti.BILINEAR_OPS, "AddmmBackward0"),
+    (lambda: F.prelu(_x(2, 3), _x(1)), ti.BILINEAR_OPS, "PreluKernelBackward0"),
+    (lambda: F.relu(_x(3)), ti.LINEAR_OPS, "ReluBackward0"),
+    (lambda: _x(2, 3).transpose(0, 1).reshape(6), ti.LINEAR_OPS, "CloneBackward0"),
+    (lambda: F.pad(_x(1, 2, 3), (1, 1)), ti.LINEAR_OPS, "ConstantPadNdBackward0"),
+    (lambda: torch.cat([_x(2), _x(3)]), ti.LINEAR_OPS, "CatBackward0"),
+    (lambda: _x(2).view_as(torch.empty(2)), {ti.ACCUMULATE_GRAD}, "AccumulateGrad"),
+]
+
+
+@pytest.mark.parametrize("build, table, name", GRAPHS, ids=[g[2] for g in GRAPHS])
+def test_node_names_seen_in_graphs(build, table, name):
+    out = build()
+    assert name in table
+    assert name in _names(out), sorted(_names(out))
+
+
+def test_python_node_names():
+    """The reentrant checkpoint's node and a ``torch.compile`` graph's node."""
+    x = _x(3)
+    out = checkpoint(torch.sin, x, use_reentrant=True)
+    assert type(out.grad_fn).__name__ == ti.REENTRANT_CHECKPOINT
+    compiled = torch.compile(torch.sin, backend="aot_eager")
+    assert type(compiled(_x(3)).grad_fn).__name__ in ti.COMPILED
+
+
+OPS = {
+    "SigmoidBackward0": torch.sigmoid,
+    "TanhBackward0": torch.tanh,
+    "GeluBackward0": lambda u: F.gelu(u, approximate="tanh"),
+    "SiluBackward0": F.silu,
+    "MishBackward0": F.mish,
+    "LogSigmoidBackward0": F.logsigmoid,
+    "SoftplusBackward0": lambda u: F.softplus(u, 2.0, 1.5),
+    "CeluBackward0": lambda u: F.celu(u, 0.7),
+    "EluBackward0": F.selu,
+}
+
+
+def test_every_curved_op_is_covered():
+    assert set(OPS) == set(ti.SECOND_DERIVATIVES)
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_second_derivative_from_saved_tensors(name):
+    """``phi''(u)`` read off the node's saved tensors equals the second derivative by autograd
+    (an accessor such as ``_saved_alpha`` renamed would raise or give a different value)."""
+    u = torch.linspace(-3, 3, 13, dtype=torch.float64)
+    y = OPS[name](u.clone().requires_grad_(True))
+    assert type(y.grad_fn).__name__ == name
+    expected = torch.func.vmap(torch.func.grad(torch.func.grad(OPS[name])))(u)
+    torch.testing.assert_close(ti.SECOND_DERIVATIVES[name](y.grad_fn), expected)
+
+
+def test_accessors_outside_a_backward_pass():
+    assert ti.current_graph_task_id() == -1
+    assert ti.current_autograd_node() is None
+
+
+def test_accessors_inside_a_backward_pass():
+    x, w = _x(3), _x(3)
+    y = x.sin() * w
+    seen, order = {}, []
+
+    def accumulator(leaf):
+        with torch.enable_grad():
+            return leaf.view_as(leaf).grad_fn.next_functions[0][0]
+
+    def hook(grad):
+        seen["task"] = ti.current_graph_task_id()
+        seen["node"] = ti.current_autograd_node()
+        seen["x"] = ti.will_engine_execute_node(accumulator(x))
+        seen["w"] = ti.will_engine_execute_node(accumulator(w))
+        ti.queue_callback(lambda: order.append("callback"))
+        order.append("hook")
+
+    y.register_hook(hook)
+    y.sum().backward(inputs=[x])
+    assert seen["task"] >= 0
+    assert seen["node"] is y.grad_fn
+    assert seen["x"] is True and seen["w"] is False
+    assert order == ["hook", "callback"]  # the callback runs once the pass has ended
+
+
+def test_node_metadata_accessors():
+    x = _x(1, 3)
+    assert ti.input_shape(x.expand(2, 3).grad_fn, 0) == (2, 3)
+    assert ti.add_alpha(torch.add(x, _x(1, 3), alpha=2.5).grad_fn) == 2.5
+
+
+def test_storage_use_count():
+    t = torch.empty(3)
+    before = ti.storage_use_count(t.untyped_storage())
+    view = t[1:]
+    assert ti.storage_use_count(t.untyped_storage()) == before + 1
+    del view
+    assert ti.storage_use_count(t.untyped_storage()) == before
