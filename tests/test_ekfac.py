@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -15,6 +16,7 @@ from torch.func import functional_call, grad, vmap
 import curvopt
 from curvopt import extensions as ext
 from curvopt import linalg
+from curvopt.errors import MissingLossError
 from curvopt.optim import EKFAC
 from curvopt.optim.eigen_corrected import eigen_correction, kron_basis
 
@@ -26,9 +28,7 @@ def _mlp():
 
 
 def _cnn():
-    return nn.Sequential(
-        nn.Conv2d(2, 3, 2), nn.Sigmoid(), nn.Flatten(), nn.Linear(12, 4)
-    )
+    return nn.Sequential(nn.Conv2d(2, 3, 2), nn.Sigmoid(), nn.Flatten(), nn.Linear(12, 4))
 
 
 MODELS = {
@@ -289,3 +289,73 @@ def test_ekfac_trains_the_digits_cnn():
     with torch.no_grad():
         last = lossfunc(model(X), y).item()
     assert math.isfinite(last) and last < 0.5 * first, (first, last)
+
+
+# ----------------------------------------------------------------------------- linalg.EKFAC
+
+
+def _block_diagonal(blocks):
+    return torch.block_diag(*blocks)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_linalg_ekfac_is_the_empirical_fisher_projected_onto_the_kronecker_eigenbasis(
+    name, reduction
+):
+    """Two batches of different sizes: the corrections are weighted like one batch of all."""
+    model, lossfunc, x, y = _problem(name, 9, reduction)
+    dense = _dense_empirical_fisher(model, lossfunc, x, y)
+    model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
+    data = [(x[:4], y[:4]), (x[4:], y[4:])]
+    op = linalg.EKFAC(model, lossfunc, data, curvature="kflr")
+    kfac = linalg.KFAC(model, lossfunc, data, curvature="kflr")
+    blocks = []
+    for bases, factors, ef in zip(op.bases, kfac.factors, dense):
+        for q, f in zip(bases, factors):
+            rotated = q.T @ f @ q
+            assert (
+                rotated - torch.diag(torch.diagonal(rotated))
+            ).abs().max() <= 1e-10 * f.abs().max()
+        q = _kron(bases)
+        blocks.append(q @ torch.diag(torch.diagonal(q.T @ ef @ q)) @ q.T)
+    expected = _block_diagonal(blocks).numpy()
+    assert op.shape == expected.shape
+    np.testing.assert_allclose(op.to_dense(), expected, rtol=1e-9, atol=1e-12)
+    # the same projection of linalg.EmpiricalFisher (per-sample rows)
+    ef = linalg.EmpiricalFisher(model, lossfunc, data).to_dense()
+    offsets = np.cumsum([0] + [p.numel() for p in model.parameters()])
+    for i, bases in enumerate(op.bases):
+        q = _kron(bases).numpy()
+        block = ef[offsets[i] : offsets[i + 1], offsets[i] : offsets[i + 1]]
+        np.testing.assert_allclose(
+            op.corrections[i].flatten().numpy(), np.diagonal(q.T @ block @ q), rtol=1e-9, atol=1e-12
+        )
+    damping = 0.3
+    inverse = np.linalg.inv(expected + damping * np.eye(len(expected)))
+    np.testing.assert_allclose(op.inverse(damping).to_dense(), inverse, rtol=1e-8, atol=1e-10)
+
+
+def test_linalg_ekfac_inverse_is_the_optimizer_step():
+    model, lossfunc, x, y = _problem("cnn", 8, "mean", scale=30.0)
+    model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
+    op = linalg.EKFAC(model, lossfunc, [(x, y)], curvature="kflr")
+    opt = EKFAC(model.parameters(), 1.0, 0.2, "kflr")
+    with opt.collect():
+        lossfunc(model(x), y).backward()
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gradient = torch.cat([p.grad.flatten() for p in model.parameters()]).numpy()
+    opt.step()
+    step = flat - torch.cat([p.detach().flatten() for p in model.parameters()])
+    np.testing.assert_allclose(step.numpy(), op.inverse(0.2) @ gradient, rtol=1e-8, atol=1e-12)
+
+
+def test_linalg_ekfac_rejects_bad_input():
+    model, lossfunc, x, y = _problem("mlp", 4, "mean")
+    with pytest.raises(MissingLossError, match="extend"):
+        linalg.EKFAC(curvopt.extend(model), lossfunc, [(x, y)])
+    model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
+    with pytest.raises(ValueError, match="curvature"):
+        linalg.EKFAC(model, lossfunc, [(x, y)], curvature="kfra")
+    with pytest.raises(ValueError, match="empty"):
+        linalg.EKFAC(model, lossfunc, [])

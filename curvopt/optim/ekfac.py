@@ -13,7 +13,6 @@ curvature step (every step by default), in the current basis.
 
 from __future__ import annotations
 
-import torch
 
 from curvopt.optim.base import check_choice, check_number
 from curvopt.optim.eigen_corrected import (
