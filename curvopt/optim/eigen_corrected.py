@@ -60,7 +60,8 @@ def eigen_correction(grad_batch: torch.Tensor, bases: Bases, scale: float) -> to
 
     Costs ``N (dim B² dim A + dim B dim A²)`` flops and a rotated copy of ``grad_batch``."""
     rotated = rotate(bases, as_rows(grad_batch, bases, leading=1))
-    return (rotated * rotated).sum(0) * scale
+    squared = rotated.square_() if bases else rotated.square()  # in place: a fresh product
+    return squared.sum(0) * scale
 
 
 def eigen_corrected_solve(
