@@ -19,6 +19,10 @@ from curvopt import linalg
 from curvopt.errors import MissingLossError
 from curvopt.optim import EKFAC
 from curvopt.optim.eigen_corrected import eigen_correction, kron_basis
+from experiments import zoo
+from experiments.config import RunConfig
+from experiments.optimizers import PRESETS, allowed_options, make_optimizer
+from experiments.problems import get_problem
 
 DT = torch.float64
 
@@ -359,3 +363,44 @@ def test_linalg_ekfac_rejects_bad_input():
         linalg.EKFAC(model, lossfunc, [(x, y)], curvature="kfra")
     with pytest.raises(ValueError, match="empty"):
         linalg.EKFAC(model, lossfunc, [])
+
+
+def test_experiments_build_ekfac_with_its_presets_and_options():
+    assert {"basis_interval", "reduction", "kl_clip", "momentum"} <= set(allowed_options("ekfac"))
+    problem = get_problem("mnist_logreg")
+    model, lossfunc = problem.model(0), problem.loss()
+    cfg = RunConfig("mnist_logreg", "ekfac", 0.01, damping=0.1, preset="practical")
+    opt, collects = make_optimizer(cfg, problem, model, lossfunc)
+    group = opt.param_groups[0]
+    assert collects and isinstance(opt, EKFAC)
+    assert {k: group[k] for k in PRESETS["practical"]["EKFAC"]} == PRESETS["practical"]["EKFAC"]
+    x, y = torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,))
+    with torch.no_grad():
+        first = lossfunc(model(x), y).item()
+    for _ in range(3):
+        opt.zero_grad()
+        with opt.collect():
+            lossfunc(model(x), y).backward()
+        opt.step()
+    with torch.no_grad():
+        assert lossfunc(model(x), y).item() < first
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "resnet_block", "gpt", "bert"])
+def test_ekfac_trains_zoo_models(model_name):
+    problem = zoo.ZOO[model_name](dtype=torch.float32)
+    model, lossfunc = curvopt.extend(problem.model), curvopt.extend(problem.lossfunc)
+    X, y = problem.make_batch(64, 0)
+    opt = EKFAC(model.parameters(), lr=0.05, damping=1e-3, basis_interval=5, kl_clip=1e-3)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        first = problem.loss_of(model, X, y, lossfunc).item()
+    for _ in range(30):
+        index = torch.randint(0, len(X), (16,), generator=generator)
+        opt.zero_grad()
+        with opt.collect():
+            problem.loss_of(model, X[index], y[index], lossfunc).backward()
+        opt.step()
+    with torch.no_grad():
+        last = problem.loss_of(model, X, y, lossfunc).item()
+    assert math.isfinite(last) and last < 0.95 * first, (first, last)
