@@ -404,3 +404,29 @@ def test_ekfac_trains_zoo_models(model_name):
     with torch.no_grad():
         last = problem.loss_of(model, X, y, lossfunc).item()
     assert math.isfinite(last) and last < 0.95 * first, (first, last)
+
+
+def _run_scaled(scaler, steps=3):
+    model, lossfunc, x, y = _problem("mlp", 8, "mean")
+    model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
+    opt = EKFAC(model.parameters(), 0.1, 1e-2, "kfac", basis_interval=2, momentum=0.5)
+    for step in range(steps):
+        opt.zero_grad()
+        torch.manual_seed(10 + step)
+        loss = lossfunc(model(x), y)
+        with opt.collect():
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_grad_scaler_gives_the_steps_without_scaling():
+    start = _run_scaled(None, steps=0)
+    plain = _run_scaled(None)
+    scaled = _run_scaled(torch.amp.GradScaler("cpu", init_scale=2.0**16))
+    assert (plain - start).norm() > 1e-3
+    torch.testing.assert_close(scaled, plain, rtol=1e-10, atol=1e-12)
