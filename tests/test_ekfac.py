@@ -430,3 +430,17 @@ def test_grad_scaler_gives_the_steps_without_scaling():
     scaled = _run_scaled(torch.amp.GradScaler("cpu", init_scale=2.0**16))
     assert (plain - start).norm() > 1e-3
     torch.testing.assert_close(scaled, plain, rtol=1e-10, atol=1e-12)
+
+
+def test_a_non_finite_factor_raises_naming_it_and_changes_nothing():
+    model, lossfunc, x, y = _problem("mlp", 8, "mean")
+    model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
+    opt = EKFAC(model.named_parameters(), 0.1, 0.1, "kflr")
+    with opt.collect():
+        lossfunc(model(x), y).backward()
+    model[2].weight.kflr[1][0, 0] = math.inf
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(FloatingPointError, match=r"`kflr` factor 1 of parameter '2.weight'"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert not opt.state

@@ -39,8 +39,9 @@ class EKFAC(NewtonOptimizer):
     parameter that has ``grad_batch``: with weight sharing (convolutions, sequences) ``G_n`` is
     the per-sample gradient summed over the shared positions, so ``S`` is the diagonal of the
     *per-sample* empirical Fisher in the basis (the basis itself is KFAC's approximation). A
-    parameter that gets ``grad_batch`` but no Kronecker factors (a module the factors do not
-    cover) keeps the identity basis: ``S`` is then the diagonal of the empirical Fisher.
+    parameter that gets ``grad_batch`` but no (fresh) Kronecker factors at a basis step keeps
+    its current basis, the identity if it never had factors (a module the factors do not
+    cover): ``S`` is then the diagonal of the empirical Fisher.
 
     Limitation: ``S`` is computed from ``grad_batch`` (extension ``BatchGrad``), so every
     curvature step materialises the per-sample gradients (``N × numel`` per parameter) and
