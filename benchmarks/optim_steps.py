@@ -3,6 +3,8 @@
     PYTHONPATH=. .venv/bin/python benchmarks/optim_steps.py                 # the table
     PYTHONPATH=. .venv/bin/python benchmarks/optim_steps.py --problems mnist_logreg --rounds 10
     PYTHONPATH=. .venv/bin/python benchmarks/optim_steps.py --profile fmnist_2c2d:kfac
+    PYTHONPATH=. .venv/bin/python benchmarks/optim_steps.py --problems fmnist_2c2d --threads 1 \
+        --optimizers kfac ekfac ekfac_basis10 --rounds 3 --block 2    # EKFAC beside KFAC
 
 A step is ``zero_grad``, forward, loss, backward inside ``opt.collect()``, ``opt.step()`` on a
 fixed random batch (DeepOBS networks of ``experiments/problems.py``, batch 128 by default).
@@ -59,12 +61,22 @@ def _kfac_interval10(params):
     )
 
 
+def _ekfac(params):
+    return curvopt.optim.EKFAC(params, lr=1e-3, damping=1e-2)
+
+
+def _ekfac_basis10(params):
+    return curvopt.optim.EKFAC(params, lr=1e-3, damping=1e-2, basis_interval=10)
+
+
 #: optimizer factories; ``sgd`` is the baseline of every ratio
 OPTIMIZERS: dict[str, Callable] = {
     "sgd": _sgd,
     "diagggn_mc": _diagggn_mc,
     "kfac": _kfac,
     "kfac_interval10": _kfac_interval10,
+    "ekfac": _ekfac,
+    "ekfac_basis10": _ekfac_basis10,
 }
 
 #: the issue's goals (ratio to SGD with momentum, batch 128, 2 threads)
@@ -164,7 +176,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--optimizers",
         nargs="+",
-        default=[o for o in OPTIMIZERS if o != "sgd"],
+        default=[o for o in OPTIMIZERS if o not in ("sgd", "ekfac", "ekfac_basis10")],
         choices=[o for o in OPTIMIZERS if o != "sgd"],
     )
     p.add_argument("--batch", type=int, default=128)

@@ -25,14 +25,22 @@ from curvopt.errors import CurvoptError
 
 from . import zoo
 from .commands import Command, add_threads, set_threads
-from .compare_metrics import block_metrics, exact_blocks, kron_block, reference, select
+from .compare_metrics import (
+    block_metrics,
+    eigen_block,
+    exact_blocks,
+    kron_block,
+    reference,
+    select,
+)
 from .data import DataMissingError, load_dataset, make_splits
 from .problems import get_problem
 
 PROBLEMS = ("mnist_logreg", "fmnist_2c2d", "gpt")
 DIAGONALS = {"diag_ggn_exact": "ggn_exact", "diag_ggn_mc": "ggn_mc", "diag_hessian": "hessian"}
 KRONECKER = ("kfac", "kflr", "kfra")
-APPROXIMATIONS = (*DIAGONALS, *KRONECKER, "empirical_fisher")
+EIGEN_CORRECTED = {"ekfac": "kfac"}  # name: the factors giving the basis
+APPROXIMATIONS = (*DIAGONALS, *KRONECKER, *EIGEN_CORRECTED, "empirical_fisher")
 #: default coordinates per block (0: whole parameters; minutes per checkpoint for MNIST logreg)
 MAX_BLOCK = {"mnist_logreg": 2048, "fmnist_2c2d": 1024, "gpt": 0}
 LR = {"mnist_logreg": 0.1, "fmnist_2c2d": 0.02, "gpt": 0.05}
@@ -141,6 +149,9 @@ def _approximations(model, lossfunc, data, seed: int) -> dict:
         for name, curvature in DIAGONALS.items()
     }
     builds.update({name: functools.partial(linalg.KFAC, curvature=name) for name in KRONECKER})
+    builds.update(
+        {name: functools.partial(linalg.EKFAC, curvature=c) for name, c in EIGEN_CORRECTED.items()}
+    )
     return {
         name: _approximation(lambda build=build: build(model, lossfunc, data, seed=seed), model)
         for name, build in builds.items()
@@ -155,6 +166,8 @@ def _block(op, param: torch.Tensor, sel) -> torch.Tensor | None:
     if isinstance(op, linalg.Diagonal):
         offset = sum(p.numel() for p in op.params[:index])
         return torch.diag(op.diagonal[offset : offset + param.numel()][sel.flat])
+    if isinstance(op, linalg.EKFAC):
+        return eigen_block(op.bases[index], op.corrections[index], sel)
     return kron_block(op.factors[index], sel)
 
 
@@ -275,6 +288,8 @@ small parameter, a random rows x columns sub-block of a large one):
   diagonals   diag_ggn_exact, diag_ggn_mc, diag_hessian (curvopt.linalg.Diagonal)
   Kronecker   kfac, kflr, kfra (curvopt.linalg.KFAC; one that is undefined for the model is
               recorded with the engine's reason)
+  eigenbasis  ekfac (curvopt.linalg.EKFAC: KFAC's eigenbasis, eigenvalues from the per-sample
+              gradients)
   other       empirical_fisher
 
 Metrics: relative Frobenius error, overlap of the top-k eigenspaces, cosine of the damped

@@ -4,7 +4,8 @@ approximation matches them.
 Blocks are taken on a coordinate subset ``S`` of each parameter (:func:`select`): the
 parameter as the matrix ``[d0, d1]`` (``d0 = shape[0]``, as Kronecker factors index it), rows
 ``R`` times columns ``C``, flattened row-major, so that the ``S``-block of ``B ⊗ A`` is
-``B[R, R] ⊗ A[C, C]`` and the ``S``-block of ``diag(c)`` is ``diag(c[S])``.
+``B[R, R] ⊗ A[C, C]`` and the ``S``-block of ``diag(c)`` is ``diag(c[S])`` (EKFAC's
+``Q diag(S) Qᵀ``: :func:`eigen_block`).
 
 :func:`exact_blocks` computes, from per-sample Jacobians ``J_n = ∂f_n/∂θ_S`` (``f_n`` the
 model output of sample ``n``, ``vmap`` over single-sample ``jacrev``) and the loss Hessian
@@ -82,6 +83,18 @@ def kron_block(factors: Sequence[torch.Tensor], sel: Selection) -> torch.Tensor:
     if len(factors) == 2:
         out = torch.kron(out, factors[1][sel.cols][:, sel.cols])
     return out
+
+
+def eigen_block(bases: Sequence[torch.Tensor], correction: torch.Tensor, sel: Selection):
+    """``S``-block of ``Q diag(vec S) Qᵀ``, ``Q = Q_B ⊗ Q_A`` (``Q_B`` for ``[Q_B]``): entry
+    ``((r, c), (r', c'))`` is ``Σ_ij Q_B[r,i] Q_B[r',i] S[i,j] Q_A[c,j] Q_A[c',j]``."""
+    left = bases[0][sel.rows]
+    if len(bases) == 1:
+        return left @ torch.diag(correction[:, 0]) @ left.T
+    right = bases[1][sel.cols]
+    inner = torch.einsum("cj,ij,dj->icd", right, correction, right)
+    block = torch.einsum("ri,si,icd->rcsd", left, left, inner)
+    return block.reshape(sel.size, sel.size)
 
 
 def exact_blocks(

@@ -38,9 +38,10 @@ OPTIMIZERS: dict[str, tuple[str | None, dict]] = {
     "kfac": ("KFAC", {"curvature": "kfac"}),
     "kflr": ("KFAC", {"curvature": "kflr"}),
     "kfra": ("KFAC", {"curvature": "kfra"}),
+    "ekfac": ("EKFAC", {"curvature": "kfac"}),
     "vsgd": ("VarianceAdaptedSGD", {}),
 }
-DAMPED = {"diagggn", "diagggn_mc", "kfac", "kflr", "kfra"}
+DAMPED = {"diagggn", "diagggn_mc", "kfac", "kflr", "kfra", "ekfac"}
 
 #: Keywords a run fixes itself (not settable as options).
 FIXED_KEYWORDS = {"self", "params", "lr", "damping", "curvature", "weight_decay", "process_group"}
@@ -49,10 +50,12 @@ _AMORTISED = {"curvature_interval": 10, "curvature_ema": 0.95, "momentum": 0.9, 
 
 #: preset -> class name -> options (a class missing from a preset gets no options)
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "paper": {"DiagGGNNewton": {}, "KFAC": {}},
+    "paper": {"DiagGGNNewton": {}, "KFAC": {}, "EKFAC": {}},
     "practical": {
         "DiagGGNNewton": dict(_AMORTISED),
         "KFAC": {**_AMORTISED, "inverse_interval": 10},
+        # eigenvalues corrected every step (no EMA): only the basis is amortised
+        "EKFAC": {"basis_interval": 10, "momentum": 0.9, "kl_clip": 1e-3},
     },
 }
 

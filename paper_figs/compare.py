@@ -26,6 +26,7 @@ LABELS = {
     "kfac": "KFAC",
     "kflr": "KFLR",
     "kfra": "KFRA",
+    "ekfac": "EKFAC",
     "empirical_fisher": "emp. Fisher",
 }
 COLORS = {
@@ -35,6 +36,7 @@ COLORS = {
     "kfac": "tab:red",
     "kflr": "tab:purple",
     "kfra": "tab:brown",
+    "ekfac": "tab:orange",
     "empirical_fisher": "tab:gray",
 }
 

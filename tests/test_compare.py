@@ -12,10 +12,11 @@ from torch import nn
 
 import curvopt
 from curvopt import linalg
-from experiments import zoo
+from experiments import compare, zoo
 from experiments.__main__ import main as experiments_main
 from experiments.compare_metrics import (
     block_metrics,
+    eigen_block,
     exact_blocks,
     kron_block,
     reference,
@@ -78,6 +79,43 @@ def test_kron_block_is_the_submatrix_of_the_kronecker_product():
     torch.testing.assert_close(kron_block([B, A], sel), torch.kron(B, A)[idx][:, idx])
 
 
+def test_eigen_block_is_the_submatrix_of_the_eigen_corrected_curvature():
+    gen = torch.Generator().manual_seed(0)
+    q_b = torch.linalg.qr(torch.randn(4, 4, generator=gen, dtype=DT))[0]
+    q_a = torch.linalg.qr(torch.randn(6, 6, generator=gen, dtype=DT))[0]
+    s = torch.rand(4, 6, generator=gen, dtype=DT)
+    q = torch.kron(q_b, q_a)
+    dense = q @ torch.diag(s.flatten()) @ q.T
+    sel = select("w", (4, 2, 3), 6, gen)
+    idx = sel.flat
+    assert 1 < len(sel.rows) < 4 and 1 < len(sel.cols) < 6
+    torch.testing.assert_close(eigen_block([q_b, q_a], s, sel), dense[idx][:, idx])
+    bias = select("b", (4,), 6, gen)
+    expected = q_b @ torch.diag(s[:, 0]) @ q_b.T
+    torch.testing.assert_close(eigen_block([q_b], s[:, :1], bias), expected)
+
+
+def test_compare_puts_ekfac_beside_kfac_with_the_linalg_operator_blocks():
+    """``ekfac`` is built with the other approximations, and on whole parameters its block is
+    the diagonal block of ``linalg.EKFAC``'s dense matrix."""
+    model, _, x, y = _tiny()
+    extended = curvopt.extend(model)
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    data = [(x, y)]
+    approx = compare._approximations(extended, lossfunc, data, seed=0)
+    assert list(approx)[-1] == "ekfac" and "ekfac" in compare.APPROXIMATIONS
+    op, error = approx["ekfac"]
+    assert error is None and isinstance(op, linalg.EKFAC)
+    dense = op.to_dense()
+    offset = 0
+    for p in extended.parameters():
+        sel = select("p", tuple(p.shape), 0, torch.Generator())
+        block = compare._block(op, p, sel)
+        n = p.numel()
+        np.testing.assert_allclose(block.numpy(), dense[offset : offset + n, offset : offset + n])
+        offset += n
+
+
 def test_block_metrics_of_the_exact_block_and_of_a_scaled_one():
     gen = torch.Generator().manual_seed(0)
     root = torch.randn(8, 8, generator=gen, dtype=DT)
@@ -117,6 +155,8 @@ def test_compare_command_and_figure_end_to_end(tmp_path, problem, capsys):
         assert by_name["block.fc.weight"]["kflr"]["rel_frobenius"] >= 0
     undefined = layers[0]["approximations"]["kfra"]
     assert "error" in undefined and "Error" in undefined["error"]  # KFRA: no convs, no attention
+    ekfac = layers[-1]["approximations"]["ekfac"]
+    assert ekfac["rel_frobenius"] >= 0 and -1 <= ekfac["cosine"] <= 1
     assert "| kflr |" in capsys.readouterr().out
     assert figs_main(["compare", str(tmp_path), str(tmp_path / "figs")]) == 0
     png = tmp_path / "figs" / f"compare_{problem}_synthetic.png"

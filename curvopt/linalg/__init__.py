@@ -2,8 +2,8 @@
 
 * exact, by automatic differentiation: :class:`GGN`, :class:`Hessian`,
   :class:`EmpiricalFisher`, :class:`FisherMC`;
-* curvopt's approximations, from ``collect``: :class:`Diagonal`, :class:`KFAC` (with
-  ``.inverse(damping, ...)``, what the optimizers apply);
+* curvopt's approximations, from ``collect``: :class:`Diagonal`, :class:`KFAC`, :class:`EKFAC`
+  (with ``.inverse(damping, ...)``, what the optimizers apply);
 * spectra and traces of any of them: :func:`top_eigenpairs`, :func:`hutchinson_trace`,
   :func:`hutchinson_diagonal`.
 
@@ -12,6 +12,7 @@ Conventions (parameter order, scaling over batches): ``docs/conventions.md``, "c
 
 from curvopt.linalg.base import CurvatureOperator
 from curvopt.linalg.diagonal import Diagonal
+from curvopt.linalg.ekfac import EKFAC
 from curvopt.linalg.exact import GGN, EmpiricalFisher, FisherMC, Hessian
 from curvopt.linalg.kronecker import KFAC
 from curvopt.linalg.spectral import (
@@ -22,6 +23,7 @@ from curvopt.linalg.spectral import (
 )
 
 __all__ = [
+    "EKFAC",
     "KFAC",
     "CurvatureOperator",
     "Diagonal",

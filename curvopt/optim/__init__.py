@@ -30,6 +30,7 @@ from curvopt.optim.diag_ggn import DiagGGNNewton
 from curvopt.optim.distributed import DistributedCurvature
 from curvopt.optim.diagonal import diag_precondition, diag_quadratic
 from curvopt.optim.kfac import KFAC
+from curvopt.optim.ekfac import EKFAC
 from curvopt.optim.kronecker import (
     LowRankInverse,
     as_matrix,
@@ -49,6 +50,7 @@ from curvopt.optim.transforms import add_weight_decay, ema, kl_clip_factor, mome
 from curvopt.optim.variance import VarianceAdaptedSGD
 
 __all__ = [
+    "EKFAC",
     "KFAC",
     "ConstantDamping",
     "CurvatureOptimizer",

@@ -1,0 +1,85 @@
+"""``EKFAC``: eigenvalue-corrected Kronecker curvature over a data set, and the damped inverse
+``optim.EKFAC`` applies.
+
+Per parameter the block is ``Q diag(vec S) Qᵀ`` with ``Q = Q_B ⊗ Q_A`` the eigenvectors of the
+factors of :class:`~curvopt.linalg.KFAC` (accumulated over all of ``data``) and
+``vec S = diag(Qᵀ EF Q)``, ``EF`` the empirical Fisher of all of ``data`` from the per-sample
+gradients (``grad_batch``; scaled like the GGN: ``(1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ`` for "mean", the sum
+for "sum", ``N`` the samples). Batches are weighted as in :mod:`curvopt.linalg.base`: batch
+``b`` contributes ``S_b = N_b Σ_{n∈b} (Q_Bᵀ G_n Q_A)²`` ("mean", weight ``N_b / N``) or
+``Σ_{n∈b} (...)²`` ("sum"), the optimizer's correction of that batch. With per-sample loss
+rows (dim 0 of the loss input the samples) it is the projection of
+:class:`~curvopt.linalg.EmpiricalFisher` onto the matrices diagonal in ``Q``.
+"""
+
+from __future__ import annotations
+
+from curvopt import extensions
+from curvopt.linalg.base import BlockDiagonal, CurvatureOperator
+from curvopt.linalg.collected import collected
+from curvopt.linalg.kronecker import KFAC
+from curvopt.optim.eigen_corrected import (
+    as_rows,
+    eigen_correction,
+    eigen_corrected_matmul,
+    eigen_corrected_solve,
+    kron_basis,
+)
+
+
+def _block(bases, apply):
+    """``V [K, *p.shape] ↦ apply(V as [K, dim B, ·] matrices)``, reshaped back."""
+    return lambda v: apply(as_rows(v, bases, leading=1)).reshape(v.shape)
+
+
+class EKFAC(CurvatureOperator):
+    """Block diagonal ``diag(Q_i diag(S_i) Q_iᵀ)`` (two passes over ``data`` at construction:
+    the factors, then the per-sample gradients). ``self.bases[i]`` is ``[Q_B, Q_A]`` (``[Q_B]``)
+    and ``self.corrections[i]`` the ``[dim B, dim A]`` matrix ``S`` of parameter ``i``."""
+
+    def __init__(self, model, lossfunc, data, curvature: str = "kfac", seed: int = 0, mc_samples=1):
+        if curvature not in ("kfac", "kflr"):
+            raise ValueError(f"EKFAC: curvature must be 'kfac' or 'kflr', got {curvature!r}")
+        kfac = KFAC(model, lossfunc, data, curvature, seed, mc_samples)
+        super().__init__(model, lossfunc, data)
+        self.bases = [kron_basis(fs) for fs in kfac.factors]
+
+        def pairs():
+            for rows, grad_batches in collected(self, extensions.BatchGrad(), seed):
+                yield (
+                    rows,
+                    [
+                        eigen_correction(g.detach(), bases, g.shape[0] if self.mean else 1)
+                        for g, bases in zip(grad_batches, self.bases)
+                    ],
+                )
+
+        self.corrections = self._sum(pairs())
+        self.matrix = BlockDiagonal(
+            self.params,
+            [
+                _block(bs, lambda m, bs=bs, s=s: eigen_corrected_matmul(bs, s, m))
+                for bs, s in zip(self.bases, self.corrections)
+            ],
+        )
+
+    def _sum(self, pairs):
+        """Per parameter, ``weighted_sum`` of the batches' corrections."""
+        batches = list(pairs)
+        return [
+            self.weighted_sum((rows, values[i]) for rows, values in batches)
+            for i in range(len(self.params))
+        ]
+
+    def _apply(self, matrix):
+        return self.matrix._apply(matrix)
+
+    def inverse(self, damping: float) -> BlockDiagonal:
+        """``(Q diag(S) Qᵀ + λ I)⁻¹`` as ``optim.EKFAC`` applies it (the same solve)."""
+        return BlockDiagonal(
+            self.params,
+            [
+                _block(bs, lambda m, bs=bs, s=s: eigen_corrected_solve(bs, s, m, damping))
+                for bs, s in zip(self.bases, self.corrections)
+            ],
+        )

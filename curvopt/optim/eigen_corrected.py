@@ -1,0 +1,88 @@
+"""Eigenvalue-corrected Kronecker curvature (EKFAC, George et al. 2018).
+
+The Kronecker factors of a parameter give an eigenbasis ``Q = Q_B ⊗ Q_A`` (``B = Q_B diag(s_B)
+Q_Bᵀ``, ``A = Q_A diag(s_A) Q_Aᵀ``); instead of KFAC's eigenvalues ``s_B s_Aᵀ`` the curvature
+uses the second moment of the per-sample gradients in that basis::
+
+    C = Q diag(vec S) Qᵀ,     S = c · Σ_n (Q_Bᵀ G_n Q_A)²      (element-wise square)
+
+with ``G_n = grad_batch[n].reshape(dim B, -1)`` the per-sample gradient as a matrix (``[dim
+B, 1]`` for a bias with ``[B]``; with no factors the basis is the identity and ``G_n`` the
+row ``[1, numel]``). ``g_n`` (``grad_batch``) is the gradient of the loss *as computed*
+restricted to sample ``n`` (``∇ℓ_n / N`` for ``reduction="mean"``, ``∇ℓ_n`` for ``"sum"``),
+and the empirical Fisher scaled like the GGN is ``EF = (1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ = N Σ_n g_n g_nᵀ``
+("mean") or ``Σ_n g_n g_nᵀ`` ("sum"). Hence ``c = N`` for "mean", ``c = 1`` for "sum", and::
+
+    vec(S) = diag(Qᵀ EF Q)
+
+exactly: ``C`` is the best approximation of ``EF`` (in Frobenius norm) that is diagonal in the
+basis ``Q`` (George et al., Sec. 3). The functions here take the basis as a list of orthogonal
+matrices ``bases``: ``[Q_B, Q_A]``, ``[Q_B]`` or ``[]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from curvopt.optim.linalg import psd_eigh
+
+Bases = Sequence[torch.Tensor]
+
+
+def kron_basis(factors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``[Q_B, Q_A]`` (``[Q_B]``): the factors' eigenvectors (``psd_eigh``, float32 at least)."""
+    return [psd_eigh(f)[1] for f in factors]
+
+
+def as_rows(tensor: torch.Tensor, bases: Bases, leading: int = 0) -> torch.Tensor:
+    """``tensor`` (``[*lead, *p.shape]``, ``leading`` leading dims) as ``[*lead, dim B, ·]``
+    matrices (``[*lead, 1, numel]`` without a basis)."""
+    rows = bases[0].shape[0] if bases else 1
+    return tensor.reshape(*tensor.shape[:leading], rows, -1)
+
+
+def rotate(bases: Bases, matrix: torch.Tensor, back: bool = False) -> torch.Tensor:
+    """``Q_Bᵀ M Q_A`` into the eigenbasis (``back``: ``Q_B M Q_Aᵀ`` out of it), for ``M`` of
+    shape ``[..., dim B, dim A]``; a missing factor is the identity. In ``bases``' dtype."""
+    if bases:
+        matrix = matrix.to(bases[0].dtype)
+        matrix = (bases[0] if back else bases[0].mT) @ matrix
+    if len(bases) == 2:
+        matrix = matrix @ (bases[1].mT if back else bases[1])
+    return matrix
+
+
+def eigen_correction(grad_batch: torch.Tensor, bases: Bases, scale: float) -> torch.Tensor:
+    """``S = scale · Σ_n (Q_Bᵀ G_n Q_A)²`` (``[dim B, dim A]``) from ``grad_batch [N, *p.shape]``;
+    ``scale = N`` for a loss with ``reduction="mean"``, 1 for ``"sum"`` (see module doc).
+
+    Costs ``N (dim B² dim A + dim B dim A²)`` flops and a rotated copy of ``grad_batch``."""
+    rotated = rotate(bases, as_rows(grad_batch, bases, leading=1))
+    squared = rotated.square_() if bases else rotated.square()  # in place: a fresh product
+    return squared.sum(0) * scale
+
+
+def eigen_corrected_solve(
+    bases: Bases, correction: torch.Tensor, matrix: torch.Tensor, damping: float
+) -> torch.Tensor:
+    """``(Q diag(vec S) Qᵀ + λ I)⁻¹ vec(G)`` as the matrix ``Q_B [(Q_Bᵀ G Q_A) / (S + λ)] Q_Aᵀ``
+    (``G`` of shape ``[..., dim B, dim A]``), in ``matrix``'s dtype."""
+    rotated = rotate(bases, matrix) / (correction + damping)
+    return rotate(bases, rotated, back=True).to(matrix.dtype)
+
+
+def eigen_corrected_matmul(
+    bases: Bases, correction: torch.Tensor, matrix: torch.Tensor
+) -> torch.Tensor:
+    """``Q diag(vec S) Qᵀ vec(G)`` as the matrix ``Q_B [(Q_Bᵀ G Q_A) ⊙ S] Q_Aᵀ``."""
+    return rotate(bases, rotate(bases, matrix) * correction, back=True).to(matrix.dtype)
+
+
+def eigen_corrected_quadratic(
+    bases: Bases, correction: torch.Tensor, matrix: torch.Tensor
+) -> torch.Tensor:
+    """``vec(M)ᵀ Q diag(vec S) Qᵀ vec(M) = Σ S ⊙ (Q_Bᵀ M Q_A)²``, a scalar tensor."""
+    rotated = rotate(bases, matrix)
+    return (correction * rotated * rotated).sum()
