@@ -19,7 +19,6 @@ from curvopt import linalg
 from curvopt.errors import MissingLossError
 from curvopt.optim import EKFAC
 from curvopt.optim.eigen_corrected import eigen_correction, kron_basis
-from experiments import zoo
 from experiments.config import RunConfig
 from experiments.optimizers import PRESETS, allowed_options, make_optimizer
 from experiments.problems import get_problem
@@ -259,42 +258,6 @@ def test_missing_factors_use_the_identity_basis_the_diagonal_empirical_fisher():
         torch.testing.assert_close(p.detach(), expected, rtol=1e-10, atol=1e-12)
 
 
-def test_ekfac_trains_the_digits_cnn():
-    datasets = pytest.importorskip("sklearn.datasets")
-    X, y = datasets.load_digits(return_X_y=True)
-    X = torch.tensor(X, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16
-    y = torch.tensor(y)
-    torch.manual_seed(0)
-    model = curvopt.extend(
-        nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Flatten(),
-            nn.Linear(128, 64),
-            nn.ReLU(),
-            nn.Linear(64, 10),
-        )
-    )
-    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
-    opt = EKFAC(model.parameters(), lr=0.05, damping=1e-3, basis_interval=5, kl_clip=1e-3)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        first = lossfunc(model(X), y).item()
-    for _ in range(40):
-        index = torch.randint(0, len(X), (64,), generator=generator)
-        opt.zero_grad()
-        with opt.collect():
-            lossfunc(model(X[index]), y[index]).backward()
-        opt.step()
-    with torch.no_grad():
-        last = lossfunc(model(X), y).item()
-    assert math.isfinite(last) and last < 0.5 * first, (first, last)
-
-
 # ----------------------------------------------------------------------------- linalg.EKFAC
 
 
@@ -384,52 +347,6 @@ def test_experiments_build_ekfac_with_its_presets_and_options():
         opt.step()
     with torch.no_grad():
         assert lossfunc(model(x), y).item() < first
-
-
-@pytest.mark.parametrize("model_name", ["mlp", "resnet_block", "gpt", "bert"])
-def test_ekfac_trains_zoo_models(model_name):
-    problem = zoo.ZOO[model_name](dtype=torch.float32)
-    model, lossfunc = curvopt.extend(problem.model), curvopt.extend(problem.lossfunc)
-    X, y = problem.make_batch(64, 0)
-    opt = EKFAC(model.parameters(), lr=0.05, damping=1e-3, basis_interval=5, kl_clip=1e-3)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        first = problem.loss_of(model, X, y, lossfunc).item()
-    for _ in range(30):
-        index = torch.randint(0, len(X), (16,), generator=generator)
-        opt.zero_grad()
-        with opt.collect():
-            problem.loss_of(model, X[index], y[index], lossfunc).backward()
-        opt.step()
-    with torch.no_grad():
-        last = problem.loss_of(model, X, y, lossfunc).item()
-    assert math.isfinite(last) and last < 0.95 * first, (first, last)
-
-
-def _run_scaled(scaler, steps=3):
-    model, lossfunc, x, y = _problem("mlp", 8, "mean")
-    model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
-    opt = EKFAC(model.parameters(), 0.1, 1e-2, "kfac", basis_interval=2, momentum=0.5)
-    for step in range(steps):
-        opt.zero_grad()
-        torch.manual_seed(10 + step)
-        loss = lossfunc(model(x), y)
-        with opt.collect():
-            (loss if scaler is None else scaler.scale(loss)).backward()
-        if scaler is None:
-            opt.step()
-        else:
-            scaler.step(opt)
-            scaler.update()
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
-def test_grad_scaler_gives_the_steps_without_scaling():
-    start = _run_scaled(None, steps=0)
-    plain = _run_scaled(None)
-    scaled = _run_scaled(torch.amp.GradScaler("cpu", init_scale=2.0**16))
-    assert (plain - start).norm() > 1e-3
-    torch.testing.assert_close(scaled, plain, rtol=1e-10, atol=1e-12)
 
 
 def test_a_non_finite_factor_raises_naming_it_and_changes_nothing():

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import curvopt
-from curvopt.optim import KFAC, DiagGGNNewton, LowRankInverse, VarianceAdaptedSGD
+from curvopt.optim import EKFAC, KFAC, DiagGGNNewton, LowRankInverse, VarianceAdaptedSGD
 
 OPTIMIZERS = {
     "KFAC": lambda ps: KFAC(ps, lr=0.1, damping=1e-2),
@@ -24,6 +24,7 @@ OPTIMIZERS = {
     "DiagGGNNewton": lambda ps: DiagGGNNewton(ps, lr=0.1, damping=1e-2),
     "DiagGGNNewton-exact": lambda ps: DiagGGNNewton(ps, lr=0.1, damping=1e-2, curvature="exact"),
     "VarianceAdaptedSGD": lambda ps: VarianceAdaptedSGD(ps, lr=0.1, momentum=0.5),
+    "EKFAC": lambda ps: EKFAC(ps, lr=0.1, damping=1e-2, basis_interval=2, momentum=0.5),
 }
 
 
