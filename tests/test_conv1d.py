@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DT, assert_close, check_against_loop, extended_copy, ggn_reference
+from conftest import (
+    DT,
+    assert_close,
+    check_against_loop,
+    extended_copy,
+    ggn_reference,
+    hessian_reference,
+)
 from torch import nn
 
 import curvopt
@@ -69,6 +76,23 @@ def test_diag_ggn_exact_against_jacobians(t):
     for name, p in model.named_parameters():
         assert_close(p.diag_ggn_exact, torch.diagonal(blocks[name]).reshape(p.shape), name)
         assert_close(p.diag_ggn_exact_batch, per_sample[name], name)
+
+
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_diag_hessian_against_torch_func(t, reduction):
+    """Tanh between two Conv1D layers: the residual term of the upstream layer goes through the
+    downstream one (linear in its input) and its own weighted squares (transposed to [in, out])."""
+    plain = _model()
+    X = torch.randn(3, t, 4, dtype=DT)
+    y = torch.randint(0, 3, (3, t))
+    diag, per_sample = hessian_reference(plain, _loss(reduction), X, y)
+    model = extended_copy(plain)
+    with curvopt.collect(ext.DiagHessian(), ext.BatchDiagHessian()):
+        _ext_loss(reduction)(model(X), y).backward()
+    for name, p in model.named_parameters():
+        assert_close(p.diag_h, diag[name], name)
+        assert_close(p.diag_h_batch, per_sample[name], name)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

@@ -6,8 +6,9 @@ transposes the weight's results: ``g_n(W) = sum_t x_nt g_ntᵀ`` ``[N, I, O]``.
 
 Kronecker factors: ``vec(W)`` (row-major, input index first) pairs with ``kron(A, B)``, so the
 list is ``[A (I x I), B (O x O)]``: input side first, unlike ``nn.Linear``'s ``[B, A]``; the
-factors themselves are those of the equivalent ``nn.Linear``. ``DiagHessian`` and ``KFRA``
-do not handle it (they reject the model).
+factors themselves are those of the equivalent ``nn.Linear``. ``DiagHessian`` takes it as a
+layer linear in its input, with the weighted squares of ``nn.Linear`` transposed
+(``sum_nt r_nto x_nti²`` indexed ``[i, o]``); ``KFRA`` does not handle it (it rejects the model).
 
 The class is matched by name (curvopt does not import ``transformers``); :meth:`check`
 verifies the layout (``weight [nx, nf]``, ``bias [nf]``) before any number is computed.
@@ -24,7 +25,6 @@ from curvopt.layers.registry import register_name
 
 @register_name("Conv1D")
 class TransposedLinearRule(LinearRule):
-    curvature_free = False
 
     def check(self, module):
         weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
@@ -74,8 +74,9 @@ class TransposedLinearRule(LinearRule):
     def output_factor_index(self, name):
         return 1 if name == "weight" else 0
 
-    def has_weighted_squares(self, module):
-        return False
+    def weighted_squares(self, module, x, r, name, batched):
+        result = super().weighted_squares(module, x, r, name, batched)
+        return result if name == "bias" else result.transpose(-1, -2)
 
     def kfra_weight(self, module):
         return None
