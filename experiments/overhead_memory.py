@@ -1,8 +1,9 @@
 """Peak memory of the overhead benchmark's cases, each (problem, quantity, backend) in a fresh
 process (a child of the same python), so that no case sees another's allocations.
 
-In the child: build the problem, run one plain forward+backward on it (torch's allocator, the
-autograd engine and the thread pool initialised), read the resident set ``VmRSS``, reset the
+In the child: run the backend's step once on a batch of one and drop it (one-time costs such as
+lazy imports and compiled functions, tens of MB for some backends, are not the quantity's), build
+the problem, run one plain forward+backward on it, read the resident set ``VmRSS``, reset the
 peak (``5`` into ``/proc/self/clear_refs`` resets ``VmHWM`` on Linux), then build the backend's
 step and run it twice (the second call is a training loop's steady state, with the first call's
 results still held). The case's peak is ``VmHWM − VmRSS before``, in MB (10⁶ bytes): the extra
@@ -16,6 +17,7 @@ behind memory an earlier phase freed; the child runs with ``MALLOC_MMAP_THRESHOL
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -87,14 +89,20 @@ def _case_peak(spec: dict) -> float:
     problem = PROBLEMS[spec["problem"]]
     if spec.get("batch"):
         problem = problem.resized(spec["batch"])
-    quantity = QUANTITIES[spec["quantity"]]
+    plain = spec["backend"] == PLAIN
+    quantity = QUANTITIES[PLAIN if plain else spec["quantity"]]
+    backend = PlainBackend() if plain else BACKENDS[spec["backend"]]
+    # one-time costs (lazy imports, compiled functions, thread pools): paid on a batch of one
+    one = Instance.of(problem.resized(1), linear_only=quantity.linear_only)
+    backend.make_step(one, quantity)()
+    del one
+    gc.collect()
     inst = Instance.of(problem, linear_only=quantity.linear_only)
     PlainBackend().make_step(inst, QUANTITIES[PLAIN])()
     inst.model.zero_grad(set_to_none=True)
-    backend = PlainBackend() if spec["backend"] == PLAIN else BACKENDS[spec["backend"]]
 
     def two_steps():
-        step = backend.make_step(inst, QUANTITIES[PLAIN] if spec["backend"] == PLAIN else quantity)
+        step = backend.make_step(inst, quantity)
         step()
         step()
 
