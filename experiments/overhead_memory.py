@@ -5,9 +5,12 @@ In the child: run the backend's step once on a batch of one and drop it (one-tim
 lazy imports and compiled functions, tens of MB for some backends, are not the quantity's), build
 the problem, run one plain forward+backward on it, read the resident set ``VmRSS``, reset the
 peak (``5`` into ``/proc/self/clear_refs`` resets ``VmHWM`` on Linux), then build the backend's
-step and run it twice (the second call is a training loop's steady state, with the first call's
-results still held). The case's peak is ``VmHWM − VmRSS before``, in MB (10⁶ bytes): the extra
-resident memory the quantity costs over the built problem, results and cached buffers included.
+step and run it twice. ``peak_mb`` is the highest ``VmHWM`` of the two calls minus that
+``VmRSS``, in MB (10⁶ bytes): the extra resident memory the quantity costs over the built
+problem, results and cached buffers included (what a training loop's process needs).
+``steady_mb`` is that of the second call alone (the peak is reset between the calls): a training
+loop's steady state, with the first call's results still held; it is lower where the first call
+at a new shape allocates transient work space.
 
 ``tracemalloc`` does not see torch's allocator, hence resident-set accounting. glibc keeps freed
 blocks below its (adaptive) mmap threshold resident and reuses them, which would hide a peak
@@ -42,6 +45,7 @@ class MemoryResult:
     quantity: str
     backend: str
     peak_mb: float | None = None
+    steady_mb: float | None = None
     error: str | None = None
 
 
@@ -78,8 +82,8 @@ def peak_mb(run: Callable[[], object]) -> float:
     return (_status_kb("VmHWM") - before) * 1024 / MB
 
 
-def _case_peak(spec: dict) -> float:
-    """In the child: the peak of two steps of one case (module docstring)."""
+def _case_peak(spec: dict) -> dict:
+    """In the child: the peaks of two steps of one case (module docstring)."""
     import torch
 
     from .overhead_backends import BACKENDS, Instance, PlainBackend
@@ -101,12 +105,18 @@ def _case_peak(spec: dict) -> float:
     PlainBackend().make_step(inst, QUANTITIES[PLAIN])()
     inst.model.zero_grad(set_to_none=True)
 
-    def two_steps():
-        step = backend.make_step(inst, quantity)
-        step()
-        step()
-
-    return peak_mb(two_steps)
+    before = _status_kb("VmRSS")
+    reset_peak()
+    step = backend.make_step(inst, quantity)
+    step()
+    first = _status_kb("VmHWM")
+    reset_peak()
+    step()
+    steady = _status_kb("VmHWM")
+    return {
+        "peak_mb": (max(first, steady) - before) * 1024 / MB,
+        "steady_mb": (steady - before) * 1024 / MB,
+    }
 
 
 def _child(spec: dict) -> dict:
@@ -119,7 +129,7 @@ def _child(spec: dict) -> dict:
 
             n = int(spec["allocate_mb"] * MB) // 4
             return {"peak_mb": peak_mb(lambda: torch.ones(n, dtype=torch.float32).sum())}
-        return {"peak_mb": _case_peak(spec)}
+        return _case_peak(spec)
     except Unsupported as e:
         return {"error": f"n/a: {e}"}
     except Exception as e:  # noqa: BLE001  (a backend failing is a result)
@@ -163,9 +173,18 @@ def measure_memory(
         spec = {"problem": problem, "quantity": quantity, "backend": backend}
         spec.update(threads=threads, batch=batch)
         res = run_child(spec)
-        out.append(MemoryResult(problem, quantity, backend, res.get("peak_mb"), res.get("error")))
+        out.append(
+            MemoryResult(
+                problem,
+                quantity,
+                backend,
+                res.get("peak_mb"),
+                res.get("steady_mb"),
+                res.get("error"),
+            )
+        )
         if log is not None:
-            what = f"{res['peak_mb']:.1f} MB" if "peak_mb" in res else res["error"]
+            what = res.get("error") or f"{res['peak_mb']:.1f} MB (steady {res['steady_mb']:.1f})"
             log(f"memory {problem}/{quantity}/{backend}: {what}")
     return out
 

@@ -124,8 +124,8 @@ def markdown_table(
 
 
 def memory_table(results: list[MemoryResult], backends: Sequence[str]) -> str:
-    """Peak MB per (problem, quantity): the plain step's, each backend's, and curvopt's over
-    each competitor's (< 1: curvopt needs less)."""
+    """Peak MB per (problem, quantity): the plain step's, each backend's (and, in brackets, its
+    steady-state step's), and curvopt's peak over each competitor's (< 1: curvopt needs less)."""
     index = {(r.problem, r.quantity, r.backend): r for r in results}
     versus = _versus(backends)
     header = ["problem", "quantity", "plain", *backends]
@@ -147,14 +147,15 @@ def _mb(result: MemoryResult | None) -> str:
         return ""
     if result.error is not None:
         return "n/a" if result.error.startswith("n/a") else "error"
-    return f"{result.peak_mb:.1f}"
+    return f"{result.peak_mb:.1f} ({result.steady_mb:.1f})"
 
 
 #: the legend printed below a memory table
 MEMORY_NOTE = (
     "peak memory (MB): each cell in a fresh process; the peak resident memory of two steps\n"
     "above the resident memory after building the problem and one plain forward+backward\n"
-    "(results and cached buffers included; experiments/overhead_memory.py)."
+    "(results and cached buffers included), in brackets that of the second step alone (the\n"
+    "steady state); the ratios compare the peaks (experiments/overhead_memory.py)."
 )
 
 
@@ -214,6 +215,7 @@ def payload(
                 "quantity": m.quantity,
                 "backend": m.backend,
                 "peak_mb": m.peak_mb,
+                "steady_mb": m.steady_mb,
                 "error": m.error,
             }
             for m in memory
