@@ -211,9 +211,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also measure each case's peak memory (MB), each in a fresh process (Linux)",
     )
-    p.add_argument(
-        "--no-timing", action="store_true", help="skip the timing table (with --memory)"
-    )
+    p.add_argument("--no-timing", action="store_true", help="skip the timing table (with --memory)")
     p.add_argument("--json", type=Path, help="also write all timings to this JSON file")
     p.add_argument(
         "--profile",

@@ -159,9 +159,7 @@ MEMORY_NOTE = (
 )
 
 
-def payload(
-    args, backends, skipped, infos, results, load, memory=(), memory_skipped=None
-) -> dict:
+def payload(args, backends, skipped, infos, results, load, memory=(), memory_skipped=None) -> dict:
     """Everything measured, for ``--json`` (read by ``paper_figs``)."""
     index = {(r.problem, r.quantity, r.backend): r for r in results}
     return {
