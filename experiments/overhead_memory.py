@@ -1,13 +1,13 @@
 """Peak memory of the overhead benchmark's cases, each (problem, quantity, backend) in a fresh
 process (a child of the same python), so that no case sees another's allocations.
 
-In the child: run the backend's step once on a batch of one and drop it (one-time costs such as
-lazy imports and compiled functions, tens of MB for some backends, are not the quantity's), build
-the problem, run one plain forward+backward on it, read the resident set ``VmRSS``, reset the
-peak (``5`` into ``/proc/self/clear_refs`` resets ``VmHWM`` on Linux), then build the backend's
-step and run it twice. ``peak_mb`` is the highest ``VmHWM`` of the two calls minus that
-``VmRSS``, in MB (10⁶ bytes): the extra resident memory the quantity costs over the built
-problem, results and cached buffers included (what a training loop's process needs).
+In the child: run the backend's step once on a batch of one (or two) and drop it (one-time costs
+such as lazy imports and compiled functions, tens of MB for some backends, are not the
+quantity's), build the problem, run one plain forward+backward on it, read the resident set
+``VmRSS``, reset the peak (``5`` into ``/proc/self/clear_refs`` resets ``VmHWM`` on Linux), then
+build the backend's step and run it twice. ``peak_mb`` is the highest ``VmHWM`` of the two calls
+minus that ``VmRSS``, in MB (10⁶ bytes): the extra resident memory the quantity costs over the
+built problem, results and cached buffers included (what a training loop's process needs).
 ``steady_mb`` is that of the second call alone (the peak is reset between the calls): a training
 loop's steady state, with the first call's results still held; it is lower where the first call
 at a new shape allocates transient work space.
@@ -82,6 +82,24 @@ def peak_mb(run: Callable[[], object]) -> float:
     return (_status_kb("VmHWM") - before) * 1024 / MB
 
 
+def _pay_one_time_costs(backend, problem, quantity) -> None:
+    """Run the step once on a batch of one (of two where one sample is ambiguous, e.g. a
+    sequence model whose T loss rows could be T samples) and drop it: lazy imports, compiled
+    functions and thread pools are then paid for. A case that fails on both raises later."""
+    from .overhead_backends import Instance
+
+    for n in (1, 2):
+        try:
+            small = Instance.of(problem.resized(n), linear_only=quantity.linear_only)
+            backend.make_step(small, quantity)()
+            return
+        except Exception:  # noqa: BLE001, S112  (the measured case reports the error)
+            continue
+        finally:
+            small = None
+            gc.collect()
+
+
 def _case_peak(spec: dict) -> dict:
     """In the child: the peaks of two steps of one case (module docstring)."""
     import torch
@@ -96,11 +114,7 @@ def _case_peak(spec: dict) -> dict:
     plain = spec["backend"] == PLAIN
     quantity = QUANTITIES[PLAIN if plain else spec["quantity"]]
     backend = PlainBackend() if plain else BACKENDS[spec["backend"]]
-    # one-time costs (lazy imports, compiled functions, thread pools): paid on a batch of one
-    one = Instance.of(problem.resized(1), linear_only=quantity.linear_only)
-    backend.make_step(one, quantity)()
-    del one
-    gc.collect()
+    _pay_one_time_costs(backend, problem, quantity)
     inst = Instance.of(problem, linear_only=quantity.linear_only)
     PlainBackend().make_step(inst, QUANTITIES[PLAIN])()
     inst.model.zero_grad(set_to_none=True)
