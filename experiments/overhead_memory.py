@@ -127,6 +127,7 @@ def _case_peak(spec: dict) -> dict:
     reset_peak()
     step()
     steady = _status_kb("VmHWM")
+    backend.verify(inst, quantity)  # e.g. BackPACK skipping a module it has no rule for
     return {
         "peak_mb": (max(first, steady) - before) * 1024 / MB,
         "steady_mb": (steady - before) * 1024 / MB,
