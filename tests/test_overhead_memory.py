@@ -67,3 +67,11 @@ def test_absent_competitor_loses_its_columns_with_one_line_why(monkeypatch, caps
     assert len(tables) == 2  # timing and memory
     assert all("curvopt" in t and "curvlinops" not in t for t in tables)
     assert "| logreg | KFAC |" in out
+
+
+def test_child_verifies_the_case_like_the_timing_does():
+    """BackPACK skips the GPT's LayerNorm with a warning only: the memory cell is n/a, not the
+    peak of an incomplete computation."""
+    pytest.importorskip("backpack")
+    spec = {"problem": "gpt", "quantity": "Variance", "backend": "backpack", "threads": 1}
+    assert om.run_child({**spec, "batch": 2})["error"].startswith("n/a: backpack wrote no variance")
