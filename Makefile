@@ -16,18 +16,21 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# BackPACK 1.7.1 and Opacus 1.6.0 for the comparisons (experiments overhead, benchmarks/),
-# without replacing the CPU torch: their pure-python dependencies from the "reference" extra,
-# the libraries themselves without dependencies (torchvision, which BackPACK declares, would
-# bring a CUDA torch; neither import needs it). The Opacus wheel also installs top-level
-# "benchmarks" and "examples" folders that are not part of the library: removed.
-reference: $(STAMP)  ## BackPACK and Opacus for the comparison columns (keeps the CPU torch)
+# BackPACK 1.7.1, Opacus 1.6.0 and curvlinops 3.0.1 for the comparisons (experiments overhead,
+# benchmarks/), without replacing the CPU torch: their pure-python dependencies from the
+# "reference" extra, the libraries themselves without dependencies (torchvision, which BackPACK
+# declares and curvlinops pulls in through it, would bring a CUDA torch; no import needs it).
+# The Opacus wheel also installs top-level "benchmarks" and "examples" folders that are not part
+# of the library: removed.
+reference: $(STAMP)  ## BackPACK, Opacus, curvlinops for the comparison columns (keeps the CPU torch)
 	$(PY) -m pip install --quiet -e ".[dev,experiments,reference]"
-	$(PY) -m pip install --quiet --no-deps backpack-for-pytorch==1.7.1 opacus==1.6.0
+	$(PY) -m pip install --quiet --no-deps backpack-for-pytorch==1.7.1 opacus==1.6.0 \
+	    curvlinops-for-pytorch==3.0.1
 	SP=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
 	    rm -rf "$$SP/benchmarks" "$$SP/examples"
-	$(PY) -c 'import torch, backpack, opacus; from importlib.metadata import version as v; \
-	    print("torch", torch.__version__, "backpack", v("backpack-for-pytorch"), "opacus", v("opacus"))'
+	$(PY) -c 'import torch, backpack, opacus, curvlinops; from importlib.metadata import version as v; \
+	    print("torch", torch.__version__, "backpack", v("backpack-for-pytorch"), "opacus", v("opacus"), \
+	    "curvlinops", v("curvlinops-for-pytorch"))'
 
 run: $(STAMP)  ## the main job: budgeted reproduction of the BackPACK paper on real data
 	$(PY) -m experiments reproduce

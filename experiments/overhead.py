@@ -5,6 +5,7 @@
     python -m experiments overhead --cases backpack --batch 8 --threads 1   # against BackPACK
     python -m experiments overhead --problems gpt --quantities BatchGrad DiagGGNMC
     python -m experiments overhead --profile 3c3d:Variance   # torch.profiler table of one case
+    python -m experiments overhead --cases curvlinops --memory   # + peak MB, fresh processes
 
 (``python -m experiments.overhead`` is the same command.)
 
@@ -12,10 +13,13 @@ Every *case* is a (problem, quantity) pair, run by every *backend* that can comp
 jobs live in their own modules:
 
 * :mod:`experiments.overhead_cases`    problems, quantities, default cases, targets
-* :mod:`experiments.overhead_backends` curvopt, torch.func, Opacus, BackPACK (and the baseline)
+* :mod:`experiments.overhead_backends` curvopt, torch.func, Opacus, BackPACK, curvlinops (and
+                                       the baseline)
 * :mod:`experiments.overhead_timing`   interleaved timing, profiling
-* :mod:`experiments.overhead_report`   markdown table (with ``curvopt/BackPACK`` and its
-                                       geometric mean when BackPACK is importable), JSON
+* :mod:`experiments.overhead_memory`   peak memory per case, each in a fresh process
+* :mod:`experiments.overhead_report`   markdown tables (with ``curvopt/BackPACK``,
+                                       ``curvopt/curvlinops`` and their geometric means when
+                                       those are importable), JSON
 
 Each backend works on its own copy of the network (same weights, same batch). The table shows
 the median over interleaved rounds of the per-round ratio to the plain step (``--spread`` adds
@@ -25,7 +29,9 @@ round; ``--max-other-load`` drops busy rounds). ``torch.set_num_threads`` is fix
 unless the variable is set: with spinning OpenMP workers a busy machine makes 2-thread steps
 erratically 5-100x slower.
 
-Competitors are optional. Opacus and BackPACK need no install into the project's environment:
+Competitors are optional (``make reference`` installs them without replacing the CPU torch);
+a backend that is not importable loses its column, and one line says why. Opacus and BackPACK
+also need no install into the project's environment:
 ``pip install --no-deps --target DIR opacus backpack-for-pytorch`` and ``PYTHONPATH=DIR``
 (their imports need neither torchvision nor their other dependencies; delete the top-level
 ``benchmarks``/``examples`` folders the Opacus wheel puts into DIR).
@@ -62,6 +68,7 @@ from experiments.overhead_backends import (  # noqa: E402
 )
 from experiments.overhead_cases import (  # noqa: E402
     BACKPACK_CASES,
+    CURVLINOPS_CASES,
     DEFAULT_CASES,
     EXTRA_CASES,
     PLAIN,
@@ -73,12 +80,20 @@ from experiments.overhead_cases import (  # noqa: E402
     register_quantity,
 )
 from experiments.commands import Command, add_threads  # noqa: E402
-from experiments.overhead_report import TARGETS_NOTE, markdown_table, payload  # noqa: E402
+from experiments.overhead_memory import measure_memory, unsupported_reason  # noqa: E402
+from experiments.overhead_report import (  # noqa: E402
+    MEMORY_NOTE,
+    TARGETS_NOTE,
+    markdown_table,
+    memory_table,
+    payload,
+)
 from experiments.overhead_timing import Result, build_steps, measure, profile  # noqa: E402
 
 __all__ = [
     "BACKENDS",
     "BACKPACK_CASES",
+    "CURVLINOPS_CASES",
     "DEFAULT_CASES",
     "EXTRA_CASES",
     "PLAIN",
@@ -104,7 +119,11 @@ __all__ = [
 
 
 #: named case sets (``--cases``)
-CASE_SETS = {"default": DEFAULT_CASES + EXTRA_CASES, "backpack": BACKPACK_CASES}
+CASE_SETS = {
+    "default": DEFAULT_CASES + EXTRA_CASES,
+    "backpack": BACKPACK_CASES,
+    "curvlinops": CURVLINOPS_CASES,
+}
 
 
 DESCRIPTION = """\
@@ -112,7 +131,9 @@ Overhead of curvopt's quantities: the time of a forward+backward pass that also 
 quantity, as a ratio to the plain forward+backward pass, median over interleaved rounds. Every
 case (problem, quantity) runs on every backend that can compute it: curvopt, torch.func, and
 Opacus and BackPACK when importable (make reference installs them; README, "Reference
-libraries"). The "target (curvopt)" column is the ratio the project set as curvopt's goal for
+libraries"); curvlinops gets a column for Kronecker factors and GGN matvecs. With --memory,
+a second table gives each case's peak memory in MB, each measured in a fresh process. The
+"target (curvopt)" column is the ratio the project set as curvopt's goal for
 that cell (at the problem's own batch size); the lines below the table explain the marks.
 
 examples:
@@ -120,6 +141,7 @@ examples:
   python -m experiments overhead --cases backpack --batch 8 --threads 1   # against BackPACK
   python -m experiments overhead --problems gpt --quantities BatchGrad DiagGGNMC
   python -m experiments overhead --profile 3c3d:Variance   # torch.profiler table of one case
+  python -m experiments overhead --cases curvlinops --memory   # against curvlinops, + memory
 """
 
 
@@ -129,8 +151,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=list(CASE_SETS),
         default="default",
         help="the case set: 'default' (first order on 3C3D, MLP, CNN, transformer; second "
-        "order on 3C3D and MLP) or 'backpack' (DeepOBS logreg, 2C2D, 3C3D, every second-order "
-        "quantity and per-sample gradients: the comparison with BackPACK)",
+        "order on 3C3D and MLP), 'backpack' (DeepOBS logreg, 2C2D, 3C3D, every second-order "
+        "quantity and per-sample gradients: the comparison with BackPACK) or 'curvlinops' "
+        "(KFAC/KFLR factors and GGN matvecs on 2C2D and the GPT-style decoder)",
     )
     p.add_argument(
         "--problems",
@@ -183,6 +206,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--spread", action="store_true", help="show the quartiles of the ratios in each cell"
     )
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="also measure each case's peak memory (MB), each in a fresh process (Linux)",
+    )
+    p.add_argument("--no-timing", action="store_true", help="skip the timing table (with --memory)")
     p.add_argument("--json", type=Path, help="also write all timings to this JSON file")
     p.add_argument(
         "--profile",
@@ -221,7 +250,7 @@ def execute(args: argparse.Namespace) -> int:
 
     results: list[Result] = []
     infos: dict[str, dict] = {}
-    for i, pname in enumerate(problems):
+    for i, pname in enumerate(problems if not args.no_timing else []):
         quantities = [q for p, q in cases if p == pname]
         problem = PROBLEMS[pname] if args.batch is None else PROBLEMS[pname].resized(args.batch)
         res, info = measure(
@@ -243,6 +272,39 @@ def execute(args: argparse.Namespace) -> int:
             if r.error and not r.error.startswith("n/a"):
                 log(f"{pname}/{r.quantity}/{r.backend}: {r.error}")
 
+    memory = []
+    memory_skipped = None
+    if args.memory:
+        memory_skipped = unsupported_reason()
+        if args.device != "cpu":
+            memory_skipped = "resident memory is host memory: peak memory is measured on cpu"
+        for pname in problems if memory_skipped is None else []:
+            quantities = [q for p, q in cases if p == pname]
+            memory += measure_memory(pname, quantities, backends, args.threads, args.batch, log)
+
+    for name, reason in skipped.items():
+        print(f"{name}: column omitted, {reason}.")
+    if infos:
+        print_timing(args, backends, results, infos, load)
+    if args.memory:
+        print()
+        if memory_skipped is not None:
+            print(f"Peak memory not measured: {memory_skipped}.")
+        else:
+            print(f"Peak memory (MB), torch.set_num_threads({args.threads}), float32, cpu:\n")
+            print(memory_table(memory, backends))
+            print("\n" + MEMORY_NOTE)
+
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        data = payload(args, backends, skipped, infos, results, load, memory, memory_skipped)
+        args.json.write_text(json.dumps(data, indent=1))
+        log(f"wrote {args.json}")
+    return 0
+
+
+def print_timing(args, backends, results, infos, load) -> None:
+    """The timing table with its header line and legend."""
     print(
         f"Overhead: median over interleaved rounds of (step time / plain forward+backward "
         f"time in the same round); torch {torch.__version__}, "
@@ -260,22 +322,12 @@ def execute(args: argparse.Namespace) -> int:
             for p, i in infos.items()
         )
     )
-    if skipped:
-        print("Not installed: " + ", ".join(skipped) + ".")
     print()
     resized = args.batch is not None and any(PROBLEMS[p].batch_size != args.batch for p in infos)
     targets = {} if resized else None  # the targets hold for the problems' own batch sizes
     print(markdown_table(results, infos, backends, spread=args.spread, targets=targets))
     if targets is None:
         print("\n" + TARGETS_NOTE)
-
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps(payload(args, backends, skipped, infos, results, load), indent=1)
-        )
-        log(f"wrote {args.json}")
-    return 0
 
 
 OVERHEAD = Command(

@@ -4,8 +4,9 @@ A step is one training iteration's gradient work: ``zero_grad(set_to_none=True)`
 backward, plus what the backend needs to turn its output into the quantity (e.g. torch.func's
 reductions of the per-sample gradients). No step keeps a reference to a result, so curvopt
 reuses its ``grad_batch`` buffers as in a training loop. ``curvopt`` always runs;
-``torch.func`` (``vmap(grad)``), ``opacus`` (``GradSampleModule``) and ``backpack`` when
-importable. A backend that cannot compute a case raises :class:`Unsupported`.
+``torch.func`` (``vmap(grad)``), ``opacus`` (``GradSampleModule``), ``backpack`` and
+``curvlinops`` (Kronecker factors, GGN matvecs) when importable. A backend that cannot compute
+a case raises :class:`Unsupported`.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import curvopt
 from curvopt import extensions as ext
+from curvopt import linalg
 
 from .overhead_cases import PLAIN, Problem, Quantity
 
@@ -45,10 +48,41 @@ class Instance:
         return self.X.shape[0]
 
     @classmethod
-    def of(cls, problem: Problem, device: str = "cpu") -> Instance:
-        """A fresh copy of ``problem`` (same weights and batch every call) on ``device``."""
+    def of(cls, problem: Problem, device: str = "cpu", linear_only: bool = False) -> Instance:
+        """A fresh copy of ``problem`` (same weights and batch every call) on ``device``; with
+        ``linear_only`` every parameter outside Linear/Conv2d layers is frozen."""
         model, X, y, lossfunc = problem.build()
+        if linear_only:
+            freeze_all_but_linear(model)
         return cls(model.to(device), X.to(device), y.to(device), lossfunc.to(device))
+
+
+#: the layers whose parameters every Kronecker-factor library supports
+LINEAR_LAYERS = (nn.Linear, nn.Conv2d)
+
+
+def freeze_all_but_linear(model: nn.Module) -> None:
+    """``requires_grad_(False)`` on every parameter that is not owned by Linear/Conv2d layers
+    alone (a Linear weight tied to an Embedding is frozen too)."""
+    linear, other = set(), set()
+    for module in model.modules():
+        owned = {id(p) for p in module.parameters(recurse=False)}
+        (linear if isinstance(module, LINEAR_LAYERS) else other).update(owned)
+    for p in model.parameters():
+        if id(p) not in linear or id(p) in other:
+            p.requires_grad_(False)
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def probe_vector(model: nn.Module, seed: int = 0) -> torch.Tensor:
+    """A fixed random vector over the trainable parameters (model dtype), for GGN matvecs."""
+    params = trainable(model)
+    gen = torch.Generator().manual_seed(seed)
+    size = sum(p.numel() for p in params)
+    return torch.randn(size, generator=gen, dtype=params[0].dtype)
 
 
 def reductions(gb: torch.Tensor, attrs: Sequence[str], n: int) -> dict[str, torch.Tensor]:
@@ -123,7 +157,8 @@ class CurvoptBackend(Backend):
     name = "curvopt"
 
     def verify(self, inst, quantity):
-        _verify_attributes(self.name, inst, quantity)
+        if not quantity.matvec:
+            _verify_attributes(self.name, inst, quantity)
 
     def make_step(self, inst, quantity):
         if not quantity.extended:
@@ -131,6 +166,10 @@ class CurvoptBackend(Backend):
         model = curvopt.extend(inst.model)
         lossfunc = curvopt.extend(inst.lossfunc)
         X, y = inst.X, inst.y
+        if quantity.matvec:
+            G = linalg.GGN(model, lossfunc, [(X, y)])
+            v = probe_vector(model).numpy()
+            return lambda: G @ v
         if not quantity.extensions:
 
             def step():
@@ -267,6 +306,8 @@ class BackpackBackend(Backend):
         import backpack
         from backpack import extensions as bext
 
+        if quantity.matvec:
+            raise Unsupported("BackPACK has no GGN operator")
         if quantity.extended and quantity.extensions:
             exts = []
             for factory in quantity.extensions:
@@ -295,6 +336,94 @@ class BackpackBackend(Backend):
         return step
 
 
+class CurvlinopsBackend(Backend):
+    """curvlinops: ``KFACLinearOperator`` (KFAC: ``fisher_type="mc"``, KFLR: ``"type-2"``)
+    built and its factors computed from the batch in each step, and ``GGNLinearOperator @ v``
+    (torch in, torch out: its own interface) for ``GGN_matvec``.
+
+    Its KFAC covers Linear and Conv2d layers only: a model with other parameters is
+    :class:`Unsupported` (the ``*_linear`` quantities compare on the Linear parameters). Its
+    GGN uses forward-mode AD, which the fused CPU attention kernels lack: the matvec runs under
+    ``sdpa_kernel(SDPBackend.MATH)`` (the same function, computed by the unfused kernel).
+    """
+
+    name = "curvlinops"
+    package = "curvlinops"
+    FISHER_TYPE = {"KFAC": "mc", "KFLR": "type-2"}
+
+    def kfac(self, inst: Instance, quantity: Quantity):
+        """The operator with its factors computed (what one step produces)."""
+        from curvlinops import KFACLinearOperator
+
+        mine = quantity.extensions[0]()
+        fisher = self.FISHER_TYPE.get(type(mine).__name__)
+        if fisher is None:
+            raise Unsupported(f"curvlinops has no {type(mine).__name__}")
+        options = {"kfac_approx": mine.options.get("kfac_approx", "expand")}
+        if fisher == "mc":
+            options["mc_samples"] = mine.options.get("mc_samples", 1)
+        try:
+            op = KFACLinearOperator(
+                inst.model,
+                inst.lossfunc,
+                trainable(inst.model),
+                [(inst.X, inst.y)],
+                check_deterministic=False,
+                fisher_type=fisher,
+                num_data=inst.batch_size,
+                num_per_example_loss_terms=inst.y.numel() // inst.batch_size,
+                **options,
+            )
+        except NotImplementedError as e:
+            raise Unsupported(f"KFACLinearOperator: {e}") from e
+        op.compute_kronecker_factors()
+        return op
+
+    def verify(self, inst, quantity):
+        if quantity.matvec:
+            return
+        op = self.kfac(inst, quantity)
+        if set(op._gradient_covariances) != set(op._mapping):
+            raise Unsupported("curvlinops computed no factors for some layers")
+
+    def make_step(self, inst, quantity):
+        from curvlinops import GGNLinearOperator
+
+        if quantity.matvec:
+            G = GGNLinearOperator(
+                inst.model,
+                inst.lossfunc,
+                trainable(inst.model),
+                [(inst.X, inst.y)],
+                check_deterministic=False,
+                num_data=inst.batch_size,
+            )
+            v = probe_vector(inst.model)
+
+            def step():
+                with sdpa_kernel(SDPBackend.MATH):
+                    return G @ v
+
+            return step
+        if not quantity.extensions or quantity.order != 2:
+            raise Unsupported("curvlinops: Kronecker factors and GGN matvecs only")
+        held = [self.kfac(inst, quantity)]  # fails early (unsupported layers)
+
+        def step():
+            # the last factors stay alive while the next are computed, as with the attributes
+            # curvopt and BackPACK overwrite (and as an optimizer holding its curvature)
+            held[0] = self.kfac(inst, quantity)
+
+        return step
+
+
 BACKENDS: dict[str, Backend] = {
-    b.name: b for b in (CurvoptBackend(), TorchFuncBackend(), OpacusBackend(), BackpackBackend())
+    b.name: b
+    for b in (
+        CurvoptBackend(),
+        TorchFuncBackend(),
+        OpacusBackend(),
+        BackpackBackend(),
+        CurvlinopsBackend(),
+    )
 }

@@ -56,6 +56,11 @@ class Quantity:
     extensions: tuple[Callable[[], ext.Extension], ...] = ()
     order: int = 1
     extended: bool = True  # whether the model is ``curvopt.extend``-ed at all (False: baseline)
+    #: a product ``G @ v`` with the exact GGN operator instead of a backward pass
+    matvec: bool = False
+    #: curvature of the parameters of Linear/Conv2d layers only (the others frozen), the
+    #: parameters every Kronecker-factor library supports (a weight tied to an Embedding: frozen)
+    linear_only: bool = False
 
     def attrs(self) -> tuple[str, ...]:
         return tuple(factory().attr for factory in self.extensions)
@@ -85,6 +90,17 @@ SECOND_ORDER = (
 )
 for _cls in SECOND_ORDER:
     register_quantity(Quantity(_cls.__name__, _cls.__name__, (_cls,), order=2))
+for _cls in (ext.KFAC, ext.KFLR):
+    register_quantity(
+        Quantity(
+            f"{_cls.__name__}_linear",
+            f"{_cls.__name__}, Linear/Conv2d parameters only",
+            (_cls,),
+            order=2,
+            linear_only=True,
+        )
+    )
+register_quantity(Quantity("GGN_matvec", "exact GGN @ v (linalg.GGN)", order=2, matvec=True))
 
 #: cases measured by default: (problem, quantity); the plain step is always measured too
 DEFAULT_CASES: list[tuple[str, str]] = [
@@ -137,3 +153,16 @@ BACKPACK_CASES: list[tuple[str, str]] = [
     for problem in ("logreg", "2c2d", "3c3d")
     for quantity in ("BatchGrad", "DiagGGNMC", "DiagGGNExact", "DiagHessian", "KFAC", "KFLR")
 ] + [("logreg", "KFRA")]
+
+#: the curvlinops comparison of issue 22 (``--cases curvlinops``): Kronecker factors and GGN
+#: matvecs on 2C2D and the GPT-style decoder; on the GPT, curvlinops' KFAC covers only the
+#: Linear layers, so the ``*_linear`` quantities compare on those parameters
+CURVLINOPS_CASES: list[tuple[str, str]] = [
+    ("2c2d", "KFAC"),
+    ("2c2d", "KFLR"),
+    ("2c2d", "GGN_matvec"),
+    ("gpt", "KFAC"),
+    ("gpt", "KFAC_linear"),
+    ("gpt", "KFLR_linear"),
+    ("gpt", "GGN_matvec"),
+]

@@ -1,9 +1,10 @@
 """The overhead benchmark's report: the markdown table and the JSON payload.
 
 One row per (problem, quantity), one column per backend (median ratio to the plain step of the
-same round). When curvopt and BackPACK both ran, a column ``curvopt/BackPACK`` gives, per cell,
-the median over rounds of curvopt's time divided by BackPACK's time in the same round (< 1:
-curvopt is faster), and a last row their geometric mean over the cells both computed.
+same round). When curvopt and BackPACK (or curvlinops) both ran, a column ``curvopt/BackPACK``
+(``curvopt/curvlinops``) gives, per cell, the median over rounds of curvopt's time divided by
+the other's time in the same round (< 1: curvopt is faster), and a last row their geometric
+mean over the cells both computed. The peak-memory table has the same rows, in MB.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from collections.abc import Sequence
 import torch
 
 from .overhead_cases import PLAIN, PROBLEMS, QUANTITIES, TARGETS
+from .overhead_memory import MemoryResult
+from .overhead_memory import ratio as memory_ratio
 from .overhead_timing import Result
 
-VERSUS = ("curvopt", "backpack")  # the pair compared head to head
+#: the libraries compared head to head with curvopt, by backend name: their column titles
+COMPETITORS = {"backpack": "BackPACK", "curvlinops": "curvlinops"}
 
 
 def head_to_head(mine: Result | None, theirs: Result | None) -> float | None:
@@ -62,6 +66,13 @@ def _cell(result: Result | None, target: float | None = None, spread=False) -> s
     return text
 
 
+def _versus(backends: Sequence[str]) -> list[str]:
+    """The competitors compared head to head with curvopt in a table over ``backends``."""
+    if "curvopt" not in backends:
+        return []
+    return [b for b in COMPETITORS if b in backends]
+
+
 def markdown_table(
     results: list[Result],
     infos: dict[str, dict],
@@ -71,20 +82,20 @@ def markdown_table(
 ) -> str:
     """One row per (problem, quantity), one column per backend; the plain row gives its time.
 
-    With both of ``VERSUS`` among ``backends``: the ``curvopt/BackPACK`` column and a geometric
-    mean row. ``targets`` (default ``TARGETS``, which hold for each problem's own batch size)
-    mark curvopt's cells.
+    With curvopt and a competitor (BackPACK, curvlinops) among ``backends``: a column
+    ``curvopt/<competitor>`` each and a geometric mean row. ``targets`` (default ``TARGETS``,
+    which hold for each problem's own batch size) mark curvopt's cells.
     """
     targets = TARGETS if targets is None else targets
     index = {(r.problem, r.quantity, r.backend): r for r in results}
-    versus = all(b in backends for b in VERSUS)
-    header = ["problem", "quantity", *backends, *(["curvopt/BackPACK"] if versus else [])]
+    versus = _versus(backends)
+    header = ["problem", "quantity", *backends, *(f"curvopt/{COMPETITORS[b]}" for b in versus)]
     header.append("target (curvopt)")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    compared: list[float] = []
+    compared: dict[str, list[float]] = {b: [] for b in versus}
     for problem in infos:
         plain = f"1.00 = {infos[problem]['plain_ms']:.2f} ms"
-        cells = [plain] + [""] * (len(backends) - 1 + versus)
+        cells = [plain] + [""] * (len(backends) - 1 + len(versus))
         lines.append(f"| {problem} | {QUANTITIES[PLAIN].label} | " + " | ".join(cells) + " | |")
         measured = {r.quantity for r in results if r.problem == problem}
         for q, quantity in QUANTITIES.items():
@@ -95,21 +106,60 @@ def markdown_table(
                 _cell(index.get((problem, q, b)), target if b == "curvopt" else None, spread)
                 for b in backends
             ]
-            if versus:
-                ratio = head_to_head(*(index.get((problem, q, b)) for b in VERSUS))
+            for b in versus:
+                ratio = head_to_head(index.get((problem, q, "curvopt")), index.get((problem, q, b)))
                 cells.append("" if ratio is None else f"{ratio:.2f}")
                 if ratio is not None:
-                    compared.append(ratio)
+                    compared[b].append(ratio)
             goal = f"≤ {target:.2f}" if target else ""
             lines.append(f"| {problem} | {quantity.label} | " + " | ".join(cells) + f" | {goal} |")
     if versus:
-        mean = f"{geometric_mean(compared):.2f} ({len(compared)} cells)" if compared else ""
+        means = [
+            f"{geometric_mean(compared[b]):.2f} ({len(compared[b])} cells)" if compared[b] else ""
+            for b in versus
+        ]
         blanks = " | ".join([""] * len(backends))
-        lines.append(f"| geometric mean | | {blanks} | {mean} | |")
+        lines.append(f"| geometric mean | | {blanks} | " + " | ".join(means) + " | |")
     return "\n".join(lines)
 
 
-def payload(args, backends, skipped, infos, results, load) -> dict:
+def memory_table(results: list[MemoryResult], backends: Sequence[str]) -> str:
+    """Peak MB per (problem, quantity): the plain step's, each backend's (and, in brackets, its
+    steady-state step's), and curvopt's peak over each competitor's (< 1: curvopt needs less)."""
+    index = {(r.problem, r.quantity, r.backend): r for r in results}
+    versus = _versus(backends)
+    header = ["problem", "quantity", "plain", *backends]
+    header += [f"curvopt/{COMPETITORS[b]}" for b in versus]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    cases = dict.fromkeys((r.problem, r.quantity) for r in results if r.quantity != PLAIN)
+    for problem, q in cases:
+        cells = [_mb(index.get((problem, PLAIN, PLAIN)))]
+        cells += [_mb(index.get((problem, q, b))) for b in backends]
+        for b in versus:
+            r = memory_ratio(index.get((problem, q, "curvopt")), index.get((problem, q, b)))
+            cells.append("" if r is None else f"{r:.2f}")
+        lines.append(f"| {problem} | {QUANTITIES[q].label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _mb(result: MemoryResult | None) -> str:
+    if result is None:
+        return ""
+    if result.error is not None:
+        return "n/a" if result.error.startswith("n/a") else "error"
+    return f"{result.peak_mb:.1f} ({result.steady_mb:.1f})"
+
+
+#: the legend printed below a memory table
+MEMORY_NOTE = (
+    "peak memory (MB): each cell in a fresh process; the peak resident memory of two steps\n"
+    "above the resident memory after building the problem and one plain forward+backward\n"
+    "(results and cached buffers included), in brackets that of the second step alone (the\n"
+    "steady state); the ratios compare the peaks (experiments/overhead_memory.py)."
+)
+
+
+def payload(args, backends, skipped, infos, results, load, memory=(), memory_skipped=None) -> dict:
     """Everything measured, for ``--json`` (read by ``paper_figs``)."""
     index = {(r.problem, r.quantity, r.backend): r for r in results}
     return {
@@ -148,14 +198,25 @@ def payload(args, backends, skipped, infos, results, load) -> dict:
                 "error": r.error,
                 **(
                     {
-                        "versus_backpack": head_to_head(
-                            r, index.get((r.problem, r.quantity, VERSUS[1]))
-                        )
+                        f"versus_{b}": head_to_head(r, index.get((r.problem, r.quantity, b)))
+                        for b in COMPETITORS
                     }
-                    if r.backend == VERSUS[0]
+                    if r.backend == "curvopt"
                     else {}
                 ),
             }
             for r in results
         ],
+        "memory": [
+            {
+                "problem": m.problem,
+                "quantity": m.quantity,
+                "backend": m.backend,
+                "peak_mb": m.peak_mb,
+                "steady_mb": m.steady_mb,
+                "error": m.error,
+            }
+            for m in memory
+        ],
+        "memory_skipped": memory_skipped,
     }

@@ -109,7 +109,7 @@ def build_steps(
             if not quantity.extended:
                 continue
             try:
-                inst = Instance.of(problem, device)
+                inst = Instance.of(problem, device, quantity.linear_only)
                 step = backend.make_step(inst, quantity)
                 step()  # fails early, allocates the steady-state buffers
                 backend.verify(inst, quantity)
@@ -234,7 +234,7 @@ def profile(
     from torch.profiler import profile as torch_profile
 
     problem = PROBLEMS[problem_name]
-    inst = Instance.of(problem, device)
+    inst = Instance.of(problem, device, QUANTITIES[quantity].linear_only)
     if quantity == PLAIN:
         step = PlainBackend().make_step(inst, QUANTITIES[PLAIN])
     else:

@@ -1,0 +1,85 @@
+"""The overhead benchmark's curvlinops column: curvlinops and curvopt agree where their
+definitions coincide (skipped when curvlinops is not importable), and the GPT cases compare on
+the parameters both support."""
+
+import numpy as np
+import pytest
+import torch
+
+import curvopt
+from curvopt import extensions as ext
+from curvopt import linalg
+from experiments import overhead as ov
+from experiments import zoo
+from experiments.overhead_backends import Instance, freeze_all_but_linear, probe_vector
+
+curvlinops = pytest.importorskip("curvlinops")
+
+
+def test_ggn_matvec_equals_curvlinops_in_float64():
+    """Exact GGN @ v on a small MLP, both reductions: the same matrix, to rounding."""
+    for reduction in ("mean", "sum"):
+        problem = zoo.mlp(reduction)
+        model, lossfunc = curvopt.extend(problem.model), curvopt.extend(problem.lossfunc)
+        X, y = problem.make_batch(5)
+        v = probe_vector(model)
+        assert v.dtype == torch.float64
+        mine = linalg.GGN(model, lossfunc, [(X, y)]) @ v.numpy()
+        G = curvlinops.GGNLinearOperator(
+            model, lossfunc, list(model.parameters()), [(X, y)], check_deterministic=False
+        )
+        theirs = (G @ v).numpy()
+        np.testing.assert_allclose(mine, theirs, rtol=1e-10, atol=1e-12)
+        assert np.abs(theirs).max() > 1e-3  # not trivially zero
+
+
+def test_kflr_factors_equal_curvlinops_type2_in_float64():
+    """KFLR against curvlinops' type-2 KFAC on an MLP: ``kron(B, A)`` per weight and ``B`` per
+    bias are the same matrices (the factors' split of scale between B and A may differ)."""
+    problem = zoo.mlp("mean")
+    model, lossfunc = curvopt.extend(problem.model), curvopt.extend(problem.lossfunc)
+    X, y = problem.make_batch(7)
+    with curvopt.collect(ext.KFLR()):
+        lossfunc(model(X), y).backward()
+    op = curvlinops.KFACLinearOperator(
+        model,
+        lossfunc,
+        list(model.parameters()),
+        [(X, y)],
+        check_deterministic=False,
+        fisher_type="type-2",
+    )
+    op.compute_kronecker_factors()
+    for name, module in model.named_children():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        A, B = op._input_covariances[name], op._gradient_covariances[name]
+        torch.testing.assert_close(torch.kron(*module.weight.kflr), torch.kron(B, A))
+        torch.testing.assert_close(module.bias.kflr[0], B)
+
+
+def test_backends_ggn_matvecs_agree_on_the_gpt():
+    """The benchmark's two GGN_matvec steps compute the same product on the GPT decoder
+    (curvlinops' under the unfused attention kernel), float32."""
+    problem = ov.PROBLEMS["gpt"].resized(2)
+    quantity = ov.QUANTITIES["GGN_matvec"]
+    mine = ov.BACKENDS["curvopt"].make_step(Instance.of(problem), quantity)()
+    theirs = ov.BACKENDS["curvlinops"].make_step(Instance.of(problem), quantity)()
+    np.testing.assert_allclose(mine, theirs.numpy(), rtol=1e-3, atol=1e-5 * np.abs(mine).max())
+
+
+def test_gpt_kfac_compares_on_the_linear_parameters():
+    """curvlinops cannot do KFAC of embeddings and LayerNorm (n/a), so ``KFAC_linear`` freezes
+    them and the output layer tied to the token embedding; both backends then run."""
+    problem = ov.PROBLEMS["gpt"].resized(2)
+    model = problem.build()[0]
+    freeze_all_but_linear(model)
+    gpt = model.model
+    assert not gpt.tok.weight.requires_grad and not gpt.ln_f.weight.requires_grad
+    assert gpt.block.fc.weight.requires_grad and gpt.block.out.bias.requires_grad
+    steps, failed = ov.build_steps(problem, ["KFAC", "KFAC_linear"], ["curvopt", "curvlinops"])
+    assert {("curvopt", "KFAC"), ("curvopt", "KFAC_linear"), ("curvlinops", "KFAC_linear")} <= set(
+        steps
+    )
+    assert [(r.quantity, r.backend) for r in failed] == [("KFAC", "curvlinops")]
+    assert failed[0].error.startswith("n/a: KFACLinearOperator")
