@@ -38,6 +38,7 @@ from curvopt.errors import (
     UnsupportedModuleError,
     module_error,
 )
+from curvopt.extensions.quantity import Combine, Producer, quantity
 from curvopt.layers import rule_for
 from curvopt.layers.kron import nearest_kronecker
 from curvopt.losses import loss_rule_for
@@ -51,7 +52,8 @@ from curvopt.torch_internals import current_autograd_node, queue_callback, will_
 #: elements per chunk when per-sample gradients are materialised only to be reduced
 _CHUNK_ELEMENTS = 1 << 21
 
-_REDUCED = ("batch_l2", "sum_grad_squared", "variance")
+#: first-order producers computed from the per-sample gradients without keeping them
+_REDUCED = (Producer.SQUARED_NORMS, Producer.SUM_OF_SQUARES, Producer.MOMENTS)
 
 
 def _eps(*tensors) -> float:
@@ -87,7 +89,11 @@ class BackwardPass:
         self.skipped_calls: Dict[Tuple[int, str], object] = {}  # (id(p), attr): its record
         self.extensions = extensions
         self.accumulator = accumulator
-        self.attrs = {ext.attr for ext in extensions if ext.order == 1}
+        #: first-order producer -> the attributes it writes (from each quantity's declaration)
+        self.first: Dict[Producer, list] = {}
+        for ext in extensions:
+            if ext.order == 1:
+                self.first.setdefault(ext.quantity.producer, []).append(ext.attr)
         self.second_order_exts = [ext for ext in extensions if ext.order == 2]
         self.loss_seen = False
         self.batch_size: Optional[int] = None
@@ -102,7 +108,6 @@ class BackwardPass:
         self.kron_uses: Dict[Tuple[int, str], dict] = {}  # (id(p), attr): {call: factors}
         self.out_index: Dict[Tuple[int, str], int] = {}
         self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
-        self.moments: Dict[int, Tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.results: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
         self.handles: list = []  # hooks on autograd nodes, removed when the pass ends
         self.upstream: list = []  # module calls upstream of the extended losses
@@ -158,7 +163,7 @@ class BackwardPass:
             return False
         try:
             check_reduction(record.module)
-            if not (self.second_order_exts or self.attrs):
+            if not (self.second_order_exts or self.first):
                 return True
             upstream = module_outputs(record.output)
             if not upstream.calls and upstream.foreign:
@@ -274,7 +279,7 @@ class BackwardPass:
 
     def _on_module(self, record, grads) -> None:
         module = record.module
-        if not self.searched and not self.loss_seen and self.attrs:
+        if not self.searched and not self.loss_seen and self.first:
             self._watch_upstream(record)
         if record.broadcast is not None:
             grads = (record.broadcast.grad,)  # per sample, read downstream of the broadcast
@@ -291,7 +296,7 @@ class BackwardPass:
                     "lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())"
                 )
             self._check_expected(record, grads)
-        elif not self.attrs:
+        elif not self.first:
             return
         rule = rule_for(module)
         reason = rule.check(module)
@@ -302,7 +307,7 @@ class BackwardPass:
         params = [(name, p) for name, p in trainable(module) if not self._skips(p)]
         self._note_precision(record, params)
         self.seen.update(id(p) for _, p in params)
-        if not self.attrs:
+        if not self.first:
             for name, p in params:
                 self._add_total(p, rule, call, name, rule.grad_sum(call, name))
             return
@@ -314,7 +319,7 @@ class BackwardPass:
             self.reused[key] = module._curvopt_live > 1 or any(
                 id(p) in self.shared for _, p in params
             )
-        materialise = "grad_batch" in self.attrs or self.reused[key]
+        materialise = Producer.PER_SAMPLE_GRADIENTS in self.first or self.reused[key]
         for name, p in params:
             if materialise:
                 self._accumulate(p, rule, call, name)
@@ -375,8 +380,9 @@ class BackwardPass:
         shape = (call.batch_size, *p.shape)
         like = call.first_grad
         if id(p) not in self.batch_grads:
-            if "grad_batch" in self.attrs:
-                buffer = empty_result(p, "grad_batch", shape, like)
+            kept = self.first.get(Producer.PER_SAMPLE_GRADIENTS)
+            if kept:
+                buffer = empty_result(p, kept[0], shape, like)
             else:
                 buffer = torch.empty(shape, dtype=like.dtype, device=like.device)
             self.batch_grads[id(p)] = (p, rule.batch_grad(call, name, out=buffer))
@@ -385,23 +391,24 @@ class BackwardPass:
 
     def _reduce(self, p, rule, call, name) -> None:
         """Reduced quantities of a parameter used once, via fast paths where the rule has them."""
-        want = self.attrs.intersection(_REDUCED)
-        l2 = rule.batch_l2(call, name) if "batch_l2" in want else None
-        moments = want & {"sum_grad_squared", "variance"}
-        sgs = rule.sum_grad_squared(call, name) if moments else None
+        first = self.first
+        want_l2 = Producer.SQUARED_NORMS in first
+        want_sgs = Producer.SUM_OF_SQUARES in first or Producer.MOMENTS in first
+        l2 = rule.batch_l2(call, name) if want_l2 else None
+        sgs = rule.sum_grad_squared(call, name) if want_sgs else None
         total = rule.grad_sum(call, name)  # also checked against p's whole gradient
         missing = {
-            "batch_l2": "batch_l2" in want and l2 is None,
-            "sum_grad_squared": bool(moments) and sgs is None,
-            "grad_sum": "variance" in want and total is None,
+            "l2": want_l2 and l2 is None,
+            "sgs": want_sgs and sgs is None,
+            "grad_sum": Producer.MOMENTS in first and total is None,
         }
         if any(missing.values()):
             chunked = _reduce_in_chunks(rule, call, name, p.shape, missing)
-            l2 = chunked.get("batch_l2", l2)
-            sgs = chunked.get("sum_grad_squared", sgs)
+            l2 = chunked.get("l2", l2)
+            sgs = chunked.get("sgs", sgs)
             total = chunked.get("grad_sum", total)
         self._add_total(p, rule, call, name, total)
-        self._store(p, l2, sgs, total, call.batch_size)
+        self._store(p, l2, sgs, total)
 
     def _add_total(self, p, rule, call, name, total) -> None:
         """Add this call's ``sum_n g_n`` (computed in chunks if the rule has no fast path)."""
@@ -420,7 +427,7 @@ class BackwardPass:
         """``p``'s whole gradient of this pass. Its hook normally runs after those of all the
         module calls using ``p`` (a module whose outputs depend on each other is the
         exception), so the sum of per-sample gradients is checked at whichever comes last."""
-        if self.failed or self.ignored or not (self.attrs or self.second_order_exts):
+        if self.failed or self.ignored or not (self.first or self.second_order_exts):
             return
         if self._skips(p):
             return
@@ -498,14 +505,20 @@ class BackwardPass:
             if _off(total, grad, 64, self.compute_eps.get(key, 0.0)):
                 self.suspects.append((p, total, grad, batch.abs().sum(0)))
 
-    def _store(self, p, l2, sgs, total, n) -> None:
-        if "batch_l2" in self.attrs:
-            self.put(p, "batch_l2", l2)
-        if "sum_grad_squared" in self.attrs:
-            self.put(p, "sum_grad_squared", sgs)
-        if "variance" in self.attrs:
-            self.moments[id(p)] = (sgs, total, n)
-            self.put(p, "variance", None)
+    def _store(self, p, l2, sgs, total) -> None:
+        """The reduced first-order results of ``p``, each for the attributes its producer
+        writes (``MOMENTS``: ``(sum g^2, sum g)``, turned into a variance by ``accumulate``)."""
+        for producer, value in (
+            (Producer.SQUARED_NORMS, l2),
+            (Producer.SUM_OF_SQUARES, sgs),
+            (Producer.MOMENTS, (sgs, total)),
+        ):
+            self._put_all(p, producer, value)
+
+    def _put_all(self, p, producer, value) -> None:
+        """``value`` for every attribute ``producer`` writes (copies beyond the first)."""
+        for i, attr in enumerate(self.first.get(producer, ())):
+            self.put(p, attr, value if i == 0 else _copy(value))
 
     def put(self, p, attr: str, value) -> None:
         """Set ``p.<attr> = value`` when the pass has finished."""
@@ -537,7 +550,7 @@ class BackwardPass:
         if record in uses:
             gram_add_(uses[record][0][out_index], factors[out_index])
             return
-        if uses and attr == "kfra":
+        if uses and quantity(attr).combine is Combine.RAISES:
             raise module_error(
                 record.module,
                 "KFRA: a module used several times in one backward pass (or a weight tied "
@@ -574,14 +587,14 @@ class BackwardPass:
             self._abort()
             raise
         for p, batch in self.batch_grads.values():
-            if "grad_batch" in self.attrs:
-                self.put(p, "grad_batch", batch)
-            want = self.attrs.intersection(_REDUCED)
-            if want:
-                l2 = squared_norms(batch) if "batch_l2" in want else None
-                sgs = sum_of_squares(batch) if want - {"batch_l2"} else None
-                total = batch.sum(0) if "variance" in want else None
-                self._store(p, l2, sgs, total, batch.shape[0])
+            self._put_all(p, Producer.PER_SAMPLE_GRADIENTS, batch)
+            first = self.first
+            if any(producer in first for producer in _REDUCED):
+                l2 = squared_norms(batch) if Producer.SQUARED_NORMS in first else None
+                want_sgs = Producer.SUM_OF_SQUARES in first or Producer.MOMENTS in first
+                sgs = sum_of_squares(batch) if want_sgs else None
+                total = batch.sum(0) if Producer.MOMENTS in first else None
+                self._store(p, l2, sgs, total)
         n = self.batch_size or 0
         acc = self.accumulator
         for key, uses in self.kron_uses.items():
@@ -596,10 +609,7 @@ class BackwardPass:
         for (key, attr), (p, value) in self.results.items():
             if self.untouched.get(key):
                 continue
-            if attr == "variance":
-                value = acc.variance(p, *self.moments[id(p)])
-            else:
-                value = acc.combine(p, attr, value, n, self.out_index.get((id(p), attr), 0))
+            value = acc.combine(p, attr, value, n, self.out_index.get((id(p), attr), 0))
             setattr(p, attr, value)
         self.batch_grads.clear()
         self.results.clear()
@@ -653,24 +663,29 @@ def _off(total, grad, factor: float, eps: float = 0.0) -> bool:
     return bool((total - grad).abs().max() > factor * eps * scale)  # one sync
 
 
+def _copy(value):
+    """A copy of a result (a tensor or a tuple of them), so that two attributes never alias."""
+    return tuple(v.clone() for v in value) if isinstance(value, tuple) else value.clone()
+
+
 def _reduce_in_chunks(rule, call, name, shape, want):
-    """The ``want``-ed of ``batch_l2`` (``[N]``), ``sum_grad_squared``, ``grad_sum`` and
-    ``abs_sum`` (``sum_n |g_n|``, ``p.shape``) from per-sample gradients, materialised chunk by
-    chunk."""
+    """The ``want``-ed of ``l2`` (``||g_n||^2``, ``[N]``), ``sgs`` (``sum_n g_n**2``),
+    ``grad_sum`` and ``abs_sum`` (``sum_n |g_n|``, ``p.shape``) from per-sample gradients,
+    materialised chunk by chunk."""
     n = call.batch_size
     step = max(1, _CHUNK_ELEMENTS // max(1, torch.Size(shape).numel()))
     parts = {key: [] for key, wanted in want.items() if wanted}
     for start in range(0, n, step):
         chunk = rule.batch_grad(call.slice(start, min(n, start + step)), name)
-        if "batch_l2" in parts:
-            parts["batch_l2"].append(squared_norms(chunk))
-        if "sum_grad_squared" in parts:
-            parts["sum_grad_squared"].append(sum_of_squares(chunk))
+        if "l2" in parts:
+            parts["l2"].append(squared_norms(chunk))
+        if "sgs" in parts:
+            parts["sgs"].append(sum_of_squares(chunk))
         if "grad_sum" in parts:
             parts["grad_sum"].append(chunk.sum(0))
         if "abs_sum" in parts:
             parts["abs_sum"].append(chunk.abs().sum(0))
     return {
-        key: torch.cat(values) if key == "batch_l2" else torch.stack(values).sum(0)
+        key: torch.cat(values) if key == "l2" else torch.stack(values).sum(0)
         for key, values in parts.items()
     }

@@ -23,6 +23,7 @@ import torch
 
 from curvopt.diagonals import add_diagonals, diag_from_columns, module_call
 from curvopt.errors import UnsupportedKroneckerError, UnsupportedLossError, module_error
+from curvopt.extensions.quantity import Producer
 from curvopt.hessian import add_residuals
 from curvopt.kfra import kfra
 from curvopt.layers import rule_for
@@ -77,19 +78,20 @@ class CurvaturePass:
         self.gradient = loss_gradient(self.loss, self.weight)  # carried by the first chunk
         groups = defaultdict(list)
         for ext in self.exts:
-            if ext.attr == "kfra":
+            if ext.quantity.producer is Producer.KFRA:
                 continue
             key = ("mc", ext.options["mc_samples"]) if ext.source == "mc" else ("exact", 0)
             groups[key].append(ext)
         for (source, mc_samples), exts in groups.items():
             self._propagate(rule, calls, exts, source, mc_samples)
-        hessian_exts = [e for e in self.exts if e.attr in ("diag_h", "diag_h_batch")]
+        hessian_exts = [e for e in self.exts if e.quantity.producer is Producer.HESSIAN_DIAGONAL]
         if hessian_exts:
             add_residuals(self, calls, hessian_exts)
         if self.gradient is not None:  # no propagated columns (KFRA alone)
             self._expect(to_calls(self.loss.output, calls, self.gradient[None], self.batched))
-        if any(ext.attr == "kfra" for ext in self.exts):
-            kfra(self, rule, calls)
+        kfra_exts = [e for e in self.exts if e.quantity.producer is Producer.KFRA]
+        if kfra_exts:
+            kfra(self, rule, calls, kfra_exts)
 
     def _expect(self, outs) -> None:
         """Hand the last column of ``outs`` (the propagated loss gradient) to the backward pass
@@ -132,7 +134,7 @@ class CurvaturePass:
         return max(1, _COLUMN_BUDGET // per_column)
 
     def _propagate(self, rule, calls, exts, source, mc_samples) -> None:
-        kron_exts = [e for e in exts if e.attr in ("kfac", "kflr")]
+        kron_exts = [e for e in exts if e.quantity.producer is Producer.KRONECKER]
         diag_exts = [e for e in exts if e not in kron_exts]
         for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
             carry = self.gradient is not None
@@ -158,7 +160,7 @@ class CurvaturePass:
                     self.bp.skip(p, ext.attr, error, record)
                     if self.bp.skip_diagonal:
                         d = diag_from_columns(rule_for(call.module), call, columns, name, False, n)
-                        self.bp.add(p, f"{ext.attr}_diagonal", d)
+                        self.bp.add(p, ext.fallback.attr, d)
                     continue
                 self.bp.add_kron(
                     p, ext.attr, record, factors, output_factor_index(call.module, name)

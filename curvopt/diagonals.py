@@ -101,7 +101,7 @@ def add_diagonals(bp, calls, outs, exts, sign: float = 1.0) -> None:
     for entries in uses.values():
         p = entries[0][0]
         for ext in exts:
-            batched = ext.attr.endswith("_batch")
+            batched = ext.quantity.per_sample
             if len(entries) == 1:
                 _, name, call, columns, n = entries[0]
                 d = diag_from_columns(rule_for(call.module), call, columns, name, batched, n)

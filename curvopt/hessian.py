@@ -138,7 +138,7 @@ def add_residuals(cpass, calls, exts) -> None:
         others = {record: calls[record] for record in upstream.calls if record in calls}
         if direct is not None and rule_for(direct.module).has_weighted_squares(direct.module):
             for ext in exts:
-                batched = ext.attr.endswith("_batch")
+                batched = ext.quantity.per_sample
                 for name, p in owned(direct.module):
                     if p.requires_grad:
                         cpass.bp.add(p, ext.attr, _weighted_squares(direct, r, name, batched))

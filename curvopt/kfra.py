@@ -77,8 +77,9 @@ def _chain(calls):
     return records
 
 
-def kfra(cpass, loss_rule, calls) -> None:
-    """Write ``kfra`` factors of every Linear layer in the chain ending at the loss."""
+def kfra(cpass, loss_rule, calls, exts) -> None:
+    """Write the factors of ``exts`` (``kfra``) of every Linear layer in the chain ending at the
+    loss."""
     records = _chain(calls)
     if not records:
         return
@@ -100,7 +101,8 @@ def kfra(cpass, loss_rule, calls) -> None:
         x = record.at_parameter_precision(record.args[0].detach())
         rule = rule_for(record.module)
         for name, p in trainable(record.module):
-            cpass.bp.add_kron(p, "kfra", record, rule.kfra_factors(x, b, name), 0)
+            for ext in exts:
+                cpass.bp.add_kron(p, ext.attr, record, rule.kfra_factors(x, b, name), 0)
 
 
 def _backpropagate(b_next, record, nxt, calls):
