@@ -38,14 +38,14 @@ from curvopt.errors import (
     UnsupportedModuleError,
     module_error,
 )
-from curvopt.extensions.quantity import Combine, Producer, quantity
+from curvopt.extensions.quantity import Producer
 from curvopt.layers import rule_for
-from curvopt.layers.kron import nearest_kronecker
 from curvopt.losses import loss_rule_for
 from curvopt.params import shared_parameters, trainable
 from curvopt.propagate import module_outputs
 from curvopt.records import Call
-from curvopt.reductions import gram_add_, probe_columns, squared_norms, sum_of_squares
+from curvopt.reductions import probe_columns, squared_norms, sum_of_squares
+from curvopt.results import ResultBuffer, name_of
 from curvopt.rows import establish
 from curvopt.torch_internals import current_autograd_node, queue_callback, will_engine_execute_node
 
@@ -81,12 +81,10 @@ class BackwardPass:
 
     def __init__(self, extensions, task: int, accumulator, skipped=None, diagonal=False):
         self.task = task
-        #: ``collect(skip_unsupported=...)``: where to report the parameters left out, and
-        #: whether they get the diagonal of the curvature instead
-        self.skip_into = skipped
+        #: ``collect(skip_unsupported=...)``: where to report the parameters left out (the
+        #: result buffer does), and whether they get the diagonal of the curvature instead
+        self.results = ResultBuffer(skipped)
         self.skip_diagonal = diagonal
-        self.skipped: Dict[Tuple[int, str], Tuple[str, str]] = {}  # (id(p), attr): name, why
-        self.skipped_calls: Dict[Tuple[int, str], object] = {}  # (id(p), attr): its record
         self.extensions = extensions
         self.accumulator = accumulator
         #: first-order producer -> the attributes it writes (from each quantity's declaration)
@@ -105,10 +103,7 @@ class BackwardPass:
         self.suspects: list = []  # (p, sum_n g_n, grad, sum_n |g_n|) beyond the cheap bound
         self.compute_eps: Dict[int, float] = {}  # id(p): roundoff of autocast calls using p
         self.expected: Dict[object, list] = {}  # record: the extended losses' output gradients
-        self.kron_uses: Dict[Tuple[int, str], dict] = {}  # (id(p), attr): {call: factors}
-        self.out_index: Dict[Tuple[int, str], int] = {}
         self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
-        self.results: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
         self.handles: list = []  # hooks on autograd nodes, removed when the pass ends
         self.upstream: list = []  # module calls upstream of the extended losses
         self.failed = False
@@ -470,7 +465,7 @@ class BackwardPass:
             tol = 8 * eps * (magnitude + grad.abs()) + 1000 * eps * largest
             if bool(((total - grad.to(total.dtype)).abs() > tol).any()):
                 raise UnsupportedModuleError(
-                    f"curvopt: parameter {_name(p)!r} receives gradient from outside the module "
+                    f"curvopt: parameter {name_of(p)!r} receives gradient from outside the module "
                     "that owns it (used functionally, e.g. a tied output layer "
                     "'h @ embedding.weight.T', or a penalty on the parameter added to the loss); "
                     "per-sample quantities and curvature cannot see that use. Use the parameter "
@@ -483,7 +478,7 @@ class BackwardPass:
         for key, (p, _) in self.param_grads.items():
             if key not in self.seen:
                 raise UnsupportedModuleError(
-                    f"curvopt: parameter {_name(p)!r} received a gradient, but its module was "
+                    f"curvopt: parameter {name_of(p)!r} received a gradient, but its module was "
                     "never called in this pass (the parameter is used functionally, e.g. "
                     "F.linear(h, layer.weight)); curvopt sees parameters only through their "
                     "module's forward: call the module instead"
@@ -518,55 +513,7 @@ class BackwardPass:
     def _put_all(self, p, producer, value) -> None:
         """``value`` for every attribute ``producer`` writes (copies beyond the first)."""
         for i, attr in enumerate(self.first.get(producer, ())):
-            self.put(p, attr, value if i == 0 else _copy(value))
-
-    def put(self, p, attr: str, value) -> None:
-        """Set ``p.<attr> = value`` when the pass has finished."""
-        self.results[(id(p), attr)] = (p, value)
-
-    def skip(self, p, attr: str, error: Exception, record) -> None:
-        """Leave ``p.<attr>`` out (``collect(skip_unsupported=True)``), or re-raise ``error``.
-        The diagonal written instead needs ``p`` used by one call."""
-        if self.skip_into is None:
-            raise error
-        first = self.skipped_calls.setdefault((id(p), attr), record)
-        if first is not record:
-            raise module_error(
-                record.module,
-                f"parameter {_name(p)!r} has no Kronecker factorisation and is used by several "
-                "module calls in this pass, so its diagonal fallback would miss the cross terms "
-                "between the calls; use DiagGGNExact/DiagGGNMC for it",
-            )
-        self.skipped[(id(p), attr)] = (_name(p), str(error))
-
-    def add_kron(self, p, attr: str, record, factors, out_index: int) -> None:
-        """Kronecker factors of one module call: the output-side factor sums over column chunks
-        and over losses. Several calls using ``p`` (a reused module, a weight tied across
-        modules, two losses on different inputs) are combined when the pass ends into the
-        nearest Kronecker product of their sum (``layers.kron.nearest_kronecker``); KFRA's
-        recursion is for chains and raises instead."""
-        key = (id(p), attr)
-        uses = self.kron_uses.setdefault(key, {})
-        if record in uses:
-            gram_add_(uses[record][0][out_index], factors[out_index])
-            return
-        if uses and quantity(attr).combine is Combine.RAISES:
-            raise module_error(
-                record.module,
-                "KFRA: a module used several times in one backward pass (or a weight tied "
-                "across modules) breaks the layer chain; use KFLR or KFAC",
-            )
-        if not uses:
-            self.put(p, attr, None)
-        uses[record] = (factors, out_index)
-
-    def add(self, p, attr: str, value) -> None:
-        """Add ``value`` to the pending ``p.<attr>``."""
-        old = self.results.get((id(p), attr))
-        if old is None:
-            self.put(p, attr, value)
-        else:
-            old[1].add_(value)
+            self.results.put(p, attr, value if i == 0 else _copy(value))
 
     # ---------------------------------------------------------------- end of pass
     def _finish(self) -> None:
@@ -595,35 +542,17 @@ class BackwardPass:
                 sgs = sum_of_squares(batch) if want_sgs else None
                 total = batch.sum(0) if Producer.MOMENTS in first else None
                 self._store(p, l2, sgs, total)
-        n = self.batch_size or 0
-        acc = self.accumulator
-        for key, uses in self.kron_uses.items():
-            terms = [uses[r] for r in sorted(uses, key=lambda r: r.seq)]  # forward order
-            self.out_index[key] = terms[0][1]
-            factors = [t[0] for t in terms]
-            if len(factors) > 1:
-                factors = [nearest_kronecker(factors, 1 - terms[0][1])]
-            self.results[key] = (self.results[key][0], factors[0])
-        if self.skip_into is not None:
-            self.skip_into.update(self.skipped.values())
-        for (key, attr), (p, value) in self.results.items():
-            if self.untouched.get(key):
-                continue
-            value = acc.combine(p, attr, value, n, self.out_index.get((id(p), attr), 0))
-            setattr(p, attr, value)
+        self.results.write(self.accumulator, self.batch_size or 0, self.untouched)
         self.batch_grads.clear()
-        self.results.clear()
 
     def _check_complete(self) -> None:
         """Every parameter that received a gradient gets every requested curvature attribute."""
         attrs = {ext.attr for ext in self.second_order_exts}
-        for key, (p, _) in self.param_grads.items():
-            missing = [
-                a for a in attrs if (key, a) not in self.results and (key, a) not in self.skipped
-            ]
+        for p, _ in self.param_grads.values():
+            missing = self.results.missing(p, attrs)
             if missing:
                 raise UnsupportedModuleError(
-                    f"curvopt: parameter {_name(p)!r} received "
+                    f"curvopt: parameter {name_of(p)!r} received "
                     f"a gradient but no {', '.join(sorted(missing))}: the columns of the "
                     "extended loss do not reach its module's output (the parameter's gradient "
                     "comes from another term of the objective)"
@@ -633,7 +562,6 @@ class BackwardPass:
         """Forget everything written so far; the pass writes nothing. The calls whose hooks will
         not run now drop their inputs (an exception's traceback may keep the graph alive)."""
         self.failed = True
-        self.kron_uses.clear()
         for record in self.upstream:
             record.release()
         for handle in self.handles:
@@ -641,10 +569,6 @@ class BackwardPass:
         self.batch_grads.clear()
         self.results.clear()
         self.param_grads.clear()
-
-
-def _name(p) -> str:
-    return getattr(p, "_curvopt_path", f"of shape {tuple(p.shape)}")
 
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:

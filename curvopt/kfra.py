@@ -21,6 +21,7 @@ from curvopt.layers.registry import reparametrization, rule_for
 from curvopt.params import trainable
 from curvopt.propagate import backpropagate
 from curvopt.records import records_on
+from curvopt.results import Factors
 from curvopt.state import STATE
 from curvopt.torch_internals import ACCUMULATE_GRAD
 
@@ -77,8 +78,8 @@ def _chain(calls):
     return records
 
 
-def kfra(cpass, loss_rule, calls, exts) -> None:
-    """Write the factors of ``exts`` (``kfra``) of every Linear layer in the chain ending at the
+def kfra(cpass, loss_rule, calls, exts):
+    """``Factors`` of ``exts`` (``kfra``) of every Linear layer in the chain ending at the
     loss."""
     records = _chain(calls)
     if not records:
@@ -102,7 +103,7 @@ def kfra(cpass, loss_rule, calls, exts) -> None:
         rule = rule_for(record.module)
         for name, p in trainable(record.module):
             for ext in exts:
-                cpass.bp.add_kron(p, ext.attr, record, rule.kfra_factors(x, b, name), 0)
+                yield Factors(p, ext.attr, record, rule.kfra_factors(x, b, name), 0)
 
 
 def _backpropagate(b_next, record, nxt, calls):

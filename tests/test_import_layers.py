@@ -29,7 +29,7 @@ LAYERS = [
         "torch_internals",
     },
     {"layers", "losses"},
-    {"broadcast", "propagate", "rows", "diagonals", "hessian", "kfra"},
+    {"broadcast", "propagate", "rows", "results", "diagonals", "hessian", "kfra"},
     {"curvature", "accumulate", "backward"},
     {"hooks", "collect", "verify"},
     {"optim", "linalg"},
