@@ -103,7 +103,7 @@ class CurvaturePass:
         for record, cols in outs.items():
             grads[record] = [None if v is None else v[-1] for v in cols]
             outs[record] = [None if v is None else v[:-1] for v in cols]
-        self.bp.expect_gradients(grads)
+        self.bp.checks.expect_gradients(grads)
 
     def columns(self, rule, source: str, mc_samples: int, chunk: int):
         """Chunks ``[k, *output.shape]`` of the (scaled) square-root factor, rows packed by

@@ -271,10 +271,12 @@ NORM = {
     "batchnorm3d": (lambda: _bn_eval(nn.BatchNorm3d(2)), (2, 2, 2, 3)),
     # training mode with running statistics: normalised per sample, the statistics only updated
     "instancenorm1d-running-train": (
-        lambda: nn.InstanceNorm1d(3, affine=True, track_running_stats=True), (3, 5)
+        lambda: nn.InstanceNorm1d(3, affine=True, track_running_stats=True),
+        (3, 5),
     ),
     "instancenorm2d-running-train": (
-        lambda: nn.InstanceNorm2d(2, affine=True, track_running_stats=True), (2, 3, 4)
+        lambda: nn.InstanceNorm2d(2, affine=True, track_running_stats=True),
+        (2, 3, 4),
     ),
     "instancenorm3d-running-train": (
         lambda: nn.InstanceNorm3d(2, affine=True, track_running_stats=True, momentum=0.3),
@@ -318,16 +320,23 @@ def test_instancenorm_running_statistics_are_updated_once_per_forward(seed):
 def test_instancenorm_running_train_ggn_diagonals(seed):
     """Second order through the same rule (GGN columns as pseudo-samples)."""
     plain = nn.Sequential(
-        nn.Conv2d(2, 3, 2), nn.InstanceNorm2d(3, affine=True, track_running_stats=True),
-        nn.Tanh(), nn.Flatten(), nn.Linear(27, 3),
+        nn.Conv2d(2, 3, 2),
+        nn.InstanceNorm2d(3, affine=True, track_running_stats=True),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(27, 3),
     ).to(DT)
     _randomise_affine(plain[1])
     x, y = _x(2, 4, 4), torch.randint(0, 3, (N,))
     model = extended_copy(plain)
     blocks, per_sample = ggn_reference(plain, nn.CrossEntropyLoss(), x, y)
     run_second_order(
-        model, curvopt.extend(nn.CrossEntropyLoss()), x, y,
-        ext.DiagGGNExact(), ext.BatchDiagGGNExact(),
+        model,
+        curvopt.extend(nn.CrossEntropyLoss()),
+        x,
+        y,
+        ext.DiagGGNExact(),
+        ext.BatchDiagGGNExact(),
     )
     for name, p in model.named_parameters():
         assert_close(p.diag_ggn_exact, torch.diagonal(blocks[name]).reshape(p.shape), name)
@@ -539,9 +548,9 @@ def test_every_attribute_alone(seed):
 
 def test_chunked_reduction(monkeypatch, seed):
     """Reduced quantities without a fast path are computed in chunks of samples."""
-    import curvopt.backward
+    import curvopt.reducer
 
-    monkeypatch.setattr(curvopt.backward, "_CHUNK_ELEMENTS", 50)
+    monkeypatch.setattr(curvopt.reducer, "_CHUNK_ELEMENTS", 50)
     plain = nn.Sequential(nn.Conv2d(2, 3, 3, groups=1), nn.Flatten(), nn.Linear(6, 2)).to(DT)
     x = torch.randn(7, 2, 4, 3, dtype=DT)
     check_against_loop(
@@ -722,11 +731,11 @@ def test_multihead_attention_per_sample_3d_mask(batch_first, seed):
 def test_generic_reductions_in_chunks(case, monkeypatch, seed):
     """Reduced quantities of generic modules are computed chunk by chunk of samples, split with
     the rule's knowledge of which inputs are per-sample (masks included)."""
-    import curvopt.backward
+    import curvopt.reducer
     import curvopt.layers.generic
 
     monkeypatch.setattr(curvopt.layers.generic, "_CHUNK_ELEMENTS", 40)
-    monkeypatch.setattr(curvopt.backward, "_CHUNK_ELEMENTS", 40)
+    monkeypatch.setattr(curvopt.reducer, "_CHUNK_ELEMENTS", 40)
     reduced = [("batch_l2", "sum_grad_squared", "variance"), ("variance",)]
     n = 4
     if case == "mha-seq-first-masked":

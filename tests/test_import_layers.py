@@ -30,7 +30,7 @@ LAYERS = [
     },
     {"layers", "losses"},
     {"broadcast", "propagate", "rows", "results", "diagonals", "hessian", "kfra"},
-    {"curvature", "accumulate", "backward"},
+    {"reducer", "checks", "curvature", "accumulate", "backward"},
     {"hooks", "collect", "verify"},
     {"optim", "linalg"},
 ]
