@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-import curvopt.reducer
 import curvopt.curvature
 import curvopt.diagonals
+import curvopt.reducer
 from curvopt import extensions as ext
 from tests.conftest import (
     assert_close,

@@ -271,12 +271,10 @@ NORM = {
     "batchnorm3d": (lambda: _bn_eval(nn.BatchNorm3d(2)), (2, 2, 2, 3)),
     # training mode with running statistics: normalised per sample, the statistics only updated
     "instancenorm1d-running-train": (
-        lambda: nn.InstanceNorm1d(3, affine=True, track_running_stats=True),
-        (3, 5),
+        lambda: nn.InstanceNorm1d(3, affine=True, track_running_stats=True), (3, 5)
     ),
     "instancenorm2d-running-train": (
-        lambda: nn.InstanceNorm2d(2, affine=True, track_running_stats=True),
-        (2, 3, 4),
+        lambda: nn.InstanceNorm2d(2, affine=True, track_running_stats=True), (2, 3, 4)
     ),
     "instancenorm3d-running-train": (
         lambda: nn.InstanceNorm3d(2, affine=True, track_running_stats=True, momentum=0.3),
@@ -320,23 +318,16 @@ def test_instancenorm_running_statistics_are_updated_once_per_forward(seed):
 def test_instancenorm_running_train_ggn_diagonals(seed):
     """Second order through the same rule (GGN columns as pseudo-samples)."""
     plain = nn.Sequential(
-        nn.Conv2d(2, 3, 2),
-        nn.InstanceNorm2d(3, affine=True, track_running_stats=True),
-        nn.Tanh(),
-        nn.Flatten(),
-        nn.Linear(27, 3),
+        nn.Conv2d(2, 3, 2), nn.InstanceNorm2d(3, affine=True, track_running_stats=True),
+        nn.Tanh(), nn.Flatten(), nn.Linear(27, 3),
     ).to(DT)
     _randomise_affine(plain[1])
     x, y = _x(2, 4, 4), torch.randint(0, 3, (N,))
     model = extended_copy(plain)
     blocks, per_sample = ggn_reference(plain, nn.CrossEntropyLoss(), x, y)
     run_second_order(
-        model,
-        curvopt.extend(nn.CrossEntropyLoss()),
-        x,
-        y,
-        ext.DiagGGNExact(),
-        ext.BatchDiagGGNExact(),
+        model, curvopt.extend(nn.CrossEntropyLoss()), x, y,
+        ext.DiagGGNExact(), ext.BatchDiagGGNExact(),
     )
     for name, p in model.named_parameters():
         assert_close(p.diag_ggn_exact, torch.diagonal(blocks[name]).reshape(p.shape), name)
