@@ -104,3 +104,14 @@ def test_declarations_are_unique_and_looked_up_by_name():
         ext.declare(Quantity("grad_batch", Kind.SUMMED, Combine.ADD, Producer.SUM_OF_SQUARES))
     with pytest.raises(KeyError, match="no quantity p.nothing"):
         Accumulator().combine(torch.zeros(1), "nothing", torch.zeros(1), 1)
+
+
+def test_every_combine_rule_is_implemented_and_every_shipped_quantity_declared():
+    from curvopt.accumulate import _COMBINE
+    from curvopt.extensions.firstorder import FIRST_ORDER
+    from curvopt.extensions.secondorder import SECOND_ORDER
+
+    assert set(_COMBINE) == set(Combine)
+    for cls in (*FIRST_ORDER, *SECOND_ORDER):
+        assert ext.quantity(cls.attr) is cls.quantity
+        assert cls.order == cls.quantity.producer.order
