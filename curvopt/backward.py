@@ -1,20 +1,14 @@
-"""State of one backward pass inside ``collect``: pending results, written when it finishes.
+"""The hook router of one backward pass inside ``collect``: results written when it finishes.
 
 Results are buffered and written as attributes by a callback the autograd engine runs at the
 end of the pass, so an exception in the middle leaves no half-written attribute (a reused
 result buffer is taken off its parameter while it is being overwritten, see ``buffers``).
 
-Checks that keep the numbers honest, each raising before anything is written:
-
-* every parameter that received a gradient was seen through its module's call;
-* the per-sample gradients of each parameter sum to its gradient (a parameter also used
-  outside its module, e.g. a tied head ``h @ emb.weight.T``, breaks this), with a tolerance
-  from the dtype's precision and the per-sample magnitudes ``sum_n |g_n|``;
-* for curvature, each module's output gradient is what the extended losses send it (nothing
-  from other terms of the objective), and the loss rows map onto the model's samples
-  (``rows``).
-
-The checks run on every pass (a term whose weight is zero on one pass may not be on the next).
+``BackwardPass`` routes the hooks to the first-order reducer (``reducer``), the curvature
+(``curvature``), the checks (``checks``: each raising before anything is written, with one
+tolerance policy; the loss rows are checked to map onto the model's samples by ``rows``) and
+the result buffer that all of them contribute to (``results``). The checks run on every pass
+(a term whose weight is zero on one pass may not be on the next).
 
 Only gradient that is accumulated into ``p.grad`` counts: a pass that does not accumulate into a
 parameter (``torch.autograd.grad``, e.g. the input gradient of an adversarial attack, or
@@ -26,11 +20,11 @@ graph can still be backpropagated).
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 
-from curvopt.buffers import empty_result
+from curvopt.checks import Checks
 from curvopt.curvature import CurvaturePass, check_reduction
 from curvopt.errors import (
     MissingLossError,
@@ -39,24 +33,14 @@ from curvopt.errors import (
     module_error,
 )
 from curvopt.layers import rule_for
-from curvopt.layers.kron import nearest_kronecker
 from curvopt.losses import loss_rule_for
 from curvopt.params import shared_parameters, trainable
 from curvopt.propagate import module_outputs
+from curvopt.reducer import FirstOrderReducer
 from curvopt.records import Call
-from curvopt.reductions import gram_add_, probe_columns, squared_norms, sum_of_squares
+from curvopt.results import ResultBuffer
 from curvopt.rows import establish
 from curvopt.torch_internals import current_autograd_node, queue_callback, will_engine_execute_node
-
-#: elements per chunk when per-sample gradients are materialised only to be reduced
-_CHUNK_ELEMENTS = 1 << 21
-
-_REDUCED = ("batch_l2", "sum_grad_squared", "variance")
-
-
-def _eps(*tensors) -> float:
-    """Unit roundoff of the least precise floating dtype among ``tensors``."""
-    return max(torch.finfo(t.dtype).eps for t in tensors if t is not None and t.is_floating_point())
 
 
 _NO_OP = contextlib.nullcontext()
@@ -75,35 +59,25 @@ def _autocast_off() -> contextlib.AbstractContextManager:
 
 
 class BackwardPass:
-    """Per-pass buffers; ``on_module`` is called by every extended module's gradient hook."""
+    """One pass's hook router: ``on_loss`` (the extended loss's hook), ``on_module`` (every
+    extended module's), ``on_parameter_grad`` (every parameter's), ``_finish`` (the end)."""
 
     def __init__(self, extensions, task: int, accumulator, skipped=None, diagonal=False):
         self.task = task
-        #: ``collect(skip_unsupported=...)``: where to report the parameters left out, and
-        #: whether they get the diagonal of the curvature instead
-        self.skip_into = skipped
+        #: ``collect(skip_unsupported=...)``: where to report the parameters left out (the
+        #: result buffer does), and whether they get the diagonal of the curvature instead
+        self.results = ResultBuffer(skipped)
         self.skip_diagonal = diagonal
-        self.skipped: Dict[Tuple[int, str], Tuple[str, str]] = {}  # (id(p), attr): name, why
-        self.skipped_calls: Dict[Tuple[int, str], object] = {}  # (id(p), attr): its record
         self.extensions = extensions
         self.accumulator = accumulator
-        self.attrs = {ext.attr for ext in extensions if ext.order == 1}
         self.second_order_exts = [ext for ext in extensions if ext.order == 2]
         self.loss_seen = False
         self.batch_size: Optional[int] = None
         self.reused: Dict[int, bool] = {}
         self.shared: Optional[set] = None
-        self.totals: Dict[int, Tuple[object, object, torch.Tensor]] = {}  # id(p): rule, call, sum
-        self.param_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, grad
-        self.seen: set = set()  # ids of parameters whose module call was processed
-        self.suspects: list = []  # (p, sum_n g_n, grad, sum_n |g_n|) beyond the cheap bound
-        self.compute_eps: Dict[int, float] = {}  # id(p): roundoff of autocast calls using p
-        self.expected: Dict[object, list] = {}  # record: the extended losses' output gradients
-        self.kron_uses: Dict[Tuple[int, str], dict] = {}  # (id(p), attr): {call: factors}
-        self.out_index: Dict[Tuple[int, str], int] = {}
-        self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
-        self.moments: Dict[int, Tuple[torch.Tensor, torch.Tensor, int]] = {}
-        self.results: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
+        self.checks = Checks()
+        self.reducer = FirstOrderReducer(extensions, self.results, self.checks)
+        self.first = self.reducer.first  # first-order producer -> the attributes it writes
         self.handles: list = []  # hooks on autograd nodes, removed when the pass ends
         self.upstream: list = []  # module calls upstream of the extended losses
         self.failed = False
@@ -158,7 +132,7 @@ class BackwardPass:
             return False
         try:
             check_reduction(record.module)
-            if not (self.second_order_exts or self.attrs):
+            if not (self.second_order_exts or self.first):
                 return True
             upstream = module_outputs(record.output)
             if not upstream.calls and upstream.foreign:
@@ -244,19 +218,6 @@ class BackwardPass:
             record.broadcast = None  # its gradient has arrived already, summed or not
         self.watch_broadcasts([r for r in calls if r is not record])
 
-    def expect_gradients(self, grads) -> None:
-        """Add one extended loss's share ``{record: [grad per output]}`` of the gradients the
-        module hooks will see."""
-        for record in grads:
-            old = self.expected.get(record)
-            new = grads[record]
-            if old is None:
-                self.expected[record] = list(new)
-            else:
-                self.expected[record] = [
-                    b if a is None else a if b is None else a + b for a, b in zip(old, new)
-                ]
-
     def on_module(self, record, grads) -> bool:
         """One module call's output gradient. False where the pass leaves the call alone (it
         accumulates into none of its parameters): its record stays for another pass."""
@@ -274,7 +235,7 @@ class BackwardPass:
 
     def _on_module(self, record, grads) -> None:
         module = record.module
-        if not self.searched and not self.loss_seen and self.attrs:
+        if not self.searched and not self.loss_seen and self.first:
             self._watch_upstream(record)
         if record.broadcast is not None:
             grads = (record.broadcast.grad,)  # per sample, read downstream of the broadcast
@@ -290,8 +251,8 @@ class BackwardPass:
                     "computed by an extended loss module; wrap it, e.g. "
                     "lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())"
                 )
-            self._check_expected(record, grads)
-        elif not self.attrs:
+            self.checks.check_expected(record, grads)
+        elif not self.first:
             return
         rule = rule_for(module)
         reason = rule.check(module)
@@ -300,11 +261,11 @@ class BackwardPass:
         grad_out = grads[0] if len(grads) == 1 else grads
         call = record.call(grad_out)
         params = [(name, p) for name, p in trainable(module) if not self._skips(p)]
-        self._note_precision(record, params)
-        self.seen.update(id(p) for _, p in params)
-        if not self.attrs:
+        self.checks.note_precision(record, params)
+        self.checks.seen.update(id(p) for _, p in params)
+        if not self.first:
             for name, p in params:
-                self._add_total(p, rule, call, name, rule.grad_sum(call, name))
+                self.reducer.add_total(p, rule, call, name, rule.grad_sum(call, name))
             return
         self._check_batch_size(call)
         if self.shared is None:
@@ -314,42 +275,9 @@ class BackwardPass:
             self.reused[key] = module._curvopt_live > 1 or any(
                 id(p) in self.shared for _, p in params
             )
-        materialise = "grad_batch" in self.attrs or self.reused[key]
+        materialise = self.reducer.keeps_per_sample or self.reused[key]
         for name, p in params:
-            if materialise:
-                self._accumulate(p, rule, call, name)
-            else:
-                self._reduce(p, rule, call, name)
-
-    def _note_precision(self, record, params) -> None:
-        """A call computed in a lower precision than its parameters (autocast) makes ``p.grad``
-        that precise only: the sum checks use its roundoff."""
-        for _, p in params:
-            if record.dtype != p.dtype and p.is_floating_point():
-                eps = torch.finfo(record.dtype).eps
-                self.compute_eps[id(p)] = max(eps, self.compute_eps.get(id(p), 0.0))
-
-    def _check_expected(self, record, grads) -> None:
-        """The module's output gradients must come from the extended losses alone."""
-        expected = self.expected.get(record)
-        for index, grad in enumerate(grads):
-            if grad is None:
-                continue
-            want = None if expected is None else expected[index]
-            if want is None:
-                bad = grad.any()
-            else:
-                scale = torch.maximum(grad.abs().max(), want.abs().max())
-                bad = (grad - want).abs().max() > 256 * _eps(grad, want) * scale
-            if bool(bad):  # one sync
-                raise module_error(
-                    record.module,
-                    "its output gradient does not come from the extended loss(es) alone: the "
-                    "backpropagated objective has other terms (a regulariser on activations, "
-                    "a loss that is not extended, a term of the parameters), whose curvature "
-                    "curvopt would miss; backpropagate only sums of extended losses inside "
-                    "collect, or add the other terms' curvature yourself",
-                )
+            self.reducer.add(p, rule, call, name, materialise)
 
     def _check_batch_size(self, call: Call) -> None:
         n = call.batch_size
@@ -370,190 +298,19 @@ class BackwardPass:
                 "pos_emb(torch.arange(T).expand(N, T)))",
             )
 
-    def _accumulate(self, p, rule, call, name) -> None:
-        """Add this call's per-sample gradients into ``[N, *p.shape]``."""
-        shape = (call.batch_size, *p.shape)
-        like = call.first_grad
-        if id(p) not in self.batch_grads:
-            if "grad_batch" in self.attrs:
-                buffer = empty_result(p, "grad_batch", shape, like)
-            else:
-                buffer = torch.empty(shape, dtype=like.dtype, device=like.device)
-            self.batch_grads[id(p)] = (p, rule.batch_grad(call, name, out=buffer))
-        else:
-            self.batch_grads[id(p)][1].add_(rule.batch_grad(call, name))
-
-    def _reduce(self, p, rule, call, name) -> None:
-        """Reduced quantities of a parameter used once, via fast paths where the rule has them."""
-        want = self.attrs.intersection(_REDUCED)
-        l2 = rule.batch_l2(call, name) if "batch_l2" in want else None
-        moments = want & {"sum_grad_squared", "variance"}
-        sgs = rule.sum_grad_squared(call, name) if moments else None
-        total = rule.grad_sum(call, name)  # also checked against p's whole gradient
-        missing = {
-            "batch_l2": "batch_l2" in want and l2 is None,
-            "sum_grad_squared": bool(moments) and sgs is None,
-            "grad_sum": "variance" in want and total is None,
-        }
-        if any(missing.values()):
-            chunked = _reduce_in_chunks(rule, call, name, p.shape, missing)
-            l2 = chunked.get("batch_l2", l2)
-            sgs = chunked.get("sum_grad_squared", sgs)
-            total = chunked.get("grad_sum", total)
-        self._add_total(p, rule, call, name, total)
-        self._store(p, l2, sgs, total, call.batch_size)
-
-    def _add_total(self, p, rule, call, name, total) -> None:
-        """Add this call's ``sum_n g_n`` (computed in chunks if the rule has no fast path)."""
-        if total is None:
-            total = _reduce_in_chunks(rule, call, name, p.shape, {"grad_sum": True})["grad_sum"]
-        old = self.totals.get(id(p))
-        if old is None:
-            self.totals[id(p)] = [(rule, call, name)], total
-        else:
-            old[0].append((rule, call, name))
-            self.totals[id(p)] = old[0], old[1] + total
-        if id(p) in self.param_grads:  # the parameter's hook ran first (dependent outputs)
-            self._check_sum(p)
-
     def on_parameter_grad(self, p, grad: torch.Tensor) -> None:
         """``p``'s whole gradient of this pass. Its hook normally runs after those of all the
         module calls using ``p`` (a module whose outputs depend on each other is the
         exception), so the sum of per-sample gradients is checked at whichever comes last."""
-        if self.failed or self.ignored or not (self.attrs or self.second_order_exts):
+        if self.failed or self.ignored or not (self.first or self.second_order_exts):
             return
         if self._skips(p):
             return
-        self.param_grads[id(p)] = (p, grad)
-        if id(p) in self.totals:
-            self._checked(self._check_sum, p)
-
-    def _checked(self, check, *args) -> None:
         try:
-            check(*args)
+            self.checks.parameter_grad(p, grad)
         except BaseException:
             self._abort()
             raise
-
-    def _check_sum(self, p) -> None:
-        """``sum_n g_n == grad``: a mismatch beyond the cheap bound
-        ``|sum - grad| <= 64 eps max(|sum|, |grad|)`` is measured against the rounding bound
-        ``8 eps (sum_n |g_n| + |grad|)`` before it raises."""
-        grad = _dense(self.param_grads[id(p)][1])
-        uses, total = self.totals.pop(id(p))
-        if not _off(total, grad, 64, self.compute_eps.get(id(p), 0.0)):
-            return
-        magnitude = sum(
-            _reduce_in_chunks(rule, call, name, p.shape, {"abs_sum": True})["abs_sum"]
-            for rule, call, name in uses
-        )
-        self.suspects.append((p, total, grad, magnitude))
-
-    def _check_suspects(self) -> None:
-        """Sums that missed the cheap bound, against ``8 eps (sum_n |g_n| + |grad|)`` plus
-        ``1000 eps`` times the largest gradient entry of the pass (rounding inside each
-        ``g_n`` when a parameter's gradient cancels to nearly zero); raises on a real gap."""
-        if not self.suspects:
-            return
-        largest = max(
-            float(_dense(g).abs().max()) for _, g in self.param_grads.values() if g.numel()
-        )
-        for p, total, grad, magnitude in self.suspects:
-            eps = max(_eps(total, grad), self.compute_eps.get(id(p), 0.0))
-            tol = 8 * eps * (magnitude + grad.abs()) + 1000 * eps * largest
-            if bool(((total - grad.to(total.dtype)).abs() > tol).any()):
-                raise UnsupportedModuleError(
-                    f"curvopt: parameter {_name(p)!r} receives gradient from outside the module "
-                    "that owns it (used functionally, e.g. a tied output layer "
-                    "'h @ embedding.weight.T', or a penalty on the parameter added to the loss); "
-                    "per-sample quantities and curvature cannot see that use. Use the parameter "
-                    "only through its module (e.g. an nn.Linear sharing the weight) and keep "
-                    "penalties on parameters out of the backward pass inside collect"
-                )
-
-    def _check_seen(self) -> None:
-        """Every parameter with a gradient was seen through a call of its module."""
-        for key, (p, _) in self.param_grads.items():
-            if key not in self.seen:
-                raise UnsupportedModuleError(
-                    f"curvopt: parameter {_name(p)!r} received a gradient, but its module was "
-                    "never called in this pass (the parameter is used functionally, e.g. "
-                    "F.linear(h, layer.weight)); curvopt sees parameters only through their "
-                    "module's forward: call the module instead"
-                )
-        for key in list(self.totals):
-            if key in self.param_grads:
-                self._check_sum(self.param_grads[key][0])
-
-    def _check_materialised(self) -> None:
-        """Spot check of ``sum_n g_n == grad`` on evenly spread entries of materialised
-        per-sample gradients (see :meth:`_check_sum`)."""
-        for key, (p, grad) in self.param_grads.items():
-            if key not in self.batch_grads:
-                continue
-            per_sample = self.batch_grads[key][1]
-            batch = probe_columns(per_sample.reshape(len(per_sample), -1))  # 0-dim p: [N, 1]
-            grad = probe_columns(_dense(grad).reshape(1, -1))[0]
-            total = batch.sum(0)
-            if _off(total, grad, 64, self.compute_eps.get(key, 0.0)):
-                self.suspects.append((p, total, grad, batch.abs().sum(0)))
-
-    def _store(self, p, l2, sgs, total, n) -> None:
-        if "batch_l2" in self.attrs:
-            self.put(p, "batch_l2", l2)
-        if "sum_grad_squared" in self.attrs:
-            self.put(p, "sum_grad_squared", sgs)
-        if "variance" in self.attrs:
-            self.moments[id(p)] = (sgs, total, n)
-            self.put(p, "variance", None)
-
-    def put(self, p, attr: str, value) -> None:
-        """Set ``p.<attr> = value`` when the pass has finished."""
-        self.results[(id(p), attr)] = (p, value)
-
-    def skip(self, p, attr: str, error: Exception, record) -> None:
-        """Leave ``p.<attr>`` out (``collect(skip_unsupported=True)``), or re-raise ``error``.
-        The diagonal written instead needs ``p`` used by one call."""
-        if self.skip_into is None:
-            raise error
-        first = self.skipped_calls.setdefault((id(p), attr), record)
-        if first is not record:
-            raise module_error(
-                record.module,
-                f"parameter {_name(p)!r} has no Kronecker factorisation and is used by several "
-                "module calls in this pass, so its diagonal fallback would miss the cross terms "
-                "between the calls; use DiagGGNExact/DiagGGNMC for it",
-            )
-        self.skipped[(id(p), attr)] = (_name(p), str(error))
-
-    def add_kron(self, p, attr: str, record, factors, out_index: int) -> None:
-        """Kronecker factors of one module call: the output-side factor sums over column chunks
-        and over losses. Several calls using ``p`` (a reused module, a weight tied across
-        modules, two losses on different inputs) are combined when the pass ends into the
-        nearest Kronecker product of their sum (``layers.kron.nearest_kronecker``); KFRA's
-        recursion is for chains and raises instead."""
-        key = (id(p), attr)
-        uses = self.kron_uses.setdefault(key, {})
-        if record in uses:
-            gram_add_(uses[record][0][out_index], factors[out_index])
-            return
-        if uses and attr == "kfra":
-            raise module_error(
-                record.module,
-                "KFRA: a module used several times in one backward pass (or a weight tied "
-                "across modules) breaks the layer chain; use KFLR or KFAC",
-            )
-        if not uses:
-            self.put(p, attr, None)
-        uses[record] = (factors, out_index)
-
-    def add(self, p, attr: str, value) -> None:
-        """Add ``value`` to the pending ``p.<attr>``."""
-        old = self.results.get((id(p), attr))
-        if old is None:
-            self.put(p, attr, value)
-        else:
-            old[1].add_(value)
 
     # ---------------------------------------------------------------- end of pass
     def _finish(self) -> None:
@@ -566,111 +323,25 @@ class BackwardPass:
         if self.failed:
             return
         try:
-            self._check_seen()
-            self._check_materialised()
-            self._check_suspects()
-            self._check_complete()
+            self.checks.check_seen()
+            self.checks.check_materialised(self.reducer.batch_grads)
+            self.checks.check_suspects()
+            self.checks.check_complete(self.results, {e.attr for e in self.second_order_exts})
         except BaseException:
             self._abort()
             raise
-        for p, batch in self.batch_grads.values():
-            if "grad_batch" in self.attrs:
-                self.put(p, "grad_batch", batch)
-            want = self.attrs.intersection(_REDUCED)
-            if want:
-                l2 = squared_norms(batch) if "batch_l2" in want else None
-                sgs = sum_of_squares(batch) if want - {"batch_l2"} else None
-                total = batch.sum(0) if "variance" in want else None
-                self._store(p, l2, sgs, total, batch.shape[0])
-        n = self.batch_size or 0
-        acc = self.accumulator
-        for key, uses in self.kron_uses.items():
-            terms = [uses[r] for r in sorted(uses, key=lambda r: r.seq)]  # forward order
-            self.out_index[key] = terms[0][1]
-            factors = [t[0] for t in terms]
-            if len(factors) > 1:
-                factors = [nearest_kronecker(factors, 1 - terms[0][1])]
-            self.results[key] = (self.results[key][0], factors[0])
-        if self.skip_into is not None:
-            self.skip_into.update(self.skipped.values())
-        for (key, attr), (p, value) in self.results.items():
-            if self.untouched.get(key):
-                continue
-            if attr == "variance":
-                value = acc.variance(p, *self.moments[id(p)])
-            else:
-                value = acc.combine(p, attr, value, n, self.out_index.get((id(p), attr), 0))
-            setattr(p, attr, value)
-        self.batch_grads.clear()
-        self.results.clear()
-
-    def _check_complete(self) -> None:
-        """Every parameter that received a gradient gets every requested curvature attribute."""
-        attrs = {ext.attr for ext in self.second_order_exts}
-        for key, (p, _) in self.param_grads.items():
-            missing = [
-                a for a in attrs if (key, a) not in self.results and (key, a) not in self.skipped
-            ]
-            if missing:
-                raise UnsupportedModuleError(
-                    f"curvopt: parameter {_name(p)!r} received "
-                    f"a gradient but no {', '.join(sorted(missing))}: the columns of the "
-                    "extended loss do not reach its module's output (the parameter's gradient "
-                    "comes from another term of the objective)"
-                )
+        self.reducer.finish()
+        self.results.write(self.accumulator, self.batch_size or 0, self.untouched)
+        self.reducer.batch_grads.clear()
 
     def _abort(self) -> None:
         """Forget everything written so far; the pass writes nothing. The calls whose hooks will
         not run now drop their inputs (an exception's traceback may keep the graph alive)."""
         self.failed = True
-        self.kron_uses.clear()
         for record in self.upstream:
             record.release()
         for handle in self.handles:
             handle.remove()
-        self.batch_grads.clear()
+        self.reducer.batch_grads.clear()
         self.results.clear()
-        self.param_grads.clear()
-
-
-def _name(p) -> str:
-    return getattr(p, "_curvopt_path", f"of shape {tuple(p.shape)}")
-
-
-def _dense(grad: torch.Tensor) -> torch.Tensor:
-    """A sparse gradient (``nn.Embedding(sparse=True)``) as the dense tensor it stands for."""
-    return grad.coalesce().to_dense() if grad.is_sparse else grad
-
-
-def _off(total, grad, factor: float, eps: float = 0.0) -> bool:
-    """``|total - grad|`` beyond ``factor * eps * max(|total|, |grad|)`` somewhere (``eps`` at
-    least the roundoff of their dtypes)."""
-    if not total.numel():
-        return False
-    grad = grad.to(total.dtype)
-    scale = torch.maximum(total.abs().max(), grad.abs().max())
-    eps = max(eps, _eps(total, grad))
-    return bool((total - grad).abs().max() > factor * eps * scale)  # one sync
-
-
-def _reduce_in_chunks(rule, call, name, shape, want):
-    """The ``want``-ed of ``batch_l2`` (``[N]``), ``sum_grad_squared``, ``grad_sum`` and
-    ``abs_sum`` (``sum_n |g_n|``, ``p.shape``) from per-sample gradients, materialised chunk by
-    chunk."""
-    n = call.batch_size
-    step = max(1, _CHUNK_ELEMENTS // max(1, torch.Size(shape).numel()))
-    parts = {key: [] for key, wanted in want.items() if wanted}
-    for start in range(0, n, step):
-        chunk = rule.batch_grad(call.slice(start, min(n, start + step)), name)
-        if "batch_l2" in parts:
-            parts["batch_l2"].append(squared_norms(chunk))
-        if "sum_grad_squared" in parts:
-            parts["sum_grad_squared"].append(sum_of_squares(chunk))
-        if "grad_sum" in parts:
-            parts["grad_sum"].append(chunk.sum(0))
-        if "abs_sum" in parts:
-            parts["abs_sum"].append(chunk.abs().sum(0))
-    return {
-        key: torch.cat(values) if key == "batch_l2" else torch.stack(values).sum(0)
-        for key, values in parts.items()
-    }
+        self.checks.clear()

@@ -21,15 +21,17 @@ from collections import defaultdict
 
 import torch
 
-from curvopt.diagonals import add_diagonals, diag_from_columns, module_call
+from curvopt.diagonals import diag_from_columns, diagonals, module_call
 from curvopt.errors import UnsupportedKroneckerError, UnsupportedLossError, module_error
-from curvopt.hessian import add_residuals
+from curvopt.extensions.quantity import Producer
+from curvopt.hessian import residuals
 from curvopt.kfra import kfra
 from curvopt.layers import rule_for
 from curvopt.layers.kron import kron_factors, output_factor_index
 from curvopt.losses import loss_rule_for
 from curvopt.params import trainable
 from curvopt.propagate import loss_gradient, to_calls
+from curvopt.results import Factors, Term
 from curvopt.rows import establish
 
 #: bound on the elements of propagated columns held at once (all module outputs together)
@@ -49,6 +51,7 @@ class CurvaturePass:
 
     def __init__(self, backward_pass, loss_record, weight: torch.Tensor):
         self.bp = backward_pass
+        self.results = backward_pass.results
         self.loss = loss_record
         self.exts = backward_pass.second_order_exts
         self.weight = float(weight)
@@ -77,19 +80,20 @@ class CurvaturePass:
         self.gradient = loss_gradient(self.loss, self.weight)  # carried by the first chunk
         groups = defaultdict(list)
         for ext in self.exts:
-            if ext.attr == "kfra":
+            if ext.quantity.producer is Producer.KFRA:
                 continue
             key = ("mc", ext.options["mc_samples"]) if ext.source == "mc" else ("exact", 0)
             groups[key].append(ext)
         for (source, mc_samples), exts in groups.items():
             self._propagate(rule, calls, exts, source, mc_samples)
-        hessian_exts = [e for e in self.exts if e.attr in ("diag_h", "diag_h_batch")]
+        hessian_exts = [e for e in self.exts if e.quantity.producer is Producer.HESSIAN_DIAGONAL]
         if hessian_exts:
-            add_residuals(self, calls, hessian_exts)
+            self.results.add(residuals(self, calls, hessian_exts))
         if self.gradient is not None:  # no propagated columns (KFRA alone)
             self._expect(to_calls(self.loss.output, calls, self.gradient[None], self.batched))
-        if any(ext.attr == "kfra" for ext in self.exts):
-            kfra(self, rule, calls)
+        kfra_exts = [e for e in self.exts if e.quantity.producer is Producer.KFRA]
+        if kfra_exts:
+            self.results.add(kfra(self, rule, calls, kfra_exts))
 
     def _expect(self, outs) -> None:
         """Hand the last column of ``outs`` (the propagated loss gradient) to the backward pass
@@ -99,7 +103,7 @@ class CurvaturePass:
         for record, cols in outs.items():
             grads[record] = [None if v is None else v[-1] for v in cols]
             outs[record] = [None if v is None else v[:-1] for v in cols]
-        self.bp.expect_gradients(grads)
+        self.bp.checks.expect_gradients(grads)
 
     def columns(self, rule, source: str, mc_samples: int, chunk: int):
         """Chunks ``[k, *output.shape]`` of the (scaled) square-root factor, rows packed by
@@ -132,7 +136,7 @@ class CurvaturePass:
         return max(1, _COLUMN_BUDGET // per_column)
 
     def _propagate(self, rule, calls, exts, source, mc_samples) -> None:
-        kron_exts = [e for e in exts if e.attr in ("kfac", "kflr")]
+        kron_exts = [e for e in exts if e.quantity.producer is Producer.KRONECKER]
         diag_exts = [e for e in exts if e not in kron_exts]
         for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
             carry = self.gradient is not None
@@ -142,7 +146,7 @@ class CurvaturePass:
             if carry:
                 self._expect(outs)
             if diag_exts:
-                add_diagonals(self.bp, calls, outs, diag_exts)
+                self.results.add(diagonals(calls, outs, diag_exts))
             for record in calls:
                 self._kron(record, outs[record], kron_exts)
 
@@ -155,11 +159,10 @@ class CurvaturePass:
                 try:
                     factors = kron_factors(call, columns, name, p, ext.options["kfac_approx"], n)
                 except UnsupportedKroneckerError as error:
-                    self.bp.skip(p, ext.attr, error, record)
+                    self.results.skip(p, ext.attr, error, record)
                     if self.bp.skip_diagonal:
                         d = diag_from_columns(rule_for(call.module), call, columns, name, False, n)
-                        self.bp.add(p, f"{ext.attr}_diagonal", d)
+                        self.results.add([Term(p, ext.fallback.attr, d)])
                     continue
-                self.bp.add_kron(
-                    p, ext.attr, record, factors, output_factor_index(call.module, name)
-                )
+                index = output_factor_index(call.module, name)
+                self.results.add([Factors(p, ext.attr, record, factors, index)])

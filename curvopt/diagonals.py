@@ -15,6 +15,7 @@ from curvopt.layers import rule_for
 from curvopt.params import owned, trainable
 from curvopt.records import Call
 from curvopt.reductions import sum_of_squares
+from curvopt.results import Term
 
 #: bound on the elements of per-(column, sample) parameter gradients held at once
 _GRAD_BUDGET = 1 << 24
@@ -85,8 +86,9 @@ def module_call(record, outs):
     return call, columns, n
 
 
-def add_diagonals(bp, calls, outs, exts, sign: float = 1.0) -> None:
-    """Add ``sign * sum_k (J^T v_k)**2`` (summed or per sample) for every parameter.
+def diagonals(calls, outs, exts, sign: float = 1.0):
+    """``Term``s ``sign * sum_k (J^T v_k)**2`` (summed or per sample) for every parameter, one
+    at a time (each is added to the result buffer before the next is computed).
 
     A parameter reached through several calls (a reused module, tied weights) gets the squares
     of its summed per-(column, sample) gradients, not the sum of per-call squares.
@@ -101,7 +103,7 @@ def add_diagonals(bp, calls, outs, exts, sign: float = 1.0) -> None:
     for entries in uses.values():
         p = entries[0][0]
         for ext in exts:
-            batched = ext.attr.endswith("_batch")
+            batched = ext.quantity.per_sample
             if len(entries) == 1:
                 _, name, call, columns, n = entries[0]
                 d = diag_from_columns(rule_for(call.module), call, columns, name, batched, n)
@@ -112,7 +114,7 @@ def add_diagonals(bp, calls, outs, exts, sign: float = 1.0) -> None:
                 )  # [N, K, *p]
                 d = torch.stack([sum_of_squares(g) for g in grads])
                 d = d if batched else d.sum(0)
-            bp.add(p, ext.attr, d.mul_(sign) if sign != 1.0 else d)
+            yield Term(p, ext.attr, d.mul_(sign) if sign != 1.0 else d)
 
 
 def _zeros_like_sample(columns):

@@ -25,11 +25,12 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from curvopt.errors import UnsupportedModuleError
-from curvopt.diagonals import add_diagonals
+from curvopt.diagonals import diagonals
 from curvopt.layers.registry import reparametrization, rule_for
 from curvopt.params import owned
 from curvopt.propagate import loss_gradient, module_outputs, to_calls
 from curvopt.records import records_on
+from curvopt.results import Term
 from curvopt.rows import establish
 from curvopt.state import STATE
 from curvopt.torch_internals import ACCUMULATE_GRAD, BILINEAR_OPS, LINEAR_OPS, SECOND_DERIVATIVES
@@ -110,8 +111,9 @@ def _reject_shared(calls) -> None:
             seen[id(p)] = record
 
 
-def add_residuals(cpass, calls, exts) -> None:
-    """Add the residual terms to the pending ``diag_h``/``diag_h_batch`` of every parameter."""
+def residuals(cpass, calls, exts):
+    """``Term``s: the residual terms of ``exts`` (``diag_h``/``diag_h_batch``) of every
+    parameter, one at a time."""
     _reject_shared(calls)
     output = cpass.loss.output
     nodes = curved_nodes(output)
@@ -138,20 +140,20 @@ def add_residuals(cpass, calls, exts) -> None:
         others = {record: calls[record] for record in upstream.calls if record in calls}
         if direct is not None and rule_for(direct.module).has_weighted_squares(direct.module):
             for ext in exts:
-                batched = ext.attr.endswith("_batch")
+                batched = ext.quantity.per_sample
                 for name, p in owned(direct.module):
                     if p.requires_grad:
-                        cpass.bp.add(p, ext.attr, _weighted_squares(direct, r, name, batched))
+                        yield Term(p, ext.attr, _weighted_squares(direct, r, name, batched))
             others.pop(direct)
         if others:
             source = GradientEdge(fn, nr)
             layout = establish(
                 source, r.shape, others, upstream.batchable, upstream.signature, elementwise=True
             )
-            _columns(cpass, source, r, others, exts, upstream.batchable, layout)
+            yield from _columns(source, r, others, exts, upstream.batchable, layout)
 
 
-def _columns(cpass, source, r: torch.Tensor, calls, exts, batched: bool, layout) -> None:
+def _columns(source, r: torch.Tensor, calls, exts, batched: bool, layout):
     """Signed one-hot columns ``sqrt(|r|)`` at ``u`` (one per element of a row, packed over
     rows by ``layout``), propagated to the modules upstream."""
     flat = r.reshape(r.shape[0], -1)
@@ -168,4 +170,4 @@ def _columns(cpass, source, r: torch.Tensor, calls, exts, batched: bool, layout)
             cols = (eye[start:stop, None, :] * root[None]).reshape(stop - start, *r.shape)
             cols = layout.pack(cols, 0, layout.num_slots)
             outs = to_calls(source, calls, cols, batched)
-            add_diagonals(cpass.bp, calls, outs, exts, sign)
+            yield from diagonals(calls, outs, exts, sign)

@@ -21,6 +21,7 @@ from curvopt.layers.registry import reparametrization, rule_for
 from curvopt.params import trainable
 from curvopt.propagate import backpropagate
 from curvopt.records import records_on
+from curvopt.results import Factors
 from curvopt.state import STATE
 from curvopt.torch_internals import ACCUMULATE_GRAD
 
@@ -77,8 +78,9 @@ def _chain(calls):
     return records
 
 
-def kfra(cpass, loss_rule, calls) -> None:
-    """Write ``kfra`` factors of every Linear layer in the chain ending at the loss."""
+def kfra(cpass, loss_rule, calls, exts):
+    """``Factors`` of ``exts`` (``kfra``) of every Linear layer in the chain ending at the
+    loss."""
     records = _chain(calls)
     if not records:
         return
@@ -100,7 +102,8 @@ def kfra(cpass, loss_rule, calls) -> None:
         x = record.at_parameter_precision(record.args[0].detach())
         rule = rule_for(record.module)
         for name, p in trainable(record.module):
-            cpass.bp.add_kron(p, "kfra", record, rule.kfra_factors(x, b, name), 0)
+            for ext in exts:
+                yield Factors(p, ext.attr, record, rule.kfra_factors(x, b, name), 0)
 
 
 def _backpropagate(b_next, record, nxt, calls):

@@ -30,18 +30,19 @@ from curvopt import inputs as io
 from curvopt.collect import collect
 from curvopt.errors import CurvoptError
 from curvopt.extensions.base import Extension
+from curvopt.extensions.quantity import Producer
 from curvopt.state import STATE
 
-CHECKED = (
-    "grad_batch",
-    "batch_l2",
-    "sum_grad_squared",
-    "variance",
-    "diag_ggn_exact",
-    "diag_ggn_exact_batch",
-    "diag_h",
-    "diag_h_batch",
-)
+_DIAGONALS = (Producer.GGN_DIAGONAL, Producer.HESSIAN_DIAGONAL)
+
+
+def _checked(ext: Extension) -> bool:
+    """Quantities with a reference: first order (declared as a function of the per-sample
+    gradients) and the exact, not Monte-Carlo, diagonals."""
+    q = ext.quantity
+    if q.reference is not None:
+        return True
+    return q.producer in _DIAGONALS and getattr(ext, "source", None) == "exact"
 
 
 class VerificationError(CurvoptError, AssertionError):
@@ -76,7 +77,7 @@ def verify(
         loss_of(io.select(io.call(model, X), output), y).backward()
     for k, p in params.items():
         p.grad = grads[k]
-    wanted = [e.attr for e in extensions if e.attr in CHECKED]
+    wanted = {e.attr: e.quantity for e in extensions if _checked(e)}
     detached = {k: p.detach() for k, p in params.items()}
     ref = _reference(model, loss_of, X, y, batch_dim, detached, output)
     with STATE.suspend():
@@ -89,8 +90,8 @@ def _compare(params, wanted, ref, rtol, X):
     errors, failed = {}, []
     for k, p in params.items():
         errors[k] = {}
-        for attr in wanted:
-            got, want = getattr(p, attr), ref[attr](k)
+        for attr, q in wanted.items():
+            got, want = getattr(p, attr), ref(q, k)
             scale = float(want.abs().max()) if want.numel() else 0.0
             diff = float((got - want).abs().max())
             err = diff / scale if scale > 0 else diff
@@ -108,7 +109,7 @@ def _compare(params, wanted, ref, rtol, X):
 
 
 def _reference(model, loss_of, X, y, batch_dim, params, output):
-    """Lazily computed reference values: ``ref[attr](name)``."""
+    """Lazily computed reference values: ``ref(quantity, name)``."""
     n = io.first_tensor(X).shape[batch_dim]
     samples = [io.split(io.sample(X, batch_dim, n, i)) for i in range(n)]
     names = list(params)
@@ -167,13 +168,11 @@ def _reference(model, loss_of, X, y, batch_dim, params, output):
         h = hessian(f)(q).reshape(q.numel(), q.numel())
         return torch.diagonal(h).reshape(q.shape)
 
-    return {
-        "grad_batch": lambda k: first()[k],
-        "batch_l2": lambda k: first()[k].flatten(1).pow(2).sum(1),
-        "sum_grad_squared": lambda k: first()[k].pow(2).sum(0),
-        "variance": lambda k: first()[k].pow(2).mean(0) - first()[k].mean(0).pow(2),
-        "diag_ggn_exact": lambda k: ggn(False)[k],
-        "diag_ggn_exact_batch": lambda k: ggn(True)[k],
-        "diag_h": lambda k: hess(k, False),
-        "diag_h_batch": lambda k: hess(k, True),
-    }
+    def ref(q, k: str):
+        if q.reference is not None:
+            return q.reference(first()[k])
+        if q.producer is Producer.GGN_DIAGONAL:
+            return ggn(q.per_sample)[k]
+        return hess(k, q.per_sample)
+
+    return ref

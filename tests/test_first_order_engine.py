@@ -331,7 +331,7 @@ def test_nested_collect_is_an_error():
 
 def test_conflicting_extensions():
     class OtherL2(Extension):
-        attr = "batch_l2"
+        quantity = ext.BatchL2Grad.quantity  # another class declaring the same attribute
 
     with pytest.raises(ExtensionConflictError, match="batch_l2"):
         curvopt.collect(ext.BatchL2Grad(), OtherL2())

@@ -29,8 +29,8 @@ LAYERS = [
         "torch_internals",
     },
     {"layers", "losses"},
-    {"broadcast", "propagate", "rows", "diagonals", "hessian", "kfra"},
-    {"curvature", "accumulate", "backward"},
+    {"broadcast", "propagate", "rows", "results", "diagonals", "hessian", "kfra"},
+    {"reducer", "checks", "curvature", "accumulate", "backward"},
     {"hooks", "collect", "verify"},
     {"optim", "linalg"},
 ]

@@ -1,6 +1,7 @@
 """The quantities ``curvopt.collect`` computes (exact conventions: ``docs/conventions.md``)."""
 
 from curvopt.extensions.base import Extension
+from curvopt.extensions.quantity import Combine, Kind, Producer, Quantity, declare, quantity
 from curvopt.extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from curvopt.extensions.secondorder import (
     KFAC,
@@ -16,6 +17,12 @@ from curvopt.extensions.secondorder import (
 
 __all__ = [
     "Extension",
+    "Quantity",
+    "Kind",
+    "Combine",
+    "Producer",
+    "declare",
+    "quantity",
     "BatchGrad",
     "BatchL2Grad",
     "SumGradSquared",

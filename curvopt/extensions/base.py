@@ -2,19 +2,39 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, ClassVar, Dict, Tuple
+
+from curvopt.extensions.quantity import Quantity, declare
 
 
 class Extension:
     """A quantity written as ``p.<attr>`` on every parameter that requires grad.
 
-    ``order`` is 1 for quantities built from per-sample gradients and 2 for curvature, which
-    needs the loss to be an extended loss module. ``options`` are the constructor arguments;
-    two extensions writing the same attribute must agree on them.
+    A subclass declares it once, ``quantity = Quantity(attr, kind, combine, producer)``; ``attr``
+    and ``order`` (1 for quantities built from per-sample gradients, 2 for curvature, which
+    needs the loss to be an extended loss module) follow from it. ``options`` are the
+    constructor arguments; two extensions writing the same attribute must agree on them.
     """
 
-    attr: str = ""
-    order: int = 1
+    quantity: ClassVar[Quantity]
+    attr: ClassVar[str] = ""
+    order: ClassVar[int] = 1
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        q = cls.__dict__.get("quantity")
+        if q is None:
+            if "attr" in cls.__dict__:
+                raise TypeError(
+                    f"{cls.__name__} sets attr without a declaration; declare the quantity as "
+                    "quantity = curvopt.extensions.Quantity(attr, kind, combine, producer)"
+                )
+            return
+        if not isinstance(q, Quantity):
+            raise TypeError(f"{cls.__name__}.quantity must be a Quantity, got {q!r}")
+        cls.attr = q.attr
+        cls.order = q.producer.order
+        declare(q)
 
     def __init__(self, **options: Any):
         self.options: Dict[str, Any] = options

@@ -8,10 +8,10 @@ columns from targets sampled from the model's predictive distribution), propagat
 """
 
 from curvopt.extensions.base import Extension
+from curvopt.extensions.quantity import Combine, Kind, Producer, Quantity, declare
 
 
 class _Curvature(Extension):
-    order = 2
     #: "exact" or "mc": which square-root factor of the loss Hessian the quantity uses
     source = "exact"
 
@@ -35,37 +35,43 @@ def _check_approx(name, kfac_approx):
 class DiagGGNExact(_Curvature):
     """``p.diag_ggn_exact``: ``diag(G)`` for ``p`` (shape of ``p``)."""
 
-    attr = "diag_ggn_exact"
+    quantity = Quantity("diag_ggn_exact", Kind.SUMMED, Combine.ADD, Producer.GGN_DIAGONAL)
 
 
 class BatchDiagGGNExact(_Curvature):
     """``p.diag_ggn_exact_batch``: per-sample terms ``diag(J_n^T H_n J_n)``, ``[N, *p.shape]``."""
 
-    attr = "diag_ggn_exact_batch"
+    quantity = Quantity(
+        "diag_ggn_exact_batch", Kind.PER_SAMPLE, Combine.CONCATENATE, Producer.GGN_DIAGONAL
+    )
 
 
 class DiagGGNMC(_MonteCarlo):
     """``p.diag_ggn_mc``: unbiased Monte-Carlo estimate of ``diag(G)`` (shape of ``p``)."""
 
-    attr = "diag_ggn_mc"
+    quantity = Quantity("diag_ggn_mc", Kind.SUMMED, Combine.ADD, Producer.GGN_DIAGONAL)
 
 
 class BatchDiagGGNMC(_MonteCarlo):
     """``p.diag_ggn_mc_batch``: per-sample terms of ``diag_ggn_mc``, ``[N, *p.shape]``."""
 
-    attr = "diag_ggn_mc_batch"
+    quantity = Quantity(
+        "diag_ggn_mc_batch", Kind.PER_SAMPLE, Combine.CONCATENATE, Producer.GGN_DIAGONAL
+    )
 
 
 class DiagHessian(_Curvature):
     """``p.diag_h``: ``diag(H)``, the GGN diagonal plus the curvature of nonlinearities."""
 
-    attr = "diag_h"
+    quantity = Quantity("diag_h", Kind.SUMMED, Combine.ADD, Producer.HESSIAN_DIAGONAL)
 
 
 class BatchDiagHessian(_Curvature):
     """``p.diag_h_batch``: per-sample terms of ``diag_h``, ``[N, *p.shape]``."""
 
-    attr = "diag_h_batch"
+    quantity = Quantity(
+        "diag_h_batch", Kind.PER_SAMPLE, Combine.CONCATENATE, Producer.HESSIAN_DIAGONAL
+    )
 
 
 class KFLR(_Curvature):
@@ -78,7 +84,9 @@ class KFLR(_Curvature):
     ``V`` and averages ``x`` over positions first (Eschenhagen et al., 2023).
     """
 
-    attr = "kflr"
+    quantity = Quantity("kflr", Kind.FACTORS, Combine.FACTORS, Producer.KRONECKER)
+    #: ``collect(skip_unsupported="diagonal")`` writes this instead where there are no factors
+    fallback = declare(Quantity("kflr_diagonal", Kind.SUMMED, Combine.ADD, Producer.GGN_DIAGONAL))
 
     def __init__(self, kfac_approx: str = "expand"):
         _check_approx(type(self).__name__, kfac_approx)
@@ -88,7 +96,9 @@ class KFLR(_Curvature):
 class KFAC(_MonteCarlo):
     """``p.kfac``: as :class:`KFLR` with ``mc_samples`` sampled columns instead of exact ones."""
 
-    attr = "kfac"
+    quantity = Quantity("kfac", Kind.FACTORS, Combine.FACTORS, Producer.KRONECKER)
+    #: ``collect(skip_unsupported="diagonal")`` writes this instead where there are no factors
+    fallback = declare(Quantity("kfac_diagonal", Kind.SUMMED, Combine.ADD, Producer.GGN_DIAGONAL))
 
     def __init__(self, mc_samples: int = 1, kfac_approx: str = "expand"):
         _check_approx(type(self).__name__, kfac_approx)
@@ -102,7 +112,7 @@ class KFRA(_Curvature):
     activations only.
     """
 
-    attr = "kfra"
+    quantity = Quantity("kfra", Kind.FACTORS, Combine.RAISES, Producer.KFRA)
 
 
 SECOND_ORDER = (

@@ -1,0 +1,107 @@
+"""What each quantity is: its declaration, and the one lookup by attribute name.
+
+Every quantity ``collect`` writes as ``p.<attr>`` is declared once, as a :class:`Quantity`:
+
+* ``kind``: per-sample (``[N, ...]``), summed over samples, a moment-derived statistic, or
+  Kronecker factors;
+* ``combine``: how the results of several backward passes in one ``collect`` (micro-batches)
+  combine, as if all samples had been one batch. A required field without a default, so a
+  quantity cannot be declared without saying it (it would otherwise be silently summed);
+* ``producer``: which part of the engine computes it (see :class:`Producer`);
+* ``reference``: for first-order quantities, the value as a function of the per-sample
+  gradients ``G`` (``[N, *p.shape]``), the definition ``verify`` checks against.
+
+Engine code asks the declaration (``quantity(attr)``), never the attribute's name.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+import torch
+
+
+class Kind(enum.Enum):
+    PER_SAMPLE = "one entry per sample, [N, ...]"
+    SUMMED = "a sum over samples"
+    MOMENT = "a statistic of the moments over samples"
+    FACTORS = "a list of Kronecker factors"
+
+
+class Combine(enum.Enum):
+    """How the values of two backward passes (over ``N_1`` and ``N_2`` samples) combine."""
+
+    CONCATENATE = "concatenated along the batch"
+    ADD = "added"
+    MOMENTS = "recomputed from the summed moments (sum g^2, sum g) and N_1 + N_2"
+    FACTORS = "output-side factor added, input-side factors averaged with weights N_i"
+    RAISES = "does not combine (neither over passes nor over several calls): raises"
+
+
+class Producer(enum.Enum):
+    """The part of the engine that computes a quantity (``order`` 1: from per-sample gradients
+    in ``backward``; 2: from propagated curvature in ``curvature``)."""
+
+    PER_SAMPLE_GRADIENTS = ("the per-sample gradients g_n", 1)
+    SQUARED_NORMS = ("||g_n||^2 for each n", 1)
+    SUM_OF_SQUARES = ("sum_n g_n**2", 1)
+    MOMENTS = ("(sum_n g_n**2, sum_n g_n)", 1)
+    GGN_DIAGONAL = ("diagonals of propagated loss-Hessian square-root columns", 2)
+    HESSIAN_DIAGONAL = ("the GGN diagonal plus the residual terms of curved nonlinearities", 2)
+    KRONECKER = ("Kronecker factors of propagated columns (layers.kron)", 2)
+    KFRA = ("the KFRA recursion (kfra)", 2)
+
+    @property
+    def order(self) -> int:
+        return self.value[1]
+
+
+@dataclass(frozen=True)
+class Quantity:
+    """The declaration of ``p.<attr>`` (see the module docstring); every field but
+    ``reference`` is required."""
+
+    attr: str
+    kind: Kind
+    combine: Combine
+    producer: Producer
+    reference: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+    def __post_init__(self):
+        for field, cls in (("kind", Kind), ("combine", Combine), ("producer", Producer)):
+            if not isinstance(getattr(self, field), cls):
+                raise TypeError(
+                    f"quantity {self.attr!r}: {field} must be a curvopt.extensions.{cls.__name__}, "
+                    f"got {getattr(self, field)!r}"
+                )
+        if not self.attr.isidentifier():
+            raise ValueError(f"quantity attribute must be an identifier, got {self.attr!r}")
+
+    @property
+    def per_sample(self) -> bool:
+        return self.kind is Kind.PER_SAMPLE
+
+
+_DECLARED: Dict[str, Quantity] = {}
+
+
+def declare(q: Quantity) -> Quantity:
+    """Register ``q`` for :func:`quantity`; a second, different declaration of the same
+    attribute raises."""
+    old = _DECLARED.setdefault(q.attr, q)
+    if old != q:
+        raise ValueError(f"p.{q.attr} is declared twice, differently: {old} and {q}")
+    return q
+
+
+def quantity(attr: str) -> Quantity:
+    """The declaration of ``p.<attr>``."""
+    try:
+        return _DECLARED[attr]
+    except KeyError:
+        raise KeyError(
+            f"curvopt: no quantity p.{attr} is declared; declare it with "
+            "curvopt.extensions.Quantity on its Extension subclass"
+        ) from None

@@ -1,0 +1,142 @@
+"""The first-order reducer: per-sample gradients from the layer rules, reduced for the
+first-order quantities (``FirstOrderReducer``); and the reductions materialised chunk by chunk
+where a rule has no fast path (``reduce_in_chunks``, also used by the gradient-sum checks)."""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+
+from curvopt.buffers import empty_result
+from curvopt.extensions.quantity import Producer
+from curvopt.reductions import squared_norms, sum_of_squares
+
+#: elements per chunk when per-sample gradients are materialised only to be reduced
+_CHUNK_ELEMENTS = 1 << 21
+
+
+def reduce_in_chunks(rule, call, name, shape, want):
+    """The ``want``-ed of ``l2`` (``||g_n||^2``, ``[N]``), ``sgs`` (``sum_n g_n**2``),
+    ``grad_sum`` and ``abs_sum`` (``sum_n |g_n|``, ``p.shape``) from per-sample gradients,
+    materialised chunk by chunk."""
+    n = call.batch_size
+    step = max(1, _CHUNK_ELEMENTS // max(1, torch.Size(shape).numel()))
+    parts = {key: [] for key, wanted in want.items() if wanted}
+    for start in range(0, n, step):
+        chunk = rule.batch_grad(call.slice(start, min(n, start + step)), name)
+        if "l2" in parts:
+            parts["l2"].append(squared_norms(chunk))
+        if "sgs" in parts:
+            parts["sgs"].append(sum_of_squares(chunk))
+        if "grad_sum" in parts:
+            parts["grad_sum"].append(chunk.sum(0))
+        if "abs_sum" in parts:
+            parts["abs_sum"].append(chunk.abs().sum(0))
+    return {
+        key: torch.cat(values) if key == "l2" else torch.stack(values).sum(0)
+        for key, values in parts.items()
+    }
+
+
+#: first-order producers computed from the per-sample gradients without keeping them
+_REDUCED = (Producer.SQUARED_NORMS, Producer.SUM_OF_SQUARES, Producer.MOMENTS)
+
+
+class FirstOrderReducer:
+    """The first-order producers of one pass: per-sample gradients ``g_n`` of every module call
+    and their reductions, put into the result buffer for each attribute a producer writes
+    (``MOMENTS``: ``(sum g^2, sum g)``, turned into a variance by ``accumulate``). Each call's
+    ``sum_n g_n`` goes to the checks."""
+
+    def __init__(self, extensions, results, checks):
+        #: producer -> the attributes it writes (from each quantity's declaration)
+        self.first: Dict[Producer, list] = {}
+        for ext in extensions:
+            if ext.order == 1:
+                self.first.setdefault(ext.quantity.producer, []).append(ext.attr)
+        self.results, self.checks = results, checks
+        self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
+
+    @property
+    def keeps_per_sample(self) -> bool:
+        return Producer.PER_SAMPLE_GRADIENTS in self.first
+
+    def add(self, p, rule, call, name, materialise: bool) -> None:
+        """One call's contribution for ``p``: added into ``[N, *p.shape]`` (``materialise``: the
+        per-sample gradients are wanted, or ``p`` is used by several calls) or reduced at once."""
+        if materialise:
+            self._accumulate(p, rule, call, name)
+        else:
+            self._reduce(p, rule, call, name)
+
+    def add_total(self, p, rule, call, name, total) -> None:
+        """This call's ``sum_n g_n`` for the checks (computed in chunks if the rule has no fast
+        path)."""
+        if total is None:
+            total = reduce_in_chunks(rule, call, name, p.shape, {"grad_sum": True})["grad_sum"]
+        self.checks.add_total(p, (rule, call, name), total)
+
+    def _accumulate(self, p, rule, call, name) -> None:
+        shape = (call.batch_size, *p.shape)
+        like = call.first_grad
+        if id(p) not in self.batch_grads:
+            kept = self.first.get(Producer.PER_SAMPLE_GRADIENTS)
+            if kept:
+                buffer = empty_result(p, kept[0], shape, like)
+            else:
+                buffer = torch.empty(shape, dtype=like.dtype, device=like.device)
+            self.batch_grads[id(p)] = (p, rule.batch_grad(call, name, out=buffer))
+        else:
+            self.batch_grads[id(p)][1].add_(rule.batch_grad(call, name))
+
+    def _reduce(self, p, rule, call, name) -> None:
+        """Reduced quantities of a parameter used once, via fast paths where the rule has them."""
+        first = self.first
+        want_l2 = Producer.SQUARED_NORMS in first
+        want_sgs = Producer.SUM_OF_SQUARES in first or Producer.MOMENTS in first
+        l2 = rule.batch_l2(call, name) if want_l2 else None
+        sgs = rule.sum_grad_squared(call, name) if want_sgs else None
+        total = rule.grad_sum(call, name)  # also checked against p's whole gradient
+        missing = {
+            "l2": want_l2 and l2 is None,
+            "sgs": want_sgs and sgs is None,
+            "grad_sum": Producer.MOMENTS in first and total is None,
+        }
+        if any(missing.values()):
+            chunked = reduce_in_chunks(rule, call, name, p.shape, missing)
+            l2 = chunked.get("l2", l2)
+            sgs = chunked.get("sgs", sgs)
+            total = chunked.get("grad_sum", total)
+        self.add_total(p, rule, call, name, total)
+        self._store(p, l2, sgs, total)
+
+    def finish(self) -> None:
+        """The materialised per-sample gradients and their reductions, into the buffer."""
+        first = self.first
+        for p, batch in self.batch_grads.values():
+            self._put_all(p, Producer.PER_SAMPLE_GRADIENTS, batch)
+            if any(producer in first for producer in _REDUCED):
+                l2 = squared_norms(batch) if Producer.SQUARED_NORMS in first else None
+                want_sgs = Producer.SUM_OF_SQUARES in first or Producer.MOMENTS in first
+                sgs = sum_of_squares(batch) if want_sgs else None
+                total = batch.sum(0) if Producer.MOMENTS in first else None
+                self._store(p, l2, sgs, total)
+
+    def _store(self, p, l2, sgs, total) -> None:
+        for producer, value in (
+            (Producer.SQUARED_NORMS, l2),
+            (Producer.SUM_OF_SQUARES, sgs),
+            (Producer.MOMENTS, (sgs, total)),
+        ):
+            self._put_all(p, producer, value)
+
+    def _put_all(self, p, producer, value) -> None:
+        """``value`` for every attribute ``producer`` writes (copies beyond the first)."""
+        for i, attr in enumerate(self.first.get(producer, ())):
+            self.results.put(p, attr, value if i == 0 else _copy(value))
+
+
+def _copy(value):
+    """A copy of a result (a tensor or a tuple of them), so that two attributes never alias."""
+    return tuple(v.clone() for v in value) if isinstance(value, tuple) else value.clone()

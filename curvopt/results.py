@@ -1,0 +1,135 @@
+"""The result buffer of one backward pass: contributions collected, written when it ends.
+
+Lower layers (``diagonals``, ``hessian``, ``kfra``, the first-order reducer) return their
+results as contributions; the buffer is the one place that collects them:
+
+* :class:`Term` ``(p, attr, value)``: added to the pending ``p.<attr>`` (diagonals summed over
+  column chunks, losses and residual terms; the first contribution is kept as the buffer);
+* :class:`Factors` ``(p, attr, record, factors, out_index)``: the Kronecker factors of one
+  module call. The output-side factor sums over column chunks and losses of that call; several
+  calls using ``p`` (a reused module, a weight tied across modules, two losses on different
+  inputs) are combined when the pass ends into the nearest Kronecker product of their sum
+  (``layers.kron.nearest_kronecker``); a quantity declared ``Combine.RAISES`` (KFRA, whose
+  recursion is for chains) raises instead.
+
+:meth:`ResultBuffer.write` combines the pending values with the earlier passes of the same
+``collect`` (``accumulate``) and sets them as attributes; nothing is written before.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, NamedTuple, Tuple
+
+import torch
+
+from curvopt.errors import module_error
+from curvopt.extensions.quantity import Combine, quantity
+from curvopt.layers.kron import nearest_kronecker
+from curvopt.reductions import gram_add_
+
+
+class Term(NamedTuple):
+    p: torch.Tensor
+    attr: str
+    value: torch.Tensor
+
+
+class Factors(NamedTuple):
+    p: torch.Tensor
+    attr: str
+    record: object
+    factors: list
+    out_index: int
+
+
+def name_of(p) -> str:
+    return getattr(p, "_curvopt_path", f"of shape {tuple(p.shape)}")
+
+
+class ResultBuffer:
+    """Pending ``p.<attr>`` values of one pass, and the parameters left out
+    (``collect(skip_unsupported=...)``: ``skip_into`` receives their names and reasons)."""
+
+    def __init__(self, skip_into=None):
+        self.skip_into = skip_into
+        self.pending: Dict[Tuple[int, str], Tuple[torch.Tensor, object]] = {}
+        self.kron_uses: Dict[Tuple[int, str], dict] = {}  # (id(p), attr): {call: factors}
+        self.out_index: Dict[Tuple[int, str], int] = {}
+        self.skipped: Dict[Tuple[int, str], Tuple[str, str]] = {}  # (id(p), attr): name, why
+        self.skipped_calls: Dict[Tuple[int, str], object] = {}  # (id(p), attr): its record
+
+    def put(self, p, attr: str, value) -> None:
+        """``p.<attr> = value`` when the pass has finished."""
+        self.pending[(id(p), attr)] = (p, value)
+
+    def add(self, contributions: Iterable) -> None:
+        """Collect :class:`Term` and :class:`Factors` contributions, in order."""
+        for c in contributions:
+            if isinstance(c, Factors):
+                self._add_factors(c)
+            else:
+                old = self.pending.get((id(c.p), c.attr))
+                if old is None:
+                    self.put(c.p, c.attr, c.value)
+                else:
+                    old[1].add_(c.value)
+
+    def _add_factors(self, c: Factors) -> None:
+        key = (id(c.p), c.attr)
+        uses = self.kron_uses.setdefault(key, {})
+        if c.record in uses:
+            gram_add_(uses[c.record][0][c.out_index], c.factors[c.out_index])
+            return
+        if uses and quantity(c.attr).combine is Combine.RAISES:
+            raise module_error(
+                c.record.module,
+                "KFRA: a module used several times in one backward pass (or a weight tied "
+                "across modules) breaks the layer chain; use KFLR or KFAC",
+            )
+        if not uses:
+            self.put(c.p, c.attr, None)
+        uses[c.record] = (c.factors, c.out_index)
+
+    def skip(self, p, attr: str, error: Exception, record) -> None:
+        """Leave ``p.<attr>`` out (``collect(skip_unsupported=True)``), or re-raise ``error``.
+        The diagonal written instead needs ``p`` used by one call."""
+        if self.skip_into is None:
+            raise error
+        first = self.skipped_calls.setdefault((id(p), attr), record)
+        if first is not record:
+            raise module_error(
+                record.module,
+                f"parameter {name_of(p)!r} has no Kronecker factorisation and is used by several "
+                "module calls in this pass, so its diagonal fallback would miss the cross terms "
+                "between the calls; use DiagGGNExact/DiagGGNMC for it",
+            )
+        self.skipped[(id(p), attr)] = (name_of(p), str(error))
+
+    def missing(self, p, attrs) -> list:
+        """Those of ``attrs`` that ``p`` gets neither a value for nor a reason to skip."""
+        key = id(p)
+        return [a for a in attrs if (key, a) not in self.pending and (key, a) not in self.skipped]
+
+    def write(self, accumulator, n: int, untouched) -> None:
+        """Combine with the earlier passes (``n`` samples in this one) and set every pending
+        attribute, except on the parameters ``untouched`` (``id(p) -> True``) by this pass."""
+        for key, uses in self.kron_uses.items():
+            terms = [uses[r] for r in sorted(uses, key=lambda r: r.seq)]  # forward order
+            self.out_index[key] = terms[0][1]
+            factors = [t[0] for t in terms]
+            if len(factors) > 1:
+                factors = [nearest_kronecker(factors, 1 - terms[0][1])]
+            self.pending[key] = (self.pending[key][0], factors[0])
+        if self.skip_into is not None:
+            self.skip_into.update(self.skipped.values())
+        for (key, attr), (p, value) in self.pending.items():
+            if untouched.get(key):
+                continue
+            value = accumulator.combine(p, attr, value, n, self.out_index.get((id(p), attr), 0))
+            setattr(p, attr, value)
+        self.pending.clear()
+
+    def clear(self) -> None:
+        """Forget everything (the pass failed)."""
+        self.kron_uses.clear()
+        self.pending.clear()
