@@ -9,8 +9,8 @@ Per parameter, with damping ``λ`` and weight decay ``δ`` (BackPACK paper, Dang
     θ ← θ − lr · v
 
 The trust region is opt-in (``kl_clip=κ``; off by default, so that the default update is the
-paper's). ``kl_clip=1e-3`` (kfac-pytorch's value) is the setting the README shows: ``lr² gᵀd`` is the
-step's squared length in the damped curvature, ``sᵀ(C + λ'I)s`` (twice the curvature term of
+paper's). ``kl_clip=1e-3`` (kfac-pytorch's value) is the setting the README shows: ``lr² gᵀd``
+is the step's squared length in the damped curvature, ``sᵀ(C + λ'I)s`` (twice the curvature term of
 the damped quadratic model of the loss) and, for a Fisher-type ``C``, a proxy for twice the
 KL divergence between the model's predictions before and after the step (for
 ``reduction="mean"``: per sample). With a damping far below the curvature's scale (or sampled
