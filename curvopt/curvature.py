@@ -77,7 +77,9 @@ class CurvaturePass:
         self.layout = establish(
             output, output.shape, calls, self.batched, upstream.signature, rule.elementwise
         )
-        self.gradient = loss_gradient(self.loss, self.weight)  # carried by the first chunk
+        #: ``dL/d output`` of this loss; ``gradient`` is the copy carried by the first chunk
+        self.loss_grad = loss_gradient(self.loss, self.weight)
+        self.gradient = self.loss_grad
         groups = defaultdict(list)
         for ext in self.exts:
             if ext.quantity.producer is Producer.KFRA:

@@ -28,7 +28,7 @@ from curvopt.errors import UnsupportedModuleError
 from curvopt.diagonals import diagonals
 from curvopt.layers.registry import reparametrization, rule_for
 from curvopt.params import owned
-from curvopt.propagate import loss_gradient, module_outputs, to_calls
+from curvopt.propagate import module_outputs, to_calls
 from curvopt.records import records_on
 from curvopt.results import Term
 from curvopt.rows import establish
@@ -119,7 +119,7 @@ def residuals(cpass, calls, exts):
     nodes = curved_nodes(output)
     if not nodes:
         return
-    g0 = loss_gradient(cpass.loss, cpass.weight)
+    g0 = cpass.loss_grad
     with STATE.suspend():
         deltas = torch.autograd.grad(
             output, [GradientEdge(nd, 0) for nd in nodes], g0, retain_graph=True, allow_unused=True
