@@ -1,4 +1,4 @@
-"""Every quantity of docs/conventions.md on every model of ``experiments.zoo``, float64, both
+"""Every quantity of docs/conventions.md on every model of ``fixtures.zoo``, float64, both
 reductions, against the independent torch.func references of ``tests/reference.py``.
 
 A cell either returns the right numbers or raises the specific documented error with no
@@ -27,7 +27,7 @@ from conftest import (
 import curvopt
 from curvopt import extensions as ext
 from curvopt.errors import UnsupportedModuleError
-from experiments import zoo
+from fixtures import zoo
 
 N = 3
 MODELS = list(zoo.ZOO)
