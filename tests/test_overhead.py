@@ -3,6 +3,9 @@ column, the CLI. Timings themselves are never asserted."""
 
 import json
 import math
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -88,3 +91,12 @@ def test_cli_explains_the_targets_below_the_table(capsys):
     assert "target (curvopt): the goal" in out and "not that a\ncomputed quantity is wrong" in out
     assert cli.main([*argv, "--backends", "curvopt", "--batch", "3"]) == 0
     assert "target (curvopt): the goal" not in capsys.readouterr().out
+
+
+def test_old_entry_point_package_loads_no_torch():
+    """``python -m experiments.overhead`` imports the package before its ``__main__``, which sets
+    ``OMP_WAIT_POLICY`` for OpenMP: the package itself must not load torch first."""
+    code = "import sys, experiments.overhead; print('torch' in sys.modules)"
+    root = pathlib.Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "False", run.stderr

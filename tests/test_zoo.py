@@ -27,6 +27,7 @@ from conftest import (
 import curvopt
 from curvopt import extensions as ext
 from curvopt.errors import UnsupportedModuleError
+from experiments import zoo as experiments_zoo
 from fixtures import zoo
 
 N = 3
@@ -349,3 +350,10 @@ def test_kronecker_reference_is_exact_for_one_sample(approx):
         problem.model, problem.loss_on, X, y, 0, approx
     ).items():
         assert_close(torch.kron(b, a), blocks[f"{layer}.weight"], f"{layer}.weight")
+
+
+def test_experiments_zoo_is_the_fixtures_zoo():
+    """``experiments.zoo`` (the old name) re-exports :mod:`fixtures.zoo`: the same objects."""
+    assert experiments_zoo.ZOO is zoo.ZOO and experiments_zoo.Problem is zoo.Problem
+    assert all(getattr(experiments_zoo, f.__name__) is f for f in zoo.ZOO.values())
+    assert experiments_zoo.GPT is zoo.GPT
