@@ -157,7 +157,7 @@ def test_no_project_module_imported_inside_a_function(graph):
         for target, inside in targets
         if inside
     ]
-    assert not local, local
+    assert not local, sorted(set(local))
 
 
 def test_packages_import_only_the_packages_below_them(graph):
@@ -168,7 +168,7 @@ def test_packages_import_only_the_packages_below_them(graph):
         if target.split(".")[0] != name.split(".")[0]
         and target.split(".")[0] not in PACKAGE_USES[name.split(".")[0]]
     ]
-    assert not bad, bad
+    assert not bad, sorted(set(bad))
 
 
 def _subpackage(module: str):
@@ -192,7 +192,7 @@ def test_experiments_subpackages_are_used_where_declared(graph):
                 continue
             if not any(_within(name, user) for user in SUBPACKAGE_USERS.get(package, ())):
                 bad.append(f"{name} imports {target} (declare it in SUBPACKAGE_USERS)")
-    assert not bad, bad
+    assert not bad, sorted(set(bad))
 
 
 def test_nothing_loads_a_module_by_path():
