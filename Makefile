@@ -50,7 +50,7 @@ data: $(STAMP)  ## fetch the real data sets that can be fetched here
 	$(PY) -m experiments fetch_data
 
 lint: $(STAMP)
-	$(PY) -m ruff check curvopt tests experiments
+	$(PY) -m ruff check curvopt tests experiments benchmarks fixtures paper_figs
 
 clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks

@@ -7,8 +7,8 @@
 
 Suites: first-order quantities (``test_bench_first_order.py``), second-order quantities with
 BackPACK side by side when importable (``test_bench_second_order.py``), optimizer steps
-(``test_bench_optim.py``, steps of ``benchmarks/optim_steps.py``). The overhead steps come from
-``experiments.overhead``, the networks from ``benchmarks/models.py``. ``torch.set_num_threads``
+(``test_bench_optim.py``, steps of ``benchmarks/optim_steps.py``). The overhead steps and their
+networks come from ``experiments.overhead``. ``torch.set_num_threads``
 is fixed (default 2) and printed in the header. Each test interleaves its baseline (the plain
 forward+backward; SGD with momentum for optimizers) with its own step (the baseline runs in
 pytest-benchmark's untimed ``setup`` before every timed round), so the ratio printed at the end
@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -33,12 +31,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from experiments.overhead.backends import BACKENDS, Instance, PlainBackend, Unsupported  # noqa: E402
+from experiments.overhead.cases import PLAIN, QUANTITIES, TARGETS  # noqa: E402
+from experiments.overhead.problems import PROBLEMS  # noqa: E402
 
-from experiments import overhead as ov  # noqa: E402
-from optim_steps import GOALS  # noqa: E402
+from .optim_steps import GOALS  # noqa: E402
 
 THREADS = int(os.environ.get("CURVOPT_BENCH_THREADS", "2"))
 #: timed rounds per benchmark (each preceded by one untimed baseline step)
@@ -74,7 +71,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for (problem, backend, quantity), (ratio, q1, q3, ms) in sorted(RATIOS.items()):
         target = None
         if backend == "curvopt":
-            target = ov.TARGETS.get((problem, quantity))
+            target = TARGETS.get((problem, quantity))
         elif backend == "curvopt.optim":
             target = GOALS.get((problem, quantity))
         mark = "" if target is None else f"≤ {target:.2f} {'✓' if ratio <= target else '✗'}"
@@ -117,20 +114,20 @@ def _interleaved(benchmark, key, step, baseline):
 def _overhead_steps(problem, backend, quantity):
     """``(step, plain step)`` of one ``experiments.overhead`` case; skips when a competitor is
     missing or cannot compute the case (curvopt failing is a failure)."""
-    prob = ov.PROBLEMS[problem]
-    plain = ov.PlainBackend().make_step(ov.Instance.of(prob), ov.QUANTITIES[ov.PLAIN])
+    prob = PROBLEMS[problem]
+    plain = PlainBackend().make_step(Instance.of(prob), QUANTITIES[PLAIN])
     if backend == "plain":
         return plain, plain
-    impl = ov.BACKENDS[backend]
+    impl = BACKENDS[backend]
     reason = impl.available()
     if reason is not None:
         pytest.skip(f"{backend}: {reason}")
-    inst = ov.Instance.of(prob)
+    inst = Instance.of(prob)
     try:
-        step = impl.make_step(inst, ov.QUANTITIES[quantity])
+        step = impl.make_step(inst, QUANTITIES[quantity])
         step()
-        impl.verify(inst, ov.QUANTITIES[quantity])
-    except ov.Unsupported as e:
+        impl.verify(inst, QUANTITIES[quantity])
+    except Unsupported as e:
         pytest.skip(f"{backend} cannot compute {quantity} on {problem}: {e}")
     except Exception as e:  # a competitor failing is a skip, curvopt failing a failure
         if backend == "curvopt":

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see experiments/overhead.py
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see experiments/overhead/__main__.py
 
 import torch
 from torch import nn

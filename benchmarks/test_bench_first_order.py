@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments import overhead as ov
+from experiments.overhead.backends import BACKENDS
 
 PROBLEMS = ("3c3d", "mlp", "cnn", "transformer")
 QUANTITIES = ("hooks", "BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance", "first_order")
@@ -19,7 +19,7 @@ QUANTITIES = ("hooks", "BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance",
 def _cases():
     for problem in PROBLEMS:
         yield pytest.param(problem, "plain", "plain", id=f"{problem}-plain")
-        for backend in ov.BACKENDS:
+        for backend in BACKENDS:
             for quantity in QUANTITIES:
                 yield pytest.param(problem, backend, quantity, id=f"{problem}-{backend}-{quantity}")
 

@@ -11,7 +11,7 @@ column) the amortised cost. ``python benchmarks/optim_steps.py`` gives amortised
 from __future__ import annotations
 
 import pytest
-from optim_steps import NETWORKS, OPTIMIZERS, Trainer
+from .optim_steps import NETWORKS, OPTIMIZERS, Trainer
 
 BATCH = 128
 

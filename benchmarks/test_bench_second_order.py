@@ -2,18 +2,18 @@
 when not importable): one benchmark per (problem, backend, quantity), interleaved with the
 plain forward+backward as in ``test_bench_first_order.py``.
 
-The cases are issue 11's comparison (``experiments.overhead.BACKPACK_CASES``: DeepOBS logreg,
+The cases are issue 11's comparison (``experiments.overhead.cases.BACKPACK_CASES``: DeepOBS logreg,
 2C2D, 3C3D at N=64; KFRA on logreg only) plus KFRA on the MLP; the full interleaved table with the
-``curvopt/BackPACK`` column is ``python -m experiments.overhead --cases backpack``.
+``curvopt/BackPACK`` column is ``python -m experiments overhead --cases backpack``.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from experiments import overhead as ov
+from experiments.overhead.cases import BACKPACK_CASES, QUANTITIES
 
-CASES = [(p, q) for p, q in ov.BACKPACK_CASES if ov.QUANTITIES[q].order == 2] + [("mlp", "KFRA")]
+CASES = [(p, q) for p, q in BACKPACK_CASES if QUANTITIES[q].order == 2] + [("mlp", "KFRA")]
 
 
 def _cases():

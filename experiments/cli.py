@@ -6,9 +6,9 @@ import argparse
 from textwrap import fill
 
 from .commands import SHARED_MACHINE, HelpFormatter
-from .compare import COMPARE
+from .compare.cli import COMPARE
 from .fetch_data import FETCH_DATA
-from .overhead import OVERHEAD
+from .overhead.cli import OVERHEAD
 from .reproduce.cli import REPRODUCE
 from .step_profile import STEP_PROFILE
 from .train_cli import GRID, RUN

@@ -1,6 +1,6 @@
 """Independent torch.func references for the zoo tests (never touching curvopt).
 
-They work on a *plain* model (before ``curvopt.extend``) and an :class:`experiments.zoo.Problem`'s
+They work on a *plain* model (before ``curvopt.extend``) and an :class:`fixtures.zoo.Problem`'s
 ``loss_on(out, y)``, with ``bd`` the sample axis of the input, the output and the target.
 
 * :func:`per_sample_grads`: ``g_n = J_nᵀ ∂L/∂out_n`` by ``vmap`` over samples of a ``vjp`` of the

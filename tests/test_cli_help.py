@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from experiments import cli, commands
-from experiments import fetch_data, overhead, step_profile
+from experiments import fetch_data, step_profile
+from experiments.overhead import cli as overhead
 from experiments import reproduce as rep
 
 NAMES = ("reproduce", "fetch_data", "run", "grid", "ttr", "overhead", "step_profile", "compare")

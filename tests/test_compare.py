@@ -12,9 +12,9 @@ from torch import nn
 
 import curvopt
 from curvopt import linalg
-from experiments import compare, zoo
 from experiments.__main__ import main as experiments_main
-from experiments.compare_metrics import (
+from experiments.compare import run as compare
+from experiments.compare.metrics import (
     block_metrics,
     eigen_block,
     exact_blocks,
@@ -23,6 +23,7 @@ from experiments.compare_metrics import (
     select,
 )
 from experiments.problems import get_problem
+from fixtures import zoo
 from paper_figs.cli import main as figs_main
 
 DT = torch.float64

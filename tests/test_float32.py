@@ -18,7 +18,7 @@ from torch import nn
 
 import curvopt
 from curvopt import extensions as ext
-from experiments import zoo
+from fixtures import zoo
 
 N = 3
 MODELS = ["mlp", "resnet_block"]

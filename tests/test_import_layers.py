@@ -1,10 +1,13 @@
 """The project's imports point one way: no import cycle anywhere, and the core's layers.
 
-Walks every module of ``curvopt``, ``experiments`` and ``paper_figs`` with ``ast`` (imports at
-module level and inside functions alike) and checks that the graph of project-internal
-imports has no cycle, that ``curvopt`` never imports a project module inside a function, and
-that every core module imports only from its own layer or the layers below it
-(``docs/architecture.md``).
+Walks every module of ``curvopt``, ``experiments``, ``paper_figs``, ``benchmarks`` and
+``fixtures`` with ``ast`` (imports at module level and inside functions alike) and checks that
+the graph of project-internal imports has no cycle, that every package imports only the
+packages below it (``PACKAGE_USES``), that nothing loads a module by file path or edits
+``sys.path`` (an import the graph cannot see), that the experiments' subpackages are used only
+where ``SUBPACKAGE_USERS`` says, that ``curvopt`` (and the packages of ``NO_LOCAL_IMPORTS``)
+never imports a project module inside a function, and that every core module imports only from
+its own layer or the layers below it (``docs/architecture.md``).
 """
 
 import ast
@@ -13,7 +16,35 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("curvopt", "experiments", "paper_figs")
+PACKAGES = ("curvopt", "experiments", "paper_figs", "benchmarks", "fixtures")
+
+#: the packages each package may import, bottom up: the fixtures (models written the way users
+#: write them) and the library import nothing of the project; the figures read result files;
+#: the experiments run the library on fixtures and draw figures; the benchmarks time both
+PACKAGE_USES = {
+    "fixtures": set(),
+    "curvopt": set(),
+    "paper_figs": set(),
+    "experiments": {"curvopt", "fixtures", "paper_figs"},
+    "benchmarks": {"curvopt", "fixtures", "experiments"},
+}
+
+#: which modules outside an experiments subpackage may import it, besides ``experiments.cli``
+#: (the one entry point registers every command): the main job measures the overhead table
+SUBPACKAGE_USERS = {"experiments.overhead": {"experiments.reproduce"}}
+
+#: packages that import project modules at module level only
+NO_LOCAL_IMPORTS = (
+    "curvopt",
+    "fixtures",
+    "benchmarks",
+    "experiments.overhead",
+    "experiments.compare",
+    "experiments.reproduce",
+)
+
+#: calls that load code by file path or change where imports look
+BY_PATH = {"spec_from_file_location", "SourceFileLoader", "run_path", "exec_module"}
 
 #: core layers, bottom up (docs/architecture.md); a module may import its layer or lower ones
 LAYERS = [
@@ -114,15 +145,71 @@ def test_no_import_cycle(graph):
             visit(name)
 
 
-def test_core_imports_no_project_module_inside_a_function(graph):
+def _within(module: str, package: str) -> bool:
+    return module == package or _is_ancestor(package, module)
+
+
+def test_no_project_module_imported_inside_a_function(graph):
     local = [
         f"{name} imports {target}"
         for name, targets in graph.items()
-        if name.startswith("curvopt")
+        if any(_within(name, package) for package in NO_LOCAL_IMPORTS)
         for target, inside in targets
         if inside
     ]
-    assert not local, local
+    assert not local, sorted(set(local))
+
+
+def test_packages_import_only_the_packages_below_them(graph):
+    bad = [
+        f"{name} imports {target}"
+        for name, targets in graph.items()
+        for target, _ in targets
+        if target.split(".")[0] != name.split(".")[0]
+        and target.split(".")[0] not in PACKAGE_USES[name.split(".")[0]]
+    ]
+    assert not bad, sorted(set(bad))
+
+
+def _subpackage(module: str):
+    """``experiments.X`` when ``module`` is in the subpackage ``experiments/X/``, else None."""
+    parts = module.split(".")
+    if parts[0] == "experiments" and len(parts) > 1:
+        path = ROOT.joinpath(*parts[:2])
+        if (path / "__init__.py").exists():
+            return ".".join(parts[:2])
+    return None
+
+
+def test_experiments_subpackages_are_used_where_declared(graph):
+    bad = []
+    for name, targets in graph.items():
+        if not name.startswith("experiments.") or name == "experiments.cli":
+            continue
+        for target, _ in targets:
+            package = _subpackage(target)
+            if package is None or _within(name, package):
+                continue
+            if not any(_within(name, user) for user in SUBPACKAGE_USERS.get(package, ())):
+                bad.append(f"{name} imports {target} (declare it in SUBPACKAGE_USERS)")
+    assert not bad, sorted(set(bad))
+
+
+def test_nothing_loads_a_module_by_path():
+    found = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            called = node.func if isinstance(node, ast.Call) else None
+            attr = getattr(called, "attr", getattr(called, "id", None))
+            if attr in BY_PATH:
+                found.append(f"{name}:{node.lineno} {attr}")
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "path"
+                and getattr(node.value, "id", None) == "sys"
+            ):
+                found.append(f"{name}:{node.lineno} sys.path")
+    assert not found, found
 
 
 def _layer(module: str):
@@ -142,17 +229,6 @@ def test_core_layers_point_down(graph):
                 assert _layer(target) <= _layer(name), (
                     f"{name} (layer {_layer(name)}) imports {target} (layer {_layer(target)})"
                 )
-
-
-def test_figures_never_import_the_experiments(graph):
-    bad = [
-        f"{name} imports {target}"
-        for name, targets in graph.items()
-        if name.startswith("paper_figs")
-        for target, _ in targets
-        if target.startswith("experiments")
-    ]
-    assert not bad, bad
 
 
 def test_every_core_module_has_a_layer():

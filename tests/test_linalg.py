@@ -18,7 +18,7 @@ import curvopt
 from curvopt import extensions as ext
 from curvopt import linalg
 from curvopt.errors import MissingLossError, UnsupportedLossError, UnsupportedModuleError
-from experiments import zoo
+from fixtures import zoo
 
 DT = torch.float64
 pytestmark = pytest.mark.filterwarnings(

@@ -14,7 +14,7 @@ from torch import nn
 
 import curvopt
 from curvopt.optim import EKFAC, KFAC, DiagGGNNewton
-from experiments import zoo
+from fixtures import zoo
 
 README = {"lr": 0.05, "damping": 1e-3, "kl_clip": 1e-3}
 PAPER = {"lr": 0.05, "damping": 1e-3}

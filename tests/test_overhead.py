@@ -3,17 +3,23 @@ column, the CLI. Timings themselves are never asserted."""
 
 import json
 import math
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
 from curvopt import extensions as ext
-from experiments import overhead as ov
-from experiments.overhead_backends import backpack_options
-from experiments.overhead_report import geometric_mean, head_to_head
+from experiments.overhead import cli
+from experiments.overhead.backends import Unsupported, backpack_options
+from experiments.overhead.cases import PLAIN
+from experiments.overhead.problems import PROBLEMS
+from experiments.overhead.report import geometric_mean, head_to_head, markdown_table
+from experiments.overhead.timing import Result, build_steps
 
 
 def result(backend, quantity, times, plain):
-    r = ov.Result("p", quantity, backend, times=list(times))
+    r = Result("p", quantity, backend, times=list(times))
     r.ratios = [t / b for t, b in zip(times, plain)]
     return r
 
@@ -21,24 +27,24 @@ def result(backend, quantity, times, plain):
 def test_backpack_column_is_the_median_per_round_ratio_and_has_a_geometric_mean():
     plain = [1.0, 1.0, 2.0]
     results = [
-        result("plain", ov.PLAIN, plain, plain),
+        result("plain", PLAIN, plain, plain),
         result("curvopt", "DiagGGNMC", [2.0, 3.0, 8.0], plain),  # / backpack: 0.5, 1.0, 2.0
         result("backpack", "DiagGGNMC", [4.0, 3.0, 4.0], plain),
         result("curvopt", "KFAC", [1.0, 1.0, 1.0], plain),  # / backpack: 0.25 each
         result("backpack", "KFAC", [4.0, 4.0, 4.0], plain),
         result("curvopt", "KFLR", [1.0, 1.0, 1.0], plain),
-        ov.Result("p", "KFLR", "backpack", error="error: TypeError: no"),
+        Result("p", "KFLR", "backpack", error="error: TypeError: no"),
     ]
     assert head_to_head(results[1], results[2]) == 1.0
     assert head_to_head(results[5], results[6]) is None
-    table = ov.markdown_table(results, {"p": {"plain_ms": 1.0}}, ["curvopt", "backpack"])
+    table = markdown_table(results, {"p": {"plain_ms": 1.0}}, ["curvopt", "backpack"])
     lines = table.splitlines()
     assert "curvopt/BackPACK" in lines[0]
     row = next(line for line in lines if "| DiagGGNMC |" in line)
     assert row.split("|")[3:6] == [" 3.00 ", " 3.00 ", " 1.00 "]
     assert lines[-1].startswith("| geometric mean |")
     assert f"{math.sqrt(1.0 * 0.25):.2f} (2 cells)" in lines[-1]
-    without = ov.markdown_table(results, {"p": {"plain_ms": 1.0}}, ["curvopt"])
+    without = markdown_table(results, {"p": {"plain_ms": 1.0}}, ["curvopt"])
     assert "BackPACK" not in without and "geometric mean" not in without
 
 
@@ -52,22 +58,22 @@ def test_backpack_options_drop_only_what_backpack_does_anyway():
         return None
 
     assert backpack_options(ext.KFAC(mc_samples=2), KFAC) == {"mc_samples": 2}
-    with pytest.raises(ov.Unsupported, match="kfac_approx='reduce'"):
+    with pytest.raises(Unsupported, match="kfac_approx='reduce'"):
         backpack_options(ext.KFAC(kfac_approx="reduce"), KFAC)
 
 
 def test_resized_problem_and_gpt_case_run_in_curvopt():
-    problem = ov.PROBLEMS["gpt"].resized(2)
+    problem = PROBLEMS["gpt"].resized(2)
     assert problem.batch_size == 2 and problem.description.endswith("N=2")
-    steps, failed = ov.build_steps(problem, ["DiagGGNMC"], ["curvopt"])
-    assert failed == [] and set(steps) == {("plain", ov.PLAIN), ("curvopt", "DiagGGNMC")}
+    steps, failed = build_steps(problem, ["DiagGGNMC"], ["curvopt"])
+    assert failed == [] and set(steps) == {("plain", PLAIN), ("curvopt", "DiagGGNMC")}
 
 
 def test_cli_batch_option_and_json(tmp_path, capsys):
     path = tmp_path / "o.json"
     argv = ["--problems", "logreg", "--quantities", "BatchGrad", "--batch", "4", "--rounds", "1"]
     argv += ["--warmup", "1", "--max-seconds", "0", "--min-sample-ms", "0.1", "--threads", "1"]
-    assert ov.main([*argv, "--backends", "curvopt", "--json", str(path)]) == 0
+    assert cli.main([*argv, "--backends", "curvopt", "--json", str(path)]) == 0
     assert "| logreg | BatchGrad |" in capsys.readouterr().out
     payload = json.loads(path.read_text())
     assert payload["problems"]["logreg"]["batch_size"] == 4
@@ -79,9 +85,18 @@ def test_cli_explains_the_targets_below_the_table(capsys):
     batch size there are no targets and no explanation."""
     argv = ["--problems", "mlp", "--quantities", "BatchGrad", "--rounds", "1", "--warmup", "1"]
     argv += ["--max-seconds", "0", "--min-sample-ms", "0.1", "--threads", "1"]
-    assert ov.main([*argv, "--backends", "curvopt"]) == 0
+    assert cli.main([*argv, "--backends", "curvopt"]) == 0
     out = capsys.readouterr().out
     assert "| mlp | " in out and ("✓" in out or "✗" in out)
     assert "target (curvopt): the goal" in out and "not that a\ncomputed quantity is wrong" in out
-    assert ov.main([*argv, "--backends", "curvopt", "--batch", "3"]) == 0
+    assert cli.main([*argv, "--backends", "curvopt", "--batch", "3"]) == 0
     assert "target (curvopt): the goal" not in capsys.readouterr().out
+
+
+def test_old_entry_point_package_loads_no_torch():
+    """``python -m experiments.overhead`` imports the package before its ``__main__``, which sets
+    ``OMP_WAIT_POLICY`` for OpenMP: the package itself must not load torch first."""
+    code = "import sys, experiments.overhead; print('torch' in sys.modules)"
+    root = pathlib.Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "False", run.stderr

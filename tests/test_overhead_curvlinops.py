@@ -9,9 +9,11 @@ import torch
 import curvopt
 from curvopt import extensions as ext
 from curvopt import linalg
-from experiments import overhead as ov
-from experiments import zoo
-from experiments.overhead_backends import Instance, freeze_all_but_linear, probe_vector
+from experiments.overhead.backends import BACKENDS, Instance, freeze_all_but_linear, probe_vector
+from experiments.overhead.cases import QUANTITIES
+from experiments.overhead.problems import PROBLEMS
+from experiments.overhead.timing import build_steps
+from fixtures import zoo
 
 curvlinops = pytest.importorskip("curvlinops")
 
@@ -61,23 +63,23 @@ def test_kflr_factors_equal_curvlinops_type2_in_float64():
 def test_backends_ggn_matvecs_agree_on_the_gpt():
     """The benchmark's two GGN_matvec steps compute the same product on the GPT decoder
     (curvlinops' under the unfused attention kernel), float32."""
-    problem = ov.PROBLEMS["gpt"].resized(2)
-    quantity = ov.QUANTITIES["GGN_matvec"]
-    mine = ov.BACKENDS["curvopt"].make_step(Instance.of(problem), quantity)()
-    theirs = ov.BACKENDS["curvlinops"].make_step(Instance.of(problem), quantity)()
+    problem = PROBLEMS["gpt"].resized(2)
+    quantity = QUANTITIES["GGN_matvec"]
+    mine = BACKENDS["curvopt"].make_step(Instance.of(problem), quantity)()
+    theirs = BACKENDS["curvlinops"].make_step(Instance.of(problem), quantity)()
     np.testing.assert_allclose(mine, theirs.numpy(), rtol=1e-3, atol=1e-5 * np.abs(mine).max())
 
 
 def test_gpt_kfac_compares_on_the_linear_parameters():
     """curvlinops cannot do KFAC of embeddings and LayerNorm (n/a), so ``KFAC_linear`` freezes
     them and the output layer tied to the token embedding; both backends then run."""
-    problem = ov.PROBLEMS["gpt"].resized(2)
+    problem = PROBLEMS["gpt"].resized(2)
     model = problem.build()[0]
     freeze_all_but_linear(model)
     gpt = model.model
     assert not gpt.tok.weight.requires_grad and not gpt.ln_f.weight.requires_grad
     assert gpt.block.fc.weight.requires_grad and gpt.block.out.bias.requires_grad
-    steps, failed = ov.build_steps(problem, ["KFAC", "KFAC_linear"], ["curvopt", "curvlinops"])
+    steps, failed = build_steps(problem, ["KFAC", "KFAC_linear"], ["curvopt", "curvlinops"])
     assert {("curvopt", "KFAC"), ("curvopt", "KFAC_linear"), ("curvlinops", "KFAC_linear")} <= set(
         steps
     )

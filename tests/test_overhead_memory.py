@@ -1,12 +1,14 @@
-"""Tests of the overhead benchmark's peak-memory column (``experiments.overhead_memory``): the
+"""Tests of the overhead benchmark's peak-memory column (``experiments.overhead.memory``): the
 measuring child on allocations of known size, the table, and a competitor's column omitted with
 one line saying why when it is not importable. Timings are never asserted."""
 
 import pytest
 
-from experiments import overhead as ov
-from experiments import overhead_memory as om
-from experiments.overhead_report import memory_table
+from experiments.overhead import cli
+from experiments.overhead import memory as om
+from experiments.overhead.backends import BACKENDS
+from experiments.overhead.cases import PLAIN
+from experiments.overhead.report import memory_table
 
 pytestmark = pytest.mark.skipif(
     om.unsupported_reason() is not None, reason="needs Linux's resettable VmHWM"
@@ -29,7 +31,7 @@ def test_case_peak_holds_the_per_sample_gradients():
     spec = {"problem": "mlp", "quantity": "BatchGrad", "threads": 1, "batch": 16}
     grad_batch_mb = 16 * (784 * 512 + 512 + 512 * 256 + 256 + 256 * 10 + 10) * 4 / om.MB
     curvopt = om.run_child({**spec, "backend": "curvopt"})
-    plain = om.run_child({**spec, "quantity": ov.PLAIN, "backend": ov.PLAIN})
+    plain = om.run_child({**spec, "quantity": PLAIN, "backend": PLAIN})
     assert curvopt["peak_mb"] >= curvopt["steady_mb"] >= grad_batch_mb
     assert plain["peak_mb"] < grad_batch_mb
 
@@ -41,7 +43,7 @@ def test_child_reports_an_unsupported_case_as_na():
 
 def test_memory_table_cells_and_ratios():
     results = [
-        om.MemoryResult("p", ov.PLAIN, ov.PLAIN, 10.0, 9.0),
+        om.MemoryResult("p", PLAIN, PLAIN, 10.0, 9.0),
         om.MemoryResult("p", "KFAC", "curvopt", 30.0, 20.0),
         om.MemoryResult("p", "KFAC", "curvlinops", 60.0, 60.0),
         om.MemoryResult("p", "GGN_matvec", "curvopt", 8.0, 7.5),
@@ -56,11 +58,11 @@ def test_memory_table_cells_and_ratios():
 
 def test_absent_competitor_loses_its_columns_with_one_line_why(monkeypatch, capsys):
     monkeypatch.setattr(
-        ov.BACKENDS["curvlinops"], "available", lambda: "not importable (gone for the test)"
+        BACKENDS["curvlinops"], "available", lambda: "not importable (gone for the test)"
     )
     argv = ["--problems", "logreg", "--quantities", "KFAC", "--batch", "4", "--rounds", "1"]
     argv += ["--warmup", "1", "--max-seconds", "0", "--min-sample-ms", "0.1", "--threads", "1"]
-    assert ov.main([*argv, "--backends", "curvopt", "curvlinops", "--memory"]) == 0
+    assert cli.main([*argv, "--backends", "curvopt", "curvlinops", "--memory"]) == 0
     out = capsys.readouterr().out
     assert out.count("curvlinops: column omitted, not importable (gone for the test).") == 1
     tables = [line for line in out.splitlines() if line.startswith("| problem |")]

@@ -371,17 +371,17 @@ def test_reproduce_full_protocol_commands_and_dry_run(capsys):
 
 
 def test_reproduce_registers_second_order_overhead_quantities():
-    from experiments import overhead as oh
     from experiments import reproduce as rep
+    from experiments.overhead.cases import QUANTITIES
 
-    before = set(oh.QUANTITIES)
+    before = set(QUANTITIES)
     try:
         added = rep.register_second_order(["DiagGGNMC", "KFAC", "NoSuchExtension"])
         assert added == ["DiagGGNMC", "KFAC"]
-        assert oh.QUANTITIES["KFAC"].order == 2 and oh.QUANTITIES["KFAC"].attrs() == ("kfac",)
+        assert QUANTITIES["KFAC"].order == 2 and QUANTITIES["KFAC"].attrs() == ("kfac",)
     finally:
-        for name in set(oh.QUANTITIES) - before:
-            del oh.QUANTITIES[name]
+        for name in set(QUANTITIES) - before:
+            del QUANTITIES[name]
 
 
 def test_reproduce_smoke_on_synthetic_data(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Every quantity of docs/conventions.md on every model of ``experiments.zoo``, float64, both
+"""Every quantity of docs/conventions.md on every model of ``fixtures.zoo``, float64, both
 reductions, against the independent torch.func references of ``tests/reference.py``.
 
 A cell either returns the right numbers or raises the specific documented error with no
@@ -27,7 +27,8 @@ from conftest import (
 import curvopt
 from curvopt import extensions as ext
 from curvopt.errors import UnsupportedModuleError
-from experiments import zoo
+from experiments import zoo as experiments_zoo
+from fixtures import zoo
 
 N = 3
 MODELS = list(zoo.ZOO)
@@ -349,3 +350,10 @@ def test_kronecker_reference_is_exact_for_one_sample(approx):
         problem.model, problem.loss_on, X, y, 0, approx
     ).items():
         assert_close(torch.kron(b, a), blocks[f"{layer}.weight"], f"{layer}.weight")
+
+
+def test_experiments_zoo_is_the_fixtures_zoo():
+    """``experiments.zoo`` (the old name) re-exports :mod:`fixtures.zoo`: the same objects."""
+    assert experiments_zoo.ZOO is zoo.ZOO and experiments_zoo.Problem is zoo.Problem
+    assert all(getattr(experiments_zoo, f.__name__) is f for f in zoo.ZOO.values())
+    assert experiments_zoo.GPT is zoo.GPT

@@ -9,7 +9,8 @@ import torch
 
 from curvopt import extensions as ext
 
-from .. import overhead
+from ..overhead.cases import QUANTITIES, Quantity, register_quantity
+from ..overhead.cli import OVERHEAD
 
 #: Overhead table: the network and quantities (first order from experiments.overhead, second
 #: order registered here). Budgeted: Monte-Carlo curvature only (one backpropagated column).
@@ -26,8 +27,8 @@ def register_second_order(names) -> list[str]:
         cls = getattr(ext, name, None)
         if cls is None:
             continue
-        if name not in overhead.QUANTITIES:
-            overhead.register_quantity(overhead.Quantity(name, name, (cls,), order=2))
+        if name not in QUANTITIES:
+            register_quantity(Quantity(name, name, (cls,), order=2))
         added.append(name)
     return added
 
@@ -41,7 +42,7 @@ def run_overhead(args, log) -> Path | None:
     except Exception as err:  # noqa: BLE001
         log(f"second-order quantities not added to the overhead table: {err}")
         second = []
-    quantities = [q for q in (*FIRST_ORDER, *second) if q in overhead.QUANTITIES]
+    quantities = [q for q in (*FIRST_ORDER, *second) if q in QUANTITIES]
     rounds = args.overhead_rounds or (25 if args.full else 7)
     seconds = args.overhead_seconds or (120.0 if args.full else 30.0)
     threads = args.threads
@@ -68,7 +69,7 @@ def run_overhead(args, log) -> Path | None:
     log("overhead table: python -m experiments overhead " + shlex.join(argv))
     before = torch.get_num_threads()
     try:
-        code = overhead.main(argv)
+        code = OVERHEAD.main(argv)
     except Exception as err:  # noqa: BLE001
         log(f"overhead table failed: {type(err).__name__}: {err}")
         return None

@@ -1,4 +1,4 @@
-"""Overhead of curvopt's quantities, as ratios to a plain forward+backward pass.
+"""``python -m experiments overhead``: the command, its options and its tables.
 
     python -m experiments overhead                       # default: all problems, all backends found
     python -m experiments overhead --problems 3c3d --json overhead.json
@@ -7,34 +7,8 @@
     python -m experiments overhead --profile 3c3d:Variance   # torch.profiler table of one case
     python -m experiments overhead --cases curvlinops --memory   # + peak MB, fresh processes
 
-(``python -m experiments.overhead`` is the same command.)
-
-Every *case* is a (problem, quantity) pair, run by every *backend* that can compute it; the
-jobs live in their own modules:
-
-* :mod:`experiments.overhead_cases`    problems, quantities, default cases, targets
-* :mod:`experiments.overhead_backends` curvopt, torch.func, Opacus, BackPACK, curvlinops (and
-                                       the baseline)
-* :mod:`experiments.overhead_timing`   interleaved timing, profiling
-* :mod:`experiments.overhead_memory`   peak memory per case, each in a fresh process
-* :mod:`experiments.overhead_report`   markdown tables (with ``curvopt/BackPACK``,
-                                       ``curvopt/curvlinops`` and their geometric means when
-                                       those are importable), JSON
-
-Each backend works on its own copy of the network (same weights, same batch). The table shows
-the median over interleaved rounds of the per-round ratio to the plain step (``--spread`` adds
-quartiles; JSON has them, the raw times, and how busy other processes kept the CPUs in each
-round; ``--max-other-load`` drops busy rounds). ``torch.set_num_threads`` is fixed
-(``--threads``, default 2) and printed. Run as a command, ``OMP_WAIT_POLICY=PASSIVE`` is set
-unless the variable is set: with spinning OpenMP workers a busy machine makes 2-thread steps
-erratically 5-100x slower.
-
-Competitors are optional (``make reference`` installs them without replacing the CPU torch);
-a backend that is not importable loses its column, and one line says why. Opacus and BackPACK
-also need no install into the project's environment:
-``pip install --no-deps --target DIR opacus backpack-for-pytorch`` and ``PYTHONPATH=DIR``
-(their imports need neither torchvision nor their other dependencies; delete the top-level
-``benchmarks``/``examples`` folders the Opacus wheel puts into DIR).
+(``python -m experiments.overhead`` is the same command.) What is measured and how:
+:mod:`experiments.overhead`.
 """
 
 from __future__ import annotations
@@ -46,77 +20,15 @@ import os
 import sys
 from pathlib import Path
 
-if __name__ == "__main__":
-    # Spinning OpenMP workers turn every parallel region into a wait for a preempted thread
-    # on a busy machine (2-thread steps 5-100x slower, erratically); sleeping workers keep
-    # the timings stable. Must be set before torch loads OpenMP; export it to override.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import torch
 
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:  # ``benchmarks`` is a folder next to ``experiments``
-    sys.path.insert(0, str(_ROOT))
-
-from experiments.overhead_backends import (  # noqa: E402
-    BACKENDS,
-    Backend,
-    Instance,
-    PlainBackend,
-    Step,
-    Unsupported,
-)
-from experiments.overhead_cases import (  # noqa: E402
-    BACKPACK_CASES,
-    CURVLINOPS_CASES,
-    DEFAULT_CASES,
-    EXTRA_CASES,
-    PLAIN,
-    PROBLEMS,
-    QUANTITIES,
-    TARGETS,
-    Problem,
-    Quantity,
-    register_quantity,
-)
-from experiments.commands import Command, add_threads  # noqa: E402
-from experiments.overhead_memory import measure_memory, unsupported_reason  # noqa: E402
-from experiments.overhead_report import (  # noqa: E402
-    MEMORY_NOTE,
-    TARGETS_NOTE,
-    markdown_table,
-    memory_table,
-    payload,
-)
-from experiments.overhead_timing import Result, build_steps, measure, profile  # noqa: E402
-
-__all__ = [
-    "BACKENDS",
-    "BACKPACK_CASES",
-    "CURVLINOPS_CASES",
-    "DEFAULT_CASES",
-    "EXTRA_CASES",
-    "PLAIN",
-    "PROBLEMS",
-    "QUANTITIES",
-    "TARGETS",
-    "Backend",
-    "Instance",
-    "PlainBackend",
-    "Problem",
-    "Quantity",
-    "Result",
-    "Step",
-    "Unsupported",
-    "build_steps",
-    "main",
-    "markdown_table",
-    "measure",
-    "parse_args",
-    "profile",
-    "register_quantity",
-]
-
+from ..commands import Command, add_threads
+from .backends import BACKENDS
+from .cases import BACKPACK_CASES, CURVLINOPS_CASES, DEFAULT_CASES, EXTRA_CASES, PLAIN, QUANTITIES
+from .memory import measure_memory, unsupported_reason
+from .problems import PROBLEMS
+from .report import MEMORY_NOTE, TARGETS_NOTE, markdown_table, memory_table, payload
+from .timing import Result, measure, profile
 
 #: named case sets (``--cases``)
 CASE_SETS = {
@@ -345,7 +257,3 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     return OVERHEAD.main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -31,7 +31,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parents[1]
+import torch
+
+from .backends import BACKENDS, Instance, PlainBackend, Unsupported
+from .cases import PLAIN, QUANTITIES
+from .problems import PROBLEMS
+
+_ROOT = Path(__file__).resolve().parents[2]
 _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
 #: the environment of a measuring child (see the module docstring)
@@ -86,8 +92,6 @@ def _pay_one_time_costs(backend, problem, quantity) -> None:
     """Run the step once on a batch of one (of two where one sample is ambiguous, e.g. a
     sequence model whose T loss rows could be T samples) and drop it: lazy imports, compiled
     functions and thread pools are then paid for. A case that fails on both raises later."""
-    from .overhead_backends import Instance
-
     for n in (1, 2):
         try:
             small = Instance.of(problem.resized(n), linear_only=quantity.linear_only)
@@ -102,11 +106,6 @@ def _pay_one_time_costs(backend, problem, quantity) -> None:
 
 def _case_peak(spec: dict) -> dict:
     """In the child: the peaks of two steps of one case (module docstring)."""
-    import torch
-
-    from .overhead_backends import BACKENDS, Instance, PlainBackend
-    from .overhead_cases import PLAIN, PROBLEMS, QUANTITIES
-
     torch.set_num_threads(spec["threads"])
     problem = PROBLEMS[spec["problem"]]
     if spec.get("batch"):
@@ -136,12 +135,8 @@ def _case_peak(spec: dict) -> dict:
 
 def _child(spec: dict) -> dict:
     """Run one measurement in this process; ``{"peak_mb": ...}`` or ``{"error": ...}``."""
-    from .overhead_backends import Unsupported
-
     try:
         if "allocate_mb" in spec:  # a known answer, for the tests
-            import torch
-
             n = int(spec["allocate_mb"] * MB) // 4
             return {"peak_mb": peak_mb(lambda: torch.ones(n, dtype=torch.float32).sum())}
         return _case_peak(spec)
@@ -153,11 +148,11 @@ def _child(spec: dict) -> dict:
 
 
 def run_child(spec: dict, timeout: float = 1800.0) -> dict:
-    """Measure ``spec`` in a fresh ``python -m experiments.overhead_memory`` process."""
+    """Measure ``spec`` in a fresh ``python -m experiments.overhead.memory`` process."""
     env = {**os.environ, **CHILD_ENV, "OMP_NUM_THREADS": str(spec.get("threads", 1))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments.overhead_memory", json.dumps(spec)],
+        [sys.executable, "-m", "experiments.overhead.memory", json.dumps(spec)],
         cwd=_ROOT,
         env=env,
         capture_output=True,
@@ -180,8 +175,6 @@ def measure_memory(
     log=None,
 ) -> list[MemoryResult]:
     """Peak MB of the plain step and of every (quantity, backend), each in its own process."""
-    from .overhead_cases import PLAIN
-
     jobs = [(PLAIN, PLAIN)] + [(q, b) for q in quantities for b in backends]
     out = []
     for quantity, backend in jobs:

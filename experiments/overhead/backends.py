@@ -25,7 +25,8 @@ import curvopt
 from curvopt import extensions as ext
 from curvopt import linalg
 
-from .overhead_cases import PLAIN, Problem, Quantity
+from .cases import PLAIN, Quantity
+from .problems import Problem
 
 Step = Callable[[], None]
 

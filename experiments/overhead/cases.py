@@ -1,8 +1,6 @@
-"""The cases of the overhead benchmark: problems, quantities, default cases and targets.
+"""The cases of the overhead benchmark: quantities, default cases and targets (the problems are
+:mod:`experiments.overhead.problems`).
 
-* problems   ``PROBLEMS``: ``benchmarks/models.py`` (3C3D, MLP, small CNN, transformer block,
-             DeepOBS logreg and 2C2D, a GPT-style decoder, ...); ``Problem.resized(n)`` changes
-             the batch size
 * quantities ``QUANTITIES``: the plain baseline, "hooks only" (extended model, no ``collect``),
              every first- and second-order extension; more with :func:`register_quantity`
 * cases      ``DEFAULT_CASES`` (and the slow ``EXTRA_CASES``): ``(problem, quantity)`` pairs;
@@ -11,38 +9,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from curvopt import extensions as ext
-
-_ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_models():
-    """``benchmarks/models.py`` of this repository, loaded by path.
-
-    ``benchmarks/`` has no ``__init__.py``, so ``import benchmarks.models`` would pick up any
-    installed top-level ``benchmarks`` package first (the Opacus wheel ships one).
-    """
-    path = _ROOT / "benchmarks" / "models.py"
-    for name in ("benchmarks.models", "_curvopt_benchmark_models"):
-        mod = sys.modules.get(name)
-        if mod is not None and Path(getattr(mod, "__file__", "")).resolve() == path:
-            return mod
-    spec = importlib.util.spec_from_file_location("_curvopt_benchmark_models", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-models = _load_models()
-PROBLEMS: dict[str, models.Problem] = models.PROBLEMS
-Problem = models.Problem
 
 PLAIN = "plain"  # name of the baseline quantity: un-extended model, forward + backward
 

@@ -21,8 +21,9 @@ from typing import Callable
 
 import torch
 
-from .overhead_backends import BACKENDS, Instance, PlainBackend, Step, Unsupported
-from .overhead_cases import PLAIN, PROBLEMS, QUANTITIES, Problem
+from .backends import BACKENDS, Instance, PlainBackend, Step, Unsupported
+from .cases import PLAIN, QUANTITIES
+from .problems import PROBLEMS, Problem
 
 
 @dataclass

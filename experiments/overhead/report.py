@@ -17,10 +17,11 @@ from collections.abc import Sequence
 
 import torch
 
-from .overhead_cases import PLAIN, PROBLEMS, QUANTITIES, TARGETS
-from .overhead_memory import MemoryResult
-from .overhead_memory import ratio as memory_ratio
-from .overhead_timing import Result
+from .cases import PLAIN, QUANTITIES, TARGETS
+from .memory import MemoryResult
+from .memory import ratio as memory_ratio
+from .problems import PROBLEMS
+from .timing import Result
 
 #: the libraries compared head to head with curvopt, by backend name: their column titles
 COMPETITORS = {"backpack": "BackPACK", "curvlinops": "curvlinops"}
@@ -36,7 +37,7 @@ def head_to_head(mine: Result | None, theirs: Result | None) -> float | None:
 #: the legend printed below a table with targets
 TARGETS_NOTE = (
     "target (curvopt): the goal the project set for curvopt's ratio in that cell when the\n"
-    "quantity was optimised, at the problem's own batch size (experiments/overhead_cases.py,\n"
+    "quantity was optimised, at the problem's own batch size (experiments/overhead/cases.py,\n"
     "TARGETS). ✓: this run's median ratio is at or below it, ✗: above. Ratios measured on a\n"
     "busy machine, with 1 thread or with few rounds (the main job takes 7) scatter widely:\n"
     "a ✗ there says to measure again on an idle machine\n"
@@ -155,7 +156,7 @@ MEMORY_NOTE = (
     "peak memory (MB): each cell in a fresh process; the peak resident memory of two steps\n"
     "above the resident memory after building the problem and one plain forward+backward\n"
     "(results and cached buffers included), in brackets that of the second step alone (the\n"
-    "steady state); the ratios compare the peaks (experiments/overhead_memory.py)."
+    "steady state); the ratios compare the peaks (experiments/overhead/memory.py)."
 )
 
 

@@ -1,4 +1,4 @@
-"""Benchmark networks with random data: a registry of ``Problem``s.
+"""The overhead benchmark's networks with random data: a registry of ``Problem``s.
 
 Every problem builds, from a fixed seed, a float32 model, a batch ``(X, y)`` and a loss module
 (``CrossEntropyLoss``, ``reduction="mean"``). Models are plain ``nn.Module``s with no parameters
@@ -12,7 +12,7 @@ independent copies of the same network (``Problem.build`` returns fresh copies e
                   MultiheadAttention, LayerNorm, MLP, residuals), mean-pooled to 10 classes;
                   N=16, T=32, d=64, vocabulary 1000
 * ``logreg``, ``2c2d``  DeepOBS MNIST logistic regression and Fashion-MNIST 2C2D, N=64
-* ``gpt``         GPT-style decoder of ``experiments/zoo.py`` (causal block, tied output layer),
+* ``gpt``         GPT-style decoder of ``fixtures/zoo.py`` (causal block, tied output layer),
                   next-token loss over the flattened ``[N·T, V]`` logits; N=16, T=32, d=64,
                   vocabulary 256
 
@@ -28,8 +28,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from experiments import zoo
-from experiments.problems import (
+from fixtures import zoo
+
+from ..problems import (
     cifar10_3c3d,
     cifar100_allcnnc,
     fmnist_2c2d,
@@ -115,7 +116,7 @@ class TokenLogits(nn.Module):
 
 
 def gpt(vocab: int = 256, d: int = 64, heads: int = 4, seq_len: int = 32) -> nn.Module:
-    """``experiments.zoo.GPT`` at benchmark size, logits flattened for ``CrossEntropyLoss``."""
+    """``fixtures.zoo.GPT`` at benchmark size, logits flattened for ``CrossEntropyLoss``."""
     return TokenLogits(zoo.GPT(vocab=vocab, d=d, heads=heads, t_max=seq_len))
 
 
