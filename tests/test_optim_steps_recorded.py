@@ -116,7 +116,14 @@ CASES = {
     "ekfac_practical": (
         lambda: _mlp(4, torch.float64),
         lambda p: EKFAC(
-            p, 0.3, 0.1, "kflr", 0.01, reduction="sum", basis_interval=2, momentum=0.9,
+            p,
+            0.3,
+            0.1,
+            "kflr",
+            0.01,
+            reduction="sum",
+            basis_interval=2,
+            momentum=0.9,
             kl_clip=1e-3,
         ),
         "sum",
@@ -153,7 +160,7 @@ def trajectory(name: str) -> torch.Tensor:
         y = torch.randint(0, 3, (N,), generator=generator)
         if use_closure:
 
-            def closure():
+            def closure(X=X, y=y):
                 opt.zero_grad()
                 loss = lossfunc(model(X), y)
                 loss.backward()
