@@ -79,11 +79,20 @@ def damped_inverse(
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """``V [K, *p.shape] ↦ (C + λ I)⁻¹ V`` by the optimizer's ``_direction`` for curvature
     ``C`` of ``param`` (in its first param group): the derived inverse computed once, as at a
-    step, then applied to each of the ``K`` vectors."""
+    step, then applied to each of the ``K`` vectors in turn."""
     group = optimizer.param_groups[0]
 
     def direction(grad: torch.Tensor, state: dict[str, Any]):
         return optimizer._direction(grad, curvature, state, group, 0, damping, 0)
 
     _, state = direction(torch.zeros_like(param), {})
-    return torch.vmap(lambda v: direction(v, state)[0])
+
+    def apply(vectors: torch.Tensor) -> torch.Tensor:
+        # one vector at a time, as a step: the same kernels, so the same bits (vmap's batched
+        # products round differently)
+        result = torch.empty_like(vectors)
+        for index, vector in enumerate(vectors):
+            result[index] = direction(vector, state)[0]
+        return result
+
+    return apply
