@@ -8,6 +8,11 @@ Per parameter, with damping ``λ`` and weight decay ``δ`` (BackPACK paper, Dang
     v = μ v + ν d                                (momentum μ, default 0)
     θ ← θ − lr · v
 
+Each line is one stage of :mod:`curvopt.optim.stages` (weight decay, curvature EMA,
+preconditioning, trust region, momentum, learning rate), run in that order on every param
+group; this module plans around them (which parameters take part, the curvature read where
+due, the quadratic model of adaptive damping).
+
 The trust region is opt-in (``kl_clip=κ``; off by default, so that the default update is the
 paper's). ``kl_clip=1e-3`` (kfac-pytorch's value) is the setting the README shows: ``lr² gᵀd``
 is the step's squared length in the damped curvature, ``sᵀ(C + λ'I)s`` (twice the curvature term of
