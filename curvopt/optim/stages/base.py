@@ -73,6 +73,7 @@ class Stage:
         return f"{type(self).__name__}(order={self.order})"
 
 
+#: the registered stages, kept sorted by ``order``
 _REGISTRY: list[Stage] = []
 
 
@@ -81,9 +82,10 @@ def register(cls: type[Stage]) -> type[Stage]:
     if any(type(s).order == cls.order for s in _REGISTRY):
         raise ValueError(f"{cls.__name__}: another stage already runs at order {cls.order}")
     _REGISTRY.append(cls())
+    _REGISTRY.sort(key=lambda s: s.order)
     return cls
 
 
-def chain() -> list[Stage]:
+def chain() -> tuple[Stage, ...]:
     """The registered stages, in the order they run."""
-    return sorted(_REGISTRY, key=lambda s: s.order)
+    return tuple(_REGISTRY)
