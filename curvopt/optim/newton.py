@@ -63,9 +63,10 @@ class Derived:
 
 
 class NewtonOptimizer(CurvatureOptimizer):
-    """Shared step of :class:`DiagGGNNewton` and :class:`KFAC`.
+    """Shared step of :class:`DiagGGNNewton`, :class:`KFAC` and :class:`EKFAC`.
 
-    Subclasses define :meth:`_extension` (which curvature to collect), :meth:`_direction`
+    Subclasses declare ``Options`` (a :class:`~curvopt.optim.options.NewtonOptions` subclass:
+    their constructor is written from it), define :meth:`_extension` (which curvature to collect), :meth:`_direction`
     (``(C + λ I)⁻¹ g``) and :meth:`_quadratic` (``sᵀ C s``), and may check the curvature's
     shape in :meth:`_check_curvature` and declare a cached inverse in :meth:`_derived`.
     """
