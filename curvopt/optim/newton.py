@@ -66,9 +66,10 @@ class NewtonOptimizer(CurvatureOptimizer):
     """Shared step of :class:`DiagGGNNewton`, :class:`KFAC` and :class:`EKFAC`.
 
     Subclasses declare ``Options`` (a :class:`~curvopt.optim.options.NewtonOptions` subclass:
-    their constructor is written from it), define :meth:`_extension` (which curvature to collect), :meth:`_direction`
-    (``(C + λ I)⁻¹ g``) and :meth:`_quadratic` (``sᵀ C s``), and may check the curvature's
-    shape in :meth:`_check_curvature` and declare a cached inverse in :meth:`_derived`.
+    their constructor is written from it), define :meth:`_extension` (which curvature to
+    collect), :meth:`_direction` (``(C + λ I)⁻¹ g``) and :meth:`_quadratic` (``sᵀ C s``), and
+    may check the curvature's shape in :meth:`_check_curvature` and declare a cached inverse
+    in :meth:`_derived`.
     """
 
     _distributable = True
