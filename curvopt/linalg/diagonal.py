@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from curvopt import extensions
+from curvopt import extensions, optim
 from curvopt.linalg.base import BlockDiagonal, CurvatureOperator
 from curvopt.linalg.collected import collected
-from curvopt.optim.diagonal import diag_precondition
+from curvopt.optim.stages.precondition import damped_inverse
 
 _CURVATURES = {
     "ggn_exact": lambda mc: extensions.DiagGGNExact(),
@@ -48,7 +48,14 @@ class Diagonal(CurvatureOperator):
         return self.diagonal[:, None] * matrix
 
     def inverse(self, damping: float) -> BlockDiagonal:
-        """``(diag(c) + λ I)⁻¹`` as an operator (``optim.diag_precondition``)."""
+        """``(diag(c) + λ I)⁻¹`` by ``optim.DiagGGNNewton``'s own preconditioning (the
+        precondition stage: ``g / (c + λ)``)."""
+        optimizer = optim.DiagGGNNewton(self.params, 1.0, damping, process_group=False)
+        diagonals = self.diagonal.split([p.numel() for p in self.params])
         return BlockDiagonal(
-            [self.diagonal], [lambda v: diag_precondition(v, self.diagonal, damping)]
+            self.params,
+            [
+                damped_inverse(optimizer, p, c.view(p.shape), damping)
+                for p, c in zip(self.params, diagonals)
+            ],
         )

@@ -14,7 +14,7 @@ rows (dim 0 of the loss input the samples) it is the projection of
 
 from __future__ import annotations
 
-from curvopt import extensions
+from curvopt import extensions, optim
 from curvopt.linalg.base import BlockDiagonal, CurvatureOperator
 from curvopt.linalg.collected import collected
 from curvopt.linalg.kronecker import KFAC
@@ -22,9 +22,9 @@ from curvopt.optim.eigen_corrected import (
     as_rows,
     eigen_correction,
     eigen_corrected_matmul,
-    eigen_corrected_solve,
     kron_basis,
 )
+from curvopt.optim.stages.precondition import damped_inverse
 
 
 def _block(bases, apply):
@@ -75,11 +75,13 @@ class EKFAC(CurvatureOperator):
         return self.matrix._apply(matrix)
 
     def inverse(self, damping: float) -> BlockDiagonal:
-        """``(Q diag(S) Qᵀ + λ I)⁻¹`` as ``optim.EKFAC`` applies it (the same solve)."""
+        """``(Q diag(S) Qᵀ + λ I)⁻¹`` by ``optim.EKFAC``'s own preconditioning (the precondition
+        stage)."""
+        optimizer = optim.EKFAC(self.params, 1.0, damping)
         return BlockDiagonal(
             self.params,
             [
-                _block(bs, lambda m, bs=bs, s=s: eigen_corrected_solve(bs, s, m, damping))
-                for bs, s in zip(self.bases, self.corrections)
+                damped_inverse(optimizer, p, [s, *bs], damping)
+                for p, bs, s in zip(self.params, self.bases, self.corrections)
             ],
         )

@@ -10,17 +10,12 @@ batch the factors are those ``collect`` writes.
 
 from __future__ import annotations
 
-from curvopt import extensions
+from curvopt import extensions, optim
 from curvopt.layers.kron import output_factor_index
 from curvopt.linalg.base import BlockDiagonal, CurvatureOperator
 from curvopt.linalg.collected import collected
-from curvopt.optim.kronecker import (
-    as_matrix,
-    exact_damped_solve,
-    kron_eigh,
-    kron_matmul,
-    trace_norm_inverse,
-)
+from curvopt.optim.kronecker import as_matrix, kron_matmul
+from curvopt.optim.stages.precondition import damped_inverse
 
 _CURVATURES = {
     "kfac": lambda mc: extensions.KFAC(mc_samples=mc),
@@ -94,18 +89,18 @@ class KFAC(CurvatureOperator):
         return self.matrix._apply(matrix)
 
     def inverse(self, damping: float, kronecker_damping: str = "trace_norm") -> BlockDiagonal:
-        """``(B ⊗ A + λ I)⁻¹`` as ``optim.KFAC`` applies it: ``"trace_norm"`` inverts
-        ``(B + √λ/π I) ⊗ (A + π√λ I)``, ``"exact"`` the damped product itself."""
-        if kronecker_damping == "trace_norm":
-            inverses = [trace_norm_inverse(fs, damping) for fs in self.factors]
-            apply = [lambda m, inv=inv: kron_matmul(inv, m) for inv in inverses]
-        elif kronecker_damping == "exact":
-            eigs = [kron_eigh(fs) for fs in self.factors]
-            apply = [lambda m, e=e: exact_damped_solve(e, m, damping) for e in eigs]
-        else:
+        """``(B ⊗ A + λ I)⁻¹`` by ``optim.KFAC``'s own preconditioning (the precondition stage):
+        ``"trace_norm"`` inverts ``(B + √λ/π I) ⊗ (A + π√λ I)``, ``"exact"`` the damped product
+        itself."""
+        if kronecker_damping not in ("trace_norm", "exact"):
             raise ValueError(
                 f"KFAC.inverse: kronecker_damping must be 'trace_norm' or 'exact', got "
                 f"{kronecker_damping!r}"
             )
-        rows = [_rows(fs) for fs in self.factors]
-        return BlockDiagonal(self.params, [_kron_block(r, a) for r, a in zip(rows, apply)])
+        optimizer = optim.KFAC(
+            self.params, 1.0, damping, kronecker_damping=kronecker_damping, process_group=False
+        )
+        return BlockDiagonal(
+            self.params,
+            [damped_inverse(optimizer, p, fs, damping) for p, fs in zip(self.params, self.factors)],
+        )

@@ -25,8 +25,7 @@ import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from numbers import Real
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch.optim import Optimizer
@@ -35,6 +34,7 @@ from curvopt import extensions
 from curvopt.collect import collect
 from curvopt.optim import distributed
 from curvopt.optim.kronecker import rescaled
+from curvopt.optim.options import CurvatureOptions, constructor
 
 #: an extension to collect, as ``(class name in curvopt.extensions, constructor options)``
 ExtensionSpec = tuple[str, dict[str, Any]]
@@ -54,31 +54,6 @@ class ParamUpdate:
     consumed: dict[str, Any] = field(default_factory=dict)
 
 
-def check_number(
-    name: str,
-    value,
-    low: float = 0.0,
-    high: float = math.inf,
-    *,
-    open_high: bool = False,
-    integer: bool = False,
-) -> None:
-    """Raise ``ValueError`` unless ``low <= value <= high`` (``< high`` if ``open_high``)."""
-    kind = int if integer else Real
-    ok = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and low <= value and (value < high if open_high else value <= high)
-    if not ok:
-        bound = f"< {high}" if open_high else (f"<= {high}" if high < math.inf else "")
-        what = "an int" if integer else "a finite number"
-        raise ValueError(f"{name} must be {what} >= {low} {bound}, got {value!r}".rstrip())
-
-
-def check_choice(name: str, value, choices: Sequence) -> None:
-    """Raise ``ValueError`` unless ``value`` is one of ``choices``."""
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
-
-
 def _number(loss) -> float:
     return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
 
@@ -86,8 +61,10 @@ def _number(loss) -> float:
 class CurvatureOptimizer(Optimizer):
     """A ``torch.optim.Optimizer`` that reads quantities computed by ``curvopt.collect``.
 
-    Subclasses implement :meth:`_validate` (per-group hyper-parameters), :meth:`_needs`
-    (the extensions a group needs at its next step) and :meth:`_plan_group`.
+    Subclasses declare their hyper-parameters as ``Options`` (a :mod:`curvopt.optim.options`
+    dataclass: defaults and validation of every param group; a class that declares it and no
+    ``__init__`` gets the constructor written from it) and implement :meth:`_needs` (the
+    extensions a group needs at its next step) and :meth:`_plan_group`.
 
     Two equivalent ways to take a step::
 
@@ -112,6 +89,14 @@ class CurvatureOptimizer(Optimizer):
     #: a Kronecker factor list carries it once, on its output-side factor ``B``, the first)
     _SQUARED = ("variance", "batch_l2", "sum_grad_squared")
 
+    #: the hyper-parameters of a param group, their defaults and validation
+    Options: ClassVar[type[CurvatureOptions]] = CurvatureOptions
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "Options" in cls.__dict__ and "__init__" not in cls.__dict__:
+            cls.__init__ = constructor(cls.Options, cls._distributable, CurvatureOptimizer.__init__)
+
     def __init__(self, params, defaults: dict[str, Any], process_group=None):
         self._group_state: list[dict[str, Any]] = []
         self._consumed: dict[torch.Tensor, dict[str, Any]] = {}
@@ -124,8 +109,7 @@ class CurvatureOptimizer(Optimizer):
     # ----------------------------------------------------------------- hyper-parameters
     def _validate(self, group: dict[str, Any]) -> None:
         """Raise ``ValueError`` for invalid hyper-parameters of ``group`` (without params)."""
-        check_number("lr", group["lr"])
-        check_number("weight_decay", group["weight_decay"])
+        self.Options.of_group(group)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As in ``torch.optim``; the group's hyper-parameters are validated first."""

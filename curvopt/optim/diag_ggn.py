@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from curvopt.optim.base import check_choice, check_number
 from curvopt.optim.diagonal import diag_precondition, diag_quadratic
 from curvopt.optim.newton import NewtonOptimizer
+from curvopt.optim.options import NewtonOptions, choice, option
 
 _EXTENSIONS = {"mc": ("DiagGGNMC", "diag_ggn_mc"), "exact": ("DiagGGNExact", "diag_ggn_exact")}
+
+
+@dataclass(frozen=True)
+class DiagGGNOptions(NewtonOptions):
+    """:class:`NewtonOptions` with ``curvature="mc" | "exact"``."""
+
+    curvature: str = option("mc", choice(*_EXTENSIONS))
 
 
 class DiagGGNNewton(NewtonOptimizer):
@@ -35,40 +44,7 @@ class DiagGGNNewton(NewtonOptimizer):
             (rank-local); see :mod:`curvopt.optim.distributed`.
     """
 
-    def __init__(
-        self,
-        params,
-        lr: float,
-        damping,
-        curvature: str = "mc",
-        weight_decay: float = 0.0,
-        *,
-        mc_samples: int = 1,
-        momentum: float = 0.0,
-        curvature_ema: float = 0.0,
-        curvature_interval: int = 1,
-        kl_clip: float | None = None,
-        fallback: str | None = None,
-        process_group=None,
-    ):
-        defaults = {
-            "lr": lr,
-            "damping": damping,
-            "curvature": curvature,
-            "weight_decay": weight_decay,
-            "mc_samples": mc_samples,
-            "momentum": momentum,
-            "curvature_ema": curvature_ema,
-            "curvature_interval": curvature_interval,
-            "kl_clip": kl_clip,
-            "fallback": fallback,
-        }
-        super().__init__(params, defaults, process_group)
-
-    def _validate(self, group):
-        super()._validate(group)
-        check_choice("curvature", group["curvature"], tuple(_EXTENSIONS))
-        check_number("mc_samples", group["mc_samples"], 1, integer=True)
+    Options = DiagGGNOptions
 
     def _extension(self, group):
         name, attr = _EXTENSIONS[group["curvature"]]

@@ -14,7 +14,8 @@ curvature step (every step by default), in the current basis.
 from __future__ import annotations
 
 
-from curvopt.optim.base import check_choice, check_number
+from dataclasses import dataclass
+
 from curvopt.optim.eigen_corrected import (
     as_rows,
     eigen_correction,
@@ -24,8 +25,33 @@ from curvopt.optim.eigen_corrected import (
 )
 from curvopt.optim.kronecker import as_matrix
 from curvopt.optim.newton import NewtonOptimizer
+from curvopt.optim.options import NewtonOptions, choice, number, option
 
 _FACTORS = {"kfac": "KFAC", "kflr": "KFLR"}
+
+
+@dataclass(frozen=True)
+class EKFACOptions(NewtonOptions):
+    """:class:`NewtonOptions` with the factors' curvatures, the loss reduction and the basis
+    interval; ``curvature_ema`` is fixed at 0 (not a constructor keyword)."""
+
+    curvature: str = option("kfac", choice(*_FACTORS))
+    curvature_ema: float = option(0.0, number(0.0, 1.0, open_high=True), keyword=False)
+    reduction: str = option("mean", choice("mean", "sum"))
+    basis_interval: int = option(1, number(1, integer=True))
+
+    def relations(self) -> None:
+        if self.curvature_ema != 0:
+            raise ValueError(
+                "EKFAC does not support curvature_ema: S is recomputed in the current basis "
+                "at every curvature step"
+            )
+        if self.basis_interval % self.curvature_interval:
+            raise ValueError(
+                f"basis_interval ({self.basis_interval}) must be a multiple of "
+                f"curvature_interval ({self.curvature_interval}): the basis is refreshed "
+                "at curvature steps"
+            )
 
 
 class EKFAC(NewtonOptimizer):
@@ -65,56 +91,9 @@ class EKFAC(NewtonOptimizer):
 
     _distributable = False  # torch.distributed raises NotImplementedError (not wired up yet)
 
-    def __init__(
-        self,
-        params,
-        lr: float,
-        damping,
-        curvature: str = "kfac",
-        weight_decay: float = 0.0,
-        *,
-        reduction: str = "mean",
-        basis_interval: int = 1,
-        mc_samples: int = 1,
-        momentum: float = 0.0,
-        curvature_interval: int = 1,
-        kl_clip: float | None = None,
-        fallback: str | None = None,
-    ):
-        defaults = {
-            "lr": lr,
-            "damping": damping,
-            "curvature": curvature,
-            "weight_decay": weight_decay,
-            "reduction": reduction,
-            "basis_interval": basis_interval,
-            "mc_samples": mc_samples,
-            "momentum": momentum,
-            "curvature_ema": 0.0,
-            "curvature_interval": curvature_interval,
-            "kl_clip": kl_clip,
-            "fallback": fallback,
-        }
-        self._planning: dict | None = None
-        super().__init__(params, defaults)
-
-    def _validate(self, group):
-        super()._validate(group)
-        check_choice("curvature", group["curvature"], tuple(_FACTORS))
-        check_choice("reduction", group["reduction"], ("mean", "sum"))
-        check_number("basis_interval", group["basis_interval"], 1, integer=True)
-        check_number("mc_samples", group["mc_samples"], 1, integer=True)
-        if group["curvature_ema"] != 0:
-            raise ValueError(
-                "EKFAC does not support curvature_ema: S is recomputed in the current basis "
-                "at every curvature step"
-            )
-        if group["basis_interval"] % group["curvature_interval"]:
-            raise ValueError(
-                f"basis_interval ({group['basis_interval']}) must be a multiple of "
-                f"curvature_interval ({group['curvature_interval']}): the basis is refreshed "
-                "at curvature steps"
-            )
+    Options = EKFACOptions
+    #: what ``_plan_group`` passes to ``_read`` while it runs
+    _planning: dict | None = None
 
     # ----------------------------------------------------------------- what to collect
     def _extension(self, group):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from curvopt.optim.base import check_choice, check_number
 from curvopt.optim.cache import cached
 from curvopt.optim.fallback import fallback_diagonal
 from curvopt.optim.kronecker import (
@@ -16,8 +17,20 @@ from curvopt.optim.kronecker import (
     trace_norm_cholesky,
 )
 from curvopt.optim.newton import Derived, NewtonOptimizer
+from curvopt.optim.options import NewtonOptions, choice, number, option
 
 _EXTENSIONS = {"kfac": "KFAC", "kflr": "KFLR", "kfra": "KFRA"}
+
+
+@dataclass(frozen=True)
+class KFACOptions(NewtonOptions):
+    """:class:`NewtonOptions` with KFAC's curvatures, ``fallback='diagonal'``, and the
+    options of its inverses."""
+
+    curvature: str = option("kfac", choice(*_EXTENSIONS))
+    fallback: str | None = option(None, choice(None, "sgd", "diagonal"))
+    kronecker_damping: str = option("trace_norm", choice("trace_norm", "exact"))
+    inverse_interval: int = option(1, number(1, integer=True))
 
 
 class KFAC(NewtonOptimizer):
@@ -55,41 +68,7 @@ class KFAC(NewtonOptimizer):
             (rank-local); see :mod:`curvopt.optim.distributed`.
     """
 
-    def __init__(
-        self,
-        params,
-        lr: float,
-        damping,
-        curvature: str = "kfac",
-        weight_decay: float = 0.0,
-        *,
-        kronecker_damping: str = "trace_norm",
-        inverse_interval: int = 1,
-        mc_samples: int = 1,
-        momentum: float = 0.0,
-        curvature_ema: float = 0.0,
-        curvature_interval: int = 1,
-        kl_clip: float | None = None,
-        fallback: str | None = None,
-        process_group=None,
-    ):
-        defaults = {
-            "lr": lr,
-            "damping": damping,
-            "curvature": curvature,
-            "weight_decay": weight_decay,
-            "kronecker_damping": kronecker_damping,
-            "inverse_interval": inverse_interval,
-            "mc_samples": mc_samples,
-            "momentum": momentum,
-            "curvature_ema": curvature_ema,
-            "curvature_interval": curvature_interval,
-            "kl_clip": kl_clip,
-            "fallback": fallback,
-        }
-        super().__init__(params, defaults, process_group)
-
-    _fallbacks = (None, "sgd", "diagonal")
+    Options = KFACOptions
 
     def _collect_options(self):
         fallbacks = {g["fallback"] for g in self.param_groups}
@@ -102,13 +81,6 @@ class KFAC(NewtonOptimizer):
             return super()._fallback_direction(update, grad, state, group, damping)
         (extension, _), attr = self._extension(group)
         return fallback_diagonal(self, update, grad, state, attr, extension, damping)
-
-    def _validate(self, group):
-        super()._validate(group)
-        check_choice("curvature", group["curvature"], tuple(_EXTENSIONS))
-        check_choice("kronecker_damping", group["kronecker_damping"], ("trace_norm", "exact"))
-        check_number("inverse_interval", group["inverse_interval"], 1, integer=True)
-        check_number("mc_samples", group["mc_samples"], 1, integer=True)
 
     def _extension(self, group):
         curvature = group["curvature"]

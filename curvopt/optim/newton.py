@@ -8,6 +8,11 @@ Per parameter, with damping ``λ`` and weight decay ``δ`` (BackPACK paper, Dang
     v = μ v + ν d                                (momentum μ, default 0)
     θ ← θ − lr · v
 
+Each line is one stage of :mod:`curvopt.optim.stages` (weight decay, curvature EMA,
+preconditioning, trust region, momentum, learning rate), run in that order on every param
+group; this module plans around them (which parameters take part, the curvature read where
+due, the quadratic model of adaptive damping).
+
 The trust region is opt-in (``kl_clip=κ``; off by default, so that the default update is the
 paper's). ``kl_clip=1e-3`` (kfac-pytorch's value) is the setting the README shows: ``lr² gᵀd``
 is the step's squared length in the damped curvature, ``sᵀ(C + λ'I)s`` (twice the curvature term of
@@ -36,17 +41,10 @@ from typing import Any, Callable
 
 import torch
 
-from curvopt.optim.base import (
-    CurvatureOptimizer,
-    ExtensionSpec,
-    ParamUpdate,
-    check_choice,
-    check_number,
-)
-from curvopt.optim.cache import cached
+from curvopt.optim import stages
+from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, ParamUpdate
 from curvopt.optim.damping import as_damping, reduction_ratio
-from curvopt.optim.distributed import Job, inversion_cost
-from curvopt.optim.transforms import add_weight_decay, ema, kl_clip_factor, momentum
+from curvopt.optim.stages import GroupStep, ParamStep
 
 
 @dataclass
@@ -65,26 +63,16 @@ class Derived:
 
 
 class NewtonOptimizer(CurvatureOptimizer):
-    """Shared step of :class:`DiagGGNNewton` and :class:`KFAC`.
+    """Shared step of :class:`DiagGGNNewton`, :class:`KFAC` and :class:`EKFAC`.
 
-    Subclasses define :meth:`_extension` (which curvature to collect), :meth:`_direction`
-    (``(C + λ I)⁻¹ g``) and :meth:`_quadratic` (``sᵀ C s``), and may check the curvature's
-    shape in :meth:`_check_curvature` and declare a cached inverse in :meth:`_derived`.
+    Subclasses declare ``Options`` (a :class:`~curvopt.optim.options.NewtonOptions` subclass:
+    their constructor is written from it), define :meth:`_extension` (which curvature to
+    collect), :meth:`_direction` (``(C + λ I)⁻¹ g``) and :meth:`_quadratic` (``sᵀ C s``), and
+    may check the curvature's shape in :meth:`_check_curvature` and declare a cached inverse
+    in :meth:`_derived`.
     """
 
     _distributable = True
-    #: the values of ``fallback`` this optimizer accepts
-    _fallbacks: tuple = (None, "sgd")
-
-    def _validate(self, group: dict[str, Any]) -> None:
-        super()._validate(group)
-        as_damping(group["damping"])
-        check_number("momentum", group["momentum"], 0.0, 1.0, open_high=True)
-        check_number("curvature_ema", group["curvature_ema"], 0.0, 1.0, open_high=True)
-        check_number("curvature_interval", group["curvature_interval"], 1, integer=True)
-        if group["kl_clip"] is not None:
-            check_number("kl_clip", group["kl_clip"])
-        check_choice("fallback", group["fallback"], self._fallbacks)
 
     # ----------------------------------------------------------------- subclass hooks
     def _extension(self, group: dict[str, Any]) -> tuple[ExtensionSpec, str]:
@@ -148,100 +136,56 @@ class NewtonOptimizer(CurvatureOptimizer):
         return strategy, group_state["damping"] or strategy.init()
 
     def _plan_group(self, group, group_state, with_model):
-        step = group_state["step"]
-        strategy, damping_state = self._damping(group, group_state)
-        weight_decay = group["weight_decay"]
-        damping = strategy.value(damping_state, step) + weight_decay
+        """The group's :class:`~curvopt.optim.stages.GroupStep` (curvature read where due)
+        through the chain of stages, and the decrease the quadratic model predicts."""
+        step = GroupStep(self, group, group_state["step"], self._total_damping(group, group_state))
         (extension, _), attr = self._extension(group)
         due = self._curvature_due(group, group_state)
-
-        items = []  # (update, g, C, curvature step, old state)
         for index, param in enumerate(group["params"]):
             if self._unused(param, (attr,)):
                 continue
             state = self.state.get(param, {})
             update = ParamUpdate(param, self._describe(group, index, param))
             update.checks.append(("gradient", param.grad))
-            grad = add_weight_decay(self._grad(param), param, weight_decay)
-            curvature, curvature_step = state.get("curvature"), state.get("curvature_step")
+            curvature = state.get("curvature"), state.get("curvature_step")
+            item = ParamStep(update, self._grad(param), state, *curvature)
             if due or self._lacks_curvature(group, param):
-                raw = self._read(param, attr, update.description, extension, group["fallback"])
-                if raw is not None:
-                    try:
-                        self._check_curvature(raw, param)
-                    except ValueError as error:
-                        raise ValueError(f"{update.description}: {error}") from None
-                    tensors = [raw] if isinstance(raw, torch.Tensor) else list(raw)
-                    update.checks += [(f"`{attr}`", t) for t in tensors]
-                    update.consumed[attr] = raw
-                    curvature = ema(curvature, raw, group["curvature_ema"])
-                    curvature_step = step
-            items.append((update, grad, curvature, curvature_step, state))
+                item.fresh = self._read_curvature(update, group, attr, extension)
+            step.params.append(item)
+        for stage in stages.chain():
+            stage(step)
+        predicted = self._predicted(step) if with_model else 0.0
+        return [item.update for item in step.params], predicted
 
-        if self._distributed is not None:
-            items = self._spread_derived(items, group, step, damping)
-        planned = []  # (update, g, d, C, old state)
-        for update, grad, curvature, curvature_step, state in items:
-            if curvature is None:
-                direction, update.state = self._fallback_direction(
-                    update, grad, state, group, damping
-                )
-            else:
-                try:
-                    direction, update.state = self._direction(
-                        grad, curvature, state, group, step, damping, curvature_step
-                    )
-                except torch.linalg.LinAlgError as error:
-                    raise torch.linalg.LinAlgError(f"{update.description}: {error}") from None
-                update.state.update(curvature=curvature, curvature_step=curvature_step)
-            planned.append((update, grad, direction, curvature, state))
+    def _total_damping(self, group, group_state) -> float:
+        """``λ + δ``: the damping of this step plus the weight decay."""
+        strategy, damping_state = self._damping(group, group_state)
+        return strategy.value(damping_state, group_state["step"]) + group["weight_decay"]
 
-        nu = 1.0
-        if group["kl_clip"] is not None:
-            nu = kl_clip_factor(
-                [p[1] for p in planned], [p[2] for p in planned], group["lr"], group["kl_clip"]
-            )
-        predicted = 0.0
-        for update, grad, direction, curvature, state in planned:
-            if nu != 1.0 or direction is grad:  # a fresh tensor: it may become momentum state
-                direction = direction * nu
-            velocity = momentum(state.get("momentum"), direction, group["momentum"])
-            if group["momentum"] > 0:
-                update.state["momentum"] = velocity
-            update.delta = group["lr"] * velocity
-            update.checks.append(("update", update.delta))
-            if with_model:
-                s = -update.delta
-                model = (grad * s).sum() + 0.5 * weight_decay * (s * s).sum()
-                if curvature is not None:
-                    model = model + 0.5 * self._quadratic(curvature, s)
-                predicted += float(model)
-        return [p[0] for p in planned], predicted
+    def _read_curvature(self, update: ParamUpdate, group, attr: str, extension: str):
+        """``param.<attr>``, checked and recorded in ``update`` (None: missing, with fallback)."""
+        raw = self._read(update.param, attr, update.description, extension, group["fallback"])
+        if raw is None:
+            return None
+        try:
+            self._check_curvature(raw, update.param)
+        except ValueError as error:
+            raise ValueError(f"{update.description}: {error}") from None
+        tensors = [raw] if isinstance(raw, torch.Tensor) else list(raw)
+        update.checks += [(f"`{attr}`", t) for t in tensors]
+        update.consumed[attr] = raw
+        return raw
 
-    def _spread_derived(self, items, group, step, damping):
-        """``items`` with the due derived quantities computed on their ranks and put into the
-        state that ``_direction`` reads (where ``cached`` finds them current)."""
-        due = []  # (item index, Derived)
-        for index, (_, _, curvature, curvature_step, state) in enumerate(items):
-            if curvature is None:
-                continue
-            derived = self._derived(curvature, group, damping, curvature_step)
-            if derived is None:
-                continue
-            old = state.get(derived.name)
-            if cached(old, derived.key, step, derived.interval, lambda: None) is not old:
-                due.append((index, derived))
-        jobs = [
-            Job(items[i][0].description, d.compute, d.empty, inversion_cost(items[i][2]))
-            for i, d in due
-        ]
-        values = self._distributed.spread(jobs)
-        items = list(items)
-        for (index, derived), value in zip(due, values):
-            update, grad, curvature, curvature_step, state = items[index]
-            entry = {"value": value, "key": derived.key, "step": step}
-            items[index] = (update, grad, curvature, curvature_step, {**state, derived.name: entry})
-        return items
+    def _predicted(self, step: GroupStep) -> float:
+        """``q(s) − q(0) = gᵀs + ½ sᵀ(C + δI)s`` summed over the group, ``s = −Δ``."""
+        weight_decay, predicted = step.group["weight_decay"], 0.0
+        for item in step.params:
+            s = -item.update.delta
+            model = (item.grad * s).sum() + 0.5 * weight_decay * (s * s).sum()
+            if item.curvature is not None:
+                model = model + 0.5 * self._quadratic(item.curvature, s)
+            predicted += float(model)
+        return predicted
 
     # ----------------------------------------------------------------- adaptive damping
     def _model_due(self) -> list[int]:

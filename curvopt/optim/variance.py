@@ -4,8 +4,21 @@ from __future__ import annotations
 
 import torch
 
-from curvopt.optim.base import CurvatureOptimizer, ParamUpdate, check_number
+from dataclasses import dataclass
+from typing import ClassVar
+
+from curvopt.optim.base import CurvatureOptimizer, ParamUpdate
+from curvopt.optim.options import CurvatureOptions, number, option
 from curvopt.optim.transforms import add_weight_decay
+
+
+@dataclass(frozen=True)
+class VarianceAdaptedOptions(CurvatureOptions):
+    """``lr``, ``weight_decay`` and the momentum ``β ∈ [0, 1)`` of M-SVAG."""
+
+    POSITIONAL: ClassVar[tuple[str, ...]] = ("lr", "momentum", "weight_decay")
+
+    momentum: float = option(0.0, number(0.0, 1.0, open_high=True))
 
 
 class VarianceAdaptedSGD(CurvatureOptimizer):
@@ -32,12 +45,7 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
         weight_decay: ``δ ≥ 0`` (added to the gradient; it has no variance).
     """
 
-    def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
-        super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
-
-    def _validate(self, group):
-        super()._validate(group)
-        check_number("momentum", group["momentum"], 0.0, 1.0, open_high=True)
+    Options = VarianceAdaptedOptions
 
     def _needs(self, group, group_state):
         return [("Variance", {}), ("BatchL2Grad", {})]

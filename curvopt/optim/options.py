@@ -1,0 +1,169 @@
+"""The optimizers' keyword options, declared once: a frozen dataclass per optimizer, its fields
+the hyper-parameters of one param group, each with its default and its check.
+
+* :class:`CurvatureOptions` -- ``lr`` and ``weight_decay`` (every optimizer);
+* :class:`NewtonOptions` -- the ~10 options ``DiagGGNNewton``, ``KFAC`` and ``EKFAC`` share
+  (``damping``, ``mc_samples``, ``momentum``, ``curvature_ema``, ``curvature_interval``,
+  ``kl_clip``, ``fallback``, ...); each optimizer's module subclasses it with its own
+  ``curvature`` choices and extra options.
+
+An options class is validated when it is made (``__post_init__``: each field's check, then
+:meth:`CurvatureOptions.relations` across fields), so ``Options.of_group(group)`` validates a
+param group. :func:`constructor` writes an optimizer's ``__init__`` from it: the signature
+``(self, params, <POSITIONAL>, *, <the other keyword fields>[, process_group=None])``, which
+``inspect.signature`` shows and which binds (and rejects) arguments as a hand-written one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Sequence
+from numbers import Real
+from typing import Any, Callable, ClassVar
+
+from curvopt.optim.damping import as_damping
+
+Check = Callable[[str, Any], None]
+
+
+def check_number(
+    name: str,
+    value,
+    low: float = 0.0,
+    high: float = math.inf,
+    *,
+    open_high: bool = False,
+    integer: bool = False,
+) -> None:
+    """Raise ``ValueError`` unless ``low <= value <= high`` (``< high`` if ``open_high``)."""
+    kind = int if integer else Real
+    ok = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and low <= value and (value < high if open_high else value <= high)
+    if not ok:
+        bound = f"< {high}" if open_high else (f"<= {high}" if high < math.inf else "")
+        what = "an int" if integer else "a finite number"
+        raise ValueError(f"{name} must be {what} >= {low} {bound}, got {value!r}".rstrip())
+
+
+def check_choice(name: str, value, choices: Sequence) -> None:
+    """Raise ``ValueError`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def number(low: float = 0.0, high: float = math.inf, **kinds) -> Check:
+    """The check of a number in ``[low, high]`` (see :func:`check_number`)."""
+    return lambda name, value: check_number(name, value, low, high, **kinds)
+
+
+def choice(*choices) -> Check:
+    """The check of one of ``choices``."""
+    return lambda name, value: check_choice(name, value, choices)
+
+
+def optional(check: Check) -> Check:
+    """``check``, or nothing for ``None``."""
+    return lambda name, value: None if value is None else check(name, value)
+
+
+def _damping(name: str, value) -> None:
+    as_damping(value)
+
+
+def option(default: Any = dataclasses.MISSING, check: Check | None = None, keyword: bool = True):
+    """A field of an options class: its default (none: required), its check, and whether it
+    is a constructor keyword (``keyword=False``: fixed at its default, e.g. EKFAC's
+    ``curvature_ema=0``, but still a hyper-parameter of every param group)."""
+    metadata = {"check": check, "keyword": keyword}
+    return dataclasses.field(default=default, kw_only=True, metadata=metadata)
+
+
+@dataclasses.dataclass(frozen=True)
+class CurvatureOptions:
+    """``lr ≥ 0`` and ``weight_decay δ ≥ 0`` (added to the gradient)."""
+
+    #: the fields the constructor takes positionally (after ``params``), in this order
+    POSITIONAL: ClassVar[tuple[str, ...]] = ("lr", "weight_decay")
+
+    lr: float = option(check=number())
+    weight_decay: float = option(0.0, number())
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            check = field.metadata["check"]
+            if check is not None:
+                check(field.name, getattr(self, field.name))
+        self.relations()
+
+    def relations(self) -> None:
+        """Raise ``ValueError`` where valid fields do not fit together (default: none)."""
+
+    @classmethod
+    def of_group(cls, group: dict[str, Any]) -> "CurvatureOptions":
+        """The (validated) options of a param group (its other keys are ignored)."""
+        return cls(**{f.name: group[f.name] for f in dataclasses.fields(cls)})
+
+    def as_defaults(self) -> dict[str, Any]:
+        """The ``defaults`` dict of ``torch.optim.Optimizer`` (values as given, not copied)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class NewtonOptions(CurvatureOptions):
+    """The options of the damped Newton optimizers (:mod:`curvopt.optim.newton`)."""
+
+    POSITIONAL: ClassVar[tuple[str, ...]] = ("lr", "damping", "curvature", "weight_decay")
+
+    damping: Any = option(check=_damping)
+    curvature: str = option()  # each optimizer declares its default and choices
+    mc_samples: int = option(1, number(1, integer=True))
+    momentum: float = option(0.0, number(0.0, 1.0, open_high=True))
+    curvature_ema: float = option(0.0, number(0.0, 1.0, open_high=True))
+    curvature_interval: int = option(1, number(1, integer=True))
+    kl_clip: float | None = option(None, optional(number()))
+    fallback: str | None = option(None, choice(None, "sgd"))
+
+
+def constructor(options: type[CurvatureOptions], process_group: bool, init: Callable) -> Callable:
+    """An optimizer's ``__init__(self, params, ...)`` taking the keyword fields of ``options``
+    (``options.POSITIONAL`` first, positionally, the others keyword-only, those of the most
+    derived options class first) and, if
+    ``process_group``, ``process_group=None``; it validates them (making ``options``) and calls
+    ``init(self, params, defaults, process_group)``. ``TypeError`` for missing or unknown
+    arguments, as in Python."""
+    fields = {f.name: f for f in dataclasses.fields(options) if f.metadata["keyword"]}
+
+    def parameter(name: str, kind) -> inspect.Parameter:
+        default = fields[name].default
+        empty = default is dataclasses.MISSING
+        return inspect.Parameter(name, kind, default=inspect.Parameter.empty if empty else default)
+
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter("self", positional), inspect.Parameter("params", positional)]
+    params += [parameter(name, positional) for name in options.POSITIONAL]
+    classes = [c for c in options.__mro__ if dataclasses.is_dataclass(c)]
+
+    def introduced(name: str) -> int:  # the options class that declared the field first
+        return max(i for i, c in enumerate(classes) if name in c.__dataclass_fields__)
+
+    # keyword-only: an optimizer's own options first, then those it shares
+    others = sorted((n for n in fields if n not in options.POSITIONAL), key=introduced)
+    params += [parameter(name, inspect.Parameter.KEYWORD_ONLY) for name in others]
+    if process_group:
+        keyword = inspect.Parameter.KEYWORD_ONLY
+        params.append(inspect.Parameter("process_group", keyword, default=None))
+    signature = inspect.Signature(params)
+
+    def __init__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        del values["self"]
+        groups, group = values.pop("params"), values.pop("process_group", None)
+        init(self, groups, options(**values).as_defaults(), group)
+
+    __init__.__signature__ = signature
+    __init__.__doc__ = f"See the class docstring; options: :class:`{options.__qualname__}`."
+    return __init__

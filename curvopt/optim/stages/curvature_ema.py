@@ -1,0 +1,19 @@
+"""``C ← β C + (1 − β) C_new`` (``curvature_ema`` β) for the curvature read at this step;
+between curvature steps the stored ``C`` is used as it is."""
+
+from __future__ import annotations
+
+from curvopt.optim.stages.base import GroupStep, Stage, register
+from curvopt.optim.transforms import ema
+
+
+@register
+class AverageCurvature(Stage):
+    order = 20
+
+    def __call__(self, step: GroupStep) -> None:
+        decay = step.group["curvature_ema"]
+        for item in step.params:
+            if item.fresh is not None:
+                item.curvature = ema(item.curvature, item.fresh, decay)
+                item.curvature_step, item.fresh = step.step, None

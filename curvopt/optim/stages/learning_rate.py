@@ -1,0 +1,16 @@
+"""``Δ = lr · v``: the change ``θ ← θ − Δ`` of every parameter (checked to be finite)."""
+
+from __future__ import annotations
+
+from curvopt.optim.stages.base import GroupStep, Stage, register
+
+
+@register
+class ScaleByLearningRate(Stage):
+    order = 60
+
+    def __call__(self, step: GroupStep) -> None:
+        lr = step.group["lr"]
+        for item in step.params:
+            item.update.delta = lr * item.direction
+            item.update.checks.append(("update", item.update.delta))

@@ -1,0 +1,98 @@
+"""``d = (C + (λ + δ) I)⁻¹ g`` through the optimizer's hooks: ``_direction`` for a parameter
+with curvature ``C`` (diagonal, Kronecker, eigen-corrected), ``_fallback_direction`` for one
+without. The new state holds ``C`` and the step it is from, and the cached derived quantity
+(inverse, eigendecomposition) that ``_direction`` returns.
+
+Under ``torch.distributed`` the derived quantities that are due (``_derived``) are first
+computed each on one rank and broadcast (``DistributedCurvature.spread``), then put into the
+state ``_direction`` reads, where ``cached`` finds them current.
+
+:func:`damped_inverse` applies the same code to a block of vectors: what
+``curvopt.linalg``'s ``inverse`` operators are.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from curvopt.optim.cache import cached
+from curvopt.optim.distributed import Job, inversion_cost
+from curvopt.optim.stages.base import GroupStep, Stage, register
+
+
+@register
+class Precondition(Stage):
+    order = 30
+
+    def __call__(self, step: GroupStep) -> None:
+        optimizer = step.optimizer
+        if optimizer._distributed is not None:
+            _spread_derived(step)
+        for item in step.params:
+            update = item.update
+            if item.curvature is None:
+                item.direction, update.state = optimizer._fallback_direction(
+                    update, item.grad, item.state, step.group, step.damping
+                )
+                continue
+            try:
+                item.direction, update.state = optimizer._direction(
+                    item.grad,
+                    item.curvature,
+                    item.state,
+                    step.group,
+                    step.step,
+                    step.damping,
+                    item.curvature_step,
+                )
+            except torch.linalg.LinAlgError as error:
+                raise torch.linalg.LinAlgError(f"{update.description}: {error}") from None
+            update.state.update(curvature=item.curvature, curvature_step=item.curvature_step)
+
+
+def _spread_derived(step: GroupStep) -> None:
+    """Compute the due derived quantities on their ranks and put them into the items' state."""
+    optimizer, due = step.optimizer, []  # (item, Derived)
+    for item in step.params:
+        if item.curvature is None:
+            continue
+        derived = optimizer._derived(item.curvature, step.group, step.damping, item.curvature_step)
+        if derived is None:
+            continue
+        old = item.state.get(derived.name)
+        if cached(old, derived.key, step.step, derived.interval, lambda: None) is not old:
+            due.append((item, derived))
+    jobs = [
+        Job(item.update.description, d.compute, d.empty, inversion_cost(item.curvature))
+        for item, d in due
+    ]
+    values = optimizer._distributed.spread(jobs)
+    for (item, derived), value in zip(due, values):
+        entry = {"value": value, "key": derived.key, "step": step.step}
+        item.state = {**item.state, derived.name: entry}
+
+
+def damped_inverse(
+    optimizer, param: torch.Tensor, curvature: Any, damping: float
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``V [K, *p.shape] ↦ (C + λ I)⁻¹ V`` by the optimizer's ``_direction`` for curvature
+    ``C`` of ``param`` (in its first param group): the derived inverse computed once, as at a
+    step, then applied to each of the ``K`` vectors in turn."""
+    group = optimizer.param_groups[0]
+
+    def direction(grad: torch.Tensor, state: dict[str, Any]):
+        return optimizer._direction(grad, curvature, state, group, 0, damping, 0)
+
+    _, state = direction(torch.zeros_like(param), {})
+
+    def apply(vectors: torch.Tensor) -> torch.Tensor:
+        # one vector at a time, as a step: the same kernels, so the same bits (vmap's batched
+        # products round differently)
+        result = torch.empty_like(vectors)
+        for index, vector in enumerate(vectors):
+            result[index] = direction(vector, state)[0]
+        return result
+
+    return apply
