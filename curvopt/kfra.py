@@ -22,7 +22,6 @@ from curvopt.params import trainable
 from curvopt.propagate import backpropagate
 from curvopt.records import records_on
 from curvopt.results import Factors
-from curvopt.state import STATE
 from curvopt.torch_internals import ACCUMULATE_GRAD
 
 
@@ -111,17 +110,9 @@ def _backpropagate(b_next, record, nxt, calls):
     ((_, edge),) = calls[record]
     _check_link(record, nxt)
     x_next = nxt.args[0]
-    with STATE.suspend():
-        ones = torch.ones_like(x_next)
-        probe = torch.randn_like(x_next)
-        (both,) = torch.autograd.grad(
-            x_next,
-            [edge],
-            torch.stack([ones, probe]),
-            retain_graph=True,
-            is_grads_batched=True,
-            allow_unused=True,
-        )
+    ones = torch.ones_like(x_next)
+    probe = torch.randn_like(x_next)
+    (both,) = backpropagate(x_next, [edge], torch.stack([ones, probe]), True)
     if both is None or both.shape[1:] != x_next.shape:
         raise _reject(nxt, "its input is not computed from the previous Linear layer's output")
     d, dprobe = both[0], both[1]
