@@ -109,6 +109,15 @@ def segment_on(node) -> Optional[Segment]:
     return node.metadata.get(_METADATA) if _LIVE else None
 
 
+def next_nodes(node) -> list:
+    """The nodes ``node`` passes gradient to, through a live segment's re-run for its
+    checkpoint's node (``None`` entries possible)."""
+    segment = segment_on(node)
+    if segment is None:
+        return [fn for fn, _ in node.next_functions]
+    return [t.grad_fn for t in segment.outputs if isinstance(t, torch.Tensor)]
+
+
 def live() -> bool:
     """Whether any segment is live (else columns take the plain path)."""
     return bool(_LIVE)

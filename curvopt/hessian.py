@@ -24,7 +24,7 @@ from typing import List
 import torch
 from torch.autograd.graph import GradientEdge
 
-from curvopt.checkpointing import segment_on
+from curvopt.checkpointing import next_nodes, segment_on
 from curvopt.errors import UnsupportedModuleError
 from curvopt.diagonals import diagonals
 from curvopt.layers.registry import reparametrization, rule_for
@@ -72,9 +72,8 @@ def curved_nodes(root: torch.Tensor) -> List[object]:
             if isinstance(x, torch.Tensor):
                 stack.append(x.grad_fn)
             continue
-        segment = segment_on(node)
-        if segment is not None:  # a reentrant checkpoint curvopt re-ran: walk its re-run
-            stack.extend(t.grad_fn for t in segment.outputs if isinstance(t, torch.Tensor))
+        if segment_on(node) is not None:  # a reentrant checkpoint curvopt re-ran: its re-run
+            stack.extend(next_nodes(node))
             continue
         name = type(node).__name__
         if name in SECOND_DERIVATIVES:

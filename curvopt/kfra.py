@@ -16,6 +16,7 @@ links, their ``W`` and their factors, is their layer rule's to say
 from __future__ import annotations
 
 import torch
+from curvopt.checkpointing import next_nodes
 from curvopt.errors import module_error
 from curvopt.layers.registry import reparametrization, rule_for
 from curvopt.params import trainable
@@ -48,11 +49,26 @@ def _check_link(record, nxt) -> None:
                 "residual or skip connection, or a parameter used outside a layer); the KFRA "
                 "recursion is defined for feed-forward chains only; use KFLR or KFAC",
             )
-        stack.extend(fn for fn, _ in node.next_functions)
+        stack.extend(next_nodes(node))
+
+
+def _depth(record) -> int:
+    """How many module calls lie upstream of ``record``'s input: the chain's order (forward
+    order, ``seq``, puts the calls of a re-run checkpoint segment last)."""
+    x = record.args[0]
+    stack, seen, owners = [x.grad_fn if isinstance(x, torch.Tensor) else None], set(), set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        owners.update(entry[0] for entry in records_on(node))
+        stack.extend(next_nodes(node))
+    return len(owners)
 
 
 def _chain(calls):
-    records = sorted(calls, key=lambda r: r.seq)
+    records = sorted(calls, key=_depth)
     seen = set()
     for record in records:
         module = record.module
