@@ -177,7 +177,8 @@ class BackwardPass:
         checkpoint's outputs instead, by a pre-hook on its node (nothing inside a segment but
         its outputs can receive gradient from outside)."""
         slots = [(s, e) for s in segments for e in s.slots]
-        arrived = backpropagate(cpass.loss.output, [e for _, e in slots], cpass.loss_grad[None], False)
+        edges = [e for _, e in slots]
+        arrived = backpropagate(cpass.loss.output, edges, cpass.loss_grad[None], False)
         for (segment, edge), v in zip(slots, arrived):
             key = self.checkpoints.get(segment.node)
             if key is None:

@@ -86,8 +86,10 @@ def rerun_checkpoint(node):
             device_autocast = torch.amp.autocast(device_type, **node.device_autocast_kwargs)
         else:
             device_autocast = contextlib.nullcontext()
-        with torch.enable_grad(), device_autocast, torch.amp.autocast(
-            "cpu", **node.cpu_autocast_kwargs
+        with (
+            torch.enable_grad(),
+            device_autocast,
+            torch.amp.autocast("cpu", **node.cpu_autocast_kwargs),
         ):
             outputs = node.run_function(*inputs)
         after = (torch.get_rng_state(), device.get_rng_state() if watch_device else None)
