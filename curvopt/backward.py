@@ -91,6 +91,7 @@ class BackwardPass:
         self.untouched: Dict[int, bool] = {}  # id(p): the pass does not accumulate into p.grad
         self.reached: set = set()  # autograd nodes whose upstream ``_reaches`` has walked
         self.checkpoints: dict = {}  # reentrant checkpoint node -> its gradient check's key
+        self.running = True  # until the engine's callback at the end of the pass
         queue_callback(self._finish)
 
     def _skips(self, p) -> bool:
@@ -347,6 +348,7 @@ class BackwardPass:
 
     # ---------------------------------------------------------------- end of pass
     def _finish(self) -> None:
+        self.running = False
         with _autocast_off():
             self._finish_pass()
 

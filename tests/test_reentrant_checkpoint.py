@@ -146,7 +146,8 @@ EXACT = (ext.DiagGGNExact, ext.BatchDiagGGNExact, ext.KFLR, ext.BatchGrad)
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("tokens", [True, False])
-def test_chain_against_torch_func(tokens, reduction, nested=False):
+@pytest.mark.parametrize("nested", [False, True])
+def test_chain_against_torch_func(tokens, nested, reduction):
     """Two checkpoints in a row (or inside a third): GGN and Hessian diagonals (summed and per
     sample), KFLR and per-sample gradients, against torch.func on the model without them."""
     checked, plain = _pair(Chain, tokens, nested)
