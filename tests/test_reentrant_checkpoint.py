@@ -22,7 +22,7 @@ from conftest import (
     ggn_reference,
     hessian_reference,
 )
-from reference import kfra_mlp, kronecker
+from reference import kfra_mlp, kronecker, per_sample_grads
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -41,7 +41,8 @@ def _ckpt(mode, fn, *args, preserve=True):
 
 
 class Chain(nn.Module):
-    """Tokens ``[N, T]`` (or features ``[N, 4]``) -> two checkpointed blocks in a row -> head."""
+    """Tokens ``[N, T]`` (or features ``[N, 4]``) -> tanh -> two checkpointed blocks with a tanh
+    between them (curved ops feeding and fed by a checkpoint) -> head."""
 
     def __init__(self, mode, tokens=True, nested=False):
         super().__init__()
@@ -55,11 +56,11 @@ class Chain(nn.Module):
     def b2(self, h):
         return torch.sigmoid(self.mid2(h))
 
-    def both(self, h):
-        return _ckpt(self.mode, self.b2, _ckpt(self.mode, self.b1, h))
+    def both(self, h):  # a curved op between the checkpoints (DiagHessian's residual source)
+        return _ckpt(self.mode, self.b2, torch.tanh(_ckpt(self.mode, self.b1, h)))
 
     def forward(self, x):
-        h = self.emb(x)
+        h = torch.tanh(self.emb(x))
         if self.nested:  # a checkpoint whose segment holds two checkpoints
             return self.head(_ckpt(self.mode, self.both, h))
         return self.head(self.both(h))
@@ -162,7 +163,9 @@ def test_chain_against_torch_func(tokens, nested, reduction):
 
     blocks, per_sample = ggn_reference(plain, lf, x, y)
     diag_h, per_sample_h = hessian_reference(plain, lf, x, y)
+    grads = per_sample_grads(plain, lf, x, y)
     for name, p in checked.named_parameters():
+        assert_close(p.grad_batch, grads[name], name)
         assert_close(p.diag_ggn_exact, torch.diagonal(blocks[name]).reshape(p.shape), name)
         assert_close(p.diag_ggn_exact_batch, per_sample[name], name)
         assert_close(p.diag_h, diag_h[name], name)
