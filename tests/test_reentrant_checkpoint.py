@@ -321,3 +321,42 @@ def test_penalty_on_the_checkpoint_output_raises():
             loss.backward()
     assert_no_attributes(checked)
     _no_live_state(checked)
+
+
+# ------------------------------------------------------------------ Hugging Face
+def _checkpoints(t):
+    """How many reentrant checkpoint nodes lie upstream of ``t``."""
+    stack, seen = [t.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack.extend(fn for fn, _ in node.next_functions)
+    return sum(type(node).__name__ == "CheckpointFunctionBackward" for node in seen)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hugging_face_gradient_checkpointing(name):
+    """``model.gradient_checkpointing_enable(use_reentrant=True)`` on tiny GPT-2 / Llama (training
+    mode, where HF checkpoints; no dropout): the numbers of the same model without it (which
+    ``test_hf_models.py`` checks against torch.func)."""
+    hf = pytest.importorskip("test_hf_models")
+    torch.manual_seed(0)
+    base = getattr(hf, name)().to(DT)
+    attrs = ["diag_ggn_exact", "kflr", "grad_batch"]
+    models = []
+    for checked in (True, False):
+        model = copy.deepcopy(base)
+        if checked:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": True}
+            )
+        model = curvopt.extend(model.train())
+        inputs, y = hf._text()
+        out = model(**inputs).logits
+        assert _checkpoints(out) == (base.config.num_hidden_layers if checked else 0)
+        with curvopt.collect(ext.DiagGGNExact(), ext.KFLR(), ext.BatchGrad()):
+            hf._loss_of("lm")(out, y).backward()
+        models.append(model)
+    _same(*models, attrs)
+    _no_live_state(models[0])
