@@ -256,6 +256,22 @@ def test_kfra_through_a_checkpoint(reduction):
     _no_live_state(checked)
 
 
+def test_two_extended_losses():
+    """The checkpoint's gradient check sums the shares of both losses."""
+    checked, plain = _pair(Chain, False)
+    reference = curvopt.extend(plain)
+    x, y = _data(False)
+    ce, mse = curvopt.extend(nn.CrossEntropyLoss()), curvopt.extend(nn.MSELoss())
+    target = torch.randn(N, C, dtype=DT)
+    for model in (checked, reference):
+        clear_attributes(model, ALL_ATTRS)
+        out = model(x)
+        with curvopt.collect(ext.DiagGGNExact(), ext.KFLR()):
+            (ce(out, y) + 0.5 * mse(out, target)).backward()
+    _same(checked, reference, ["diag_ggn_exact", "kflr"])
+    _no_live_state(checked)
+
+
 # ------------------------------------------------------------------ what raises
 class Bypass(nn.Module):
     """``h + checkpoint(f, h)``: the residual around the checkpoint."""
