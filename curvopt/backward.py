@@ -35,12 +35,17 @@ from curvopt.errors import (
 from curvopt.layers import rule_for
 from curvopt.losses import loss_rule_for
 from curvopt.params import shared_parameters, trainable
-from curvopt.propagate import module_outputs
+from curvopt.propagate import backpropagate, module_outputs
 from curvopt.reducer import FirstOrderReducer
 from curvopt.records import Call
 from curvopt.results import ResultBuffer
 from curvopt.rows import establish
-from curvopt.torch_internals import current_autograd_node, queue_callback, will_engine_execute_node
+from curvopt.torch_internals import (
+    current_autograd_node,
+    current_graph_task_id,
+    queue_callback,
+    will_engine_execute_node,
+)
 
 
 _NO_OP = contextlib.nullcontext()
@@ -85,6 +90,8 @@ class BackwardPass:
         self.ignored = False  # the pass accumulates into no parameter it reaches
         self.untouched: Dict[int, bool] = {}  # id(p): the pass does not accumulate into p.grad
         self.reached: set = set()  # autograd nodes whose upstream ``_reaches`` has walked
+        self.checkpoints: dict = {}  # reentrant checkpoint node -> its gradient check's key
+        self.running = True  # until the engine's callback at the end of the pass
         queue_callback(self._finish)
 
     def _skips(self, p) -> bool:
@@ -130,11 +137,12 @@ class BackwardPass:
             return True
         if self.ignored:
             return False
+        segments: list = []
         try:
             check_reduction(record.module)
             if not (self.second_order_exts or self.first):
                 return True
-            upstream = module_outputs(record.output)
+            upstream = module_outputs(record.output, segments if self.second_order_exts else None)
             if not upstream.calls and upstream.foreign:
                 raise UnsupportedModuleError(
                     f"curvopt: the input of the extended loss {type(record.module).__name__} "
@@ -146,26 +154,51 @@ class BackwardPass:
             if self._skips_all(r.module for r in upstream.calls):
                 self.ignored = True
                 return False
-            if upstream.reentrant and self.second_order_exts:
-                raise UnsupportedModuleError(
-                    "curvopt cannot propagate curvature through "
-                    "torch.utils.checkpoint(..., use_reentrant=True): the checkpointed segment "
-                    "is rebuilt inside its own backward, out of reach of the loss's columns; "
-                    "use torch.utils.checkpoint(..., use_reentrant=False) (first-order "
-                    "quantities work with either)"
-                )
             self.loss_seen = True
             with _autocast_off():
                 if self.second_order_exts:
                     cpass = CurvaturePass(self, record, grad)
                     cpass.run(upstream)
                     self.batch_size = self.batch_size or cpass.layout.samples
+                    if segments:
+                        self._expect_at_checkpoints(cpass, segments)
                 else:
                     self._check_layout(record, upstream)
         except BaseException:
             self._abort()
             raise
+        finally:
+            for segment in segments:  # the re-run checkpoints (``checkpointing``)
+                segment.release()
         return True
+
+    def _expect_at_checkpoints(self, cpass, segments) -> None:
+        """The calls inside a re-run checkpoint segment get their gradients from torch's own
+        re-run, in a nested backward (records of their own): the gradient check is made at the
+        checkpoint's outputs instead, by a pre-hook on its node (nothing inside a segment but
+        its outputs can receive gradient from outside)."""
+        slots = [(s, e) for s in segments for e in s.slots]
+        edges = [e for _, e in slots]
+        arrived = backpropagate(cpass.loss.output, edges, cpass.loss_grad[None], False)
+        for (segment, edge), v in zip(slots, arrived):
+            key = self.checkpoints.get(segment.node)
+            if key is None:
+                key = self.checkpoints[segment.node] = segment
+                self.handles.append(segment.node.register_prehook(self._checkpoint_hook(key)))
+            grads = [None] * len(segment.outputs)
+            grads[edge.output_nr] = None if v is None else v[0]
+            self.checks.expect_gradients({key: grads})
+
+    def _checkpoint_hook(self, key):
+        def check(grad_outputs):
+            if not self.failed:
+                try:
+                    self.checks.check_expected(key, grad_outputs)
+                except BaseException:
+                    self._abort()
+                    raise
+
+        return check
 
     def _check_layout(self, record, upstream) -> None:
         """First order under an extended loss: the loss rows map onto the model's samples
@@ -251,7 +284,8 @@ class BackwardPass:
                     "computed by an extended loss module; wrap it, e.g. "
                     "lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())"
                 )
-            self.checks.check_expected(record, grads)
+            if not (self.checkpoints and current_graph_task_id() != self.task):
+                self.checks.check_expected(record, grads)  # else checked at the checkpoint
         elif not self.first:
             return
         rule = rule_for(module)
@@ -314,6 +348,7 @@ class BackwardPass:
 
     # ---------------------------------------------------------------- end of pass
     def _finish(self) -> None:
+        self.running = False
         with _autocast_off():
             self._finish_pass()
 

@@ -83,12 +83,14 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
         """The state of the backward pass now running, created at its first hook.
 
         A backward run from inside another (``torch.utils.checkpoint(use_reentrant=True)``
-        backpropagates its recomputed segment in a nested autograd task) belongs to the
-        outer pass: ``outer`` is the task that ran the forward of the call asking."""
+        backpropagates its recomputed segment in a nested autograd task, a checkpoint inside
+        that segment in a task nested in that one) belongs to the outer pass: ``outer`` is the
+        task that ran the forward of the call asking, which is the outer pass or one nested in
+        it while the outer pass runs."""
         task = current_graph_task_id()
         current = self._pass
         if current is not None and task != current.task:
-            if outer is not None and outer == current.task:
+            if outer is not None and current.running:
                 self._nested.add(task)
             if task in self._nested:
                 return current

@@ -24,15 +24,15 @@ from typing import List
 import torch
 from torch.autograd.graph import GradientEdge
 
+from curvopt.checkpointing import next_nodes, segment_on
 from curvopt.errors import UnsupportedModuleError
 from curvopt.diagonals import diagonals
 from curvopt.layers.registry import reparametrization, rule_for
 from curvopt.params import owned
-from curvopt.propagate import module_outputs, to_calls
+from curvopt.propagate import backpropagate, module_outputs, to_calls
 from curvopt.records import records_on
 from curvopt.results import Term
 from curvopt.rows import establish
-from curvopt.state import STATE
 from curvopt.torch_internals import ACCUMULATE_GRAD, BILINEAR_OPS, LINEAR_OPS, SECOND_DERIVATIVES
 
 
@@ -71,6 +71,9 @@ def curved_nodes(root: torch.Tensor) -> List[object]:
             x = record.args[0]
             if isinstance(x, torch.Tensor):
                 stack.append(x.grad_fn)
+            continue
+        if segment_on(node) is not None:  # a reentrant checkpoint curvopt re-ran: its re-run
+            stack.extend(next_nodes(node))
             continue
         name = type(node).__name__
         if name in SECOND_DERIVATIVES:
@@ -120,10 +123,7 @@ def residuals(cpass, calls, exts):
     if not nodes:
         return
     g0 = cpass.loss_grad
-    with STATE.suspend():
-        deltas = torch.autograd.grad(
-            output, [GradientEdge(nd, 0) for nd in nodes], g0, retain_graph=True, allow_unused=True
-        )
+    deltas = backpropagate(output, [GradientEdge(nd, 0) for nd in nodes], g0[None], False)
     producers = {}
     for record, edges in calls.items():
         for _, edge in edges:
@@ -131,7 +131,7 @@ def residuals(cpass, calls, exts):
     for node, delta in zip(nodes, deltas):
         if delta is None:
             continue
-        r = delta * SECOND_DERIVATIVES[type(node).__name__](node)
+        r = delta[0] * SECOND_DERIVATIVES[type(node).__name__](node)
         fn, nr = node.next_functions[0]
         if fn is None:
             continue

@@ -16,13 +16,13 @@ links, their ``W`` and their factors, is their layer rule's to say
 from __future__ import annotations
 
 import torch
+from curvopt.checkpointing import next_nodes
 from curvopt.errors import module_error
 from curvopt.layers.registry import reparametrization, rule_for
 from curvopt.params import trainable
 from curvopt.propagate import backpropagate
 from curvopt.records import records_on
 from curvopt.results import Factors
-from curvopt.state import STATE
 from curvopt.torch_internals import ACCUMULATE_GRAD
 
 
@@ -49,11 +49,26 @@ def _check_link(record, nxt) -> None:
                 "residual or skip connection, or a parameter used outside a layer); the KFRA "
                 "recursion is defined for feed-forward chains only; use KFLR or KFAC",
             )
-        stack.extend(fn for fn, _ in node.next_functions)
+        stack.extend(next_nodes(node))
+
+
+def _depth(record) -> int:
+    """How many module calls lie upstream of ``record``'s input: the chain's order (forward
+    order, ``seq``, puts the calls of a re-run checkpoint segment last)."""
+    x = record.args[0]
+    stack, seen, owners = [x.grad_fn if isinstance(x, torch.Tensor) else None], set(), set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        owners.update(entry[0] for entry in records_on(node))
+        stack.extend(next_nodes(node))
+    return len(owners)
 
 
 def _chain(calls):
-    records = sorted(calls, key=lambda r: r.seq)
+    records = sorted(calls, key=_depth)
     seen = set()
     for record in records:
         module = record.module
@@ -111,17 +126,9 @@ def _backpropagate(b_next, record, nxt, calls):
     ((_, edge),) = calls[record]
     _check_link(record, nxt)
     x_next = nxt.args[0]
-    with STATE.suspend():
-        ones = torch.ones_like(x_next)
-        probe = torch.randn_like(x_next)
-        (both,) = torch.autograd.grad(
-            x_next,
-            [edge],
-            torch.stack([ones, probe]),
-            retain_graph=True,
-            is_grads_batched=True,
-            allow_unused=True,
-        )
+    ones = torch.ones_like(x_next)
+    probe = torch.randn_like(x_next)
+    (both,) = backpropagate(x_next, [edge], torch.stack([ones, probe]), True)
     if both is None or both.shape[1:] != x_next.shape:
         raise _reject(nxt, "its input is not computed from the previous Linear layer's output")
     d, dprobe = both[0], both[1]

@@ -15,6 +15,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from curvopt.broadcast import find
+from curvopt.checkpointing import Segment, live, segment_on, through
 from curvopt.errors import UnsupportedModuleError
 from curvopt.records import records_on, token
 from curvopt.state import STATE
@@ -42,8 +43,11 @@ class Upstream:
         self.reentrant = False  # a reentrant checkpoint lies upstream (REENTRANT_CHECKPOINT)
 
 
-def module_outputs(root) -> Upstream:
-    """Walk the graph upstream of ``root`` (a tensor or an autograd node)."""
+def module_outputs(root, recompute: Optional[list] = None) -> Upstream:
+    """Walk the graph upstream of ``root`` (a tensor or an autograd node). A reentrant
+    checkpoint is walked through where curvopt re-ran its segment, and re-run on the way where
+    ``recompute`` is a list (the new ``checkpointing.Segment``s are appended to it, for the
+    caller to release)."""
     found: Dict[object, List[Tuple[int, GradientEdge]]] = defaultdict(list)
     consumers = defaultdict(list)
     start = root.grad_fn if isinstance(root, torch.Tensor) else root
@@ -64,8 +68,18 @@ def module_outputs(root) -> Upstream:
             )
         kinds.append(kind)
         if kind == REENTRANT_CHECKPOINT:
-            reentrant = True
-            continue  # nothing upstream can be reached by columns
+            segment = segment_on(node)
+            if segment is None and recompute is not None:
+                segment = Segment(node)
+                recompute.append(segment)
+            if segment is None:
+                reentrant = True
+                continue  # nothing upstream can be reached by columns
+            for t in segment.outputs:
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                    consumers[(t.grad_fn, t.output_nr)].append(node)
+                    stack.append(t.grad_fn)
+            continue
         if kind == ACCUMULATE_GRAD:
             leaf = node.variable
             if isinstance(leaf, torch.nn.Parameter) and not getattr(leaf, "_curvopt_checked", 0):
@@ -113,8 +127,16 @@ def backpropagate(outputs, edges, columns: torch.Tensor, batched: bool):
     """``J^T`` of each edge applied to every column (``[k, *out]`` per edge, None if unused).
 
     Batched through ``vmap`` where ``batched``; a backward op that ``vmap`` cannot run (a custom
-    ``autograd.Function`` without a batching rule) falls back to one column at a time.
+    ``autograd.Function`` without a batching rule) falls back to one column at a time. Across
+    reentrant checkpoints that curvopt re-ran, in stages (``checkpointing.through``).
     """
+    if live():
+        return through(_grad, outputs, edges, columns, batched)
+    return _grad([outputs], edges, [columns], batched)
+
+
+def _grad(outputs, edges, columns, batched: bool):
+    """``backpropagate`` from several roots (``columns[i]`` ``[k, *outputs[i]]``)."""
     with STATE.suspend():
         if batched:
             try:
@@ -129,8 +151,8 @@ def backpropagate(outputs, edges, columns: torch.Tensor, batched: bool):
             except (RuntimeError, NotImplementedError):
                 pass
         per_column = [
-            torch.autograd.grad(outputs, edges, column, retain_graph=True, allow_unused=True)
-            for column in columns
+            torch.autograd.grad(outputs, edges, list(column), retain_graph=True, allow_unused=True)
+            for column in zip(*columns)
         ]
     return [None if parts[0] is None else torch.stack(parts) for parts in zip(*per_column)]
 

@@ -160,3 +160,31 @@ def test_storage_use_count():
     assert ti.storage_use_count(t.untyped_storage()) == before + 1
     del view
     assert ti.storage_use_count(t.untyped_storage()) == before
+
+
+def _segment(h, scale):
+    """Dropout (random) and a non-tensor argument; two outputs."""
+    u = F.dropout(torch.tanh(h), 0.5, training=True)
+    return u * scale, h.sum()
+
+
+@pytest.mark.parametrize("preserve", [True, False])
+def test_rerun_checkpoint(preserve):
+    """The re-run of a reentrant checkpoint's segment: the forward's outputs where the RNG is
+    preserved, a graph hanging from the saved inputs, the global generator left alone, and
+    ``drew`` telling whether unrestored random numbers were drawn."""
+    h = _x(4, 3) * 1.0
+    torch.manual_seed(0)
+    plain, total = _segment(h, 2.0)
+    torch.manual_seed(0)
+    out, _ = checkpoint(_segment, h, 2.0, use_reentrant=True, preserve_rng_state=preserve)
+    assert torch.equal(out, plain)
+    before = torch.get_rng_state()
+    outputs, drew = ti.rerun_checkpoint(out.grad_fn)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert drew == (not preserve)
+    assert len(outputs) == 2 and torch.equal(outputs[1], total)
+    if preserve:
+        assert torch.equal(outputs[0], plain)
+    (g,) = torch.autograd.grad(outputs[0].sum(), h)  # through the graph upstream: h = x * 1.0
+    assert g.shape == h.shape and outputs[0].grad_fn is not None

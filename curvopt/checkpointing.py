@@ -1,0 +1,245 @@
+"""Curvature columns through reentrant activation checkpoints.
+
+``torch.utils.checkpoint(fn, *args, use_reentrant=True)`` leaves one autograd node whose
+backward re-runs ``fn`` and calls ``backward()`` on the result: ``torch.autograd.grad``, and so
+curvopt's columns, cannot pass it. For curvature, curvopt re-runs each such segment itself when
+the loss hook walks the graph (:class:`Segment`, ``torch_internals.rerun_checkpoint``): from the
+node's saved inputs, which stay attached to the graph upstream, with the forward's RNG state and
+autocast restored as torch restores them, so the re-run computes what the forward computed.
+
+Columns then travel in stages (:func:`through`). A *region* is what autograd reaches from a
+root without passing a checkpoint node; its stage propagates the root's columns to the module
+outputs in it and to the outputs of the checkpoints it meets (the node's inputs, which autograd
+captures without running the node). Each segment's stage starts from its re-run outputs with
+the columns its checkpoint received, after every stage that feeds it (``J^T`` is linear: the
+columns of a module output are the sum over the regions containing it). A module output that a
+stage reaches both directly and through a checkpoint (a residual ``x + checkpoint(f, x)``)
+would make autograd run the checkpoint node: that raises, naming the fix.
+
+While segments are live (from the loss hook to the end of its curvature work), the re-run graphs
+hold the activations of every segment at once, as the model without checkpointing does.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+from curvopt.errors import UnsupportedModuleError
+from curvopt.records import records_on
+from curvopt.torch_internals import ACCUMULATE_GRAD, rerun_checkpoint
+
+#: key of the autograd-node metadata holding a checkpoint node's live ``Segment``
+_METADATA = "curvopt_segment"
+_LIVE: set = set()  # the live segments
+_PLANS: Dict[object, List["_Region"]] = {}  # root node -> its stages, while no segment changes
+
+
+def _name(fn) -> str:
+    owner = getattr(fn, "__self__", None)
+    if isinstance(fn, torch.nn.Module) or isinstance(owner, torch.nn.Module):
+        module = fn if isinstance(fn, torch.nn.Module) else owner
+        path = getattr(module, "_curvopt_path", type(module).__name__)
+        return path if module is fn else f"{path}.{fn.__name__}"
+    return getattr(fn, "__qualname__", type(fn).__name__)
+
+
+class Segment:
+    """A reentrant checkpoint's segment, re-run with grad: ``outputs[i]`` stands for the node's
+    output ``i``. Named like a module in errors (``module``, ``_curvopt_path``)."""
+
+    def __init__(self, node):
+        self.node = node
+        self._curvopt_path = f"checkpoint({_name(node.run_function)})"
+        outputs, drew = rerun_checkpoint(node)
+        if drew:
+            raise UnsupportedModuleError(
+                f"curvopt: the segment {self._curvopt_path} of torch.utils.checkpoint(..., "
+                "use_reentrant=True, preserve_rng_state=False) draws random numbers (dropout), so "
+                "its recomputation differs from the forward and curvopt cannot reproduce the "
+                "forward's graph; use preserve_rng_state=True (the default) or use_reentrant=False"
+            )
+        self.outputs = outputs
+        node.metadata[_METADATA] = self
+        _LIVE.add(self)
+        _PLANS.clear()
+
+    @property
+    def module(self):
+        return self
+
+    @property
+    def slots(self) -> List[GradientEdge]:
+        """The checkpoint's outputs that carry gradient, as edges into its node."""
+        return [GradientEdge(self.node, i) for i in self._differentiable()]
+
+    def _differentiable(self) -> List[int]:
+        return [
+            i
+            for i, t in enumerate(self.outputs)
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None
+        ]
+
+    def release(self) -> None:
+        """Drop the re-run graph and the inputs of the module calls made by the re-run."""
+        if self.node.metadata.get(_METADATA) is self:
+            del self.node.metadata[_METADATA]
+        _LIVE.discard(self)
+        _PLANS.clear()
+        inputs = {id(t.grad_fn) for t in self.node.saved_tensors if t.grad_fn is not None}
+        stack = [self.outputs[i].grad_fn for i in self._differentiable()]
+        seen = set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen or id(node) in inputs:
+                continue
+            seen.add(node)
+            if type(node).__name__ == ACCUMULATE_GRAD or segment_on(node) is not None:
+                continue
+            for record, _, _ in records_on(node):
+                record.release()
+            stack.extend(fn for fn, _ in node.next_functions)
+        self.outputs = ()
+
+
+def segment_on(node) -> Optional[Segment]:
+    """The live segment of a reentrant checkpoint's node, if curvopt re-ran it."""
+    return node.metadata.get(_METADATA) if _LIVE else None
+
+
+def next_nodes(node) -> list:
+    """The nodes ``node`` passes gradient to, through a live segment's re-run for its
+    checkpoint's node (``None`` entries possible)."""
+    segment = segment_on(node)
+    if segment is None:
+        return [fn for fn, _ in node.next_functions]
+    return [t.grad_fn for t in segment.outputs if isinstance(t, torch.Tensor)]
+
+
+def live() -> bool:
+    """Whether any segment is live (else columns take the plain path)."""
+    return bool(_LIVE)
+
+
+class _Region:
+    """What autograd reaches from ``starts`` without passing a live checkpoint node: ``nodes``,
+    and the ``barriers`` (segments) it meets. ``segment`` is the one whose re-run starts it
+    (``None`` for the root)."""
+
+    def __init__(self, segment, starts):
+        self.segment = segment
+        self.nodes: set = set()
+        self.barriers: List[Segment] = []
+        self._above: Optional[set] = None
+        stack = list(starts)
+        while stack:
+            node = stack.pop()
+            if node is None or node in self.nodes:
+                continue
+            barrier = segment_on(node)
+            if barrier is not None:
+                if barrier not in self.barriers:
+                    self.barriers.append(barrier)
+                continue
+            self.nodes.add(node)
+            stack.extend(fn for fn, _ in node.next_functions)
+
+    def reject_bypass(self, nodes) -> None:
+        """Raise if a node asked for lies upstream of a checkpoint this region meets (autograd
+        would run the checkpoint to reach it)."""
+        if self._above is None:
+            above, stack = set(), [fn for b in self.barriers for fn, _ in b.node.next_functions]
+            while stack:
+                node = stack.pop()
+                if node is None or node in above:
+                    continue
+                above.add(node)
+                stack.extend(fn for fn, _ in node.next_functions)
+            self._above = above
+        for node in nodes:
+            if node in self._above:
+                names = ", ".join(b._curvopt_path for b in self.barriers)
+                raise UnsupportedModuleError(
+                    f"curvopt cannot propagate curvature around the reentrant checkpoint(s) "
+                    f"{names}: a tensor computed upstream of the checkpoint reaches the loss both "
+                    "through it and around it (a residual x + checkpoint(f, x), or an input "
+                    "passed to several checkpointed blocks), and torch's reentrant checkpoint "
+                    "refuses torch.autograd.grad; move that use inside the checkpointed "
+                    "function, or use torch.utils.checkpoint(..., use_reentrant=False)"
+                )
+
+
+def _plan(start) -> List[_Region]:
+    """The regions from ``start`` (a node), each after every region that feeds it."""
+    plan = _PLANS.get(start)
+    if plan is not None:
+        return plan
+    regions, order, stack = {}, [], [None]
+    regions[None] = _Region(None, [start])
+    feeders: Dict[object, int] = {}
+    while stack:
+        key = stack.pop()
+        for b in regions[key].barriers:
+            feeders[b] = feeders.get(b, 0) + 1
+            if b not in regions:
+                regions[b] = _Region(b, [b.outputs[i].grad_fn for i in b._differentiable()])
+                stack.append(b)
+    ready = [None]
+    while ready:  # Kahn: a segment's region once all regions meeting it are placed
+        key = ready.pop()
+        order.append(regions[key])
+        for b in regions[key].barriers:
+            feeders[b] -= 1
+            if not feeders[b]:
+                ready.append(b)
+    _PLANS[start] = order
+    return order
+
+
+def through(grad, root, edges, columns: torch.Tensor, batched: bool):
+    """``grad(outputs, inputs, columns, batched)`` (autograd's ``J^T`` from a list of roots to a
+    list of edges, ``[k, *edge]`` each or ``None``) from ``root`` (a tensor or edge, columns
+    ``[k, *root]``) to ``edges``, across the live segments, in stages."""
+    if isinstance(root, torch.Tensor):
+        start, nr = root.grad_fn, root.output_nr
+    else:
+        start, nr = root.node, root.output_nr
+    pending: Dict[Segment, list] = {}
+    first = segment_on(start)
+    if first is not None:  # the root is a checkpoint's output: its columns are the segment's
+        pending[first] = [None] * len(first.outputs)
+        pending[first][nr] = columns
+    result = [None] * len(edges)
+    for region in _plan(start):
+        if region.segment is None:
+            if first is not None:
+                continue
+            roots, cols = [root], [columns]
+        else:
+            arrived = pending.get(region.segment, ())
+            index = [i for i, v in enumerate(arrived) if v is not None]
+            if not index:
+                continue
+            roots = [region.segment.outputs[i] for i in index]
+            cols = [arrived[i] for i in index]
+        wanted = [j for j, e in enumerate(edges) if e.node in region.nodes]
+        slots = [(b, e) for b in region.barriers for e in b.slots]
+        if not wanted and not slots:
+            continue
+        region.reject_bypass([edges[j].node for j in wanted] + [b.node for b, _ in slots])
+        found = grad(roots, [edges[j] for j in wanted] + [e for _, e in slots], cols, batched)
+        for j, v in zip(wanted, found):
+            if v is not None:
+                result[j] = v if result[j] is None else result[j] + v
+        for (b, e), v in zip(slots, found[len(wanted) :]):
+            if v is not None:
+                got = pending.setdefault(b, [None] * len(b.outputs))
+                old = got[e.output_nr]
+                got[e.output_nr] = v if old is None else old + v
+    for j, e in enumerate(edges):  # an edge into a checkpoint: all that arrived there
+        b = segment_on(e.node)
+        if b is not None:
+            result[j] = pending.get(b, [None] * (e.output_nr + 1))[e.output_nr]
+    return result
