@@ -10,10 +10,10 @@ from curvopt.optim.fallback import fallback_diagonal
 from curvopt.optim.kronecker import (
     as_matrix,
     exact_damped_solve,
-    kron_cholesky_solve,
     kron_eigh,
     kron_quadratic,
-    trace_norm_cholesky,
+    kron_solve,
+    trace_norm_solvers,
 )
 from curvopt.optim.newton import Derived, NewtonOptimizer
 
@@ -35,8 +35,9 @@ class KFAC(NewtonOptimizer):
         kronecker_damping: ``"trace_norm"`` (default): ``(B + √λ/π I)⁻¹ G (A + π√λ I)⁻¹`` with
             ``π = sqrt((tr A/dim A)/(tr B/dim B))`` (Martens & Grosse 2015, Sec. 6.3);
             ``"exact"``: ``(B ⊗ A + λ I)⁻¹`` through eigendecompositions of ``B`` and ``A``.
-        inverse_interval: recompute the inverses (kept as Cholesky factors of the damped
-            factors, applied by triangular solves) or eigendecompositions at most every ``m``
+        inverse_interval: recompute the inverses (the damped factors' inverses, or their
+            Woodbury form for low-rank factors, applied by matrix products) or
+            eigendecompositions at most every ``m``
             steps, reusing them in between (default 1: whenever curvature or damping changed).
         mc_samples: Monte-Carlo samples for ``curvature="kfac"``.
         kl_clip: ``κ``: a trust region for every step, off by default (``None``: the paper's
@@ -134,11 +135,11 @@ class KFAC(NewtonOptimizer):
                 lambda: [(f.new_empty(f.shape[0]), torch.empty_like(f)) for f in curvature],
             )
         return Derived(
-            "cholesky",
+            "inverse",
             (curvature_step, damping),
             interval,
             # Woodbury needs each rank's own roots: off when inverses are spread over ranks
-            lambda: trace_norm_cholesky(curvature, damping, low_rank=self._distributed is None),
+            lambda: trace_norm_solvers(curvature, damping, low_rank=self._distributed is None),
             lambda: [torch.empty_like(f) for f in curvature],
         )
 
@@ -151,7 +152,7 @@ class KFAC(NewtonOptimizer):
         if derived.name == "eigh":
             direction = exact_damped_solve(entry["value"], matrix, damping)
         else:
-            direction = kron_cholesky_solve(entry["value"], matrix)
+            direction = kron_solve(entry["value"], matrix)
         return direction.reshape(grad.shape), {derived.name: entry}
 
     def _quadratic(self, curvature, step):
