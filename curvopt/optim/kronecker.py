@@ -120,13 +120,14 @@ def trace_norm_inverse(factors: Factors, damping: float) -> list[torch.Tensor]:
 @dataclass(frozen=True)
 class LowRankInverse:
     """``(UᵀU + c I)⁻¹ = (I − Vᵀ V) / c`` for a factor ``F = UᵀU`` of size ``d`` with a root
-    ``U [r, d]``, ``r < d``, and a shift ``c > 0`` (Woodbury): with ``K = c I_r + U Uᵀ = L Lᵀ``,
-    ``Uᵀ K⁻¹ U = Vᵀ V`` for ``V = L⁻¹ U`` (``[r, d]``, computed once).
+    ``U [r, d]``, ``r < d``, and a shift ``c > 0`` (Woodbury): with ``U Uᵀ = Q diag(s) Qᵀ``,
+    ``Uᵀ (c I_r + U Uᵀ)⁻¹ U = Vᵀ V`` for ``V = diag(s + c)^(-1/2) Qᵀ U`` (``[k, d]``, computed
+    once; its rows are orthogonal, the directions of ``F``'s nonzero eigenvalues).
 
-    Applying it to ``m`` vectors costs ``4 m d r`` flops (two matrix products, no solve) instead
-    of the ``2 m d²`` of a product with the dense inverse, and setting it up ``2 d r² + r³/3``
-    instead of ``d³``. With a rank cap ``k < r`` (:meth:`of`, ``max_rank``) ``V`` has ``k`` rows:
-    an approximation, see there.
+    Applying it to ``m`` vectors costs ``4 m d k`` flops (two matrix products, no solve)
+    instead of the ``2 m d²`` of a product with the dense inverse, and setting it up
+    ``4 d r² + O(r³)`` instead of ``d³``. ``k ≤ r`` is the numerical rank of ``U`` (exact
+    compression, :meth:`of`), or a cap on it (an approximation).
     """
 
     basis: torch.Tensor
@@ -134,24 +135,33 @@ class LowRankInverse:
 
     @classmethod
     def of(cls, root: torch.Tensor, shift, max_rank: int | None = None) -> "LowRankInverse":
-        """From ``U`` and ``c``, exact (default): ``K`` is factorised as ``cholesky_factor``
-        does, its float64 retry recomputing ``U Uᵀ`` from ``U`` in float64 (casting a float32
-        ``U Uᵀ`` keeps the rounding, of order ``eps |U|²``, that can exceed a small ``c``).
+        """From ``U`` and ``c``. Exact (default): the directions whose eigenvalue ``s_i`` of
+        ``U Uᵀ`` is at most its rounding, ``r · eps · s_max``, are dropped (rows repeated in
+        the stacked roots of an average add no rank, and cost nothing to apply).
 
-        ``max_rank=k`` with ``k < r`` caps the rank (an approximation): with
-        ``U Uᵀ = Q diag(s) Qᵀ`` (eigenvalues descending), ``V = diag(s_k + c)^(-1/2) Q_kᵀ U``
-        keeps the ``k`` largest, i.e. it inverts ``F_k + c I`` where ``F_k`` is the best rank-``k``
-        approximation of ``F``; the ``r − k`` dropped directions see the damping only (their
-        eigenvalues ``s_i`` are replaced by 0)."""
+        ``max_rank=k`` keeps at most the ``k`` largest (an approximation): it inverts
+        ``F_k + c I``, ``F_k`` the best rank-``k`` approximation of ``F``; the dropped
+        directions see the damping only (their ``s_i`` are replaced by 0).
+
+        ``U Uᵀ`` and its eigendecomposition are recomputed from ``U`` in float64 when their
+        rounding in ``U``'s precision, ``eps · s_max``, exceeds ``√eps · c``: the eigenvalues
+        near the shift would be lost in it."""
         shift = torch.as_tensor(shift, dtype=root.dtype, device=root.device)
-        if max_rank is not None and max_rank < root.shape[0]:
-            return cls(_top_basis(root, shift, max_rank), shift)
-        cholesky = cholesky_factor(_inner(root, shift), lambda: _inner(root, shift, True))
-        return cls(torch.linalg.solve_triangular(cholesky, root, upper=False), shift)
+        values, vectors = torch.linalg.eigh(root @ root.mT)
+        eps = torch.finfo(root.dtype).eps
+        if root.dtype != torch.float64 and bool(eps * values[-1] > eps**0.5 * shift):
+            exact = root.to(torch.float64)
+            values, vectors = torch.linalg.eigh(exact @ exact.mT)
+            values, vectors = values.to(root.dtype), vectors.to(root.dtype)
+            eps = torch.finfo(torch.float64).eps
+        kept = int((values > root.shape[0] * eps * values[-1].clamp(min=0)).sum())
+        kept = kept if max_rank is None else min(kept, max_rank)
+        values, vectors = values[values.shape[0] - kept :], vectors[:, vectors.shape[1] - kept :]
+        return cls((vectors.mT @ root) / (values + shift).sqrt()[:, None], shift)
 
     @property
     def rank(self) -> int:
-        """The number of rows of ``V``."""
+        """``k``, the number of rows of ``V``."""
         return self.basis.shape[0]
 
     def solve_left(self, matrix: torch.Tensor) -> torch.Tensor:
@@ -163,29 +173,6 @@ class LowRankInverse:
         return (matrix - (matrix @ self.basis.mT) @ self.basis) / self.shift
 
 
-def _inner(root: torch.Tensor, shift: torch.Tensor, in_float64=False) -> torch.Tensor:
-    """``c I_r + U Uᵀ`` (in float64 if asked)."""
-    if in_float64:
-        root, shift = root.to(torch.float64), shift.to(torch.float64)
-    inner = root @ root.mT
-    inner.diagonal().add_(shift)
-    return inner
-
-
-def _top_basis(root: torch.Tensor, shift: torch.Tensor, rank: int) -> torch.Tensor:
-    """``diag(s_k + c)^(-1/2) Q_kᵀ U`` from the ``rank`` largest eigenpairs of ``U Uᵀ``, in
-    float64 when the rounding of ``U Uᵀ`` in ``U``'s precision (``eps · s_max``) exceeds
-    ``√eps · c`` (the eigenvalues near ``c`` would be lost)."""
-    values, vectors = torch.linalg.eigh(root @ root.mT)
-    eps = torch.finfo(root.dtype).eps
-    if root.dtype != torch.float64 and bool(eps * values[-1] > eps**0.5 * shift):
-        exact = root.to(torch.float64)
-        values, vectors = torch.linalg.eigh(exact @ exact.mT)
-        values, vectors = values.to(root.dtype), vectors.to(root.dtype)
-    values, vectors = values[-rank:].clamp(min=0), vectors[:, -rank:]
-    return (vectors.mT @ root) / (values + shift).sqrt()[:, None]
-
-
 def _usable_root(
     factor: torch.Tensor,
     others: int,
@@ -194,7 +181,7 @@ def _usable_root(
 ) -> torch.Tensor | None:
     """The factor's Gram root ``U [r, d]`` (``reductions.gram_root``) when the Woodbury form is
     cheaper than the dense inverse for ``others`` right-hand sides (by flops: setup
-    ``2 d r² + r³/3`` and application ``4 · others · d · min(r, max_rank)`` against ``d³`` and
+    ``4 d r²`` and application ``4 · others · d · min(r, max_rank)`` against ``d³`` and
     ``2 · others · d²``) and ``U`` still reproduces the factor (checked on the all-ones vector
     against the rounding bound ``√eps · |U|ᵀ|U| 1``: a factor changed in place after the pass
     falls back to Cholesky). ``U`` comes in ``factor``'s dtype (both promoted to
@@ -205,7 +192,7 @@ def _usable_root(
         return None
     rank, dim = root.shape
     applied = rank if max_rank is None else min(rank, max_rank)
-    woodbury = 2 * dim * rank * rank + rank**3 / 3 + 4 * others * dim * applied
+    woodbury = 4 * dim * rank * rank + 4 * others * dim * applied
     if woodbury >= dim**3 + 2 * others * dim * dim:
         return None
     magnitude = root.abs().mT @ root.abs().sum(1)
