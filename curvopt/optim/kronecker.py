@@ -173,27 +173,23 @@ class LowRankInverse:
         return (matrix - (matrix @ self.basis.mT) @ self.basis) / self.shift
 
 
-def _usable_root(
-    factor: torch.Tensor,
-    others: int,
-    stored: torch.dtype | None = None,
-    max_rank: int | None = None,
-) -> torch.Tensor | None:
-    """The factor's Gram root ``U [r, d]`` (``reductions.gram_root``) when the Woodbury form is
-    cheaper than the dense inverse for ``others`` right-hand sides (by flops: setup
-    ``4 d r²`` and application ``4 · others · d · min(r, max_rank)`` against ``d³`` and
-    ``2 · others · d²``) and ``U`` still reproduces the factor (checked on the all-ones vector
-    against the rounding bound ``√eps · |U|ᵀ|U| 1``: a factor changed in place after the pass
-    falls back to Cholesky). ``U`` comes in ``factor``'s dtype (both promoted to
-    ``working_dtype`` by the caller); the bound uses the precision the factor was ``stored`` in
-    (default: its dtype)."""
+def _woodbury_cheaper(dim: int, rows: int, rank: int, others: int) -> bool:
+    """Whether the Woodbury form of a root of ``rows`` rows and (numerical or capped) ``rank``
+    costs fewer flops than the dense inverse for ``others`` right-hand sides: setup ``4 d r²``
+    and application ``4 · others · d · k`` against ``d³`` and ``2 · others · d²``."""
+    return 4 * dim * rows * rows + 4 * others * dim * rank < dim**3 + 2 * others * dim * dim
+
+
+def _usable_root(factor: torch.Tensor, others: int, stored: torch.dtype | None = None):
+    """The factor's Gram root ``U [r, d]`` (``reductions.gram_root``) when the Woodbury form
+    can be cheaper than the dense inverse (:func:`_woodbury_cheaper` at a rank of 1: whether
+    it is depends on the numerical rank, known once it is set up) and ``U`` still reproduces
+    the factor (checked on the all-ones vector against the rounding bound
+    ``√eps · |U|ᵀ|U| 1``: a factor changed in place after the pass falls back to the dense
+    form). ``U`` comes in ``factor``'s dtype (both promoted to ``working_dtype`` by the
+    caller); the bound uses the precision the factor was ``stored`` in (default: its dtype)."""
     root = gram_root(factor)
-    if root is None:
-        return None
-    rank, dim = root.shape
-    applied = rank if max_rank is None else min(rank, max_rank)
-    woodbury = 4 * dim * rank * rank + 4 * others * dim * applied
-    if woodbury >= dim**3 + 2 * others * dim * dim:
+    if root is None or not _woodbury_cheaper(factor.shape[0], root.shape[0], 1, others):
         return None
     magnitude = root.abs().mT @ root.abs().sum(1)
     error = (factor.sum(1) - root.mT @ root.sum(1)).abs()
@@ -201,6 +197,14 @@ def _usable_root(
     if not bool((error <= eps**0.5 * magnitude).all()):
         return None
     return root
+
+
+def _woodbury(root: torch.Tensor, shift, others: int, max_rank: int | None):
+    """``LowRankInverse.of(root, shift, max_rank)`` where it is cheaper than the dense inverse
+    at its rank, else None."""
+    solver = LowRankInverse.of(root, shift, max_rank)
+    rows, dim = root.shape
+    return solver if _woodbury_cheaper(dim, rows, solver.rank, others) else None
 
 
 def trace_norm_cholesky(
@@ -240,12 +244,10 @@ def _trace_norm_solvers(factors, damping, low_rank, max_rank, dense) -> list:
     for index, (factor, shift) in enumerate(zip(factors, shifts)):
         others = sizes[1 - index] if len(factors) == 2 else 1
         usable = low_rank and damping > 0
-        root = _usable_root(factor, others, stored[index], max_rank) if usable else None
+        root = _usable_root(factor, others, stored[index]) if usable else None
         try:
-            if root is not None:
-                solvers.append(LowRankInverse.of(root, shift, max_rank))
-            else:
-                solvers.append(dense(_add_diagonal(factor, shift)))
+            solver = None if root is None else _woodbury(root, shift, others, max_rank)
+            solvers.append(dense(_add_diagonal(factor, shift)) if solver is None else solver)
         except torch.linalg.LinAlgError as error:
             raise torch.linalg.LinAlgError(
                 f"{_FACTOR_NAMES[len(factors)][index]} {tuple(factor.shape)} (trace "
