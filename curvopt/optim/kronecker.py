@@ -166,11 +166,11 @@ class LowRankInverse:
 
     def solve_left(self, matrix: torch.Tensor) -> torch.Tensor:
         """``(F + c I)⁻¹ M`` for ``M [d, m]``."""
-        return (matrix - self.basis.mT @ (self.basis @ matrix)) / self.shift
+        return torch.addmm(matrix, self.basis.mT, self.basis @ matrix, alpha=-1).div_(self.shift)
 
     def solve_right(self, matrix: torch.Tensor) -> torch.Tensor:
         """``M (F + c I)⁻¹`` for ``M [m, d]``."""
-        return (matrix - (matrix @ self.basis.mT) @ self.basis) / self.shift
+        return torch.addmm(matrix, matrix @ self.basis.mT, self.basis, alpha=-1).div_(self.shift)
 
 
 def _woodbury_cheaper(dim: int, rows: int, rank: int, others: int) -> bool:
