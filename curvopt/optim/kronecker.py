@@ -136,8 +136,10 @@ class LowRankInverse:
     @classmethod
     def of(cls, root: torch.Tensor, shift, max_rank: int | None = None) -> "LowRankInverse":
         """From ``U`` and ``c``. Exact (default): the directions whose eigenvalue ``s_i`` of
-        ``U Uᵀ`` is at most its rounding, ``r · eps · s_max``, are dropped (rows repeated in
-        the stacked roots of an average add no rank, and cost nothing to apply).
+        ``U Uᵀ`` is at most its rounding, ``r · eps · s_max``, and negligible against the shift,
+        ``s_i ≤ √eps · c`` (dropping one changes the result along it by ``s_i / c`` relative),
+        are dropped: rows repeated in the stacked roots of an average add no rank, and cost
+        nothing to apply.
 
         ``max_rank=k`` keeps at most the ``k`` largest (an approximation): it inverts
         ``F_k + c I``, ``F_k`` the best rank-``k`` approximation of ``F``; the dropped
@@ -154,7 +156,8 @@ class LowRankInverse:
             values, vectors = torch.linalg.eigh(exact @ exact.mT)
             values, vectors = values.to(root.dtype), vectors.to(root.dtype)
             eps = torch.finfo(torch.float64).eps
-        kept = int((values > root.shape[0] * eps * values[-1].clamp(min=0)).sum())
+        noise = torch.minimum(root.shape[0] * eps * values[-1].clamp(min=0), eps**0.5 * shift)
+        kept = int((values > noise).sum())
         kept = kept if max_rank is None else min(kept, max_rank)
         values, vectors = values[values.shape[0] - kept :], vectors[:, vectors.shape[1] - kept :]
         return cls((vectors.mT @ root) / (values + shift).sqrt()[:, None], shift)
