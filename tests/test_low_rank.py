@@ -157,7 +157,7 @@ def test_kfac_step_with_woodbury_matches_dense_solve(curvature):
         step = _dense_trace_norm_solve(factors, lam, matrix).reshape(p.shape)
         expected.append(old - 0.5 * step)
     opt.step()
-    kinds = [type(s) for p in model.parameters() for s in opt.state[p]["inverse"]["value"]]
+    kinds = [type(s) for p in model.parameters() for s in opt.state[p]["cholesky"]["value"]]
     assert LowRankInverse in kinds
     for p, e in zip(model.parameters(), expected):
         torch.testing.assert_close(p.detach(), e)
@@ -201,7 +201,7 @@ def test_curvature_ema_keeps_the_woodbury_form_while_the_stacked_roots_stay_low_
         assert (root is not None) == (rows < dim)
         woodbury_flops = 4 * dim * rows**2 + 4 * others * dim * rows  # rank = rows here
         cheaper = woodbury_flops < dim**3 + 2 * others * dim**2
-        woodbury = isinstance(opt.state[first]["inverse"]["value"][1], LowRankInverse)
+        woodbury = isinstance(opt.state[first]["cholesky"]["value"][1], LowRankInverse)
         assert woodbury == (rows < dim and cheaper), step
     assert not woodbury
 
@@ -354,5 +354,5 @@ def test_curvature_ema_over_one_batch_keeps_woodbury_at_the_batch_rank():
         for p, e in zip(model.parameters(), expected):
             torch.testing.assert_close(p.detach(), e)
         assert gram_root(opt.state[first]["curvature"][1]).shape[0] == 4 * (step + 1)
-        woodbury = opt.state[first]["inverse"]["value"][1]
+        woodbury = opt.state[first]["cholesky"]["value"][1]
         assert isinstance(woodbury, LowRankInverse) and woodbury.rank == 4

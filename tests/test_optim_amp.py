@@ -67,7 +67,7 @@ def test_grad_scaler_gives_the_steps_without_scaling(name):
         assert any(
             type(s).__name__ == "LowRankInverse"
             for state in opt.state.values()
-            for s in state["inverse"]["value"]
+            for s in state["cholesky"]["value"]
         )
 
 
@@ -129,7 +129,7 @@ def test_half_precision_kfac_factorises_in_float32_and_steps_in_the_model_dtype(
     for p, e in zip(model.parameters(), expected):
         assert p.dtype == dtype
         torch.testing.assert_close(p.detach(), e, rtol=2e-2, atol=2e-3)
-    solvers = [s for state in opt.state.values() for s in state["inverse"]["value"]]
+    solvers = [s for state in opt.state.values() for s in state["cholesky"]["value"]]
     assert all(
         (s.basis if isinstance(s, LowRankInverse) else s).dtype == torch.float32 for s in solvers
     )

@@ -75,7 +75,7 @@ def test_kfac_step_uses_the_paper_split(in_features, batch, woodbury, weight_dec
     with opt.collect():
         lossfunc(layer(x), y).backward()
     opt.step()
-    solvers = opt.state[layer.weight]["inverse"]["value"]
+    solvers = opt.state[layer.weight]["cholesky"]["value"]
     assert isinstance(solvers[1], LowRankInverse) == woodbury
     for name, p in layer.named_parameters():
         expected = lr * _paper_solve(factors[name], damping + weight_decay, grads[name])
