@@ -16,8 +16,11 @@ from curvopt.optim import KFAC
 from curvopt.optim.kronecker import (
     LowRankInverse,
     kron_cholesky_solve,
+    kron_solve,
     trace_norm_cholesky,
     trace_norm_damped,
+    trace_norm_pi,
+    trace_norm_solvers,
 )
 from curvopt.reductions import gram, gram_add_, gram_root
 
@@ -196,7 +199,8 @@ def test_curvature_ema_keeps_the_woodbury_form_while_the_stacked_roots_stay_low_
         rows, dim, others = 4 * (step + 1), 30, 40  # the input factor of the first layer
         root = gram_root(opt.state[first]["curvature"][1])
         assert (root is not None) == (rows < dim)
-        cheaper = dim * rows**2 + 4 * others * dim * rows < dim**3 / 3 + 2 * others * dim**2
+        woodbury_flops = 4 * dim * rows**2 + 4 * others * dim * rows  # rank = rows here
+        cheaper = woodbury_flops < dim**3 + 2 * others * dim**2
         woodbury = isinstance(opt.state[first]["cholesky"]["value"][1], LowRankInverse)
         assert woodbury == (rows < dim and cheaper), step
     assert not woodbury
@@ -215,3 +219,140 @@ def test_woodbury_in_float32_is_as_accurate_as_float64_allows():
     assert all(isinstance(s, LowRankInverse) for s in solvers)
     result = kron_cholesky_solve(solvers, matrix).to(DT)
     assert float((result - reference).norm() / reference.norm()) < 1e-5
+
+
+def _rooted(rows: torch.Tensor) -> torch.Tensor:
+    """``rowsᵀ rows`` carrying ``rows`` as its Gram root (whatever their number)."""
+    product = rows.T @ rows
+    product.gram_root = rows
+    return product
+
+
+def _reference(factors, damping, matrix):
+    """``(B + √λ/π I)⁻¹ G (A + π√λ I)⁻¹``, ``π = sqrt((tr A/dim A)/(tr B/dim B))`` (the API's
+    split, written out here), by dense float64 solves."""
+    b, a = factors
+    pi = ((a.trace() / a.shape[0]) / (b.trace() / b.shape[0])).sqrt()
+    b = b + damping**0.5 / pi * torch.eye(b.shape[0], dtype=b.dtype)
+    a = a + pi * damping**0.5 * torch.eye(a.shape[0], dtype=a.dtype)
+    return torch.linalg.solve(a, torch.linalg.solve(b, matrix).T).T
+
+
+def _stacked_ema_factors():
+    """``[B, A]`` as a curvature EMA of three passes over one batch (β = 0.9) stacks them:
+    ``A``'s root has 3 x 5 rows of rank 5 for a size of 40, ``B``'s 3 x 2 rows of rank 6 for
+    12; ``A`` is ~900x larger than ``B`` (π ≈ 30)."""
+    x = 30 * torch.randn(5, 40, dtype=DT, generator=gen(50))
+    v = [torch.randn(2, 12, dtype=DT, generator=gen(51 + i)) for i in range(3)]
+    weights = [0.9**2, 0.9 * 0.1, 0.1]  # β², β(1−β), (1−β) for passes 1, 2, 3
+    a_root = torch.cat([w**0.5 * x for w in weights])
+    b_root = torch.cat([w**0.5 * vi for w, vi in zip(weights, v)])
+    return [_rooted(b_root), _rooted(a_root)]
+
+
+@pytest.mark.parametrize("solve", ["matmul", "cholesky"])
+def test_woodbury_of_stacked_rank_deficient_roots_is_exact_and_compressed(solve):
+    """Both forms (dense inverses and matrix products, Cholesky factors and triangular solves)
+    against the dense reference, with π far from 1 and ``A``'s stacked root of rank 5 < 15
+    rows: its Woodbury basis keeps the 5 directions, ``B``'s all 6."""
+    factors = _stacked_ema_factors()
+    assert float(trace_norm_pi(factors)) > 20
+    matrix = torch.randn(12, 40, dtype=DT, generator=gen(60))
+    build, apply = {
+        "matmul": (trace_norm_solvers, kron_solve),
+        "cholesky": (trace_norm_cholesky, kron_cholesky_solve),
+    }[solve]
+    solvers = build(factors, 0.3)
+    assert [type(s) for s in solvers] == [torch.Tensor, LowRankInverse]  # B: 6 rows of 12
+    assert solvers[1].rank == 5
+    torch.testing.assert_close(apply(solvers, matrix), _reference(factors, 0.3, matrix))
+    woodbury_b = LowRankInverse.of(gram_root(factors[0]), 0.7)
+    assert woodbury_b.rank == 6
+    expected = torch.linalg.solve(factors[0] + 0.7 * torch.eye(12, dtype=DT), matrix)
+    torch.testing.assert_close(woodbury_b.solve_left(matrix), expected)
+
+
+def test_dense_inverses_match_the_reference_with_pi_far_from_one():
+    """Full-rank factors (no roots): the cached inverses applied by products are the solve."""
+    x = 30 * torch.randn(50, 20, dtype=DT, generator=gen(61))
+    v = torch.randn(30, 7, dtype=DT, generator=gen(62))
+    factors = [v.T @ v, x.T @ x]
+    matrix = torch.randn(7, 20, dtype=DT, generator=gen(63))
+    solvers = trace_norm_solvers(factors, 0.05)
+    torch.testing.assert_close(kron_solve(solvers, matrix), _reference(factors, 0.05, matrix))
+    bias = torch.randn(7, 1, dtype=DT, generator=gen(64))
+    expected = torch.linalg.solve(factors[0] + 0.05 * torch.eye(7, dtype=DT), bias)
+    torch.testing.assert_close(kron_solve(trace_norm_solvers(factors[:1], 0.05), bias), expected)
+
+
+def test_rank_cap_inverts_the_best_rank_k_approximation():
+    """``max_rank=k`` is an approximation: ``(F_k + c I)⁻¹`` with ``F_k`` the top-``k``
+    eigenpart of ``F``, visibly different from the exact inverse; the default is exact."""
+    root = torch.randn(8, 30, dtype=DT, generator=gen(65)) * torch.linspace(3, 0.1, 8)[:, None].to(DT)
+    factor, shift = root.T @ root, 0.05
+    matrix = torch.randn(30, 6, dtype=DT, generator=gen(66))
+    values, vectors = torch.linalg.eigh(factor)
+    top = vectors[:, -3:] @ torch.diag(values[-3:]) @ vectors[:, -3:].T
+    eye = torch.eye(30, dtype=DT)
+    capped = LowRankInverse.of(root, shift, max_rank=3)
+    assert capped.rank == 3
+    torch.testing.assert_close(capped.solve_left(matrix), torch.linalg.solve(top + shift * eye, matrix))
+    exact = torch.linalg.solve(factor + shift * eye, matrix)
+    assert float((capped.solve_left(matrix) - exact).norm() / exact.norm()) > 0.1
+    torch.testing.assert_close(LowRankInverse.of(root, shift).solve_left(matrix), exact)
+    torch.testing.assert_close(LowRankInverse.of(root, shift).solve_right(matrix.T), exact.T)
+    # the cap reaches the optimizer's form through trace_norm_solvers
+    factors = [_rooted(root[:2, :5]), _rooted(root)]
+    solvers = trace_norm_solvers(factors, 0.3, max_rank=3)
+    assert solvers[1].rank == 3 and trace_norm_solvers(factors, 0.3)[1].rank == 8
+
+
+def test_float32_woodbury_with_a_shift_below_the_rounding_of_the_gram_recomputes_in_float64():
+    """``c = 1e-6 · s_max``: the float32 ``U Uᵀ`` rounds its eigenvalues by ~1e-7 · s_max, of
+    the order of ``c``; the basis is recomputed in float64 and stays float32, within 1e-4 of the
+    float64 solve (relative, in the norm of ``(F + c I)⁻¹``'s result)."""
+    root64 = torch.randn(16, 200, dtype=DT, generator=gen(67)) * torch.logspace(0, -4, 16, dtype=DT)[:, None]
+    shift = 1e-6 * float(torch.linalg.eigvalsh(root64 @ root64.T)[-1])
+    matrix64 = torch.randn(200, 3, dtype=DT, generator=gen(68))
+    expected = torch.linalg.solve(root64.T @ root64 + shift * torch.eye(200, dtype=DT), matrix64)
+    solver = LowRankInverse.of(root64.float(), shift)
+    assert solver.basis.dtype == torch.float32
+    result = solver.solve_left(matrix64.float()).double()
+    assert float((result - expected).norm() / expected.norm()) < 1e-4
+
+
+def test_curvature_ema_over_one_batch_keeps_woodbury_at_the_batch_rank():
+    """Training on one repeated batch of 4 (kflr, β = 0.9): ``A`` of the first layer (30 wide)
+    is an average of identical Grams, its stacked root grows by 4 rows per step while the
+    Woodbury basis stays at rank 4; every step is the dense float64 solve with the averaged
+    factors."""
+    model, lossfunc, x, y = _mlp(batch=4)
+    lam, lr, beta = 0.03, 0.5, 0.9
+    opt = KFAC(
+        model.parameters(), lr=lr, damping=lam, curvature="kflr", curvature_ema=beta, kl_clip=None
+    )
+    first = model[0].weight
+    averages = {}
+    for step in range(5):
+        opt.zero_grad()
+        with opt.collect():
+            lossfunc(model(x), y).backward()
+        expected = []
+        for p in model.parameters():
+            new = [f.clone() for f in p.kflr]
+            last = averages.get(p)
+            averages[p] = (
+                new if last is None else [beta * a + (1 - beta) * n for a, n in zip(last, new)]
+            )
+            matrix = p.grad.reshape(new[0].shape[0], -1)
+            if len(new) == 2:
+                step_ = _reference(averages[p], lam, matrix)
+            else:
+                step_ = torch.linalg.solve(averages[p][0] + lam * torch.eye(len(matrix), dtype=DT), matrix)
+            expected.append(p.detach() - lr * step_.reshape(p.shape))
+        opt.step()
+        for p, e in zip(model.parameters(), expected):
+            torch.testing.assert_close(p.detach(), e)
+        assert gram_root(opt.state[first]["curvature"][1]).shape[0] == 4 * (step + 1)
+        woodbury = opt.state[first]["cholesky"]["value"][1]
+        assert isinstance(woodbury, LowRankInverse) and woodbury.rank == 4

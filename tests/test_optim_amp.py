@@ -131,7 +131,7 @@ def test_half_precision_kfac_factorises_in_float32_and_steps_in_the_model_dtype(
         torch.testing.assert_close(p.detach(), e, rtol=2e-2, atol=2e-3)
     solvers = [s for state in opt.state.values() for s in state["cholesky"]["value"]]
     assert all(
-        (s.cholesky if isinstance(s, LowRankInverse) else s).dtype == torch.float32 for s in solvers
+        (s.basis if isinstance(s, LowRankInverse) else s).dtype == torch.float32 for s in solvers
     )
     assert any(isinstance(s, LowRankInverse) for s in solvers) == (width == 20)
 

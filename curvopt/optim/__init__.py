@@ -10,7 +10,8 @@ Optimizers (``torch.optim.Optimizer`` subclasses): :class:`DiagGGNNewton`, :clas
 * diagonal curvature: :func:`diag_precondition`, :func:`diag_quadratic`;
 * Kronecker curvature: :func:`as_matrix`, :func:`kron_matmul`, :func:`kron_quadratic`,
   :func:`trace_norm_pi`, :func:`trace_norm_damped`, :func:`trace_norm_inverse`,
-  :func:`trace_norm_cholesky`, :func:`kron_cholesky_solve`, :class:`LowRankInverse`,
+  :func:`trace_norm_cholesky`, :func:`kron_cholesky_solve`, :func:`trace_norm_solvers`,
+  :func:`kron_solve`, :class:`LowRankInverse`,
   :func:`kron_eigh`, :func:`exact_damped_solve`;
 * transforms: :func:`ema`, :func:`add_weight_decay`, :func:`momentum`, :func:`kl_clip_factor`.
 
@@ -39,10 +40,12 @@ from curvopt.optim.kronecker import (
     kron_eigh,
     kron_matmul,
     kron_quadratic,
+    kron_solve,
     trace_norm_cholesky,
     trace_norm_damped,
     trace_norm_inverse,
     trace_norm_pi,
+    trace_norm_solvers,
 )
 from curvopt.optim.linalg import cholesky_factor, cholesky_inverse, cholesky_solve_right, psd_eigh
 from curvopt.optim.newton import NewtonOptimizer
@@ -74,6 +77,7 @@ __all__ = [
     "exact_damped_solve",
     "kl_clip_factor",
     "kron_cholesky_solve",
+    "kron_solve",
     "kron_eigh",
     "kron_matmul",
     "kron_quadratic",
@@ -81,6 +85,7 @@ __all__ = [
     "psd_eigh",
     "reduction_ratio",
     "trace_norm_cholesky",
+    "trace_norm_solvers",
     "trace_norm_damped",
     "trace_norm_inverse",
     "trace_norm_pi",
