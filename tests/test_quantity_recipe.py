@@ -106,6 +106,34 @@ def test_declarations_are_unique_and_looked_up_by_name():
         Accumulator().combine(torch.zeros(1), "nothing", torch.zeros(1), 1)
 
 
+def test_extensions_are_looked_up_by_the_attribute_they_write():
+    """One lookup by name (``extensions.extension``) serves optim, linalg and experiments; a toy
+    quantity declared in this file is found like a shipped one, and only Monte-Carlo extensions
+    take ``mc_samples``."""
+    assert ext.writer("toy_sq_norms") is ToySquaredNorms
+    assert ext.extension("kfac", mc_samples=3).key() == ext.KFAC(mc_samples=3).key()
+    assert ext.extension("kflr", mc_samples=3).key() == ext.KFLR().key()
+    assert ext.extension("diag_ggn_mc").key() == ext.DiagGGNMC(mc_samples=1).key()
+    assert type(ext.extension("grad_batch")) is ext.BatchGrad
+    with pytest.raises(KeyError, match="no extension writes p.kfca"):
+        ext.extension("kfca")
+
+
+def test_optimizers_collect_the_extensions_their_curvature_names():
+    model = nn.Linear(3, 2)
+    cases = [
+        (curvopt.optim.KFAC, {"curvature": "kflr", "damping": 1}, [ext.KFLR()]),
+        (curvopt.optim.KFAC, {"mc_samples": 2, "damping": 1}, [ext.KFAC(mc_samples=2)]),
+        (curvopt.optim.DiagGGNNewton, {"curvature": "exact", "damping": 1}, [ext.DiagGGNExact()]),
+        (curvopt.optim.EKFAC, {"curvature": "kflr", "damping": 1}, [ext.BatchGrad(), ext.KFLR()]),
+        (curvopt.optim.VarianceAdaptedSGD, {}, [ext.Variance(), ext.BatchL2Grad()]),
+    ]
+    for cls, options, expected in cases:
+        made, targets = cls(model.parameters(), lr=0.1, **options)._requests()
+        assert [e.key() for e in made] == [e.key() for e in expected]
+        assert {attr for _, attr in targets} == {e.attr for e in made}
+
+
 def test_every_combine_rule_is_implemented_and_every_shipped_quantity_declared():
     from curvopt.accumulate import _COMBINE
     from curvopt.extensions.firstorder import FIRST_ORDER

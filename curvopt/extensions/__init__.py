@@ -1,6 +1,6 @@
 """The quantities ``curvopt.collect`` computes (exact conventions: ``docs/conventions.md``)."""
 
-from curvopt.extensions.base import Extension
+from curvopt.extensions.base import Extension, extension, writer
 from curvopt.extensions.quantity import Combine, Kind, Producer, Quantity, declare, quantity
 from curvopt.extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from curvopt.extensions.secondorder import (
@@ -17,6 +17,8 @@ from curvopt.extensions.secondorder import (
 
 __all__ = [
     "Extension",
+    "extension",
+    "writer",
     "Quantity",
     "Kind",
     "Combine",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, Tuple
+from typing import Any, ClassVar, Dict, Optional, Tuple, Type
 
 from curvopt.extensions.quantity import Quantity, declare
 
@@ -19,6 +19,9 @@ class Extension:
     quantity: ClassVar[Quantity]
     attr: ClassVar[str] = ""
     order: ClassVar[int] = 1
+    #: which loss-Hessian square root a curvature quantity propagates: "exact" or "mc"
+    #: (Monte-Carlo, ``mc_samples`` columns); None for first-order quantities
+    source: ClassVar[Optional[str]] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -35,6 +38,7 @@ class Extension:
         cls.attr = q.attr
         cls.order = q.producer.order
         declare(q)
+        _WRITERS[q.attr] = cls
 
     def __init__(self, **options: Any):
         self.options: Dict[str, Any] = options
@@ -45,3 +49,26 @@ class Extension:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
         return f"{type(self).__name__}({args})"
+
+
+_WRITERS: Dict[str, Type[Extension]] = {}
+
+
+def writer(attr: str) -> Type[Extension]:
+    """The extension class that writes ``p.<attr>``: the one lookup by name that ``optim``,
+    ``linalg`` and ``experiments`` use (``"kfac"``, ``"diag_ggn_mc"``, ``"grad_batch"``, ...)."""
+    try:
+        return _WRITERS[attr]
+    except KeyError:
+        raise KeyError(
+            f"curvopt: no extension writes p.{attr}; known: {', '.join(sorted(_WRITERS))}"
+        ) from None
+
+
+def extension(attr: str, mc_samples: int = 1, **options: Any) -> Extension:
+    """The extension writing ``p.<attr>``, built with ``options``; a Monte-Carlo one (``source``
+    ``"mc"``) also gets ``mc_samples``, which the others do not take."""
+    cls = writer(attr)
+    if cls.source == "mc":
+        options["mc_samples"] = mc_samples
+    return cls(**options)

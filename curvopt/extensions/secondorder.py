@@ -12,7 +12,6 @@ from curvopt.extensions.quantity import Combine, Kind, Producer, Quantity, decla
 
 
 class _Curvature(Extension):
-    #: "exact" or "mc": which square-root factor of the loss Hessian the quantity uses
     source = "exact"
 
 

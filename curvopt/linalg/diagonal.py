@@ -9,11 +9,8 @@ from curvopt.linalg.base import BlockDiagonal, CurvatureOperator
 from curvopt.linalg.collected import collected
 from curvopt.optim.stages.precondition import damped_inverse
 
-_CURVATURES = {
-    "ggn_exact": lambda mc: extensions.DiagGGNExact(),
-    "ggn_mc": lambda mc: extensions.DiagGGNMC(mc_samples=mc),
-    "hessian": lambda mc: extensions.DiagHessian(),
-}
+#: ``curvature=`` -> the attribute its extension writes (``curvopt.extensions.writer``)
+_CURVATURES = {"ggn_exact": "diag_ggn_exact", "ggn_mc": "diag_ggn_mc", "hessian": "diag_h"}
 
 
 class Diagonal(CurvatureOperator):
@@ -37,7 +34,7 @@ class Diagonal(CurvatureOperator):
             raise ValueError(
                 f"Diagonal: curvature must be one of {', '.join(_CURVATURES)}, got {curvature!r}"
             )
-        extension = _CURVATURES[curvature](mc_samples)
+        extension = extensions.extension(_CURVATURES[curvature], mc_samples)
 
         self.diagonal = self.weighted_sum(
             (rows, torch.cat([v.detach().flatten() for v in values]))

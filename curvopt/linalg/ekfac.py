@@ -45,7 +45,7 @@ class EKFAC(CurvatureOperator):
         self.bases = [kron_basis(fs) for fs in kfac.factors]
 
         def pairs():
-            for rows, grad_batches in collected(self, extensions.BatchGrad(), seed):
+            for rows, grad_batches in collected(self, extensions.extension("grad_batch"), seed):
                 yield (
                     rows,
                     [

@@ -17,11 +17,8 @@ from curvopt.linalg.collected import collected
 from curvopt.optim.kronecker import as_matrix, kron_matmul
 from curvopt.optim.stages.precondition import damped_inverse
 
-_CURVATURES = {
-    "kfac": lambda mc: extensions.KFAC(mc_samples=mc),
-    "kflr": lambda mc: extensions.KFLR(),
-    "kfra": lambda mc: extensions.KFRA(),
-}
+#: the curvatures, by the attribute their extension writes (``curvopt.extensions.writer``)
+_CURVATURES = ("kfac", "kflr", "kfra")
 
 
 def _owners(model):
@@ -62,7 +59,7 @@ class KFAC(CurvatureOperator):
         owners = _owners(model)
         sides = [output_factor_index(*owners[id(p)]) for p in self.params]
         sums, rows = None, 0
-        for count, values in collected(self, _CURVATURES[curvature](mc_samples), seed):
+        for count, values in collected(self, extensions.extension(curvature, mc_samples), seed):
             weighted = [
                 [f.detach() * self._weight(i == side, count) for i, f in enumerate(fs)]
                 for fs, side in zip(values, sides)

@@ -36,7 +36,8 @@ from curvopt.optim import distributed
 from curvopt.optim.kronecker import rescaled
 from curvopt.optim.options import CurvatureOptions, constructor
 
-#: an extension to collect, as ``(class name in curvopt.extensions, constructor options)``
+#: an extension to collect, as ``(the attribute it writes, its options)``: built by
+#: ``curvopt.extensions.extension(attr, **options)``
 ExtensionSpec = tuple[str, dict[str, Any]]
 
 
@@ -125,23 +126,18 @@ class CurvatureOptimizer(Optimizer):
 
     def _requests(self) -> tuple[list, list[tuple[torch.Tensor, str]]]:
         """The extensions the next step needs, and the ``(param, attr)`` pairs they write."""
-        specs: dict[str, ExtensionSpec] = {}
+        made: dict[str, extensions.Extension] = {}
         users: list[tuple[dict[str, Any], str]] = []
         for group, group_state in zip(self.param_groups, self._group_state):
-            for name, options in self._needs(group, group_state):
-                if specs.setdefault(name, (name, options)) != (name, options):
+            for attr, options in self._needs(group, group_state):
+                wanted = extensions.extension(attr, **options)
+                if made.setdefault(attr, wanted).key() != wanted.key():
                     raise ValueError(
-                        f"param groups need {name} with different options "
-                        f"({specs[name][1]} and {options}); use the same options in all groups"
+                        f"param groups need {made[attr]} and {wanted}, with different options; "
+                        "use the same options in all groups"
                     )
-                users.append((group, name))
-        made = {name: getattr(extensions, name)(**options) for name, options in specs.values()}
-        targets = [
-            (p, made[name].attr)
-            for group, name in users
-            for p in group["params"]
-            if p.requires_grad
-        ]
+                users.append((group, attr))
+        targets = [(p, attr) for group, attr in users for p in group["params"] if p.requires_grad]
         return list(made.values()), targets
 
     def collect(self):

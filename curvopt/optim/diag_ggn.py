@@ -10,14 +10,15 @@ from curvopt.optim.diagonal import diag_precondition, diag_quadratic
 from curvopt.optim.newton import NewtonOptimizer
 from curvopt.optim.options import NewtonOptions, choice, option
 
-_EXTENSIONS = {"mc": ("DiagGGNMC", "diag_ggn_mc"), "exact": ("DiagGGNExact", "diag_ggn_exact")}
+#: ``curvature=`` -> the attribute its extension writes (``curvopt.extensions.writer``)
+_ATTRS = {"mc": "diag_ggn_mc", "exact": "diag_ggn_exact"}
 
 
 @dataclass(frozen=True)
 class DiagGGNOptions(NewtonOptions):
     """:class:`NewtonOptions` with ``curvature="mc" | "exact"``."""
 
-    curvature: str = option("mc", choice(*_EXTENSIONS))
+    curvature: str = option("mc", choice(*_ATTRS))
 
 
 class DiagGGNNewton(NewtonOptimizer):
@@ -47,9 +48,7 @@ class DiagGGNNewton(NewtonOptimizer):
     Options = DiagGGNOptions
 
     def _extension(self, group):
-        name, attr = _EXTENSIONS[group["curvature"]]
-        options = {"mc_samples": group["mc_samples"]} if group["curvature"] == "mc" else {}
-        return (name, options), attr
+        return _ATTRS[group["curvature"]], {"mc_samples": group["mc_samples"]}
 
     def _check_curvature(self, curvature, param):
         if not isinstance(curvature, torch.Tensor) or curvature.shape != param.shape:

@@ -27,7 +27,8 @@ from curvopt.optim.kronecker import as_matrix
 from curvopt.optim.newton import NewtonOptimizer
 from curvopt.optim.options import NewtonOptions, choice, number, option
 
-_FACTORS = {"kfac": "KFAC", "kflr": "KFLR"}
+#: the factors' curvatures, by the attribute their extension writes
+_FACTORS = ("kfac", "kflr")
 
 
 @dataclass(frozen=True)
@@ -97,12 +98,10 @@ class EKFAC(NewtonOptimizer):
 
     # ----------------------------------------------------------------- what to collect
     def _extension(self, group):
-        return ("BatchGrad", {}), "grad_batch"
+        return "grad_batch", {}
 
     def _factor_extension(self, group):
-        curvature = group["curvature"]
-        options = {"mc_samples": group["mc_samples"]} if curvature == "kfac" else {}
-        return (_FACTORS[curvature], options), curvature
+        return group["curvature"], {"mc_samples": group["mc_samples"]}
 
     def _basis_due(self, group, step: int) -> bool:
         return step % group["basis_interval"] == 0
@@ -111,7 +110,7 @@ class EKFAC(NewtonOptimizer):
         needs = super()._needs(group, group_state)
         lacking = any(self._lacks_curvature(group, p) for p in group["params"] if p.requires_grad)
         if needs and (self._basis_due(group, group_state["step"]) or lacking):
-            needs.append(self._factor_extension(group)[0])
+            needs.append(self._factor_extension(group))
         return needs
 
     # ----------------------------------------------------------------- reading
@@ -140,7 +139,7 @@ class EKFAC(NewtonOptimizer):
         old = self.state.get(param, {}).get("curvature")
         bases = [] if old is None else list(old[1:])
         if old is None or self._basis_due(group, step):
-            _, factor_attr = self._factor_extension(group)
+            factor_attr, _ = self._factor_extension(group)
             factors = getattr(param, factor_attr, None)
             if factors is not None and factors is not self._consumed.get(param, {}).get(
                 factor_attr

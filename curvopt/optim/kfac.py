@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from curvopt import extensions
 from curvopt.optim.cache import cached
 from curvopt.optim.fallback import fallback_diagonal
 from curvopt.optim.kronecker import (
@@ -21,7 +22,8 @@ from curvopt.optim.kronecker import (
 from curvopt.optim.newton import Derived, NewtonOptimizer
 from curvopt.optim.options import NewtonOptions, choice, number, option
 
-_EXTENSIONS = {"kfac": "KFAC", "kflr": "KFLR", "kfra": "KFRA"}
+#: the curvatures, by the attribute their extension writes (``curvopt.extensions.writer``)
+_CURVATURES = ("kfac", "kflr", "kfra")
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,7 @@ class KFACOptions(NewtonOptions):
     """:class:`NewtonOptions` with KFAC's curvatures, ``fallback='diagonal'``, and the
     options of its inverses."""
 
-    curvature: str = option("kfac", choice(*_EXTENSIONS))
+    curvature: str = option("kfac", choice(*_CURVATURES))
     fallback: str | None = option(None, choice(None, "sgd", "diagonal"))
     kronecker_damping: str = option("trace_norm", choice("trace_norm", "exact"))
     inverse_interval: int = option(1, number(1, integer=True))
@@ -83,13 +85,12 @@ class KFAC(NewtonOptimizer):
     def _fallback_direction(self, update, grad, state, group, damping):
         if group["fallback"] != "diagonal":
             return super()._fallback_direction(update, grad, state, group, damping)
-        (extension, _), attr = self._extension(group)
+        attr, _ = self._extension(group)
+        extension = extensions.writer(attr).__name__
         return fallback_diagonal(self, update, grad, state, attr, extension, damping)
 
     def _extension(self, group):
-        curvature = group["curvature"]
-        options = {"mc_samples": group["mc_samples"]} if curvature == "kfac" else {}
-        return (_EXTENSIONS[curvature], options), curvature
+        return group["curvature"], {"mc_samples": group["mc_samples"]}
 
     def _check_curvature(self, curvature, param):
         if not isinstance(curvature, (list, tuple)) or not all(

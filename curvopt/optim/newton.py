@@ -41,6 +41,7 @@ from typing import Any, Callable
 
 import torch
 
+from curvopt import extensions
 from curvopt.optim import stages
 from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, ParamUpdate
 from curvopt.optim.damping import as_damping, reduction_ratio
@@ -75,8 +76,9 @@ class NewtonOptimizer(CurvatureOptimizer):
     _distributable = True
 
     # ----------------------------------------------------------------- subclass hooks
-    def _extension(self, group: dict[str, Any]) -> tuple[ExtensionSpec, str]:
-        """The extension giving the curvature of ``group`` and the attribute it writes."""
+    def _extension(self, group: dict[str, Any]) -> ExtensionSpec:
+        """The extension giving the curvature of ``group``: ``(the attribute it writes,
+        options)``."""
         raise NotImplementedError
 
     def _check_curvature(self, curvature: Any, param: torch.Tensor) -> None:
@@ -124,7 +126,7 @@ class NewtonOptimizer(CurvatureOptimizer):
         if self._curvature_due(group, group_state) or any(
             self._lacks_curvature(group, p) for p in group["params"] if p.requires_grad
         ):
-            return [self._extension(group)[0]]
+            return [self._extension(group)]
         return []
 
     def _lacks_curvature(self, group, param) -> bool:
@@ -139,7 +141,8 @@ class NewtonOptimizer(CurvatureOptimizer):
         """The group's :class:`~curvopt.optim.stages.GroupStep` (curvature read where due)
         through the chain of stages, and the decrease the quadratic model predicts."""
         step = GroupStep(self, group, group_state["step"], self._total_damping(group, group_state))
-        (extension, _), attr = self._extension(group)
+        attr, _ = self._extension(group)
+        extension = extensions.writer(attr).__name__
         due = self._curvature_due(group, group_state)
         for index, param in enumerate(group["params"]):
             if self._unused(param, (attr,)):

@@ -48,7 +48,7 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
     Options = VarianceAdaptedOptions
 
     def _needs(self, group, group_state):
-        return [("Variance", {}), ("BatchL2Grad", {})]
+        return [("variance", {}), ("batch_l2", {})]
 
     def _plan_group(self, group, group_state, with_model):
         beta = group["momentum"]
