@@ -25,7 +25,6 @@ from curvopt.layers.registry import register_name
 
 @register_name("Conv1D")
 class TransposedLinearRule(LinearRule):
-
     def check(self, module):
         weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
         nf = getattr(module, "nf", None)
