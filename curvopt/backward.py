@@ -7,8 +7,9 @@ result buffer is taken off its parameter while it is being overwritten, see ``bu
 ``BackwardPass`` routes the hooks to the first-order reducer (``reducer``), the curvature
 (``curvature``), the checks (``checks``: each raising before anything is written, with one
 tolerance policy; the loss rows are checked to map onto the model's samples by ``rows``) and
-the result buffer that all of them contribute to (``results``). The checks run on every pass
-(a term whose weight is zero on one pass may not be on the next).
+the result buffer that all of them contribute to (``results``). The checks of the gradient flow
+run on every pass (a term whose weight is zero on one pass may not be on the next), from hooks
+on the autograd nodes upstream of the extended losses (``checks.watch_flow``).
 
 Only gradient that is accumulated into ``p.grad`` counts: a pass that does not accumulate into a
 parameter (``torch.autograd.grad``, e.g. the input gradient of an adversarial attack, or
@@ -40,7 +41,12 @@ from curvopt.reducer import FirstOrderReducer
 from curvopt.records import Call
 from curvopt.results import ResultBuffer
 from curvopt.rows import establish
-from curvopt.torch_internals import current_autograd_node, queue_callback, will_engine_execute_node
+from curvopt.torch_internals import (
+    current_autograd_node,
+    current_graph_task_id,
+    queue_callback,
+    will_engine_execute_node,
+)
 
 
 _NO_OP = contextlib.nullcontext()
@@ -160,6 +166,7 @@ class BackwardPass:
                     cpass = CurvaturePass(self, record, grad)
                     cpass.run(upstream)
                     self.batch_size = self.batch_size or cpass.layout.samples
+                    self._watch_flow(upstream, current_autograd_node())
                 else:
                     self._check_layout(record, upstream)
         except BaseException:
@@ -191,6 +198,31 @@ class BackwardPass:
                 elementwise,
                 required=False,
             )
+
+    def _watch_flow(self, upstream, loss_node) -> None:
+        """Hooks on the autograd nodes upstream of an extended loss, for ``checks.check_flow``
+        (registered after the curvature's own backward runs through the graph; each acts only
+        in this pass's autograd task)."""
+        check, send = self.checks.watch_flow(upstream, loss_node)
+        for node in send:
+
+            def record_sent(grad_inputs, _grad_outputs, node=node):
+                if current_graph_task_id() == self.task and not self.failed:
+                    self.checks.record_sent(node, grad_inputs)
+
+            self.handles.append(node.register_hook(record_sent))
+        for node in check:
+
+            def check_flow(grad_outputs, node=node):
+                if current_graph_task_id() != self.task or self.failed or self.ignored:
+                    return
+                try:
+                    self.checks.check_flow(node, grad_outputs)
+                except BaseException:
+                    self._abort()
+                    raise
+
+            self.handles.append(node.register_prehook(check_flow))
 
     def watch_broadcasts(self, calls) -> None:
         """Read the per-sample output gradients of broadcast calls where they still exist (and
@@ -251,7 +283,7 @@ class BackwardPass:
                     "computed by an extended loss module; wrap it, e.g. "
                     "lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())"
                 )
-            self.checks.check_expected(record, grads)
+            self.checks.check_unreached(record, grads)
         elif not self.first:
             return
         rule = rule_for(module)
@@ -264,8 +296,9 @@ class BackwardPass:
         self.checks.note_precision(record, params)
         self.checks.seen.update(id(p) for _, p in params)
         if not self.first:
-            for name, p in params:
-                self.reducer.add_total(p, rule, call, name, rule.grad_sum(call, name))
+            if self.checks.sums:
+                for name, p in params:
+                    self.reducer.add_total(p, rule, call, name, rule.grad_sum(call, name))
             return
         self._check_batch_size(call)
         if self.shared is None:
@@ -330,6 +363,7 @@ class BackwardPass:
         except BaseException:
             self._abort()
             raise
+        self.checks.mark_checked()
         self.reducer.finish()
         self.results.write(self.accumulator, self.batch_size or 0, self.untouched)
         self.reducer.batch_grads.clear()
