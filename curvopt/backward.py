@@ -353,6 +353,7 @@ class BackwardPass:
     def _finish_pass(self) -> None:
         for handle in self.handles:
             handle.remove()
+        self.checks.release()
         if self.failed:
             return
         try:

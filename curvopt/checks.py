@@ -267,9 +267,16 @@ class Checks:
                     "comes from another term of the objective)"
                 )
 
+    def release(self) -> None:
+        """Drop the references to the graph's nodes and gradients (the pass has ended)."""
+        self.sent.clear()
+        self.watched.clear()
+        self.senders.clear()
+        self.modules.clear()
+
     def clear(self) -> None:
         self.param_grads.clear()
-        self.sent.clear()
+        self.release()
 
 
 def _extended_leaf(node) -> bool:
