@@ -7,8 +7,9 @@ result buffer is taken off its parameter while it is being overwritten, see ``bu
 ``BackwardPass`` routes the hooks to the first-order reducer (``reducer``), the curvature
 (``curvature``), the checks (``checks``: each raising before anything is written, with one
 tolerance policy; the loss rows are checked to map onto the model's samples by ``rows``) and
-the result buffer that all of them contribute to (``results``). The checks run on every pass
-(a term whose weight is zero on one pass may not be on the next).
+the result buffer that all of them contribute to (``results``). The checks of the gradient flow
+run on every pass (a term whose weight is zero on one pass may not be on the next), from hooks
+on the autograd nodes upstream of the extended losses (``checks.watch_flow``).
 
 Only gradient that is accumulated into ``p.grad`` counts: a pass that does not accumulate into a
 parameter (``torch.autograd.grad``, e.g. the input gradient of an adversarial attack, or
@@ -35,7 +36,7 @@ from curvopt.errors import (
 from curvopt.layers import rule_for
 from curvopt.losses import loss_rule_for
 from curvopt.params import shared_parameters, trainable
-from curvopt.propagate import backpropagate, module_outputs
+from curvopt.propagate import module_outputs
 from curvopt.reducer import FirstOrderReducer
 from curvopt.records import Call
 from curvopt.results import ResultBuffer
@@ -90,7 +91,7 @@ class BackwardPass:
         self.ignored = False  # the pass accumulates into no parameter it reaches
         self.untouched: Dict[int, bool] = {}  # id(p): the pass does not accumulate into p.grad
         self.reached: set = set()  # autograd nodes whose upstream ``_reaches`` has walked
-        self.checkpoints: dict = {}  # reentrant checkpoint node -> its gradient check's key
+        self.checkpointed = False  # a reentrant checkpoint was re-run (``checkpointing``)
         self.running = True  # until the engine's callback at the end of the pass
         queue_callback(self._finish)
 
@@ -160,8 +161,8 @@ class BackwardPass:
                     cpass = CurvaturePass(self, record, grad)
                     cpass.run(upstream)
                     self.batch_size = self.batch_size or cpass.layout.samples
-                    if segments:
-                        self._expect_at_checkpoints(cpass, segments)
+                    self._watch_flow(upstream, current_autograd_node())
+                    self.checkpointed = self.checkpointed or bool(segments)
                 else:
                     self._check_layout(record, upstream)
         except BaseException:
@@ -171,34 +172,6 @@ class BackwardPass:
             for segment in segments:  # the re-run checkpoints (``checkpointing``)
                 segment.release()
         return True
-
-    def _expect_at_checkpoints(self, cpass, segments) -> None:
-        """The calls inside a re-run checkpoint segment get their gradients from torch's own
-        re-run, in a nested backward (records of their own): the gradient check is made at the
-        checkpoint's outputs instead, by a pre-hook on its node (nothing inside a segment but
-        its outputs can receive gradient from outside)."""
-        slots = [(s, e) for s in segments for e in s.slots]
-        edges = [e for _, e in slots]
-        arrived = backpropagate(cpass.loss.output, edges, cpass.loss_grad[None], False)
-        for (segment, edge), v in zip(slots, arrived):
-            key = self.checkpoints.get(segment.node)
-            if key is None:
-                key = self.checkpoints[segment.node] = segment
-                self.handles.append(segment.node.register_prehook(self._checkpoint_hook(key)))
-            grads = [None] * len(segment.outputs)
-            grads[edge.output_nr] = None if v is None else v[0]
-            self.checks.expect_gradients({key: grads})
-
-    def _checkpoint_hook(self, key):
-        def check(grad_outputs):
-            if not self.failed:
-                try:
-                    self.checks.check_expected(key, grad_outputs)
-                except BaseException:
-                    self._abort()
-                    raise
-
-        return check
 
     def _check_layout(self, record, upstream) -> None:
         """First order under an extended loss: the loss rows map onto the model's samples
@@ -224,6 +197,31 @@ class BackwardPass:
                 elementwise,
                 required=False,
             )
+
+    def _watch_flow(self, upstream, loss_node) -> None:
+        """Hooks on the autograd nodes upstream of an extended loss, for ``checks.check_flow``
+        (registered after the curvature's own backward runs through the graph; each acts only
+        in this pass's autograd task)."""
+        check, send = self.checks.watch_flow(upstream, loss_node)
+        for node in send:
+
+            def record_sent(grad_inputs, _grad_outputs, node=node):
+                if current_graph_task_id() == self.task and not self.failed:
+                    self.checks.record_sent(node, grad_inputs)
+
+            self.handles.append(node.register_hook(record_sent))
+        for node in check:
+
+            def check_flow(grad_outputs, node=node):
+                if current_graph_task_id() != self.task or self.failed or self.ignored:
+                    return
+                try:
+                    self.checks.check_flow(node, grad_outputs)
+                except BaseException:
+                    self._abort()
+                    raise
+
+            self.handles.append(node.register_prehook(check_flow))
 
     def watch_broadcasts(self, calls) -> None:
         """Read the per-sample output gradients of broadcast calls where they still exist (and
@@ -284,8 +282,10 @@ class BackwardPass:
                     "computed by an extended loss module; wrap it, e.g. "
                     "lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())"
                 )
-            if not (self.checkpoints and current_graph_task_id() != self.task):
-                self.checks.check_expected(record, grads)  # else checked at the checkpoint
+            if not (self.checkpointed and current_graph_task_id() != self.task):
+                # (a call inside a checkpoint runs in torch's nested backward: checked at the
+                # checkpoint's node by the flow hooks instead)
+                self.checks.check_unreached(record, grads)
         elif not self.first:
             return
         rule = rule_for(module)
@@ -298,8 +298,9 @@ class BackwardPass:
         self.checks.note_precision(record, params)
         self.checks.seen.update(id(p) for _, p in params)
         if not self.first:
-            for name, p in params:
-                self.reducer.add_total(p, rule, call, name, rule.grad_sum(call, name))
+            if self.checks.sums:
+                for name, p in params:
+                    self.reducer.add_total(p, rule, call, name, rule.grad_sum(call, name))
             return
         self._check_batch_size(call)
         if self.shared is None:
@@ -355,6 +356,7 @@ class BackwardPass:
     def _finish_pass(self) -> None:
         for handle in self.handles:
             handle.remove()
+        self.checks.release()
         if self.failed:
             return
         try:
@@ -365,6 +367,7 @@ class BackwardPass:
         except BaseException:
             self._abort()
             raise
+        self.checks.mark_checked()
         self.reducer.finish()
         self.results.write(self.accumulator, self.batch_size or 0, self.untouched)
         self.reducer.batch_grads.clear()

@@ -63,7 +63,8 @@ class Broadcast:
 def find(node, output_nr: int, out_shape, consumers) -> Optional[Broadcast]:
     """The :class:`Broadcast` of a call whose output is ``(node, output_nr)``, or None.
 
-    ``consumers[(node, nr)]`` lists the nodes that take that output as an input.
+    ``consumers[(node, nr)]`` lists the ``(node, input index)`` pairs that take that output as
+    an input.
     """
     shape = tuple(out_shape)
     edge = (node, output_nr)
@@ -71,7 +72,7 @@ def find(node, output_nr: int, out_shape, consumers) -> Optional[Broadcast]:
         users = consumers.get(edge, [])
         if len(users) != 1:
             return None
-        user = users[0]
+        user = users[0][0]
         kind = type(user).__name__
         full = input_shape(user, 0)
         if kind in BROADCASTING_OPS:

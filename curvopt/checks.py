@@ -4,9 +4,21 @@ tolerance policy they share.
 * every parameter that received a gradient was seen through its module's call;
 * the per-sample gradients of each parameter sum to its gradient (a parameter also used
   outside its module, e.g. a tied head ``h @ emb.weight.T``, breaks this);
-* for curvature, each module's output gradient is what the extended losses send it (nothing
-  from other terms of the objective), and every parameter with a gradient gets every
-  requested curvature attribute.
+* for curvature, the gradient flowing into the graph upstream of the extended losses enters
+  through them alone (nothing from other terms of the objective: ``watch_flow``, on every
+  pass), and every parameter with a gradient gets every requested curvature attribute.
+
+The flow check costs no propagated column. The graph upstream of each extended loss is known
+(``propagate.module_outputs``); at every node of it that lies downstream of what curvopt reads
+(a module call's output, an extended parameter), the gradient the autograd engine hands the
+node must be the sum of what the node's consumers inside that graph sent it. A node with one
+such consumer receives the very tensor it sent unless something else adds to it (an identity
+test, no arithmetic); anything else is compared by value, so that a term whose weight is 0 on
+this pass passes and the same term with weight 0.3 on the next raises. The per-sample sums of
+a curvature-only pass are checked on the first pass of each graph structure (``_SUMS_CHECKED``,
+keyed by the structure, whose module names never repeat): with the flow checked on every pass,
+what a sum check adds (a parameter used again inside the losses' graph, a rule that disagrees
+with autograd) is a property of the structure.
 
 Tolerance: a comparison of ``a`` with ``b`` fails beyond ``factor * eps * max(|a|, |b|)``, with
 ``eps`` the unit roundoff of the least precise dtype involved, or of the computation that made
@@ -17,14 +29,29 @@ miss it, the rounding bound ``8 eps (sum_n |g_n| + |grad|) + 1000 eps max |grad 
 
 from __future__ import annotations
 
+from collections import OrderedDict, defaultdict
 from typing import Dict, Tuple
 
 import torch
 
+from curvopt.checkpointing import segment_on
 from curvopt.errors import UnsupportedModuleError, module_error
 from curvopt.reducer import reduce_in_chunks
 from curvopt.reductions import probe_columns
 from curvopt.results import name_of
+from curvopt.torch_internals import ACCUMULATE_GRAD
+
+#: graph structures (``Upstream.signature``) on whose passes the per-sample sums of curvature-only
+#: passes were checked; the flow check still runs on every pass
+_SUMS_CHECKED: "OrderedDict[object, None]" = OrderedDict()
+_SUMS_CHECKED_SIZE = 256
+
+_OUTSIDE = (
+    "the backpropagated objective has other terms (a regulariser on activations, a loss that "
+    "is not extended, a term of the parameters), whose curvature curvopt would miss; "
+    "backpropagate only sums of extended losses inside collect, or add the other terms' "
+    "curvature yourself"
+)
 
 
 def roundoff(*tensors, floor: float = 0.0) -> float:
@@ -58,7 +85,13 @@ class Checks:
         self.seen: set = set()  # ids of parameters whose module call was processed
         self.suspects: list = []  # (p, sum_n g_n, grad, sum_n |g_n|) beyond the cheap bound
         self.compute_eps: Dict[int, float] = {}  # id(p): roundoff of autocast calls using p
-        self.expected: Dict[object, list] = {}  # record: the extended losses' output gradients
+        self.reached: set = set()  # module calls upstream of the extended losses
+        self.watched: set = set()  # autograd nodes whose incoming gradient is checked
+        self.senders: set = set()  # autograd nodes whose outgoing gradient is recorded
+        self.sent: Dict[Tuple[object, int], list] = defaultdict(list)  # (node, nr): gradients
+        self.structures: list = []  # signatures of the extended losses' graphs
+        self.sums = False  # whether curvature-only passes check their per-sample sums
+        self.modules: dict = {}  # autograd node -> the module whose call's output it produced
 
     def note_precision(self, record, params) -> None:
         """A call computed in a lower precision than its parameters (autocast) makes ``p.grad``
@@ -68,37 +101,83 @@ class Checks:
                 eps = torch.finfo(record.dtype).eps
                 self.compute_eps[id(p)] = max(eps, self.compute_eps.get(id(p), 0.0))
 
-    # ------------------------------------------------------------ curvature: output gradients
-    def expect_gradients(self, grads) -> None:
-        """Add one extended loss's share ``{record: [grad per output]}`` of the gradients the
-        module hooks will see."""
-        for record in grads:
-            old = self.expected.get(record)
-            new = grads[record]
-            if old is None:
-                self.expected[record] = list(new)
-            else:
-                self.expected[record] = [
-                    b if a is None else a if b is None else a + b for a, b in zip(old, new)
-                ]
+    # ------------------------------------------------------------ curvature: gradient flow
+    def watch_flow(self, upstream, loss_node):
+        """Add the graph upstream of one extended loss (``upstream``: of its input; ``loss_node``:
+        its output's node); returns the nodes newly to check (``check_flow`` before they run)
+        and the nodes newly to record (``record_sent`` after they ran): those of the graph that
+        lie downstream of a module call's output or an extended parameter, and the loss's own
+        nodes between its output and its input."""
+        self.reached.update(upstream.calls)
+        signature = upstream.signature
+        self.structures.append(signature)
+        self.sums = self.sums or signature is None or signature not in _SUMS_CHECKED
+        users = defaultdict(list)
+        for (node, _), consumers in upstream.consumers.items():
+            users[node].extend(c for c, _ in consumers)
+            # a re-run reentrant checkpoint takes its re-run outputs (no input index): its node
+            # is checked like a call's output, named by its segment (``checkpointing``)
+            self.modules.update((c, segment_on(c)) for c, j in consumers if j is None)
+        for record, edges in upstream.calls.items():
+            self.modules.update((edge.node, record.module) for _, edge in edges)
+        stack = list(self.modules)
+        stack.extend(n for n in users if _extended_leaf(n))
+        region = set()
+        while stack:  # downstream of what curvopt reads
+            node = stack.pop()
+            if node not in region:
+                region.add(node)
+                stack.extend(users.get(node, ()))
+        check = [n for n in region if n not in self.watched]
+        self.watched.update(check)
+        inside = _between(loss_node, upstream.root, users)
+        send = [n for n in (*region, *inside) if n not in self.senders]
+        self.senders.update(send)
+        return check, send
 
-    def check_expected(self, record, grads) -> None:
-        """The module's output gradients must come from the extended losses alone."""
-        expected = self.expected.get(record)
-        for index, grad in enumerate(grads):
-            if grad is None:
+    def record_sent(self, node, grads) -> None:
+        """The gradients ``node`` sends to the checked nodes upstream (its ``next_functions``)."""
+        for grad, (fn, nr) in zip(grads, node.next_functions):
+            if fn in self.watched and grad is not None:
+                self.sent[(fn, nr)].append(grad)
+
+    def check_flow(self, node, grads) -> None:
+        """``grads``, handed to ``node`` by the engine, are what its consumers upstream of the
+        extended losses sent (the same tensor, or the sum to roundoff)."""
+        for nr, grad in enumerate(grads):
+            sent = self.sent.pop((node, nr), ())
+            if grad is None or (len(sent) == 1 and sent[0] is grad):
                 continue
-            want = None if expected is None else expected[index]
-            bad = bool(grad.any()) if want is None else mismatch(want, grad, 256)
+            grad = dense(grad)
+            if not sent:
+                bad = bool(grad.any())
+            else:
+                total = dense(sent[0]).to(grad.dtype)
+                for other in sent[1:]:
+                    total = total + dense(other).to(grad.dtype)
+                bad = total.shape != grad.shape or mismatch(total, grad, 256)
             if bad:
-                raise module_error(
-                    record.module,
-                    "its output gradient does not come from the extended loss(es) alone: the "
-                    "backpropagated objective has other terms (a regulariser on activations, "
-                    "a loss that is not extended, a term of the parameters), whose curvature "
-                    "curvopt would miss; backpropagate only sums of extended losses inside "
-                    "collect, or add the other terms' curvature yourself",
-                )
+                raise _flow_error(node, self.modules.get(node))
+
+    def check_unreached(self, record, grads) -> None:
+        """A module call that no extended loss reaches gets no gradient."""
+        if record not in self.reached and any(g is not None and bool(g.any()) for g in grads):
+            raise module_error(
+                record.module,
+                f"its output gradient does not come from the extended loss(es) "
+                f"alone (none of them depends on it): {_OUTSIDE}",
+            )
+
+    def mark_checked(self) -> None:
+        """The pass succeeded: its structures had their sums checked (if they were)."""
+        if not self.sums:
+            return
+        for signature in self.structures:
+            if signature is not None:
+                _SUMS_CHECKED[signature] = None
+                _SUMS_CHECKED.move_to_end(signature)
+                if len(_SUMS_CHECKED) > _SUMS_CHECKED_SIZE:
+                    _SUMS_CHECKED.popitem(last=False)
 
     # ------------------------------------------------------------ sum_n g_n == p.grad
     def add_total(self, p, use, total) -> None:
@@ -192,5 +271,61 @@ class Checks:
                     "comes from another term of the objective)"
                 )
 
+    def release(self) -> None:
+        """Drop the references to the graph's nodes and gradients (the pass has ended)."""
+        self.sent.clear()
+        self.watched.clear()
+        self.senders.clear()
+        self.modules.clear()
+
     def clear(self) -> None:
         self.param_grads.clear()
+        self.release()
+
+
+def _extended_leaf(node) -> bool:
+    """``node`` accumulates into a parameter of an extended module."""
+    return type(node).__name__ == ACCUMULATE_GRAD and getattr(
+        node.variable, "_curvopt_checked", False
+    )
+
+
+def _between(top, bottom, graph) -> list:
+    """The nodes on paths from ``top`` down to ``bottom`` (``bottom`` excluded; paths through
+    other nodes of ``graph`` do not count: they enter the model's graph elsewhere)."""
+    if top is None or bottom is None:
+        return []
+    reaches = {bottom: True}
+    stack = [(top, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            reaches[node] = any(reaches.get(fn, False) for fn, _ in node.next_functions)
+        elif node not in reaches:
+            reaches[node] = False
+            if node not in graph:
+                stack.append((node, True))
+                stack.extend((fn, False) for fn, _ in node.next_functions if fn is not None)
+    del reaches[bottom]
+    return [node for node, reached in reaches.items() if reached]
+
+
+def _flow_error(node, module) -> Exception:
+    """The error for gradient from outside the extended losses arriving at ``node`` (the
+    output of a call of ``module``, if not None)."""
+    if type(node).__name__ == ACCUMULATE_GRAD:
+        return UnsupportedModuleError(
+            f"curvopt: parameter {name_of(node.variable)!r} receives gradient from outside the "
+            "module that owns it and the extended loss(es) (a penalty on the parameter added "
+            f"to the loss, or a use outside its module): {_OUTSIDE}"
+        )
+    if module is not None:
+        return module_error(
+            module,
+            f"its output gradient does not come from the extended loss(es) alone: {_OUTSIDE}",
+        )
+    return UnsupportedModuleError(
+        f"curvopt: the gradient of an intermediate result between the model's modules and the "
+        f"extended loss(es) (autograd node {type(node).__name__}) does not come from the "
+        f"extended loss(es) alone: {_OUTSIDE}"
+    )

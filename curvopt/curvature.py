@@ -8,10 +8,9 @@ columns to the output of every extended module (``propagate``), giving ``V = J_y
 and each module turns ``V`` and its saved input into diagonals or Kronecker factors. Any graph
 works: residual adds, functional ops, attention, reused modules.
 
-The same propagation carries the loss gradient itself (one more column in the first chunk), so
-the gradient hooks of the modules can check, on every pass, that nothing outside the extended
-losses contributes to their output gradients: a term whose weight is zero on one pass (a penalty
-warmed up later) is caught on the pass where it is not.
+That nothing outside the extended losses feeds the gradients (a term of the objective whose
+curvature this would miss) is checked on every pass without propagating anything: hooks on the
+graph's nodes compare the gradient each receives with what its consumers sent (``checks``).
 """
 
 from __future__ import annotations
@@ -77,9 +76,6 @@ class CurvaturePass:
         self.layout = establish(
             output, output.shape, calls, self.batched, upstream.signature, rule.elementwise
         )
-        #: ``dL/d output`` of this loss; ``gradient`` is the copy carried by the first chunk
-        self.loss_grad = loss_gradient(self.loss, self.weight)
-        self.gradient = self.loss_grad
         groups = defaultdict(list)
         for ext in self.exts:
             if ext.quantity.producer is Producer.KFRA:
@@ -90,22 +86,12 @@ class CurvaturePass:
             self._propagate(rule, calls, exts, source, mc_samples)
         hessian_exts = [e for e in self.exts if e.quantity.producer is Producer.HESSIAN_DIAGONAL]
         if hessian_exts:
+            #: ``dL/d output`` of this loss, for the residuals
+            self.loss_grad = loss_gradient(self.loss, self.weight)
             self.results.add(residuals(self, calls, hessian_exts))
-        if self.gradient is not None:  # no propagated columns (KFRA alone)
-            self._expect(to_calls(self.loss.output, calls, self.gradient[None], self.batched))
         kfra_exts = [e for e in self.exts if e.quantity.producer is Producer.KFRA]
         if kfra_exts:
             self.results.add(kfra(self, rule, calls, kfra_exts))
-
-    def _expect(self, outs) -> None:
-        """Hand the last column of ``outs`` (the propagated loss gradient) to the backward pass
-        as this loss's share of every module output gradient; ``outs`` keeps the others."""
-        self.gradient = None
-        grads = {}
-        for record, cols in outs.items():
-            grads[record] = [None if v is None else v[-1] for v in cols]
-            outs[record] = [None if v is None else v[:-1] for v in cols]
-        self.bp.checks.expect_gradients(grads)
 
     def columns(self, rule, source: str, mc_samples: int, chunk: int):
         """Chunks ``[k, *output.shape]`` of the (scaled) square-root factor, rows packed by
@@ -141,12 +127,7 @@ class CurvaturePass:
         kron_exts = [e for e in exts if e.quantity.producer is Producer.KRONECKER]
         diag_exts = [e for e in exts if e not in kron_exts]
         for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
-            carry = self.gradient is not None
-            if carry:
-                cols = torch.cat([cols, self.gradient[None].to(cols.dtype)])
             outs = to_calls(self.loss.output, calls, cols, self.batched)
-            if carry:
-                self._expect(outs)
             if diag_exts:
                 self.results.add(diagonals(calls, outs, diag_exts))
             for record in calls:

@@ -32,13 +32,19 @@ class Upstream:
     """The extended-module calls upstream of a root: ``calls[record] = [(output index, edge)]``,
     whether columns may be propagated batched, a key of the graph's structure (``None``
     where the graph indexes by data, so that what holds for one batch need not for the next),
-    and ``foreign``: the parameters it reaches that no extended module owns."""
+    ``foreign``: the parameters it reaches that no extended module owns, and ``consumers``:
+    ``consumers[(node, nr)] = [(consumer, j)]``, the nodes of the graph that take output ``nr``
+    of ``node`` as their ``j``-th input (``consumer.next_functions[j]``)."""
 
-    def __init__(self, calls, batchable: bool, signature: Optional[Tuple], foreign=()):
+    def __init__(
+        self, calls, batchable: bool, signature: Optional[Tuple], foreign=(), consumers=None
+    ):
         self.calls: Dict[object, List[Tuple[int, GradientEdge]]] = calls
         self.batchable = batchable
         self.signature = signature
         self.foreign = list(foreign)
+        self.consumers: Dict[Tuple[object, int], List[Tuple[object, int]]] = consumers or {}
+        self.root = None  # the autograd node the walk started from
         self.indexes_inside = False  # see ``_indexes_inside``
         self.reentrant = False  # a reentrant checkpoint lies upstream (REENTRANT_CHECKPOINT)
 
@@ -77,7 +83,8 @@ def module_outputs(root, recompute: Optional[list] = None) -> Upstream:
                 continue  # nothing upstream can be reached by columns
             for t in segment.outputs:
                 if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                    consumers[(t.grad_fn, t.output_nr)].append(node)
+                    # the checkpoint node takes the re-run output (no input index of its own)
+                    consumers[(t.grad_fn, t.output_nr)].append((node, None))
                     stack.append(t.grad_fn)
             continue
         if kind == ACCUMULATE_GRAD:
@@ -88,9 +95,9 @@ def module_outputs(root, recompute: Optional[list] = None) -> Upstream:
         for record, index, output_nr in records_on(node):
             found[record].append((index, GradientEdge(node, output_nr)))
             kinds.append((token(record.module), index, record.out_shapes))
-        for fn, nr in node.next_functions:
+        for j, (fn, nr) in enumerate(node.next_functions):
             if fn is not None:
-                consumers[(fn, nr)].append(node)
+                consumers[(fn, nr)].append((node, j))
                 stack.append(fn)
     for record, edges in found.items():
         if len(record.out_shapes) == 1:
@@ -100,9 +107,10 @@ def module_outputs(root, recompute: Optional[list] = None) -> Upstream:
                 found[record] = [(index, record.broadcast.edge)]
                 kinds.append(("broadcast", token(record.module)))
     by_data = any(kind in DATA_INDEXING for kind in kinds if isinstance(kind, str))
-    upstream = Upstream(found, batchable, None if by_data else tuple(kinds), foreign)
+    upstream = Upstream(found, batchable, None if by_data else tuple(kinds), foreign, consumers)
     upstream.indexes_inside = by_data and _indexes_inside(found)
     upstream.reentrant = reentrant
+    upstream.root = start
     return upstream
 
 

@@ -25,7 +25,12 @@ from curvopt.errors import UnsupportedKroneckerError, module_error
 from curvopt.layers.kron import input_factor, output_factor_channels_first
 from curvopt.layers.registry import LayerRule, register
 from curvopt.records import Call
-from curvopt.layers.unfold import padded_conv_input, unfold, unfold_conv_input
+from curvopt.layers.unfold import (
+    kernel_major_to_channel_major,
+    padded_conv_input,
+    unfold,
+    unfold_conv_input,
+)
 
 
 def _grouped_outer(left, right, groups, out):
@@ -177,9 +182,10 @@ class ConvRule(_ConvRuleBase):
                 "skip it with curvopt.collect(..., skip_unsupported=True)"
             )
             raise UnsupportedKroneckerError(str(module_error(module, reason)))
-        patches = unfold_conv_input(module, call.input, positions_first=True)  # [N, L, C_in k]
+        patches = unfold_conv_input(module, call.input, positions_first=True)  # [N, L, k C_in]
         v = columns.reshape(columns.shape[0] * n, columns.shape[2], -1)  # [K N, C_out, L]
-        return [output_factor_channels_first(v, approx), input_factor(patches, approx)]
+        a = kernel_major_to_channel_major(input_factor(patches, approx), module.in_channels)
+        return [output_factor_channels_first(v, approx), a]
 
     def has_weighted_squares(self, module):
         return module.groups == 1

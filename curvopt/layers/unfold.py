@@ -1,7 +1,8 @@
 """im2col for 1d/2d/3d convolutions: ``x [N, C, *S] -> [N, C * prod(k), L]``.
 
 Column ``l`` holds the input patch that output location ``l`` of the convolution sees, with
-rows ordered channel-major then kernel position, i.e. like ``weight.flatten(1)``. Built as one
+rows ordered channel-major then kernel position, i.e. like ``weight.flatten(1)`` (the
+positions-first layout orders them kernel position-major: see :func:`unfold`). Built as one
 strided view of the padded input, copied once (several times faster on CPU than
 ``F.unfold``'s im2col loop, and the same code for every dimension).
 """
@@ -24,14 +25,30 @@ def unfold(
     stride: Sequence[int],
     positions_first: bool = False,
 ) -> torch.Tensor:
-    """Patches of ``x`` (zero padding ``padding`` on both sides) as ``[N, C * prod(k), L]``, or
-    ``[N, L, C * prod(k)]`` with ``positions_first`` (copied once in that layout)."""
+    """Patches of ``x`` (zero padding ``padding`` on both sides) as ``[N, C * prod(k), L]``, or,
+    with ``positions_first``, as ``[N, L, prod(k) * C]`` with the features of a patch ordered
+    kernel position-major, then channel (copied once from a channels-last input, whose channels
+    are contiguous: faster than gathering the kernel-width runs of the channel-major order;
+    :func:`kernel_major_to_channel_major` reorders a Gram matrix of them)."""
     if any(padding):
         x = F.pad(x, [p for p in reversed(padding) for _ in range(2)])
     n, c, *size = x.shape
     out = [
         (s - d * (k - 1) - 1) // st + 1 for s, k, d, st in zip(size, kernel_size, dilation, stride)
     ]
+    if positions_first:
+        x = x.movedim(1, -1).contiguous()  # [N, *S, C]
+        spatial_strides, channel_stride = x.stride()[1:-1], x.stride(-1)
+        view = x.as_strided(
+            (n, *out, *kernel_size, c),
+            (
+                x.stride(0),
+                *(st * s for st, s in zip(spatial_strides, stride)),
+                *(st * d for st, d in zip(spatial_strides, dilation)),
+                channel_stride,
+            ),
+        )
+        return view.reshape(n, math.prod(out), math.prod(kernel_size) * c)
     spatial_strides = x.stride()[2:]
     view = x.as_strided(
         (n, c, *kernel_size, *out),
@@ -42,11 +59,20 @@ def unfold(
             *(st * s for st, s in zip(spatial_strides, stride)),
         ),
     )
-    if positions_first:
-        dims = len(out)
-        view = view.permute(0, *range(2 + dims, 2 + 2 * dims), *range(1, 2 + dims))
-        return view.reshape(n, math.prod(out), c * math.prod(kernel_size))
     return view.reshape(n, c * math.prod(kernel_size), math.prod(out))
+
+
+def kernel_major_to_channel_major(factor: torch.Tensor, channels: int) -> torch.Tensor:
+    """A Gram matrix ``[D, D]`` of positions-first patches (features kernel position-major)
+    reordered channel-major, like ``weight.flatten(1)``; its Gram root (``reductions.gram_root``)
+    too, where it carries one."""
+    d = factor.shape[0]
+    k = d // channels
+    out = factor.view(k, channels, k, channels).permute(1, 0, 3, 2).reshape(d, d)
+    root = getattr(factor, "gram_root", None)
+    if root is not None:
+        out.gram_root = root.view(-1, k, channels).transpose(1, 2).reshape(-1, d)
+    return out
 
 
 def padded_conv_input(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tuple]:

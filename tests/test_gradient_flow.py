@@ -1,0 +1,160 @@
+"""The per-pass check that gradient enters the graph upstream of the extended losses only
+through them (``checks.watch_flow``): hooks on the graph's nodes, no propagated column.
+
+Each case runs several passes of one graph structure: a term of the objective whose weight is 0
+gives the reference (float64, torch.func), the same term with a non-zero weight on a later pass
+raises and writes nothing, wherever it enters (a module's output, an intermediate result with
+one consumer or several, a parameter); the error names where (also for a module that no
+extended loss reaches).
+"""
+
+import copy
+
+import pytest
+import torch
+from conftest import ALL_ATTRS, DT, assert_close, assert_no_attributes, clear_attributes
+from conftest import ggn_reference
+from torch import nn
+
+import curvopt
+from curvopt import extensions as ext
+from curvopt.errors import UnsupportedModuleError
+
+N = 6
+CE = nn.CrossEntropyLoss()
+
+
+class _Net(nn.Module):
+    """``b(h) (+ h @ P for the residual)``, ``h = tanh(a(x))``; ``aux`` reads ``h`` and feeds
+    no loss."""
+
+    def __init__(self, residual):
+        super().__init__()
+        self.a, self.b, self.aux = nn.Linear(4, 5), nn.Linear(5, 3), nn.Linear(5, 2)
+        self.residual = residual
+        self.hidden = None
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        self.hidden = h
+        out = self.b(h)
+        if self.residual:
+            out = out + h[:, :3]
+        return out
+
+
+def _case(residual, seed=0):
+    torch.manual_seed(seed)
+    plain = _Net(residual).to(DT)
+    x, y = torch.randn(N, 4, dtype=DT), torch.randint(0, 3, (N,))
+    return plain, curvopt.extend(copy.deepcopy(plain)), curvopt.extend(nn.CrossEntropyLoss()), x, y
+
+
+def _term(model, out, where):
+    if where == "hidden":
+        return (model.hidden**2).sum()
+    if where == "output":
+        return out.logsumexp(1).pow(2).mean()  # a z-loss
+    if where == "parameter":
+        return (model.a.weight**2).sum()
+    return model.aux(model.hidden).pow(2).sum()  # "unreached": a module no loss depends on
+
+
+def _reference(plain, x, y):
+    blocks, _ = ggn_reference(nn.Sequential(plain), CE, x, y)
+    return {k[2:]: torch.diagonal(v) for k, v in blocks.items()}
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["chain", "residual"])
+@pytest.mark.parametrize("where", ["hidden", "output", "parameter"])
+@pytest.mark.parametrize("extension", [ext.DiagGGNExact, ext.KFAC, ext.DiagHessian])
+def test_term_outside_the_losses_passes_at_weight_zero_and_raises_later(residual, where, extension):
+    plain, model, lossfunc, x, y = _case(residual)
+    want = _reference(plain, x, y) if extension is ext.DiagGGNExact else None
+    for lam in (0.0, 0.0, 0.3):
+        clear_attributes(model, ALL_ATTRS)
+        out = model(x)
+        term = _term(model, out, where)  # before the loss: the loss's hook runs first
+        loss = lossfunc(out, y) + lam * term
+        if lam == 0.0:
+            with curvopt.collect(extension()):
+                loss.backward()
+            attr = extension().attr
+            assert attr in model.a.weight.__dict__
+            if want is not None:
+                for name, p in model.named_parameters():
+                    if not name.startswith("aux"):
+                        assert_close(getattr(p, attr).flatten(), want[name], name)
+            continue
+        with pytest.raises(UnsupportedModuleError, match="alone|outside the module"):
+            with curvopt.collect(extension()):
+                loss.backward()
+        assert_no_attributes(model)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["chain", "residual"])
+def test_flow_check_names_where_the_term_enters(residual):
+    _, model, lossfunc, x, y = _case(residual)
+    for where, match in [
+        ("hidden", "intermediate result .*TanhBackward0"),
+        ("parameter", "'a.weight' receives gradient from outside"),
+        ("unreached", "module 'aux'"),
+    ]:
+        out = model(x)
+        term = _term(model, out, where)
+        with pytest.raises(UnsupportedModuleError, match=match):
+            with curvopt.collect(ext.DiagGGNExact()):
+                (lossfunc(out, y) + 0.5 * term).backward()
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.cls, self.reg = nn.Linear(4, 5), nn.Linear(5, 3), nn.Linear(5, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return self.cls(h), self.reg(h)
+
+
+def test_two_extended_losses_on_a_shared_trunk_are_not_foreign_to_each_other():
+    """The trunk's output has one consumer in each loss's graph; both are counted."""
+    torch.manual_seed(0)
+    plain = _TwoHeads().to(DT)
+    model = curvopt.extend(copy.deepcopy(plain))
+    ce, mse = curvopt.extend(nn.CrossEntropyLoss()), curvopt.extend(nn.MSELoss())
+    x, y, t = torch.randn(N, 4, dtype=DT), torch.randint(0, 3, (N,)), torch.randn(N, 2, dtype=DT)
+    for _ in range(2):
+        clear_attributes(model, ALL_ATTRS)
+        a, b = model(x)
+        with curvopt.collect(ext.DiagGGNExact()):
+            (ce(a, y) + 0.5 * mse(b, t)).backward()
+    ga, _ = ggn_reference(nn.Sequential(_Head(plain, 0)), CE, x, y)
+    gb, _ = ggn_reference(nn.Sequential(_Head(plain, 1)), nn.MSELoss(), x, t)
+    for name, p in model.named_parameters():
+        key = f"0.net.{name}"
+        want = torch.diagonal(ga[key]) + 0.5 * torch.diagonal(gb[key])
+        assert_close(p.diag_ggn_exact.flatten(), want, name)
+
+
+class _Head(nn.Module):
+    def __init__(self, net, index):
+        super().__init__()
+        self.net, self.index = net, index
+
+    def forward(self, x):
+        return self.net(x)[self.index]
+
+
+def test_target_that_depends_on_the_model_raises():
+    """Self-distillation, ``mse(b(h), c(h))``: the gradient through the target is no part of the
+    loss's curvature."""
+    torch.manual_seed(0)
+    model = curvopt.extend(_TwoHeads().to(DT))
+    mse = curvopt.extend(nn.MSELoss())
+    x = torch.randn(N, 4, dtype=DT)
+    a, b = model(x)
+    with pytest.raises((UnsupportedModuleError, ValueError, RuntimeError)):
+        with curvopt.collect(ext.DiagGGNExact()):
+            mse(a[:, :2], b).backward()
+    assert_no_attributes(model)
