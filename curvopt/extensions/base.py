@@ -38,7 +38,7 @@ class Extension:
         cls.attr = q.attr
         cls.order = q.producer.order
         declare(q)
-        _WRITERS[q.attr] = cls
+        _WRITERS.setdefault(q.attr, cls)  # the first declaration writing it (the shipped one)
 
     def __init__(self, **options: Any):
         self.options: Dict[str, Any] = options
