@@ -93,8 +93,16 @@ examples:
 
 
 def add_ttr_arguments(p) -> None:
-    p.add_argument("--problems", nargs="+", choices=list(TTR_PROBLEMS), default=list(TTR_PROBLEMS))
-    p.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=OPTIMIZERS)
+    p.add_argument(
+        "--problems",
+        nargs="+",
+        choices=list(TTR_PROBLEMS),
+        default=list(TTR_PROBLEMS),
+        help="problems to run",
+    )
+    p.add_argument(
+        "--optimizers", nargs="+", choices=OPTIMIZERS, default=OPTIMIZERS, help="optimizers to tune"
+    )
     p.add_argument("--seeds", type=at_least(1), default=SEEDS, help="seeds of the winner")
     p.add_argument("--max-steps", type=at_least(1), help="override every problem's step cap")
     p.add_argument("--eval-every", type=at_least(1), help="override the evaluation cadence")

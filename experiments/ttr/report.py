@@ -64,8 +64,8 @@ def winner_setting(entry: dict) -> Setting:
 def summarize(entries: list[dict], costs: dict) -> list[dict]:
     """One row per (problem, optimizer): the winner, steps to each target (median and per
     seed), the interleaved cost per step (CPU time, and wall-clock; only where ``costs``
-    measured this very setting), estimated seconds (median steps x CPU cost), the runs' own wall-clock to the highest target
-    (median over seeds), and both as ratios to the problem's tuned Adam."""
+    measured this very setting), estimated seconds (median steps x CPU cost), the runs' own
+    wall-clock to the highest target (median over seeds), both as ratios to tuned Adam."""
     rows = []
     for entry in entries:
         problem, optimizer = entry["problem"], entry["optimizer"]
