@@ -58,6 +58,16 @@ def test_unreachable_target_runs_exactly_the_step_cap(splits):
     assert [s for s, _, _ in run.curve] == [0, 5, 10, 11]  # the cap is evaluated too
 
 
+def test_a_tuning_run_past_the_best_steps_is_pruned_at_that_evaluation(splits):
+    spec = TtrProblem(targets=(1.01,), max_steps=100, eval_every=5, eval_size=200)
+    run = train_to_targets(ADAM, "mnist_logreg", spec, splits, seed=0, prune_at=10)
+    assert run.status == "pruned" and run.steps == 10 and run.curve[-1][0] == 10
+    spec = TtrProblem(targets=(0.3,), max_steps=100, eval_every=5, eval_size=200)
+    reached = train_to_targets(ADAM, "mnist_logreg", spec, splits, seed=0)
+    tie = train_to_targets(ADAM, "mnist_logreg", spec, splits, 0, prune_at=reached.steps)
+    assert tie.status == "reached" and tie.steps_to == reached.steps_to  # a tie is not pruned
+
+
 def test_evaluation_is_off_the_training_clock(splits, monkeypatch):
     original = protocol.split_sums
 
@@ -119,8 +129,8 @@ def test_tuning_runs_every_setting_with_seed_0_then_the_winner_with_the_other_se
 ):
     calls = []
 
-    def fake(setting, problem, spec, splits, seed):
-        calls.append((setting.lr, seed))
+    def fake(setting, problem, spec, splits, seed, prune_at=None):
+        calls.append((setting.lr, seed, prune_at))
         steps = {0.1: 50, 0.2: 20, 0.3: None, 0.4: 30}[setting.lr]
         return _result(setting.lr, {"0.5": steps}, seed)
 
@@ -128,7 +138,15 @@ def test_tuning_runs_every_setting_with_seed_0_then_the_winner_with_the_other_se
     spec = TtrProblem(targets=(0.5,), max_steps=100)
     grid = tuple(Setting("adam", lr) for lr in (0.1, 0.2, 0.3, 0.4))
     entry = protocol.tune_and_run("mnist_logreg", grid, spec, splits, 3, log=len)
-    assert calls == [(0.1, 0), (0.2, 0), (0.3, 0), (0.4, 0), (0.2, 1), (0.2, 2)]
+    # each tuning run may stop at the best steps so far; the seeds run in full
+    assert calls == [
+        (0.1, 0, None),
+        (0.2, 0, 50),
+        (0.3, 0, 20),
+        (0.4, 0, 20),
+        (0.2, 1, None),
+        (0.2, 2, None),
+    ]
     assert entry["winner"] == 1 and [r["seed"] for r in entry["runs"]] == [0, 1, 2]
     assert entry["runs"][0] == entry["tuning"][1]
 

@@ -10,7 +10,9 @@ Protocol (issue 19 item 4), the same for every optimizer:
 3. Tuning: every setting of the committed grid (:data:`GRIDS`, at least 4 per optimizer, fixed
    before tuning) trains with seed 0. The best is the one with the fewest steps to the highest
    target; ties go to fewer steps to the next lower target, and so on; then the first in the
-   grid. Not reached counts as infinitely many steps.
+   grid. Not reached counts as infinitely many steps. A tuning run that has taken as many
+   steps as the best one so far needed for the highest target, without reaching it, cannot
+   win and stops there (status ``pruned``): this saves time and changes no selection.
 4. The winner runs seeds 1 and 2 (seed 0 is its tuning run).
 
 All runs use the same data (the full training split minus the validation hold-out, reshuffled
@@ -219,10 +221,18 @@ def target_key(target: float) -> str:
 
 
 def train_to_targets(
-    setting: Setting, problem: str, spec: TtrProblem, splits: Splits, seed: int
+    setting: Setting,
+    problem: str,
+    spec: TtrProblem,
+    splits: Splits,
+    seed: int,
+    prune_at: int | None = None,
 ) -> RunResult:
     """Train ``setting`` with ``seed`` until the highest target or ``spec.max_steps`` steps,
-    evaluating the test subset at step 0 and every ``spec.eval_every`` steps (off the clock)."""
+    evaluating the test subset at step 0 and every ``spec.eval_every`` steps (off the clock).
+
+    ``prune_at``: stop (status ``pruned``) after that many steps without the highest target: a
+    tuning run past the best run's steps to the highest target cannot win."""
     prob = get_problem(problem)
     device = splits.train.x.device
     cfg = setting.config(problem, seed, splits.synthetic)
@@ -268,9 +278,12 @@ def train_to_targets(
                 phases[k] = phases.get(k, 0.0) + v
             if run.steps % spec.eval_every == 0 or run.steps == spec.max_steps:
                 done = evaluate()
-            if done or run.steps >= spec.max_steps:
+            if done or run.steps >= min(spec.max_steps, prune_at or spec.max_steps):
                 break
         if run.steps >= spec.max_steps:
+            break
+        if prune_at is not None and run.steps >= prune_at and not done:
+            run.status = "pruned"
             break
     if done:
         run.status = "reached"
@@ -304,7 +317,9 @@ def tune_and_run(
     the winner's runs for seeds ``0..seeds-1`` (seed 0 being its tuning run)."""
     tuning = []
     for setting in settings:
-        tuning.append(train_to_targets(setting, problem, spec, splits, seed=0))
+        best = tuning[select(tuning, spec.targets)].steps_to if tuning else {}
+        prune_at = best.get(target_key(spec.targets[-1]))
+        tuning.append(train_to_targets(setting, problem, spec, splits, 0, prune_at))
         log(line(problem, tuning[-1]))
     best = select(tuning, spec.targets)
     winner = Setting.from_dict(tuning[best].setting)
