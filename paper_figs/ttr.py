@@ -2,9 +2,9 @@
 
 ``ttr.png``: one row per problem, two panels: test accuracy against optimizer steps, and against
 estimated seconds (steps x the interleaved CPU cost per step of ``ttr_cost``, from
-``summary.json``). One line per optimizer: its winning setting's seed-0 run (each run stops at
-the highest target); dots on the dotted target lines: every seed's steps (or estimated seconds)
-to that target. At most one line per optimizer, so about 5 per panel.
+``summary.json``). One line per optimizer: its winning setting's seed-0 run (the lowest seed
+with a curve; each run stops at the highest target); dots on the dotted target lines: every
+seed's steps (or estimated seconds) to that target. One line per optimizer (about 5 a panel).
 """
 
 from __future__ import annotations
@@ -58,7 +58,10 @@ def ttr_figure(entries: list[dict], summary: dict):
                 if scale is None:
                     continue
                 color = optimizer_color(entry["optimizer"])
-                run = min(entry["runs"], key=lambda r: r["seed"])
+                drawn = [r for r in entry["runs"] if r["curve"]]
+                if not drawn:
+                    continue
+                run = min(drawn, key=lambda r: r["seed"])  # seed 0 unless its curve is missing
                 steps, _, acc = zip(*run["curve"])
                 label = optimizer_title(entry["optimizer"])
                 ax.plot([s * scale for s in steps], acc, color=color, lw=1.3, label=label)
