@@ -35,9 +35,10 @@ reference: $(STAMP)  ## BackPACK, Opacus, curvlinops for the comparison columns 
 run: $(STAMP)  ## the main job: budgeted reproduction of the BackPACK paper on real data
 	$(PY) -m experiments reproduce
 
-ttr: $(STAMP)  ## time-to-result benchmark (~25 min on one core), results and figures
-	OMP_NUM_THREADS=1 nice $(PY) -m experiments ttr --out experiments/results
-	$(PY) -m paper_figs ttr experiments/results experiments/results
+ttr: $(STAMP)  ## time-to-result benchmark (hours on one core), cost per step, table and figure
+	OMP_NUM_THREADS=1 nice $(PY) -m experiments ttr --json experiments/results/ttr
+	OMP_NUM_THREADS=1 $(PY) -m experiments ttr_cost --from experiments/results/ttr
+	$(PY) -m paper_figs ttr experiments/results/ttr experiments/results/ttr
 
 test: $(STAMP)  ## the unit tests
 	OMP_NUM_THREADS=2 $(PY) -m pytest tests

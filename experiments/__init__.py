@@ -8,10 +8,12 @@ package; :mod:`experiments.reproduce` is the one place that calls ``paper_figs``
 2. what to train: :mod:`.optimizers` (names, presets, options), :mod:`.config` (``RunConfig``)
 3. how to train: :mod:`.distributed` (torchrun), :mod:`.evaluation`, :mod:`.files`,
    :mod:`.training` (the loop of one run)
-4. protocols: :mod:`.runner` (run, grid), :mod:`.ttr` and :mod:`.ttr_report` (time to result),
+4. protocols: :mod:`.timing` (the one timed training step), :mod:`.runner` (run, grid),
+   :mod:`.ttr` (time to result: protocol, interleaved cost, report),
    :mod:`.overhead` (cost of each quantity)
 5. entry points: :mod:`.cli` (``python -m experiments COMMAND``, every command listed there),
-   :mod:`.train_cli` (``run``, ``grid``), :mod:`.ttr_cli`, :mod:`.reproduce` (the main job,
+   :mod:`.train_cli` (``run``, ``grid``), :mod:`.ttr.cli` (``ttr``, ``ttr_cost``),
+   :mod:`.reproduce` (the main job,
    with figures); :mod:`.fetch_data`, :mod:`.overhead`, :mod:`.step_profile` and
    :mod:`.compare` define their own command next to their code
 

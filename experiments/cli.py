@@ -12,10 +12,10 @@ from .overhead.cli import OVERHEAD
 from .reproduce.cli import REPRODUCE
 from .step_profile import STEP_PROFILE
 from .train_cli import GRID, RUN
-from .ttr_cli import TTR
+from .ttr.cli import TTR, TTR_COST
 
 #: in the order ``--help`` lists them: the main job first
-COMMANDS = (REPRODUCE, FETCH_DATA, RUN, GRID, TTR, OVERHEAD, STEP_PROFILE, COMPARE)
+COMMANDS = (REPRODUCE, FETCH_DATA, RUN, GRID, TTR, TTR_COST, OVERHEAD, STEP_PROFILE, COMPARE)
 
 DESCRIPTION = f"""\
 The experiments of curvopt. Start with the main job, python -m experiments reproduce (what

@@ -24,7 +24,7 @@ from .config import RunConfig
 from .data import SPECS
 from .optimizers import DAMPED, make_optimizer, resolve_options
 from .problems import PROBLEMS, get_problem
-from .training import backward
+from .timing import timed_step
 
 
 def profile(cfg: RunConfig, steps: int = 21) -> dict[str, dict[str, float]]:
@@ -38,17 +38,13 @@ def profile(cfg: RunConfig, steps: int = 21) -> dict[str, dict[str, float]]:
     interval = resolve_options(cfg.optimizer, cfg.preset, cfg.options).get("curvature_interval", 1)
     records: dict[str, list[tuple[float, float, float]]] = {"curvature": [], "plain": []}
     for i in range(steps):
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        loss = lossfunc(model(x), y)
-        t1 = time.perf_counter()
-        backward(opt, loss, collects)
-        t2 = time.perf_counter()
-        opt.step()
-        t3 = time.perf_counter()
+        step = timed_step(model, lossfunc, opt, collects, x, y, time.perf_counter)
+        if step.diverged:
+            raise FloatingPointError(f"{cfg.name} diverged at step {i} of the profile")
         if i:
             kind = "curvature" if collects and i % interval == 0 else "plain"
-            records[kind].append((t1 - t0, t2 - t1, t3 - t2))
+            t = step.times
+            records[kind].append((t["forward_s"] + t["check_s"], t["backward_s"], t["step_s"]))
     return {
         kind: {
             "n": len(r),

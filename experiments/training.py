@@ -23,19 +23,7 @@ from .evaluation import Clock, evaluate
 from .files import atomic_write, finite
 from .optimizers import SetupError, make_optimizer, resolve_options
 from .problems import get_problem
-
-#: What ``opt.step()`` raises when the setting diverged: a curvature that cannot be inverted or
-#: a non-finite step.
-DIVERGED = (torch.linalg.LinAlgError, FloatingPointError)
-
-
-def backward(opt: torch.optim.Optimizer, loss: torch.Tensor, collects: bool) -> None:
-    """``loss.backward()``, inside ``opt.collect()`` for the curvopt optimizers."""
-    if collects:
-        with opt.collect():
-            loss.backward()
-    else:
-        loss.backward()
+from .timing import finite_loss, timed_step
 
 
 class TrainingRun:
@@ -144,54 +132,52 @@ class TrainingRun:
             dynamic_ncols=True,
         )
         start = clock()
+        sums: list[float] = []
+
+        def check(loss, logits, y) -> bool:
+            # the global batch's sums, and one decision on all ranks before any backward pass
+            # (curvopt refuses a non-finite loss inside backward(), on that rank only)
+            local = torch.stack(
+                [
+                    loss.detach().double() * len(y),
+                    (logits.argmax(1) == y).sum().double(),
+                    torch.tensor(float(len(y)), dtype=torch.float64, device=y.device),
+                ]
+            )
+            dist.all_reduce(local)
+            sums[:] = local.tolist()
+            return math.isfinite(sums[0])
+
         for x, y in bar:
-            t0 = clock()
-            self.opt.zero_grad()
-            logits = self.net(x)
-            loss = self.lossfunc(logits, y)
-            t1 = clock()
-            if info.active:
-                # the global batch's sums, and one decision on all ranks before any backward
-                # pass (curvopt refuses a non-finite loss inside backward(), on that rank only)
-                sums = torch.stack(
-                    [
-                        loss.detach().double() * len(y),
-                        (logits.argmax(1) == y).sum().double(),
-                        torch.tensor(float(len(y)), dtype=torch.float64, device=y.device),
-                    ]
-                )
-                dist.all_reduce(sums)
-                batch_loss, batch_correct, batch_seen = sums.tolist()
-                t_sync = clock()
-                times["sync_s"] += t_sync - t1
-                t1 = t_sync
-                if not math.isfinite(batch_loss):
-                    diverged = True
-                    break
-            backward(self.opt, loss, self.collects)
-            t2 = clock()
-            try:
-                self.opt.step()
-            except DIVERGED:
-                # a curvature that cannot be inverted or a non-finite step: the setting diverged
-                # (raised on every rank alike, so all ranks stop together)
+            step = timed_step(
+                self.net,
+                self.lossfunc,
+                self.opt,
+                self.collects,
+                x,
+                y,
+                clock,
+                check if info.active else finite_loss,
+            )
+            # a non-finite loss, or a curvature that cannot be inverted or a non-finite step:
+            # the setting diverged (decided alike on every rank, so all ranks stop together)
+            if step.diverged:
                 diverged = True
                 break
-            t3 = clock()
-            times["forward_s"] += t1 - t0
-            times["backward_s"] += t2 - t1
-            times["step_s"] += t3 - t2
+            check_s = step.times.pop("check_s")
             if info.active:
-                loss_sum += batch_loss
-                correct += int(batch_correct)
-                seen += int(batch_seen)
+                times["sync_s"] += check_s
             else:
-                value = loss.item()
-                if not math.isfinite(value):
-                    diverged = True
-                    break
-                loss_sum += value * len(y)
-                correct += (logits.argmax(1) == y).sum().item()
+                step.times["forward_s"] += check_s
+            for k, v in step.times.items():
+                times[k] += v
+            if info.active:
+                loss_sum += sums[0]
+                correct += int(sums[1])
+                seen += int(sums[2])
+            else:
+                loss_sum += step.loss.item() * len(y)
+                correct += (step.logits.argmax(1) == y).sum().item()
                 seen += len(y)
             bar.set_postfix(
                 loss=f"{loss_sum / seen:.4f}", acc=f"{correct / seen:.3f}", refresh=False

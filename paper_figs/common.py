@@ -34,6 +34,7 @@ OPTIMIZER_TITLES = {
     "kflr": "KFLR",
     "kfra": "KFRA",
     "vsgd": "M-SVAG",
+    "ekfac": "EKFAC",
 }
 #: fixed colour per optimizer, so that the same method has the same colour in every figure
 OPTIMIZER_COLORS = {
@@ -45,6 +46,7 @@ OPTIMIZER_COLORS = {
     "kflr": "tab:purple",
     "kfra": "tab:brown",
     "vsgd": "tab:gray",
+    "ekfac": "tab:pink",
 }
 OPTIMIZER_ORDER = list(OPTIMIZER_TITLES)
 PROBLEM_ORDER = list(PROBLEM_TITLES)

@@ -16,7 +16,8 @@ from experiments import fetch_data, step_profile
 from experiments.overhead import cli as overhead
 from experiments import reproduce as rep
 
-NAMES = ("reproduce", "fetch_data", "run", "grid", "ttr", "overhead", "step_profile", "compare")
+NAMES = ("reproduce", "fetch_data", "run", "grid", "ttr", "ttr_cost", "overhead", "step_profile")
+NAMES += ("compare",)
 #: fetch_data downloads and copies files only: no torch work, no threads to choose
 COMPUTING = tuple(n for n in NAMES if n != "fetch_data")
 

@@ -41,16 +41,15 @@ def test_relative_and_command_line(tmp_path, monkeypatch):
 
 def test_ttr_summary_records_no_absolute_path(tmp_path, monkeypatch):
     out, data = tmp_path / "results", tmp_path / "data"
-    argv = ["ttr", "--synthetic", "--problems", "mnist_logreg", "--entries", "adam"]
-    argv += ["--seeds", "1", "--time-cap", "0.2", "--eval-every", "0.1", "--eval-size", "64"]
-    argv += ["--out", str(out), "--data-root", str(data)]
+    argv = ["ttr", "--quick", "--synthetic", "--problems", "mnist_logreg", "--optimizers", "adam"]
+    argv += ["--seeds", "1", "--max-steps", "5", "--json", str(out), "--data-root", str(data)]
     monkeypatch.setattr(sys, "argv", ["experiments", *argv])  # what the command line was
     assert main(argv) == 0
-    for name in ("ttr_summary.json", "ttr_rows.json", "ttr_search.json"):
+    for name in ("summary.json", "mnist_logreg_adam.json"):
         found = _absolute(json.loads((out / name).read_text()))
         assert not found, f"{name} records absolute paths: {found}"
-    command = json.loads((out / "ttr_summary.json").read_text())["meta"]["command"]
-    assert command.startswith("python -m experiments ttr") and "--out .../results" in command
+    command = json.loads((out / "summary.json").read_text())["meta"]["command"]
+    assert command.startswith("python -m experiments ttr") and "--json .../results" in command
 
 
 def test_committed_results_record_no_absolute_path():

@@ -502,39 +502,38 @@ def test_runs_of_different_budgets_are_never_mixed(tmp_path):
     ]
 
 
-def test_ttr_curves_few_lines_per_panel():
-    """9 optimizers x 3 seeds: grouped panels of at most 4 lines each (one per optimizer,
-    Adam for reference), every optimizer drawn once per problem."""
+def test_ttr_figure_one_line_per_optimizer_in_each_panel():
+    """5 optimizers x 3 seeds on 2 problems: 2 panels per problem (steps, estimated seconds),
+    one line per optimizer (its seed-0 run), the seconds axis scaled by the cost per step."""
     from paper_figs import ttr
 
-    entries = [("momentum", None), ("adam", None), ("vsgd", None), ("diagggn_mc", "paper")]
-    entries += [("diagggn", "paper"), ("kfac", "paper"), ("kflr", "paper")]
-    entries += [("kfac", "practical"), ("kflr", "practical")]
-    rows = [
+    optimizers = ("momentum", "adam", "kfac", "diagggn_mc", "ekfac")
+    entries = [
         {
             "problem": problem,
             "optimizer": opt,
-            "preset": preset,
-            "seed": seed,
-            "target": 0.9,
-            "time_to_target": 2.0 + seed if seed else None,
-            "train_s": 8.0,
-            "curve": [[t / 2, 0.8 + 0.01 * t] for t in range(1, 17 if seed == 0 else 5)],
+            "spec": {"targets": [0.88, 0.9]},
+            "runs": [
+                {
+                    "seed": seed,
+                    "steps_to": {"0.88": 50, "0.9": 100 + seed},
+                    "curve": [[25 * k, 0.0, 0.8 + 0.025 * k] for k in range(5)],
+                }
+                for seed in range(3)
+            ],
         }
         for problem in ("mnist_logreg", "fmnist_2c2d")
-        for opt, preset in entries
-        for seed in range(3)
+        for opt in optimizers
     ]
-    fig = ttr.accuracy_figure(rows, {"threads": 1})
-    assert len(fig.axes) == 8  # 2 problems x (first order, diagonal, Kronecker x 2 presets)
-    drawn = {}
-    for ax in fig.axes:
+    table = [
+        {"problem": e["problem"], "optimizer": e["optimizer"], "cost_per_step_s": 0.5}
+        for e in entries
+        if e["optimizer"] != "ekfac"  # no cost measured: not on the seconds axis
+    ]
+    fig = ttr.ttr_figure(entries, {"table": table, "meta": {"threads": 1}})
+    assert len(fig.axes) == 4
+    for k, ax in enumerate(fig.axes):
         labels = [t.get_text() for t in ax.get_legend().get_texts()]
-        assert len(labels) <= 4, labels
-        curves = [line for line in ax.get_lines() if len(line.get_xdata()) > 2]
-        assert len(curves) == len(labels) <= 4
-        for label in labels:
-            drawn.setdefault(ax.get_title().split(":")[0], []).append(label)
-    for problem_labels in drawn.values():
-        own = [label for label in problem_labels if "reference" not in label]
-        assert len(own) == len(set(own)) == len(entries)
+        assert len(labels) == (5 if k % 2 == 0 else 4) <= 6
+        curves = [line for line in ax.get_lines() if len(line.get_xdata()) == 5]
+        assert max(max(c.get_xdata()) for c in curves) == (100 if k % 2 == 0 else 50)

@@ -1,4 +1,6 @@
-"""The time-to-result benchmark on tiny learnable data: clock, target, tuning, summaries."""
+"""The time-to-result protocol on tiny learnable data: targets stop runs, steps are counted,
+evaluation is off the clock, tuning picks by steps, the cost measurement interleaves, the JSON
+files and the figure."""
 
 import json
 import time
@@ -7,12 +9,14 @@ import pytest
 import torch
 
 import paper_figs
-from experiments import ttr
 from experiments.__main__ import main
-from experiments.config import RunConfig
 from experiments.data import ImageData, make_splits
-from experiments.ttr import TtrProblem, train_to_target, tune_and_run
-from experiments.ttr_report import markdown_table, quartiles, summarize
+from experiments.ttr import cost as cost_mod
+from experiments.ttr import protocol
+from experiments.ttr.cost import measure_costs, period
+from experiments.ttr.protocol import RunResult, Setting, TtrProblem, select, train_to_targets
+from experiments.ttr.report import markdown_table, median_steps, summarize
+from experiments.ttr.schedules import lr_factor
 
 
 @pytest.fixture(scope="module")
@@ -27,168 +31,266 @@ def splits():
             x[i, 0, 2 * label : 2 * label + 4, 4:24] = 255
         return x, y
 
-    (train_x, train_y), (test_x, test_y) = draw(600), draw(100)
+    (train_x, train_y), (test_x, test_y) = draw(1200), draw(200)
     data = ImageData("mnist", train_x, train_y, test_x, test_y, 10)
-    return make_splits(data, valid_size=100, eval_size=100)
+    return make_splits(data, valid_size=100, eval_size=200)
 
 
-def _cfg(optimizer="adam", lr=0.01, damping=None, **kw):
-    return RunConfig("mnist_logreg", optimizer, lr, damping=damping, batch_size=32, **kw)
+ADAM = Setting("adam", 0.01)
 
 
-def test_reachable_target_is_timed_at_the_first_evaluation_and_stops(splits):
-    spec = TtrProblem(target=0.0, time_cap_s=5.0, eval_every_s=0.01, eval_size=100)
-    row = train_to_target(_cfg(), spec, splits, stop_at_target=True)
-    assert row["status"] == "reached" and len(row["curve"]) == 1
-    assert row["time_to_target"] == pytest.approx(row["train_s"])
-    assert row["curve"][0][0] == pytest.approx(row["train_s"], abs=1e-3)
-    assert row["train_s"] < spec.time_cap_s
+def test_run_stops_at_the_first_evaluation_reaching_the_highest_target(splits):
+    spec = TtrProblem(targets=(0.3, 0.6), max_steps=400, eval_every=3, eval_size=200)
+    run = train_to_targets(ADAM, "mnist_logreg", spec, splits, seed=0)
+    assert run.status == "reached"
+    steps, _, acc = zip(*run.curve)
+    assert steps[0] == 0 and all(s % 3 == 0 for s in steps)  # step 0, then every 3 steps
+    assert run.steps == steps[-1] == run.steps_to["0.6"] and acc[-1] >= 0.6 > max(acc[:-1])
+    first = next(s for s, _, a in run.curve if a >= 0.3)
+    assert run.steps_to["0.3"] == first <= run.steps_to["0.6"]
+    assert run.seconds_to["0.6"] == pytest.approx(run.train_s)
 
 
-def test_unreachable_target_runs_to_the_cap(splits):
-    spec = TtrProblem(target=1.01, time_cap_s=0.3, eval_every_s=0.1, eval_size=100)
-    row = train_to_target(_cfg(), spec, splits, stop_at_target=True)
-    assert row["status"] == "not reached" and row["time_to_target"] is None
-    assert row["train_s"] >= spec.time_cap_s
-    assert row["curve"][-1][0] == pytest.approx(row["train_s"], abs=1e-3)
-    times = [t for t, _ in row["curve"]]
-    assert times == sorted(times) and len(times) >= 3
+def test_unreachable_target_runs_exactly_the_step_cap(splits):
+    spec = TtrProblem(targets=(1.01,), max_steps=11, eval_every=5, eval_size=200)
+    run = train_to_targets(ADAM, "mnist_logreg", spec, splits, seed=0)
+    assert run.status == "capped" and run.steps == 11 and run.steps_to == {"1.01": None}
+    assert [s for s, _, _ in run.curve] == [0, 5, 10, 11]  # the cap is evaluated too
 
 
-def test_evaluation_time_is_not_on_the_training_clock(splits, monkeypatch):
-    original = ttr.split_sums
+def test_a_tuning_run_past_the_best_steps_is_pruned_at_that_evaluation(splits):
+    spec = TtrProblem(targets=(1.01,), max_steps=100, eval_every=5, eval_size=200)
+    run = train_to_targets(ADAM, "mnist_logreg", spec, splits, seed=0, prune_at=10)
+    assert run.status == "pruned" and run.steps == 10 and run.curve[-1][0] == 10
+    spec = TtrProblem(targets=(0.3,), max_steps=100, eval_every=5, eval_size=200)
+    reached = train_to_targets(ADAM, "mnist_logreg", spec, splits, seed=0)
+    tie = train_to_targets(ADAM, "mnist_logreg", spec, splits, 0, prune_at=reached.steps)
+    assert tie.status == "reached" and tie.steps_to == reached.steps_to  # a tie is not pruned
+
+
+def test_evaluation_is_off_the_training_clock(splits, monkeypatch):
+    original = protocol.split_sums
 
     def slow(*args):
         time.sleep(0.05)
         return original(*args)
 
-    monkeypatch.setattr(ttr, "split_sums", slow)
-    spec = TtrProblem(target=1.01, time_cap_s=0.2, eval_every_s=0.02, eval_size=100)
-    row = train_to_target(_cfg(), spec, splits, stop_at_target=False)
-    evals = len(row["curve"])
-    assert evals >= 5 and row["eval_s"] >= 0.05 * evals
-    phases = row["per_step_s"]
+    monkeypatch.setattr(protocol, "split_sums", slow)
+    spec = TtrProblem(targets=(1.01,), max_steps=20, eval_every=2, eval_size=200)
+    run = train_to_targets(ADAM, "mnist_logreg", spec, splits, seed=0)
+    assert len(run.curve) == 11 and run.eval_s >= 0.05 * 11
+    assert run.train_s < 0.05 * 11  # 20 logreg steps take far less than the evaluations
     # the training clock is the sum of the step phases: no evaluation in it
-    assert sum(phases.values()) * row["steps"] == pytest.approx(row["train_s"], rel=1e-6)
+    assert sum(run.per_step_s.values()) * run.steps == pytest.approx(run.train_s, rel=1e-6)
+    times = [t for _, t, _ in run.curve]
+    assert times == sorted(times)
 
 
-def test_curvature_optimizer_with_preset_trains(splits):
-    spec = TtrProblem(target=0.5, time_cap_s=3.0, eval_every_s=0.05, eval_size=100)
-    cfg = _cfg("kfac", 0.01, 0.1, preset="practical")
-    row = train_to_target(cfg, spec, splits, stop_at_target=True)
-    assert row["status"] == "reached" and row["valid_acc"] > 0.5
+def test_warmup_cosine_schedule_and_its_use_in_a_run(splits, monkeypatch):
+    assert lr_factor("constant", 7, 100) == 1.0
+    assert [lr_factor("warmup_cosine", t, 100) for t in range(5)] == [0.2, 0.4, 0.6, 0.8, 1.0]
+    assert lr_factor("warmup_cosine", 5 + 95 // 2, 100) == pytest.approx(0.5, abs=0.02)
+    assert lr_factor("warmup_cosine", 99, 100) < 0.001
+    with pytest.raises(ValueError, match="unknown schedule"):
+        lr_factor("step", 0, 10)
+    seen = []
+    step = protocol.timed_step
+
+    def record(net, lossfunc, opt, *args):
+        seen.append(opt.param_groups[0]["lr"])
+        return step(net, lossfunc, opt, *args)
+
+    monkeypatch.setattr(protocol, "timed_step", record)
+    spec = TtrProblem(targets=(1.01,), max_steps=40, eval_every=40, eval_size=200)
+    train_to_targets(
+        Setting("adam", 0.01, schedule="warmup_cosine"), "mnist_logreg", spec, splits, 0
+    )
+    assert seen[:2] == pytest.approx([0.005, 0.01]) and seen[-1] < 0.0001  # warm-up: 2 steps
 
 
-def test_tuning_picks_the_best_validation_accuracy_then_seeds_stop_at_target(splits, monkeypatch):
+def _result(lr, steps_to, seed=0):
+    return RunResult(Setting("adam", lr).as_dict(), seed, steps_to, dict(steps_to), "x")
+
+
+def test_selection_by_steps_to_the_highest_target_then_the_lower_ones():
+    targets = (0.88, 0.9)
+    runs = [
+        _result(0.1, {"0.88": 100, "0.9": None}),  # fastest to 0.88, never 0.90
+        _result(0.2, {"0.88": 300, "0.9": 500}),
+        _result(0.3, {"0.88": 200, "0.9": 500}),  # tie at 0.90, fewer steps to 0.88
+        _result(0.4, {"0.88": 200, "0.9": 500}),  # same as the one before: the first wins
+    ]
+    assert select(runs, targets) == 2
+    assert select(runs[:1], targets) == 0  # nothing reached: the first
+
+
+def test_tuning_runs_every_setting_with_seed_0_then_the_winner_with_the_other_seeds(
+    splits, monkeypatch
+):
     calls = []
 
-    def fake(cfg, spec, splits, stop_at_target):
-        calls.append((cfg.lr, cfg.seed, stop_at_target))
-        valid = {0.1: 0.5, 0.2: 0.9, 0.3: None}[cfg.lr]
-        return {
-            "seed": cfg.seed,
-            "lr": cfg.lr,
-            "damping": cfg.damping,
-            "valid_acc": valid,
-            "target": spec.target,
-            "time_to_target": None,
-            "status": "x",
-            "steps": 1,
-            "train_s": 1.0,
-            "eval_s": 0.0,
-        }
+    def fake(setting, problem, spec, splits, seed, prune_at=None):
+        calls.append((setting.lr, seed, prune_at))
+        steps = {0.1: 50, 0.2: 20, 0.3: None, 0.4: 30}[setting.lr]
+        return _result(setting.lr, {"0.5": steps}, seed)
 
-    monkeypatch.setattr(ttr, "train_to_target", fake)
-    spec = TtrProblem(target=0.5, time_cap_s=1.0, eval_every_s=0.5)
-    grid = ((0.1, None), (0.2, None), (0.3, None))
-    search, rows = tune_and_run("mnist_logreg", "adam", None, spec, splits, grid, 3, log=len)
+    monkeypatch.setattr(protocol, "train_to_targets", fake)
+    spec = TtrProblem(targets=(0.5,), max_steps=100)
+    grid = tuple(Setting("adam", lr) for lr in (0.1, 0.2, 0.3, 0.4))
+    entry = protocol.tune_and_run("mnist_logreg", grid, spec, splits, 3, log=len)
+    # each tuning run may stop at the best steps so far; the seeds run in full
     assert calls == [
-        (0.1, 0, False),
-        (0.2, 0, False),
-        (0.3, 0, False),
-        (0.2, 1, True),
-        (0.2, 2, True),
+        (0.1, 0, None),
+        (0.2, 0, 50),
+        (0.3, 0, 20),
+        (0.4, 0, 20),
+        (0.2, 1, None),
+        (0.2, 2, None),
     ]
-    assert [r["seed"] for r in rows] == [0, 1, 2] and {r["lr"] for r in rows} == {0.2}
-    assert rows[0] is search[1] and all(r["problem"] == "mnist_logreg" for r in search + rows)
+    assert entry["winner"] == 1 and [r["seed"] for r in entry["runs"]] == [0, 1, 2]
+    assert entry["runs"][0] == entry["tuning"][1]
 
 
-def test_quartiles_count_not_reached_as_infinite():
-    assert quartiles([3.0, 1.0, 2.0]) == (1.5, 2.0, 2.5)
-    assert quartiles([1.0, 2.0, None]) == (1.5, 2.0, None)
-    assert quartiles([None, None, 1.0]) == (None, None, None)
-    assert quartiles([4.0]) == (4.0, 4.0, 4.0)
+def test_committed_grids_give_every_optimizer_at_least_4_settings_and_baselines_a_schedule():
+    for grids in protocol.GRIDS.values():
+        for optimizer, settings in grids.items():
+            assert len(settings) >= 4 and {s.optimizer for s in settings} == {optimizer}
+        for baseline in ("momentum", "adam"):
+            assert {s.schedule for s in grids[baseline]} == {"constant", "warmup_cosine"}
 
 
-def test_summary_table_per_optimizer_and_preset():
-    def row(opt, preset, seed, t):
-        return {
-            "problem": "p",
-            "optimizer": opt,
-            "preset": preset,
-            "seed": seed,
-            "lr": 0.1,
-            "damping": None,
-            "target": 0.9,
-            "time_to_target": t,
-            "eval_s": 1.0,
-            "per_step_s": {"forward_s": 0.1, "backward_s": 0.2, "step_s": 0.3},
-        }
+def test_cost_blocks_alternate_round_robin_and_amortise_the_curvature_interval(splits, monkeypatch):
+    entries = {
+        "adam": ADAM,
+        "kfac": Setting("kfac", 0.01, 0.1, preset="practical"),
+        "momentum": Setting("momentum", 0.01),
+    }
+    assert period(entries["kfac"]) == 10 and period(ADAM) == 1
+    order = []
+    step = cost_mod.timed_step
 
-    rows = [row("kfac", "paper", s, t) for s, t in enumerate((1.0, None, 3.0))]
-    rows += [row("kfac", "practical", s, None) for s in range(3)]
-    table = summarize(rows)
-    assert [(e["preset"], e["reached"], e["median_s"]) for e in table] == [
-        ("paper", 2, 3.0),
-        ("practical", 0, None),
-    ]
-    text = markdown_table(table)
-    assert "| kfac | practical |" in text and "not reached [not reached" in text
+    def record(net, lossfunc, opt, *args):
+        order.append(type(opt).__name__)
+        return step(net, lossfunc, opt, *args)
 
-
-def test_cli_writes_rows_summary_and_the_figures_draw_them(tmp_path):
-    out = tmp_path / "results"
-    args = [
-        "ttr",
-        "--synthetic",
-        "--problems",
-        "mnist_logreg",
-        "--entries",
+    monkeypatch.setattr(cost_mod, "timed_step", record)
+    out = measure_costs("mnist_logreg", entries, splits, rounds=2, warmup=1, log=len)
+    assert out["block"] == 10
+    assert out["sequence"] == ["adam", "kfac", "momentum", "kfac", "momentum", "adam"] + [
+        "momentum",
         "adam",
-        "kfac:practical",
-        "--seeds",
-        "2",
-        "--time-cap",
-        "0.2",
-        "--eval-every",
-        "0.1",
-        "--eval-size",
-        "100",
-        "--out",
-        str(out),
+        "kfac",
     ]
-    assert main(args) == 0
-    rows = json.loads((out / "ttr_rows.json").read_text())
-    assert [(r["optimizer"], r["preset"], r["seed"]) for r in rows] == [
-        ("adam", None, 0),
-        ("adam", None, 1),
-        ("kfac", "practical", 0),
-        ("kfac", "practical", 1),
+    blocks = [order[i : i + 10] for i in range(0, len(order), 10)]
+    assert len(blocks) == 9 and all(len(set(b)) == 1 for b in blocks)  # 10 steps per block
+    for e in out["entries"].values():
+        assert len(e["rounds_cpu_s"]) == 2 and e["per_step_s"] > 0 and e["failed"] is None
+        assert e["per_step_s"] == pytest.approx(sum(e["rounds_cpu_s"]) / 2)
+
+
+def test_median_steps_counts_not_reached_as_infinite():
+    assert median_steps([300, None, 100]) == 300
+    assert median_steps([None, None, 100]) is None
+    assert median_steps([4]) == 4
+
+
+def _entry(optimizer, steps, lr=0.1):
+    setting = Setting(optimizer, lr).as_dict()
+    runs = [
+        {"seed": s, "setting": setting, "steps_to": {"0.9": n}, "seconds_to": {"0.9": n and n / 10}}
+        for s, n in enumerate(steps)
     ]
-    for r in rows:
-        assert {"problem", "target", "time_to_target"} <= set(r) and r["problem"] == "mnist_logreg"
-    search = json.loads((out / "ttr_search.json").read_text())
-    assert len(search) == 4  # two grid settings per entry, seed 0
-    summary = json.loads((out / "ttr_summary.json").read_text())
-    assert summary["meta"]["synthetic"] is True and summary["meta"]["threads"] == 1
-    assert len(summary["table"]) == 2
+    spec = {"targets": [0.9]}
+    return {
+        "problem": "p",
+        "optimizer": optimizer,
+        "spec": spec,
+        "tuning": runs[:1],
+        "winner": 0,
+        "runs": runs,
+    }
+
+
+def test_summary_multiplies_median_steps_by_cost_and_divides_by_adam():
+    entries = [_entry("adam", [100, 120, 110]), _entry("momentum", [50, None, 70])]
+    costs = {
+        "problems": {
+            "p": {
+                "entries": {
+                    "adam": {
+                        "setting": Setting("adam", 0.1).as_dict(),
+                        "per_step_s": 0.01,
+                        "per_step_wall_s": 0.02,
+                    },
+                    # measured for another setting than the winner: not used
+                    "momentum": {
+                        "setting": Setting("momentum", 0.5).as_dict(),
+                        "per_step_s": 0.001,
+                        "per_step_wall_s": 0.001,
+                    },
+                }
+            }
+        }
+    }
+    adam, momentum = summarize(entries, costs)
+    assert adam["steps"] == {"0.9": 110} and adam["est_s"]["0.9"] == pytest.approx(1.1)
+    assert adam["est_ratio_to_adam"] == 1.0 and adam["wall_s"] == pytest.approx(11.0)
+    assert momentum["steps"] == {"0.9": 70} and momentum["cost_per_step_s"] is None
+    assert momentum["est_ratio_to_adam"] is None
+    assert momentum["wall_ratio_to_adam"] == pytest.approx(7.0 / 11.0)
+    table = markdown_table([adam, momentum])
+    assert "| p | adam lr 0.1 | 0.9 | 110 | 100, 120, 110 | 10.0 / 20.0 | 1.1 | 1.00 |" in table
+    assert "| 50, -, 70 | - | - | - | 7.0 | 0.64 |" in table
+
+
+def test_cli_ttr_then_ttr_cost_write_the_json_files_and_the_figure_draws(tmp_path):
+    out = tmp_path / "ttr"
+    args = ["ttr", "--quick", "--synthetic", "--problems", "mnist_logreg", "--json", str(out)]
+    assert main(args + ["--optimizers", "adam", "kfac", "--seeds", "2", "--max-steps", "10"]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["mnist_logreg_adam.json", "mnist_logreg_kfac.json", "summary.json", "ttr.md"]
+    entry = json.loads((out / "mnist_logreg_kfac.json").read_text())
+    assert {"problem", "optimizer", "spec", "tuning", "winner", "runs", "meta"} <= set(entry)
+    assert entry["spec"]["max_steps"] == 10 and entry["spec"]["targets"] == [0.92]
+    assert len(entry["tuning"]) == 4 and [r["seed"] for r in entry["runs"]] == [0, 1]
+    run = entry["runs"][1]
+    assert {
+        "setting",
+        "seed",
+        "steps_to",
+        "seconds_to",
+        "status",
+        "steps",
+        "train_s",
+        "eval_s",
+        "per_step_s",
+        "curve",
+    } <= set(run)
+    assert entry["meta"]["synthetic"] is True and entry["meta"]["threads"] == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["cost_per_step_s"] for r in summary["table"]] == [None, None]
+
+    cost_args = ["ttr_cost", "--synthetic", "--from", str(out), "--rounds", "1", "--warmup", "0"]
+    assert main(cost_args) == 0
+    cost = json.loads((out / "cost.json").read_text())["problems"]["mnist_logreg"]
+    assert set(cost["entries"]) == {"adam", "kfac"} and cost["block"] == 10
+    table = json.loads((out / "summary.json").read_text())["table"]
+    assert all(r["cost_per_step_s"] > 0 for r in table)
     paths = paper_figs.plot_ttr(out, tmp_path / "figs")
-    assert sorted(p.name for p in paths) == ["ttr_bars.png", "ttr_curves.png"]
-    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+    assert [p.name for p in paths] == ["ttr.png"] and paths[0].read_bytes()[:4] == b"\x89PNG"
     assert paper_figs.plot_ttr(tmp_path / "nothing", tmp_path / "figs") == []
 
 
-def test_cli_rejects_unknown_entries(capsys):
+def test_cli_rejects_unknown_optimizers_and_missing_results(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        main(["ttr", "--entries", "adam:practical"])
-    assert "unknown entry" in capsys.readouterr().err
+        main(["ttr", "--optimizers", "lbfgs"])
+    assert "invalid choice" in capsys.readouterr().err
+    assert main(["ttr_cost", "--from", str(tmp_path)]) == 2
+    assert "run python -m experiments ttr first" in capsys.readouterr().err
+
+
+def test_problems_fix_their_targets_before_tuning():
+    assert protocol.TTR_PROBLEMS["fmnist_2c2d"].targets == (0.88, 0.90)
+    assert protocol.TTR_PROBLEMS["mnist_logreg"].targets == (0.92,)
+    with pytest.raises(ValueError, match="ascending"):
+        TtrProblem(targets=(0.9, 0.88), max_steps=10)

@@ -1,0 +1,204 @@
+"""``python -m experiments ttr`` (the grid) and ``python -m experiments ttr_cost`` (the cost per
+step of its winners, re-runnable on its own)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ..commands import Command, add_threads, at_least, command_line, set_threads
+from ..data import DataMissingError, load_dataset, make_splits
+from ..distributed import resolve_device
+from ..optimizers import SetupError
+from ..problems import get_problem
+from .cost import measure_costs
+from .protocol import GRIDS, SEEDS, TTR_PROBLEMS, tune_and_run
+from .report import COST, entry_path, load_entries, winner_setting, write_json, write_summary
+
+DEFAULT_DIR = "experiments/results/ttr"
+OPTIMIZERS = list(GRIDS["fmnist_2c2d"])
+#: ``--quick``: a few steps, for tests and a smoke run
+QUICK = {"max_steps": 20, "eval_every": 5, "eval_size": 256}
+
+
+def _machine() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {os.cpu_count()} logical CPUs"
+
+
+def _meta(args, **extra) -> dict:
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": _machine(),
+        "device": str(args.device),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "command": command_line(sys.argv[1:]),
+        "synthetic": args.synthetic,
+        **extra,
+    }
+
+
+def _add_data(p) -> None:
+    add_threads(p, default=1)
+    p.add_argument("--synthetic", action="store_true", help="random data (marked synthetic)")
+    p.add_argument(
+        "--data-root", default=None, help="data folder (default: $CURVOPT_DATA or ./data)"
+    )
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+
+
+def _splits(problem: str, eval_size: int, args):
+    data = load_dataset(get_problem(problem).dataset, args.data_root, args.synthetic)
+    return make_splits(data, eval_size=eval_size, device=resolve_device(args.device))
+
+
+def _guarded(run):
+    def execute(args) -> int:
+        try:
+            return run(args)
+        except (DataMissingError, SetupError, ValueError, FloatingPointError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+
+    return execute
+
+
+TTR_DESCRIPTION = """\
+Time to result: steps until a fixed test accuracy (mnist_logreg 0.92 within 1,000 steps,
+fmnist_2c2d 0.88 and 0.90 within 1,500), evaluated off the clock every 25 steps. Every optimizer
+tries its 4 committed settings with seed 0 (each run stops at the highest target); the one with
+the fewest steps to the highest target (ties: to the lower ones) runs the other seeds. Writes one
+JSON per problem and optimizer into --json, after each, so an interrupted grid keeps what it did;
+then the summary with the costs of an earlier ttr_cost where they match the winners.
+
+examples:
+  OMP_NUM_THREADS=1 nice python -m experiments ttr --problems mnist_logreg
+  OMP_NUM_THREADS=1 nice python -m experiments ttr --problems fmnist_2c2d --optimizers adam kfac
+  python -m experiments ttr_cost --from experiments/results/ttr      # cost per step, the table
+  python -m paper_figs ttr experiments/results/ttr experiments/results/ttr   # the figure
+"""
+
+
+def add_ttr_arguments(p) -> None:
+    p.add_argument(
+        "--problems",
+        nargs="+",
+        choices=list(TTR_PROBLEMS),
+        default=list(TTR_PROBLEMS),
+        help="problems to run",
+    )
+    p.add_argument(
+        "--optimizers", nargs="+", choices=OPTIMIZERS, default=OPTIMIZERS, help="optimizers to tune"
+    )
+    p.add_argument("--seeds", type=at_least(1), default=SEEDS, help="seeds of the winner")
+    p.add_argument("--max-steps", type=at_least(1), help="override every problem's step cap")
+    p.add_argument("--eval-every", type=at_least(1), help="override the evaluation cadence")
+    p.add_argument("--eval-size", type=at_least(1), help="override the test subset size")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()),
+    )
+    p.add_argument("--json", default=DEFAULT_DIR, metavar="DIR", help="folder of the JSON files")
+    _add_data(p)
+
+
+def _spec(problem: str, args):
+    overrides = dict(QUICK) if args.quick else {}
+    given = {"max_steps": args.max_steps, "eval_every": args.eval_every}
+    given["eval_size"] = args.eval_size
+    overrides.update({k: v for k, v in given.items() if v is not None})
+    return replace(TTR_PROBLEMS[problem], **overrides)
+
+
+@_guarded
+def execute_ttr(args) -> int:
+    set_threads(args.threads)
+    for problem in args.problems:
+        spec = _spec(problem, args)
+        splits = _splits(problem, spec.eval_size, args)
+        for optimizer in args.optimizers:
+            entry = tune_and_run(
+                problem, GRIDS[problem][optimizer], spec, splits, args.seeds, log=_log
+            )
+            entry["meta"] = _meta(args)
+            write_json(entry_path(args.json, problem, optimizer), entry)
+    rows, path = write_summary(args.json, _meta(args))
+    print(f"written: {path}")
+    return 0
+
+
+TTR_COST_DESCRIPTION = """\
+Cost per step of the winners of a ttr results folder, measured interleaved in one process: per
+problem, each winner's blocks of L steps (L: the least common multiple of the curvature,
+inverse and basis intervals, so a block holds its share of curvature steps) alternate
+round-robin on the same fixed batches, --rounds times after a warm-up round; the cost is the
+median block mean. Writes cost.json, then summary.json and ttr.md (steps x cost, ratios to
+Adam). Re-run it after a change of the step's speed: the steps to the targets stay valid.
+
+example: OMP_NUM_THREADS=1 python -m experiments ttr_cost --from experiments/results/ttr
+"""
+
+
+def add_cost_arguments(p) -> None:
+    p.add_argument("--from", dest="folder", default=DEFAULT_DIR, metavar="DIR", help="results")
+    p.add_argument("--problems", nargs="+", choices=list(TTR_PROBLEMS), help="default: all there")
+    p.add_argument("--rounds", type=at_least(1), default=5, help="counted rounds")
+    p.add_argument("--warmup", type=at_least(0), default=1, help="rounds not counted")
+    _add_data(p)
+
+
+@_guarded
+def execute_cost(args) -> int:
+    set_threads(args.threads)
+    entries = load_entries(args.folder)
+    if not entries:
+        raise ValueError(f"no ttr results in {args.folder}: run python -m experiments ttr first")
+    problems = args.problems or list(dict.fromkeys(e["problem"] for e in entries))
+    out = {"meta": _meta(args), "problems": {}}
+    for problem in problems:
+        winners = {e["optimizer"]: winner_setting(e) for e in entries if e["problem"] == problem}
+        if not winners:
+            raise ValueError(f"no ttr results for {problem} in {args.folder}")
+        splits = _splits(problem, 1, args)
+        out["problems"][problem] = measure_costs(
+            problem, winners, splits, args.rounds, args.warmup, log=_log
+        )
+    write_json(Path(args.folder) / COST, out)
+    rows, path = write_summary(args.folder, _meta(args))
+    print(f"written: {path}")
+    return 0
+
+
+def _log(line: str) -> None:
+    print(line, flush=True)
+
+
+TTR = Command(
+    "ttr",
+    "time to result: steps to fixed test accuracies, tuned",
+    TTR_DESCRIPTION,
+    add_ttr_arguments,
+    execute_ttr,
+)
+TTR_COST = Command(
+    "ttr_cost",
+    "time to result: cost per step of the winners, interleaved in one process",
+    TTR_COST_DESCRIPTION,
+    add_cost_arguments,
+    execute_cost,
+    aliases=("ttr-cost",),
+)

@@ -1,0 +1,128 @@
+"""Cost per step, measured interleaved in one process.
+
+Every entry (a problem's winning settings) gets its own model (seed 0) and optimizer. A *block*
+is ``L`` consecutive steps of one entry on the same ``L`` fixed training batches; ``L`` is the
+least multiple of the entries' periods (lcm of curvature, inverse and basis intervals) that is
+at least ``min_block``, so each block holds the same share of curvature steps as a long run and
+its mean is the amortised cost of a step. The entries' blocks alternate round-robin, the
+starting entry rotating from round to round; after ``warmup`` rounds that are not counted, an
+entry's cost is the median of its ``rounds`` block means.
+
+Two clocks time each block: the process's CPU time (``per_step_s``, the cost: with one thread
+it is the wall-clock of an idle machine, and other jobs on a shared machine do not inflate it)
+and the wall-clock (``per_step_wall_s``: under load it is inflated, more for long steps than for
+steps shorter than the scheduler's time slice, so ratios between entries drift with the load).
+An entry that diverges on these batches drops out (costs None, ``failed`` says where).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+
+from ..data import Splits, train_batches
+from ..evaluation import Clock
+from ..optimizers import make_optimizer, resolve_options
+from ..problems import get_problem
+from ..timing import timed_step
+from .protocol import Setting
+
+PERIOD_OPTIONS = ("curvature_interval", "inverse_interval", "basis_interval")
+#: the fewest steps of a block (a multiple of the periods' lcm)
+MIN_BLOCK = 10
+
+
+def period(setting: Setting) -> int:
+    """Steps after which the setting's step pattern repeats (1 for first-order optimizers)."""
+    opts = resolve_options(setting.optimizer, setting.preset, setting.options)
+    return math.lcm(*(int(opts.get(k, 1)) for k in PERIOD_OPTIONS))
+
+
+def measure_costs(
+    problem: str,
+    settings: dict[str, Setting],
+    splits: Splits,
+    rounds: int = 5,
+    warmup: int = 1,
+    min_block: int = MIN_BLOCK,
+    log=print,
+) -> dict:
+    """``{"block": L, "sequence": [name per block, in order], "entries": {name: {"setting",
+    "period", "per_step_s" (CPU), "per_step_wall_s", "rounds_cpu_s", "rounds_wall_s",
+    "failed"}}}``; the costs are medians over ``rounds`` of the block means."""
+    if rounds < 1 or warmup < 0:
+        raise ValueError("rounds must be >= 1 and warmup >= 0")
+    prob = get_problem(problem)
+    device = splits.train.x.device
+    clock = Clock(device)
+    lcm = math.lcm(*(period(s) for s in settings.values()))
+    block = lcm * math.ceil(min_block / lcm)
+    entries = {}
+    for name, setting in settings.items():
+        cfg = setting.config(problem, 0, splits.synthetic)
+        torch.manual_seed(0)
+        model, lossfunc = prob.model(0, device), prob.loss()
+        opt, collects = make_optimizer(cfg, prob, model, lossfunc)
+        entries[name] = (model, lossfunc, opt, collects)
+    gen = torch.Generator().manual_seed(0)
+    prep = prob.preprocess(False)
+    batch_size = settings[next(iter(settings))].config(problem, 0).batch_size
+    batches = []
+    while len(batches) < block:
+        for xy in train_batches(splits.train, batch_size, prep, gen):
+            batches.append(xy)
+            if len(batches) == block:
+                break
+    names = list(settings)
+    samples: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+    failed: dict[str, str] = {}
+    sequence = []
+    for r in range(warmup + rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            if name in failed:
+                continue
+            model, lossfunc, opt, collects = entries[name]
+            wall, cpu = clock(), time.process_time()
+            for i, (x, y) in enumerate(batches):
+                if timed_step(model, lossfunc, opt, collects, x, y, clock).diverged:
+                    failed[name] = f"diverged at step {i} of round {r} (fixed batches)"
+                    break
+            wall, cpu = clock() - wall, time.process_time() - cpu
+            sequence.append(name)
+            if r >= warmup and name not in failed:
+                samples[name].append((wall / block, cpu / block))
+        if r >= warmup:
+            log(
+                f"{problem} cost round {r - warmup + 1}/{rounds} (ms/step, wall/cpu): "
+                + ", ".join(
+                    f"{n} {1e3 * samples[n][-1][0]:.1f}/{1e3 * samples[n][-1][1]:.1f}"
+                    for n in names
+                    if samples[n]
+                )
+            )
+
+    def median(n: str, j: int) -> float | None:
+        return None if n in failed else statistics.median(t[j] for t in samples[n])
+
+    return {
+        "block": block,
+        "rounds": rounds,
+        "warmup": warmup,
+        "sequence": sequence,
+        "entries": {
+            n: {
+                "setting": settings[n].as_dict(),
+                "period": period(settings[n]),
+                "per_step_s": median(n, 1),
+                "per_step_wall_s": median(n, 0),
+                "rounds_wall_s": [t[0] for t in samples[n]],
+                "rounds_cpu_s": [t[1] for t in samples[n]],
+                "failed": failed.get(n),
+            }
+            for n in names
+        },
+    }

@@ -1,0 +1,171 @@
+"""The benchmark's files and tables: entry JSONs, the cost JSON, the summary and its markdown.
+
+A results folder (default ``experiments/results/ttr/``) holds
+
+* ``<problem>_<optimizer>.json``: one optimizer's protocol on one problem
+  (:func:`experiments.ttr.protocol.tune_and_run`: its tuning runs, the winner, the winner's
+  seeds) and ``meta`` (machine, threads, command);
+* ``cost.json``: per problem, the interleaved cost per step of the winners
+  (:func:`experiments.ttr.cost.measure_costs`) and ``meta``;
+* ``summary.json`` and ``ttr.md``: the table (:func:`summarize`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+from ..files import atomic_write, finite
+from .protocol import Setting, target_key
+
+COST, SUMMARY, TABLE = "cost.json", "summary.json", "ttr.md"
+REFERENCE = "adam"
+
+
+def entry_path(folder: str | Path, problem: str, optimizer: str) -> Path:
+    return Path(folder) / f"{problem}_{optimizer}.json"
+
+
+def write_json(path: Path, content) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(finite(content), indent=1, allow_nan=False)
+    atomic_write(path, lambda p: p.write_text(text + "\n"))
+
+
+def load_entries(folder: str | Path) -> list[dict]:
+    """Every entry file of ``folder`` (sorted by name)."""
+    skip = {COST, SUMMARY}
+    out = []
+    for path in sorted(Path(folder).glob("*.json")):
+        if path.name not in skip:
+            entry = json.loads(path.read_text())
+            if {"problem", "optimizer", "runs"} <= set(entry):
+                out.append(entry)
+    return out
+
+
+def load_costs(folder: str | Path) -> dict:
+    path = Path(folder) / COST
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def median_steps(values: list[int | None]) -> float | None:
+    """Median with not reached (``None``) as infinite; ``None`` when the median is infinite."""
+    m = statistics.median(math.inf if v is None else v for v in values)
+    return None if math.isinf(m) else m
+
+
+def winner_setting(entry: dict) -> Setting:
+    return Setting.from_dict(entry["tuning"][entry["winner"]]["setting"])
+
+
+def summarize(entries: list[dict], costs: dict) -> list[dict]:
+    """One row per (problem, optimizer): the winner, steps to each target (median and per
+    seed), the interleaved cost per step (CPU time, and wall-clock; only where ``costs``
+    measured this very setting), estimated seconds (median steps x CPU cost), the runs' own
+    wall-clock to the highest target (median over seeds), both as ratios to tuned Adam."""
+    rows = []
+    for entry in entries:
+        problem, optimizer = entry["problem"], entry["optimizer"]
+        targets = entry["spec"]["targets"]
+        setting = winner_setting(entry)
+        runs = entry["runs"]
+        measured = costs.get("problems", {}).get(problem, {}).get("entries", {}).get(optimizer)
+        cost = cost_wall = None
+        if measured is not None and Setting.from_dict(measured["setting"]) == setting:
+            cost, cost_wall = measured["per_step_s"], measured["per_step_wall_s"]
+        steps, per_seed, est = {}, {}, {}
+        for t in targets:
+            key = target_key(t)
+            per_seed[key] = [r["steps_to"][key] for r in runs]
+            steps[key] = median_steps(per_seed[key])
+            est[key] = None if steps[key] is None or cost is None else steps[key] * cost
+        top = target_key(targets[-1])
+        wall = [r["seconds_to"][top] for r in runs]
+        rows.append(
+            {
+                "problem": problem,
+                "optimizer": optimizer,
+                "setting": setting.as_dict(),
+                "label": setting.label,
+                "targets": targets,
+                "seeds": [r["seed"] for r in runs],
+                "steps": steps,
+                "steps_per_seed": per_seed,
+                "cost_per_step_s": cost,
+                "cost_per_step_wall_s": cost_wall,
+                "est_s": est,
+                "wall_s": median_steps(wall),
+                "wall_s_per_seed": wall,
+                "tuning_steps": [
+                    [Setting.from_dict(r["setting"]).label, r["steps_to"][top]]
+                    for r in entry["tuning"]
+                ],
+            }
+        )
+    for row in rows:
+        ref = next(
+            (r for r in rows if r["problem"] == row["problem"] and r["optimizer"] == REFERENCE),
+            None,
+        )
+        top = target_key(row["targets"][-1])
+        row["est_ratio_to_adam"] = _ratio(row["est_s"][top], ref and ref["est_s"][top])
+        row["wall_ratio_to_adam"] = _ratio(row["wall_s"], ref and ref["wall_s"])
+    return rows
+
+
+def _ratio(a, b):
+    return None if a is None or not b else a / b
+
+
+def _n(x, fmt="{:.0f}") -> str:
+    return "not reached" if x is None else fmt.format(x)
+
+
+def _ms(cpu, wall) -> str:
+    return "-" if cpu is None else f"{1e3 * cpu:.1f} / {1e3 * wall:.1f}"
+
+
+def _ratio_cell(value, ratio) -> str:
+    """A ratio to Adam: ``-`` where this entry's value is unknown or Adam's is missing."""
+    if value is None:
+        return "-"
+    return "-" if ratio is None else f"{ratio:.2f}"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The table: steps to each target (median; per seed), ms per step, estimated and measured
+    seconds to the highest target, ratios to Adam."""
+    lines = [
+        "| problem | optimizer (winning setting) | target | steps (median) | steps per seed | "
+        "ms/step (interleaved: CPU / wall) | est. s = steps × CPU cost | ratio to Adam (est.) | "
+        "wall-clock s of the runs (median) | ratio to Adam (wall) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for i, t in enumerate(r["targets"]):
+            key = target_key(t)
+            top = i == len(r["targets"]) - 1
+            cost = r["cost_per_step_s"]
+            seeds = ", ".join("-" if s is None else str(s) for s in r["steps_per_seed"][key])
+            lines.append(
+                f"| {r['problem']} | {r['label']} | {key} | {_n(r['steps'][key])} | {seeds} | "
+                f"{_ms(cost, r['cost_per_step_wall_s'])} | "
+                f"{'-' if cost is None else _n(r['est_s'][key], '{:.1f}')} | "
+                f"{_ratio_cell(r['est_s'][key], r['est_ratio_to_adam']) if top else ''} | "
+                f"{_n(r['wall_s'], '{:.1f}') if top else ''} | "
+                f"{_ratio_cell(r['wall_s'], r['wall_ratio_to_adam']) if top else ''} |"
+            )
+    return "\n".join(lines)
+
+
+def write_summary(folder: str | Path, meta: dict) -> tuple[list[dict], Path]:
+    """Summarise ``folder``'s entries with its cost file into ``summary.json`` and ``ttr.md``."""
+    folder = Path(folder)
+    rows = summarize(load_entries(folder), load_costs(folder))
+    write_json(folder / SUMMARY, {"meta": meta, "table": rows})
+    text = markdown_table(rows)
+    atomic_write(folder / TABLE, lambda p: p.write_text(text + "\n"))
+    return rows, folder / SUMMARY
