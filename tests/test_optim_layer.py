@@ -148,6 +148,42 @@ def test_cholesky_inverse_raises_for_indefinite_matrix():
         cholesky_inverse(-torch.eye(3, dtype=DT))
 
 
+def test_psd_eigh_recomputes_a_silently_failed_float32_solve_in_float64(monkeypatch):
+    """LAPACK's float32 eigh returned NaN without raising for MNIST logreg's input factor at one
+    thread; a non-finite float32 result is recomputed in float64 (here the failure is forced)."""
+    torch.manual_seed(0)
+    root = torch.randn(5, 8)
+    matrix = root.T @ root
+    eigh = torch.linalg.eigh
+
+    def failing_in_float32(m):
+        values, vectors = eigh(m)
+        if m.dtype == torch.float32:
+            return torch.full_like(values, float("nan")), vectors
+        return values, vectors
+
+    monkeypatch.setattr(torch.linalg, "eigh", failing_in_float32)
+    values, vectors = psd_eigh(matrix)
+    assert values.dtype == torch.float32 and bool(values.isfinite().all())
+    torch.testing.assert_close(vectors @ torch.diag(values) @ vectors.T, matrix, atol=1e-4, rtol=0)
+    with pytest.raises(torch.linalg.LinAlgError, match="non-finite entries"):
+        psd_eigh(torch.full((3, 3), float("nan")))
+
+
+def test_psd_eigh_deflates_zero_rows_exactly():
+    """An input feature that is always 0 (MNIST's border pixels) gives a zero row and column:
+    its unit vector with eigenvalue 0, and the eigenpairs of the rest, in ascending order."""
+    torch.manual_seed(0)
+    root = torch.randn(3, 6, dtype=torch.float64)
+    root[:, [1, 4]] = 0
+    matrix = root.T @ root
+    values, vectors = psd_eigh(matrix)
+    torch.testing.assert_close(vectors @ torch.diag(values) @ vectors.T, matrix)
+    torch.testing.assert_close(vectors.T @ vectors, torch.eye(6, dtype=torch.float64))
+    assert bool((values[1:] >= values[:-1]).all())
+    assert torch.equal(vectors[[1, 4]][:, :2], torch.eye(2, dtype=torch.float64))
+
+
 def test_psd_eigh_clips_round_off():
     matrix = spd(5, 1, rank=2)
     values, vectors = psd_eigh(matrix)
