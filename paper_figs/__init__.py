@@ -9,8 +9,8 @@ directory, draws with matplotlib's Agg canvas (no display needed) and returns th
   against wall-clock, one line per optimizer
 * :func:`write_table`   -> ``comparison.md``: our final test accuracies next to the paper's,
   budgeted and synthetic runs marked as not comparable
-* :func:`plot_ttr`      -> ``ttr_bars.png``, ``ttr_curves.png``: the time-to-result benchmark
-  (``ttr_rows.json`` of ``python -m experiments ttr``)
+* :func:`plot_ttr`      -> ``ttr.png``: the time-to-result benchmark (the JSON files of
+  ``python -m experiments ttr`` and ``ttr_cost``)
 
 ``paper_figs`` reads result files only; it never imports ``experiments``.
 

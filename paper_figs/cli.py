@@ -42,7 +42,7 @@ only). WHAT is one of:
             time, median and quartiles over seeds; one figure per budget when the results hold
             runs of several budgets of a problem (they are never pooled)
   table     comparison.md: final test accuracies next to the BackPACK paper's
-  ttr       ttr_bars.png, ttr_curves.png of the time-to-result benchmark
+  ttr       ttr.png of the time-to-result benchmark (accuracy vs steps and vs estimated seconds)
   compare   compare_PROBLEM.png of python -m experiments compare
 
 example: python -m paper_figs all results figures

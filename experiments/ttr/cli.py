@@ -19,7 +19,15 @@ from ..optimizers import SetupError
 from ..problems import get_problem
 from .cost import measure_costs
 from .protocol import GRIDS, SEEDS, TTR_PROBLEMS, tune_and_run
-from .report import COST, entry_path, load_entries, winner_setting, write_json, write_summary
+from .report import (
+    COST,
+    entry_path,
+    load_costs,
+    load_entries,
+    winner_setting,
+    write_json,
+    write_summary,
+)
 
 DEFAULT_DIR = "experiments/results/ttr"
 OPTIMIZERS = list(GRIDS["fmnist_2c2d"])
@@ -168,7 +176,8 @@ def execute_cost(args) -> int:
     if not entries:
         raise ValueError(f"no ttr results in {args.folder}: run python -m experiments ttr first")
     problems = args.problems or list(dict.fromkeys(e["problem"] for e in entries))
-    out = {"meta": _meta(args), "problems": {}}
+    # problems not measured now keep their last measurement (each with the meta of its run)
+    out = {"meta": _meta(args), "problems": load_costs(args.folder).get("problems", {})}
     for problem in problems:
         winners = {e["optimizer"]: winner_setting(e) for e in entries if e["problem"] == problem}
         if not winners:
@@ -177,6 +186,7 @@ def execute_cost(args) -> int:
         out["problems"][problem] = measure_costs(
             problem, winners, splits, args.rounds, args.warmup, log=_log
         )
+        out["problems"][problem]["meta"] = _meta(args)
     write_json(Path(args.folder) / COST, out)
     rows, path = write_summary(args.folder, _meta(args))
     print(f"written: {path}")
