@@ -72,11 +72,16 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+#: result files and the scripts that produced them (``experiments/results/ttr/logs/``)
+RESULTS = ROOT / "experiments" / "results"
+
+
 def _modules():
     found = {}
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
-            found[_module_name(path)] = path
+            if RESULTS not in path.parents:  # run records kept beside their results: data
+                found[_module_name(path)] = path
     return found
 
 
