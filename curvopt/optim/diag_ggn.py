@@ -57,7 +57,9 @@ class DiagGGNNewton(NewtonOptimizer):
                 f"{getattr(curvature, 'shape', type(curvature))}"
             )
 
-    def _direction(self, grad, curvature, state, group, step, damping, curvature_step):
+    def _direction(
+        self, grad, curvature, state, group, step, damping, curvature_step, factors=None
+    ):
         return diag_precondition(grad, curvature, damping), {}
 
     def _quadratic(self, curvature, step):

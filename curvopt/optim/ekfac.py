@@ -165,7 +165,9 @@ class EKFAC(NewtonOptimizer):
         return kron_basis(factors)
 
     # ----------------------------------------------------------------- the step
-    def _direction(self, grad, curvature, state, group, step, damping, curvature_step):
+    def _direction(
+        self, grad, curvature, state, group, step, damping, curvature_step, factors=None
+    ):
         correction, bases = curvature[0], curvature[1:]
         direction = eigen_corrected_solve(bases, correction, as_rows(grad, bases), damping)
         return direction.reshape(grad.shape), {}

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import weakref
+
 import torch
+from torch import nn
 
 from curvopt import extensions
+from curvopt.params import EXTENDED
 from curvopt.optim.cache import cached
 from curvopt.optim.fallback import fallback_diagonal
+from curvopt.optim.gradient_factors import FactorCapture, factored_cheaper, reproduces
 from curvopt.optim.kronecker import (
     as_matrix,
     exact_damped_solve,
@@ -124,7 +129,9 @@ class KFAC(NewtonOptimizer):
             lambda: [torch.empty_like(f) for f in curvature],
         )
 
-    def _direction(self, grad, curvature, state, group, step, damping, curvature_step):
+    def _direction(
+        self, grad, curvature, state, group, step, damping, curvature_step, factors=None
+    ):
         matrix = as_matrix(grad, curvature)
         derived = self._derived(curvature, group, damping, curvature_step)
         entry = cached(
@@ -132,11 +139,53 @@ class KFAC(NewtonOptimizer):
         )
         if derived.name == "eigh":
             direction = exact_damped_solve(entry["value"], matrix, damping)
-        elif derived.name == "cholesky":
-            direction = kron_cholesky_solve(entry["value"], matrix)
         else:
-            direction = kron_solve(entry["value"], matrix)
+            apply = kron_cholesky_solve if derived.name == "cholesky" else kron_solve
+            direction = _factored(apply, entry["value"], matrix, factors)
+            if direction is None:
+                direction = apply(entry["value"], matrix)
         return direction.reshape(grad.shape), {derived.name: entry}
+
+    # ----------------------------------------------------------------- factored steps
+    def collect(self):
+        """As :meth:`CurvatureOptimizer.collect`; also watches the dense layers whose steps
+        may be applied in factored form from the next forward on (``gradient_factors``)."""
+        if self not in _CAPTURES:
+            capture = _CAPTURES[self] = FactorCapture()
+            weights = {id(p) for g in self.param_groups for p in g["params"]}
+            for module in list(EXTENDED):
+                if isinstance(module, nn.Linear) and id(module.weight) in weights:
+                    capture.watch(self, module)
+        return super().collect()
+
+    def step(self, closure=None):
+        """As :meth:`CurvatureOptimizer.step`; the captured layer factors are dropped after."""
+        try:
+            return super().step(closure)
+        finally:
+            if self in _CAPTURES:
+                _CAPTURES[self].clear()
+
+    def _gradient_factors(self, param):
+        capture = _CAPTURES.get(self)
+        return None if capture is None else capture.factors(param)
 
     def _quadratic(self, curvature, step):
         return kron_quadratic(curvature, as_matrix(step, curvature))
+
+
+#: optimizer -> its FactorCapture (kept outside the optimizer, which stays picklable)
+_CAPTURES: "weakref.WeakKeyDictionary[KFAC, FactorCapture]" = weakref.WeakKeyDictionary()
+
+
+def _factored(apply, solvers, matrix, factors):
+    """``(B⁻¹ bᵀ)(A⁻¹ aᵀ)ᵀ`` where that is cheaper and ``factors = (a, b)`` give ``matrix``
+    (``gradient_factors``), else None."""
+    if factors is None or len(solvers) != 2:
+        return None
+    a, b = factors
+    if not factored_cheaper(solvers, *matrix.shape, len(a)) or not reproduces(matrix, factors):
+        return None
+    left = apply(solvers[:1], b.mT.to(matrix.dtype))
+    right = apply(solvers[1:], a.mT.to(matrix.dtype))
+    return left @ right.mT

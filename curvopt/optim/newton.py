@@ -93,9 +93,16 @@ class NewtonOptimizer(CurvatureOptimizer):
         step: int,
         damping: float,
         curvature_step: int,
+        factors: Any = None,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """``(C + λ I)⁻¹ g`` (shape of ``grad``) and the cache entries to keep in the state."""
+        """``(C + λ I)⁻¹ g`` (shape of ``grad``) and the cache entries to keep in the state;
+        ``factors``: what :meth:`_gradient_factors` gave for the parameter (may be ignored)."""
         raise NotImplementedError
+
+    def _gradient_factors(self, param: torch.Tensor) -> Any:
+        """Factors of ``param``'s gradient captured in the pass (None: none; see
+        :mod:`curvopt.optim.gradient_factors`)."""
+        return None
 
     def _quadratic(self, curvature: Any, step: torch.Tensor) -> torch.Tensor:
         """``sᵀ C s`` for a step ``s`` of the parameter's shape."""

@@ -46,6 +46,7 @@ class Precondition(Stage):
                     step.step,
                     step.damping,
                     item.curvature_step,
+                    optimizer._gradient_factors(update.param),
                 )
             except torch.linalg.LinAlgError as error:
                 raise torch.linalg.LinAlgError(f"{update.description}: {error}") from None

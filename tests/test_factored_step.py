@@ -1,0 +1,90 @@
+"""KFAC's factored step ``(B⁻¹ bᵀ)(A⁻¹ aᵀ)ᵀ`` for dense layers wider than the batch
+(``curvopt/optim/gradient_factors.py``): the same steps as the dense product ``B⁻¹ G A⁻¹``
+(float64), taken only where it is cheaper and the captured factors give the gradient."""
+
+import pytest
+import torch
+from torch import nn
+
+import curvopt
+from curvopt.optim import KFAC
+from curvopt.optim import gradient_factors as gf
+
+
+def _problem(seed=0, width=40):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(30, width), nn.Tanh(), nn.Linear(width, 5)).double()
+    return curvopt.extend(model), curvopt.extend(nn.CrossEntropyLoss())
+
+
+def _train(
+    factored: bool, steps=6, batch=4, weight_decay=0.0, reuse=False, discarded=False, **options
+):
+    """Parameters after each step; ``factored=False`` disables the factored form."""
+    model, lossfunc = _problem()
+    opt = KFAC(model.parameters(), lr=0.1, damping=0.3, weight_decay=weight_decay, **options)
+    taken = []
+    original = gf.reproduces
+
+    def spy(matrix, factors):
+        ok = original(matrix, factors)
+        taken.append(ok)
+        return ok and factored
+
+    generator = torch.Generator().manual_seed(1)
+    trajectory = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("curvopt.optim.kfac.reproduces", spy)
+        for _ in range(steps):
+            X = torch.randn(batch, 30, generator=generator, dtype=torch.float64)
+            y = torch.randint(0, 5, (batch,), generator=generator)
+            if discarded:  # a pass whose gradient is zeroed: its captured rows are not in p.grad
+                lossfunc(model(X), y).backward()
+            opt.zero_grad()
+            out = model(X)
+            if reuse:  # a second call of the first layer: the weight gets two uses' gradient
+                out = out + 0.1 * model[2](torch.tanh(model[0](X)))
+            loss = lossfunc(out, y)
+            with opt.collect():
+                loss.backward()
+            opt.step()
+            trajectory.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    return torch.stack(trajectory), taken
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"curvature_interval": 3, "curvature_ema": 0.9}, {"reuse": True}]
+)
+def test_factored_steps_equal_the_dense_ones(options):
+    """Also with the first layer called twice: the rows of both calls are the factors."""
+    factored, taken = _train(True, **options)
+    dense, _ = _train(False, **options)
+    assert any(taken), "the factored form must have been taken"
+    torch.testing.assert_close(factored, dense, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["weight_decay", "discarded"])
+def test_factors_that_do_not_give_the_gradient_are_not_used(case):
+    kwargs = {"weight_decay": 1e-2} if case == "weight_decay" else {"discarded": True}
+    factored, taken = _train(True, **kwargs)
+    dense, _ = _train(False, **kwargs)
+    assert taken and not any(taken[len(taken) // 2 :])  # the probe refuses them
+    torch.testing.assert_close(factored, dense, rtol=0, atol=0)
+
+
+def test_reproduces_checks_the_product_to_its_rounding():
+    torch.manual_seed(0)
+    a, b = torch.randn(6, 9), torch.randn(6, 4)
+    grad = b.T @ a
+    assert gf.reproduces(grad, (a, b))
+    wrong = grad.clone()
+    wrong[1, 2] += 1e-3 * grad.abs().max()
+    assert not gf.reproduces(wrong, (a, b))
+    assert not gf.reproduces(grad + 1e-2 * torch.randn(4, 9), (a, b))
+
+
+def test_factored_is_chosen_by_flops():
+    dense = [torch.eye(1024), torch.eye(3136)]
+    assert gf.factored_cheaper(dense, 1024, 3136, 128)  # FMNIST 2C2D's fc1 at batch 128
+    assert not gf.factored_cheaper(dense, 1024, 3136, 2048)
+    assert not gf.factored_cheaper([torch.eye(10), torch.eye(20)], 10, 20, 64)
