@@ -26,7 +26,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from curvopt.optim.kronecker import LowRankInverse
+from curvopt.optim.kronecker import solver_flops
 
 Factors = Tuple[torch.Tensor, torch.Tensor]
 
@@ -84,16 +84,10 @@ def reproduces(matrix: torch.Tensor, factors: Factors) -> bool:
     return bool((error <= bound).all())
 
 
-def _apply_flops(solver, dim: int, columns: int) -> float:
-    """Flops of applying one entry of ``trace_norm_solvers`` to ``columns`` vectors."""
-    if isinstance(solver, LowRankInverse):
-        return 4 * dim * solver.rank * columns
-    return 2 * dim * dim * columns
-
-
 def factored_cheaper(solvers: Sequence, out: int, inputs: int, rows: int) -> bool:
-    """Whether ``(B⁻¹ bᵀ)(A⁻¹ aᵀ)ᵀ`` costs fewer flops than ``B⁻¹ G A⁻¹`` for ``R = rows``."""
+    """Whether ``(B⁻¹ bᵀ)(A⁻¹ aᵀ)ᵀ`` costs fewer flops than ``B⁻¹ G A⁻¹`` for ``R = rows``
+    (``kronecker.solver_flops`` for each side, plus the final product)."""
     left, right = solvers
-    factored = _apply_flops(left, out, rows) + _apply_flops(right, inputs, rows)
-    dense = _apply_flops(left, out, inputs) + _apply_flops(right, inputs, out)
+    factored = solver_flops(left, out, rows) + solver_flops(right, inputs, rows)
+    dense = solver_flops(left, out, inputs) + solver_flops(right, inputs, out)
     return factored + 2 * out * inputs * rows < dense

@@ -176,11 +176,26 @@ class LowRankInverse:
         return torch.addmm(matrix, matrix @ self.basis.mT, self.basis, alpha=-1).div_(self.shift)
 
 
+def application_flops(dim: int, columns: int, rank: int | None = None) -> int:
+    """Flops of applying a damped factor's inverse of size ``dim`` to ``columns`` vectors:
+    ``2 · columns · d²`` dense, ``4 · columns · d · k`` in the Woodbury form of rank ``k``."""
+    return 2 * columns * dim * dim if rank is None else 4 * columns * dim * rank
+
+
+def solver_flops(solver, dim: int, columns: int) -> int:
+    """:func:`application_flops` of one entry of :func:`trace_norm_solvers` /
+    :func:`trace_norm_cholesky` (a dense matrix or a :class:`LowRankInverse`)."""
+    return application_flops(
+        dim, columns, solver.rank if isinstance(solver, LowRankInverse) else None
+    )
+
+
 def _woodbury_cheaper(dim: int, rows: int, rank: int, others: int) -> bool:
     """Whether the Woodbury form of a root of ``rows`` rows and (numerical or capped) ``rank``
     costs fewer flops than the dense inverse for ``others`` right-hand sides: setup ``4 d r²``
-    and application ``4 · others · d · k`` against ``d³`` and ``2 · others · d²``."""
-    return 4 * dim * rows * rows + 4 * others * dim * rank < dim**3 + 2 * others * dim * dim
+    plus its application against ``d³`` plus the dense one (:func:`application_flops`)."""
+    woodbury = 4 * dim * rows * rows + application_flops(dim, others, rank)
+    return woodbury < dim**3 + application_flops(dim, others)
 
 
 def _usable_root(factor: torch.Tensor, others: int, stored: torch.dtype | None = None):
