@@ -19,11 +19,13 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.func import functional_call, grad, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from curvopt import inputs as io
+from curvopt.errors import UnsupportedModuleError
 from curvopt.state import STATE
 
 Tensors = Sequence[torch.Tensor]
@@ -34,8 +36,32 @@ CHUNK = 32
 
 @contextlib.contextmanager
 def _differentiable() -> Iterator[None]:
+    """Hooks suspended, the math attention kernel; torch.func's refusal of
+    ``torch.utils.checkpoint`` (either ``use_reentrant``) raised as what to do instead."""
     with STATE.suspend(), sdpa_kernel(SDPBackend.MATH):
-        yield
+        try:
+            yield
+        except RuntimeError as error:
+            if _raised_inside_checkpoint(error):
+                raise UnsupportedModuleError(
+                    "curvopt.linalg's exact operators (GGN, Hessian, EmpiricalFisher, FisherMC) "
+                    "differentiate the model with torch.func, which cannot run through "
+                    "torch.utils.checkpoint (with either use_reentrant). Build them on the model "
+                    "without gradient checkpointing (the matrix is the same; for Hugging Face "
+                    "models model.gradient_checkpointing_disable()), or use linalg.Diagonal / "
+                    "linalg.KFAC, which support it."
+                ) from error
+            raise
+
+
+def _raised_inside_checkpoint(error: BaseException) -> bool:
+    """Whether a frame of ``torch.utils.checkpoint`` is on ``error``'s traceback."""
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == torch.utils.checkpoint.__file__:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def model_function(model: nn.Module, names: Sequence[str], inputs, output=None) -> Callable:
