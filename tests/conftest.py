@@ -325,7 +325,9 @@ def run_second_order(model: nn.Module, lossfunc: Callable, inputs: Inputs, targe
     return loss
 
 
-def assert_no_attributes(model: nn.Module, attrs: Sequence[str] = ALL_ATTRS, what: str = "") -> None:
+def assert_no_attributes(
+    model: nn.Module, attrs: Sequence[str] = ALL_ATTRS, what: str = ""
+) -> None:
     for name, p in model.named_parameters():
         for a in attrs:
             assert a not in p.__dict__, f"{what}{name} got {a}"

@@ -15,7 +15,11 @@ from curvopt.errors import UnsupportedModuleError
 class Checkpointed(torch.nn.Module):
     def __init__(self, reentrant, use_checkpoint=True):
         super().__init__()
-        self.pre, self.a, self.b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+        self.pre, self.a, self.b = (
+            torch.nn.Linear(3, 3),
+            torch.nn.Linear(3, 4),
+            torch.nn.Linear(4, 2),
+        )
         self.reentrant, self.use_checkpoint = reentrant, use_checkpoint
 
     def hidden(self, x):

@@ -288,7 +288,9 @@ def test_dense_inverses_match_the_reference_with_pi_far_from_one():
 def test_rank_cap_inverts_the_best_rank_k_approximation():
     """``max_rank=k`` is an approximation: ``(F_k + c I)⁻¹`` with ``F_k`` the top-``k``
     eigenpart of ``F``, visibly different from the exact inverse; the default is exact."""
-    root = torch.randn(8, 30, dtype=DT, generator=gen(65)) * torch.linspace(3, 0.1, 8)[:, None].to(DT)
+    root = torch.randn(8, 30, dtype=DT, generator=gen(65)) * torch.linspace(3, 0.1, 8)[:, None].to(
+        DT
+    )
     factor, shift = root.T @ root, 0.05
     matrix = torch.randn(30, 6, dtype=DT, generator=gen(66))
     values, vectors = torch.linalg.eigh(factor)
@@ -296,7 +298,9 @@ def test_rank_cap_inverts_the_best_rank_k_approximation():
     eye = torch.eye(30, dtype=DT)
     capped = LowRankInverse.of(root, shift, max_rank=3)
     assert capped.rank == 3
-    torch.testing.assert_close(capped.solve_left(matrix), torch.linalg.solve(top + shift * eye, matrix))
+    torch.testing.assert_close(
+        capped.solve_left(matrix), torch.linalg.solve(top + shift * eye, matrix)
+    )
     exact = torch.linalg.solve(factor + shift * eye, matrix)
     assert float((capped.solve_left(matrix) - exact).norm() / exact.norm()) > 0.1
     torch.testing.assert_close(LowRankInverse.of(root, shift).solve_left(matrix), exact)
@@ -311,7 +315,10 @@ def test_float32_woodbury_with_a_shift_below_the_rounding_of_the_gram_recomputes
     """``c = 1e-6 · s_max``: the float32 ``U Uᵀ`` rounds its eigenvalues by ~1e-7 · s_max, of
     the order of ``c``; the basis is recomputed in float64 and stays float32, within 1e-4 of the
     float64 solve (relative, in the norm of ``(F + c I)⁻¹``'s result)."""
-    root64 = torch.randn(16, 200, dtype=DT, generator=gen(67)) * torch.logspace(0, -4, 16, dtype=DT)[:, None]
+    root64 = (
+        torch.randn(16, 200, dtype=DT, generator=gen(67))
+        * torch.logspace(0, -4, 16, dtype=DT)[:, None]
+    )
     shift = 1e-6 * float(torch.linalg.eigvalsh(root64 @ root64.T)[-1])
     matrix64 = torch.randn(200, 3, dtype=DT, generator=gen(68))
     expected = torch.linalg.solve(root64.T @ root64 + shift * torch.eye(200, dtype=DT), matrix64)
@@ -348,7 +355,9 @@ def test_curvature_ema_over_one_batch_keeps_woodbury_at_the_batch_rank():
             if len(new) == 2:
                 step_ = _reference(averages[p], lam, matrix)
             else:
-                step_ = torch.linalg.solve(averages[p][0] + lam * torch.eye(len(matrix), dtype=DT), matrix)
+                step_ = torch.linalg.solve(
+                    averages[p][0] + lam * torch.eye(len(matrix), dtype=DT), matrix
+                )
             expected.append(p.detach() - lr * step_.reshape(p.shape))
         opt.step()
         for p, e in zip(model.parameters(), expected):

@@ -46,9 +46,9 @@ SECOND = {
 
 
 def _mlp():
-    return nn.Sequential(
-        OrderedDict(fc1=nn.Linear(4, 5), act=nn.Tanh(), fc2=nn.Linear(5, 3))
-    ).to(DT)
+    return nn.Sequential(OrderedDict(fc1=nn.Linear(4, 5), act=nn.Tanh(), fc2=nn.Linear(5, 3))).to(
+        DT
+    )
 
 
 def _data():
@@ -219,7 +219,9 @@ def test_failed_pass_keeps_previous_results_intact(seed):
         p = dict(model.named_parameters())[name]
         if a in p.__dict__:
             new = p.__dict__[a]
-            for o, n_ in zip(old if isinstance(old, list) else [old], new if isinstance(new, list) else [new]):
+            for o, n_ in zip(
+                old if isinstance(old, list) else [old], new if isinstance(new, list) else [new]
+            ):
                 assert torch.equal(o, n_), f"{name}.{a} changed by a failed pass"
 
 
@@ -244,8 +246,10 @@ def _quantities(model, keys=("diag_ggn_exact", "diag_ggn_exact_batch", "kflr", "
     for name, p in trainable(model).items():
         for a in keys:
             v = getattr(p, a)
-            out[name, a] = torch.kron(*v) if isinstance(v, list) and len(v) == 2 else (
-                v[0] if isinstance(v, list) else v
+            out[name, a] = (
+                torch.kron(*v)
+                if isinstance(v, list) and len(v) == 2
+                else (v[0] if isinstance(v, list) else v)
             )
     return out
 
@@ -291,7 +295,9 @@ def _two_losses(model, x, y, t, exts, which):
     ce, mse = curvopt.extend(nn.CrossEntropyLoss()), curvopt.extend(nn.MSELoss())
     clear_attributes(model, ALL_ATTRS)
     out = model(x)
-    loss = [lambda: ce(out, y), lambda: 0.5 * mse(out, t), lambda: ce(out, y) + 0.5 * mse(out, t)][which]()
+    loss = [lambda: ce(out, y), lambda: 0.5 * mse(out, t), lambda: ce(out, y) + 0.5 * mse(out, t)][
+        which
+    ]()
     with curvopt.collect(*exts()):
         loss.backward()
 
@@ -309,7 +315,9 @@ def test_sum_of_two_losses_on_one_output_adds_curvature(seed):
     for key in parts[2]:
         assert_close(parts[2][key], parts[0][key] + parts[1][key], f"{key}")
     # the reference: J^T (H_ce + H_mse / 2) J
-    blocks, _ = ggn_reference(model, lambda o, _: F.cross_entropy(o, y) + 0.5 * F.mse_loss(o, t), x, None)
+    blocks, _ = ggn_reference(
+        model, lambda o, _: F.cross_entropy(o, y) + 0.5 * F.mse_loss(o, t), x, None
+    )
     for name, p in trainable(model).items():
         assert_close(p.diag_ggn_exact, torch.diagonal(blocks[name]).reshape(p.shape), name)
 
@@ -322,8 +330,12 @@ def test_sum_of_two_losses_on_one_output_adds_kronecker_b(cls, seed):
     factors = []
     for which in range(3):
         torch.manual_seed(5)
-        _two_losses(model, x, y, t, lambda: (cls(mc_samples=50000) if cls is ext.KFAC else cls(),), which)
-        factors.append({n: [f.clone() for f in getattr(p, cls.attr)] for n, p in trainable(model).items()})
+        _two_losses(
+            model, x, y, t, lambda: (cls(mc_samples=50000) if cls is ext.KFAC else cls(),), which
+        )
+        factors.append(
+            {n: [f.clone() for f in getattr(p, cls.attr)] for n, p in trainable(model).items()}
+        )
     tol = 1e-7 if cls is ext.KFLR else 0.1
     for name in trainable(model):
         first, second, both = (f[name] for f in factors)
@@ -394,7 +406,9 @@ class _Mixed(nn.Module):
 
 def _values(model, attrs):
     return {
-        (name, a): copy.deepcopy(getattr(p, a)) for name, p in trainable(model).items() for a in attrs
+        (name, a): copy.deepcopy(getattr(p, a))
+        for name, p in trainable(model).items()
+        for a in attrs
     }
 
 

@@ -5,7 +5,6 @@ Every layer type x every supported loss x both reductions, ``N = 1``, and small 
 (MLP, CNN, residual, transformer-style block, a module called twice).
 """
 
-
 import pytest
 import torch
 from conftest import DT, assert_close, extended_copy, ggn_reference, run_second_order, trainable
@@ -50,8 +49,12 @@ def check_ggn(plain, inputs, loss_name, reduction, out_dim=0, target=None):
     blocks, per_sample = ggn_reference(plain, lossfunc, inputs, target, out_dim)
     model = extended_copy(plain)
     run_second_order(
-        model, curvopt.extend(LOSSES[loss_name](reduction=reduction)), inputs, target,
-        ext.DiagGGNExact(), ext.BatchDiagGGNExact(),
+        model,
+        curvopt.extend(LOSSES[loss_name](reduction=reduction)),
+        inputs,
+        target,
+        ext.DiagGGNExact(),
+        ext.BatchDiagGGNExact(),
     )
     params = trainable(model)
     assert set(params) == set(blocks)
@@ -135,10 +138,14 @@ LAYERS = {
     "linear-3d": (lambda: nn.Linear(4, 3), lambda n: _x(5, 4, n=n)),
     "linear-4d-nobias": (lambda: nn.Linear(4, 2, bias=False), lambda n: _x(2, 3, 4, n=n)),
     "conv1d-stride-pad": (lambda: nn.Conv1d(2, 3, 3, stride=2, padding=1), lambda n: _x(2, 7, n=n)),
-    "conv1d-same-dil": (lambda: nn.Conv1d(2, 3, 3, padding="same", dilation=2), lambda n: _x(2, 6, n=n)),
+    "conv1d-same-dil": (
+        lambda: nn.Conv1d(2, 3, 3, padding="same", dilation=2),
+        lambda n: _x(2, 6, n=n),
+    ),
     "conv2d-groups": (lambda: nn.Conv2d(4, 4, 3, groups=2, padding=1), lambda n: _x(4, 3, 3, n=n)),
     "conv2d-stride-dil": (
-        lambda: nn.Conv2d(2, 3, (2, 3), stride=(2, 1), dilation=(1, 2)), lambda n: _x(2, 5, 6, n=n)
+        lambda: nn.Conv2d(2, 3, (2, 3), stride=(2, 1), dilation=(1, 2)),
+        lambda n: _x(2, 5, 6, n=n),
     ),
     "conv2d-reflect": (
         lambda: nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect", bias=False),
@@ -150,7 +157,8 @@ LAYERS = {
         lambda n: _x(2, 4, n=n),
     ),
     "convT2d-groups": (
-        lambda: nn.ConvTranspose2d(4, 2, 3, groups=2, stride=2), lambda n: _x(4, 2, 2, n=n)
+        lambda: nn.ConvTranspose2d(4, 2, 3, groups=2, stride=2),
+        lambda n: _x(4, 2, 2, n=n),
     ),
     "embedding": (lambda: Tokens(padding_idx=0), _tokens),
     "layernorm": (lambda: _affine(nn.LayerNorm(4)), lambda n: _x(3, 4, n=n)),
@@ -188,7 +196,9 @@ def test_cross_entropy_spatial_with_weights_and_ignore_index(seed):
     loss = nn.CrossEntropyLoss(weight=torch.tensor([0.5, 1.0, 2.0, 1.5], dtype=DT))
     blocks, per_sample = ggn_reference(plain.to(DT), loss, x, target)
     model = extended_copy(plain)
-    run_second_order(model, curvopt.extend(loss), x, target, ext.DiagGGNExact(), ext.BatchDiagGGNExact())
+    run_second_order(
+        model, curvopt.extend(loss), x, target, ext.DiagGGNExact(), ext.BatchDiagGGNExact()
+    )
     for name, p in trainable(model).items():
         assert_close(p.diag_ggn_exact, torch.diagonal(blocks[name]).reshape(p.shape), name)
         assert_close(p.diag_ggn_exact_batch, per_sample[name], name)
@@ -206,7 +216,9 @@ def test_bce_with_weight_and_pos_weight(reduction, seed):
     )
     blocks, per_sample = ggn_reference(plain, loss, x, target)
     model = extended_copy(plain)
-    run_second_order(model, curvopt.extend(loss), x, target, ext.DiagGGNExact(), ext.BatchDiagGGNExact())
+    run_second_order(
+        model, curvopt.extend(loss), x, target, ext.DiagGGNExact(), ext.BatchDiagGGNExact()
+    )
     for name, p in trainable(model).items():
         assert_close(p.diag_ggn_exact, torch.diagonal(blocks[name]).reshape(p.shape), name)
         assert_close(p.diag_ggn_exact_batch, per_sample[name], name)
@@ -220,7 +232,9 @@ def test_cross_entropy_probability_targets(smoothing, seed):
     loss = nn.CrossEntropyLoss(label_smoothing=smoothing)
     blocks, per_sample = ggn_reference(plain, loss, x, target)
     model = extended_copy(plain)
-    run_second_order(model, curvopt.extend(loss), x, target, ext.DiagGGNExact(), ext.BatchDiagGGNExact())
+    run_second_order(
+        model, curvopt.extend(loss), x, target, ext.DiagGGNExact(), ext.BatchDiagGGNExact()
+    )
     for name, p in trainable(model).items():
         assert_close(p.diag_ggn_exact, torch.diagonal(blocks[name]).reshape(p.shape), name)
         assert_close(p.diag_ggn_exact_batch, per_sample[name], name)
@@ -289,15 +303,18 @@ class Tied(nn.Module):
 
 
 def _mlp():
-    return nn.Sequential(
-        nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Sigmoid(), nn.Linear(5, 3)
-    )
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Sigmoid(), nn.Linear(5, 3))
 
 
 def _cnn():
     return nn.Sequential(
-        nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(3, 4, 2), nn.Tanh(), nn.Flatten(), nn.Linear(4, 3),
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(3, 4, 2),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(4, 3),
     )
 
 

@@ -66,8 +66,12 @@ def check_hessian(plain, x, loss_name, reduction="mean", target=None, lossfunc=N
     diag, per_sample = hessian_reference(plain, lossfunc, x, target)
     model = extended_copy(plain)
     run_second_order(
-        model, curvopt.extend(copy.deepcopy(lossfunc)), x, target,
-        ext.DiagHessian(), ext.BatchDiagHessian(),
+        model,
+        curvopt.extend(copy.deepcopy(lossfunc)),
+        x,
+        target,
+        ext.DiagHessian(),
+        ext.BatchDiagHessian(),
     )
     for name, p in trainable(model).items():
         assert_close(p.diag_h, diag[name], f"{name}.diag_h")
@@ -126,13 +130,19 @@ class Functional(nn.Module):
 
 def _cnn():
     return nn.Sequential(
-        nn.Conv1d(2, 3, 3, padding=1), nn.Tanh(), nn.Conv1d(3, 2, 2, stride=2),
-        nn.Sigmoid(), nn.Flatten(), nn.Linear(4, 3),
+        nn.Conv1d(2, 3, 3, padding=1),
+        nn.Tanh(),
+        nn.Conv1d(3, 2, 2, stride=2),
+        nn.Sigmoid(),
+        nn.Flatten(),
+        nn.Linear(4, 3),
     )
 
 
 def _sequence():
-    return nn.Sequential(nn.Linear(3, 4), nn.ELU(), nn.Linear(4, 2), nn.Softplus(), nn.Flatten(), nn.Linear(10, 3))
+    return nn.Sequential(
+        nn.Linear(3, 4), nn.ELU(), nn.Linear(4, 2), nn.Softplus(), nn.Flatten(), nn.Linear(10, 3)
+    )
 
 
 class _Twice(nn.Module):
@@ -187,17 +197,26 @@ ARCHS = {
     "sequence": (_sequence, _x(5, 3)),
     "single-layer": (lambda: nn.Sequential(nn.Linear(4, 3)), _x(4)),
     "curved-last": (lambda: nn.Sequential(nn.Linear(4, 3), nn.Tanh()), _x(4)),
-    "tanh-of-tanh": (lambda: nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Tanh(), nn.Linear(3, 3)), _x(4)),
+    "tanh-of-tanh": (
+        lambda: nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Tanh(), nn.Linear(3, 3)),
+        _x(4),
+    ),
     "conv-groups": (
-        lambda: nn.Sequential(nn.Conv1d(2, 4, 3, groups=2), nn.SiLU(), nn.Flatten(), nn.Linear(12, 3)),
+        lambda: nn.Sequential(
+            nn.Conv1d(2, 4, 3, groups=2), nn.SiLU(), nn.Flatten(), nn.Linear(12, 3)
+        ),
         _x(2, 5),
     ),
     "conv-transpose": (
-        lambda: nn.Sequential(nn.ConvTranspose1d(2, 2, 2, stride=2), nn.Sigmoid(), nn.Flatten(), nn.Linear(8, 3)),
+        lambda: nn.Sequential(
+            nn.ConvTranspose1d(2, 2, 2, stride=2), nn.Sigmoid(), nn.Flatten(), nn.Linear(8, 3)
+        ),
         _x(2, 2),
     ),
     "conv-maxpool": (
-        lambda: nn.Sequential(nn.Conv2d(1, 2, 2), nn.Softplus(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(2, 3)),
+        lambda: nn.Sequential(
+            nn.Conv2d(1, 2, 2), nn.Softplus(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(2, 3)
+        ),
         _x(1, 3, 3),
     ),
     "embedding": (_Emb, lambda: torch.randint(0, 6, (N, 4))),
@@ -253,8 +272,12 @@ def test_shared_parameter_is_rejected(case, seed):
     model = extended_copy(plain)
     with pytest.raises(UnsupportedModuleError, match="used by several calls") as info:
         run_second_order(
-            model, curvopt.extend(nn.MSELoss(reduction="sum")), x, target,
-            ext.DiagHessian(), ext.BatchDiagHessian(),
+            model,
+            curvopt.extend(nn.MSELoss(reduction="sum")),
+            x,
+            target,
+            ext.DiagHessian(),
+            ext.BatchDiagHessian(),
         )
     assert _SHARED_OWNER[case] in str(info.value), str(info.value)
     assert_no_attributes(model)
@@ -378,10 +401,25 @@ UNSUPPORTED = {
     "sin": (lambda: Elementwise(torch.sin), None),
     "pow": (lambda: Elementwise(lambda h: h.pow(3)), None),
     "custom-function": (lambda: Elementwise(_Cube.apply), None),
-    "layernorm": (lambda: nn.Sequential(OrderedDict(fc=nn.Linear(4, 5), ln=nn.LayerNorm(5), out=nn.Linear(5, 3))), "ln"),
-    "raw-parameter": (lambda: nn.Sequential(OrderedDict(scale=RawScale(), out=nn.Linear(4, 3))), "scale"),
+    "layernorm": (
+        lambda: nn.Sequential(
+            OrderedDict(fc=nn.Linear(4, 5), ln=nn.LayerNorm(5), out=nn.Linear(5, 3))
+        ),
+        "ln",
+    ),
+    "raw-parameter": (
+        lambda: nn.Sequential(OrderedDict(scale=RawScale(), out=nn.Linear(4, 3))),
+        "scale",
+    ),
     "curved-after-output": (lambda: nn.Sequential(nn.Linear(4, 3), nn.Hardswish()), None),
-    "attention": (lambda: nn.Sequential(OrderedDict(fc=nn.Linear(4, 4), attn=_Attention(), flat=nn.Flatten(), out=nn.Linear(4, 3))), "attn"),
+    "attention": (
+        lambda: nn.Sequential(
+            OrderedDict(
+                fc=nn.Linear(4, 4), attn=_Attention(), flat=nn.Flatten(), out=nn.Linear(4, 3)
+            )
+        ),
+        "attn",
+    ),
 }
 
 
@@ -395,7 +433,10 @@ def test_unseen_curvature_raises(case, batched, seed):
     y = torch.randint(0, 3, (N,))
     loss = curvopt.extend(nn.CrossEntropyLoss())(model(x), y)
     extension = ext.BatchDiagHessian() if batched else ext.DiagHessian()
-    with pytest.raises(CurvoptError) as info, curvopt.collect(extension, ext.DiagGGNExact(), ext.BatchGrad()):
+    with (
+        pytest.raises(CurvoptError) as info,
+        curvopt.collect(extension, ext.DiagGGNExact(), ext.BatchGrad()),
+    ):
         loss.backward()
     if path is not None:
         assert path in str(info.value), str(info.value)
@@ -433,7 +474,9 @@ def test_kfra_equals_kflr_for_one_sample(act, loss_name, seed):
         assert len(p.kfra) == len(p.kflr) == (2 if p.dim() > 1 else 1)
         for i, (a, b) in enumerate(zip(p.kfra, p.kflr)):
             assert_close(a, b, f"{name}.kfra[{i}]")
-        assert_close(torch.kron(*p.kfra) if p.dim() > 1 else p.kfra[0], blocks[name], f"{name} exact")
+        assert_close(
+            torch.kron(*p.kfra) if p.dim() > 1 else p.kfra[0], blocks[name], f"{name} exact"
+        )
 
 
 def _kfra_reference(plain, lossfunc, x, target):
@@ -462,8 +505,7 @@ def _kfra_reference(plain, lossfunc, x, target):
     b1 = (w2.T @ b2 @ w2) * (d1.T @ d1 / n)
     inputs = [x, x2.detach(), x3.detach()]
     return {
-        f"{i}.weight": [b, inp.T @ inp / n]
-        for i, b, inp in zip((0, 2, 4), (b1, b2, b3), inputs)
+        f"{i}.weight": [b, inp.T @ inp / n] for i, b, inp in zip((0, 2, 4), (b1, b2, b3), inputs)
     } | {f"{i}.bias": [b] for i, b in zip((0, 2, 4), (b1, b2, b3))}
 
 
@@ -478,7 +520,9 @@ def test_kfra_recursion(act, loss_name, reduction, seed):
     lossfunc = LOSSES[loss_name](reduction=reduction)
     expected = _kfra_reference(plain, lossfunc, x, target)
     model = extended_copy(plain)
-    run_second_order(model, curvopt.extend(copy.deepcopy(lossfunc)), x, target, ext.KFRA(), ext.KFLR())
+    run_second_order(
+        model, curvopt.extend(copy.deepcopy(lossfunc)), x, target, ext.KFRA(), ext.KFLR()
+    )
     for name, p in trainable(model).items():
         assert len(p.kfra) == len(expected[name])
         for i, (a, b) in enumerate(zip(p.kfra, expected[name])):
@@ -491,16 +535,39 @@ def test_kfra_recursion(act, loss_name, reduction, seed):
 
 KFRA_ERRORS = {
     "cnn": (
-        lambda: nn.Sequential(OrderedDict(
-            features=nn.Sequential(OrderedDict(conv=nn.Conv2d(3, 32, 3, padding=1))),
-            act=nn.ReLU(), flat=nn.Flatten(), fc=nn.Linear(32 * 64 * 64, 3),
-        )),
-        (3, 64, 64), "features.conv",
+        lambda: nn.Sequential(
+            OrderedDict(
+                features=nn.Sequential(OrderedDict(conv=nn.Conv2d(3, 32, 3, padding=1))),
+                act=nn.ReLU(),
+                flat=nn.Flatten(),
+                fc=nn.Linear(32 * 64 * 64, 3),
+            )
+        ),
+        (3, 64, 64),
+        "features.conv",
     ),
-    "sequence": (lambda: nn.Sequential(OrderedDict(fc=nn.Linear(4, 3), flat=nn.Flatten(), out=nn.Linear(15, 3))), (5, 4), "fc"),
+    "sequence": (
+        lambda: nn.Sequential(
+            OrderedDict(fc=nn.Linear(4, 3), flat=nn.Flatten(), out=nn.Linear(15, 3))
+        ),
+        (5, 4),
+        "fc",
+    ),
     "twice": (_Twice, (4,), "shared"),
-    "softmax-between": (lambda: nn.Sequential(OrderedDict(fc1=nn.Linear(4, 5), sm=nn.Softmax(-1), fc2=nn.Linear(5, 3))), (4,), "fc2"),
-    "layernorm": (lambda: nn.Sequential(OrderedDict(fc=nn.Linear(4, 5), ln=nn.LayerNorm(5), out=nn.Linear(5, 3))), (4,), "ln"),
+    "softmax-between": (
+        lambda: nn.Sequential(
+            OrderedDict(fc1=nn.Linear(4, 5), sm=nn.Softmax(-1), fc2=nn.Linear(5, 3))
+        ),
+        (4,),
+        "fc2",
+    ),
+    "layernorm": (
+        lambda: nn.Sequential(
+            OrderedDict(fc=nn.Linear(4, 5), ln=nn.LayerNorm(5), out=nn.Linear(5, 3))
+        ),
+        (4,),
+        "ln",
+    ),
 }
 
 
@@ -512,7 +579,10 @@ def test_kfra_unsupported_raises(case, seed):
     model = extended_copy(make().to(DT))
     x = torch.randn(2, *shape, dtype=DT)
     loss = curvopt.extend(nn.CrossEntropyLoss())(model(x), torch.randint(0, 3, (2,)))
-    with pytest.raises(UnsupportedModuleError) as info, curvopt.collect(ext.KFRA(), ext.DiagGGNExact()):
+    with (
+        pytest.raises(UnsupportedModuleError) as info,
+        curvopt.collect(ext.KFRA(), ext.DiagGGNExact()),
+    ):
         loss.backward()
     message = str(info.value)
     assert path in message and "KFRA" in message, message
@@ -536,11 +606,18 @@ def test_combined_pass_equals_separate_passes(seed):
     separate = {}
     for attr, cls in exts.items():
         run_second_order(model, lossfunc, x, y, cls())
-        separate.update({(n, attr): copy.deepcopy(getattr(p, attr)) for n, p in trainable(model).items()})
+        separate.update(
+            {(n, attr): copy.deepcopy(getattr(p, attr)) for n, p in trainable(model).items()}
+        )
     run_second_order(model, lossfunc, x, y, *(cls() for cls in exts.values()))
     for (name, attr), value in separate.items():
         got = getattr(dict(model.named_parameters())[name], attr)
-        for i, (a, b) in enumerate(zip(got if isinstance(got, list) else [got], value if isinstance(value, list) else [value])):
+        for i, (a, b) in enumerate(
+            zip(
+                got if isinstance(got, list) else [got],
+                value if isinstance(value, list) else [value],
+            )
+        ):
             assert_close(a, b, f"{name}.{attr}[{i}]")
 
 
@@ -559,7 +636,12 @@ def test_scaled_loss_scales_hessian_and_kfra(factor, seed):
         loss = f * lossfunc(model(x), y)
         with curvopt.collect(ext.DiagHessian(), ext.KFRA()):
             loss.backward()
-        results.append({n: (p.diag_h.clone(), [t.clone() for t in p.kfra]) for n, p in trainable(model).items()})
+        results.append(
+            {
+                n: (p.diag_h.clone(), [t.clone() for t in p.kfra])
+                for n, p in trainable(model).items()
+            }
+        )
     for name in results[0]:
         (h1, k1), (h2, k2) = results[0][name], results[1][name]
         assert_close(h2, factor * h1, f"{name}.diag_h")

@@ -92,7 +92,9 @@ def _single_location_cnn():
 
 
 def _conv1d_single_location():
-    return nn.Sequential(nn.Conv1d(3, 2, 4, dilation=2, padding=1), nn.Flatten(), nn.ReLU(), nn.Linear(2, 3))
+    return nn.Sequential(
+        nn.Conv1d(3, 2, 4, dilation=2, padding=1), nn.Flatten(), nn.ReLU(), nn.Linear(2, 3)
+    )
 
 
 EXACT = {
@@ -217,7 +219,9 @@ def test_conv2d_formula(approx, seed):
     n, c = z.shape[:2]
     g_z = layer_output_ggn(plain[1:], z, lossfunc, target).reshape(n, c, -1, n, c, z[0, 0].numel())
     g_z = g_z.permute(0, 2, 1, 3, 5, 4)  # [N, L, C, N, L, C]
-    patches = F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride).transpose(1, 2)
+    patches = F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride).transpose(
+        1, 2
+    )
     expected = _linear_formula(patches, g_z, approx)
     w = model[0].weight
     _check_shapes(w, w.kflr)
@@ -293,8 +297,12 @@ def test_mean_and_sum_reductions_differ_by_n(seed):
     results = {}
     for reduction in ("mean", "sum"):
         model = extended_copy(plain)
-        run_second_order(model, curvopt.extend(nn.MSELoss(reduction=reduction)), x, target, ext.KFLR())
-        results[reduction] = [torch.kron(*p.kflr) if p.dim() > 1 else p.kflr[0] for p in model.parameters()]
+        run_second_order(
+            model, curvopt.extend(nn.MSELoss(reduction=reduction)), x, target, ext.KFLR()
+        )
+        results[reduction] = [
+            torch.kron(*p.kflr) if p.dim() > 1 else p.kflr[0] for p in model.parameters()
+        ]
     for mean, total in zip(results["mean"], results["sum"]):
         assert_close(mean * x.shape[0] * 3, total, "sum = N * D * mean for MSE")
 
@@ -324,13 +332,25 @@ class _Attention(nn.Module):
 
 ERRORS = {
     "conv-groups": (
-        lambda: nn.Sequential(OrderedDict(features=nn.Sequential(OrderedDict(conv=nn.Conv2d(4, 4, 3, groups=2))))),
-        (4, 3, 3), "features.conv", "groups",
+        lambda: nn.Sequential(
+            OrderedDict(features=nn.Sequential(OrderedDict(conv=nn.Conv2d(4, 4, 3, groups=2))))
+        ),
+        (4, 3, 3),
+        "features.conv",
+        "groups",
     ),
     "conv-transpose": (
-        lambda: nn.Sequential(OrderedDict(up=nn.ConvTranspose1d(2, 3, 3))), (2, 4), "up", "ConvTranspose1d",
+        lambda: nn.Sequential(OrderedDict(up=nn.ConvTranspose1d(2, 3, 3))),
+        (2, 4),
+        "up",
+        "ConvTranspose1d",
     ),
-    "attention": (lambda: nn.Sequential(OrderedDict(enc=_Attention())), (3, 4), "enc.attn", "MultiheadAttention"),
+    "attention": (
+        lambda: nn.Sequential(OrderedDict(enc=_Attention())),
+        (3, 4),
+        "enc.attn",
+        "MultiheadAttention",
+    ),
 }
 
 
@@ -342,7 +362,10 @@ def test_unsupported_modules_raise(case, extension, seed):
     x = torch.randn(2, *shape, dtype=DT)
     loss = curvopt.extend(nn.MSELoss())(model(x), torch.zeros_like(model(x)))
     kron = ext.KFLR() if extension == "kflr" else ext.KFAC()
-    with pytest.raises(UnsupportedModuleError) as info, curvopt.collect(ext.DiagGGNExact(), kron, ext.BatchGrad()):
+    with (
+        pytest.raises(UnsupportedModuleError) as info,
+        curvopt.collect(ext.DiagGGNExact(), kron, ext.BatchGrad()),
+    ):
         loss.backward()
     message = str(info.value)
     assert path in message and words in message, message
