@@ -59,6 +59,7 @@ extra time (its step minus the plain step, medians) over that floor time.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -216,14 +217,16 @@ def _units(s: Structure, layer: Layer, exact: bool) -> tuple[int, int, int]:
 
 
 def _diagonal(layer: Layer, U: int, K: int, P: int) -> float:
-    I, O = layer.inputs, layer.outputs
+    din, dout = layer.inputs, layer.outputs
     flops = 0.0
     if layer.weight:
         flops += (
-            2 * U * O * I + 2 * U * K * O + U * I if P == 1 else U * K * (2 * P * O * I + 2 * O * I)
+            2 * U * dout * din + 2 * U * K * dout + U * din
+            if P == 1
+            else U * K * (2 * P * dout * din + 2 * dout * din)
         )
     if layer.bias:
-        flops += 2 * U * K * O + (U * K * P * O if P > 1 else 0)
+        flops += 2 * U * K * dout + (U * K * P * dout if P > 1 else 0)
     return flops
 
 
@@ -232,26 +235,27 @@ def _columns_backward(layer: Layer, U: int, K: int, P: int) -> float:
 
 
 def _batch_l2(layer: Layer, N: int) -> float:
-    I, O, P = layer.inputs, layer.outputs, layer.positions
+    din, dout, P = layer.inputs, layer.outputs, layer.positions
     flops = 0.0
     if layer.weight:
         if P == 1:
-            flops += 2 * N * (I + O) + N
+            flops += 2 * N * (din + dout) + N
         else:
-            flops += min(N * P * P * (I + O) + 2 * N * P * P, 2 * N * O * I)
+            flops += min(N * P * P * (din + dout) + 2 * N * P * P, 2 * N * dout * din)
     if layer.bias:
-        flops += 2 * N * O + (N * P * O if P > 1 else 0)
+        flops += 2 * N * dout + (N * P * dout if P > 1 else 0)
     return flops
 
 
 def _kfra(s: Structure) -> float:
     flops = s.samples * s.rows * s.classes**2
     layers = s.layers
-    for below, above in zip(layers, layers[1:]):
-        if above.positions != 1 or above.conv:
-            raise ValueError(f"floors: KFRA is counted for Linear chains only, not {above.name}")
-        I, O = above.inputs, above.outputs
-        flops += 2 * O * O * I + 2 * O * I * I + s.samples * I * I
+    for layer in layers:
+        if layer.positions != 1 or layer.conv:
+            raise ValueError(f"floors: KFRA is counted for Linear chains only, not {layer.name}")
+    for above in layers[1:]:
+        din, dout = above.inputs, above.outputs
+        flops += 2 * dout * dout * din + 2 * dout * din * din + s.samples * din * din
     return flops + sum(s.samples * layer.positions * layer.inputs**2 for layer in layers)
 
 
@@ -302,6 +306,13 @@ def floor(problem: Problem, quantity: Quantity | str, s: Structure | None = None
     else:
         raise ValueError(f"floors: no floor for quantity {quantity.name!r}")
     return Floor(problem.name, quantity.name, float(flops), float(nbytes))
+
+
+def extra_ms(result) -> float | None:
+    """Median over rounds of a timing result's step time minus the plain step's (ms)."""
+    if result is None or not result.ratios:
+        return None
+    return 1e3 * statistics.median(t - t / r for t, r in zip(result.times, result.ratios))
 
 
 def _best(run, reps: int) -> float:
