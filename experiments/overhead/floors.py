@@ -1,7 +1,7 @@
 """Floors: an analytic lower bound of the *extra* work a quantity needs over the plain
 forward+backward pass, in flops and bytes, per (problem, quantity) cell, and a floor time.
 
-The model is walked once (:func:`layers`): a forward pass with hooks records, for every
+The model is walked once (:func:`structure`): a forward pass with hooks records, for every
 ``nn.Linear`` and ``nn.Conv2d`` with a parameter that requires grad, its input width ``I``
 (``in_features``; ``C_in/groups · kh · kw`` for a conv: one patch), output width ``O``, positions
 per sample ``P`` (1 for a plain Linear, ``T`` for a Linear on ``[N, T, I]``, ``H_out · W_out``
@@ -9,7 +9,8 @@ for a conv), whether its input needs a gradient (the first layer's does not: no 
 and whether it is *position-wise* towards the loss: the loss rows of a sample (``R`` rows of
 ``C`` classes each; ``R = T`` for a language model's flattened ``[N·T, V]`` logits, else 1)
 each depend on the layer's output at one position only (tested by perturbing position 0 and
-watching the other rows). Every other module (activations, pooling, LayerNorm, Embedding,
+watching the other rows; a perturbation masked on its way, or a module called twice and counted
+once, can only lower the count). Every other module (activations, pooling, LayerNorm, Embedding,
 attention's softmax) is counted as free, so every floor stays a lower bound.
 
 Per layer, with ``N`` samples and ``numel = O·I`` (+ ``O`` for a bias), the extra flops are
@@ -158,7 +159,7 @@ def structure(problem: Problem, linear_only: bool = False) -> Structure:
     parameters (in execution order), then each layer is tested for position-wise-ness."""
     inst = Instance.of(problem, "cpu", linear_only)
     model, X = inst.model.eval(), inst.X
-    seen: dict[nn.Module, tuple[str, int, int, bool]] = {}
+    seen: dict[nn.Module, tuple[str, int, bool]] = {}
     names = {m: n for n, m in model.named_modules()}
 
     def record(module, args, out):
@@ -166,7 +167,6 @@ def structure(problem: Problem, linear_only: bool = False) -> Structure:
             seen[module] = (
                 names[module],
                 _positions(module, out, X.shape[0]),
-                out.shape[-1],
                 args[0].requires_grad,
             )
 
@@ -187,7 +187,7 @@ def structure(problem: Problem, linear_only: bool = False) -> Structure:
         )
     rows = out.shape[0] // X.shape[0]
     layers = []
-    for module, (name, positions, _, data) in seen.items():
+    for module, (name, positions, data) in seen.items():
         conv = isinstance(module, nn.Conv2d)
         bias = module.bias is not None and module.bias.requires_grad
         layers.append(
