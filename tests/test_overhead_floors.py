@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from experiments.overhead import cli, floors
-from experiments.overhead.cases import PLAIN
-from experiments.overhead.problems import Problem, _images, _next_tokens, gpt
+from experiments.overhead.cases import BACKPACK_CASES, CURVLINOPS_CASES, PLAIN
+from experiments.overhead.problems import PROBLEMS, Problem, _images, _next_tokens, gpt
 from experiments.overhead.report import markdown_table
 from experiments.overhead.timing import Result
 
@@ -173,3 +173,15 @@ def test_cli_floors_option(tmp_path, capsys):
     assert cell["floor_mb"] == pytest.approx(4 * 4 * 7850 / 1e6)
     expected = cell["measured_extra_ms"] / cell["floor_ms"]
     assert cell["measured_over_floor"] == pytest.approx(expected)
+
+
+def test_every_case_of_the_comparison_sets_has_a_floor():
+    """The BackPACK and curvlinops case sets (and All-CNN-C) on the benchmark's own networks:
+    a positive floor, one layer per Linear/Conv2d with trainable parameters."""
+    cases = BACKPACK_CASES + CURVLINOPS_CASES + [("allcnnc", "DiagGGNExact")]
+    for pname, q in cases:
+        f = floors.floor(PROBLEMS[pname].resized(2), q)
+        assert f.bytes > 0 and (f.flops > 0) == (q != "BatchGrad"), (pname, q)
+    assert len(floors.structure(PROBLEMS["3c3d"].resized(2)).layers) == 6
+    gpt_linear = floors.structure(PROBLEMS["gpt"].resized(2), linear_only=True)
+    assert [layer.name for layer in gpt_linear.layers][-1] == "model.block.out"  # head: tied
