@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from experiments.overhead import cli, floors
 from experiments.overhead.cases import BACKPACK_CASES, CURVLINOPS_CASES, PLAIN
@@ -185,3 +186,19 @@ def test_every_case_of_the_comparison_sets_has_a_floor():
     assert len(floors.structure(PROBLEMS["3c3d"].resized(2)).layers) == 6
     gpt_linear = floors.structure(PROBLEMS["gpt"].resized(2), linear_only=True)
     assert [layer.name for layer in gpt_linear.layers][-1] == "model.block.out"  # head: tied
+
+
+def test_layer_shapes_agree_with_torch_flop_counter():
+    """Independent of the hand counts: each layer's forward product ``2·N·P·O·I``, as read from
+    the walked shapes, is what ``torch.utils.flop_counter`` counts for the strided conv and the
+    linear; the matvec's tangent forward is one such product for the conv (no input tangent)
+    and two for the linear."""
+    model, X, _, _ = conv_problem().build()
+    counts = []
+    for layer, inputs in (model[0], X), (model[2], model[1](model[0](X))):
+        with FlopCounterMode(display=False) as counter:
+            layer(inputs)
+        counts.append(counter.get_total_flops())
+    conv, linear = floors.structure(conv_problem()).layers
+    assert [2 * N * ly.positions * ly.outputs * ly.inputs for ly in (conv, linear)] == counts
+    assert flops(conv_problem(), "GGN_matvec") == counts[0] + 2 * counts[1]
