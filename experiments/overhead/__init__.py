@@ -11,6 +11,9 @@ has its own module (imports point down this list):
 * :mod:`.timing`    interleaved timing, profiling
 * :mod:`.memory`    peak memory per case, each in a fresh process
                     (``python -m experiments.overhead.memory SPEC``)
+* :mod:`.floors`    lower bounds of each quantity's extra flops and bytes, counted from the
+                    problem's layers, and the sgemm/copy calibration that times them
+                    (``--floors``; docs/performance.md)
 * :mod:`.report`    markdown tables (with ``curvopt/BackPACK``, ``curvopt/curvlinops`` and their
                     geometric means when those are importable), JSON
 * :mod:`.cli`       the command: options, case selection, printing

@@ -6,6 +6,7 @@
     python -m experiments overhead --problems gpt --quantities BatchGrad DiagGGNMC
     python -m experiments overhead --profile 3c3d:Variance   # torch.profiler table of one case
     python -m experiments overhead --cases curvlinops --memory   # + peak MB, fresh processes
+    python -m experiments overhead --cases backpack --floors     # + each cell's floor
 
 (``python -m experiments.overhead`` is the same command.) What is measured and how:
 :mod:`experiments.overhead`.
@@ -24,10 +25,18 @@ import torch
 
 from ..commands import Command, add_threads
 from .backends import BACKENDS
+from . import floors as floor_model
 from .cases import BACKPACK_CASES, CURVLINOPS_CASES, DEFAULT_CASES, EXTRA_CASES, PLAIN, QUANTITIES
 from .memory import measure_memory, unsupported_reason
 from .problems import PROBLEMS
-from .report import MEMORY_NOTE, TARGETS_NOTE, markdown_table, memory_table, payload
+from .report import (
+    FLOORS_NOTE,
+    MEMORY_NOTE,
+    TARGETS_NOTE,
+    markdown_table,
+    memory_table,
+    payload,
+)
 from .timing import Result, measure, profile
 
 #: named case sets (``--cases``)
@@ -44,7 +53,9 @@ quantity, as a ratio to the plain forward+backward pass, median over interleaved
 case (problem, quantity) runs on every backend that can compute it: curvopt, torch.func, and
 Opacus and BackPACK when importable (make reference installs them; README, "Reference
 libraries"); curvlinops gets a column for Kronecker factors and GGN matvecs. With --memory,
-a second table gives each case's peak memory in MB, each measured in a fresh process. The
+a second table gives each case's peak memory in MB, each measured in a fresh process. With
+--floors, each row also gets the floor of its extra work (GFLOP, MB, ms at the sgemm rate and
+copy bandwidth measured in the same process) and curvopt's measured extra time over it. The
 "target (curvopt)" column is the ratio the project set as curvopt's goal for
 that cell (at the problem's own batch size); the lines below the table explain the marks.
 
@@ -54,6 +65,7 @@ examples:
   python -m experiments overhead --problems gpt --quantities BatchGrad DiagGGNMC
   python -m experiments overhead --profile 3c3d:Variance   # torch.profiler table of one case
   python -m experiments overhead --cases curvlinops --memory   # against curvlinops, + memory
+  python -m experiments overhead --cases backpack --floors     # + floors in flops and bytes
 """
 
 
@@ -123,6 +135,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also measure each case's peak memory (MB), each in a fresh process (Linux)",
     )
+    p.add_argument(
+        "--floors",
+        action="store_true",
+        help="add each cell's floor: a lower bound of its extra work over the plain step in "
+        "GFLOP and MB, as ms at the measured sgemm rate and copy bandwidth, and curvopt's "
+        "measured extra time over it (experiments/overhead/floors.py)",
+    )
     p.add_argument("--no-timing", action="store_true", help="skip the timing table (with --memory)")
     p.add_argument("--json", type=Path, help="also write all timings to this JSON file")
     p.add_argument(
@@ -184,6 +203,10 @@ def execute(args: argparse.Namespace) -> int:
             if r.error and not r.error.startswith("n/a"):
                 log(f"{pname}/{r.quantity}/{r.backend}: {r.error}")
 
+    floors, calibration = None, None
+    if args.floors:
+        floors, calibration = cell_floors(cases, args.batch), floor_model.calibrate()
+
     memory = []
     memory_skipped = None
     if args.memory:
@@ -197,7 +220,7 @@ def execute(args: argparse.Namespace) -> int:
     for name, reason in skipped.items():
         print(f"{name}: column omitted, {reason}.")
     if infos:
-        print_timing(args, backends, results, infos, load)
+        print_timing(args, backends, results, infos, load, floors, calibration)
     if args.memory:
         print()
         if memory_skipped is not None:
@@ -209,14 +232,37 @@ def execute(args: argparse.Namespace) -> int:
 
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        data = payload(args, backends, skipped, infos, results, load, memory, memory_skipped)
+        data = payload(
+            args,
+            backends,
+            skipped,
+            infos,
+            results,
+            load,
+            memory,
+            memory_skipped,
+            floors,
+            calibration,
+        )
         args.json.write_text(json.dumps(data, indent=1))
         log(f"wrote {args.json}")
     return 0
 
 
-def print_timing(args, backends, results, infos, load) -> None:
-    """The timing table with its header line and legend."""
+def cell_floors(cases, batch: int | None) -> dict[tuple[str, str], floor_model.Floor]:
+    """The floor of every case that has one (at ``batch``, default each problem's own)."""
+    floors = {}
+    for pname, q in cases:
+        problem = PROBLEMS[pname] if batch is None else PROBLEMS[pname].resized(batch)
+        try:
+            floors[(pname, q)] = floor_model.floor(problem, q)
+        except ValueError as e:  # a quantity or network the floor model does not count
+            print(f"{pname}/{q}: no floor ({e})", file=sys.stderr, flush=True)
+    return floors
+
+
+def print_timing(args, backends, results, infos, load, floors=None, calibration=None) -> None:
+    """The timing table with its header line and legend (and floors)."""
     print(
         f"Overhead: median over interleaved rounds of (step time / plain forward+backward "
         f"time in the same round); torch {torch.__version__}, "
@@ -237,9 +283,18 @@ def print_timing(args, backends, results, infos, load) -> None:
     print()
     resized = args.batch is not None and any(PROBLEMS[p].batch_size != args.batch for p in infos)
     targets = {} if resized else None  # the targets hold for the problems' own batch sizes
-    print(markdown_table(results, infos, backends, spread=args.spread, targets=targets))
+    table = markdown_table(
+        results, infos, backends, args.spread, targets, floors=floors, calibration=calibration
+    )
+    print(table)
     if targets is None:
         print("\n" + TARGETS_NOTE)
+    if floors is not None:
+        print(
+            f"\nCalibration at torch.set_num_threads({calibration.threads}): sgemm "
+            f"{calibration.flops_per_s / 1e9:.1f} GFLOP/s, copy "
+            f"{calibration.bytes_per_s / 1e9:.1f} GB/s.\n" + FLOORS_NOTE
+        )
 
 
 OVERHEAD = Command(

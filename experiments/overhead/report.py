@@ -4,7 +4,9 @@ One row per (problem, quantity), one column per backend (median ratio to the pla
 same round). When curvopt and BackPACK (or curvlinops) both ran, a column ``curvopt/BackPACK``
 (``curvopt/curvlinops``) gives, per cell, the median over rounds of curvopt's time divided by
 the other's time in the same round (< 1: curvopt is faster), and a last row their geometric
-mean over the cells both computed. The peak-memory table has the same rows, in MB.
+mean over the cells both computed. The peak-memory table has the same rows, in MB. With floors
+(``--floors``, :mod:`.floors`), four more columns: the extra work's floor in GFLOP, MB and ms and
+curvopt's measured extra time over that floor.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from .cases import PLAIN, QUANTITIES, TARGETS
+from .floors import Calibration, Floor, extra_ms
 from .memory import MemoryResult
 from .memory import ratio as memory_ratio
 from .problems import PROBLEMS
@@ -80,23 +83,28 @@ def markdown_table(
     backends: Sequence[str],
     spread: bool = False,
     targets: dict | None = None,
+    floors: dict[tuple[str, str], Floor] | None = None,
+    calibration: Calibration | None = None,
 ) -> str:
     """One row per (problem, quantity), one column per backend; the plain row gives its time.
 
     With curvopt and a competitor (BackPACK, curvlinops) among ``backends``: a column
     ``curvopt/<competitor>`` each and a geometric mean row. ``targets`` (default ``TARGETS``,
-    which hold for each problem's own batch size) mark curvopt's cells.
+    which hold for each problem's own batch size) mark curvopt's cells. ``floors`` (with the
+    ``calibration`` that times them) add the columns of :data:`FLOOR_COLUMNS`.
     """
     targets = TARGETS if targets is None else targets
     index = {(r.problem, r.quantity, r.backend): r for r in results}
     versus = _versus(backends)
     header = ["problem", "quantity", *backends, *(f"curvopt/{COMPETITORS[b]}" for b in versus)]
+    header += list(FLOOR_COLUMNS) if floors is not None else []
     header.append("target (curvopt)")
+    blank_floors = [""] * len(FLOOR_COLUMNS) if floors is not None else []
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     compared: dict[str, list[float]] = {b: [] for b in versus}
     for problem in infos:
         plain = f"1.00 = {infos[problem]['plain_ms']:.2f} ms"
-        cells = [plain] + [""] * (len(backends) - 1 + len(versus))
+        cells = [plain] + [""] * (len(backends) - 1 + len(versus)) + blank_floors
         lines.append(f"| {problem} | {QUANTITIES[PLAIN].label} | " + " | ".join(cells) + " | |")
         measured = {r.quantity for r in results if r.problem == problem}
         for q, quantity in QUANTITIES.items():
@@ -112,6 +120,10 @@ def markdown_table(
                 cells.append("" if ratio is None else f"{ratio:.2f}")
                 if ratio is not None:
                     compared[b].append(ratio)
+            if floors is not None:
+                cells += _floor_cells(
+                    floors.get((problem, q)), index.get((problem, q, "curvopt")), calibration
+                )
             goal = f"≤ {target:.2f}" if target else ""
             lines.append(f"| {problem} | {quantity.label} | " + " | ".join(cells) + f" | {goal} |")
     if versus:
@@ -120,8 +132,50 @@ def markdown_table(
             for b in versus
         ]
         blanks = " | ".join([""] * len(backends))
-        lines.append(f"| geometric mean | | {blanks} | " + " | ".join(means) + " | |")
+        after = "".join(f" {c} |" for c in blank_floors)
+        lines.append(f"| geometric mean | | {blanks} | " + " | ".join(means) + f" |{after} |")
     return "\n".join(lines)
+
+
+#: the columns ``--floors`` adds
+FLOOR_COLUMNS = ("floor GFLOP", "floor MB", "floor ms", "measured/floor")
+
+
+def floor_values(floor: Floor | None, result: Result | None, calibration: Calibration) -> dict:
+    """A cell's floor: GFLOP, MB, ms, and curvopt's measured extra time (ms) over it."""
+    if floor is None:
+        return {}
+    ms = floor.ms(calibration)
+    measured = extra_ms(result) if result is not None and result.error is None else None
+    return {
+        "floor_gflop": floor.flops / 1e9,
+        "floor_mb": floor.bytes / 1e6,
+        "floor_ms": ms,
+        "measured_extra_ms": measured,
+        "measured_over_floor": measured / ms if measured is not None and ms > 0 else None,
+    }
+
+
+def _floor_cells(floor, result, calibration) -> list[str]:
+    v = floor_values(floor, result, calibration)
+    if not v:
+        return [""] * len(FLOOR_COLUMNS)
+    over = v["measured_over_floor"]
+    return [
+        f"{v['floor_gflop']:.3g}",
+        f"{v['floor_mb']:.3g}",
+        f"{v['floor_ms']:.3g}",
+        "" if over is None else f"{over:.3g}",
+    ]
+
+
+#: the legend printed below a table with floors
+FLOORS_NOTE = (
+    "floor: a lower bound of the extra work over the plain step, counted from the network's\n"
+    "Linear/Conv2d layers (experiments/overhead/floors.py has every formula); floor ms =\n"
+    "max(GFLOP / achieved sgemm GFLOP/s, MB / copy bandwidth), both measured in this process;\n"
+    "measured/floor = (curvopt's step - plain step, median over rounds) / floor ms."
+)
 
 
 def memory_table(results: list[MemoryResult], backends: Sequence[str]) -> str:
@@ -160,9 +214,36 @@ MEMORY_NOTE = (
 )
 
 
-def payload(args, backends, skipped, infos, results, load, memory=(), memory_skipped=None) -> dict:
-    """Everything measured, for ``--json`` (read by ``paper_figs``)."""
+def payload(
+    args,
+    backends,
+    skipped,
+    infos,
+    results,
+    load,
+    memory=(),
+    memory_skipped=None,
+    floors=None,
+    calibration=None,
+) -> dict:
+    """Everything measured, for ``--json`` (read by ``paper_figs``); with ``floors``, the
+    calibration and each cell's floor (:func:`floor_values`)."""
     index = {(r.problem, r.quantity, r.backend): r for r in results}
+    extra = {}
+    if floors is not None:
+        extra["calibration"] = {
+            "gemm_gflop_per_s": calibration.flops_per_s / 1e9,
+            "copy_gb_per_s": calibration.bytes_per_s / 1e9,
+            "threads": calibration.threads,
+        }
+        extra["floors"] = [
+            {
+                "problem": p,
+                "quantity": q,
+                **floor_values(f, index.get((p, q, "curvopt")), calibration),
+            }
+            for (p, q), f in floors.items()
+        ]
     return {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -220,4 +301,5 @@ def payload(args, backends, skipped, infos, results, load, memory=(), memory_ski
             for m in memory
         ],
         "memory_skipped": memory_skipped,
+        **extra,
     }
