@@ -29,7 +29,8 @@ from curvopt.errors import UnsupportedModuleError
 from curvopt.diagonals import diagonals
 from curvopt.layers.registry import reparametrization, rule_for
 from curvopt.params import owned
-from curvopt.propagate import backpropagate, module_outputs, to_calls
+from curvopt.graph_plan import Walk
+from curvopt.propagate import backpropagate, to_calls
 from curvopt.records import records_on
 from curvopt.results import Term
 from curvopt.rows import establish
@@ -136,7 +137,7 @@ def residuals(cpass, calls, exts):
         if fn is None:
             continue
         direct = producers.get((fn, nr))
-        upstream = module_outputs(fn)
+        upstream = Walk(fn, within=cpass.walk.edges)  # a part of the loss's walk, read again
         others = {record: calls[record] for record in upstream.calls if record in calls}
         if direct is not None and rule_for(direct.module).has_weighted_squares(direct.module):
             for ext in exts:
@@ -148,7 +149,7 @@ def residuals(cpass, calls, exts):
         if others:
             source = GradientEdge(fn, nr)
             layout = establish(
-                source, r.shape, others, upstream.batchable, upstream.signature, elementwise=True
+                source, r.shape, others, upstream.batchable, upstream, elementwise=True
             )
             yield from _columns(source, r, others, exts, upstream.batchable, layout)
 

@@ -60,7 +60,7 @@ LAYERS = [
         "torch_internals",
     },
     {"layers", "losses"},
-    {"broadcast", "checkpointing", "propagate", "rows", "results", "diagonals", "hessian", "kfra"},
+    {"broadcast", "checkpointing", "graph_plan", "propagate", "rows", "results", "diagonals", "hessian", "kfra"},
     {"reducer", "checks", "curvature", "accumulate", "backward"},
     {"hooks", "collect", "verify"},
     {"optim", "linalg"},
