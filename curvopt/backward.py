@@ -44,6 +44,7 @@ from curvopt.rows import establish
 from curvopt.torch_internals import (
     current_autograd_node,
     current_graph_task_id,
+    grad_accumulator,
     queue_callback,
     will_engine_execute_node,
 )
@@ -105,8 +106,7 @@ class BackwardPass:
         key = id(p)
         skip = self.untouched.get(key)
         if skip is None:
-            with torch.enable_grad():
-                accumulator = p.view_as(p).grad_fn.next_functions[0][0]
+            accumulator = grad_accumulator(p)
             try:
                 skip = not will_engine_execute_node(accumulator) and self._reaches(accumulator)
             except RuntimeError:  # p is an input of torch.autograd.grad

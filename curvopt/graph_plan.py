@@ -32,7 +32,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from curvopt.broadcast import find
-from curvopt.checkpointing import Segment, segment_on
+from curvopt.checkpointing import Segment, adopt, segment_on
 from curvopt.errors import UnsupportedModuleError
 from curvopt.records import records_on, token
 from curvopt.torch_internals import (
@@ -200,6 +200,8 @@ class Walk:
                     consumers[(fn, nr)].append((node, j))
                     stack.append(fn)
         self.by_data = by_data
+        if self.checkpoints:
+            adopt(edges)
         broadcasts = self._broadcasts()
         if by_data:
             self.key, self.plan = None, None
@@ -274,6 +276,14 @@ class Walk:
         if nexts is None:
             nexts = self.head.get(node)
         return node.next_functions if nexts is None else nexts
+
+    def next_nodes(self, node) -> list:
+        """The nodes ``node`` passes gradient to as the walk went on: through a live segment's
+        re-run for its checkpoint's node (``None`` entries possible)."""
+        segment = segment_on(node)
+        if segment is None:
+            return [fn for fn, _ in self.next_of(node)]
+        return [t.grad_fn for t in segment.outputs if isinstance(t, torch.Tensor)]
 
     def between(self, top) -> list:
         """The nodes on paths from ``top`` (downstream of the root: the loss's output node) down
