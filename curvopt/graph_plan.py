@@ -191,10 +191,13 @@ class Walk:
             elif kind in DATA_INDEXING:
                 by_data = True
             entries = records_on(node)
-            described = tuple((token(r.module), i, r.out_shapes) for r, i, _ in entries)
+            if entries:
+                described = tuple((token(r.module), i, r.out_shapes) for r, i, _ in entries)
+                for record, index, output_nr in entries:
+                    calls[record].append((index, GradientEdge(node, output_nr)))
+            else:
+                described = ()
             kinds.append((kind, nexts, described))
-            for record, index, output_nr in entries:
-                calls[record].append((index, GradientEdge(node, output_nr)))
             for j, (fn, nr) in enumerate(nexts):
                 if fn is not None:
                     consumers[(fn, nr)].append((node, j))
