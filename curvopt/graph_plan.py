@@ -14,9 +14,11 @@ A fresh forward makes fresh nodes, so what holds for the graph's *structure* is 
 :class:`Plan`, frozen, holds the structure facts (the calls in order, which of them are
 broadcast, which are transposed, the verified row layouts, whether the per-sample sums were
 checked), one per structure in one cache (``_PLANS``). Its key is the walk's canonical form:
-each node's type and the walk positions of the nodes it passes gradient to (so two graphs with
-the same node types but other edges differ), with the calls named by ``records.token`` (never
-by ``id``, which fresh models in a sweep reuse) and their output shapes. A graph that picks
+each node's type and, for each node it passes gradient to, that node's discovery number in the
+walk and the output it takes (so two graphs with the same node types but other edges differ;
+the walk is deterministic, so the form gives the graph back), with the calls named by
+``records.token`` (never by ``id``, which fresh models in a sweep reuse) and their output
+shapes. A graph that picks
 entries by data (``logits[mask]``) has no key: what holds for one batch need not for the next.
 Each pass binds its plan to its own nodes and records (``Record.broadcast``,
 ``Record.transposed``).
@@ -135,7 +137,9 @@ class Walk:
 
     def _walk(self, start, recompute, within) -> None:
         calls, consumers, edges = self.calls, self.consumers, self.edges
-        order, kinds, stops = [], [], set()
+        # the key, flat: per node walked, its type, its number of edges, each edge as the
+        # discovery number of its node (-1 for none) and the output it takes, its calls
+        key, stops, found = [], set(), {start: 0}
         stack, by_data = [start], False
         while stack:
             node = stack.pop()
@@ -157,29 +161,28 @@ class Walk:
                 if segment is None:
                     self.reentrant = True
                     stops.add(node)
-                    order.append(node)
-                    kinds.append((kind, (), ()))
+                    key += (kind, 0, ())
                     continue  # nothing upstream can be reached by columns
                 edges[node] = node.next_functions
-                order.append(node)
                 nexts = [
                     (t.grad_fn, t.output_nr)
                     for t in segment.outputs
                     if isinstance(t, torch.Tensor) and t.grad_fn is not None
                 ]
-                kinds.append((kind, nexts, ()))
+                key += (kind, len(nexts))
                 if nexts:
                     self.checkpoints.append(node)
                 for fn, nr in nexts:
                     # the checkpoint node takes the re-run output (no input index of its own)
                     consumers[(fn, nr)].append((node, None))
                     stack.append(fn)
+                    key += (found.setdefault(fn, len(found)), nr)
+                key.append(())
                 continue
             nexts = None if within is None else within.get(node)
             if nexts is None:
                 nexts = node.next_functions
             edges[node] = nexts
-            order.append(node)
             if kind == ACCUMULATE_GRAD:
                 leaf = node.variable
                 if isinstance(leaf, torch.nn.Parameter) and not getattr(
@@ -190,18 +193,21 @@ class Walk:
                 self.batchable = False
             elif kind in DATA_INDEXING:
                 by_data = True
+            key += (kind, len(nexts))
+            for j, (fn, nr) in enumerate(nexts):
+                if fn is None:
+                    key += (-1, nr)
+                else:
+                    consumers[(fn, nr)].append((node, j))
+                    stack.append(fn)
+                    key += (found.setdefault(fn, len(found)), nr)
             entries = records_on(node)
             if entries:
-                described = tuple((token(r.module), i, r.out_shapes) for r, i, _ in entries)
+                key.append(tuple((token(r.module), i, r.out_shapes) for r, i, _ in entries))
                 for record, index, output_nr in entries:
                     calls[record].append((index, GradientEdge(node, output_nr)))
             else:
-                described = ()
-            kinds.append((kind, nexts, described))
-            for j, (fn, nr) in enumerate(nexts):
-                if fn is not None:
-                    consumers[(fn, nr)].append((node, j))
-                    stack.append(fn)
+                key.append(())
         self.by_data = by_data
         if self.checkpoints:
             adopt(edges)
@@ -209,14 +215,7 @@ class Walk:
         if by_data:
             self.key, self.plan = None, None
             return
-        position = {node: i for i, node in enumerate(order)}
-        self.key = (
-            tuple(
-                (kind, tuple((position.get(fn, -1), nr) for fn, nr in nexts), described)
-                for kind, nexts, described in kinds
-            ),
-            broadcasts,
-        )
+        self.key = (tuple(key), broadcasts)
         self.plan = _PLANS.get(self.key)
         if self.plan is None:
             described = tuple(
