@@ -211,8 +211,9 @@ class BackwardPass:
         in this pass's autograd task)."""
         check, send = self.checks.watch_flow(upstream, loss_node)
         for node in send:
+            nexts = upstream.next_of(node)
 
-            def record_sent(grad_inputs, _grad_outputs, nexts=upstream.next_of(node)):
+            def record_sent(grad_inputs, _grad_outputs, nexts=nexts):
                 if current_graph_task_id() == self.task and not self.failed:
                     self.checks.record_sent(nexts, grad_inputs)
 

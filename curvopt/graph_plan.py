@@ -7,19 +7,21 @@ calls whose outputs it reaches (``calls``, in walk order), who consumes each nod
 ``vmap`` batching rule, the parameters no extended module owns, the reentrant checkpoints
 (re-run where asked, and walked on through the re-run), and the nodes themselves with their
 edges (``edges``: the flow check's hooks, the accumulators the pass reaches, the checkpoint
-stages). Everything else derived from the graph (``indexes_inside``, ``between``,
-``reaches``, the checkpoint regions) is read off these facts, not walked again.
+stages, DiagHessian's and KFRA's traversals). What else is derived from the graph
+(``indexes_inside``, the checkpoint regions) is read off these facts, not walked again; only
+``between`` (the loss's own nodes, above the walk's root) and ``reaches`` (the engine's graph
+where no walk read it, ``BackwardPass._reaches``) read nodes the walk did not.
 
 A fresh forward makes fresh nodes, so what holds for the graph's *structure* is kept apart:
 :class:`Plan`, frozen, holds the structure facts (the calls in order, which of them are
-broadcast, which are transposed, the verified row layouts, whether the per-sample sums were
-checked), one per structure in one cache (``_PLANS``). Its key is the walk's canonical form:
-each node's type and, for each node it passes gradient to, that node's discovery number in the
-walk and the output it takes (so two graphs with the same node types but other edges differ;
-the walk is deterministic, so the form gives the graph back), with the calls named by
-``records.token`` (never by ``id``, which fresh models in a sweep reuse) and their output
-shapes. A graph that picks
-entries by data (``logits[mask]``) has no key: what holds for one batch need not for the next.
+broadcast, the verified row layouts with the calls found transposed, whether the per-sample
+sums were checked), one per structure in one cache (``_PLANS``). Its key is the walk's
+canonical form: each node's type and, for each node it passes gradient to, that node's
+discovery number in the walk and the output it takes (so two graphs with the same node types
+but other edges differ; the walk is deterministic, so the form gives the graph back), the calls
+named by ``records.token`` (never by ``id``, which fresh models in a sweep reuse) and their output
+shapes. A graph that picks entries by data (``logits[mask]``) has no key: what holds for one
+batch need not for the next.
 Each pass binds its plan to its own nodes and records (``Record.broadcast``,
 ``Record.transposed``).
 """
@@ -76,14 +78,15 @@ class Plan:
 
 def add_layout(walk: "Walk", shape, elementwise: bool, found) -> None:
     """Keep a row layout ``rows`` verified (or found none) in ``walk``'s plan."""
-    _remember(walk, lambda plan: {"layouts": (*plan.layouts, ((tuple(shape), elementwise), found))})
+    entry = ((tuple(shape), elementwise), found)
+    _remember(walk, lambda plan: {"layouts": (*plan.layouts, entry)})
 
 
 def mark_sums_checked(key: Hashable) -> None:
     """A pass of the structure ``key`` (a ``Walk.key``) had its per-sample sums checked
     (``checks``)."""
     plan = _PLANS.get(key)
-    _store(Plan(key, sums_checked=True) if plan is None else dataclasses.replace(plan, sums_checked=True))
+    _store(dataclasses.replace(plan or Plan(key), sums_checked=True))
 
 
 def _remember(walk: "Walk", changes) -> None:
@@ -123,9 +126,8 @@ class Walk:
         start = root.grad_fn if isinstance(root, torch.Tensor) else root
         self.root = start
         self.calls: Dict[object, List[Tuple[int, GradientEdge]]] = defaultdict(list)
-        self.consumers: Dict[Tuple[object, int], List[Tuple[object, Optional[int]]]] = (
-            defaultdict(list)
-        )
+        #: ``(node, nr) -> [(consumer, j)]``
+        self.consumers: Dict[Tuple[object, int], list] = defaultdict(list)
         self.edges: Dict[object, tuple] = {}
         self.head: Dict[object, tuple] = {}  # ``between``'s nodes (the loss's own)
         self.batchable = True
@@ -219,7 +221,9 @@ class Walk:
         self.plan = _PLANS.get(self.key)
         if self.plan is None:
             described = tuple(
-                (token(r.module), index, r.out_shapes) for r, edges in calls.items() for index, _ in edges
+                (token(r.module), index, r.out_shapes)
+                for r, edges in calls.items()
+                for index, _ in edges
             )
             self.plan = Plan(self.key, described, broadcasts)
             _remember(self, lambda plan: {})

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 import curvopt
 from curvopt import extensions as ext
 from curvopt import graph_plan, rows
+from fixtures import zoo
 
 N = 5
 
@@ -173,3 +174,20 @@ def test_same_node_types_other_edges_differ():
     a, b = torch.randn(2, 3, requires_grad=True).unbind(0)
     assert graph_plan.Walk(a.sin()).key != graph_plan.Walk(b.sin()).key  # output 0 vs 1
     assert graph_plan.Walk(x.exp() + x.sin()).key == second.key  # a fresh graph, one structure
+
+
+def test_plan_names_the_broadcast_calls(walks):
+    """GPT's positions ``pos(arange(T))`` are broadcast over the batch: the plan says which call
+    (by its position in ``calls``), and each pass binds it to its own records and nodes."""
+    model, lossfunc, make_batch, _ = zoo.gpt()[:4]
+    model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
+    for seed in range(2):
+        x, y = make_batch(3, seed)
+        with curvopt.collect(ext.DiagGGNExact()):
+            lossfunc(model(x).reshape(-1, 7), y.reshape(-1)).backward()
+    first, second = walks
+    assert first.key == second.key  # one structure: the second pass binds the first one's plan
+    records = list(second.calls)
+    assert [records[i].module for i in second.plan.broadcasts] == [model.pos]
+    assert all((r.broadcast is not None) == (r.module is model.pos) for r in records)
+    assert model.pos.weight.diag_ggn_exact.shape == model.pos.weight.shape
