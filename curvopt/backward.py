@@ -36,7 +36,7 @@ from curvopt.errors import (
 from curvopt.layers import rule_for
 from curvopt.losses import loss_rule_for
 from curvopt.params import shared_parameters, trainable
-from curvopt.propagate import module_outputs
+from curvopt.graph_plan import Walk, reaches
 from curvopt.reducer import FirstOrderReducer
 from curvopt.records import Call
 from curvopt.results import ResultBuffer
@@ -44,6 +44,7 @@ from curvopt.rows import establish
 from curvopt.torch_internals import (
     current_autograd_node,
     current_graph_task_id,
+    grad_accumulator,
     queue_callback,
     will_engine_execute_node,
 )
@@ -86,11 +87,13 @@ class BackwardPass:
         self.first = self.reducer.first  # first-order producer -> the attributes it writes
         self.handles: list = []  # hooks on autograd nodes, removed when the pass ends
         self.upstream: list = []  # module calls upstream of the extended losses
+        self.walks: list = []  # the graph walks of this pass (``graph_plan.Walk``)
         self.failed = False
         self.searched = False  # the graph upstream was searched for broadcast calls
         self.ignored = False  # the pass accumulates into no parameter it reaches
         self.untouched: Dict[int, bool] = {}  # id(p): the pass does not accumulate into p.grad
-        self.reached: set = set()  # autograd nodes whose upstream ``_reaches`` has walked
+        #: autograd nodes outside the walks whose upstream ``_reaches`` has walked
+        self.reached: dict = {}
         self.checkpointed = False  # a reentrant checkpoint was re-run (``checkpointing``)
         self.running = True  # until the engine's callback at the end of the pass
         queue_callback(self._finish)
@@ -103,8 +106,7 @@ class BackwardPass:
         key = id(p)
         skip = self.untouched.get(key)
         if skip is None:
-            with torch.enable_grad():
-                accumulator = p.view_as(p).grad_fn.next_functions[0][0]
+            accumulator = grad_accumulator(p)
             try:
                 skip = not will_engine_execute_node(accumulator) and self._reaches(accumulator)
             except RuntimeError:  # p is an input of torch.autograd.grad
@@ -113,16 +115,16 @@ class BackwardPass:
         return skip
 
     def _reaches(self, node) -> bool:
-        """Whether ``node`` lies upstream of the autograd node running now (the graph is walked
-        once per pass, incrementally: a node seen before had its whole upstream walked)."""
-        stack = [current_autograd_node()]
-        while stack:
-            current = stack.pop()
-            if current is None or current in self.reached:
-                continue
-            self.reached.add(current)
-            stack.extend(fn for fn, _ in current.next_functions)
-        return node in self.reached
+        """Whether ``node`` lies upstream of the autograd node running now: in the walk of an
+        extended loss's graph, or else upstream of the node running now, walked incrementally
+        (a node seen before had its whole upstream walked). That second walk runs only for a
+        parameter whose accumulator the engine will not run (``torch.autograd.grad``) and that
+        no loss's walk reached (no extended loss: Hugging Face's ``labels=``), a graph part the
+        walks have not read, or where a walk went through a re-run reentrant checkpoint (the
+        engine's graph does not: the parameters inside reach it only in torch's re-run)."""
+        if any(node in walk.edges for walk in self.walks if not walk.checkpoints):
+            return True
+        return reaches(current_autograd_node(), node, self.reached)
 
     def _skips_all(self, modules) -> bool:
         """The pass accumulates into none of the trainable parameters of ``modules`` (and there
@@ -143,7 +145,8 @@ class BackwardPass:
             check_reduction(record.module)
             if not (self.second_order_exts or self.first):
                 return True
-            upstream = module_outputs(record.output, segments if self.second_order_exts else None)
+            upstream = Walk(record.output, segments if self.second_order_exts else None)
+            self.walks.append(upstream)
             if not upstream.calls and upstream.foreign:
                 raise UnsupportedModuleError(
                     f"curvopt: the input of the extended loss {type(record.module).__name__} "
@@ -158,7 +161,11 @@ class BackwardPass:
             self.loss_seen = True
             with _autocast_off():
                 if self.second_order_exts:
-                    cpass = CurvaturePass(self, record, grad)
+                    cpass = CurvaturePass(
+                        self.results, self.second_order_exts, record, grad, self.skip_diagonal
+                    )
+                    cpass.check(upstream)
+                    self.watch_broadcasts(upstream.calls)
                     cpass.run(upstream)
                     self.batch_size = self.batch_size or cpass.layout.samples
                     self._watch_flow(upstream, current_autograd_node())
@@ -185,7 +192,7 @@ class BackwardPass:
         # not for logits[mask] & co: the rows need not map onto samples as the shapes suggest;
         # an index inside the model (mixup by h[perm]) is probed, on every pass
         # (not through a reentrant checkpoint, which refuses torch.autograd.grad)
-        probe = upstream.signature is not None or upstream.indexes_inside
+        probe = upstream.key is not None or upstream.indexes_inside
         if upstream.calls and probe and not upstream.reentrant:
             output = record.output
             establish(
@@ -193,7 +200,7 @@ class BackwardPass:
                 output.shape,
                 upstream.calls,
                 upstream.batchable,
-                upstream.signature,
+                upstream,
                 elementwise,
                 required=False,
             )
@@ -204,10 +211,11 @@ class BackwardPass:
         in this pass's autograd task)."""
         check, send = self.checks.watch_flow(upstream, loss_node)
         for node in send:
+            nexts = upstream.next_of(node)
 
-            def record_sent(grad_inputs, _grad_outputs, node=node):
+            def record_sent(grad_inputs, _grad_outputs, nexts=nexts):
                 if current_graph_task_id() == self.task and not self.failed:
-                    self.checks.record_sent(node, grad_inputs)
+                    self.checks.record_sent(nexts, grad_inputs)
 
             self.handles.append(node.register_hook(record_sent))
         for node in check:
@@ -244,7 +252,9 @@ class BackwardPass:
         node = current_autograd_node()
         if node is None:
             return
-        calls = module_outputs(node).calls
+        walk = Walk(node)
+        self.walks.append(walk)
+        calls = walk.calls
         if record in calls:
             record.broadcast = None  # its gradient has arrived already, summed or not
         self.watch_broadcasts([r for r in calls if r is not record])
@@ -356,6 +366,7 @@ class BackwardPass:
     def _finish_pass(self) -> None:
         for handle in self.handles:
             handle.remove()
+        self.walks.clear()
         self.checks.release()
         if self.failed:
             return
@@ -380,6 +391,7 @@ class BackwardPass:
             record.release()
         for handle in self.handles:
             handle.remove()
+        self.walks.clear()
         self.reducer.batch_grads.clear()
         self.results.clear()
         self.checks.clear()

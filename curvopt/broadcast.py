@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch.autograd.graph import GradientEdge
 
-from curvopt.torch_internals import BROADCASTING_OPS, SHAPE_OPS, add_alpha, input_shape
+from curvopt.torch_internals import ADD, BROADCASTING_OPS, SHAPE_OPS, add_alpha, input_shape
 
 
 class Broadcast:
@@ -64,7 +64,7 @@ def find(node, output_nr: int, out_shape, consumers) -> Optional[Broadcast]:
     """The :class:`Broadcast` of a call whose output is ``(node, output_nr)``, or None.
 
     ``consumers[(node, nr)]`` lists the ``(node, input index)`` pairs that take that output as
-    an input.
+    an input (``graph_plan.Walk.consumers``: read off the pass's walk, no graph walk here).
     """
     shape = tuple(out_shape)
     edge = (node, output_nr)
@@ -74,15 +74,15 @@ def find(node, output_nr: int, out_shape, consumers) -> Optional[Broadcast]:
             return None
         user = users[0][0]
         kind = type(user).__name__
+        if kind not in BROADCASTING_OPS and kind not in SHAPE_OPS:
+            return None
         full = input_shape(user, 0)
         if kind in BROADCASTING_OPS:
             operand = (1,) * (len(full) - len(shape)) + shape
             if len(shape) > len(full) or operand[0] != 1 or operand == full:
                 return None  # the operand has a batch dim, or nothing is broadcast
-            if kind == "AddBackward0" and add_alpha(user) != 1.0:
+            if kind == ADD and add_alpha(user) != 1.0:
                 return None
             return Broadcast(GradientEdge(user, 0), out_shape, shape, full)
-        if kind not in SHAPE_OPS:
-            return None
         shape = full
         edge = (user, 0)

@@ -17,7 +17,9 @@ stage reaches both directly and through a checkpoint (a residual ``x + checkpoin
 would make autograd run the checkpoint node: that raises, naming the fix.
 
 While segments are live (from the loss hook to the end of its curvature work), the re-run graphs
-hold the activations of every segment at once, as the model without checkpointing does.
+hold the activations of every segment at once, as the model without checkpointing does. The
+regions, and the releases, read the graph as the loss's walk read it (``graph_plan.Walk``,
+``adopt``): no node's edges are read twice.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from curvopt.torch_internals import ACCUMULATE_GRAD, rerun_checkpoint
 _METADATA = "curvopt_segment"
 _LIVE: set = set()  # the live segments
 _PLANS: Dict[object, List["_Region"]] = {}  # root node -> its stages, while no segment changes
+#: ``node -> next_functions`` as the walk that re-ran the live segments read them
+#: (``graph_plan.Walk``, ``adopt``): the stages and releases read the graph from it
+_EDGES: Dict[object, tuple] = {}
 
 
 def _name(fn) -> str:
@@ -100,22 +105,26 @@ class Segment:
                 continue
             for record, _, _ in records_on(node):
                 record.release()
-            stack.extend(fn for fn, _ in node.next_functions)
+            stack.extend(fn for fn, _ in _next(node))
         self.outputs = ()
+        if not _LIVE:
+            _EDGES.clear()
+
+
+def adopt(edges: Dict[object, tuple]) -> None:
+    """The graph as a walk read it (``node -> next_functions``), while segments are live."""
+    if _LIVE:
+        _EDGES.update(edges)
+
+
+def _next(node) -> tuple:
+    nexts = _EDGES.get(node)
+    return node.next_functions if nexts is None else nexts
 
 
 def segment_on(node) -> Optional[Segment]:
     """The live segment of a reentrant checkpoint's node, if curvopt re-ran it."""
     return node.metadata.get(_METADATA) if _LIVE else None
-
-
-def next_nodes(node) -> list:
-    """The nodes ``node`` passes gradient to, through a live segment's re-run for its
-    checkpoint's node (``None`` entries possible)."""
-    segment = segment_on(node)
-    if segment is None:
-        return [fn for fn, _ in node.next_functions]
-    return [t.grad_fn for t in segment.outputs if isinstance(t, torch.Tensor)]
 
 
 def live() -> bool:
@@ -144,19 +153,19 @@ class _Region:
                     self.barriers.append(barrier)
                 continue
             self.nodes.add(node)
-            stack.extend(fn for fn, _ in node.next_functions)
+            stack.extend(fn for fn, _ in _next(node))
 
     def reject_bypass(self, nodes) -> None:
         """Raise if a node asked for lies upstream of a checkpoint this region meets (autograd
         would run the checkpoint to reach it)."""
         if self._above is None:
-            above, stack = set(), [fn for b in self.barriers for fn, _ in b.node.next_functions]
+            above, stack = set(), [fn for b in self.barriers for fn, _ in _next(b.node)]
             while stack:
                 node = stack.pop()
                 if node is None or node in above:
                     continue
                 above.add(node)
-                stack.extend(fn for fn, _ in node.next_functions)
+                stack.extend(fn for fn, _ in _next(node))
             self._above = above
         for node in nodes:
             if node in self._above:

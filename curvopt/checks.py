@@ -9,14 +9,14 @@ tolerance policy they share.
   pass), and every parameter with a gradient gets every requested curvature attribute.
 
 The flow check costs no propagated column. The graph upstream of each extended loss is known
-(``propagate.module_outputs``); at every node of it that lies downstream of what curvopt reads
+(the pass's ``graph_plan.Walk``); at every node of it that lies downstream of what curvopt reads
 (a module call's output, an extended parameter), the gradient the autograd engine hands the
 node must be the sum of what the node's consumers inside that graph sent it. A node with one
 such consumer receives the very tensor it sent unless something else adds to it (an identity
 test, no arithmetic); anything else is compared by value, so that a term whose weight is 0 on
 this pass passes and the same term with weight 0.3 on the next raises. The per-sample sums of
-a curvature-only pass are checked on the first pass of each graph structure (``_SUMS_CHECKED``,
-keyed by the structure, whose module names never repeat): with the flow checked on every pass,
+a curvature-only pass are checked on the first pass of each graph structure (its
+``graph_plan.Plan.sums_checked``): with the flow checked on every pass,
 what a sum check adds (a parameter used again inside the losses' graph, a rule that disagrees
 with autograd) is a property of the structure.
 
@@ -29,22 +29,18 @@ miss it, the rounding bound ``8 eps (sum_n |g_n| + |grad|) + 1000 eps max |grad 
 
 from __future__ import annotations
 
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from typing import Dict, Tuple
 
 import torch
 
 from curvopt.checkpointing import segment_on
 from curvopt.errors import UnsupportedModuleError, module_error
+from curvopt.graph_plan import mark_sums_checked
 from curvopt.reducer import reduce_in_chunks
 from curvopt.reductions import probe_columns
 from curvopt.results import name_of
 from curvopt.torch_internals import ACCUMULATE_GRAD
-
-#: graph structures (``Upstream.signature``) on whose passes the per-sample sums of curvature-only
-#: passes were checked; the flow check still runs on every pass
-_SUMS_CHECKED: "OrderedDict[object, None]" = OrderedDict()
-_SUMS_CHECKED_SIZE = 256
 
 _OUTSIDE = (
     "the backpropagated objective has other terms (a regulariser on activations, a loss that "
@@ -89,7 +85,7 @@ class Checks:
         self.watched: set = set()  # autograd nodes whose incoming gradient is checked
         self.senders: set = set()  # autograd nodes whose outgoing gradient is recorded
         self.sent: Dict[Tuple[object, int], list] = defaultdict(list)  # (node, nr): gradients
-        self.structures: list = []  # signatures of the extended losses' graphs
+        self.structures: list = []  # keys of the extended losses' graphs (``graph_plan.Walk``)
         self.sums = False  # whether curvature-only passes check their per-sample sums
         self.modules: dict = {}  # autograd node -> the module whose call's output it produced
 
@@ -102,23 +98,20 @@ class Checks:
                 self.compute_eps[id(p)] = max(eps, self.compute_eps.get(id(p), 0.0))
 
     # ------------------------------------------------------------ curvature: gradient flow
-    def watch_flow(self, upstream, loss_node):
-        """Add the graph upstream of one extended loss (``upstream``: of its input; ``loss_node``:
+    def watch_flow(self, walk, loss_node):
+        """Add the graph upstream of one extended loss (``walk``: of its input; ``loss_node``:
         its output's node); returns the nodes newly to check (``check_flow`` before they run)
         and the nodes newly to record (``record_sent`` after they ran): those of the graph that
         lie downstream of a module call's output or an extended parameter, and the loss's own
         nodes between its output and its input."""
-        self.reached.update(upstream.calls)
-        signature = upstream.signature
-        self.structures.append(signature)
-        self.sums = self.sums or signature is None or signature not in _SUMS_CHECKED
-        users = defaultdict(list)
-        for (node, _), consumers in upstream.consumers.items():
-            users[node].extend(c for c, _ in consumers)
-            # a re-run reentrant checkpoint takes its re-run outputs (no input index): its node
-            # is checked like a call's output, named by its segment (``checkpointing``)
-            self.modules.update((c, segment_on(c)) for c, j in consumers if j is None)
-        for record, edges in upstream.calls.items():
+        self.reached.update(walk.calls)
+        self.structures.append(walk.key)
+        self.sums = self.sums or walk.plan is None or not walk.plan.sums_checked
+        users = walk.users
+        # a re-run reentrant checkpoint takes its re-run outputs (no input index): its node is
+        # checked like a call's output, named by its segment (``checkpointing``)
+        self.modules.update((c, segment_on(c)) for c in walk.checkpoints)
+        for record, edges in walk.calls.items():
             self.modules.update((edge.node, record.module) for _, edge in edges)
         stack = list(self.modules)
         stack.extend(n for n in users if _extended_leaf(n))
@@ -130,14 +123,15 @@ class Checks:
                 stack.extend(users.get(node, ()))
         check = [n for n in region if n not in self.watched]
         self.watched.update(check)
-        inside = _between(loss_node, upstream.root, users)
+        inside = walk.between(loss_node)
         send = [n for n in (*region, *inside) if n not in self.senders]
         self.senders.update(send)
         return check, send
 
-    def record_sent(self, node, grads) -> None:
-        """The gradients ``node`` sends to the checked nodes upstream (its ``next_functions``)."""
-        for grad, (fn, nr) in zip(grads, node.next_functions):
+    def record_sent(self, nexts, grads) -> None:
+        """The gradients a node sends to the checked nodes upstream (``nexts``: its
+        ``next_functions``)."""
+        for grad, (fn, nr) in zip(grads, nexts):
             if fn in self.watched and grad is not None:
                 self.sent[(fn, nr)].append(grad)
 
@@ -172,12 +166,9 @@ class Checks:
         """The pass succeeded: its structures had their sums checked (if they were)."""
         if not self.sums:
             return
-        for signature in self.structures:
-            if signature is not None:
-                _SUMS_CHECKED[signature] = None
-                _SUMS_CHECKED.move_to_end(signature)
-                if len(_SUMS_CHECKED) > _SUMS_CHECKED_SIZE:
-                    _SUMS_CHECKED.popitem(last=False)
+        for key in self.structures:
+            if key is not None:
+                mark_sums_checked(key)
 
     # ------------------------------------------------------------ sum_n g_n == p.grad
     def add_total(self, p, use, total) -> None:
@@ -288,26 +279,6 @@ def _extended_leaf(node) -> bool:
     return type(node).__name__ == ACCUMULATE_GRAD and getattr(
         node.variable, "_curvopt_checked", False
     )
-
-
-def _between(top, bottom, graph) -> list:
-    """The nodes on paths from ``top`` down to ``bottom`` (``bottom`` excluded; paths through
-    other nodes of ``graph`` do not count: they enter the model's graph elsewhere)."""
-    if top is None or bottom is None:
-        return []
-    reaches = {bottom: True}
-    stack = [(top, False)]
-    while stack:
-        node, expanded = stack.pop()
-        if expanded:
-            reaches[node] = any(reaches.get(fn, False) for fn, _ in node.next_functions)
-        elif node not in reaches:
-            reaches[node] = False
-            if node not in graph:
-                stack.append((node, True))
-                stack.extend((fn, False) for fn, _ in node.next_functions if fn is not None)
-    del reaches[bottom]
-    return [node for node, reached in reaches.items() if reached]
 
 
 def _flow_error(node, module) -> Exception:

@@ -46,13 +46,16 @@ def check_reduction(loss_module) -> None:
 
 
 class CurvaturePass:
-    """Second-order work of one backward pass, run from the loss hook."""
+    """Second-order work of one loss of a backward pass, run from the loss hook: ``exts`` (the
+    second-order extensions) contribute to ``results`` (the pass's ``results.ResultBuffer``);
+    ``skip_diagonal``: a parameter without Kronecker factors gets its GGN diagonal instead
+    (``collect(skip_unsupported=...)``)."""
 
-    def __init__(self, backward_pass, loss_record, weight: torch.Tensor):
-        self.bp = backward_pass
-        self.results = backward_pass.results
+    def __init__(self, results, exts, loss_record, weight: torch.Tensor, skip_diagonal=False):
+        self.results = results
         self.loss = loss_record
-        self.exts = backward_pass.second_order_exts
+        self.exts = exts
+        self.skip_diagonal = skip_diagonal
         self.weight = float(weight)
         if self.weight < 0:
             raise UnsupportedLossError(
@@ -61,21 +64,24 @@ class CurvaturePass:
             )
         self.scale = math.sqrt(self.weight)
 
-    def run(self, upstream) -> None:
-        """All curvature of this loss, given the calls ``upstream`` (``propagate.module_outputs``
-        of its input)."""
+    def check(self, walk) -> None:
+        """The loss's target and the calls of ``walk`` (``graph_plan.Walk`` of its input) are
+        supported."""
         module, output, target = self.loss.module, self.loss.output, self.loss.target
-        rule = loss_rule_for(module)
-        rule.check(module, output.detach(), target)
-        calls, self.batched = upstream.calls, upstream.batchable
-        self.bp.watch_broadcasts(calls)
-        for record in calls:
+        loss_rule_for(module).check(module, output.detach(), target)
+        for record in walk.calls:
             reason = rule_for(record.module).check(record.module)
             if reason is not None:
                 raise module_error(record.module, reason)
-        self.layout = establish(
-            output, output.shape, calls, self.batched, upstream.signature, rule.elementwise
-        )
+
+    def run(self, walk) -> None:
+        """All curvature of this loss, given ``walk`` (``graph_plan.Walk`` of its input, its
+        plan bound to this pass)."""
+        output = self.loss.output
+        rule = loss_rule_for(self.loss.module)
+        calls, self.batched = walk.calls, walk.batchable
+        self.walk = walk
+        self.layout = establish(output, output.shape, calls, self.batched, walk, rule.elementwise)
         groups = defaultdict(list)
         for ext in self.exts:
             if ext.quantity.producer is Producer.KFRA:
@@ -143,7 +149,7 @@ class CurvaturePass:
                     factors = kron_factors(call, columns, name, p, ext.options["kfac_approx"], n)
                 except UnsupportedKroneckerError as error:
                     self.results.skip(p, ext.attr, error, record)
-                    if self.bp.skip_diagonal:
+                    if self.skip_diagonal:
                         d = diag_from_columns(rule_for(call.module), call, columns, name, False, n)
                         self.results.add([Term(p, ext.fallback.attr, d)])
                     continue

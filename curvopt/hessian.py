@@ -24,12 +24,13 @@ from typing import List
 import torch
 from torch.autograd.graph import GradientEdge
 
-from curvopt.checkpointing import next_nodes, segment_on
+from curvopt.checkpointing import segment_on
 from curvopt.errors import UnsupportedModuleError
 from curvopt.diagonals import diagonals
 from curvopt.layers.registry import reparametrization, rule_for
 from curvopt.params import owned
-from curvopt.propagate import backpropagate, module_outputs, to_calls
+from curvopt.graph_plan import Walk
+from curvopt.propagate import backpropagate, to_calls
 from curvopt.records import records_on
 from curvopt.results import Term
 from curvopt.rows import establish
@@ -44,8 +45,10 @@ def _error(what: str) -> UnsupportedModuleError:
     )
 
 
-def curved_nodes(root: torch.Tensor) -> List[object]:
-    """Autograd nodes of curved elementwise ops upstream of ``root``; errors on unknown ops."""
+def curved_nodes(root: torch.Tensor, walk) -> List[object]:
+    """Autograd nodes of curved elementwise ops upstream of ``root``; errors on unknown ops.
+    (Module calls are stepped over, from their output to their input; the edges are read off
+    ``walk``, the loss's ``graph_plan.Walk``.)"""
     found, stack, seen = [], [root.grad_fn], set()
     while stack:
         node = stack.pop()
@@ -73,7 +76,7 @@ def curved_nodes(root: torch.Tensor) -> List[object]:
                 stack.append(x.grad_fn)
             continue
         if segment_on(node) is not None:  # a reentrant checkpoint curvopt re-ran: its re-run
-            stack.extend(next_nodes(node))
+            stack.extend(walk.next_nodes(node))
             continue
         name = type(node).__name__
         if name in SECOND_DERIVATIVES:
@@ -81,14 +84,14 @@ def curved_nodes(root: torch.Tensor) -> List[object]:
         elif name in BILINEAR_OPS:
             dependent = [
                 fn
-                for fn, _ in node.next_functions
+                for fn, _ in walk.next_of(node)
                 if fn is not None and type(fn).__name__ != ACCUMULATE_GRAD
             ]
             if len(dependent) > 1:
                 raise _error(f"the op {name} multiplies two parameter-dependent tensors")
         elif name not in LINEAR_OPS:
             raise _error(f"the op {name} has curvature curvopt cannot account for")
-        stack.extend(fn for fn, _ in node.next_functions)
+        stack.extend(fn for fn, _ in walk.next_of(node))
     return found
 
 
@@ -119,7 +122,7 @@ def residuals(cpass, calls, exts):
     parameter, one at a time."""
     _reject_shared(calls)
     output = cpass.loss.output
-    nodes = curved_nodes(output)
+    nodes = curved_nodes(output, cpass.walk)
     if not nodes:
         return
     g0 = cpass.loss_grad
@@ -132,11 +135,11 @@ def residuals(cpass, calls, exts):
         if delta is None:
             continue
         r = delta[0] * SECOND_DERIVATIVES[type(node).__name__](node)
-        fn, nr = node.next_functions[0]
+        fn, nr = cpass.walk.next_of(node)[0]
         if fn is None:
             continue
         direct = producers.get((fn, nr))
-        upstream = module_outputs(fn)
+        upstream = Walk(fn, within=cpass.walk.edges)  # a part of the loss's walk, read again
         others = {record: calls[record] for record in upstream.calls if record in calls}
         if direct is not None and rule_for(direct.module).has_weighted_squares(direct.module):
             for ext in exts:
@@ -148,7 +151,7 @@ def residuals(cpass, calls, exts):
         if others:
             source = GradientEdge(fn, nr)
             layout = establish(
-                source, r.shape, others, upstream.batchable, upstream.signature, elementwise=True
+                source, r.shape, others, upstream.batchable, upstream, elementwise=True
             )
             yield from _columns(source, r, others, exts, upstream.batchable, layout)
 

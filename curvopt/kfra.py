@@ -16,7 +16,6 @@ links, their ``W`` and their factors, is their layer rule's to say
 from __future__ import annotations
 
 import torch
-from curvopt.checkpointing import next_nodes
 from curvopt.errors import module_error
 from curvopt.layers.registry import reparametrization, rule_for
 from curvopt.params import trainable
@@ -30,7 +29,7 @@ def _reject(record, reason):
     return module_error(record.module, f"KFRA: {reason}")
 
 
-def _check_link(record, nxt) -> None:
+def _check_link(record, nxt, walk) -> None:
     """``nxt``'s input must be computed from ``record``'s output alone (no skip connection
     from an earlier layer, no parameter used outside a layer): the recursion is for chains."""
     stack, seen = [nxt.args[0].grad_fn], set()
@@ -49,10 +48,10 @@ def _check_link(record, nxt) -> None:
                 "residual or skip connection, or a parameter used outside a layer); the KFRA "
                 "recursion is defined for feed-forward chains only; use KFLR or KFAC",
             )
-        stack.extend(next_nodes(node))
+        stack.extend(walk.next_nodes(node))
 
 
-def _depth(record) -> int:
+def _depth(record, walk) -> int:
     """How many module calls lie upstream of ``record``'s input: the chain's order (forward
     order, ``seq``, puts the calls of a re-run checkpoint segment last)."""
     x = record.args[0]
@@ -63,12 +62,12 @@ def _depth(record) -> int:
             continue
         seen.add(node)
         owners.update(entry[0] for entry in records_on(node))
-        stack.extend(next_nodes(node))
+        stack.extend(walk.next_nodes(node))
     return len(owners)
 
 
-def _chain(calls):
-    records = sorted(calls, key=_depth)
+def _chain(calls, walk):
+    records = sorted(calls, key=lambda record: _depth(record, walk))
     seen = set()
     for record in records:
         module = record.module
@@ -96,7 +95,7 @@ def _chain(calls):
 def kfra(cpass, loss_rule, calls, exts):
     """``Factors`` of ``exts`` (``kfra``) of every Linear layer in the chain ending at the
     loss."""
-    records = _chain(calls)
+    records = _chain(calls, cpass.walk)
     if not records:
         return
     output = cpass.loss.output
@@ -111,7 +110,7 @@ def kfra(cpass, loss_rule, calls, exts):
     for pos in range(len(records) - 1, -1, -1):
         record = records[pos]
         if pos < len(records) - 1:
-            b = _backpropagate(b, record, records[pos + 1], calls)
+            b = _backpropagate(b, record, records[pos + 1], calls, cpass.walk)
         factors[record] = b
     for record, b in factors.items():
         x = record.at_parameter_precision(record.args[0].detach())
@@ -121,10 +120,10 @@ def kfra(cpass, loss_rule, calls, exts):
                 yield Factors(p, ext.attr, record, rule.kfra_factors(x, b, name), 0)
 
 
-def _backpropagate(b_next, record, nxt, calls):
+def _backpropagate(b_next, record, nxt, calls, walk):
     """``B_l`` from ``B_{l+1}``: through ``W_{l+1}`` and the elementwise map between them."""
     ((_, edge),) = calls[record]
-    _check_link(record, nxt)
+    _check_link(record, nxt, walk)
     x_next = nxt.args[0]
     ones = torch.ones_like(x_next)
     probe = torch.randn_like(x_next)

@@ -1,4 +1,5 @@
-"""Columns through the autograd graph: which module calls lie upstream, and ``J^T`` of each.
+"""Columns through the autograd graph: ``J^T`` to the module calls upstream (which calls
+lie upstream is ``graph_plan``'s walk).
 
 PyTorch's autograd applies the transposed Jacobian from a tensor (or gradient edge) to the
 outputs of every extended module call upstream, for many columns at once
@@ -8,127 +9,10 @@ batching rule, one column at a time otherwise.
 
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Dict, List, Optional, Tuple
-
 import torch
-from torch.autograd.graph import GradientEdge
 
-from curvopt.broadcast import find
-from curvopt.checkpointing import Segment, live, segment_on, through
-from curvopt.errors import UnsupportedModuleError
-from curvopt.records import records_on, token
+from curvopt.checkpointing import live, through
 from curvopt.state import STATE
-from curvopt.torch_internals import (
-    ACCUMULATE_GRAD,
-    COMPILED,
-    DATA_INDEXING,
-    NO_BATCHING_RULE,
-    REENTRANT_CHECKPOINT,
-)
-
-
-class Upstream:
-    """The extended-module calls upstream of a root: ``calls[record] = [(output index, edge)]``,
-    whether columns may be propagated batched, a key of the graph's structure (``None``
-    where the graph indexes by data, so that what holds for one batch need not for the next),
-    ``foreign``: the parameters it reaches that no extended module owns, and ``consumers``:
-    ``consumers[(node, nr)] = [(consumer, j)]``, the nodes of the graph that take output ``nr``
-    of ``node`` as their ``j``-th input (``consumer.next_functions[j]``)."""
-
-    def __init__(
-        self, calls, batchable: bool, signature: Optional[Tuple], foreign=(), consumers=None
-    ):
-        self.calls: Dict[object, List[Tuple[int, GradientEdge]]] = calls
-        self.batchable = batchable
-        self.signature = signature
-        self.foreign = list(foreign)
-        self.consumers: Dict[Tuple[object, int], List[Tuple[object, int]]] = consumers or {}
-        self.root = None  # the autograd node the walk started from
-        self.indexes_inside = False  # see ``_indexes_inside``
-        self.reentrant = False  # a reentrant checkpoint lies upstream (REENTRANT_CHECKPOINT)
-
-
-def module_outputs(root, recompute: Optional[list] = None) -> Upstream:
-    """Walk the graph upstream of ``root`` (a tensor or an autograd node). A reentrant
-    checkpoint is walked through where curvopt re-ran its segment, and re-run on the way where
-    ``recompute`` is a list (the new ``checkpointing.Segment``s are appended to it, for the
-    caller to release)."""
-    found: Dict[object, List[Tuple[int, GradientEdge]]] = defaultdict(list)
-    consumers = defaultdict(list)
-    start = root.grad_fn if isinstance(root, torch.Tensor) else root
-    stack, seen, batchable, kinds, foreign = [start], set(), True, [], []
-    reentrant = False
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        kind = type(node).__name__
-        if kind in COMPILED:
-            raise UnsupportedModuleError(
-                "curvopt cannot propagate curvature through a graph compiled by torch.compile "
-                "(its backward is one fused op); compute curvature on the uncompiled model "
-                "(for a compiled module m, use m._orig_mod) — first-order quantities do work "
-                "with torch.compile"
-            )
-        kinds.append(kind)
-        if kind == REENTRANT_CHECKPOINT:
-            segment = segment_on(node)
-            if segment is None and recompute is not None:
-                segment = Segment(node)
-                recompute.append(segment)
-            if segment is None:
-                reentrant = True
-                continue  # nothing upstream can be reached by columns
-            for t in segment.outputs:
-                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                    # the checkpoint node takes the re-run output (no input index of its own)
-                    consumers[(t.grad_fn, t.output_nr)].append((node, None))
-                    stack.append(t.grad_fn)
-            continue
-        if kind == ACCUMULATE_GRAD:
-            leaf = node.variable
-            if isinstance(leaf, torch.nn.Parameter) and not getattr(leaf, "_curvopt_checked", 0):
-                foreign.append(leaf)
-        batchable = batchable and kind not in NO_BATCHING_RULE
-        for record, index, output_nr in records_on(node):
-            found[record].append((index, GradientEdge(node, output_nr)))
-            kinds.append((token(record.module), index, record.out_shapes))
-        for j, (fn, nr) in enumerate(node.next_functions):
-            if fn is not None:
-                consumers[(fn, nr)].append((node, j))
-                stack.append(fn)
-    for record, edges in found.items():
-        if len(record.out_shapes) == 1:
-            ((index, edge),) = edges
-            record.broadcast = find(edge.node, edge.output_nr, record.out_shapes[0], consumers)
-            if record.broadcast is not None:
-                found[record] = [(index, record.broadcast.edge)]
-                kinds.append(("broadcast", token(record.module)))
-    by_data = any(kind in DATA_INDEXING for kind in kinds if isinstance(kind, str))
-    upstream = Upstream(found, batchable, None if by_data else tuple(kinds), foreign, consumers)
-    upstream.indexes_inside = by_data and _indexes_inside(found)
-    upstream.reentrant = reentrant
-    upstream.root = start
-    return upstream
-
-
-def _indexes_inside(found) -> bool:
-    """Whether an op that picks entries by data lies upstream of a module call's output, i.e.
-    inside the model, where it may mix samples (``h[perm]``), rather than between the model and
-    the loss (``logits[mask]``)."""
-    stack = [edge.node for edges in found.values() for _, edge in edges]
-    seen = set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ in DATA_INDEXING:
-            return True
-        stack.extend(fn for fn, _ in node.next_functions)
-    return False
 
 
 def backpropagate(outputs, edges, columns: torch.Tensor, batched: bool):

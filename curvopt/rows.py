@@ -15,25 +15,23 @@ of the samples whose bit ``b`` is ``1`` (and one on those whose bit is ``0``), p
 module output, must vanish exactly on the samples whose bit ``b`` differs. These
 ``2 ceil(log2 N)`` columns catch any row that depends on a sample other than its own:
 functional batch norm or ``h - h.mean(0)`` between layers, a sequence-first model read as
-batch-first, layers that disagree on the batch. Verified layouts are cached per graph structure
-(node types and shapes), so the probes run once per model and input shape; graphs that index by
-data (``logits[mask]``) are probed on every pass.
+batch-first, layers that disagree on the batch. Verified layouts are kept in the plan of the
+graph's structure (``graph_plan.Plan.layouts``, with the calls found transposed), so the probes
+run once per model and input shape; graphs that index by data (``logits[mask]``) have no plan
+and are probed on every pass.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from typing import Dict, Hashable, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
 from curvopt.errors import UnsupportedModuleError, module_error
+from curvopt.graph_plan import add_layout
 from curvopt.layers import rule_for
 from curvopt.propagate import to_calls
-
-_CACHE: "OrderedDict[Hashable, Optional[torch.Tensor]]" = OrderedDict()
-_CACHE_SIZE = 256
 
 
 class RowLayout:
@@ -140,23 +138,23 @@ def establish(
     shape,
     calls,
     batched: bool,
-    signature: Hashable,
+    walk,
     elementwise: bool = False,
     required: bool = True,
 ) -> Optional[RowLayout]:
     """The verified layout of the rows of ``source`` (a tensor or gradient edge of ``shape``)
-    over the samples of ``calls``; raises when no candidate map passes the probes.
+    over the samples of ``calls`` (of ``walk``, a ``graph_plan.Walk`` from ``source``, whose
+    plan keeps it); raises when no candidate map passes the probes.
 
     Rows are dim 0; where the Hessian is ``elementwise`` (independent entries, so dim 1 holds
     independent units too) also the pairs of dims 0 and 1 (a sequence-first ``[T, N, D]``).
     Not ``required`` (a check only): ``None`` when the shapes suggest no map at all.
     """
-    key = None if signature is None else (signature, tuple(shape), elementwise)
+    known = () if walk.plan is None else walk.plan.layout(shape, elementwise)
     records = list(calls)
-    cached = key is not None and key in _CACHE
+    cached = bool(known)
     if cached:
-        _CACHE.move_to_end(key)
-        found = _CACHE[key]
+        (found,) = known
         for index in () if found is None else found[2]:
             records[index].transposed = True
     else:
@@ -171,11 +169,8 @@ def establish(
                 record.transposed = True
             found = _verified(source, shape, calls, batched, n, elementwise)
         if found is not None:
-            found = (*found, [i for i, r in enumerate(records) if r.transposed])
-        if key is not None:
-            _CACHE[key] = found
-            if len(_CACHE) > _CACHE_SIZE:
-                _CACHE.popitem(last=False)
+            found = (*found, tuple(i for i, r in enumerate(records) if r.transposed))
+        add_layout(walk, shape, elementwise, found)
     if found is None:
         raise UnsupportedModuleError(
             f"curvopt cannot tell which of the {shape[0]} rows of the loss input belong to which "

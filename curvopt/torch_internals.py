@@ -49,6 +49,12 @@ def input_shape(node, index: int):
     return tuple(node._input_metadata[index].shape)
 
 
+def grad_accumulator(p: torch.Tensor):
+    """The ``AccumulateGrad`` node of a leaf tensor ``p`` (that of a view of it points there)."""
+    with torch.enable_grad():
+        return p.view_as(p).grad_fn.next_functions[0][0]
+
+
 def add_alpha(node) -> float:
     """The ``alpha`` of ``AddBackward0`` (``a + alpha * b``)."""
     return float(node._saved_alpha)
@@ -106,8 +112,10 @@ ACCUMULATE_GRAD = "AccumulateGrad"
 
 #: ops that only change the shape of their input (their output has the input's elements)
 SHAPE_OPS = {"UnsqueezeBackward0", "ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"}
+#: ``a + alpha * b`` (``add_alpha``)
+ADD = "AddBackward0"
 #: ops whose output gradient is the per-sample gradient of a broadcast operand
-BROADCASTING_OPS = {"AddBackward0", "ExpandBackward0"}
+BROADCASTING_OPS = {ADD, "ExpandBackward0"}
 
 #: backward ops that ``vmap`` runs sample by sample (no batching rule in PyTorch): graphs with
 #: them propagate columns one at a time, which is faster than the vmap fallback

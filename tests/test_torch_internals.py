@@ -19,6 +19,7 @@ GENERATED = {
     "BILINEAR_OPS": ti.BILINEAR_OPS,
     "SECOND_DERIVATIVES": set(ti.SECOND_DERIVATIVES),
     "ACCUMULATE_GRAD": {ti.ACCUMULATE_GRAD},
+    "ADD": {ti.ADD},
 }
 
 
@@ -151,6 +152,15 @@ def test_node_metadata_accessors():
     x = _x(1, 3)
     assert ti.input_shape(x.expand(2, 3).grad_fn, 0) == (2, 3)
     assert ti.add_alpha(torch.add(x, _x(1, 3), alpha=2.5).grad_fn) == 2.5
+    assert type(torch.add(x, x).grad_fn).__name__ == ti.ADD
+
+
+def test_grad_accumulator():
+    p = torch.nn.Parameter(torch.randn(3))
+    with torch.no_grad():  # made with grad on, whatever the mode
+        node = ti.grad_accumulator(p)
+    assert type(node).__name__ == ti.ACCUMULATE_GRAD and node.variable is p
+    assert ti.grad_accumulator(p) is node  # one node per leaf
 
 
 def test_storage_use_count():
