@@ -13,7 +13,7 @@ from curvopt.extensions.quantity import Producer
 from curvopt.reductions import squared_norms, sum_of_squares
 
 #: elements per chunk when per-sample gradients are materialised only to be reduced
-_CHUNK_ELEMENTS = 1 << 21
+_CHUNK_ELEMENTS = 1 << 20
 
 
 def reduce_in_chunks(rule, call, name, shape, want):
@@ -91,24 +91,25 @@ class FirstOrderReducer:
             self.batch_grads[id(p)][1].add_(rule.batch_grad(call, name))
 
     def _reduce(self, p, rule, call, name) -> None:
-        """Reduced quantities of a parameter used once, via fast paths where the rule has them."""
+        """Reduced quantities of a parameter used once, via fast paths where the rule has them.
+        Where per-sample gradients are materialised in chunks anyway, their sum is the total
+        checked against ``p``'s whole gradient (checking them too); else the rule's
+        ``grad_sum``."""
         first = self.first
         want_l2 = Producer.SQUARED_NORMS in first
         want_sgs = Producer.SUM_OF_SQUARES in first or Producer.MOMENTS in first
         l2 = rule.batch_l2(call, name) if want_l2 else None
         sgs = rule.sum_grad_squared(call, name) if want_sgs else None
-        total = rule.grad_sum(call, name)  # also checked against p's whole gradient
-        missing = {
-            "l2": want_l2 and l2 is None,
-            "sgs": want_sgs and sgs is None,
-            "grad_sum": Producer.MOMENTS in first and total is None,
-        }
-        if any(missing.values()):
-            chunked = reduce_in_chunks(rule, call, name, p.shape, missing)
+        if (want_l2 and l2 is None) or (want_sgs and sgs is None):
+            missing = {"l2": want_l2 and l2 is None, "sgs": want_sgs and sgs is None}
+            chunked = reduce_in_chunks(rule, call, name, p.shape, {**missing, "grad_sum": True})
             l2 = chunked.get("l2", l2)
             sgs = chunked.get("sgs", sgs)
-            total = chunked.get("grad_sum", total)
-        self.add_total(p, rule, call, name, total)
+            total = chunked["grad_sum"]
+            self.checks.add_total(p, (rule, call, name), total)
+        else:
+            total = rule.grad_sum(call, name)
+            self.add_total(p, rule, call, name, total)
         self._store(p, l2, sgs, total)
 
     def finish(self) -> None:
