@@ -63,6 +63,53 @@ def _column_outer(left, right, k: int, n: int, groups: int) -> torch.Tensor:
     return out.permute(0, 2, 1, 3, 4).reshape(n, k, groups * a, b)
 
 
+#: per-group input channels from which one grouped convolution backward (samples as groups)
+#: beats unfolding the input and a batched matmul for per-sample weight gradients
+_GROUPED_MIN_CHANNELS = 16
+
+
+def _weight_grad(module, x, g, per_sample: bool) -> torch.Tensor:
+    """The weight gradient of a (transposed) convolution's call by the convolution's own weight
+    backward (no unfolded copy): summed over samples (``w.shape``), or ``per_sample``
+    (``[N, *w.shape]``) as the weight gradient of one convolution over the batch stacked along
+    channels (``[1, N C_in, *S]``) with ``N`` times the module's groups."""
+    if module.transposed:  # zero padding only (ConvTransposeRule.check)
+        padding = tuple(module.padding)
+        output_padding = [  # as the call made it (``output_size`` may set it)
+            o - ((i - 1) * s - 2 * p + d * (k - 1) + 1)
+            for o, i, s, p, d, k in zip(
+                g.shape[2:],
+                x.shape[2:],
+                module.stride,
+                padding,
+                module.dilation,
+                module.kernel_size,
+            )
+        ]
+    else:
+        x, padding = padded_conv_input(module, x)
+        output_padding = [0] * len(padding)
+    weight, n = module.weight, x.shape[0]
+    if per_sample:
+        g = g.reshape(1, n * g.shape[1], *g.shape[2:])
+        x = x.reshape(1, n * x.shape[1], *x.shape[2:])
+        weight = weight.new_empty(n * weight.shape[0], *weight.shape[1:])
+    _, grads, _ = torch.ops.aten.convolution_backward(
+        g,
+        x,
+        weight,
+        None,
+        module.stride,
+        padding,
+        module.dilation,
+        module.transposed,
+        output_padding,
+        module.groups * (n if per_sample else 1),
+        [False, True, False],
+    )
+    return grads.view(n, *module.weight.shape) if per_sample else grads
+
+
 class _ConvRuleBase(LayerRule):
     curvature_free = True
 
@@ -108,48 +155,12 @@ class _ConvRuleBase(LayerRule):
         return (gram_left * gram_right).sum((1, 2))
 
     def grad_sum(self, call, name):
-        """``sum_n left_n right_n^T`` per group: one matmul over samples and positions."""
+        """``sum_n g_n`` from this call's input and output gradient; the weight's by the
+        convolution's weight backward over the batch (what the plain backward costs)."""
         g = call.grad_out
         if name == "bias":
             return g.transpose(0, 1).reshape(g.shape[1], -1).sum(1)
-        groups = call.module.groups
-        left, right = self._operands(call)
-        n, length = left.shape[0], left.shape[-1]
-        left = left.reshape(n, groups, -1, length).permute(1, 2, 0, 3).flatten(2)
-        right = right.reshape(n, groups, -1, length).permute(1, 2, 0, 3).flatten(2)
-        return torch.bmm(left, right.transpose(1, 2)).reshape(call.module.weight.shape)
-
-
-#: per-group input channels from which one grouped convolution backward (samples as groups)
-#: beats unfolding the input and a batched matmul for per-sample weight gradients
-_GROUPED_MIN_CHANNELS = 16
-
-
-def _weight_grad(module, x, g, per_sample: bool) -> torch.Tensor:
-    """The weight gradient of a ``ConvNd`` call by the convolution's own weight backward (no
-    unfolded copy of the input): summed over samples (``w.shape``), or ``per_sample``
-    (``[N, *w.shape]``) as the weight gradient of one convolution over the batch stacked along
-    channels (``[1, N C_in, *S]``) with ``N`` times the module's groups."""
-    x, padding = padded_conv_input(module, x)
-    weight, n = module.weight, x.shape[0]
-    if per_sample:
-        g = g.reshape(1, n * g.shape[1], *g.shape[2:])
-        x = x.reshape(1, n * x.shape[1], *x.shape[2:])
-        weight = weight.new_empty(n * weight.shape[0], *weight.shape[1:])
-    _, grads, _ = torch.ops.aten.convolution_backward(
-        g,
-        x,
-        weight,
-        None,
-        module.stride,
-        padding,
-        module.dilation,
-        False,
-        [0] * len(padding),
-        module.groups * (n if per_sample else 1),
-        [False, True, False],
-    )
-    return grads.view(n, *module.weight.shape) if per_sample else grads
+        return _weight_grad(call.module, call.input, g, False)
 
 
 @register(nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -171,14 +182,6 @@ class ConvRule(_ConvRuleBase):
         if columns.shape[0] == 1 and self._grouped(call.module, name):
             return _weight_grad(call.module, call.input, columns[0], True).unsqueeze(1)
         return super().column_grads(call, columns, name)
-
-    def grad_sum(self, call, name):
-        """``sum_n g_n`` of the weight by the convolution's weight backward over the batch (what
-        the plain backward costs, without unfolding), from this call's input and output
-        gradient."""
-        if name == "weight":
-            return _weight_grad(call.module, call.input, call.grad_out, False)
-        return super().grad_sum(call, name)
 
     def _operands(self, call):
         g = call.grad_out
