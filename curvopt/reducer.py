@@ -70,12 +70,13 @@ class FirstOrderReducer:
         else:
             self._reduce(p, rule, call, name)
 
-    def add_total(self, p, rule, call, name, total) -> None:
+    def add_total(self, p, rule, call, name, total) -> torch.Tensor:
         """This call's ``sum_n g_n`` for the checks (computed in chunks if the rule has no fast
-        path)."""
+        path), returned."""
         if total is None:
             total = reduce_in_chunks(rule, call, name, p.shape, {"grad_sum": True})["grad_sum"]
         self.checks.add_total(p, (rule, call, name), total)
+        return total
 
     def _accumulate(self, p, rule, call, name) -> None:
         shape = (call.batch_size, *p.shape)
@@ -100,16 +101,15 @@ class FirstOrderReducer:
         want_sgs = Producer.SUM_OF_SQUARES in first or Producer.MOMENTS in first
         l2 = rule.batch_l2(call, name) if want_l2 else None
         sgs = rule.sum_grad_squared(call, name) if want_sgs else None
-        if (want_l2 and l2 is None) or (want_sgs and sgs is None):
-            missing = {"l2": want_l2 and l2 is None, "sgs": want_sgs and sgs is None}
+        missing = {"l2": want_l2 and l2 is None, "sgs": want_sgs and sgs is None}
+        if any(missing.values()):
             chunked = reduce_in_chunks(rule, call, name, p.shape, {**missing, "grad_sum": True})
             l2 = chunked.get("l2", l2)
             sgs = chunked.get("sgs", sgs)
             total = chunked["grad_sum"]
-            self.checks.add_total(p, (rule, call, name), total)
         else:
             total = rule.grad_sum(call, name)
-            self.add_total(p, rule, call, name, total)
+        total = self.add_total(p, rule, call, name, total)
         self._store(p, l2, sgs, total)
 
     def finish(self) -> None:
