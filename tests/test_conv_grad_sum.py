@@ -5,7 +5,7 @@ checks it serves on convolutions: an extra gradient term, or a wrong per-sample 
 import pytest
 import torch
 from conftest import DT
-from test_first_order_layers import CONV
+from test_first_order_layers import CONV, _run_case
 from torch import nn
 
 import curvopt
@@ -103,3 +103,35 @@ def test_wrong_conv_per_sample_gradient_raises(extension, grouped, monkeypatch, 
     with pytest.raises(UnsupportedModuleError, match="0.weight"):
         with curvopt.collect(extension()):
             loss.backward()
+
+
+#: layers whose ``batch_l2`` takes the ghost-norm path (``L (a + b) < a b``)
+GHOST = {
+    "1d": (lambda: nn.Conv1d(8, 9, 3), (8, 4)),
+    "3d": (lambda: nn.Conv3d(4, 5, 2), (4, 2, 2, 2)),
+    "T2d": (lambda: nn.ConvTranspose2d(9, 8, 3), (9, 2, 2)),
+    "T1d-stride-pad": (lambda: nn.ConvTranspose1d(12, 6, 3, stride=2, padding=1), (12, 2)),
+}
+
+
+@pytest.mark.parametrize("case", list(GHOST))
+def test_ghost_norms_of_convolutions(case, seed):
+    """The ghost-norm path is taken (chosen from the weight's shape, before unfolding) and
+    gives the per-sample gradients' squared norms, each sample's by autograd alone; and the
+    whole pass agrees with the per-sample reference."""
+    make, shape = GHOST[case]
+    module = make().to(DT)
+    x = torch.randn(3, *shape, dtype=DT)
+    g = torch.randn_like(module(x))
+    norms = rule_for(module).batch_l2(Call(module, (x,), {}, g), "weight")
+    assert norms is not None
+    expected = torch.stack(
+        [
+            torch.autograd.grad((module(x[i : i + 1]) * g[i : i + 1]).sum(), module.weight)[0]
+            .square()
+            .sum()
+            for i in range(3)
+        ]
+    )
+    torch.testing.assert_close(norms, expected, rtol=1e-12, atol=1e-12)
+    _run_case(module, x, "sum")
