@@ -13,7 +13,7 @@ from curvopt.extensions.quantity import Producer
 from curvopt.reductions import squared_norms, sum_of_squares
 
 #: elements per chunk when per-sample gradients are materialised only to be reduced
-_CHUNK_ELEMENTS = 1 << 21
+_CHUNK_ELEMENTS = 1 << 20
 
 
 def reduce_in_chunks(rule, call, name, shape, want):
@@ -70,12 +70,13 @@ class FirstOrderReducer:
         else:
             self._reduce(p, rule, call, name)
 
-    def add_total(self, p, rule, call, name, total) -> None:
+    def add_total(self, p, rule, call, name, total) -> torch.Tensor:
         """This call's ``sum_n g_n`` for the checks (computed in chunks if the rule has no fast
-        path)."""
+        path), returned."""
         if total is None:
             total = reduce_in_chunks(rule, call, name, p.shape, {"grad_sum": True})["grad_sum"]
         self.checks.add_total(p, (rule, call, name), total)
+        return total
 
     def _accumulate(self, p, rule, call, name) -> None:
         shape = (call.batch_size, *p.shape)
@@ -91,24 +92,24 @@ class FirstOrderReducer:
             self.batch_grads[id(p)][1].add_(rule.batch_grad(call, name))
 
     def _reduce(self, p, rule, call, name) -> None:
-        """Reduced quantities of a parameter used once, via fast paths where the rule has them."""
+        """Reduced quantities of a parameter used once, via fast paths where the rule has them.
+        Where per-sample gradients are materialised in chunks anyway, their sum is the total
+        checked against ``p``'s whole gradient (checking them too); else the rule's
+        ``grad_sum``."""
         first = self.first
         want_l2 = Producer.SQUARED_NORMS in first
         want_sgs = Producer.SUM_OF_SQUARES in first or Producer.MOMENTS in first
         l2 = rule.batch_l2(call, name) if want_l2 else None
         sgs = rule.sum_grad_squared(call, name) if want_sgs else None
-        total = rule.grad_sum(call, name)  # also checked against p's whole gradient
-        missing = {
-            "l2": want_l2 and l2 is None,
-            "sgs": want_sgs and sgs is None,
-            "grad_sum": Producer.MOMENTS in first and total is None,
-        }
+        missing = {"l2": want_l2 and l2 is None, "sgs": want_sgs and sgs is None}
         if any(missing.values()):
-            chunked = reduce_in_chunks(rule, call, name, p.shape, missing)
+            chunked = reduce_in_chunks(rule, call, name, p.shape, {**missing, "grad_sum": True})
             l2 = chunked.get("l2", l2)
             sgs = chunked.get("sgs", sgs)
-            total = chunked.get("grad_sum", total)
-        self.add_total(p, rule, call, name, total)
+            total = chunked["grad_sum"]
+        else:
+            total = rule.grad_sum(call, name)
+        total = self.add_total(p, rule, call, name, total)
         self._store(p, l2, sgs, total)
 
     def finish(self) -> None:

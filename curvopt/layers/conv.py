@@ -63,11 +63,62 @@ def _column_outer(left, right, k: int, n: int, groups: int) -> torch.Tensor:
     return out.permute(0, 2, 1, 3, 4).reshape(n, k, groups * a, b)
 
 
+#: per-group input channels from which one grouped convolution backward (samples as groups)
+#: beats unfolding the input and a batched matmul for per-sample weight gradients
+_GROUPED_MIN_CHANNELS = 16
+
+
+def _weight_grad(module, x, g, per_sample: bool) -> torch.Tensor:
+    """The weight gradient of a (transposed) convolution's call by the convolution's own weight
+    backward (no unfolded copy): summed over samples (``w.shape``), or ``per_sample``
+    (``[N, *w.shape]``) as the weight gradient of one convolution over the batch stacked along
+    channels (``[1, N C_in, *S]``) with ``N`` times the module's groups."""
+    if module.transposed:  # zero padding only (ConvTransposeRule.check)
+        padding = tuple(module.padding)
+        output_padding = [  # as the call made it (``output_size`` may set it)
+            o - ((i - 1) * s - 2 * p + d * (k - 1) + 1)
+            for o, i, s, p, d, k in zip(
+                g.shape[2:],
+                x.shape[2:],
+                module.stride,
+                padding,
+                module.dilation,
+                module.kernel_size,
+            )
+        ]
+    else:
+        x, padding = padded_conv_input(module, x)
+        output_padding = [0] * len(padding)
+    weight, n = module.weight, x.shape[0]
+    if per_sample:
+        g = g.reshape(1, n * g.shape[1], *g.shape[2:])
+        x = x.reshape(1, n * x.shape[1], *x.shape[2:])
+        weight = weight.new_empty(n * weight.shape[0], *weight.shape[1:])
+    _, grads, _ = torch.ops.aten.convolution_backward(
+        g,
+        x,
+        weight,
+        None,
+        module.stride,
+        padding,
+        module.dilation,
+        module.transposed,
+        output_padding,
+        module.groups * (n if per_sample else 1),
+        [False, True, False],
+    )
+    return grads.view(n, *module.weight.shape) if per_sample else grads
+
+
 class _ConvRuleBase(LayerRule):
     curvature_free = True
 
     def _operands(self, call):
         """``(left [N, *, L], right [N, *, L])`` with ``g_n(W) = left_n right_n^T`` per group."""
+        raise NotImplementedError
+
+    def _length(self, call) -> int:
+        """``L``, the positions of :meth:`_operands` (without unfolding)."""
         raise NotImplementedError
 
     def batch_grad(self, call, name, out=None):
@@ -94,56 +145,22 @@ class _ConvRuleBase(LayerRule):
         n = g.shape[0]
         if name == "bias":
             return g.reshape(n, g.shape[1], -1).sum(2).pow_(2).sum(1)
-        if call.module.groups != 1:
-            return None
+        weight = call.module.weight
+        a, b = weight.shape[0], weight[0].numel()  # the operands' rows (groups == 1)
+        if call.module.groups != 1 or self._length(call) * (a + b) >= a * b:
+            return None  # ghost norms (L^2 (a + b) flops) cost more than N L a b
         left, right = self._operands(call)
-        a, b, length = left.shape[1], right.shape[1], left.shape[2]
-        if length * (a + b) >= a * b:
-            return None
         gram_left = left.transpose(1, 2) @ left
         gram_right = right.transpose(1, 2) @ right
         return (gram_left * gram_right).sum((1, 2))
 
     def grad_sum(self, call, name):
-        """``sum_n left_n right_n^T`` per group: one matmul over samples and positions."""
+        """``sum_n g_n`` from this call's input and output gradient; the weight's by the
+        convolution's weight backward over the batch (what the plain backward costs)."""
         g = call.grad_out
         if name == "bias":
             return g.transpose(0, 1).reshape(g.shape[1], -1).sum(1)
-        groups = call.module.groups
-        left, right = self._operands(call)
-        n, length = left.shape[0], left.shape[-1]
-        left = left.reshape(n, groups, -1, length).permute(1, 2, 0, 3).flatten(2)
-        right = right.reshape(n, groups, -1, length).permute(1, 2, 0, 3).flatten(2)
-        return torch.bmm(left, right.transpose(1, 2)).reshape(call.module.weight.shape)
-
-
-#: per-group input channels from which one grouped convolution backward (samples as groups)
-#: beats unfolding the input and a batched matmul for per-sample weight gradients
-_GROUPED_MIN_CHANNELS = 16
-
-
-def _per_sample_weight_grads(module, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``[N, *w.shape]``: the weight gradient of every sample at once, as the weight gradient of
-    one convolution over the batch stacked along channels (``[1, N C_in, *S]``) with ``N``
-    times the module's groups: no unfolded copy of the input."""
-    x, padding = padded_conv_input(module, x)
-    n = x.shape[0]
-    weight = module.weight
-    stacked_weight = weight.new_empty(n * weight.shape[0], *weight.shape[1:])
-    _, grads, _ = torch.ops.aten.convolution_backward(
-        g.reshape(1, n * g.shape[1], *g.shape[2:]),
-        x.reshape(1, n * x.shape[1], *x.shape[2:]),
-        stacked_weight,
-        None,
-        module.stride,
-        padding,
-        module.dilation,
-        False,
-        [0] * len(padding),
-        n * module.groups,
-        [False, True, False],
-    )
-    return grads.view(n, *weight.shape)
+        return _weight_grad(call.module, call.input, g, False)
 
 
 @register(nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -158,18 +175,21 @@ class ConvRule(_ConvRuleBase):
 
     def batch_grad(self, call, name, out=None):
         if self._grouped(call.module, name):
-            return _per_sample_weight_grads(call.module, call.input, call.grad_out)
+            return _weight_grad(call.module, call.input, call.grad_out, True)
         return super().batch_grad(call, name, out)
 
     def column_grads(self, call, columns, name):
         if columns.shape[0] == 1 and self._grouped(call.module, name):
-            return _per_sample_weight_grads(call.module, call.input, columns[0]).unsqueeze(1)
+            return _weight_grad(call.module, call.input, columns[0], True).unsqueeze(1)
         return super().column_grads(call, columns, name)
 
     def _operands(self, call):
         g = call.grad_out
         n = g.shape[0]
         return g.reshape(n, g.shape[1], -1), unfold_conv_input(call.module, call.input)
+
+    def _length(self, call):
+        return call.grad_out[0, 0].numel()
 
     def kron_factors(self, call, columns, name, approx, n):
         module = call.module
@@ -208,6 +228,9 @@ class ConvTransposeRule(_ConvRuleBase):
                 f"padding_mode={module.padding_mode!r} is not supported for transposed convolutions"
             )
         return None
+
+    def _length(self, call):
+        return call.input[0, 0].numel()
 
     def _operands(self, call):
         module, x, g = call.module, call.input, call.grad_out

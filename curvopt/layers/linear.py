@@ -28,6 +28,18 @@ def _flat(call):
     return x.reshape(n, -1, x.shape[-1]), g.reshape(n, -1, g.shape[-1])
 
 
+def _rows(call):
+    """``x [N, I]`` and ``g [N, O]`` when every sample has one position (``T = 1``), else
+    ``None``."""
+    x, g = call.input, call.grad_out
+    if x.dim() == 2:
+        return x, g
+    n = g.shape[0]
+    if x.numel() != n * x.shape[-1]:
+        return None
+    return x.reshape(n, -1), g.reshape(n, -1)
+
+
 def canonical(call, columns, n: int):
     """Inputs ``x [N, T, I]`` and columns ``v [K, N, T, O]`` in the canonical weight-sharing
     format of ``layers.kron``, the middle dims flattened into ``T``."""
@@ -49,24 +61,26 @@ class LinearRule(LayerRule):
         return torch.bmm(g.transpose(1, 2), x, out=out)
 
     def batch_l2(self, call, name):
+        rows = _rows(call)
+        if rows is not None:  # ||g_n x_n^T||^2 = ||g_n||^2 ||x_n||^2
+            x, g = rows
+            l2 = torch.linalg.vecdot(g, g)
+            return l2 if name == "bias" else l2.mul_(torch.linalg.vecdot(x, x))
         x, g = _flat(call)
         if name == "bias":
             return g.sum(1).pow_(2).sum(1)
-        n, t, i = x.shape
-        o = g.shape[2]
-        if t == 1:
-            return g.pow(2).sum((1, 2)) * x.pow(2).sum((1, 2))
+        t, i, o = x.shape[1], x.shape[2], g.shape[2]
         if t * (o + i) < o * i:
             return torch.einsum("nts,nts->n", g @ g.transpose(1, 2), x @ x.transpose(1, 2))
         return None
 
     def sum_grad_squared(self, call, name):
-        x, g = _flat(call)
-        if name == "bias":
-            return g.sum(1).pow_(2).sum(0)
-        if x.shape[1] == 1:
-            return g[:, 0].pow(2).T @ x[:, 0].pow(2)
-        return None
+        rows = _rows(call)
+        if rows is None:
+            return _flat(call)[1].sum(1).pow_(2).sum(0) if name == "bias" else None
+        x, g = rows
+        g2 = g.square()
+        return g2.sum(0) if name == "bias" else g2.T @ x.square()
 
     def column_grads(self, call, columns, name):
         """``[N, K, O, I]`` by one batched matmul over samples (inputs are not repeated)."""
@@ -89,10 +103,9 @@ class LinearRule(LayerRule):
         return v2.unsqueeze(2) * x2.unsqueeze(1) if batched else v2.T @ x2
 
     def grad_sum(self, call, name):
-        x, g = _flat(call)
-        if name == "bias":
-            return g.sum((0, 1))
-        return g.flatten(0, 1).T @ x.flatten(0, 1)
+        x, g = call.input, call.grad_out
+        g = g.reshape(-1, g.shape[-1])
+        return g.sum(0) if name == "bias" else g.T @ x.reshape(-1, x.shape[-1])
 
     def kron_factors(self, call, columns, name, approx, n):
         if name != "weight":
