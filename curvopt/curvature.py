@@ -8,6 +8,10 @@ columns to the output of every extended module (``propagate``), giving ``V = J_y
 and each module turns ``V`` and its saved input into diagonals or Kronecker factors. Any graph
 works: residual adds, functional ops, attention, reused modules.
 
+``EKFAC`` (eigenvalue-corrected curvature): the factors of its fresh bases are made here, with
+the other Kronecker factors, and held in the result buffer; ``S`` is computed from each call's
+inputs and output gradients in the module hooks that follow (``reducer``).
+
 That nothing outside the extended losses feeds the gradients (a term of the objective whose
 curvature this would miss) is checked on every pass without propagating anything: hooks on the
 graph's nodes compare the gradient each receives with what its consumers sent (``checks``).
@@ -35,6 +39,16 @@ from curvopt.rows import establish
 
 #: bound on the elements of propagated columns held at once (all module outputs together)
 _COLUMN_BUDGET = 1 << 25
+
+
+#: the producers made from each call's Kronecker factors (``EKFAC``'s: of its fresh bases)
+_FACTORED = (Producer.KRONECKER, Producer.EIGEN_CORRECTED)
+
+
+def _fresh_bases(ext, calls) -> bool:
+    """Whether the ``EKFAC`` extension ``ext`` needs this pass's factors for a parameter of
+    ``calls`` (one without supplied bases)."""
+    return any(ext.supplied(p) is None for record in calls for _, p in trainable(record.module))
 
 
 def check_reduction(loss_module) -> None:
@@ -78,7 +92,11 @@ class CurvaturePass:
         )
         groups = defaultdict(list)
         for ext in self.exts:
-            if ext.quantity.producer is Producer.KFRA:
+            if ext.quantity.producer is Producer.EIGEN_CORRECTED:
+                self.results.note_loss(self.loss)  # S's scale: its reduction
+                if not _fresh_bases(ext, calls):
+                    continue  # every basis supplied: S from the module hooks alone
+            elif ext.quantity.producer is Producer.KFRA:
                 continue
             key = ("mc", ext.options["mc_samples"]) if ext.source == "mc" else ("exact", 0)
             groups[key].append(ext)
@@ -124,7 +142,7 @@ class CurvaturePass:
         return max(1, _COLUMN_BUDGET // per_column)
 
     def _propagate(self, rule, calls, exts, source, mc_samples) -> None:
-        kron_exts = [e for e in exts if e.quantity.producer is Producer.KRONECKER]
+        kron_exts = [e for e in exts if e.quantity.producer in _FACTORED]
         diag_exts = [e for e in exts if e not in kron_exts]
         for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
             outs = to_calls(self.loss.output, calls, cols, self.batched)
@@ -139,13 +157,20 @@ class CurvaturePass:
             return
         for name, p in trainable(record.module):
             for ext in kron_exts:
+                basis = ext.quantity.producer is Producer.EIGEN_CORRECTED
+                if basis and ext.supplied(p) is not None:
+                    continue
                 try:
                     factors = kron_factors(call, columns, name, p, ext.options["kfac_approx"], n)
                 except UnsupportedKroneckerError as error:
                     self.results.skip(p, ext.attr, error, record)
-                    if self.bp.skip_diagonal:
+                    if self.bp.skip_diagonal and not basis:
                         d = diag_from_columns(rule_for(call.module), call, columns, name, False, n)
                         self.results.add([Term(p, ext.fallback.attr, d)])
                     continue
                 index = output_factor_index(call.module, name)
-                self.results.add([Factors(p, ext.attr, record, factors, index)])
+                contribution = Factors(p, ext.attr, record, factors, index)
+                if basis:  # EKFAC's fresh basis: S follows in the module hooks (reducer)
+                    self.results.add_basis(contribution)
+                else:
+                    self.results.add([contribution])

@@ -1,0 +1,64 @@
+"""Eigen-corrected curvature (``EKFAC``, George et al. 2018) on the canonical weight-sharing
+format of ``layers.kron``: second moments of per-sample gradients in a Kronecker eigenbasis.
+
+In a basis ``bases = [Q_0, Q_1]`` (``[Q_0]``, ``[]``: a missing factor is the identity) the
+moment is ``Σ_n (Q_0ᵀ G_n Q_1)²`` with ``G_n`` the per-sample gradient as a ``[dim Q_0, ·]``
+matrix (:func:`as_rows`). On the canonical format, ``G_n = b_nᵀ a_n`` for output gradients
+``b [N, P, O]`` and inputs ``a [N, P, I]``, so :func:`eigen_moment` rotates ``a`` and ``b``
+instead of ``G_n``: ``Σ_n (b̃_nᵀ ã_n)²`` with ``ã = a Q_1``, ``b̃ = b Q_0``, which for ``P = 1``
+is ``(b̃²)ᵀ (ã²)`` (no per-sample gradient formed). :func:`eigen_moment_of` is the same from
+materialised per-sample gradients (the default of ``LayerRule.eigen_correction``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: elements of per-sample (rotated) gradients held at once
+CHUNK_ELEMENTS = 1 << 21
+
+
+def as_rows(tensor: torch.Tensor, bases, leading: int = 0) -> torch.Tensor:
+    """``tensor`` (``[*lead, *p.shape]``, ``leading`` leading dims) as ``[*lead, dim Q_0, ·]``
+    matrices (``[*lead, 1, numel]`` without a basis)."""
+    rows = bases[0].shape[0] if bases else 1
+    return tensor.reshape(*tensor.shape[:leading], rows, -1)
+
+
+def rotate(bases, matrix: torch.Tensor, back: bool = False) -> torch.Tensor:
+    """``Q_0ᵀ M Q_1`` into the eigenbasis (``back``: ``Q_0 M Q_1ᵀ`` out of it), for ``M`` of
+    shape ``[..., dim Q_0, dim Q_1]``; a missing factor is the identity. In ``bases``' dtype."""
+    if bases:
+        matrix = matrix.to(bases[0].dtype)
+        matrix = (bases[0] if back else bases[0].mT) @ matrix
+    if len(bases) == 2:
+        matrix = matrix @ (bases[1].mT if back else bases[1])
+    return matrix
+
+
+def eigen_moment_of(grads: torch.Tensor, bases) -> torch.Tensor:
+    """``Σ_n (Q_0ᵀ G_n Q_1)²`` from per-sample gradients ``grads [N, *p.shape]``
+    (``N (dim Q_0² dim Q_1 + dim Q_0 dim Q_1²)`` flops, a rotated copy of ``grads``)."""
+    rotated = rotate(bases, as_rows(grads, bases, leading=1))
+    squared = rotated.square_() if bases else rotated.square()  # in place: a fresh product
+    return squared.sum(0)
+
+
+def eigen_moment(left: torch.Tensor, right: torch.Tensor, bases) -> torch.Tensor:
+    """``Σ_n (Q_0ᵀ left_nᵀ right_n Q_1)²`` for ``left [N, P, dim Q_0]`` (output gradients) and
+    ``right [N, P, dim Q_1]`` (inputs), ``bases = [Q_0, Q_1]``: the operands rotated
+    (``N P (dim Q_0² + dim Q_1²)`` flops); for ``P = 1`` a product of their squares, else the
+    rotated per-sample gradients ``[n, dim Q_0, dim Q_1]`` by batched products over chunks of
+    samples (``N P dim Q_0 dim Q_1`` flops)."""
+    q0, q1 = bases
+    left, right = left.to(q0.dtype) @ q0, right.to(q1.dtype) @ q1
+    if left.shape[1] == 1:
+        return left[:, 0].square().T @ right[:, 0].square()
+    n = left.shape[0]
+    step = max(1, CHUNK_ELEMENTS // (q0.shape[0] * q1.shape[0]))
+    total = None
+    for start in range(0, n, step):
+        chunk = torch.bmm(left[start : start + step].mT, right[start : start + step])
+        chunk = chunk.square_().sum(0)
+        total = chunk if total is None else total.add_(chunk)
+    return total
