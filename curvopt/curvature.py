@@ -93,7 +93,7 @@ class CurvaturePass:
         groups = defaultdict(list)
         for ext in self.exts:
             if ext.quantity.producer is Producer.EIGEN_CORRECTED:
-                self.results.note_loss(self.loss)  # S's scale: its reduction
+                self._note_reduction(ext)
                 if not _fresh_bases(ext, calls):
                     continue  # every basis supplied: S from the module hooks alone
             elif ext.quantity.producer is Producer.KFRA:
@@ -110,6 +110,18 @@ class CurvaturePass:
         kfra_exts = [e for e in self.exts if e.quantity.producer is Producer.KFRA]
         if kfra_exts:
             self.results.add(kfra(self, rule, calls, kfra_exts))
+
+    def _note_reduction(self, ext) -> None:
+        """``EKFAC``'s scale is that of this pass's one loss: note it, and check it against
+        the reduction ``ext`` expects (if it says)."""
+        self.results.note_loss(self.loss)
+        expected, actual = ext.options["reduction"], getattr(self.loss.module, "reduction", None)
+        if expected is not None and expected != actual:
+            raise UnsupportedLossError(
+                f"{ext!r} expects a loss with reduction={expected!r}, but "
+                f"{type(self.loss.module).__name__} has reduction={actual!r}; make them agree "
+                "(optim.EKFAC: its reduction= argument, or leave it None to take the loss's)"
+            )
 
     def columns(self, rule, source: str, mc_samples: int, chunk: int):
         """Chunks ``[k, *output.shape]`` of the (scaled) square-root factor, rows packed by

@@ -146,6 +146,8 @@ class EKFAC(_MonteCarlo):
     for fresh bases) supplies the bases of those parameters: no factors are computed for them,
     only ``S`` in the given basis (any orthogonal matrices of the right sizes; ``[]`` is the
     identity, ``S`` then ``[1, numel]``), and ``p.ekfac`` holds the supplied tensors.
+    ``reduction`` (``"mean"``/``"sum"``, optional): the one the caller expects; a loss with
+    another raises.
 
     Costs: a dense layer without weight sharing never forms a per-sample gradient,
     ``S = c (b̃²)ᵀ (ã²)`` with ``ã = a Q_1``, ``b̃ = b Q_0`` the rotated inputs and output
@@ -159,13 +161,24 @@ class EKFAC(_MonteCarlo):
     quantity = Quantity("ekfac", Kind.FACTORS, Combine.SAME_BASIS, Producer.EIGEN_CORRECTED)
 
     def __init__(
-        self, mc_samples: int = 1, factors: str = "kfac", kfac_approx: str = "expand", bases=None
+        self,
+        mc_samples: int = 1,
+        factors: str = "kfac",
+        kfac_approx: str = "expand",
+        bases=None,
+        reduction=None,
     ):
         if factors not in ("kfac", "kflr"):
             raise ValueError(f"EKFAC: factors must be 'kfac' or 'kflr', got {factors!r}")
+        if reduction not in (None, "mean", "sum"):
+            raise ValueError(f"EKFAC: reduction must be None, 'mean' or 'sum', got {reduction!r}")
         _check_approx(type(self).__name__, kfac_approx)
         super().__init__(
-            mc_samples=mc_samples, factors=factors, kfac_approx=kfac_approx, bases=_supplied(bases)
+            mc_samples=mc_samples,
+            factors=factors,
+            kfac_approx=kfac_approx,
+            bases=_supplied(bases),
+            reduction=reduction,
         )
         self.source = "mc" if factors == "kfac" else "exact"
 
