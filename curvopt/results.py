@@ -128,7 +128,15 @@ class ResultBuffer:
             uses = self.basis_uses.get(key)
             if not uses:
                 return None
-            self.bases[key] = [psd_eigh(f)[1] for f in _combined(uses)[1]]
+            factors = _combined(uses)[1]
+            for index, factor in enumerate(factors):
+                if not bool(factor.isfinite().all()):
+                    raise FloatingPointError(
+                        f"EKFAC: the Kronecker factor {index} of parameter {name_of(p)!r} is not "
+                        "finite (its inputs or output gradients overflowed), so it has no "
+                        "eigenbasis; check the loss and the learning rate, or the input scale"
+                    )
+            self.bases[key] = [psd_eigh(f)[1] for f in factors]
         return self.bases[key]
 
     def note_loss(self, record) -> None:

@@ -387,3 +387,13 @@ def test_invalid_options_raise():
         ext.EKFAC(bases=[torch.eye(2)])
     with pytest.raises(ValueError, match="mc_samples"):
         ext.EKFAC(mc_samples=0)
+
+
+def test_a_non_finite_factor_raises_naming_the_parameter_and_writes_nothing():
+    model, lossfunc, layout, x, y = _problem("mlp", 4, "sum")
+    model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
+    x = x.clone()
+    x[0, 0] = 1e200  # x xᵀ overflows; the gradients stay finite where the tanh saturates
+    with pytest.raises(FloatingPointError, match=r"factor 1 of parameter '0.weight'"):
+        _collect(model, lossfunc, layout, x, y, ext.EKFAC(factors="kflr"))
+    assert not hasattr(model[0].weight, "ekfac")
