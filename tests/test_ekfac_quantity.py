@@ -6,6 +6,8 @@ same seed, or supplied orthogonal matrices)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -397,3 +399,27 @@ def test_a_non_finite_factor_raises_naming_the_parameter_and_writes_nothing():
     with pytest.raises(FloatingPointError, match=r"factor 1 of parameter '0.weight'"):
         _collect(model, lossfunc, layout, x, y, ext.EKFAC(factors="kflr"))
     assert not hasattr(model[0].weight, "ekfac")
+
+
+def test_skip_unsupported_leaves_out_only_the_layers_without_factors():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 4, 2, groups=2), nn.Flatten(), nn.Linear(16, 3)).to(DT)
+    x, y = _images((4, 3, 3))(torch.Generator().manual_seed(1), 3)
+    grads = _per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+    model, lossfunc = curvopt.extend(model), curvopt.extend(nn.CrossEntropyLoss())
+    written = {}
+    for extension in (ext.EKFAC(), ext.KFAC()):
+        torch.manual_seed(3)
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            with curvopt.collect(extension, skip_unsupported=True) as collecting:
+                lossfunc(model(x), y).backward()
+        assert list(collecting.skipped) == ["0.weight"]
+        written[extension.attr] = {k: getattr(p, extension.attr, None) for k, p in model.named_parameters()}
+    assert written["ekfac"]["0.weight"] is None
+    for k, p in model.named_parameters():
+        if k != "0.weight":
+            bases = [psd_eigh(f)[1] for f in written["kfac"][k]]
+            torch.testing.assert_close(
+                written["ekfac"][k][0], _moment(grads[k], bases, 3), rtol=1e-10, atol=1e-13
+            )

@@ -45,8 +45,9 @@ def eigen_moment_of(grads: torch.Tensor, bases) -> torch.Tensor:
 
 
 def eigen_moment(left: torch.Tensor, right: torch.Tensor, bases) -> torch.Tensor:
-    """``Σ_n (Q_0ᵀ left_nᵀ right_n Q_1)²`` for ``left [N, P, dim Q_0]`` (output gradients) and
-    ``right [N, P, dim Q_1]`` (inputs), ``bases = [Q_0, Q_1]``: the operands rotated
+    """``Σ_n (Q_0ᵀ left_nᵀ right_n Q_1)²`` for ``left [N, P, dim Q_0]`` and ``right [N, P,
+    dim Q_1]`` with ``G_n = left_nᵀ right_n`` (``Linear``: output gradients and inputs; Hugging
+    Face's ``Conv1D``: inputs and output gradients), ``bases = [Q_0, Q_1]``: the operands rotated
     (``N P (dim Q_0² + dim Q_1²)`` flops); for ``P = 1`` a product of their squares, else the
     rotated per-sample gradients ``[n, dim Q_0, dim Q_1]`` by batched products over chunks of
     samples (``N P dim Q_0 dim Q_1`` flops)."""
