@@ -60,6 +60,11 @@ class Tokens(nn.Module):
         return self.out(torch.tanh(self.emb(idx)))
 
 
+class _Transpose(nn.Module):
+    def forward(self, x):
+        return x.transpose(1, 2)
+
+
 class Reused(nn.Module):
     """One Linear applied twice: its weight is used by two calls."""
 
@@ -125,6 +130,20 @@ MODELS = {
         _plain,
     ),
     "sequence": (Sequence, _sequence, _flat),
+    # positions fewer than the channels: the rotated operands' path (layers.eigenbasis)
+    "wide": (
+        lambda: nn.Sequential(
+            nn.Conv2d(6, 8, 2),
+            nn.Tanh(),
+            nn.Flatten(2),
+            _Transpose(),
+            nn.Linear(8, 10),
+            nn.Flatten(),
+            nn.Linear(40, 3),
+        ),
+        _images((6, 3, 3)),
+        _plain,
+    ),
     "embedding": (Tokens, _tokens, _flat),
     "reused": (Reused, _images((4,)), _plain),
 }
@@ -189,7 +208,7 @@ def _random_bases(model):
     return bases
 
 
-FRESH = ["mlp", "cnn", "conv1d_3d", "sequence", "embedding", "reused"]
+FRESH = ["mlp", "cnn", "conv1d_3d", "sequence", "wide", "embedding", "reused"]
 
 
 @pytest.mark.parametrize("factors", ["kfac", "kflr"])

@@ -5,8 +5,10 @@ In a basis ``bases = [Q_0, Q_1]`` (``[Q_0]``, ``[]``: a missing factor is the id
 moment is ``Σ_n (Q_0ᵀ G_n Q_1)²`` with ``G_n`` the per-sample gradient as a ``[dim Q_0, ·]``
 matrix (:func:`as_rows`). On the canonical format, ``G_n = b_nᵀ a_n`` for output gradients
 ``b [N, P, O]`` and inputs ``a [N, P, I]``, so :func:`eigen_moment` rotates ``a`` and ``b``
-instead of ``G_n``: ``Σ_n (b̃_nᵀ ã_n)²`` with ``ã = a Q_1``, ``b̃ = b Q_0``, which for ``P = 1``
-is ``(b̃²)ᵀ (ã²)`` (no per-sample gradient formed). :func:`eigen_moment_of` is the same from
+instead of ``G_n`` where that is cheaper (``P (O² + I²) ≤ O I (O + I)``): ``Σ_n (b̃_nᵀ ã_n)²``
+with ``ã = a Q_1``, ``b̃ = b Q_0``, which for ``P = 1`` is ``(b̃²)ᵀ (ã²)`` (no per-sample
+gradient formed); with many positions (a convolution whose locations outnumber its channels)
+it forms ``G_n`` chunk by chunk and rotates it. :func:`eigen_moment_of` is the same from
 materialised per-sample gradients (the default of ``LayerRule.eigen_correction``).
 """
 
@@ -45,21 +47,30 @@ def eigen_moment_of(grads: torch.Tensor, bases) -> torch.Tensor:
 
 
 def eigen_moment(left: torch.Tensor, right: torch.Tensor, bases) -> torch.Tensor:
-    """``Σ_n (Q_0ᵀ left_nᵀ right_n Q_1)²`` for ``left [N, P, dim Q_0]`` and ``right [N, P,
-    dim Q_1]`` with ``G_n = left_nᵀ right_n`` (``Linear``: output gradients and inputs; Hugging
-    Face's ``Conv1D``: inputs and output gradients), ``bases = [Q_0, Q_1]``: the operands rotated
-    (``N P (dim Q_0² + dim Q_1²)`` flops); for ``P = 1`` a product of their squares, else the
-    rotated per-sample gradients ``[n, dim Q_0, dim Q_1]`` by batched products over chunks of
-    samples (``N P dim Q_0 dim Q_1`` flops)."""
+    """``Σ_n (Q_0ᵀ left_nᵀ right_n Q_1)²`` for ``left [N, P, d_0]`` and ``right [N, P, d_1]``
+    with ``G_n = left_nᵀ right_n`` (``Linear``: output gradients and inputs; Hugging Face's
+    ``Conv1D``: inputs and output gradients), ``bases = [Q_0, Q_1]``.
+
+    Per sample, rotating the operands costs ``P (d_0² + d_1²)`` flops and rotating ``G_n``
+    ``d_0 d_1 (d_0 + d_1)``; the cheaper is taken. Rotated operands and ``P = 1`` (a dense layer
+    without sharing): ``(left Q_0)²ᵀ (right Q_1)²``, no per-sample gradient formed. Otherwise
+    the per-sample gradients (in the eigenbasis when the operands were rotated) are formed by
+    batched products over chunks of samples (``P d_0 d_1`` flops each, ``CHUNK_ELEMENTS`` at
+    once), never all of ``[N, d_0, d_1]``."""
     q0, q1 = bases
-    left, right = left.to(q0.dtype) @ q0, right.to(q1.dtype) @ q1
-    if left.shape[1] == 1:
-        return left[:, 0].square().T @ right[:, 0].square()
+    d0, d1, positions = q0.shape[0], q1.shape[0], left.shape[1]
+    operands = positions * (d0 * d0 + d1 * d1) <= d0 * d1 * (d0 + d1)
+    if operands:
+        left, right = left.to(q0.dtype) @ q0, right.to(q1.dtype) @ q1
+        if positions == 1:
+            return left[:, 0].square().T @ right[:, 0].square()
     n = left.shape[0]
-    step = max(1, CHUNK_ELEMENTS // (q0.shape[0] * q1.shape[0]))
+    step = max(1, CHUNK_ELEMENTS // (d0 * d1))
     total = None
     for start in range(0, n, step):
         chunk = torch.bmm(left[start : start + step].mT, right[start : start + step])
+        if not operands:
+            chunk = rotate(bases, chunk)
         chunk = chunk.square_().sum(0)
         total = chunk if total is None else total.add_(chunk)
     return total
