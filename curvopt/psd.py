@@ -59,4 +59,3 @@ def _finite_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not bool(eigenvalues.isfinite().all() & eigenvectors.isfinite().all()):
         eigenvalues, eigenvectors = (t.to(matrix.dtype) for t in torch.linalg.eigh(matrix.double()))
     return eigenvalues.clamp(min=0), eigenvectors
-

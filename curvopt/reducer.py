@@ -83,7 +83,9 @@ class FirstOrderReducer:
                     self.results.put(p, ext.attr, None)
         else:
             self._reduce(p, rule, call, name)
-            self._correct(p, call.batch_size, lambda bases: rule.eigen_correction(call, name, bases))
+            self._correct(
+                p, call.batch_size, lambda bases: rule.eigen_correction(call, name, bases)
+            )
 
     def add_total(self, p, rule, call, name, total) -> None:
         """This call's ``sum_n g_n`` for the checks (computed in chunks if the rule has no fast
@@ -137,7 +139,7 @@ class FirstOrderReducer:
                 sgs = sum_of_squares(batch) if want_sgs else None
                 total = batch.sum(0) if Producer.MOMENTS in first else None
                 self._store(p, l2, sgs, total)
-            self._correct(p, batch.shape[0], lambda bases: eigen_moment_of(batch, bases))
+            self._correct(p, len(batch), lambda bases, batch=batch: eigen_moment_of(batch, bases))
 
     def _correct(self, p, n: int, moment) -> None:
         """``p.ekfac = [c · moment(bases), *bases]`` for every ``EKFAC`` extension."""
@@ -186,7 +188,9 @@ def _checked(p, bases):
         for q, size in zip(bases, sizes)
     )
     if not ok:
-        shapes = [tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__ for q in bases]
+        shapes = [
+            tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__ for q in bases
+        ]
         raise ValueError(
             f"EKFAC: the bases supplied for parameter {name_of(p)!r} (shape {tuple(p.shape)}) "
             f"are {shapes}; expected square matrices of sizes {sizes} (or a prefix of them)"

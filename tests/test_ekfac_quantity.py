@@ -86,7 +86,10 @@ def _plain(lossfunc):
 
 
 def _images(shape):
-    return lambda g, n: (torch.randn(n, *shape, generator=g, dtype=DT), torch.randint(0, 3, (n,), generator=g))
+    return lambda g, n: (
+        torch.randn(n, *shape, generator=g, dtype=DT),
+        torch.randint(0, 3, (n,), generator=g),
+    )
 
 
 def _sequence(g, n):
@@ -149,8 +152,8 @@ MODELS = {
 }
 
 
-def _problem(name, n, reduction):
-    build, batch, layout = MODELS[name]
+def _problem(name, n, reduction, models=MODELS):
+    build, batch, layout = models[name]
     torch.manual_seed(0)
     model = build().to(DT)
     x, y = batch(torch.Generator().manual_seed(1), n)
@@ -237,21 +240,27 @@ def test_fresh_bases_are_the_factors_eigenvectors_and_s_the_rotated_second_momen
         torch.testing.assert_close(S, reference, rtol=1e-10, atol=1e-13), k
 
 
+#: layers without Kronecker factors: S in supplied bases only
+SUPPLIED_ONLY = {
+    "grouped": (
+        lambda: nn.Sequential(nn.Conv2d(4, 4, 2, groups=2), nn.Flatten(), nn.Linear(16, 3)),
+        _images((4, 3, 3)),
+        _plain,
+    ),
+    "transposed": (
+        lambda: nn.Sequential(
+            nn.ConvTranspose2d(2, 3, 2, stride=2), nn.Tanh(), nn.Flatten(), nn.Linear(48, 3)
+        ),
+        _images((2, 2, 2)),
+        _plain,
+    ),
+}
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("name", list(MODELS) + ["grouped"])
+@pytest.mark.parametrize("name", list(MODELS) + list(SUPPLIED_ONLY))
 def test_supplied_bases_give_s_in_that_basis_without_any_factors(name, reduction, monkeypatch):
-    if name == "grouped":
-        MODELS["grouped"] = (
-            lambda: nn.Sequential(
-                nn.Conv2d(4, 4, 2, groups=2), nn.Flatten(), nn.Linear(16, 3)
-            ),
-            _images((4, 3, 3)),
-            _plain,
-        )
-    try:
-        model, lossfunc, layout, x, y = _problem(name, 3, reduction)
-    finally:
-        MODELS.pop("grouped", None)
+    model, lossfunc, layout, x, y = _problem(name, 3, reduction, {**MODELS, **SUPPLIED_ONLY})
     grads = _per_sample_grads(model, layout(lossfunc), x, y)
     model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
     bases = _random_bases(model)
@@ -274,7 +283,9 @@ def test_a_callable_and_partial_bases_mix_supplied_and_fresh():
     model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
     first = model[0].weight
     supplied = _random_bases(model)[first]
-    _collect(model, lossfunc, layout, x, y, ext.EKFAC(bases=lambda p: supplied if p is first else None))
+    _collect(
+        model, lossfunc, layout, x, y, ext.EKFAC(bases=lambda p: supplied if p is first else None)
+    )
     ekfac = {k: p.ekfac for k, p in model.named_parameters()}
     _collect(model, lossfunc, layout, x, y, ext.KFAC())
     for k, p in model.named_parameters():
@@ -355,7 +366,9 @@ def test_with_batch_grad_s_comes_from_the_materialised_gradients_alike():
     _collect(model, lossfunc, layout, x, y, ext.EKFAC(bases=bases), ext.BatchGrad())
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.grad_batch, grads[k], rtol=1e-10, atol=1e-13)
-        torch.testing.assert_close(p.ekfac[0], _moment(grads[k], bases[p], 1), rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(
+            p.ekfac[0], _moment(grads[k], bases[p], 1), rtol=1e-10, atol=1e-13
+        )
 
 
 def test_grouped_convolution_with_fresh_bases_raises_naming_the_module():
@@ -434,9 +447,11 @@ def test_skip_unsupported_leaves_out_only_the_layers_without_factors():
             with curvopt.collect(extension, skip_unsupported=True) as collecting:
                 lossfunc(model(x), y).backward()
         assert list(collecting.skipped) == ["0.weight"]
-        written[extension.attr] = {k: getattr(p, extension.attr, None) for k, p in model.named_parameters()}
+        written[extension.attr] = {
+            k: getattr(p, extension.attr, None) for k, p in model.named_parameters()
+        }
     assert written["ekfac"]["0.weight"] is None
-    for k, p in model.named_parameters():
+    for k, _ in model.named_parameters():
         if k != "0.weight":
             bases = [psd_eigh(f)[1] for f in written["kfac"][k]]
             torch.testing.assert_close(
