@@ -6,10 +6,11 @@ factors of :class:`~curvopt.linalg.KFAC` (accumulated over all of ``data``) and
 ``vec S = diag(Qᵀ EF Q)``, ``EF`` the empirical Fisher of all of ``data`` from the per-sample
 gradients (extension ``EKFAC`` in the supplied bases ``Q``, one pass per batch; scaled like
 the GGN: ``(1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ`` for "mean", the sum for "sum", ``N`` the samples).
-Batches are weighted as in :mod:`curvopt.linalg.base`: batch ``b`` contributes ``S_b = N_b Σ_{n∈b} (Q_Bᵀ G_n Q_A)²`` ("mean", weight ``N_b / N``) or
-``Σ_{n∈b} (...)²`` ("sum"), the optimizer's correction of that batch. With per-sample loss
-rows (dim 0 of the loss input the samples) it is the projection of
-:class:`~curvopt.linalg.EmpiricalFisher` onto the matrices diagonal in ``Q``.
+Batches are weighted as in :mod:`curvopt.linalg.base`: batch ``b`` contributes ``S_b = N_b
+Σ_{n∈b} (Q_Bᵀ G_n Q_A)²`` ("mean", weight ``N_b / N``) or ``Σ_{n∈b} (...)²`` ("sum"), the
+optimizer's correction of that batch. With per-sample loss rows (dim 0 of the loss input the
+samples) it is the projection of :class:`~curvopt.linalg.EmpiricalFisher` onto the matrices
+diagonal in ``Q``.
 """
 
 from __future__ import annotations
