@@ -15,6 +15,7 @@ from torch.func import functional_call
 
 import curvopt
 from curvopt import extensions as ext
+from fixtures import zoo
 from curvopt.errors import AccumulationError, UnsupportedKroneckerError, UnsupportedLossError
 from curvopt.layers.linear import LinearRule
 from curvopt.psd import psd_eigh
@@ -457,3 +458,37 @@ def test_skip_unsupported_leaves_out_only_the_layers_without_factors():
             torch.testing.assert_close(
                 written["ekfac"][k][0], _moment(grads[k], bases, 3), rtol=1e-10, atol=1e-13
             )
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", ["gpt", "bert", "resnet_block"])
+def test_zoo_models_in_supplied_and_fresh_bases(name, reduction):
+    """Attention, position embeddings of a shared ``arange`` (broadcast), tied weights,
+    LayerNorm, residual convolutions: against the loop over samples."""
+    problem = getattr(zoo, name)(reduction=reduction)
+    x, y = problem.make_batch(3, 0)
+    grads = _per_sample_grads(problem.model, problem.loss_on, x, y)
+    model, lossfunc = curvopt.extend(problem.model), curvopt.extend(problem.lossfunc)
+    scale = 3 if reduction == "mean" else 1
+    bases = _random_bases(model)
+    model.zero_grad()
+    with curvopt.collect(ext.EKFAC(bases=bases)):
+        problem.loss_of(model, x, y).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(
+            p.ekfac[0], _moment(grads[k], bases[p], scale), rtol=1e-10, atol=1e-13
+        )
+    written = {}
+    for extension in (ext.EKFAC(), ext.KFAC()):
+        torch.manual_seed(3)
+        model.zero_grad()
+        with curvopt.collect(extension):
+            problem.loss_of(model, x, y).backward()
+        written[extension.attr] = {
+            k: getattr(p, extension.attr) for k, p in model.named_parameters()
+        }
+    for k, _ in model.named_parameters():
+        fresh = [psd_eigh(f)[1] for f in written["kfac"][k]]
+        S, *basis = written["ekfac"][k]
+        assert all(torch.equal(a, b) for a, b in zip(basis, fresh)) and len(basis) == len(fresh)
+        torch.testing.assert_close(S, _moment(grads[k], fresh, scale), rtol=1e-10, atol=1e-13)
