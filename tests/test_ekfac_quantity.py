@@ -468,7 +468,8 @@ def test_zoo_models_in_supplied_and_fresh_bases(name, reduction):
     problem = getattr(zoo, name)(reduction=reduction)
     x, y = problem.make_batch(3, 0)
     grads = _per_sample_grads(problem.model, problem.loss_on, x, y)
-    model, lossfunc = curvopt.extend(problem.model), curvopt.extend(problem.lossfunc)
+    model = curvopt.extend(problem.model)
+    curvopt.extend(problem.lossfunc)  # the loss that loss_of calls
     scale = 3 if reduction == "mean" else 1
     bases = _random_bases(model)
     model.zero_grad()
