@@ -294,8 +294,13 @@ def test_a_callable_and_partial_bases_mix_supplied_and_fresh():
         torch.testing.assert_close(ekfac[k][0], _moment(grads[k], bases, 5), rtol=1e-10, atol=1e-13)
 
 
-@pytest.mark.parametrize("name", ["mlp", "sequence"])
+@pytest.mark.parametrize("name", ["mlp", "sequence", "wide"])
 def test_dense_layers_never_materialise_per_sample_weight_gradients(name, monkeypatch):
+    """``batch_grad`` (``[N, *p.shape]``) is never called for a ``Linear`` weight: ``P = 1``
+    forms no per-sample gradient, ``P > 1`` one chunk of samples at a time (here one sample:
+    the chunking is exercised)."""
+    monkeypatch.setattr("curvopt.layers.eigenbasis.CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr("curvopt.layers.registry.CHUNK_ELEMENTS", 1)
     model, lossfunc, layout, x, y = _problem(name, 4, "mean")
     grads = _per_sample_grads(model, layout(lossfunc), x, y)
     model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
