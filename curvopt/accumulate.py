@@ -10,7 +10,10 @@ How is each quantity's declared ``combine`` (``extensions.Combine``):
   ``sum g^2 / N - (sum g / N)^2`` over all ``N`` samples so far;
 * ``FACTORS``: the output-side factor ``B`` adds, the input-side factor (a mean over samples)
   is averaged with weights ``N_i``;
-* ``RAISES`` (KFRA's recursively averaged factors): a second pass raises.
+* ``RAISES`` (KFRA's recursively averaged factors): a second pass raises;
+* ``SAME_BASIS`` (``ekfac = [S, *bases]``): ``S`` adds (each pass scaled by its own ``c``, so
+  that it is that of the summed objective, as the GGN is) where both passes used the very same
+  bases (supplied ones); fresh bases differ from pass to pass, and raise.
 """
 
 from __future__ import annotations
@@ -60,10 +63,21 @@ def _raises(attr, *_):
     )
 
 
+def _same_basis(attr, old, new, *_):
+    if len(old) != len(new) or any(a is not b for a, b in zip(old[1:], new[1:])):
+        raise AccumulationError(
+            f"p.{attr} of two backward passes in one collect are in different eigenbases (each "
+            "pass's fresh bases are its own factors'), so their S do not add; supply the bases, "
+            "curvopt.extensions.EKFAC(bases={param: [Q_0, Q_1]}), or run one pass per collect"
+        )
+    return [old[0] + new[0], *new[1:]]
+
+
 _COMBINE = {
     Combine.CONCATENATE: lambda attr, old, new, *_: torch.cat([old, new]),
     Combine.ADD: lambda attr, old, new, *_: old + new,
     Combine.MOMENTS: lambda attr, old, new, *_: (old[0] + new[0], old[1] + new[1]),
     Combine.FACTORS: _factors,
     Combine.RAISES: _raises,
+    Combine.SAME_BASIS: _same_basis,
 }

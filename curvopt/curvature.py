@@ -8,6 +8,10 @@ columns to the output of every extended module (``propagate``), giving ``V = J_y
 and each module turns ``V`` and its saved input into diagonals or Kronecker factors. Any graph
 works: residual adds, functional ops, attention, reused modules.
 
+``EKFAC`` (eigenvalue-corrected curvature): the factors of its fresh bases are made here, with
+the other Kronecker factors, and held in the result buffer; ``S`` is computed from each call's
+inputs and output gradients in the module hooks that follow (``reducer``).
+
 That nothing outside the extended losses feeds the gradients (a term of the objective whose
 curvature this would miss) is checked on every pass without propagating anything: hooks on the
 graph's nodes compare the gradient each receives with what its consumers sent (``checks``).
@@ -35,6 +39,16 @@ from curvopt.rows import establish
 
 #: bound on the elements of propagated columns held at once (all module outputs together)
 _COLUMN_BUDGET = 1 << 25
+
+
+#: the producers made from each call's Kronecker factors (``EKFAC``'s: of its fresh bases)
+_FACTORED = (Producer.KRONECKER, Producer.EIGEN_CORRECTED)
+
+
+def _fresh_bases(ext, calls) -> bool:
+    """Whether the ``EKFAC`` extension ``ext`` needs this pass's factors for a parameter of
+    ``calls`` (one without supplied bases)."""
+    return any(ext.supplied(p) is None for record in calls for _, p in trainable(record.module))
 
 
 def check_reduction(loss_module) -> None:
@@ -84,7 +98,11 @@ class CurvaturePass:
         self.layout = establish(output, output.shape, calls, self.batched, walk, rule.elementwise)
         groups = defaultdict(list)
         for ext in self.exts:
-            if ext.quantity.producer is Producer.KFRA:
+            if ext.quantity.producer is Producer.EIGEN_CORRECTED:
+                self._note_reduction(ext)
+                if not _fresh_bases(ext, calls):
+                    continue  # every basis supplied: S from the module hooks alone
+            elif ext.quantity.producer is Producer.KFRA:
                 continue
             key = ("mc", ext.options["mc_samples"]) if ext.source == "mc" else ("exact", 0)
             groups[key].append(ext)
@@ -98,6 +116,18 @@ class CurvaturePass:
         kfra_exts = [e for e in self.exts if e.quantity.producer is Producer.KFRA]
         if kfra_exts:
             self.results.add(kfra(self, rule, calls, kfra_exts))
+
+    def _note_reduction(self, ext) -> None:
+        """``EKFAC``'s scale is that of this pass's one loss: note it, and check it against
+        the reduction ``ext`` expects (if it says)."""
+        self.results.note_loss(self.loss)
+        expected, actual = ext.options["reduction"], getattr(self.loss.module, "reduction", None)
+        if expected is not None and expected != actual:
+            raise UnsupportedLossError(
+                f"{ext!r} expects a loss with reduction={expected!r}, but "
+                f"{type(self.loss.module).__name__} has reduction={actual!r}; make them agree "
+                "(optim.EKFAC: its reduction= argument, or leave it None to take the loss's)"
+            )
 
     def columns(self, rule, source: str, mc_samples: int, chunk: int):
         """Chunks ``[k, *output.shape]`` of the (scaled) square-root factor, rows packed by
@@ -130,7 +160,7 @@ class CurvaturePass:
         return max(1, _COLUMN_BUDGET // per_column)
 
     def _propagate(self, rule, calls, exts, source, mc_samples) -> None:
-        kron_exts = [e for e in exts if e.quantity.producer is Producer.KRONECKER]
+        kron_exts = [e for e in exts if e.quantity.producer in _FACTORED]
         diag_exts = [e for e in exts if e not in kron_exts]
         for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
             outs = to_calls(self.loss.output, calls, cols, self.batched)
@@ -145,13 +175,20 @@ class CurvaturePass:
             return
         for name, p in trainable(record.module):
             for ext in kron_exts:
+                basis = ext.quantity.producer is Producer.EIGEN_CORRECTED
+                if basis and ext.supplied(p) is not None:
+                    continue
                 try:
                     factors = kron_factors(call, columns, name, p, ext.options["kfac_approx"], n)
                 except UnsupportedKroneckerError as error:
                     self.results.skip(p, ext.attr, error, record)
-                    if self.skip_diagonal:
+                    if self.skip_diagonal and not basis:
                         d = diag_from_columns(rule_for(call.module), call, columns, name, False, n)
                         self.results.add([Term(p, ext.fallback.attr, d)])
                     continue
                 index = output_factor_index(call.module, name)
-                self.results.add([Factors(p, ext.attr, record, factors, index)])
+                contribution = Factors(p, ext.attr, record, factors, index)
+                if basis:  # EKFAC's fresh basis: S follows in the module hooks (reducer)
+                    self.results.add_basis(contribution)
+                else:
+                    self.results.add([contribution])

@@ -1,6 +1,11 @@
 """The first-order reducer: per-sample gradients from the layer rules, reduced for the
 first-order quantities (``FirstOrderReducer``); and the reductions materialised chunk by chunk
-where a rule has no fast path (``reduce_in_chunks``, also used by the gradient-sum checks)."""
+where a rule has no fast path (``reduce_in_chunks``, also used by the gradient-sum checks).
+
+``EKFAC``'s ``S = c · Σ_n (Q_0ᵀ G_n Q_1)²`` is a reduction of the per-sample gradients too, in
+an eigenbasis (supplied, or that of this pass's factors from the loss hook, ``results.basis``):
+each call's from its rule (``LayerRule.eigen_correction``), a parameter used by several calls
+from its materialised per-sample gradients; ``c = N`` for a loss with reduction ``"mean"``."""
 
 from __future__ import annotations
 
@@ -9,8 +14,11 @@ from typing import Dict, Tuple
 import torch
 
 from curvopt.buffers import empty_result
+from curvopt.errors import UnsupportedModuleError
 from curvopt.extensions.quantity import Producer
+from curvopt.layers.eigenbasis import eigen_moment_of
 from curvopt.reductions import squared_norms, sum_of_squares
+from curvopt.results import name_of
 
 #: elements per chunk when per-sample gradients are materialised only to be reduced
 _CHUNK_ELEMENTS = 1 << 20
@@ -47,13 +55,16 @@ class FirstOrderReducer:
     """The first-order producers of one pass: per-sample gradients ``g_n`` of every module call
     and their reductions, put into the result buffer for each attribute a producer writes
     (``MOMENTS``: ``(sum g^2, sum g)``, turned into a variance by ``accumulate``). Each call's
-    ``sum_n g_n`` goes to the checks."""
+    ``sum_n g_n`` goes to the checks. ``EKFAC``'s eigen-corrected moments are made here too
+    (from the module hooks of a second-order pass)."""
 
     def __init__(self, extensions, results, checks):
         #: producer -> the attributes it writes (from each quantity's declaration)
         self.first: Dict[Producer, list] = {}
+        #: the ``EKFAC`` extensions
+        self.corrected = [e for e in extensions if e.quantity.producer is Producer.EIGEN_CORRECTED]
         for ext in extensions:
-            if ext.order == 1:
+            if ext.order == 1 or ext in self.corrected:
                 self.first.setdefault(ext.quantity.producer, []).append(ext.attr)
         self.results, self.checks = results, checks
         self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
@@ -67,8 +78,14 @@ class FirstOrderReducer:
         per-sample gradients are wanted, or ``p`` is used by several calls) or reduced at once."""
         if materialise:
             self._accumulate(p, rule, call, name)
+            for ext in self.corrected:  # S follows from the sum at the end (``finish``)
+                if self._bases(ext, p) is not None:
+                    self.results.put(p, ext.attr, None)
         else:
             self._reduce(p, rule, call, name)
+            self._correct(
+                p, call.batch_size, lambda bases: rule.eigen_correction(call, name, bases)
+            )
 
     def add_total(self, p, rule, call, name, total) -> torch.Tensor:
         """This call's ``sum_n g_n`` for the checks (computed in chunks if the rule has no fast
@@ -123,6 +140,31 @@ class FirstOrderReducer:
                 sgs = sum_of_squares(batch) if want_sgs else None
                 total = batch.sum(0) if Producer.MOMENTS in first else None
                 self._store(p, l2, sgs, total)
+            self._correct(p, len(batch), lambda bases, batch=batch: eigen_moment_of(batch, bases))
+
+    def _correct(self, p, n: int, moment) -> None:
+        """``p.ekfac = [c · moment(bases), *bases]`` for every ``EKFAC`` extension."""
+        for ext in self.corrected:
+            bases = self._bases(ext, p)
+            if bases is None:
+                continue
+            scale = n if self.results.loss.module.reduction == "mean" else 1
+            self.results.put(p, ext.attr, [moment(bases).mul_(scale), *bases])
+
+    def _bases(self, ext, p):
+        """``p``'s bases for ``ext``: supplied (checked), or this pass's; ``None`` where ``p``
+        is skipped (``collect(skip_unsupported=True)``)."""
+        bases = ext.supplied(p)
+        if bases is not None:
+            return _checked(p, list(bases))
+        bases = self.results.basis(p, ext.attr)
+        if bases is None and (id(p), ext.attr) not in self.results.skipped:
+            raise UnsupportedModuleError(
+                f"curvopt: parameter {name_of(p)!r} received a gradient but no Kronecker "
+                "factors for its EKFAC basis: the columns of the extended loss do not reach its "
+                "module's output; supply its bases, EKFAC(bases={param: [Q_0, Q_1]})"
+            )
+        return bases
 
     def _store(self, p, l2, sgs, total) -> None:
         for producer, value in (
@@ -136,6 +178,25 @@ class FirstOrderReducer:
         """``value`` for every attribute ``producer`` writes (copies beyond the first)."""
         for i, attr in enumerate(self.first.get(producer, ())):
             self.results.put(p, attr, value if i == 0 else _copy(value))
+
+
+def _checked(p, bases):
+    """Supplied ``bases``: at most one orthogonal matrix per side of ``p`` as a ``[p.shape[0],
+    ·]`` matrix (``[]`` for a 0-dim ``p``), square and of that side's size."""
+    sizes = [p.shape[0], p[0].numel()] if p.dim() > 1 else list(p.shape)
+    ok = len(bases) <= len(sizes) and all(
+        isinstance(q, torch.Tensor) and q.dim() == 2 and tuple(q.shape) == (size, size)
+        for q, size in zip(bases, sizes)
+    )
+    if not ok:
+        shapes = [
+            tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__ for q in bases
+        ]
+        raise ValueError(
+            f"EKFAC: the bases supplied for parameter {name_of(p)!r} (shape {tuple(p.shape)}) "
+            f"are {shapes}; expected square matrices of sizes {sizes} (or a prefix of them)"
+        )
+    return bases
 
 
 def _copy(value):

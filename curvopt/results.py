@@ -11,6 +11,11 @@ results as contributions; the buffer is the one place that collects them:
   inputs) are combined when the pass ends into the nearest Kronecker product of their sum
   (``layers.kron.nearest_kronecker``); a quantity declared ``Combine.RAISES`` (KFRA, whose
   recursion is for chains) raises instead.
+* the Kronecker factors of a parameter's fresh ``EKFAC`` basis (:meth:`ResultBuffer.add_basis`),
+  collected like :class:`Factors` but never written: :meth:`ResultBuffer.basis` gives their
+  eigenvectors to the reducer, which computes ``S`` in the module hooks (the loss hook, where
+  the factors are made, runs first). ``EKFAC``'s scale depends on the reduction of the pass's
+  loss (:meth:`ResultBuffer.note_loss`: one extended loss per pass).
 
 :meth:`ResultBuffer.write` combines the pending values with the earlier passes of the same
 ``collect`` (``accumulate``) and sets them as attributes; nothing is written before.
@@ -22,9 +27,10 @@ from typing import Dict, Iterable, NamedTuple, Tuple
 
 import torch
 
-from curvopt.errors import module_error
+from curvopt.errors import UnsupportedLossError, module_error
 from curvopt.extensions.quantity import Combine, quantity
 from curvopt.layers.kron import nearest_kronecker
+from curvopt.psd import psd_eigh
 from curvopt.reductions import gram_add_
 
 
@@ -46,6 +52,26 @@ def name_of(p) -> str:
     return getattr(p, "_curvopt_path", f"of shape {tuple(p.shape)}")
 
 
+def _combined(uses) -> Tuple[int, list]:
+    """The output-factor index and the factors of the calls ``uses`` (``record -> (factors,
+    out_index)``) together: one call's own, several calls' nearest Kronecker product."""
+    terms = [uses[r] for r in sorted(uses, key=lambda r: r.seq)]  # forward order
+    factors = [t[0] for t in terms]
+    if len(factors) > 1:
+        return terms[0][1], nearest_kronecker(factors, 1 - terms[0][1])
+    return terms[0][1], factors[0]
+
+
+def _add_use(uses: dict, c: Factors) -> bool:
+    """Add ``c`` into ``uses``: summed into the output-side factor of a call already there
+    (another column chunk or loss), else stored; whether ``c.record`` is new."""
+    if c.record in uses:
+        gram_add_(uses[c.record][0][c.out_index], c.factors[c.out_index])
+        return False
+    uses[c.record] = (c.factors, c.out_index)
+    return True
+
+
 class ResultBuffer:
     """Pending ``p.<attr>`` values of one pass, and the parameters left out
     (``collect(skip_unsupported=...)``: ``skip_into`` receives their names and reasons)."""
@@ -57,6 +83,9 @@ class ResultBuffer:
         self.out_index: Dict[Tuple[int, str], int] = {}
         self.skipped: Dict[Tuple[int, str], Tuple[str, str]] = {}  # (id(p), attr): name, why
         self.skipped_calls: Dict[Tuple[int, str], object] = {}  # (id(p), attr): its record
+        self.basis_uses: Dict[Tuple[int, str], dict] = {}  # (id(p), attr): {call: factors}
+        self.bases: Dict[Tuple[int, str], list] = {}  # (id(p), attr): eigenvectors
+        self.loss = None  # the loss record of an EKFAC pass (note_loss)
 
     def put(self, p, attr: str, value) -> None:
         """``p.<attr> = value`` when the pass has finished."""
@@ -77,10 +106,7 @@ class ResultBuffer:
     def _add_factors(self, c: Factors) -> None:
         key = (id(c.p), c.attr)
         uses = self.kron_uses.setdefault(key, {})
-        if c.record in uses:
-            gram_add_(uses[c.record][0][c.out_index], c.factors[c.out_index])
-            return
-        if uses and quantity(c.attr).combine is Combine.RAISES:
+        if c.record not in uses and uses and quantity(c.attr).combine is Combine.RAISES:
             raise module_error(
                 c.record.module,
                 "KFRA: a module used several times in one backward pass (or a weight tied "
@@ -88,7 +114,42 @@ class ResultBuffer:
             )
         if not uses:
             self.put(c.p, c.attr, None)
-        uses[c.record] = (c.factors, c.out_index)
+        _add_use(uses, c)
+
+    def add_basis(self, c: Factors) -> None:
+        """The factors of one call for ``p``'s fresh ``EKFAC`` basis (never written)."""
+        _add_use(self.basis_uses.setdefault((id(c.p), c.attr), {}), c)
+
+    def basis(self, p, attr: str):
+        """``[Q_0, Q_1]``: the eigenvectors (``psd_eigh``) of ``p``'s factors of this pass
+        (several calls: their nearest Kronecker product, as ``kfac`` writes), or ``None``."""
+        key = (id(p), attr)
+        if key not in self.bases:
+            uses = self.basis_uses.get(key)
+            if not uses:
+                return None
+            factors = _combined(uses)[1]
+            for index, factor in enumerate(factors):
+                if not bool(factor.isfinite().all()):
+                    raise FloatingPointError(
+                        f"EKFAC: the Kronecker factor {index} of parameter {name_of(p)!r} is not "
+                        "finite (its inputs or output gradients overflowed), so it has no "
+                        "eigenbasis; check the loss and the learning rate, or the input scale"
+                    )
+            self.bases[key] = [psd_eigh(f)[1] for f in factors]
+        return self.bases[key]
+
+    def note_loss(self, record) -> None:
+        """The extended loss of an ``EKFAC`` pass, whose reduction fixes ``S``'s scale: one per
+        pass (the per-sample gradients of two losses mix two scalings)."""
+        if self.loss is not None and self.loss is not record:
+            raise UnsupportedLossError(
+                f"EKFAC: one backward pass runs through two extended losses "
+                f"({type(self.loss.module).__name__}, {type(record.module).__name__}), so the "
+                "per-sample gradients mix two loss scalings and S has no single scale; "
+                "backpropagate each loss in its own pass, or add them into one loss module"
+            )
+        self.loss = record
 
     def skip(self, p, attr: str, error: Exception, record) -> None:
         """Leave ``p.<attr>`` out (``collect(skip_unsupported=True)``), or re-raise ``error``.
@@ -114,12 +175,8 @@ class ResultBuffer:
         """Combine with the earlier passes (``n`` samples in this one) and set every pending
         attribute, except on the parameters ``untouched`` (``id(p) -> True``) by this pass."""
         for key, uses in self.kron_uses.items():
-            terms = [uses[r] for r in sorted(uses, key=lambda r: r.seq)]  # forward order
-            self.out_index[key] = terms[0][1]
-            factors = [t[0] for t in terms]
-            if len(factors) > 1:
-                factors = [nearest_kronecker(factors, 1 - terms[0][1])]
-            self.pending[key] = (self.pending[key][0], factors[0])
+            self.out_index[key], factors = _combined(uses)
+            self.pending[key] = (self.pending[key][0], factors)
         if self.skip_into is not None:
             self.skip_into.update(self.skipped.values())
         for (key, attr), (p, value) in self.pending.items():
@@ -132,4 +189,6 @@ class ResultBuffer:
     def clear(self) -> None:
         """Forget everything (the pass failed)."""
         self.kron_uses.clear()
+        self.basis_uses.clear()
+        self.bases.clear()
         self.pending.clear()

@@ -16,9 +16,9 @@ from torch.func import functional_call, grad, vmap
 import curvopt
 from curvopt import extensions as ext
 from curvopt import linalg
-from curvopt.errors import MissingLossError
+from curvopt.errors import MissingLossError, UnsupportedLossError
 from curvopt.optim import EKFAC
-from curvopt.optim.eigen_corrected import eigen_correction, kron_basis
+from curvopt.optim.eigen_corrected import kron_basis
 from experiments.config import RunConfig
 from experiments.optimizers import PRESETS, allowed_options, make_optimizer
 from experiments.problems import get_problem
@@ -69,6 +69,18 @@ def _kron(bases):
     return torch.kron(q, bases[1]) if len(bases) == 2 else q
 
 
+def _moment(grad_batch, bases, scale):
+    """``scale · Σ_n (Q_Bᵀ G_n Q_A)²`` by explicit products over samples."""
+    rows = bases[0].shape[0] if bases else 1
+    total = 0
+    for g in grad_batch:
+        m = g.reshape(rows, -1)
+        m = bases[0].T @ m if bases else m
+        m = m @ bases[1] if len(bases) == 2 else m
+        total = total + m**2
+    return scale * total
+
+
 def _collect(model, lossfunc, x, y, *extensions):
     model.zero_grad()
     with curvopt.collect(*extensions):
@@ -85,18 +97,19 @@ def test_corrected_eigenvalues_are_the_diagonal_of_the_rotated_empirical_fisher(
     model, lossfunc, x, y = _problem(name, n, reduction)
     dense = _dense_empirical_fisher(model, lossfunc, x, y)
     model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
-    _collect(model, lossfunc, x, y, ext.BatchGrad(), ext.KFLR())
-    for p, ef in zip(model.parameters(), dense):
-        bases = kron_basis(p.kflr)
+    _collect(model, lossfunc, x, y, ext.EKFAC(factors="kflr"))
+    written = [p.ekfac for p in model.parameters()]
+    _collect(model, lossfunc, x, y, ext.KFLR())
+    for p, ef, (corrected, *bases) in zip(model.parameters(), dense, written):
+        assert all(torch.equal(q, k) for q, k in zip(bases, kron_basis(p.kflr)))
         q = _kron(bases)
         expected = torch.diagonal(q.T @ ef @ q)
-        scale = n if reduction == "mean" else 1
-        corrected = eigen_correction(p.grad_batch, bases, scale)
         assert corrected.shape == (p.kflr[0].shape[0], p.numel() // p.kflr[0].shape[0])
         torch.testing.assert_close(corrected.flatten(), expected, rtol=1e-10, atol=1e-13)
-        # no basis: the diagonal of the empirical Fisher itself
-        plain = eigen_correction(p.grad_batch, [], scale)
-        torch.testing.assert_close(plain.flatten(), torch.diagonal(ef), rtol=1e-10, atol=1e-13)
+    # no basis: the diagonal of the empirical Fisher itself
+    _collect(model, lossfunc, x, y, ext.EKFAC(bases=lambda p: []))
+    for p, ef in zip(model.parameters(), dense):
+        torch.testing.assert_close(p.ekfac[0].flatten(), torch.diagonal(ef), rtol=1e-10, atol=1e-13)
 
 
 # ----------------------------------------------------------------------------- the optimizer
@@ -121,9 +134,11 @@ def test_step_is_the_dense_damped_newton_step_in_the_corrected_eigenbasis(name, 
     model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
     lr, damping, weight_decay = 0.7, 0.3, 0.05
     opt = EKFAC(model.parameters(), lr, damping, "kflr", weight_decay, reduction=reduction)
+    _collect(model, lossfunc, x, y, ext.KFLR())
+    factors = [[f.clone() for f in p.kflr] for p in model.parameters()]
+    model.zero_grad()
     with opt.collect():
         lossfunc(model(x), y).backward()
-    factors = [[f.clone() for f in p.kflr] for p in model.parameters()]
     before = [(p.detach().clone(), p.grad.clone()) for p in model.parameters()]
     opt.step()
     for p, (theta, g), ef, fs in zip(model.parameters(), before, dense, factors):
@@ -141,26 +156,28 @@ def test_basis_is_refreshed_every_k_steps_and_the_eigenvalues_every_step():
     model, lossfunc, x, y = _problem("mlp", 30, "mean")
     model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
     opt = EKFAC(model.parameters(), 0.1, 0.1, "kflr", basis_interval=3)
-    history, asked = [], []
+    history, fresh = [], []
     for step in range(7):
         batch = slice(4 * step, 4 * step + 8)
-        asked.append(sorted(type(e).__name__ for e in opt._requests()[0]))
+        (wanted,) = opt._requests()[0]
+        assert isinstance(wanted, ext.EKFAC) and wanted.options["factors"] == "kflr"
+        fresh.append([wanted.supplied(p) is None for p in model.parameters()])
         opt.zero_grad()
-        with opt.collect():
+        with curvopt.collect(wanted, ext.BatchGrad()):  # grad_batch for the reference only
             lossfunc(model(x[batch]), y[batch]).backward()
         grad_batches = [p.grad_batch.clone() for p in model.parameters()]
         opt.step()
         curvature = [opt.state[p]["curvature"] for p in model.parameters()]
         history.append((grad_batches, curvature))
-    due = ["BatchGrad", "KFLR"]
-    assert asked == [due, ["BatchGrad"], ["BatchGrad"], due, ["BatchGrad"], ["BatchGrad"], due]
+    assert [all(f) or any(f) for f in fresh] == [s % 3 == 0 for s in range(7)]
+    assert all(all(f) == any(f) for f in fresh)
     for step, (grad_batches, curvature) in enumerate(history):
         basis_step = step - step % 3
         for index, (gb, c) in enumerate(zip(grad_batches, curvature)):
             kept = history[basis_step][1][index][1:]
             assert all(torch.equal(q, k) for q, k in zip(c[1:], kept))
             # S of this step's per-sample gradients in the kept basis
-            torch.testing.assert_close(c[0], eigen_correction(gb, kept, gb.shape[0]))
+            torch.testing.assert_close(c[0], _moment(gb, kept, gb.shape[0]))
             if step % 3:
                 assert not torch.allclose(c[0], history[step - 1][1][index][0])
     for index in range(len(curvature)):  # refreshed at step 3 and 6
@@ -243,19 +260,26 @@ def test_backward_outside_collect_raises_instead_of_reusing_stale_per_sample_gra
         opt.step()
 
 
-def test_missing_factors_use_the_identity_basis_the_diagonal_empirical_fisher():
-    """A parameter with per-sample gradients but no Kronecker factors (here: the factors were
-    not collected) is preconditioned by the diagonal of the empirical Fisher."""
+def test_a_pass_without_the_ekfac_quantity_raises_naming_it():
+    """``grad_batch`` alone (the quantity the optimizer read before it had its own) is not
+    enough: the step names the missing ``ekfac`` and changes nothing."""
     model, lossfunc, x, y = _problem("mlp", 8, "sum")
-    dense = _dense_empirical_fisher(model, lossfunc, x, y)
     model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
-    opt = EKFAC(model.parameters(), 1.0, 0.2, "kflr", reduction="sum")
+    opt = EKFAC(model.parameters(), 1.0, 0.2, "kflr")
     _collect(model, lossfunc, x, y, ext.BatchGrad())
-    before = [(p.detach().clone(), p.grad.clone()) for p in model.parameters()]
-    opt.step()
-    for p, (theta, g), ef in zip(model.parameters(), before, dense):
-        expected = theta - g / (torch.diagonal(ef).reshape(p.shape) + 0.2)
-        torch.testing.assert_close(p.detach(), expected, rtol=1e-10, atol=1e-12)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="has no `ekfac`"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_a_reduction_that_differs_from_the_loss_raises_in_the_backward_pass():
+    model, lossfunc, x, y = _problem("mlp", 8, "sum")
+    model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
+    opt = EKFAC(model.parameters(), 1.0, 0.2, "kflr", reduction="mean")
+    with pytest.raises(UnsupportedLossError, match="reduction='mean'.*reduction='sum'"):
+        with opt.collect():
+            lossfunc(model(x), y).backward()
 
 
 # ----------------------------------------------------------------------------- linalg.EKFAC
@@ -349,15 +373,15 @@ def test_experiments_build_ekfac_with_its_presets_and_options():
         assert lossfunc(model(x), y).item() < first
 
 
-def test_a_non_finite_factor_raises_naming_it_and_changes_nothing():
+def test_a_non_finite_correction_raises_naming_it_and_changes_nothing():
     model, lossfunc, x, y = _problem("mlp", 8, "mean")
     model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
     opt = EKFAC(model.named_parameters(), 0.1, 0.1, "kflr")
     with opt.collect():
         lossfunc(model(x), y).backward()
-    model[2].weight.kflr[1][0, 0] = math.inf
+    model[2].weight.ekfac[0][0, 0] = math.inf
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(FloatingPointError, match=r"`kflr` factor 1 of parameter '2.weight'"):
+    with pytest.raises(FloatingPointError, match=r"`ekfac`.*'2.weight'|'2.weight'.*`ekfac`"):
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert not opt.state

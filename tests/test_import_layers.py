@@ -58,6 +58,7 @@ LAYERS = [
         "extensions",
         "inputs",
         "torch_internals",
+        "psd",
     },
     {"layers", "losses"},
     {

@@ -4,6 +4,7 @@ from curvopt.extensions.base import Extension, extension, writer
 from curvopt.extensions.quantity import Combine, Kind, Producer, Quantity, declare, quantity
 from curvopt.extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from curvopt.extensions.secondorder import (
+    EKFAC,
     KFAC,
     KFLR,
     KFRA,
@@ -38,4 +39,5 @@ __all__ = [
     "KFAC",
     "KFLR",
     "KFRA",
+    "EKFAC",
 ]

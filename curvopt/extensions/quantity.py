@@ -38,6 +38,9 @@ class Combine(enum.Enum):
     MOMENTS = "recomputed from the summed moments (sum g^2, sum g) and N_1 + N_2"
     FACTORS = "output-side factor added, input-side factors averaged with weights N_i"
     RAISES = "does not combine (neither over passes nor over several calls): raises"
+    SAME_BASIS = (
+        "[S, *bases]: S added where both passes used the same (supplied) bases, else raises"
+    )
 
 
 class Producer(enum.Enum):
@@ -52,6 +55,11 @@ class Producer(enum.Enum):
     HESSIAN_DIAGONAL = ("the GGN diagonal plus the residual terms of curved nonlinearities", 2)
     KRONECKER = ("Kronecker factors of propagated columns (layers.kron)", 2)
     KFRA = ("the KFRA recursion (kfra)", 2)
+    EIGEN_CORRECTED = (
+        "sum_n (Q_0^T G_n Q_1)^2 from each call's inputs and output gradients (reducer), "
+        "in supplied bases or those of this pass's Kronecker factors (curvature)",
+        2,
+    )
 
     @property
     def order(self) -> int:

@@ -114,6 +114,80 @@ class KFRA(_Curvature):
     quantity = Quantity("kfra", Kind.FACTORS, Combine.RAISES, Producer.KFRA)
 
 
+def _supplied(bases):
+    """``bases`` (None, a dict ``{param: [Q_0, ...]}`` or a callable ``param -> [Q_0, ...] or
+    None``) as a callable; the dict is looked up by identity (tensors hash by id)."""
+    if bases is None or callable(bases):
+        return bases
+    if isinstance(bases, dict):
+        by_id = {id(p): list(q) for p, q in bases.items()}
+        return lambda p: by_id.get(id(p))
+    raise TypeError(
+        "EKFAC: bases must be None, a dict {parameter: [Q_0, Q_1]} or a callable "
+        f"parameter -> [Q_0, Q_1] (or None: fresh bases), got {type(bases).__name__}"
+    )
+
+
+class EKFAC(_MonteCarlo):
+    """``p.ekfac = [S, Q_0, Q_1]`` (``[S, Q_0]`` for one-dimensional parameters): the second
+    moment of the per-sample gradients in the eigenbasis of the Kronecker factors (George et
+    al., 2018), ``S = c · Σ_n (Q_0ᵀ G_n Q_1)²`` (element-wise square, ``[dim Q_0, dim Q_1]``).
+
+    ``G_n`` is ``g_n`` (the gradient of the loss as computed, restricted to sample ``n``)
+    reshaped to ``[p.shape[0], -1]`` (``[p.shape[0], 1]`` for one-dimensional ``p``); ``c = N``
+    for a loss with ``reduction="mean"``, 1 for ``"sum"``, read from the loss, so that
+    ``vec S = diag(Qᵀ EF Q)`` for the empirical Fisher scaled like the GGN. ``Q_0, Q_1`` are
+    the eigenvectors (``psd_eigh``) of this pass's Kronecker factors, in ``p``'s dim order
+    (``[Q_B, Q_A]`` for ``Linear``/conv weights, ``[Q_A, Q_B]`` for ``Embedding``):
+    ``factors="kfac"`` (``mc_samples`` sampled columns) or ``"kflr"`` (exact), with
+    ``kfac_approx`` as for :class:`KFAC`.
+
+    ``bases``: a dict ``{param: [Q_0, Q_1]}`` or a callable ``param -> [Q_0, Q_1]`` (``None``
+    for fresh bases) supplies the bases of those parameters: no factors are computed for them,
+    only ``S`` in the given basis (any orthogonal matrices of the right sizes; ``[]`` is the
+    identity, ``S`` then ``[1, numel]``), and ``p.ekfac`` holds the supplied tensors.
+    ``reduction`` (``"mean"``/``"sum"``, optional): the one the caller expects; a loss with
+    another raises.
+
+    Costs: a dense layer without weight sharing never forms a per-sample gradient,
+    ``S = c (b̃²)ᵀ (ã²)`` with ``ã = a Q_1``, ``b̃ = b Q_0`` the rotated inputs and output
+    gradients; with ``P`` shared positions (sequences, conv locations) the per-sample rotated
+    gradients ``b̃_nᵀ ã_n`` are formed in chunks of samples (``N P (O² + I² + O I)`` flops);
+    other parameters rotate their per-sample gradients. Micro-batches combine (``S`` adds,
+    each pass with its own ``c``, as ``diag_ggn`` and ``kfac``'s ``B`` add) only where the
+    bases were supplied; fresh bases of two passes differ and raise.
+    """
+
+    quantity = Quantity("ekfac", Kind.FACTORS, Combine.SAME_BASIS, Producer.EIGEN_CORRECTED)
+
+    def __init__(
+        self,
+        mc_samples: int = 1,
+        factors: str = "kfac",
+        kfac_approx: str = "expand",
+        bases=None,
+        reduction=None,
+    ):
+        if factors not in ("kfac", "kflr"):
+            raise ValueError(f"EKFAC: factors must be 'kfac' or 'kflr', got {factors!r}")
+        if reduction not in (None, "mean", "sum"):
+            raise ValueError(f"EKFAC: reduction must be None, 'mean' or 'sum', got {reduction!r}")
+        _check_approx(type(self).__name__, kfac_approx)
+        super().__init__(
+            mc_samples=mc_samples,
+            factors=factors,
+            kfac_approx=kfac_approx,
+            bases=_supplied(bases),
+            reduction=reduction,
+        )
+        self.source = "mc" if factors == "kfac" else "exact"
+
+    def supplied(self, p):
+        """The bases supplied for ``p`` (a list), or ``None``: fresh bases."""
+        lookup = self.options["bases"]
+        return None if lookup is None else lookup(p)
+
+
 SECOND_ORDER = (
     DiagGGNExact,
     BatchDiagGGNExact,
@@ -124,4 +198,5 @@ SECOND_ORDER = (
     KFLR,
     KFAC,
     KFRA,
+    EKFAC,
 )

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from curvopt.errors import UnsupportedKroneckerError, module_error
+from curvopt.layers.eigenbasis import eigen_moment
 from curvopt.layers.kron import input_factor, output_factor_channels_first
 from curvopt.layers.registry import LayerRule, register
 from curvopt.records import Call
@@ -153,6 +154,14 @@ class _ConvRuleBase(LayerRule):
         gram_left = left.transpose(1, 2) @ left
         gram_right = right.transpose(1, 2) @ right
         return (gram_left * gram_right).sum((1, 2))
+
+    def eigen_correction(self, call, name, bases):
+        """The weight's ``Σ_n (Q_0ᵀ left_n right_nᵀ Q_1)²`` from the rotated operands, the
+        locations ``L`` as shared positions (``groups > 1``: from ``batch_grad``)."""
+        if name == "bias" or call.module.groups != 1 or len(bases) != 2:
+            return super().eigen_correction(call, name, bases)
+        left, right = self._operands(call)
+        return eigen_moment(left.mT, right.mT, bases)
 
     def grad_sum(self, call, name):
         """``sum_n g_n`` from this call's input and output gradient; the weight's by the

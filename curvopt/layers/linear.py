@@ -7,6 +7,7 @@ With the positions ``t`` of the middle dims flattened (``x_nt``, ``g_nt = dL/dy_
 * ``sum_n g_n(W)**2 = (g**2)^T (x**2)``                  when ``T = 1``
 
 Second order: Kronecker factors with the positions ``t`` as the shared dim (``layers.kron``);
+the eigen-corrected moment from the rotated ``x`` and ``g`` (``layers.eigenbasis``);
 the ``DiagHessian`` residual of a curved op on the output, ``sum_t r_nto x_nti^2``; the KFRA
 link ``W`` (two-dimensional inputs).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from curvopt.layers.eigenbasis import eigen_moment
 from curvopt.layers.kron import linear_like
 from curvopt.layers.registry import LayerRule, register
 from curvopt.reductions import sum_of_squares
@@ -111,6 +113,13 @@ class LinearRule(LayerRule):
         if name != "weight":
             return None  # the exact block of the bias (layers.kron)
         return linear_like(*canonical(call, columns, n), approx)
+
+    def eigen_correction(self, call, name, bases):
+        """The weight's ``Σ_n (Q_Bᵀ g_nᵀ x_n Q_A)²`` from the rotated ``x`` and ``g``."""
+        if name == "bias" or len(bases) != 2:
+            return super().eigen_correction(call, name, bases)
+        x, g = _flat(call)
+        return eigen_moment(g, x, bases)
 
     def has_weighted_squares(self, module):
         return True

@@ -26,6 +26,8 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
+from curvopt.layers.eigenbasis import CHUNK_ELEMENTS, eigen_moment_of
+
 _RULES: Dict[Type[nn.Module], "LayerRule"] = {}
 _NAMED: Dict[str, "LayerRule"] = {}
 _FALLBACK: List["LayerRule"] = []
@@ -181,6 +183,22 @@ class LayerRule:
         ``[N, P, I]``, columns ``[K, N, P, O]``, ``P`` positions sharing the weight), or
         ``None``: the exact block of a one-dimensional parameter, any other is unsupported."""
         return None
+
+    def eigen_correction(self, call, name: str, bases) -> torch.Tensor:
+        """``Σ_n (Q_0ᵀ G_n Q_1)²`` (``[dim Q_0, ·]``, see ``layers.kron``) of ``name``'s
+        per-sample gradients ``G_n`` in the basis ``bases`` (``[Q_0, Q_1]``, ``[Q_0]`` or
+        ``[]``), for ``EKFAC``. Default: :meth:`batch_grad` over chunks of samples, rotated
+        (``layers.kron.eigen_moment_of``); a rule overrides it with
+        ``layers.kron.eigen_moment`` on its canonical operands to avoid ``[N, *p.shape]``."""
+        n = call.batch_size
+        numel = call.module.get_parameter(name).numel()
+        step = max(1, CHUNK_ELEMENTS // max(1, numel))
+        total = None
+        for start in range(0, n, step):
+            grads = self.batch_grad(call.slice(start, min(n, start + step)), name)
+            part = eigen_moment_of(grads, bases)
+            total = part if total is None else total.add_(part)
+        return total
 
     def output_factor_index(self, name: str) -> int:
         """Position, in :meth:`kron_factors`' list, of the factor built from the columns."""

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from curvopt.layers.eigenbasis import eigen_moment
 from curvopt.layers.kron import linear_like
-from curvopt.layers.linear import LinearRule, canonical
+from curvopt.layers.linear import LinearRule, _flat, canonical
 from curvopt.layers.registry import register_name
 
 
@@ -69,6 +70,13 @@ class TransposedLinearRule(LinearRule):
             return None  # the exact block of a one-dimensional parameter (layers.kron)
         output_factor, input_factor = linear_like(*canonical(call, columns, n), approx)
         return [input_factor, output_factor]
+
+    def eigen_correction(self, call, name, bases):
+        """The weight's ``Σ_n (Q_Aᵀ x_nᵀ g_n Q_B)²``, input side first."""
+        if name == "bias" or len(bases) != 2:
+            return super().eigen_correction(call, name, bases)
+        x, g = _flat(call)
+        return eigen_moment(x, g, bases)
 
     def output_factor_index(self, name):
         return 1 if name == "weight" else 0

@@ -4,12 +4,13 @@
 Per parameter the block is ``Q diag(vec S) Qᵀ`` with ``Q = Q_B ⊗ Q_A`` the eigenvectors of the
 factors of :class:`~curvopt.linalg.KFAC` (accumulated over all of ``data``) and
 ``vec S = diag(Qᵀ EF Q)``, ``EF`` the empirical Fisher of all of ``data`` from the per-sample
-gradients (``grad_batch``; scaled like the GGN: ``(1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ`` for "mean", the sum
-for "sum", ``N`` the samples). Batches are weighted as in :mod:`curvopt.linalg.base`: batch
-``b`` contributes ``S_b = N_b Σ_{n∈b} (Q_Bᵀ G_n Q_A)²`` ("mean", weight ``N_b / N``) or
-``Σ_{n∈b} (...)²`` ("sum"), the optimizer's correction of that batch. With per-sample loss
-rows (dim 0 of the loss input the samples) it is the projection of
-:class:`~curvopt.linalg.EmpiricalFisher` onto the matrices diagonal in ``Q``.
+gradients (extension ``EKFAC`` in the supplied bases ``Q``, one pass per batch; scaled like
+the GGN: ``(1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ`` for "mean", the sum for "sum", ``N`` the samples).
+Batches are weighted as in :mod:`curvopt.linalg.base`: batch ``b`` contributes ``S_b = N_b
+Σ_{n∈b} (Q_Bᵀ G_n Q_A)²`` ("mean", weight ``N_b / N``) or ``Σ_{n∈b} (...)²`` ("sum"), the
+optimizer's correction of that batch. With per-sample loss rows (dim 0 of the loss input the
+samples) it is the projection of :class:`~curvopt.linalg.EmpiricalFisher` onto the matrices
+diagonal in ``Q``.
 """
 
 from __future__ import annotations
@@ -18,12 +19,7 @@ from curvopt import extensions, optim
 from curvopt.linalg.base import BlockDiagonal, CurvatureOperator
 from curvopt.linalg.collected import collected
 from curvopt.linalg.kronecker import KFAC
-from curvopt.optim.eigen_corrected import (
-    as_rows,
-    eigen_correction,
-    eigen_corrected_matmul,
-    kron_basis,
-)
+from curvopt.optim.eigen_corrected import as_rows, eigen_corrected_matmul, kron_basis
 from curvopt.optim.stages.precondition import damped_inverse
 
 
@@ -34,7 +30,7 @@ def _block(bases, apply):
 
 class EKFAC(CurvatureOperator):
     """Block diagonal ``diag(Q_i diag(S_i) Q_iᵀ)`` (two passes over ``data`` at construction:
-    the factors, then the per-sample gradients). ``self.bases[i]`` is ``[Q_B, Q_A]`` (``[Q_B]``)
+    the factors, then ``S`` in their eigenbasis). ``self.bases[i]`` is ``[Q_B, Q_A]`` (``[Q_B]``)
     and ``self.corrections[i]`` the ``[dim B, dim A]`` matrix ``S`` of parameter ``i``."""
 
     def __init__(self, model, lossfunc, data, curvature: str = "kfac", seed: int = 0, mc_samples=1):
@@ -44,17 +40,11 @@ class EKFAC(CurvatureOperator):
         super().__init__(model, lossfunc, data)
         self.bases = [kron_basis(fs) for fs in kfac.factors]
 
-        def pairs():
-            for rows, grad_batches in collected(self, extensions.extension("grad_batch"), seed):
-                yield (
-                    rows,
-                    [
-                        eigen_correction(g.detach(), bases, g.shape[0] if self.mean else 1)
-                        for g, bases in zip(grad_batches, self.bases)
-                    ],
-                )
-
-        self.corrections = self._sum(pairs())
+        supplied = extensions.EKFAC(bases=dict(zip(self.params, self.bases)))
+        self.corrections = self._sum(
+            (rows, [value[0] for value in values])
+            for rows, values in collected(self, supplied, seed)
+        )
         self.matrix = BlockDiagonal(
             self.params,
             [

@@ -26,7 +26,18 @@ from collections.abc import Sequence
 
 import torch
 
+from curvopt.layers.eigenbasis import as_rows, eigen_moment_of, rotate
 from curvopt.optim.linalg import psd_eigh
+
+__all__ = [
+    "as_rows",
+    "rotate",
+    "kron_basis",
+    "eigen_correction",
+    "eigen_corrected_solve",
+    "eigen_corrected_matmul",
+    "eigen_corrected_quadratic",
+]
 
 Bases = Sequence[torch.Tensor]
 
@@ -36,32 +47,12 @@ def kron_basis(factors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [psd_eigh(f)[1] for f in factors]
 
 
-def as_rows(tensor: torch.Tensor, bases: Bases, leading: int = 0) -> torch.Tensor:
-    """``tensor`` (``[*lead, *p.shape]``, ``leading`` leading dims) as ``[*lead, dim B, ·]``
-    matrices (``[*lead, 1, numel]`` without a basis)."""
-    rows = bases[0].shape[0] if bases else 1
-    return tensor.reshape(*tensor.shape[:leading], rows, -1)
-
-
-def rotate(bases: Bases, matrix: torch.Tensor, back: bool = False) -> torch.Tensor:
-    """``Q_Bᵀ M Q_A`` into the eigenbasis (``back``: ``Q_B M Q_Aᵀ`` out of it), for ``M`` of
-    shape ``[..., dim B, dim A]``; a missing factor is the identity. In ``bases``' dtype."""
-    if bases:
-        matrix = matrix.to(bases[0].dtype)
-        matrix = (bases[0] if back else bases[0].mT) @ matrix
-    if len(bases) == 2:
-        matrix = matrix @ (bases[1].mT if back else bases[1])
-    return matrix
-
-
 def eigen_correction(grad_batch: torch.Tensor, bases: Bases, scale: float) -> torch.Tensor:
-    """``S = scale · Σ_n (Q_Bᵀ G_n Q_A)²`` (``[dim B, dim A]``) from ``grad_batch [N, *p.shape]``;
-    ``scale = N`` for a loss with ``reduction="mean"``, 1 for ``"sum"`` (see module doc).
-
-    Costs ``N (dim B² dim A + dim B dim A²)`` flops and a rotated copy of ``grad_batch``."""
-    rotated = rotate(bases, as_rows(grad_batch, bases, leading=1))
-    squared = rotated.square_() if bases else rotated.square()  # in place: a fresh product
-    return squared.sum(0) * scale
+    """``S = scale · Σ_n (Q_Bᵀ G_n Q_A)²`` (``[dim B, dim A]``) from materialised per-sample
+    gradients ``grad_batch [N, *p.shape]``; ``scale = N`` for a loss with ``reduction="mean"``, 1
+    for ``"sum"`` (see module doc). The extension ``EKFAC`` computes the same in one pass
+    without ``grad_batch`` (``layers.eigenbasis``)."""
+    return eigen_moment_of(grad_batch, bases) * scale
 
 
 def eigen_corrected_solve(
