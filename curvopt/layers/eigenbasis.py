@@ -29,10 +29,17 @@ def as_rows(tensor: torch.Tensor, bases, leading: int = 0) -> torch.Tensor:
 
 def rotate(bases, matrix: torch.Tensor, back: bool = False) -> torch.Tensor:
     """``Q_0ᵀ M Q_1`` into the eigenbasis (``back``: ``Q_0 M Q_1ᵀ`` out of it), for ``M`` of
-    shape ``[..., dim Q_0, dim Q_1]``; a missing factor is the identity. In ``bases``' dtype."""
+    shape ``[..., dim Q_0, dim Q_1]``; a missing factor is the identity. In ``bases``' dtype.
+
+    With leading dims the left product is taken as ``(Mᵀ Q_0)ᵀ``: one matrix product over all
+    of them (``Q_0ᵀ @ M`` would broadcast ``Q_0`` into one small product per leading index)."""
     if bases:
         matrix = matrix.to(bases[0].dtype)
-        matrix = (bases[0] if back else bases[0].mT) @ matrix
+        left = bases[0].mT if back else bases[0]
+        if matrix.dim() > 2:
+            matrix = (matrix.mT @ left).mT
+        else:
+            matrix = left.mT @ matrix
     if len(bases) == 2:
         matrix = matrix @ (bases[1].mT if back else bases[1])
     return matrix

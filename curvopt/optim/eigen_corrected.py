@@ -26,14 +26,13 @@ from collections.abc import Sequence
 
 import torch
 
-from curvopt.layers.eigenbasis import as_rows, eigen_moment_of, rotate
+from curvopt.layers.eigenbasis import as_rows, rotate
 from curvopt.optim.linalg import psd_eigh
 
 __all__ = [
     "as_rows",
     "rotate",
     "kron_basis",
-    "eigen_correction",
     "eigen_corrected_solve",
     "eigen_corrected_matmul",
     "eigen_corrected_quadratic",
@@ -45,14 +44,6 @@ Bases = Sequence[torch.Tensor]
 def kron_basis(factors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``[Q_B, Q_A]`` (``[Q_B]``): the factors' eigenvectors (``psd_eigh``, float32 at least)."""
     return [psd_eigh(f)[1] for f in factors]
-
-
-def eigen_correction(grad_batch: torch.Tensor, bases: Bases, scale: float) -> torch.Tensor:
-    """``S = scale · Σ_n (Q_Bᵀ G_n Q_A)²`` (``[dim B, dim A]``) from materialised per-sample
-    gradients ``grad_batch [N, *p.shape]``; ``scale = N`` for a loss with ``reduction="mean"``, 1
-    for ``"sum"`` (see module doc). The extension ``EKFAC`` computes the same in one pass
-    without ``grad_batch`` (``layers.eigenbasis``)."""
-    return eigen_moment_of(grad_batch, bases) * scale
 
 
 def eigen_corrected_solve(
