@@ -171,24 +171,24 @@ class CurvaturePass:
     def _propagate(self, rule, calls, exts, source, mc_samples) -> None:
         kron_exts = [e for e in exts if e.quantity.producer in _FACTORED]
         diag_exts = [e for e in exts if e not in kron_exts]
-        cut = None
         if source == "exact" and self.layout.row_dims == 1:
             cut = find_cut(self.walk, calls, self.loss.output, bool(diag_exts))
-        if cut is None:
-            for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
-                outs = to_calls(self.loss.output, calls, cols, self.batched)
-                self._contribute(calls, outs, diag_exts, kron_exts)
-            return
-        self._propagate_cut(rule, calls, cut, diag_exts, kron_exts)
+            if cut is not None and self._propagate_cut(rule, calls, cut, diag_exts, kron_exts):
+                return
+        for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
+            outs = to_calls(self.loss.output, calls, cols, self.batched)
+            self._contribute(calls, outs, diag_exts, kron_exts)
 
-    def _propagate_cut(self, rule, calls, cut, diag_exts, kron_exts) -> None:
-        """The exact columns in two stages around ``cut`` (``compress``): all of a row's
-        columns in one chunk where the budget allows, so that they compress together."""
+    def _propagate_cut(self, rule, calls, cut, diag_exts, kron_exts) -> bool:
+        """The exact columns in two stages around ``cut`` (``compress``), all of a row's
+        columns in one chunk where the budget allows, so that they compress together; nothing
+        (``False``) where a chunk's columns per row would not exceed the cut's width."""
         chunk = self._chunk_size({cut.top: calls[cut.top]}, cut.tensor.numel())
-        total = rule.num_columns(self.loss.module, self.loss.output)
-        per_chunk = min(total, chunk)
+        per_chunk = min(rule.num_columns(self.loss.module, self.loss.output), chunk)
+        if per_chunk <= cut.width:
+            return False
         below = {r: e for r, e in calls.items() if r is not cut.top}
-        chunk_below = self._chunk_size(below, -self.loss.output.numel()) if below else 1
+        chunk_below = self._chunk_size(below, -self.loss.output.numel())
         for cols, first, stop in self._exact(rule, per_chunk, max(1, chunk // per_chunk)):
             refactor = lambda at_h, top_out: squeeze(  # noqa: E731
                 at_h, top_out, cols, self.layout, first, stop
@@ -197,6 +197,7 @@ class CurvaturePass:
                 self.loss.output, calls, cols, self.batched, cut, refactor, chunk_below
             ):
                 self._contribute(calls, outs, diag_exts, kron_exts)
+        return True
 
     def _contribute(self, calls, outs, diag_exts, kron_exts) -> None:
         if diag_exts:

@@ -1,0 +1,230 @@
+"""Exact curvature of language models from ``d`` columns per loss row below the head
+(``curvopt.compress``): the quantities equal torch.func references in float64 where the columns
+are compressed (asserted by counting the columns propagated below the head's input), and
+where they must not be (``V <= d``, a path around the head's input, mixing above it)."""
+
+import collections
+
+import pytest
+import torch
+from conftest import assert_close, trainable
+from reference import ggn, hessian, kronecker
+from torch import nn
+
+import curvopt
+from curvopt import extensions as ext
+from curvopt import propagate
+from fixtures import zoo
+
+N, T, D = 3, 4, 8
+
+
+class Untied(nn.Module):
+    """``zoo.GPT`` with its own output layer (no weight shared across the head's input)."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.gpt = zoo.GPT(vocab=vocab, d=D, heads=2, t_max=T)
+        self.gpt.head = nn.Linear(D, vocab)
+
+    def forward(self, idx):
+        return self.gpt(idx)
+
+
+class MixT(nn.Module):
+    """A linear map over the positions of ``[N, T, F]`` (mixes positions, like attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(T, T)
+
+    def forward(self, x):
+        return self.lin(x.transpose(1, 2)).transpose(1, 2)
+
+
+class Decoder(nn.Module):
+    """Position-wise layers around a position mixer, no LayerNorm (``DiagHessian`` supports
+    it); ``skip``: the head's output plus a Linear of a tensor below the head's input;
+    ``mix_top``: positions mixed again after the head (the loss input's last call mixes)."""
+
+    def __init__(self, vocab, skip=False, mix_top=False):
+        super().__init__()
+        self.inp, self.mix, self.fc = nn.Linear(5, D), MixT(), nn.Linear(D, D)
+        self.head = nn.Linear(D, vocab)
+        self.skip = nn.Linear(D, vocab) if skip else None
+        self.top = MixT() if mix_top else None
+
+    def forward(self, x):
+        a = self.mix(torch.tanh(self.inp(x)))
+        around = None if self.skip is None else self.skip(a)  # called before the head
+        out = self.head(torch.tanh(self.fc(a)))
+        if around is not None:
+            out = out + around
+        return out if self.top is None else self.top(out)
+
+
+def _gpt_batch(vocab, reduction="mean"):
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(vocab, (N, T), generator=gen)
+    y = torch.randint(vocab, (N, T), generator=gen)
+    y[0, -1] = -100  # an ignored row: zero columns, compressed as zeros
+    return idx, y
+
+
+def _decoder_batch(vocab, reduction="mean"):
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(N, T, 5, generator=gen, dtype=torch.float64), torch.randint(
+        vocab, (N, T), generator=gen
+    )
+
+
+def _loss_on(reduction):
+    lossfunc = nn.CrossEntropyLoss(reduction=reduction)
+    return lambda out, y: lossfunc(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """``[(root is the loss input, columns)]`` of every ``propagate.backpropagate`` call."""
+    seen = []
+    plain = propagate.backpropagate
+
+    def counting(outputs, edges, columns, batched):
+        seen.append((outputs, columns.shape[0]))
+        return plain(outputs, edges, columns, batched)
+
+    monkeypatch.setattr(propagate, "backpropagate", counting)
+    return seen
+
+
+def _run(model, X, y, reduction, extension):
+    torch.manual_seed(0)
+    model = curvopt.extend(model.double())
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss(reduction=reduction))
+    head = model.gpt.head if isinstance(model, Untied) else model.head
+    inputs = []
+    handle = head.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+    logits = model(X)
+    handle.remove()
+    with curvopt.collect(extension):
+        lossfunc(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+    return model, inputs[0].grad_fn
+
+
+def _below(seen, head_input):
+    """Columns of the propagations that start at the head's input (node ``head_input``)."""
+    return [k for root, k in seen if getattr(root, "grad_fn", None) is head_input]
+
+
+def _diag_reference(model, X, y, reduction, kind):
+    if kind == "DiagHessian":
+        return hessian(model, _loss_on(reduction), X, y)[0]
+    blocks, per_sample = ggn(model, _loss_on(reduction), X, y)
+    if kind == "BatchDiagGGNExact":
+        return per_sample
+    return {k: torch.diagonal(b).reshape(per_sample[k].shape[1:]) for k, b in blocks.items()}
+
+
+_DIAGONALS = {
+    "DiagGGNExact": (ext.DiagGGNExact, "diag_ggn_exact"),
+    "BatchDiagGGNExact": (ext.BatchDiagGGNExact, "diag_ggn_exact_batch"),
+    "DiagHessian": (ext.DiagHessian, "diag_h"),
+}
+
+
+def _check_diagonal(make_model, batch, vocab, reduction, kind, counted):
+    torch.manual_seed(0)
+    plain = make_model().double()
+    X, y = batch(vocab)
+    expected = _diag_reference(plain, X, y, reduction, kind)
+    make, attr = _DIAGONALS[kind]
+    model, head_input = _run(plain, X, y, reduction, make())
+    for name, p in trainable(model).items():
+        assert_close(getattr(p, attr), expected[name], f"{kind} {name}")
+    return _below(counted, head_input)
+
+
+def _check_kflr(make_model, batch, vocab, reduction, counted):
+    torch.manual_seed(0)
+    plain = make_model().double()
+    X, y = batch(vocab)
+    expected = kronecker(plain, _loss_on(reduction), X, y)
+    model, head_input = _run(plain, X, y, reduction, ext.KFLR())
+    modules = dict(model.named_modules())
+    uses = collections.Counter(id(m.weight) for m in modules.values()
+                               if isinstance(getattr(m, "weight", None), nn.Parameter))
+    checked = 0
+    for name, (b, a) in expected.items():
+        weight = modules[name].weight
+        if uses[id(weight)] > 1:
+            continue  # tied (embedding and head): the nearest Kronecker product of both uses
+        factors = [a, b] if isinstance(modules[name], nn.Embedding) else [b, a]  # weight order
+        assert_close(weight.kflr[0], factors[0], f"KFLR {name} [0]")
+        assert_close(weight.kflr[1], factors[1], f"KFLR {name} [1]")
+        checked += 1
+    assert checked >= 3
+    return _below(counted, head_input)
+
+
+def _compressed(below, vocab):
+    """The propagations below the head's input carry ``d`` columns per slot, not ``V``."""
+    assert below, "no propagation started at the head's input: nothing was compressed"
+    assert max(below) <= D * T < vocab * T, below
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("kind", ["DiagGGNExact", "BatchDiagGGNExact"])
+def test_untied_gpt_diagonals_are_exact_from_compressed_columns(kind, reduction, counted):
+    vocab = 20
+    below = _check_diagonal(lambda: Untied(vocab), _gpt_batch, vocab, reduction, kind, counted)
+    _compressed(below, vocab)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("kind", ["DiagGGNExact", "BatchDiagGGNExact", "DiagHessian"])
+def test_decoder_diagonals_are_exact_from_compressed_columns(kind, reduction, counted):
+    vocab = 20
+    below = _check_diagonal(lambda: Decoder(vocab), _decoder_batch, vocab, reduction, kind, counted)
+    _compressed(below, vocab)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_gpt_kflr_is_exact_from_compressed_columns(tied, reduction, counted):
+    """KFLR compresses with the head tied to the embedding too: each call's factor is its own."""
+    vocab = 20
+    make = (lambda: zoo.GPT(vocab=vocab, d=D, heads=2, t_max=T)) if tied else lambda: Untied(vocab)
+    below = _check_kflr(make, _gpt_batch, vocab, reduction, counted)
+    _compressed(below, vocab)
+
+
+def test_tied_gpt_diagonal_is_exact_and_not_compressed(counted):
+    """A weight used above and below the head's input: its diagonal pairs the columns of both
+    uses one to one, so nothing is compressed."""
+    vocab = 20
+    make = lambda: zoo.GPT(vocab=vocab, d=D, heads=2, t_max=T)  # noqa: E731
+    below = _check_diagonal(make, _gpt_batch, vocab, "mean", "DiagGGNExact", counted)
+    assert below == []
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(vocab=5),  # V < d: nothing to gain
+        dict(vocab=20, skip=True),  # a path around the head's input
+        dict(vocab=20, mix_top=True),  # positions mixed above the head
+    ],
+    ids=["V<d", "skip around h", "mixing above h"],
+)
+@pytest.mark.parametrize("kind", ["DiagGGNExact", "BatchDiagGGNExact"])
+def test_not_compressed_where_it_would_be_wrong_and_still_exact(variant, kind, counted):
+    vocab = variant["vocab"]
+    make = lambda: Decoder(**variant)  # noqa: E731
+    below = _check_diagonal(make, _decoder_batch, vocab, "mean", kind, counted)
+    assert below == []
+
+
+def test_not_compressed_kflr_with_a_skip_is_exact(counted):
+    vocab = 20
+    below = _check_kflr(lambda: Decoder(vocab, skip=True), _decoder_batch, vocab, "sum", counted)
+    assert below == []
