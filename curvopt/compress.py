@@ -100,7 +100,10 @@ def squeeze(at_h, top_out, columns, layout, first: int, stop: int) -> Optional[t
     if bool((c[:, ~own] != 0).any()):
         return None  # a row's columns outside its own position: not position-wise
     s, r = own.nonzero(as_tuple=True)
-    factor = torch.linalg.qr(c[:, s, r].transpose(0, 1), mode="r").R  # [rows in use, k', d]
+    per_row = c[:, s, r].transpose(0, 1)  # [rows in use, k, d]
+    if per_row.dtype not in (torch.float32, torch.float64):  # no QR in half precision
+        per_row = per_row.float()
+    factor = torch.linalg.qr(per_row, mode="r").R  # [rows in use, d, d]
     out = c.new_zeros(factor.shape[1], slots, rows, width)
-    out[:, s, r] = factor.transpose(0, 1)
+    out[:, s, r] = factor.transpose(0, 1).to(c.dtype)
     return out.reshape(-1, *at_h.shape[1:])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from functools import partial
 
 import torch
 
@@ -163,8 +164,10 @@ class CurvaturePass:
     def _chunk_size(self, calls, extra: int = 0) -> int:
         """Columns per chunk so that all propagated columns fit in ``_COLUMN_BUDGET`` elements
         (with ``extra`` elements per column besides the loss input and the calls' outputs)."""
-        per_column = extra + self.loss.output.numel() + sum(
-            record.out_numel[index] for record, edges in calls.items() for index, _ in edges
+        per_column = (
+            extra
+            + self.loss.output.numel()
+            + sum(record.out_numel[index] for record, edges in calls.items() for index, _ in edges)
         )
         return max(1, _COLUMN_BUDGET // per_column)
 
@@ -188,11 +191,9 @@ class CurvaturePass:
         if per_chunk <= cut.width:
             return False
         below = {r: e for r, e in calls.items() if r is not cut.top}
-        chunk_below = self._chunk_size(below, -self.loss.output.numel())
+        chunk_below = self._chunk_size(below, cut.tensor.numel() - self.loss.output.numel())
         for cols, first, stop in self._exact(rule, per_chunk, max(1, chunk // per_chunk)):
-            refactor = lambda at_h, top_out: squeeze(  # noqa: E731
-                at_h, top_out, cols, self.layout, first, stop
-            )
+            refactor = partial(squeeze, columns=cols, layout=self.layout, first=first, stop=stop)
             for outs in through_cut(
                 self.loss.output, calls, cols, self.batched, cut, refactor, chunk_below
             ):

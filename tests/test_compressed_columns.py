@@ -13,7 +13,7 @@ from torch import nn
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt import propagate
+from curvopt import compress, propagate
 from fixtures import zoo
 
 N, T, D = 3, 4, 8
@@ -151,8 +151,11 @@ def _check_kflr(make_model, batch, vocab, reduction, counted):
     expected = kronecker(plain, _loss_on(reduction), X, y)
     model, head_input = _run(plain, X, y, reduction, ext.KFLR())
     modules = dict(model.named_modules())
-    uses = collections.Counter(id(m.weight) for m in modules.values()
-                               if isinstance(getattr(m, "weight", None), nn.Parameter))
+    uses = collections.Counter(
+        id(m.weight)
+        for m in modules.values()
+        if isinstance(getattr(m, "weight", None), nn.Parameter)
+    )
     checked = 0
     for name, (b, a) in expected.items():
         weight = modules[name].weight
@@ -228,3 +231,44 @@ def test_not_compressed_kflr_with_a_skip_is_exact(counted):
     vocab = 20
     below = _check_kflr(lambda: Decoder(vocab, skip=True), _decoder_batch, vocab, "sum", counted)
     assert below == []
+
+
+class _Slots:
+    """A ``rows.RowLayout`` stand-in: rows ``r`` in slot ``r % 2`` (two slots)."""
+
+    def __init__(self, rows):
+        self.slot = torch.arange(rows) % 2
+
+
+def _packed(rows=4, k=5, width=3, seed=0):
+    """Columns ``[k * 2, rows, width]`` at ``h`` for two slots (each row's ``k`` columns at
+    its own position) and the loss columns ``[k * 2, rows, 7]`` they came from."""
+    gen = torch.Generator().manual_seed(seed)
+    per_row = torch.randn(k, rows, width, generator=gen, dtype=torch.float64)
+    own = (torch.arange(rows)[None, :] % 2 == torch.arange(2)[:, None]).double()  # [2, R]
+    at_h = (per_row[:, None] * own[None, :, :, None]).flatten(0, 1)
+    loss = torch.randn(2 * k, rows, 7, generator=gen, dtype=torch.float64)
+    return per_row, at_h, loss
+
+
+def test_squeeze_keeps_each_rows_gram_with_width_columns():
+    per_row, at_h, loss = _packed()
+    short = compress.squeeze(at_h, loss, loss, _Slots(4), 0, 2)
+    assert short.shape == (3 * 2, 4, 3)
+    c = short.reshape(3, 2, 4, 3)
+    for r in range(4):
+        assert bool((c[:, 1 - r % 2, r] == 0).all())  # a row stays in its slot
+        gram = c[:, r % 2, r].T @ c[:, r % 2, r]
+        torch.testing.assert_close(gram, per_row[:, r].T @ per_row[:, r], rtol=1e-12, atol=1e-14)
+
+
+def test_squeeze_refuses_what_it_cannot_compress_exactly():
+    per_row, at_h, loss = _packed()
+    leaked = at_h.clone()
+    leaked[0, 1] += 1e-3  # column of slot 0 at row 1 (slot 1): not position-wise
+    assert compress.squeeze(leaked, loss, loss, _Slots(4), 0, 2) is None
+    other = loss.clone()
+    other[0, 0, 0] += 1.0  # the head's output is not the loss input unchanged
+    assert compress.squeeze(at_h, other, loss, _Slots(4), 0, 2) is None
+    _, narrow, loss = _packed(k=3, width=3)  # no more columns per row than the width
+    assert compress.squeeze(narrow, loss[:6], loss[:6], _Slots(4), 0, 2) is None
