@@ -11,14 +11,16 @@ matrix of the row's columns: ``R_rᵀ R_r = M_r``, without squaring ``C_r`` as a
 before they enter the layers below (attention mixes positions: ``T·V`` columns per sample
 become ``T·d``). The head itself gets the uncompressed columns (its factors need them).
 
-Checked, never assumed (:func:`find_cut`, :func:`squeeze`): the head is the last module call,
-declared position-wise by its rule, its input ``h`` has the loss's rows as positions, every
+Checked, never assumed (:func:`find_cut`, :func:`squeeze`): the head is the one module call
+the loss input reaches first, declared position-wise by its rule, its input ``h`` has the loss's rows as positions, every
 other module call reaches the loss only through ``h`` (else ``h`` would not hold all their
 curvature), no parameter of the head is used below ``h`` where diagonals are asked (their
 cross terms pair columns one to one), the columns at the head's output are the loss's columns
 unchanged (the rows of ``z`` are the head's positions in order), and on every chunk the
 columns at ``h`` vanish exactly outside their own row's slot. Where any fails, the columns go
-on uncompressed.
+on uncompressed. Reentrant checkpoints below ``h`` are crossed in stages from ``h`` as from the
+loss (``propagate.backpropagate``); one above it (met before ``h``) leaves the columns as they
+are.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Optional
 import torch
 from torch.autograd.graph import GradientEdge
 
-from curvopt.checkpointing import live, reach
+from curvopt.checkpointing import reach
 from curvopt.params import trainable
 
 
@@ -47,9 +49,11 @@ class Cut:
 def find_cut(walk, calls, root: torch.Tensor, diagonals: bool) -> Optional[Cut]:
     """The cut at the head's input for the loss input ``root`` ``[R, V]`` (module doc), or
     ``None`` where its conditions fail; ``diagonals``: diagonal quantities are asked."""
-    if live() or len(calls) < 2 or root.dim() != 2 or root.grad_fn is None:
+    if len(calls) < 2 or root.dim() != 2 or root.grad_fn is None:
         return None
-    top = max(calls, key=lambda r: r.seq)
+    top = _last_call(walk, calls, root)
+    if top is None:
+        return None
     h = top.args[0] if top.args else None
     if (
         not top.positionwise
@@ -66,7 +70,7 @@ def find_cut(walk, calls, root: torch.Tensor, diagonals: bool) -> Optional[Cut]:
     cut = Cut(top, h)
     nodes, barriers, entries = reach([root.grad_fn], {cut.edge.node}, walk.next_of)
     if barriers or entries != {(cut.edge.node, cut.edge.output_nr)}:
-        return None  # h's node entered through another of its outputs too
+        return None  # a checkpoint above h, or h's node entered through another output too
     for record, edges in calls.items():
         if record is not top and any(e.node in nodes for _, e in edges):
             return None  # reaches the loss around h
@@ -75,6 +79,17 @@ def find_cut(walk, calls, root: torch.Tensor, diagonals: bool) -> Optional[Cut]:
         if any(id(p) in above for r in calls if r is not top for _, p in trainable(r.module)):
             return None  # a weight tied across the cut: its diagonal pairs the columns
     return cut
+
+
+def _last_call(walk, calls, root):
+    """The one call whose output the root reaches first (the head), or ``None``."""
+    outputs = {(e.node, e.output_nr): record for record, edges in calls.items() for _, e in edges}
+    first = outputs.get((root.grad_fn, root.output_nr))
+    if first is None:
+        _, _, entries = reach([root.grad_fn], {node for node, _ in outputs}, walk.next_of)
+        met = {outputs.get(edge) for edge in entries}
+        first = met.pop() if len(met) == 1 else None
+    return first
 
 
 def squeeze(at_h, top_out, columns, layout, first: int, stop: int) -> Optional[torch.Tensor]:

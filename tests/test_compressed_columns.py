@@ -10,6 +10,7 @@ import torch
 from conftest import assert_close, trainable
 from reference import ggn, hessian, kronecker
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import curvopt
 from curvopt import extensions as ext
@@ -20,15 +21,21 @@ N, T, D = 3, 4, 8
 
 
 class Untied(nn.Module):
-    """``zoo.GPT`` with its own output layer (no weight shared across the head's input)."""
+    """``zoo.GPT`` with its own output layer (no weight shared across the head's input);
+    ``checkpointed``: its block in a reentrant ``torch.utils.checkpoint``."""
 
     def __init__(self, vocab):
         super().__init__()
         self.gpt = zoo.GPT(vocab=vocab, d=D, heads=2, t_max=T)
         self.gpt.head = nn.Linear(D, vocab)
+        self.checkpointed = False
 
     def forward(self, idx):
-        return self.gpt(idx)
+        if not self.checkpointed:
+            return self.gpt(idx)
+        g = self.gpt
+        x = g.tok(idx) + g.pos(torch.arange(idx.shape[1]))
+        return g.head(g.ln_f(checkpoint(g.block, x, use_reentrant=True)))
 
 
 class MixT(nn.Module):
@@ -44,22 +51,21 @@ class MixT(nn.Module):
 
 class Decoder(nn.Module):
     """Position-wise layers around a position mixer, no LayerNorm (``DiagHessian`` supports
-    it); ``skip``: the head's output plus a Linear of a tensor below the head's input;
+    it); ``skip``: the head's output plus a tensor below its input (a path around it);
     ``mix_top``: positions mixed again after the head (the loss input's last call mixes)."""
 
     def __init__(self, vocab, skip=False, mix_top=False):
         super().__init__()
         self.inp, self.mix, self.fc = nn.Linear(5, D), MixT(), nn.Linear(D, D)
         self.head = nn.Linear(D, vocab)
-        self.skip = nn.Linear(D, vocab) if skip else None
+        self.skip = skip
         self.top = MixT() if mix_top else None
 
     def forward(self, x):
         a = self.mix(torch.tanh(self.inp(x)))
-        around = None if self.skip is None else self.skip(a)  # called before the head
         out = self.head(torch.tanh(self.fc(a)))
-        if around is not None:
-            out = out + around
+        if self.skip:  # functional: the head stays the one last call
+            out = out + a.repeat(1, 1, -(-out.shape[-1] // D))[..., : out.shape[-1]]
         return out if self.top is None else self.top(out)
 
 
@@ -199,6 +205,29 @@ def test_gpt_kflr_is_exact_from_compressed_columns(tied, reduction, counted):
     make = (lambda: zoo.GPT(vocab=vocab, d=D, heads=2, t_max=T)) if tied else lambda: Untied(vocab)
     below = _check_kflr(make, _gpt_batch, vocab, reduction, counted)
     _compressed(below, vocab)
+
+
+@pytest.mark.parametrize("kind", ["DiagGGNExact", "BatchDiagGGNExact"])
+def test_compressed_through_a_reentrant_checkpoint_below_the_head(kind, counted):
+    """The columns from the head's input cross the checkpointed block in stages."""
+    vocab = 20
+
+    def make():
+        model = Untied(vocab)
+        model.checkpointed = True
+        return model
+
+    torch.manual_seed(0)
+    plain = Untied(vocab).double()
+    X, y = _gpt_batch(vocab)
+    expected = _diag_reference(plain, X, y, "mean", kind)
+    torch.manual_seed(0)
+    checkpointed = make().double()
+    checkpointed.load_state_dict(plain.state_dict())
+    model, head_input = _run(checkpointed, X, y, "mean", _DIAGONALS[kind][0]())
+    for name, p in trainable(model).items():
+        assert_close(getattr(p, _DIAGONALS[kind][1]), expected[name], f"{kind} {name}")
+    _compressed(_below(counted, head_input), vocab)
 
 
 def test_tied_gpt_diagonal_is_exact_and_not_compressed(counted):
