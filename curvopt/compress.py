@@ -12,15 +12,15 @@ before they enter the layers below (attention mixes positions: ``T·V`` columns 
 become ``T·d``). The head itself gets the uncompressed columns (its factors need them).
 
 Checked, never assumed (:func:`find_cut`, :func:`squeeze`): the head is the one module call
-the loss input reaches first, declared position-wise by its rule, its input ``h`` has the loss's rows as positions, every
-other module call reaches the loss only through ``h`` (else ``h`` would not hold all their
-curvature), no parameter of the head is used below ``h`` where diagonals are asked (their
-cross terms pair columns one to one), the columns at the head's output are the loss's columns
-unchanged (the rows of ``z`` are the head's positions in order), and on every chunk the
-columns at ``h`` vanish exactly outside their own row's slot. Where any fails, the columns go
-on uncompressed. Reentrant checkpoints below ``h`` are crossed in stages from ``h`` as from the
-loss (``propagate.backpropagate``); one above it (met before ``h``) leaves the columns as they
-are.
+the loss input reaches first, declared position-wise by its rule; its input ``h`` has the
+loss's rows as positions; every other module call reaches the loss only through ``h`` (else
+``h`` would not hold all their curvature); no parameter of the head is used below ``h`` where
+diagonals are asked (their cross terms pair the columns of both uses one to one); the columns
+at the head's output are the loss's columns unchanged (the rows of ``z`` are the head's
+positions in order); and on every chunk the columns at ``h`` vanish exactly outside their own
+row's slot. Where any fails, the columns go on uncompressed. Reentrant checkpoints below
+``h`` are crossed in stages from ``h`` as from the loss (``propagate.backpropagate``); one
+above it (met before ``h``) leaves the columns as they are.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from curvopt.params import trainable
 
 class Cut:
     """Where columns are compressed: ``tensor`` (``h``, ``[.., width]``), the input of the
-    call ``top`` whose output is the loss input."""
+    call ``top`` (the head) whose output the loss input is."""
 
     def __init__(self, top, tensor: torch.Tensor):
         self.top = top
