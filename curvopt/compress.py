@@ -33,6 +33,7 @@ from torch.autograd.graph import GradientEdge
 
 from curvopt.checkpointing import reach
 from curvopt.params import trainable
+from curvopt.torch_internals import NO_BATCHING_RULE
 
 
 class Cut:
@@ -44,6 +45,8 @@ class Cut:
         self.tensor = tensor
         self.edge = GradientEdge(tensor.grad_fn, tensor.output_nr)
         self.width = tensor.shape[-1]
+        #: the loss input's graph down to ``h`` has batching rules (the rest may not)
+        self.batchable = False
 
 
 def find_cut(walk, calls, root: torch.Tensor, diagonals: bool) -> Optional[Cut]:
@@ -74,6 +77,7 @@ def find_cut(walk, calls, root: torch.Tensor, diagonals: bool) -> Optional[Cut]:
     for record, edges in calls.items():
         if record is not top and any(e.node in nodes for _, e in edges):
             return None  # reaches the loss around h
+    cut.batchable = not any(type(node).__name__ in NO_BATCHING_RULE for node in nodes)
     if diagonals:
         above = {id(p) for _, p in trainable(top.module)}
         if any(id(p) in above for r in calls if r is not top for _, p in trainable(r.module)):

@@ -84,9 +84,11 @@ def through_cut(root, calls, columns: torch.Tensor, batched: bool, cut, refactor
     ``cut.top``'s outputs and ``h``; then from ``h`` to the other calls, with the columns there
     replaced by ``refactor(at_h, columns at the top's output)`` (the same ``J^T``-products
     below ``h``; ``None``: the columns as they are), in chunks of ``chunk`` columns. Yields
-    ``outs`` dicts over all ``calls``, ``None`` for the calls each stage does not reach."""
+    ``outs`` dicts over all ``calls``, ``None`` for the calls each stage does not reach. The
+    first stage is batched where its own part of the graph allows (``cut.batchable``)."""
     empty = {record: [None] * len(record.out_shapes) for record in calls}
-    outs, (at_h,) = to_calls(root, {cut.top: calls[cut.top]}, columns, batched, [cut.edge])
+    top = {cut.top: calls[cut.top]}
+    outs, (at_h,) = to_calls(root, top, columns, batched or cut.batchable, [cut.edge])
     yield {**empty, **outs}
     below = {record: edges for record, edges in calls.items() if record is not cut.top}
     if at_h is None or not below:
