@@ -132,6 +132,33 @@ def live() -> bool:
     return bool(_LIVE)
 
 
+def reach(starts, stop=frozenset(), nexts=None):
+    """``(nodes, barriers, entries)``: the nodes autograd reaches from ``starts`` without
+    passing a live checkpoint node (the ``barriers``, segments, in order met) or a node of
+    ``stop`` (``entries``: the edges ``(node, output_nr)`` by which the stop nodes are entered).
+    ``nexts(node)``: its edges as a walk read them (default: as the live segments' walk)."""
+    nexts = _next if nexts is None else nexts
+    nodes, barriers, entries = set(), [], set()
+    stack = [(node, None) for node in starts]
+    while stack:
+        node, nr = stack.pop()
+        if node is None:
+            continue
+        if node in stop:
+            entries.add((node, nr))
+            continue
+        if node in nodes:
+            continue
+        barrier = segment_on(node)
+        if barrier is not None:
+            if barrier not in barriers:
+                barriers.append(barrier)
+            continue
+        nodes.add(node)
+        stack.extend(nexts(node))
+    return nodes, barriers, entries
+
+
 class _Region:
     """What autograd reaches from ``starts`` without passing a live checkpoint node: ``nodes``,
     and the ``barriers`` (segments) it meets. ``segment`` is the one whose re-run starts it
@@ -139,21 +166,8 @@ class _Region:
 
     def __init__(self, segment, starts):
         self.segment = segment
-        self.nodes: set = set()
-        self.barriers: List[Segment] = []
+        self.nodes, self.barriers, _ = reach(starts)
         self._above: Optional[set] = None
-        stack = list(starts)
-        while stack:
-            node = stack.pop()
-            if node is None or node in self.nodes:
-                continue
-            barrier = segment_on(node)
-            if barrier is not None:
-                if barrier not in self.barriers:
-                    self.barriers.append(barrier)
-                continue
-            self.nodes.add(node)
-            stack.extend(fn for fn, _ in _next(node))
 
     def reject_bypass(self, nodes) -> None:
         """Raise if a node asked for lies upstream of a checkpoint this region meets (autograd

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from functools import partial
 
 import torch
 
+from curvopt.compress import find_cut, squeeze
 from curvopt.diagonals import diag_from_columns, diagonals, module_call
 from curvopt.errors import UnsupportedKroneckerError, UnsupportedLossError, module_error
 from curvopt.extensions.quantity import Producer
@@ -33,7 +35,7 @@ from curvopt.layers import rule_for
 from curvopt.layers.kron import kron_factors, output_factor_index
 from curvopt.losses import loss_rule_for
 from curvopt.params import trainable
-from curvopt.propagate import loss_gradient, to_calls
+from curvopt.propagate import loss_gradient, through_cut, to_calls
 from curvopt.results import Factors, Term
 from curvopt.rows import establish
 
@@ -136,10 +138,16 @@ class CurvaturePass:
         if source == "mc":
             yield rule.sqrt_hessian_mc(module, output, target, mc_samples, check=False) * self.scale
             return
-        total = rule.num_columns(module, output)
         slots = self.layout.num_slots
         per_chunk = max(1, chunk // slots)
-        slot_chunk = min(slots, max(1, chunk))
+        for cols, _, _ in self._exact(rule, per_chunk, min(slots, max(1, chunk))):
+            yield cols
+
+    def _exact(self, rule, per_chunk: int, slot_chunk: int):
+        """``(columns, first, stop)``: the exact factor's columns, ``per_chunk`` of them per
+        row for the slots ``first:stop`` (at most ``slot_chunk``), packed by slot."""
+        module, output, target = self.loss.module, self.loss.output.detach(), self.loss.target
+        total, slots = rule.num_columns(module, output), self.layout.num_slots
         for start in range(0, total, per_chunk):
             cols = rule.sqrt_hessian(
                 module,
@@ -150,24 +158,53 @@ class CurvaturePass:
             )
             cols = cols * self.scale
             for first in range(0, slots, slot_chunk):
-                yield self.layout.pack(cols, first, min(slots, first + slot_chunk))
+                stop = min(slots, first + slot_chunk)
+                yield self.layout.pack(cols, first, stop), first, stop
 
-    def _chunk_size(self, calls) -> int:
-        """Columns per chunk so that all propagated columns fit in ``_COLUMN_BUDGET`` elements."""
-        per_column = self.loss.output.numel() + sum(
-            record.out_numel[index] for record, edges in calls.items() for index, _ in edges
+    def _chunk_size(self, calls, extra: int = 0) -> int:
+        """Columns per chunk so that all propagated columns fit in ``_COLUMN_BUDGET`` elements
+        (with ``extra`` elements per column besides the loss input and the calls' outputs)."""
+        per_column = (
+            extra
+            + self.loss.output.numel()
+            + sum(record.out_numel[index] for record, edges in calls.items() for index, _ in edges)
         )
         return max(1, _COLUMN_BUDGET // per_column)
 
     def _propagate(self, rule, calls, exts, source, mc_samples) -> None:
         kron_exts = [e for e in exts if e.quantity.producer in _FACTORED]
         diag_exts = [e for e in exts if e not in kron_exts]
+        if source == "exact" and self.layout.row_dims == 1:
+            cut = find_cut(self.walk, calls, self.loss.output, bool(diag_exts))
+            if cut is not None and self._propagate_cut(rule, calls, cut, diag_exts, kron_exts):
+                return
         for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
             outs = to_calls(self.loss.output, calls, cols, self.batched)
-            if diag_exts:
-                self.results.add(diagonals(calls, outs, diag_exts))
-            for record in calls:
-                self._kron(record, outs[record], kron_exts)
+            self._contribute(calls, outs, diag_exts, kron_exts)
+
+    def _propagate_cut(self, rule, calls, cut, diag_exts, kron_exts) -> bool:
+        """The exact columns in two stages around ``cut`` (``compress``), all of a row's
+        columns in one chunk where the budget allows, so that they compress together; nothing
+        (``False``) where a chunk's columns per row would not exceed the cut's width."""
+        chunk = self._chunk_size({cut.top: calls[cut.top]}, cut.tensor.numel())
+        per_chunk = min(rule.num_columns(self.loss.module, self.loss.output), chunk)
+        if per_chunk <= cut.width:
+            return False
+        below = {r: e for r, e in calls.items() if r is not cut.top}
+        chunk_below = self._chunk_size(below, cut.tensor.numel() - self.loss.output.numel())
+        for cols, first, stop in self._exact(rule, per_chunk, max(1, chunk // per_chunk)):
+            refactor = partial(squeeze, columns=cols, layout=self.layout, first=first, stop=stop)
+            for outs in through_cut(
+                self.loss.output, calls, cols, self.batched, cut, refactor, chunk_below
+            ):
+                self._contribute(calls, outs, diag_exts, kron_exts)
+        return True
+
+    def _contribute(self, calls, outs, diag_exts, kron_exts) -> None:
+        if diag_exts:
+            self.results.add(diagonals(calls, outs, diag_exts))
+        for record in calls:
+            self._kron(record, outs[record], kron_exts)
 
     def _kron(self, record, outs, kron_exts) -> None:
         call, columns, n = module_call(record, outs)

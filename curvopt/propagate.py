@@ -49,17 +49,20 @@ def _grad(outputs, edges, columns, batched: bool):
     return [None if parts[0] is None else torch.stack(parts) for parts in zip(*per_column)]
 
 
-def to_calls(root, calls, columns: torch.Tensor, batched: bool):
+def to_calls(root, calls, columns: torch.Tensor, batched: bool, extra=()):
     """``{record: [columns at output i, or None where they do not arrive]}`` for ``calls``
     (``[k, *out_i]`` per output of each call), from ``columns`` (``[k, *root.shape]``). A call
     whose output is the root itself (the last layer feeding the loss) takes the columns as
-    they are, without autograd."""
+    they are, without autograd. With ``extra`` (gradient edges): ``(outs, [columns at each
+    extra edge])``, in the same autograd call."""
     root_edge = None
     if isinstance(root, torch.Tensor) and root.grad_fn is not None:
         root_edge = (root.grad_fn, root.output_nr)
     records = list(calls)
     edges = [e for r in records for _, e in calls[r] if (e.node, e.output_nr) != root_edge]
-    back = iter(backpropagate(root, edges, columns, batched) if edges else ())
+    edges += list(extra)
+    found = list(backpropagate(root, edges, columns, batched)) if edges else []
+    back = iter(found[: len(found) - len(extra)])
     outs = {}
     for record in records:
         outs[record] = [None] * len(record.out_shapes)
@@ -72,7 +75,28 @@ def to_calls(root, calls, columns: torch.Tensor, batched: bool):
             if v is not None and record.transposed:
                 v = v.movedim(2, 1)
             outs[record][index] = v
-    return outs
+    return (outs, found[len(found) - len(extra) :]) if extra else outs
+
+
+def through_cut(root, calls, columns: torch.Tensor, batched: bool, cut, refactor, chunk: int):
+    """``to_calls`` in two stages around ``cut`` (``compress.Cut``: the input ``h`` of the call
+    ``cut.top``, which every other call reaches the loss through): from ``root`` to
+    ``cut.top``'s outputs and ``h``; then from ``h`` to the other calls, with the columns there
+    replaced by ``refactor(at_h, columns at the top's output)`` (the same ``J^T``-products
+    below ``h``; ``None``: the columns as they are), in chunks of ``chunk`` columns. Yields
+    ``outs`` dicts over all ``calls``, ``None`` for the calls each stage does not reach. The
+    first stage is batched where its own part of the graph allows (``cut.batchable``)."""
+    empty = {record: [None] * len(record.out_shapes) for record in calls}
+    top = {cut.top: calls[cut.top]}
+    outs, (at_h,) = to_calls(root, top, columns, batched or cut.batchable, [cut.edge])
+    yield {**empty, **outs}
+    below = {record: edges for record, edges in calls.items() if record is not cut.top}
+    if at_h is None or not below:
+        return
+    short = refactor(at_h, outs[cut.top][0])
+    short = at_h if short is None else short
+    for start in range(0, short.shape[0], chunk):
+        yield {**empty, **to_calls(cut.tensor, below, short[start : start + chunk], batched)}
 
 
 def loss_gradient(loss, weight: float) -> torch.Tensor:

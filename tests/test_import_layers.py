@@ -64,6 +64,7 @@ LAYERS = [
     {
         "broadcast",
         "checkpointing",
+        "compress",
         "graph_plan",
         "propagate",
         "rows",

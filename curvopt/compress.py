@@ -1,0 +1,128 @@
+"""Fewer exact columns below a language model's head: ``d`` per loss row instead of ``V``.
+
+The exact square root of a cross-entropy row's Hessian has ``V`` columns. When the loss input
+``z [R, V]`` is the output of one position-wise module call (the head, ``z_r = f(h_r)``) on
+``h [.., d]`` with ``d < V``, the columns of row ``r`` pulled back to ``h`` live at position
+``r`` of ``h`` alone, and everything below ``h`` depends on them only through their Gram
+``M_r = Σ_k c_rk c_rkᵀ`` (``d × d``): every diagonal and Kronecker factor below is a sum over
+columns of squares of linear maps of them. So the ``K`` columns of each row can be replaced
+at ``h`` by the ``min(K, d)`` rows of ``R_r`` from ``C_r = Q_r R_r`` (QR of the ``K × d``
+matrix of the row's columns: ``R_rᵀ R_r = M_r``, without squaring ``C_r`` as a Gram would),
+before they enter the layers below (attention mixes positions: ``T·V`` columns per sample
+become ``T·d``). The head itself gets the uncompressed columns (its factors need them).
+
+Checked, never assumed (:func:`find_cut`, :func:`squeeze`): the head is the one module call
+the loss input reaches first, declared position-wise by its rule; its input ``h`` has the
+loss's rows as positions; every other module call reaches the loss only through ``h`` (else
+``h`` would not hold all their curvature); no parameter of the head is used below ``h`` where
+diagonals are asked (their cross terms pair the columns of both uses one to one); the columns
+at the head's output are the loss's columns unchanged (the rows of ``z`` are the head's
+positions in order); and on every chunk the columns at ``h`` vanish exactly outside their own
+row's slot. Where any fails, the columns go on uncompressed. Reentrant checkpoints below
+``h`` are crossed in stages from ``h`` as from the loss (``propagate.backpropagate``); one
+above it (met before ``h``) leaves the columns as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+from curvopt.checkpointing import reach
+from curvopt.params import trainable
+from curvopt.torch_internals import NO_BATCHING_RULE
+
+
+class Cut:
+    """Where columns are compressed: ``tensor`` (``h``, ``[.., width]``), the input of the
+    call ``top`` (the head) whose output the loss input is."""
+
+    def __init__(self, top, tensor: torch.Tensor):
+        self.top = top
+        self.tensor = tensor
+        self.edge = GradientEdge(tensor.grad_fn, tensor.output_nr)
+        self.width = tensor.shape[-1]
+        #: the loss input's graph down to ``h`` has batching rules (the rest may not)
+        self.batchable = False
+
+
+def find_cut(walk, calls, root: torch.Tensor, diagonals: bool) -> Optional[Cut]:
+    """The cut at the head's input for the loss input ``root`` ``[R, V]`` (module doc), or
+    ``None`` where its conditions fail; ``diagonals``: diagonal quantities are asked."""
+    if len(calls) < 2 or root.dim() != 2 or root.grad_fn is None:
+        return None
+    top = _last_call(walk, calls, root)
+    if top is None:
+        return None
+    h = top.args[0] if top.args else None
+    if (
+        not top.positionwise
+        or top.broadcast is not None
+        or top.transposed
+        or len(top.out_shapes) != 1
+        or not isinstance(h, torch.Tensor)
+        or h.grad_fn is None
+        or h.dim() < 2
+        or h.shape[:-1] != top.out_shapes[0][:-1]
+        or math.prod(h.shape[:-1]) != root.shape[0]
+    ):
+        return None
+    cut = Cut(top, h)
+    nodes, barriers, entries = reach([root.grad_fn], {cut.edge.node}, walk.next_of)
+    if barriers or entries != {(cut.edge.node, cut.edge.output_nr)}:
+        return None  # a checkpoint above h, or h's node entered through another output too
+    for record, edges in calls.items():
+        if record is not top and any(e.node in nodes for _, e in edges):
+            return None  # reaches the loss around h
+    cut.batchable = not any(type(node).__name__ in NO_BATCHING_RULE for node in nodes)
+    if diagonals:
+        above = {id(p) for _, p in trainable(top.module)}
+        if any(id(p) in above for r in calls if r is not top for _, p in trainable(r.module)):
+            return None  # a weight tied across the cut: its diagonal pairs the columns
+    return cut
+
+
+def _last_call(walk, calls, root):
+    """The one call whose output the root reaches first (the head), or ``None``."""
+    outputs = {(e.node, e.output_nr): record for record, edges in calls.items() for _, e in edges}
+    first = outputs.get((root.grad_fn, root.output_nr))
+    if first is None:
+        _, _, entries = reach([root.grad_fn], {node for node, _ in outputs}, walk.next_of)
+        met = {outputs.get(edge) for edge in entries}
+        first = met.pop() if len(met) == 1 else None
+    return first
+
+
+def squeeze(at_h, top_out, columns, layout, first: int, stop: int) -> Optional[torch.Tensor]:
+    """``[min(k, d) * s, *h]``: the columns ``at_h`` (``[k * s, *h]`` for the ``k`` loss
+    columns of slots ``first:stop``, packed as ``rows.RowLayout.pack`` packs ``columns``
+    ``[k * s, R, V]``) re-factored per row (module doc); ``None`` if a check fails (``top_out``:
+    the columns at the head's output)."""
+    slots, rows, width = stop - first, columns.shape[1], at_h.shape[-1]
+    k = at_h.shape[0] // slots
+    if (
+        k <= width
+        or top_out is None
+        or top_out.numel() != columns.numel()
+        or not torch.equal(top_out.reshape(columns.shape), columns)
+    ):
+        return None
+    c = at_h.reshape(k, slots, rows, width)
+    if layout.slot is None:
+        own = torch.ones(1, rows, dtype=torch.bool, device=c.device)
+    else:
+        slot = layout.slot.to(c.device)
+        own = slot[None, :] == torch.arange(first, stop, device=c.device)[:, None]
+    if bool((c[:, ~own] != 0).any()):
+        return None  # a row's columns outside its own position: not position-wise
+    s, r = own.nonzero(as_tuple=True)
+    per_row = c[:, s, r].transpose(0, 1)  # [rows in use, k, d]
+    if per_row.dtype not in (torch.float32, torch.float64):  # no QR in half precision
+        per_row = per_row.float()
+    factor = torch.linalg.qr(per_row, mode="r").R  # [rows in use, d, d]
+    out = c.new_zeros(factor.shape[1], slots, rows, width)
+    out[:, s, r] = factor.transpose(0, 1).to(c.dtype)
+    return out.reshape(-1, *at_h.shape[1:])

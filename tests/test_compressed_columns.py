@@ -1,0 +1,303 @@
+"""Exact curvature of language models from ``d`` columns per loss row below the head
+(``curvopt.compress``): the quantities equal torch.func references in float64 where the columns
+are compressed (asserted by counting the columns propagated below the head's input), and
+where they must not be (``V <= d``, a path around the head's input, mixing above it)."""
+
+import collections
+
+import pytest
+import torch
+from conftest import assert_close, trainable
+from reference import ggn, hessian, kronecker
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import curvopt
+from curvopt import extensions as ext
+from curvopt import compress, propagate
+from fixtures import zoo
+
+N, T, D = 3, 4, 8
+
+
+class Untied(nn.Module):
+    """``zoo.GPT`` with its own output layer (no weight shared across the head's input);
+    ``checkpointed``: its block in a reentrant ``torch.utils.checkpoint``."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.gpt = zoo.GPT(vocab=vocab, d=D, heads=2, t_max=T)
+        self.gpt.head = nn.Linear(D, vocab)
+        self.checkpointed = False
+
+    def forward(self, idx):
+        if not self.checkpointed:
+            return self.gpt(idx)
+        g = self.gpt
+        x = g.tok(idx) + g.pos(torch.arange(idx.shape[1]))
+        return g.head(g.ln_f(checkpoint(g.block, x, use_reentrant=True)))
+
+
+class MixT(nn.Module):
+    """A linear map over the positions of ``[N, T, F]`` (mixes positions, like attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(T, T)
+
+    def forward(self, x):
+        return self.lin(x.transpose(1, 2)).transpose(1, 2)
+
+
+class Decoder(nn.Module):
+    """Position-wise layers around a position mixer, no LayerNorm (``DiagHessian`` supports
+    it); ``skip``: the head's output plus a tensor below its input (a path around it);
+    ``mix_top``: positions mixed again after the head (the loss input's last call mixes)."""
+
+    def __init__(self, vocab, skip=False, mix_top=False):
+        super().__init__()
+        self.inp, self.mix, self.fc = nn.Linear(5, D), MixT(), nn.Linear(D, D)
+        self.head = nn.Linear(D, vocab)
+        self.skip = skip
+        self.top = MixT() if mix_top else None
+
+    def forward(self, x):
+        a = self.mix(torch.tanh(self.inp(x)))
+        out = self.head(torch.tanh(self.fc(a)))
+        if self.skip:  # functional: the head stays the one last call
+            out = out + a.repeat(1, 1, -(-out.shape[-1] // D))[..., : out.shape[-1]]
+        return out if self.top is None else self.top(out)
+
+
+def _gpt_batch(vocab, reduction="mean"):
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(vocab, (N, T), generator=gen)
+    y = torch.randint(vocab, (N, T), generator=gen)
+    y[0, -1] = -100  # an ignored row: zero columns, compressed as zeros
+    return idx, y
+
+
+def _decoder_batch(vocab, reduction="mean"):
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(N, T, 5, generator=gen, dtype=torch.float64), torch.randint(
+        vocab, (N, T), generator=gen
+    )
+
+
+def _loss_on(reduction):
+    lossfunc = nn.CrossEntropyLoss(reduction=reduction)
+    return lambda out, y: lossfunc(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """``[(root is the loss input, columns)]`` of every ``propagate.backpropagate`` call."""
+    seen = []
+    plain = propagate.backpropagate
+
+    def counting(outputs, edges, columns, batched):
+        seen.append((outputs, columns.shape[0]))
+        return plain(outputs, edges, columns, batched)
+
+    monkeypatch.setattr(propagate, "backpropagate", counting)
+    return seen
+
+
+def _run(model, X, y, reduction, extension):
+    torch.manual_seed(0)
+    model = curvopt.extend(model.double())
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss(reduction=reduction))
+    head = model.gpt.head if isinstance(model, Untied) else model.head
+    inputs = []
+    handle = head.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+    logits = model(X)
+    handle.remove()
+    with curvopt.collect(extension):
+        lossfunc(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+    return model, inputs[0].grad_fn
+
+
+def _below(seen, head_input):
+    """Columns of the propagations that start at the head's input (node ``head_input``)."""
+    return [k for root, k in seen if getattr(root, "grad_fn", None) is head_input]
+
+
+def _diag_reference(model, X, y, reduction, kind):
+    if kind == "DiagHessian":
+        return hessian(model, _loss_on(reduction), X, y)[0]
+    blocks, per_sample = ggn(model, _loss_on(reduction), X, y)
+    if kind == "BatchDiagGGNExact":
+        return per_sample
+    return {k: torch.diagonal(b).reshape(per_sample[k].shape[1:]) for k, b in blocks.items()}
+
+
+_DIAGONALS = {
+    "DiagGGNExact": (ext.DiagGGNExact, "diag_ggn_exact"),
+    "BatchDiagGGNExact": (ext.BatchDiagGGNExact, "diag_ggn_exact_batch"),
+    "DiagHessian": (ext.DiagHessian, "diag_h"),
+}
+
+
+def _check_diagonal(make_model, batch, vocab, reduction, kind, counted):
+    torch.manual_seed(0)
+    plain = make_model().double()
+    X, y = batch(vocab)
+    expected = _diag_reference(plain, X, y, reduction, kind)
+    make, attr = _DIAGONALS[kind]
+    model, head_input = _run(plain, X, y, reduction, make())
+    for name, p in trainable(model).items():
+        assert_close(getattr(p, attr), expected[name], f"{kind} {name}")
+    return _below(counted, head_input)
+
+
+def _check_kflr(make_model, batch, vocab, reduction, counted):
+    torch.manual_seed(0)
+    plain = make_model().double()
+    X, y = batch(vocab)
+    expected = kronecker(plain, _loss_on(reduction), X, y)
+    model, head_input = _run(plain, X, y, reduction, ext.KFLR())
+    modules = dict(model.named_modules())
+    uses = collections.Counter(
+        id(m.weight)
+        for m in modules.values()
+        if isinstance(getattr(m, "weight", None), nn.Parameter)
+    )
+    checked = 0
+    for name, (b, a) in expected.items():
+        weight = modules[name].weight
+        if uses[id(weight)] > 1:
+            continue  # tied (embedding and head): the nearest Kronecker product of both uses
+        factors = [a, b] if isinstance(modules[name], nn.Embedding) else [b, a]  # weight order
+        assert_close(weight.kflr[0], factors[0], f"KFLR {name} [0]")
+        assert_close(weight.kflr[1], factors[1], f"KFLR {name} [1]")
+        checked += 1
+    assert checked >= 3
+    return _below(counted, head_input)
+
+
+def _compressed(below, vocab):
+    """The propagations below the head's input carry ``d`` columns per slot, not ``V``."""
+    assert below, "no propagation started at the head's input: nothing was compressed"
+    assert max(below) <= D * T < vocab * T, below
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("kind", ["DiagGGNExact", "BatchDiagGGNExact"])
+def test_untied_gpt_diagonals_are_exact_from_compressed_columns(kind, reduction, counted):
+    vocab = 20
+    below = _check_diagonal(lambda: Untied(vocab), _gpt_batch, vocab, reduction, kind, counted)
+    _compressed(below, vocab)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("kind", ["DiagGGNExact", "BatchDiagGGNExact", "DiagHessian"])
+def test_decoder_diagonals_are_exact_from_compressed_columns(kind, reduction, counted):
+    vocab = 20
+    below = _check_diagonal(lambda: Decoder(vocab), _decoder_batch, vocab, reduction, kind, counted)
+    _compressed(below, vocab)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_gpt_kflr_is_exact_from_compressed_columns(tied, reduction, counted):
+    """KFLR compresses with the head tied to the embedding too: each call's factor is its own."""
+    vocab = 20
+    make = (lambda: zoo.GPT(vocab=vocab, d=D, heads=2, t_max=T)) if tied else lambda: Untied(vocab)
+    below = _check_kflr(make, _gpt_batch, vocab, reduction, counted)
+    _compressed(below, vocab)
+
+
+@pytest.mark.parametrize("kind", ["DiagGGNExact", "BatchDiagGGNExact"])
+def test_compressed_through_a_reentrant_checkpoint_below_the_head(kind, counted):
+    """The columns from the head's input cross the checkpointed block in stages."""
+    vocab = 20
+
+    def make():
+        model = Untied(vocab)
+        model.checkpointed = True
+        return model
+
+    torch.manual_seed(0)
+    plain = Untied(vocab).double()
+    X, y = _gpt_batch(vocab)
+    expected = _diag_reference(plain, X, y, "mean", kind)
+    torch.manual_seed(0)
+    checkpointed = make().double()
+    checkpointed.load_state_dict(plain.state_dict())
+    model, head_input = _run(checkpointed, X, y, "mean", _DIAGONALS[kind][0]())
+    for name, p in trainable(model).items():
+        assert_close(getattr(p, _DIAGONALS[kind][1]), expected[name], f"{kind} {name}")
+    _compressed(_below(counted, head_input), vocab)
+
+
+def test_tied_gpt_diagonal_is_exact_and_not_compressed(counted):
+    """A weight used above and below the head's input: its diagonal pairs the columns of both
+    uses one to one, so nothing is compressed."""
+    vocab = 20
+    make = lambda: zoo.GPT(vocab=vocab, d=D, heads=2, t_max=T)  # noqa: E731
+    below = _check_diagonal(make, _gpt_batch, vocab, "mean", "DiagGGNExact", counted)
+    assert below == []
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(vocab=5),  # V < d: nothing to gain
+        dict(vocab=20, skip=True),  # a path around the head's input
+        dict(vocab=20, mix_top=True),  # positions mixed above the head
+    ],
+    ids=["V<d", "skip around h", "mixing above h"],
+)
+@pytest.mark.parametrize("kind", ["DiagGGNExact", "BatchDiagGGNExact"])
+def test_not_compressed_where_it_would_be_wrong_and_still_exact(variant, kind, counted):
+    vocab = variant["vocab"]
+    make = lambda: Decoder(**variant)  # noqa: E731
+    below = _check_diagonal(make, _decoder_batch, vocab, "mean", kind, counted)
+    assert below == []
+
+
+def test_not_compressed_kflr_with_a_skip_is_exact(counted):
+    vocab = 20
+    below = _check_kflr(lambda: Decoder(vocab, skip=True), _decoder_batch, vocab, "sum", counted)
+    assert below == []
+
+
+class _Slots:
+    """A ``rows.RowLayout`` stand-in: rows ``r`` in slot ``r % 2`` (two slots)."""
+
+    def __init__(self, rows):
+        self.slot = torch.arange(rows) % 2
+
+
+def _packed(rows=4, k=5, width=3, seed=0):
+    """Columns ``[k * 2, rows, width]`` at ``h`` for two slots (each row's ``k`` columns at
+    its own position) and the loss columns ``[k * 2, rows, 7]`` they came from."""
+    gen = torch.Generator().manual_seed(seed)
+    per_row = torch.randn(k, rows, width, generator=gen, dtype=torch.float64)
+    own = (torch.arange(rows)[None, :] % 2 == torch.arange(2)[:, None]).double()  # [2, R]
+    at_h = (per_row[:, None] * own[None, :, :, None]).flatten(0, 1)
+    loss = torch.randn(2 * k, rows, 7, generator=gen, dtype=torch.float64)
+    return per_row, at_h, loss
+
+
+def test_squeeze_keeps_each_rows_gram_with_width_columns():
+    per_row, at_h, loss = _packed()
+    short = compress.squeeze(at_h, loss, loss, _Slots(4), 0, 2)
+    assert short.shape == (3 * 2, 4, 3)
+    c = short.reshape(3, 2, 4, 3)
+    for r in range(4):
+        assert bool((c[:, 1 - r % 2, r] == 0).all())  # a row stays in its slot
+        gram = c[:, r % 2, r].T @ c[:, r % 2, r]
+        torch.testing.assert_close(gram, per_row[:, r].T @ per_row[:, r], rtol=1e-12, atol=1e-14)
+
+
+def test_squeeze_refuses_what_it_cannot_compress_exactly():
+    per_row, at_h, loss = _packed()
+    leaked = at_h.clone()
+    leaked[0, 1] += 1e-3  # column of slot 0 at row 1 (slot 1): not position-wise
+    assert compress.squeeze(leaked, loss, loss, _Slots(4), 0, 2) is None
+    other = loss.clone()
+    other[0, 0, 0] += 1.0  # the head's output is not the loss input unchanged
+    assert compress.squeeze(at_h, other, loss, _Slots(4), 0, 2) is None
+    _, narrow, loss = _packed(k=3, width=3)  # no more columns per row than the width
+    assert compress.squeeze(narrow, loss[:6], loss[:6], _Slots(4), 0, 2) is None
