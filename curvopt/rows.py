@@ -13,7 +13,8 @@ The map comes from the shapes (``R == N``: row ``r`` is sample ``r``; ``R == N T
 ``r // T`` or sequence-first ``r % N``) and is verified by probes: a random vector on the rows
 of the samples whose bit ``b`` is ``1`` (and one on those whose bit is ``0``), propagated to every
 module output, must vanish exactly on the samples whose bit ``b`` differs. These
-``2 ceil(log2 N)`` columns catch any row that depends on a sample other than its own:
+``2 ceil(log2 N)`` columns (propagated a bit, two columns, at a time: the probes' memory is
+that of two columns, whatever ``N``) catch any row that depends on a sample other than its own:
 functional batch norm or ``h - h.mean(0)`` between layers, a sequence-first model read as
 batch-first, layers that disagree on the batch. Verified layouts are kept in the plan of the
 graph's structure (``graph_plan.Plan.layouts``, with the calls found transposed), so the probes
@@ -32,6 +33,9 @@ from curvopt.errors import UnsupportedModuleError, module_error
 from curvopt.graph_plan import add_layout
 from curvopt.layers import rule_for
 from curvopt.propagate import to_calls
+
+#: bits of the sample index probed per propagation (two columns each): the probes' memory
+_PROBE_BITS = 1
 
 
 class RowLayout:
@@ -203,7 +207,9 @@ def _verified(source, shape, calls, batched, n, elementwise) -> Optional[tuple]:
 
 
 def _passes(source, shape, calls, batched, sample, n, row_dims) -> bool:
-    """Probe columns (see module doc) vanish where the map says they must."""
+    """Probe columns (see module doc) vanish where the map says they must; propagated
+    ``_PROBE_BITS`` bits (``2 _PROBE_BITS`` columns) at a time, so that the columns held at
+    every module output stay few whatever ``N``."""
     if n == 1 or not calls:
         return True
     gen = torch.Generator(device=sample.device).manual_seed(0)
@@ -211,21 +217,29 @@ def _passes(source, shape, calls, batched, sample, n, row_dims) -> bool:
     noise = torch.randn(shape, generator=gen, dtype=dtype, device=sample.device)
     bits = max(1, math.ceil(math.log2(n)))
     ids = torch.arange(n, device=sample.device)
-    probes, keep = [], []  # keep[j]: [N] bool, samples that may be nonzero in probe j
-    for b in range(bits):
-        on = (ids >> b) & 1 == 1
-        for side in (on, ~on):
-            rows = side[sample].reshape(*shape[:row_dims], *([1] * (len(shape) - row_dims)))
-            probes.append(noise * rows.to(dtype))
-            keep.append(side)
-    outs = to_calls(source, calls, torch.stack(probes), batched)
+    for first in range(0, bits, _PROBE_BITS):
+        probes, keep = [], []  # keep[j]: [N] bool, samples that may be nonzero in probe j
+        for b in range(first, min(bits, first + _PROBE_BITS)):
+            on = (ids >> b) & 1 == 1
+            for side in (on, ~on):
+                rows = side[sample].reshape(*shape[:row_dims], *([1] * (len(shape) - row_dims)))
+                probes.append(noise * rows.to(dtype))
+                keep.append(side)
+        if _leaks(to_calls(source, calls, torch.stack(probes), batched), torch.stack(keep), n):
+            return False
+    return True
+
+
+def _leaks(outs, keep, n) -> bool:
+    """Some probe column (``outs``: ``to_calls``'s, ``[k, ...]`` per output) is nonzero on a
+    sample outside its ``keep`` (``[k, N]`` bool)."""
+    allowed = keep[:, :, None]
     for record, columns in outs.items():
         dims = rule_for(record.module).output_batch_dims(record.module, len(columns))
         for v, dim in zip(columns, dims):
             if v is None or v.dim() <= 1 + dim or v.shape[1 + dim] != n:
                 continue
-            v = v.movedim(1 + dim, 1).reshape(len(probes), n, -1)
-            leaked = v.abs().amax(2) != 0  # [probes, N]
-            if bool((leaked & ~torch.stack(keep)).any()):
-                return False
-    return True
+            v = v.movedim(1 + dim, 1).reshape(len(keep), n, -1)
+            if bool(((v != 0) & ~allowed).any()):
+                return True
+    return False
