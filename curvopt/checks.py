@@ -52,8 +52,11 @@ _OUTSIDE = (
 
 def roundoff(*tensors, floor: float = 0.0) -> float:
     """Unit roundoff of the least precise floating dtype among ``tensors``, at least ``floor``."""
-    eps = [torch.finfo(t.dtype).eps for t in tensors if t is not None and t.is_floating_point()]
-    return max([floor, *eps])
+    eps = floor
+    for t in tensors:
+        if t is not None and t.is_floating_point():
+            eps = max(eps, torch.finfo(t.dtype).eps)
+    return eps
 
 
 def mismatch(a, b, factor: float, floor: float = 0.0) -> bool:
@@ -62,7 +65,8 @@ def mismatch(a, b, factor: float, floor: float = 0.0) -> bool:
     if not a.numel():
         return False
     eps = roundoff(a, b, floor=floor)
-    b = b.to(a.dtype)
+    if b.dtype != a.dtype:
+        b = b.to(a.dtype)
     # max |x| = max(|min x|, |max x|): no full-size |a|, |b|; one fresh difference, in place
     gap = (a - b).abs_().max()
     scale = torch.stack((*torch.aminmax(a), *torch.aminmax(b))).abs_().max()

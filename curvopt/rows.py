@@ -82,6 +82,8 @@ def model_batch(calls) -> Optional[int]:
     sizes = batch_sizes(calls)
     if not sizes:
         return None
+    if len(set(sizes.values())) == 1:
+        return next(iter(sizes.values()))
     records = sorted(sizes, key=lambda r: r.seq)
     first = records[0]
     for record in records[1:]:
@@ -125,14 +127,19 @@ def align(calls) -> List[object]:
     return ambiguous
 
 
+def _fits(rows: int, n: int) -> bool:
+    """Whether the shapes suggest a map of ``rows`` rows onto ``n`` samples (``_candidates``)."""
+    return n == 1 or rows <= n or rows % n == 0
+
+
 def _candidates(rows: int, n: int, device) -> List[torch.Tensor]:
+    if not _fits(rows, n):
+        return []
     index = torch.arange(rows, device=device)
     if n == 1:
         return [torch.zeros_like(index)]
     if rows <= n:
         return [index]  # one row per sample (rows < n: the first ``rows`` samples, out[:k])
-    if rows % n:
-        return []
     per = rows // n
     return [index // per, index % n]  # batch-first [N, T] -> N T, sequence-first [T, N] -> T N
 
@@ -192,7 +199,7 @@ def _row_dims(shape, elementwise):
 
 
 def _any_candidate(shape, n, elementwise) -> bool:
-    return any(_candidates(math.prod(shape[:d]), n, "cpu") for d in _row_dims(shape, elementwise))
+    return any(_fits(math.prod(shape[:d]), n) for d in _row_dims(shape, elementwise))
 
 
 def _verified(source, shape, calls, batched, n, elementwise) -> Optional[tuple]:
