@@ -324,6 +324,14 @@ class BackwardPass:
                     self.reducer.add_total(p, rule, call, name, rule.grad_sum(call, name))
             return
         self._check_batch_size(call)
+        materialise = self.reducer.keeps_per_sample or self._reused(module, params)
+        for name, p in params:
+            self.reducer.add(p, rule, call, name, materialise)
+
+    def _reused(self, module, params) -> bool:
+        """Whether ``module`` is called several times in this pass or shares a parameter with
+        another module (decided at its first call, while its later calls still await their
+        gradients): its per-sample gradients are summed before they are reduced."""
         if self.shared is None:
             self.shared = shared_parameters()
         key = id(module)
@@ -331,9 +339,7 @@ class BackwardPass:
             self.reused[key] = module._curvopt_live > 1 or any(
                 id(p) in self.shared for _, p in params
             )
-        materialise = self.reducer.keeps_per_sample or self.reused[key]
-        for name, p in params:
-            self.reducer.add(p, rule, call, name, materialise)
+        return self.reused[key]
 
     def _check_batch_size(self, call: Call) -> None:
         n = call.batch_size
