@@ -67,10 +67,13 @@ def mismatch(a, b, factor: float, floor: float = 0.0) -> bool:
     eps = roundoff(a, b, floor=floor)
     if b.dtype != a.dtype:
         b = b.to(a.dtype)
-    # max |x| = max(|min x|, |max x|): no full-size |a|, |b|; one fresh difference, in place
-    gap = (a - b).abs_().max()
-    scale = torch.stack((*torch.aminmax(a), *torch.aminmax(b))).abs_().max()
-    return bool(gap > factor * eps * scale)  # one sync
+    gap = (a - b).abs_().max()  # one fresh difference, its abs in place
+    return bool(gap > factor * eps * _max_abs(a, b))  # one sync
+
+
+def _max_abs(*tensors) -> torch.Tensor:
+    """``max |x|`` over ``tensors`` as ``max(|min x|, |max x|)``: no full-size ``|x|``."""
+    return torch.stack([v for t in tensors for v in torch.aminmax(t)]).abs_().max()
 
 
 def dense(grad: torch.Tensor) -> torch.Tensor:
@@ -214,7 +217,7 @@ class Checks:
             if key not in batch_grads:
                 continue
             per_sample = batch_grads[key][1]
-            batch = probe_columns(per_sample.reshape(len(per_sample), -1))  # 0-dim p: [N, 1]
+            batch = probe_columns(per_sample.reshape(per_sample.shape[0], -1))  # 0-dim p: [N, 1]
             grad = probe_columns(dense(grad).reshape(1, -1))[0]
             total = batch.sum(0)
             if mismatch(total, grad, 64, self.compute_eps.get(key, 0.0)):
@@ -225,13 +228,11 @@ class Checks:
         ``g_n`` when a parameter's gradient cancels to nearly zero); raises on a real gap."""
         if not self.suspects:
             return
-        largest = max(
-            float(dense(g).abs().max()) for _, g in self.param_grads.values() if g.numel()
-        )
+        largest = float(_max_abs(*(dense(g) for _, g in self.param_grads.values() if g.numel())))
         for p, total, grad, magnitude in self.suspects:
             eps = roundoff(total, grad, floor=self.compute_eps.get(id(p), 0.0))
-            tol = 8 * eps * (magnitude + grad.abs()) + 1000 * eps * largest
-            if bool(((total - grad.to(total.dtype)).abs() > tol).any()):
+            tol = (magnitude + grad.abs()).mul_(8 * eps).add_(1000 * eps * largest)
+            if bool(((total - grad.to(total.dtype)).abs_() > tol).any()):
                 raise UnsupportedModuleError(
                     f"curvopt: parameter {name_of(p)!r} receives gradient from outside the module "
                     "that owns it (used functionally, e.g. a tied output layer "

@@ -10,7 +10,8 @@ import itertools
 import pytest
 import torch
 
-from curvopt.checks import mismatch, roundoff
+from curvopt.checks import Checks, mismatch, roundoff
+from curvopt.errors import UnsupportedModuleError
 
 
 def reference(a, b, factor, floor=0.0):
@@ -113,3 +114,46 @@ def test_roundoff():
     assert roundoff(torch.zeros(1, dtype=torch.long), floor=0.5) == 0.5
     assert roundoff(single, floor=1e-3) == 1e-3
     assert roundoff() == 0.0
+
+
+def _rounding_bound_fails(grads, suspects):
+    """The rounding bound of ``Checks.check_suspects``, written out with full temporaries."""
+    largest = max(float(g.abs().max()) for g in grads if g.numel())
+    for total, grad, magnitude in suspects:
+        eps = max(torch.finfo(t.dtype).eps for t in (total, grad))
+        tol = 8 * eps * (magnitude + grad.abs()) + 1000 * eps * largest
+        if bool(((total - grad.to(total.dtype)).abs() > tol).any()):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_rounding_bound_decides_as_the_reference(dtype):
+    """The second tier of the sum check: sums just inside and just outside the bound, a
+    gradient far larger elsewhere in the pass (the ``1000 eps max |grad|`` term), the other
+    parameter in another dtype."""
+    gen = torch.Generator().manual_seed(2)
+    eps = torch.finfo(dtype).eps
+    outcomes = []
+    for trial in range(60):
+        p = torch.nn.Parameter(torch.zeros(7, dtype=dtype))
+        other = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64 if trial % 2 else dtype))
+        grad = torch.randn(7, generator=gen, dtype=dtype)
+        other_grad = torch.randn(3, generator=gen, dtype=other.dtype) * 10.0 ** (trial % 5)
+        magnitude = grad.abs() + torch.rand(7, generator=gen, dtype=dtype)
+        bound = 8 * eps * (magnitude + grad.abs()) + 1000 * eps * float(
+            torch.cat([grad.abs().double(), other_grad.abs().double()]).max()
+        )
+        total = grad.clone()
+        total[trial % 7] += bound[trial % 7] * (0.9 + 0.2 * float(torch.rand(1, generator=gen)))
+        checks = Checks()
+        checks.param_grads = {id(p): (p, grad), id(other): (other, other_grad)}
+        checks.suspects = [(p, total, grad, magnitude)]
+        expected = _rounding_bound_fails([grad, other_grad], [(total, grad, magnitude)])
+        if expected:
+            with pytest.raises(UnsupportedModuleError, match="outside the module"):
+                checks.check_suspects()
+        else:
+            checks.check_suspects()
+        outcomes.append(expected)
+    assert any(outcomes) and not all(outcomes)
