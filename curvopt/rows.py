@@ -10,11 +10,14 @@ propagates ``S[k] * [slot(r) == s]`` for every ``(k, s)``: ``K * num_slots`` col
 ``num_slots = max_n |{r : sample[r] = n}|`` (``1`` for the K-dim form ``[N, C, T...]``).
 
 The map comes from the shapes (``R == N``: row ``r`` is sample ``r``; ``R == N T``: batch-first
-``r // T`` or sequence-first ``r % N``) and is verified by probes: a random vector on the rows
-of the samples whose bit ``b`` is ``1`` (and one on those whose bit is ``0``), propagated to every
-module output, must vanish exactly on the samples whose bit ``b`` differs. These
-``2 ceil(log2 N)`` columns (propagated a bit, two columns, at a time: the probes' memory is
-that of two columns, whatever ``N``) catch any row that depends on a sample other than its own:
+``r // T`` or sequence-first ``r % N``) and is verified by probes: each sample gets its own code
+of ``k // 2`` ones out of ``k`` bits (``probe_sets``), and probe ``j``, a random vector on the
+rows of the samples whose bit ``j`` is ``1``, propagated to every module output, must vanish on
+the samples whose bit ``j`` is ``0``. No code covers another, so for any two samples ``s != m``
+some probe holds ``s``'s rows and not ``m``'s: these ``k`` columns (``k`` the least with
+``C(k, k // 2) >= N``: 8 for ``N = 64``, 5 for ``N = 8``; two per bit, ``2 ceil(log2 N)``, would
+be 12 and 6), propagated two at a time (the probes' memory is that of two columns, whatever
+``N``), catch any row that depends on a sample other than its own:
 functional batch norm or ``h - h.mean(0)`` between layers, a sequence-first model read as
 batch-first, layers that disagree on the batch. Verified layouts are kept in the plan of the
 graph's structure (``graph_plan.Plan.layouts``, with the calls found transposed), so the probes
@@ -24,6 +27,7 @@ and are probed on every pass.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Dict, List, Optional
 
@@ -34,8 +38,8 @@ from curvopt.graph_plan import add_layout
 from curvopt.layers import rule_for
 from curvopt.propagate import to_calls
 
-#: bits of the sample index probed per propagation (two columns each): the probes' memory
-_PROBE_BITS = 1
+#: probe columns per propagation: the probes' memory
+_PROBES_PER_CALL = 2
 
 
 class RowLayout:
@@ -215,26 +219,34 @@ def _verified(source, shape, calls, batched, n, elementwise) -> Optional[tuple]:
 
 def _passes(source, shape, calls, batched, sample, n, row_dims) -> bool:
     """Probe columns (see module doc) vanish where the map says they must; propagated
-    ``_PROBE_BITS`` bits (``2 _PROBE_BITS`` columns) at a time, so that the columns held at
-    every module output stay few whatever ``N``."""
+    ``_PROBES_PER_CALL`` at a time, so that the columns held at every module output stay few
+    whatever ``N``."""
     if n == 1 or not calls:
         return True
     gen = torch.Generator(device=sample.device).manual_seed(0)
     dtype = next(iter(calls)).dtype
     noise = torch.randn(shape, generator=gen, dtype=dtype, device=sample.device)
-    bits = max(1, math.ceil(math.log2(n)))
-    ids = torch.arange(n, device=sample.device)
-    for first in range(0, bits, _PROBE_BITS):
-        probes, keep = [], []  # keep[j]: [N] bool, samples that may be nonzero in probe j
-        for b in range(first, min(bits, first + _PROBE_BITS)):
-            on = (ids >> b) & 1 == 1
-            for side in (on, ~on):
-                rows = side[sample].reshape(*shape[:row_dims], *([1] * (len(shape) - row_dims)))
-                probes.append(noise * rows.to(dtype))
-                keep.append(side)
-        if _leaks(to_calls(source, calls, torch.stack(probes), batched), torch.stack(keep), n):
+    sets = probe_sets(n).to(sample.device).T  # [k, N]
+    for first in range(0, len(sets), _PROBES_PER_CALL):
+        keep = sets[first : first + _PROBES_PER_CALL]  # samples that may be nonzero in each
+        probes = [
+            noise * side[sample].reshape(*shape[:row_dims], *([1] * (len(shape) - row_dims)))
+            for side in keep.to(dtype)
+        ]
+        if _leaks(to_calls(source, calls, torch.stack(probes), batched), keep, n):
             return False
     return True
+
+
+def probe_sets(n: int) -> torch.Tensor:
+    """``[N, k]`` bool: sample ``m`` is in probe set ``j``. Each sample has its own code of
+    ``k // 2`` ones, ``k`` the least with ``C(k, k // 2) >= N``; as no code covers another,
+    for any two samples ``s != m`` some set holds ``s`` and not ``m``."""
+    k = 1
+    while math.comb(k, k // 2) < n:
+        k += 1
+    codes = itertools.islice(itertools.combinations(range(k), k // 2), n)
+    return torch.tensor([[j in ones for j in range(k)] for ones in codes], dtype=torch.bool)
 
 
 def _leaks(outs, keep, n) -> bool:

@@ -1,6 +1,7 @@
-"""The probes of ``rows.establish``, propagated a bit of the sample index at a time: every bit
-is still probed (a leak between two samples that differ only in the last bit raises), and no
-propagation holds more than the columns of ``rows._PROBE_BITS`` bits."""
+"""The probes of ``rows.establish``: ``k`` columns (``rows.probe_sets``, fewer than two per
+bit of the sample index) propagated a few at a time. Every set is still probed (a leak
+between two samples that only the last propagation separates raises), no propagation holds
+more than ``rows._PROBES_PER_CALL`` columns, and the sets separate every ordered pair."""
 
 import math
 
@@ -16,20 +17,32 @@ from curvopt.errors import UnsupportedModuleError
 DT = torch.float64
 
 
-class _Partner(nn.Module):
-    """Adds to each sample's hidden units those of its partner ``n ^ (1 << bit)`` where it
-    exists: samples that differ in that one bit of their index mix, no others."""
+@pytest.mark.parametrize("n", [2, 3, 5, 8, 13, 64, 100, 257])
+def test_probe_sets_separate_every_pair(n):
+    """For all samples ``s != m`` some set holds ``s`` and not ``m`` (what lets a leak from a
+    row of ``s`` into ``m`` show), with fewer sets than two per bit from ``n = 3`` on."""
+    sets = rows.probe_sets(n)
+    k = sets.shape[1]
+    assert sets.shape == (n, k) and sets.dtype == torch.bool
+    separated = (sets[:, None, :] & ~sets[None, :, :]).any(2)  # [s, m]
+    assert bool(separated[~torch.eye(n, dtype=torch.bool)].all())
+    assert math.comb(k, k // 2) >= n > math.comb(k - 1, (k - 1) // 2)
+    assert k <= 2 * math.ceil(math.log2(n)) and (n < 3 or k < 2 * math.ceil(math.log2(n)))
 
-    def __init__(self, bit, weight):
+
+class _Pair(nn.Module):
+    """Adds to samples ``s`` and ``m`` ``weight`` times each other's hidden units."""
+
+    def __init__(self, s, m, weight):
         super().__init__()
-        self.a, self.b, self.bit, self.weight = nn.Linear(4, 6), nn.Linear(6, 3), bit, weight
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+        self.s, self.m, self.weight = s, m, weight
 
     def forward(self, x):
         h = torch.tanh(self.a(x))
-        index = torch.arange(len(x))
-        partner = index ^ (1 << self.bit)
-        exists = (partner < len(x))[:, None]
-        return self.b(h + self.weight * torch.where(exists, h[partner.clamp(max=len(x) - 1)], 0))
+        partner = torch.arange(len(x))
+        partner[self.s], partner[self.m] = self.m, self.s
+        return self.b(h + self.weight * (partner != torch.arange(len(x)))[:, None] * h[partner])
 
 
 @pytest.fixture
@@ -54,27 +67,41 @@ def _pass(model, n, extension, seed=0):
         lossfunc(model(x), y).backward()
 
 
-@pytest.mark.parametrize("n", [8, 13])
+def _sizes(n):
+    k = rows.probe_sets(n).shape[1]
+    step = rows._PROBES_PER_CALL
+    return [min(step, k - first) for first in range(0, k, step)]
+
+
+def _last_pair(n):
+    """Two samples whose codes agree on every set but those of the last propagation."""
+    sets = rows.probe_sets(n)
+    last = (len(_sizes(n)) - 1) * rows._PROBES_PER_CALL
+    for s in range(n):
+        for m in range(s + 1, n):
+            if bool((sets[s, :last] == sets[m, :last]).all()):
+                return s, m
+    raise AssertionError("no such pair")
+
+
+@pytest.mark.parametrize("n", [6, 13, 64])
 @pytest.mark.parametrize("extension", [ext.BatchGrad, ext.DiagGGNExact])
-def test_a_leak_in_the_last_bit_raises(propagated, n, extension):
-    """Samples mixed with their partner in the highest bit of the index (for ``n = 13`` only
-    those whose partner exists: 0..4 with 8..12) are caught by the last propagation only."""
-    bits = math.ceil(math.log2(n))
-    model = curvopt.extend(_Partner(bits - 1, 0.5).to(DT))
+def test_a_leak_only_the_last_propagation_separates_raises(propagated, n, extension):
+    s, m = _last_pair(n)
+    model = curvopt.extend(_Pair(s, m, 0.5).to(DT))
     with pytest.raises(UnsupportedModuleError, match="mixes samples"):
         _pass(model, n, extension)
-    assert propagated == [2 * rows._PROBE_BITS] * math.ceil(bits / rows._PROBE_BITS)
+    assert propagated == _sizes(n)  # every propagation ran, each of a few columns
+    assert max(propagated) <= rows._PROBES_PER_CALL
     assert not hasattr(model.a.weight, extension.quantity.attr)
 
 
 @pytest.mark.parametrize("n", [2, 5, 64])
 def test_probes_go_a_few_columns_at_a_time_and_pass(propagated, n):
-    """Samples that do not mix (weight 0 on the partner): every bit probed, in propagations
-    of ``2 _PROBE_BITS`` columns, the layout verified and the quantities written."""
-    bits = max(1, math.ceil(math.log2(n)))
-    model = curvopt.extend(_Partner(0, 0.0).to(DT))
+    """Samples that do not mix (weight 0): every set probed, ``_PROBES_PER_CALL`` columns at
+    a time, the layout verified and the quantities written."""
+    model = curvopt.extend(_Pair(0, n - 1, 0.0).to(DT))
     _pass(model, n, ext.BatchGrad)
-    sizes = [2 * min(rows._PROBE_BITS, bits - b) for b in range(0, bits, rows._PROBE_BITS)]
-    assert propagated == sizes
-    assert sum(propagated) == 2 * bits
+    assert propagated == _sizes(n)
+    assert sum(propagated) == rows.probe_sets(n).shape[1]
     assert model.a.weight.grad_batch.shape == (n, 6, 4)
