@@ -92,6 +92,7 @@ class BackwardPass:
         self.searched = False  # the graph upstream was searched for broadcast calls
         self.ignored = False  # the pass accumulates into no parameter it reaches
         self.untouched: Dict[int, bool] = {}  # id(p): the pass does not accumulate into p.grad
+        self.parameters: Dict[int, tuple] = {}  # id(module): ``_parameters``
         #: autograd nodes outside the walks whose upstream ``_reaches`` has walked
         self.reached: dict = {}
         self.checkpointed = False  # a reentrant checkpoint was re-run (``checkpointing``)
@@ -126,11 +127,21 @@ class BackwardPass:
             return True
         return reaches(current_autograd_node(), node, self.reached)
 
+    def _parameters(self, module) -> tuple:
+        """``(trainable, taking part)``: ``module``'s trainable ``(name, p)`` and those of them
+        whose gradient this pass accumulates (looked up once per pass)."""
+        key = id(module)
+        found = self.parameters.get(key)
+        if found is None:
+            params = trainable(module)
+            found = self.parameters[key] = params, [(n, p) for n, p in params if not self._skips(p)]
+        return found
+
     def _skips_all(self, modules) -> bool:
         """The pass accumulates into none of the trainable parameters of ``modules`` (and there
         is one)."""
-        skips = [self._skips(p) for m in modules for _, p in trainable(m)]
-        return bool(skips) and all(skips)
+        found = [self._parameters(m) for m in modules]
+        return any(params for params, _ in found) and not any(taking for _, taking in found)
 
     # ---------------------------------------------------------------- hooks
     def on_loss(self, record, grad) -> bool:
@@ -304,7 +315,7 @@ class BackwardPass:
             raise module_error(module, reason)
         grad_out = grads[0] if len(grads) == 1 else grads
         call = record.call(grad_out)
-        params = [(name, p) for name, p in trainable(module) if not self._skips(p)]
+        params = self._parameters(module)[1]
         self.checks.note_precision(record, params)
         self.checks.seen.update(id(p) for _, p in params)
         if not self.first:
@@ -313,6 +324,14 @@ class BackwardPass:
                     self.reducer.add_total(p, rule, call, name, rule.grad_sum(call, name))
             return
         self._check_batch_size(call)
+        materialise = self.reducer.keeps_per_sample or self._reused(module, params)
+        for name, p in params:
+            self.reducer.add(p, rule, call, name, materialise)
+
+    def _reused(self, module, params) -> bool:
+        """Whether ``module`` is called several times in this pass or shares a parameter with
+        another module (decided at its first call, while its later calls still await their
+        gradients): its per-sample gradients are summed before they are reduced."""
         if self.shared is None:
             self.shared = shared_parameters()
         key = id(module)
@@ -320,9 +339,7 @@ class BackwardPass:
             self.reused[key] = module._curvopt_live > 1 or any(
                 id(p) in self.shared for _, p in params
             )
-        materialise = self.reducer.keeps_per_sample or self.reused[key]
-        for name, p in params:
-            self.reducer.add(p, rule, call, name, materialise)
+        return self.reused[key]
 
     def _check_batch_size(self, call: Call) -> None:
         n = call.batch_size

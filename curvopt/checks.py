@@ -52,8 +52,11 @@ _OUTSIDE = (
 
 def roundoff(*tensors, floor: float = 0.0) -> float:
     """Unit roundoff of the least precise floating dtype among ``tensors``, at least ``floor``."""
-    eps = [torch.finfo(t.dtype).eps for t in tensors if t is not None and t.is_floating_point()]
-    return max([floor, *eps])
+    eps = floor
+    for t in tensors:
+        if t is not None and t.is_floating_point():
+            eps = max(eps, torch.finfo(t.dtype).eps)
+    return eps
 
 
 def mismatch(a, b, factor: float, floor: float = 0.0) -> bool:
@@ -62,9 +65,20 @@ def mismatch(a, b, factor: float, floor: float = 0.0) -> bool:
     if not a.numel():
         return False
     eps = roundoff(a, b, floor=floor)
-    b = b.to(a.dtype)
-    scale = torch.maximum(a.abs().max(), b.abs().max())
-    return bool((a - b).abs().max() > factor * eps * scale)  # one sync
+    if b.dtype != a.dtype:
+        b = b.to(a.dtype)
+    gap = (a - b).abs_().max()  # one fresh difference, its abs in place
+    bound = factor * eps
+    # max(|a|, |b|) >= max |b| (and rounding is monotone): within the bound at max |b|, a sum
+    # that is right reads one tensor fewer, with one sync; only otherwise is max |a| read
+    if bool(gap <= bound * _max_abs(b)):
+        return False
+    return bool(gap > bound * _max_abs(a, b))
+
+
+def _max_abs(*tensors) -> torch.Tensor:
+    """``max |x|`` over ``tensors`` as ``max(|min x|, |max x|)``: no full-size ``|x|``."""
+    return torch.stack([v for t in tensors for v in torch.aminmax(t)]).abs_().max()
 
 
 def dense(grad: torch.Tensor) -> torch.Tensor:
@@ -208,7 +222,7 @@ class Checks:
             if key not in batch_grads:
                 continue
             per_sample = batch_grads[key][1]
-            batch = probe_columns(per_sample.reshape(len(per_sample), -1))  # 0-dim p: [N, 1]
+            batch = probe_columns(per_sample.reshape(per_sample.shape[0], -1))  # 0-dim p: [N, 1]
             grad = probe_columns(dense(grad).reshape(1, -1))[0]
             total = batch.sum(0)
             if mismatch(total, grad, 64, self.compute_eps.get(key, 0.0)):
@@ -219,13 +233,11 @@ class Checks:
         ``g_n`` when a parameter's gradient cancels to nearly zero); raises on a real gap."""
         if not self.suspects:
             return
-        largest = max(
-            float(dense(g).abs().max()) for _, g in self.param_grads.values() if g.numel()
-        )
+        largest = float(_max_abs(*(dense(g) for _, g in self.param_grads.values() if g.numel())))
         for p, total, grad, magnitude in self.suspects:
             eps = roundoff(total, grad, floor=self.compute_eps.get(id(p), 0.0))
-            tol = 8 * eps * (magnitude + grad.abs()) + 1000 * eps * largest
-            if bool(((total - grad.to(total.dtype)).abs() > tol).any()):
+            tol = (magnitude + grad.abs()).mul_(8 * eps).add_(1000 * eps * largest)
+            if bool(((total - grad.to(total.dtype)).abs_() > tol).any()):
                 raise UnsupportedModuleError(
                     f"curvopt: parameter {name_of(p)!r} receives gradient from outside the module "
                     "that owns it (used functionally, e.g. a tied output layer "

@@ -10,10 +10,14 @@ propagates ``S[k] * [slot(r) == s]`` for every ``(k, s)``: ``K * num_slots`` col
 ``num_slots = max_n |{r : sample[r] = n}|`` (``1`` for the K-dim form ``[N, C, T...]``).
 
 The map comes from the shapes (``R == N``: row ``r`` is sample ``r``; ``R == N T``: batch-first
-``r // T`` or sequence-first ``r % N``) and is verified by probes: a random vector on the rows
-of the samples whose bit ``b`` is ``1`` (and one on those whose bit is ``0``), propagated to every
-module output, must vanish exactly on the samples whose bit ``b`` differs. These
-``2 ceil(log2 N)`` columns catch any row that depends on a sample other than its own:
+``r // T`` or sequence-first ``r % N``) and is verified by probes: each sample gets its own code
+of ``k // 2`` ones out of ``k`` bits (``probe_sets``), and probe ``j``, a random vector on the
+rows of the samples whose bit ``j`` is ``1``, propagated to every module output, must vanish on
+the samples whose bit ``j`` is ``0``. No code covers another, so for any two samples ``s != m``
+some probe holds ``s``'s rows and not ``m``'s: these ``k`` columns (``k`` the least with
+``C(k, k // 2) >= N``: 8 for ``N = 64``, 5 for ``N = 8``; two per bit, ``2 ceil(log2 N)``, would
+be 12 and 6), propagated two at a time (the probes' memory is that of two columns, whatever
+``N``), catch any row that depends on a sample other than its own:
 functional batch norm or ``h - h.mean(0)`` between layers, a sequence-first model read as
 batch-first, layers that disagree on the batch. Verified layouts are kept in the plan of the
 graph's structure (``graph_plan.Plan.layouts``, with the calls found transposed), so the probes
@@ -23,6 +27,7 @@ and are probed on every pass.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Dict, List, Optional
 
@@ -32,6 +37,9 @@ from curvopt.errors import UnsupportedModuleError, module_error
 from curvopt.graph_plan import add_layout
 from curvopt.layers import rule_for
 from curvopt.propagate import to_calls
+
+#: probe columns per propagation: the probes' memory
+_PROBES_PER_CALL = 2
 
 
 class RowLayout:
@@ -78,6 +86,8 @@ def model_batch(calls) -> Optional[int]:
     sizes = batch_sizes(calls)
     if not sizes:
         return None
+    if len(set(sizes.values())) == 1:
+        return next(iter(sizes.values()))
     records = sorted(sizes, key=lambda r: r.seq)
     first = records[0]
     for record in records[1:]:
@@ -121,14 +131,19 @@ def align(calls) -> List[object]:
     return ambiguous
 
 
+def _fits(rows: int, n: int) -> bool:
+    """Whether the shapes suggest a map of ``rows`` rows onto ``n`` samples (``_candidates``)."""
+    return n == 1 or rows <= n or rows % n == 0
+
+
 def _candidates(rows: int, n: int, device) -> List[torch.Tensor]:
+    if not _fits(rows, n):
+        return []
     index = torch.arange(rows, device=device)
     if n == 1:
         return [torch.zeros_like(index)]
     if rows <= n:
         return [index]  # one row per sample (rows < n: the first ``rows`` samples, out[:k])
-    if rows % n:
-        return []
     per = rows // n
     return [index // per, index % n]  # batch-first [N, T] -> N T, sequence-first [T, N] -> T N
 
@@ -188,7 +203,7 @@ def _row_dims(shape, elementwise):
 
 
 def _any_candidate(shape, n, elementwise) -> bool:
-    return any(_candidates(math.prod(shape[:d]), n, "cpu") for d in _row_dims(shape, elementwise))
+    return any(_fits(math.prod(shape[:d]), n) for d in _row_dims(shape, elementwise))
 
 
 def _verified(source, shape, calls, batched, n, elementwise) -> Optional[tuple]:
@@ -203,29 +218,47 @@ def _verified(source, shape, calls, batched, n, elementwise) -> Optional[tuple]:
 
 
 def _passes(source, shape, calls, batched, sample, n, row_dims) -> bool:
-    """Probe columns (see module doc) vanish where the map says they must."""
+    """Probe columns (see module doc) vanish where the map says they must; propagated
+    ``_PROBES_PER_CALL`` at a time, so that the columns held at every module output stay few
+    whatever ``N``."""
     if n == 1 or not calls:
         return True
     gen = torch.Generator(device=sample.device).manual_seed(0)
     dtype = next(iter(calls)).dtype
     noise = torch.randn(shape, generator=gen, dtype=dtype, device=sample.device)
-    bits = max(1, math.ceil(math.log2(n)))
-    ids = torch.arange(n, device=sample.device)
-    probes, keep = [], []  # keep[j]: [N] bool, samples that may be nonzero in probe j
-    for b in range(bits):
-        on = (ids >> b) & 1 == 1
-        for side in (on, ~on):
-            rows = side[sample].reshape(*shape[:row_dims], *([1] * (len(shape) - row_dims)))
-            probes.append(noise * rows.to(dtype))
-            keep.append(side)
-    outs = to_calls(source, calls, torch.stack(probes), batched)
+    sets = probe_sets(n).to(sample.device).T  # [k, N]
+    for first in range(0, len(sets), _PROBES_PER_CALL):
+        keep = sets[first : first + _PROBES_PER_CALL]  # samples that may be nonzero in each
+        probes = [
+            noise * side[sample].reshape(*shape[:row_dims], *([1] * (len(shape) - row_dims)))
+            for side in keep.to(dtype)
+        ]
+        if _leaks(to_calls(source, calls, torch.stack(probes), batched), keep, n):
+            return False
+    return True
+
+
+def probe_sets(n: int) -> torch.Tensor:
+    """``[N, k]`` bool: sample ``m`` is in probe set ``j``. Each sample has its own code of
+    ``k // 2`` ones, ``k`` the least with ``C(k, k // 2) >= N``; as no code covers another,
+    for any two samples ``s != m`` some set holds ``s`` and not ``m``."""
+    k = 1
+    while math.comb(k, k // 2) < n:
+        k += 1
+    codes = itertools.islice(itertools.combinations(range(k), k // 2), n)
+    return torch.tensor([[j in ones for j in range(k)] for ones in codes], dtype=torch.bool)
+
+
+def _leaks(outs, keep, n) -> bool:
+    """Some probe column (``outs``: ``to_calls``'s, ``[k, ...]`` per output) is nonzero on a
+    sample outside its ``keep`` (``[k, N]`` bool)."""
+    allowed = keep[:, :, None]
     for record, columns in outs.items():
         dims = rule_for(record.module).output_batch_dims(record.module, len(columns))
         for v, dim in zip(columns, dims):
             if v is None or v.dim() <= 1 + dim or v.shape[1 + dim] != n:
                 continue
-            v = v.movedim(1 + dim, 1).reshape(len(probes), n, -1)
-            leaked = v.abs().amax(2) != 0  # [probes, N]
-            if bool((leaked & ~torch.stack(keep)).any()):
-                return False
-    return True
+            v = v.movedim(1 + dim, 1).reshape(len(keep), n, -1)
+            if bool(((v != 0) & ~allowed).any()):
+                return True
+    return False

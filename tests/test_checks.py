@@ -1,0 +1,159 @@
+"""The one tolerance policy of the checks (``checks.mismatch``): its decisions are those of the
+textbook formula ``max |a - b| > factor * eps * max(max |a|, max |b|)``, written here with full
+``abs`` temporaries as an independent reference, on the edge cases where a cheaper formula
+could differ (zeros, signed zeros, inf, nan, subnormal and huge values, mixed dtypes, the
+``floor`` argument, broadcasting, 0-dim and empty tensors)."""
+
+import contextlib
+import itertools
+
+import pytest
+import torch
+
+from curvopt.checks import Checks, mismatch, roundoff
+from curvopt.errors import UnsupportedModuleError
+
+
+def reference(a, b, factor, floor=0.0):
+    if not a.numel():
+        return False
+    eps = max([floor, *(torch.finfo(t.dtype).eps for t in (a, b) if t.is_floating_point())])
+    b = b.to(a.dtype)
+    scale = torch.maximum(a.abs().max(), b.abs().max())
+    return bool((a - b).abs().max() > factor * eps * scale)
+
+
+INF, NAN = float("inf"), float("nan")
+TINY = torch.finfo(torch.float64).tiny
+
+
+def _pairs():
+    """``(a, b)`` pairs of float64 values where the decision is delicate."""
+    with _float64():
+        yield from _float64_pairs()
+
+
+@contextlib.contextmanager
+def _float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _float64_pairs():
+    base = torch.tensor([1.0, -2.0, 3.0, -0.5])
+    rel = 64 * torch.finfo(torch.float64).eps * 3.0  # the threshold of factor 64 at scale 3
+    yield base, base.clone()
+    yield base, base + torch.tensor([0.0, 0.0, rel * 0.999, 0.0])  # just inside
+    yield base, base + torch.tensor([0.0, 0.0, rel * 1.001, 0.0])  # just outside
+    yield base, base - torch.tensor([0.0, rel * 1.001, 0.0, 0.0])  # negative side
+    yield -base, -base + torch.tensor([0.0, 0.0, 0.0, rel * 1.001])  # largest |x| is a min
+    yield -base, -base + torch.tensor([0.0, 0.0, 0.0, rel * 0.999])  # inside only at scale 3
+    yield torch.zeros(4), torch.zeros(4)
+    yield torch.zeros(4), torch.tensor([0.0, -0.0, 0.0, -0.0])
+    yield torch.zeros(4), torch.tensor([0.0, 0.0, 1e-300, 0.0])  # only b nonzero
+    yield torch.tensor([TINY / 4, -TINY / 8]), torch.tensor([TINY / 4, TINY / 8])  # subnormal
+    yield torch.tensor([1e300, -1e300]), torch.tensor([1e300, -1e300 * (1 + 1e-13)])
+    yield torch.tensor([1e300, -1e300]), torch.tensor([-1e300, 1e300])  # a - b overflows
+    yield base, torch.tensor([1.0, INF, 3.0, -0.5])
+    yield torch.tensor([INF, 1.0]), torch.tensor([INF, 1.0])
+    yield torch.tensor([-INF, 1.0]), torch.tensor([INF, 1.0])
+    yield base, torch.tensor([1.0, NAN, 3.0, -0.5])
+    yield torch.tensor([NAN, 1.0]), torch.tensor([0.0, 1.0])
+    yield torch.tensor([NAN, NAN]), torch.tensor([NAN, NAN])
+    yield torch.tensor(2.0), torch.tensor(2.0 + 1e-12)  # 0-dim
+    yield torch.tensor(2.0), torch.tensor(2.0 + 1e-9)
+    yield torch.empty(0), torch.empty(0)
+    yield torch.ones(3, 1), torch.ones(1, 4) * (1 + 1e-10)  # broadcasting
+    yield torch.randn(50, 7, generator=torch.Generator().manual_seed(0)), torch.zeros(50, 7)
+
+
+@pytest.mark.parametrize(
+    "dtypes",
+    list(
+        itertools.product([torch.float64, torch.float32, torch.float16, torch.bfloat16], repeat=2)
+    ),
+)
+def test_mismatch_decides_as_the_reference(dtypes):
+    """Every pair in every dtype combination, every factor and floor: the same decision (and
+    the cases do not all decide alike, so the comparison can fail)."""
+    decisions = set()
+    for a, b in _pairs():
+        a, b = a.to(dtypes[0]), b.to(dtypes[1])
+        for factor, floor in itertools.product((0.0, 1.0, 64.0, 256.0), (0.0, 1e-3, 2.0)):
+            expected = reference(a, b, factor, floor)
+            assert mismatch(a, b, factor, floor) is expected, (a, b, factor, floor)
+            decisions.add(expected)
+    assert decisions == {True, False}
+
+
+def test_mismatch_on_random_near_ties():
+    """Random differences scattered around the threshold of the cheap sum bound."""
+    gen = torch.Generator().manual_seed(1)
+    outcomes = []
+    for trial in range(300):
+        a = torch.randn(int(torch.randint(1, 40, (1,), generator=gen)), generator=gen)
+        a = a * 10.0 ** float(torch.randint(-30, 30, (1,), generator=gen))
+        dtype = torch.float32 if trial % 2 else torch.float64
+        threshold = 64 * torch.finfo(dtype).eps * a.abs().max()
+        noise = torch.rand(a.shape, generator=gen) * threshold * (trial % 3)  # up to 2x
+        b = (a + noise).to(dtype)
+        expected = reference(a, b, 64.0)
+        assert mismatch(a, b, 64.0) is expected
+        outcomes.append(expected)
+    assert any(outcomes) and not all(outcomes)
+
+
+def test_roundoff():
+    half, single = torch.zeros(1, dtype=torch.float16), torch.zeros(1)
+    assert roundoff(single, None) == torch.finfo(torch.float32).eps
+    assert roundoff(half, single) == torch.finfo(torch.float16).eps
+    assert roundoff(torch.zeros(1, dtype=torch.long), floor=0.5) == 0.5
+    assert roundoff(single, floor=1e-3) == 1e-3
+    assert roundoff() == 0.0
+
+
+def _rounding_bound_fails(grads, suspects):
+    """The rounding bound of ``Checks.check_suspects``, written out with full temporaries."""
+    largest = max(float(g.abs().max()) for g in grads if g.numel())
+    for total, grad, magnitude in suspects:
+        eps = max(torch.finfo(t.dtype).eps for t in (total, grad))
+        tol = 8 * eps * (magnitude + grad.abs()) + 1000 * eps * largest
+        if bool(((total - grad.to(total.dtype)).abs() > tol).any()):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_rounding_bound_decides_as_the_reference(dtype):
+    """The second tier of the sum check: sums just inside and just outside the bound, a
+    gradient far larger elsewhere in the pass (the ``1000 eps max |grad|`` term), the other
+    parameter in another dtype."""
+    gen = torch.Generator().manual_seed(2)
+    eps = torch.finfo(dtype).eps
+    outcomes = []
+    for trial in range(60):
+        p = torch.nn.Parameter(torch.zeros(7, dtype=dtype))
+        other = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64 if trial % 2 else dtype))
+        grad = torch.randn(7, generator=gen, dtype=dtype)
+        other_grad = torch.randn(3, generator=gen, dtype=other.dtype) * 10.0 ** (trial % 5)
+        magnitude = grad.abs() + torch.rand(7, generator=gen, dtype=dtype)
+        bound = 8 * eps * (magnitude + grad.abs()) + 1000 * eps * float(
+            torch.cat([grad.abs().double(), other_grad.abs().double()]).max()
+        )
+        total = grad.clone()
+        total[trial % 7] += bound[trial % 7] * (0.9 + 0.2 * float(torch.rand(1, generator=gen)))
+        checks = Checks()
+        checks.param_grads = {id(p): (p, grad), id(other): (other, other_grad)}
+        checks.suspects = [(p, total, grad, magnitude)]
+        expected = _rounding_bound_fails([grad, other_grad], [(total, grad, magnitude)])
+        if expected:
+            with pytest.raises(UnsupportedModuleError, match="outside the module"):
+                checks.check_suspects()
+        else:
+            checks.check_suspects()
+        outcomes.append(expected)
+    assert any(outcomes) and not all(outcomes)
