@@ -61,13 +61,19 @@ def roundoff(*tensors, floor: float = 0.0) -> float:
 
 def mismatch(a, b, factor: float, floor: float = 0.0) -> bool:
     """``|a - b|`` beyond ``factor * roundoff(a, b, floor) * max(|a|, |b|)`` somewhere (the
-    roundoff of both dtypes; ``b`` is compared in ``a``'s dtype)."""
+    roundoff of both dtypes; ``b``, the reference, is compared in ``a``'s dtype).
+
+    Non-finite values: where ``b`` is finite everywhere, a non-finite ``a`` (or a difference
+    that overflows) is a mismatch, never a pass; where ``b`` itself is not finite there is
+    nothing to verify against (the gradient is visibly broken) and it is not one."""
     if not a.numel():
         return False
     eps = roundoff(a, b, floor=floor)
     if b.dtype != a.dtype:
         b = b.to(a.dtype)
     gap = (a - b).abs_().max()  # one fresh difference, its abs in place
+    if not bool(gap.isfinite()):  # NaN or inf in a or b, or an overflow
+        return bool(b.isfinite().all())
     bound = factor * eps
     # max(|a|, |b|) >= max |b| (and rounding is monotone): within the bound at max |b|, a sum
     # that is right reads one tensor fewer, with one sync; only otherwise is max |a| read
@@ -222,8 +228,13 @@ class Checks:
             if key not in batch_grads:
                 continue
             per_sample = batch_grads[key][1]
+            grad = dense(grad)
+            if not bool(per_sample.sum().isfinite()) and bool(grad.isfinite().all()):
+                # a NaN or inf anywhere (or an overflowing sum): the whole sums decide
+                self.suspects.append((p, per_sample.sum(0), grad, per_sample.abs().sum(0)))
+                continue
             batch = probe_columns(per_sample.reshape(per_sample.shape[0], -1))  # 0-dim p: [N, 1]
-            grad = probe_columns(dense(grad).reshape(1, -1))[0]
+            grad = probe_columns(grad.reshape(1, -1))[0]
             total = batch.sum(0)
             if mismatch(total, grad, 64, self.compute_eps.get(key, 0.0)):
                 self.suspects.append((p, total, grad, batch.abs().sum(0)))
@@ -235,9 +246,17 @@ class Checks:
             return
         largest = float(_max_abs(*(dense(g) for _, g in self.param_grads.values() if g.numel())))
         for p, total, grad, magnitude in self.suspects:
+            gap = (total - grad.to(total.dtype)).abs_()
+            if not bool(gap.isfinite().all()):  # mismatch lets these through only for a finite grad
+                raise UnsupportedModuleError(
+                    f"curvopt: the per-sample results for parameter {name_of(p)!r} are not finite "
+                    "(NaN or inf) where its gradient is: the layer rule of the module that owns it "
+                    "went wrong on this input. Leave the parameter out (requires_grad=False) and "
+                    "report the module and input shapes as a curvopt bug"
+                )
             eps = roundoff(total, grad, floor=self.compute_eps.get(id(p), 0.0))
             tol = (magnitude + grad.abs()).mul_(8 * eps).add_(1000 * eps * largest)
-            if bool(((total - grad.to(total.dtype)).abs_() > tol).any()):
+            if bool((gap > tol).any()):
                 raise UnsupportedModuleError(
                     f"curvopt: parameter {name_of(p)!r} receives gradient from outside the module "
                     "that owns it (used functionally, e.g. a tied output layer "

@@ -1,5 +1,6 @@
 """The one tolerance policy of the checks (``checks.mismatch``): its decisions are those of the
-textbook formula ``max |a - b| > factor * eps * max(max |a|, max |b|)``, written here with full
+textbook formula ``max |a - b| > factor * eps * max(max |a|, max |b|)`` (and, where ``a - b`` is
+not finite, a mismatch exactly when the reference ``b`` is finite), written here with full
 ``abs`` temporaries as an independent reference, on the edge cases where a cheaper formula
 could differ (zeros, signed zeros, inf, nan, subnormal and huge values, mixed dtypes, the
 ``floor`` argument, broadcasting, 0-dim and empty tensors)."""
@@ -10,8 +11,11 @@ import itertools
 import pytest
 import torch
 
+import curvopt
+from curvopt import extensions as ext
 from curvopt.checks import Checks, mismatch, roundoff
 from curvopt.errors import UnsupportedModuleError
+from curvopt.layers.linear import LinearRule
 
 
 def reference(a, b, factor, floor=0.0):
@@ -19,8 +23,11 @@ def reference(a, b, factor, floor=0.0):
         return False
     eps = max([floor, *(torch.finfo(t.dtype).eps for t in (a, b) if t.is_floating_point())])
     b = b.to(a.dtype)
+    difference = (a - b).abs()
+    if not bool(difference.isfinite().all()):
+        return bool(b.isfinite().all())  # wrong unless the reference itself is not finite
     scale = torch.maximum(a.abs().max(), b.abs().max())
-    return bool((a - b).abs().max() > factor * eps * scale)
+    return bool(difference.max() > factor * eps * scale)
 
 
 INF, NAN = float("inf"), float("nan")
@@ -90,6 +97,19 @@ def test_mismatch_decides_as_the_reference(dtypes):
     assert decisions == {True, False}
 
 
+def test_non_finite_sums_of_a_finite_gradient_are_mismatches():
+    """NaN or inf in the per-sample sum where ``p.grad`` is finite is never a pass (it was,
+    before: ``max`` of a NaN difference compares False); a non-finite ``p.grad`` is not
+    verifiable and not reported as a mismatch."""
+    grad = torch.tensor([1.0, -2.0, 3.0])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        assert mismatch(torch.tensor([1.0, bad, 3.0]), grad, 256.0)
+        assert not mismatch(torch.tensor([1.0, bad, 3.0]), torch.tensor([1.0, bad, 3.0]), 256.0)
+    assert not mismatch(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, float("nan"), 3.0]), 64.0)
+    big = torch.finfo(torch.float32).max
+    assert mismatch(torch.tensor([big]), torch.tensor([-big]), 64.0)  # the difference overflows
+
+
 def test_mismatch_on_random_near_ties():
     """Random differences scattered around the threshold of the cheap sum bound."""
     gen = torch.Generator().manual_seed(1)
@@ -157,3 +177,29 @@ def test_rounding_bound_decides_as_the_reference(dtype):
             checks.check_suspects()
         outcomes.append(expected)
     assert any(outcomes) and not all(outcomes)
+
+
+@pytest.mark.parametrize("extension", ["BatchGrad", "BatchL2Grad", "Variance"])
+def test_a_nan_per_sample_gradient_of_a_finite_gradient_raises(extension, monkeypatch):
+    """End to end: a rule whose per-sample gradients hold a NaN while ``p.grad`` is finite
+    raises in the pass and writes nothing (it passed silently before)."""
+    original = LinearRule.batch_grad
+
+    def with_nan(self, call, name, out=None):
+        grads = original(self, call, name, out)
+        if name == "weight":
+            grads[0, 0, 0] = float("nan")
+        return grads
+
+    monkeypatch.setattr(LinearRule, "batch_grad", with_nan)
+    monkeypatch.setattr(LinearRule, "batch_l2", lambda *args: None)
+    monkeypatch.setattr(LinearRule, "sum_grad_squared", lambda *args: None)
+    torch.manual_seed(0)
+    model = curvopt.extend(torch.nn.Sequential(torch.nn.Linear(4, 3)))
+    lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())
+    loss = lossfunc(model(torch.randn(5, 4)), torch.arange(5) % 3)
+    with pytest.raises(UnsupportedModuleError, match="0.weight"):
+        with curvopt.collect(getattr(ext, extension)()):
+            loss.backward()
+    assert torch.isfinite(model[0].weight.grad).all()
+    assert not hasattr(model[0].weight, getattr(ext, extension).attr)
