@@ -179,10 +179,13 @@ def test_rounding_bound_decides_as_the_reference(dtype):
     assert any(outcomes) and not all(outcomes)
 
 
-@pytest.mark.parametrize("extension", ["BatchGrad", "BatchL2Grad", "Variance"])
+@pytest.mark.parametrize("extension", ["BatchL2Grad", "Variance"])
 def test_a_nan_per_sample_gradient_of_a_finite_gradient_raises(extension, monkeypatch):
-    """End to end: a rule whose per-sample gradients hold a NaN while ``p.grad`` is finite
-    raises in the pass and writes nothing (it passed silently before)."""
+    """End to end: a rule whose per-sample gradients hold a NaN while ``p.grad`` is finite,
+    reduced to norms or moments (where the NaN would hide in a sum), raises in the pass and
+    writes nothing (it passed every tier of the check before). Materialised ``grad_batch`` is
+    spot-checked on a few entries (reading all of it would cost about a plain pass on 2C2D);
+    a NaN there is left where the user sees it."""
     original = LinearRule.batch_grad
 
     def with_nan(self, call, name, out=None):
