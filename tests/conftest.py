@@ -42,6 +42,21 @@ FIRST_ORDER = {
 # ------------------------------------------------------------------------------ model handling
 
 
+class Conv1D(nn.Module):
+    """The layout of Hugging Face's ``Conv1D`` (matched by class name): ``y = x W + b``."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf))
+        self.bias = nn.Parameter(torch.randn(nf))
+
+    def forward(self, x):
+        return (x.reshape(-1, x.shape[-1]) @ self.weight + self.bias).reshape(
+            *x.shape[:-1], self.nf
+        )
+
+
 def extended_copy(model: nn.Module) -> nn.Module:
     """A deep copy of the *plain* ``model`` with curvopt's hooks installed."""
     return curvopt.extend(copy.deepcopy(model))

@@ -19,23 +19,9 @@ from fixtures import zoo
 from curvopt.errors import AccumulationError, UnsupportedKroneckerError, UnsupportedLossError
 from curvopt.layers.linear import LinearRule
 from curvopt.psd import psd_eigh
+from conftest import Conv1D
 
 DT = torch.float64
-
-
-class Conv1D(nn.Module):
-    """The layout of Hugging Face's ``Conv1D`` (matched by class name): ``y = x W + b``."""
-
-    def __init__(self, nf, nx):
-        super().__init__()
-        self.nf = nf
-        self.weight = nn.Parameter(torch.randn(nx, nf))
-        self.bias = nn.Parameter(torch.randn(nf))
-
-    def forward(self, x):
-        return (x.reshape(-1, x.shape[-1]) @ self.weight + self.bias).reshape(
-            *x.shape[:-1], self.nf
-        )
 
 
 class Sequence(nn.Module):

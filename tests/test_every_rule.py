@@ -22,21 +22,7 @@ import curvopt
 from curvopt import extensions as ext
 from curvopt.errors import UnsupportedKroneckerError, UnsupportedModuleError
 from curvopt.layers import registry, rule_for
-
-
-class Conv1D(nn.Module):
-    """The layout of Hugging Face's ``Conv1D`` (matched by class name): ``y = x W + b``."""
-
-    def __init__(self, nf, nx):
-        super().__init__()
-        self.nf = nf
-        self.weight = nn.Parameter(torch.randn(nx, nf))
-        self.bias = nn.Parameter(torch.randn(nf))
-
-    def forward(self, x):
-        return (x.reshape(-1, x.shape[-1]) @ self.weight + self.bias).reshape(
-            *x.shape[:-1], self.nf
-        )
+from conftest import Conv1D
 
 
 class First(nn.Module):
