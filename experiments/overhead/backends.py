@@ -365,14 +365,10 @@ class CurvlinopsBackend(Backend):
             options["mc_samples"] = mine.options.get("mc_samples", 1)
         try:
             op = KFACLinearOperator(
-                inst.model,
-                inst.lossfunc,
-                trainable(inst.model),
-                [(inst.X, inst.y)],
-                check_deterministic=False,
+                *_operator_args(inst),
                 fisher_type=fisher,
-                num_data=inst.batch_size,
                 num_per_example_loss_terms=inst.y.numel() // inst.batch_size,
+                **_operator_options(inst),
                 **options,
             )
         except NotImplementedError as e:
@@ -391,14 +387,7 @@ class CurvlinopsBackend(Backend):
         from curvlinops import GGNLinearOperator
 
         if quantity.matvec:
-            G = GGNLinearOperator(
-                inst.model,
-                inst.lossfunc,
-                trainable(inst.model),
-                [(inst.X, inst.y)],
-                check_deterministic=False,
-                num_data=inst.batch_size,
-            )
+            G = GGNLinearOperator(*_operator_args(inst), **_operator_options(inst))
             v = probe_vector(inst.model)
 
             def step():
@@ -416,6 +405,17 @@ class CurvlinopsBackend(Backend):
             held[0] = self.kfac(inst, quantity)
 
         return step
+
+
+def _operator_args(inst: Instance) -> tuple:
+    """curvlinops operators' leading arguments: the model, loss, parameters and one batch."""
+    return inst.model, inst.lossfunc, trainable(inst.model), [(inst.X, inst.y)]
+
+
+def _operator_options(inst: Instance) -> dict:
+    """The options every curvlinops operator here takes: the batch is all the data, and
+    determinism is not re-checked on each build."""
+    return {"check_deterministic": False, "num_data": inst.batch_size}
 
 
 BACKENDS: dict[str, Backend] = {
