@@ -8,8 +8,8 @@ How is each quantity's declared ``combine`` (``extensions.Combine``):
 * ``ADD`` (summed quantities);
 * ``MOMENTS`` (``variance``): the pass hands ``(sum g^2, sum g)``, which add; the value is
   ``sum g^2 / N - (sum g / N)^2`` over all ``N`` samples so far;
-* ``FACTORS``: the output-side factor ``B`` adds, the input-side factor (a mean over samples)
-  is averaged with weights ``N_i``;
+* ``FACTORS`` (``values.KroneckerFactors``): the output-side factor adds, the input-side
+  factor (a mean over samples) is averaged with weights ``N_i``;
 * ``RAISES`` (KFRA's recursively averaged factors): a second pass raises;
 * ``SAME_BASIS`` (``ekfac = [S, *bases]``): ``S`` adds (each pass scaled by its own ``c``, so
   that it is that of the summed objective, as the GGN is) where both passes used the very same
@@ -24,6 +24,7 @@ import torch
 
 from curvopt.errors import AccumulationError
 from curvopt.extensions.quantity import Combine, quantity
+from curvopt.values import KroneckerFactors
 
 
 class Accumulator:
@@ -32,13 +33,13 @@ class Accumulator:
     def __init__(self):
         self.written: Dict[Tuple[int, str], Tuple[object, int]] = {}
 
-    def combine(self, p, attr: str, value, n: int, out_index: int = 0):
+    def combine(self, p, attr: str, value, n: int):
         """``value`` of this pass (over ``n`` samples) combined with the earlier passes'."""
         rule = quantity(attr).combine
         key = (id(p), attr)
         old = self.written.get(key)
         if old is not None:
-            value = _COMBINE[rule](attr, old[0], value, old[1], n, out_index)
+            value = _COMBINE[rule](attr, old[0], value, old[1], n)
             n = old[1] + n
         self.written[key] = (value, n)
         if rule is Combine.MOMENTS:
@@ -47,12 +48,9 @@ class Accumulator:
         return value
 
 
-def _factors(attr, old, new, n_old, n_new, out_index):
+def _factors(attr, old: KroneckerFactors, new: KroneckerFactors, n_old, n_new):
     total = n_old + n_new
-    return [
-        o + f if i == out_index else (o * n_old + f * n_new) / total
-        for i, (o, f) in enumerate(zip(old, new))
-    ]
+    return old.sidewise(new, lambda o, f: o + f, lambda o, f: (o * n_old + f * n_new) / total)
 
 
 def _raises(attr, *_):
@@ -70,7 +68,7 @@ def _same_basis(attr, old, new, *_):
             "pass's fresh bases are its own factors'), so their S do not add; supply the bases, "
             "curvopt.extensions.EKFAC(bases={param: [Q_0, Q_1]}), or run one pass per collect"
         )
-    return [old[0] + new[0], *new[1:]]
+    return new.replaced([old.eigenvalues + new.eigenvalues, *new.bases])
 
 
 _COMBINE = {

@@ -17,7 +17,8 @@ results as contributions; the buffer is the one place that collects them:
   the factors are made, runs first). ``EKFAC``'s scale depends on the reduction of the pass's
   loss (:meth:`ResultBuffer.note_loss`: one extended loss per pass).
 
-:meth:`ResultBuffer.write` combines the pending values with the earlier passes of the same
+:meth:`ResultBuffer.write` makes the pending values typed (``values``: the Kronecker factors
+knowing their output side, ``[S, *bases]``), combines them with the earlier passes of the same
 ``collect`` (``accumulate``) and sets them as attributes; nothing is written before.
 """
 
@@ -32,6 +33,7 @@ from curvopt.extensions.quantity import Combine, quantity
 from curvopt.layers.kron import nearest_kronecker
 from curvopt.psd import psd_eigh
 from curvopt.reductions import gram_add_
+from curvopt.values import KroneckerFactors, typed
 
 
 class Term(NamedTuple):
@@ -80,7 +82,6 @@ class ResultBuffer:
         self.skip_into = skip_into
         self.pending: Dict[Tuple[int, str], Tuple[torch.Tensor, object]] = {}
         self.kron_uses: Dict[Tuple[int, str], dict] = {}  # (id(p), attr): {call: factors}
-        self.out_index: Dict[Tuple[int, str], int] = {}
         self.skipped: Dict[Tuple[int, str], Tuple[str, str]] = {}  # (id(p), attr): name, why
         self.skipped_calls: Dict[Tuple[int, str], object] = {}  # (id(p), attr): its record
         self.basis_uses: Dict[Tuple[int, str], dict] = {}  # (id(p), attr): {call: factors}
@@ -175,14 +176,14 @@ class ResultBuffer:
         """Combine with the earlier passes (``n`` samples in this one) and set every pending
         attribute, except on the parameters ``untouched`` (``id(p) -> True``) by this pass."""
         for key, uses in self.kron_uses.items():
-            self.out_index[key], factors = _combined(uses)
-            self.pending[key] = (self.pending[key][0], factors)
+            output_index, factors = _combined(uses)
+            self.pending[key] = (self.pending[key][0], KroneckerFactors(factors, output_index))
         if self.skip_into is not None:
             self.skip_into.update(self.skipped.values())
         for (key, attr), (p, value) in self.pending.items():
             if untouched.get(key):
                 continue
-            value = accumulator.combine(p, attr, value, n, self.out_index.get((id(p), attr), 0))
+            value = accumulator.combine(p, attr, typed(quantity(attr), value), n)
             setattr(p, attr, value)
         self.pending.clear()
 

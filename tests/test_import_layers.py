@@ -59,6 +59,7 @@ LAYERS = [
         "inputs",
         "torch_internals",
         "psd",
+        "values",
     },
     {"layers", "losses"},
     {

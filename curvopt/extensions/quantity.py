@@ -7,7 +7,8 @@ Every quantity ``collect`` writes as ``p.<attr>`` is declared once, as a :class:
 * ``combine``: how the results of several backward passes in one ``collect`` (micro-batches)
   combine, as if all samples had been one batch. A required field without a default, so a
   quantity cannot be declared without saying it (it would otherwise be silently summed);
-* ``producer``: which part of the engine computes it (see :class:`Producer`);
+* ``producer``: which part of the engine computes it (see :class:`Producer`), and so the power
+  of a loss scale its values carry (``loss_scale_power``);
 * ``reference``: for first-order quantities, the value as a function of the per-sample
   gradients ``G`` (``[N, *p.shape]``), the definition ``verify`` checks against.
 
@@ -27,7 +28,8 @@ class Kind(enum.Enum):
     PER_SAMPLE = "one entry per sample, [N, ...]"
     SUMMED = "a sum over samples"
     MOMENT = "a statistic of the moments over samples"
-    FACTORS = "a list of Kronecker factors"
+    FACTORS = "a list of Kronecker factors (values.KroneckerFactors)"
+    EIGEN_CORRECTED = "[S, *bases]: eigenvalues in Kronecker eigenbases (values.EigenCorrected)"
 
 
 class Combine(enum.Enum):
@@ -45,25 +47,33 @@ class Combine(enum.Enum):
 
 class Producer(enum.Enum):
     """The part of the engine that computes a quantity (``order`` 1: from per-sample gradients
-    in ``backward``; 2: from propagated curvature in ``curvature``)."""
+    in ``backward``; 2: from propagated curvature in ``curvature``), and the power of the loss
+    scale its values carry (a loss multiplied by ``s`` multiplies ``g_n`` and the curvature by
+    ``s``, squares of gradients by ``s²``; for Kronecker factors the output side carries it, for
+    ``[S, *bases]`` the eigenvalues ``S``)."""
 
-    PER_SAMPLE_GRADIENTS = ("the per-sample gradients g_n", 1)
-    SQUARED_NORMS = ("||g_n||^2 for each n", 1)
-    SUM_OF_SQUARES = ("sum_n g_n**2", 1)
-    MOMENTS = ("(sum_n g_n**2, sum_n g_n)", 1)
-    GGN_DIAGONAL = ("diagonals of propagated loss-Hessian square-root columns", 2)
-    HESSIAN_DIAGONAL = ("the GGN diagonal plus the residual terms of curved nonlinearities", 2)
-    KRONECKER = ("Kronecker factors of propagated columns (layers.kron)", 2)
-    KFRA = ("the KFRA recursion (kfra)", 2)
+    PER_SAMPLE_GRADIENTS = ("the per-sample gradients g_n", 1, 1)
+    SQUARED_NORMS = ("||g_n||^2 for each n", 1, 2)
+    SUM_OF_SQUARES = ("sum_n g_n**2", 1, 2)
+    MOMENTS = ("(sum_n g_n**2, sum_n g_n)", 1, 2)
+    GGN_DIAGONAL = ("diagonals of propagated loss-Hessian square-root columns", 2, 1)
+    HESSIAN_DIAGONAL = ("the GGN diagonal plus the residual terms of curved nonlinearities", 2, 1)
+    KRONECKER = ("Kronecker factors of propagated columns (layers.kron)", 2, 1)
+    KFRA = ("the KFRA recursion (kfra)", 2, 1)
     EIGEN_CORRECTED = (
         "sum_n (Q_0^T G_n Q_1)^2 from each call's inputs and output gradients (reducer), "
         "in supplied bases or those of this pass's Kronecker factors (curvature)",
+        2,
         2,
     )
 
     @property
     def order(self) -> int:
         return self.value[1]
+
+    @property
+    def loss_scale_power(self) -> int:
+        return self.value[2]
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,11 @@ class Quantity:
     @property
     def per_sample(self) -> bool:
         return self.kind is Kind.PER_SAMPLE
+
+    @property
+    def loss_scale_power(self) -> int:
+        """The power of a loss scale ``s`` its values carry (``values.unscaled``)."""
+        return self.producer.loss_scale_power
 
 
 _DECLARED: Dict[str, Quantity] = {}

@@ -158,7 +158,7 @@ class EKFAC(_MonteCarlo):
     bases were supplied; fresh bases of two passes differ and raise.
     """
 
-    quantity = Quantity("ekfac", Kind.FACTORS, Combine.SAME_BASIS, Producer.EIGEN_CORRECTED)
+    quantity = Quantity("ekfac", Kind.EIGEN_CORRECTED, Combine.SAME_BASIS, Producer.EIGEN_CORRECTED)
 
     def __init__(
         self,

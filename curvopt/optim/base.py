@@ -7,10 +7,10 @@ state untouched. Per-parameter state is replaced, never modified in place, so a
 
 With ``torch.amp.GradScaler`` (``scaler.step(opt)``) the optimizers read the loss scale ``S``
 and the overflow flag through the scaler (``_step_supports_amp_scaling``): a scaled backward
-pass multiplies ``p.grad``, ``grad_batch``, the curvature diagonals and the output-side
-Kronecker factor ``B`` by ``S``, and ``variance``, ``batch_l2`` and ``sum_grad_squared`` by
-``S²``; each is divided by its power of ``S`` when it is read (``p.grad`` itself is left as
-it is), so the steps are those without scaling. A step whose gradients overflowed (``inf`` or
+pass multiplies ``p.grad`` and every quantity by its power of ``S`` (declared by its
+``Quantity``; for Kronecker factors on the output side, whichever position it has); each is
+divided by it when it is read (``curvopt.values.unscaled``; ``p.grad`` itself is left as it
+is), so the steps are those without scaling. A step whose gradients overflowed (``inf`` or
 NaN, as the scaler found) is skipped, as ``torch.optim`` optimizers are skipped by the scaler.
 
 Under ``torch.distributed`` an optimizer that supports it (``_distributable``) averages the
@@ -30,10 +30,9 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch.optim import Optimizer
 
-from curvopt import extensions
+from curvopt import extensions, values
 from curvopt.collect import collect
 from curvopt.optim import distributed
-from curvopt.optim.kronecker import rescaled
 from curvopt.optim.options import CurvatureOptions, constructor
 
 #: an extension to collect, as ``(the attribute it writes, its options)``: built by
@@ -86,10 +85,6 @@ class CurvatureOptimizer(Optimizer):
     #: ``torch.amp.GradScaler.step`` hands this optimizer ``grad_scale`` and ``found_inf``
     #: (attributes set during ``step``) instead of unscaling ``p.grad`` only
     _step_supports_amp_scaling = True
-    #: tensor attributes that carry the loss scale squared (every other tensor carries it once;
-    #: a Kronecker factor list carries it once, on its output-side factor ``B``, the first)
-    _SQUARED = ("variance", "batch_l2", "sum_grad_squared")
-
     #: the hyper-parameters of a param group, their defaults and validation
     Options: ClassVar[type[CurvatureOptions]] = CurvatureOptions
 
@@ -212,20 +207,11 @@ class CurvatureOptimizer(Optimizer):
             )
         if self._distributed is not None:
             value = self._distributed.averaged(param, attr, value)
-        return self._unscaled(attr, value)
+        return values.unscaled(extensions.quantity(attr), value, self._loss_scale)
 
     def _grad(self, param: torch.Tensor) -> torch.Tensor:
         """``param.grad``, divided by the loss scale of a ``GradScaler`` step."""
         return param.grad if self._loss_scale is None else param.grad / self._loss_scale
-
-    def _unscaled(self, attr: str, value: Any) -> Any:
-        """``value`` of ``param.<attr>`` divided by the power of the loss scale it carries."""
-        scale = self._loss_scale
-        if scale is None:
-            return value
-        if isinstance(value, torch.Tensor):
-            return value / scale ** (2 if attr in self._SQUARED else 1)
-        return [rescaled(f, 1 / scale) if i == 0 else f for i, f in enumerate(value)]
 
     def _amp_scale(self) -> float | None:
         """The loss scale ``S`` handed over by ``GradScaler.step`` (None outside it), or

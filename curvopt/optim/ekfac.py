@@ -110,14 +110,6 @@ class EKFAC(NewtonOptimizer):
                 return None if self._basis_due(group, group_state["step"]) else list(old[1:])
         return None
 
-    # ----------------------------------------------------------------- reading
-    def _unscaled(self, attr, value):
-        """``[S, *bases]``: ``S`` carries the square of a ``GradScaler``'s loss scale."""
-        scale = self._loss_scale
-        if attr != "ekfac" or scale is None:
-            return super()._unscaled(attr, value)
-        return [value[0] / scale**2, *value[1:]]
-
     # ----------------------------------------------------------------- the step
     def _direction(
         self, grad, curvature, state, group, step, damping, curvature_step, factors=None

@@ -39,6 +39,7 @@ from curvopt.optim.linalg import (
     working_dtype,
 )
 from curvopt.reductions import gram_root
+from curvopt.values import rescaled
 
 Factors = Sequence[torch.Tensor]
 
@@ -286,17 +287,6 @@ def _promoted(factor: torch.Tensor) -> torch.Tensor:
     """``factor`` in ``working_dtype`` (float32 for bfloat16/float16), keeping its Gram root."""
     dtype = working_dtype(factor.dtype)
     return factor if dtype == factor.dtype else rescaled(factor, 1.0, dtype)
-
-
-def rescaled(factor: torch.Tensor, scale: float, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``scale · F`` (a new tensor, in ``dtype`` if given) that keeps ``F``'s Gram root as
-    ``√scale · U`` (``reductions.gram_root``), so the Woodbury form stays available."""
-    dtype = factor.dtype if dtype is None else dtype
-    result = factor.to(dtype) * scale
-    root = gram_root(factor)
-    if root is not None:
-        result.gram_root = root.to(dtype) * scale**0.5
-    return result
 
 
 def kron_cholesky_solve(solvers: Sequence, matrix: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 import torch
 
-from curvopt import extensions
+from curvopt import extensions, values
 from curvopt.optim import stages
 from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, ParamUpdate
 from curvopt.optim.damping import as_damping, reduction_ratio
@@ -173,7 +173,8 @@ class NewtonOptimizer(CurvatureOptimizer):
         return strategy.value(damping_state, group_state["step"]) + group["weight_decay"]
 
     def _read_curvature(self, update: ParamUpdate, group, attr: str, extension: str):
-        """``param.<attr>``, checked and recorded in ``update`` (None: missing, with fallback)."""
+        """``param.<attr>`` unscaled, checked and recorded in ``update`` (None: missing, with
+        fallback), as the plain tensor or list the state keeps."""
         raw = self._read(update.param, attr, update.description, extension, group["fallback"])
         if raw is None:
             return None
@@ -184,7 +185,7 @@ class NewtonOptimizer(CurvatureOptimizer):
         tensors = [raw] if isinstance(raw, torch.Tensor) else list(raw)
         update.checks += [(f"`{attr}`", t) for t in tensors]
         update.consumed[attr] = raw
-        return raw
+        return values.plain(raw)
 
     def _predicted(self, step: GroupStep) -> float:
         """``q(s) − q(0) = gᵀs + ½ sᵀ(C + δI)s`` summed over the group, ``s = −Δ``."""
