@@ -11,7 +11,6 @@ batch the factors are those ``collect`` writes.
 from __future__ import annotations
 
 from curvopt import extensions, optim
-from curvopt.layers.kron import output_factor_index
 from curvopt.linalg.base import BlockDiagonal, CurvatureOperator
 from curvopt.linalg.collected import collected
 from curvopt.optim.kronecker import as_matrix, kron_matmul
@@ -21,23 +20,13 @@ from curvopt.optim.stages.precondition import damped_inverse
 _CURVATURES = ("kfac", "kflr", "kfra")
 
 
-def _owners(model):
-    """``{id(p): (module, name)}`` for the parameters each module holds directly."""
-    return {
-        id(p): (module, name)
-        for module in model.modules()
-        for name, p in module._parameters.items()
-        if p is not None
-    }
-
-
 def _kron_block(rows: int, apply):
     """``V [K, *p.shape] ↦ apply(V as the matrices [K, rows, ·])``, reshaped back."""
     return lambda v: apply(v.reshape(v.shape[0], rows, -1)).reshape(v.shape)
 
 
 def _add(first, second):
-    return [a + b for a, b in zip(first, second)]
+    return first.replaced([a + b for a, b in zip(first, second)])
 
 
 def _rows(factors) -> int:
@@ -56,20 +45,12 @@ class KFAC(CurvatureOperator):
             raise ValueError(
                 f"KFAC: curvature must be one of {', '.join(_CURVATURES)}, got {curvature!r}"
             )
-        owners = _owners(model)
-        sides = [output_factor_index(*owners[id(p)]) for p in self.params]
         sums, rows = None, 0
         for count, values in collected(self, extensions.extension(curvature, mc_samples), seed):
-            weighted = [
-                [f.detach() * self._weight(i == side, count) for i, f in enumerate(fs)]
-                for fs, side in zip(values, sides)
-            ]
+            weighted = [self._weighted(fs, lambda f, w: f.detach() * w, count) for fs in values]
             sums = weighted if sums is None else [_add(s, w) for s, w in zip(sums, weighted)]
             rows += count
-        self.factors = [
-            [f / self._weight(i == side, rows) for i, f in enumerate(fs)]
-            for fs, side in zip(sums, sides)
-        ]
+        self.factors = [self._weighted(fs, lambda f, w: f / w, rows) for fs in sums]
         for p, factors in zip(self.params, self.factors):
             as_matrix(p.detach(), factors)
         self.matrix = BlockDiagonal(
@@ -77,10 +58,14 @@ class KFAC(CurvatureOperator):
             [_kron_block(_rows(fs), lambda m, fs=fs: kron_matmul(fs, m)) for fs in self.factors],
         )
 
-    def _weight(self, output_side: bool, rows: int) -> int:
-        """Batch weight (and final divisor): ``R_b`` (``R``), or 1 for the output side under
+    def _weighted(self, factors, weigh, rows: int):
+        """``weigh(F, w)`` for each factor with the batch weight (and final divisor) ``w``:
+        ``R_b`` (``R``), or 1 for the output side (``values.KroneckerFactors``) under
         ``"sum"``."""
-        return 1 if output_side and not self.mean else rows
+        output_weight = rows if self.mean else 1
+        return factors.sidewise(
+            factors, lambda f, _: weigh(f, output_weight), lambda f, _: weigh(f, rows)
+        )
 
     def _apply(self, matrix):
         return self.matrix._apply(matrix)

@@ -179,14 +179,15 @@ class CurvatureOptimizer(Optimizer):
         stale = bool(used) and all(getattr(param, a, None) is used.get(a) for a in attrs)
         return stale and not bool(param.grad.any())
 
-    def _read(
-        self, param: torch.Tensor, attr: str, description: str, extension: str, fallback: str | None
-    ) -> Any:
-        """``param.<attr>``, or ``None`` when it is missing and a ``fallback`` is set.
+    def _read(self, update: ParamUpdate, attr: str, extension: str, fallback: str | None) -> Any:
+        """``update.param.<attr>`` as its typed value (``curvopt.values``), averaged over the
+        ranks and unscaled, or ``None`` when it is missing and a ``fallback`` is set; the object
+        read is recorded in ``update.consumed``.
 
         Raises ``RuntimeError`` when it is missing without fallback, or when it is the very
         object a previous step already used (the backward pass ran outside ``opt.collect()``).
         """
+        param, description = update.param, update.description
         value = getattr(param, attr, None)
         if value is None:
             if fallback is not None:
@@ -205,6 +206,7 @@ class CurvatureOptimizer(Optimizer):
                 "run the backward pass inside `with opt.collect():` (or use "
                 "`opt.step(closure)`) before every step"
             )
+        update.consumed[attr] = value
         if self._distributed is not None:
             value = self._distributed.averaged(param, attr, value)
         return values.unscaled(extensions.quantity(attr), value, self._loss_scale)

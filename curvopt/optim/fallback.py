@@ -20,20 +20,18 @@ from __future__ import annotations
 
 from curvopt.optim.diagonal import diag_precondition
 
-#: ``p.<attr>`` holding the diagonal of a parameter that has no Kronecker factors
-SUFFIX = "_diagonal"
 
-
-def fallback_diagonal(optimizer, update, grad, state, attr: str, extension: str, damping):
-    """``(d, new state)``: ``d = g / (c + λ)`` with ``c = p.<attr>_diagonal`` when it is fresh,
-    else the diagonal of the last update (``state["fallback_diagonal"]``)."""
-    name = attr + SUFFIX
+def fallback_diagonal(optimizer, update, grad, state, writer, damping):
+    """``(d, new state)``: ``d = g / (c + λ)`` with ``c`` the diagonal the extension class
+    ``writer`` declares for parameters without factors (``writer.fallback``, e.g.
+    ``p.kfac_diagonal``) when it is fresh, else the diagonal of the last update
+    (``state["fallback_diagonal"]``)."""
+    name = writer.fallback.attr
     param = update.param
     value = getattr(param, name, None)
     stale = value is None or value is optimizer._consumed.get(param, {}).get(name)
     diagonal = state.get("fallback_diagonal") if stale else None
     if diagonal is None:
-        diagonal = optimizer._read(param, name, update.description, extension, None)
-        update.consumed[name] = value
+        diagonal = optimizer._read(update, name, writer.__name__, None)
     update.checks.append((f"`{name}`", diagonal))
     return diag_precondition(grad, diagonal, damping), {"fallback_diagonal": diagonal}

@@ -90,9 +90,8 @@ class KFAC(NewtonOptimizer):
     def _fallback_direction(self, update, grad, state, group, damping):
         if group["fallback"] != "diagonal":
             return super()._fallback_direction(update, grad, state, group, damping)
-        attr, _ = self._extension(group)
-        extension = extensions.writer(attr).__name__
-        return fallback_diagonal(self, update, grad, state, attr, extension, damping)
+        writer = extensions.writer(self._extension(group)[0])
+        return fallback_diagonal(self, update, grad, state, writer, damping)
 
     def _extension(self, group):
         return group["curvature"], {"mc_samples": group["mc_samples"]}

@@ -175,7 +175,7 @@ class NewtonOptimizer(CurvatureOptimizer):
     def _read_curvature(self, update: ParamUpdate, group, attr: str, extension: str):
         """``param.<attr>`` unscaled, checked and recorded in ``update`` (None: missing, with
         fallback), as the plain tensor or list the state keeps."""
-        raw = self._read(update.param, attr, update.description, extension, group["fallback"])
+        raw = self._read(update, attr, extension, group["fallback"])
         if raw is None:
             return None
         try:
@@ -184,7 +184,6 @@ class NewtonOptimizer(CurvatureOptimizer):
             raise ValueError(f"{update.description}: {error}") from None
         tensors = [raw] if isinstance(raw, torch.Tensor) else list(raw)
         update.checks += [(f"`{attr}`", t) for t in tensors]
-        update.consumed[attr] = raw
         return values.plain(raw)
 
     def _predicted(self, step: GroupStep) -> float:

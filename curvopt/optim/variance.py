@@ -58,9 +58,8 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
                 continue
             state = self.state.get(param, {})
             update = ParamUpdate(param, self._describe(group, index, param))
-            variance = self._read(param, "variance", update.description, "Variance", None)
-            batch_l2 = self._read(param, "batch_l2", update.description, "BatchL2Grad", None)
-            update.consumed.update(variance=variance, batch_l2=batch_l2)
+            variance = self._read(update, "variance", "Variance", None)
+            batch_l2 = self._read(update, "batch_l2", "BatchL2Grad", None)
             update.checks += [("gradient", param.grad), ("`variance`", variance)]
             n = batch_l2.shape[0]
             noise = variance * (n * n / (n - 1)) if n > 1 else torch.zeros_like(variance)

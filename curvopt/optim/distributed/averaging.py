@@ -77,7 +77,8 @@ class Averaging:
         self.group, self.world_size, self.rank = group, world_size, rank
         self.bucket_cap, self.stats = bucket_cap, stats
         self._slots: dict[tuple[int, str], _Slot] = {}
-        self._averaged: dict[tuple[int, str], Any] = {}
+        #: ``(id(param), attr) -> (the attribute's object, its average)``
+        self._averaged: dict[tuple[int, str], tuple[Any, Any]] = {}
 
     @contextlib.contextmanager
     def collecting(self, context, targets: list[Target], sampled: bool):
@@ -99,7 +100,7 @@ class Averaging:
         key, value = (id(param), attr), getattr(param, attr, None)
         slot = self._slots.get(key)
         return (slot is not None and slot.raw is value) or (
-            value is not None and self._averaged.get(key) is value
+            value is not None and self._averaged.get(key, (None,))[0] is value
         )
 
     def launch(self, targets: list[Target]) -> None:
@@ -168,9 +169,13 @@ class Averaging:
         return pieces
 
     def averaged(self, param: torch.Tensor, attr: str, value):
-        """The rank average of ``value = param.<attr>``, waiting for its bucket; it replaces
-        the attribute. ``value`` itself if it was not launched (e.g. already averaged)."""
+        """The rank average of ``value = param.<attr>`` (the same type of value), waiting for
+        its bucket; ``value`` itself if it was not launched. The attribute is left as the
+        backward pass wrote it; a later read of the same object gets the same average."""
         key = (id(param), attr)
+        done = self._averaged.get(key)
+        if done is not None and done[0] is value:
+            return done[1]
         slot = self._slots.get(key)
         if slot is None or slot.raw is not value or value is None:
             return value
@@ -180,6 +185,5 @@ class Averaging:
             for bucket, offset, shape in slot.pieces
         )
         average = rebuild(value, new_leaves)
-        setattr(param, attr, average)
-        self._averaged[key] = average
+        self._averaged[key] = (value, average)
         return average

@@ -3,6 +3,7 @@ and the flattening of nested tensor values into flat buffers."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,10 +47,16 @@ def leaves(tree) -> list[torch.Tensor]:
 
 
 def rebuild(tree, new_leaves):
-    """``tree``'s structure (tensors in nested lists/tuples) filled with ``new_leaves``."""
+    """``tree``'s structure (tensors in nested lists/tuples) filled with ``new_leaves``; a list
+    keeps its type and attributes (a typed value's sides, ``curvopt.values``)."""
     if isinstance(tree, torch.Tensor):
         return next(new_leaves)
-    return type(tree)(rebuild(item, new_leaves) for item in tree)
+    items = [rebuild(item, new_leaves) for item in tree]
+    if isinstance(tree, list):
+        result = copy.copy(tree)
+        result[:] = items
+        return result
+    return type(tree)(items)
 
 
 def by_kind(tensors: Sequence[torch.Tensor]) -> dict[tuple, list[int]]:
