@@ -88,17 +88,6 @@ def test_grad_scaler_skips_a_step_whose_gradients_overflowed(name):
     assert not opt.state
 
 
-def test_unscale_before_step_raises_with_the_fix():
-    model, lossfunc, x, y = _problem()
-    opt = OPTIMIZERS["KFAC"](model.parameters())
-    scaler = torch.amp.GradScaler("cpu")
-    with opt.collect():
-        scaler.scale(lossfunc(model(x), y)).backward()
-    scaler.unscale_(opt)
-    with pytest.raises(RuntimeError, match=r"without scaler.unscale_\(opt\)"):
-        scaler.step(opt)
-
-
 def _paper_solve(factors, damping, grad):
     """``(B + √λ/π I)⁻¹ ⊗ (A + π√λ I)⁻¹ vec(G)`` (``(B + λI)⁻¹ g`` for ``[B]``), dense, float64."""
     factors = [f.to(torch.float64) for f in factors]

@@ -5,13 +5,12 @@ an error (missing or non-finite quantity, failed inversion) leaves parameters an
 state untouched. Per-parameter state is replaced, never modified in place, so a
 ``state_dict()`` taken earlier stays a snapshot.
 
-With ``torch.amp.GradScaler`` (``scaler.step(opt)``) the optimizers read the loss scale ``S``
-and the overflow flag through the scaler (``_step_supports_amp_scaling``): a scaled backward
-pass multiplies ``p.grad`` and every quantity by its power of ``S`` (declared by its
-``Quantity``; for Kronecker factors on the output side, whichever position it has); each is
-divided by it when it is read (``curvopt.values.unscaled``; ``p.grad`` itself is left as it
-is), so the steps are those without scaling. A step whose gradients overflowed (``inf`` or
-NaN, as the scaler found) is skipped, as ``torch.optim`` optimizers are skipped by the scaler.
+With ``torch.amp.GradScaler`` (``scaler.step(opt)``, also after ``scaler.unscale_(opt)`` and
+gradient clipping) the quantities and ``p.grad`` are divided by the loss scale where they carry
+it (:mod:`curvopt.optim.loss_scale`, ``curvopt.values.unscaled``), so the steps are those
+without scaling; ``p.grad`` itself is left as it is. A step whose gradients overflowed
+(``inf`` or NaN, as the scaler found) is skipped, as ``torch.optim`` optimizers are skipped by
+the scaler.
 
 Under ``torch.distributed`` an optimizer that supports it (``_distributable``) averages the
 quantities it collects across ranks and spreads its inversions over them through a
@@ -33,6 +32,7 @@ from torch.optim import Optimizer
 from curvopt import extensions, values
 from curvopt.collect import collect
 from curvopt.optim import distributed
+from curvopt.optim.loss_scale import NONE, LossScale, loss_scale
 from curvopt.optim.options import CurvatureOptions, constructor
 
 #: an extension to collect, as ``(the attribute it writes, its options)``: built by
@@ -96,7 +96,7 @@ class CurvatureOptimizer(Optimizer):
     def __init__(self, params, defaults: dict[str, Any], process_group=None):
         self._group_state: list[dict[str, Any]] = []
         self._consumed: dict[torch.Tensor, dict[str, Any]] = {}
-        self._loss_scale: float | None = None
+        self._loss_scale: LossScale = NONE
         super().__init__(params, defaults)
         self._distributed = distributed.resolve(
             process_group, self._distributable, type(self).__name__
@@ -209,31 +209,13 @@ class CurvatureOptimizer(Optimizer):
         update.consumed[attr] = value
         if self._distributed is not None:
             value = self._distributed.averaged(param, attr, value)
-        return values.unscaled(extensions.quantity(attr), value, self._loss_scale)
+        return values.unscaled(extensions.quantity(attr), value, self._loss_scale.values)
 
     def _grad(self, param: torch.Tensor) -> torch.Tensor:
-        """``param.grad``, divided by the loss scale of a ``GradScaler`` step."""
-        return param.grad if self._loss_scale is None else param.grad / self._loss_scale
-
-    def _amp_scale(self) -> float | None:
-        """The loss scale ``S`` handed over by ``GradScaler.step`` (None outside it), or
-        ``math.inf`` when the scaler found an overflow (the step is skipped)."""
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is None:
-            return None
-        if bool(found_inf.sum() > 0):
-            return math.inf
-        scale = getattr(self, "grad_scale", None)
-        if scale is None:
-            raise RuntimeError(
-                f"{type(self).__name__} under GradScaler: scaler.unscale_(opt) was called before "
-                "scaler.step(opt); it unscales p.grad only, while the curvature from the same "
-                "backward pass is scaled too, and the optimizer can no longer learn the scale. "
-                "Call scaler.step(opt) without scaler.unscale_(opt): the optimizer unscales "
-                "gradient and curvature itself (its trust region, kl_clip, bounds the step in "
-                "place of gradient clipping)."
-            )
-        return float(scale)
+        """``param.grad``, divided by the loss scale of a ``GradScaler`` step unless the scaler
+        unscaled it already (``loss_scale``)."""
+        divisor = self._loss_scale.grad
+        return param.grad if divisor is None else param.grad / divisor
 
     # ----------------------------------------------------------------- stepping
     def _plan_group(
@@ -260,14 +242,14 @@ class CurvatureOptimizer(Optimizer):
         Raises ``FloatingPointError`` (and changes nothing) if a gradient, a curvature
         quantity or the resulting update is not finite. Returns the closure's loss, or None.
         """
-        scale = self._amp_scale()
-        if scale == math.inf:  # as GradScaler skips torch.optim optimizers
+        scale = loss_scale(self)
+        if scale.overflow:  # as GradScaler skips torch.optim optimizers
             return None
         self._loss_scale = scale
         try:
             return self._step(closure)
         finally:
-            self._loss_scale = None
+            self._loss_scale = NONE
 
     def _step(self, closure):
         loss = None
@@ -376,4 +358,4 @@ class CurvatureOptimizer(Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_consumed", {})
         self.__dict__.setdefault("_distributed", None)
-        self.__dict__.setdefault("_loss_scale", None)
+        self.__dict__.setdefault("_loss_scale", NONE)
