@@ -62,3 +62,15 @@ def shared_parameters() -> Set[int]:
         for _, p in owned(module):
             (shared if id(p) in seen else seen).add(id(p))
     return shared
+
+
+def owners(params) -> Dict[int, Tuple[nn.Module, str]]:
+    """``id(p) -> (module, name)`` for those of ``params`` an extended module's rule handles
+    (``name`` as that module calls it)."""
+    wanted = {id(p) for p in params}
+    found: Dict[int, Tuple[nn.Module, str]] = {}
+    for module in list(EXTENDED):
+        for name, p in owned(module):
+            if id(p) in wanted:
+                found.setdefault(id(p), (module, name))
+    return found

@@ -1,9 +1,11 @@
-"""KFAC's factored step ``(B⁻¹ bᵀ)(A⁻¹ aᵀ)ᵀ`` for dense layers wider than the batch
-(``curvopt/optim/gradient_factors.py``): the same steps as the dense product ``B⁻¹ G A⁻¹``
-(float64), taken only where it is cheaper and the captured factors give the gradient."""
+"""KFAC's factored step ``(F_0⁻¹ leftᵀ)(F_1⁻¹ rightᵀ)ᵀ`` for layers wider than the batch
+(``curvopt/optim/gradient_factors.py``, the rows from ``LayerRule.gradient_rows``): the same
+steps as the dense product ``F_0⁻¹ G F_1⁻¹`` (float64), taken only where it is cheaper and the
+captured factors give the gradient; for ``Linear``, convolutions, ``Embedding`` and ``Conv1D``."""
 
 import pytest
 import torch
+from conftest import Conv1D
 from torch import nn
 
 import curvopt
@@ -17,18 +19,59 @@ def _problem(seed=0, width=40):
     return curvopt.extend(model), curvopt.extend(nn.CrossEntropyLoss())
 
 
+def _mlp_inputs(generator, batch):
+    return torch.randn(batch, 30, generator=generator, dtype=torch.float64)
+
+
+#: a first layer wider than the rows of a batch of 4 (so the factored form is cheaper), then
+#: ``tanh``, flatten and a ``Linear`` head; the inputs of a batch
+LAYERS = {
+    "Conv2d": (
+        lambda: nn.Conv2d(6, 40, 3),
+        lambda g, n: torch.randn(n, 6, 4, 4, generator=g, dtype=torch.float64),
+        160,
+    ),
+    "Embedding": (
+        lambda: nn.Embedding(40, 30),
+        lambda g, n: torch.randint(0, 40, (n, 2), generator=g),
+        60,
+    ),
+    "Conv1D": (lambda: Conv1D(40, 30), _mlp_inputs, 40),
+}
+
+
+def _layer_problem(kind):
+    def problem(seed=0):
+        torch.manual_seed(seed)
+        build, _, features = LAYERS[kind]
+        head = nn.Sequential(nn.Tanh(), nn.Flatten(), nn.Linear(features, 5))
+        model = nn.Sequential(build(), head).double()
+        return curvopt.extend(model), curvopt.extend(nn.CrossEntropyLoss())
+
+    return problem
+
+
 def _train(
-    factored: bool, steps=6, batch=4, weight_decay=0.0, reuse=False, discarded=False, **options
+    factored: bool,
+    steps=6,
+    batch=4,
+    weight_decay=0.0,
+    reuse=False,
+    discarded=False,
+    problem=_problem,
+    inputs=_mlp_inputs,
+    **options,
 ):
-    """Parameters after each step; ``factored=False`` disables the factored form."""
-    model, lossfunc = _problem()
+    """Parameters after each step, and ``(gradient matrix shape, factors usable)`` of each
+    factored step considered; ``factored=False`` disables the factored form."""
+    model, lossfunc = problem()
     opt = KFAC(model.parameters(), lr=0.1, damping=0.3, weight_decay=weight_decay, **options)
     taken = []
     original = gf.reproduces
 
     def spy(matrix, factors):
         ok = original(matrix, factors)
-        taken.append(ok)
+        taken.append((tuple(matrix.shape), ok))
         return ok and factored
 
     generator = torch.Generator().manual_seed(1)
@@ -36,7 +79,7 @@ def _train(
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("curvopt.optim.kfac.reproduces", spy)
         for _ in range(steps):
-            X = torch.randn(batch, 30, generator=generator, dtype=torch.float64)
+            X = inputs(generator, batch)
             y = torch.randint(0, 5, (batch,), generator=generator)
             if discarded:  # a pass whose gradient is zeroed: its captured rows are not in p.grad
                 lossfunc(model(X), y).backward()
@@ -59,7 +102,19 @@ def test_factored_steps_equal_the_dense_ones(options):
     """Also with the first layer called twice: the rows of both calls are the factors."""
     factored, taken = _train(True, **options)
     dense, _ = _train(False, **options)
-    assert any(taken), "the factored form must have been taken"
+    assert any(ok for _, ok in taken), "the factored form must have been taken"
+    torch.testing.assert_close(factored, dense, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_factored_steps_of_other_layers_equal_the_dense_ones(kind):
+    """The rows their rules give (patches, one-hot tokens, the transposed layout)."""
+    options = {"problem": _layer_problem(kind), "inputs": LAYERS[kind][1], "curvature_ema": 0.9}
+    factored, taken = _train(True, **options)
+    dense, _ = _train(False, **options)
+    weight = _layer_problem(kind)()[0][0].weight
+    first = tuple(weight.reshape(weight.shape[0], -1).shape)
+    assert any(ok for shape, ok in taken if shape == first), "the factored form must be taken"
     torch.testing.assert_close(factored, dense, rtol=1e-10, atol=1e-12)
 
 
@@ -68,7 +123,7 @@ def test_factors_that_do_not_give_the_gradient_are_not_used(case):
     kwargs = {"weight_decay": 1e-2} if case == "weight_decay" else {"discarded": True}
     factored, taken = _train(True, **kwargs)
     dense, _ = _train(False, **kwargs)
-    assert taken and not any(taken[len(taken) // 2 :])  # the probe refuses them
+    assert taken and not any(ok for _, ok in taken[len(taken) // 2 :])  # the probe refuses them
     torch.testing.assert_close(factored, dense, rtol=0, atol=0)
 
 
@@ -76,11 +131,11 @@ def test_reproduces_checks_the_product_to_its_rounding():
     torch.manual_seed(0)
     a, b = torch.randn(6, 9), torch.randn(6, 4)
     grad = b.T @ a
-    assert gf.reproduces(grad, (a, b))
+    assert gf.reproduces(grad, (b, a))
     wrong = grad.clone()
     wrong[1, 2] += 1e-3 * grad.abs().max()
-    assert not gf.reproduces(wrong, (a, b))
-    assert not gf.reproduces(grad + 1e-2 * torch.randn(4, 9), (a, b))
+    assert not gf.reproduces(wrong, (b, a))
+    assert not gf.reproduces(grad + 1e-2 * torch.randn(4, 9), (b, a))
 
 
 def test_factored_is_chosen_by_flops():

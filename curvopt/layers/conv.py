@@ -200,6 +200,14 @@ class ConvRule(_ConvRuleBase):
     def _length(self, call):
         return call.grad_out[0, 0].numel()
 
+    def gradient_rows(self, call, name):
+        """The weight's ``G = Σ_n left_n right_nᵀ`` (``groups == 1``) over the patches: the
+        output gradients ``[N L, C_out]`` and the unfolded inputs ``[N L, C_in k]``."""
+        if name != "weight" or call.module.groups != 1:
+            return None
+        left, right = self._operands(call)
+        return left.mT.reshape(-1, left.shape[1]), right.mT.reshape(-1, right.shape[1])
+
     def kron_factors(self, call, columns, name, approx, n):
         module = call.module
         if name != "weight":

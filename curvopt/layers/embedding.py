@@ -98,5 +98,14 @@ class EmbeddingRule(LayerRule):
             counts[module.padding_idx] = 0
         return [torch.diag(counts / idx.numel()), gram(columns.reshape(-1, dim))]
 
+    def gradient_rows(self, call, name):
+        """``G = onehot(idx)ᵀ g``: ``(one-hot tokens [R, V], gradients [R, D])``, padding
+        rows zero."""
+        idx, _, g = _rows(call)
+        onehot = torch.zeros(
+            idx.numel(), call.module.num_embeddings, dtype=g.dtype, device=g.device
+        )
+        return onehot.scatter_(1, idx.unsqueeze(1), 1.0), g
+
     def output_factor_index(self, name):
         return 1

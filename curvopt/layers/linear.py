@@ -114,6 +114,13 @@ class LinearRule(LayerRule):
             return None  # the exact block of the bias (layers.kron)
         return linear_like(*canonical(call, columns, n), approx)
 
+    def gradient_rows(self, call, name):
+        """The weight's ``G = gᵀ x``: ``(g [R, O], x [R, I])``."""
+        if name != "weight":
+            return None
+        x, g = call.input, call.grad_out
+        return g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+
     def eigen_correction(self, call, name, bases):
         """The weight's ``Σ_n (Q_Bᵀ g_nᵀ x_n Q_A)²`` from the rotated ``x`` and ``g``."""
         if name == "bias" or len(bases) != 2:

@@ -204,6 +204,13 @@ class LayerRule:
         """Position, in :meth:`kron_factors`' list, of the factor built from the columns."""
         return 0
 
+    #: optional, ``gradient_rows(call, name)``: ``(left [R, d_0], right [R, d])`` with
+    #: ``leftᵀ right`` the gradient of ``name`` from this call as the matrix
+    #: ``[p.shape[0], -1]`` (``R`` rows: samples times positions), or ``None`` for that
+    #: parameter; a Kronecker step then applies ``(F_0⁻¹ leftᵀ)(F_1⁻¹ rightᵀ)ᵀ`` where that is
+    #: cheaper (``optim.gradient_factors``). ``None``: the rule gives no rows
+    gradient_rows: Optional[Callable] = None
+
     def has_weighted_squares(self, module: nn.Module) -> bool:
         """Whether :meth:`weighted_squares` applies to ``module`` (every parameter)."""
         return False

@@ -71,6 +71,11 @@ class TransposedLinearRule(LinearRule):
         output_factor, input_factor = linear_like(*canonical(call, columns, n), approx)
         return [input_factor, output_factor]
 
+    def gradient_rows(self, call, name):
+        """The weight's ``G = xᵀ g`` (``[nx, nf]``): ``(x [R, nx], g [R, nf])``."""
+        rows = super().gradient_rows(call, name)
+        return None if rows is None else rows[::-1]
+
     def eigen_correction(self, call, name, bases):
         """The weight's ``Σ_n (Q_Aᵀ x_nᵀ g_n Q_B)²``, input side first."""
         if name == "bias" or len(bases) != 2:

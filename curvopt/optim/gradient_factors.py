@@ -1,21 +1,23 @@
-"""The factored Kronecker step of a dense layer, from its inputs and output gradients.
+"""The factored Kronecker step of a layer, from the per-row factors of its gradient.
 
-An ``nn.Linear`` called on inputs ``a`` (``[R, in]``: the rows of all its calls in the pass,
-samples times positions) whose output gradients are ``b`` (``[R, out]``) has the weight
-gradient ``G = bᵀ a``, so its Kronecker-preconditioned gradient is::
+A layer whose rule gives the rows of its weight gradient (``LayerRule.gradient_rows``:
+``Linear``, convolutions over their patches, ``Embedding``, Hugging Face's ``Conv1D``) has, as
+the matrix ``G = [p.shape[0], -1]``, ``G = leftᵀ right`` with ``R`` rows (samples times
+positions of all its calls in the pass), so its Kronecker-preconditioned gradient is::
 
-    B⁻¹ G A⁻¹ = (B⁻¹ bᵀ)(A⁻¹ aᵀ)ᵀ
+    F_0⁻¹ G F_1⁻¹ = (F_0⁻¹ leftᵀ)(F_1⁻¹ rightᵀ)ᵀ
 
-With dense inverses that costs ``2R(out² + in² + out·in)`` flops instead of
-``2 out·in (out + in)``: about 7x fewer for FMNIST 2C2D's 3136 → 1024 layer at R = 128, whose
+With dense inverses that costs ``2R(d_0² + d_1² + d_0·d_1)`` flops instead of
+``2 d_0·d_1 (d_0 + d_1)``: about 7x fewer for FMNIST 2C2D's 3136 → 1024 layer at R = 128, whose
 dense product (27 GFLOP) dominates a KFAC step once averaged factors are no longer low rank.
 
-:class:`FactorCapture` keeps ``a`` and ``b`` of the watched layers from the forward to the step
-(references to tensors autograd holds anyway, plus ``b``). They are used only where they give
-the gradient the step preconditions: :func:`reproduces` checks ``G v = bᵀ(a v)`` on a random
-probe ``v`` to its rounding bound, so weight decay, loss scaling, accumulation over passes the
-capture missed, or a use of the weight outside the layer's call make the step take the dense
-product instead. Both are exact; only their cost differs.
+:class:`FactorCapture` keeps the calls (inputs and output gradients) of the modules owning the
+optimizer's parameters from the forward to the step (references to tensors autograd holds
+anyway, plus the output gradients). They are used only where they give the gradient the step
+preconditions: :func:`reproduces` checks ``G v = leftᵀ(right v)`` on a random probe ``v`` to its
+rounding bound, so weight decay, loss scaling, accumulation over passes the capture missed, or
+a use of the weight outside the layer's call make the step take the dense product instead.
+Both are exact; only their cost differs.
 """
 
 from __future__ import annotations
@@ -24,54 +26,79 @@ import weakref
 from typing import Optional, Sequence, Tuple
 
 import torch
-from torch import nn
 
+from curvopt.layers import rule_for
 from curvopt.optim.kronecker import solver_flops
+from curvopt.params import owners
+from curvopt.records import Call
 
 Factors = Tuple[torch.Tensor, torch.Tensor]
 
 
+def _detached(value):
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
 class FactorCapture:
-    """Inputs and output gradients of the watched ``nn.Linear`` calls since :meth:`clear`."""
+    """The calls of the modules owning ``params`` whose rules give gradient rows, since
+    :meth:`clear`; the forward hooks are removed when ``owner`` is collected."""
 
-    def __init__(self):
-        self.calls: dict[int, list] = {}  # id(weight) -> [[a, b or None] per call]
+    def __init__(self, owner, params):
+        self.calls: dict[int, list] = {}  # id(module) -> [[Call, grad_out or None] per call]
+        self.sources: dict[int, tuple] = {}  # id(p) -> (module, name, rule)
+        watched, owning = set(), owners(params)
+        for p in params:
+            if id(p) not in owning or p.dim() < 2:
+                continue
+            module, name = owning[id(p)]
+            rule = rule_for(module)
+            if rule.gradient_rows is None:
+                continue
+            self.sources[id(p)] = (module, name, rule)
+            if id(module) not in watched:
+                watched.add(id(module))
+                handle = module.register_forward_hook(self._forward, with_kwargs=True)
+                weakref.finalize(owner, handle.remove)
 
-    def watch(self, owner, module: nn.Linear) -> None:
-        """Hook ``module``'s forward; the hook is removed when ``owner`` is collected."""
-        handle = module.register_forward_hook(self._forward)
-        weakref.finalize(owner, handle.remove)
-
-    def _forward(self, module, inputs, output) -> None:
+    def _forward(self, module, args, kwargs, output) -> None:
         if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor)):
             return
         if not output.requires_grad:
             return
-        entry = [inputs[0].detach().reshape(-1, module.in_features), None]
-        self.calls.setdefault(id(module.weight), []).append(entry)
+        args = tuple(_detached(a) for a in args)
+        kwargs = {k: _detached(v) for k, v in kwargs.items()}
+        entry = [Call(module, args, kwargs), None]
+        self.calls.setdefault(id(module), []).append(entry)
 
-        def keep(grad, entry=entry, width=module.out_features):
-            entry[1] = grad.detach().reshape(-1, width)
+        def keep(grad, entry=entry):
+            entry[1] = grad.detach()
 
         output.register_hook(keep)
 
-    def factors(self, weight: torch.Tensor) -> Optional[Factors]:
-        """``(a, b)`` of ``weight``'s calls, or None (none, or one without its gradient)."""
-        calls = self.calls.get(id(weight))
-        if not calls or any(b is None for _, b in calls):
+    def factors(self, param: torch.Tensor) -> Optional[Factors]:
+        """``(left, right)`` of ``param``'s calls, or None (none, or one without its gradient,
+        or a call the rule gives no rows for)."""
+        source = self.sources.get(id(param))
+        calls = None if source is None else self.calls.get(id(source[0]))
+        if not calls or any(grad is None for _, grad in calls):
             return None
-        if len(calls) == 1:
-            return calls[0][0], calls[0][1]
-        return torch.cat([a for a, _ in calls]), torch.cat([b for _, b in calls])
+        module, name, rule = source
+        rows = [rule.gradient_rows(Call(module, c.args, c.kwargs, g), name) for c, g in calls]
+        if any(r is None for r in rows):
+            return None
+        if len(rows) == 1:
+            return rows[0]
+        return torch.cat([left for left, _ in rows]), torch.cat([right for _, right in rows])
 
     def clear(self) -> None:
         self.calls.clear()
 
 
 def reproduces(matrix: torch.Tensor, factors: Factors) -> bool:
-    """Whether ``matrix`` (``[out, in]``) is ``bᵀ a``: ``|G v − bᵀ(a v)| ≤ 64 eps |b|ᵀ(|a| |v|)``
-    for a random ``v`` (rounding of both sides of an ``R``-term sum, with a margin)."""
-    a, b = factors
+    """Whether ``matrix`` (``[d_0, d_1]``) is ``leftᵀ right``:
+    ``|G v − leftᵀ(right v)| ≤ 64 eps |left|ᵀ(|right| |v|)`` for a random ``v`` (rounding of both
+    sides of an ``R``-term sum, with a margin)."""
+    a, b = factors[1], factors[0]
     if a.shape[1] != matrix.shape[1] or b.shape[1] != matrix.shape[0] or len(a) != len(b):
         return False
     dtype = torch.promote_types(matrix.dtype, torch.float32)
@@ -85,8 +112,8 @@ def reproduces(matrix: torch.Tensor, factors: Factors) -> bool:
 
 
 def factored_cheaper(solvers: Sequence, out: int, inputs: int, rows: int) -> bool:
-    """Whether ``(B⁻¹ bᵀ)(A⁻¹ aᵀ)ᵀ`` costs fewer flops than ``B⁻¹ G A⁻¹`` for ``R = rows``
-    (``kronecker.solver_flops`` for each side, plus the final product)."""
+    """Whether ``(F_0⁻¹ leftᵀ)(F_1⁻¹ rightᵀ)ᵀ`` costs fewer flops than ``F_0⁻¹ G F_1⁻¹`` for
+    ``R = rows`` (``kronecker.solver_flops`` for each side, plus the final product)."""
     left, right = solvers
     factored = solver_flops(left, out, rows) + solver_flops(right, inputs, rows)
     dense = solver_flops(left, out, inputs) + solver_flops(right, inputs, out)

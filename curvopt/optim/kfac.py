@@ -7,10 +7,8 @@ from dataclasses import dataclass
 import weakref
 
 import torch
-from torch import nn
 
 from curvopt import extensions
-from curvopt.params import EXTENDED
 from curvopt.optim.cache import cached
 from curvopt.optim.fallback import fallback_diagonal
 from curvopt.optim.gradient_factors import FactorCapture, factored_cheaper, reproduces
@@ -150,11 +148,8 @@ class KFAC(NewtonOptimizer):
         """As :meth:`CurvatureOptimizer.collect`; also watches the dense layers whose steps
         may be applied in factored form from the next forward on (``gradient_factors``)."""
         if self not in _CAPTURES:
-            capture = _CAPTURES[self] = FactorCapture()
-            weights = {id(p) for g in self.param_groups for p in g["params"]}
-            for module in list(EXTENDED):
-                if isinstance(module, nn.Linear) and id(module.weight) in weights:
-                    capture.watch(self, module)
+            params = [p for g in self.param_groups for p in g["params"]]
+            _CAPTURES[self] = FactorCapture(self, params)
         return super().collect()
 
     def step(self, closure=None):
@@ -178,13 +173,14 @@ _CAPTURES: "weakref.WeakKeyDictionary[KFAC, FactorCapture]" = weakref.WeakKeyDic
 
 
 def _factored(apply, solvers, matrix, factors):
-    """``(B⁻¹ bᵀ)(A⁻¹ aᵀ)ᵀ`` where that is cheaper and ``factors = (a, b)`` give ``matrix``
-    (``gradient_factors``), else None."""
+    """``(F_0⁻¹ leftᵀ)(F_1⁻¹ rightᵀ)ᵀ`` where that is cheaper and ``factors = (left, right)``
+    give ``matrix = leftᵀ right`` (``gradient_factors``), else None."""
     if factors is None or len(solvers) != 2:
         return None
-    a, b = factors
-    if not factored_cheaper(solvers, *matrix.shape, len(a)) or not reproduces(matrix, factors):
+    left_rows, right_rows = factors
+    rows = len(left_rows)
+    if not factored_cheaper(solvers, *matrix.shape, rows) or not reproduces(matrix, factors):
         return None
-    left = apply(solvers[:1], b.mT.to(matrix.dtype))
-    right = apply(solvers[1:], a.mT.to(matrix.dtype))
+    left = apply(solvers[:1], left_rows.mT.to(matrix.dtype))
+    right = apply(solvers[1:], right_rows.mT.to(matrix.dtype))
     return left @ right.mT
