@@ -88,10 +88,16 @@ class CurvatureOptimizer(Optimizer):
     #: the hyper-parameters of a param group, their defaults and validation
     Options: ClassVar[type[CurvatureOptions]] = CurvatureOptions
 
+    #: keyword-only constructor arguments besides the hyper-parameters, with their defaults
+    #: (``process_group`` is added for a ``_distributable`` class)
+    _KEYWORDS: ClassVar[dict[str, Any]] = {}
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if "Options" in cls.__dict__ and "__init__" not in cls.__dict__:
-            cls.__init__ = constructor(cls.Options, cls._distributable, CurvatureOptimizer.__init__)
+            keywords = {"process_group": None} if cls._distributable else {}
+            init = super(cls, cls).__init__
+            cls.__init__ = constructor(cls.Options, {**keywords, **cls._KEYWORDS}, init)
 
     def __init__(self, params, defaults: dict[str, Any], process_group=None):
         self._group_state: list[dict[str, Any]] = []

@@ -37,15 +37,14 @@ eigendecompositions) are computed before the directions, each on one rank, and b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 
 from curvopt import extensions, values
-from curvopt.optim import stages
 from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, ParamUpdate
 from curvopt.optim.damping import as_damping, reduction_ratio
-from curvopt.optim.stages import GroupStep, ParamStep
+from curvopt.optim.stages import NEWTON, Chain, GroupStep, ParamStep
 
 
 @dataclass
@@ -74,6 +73,25 @@ class NewtonOptimizer(CurvatureOptimizer):
     """
 
     _distributable = True
+    #: the chain of stages this class runs (a constructor argument ``stages=`` replaces it)
+    stages: ClassVar[Chain] = NEWTON
+    _KEYWORDS: ClassVar[dict[str, Any]] = {"stages": None}
+
+    def __init__(self, params, defaults, process_group=None, stages=None):
+        if stages is not None and not isinstance(stages, Chain):
+            raise TypeError(
+                f"{type(self).__name__}: stages must be a curvopt.optim.stages.Chain (e.g. "
+                f"curvopt.optim.stages.NEWTON.with_stage(...)), got {type(stages).__name__}"
+            )
+        self._stages = type(self).stages if stages is None else stages
+        super().__init__(params, defaults, process_group)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_stages": self._stages}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_stages", type(self).stages)
 
     # ----------------------------------------------------------------- subclass hooks
     def _extension(self, group: dict[str, Any]) -> ExtensionSpec:
@@ -162,7 +180,7 @@ class NewtonOptimizer(CurvatureOptimizer):
             if due or self._lacks_curvature(group, param):
                 item.fresh = self._read_curvature(update, group, attr, extension)
             step.params.append(item)
-        for stage in stages.chain():
+        for stage in self._stages:
             stage(step)
         predicted = self._predicted(step) if with_model else 0.0
         return [item.update for item in step.params], predicted

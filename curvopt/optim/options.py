@@ -126,12 +126,14 @@ class NewtonOptions(CurvatureOptions):
     fallback: str | None = option(None, choice(None, "sgd"))
 
 
-def constructor(options: type[CurvatureOptions], process_group: bool, init: Callable) -> Callable:
+def constructor(
+    options: type[CurvatureOptions], keywords: dict[str, Any], init: Callable
+) -> Callable:
     """An optimizer's ``__init__(self, params, ...)`` taking the keyword fields of ``options``
     (``options.POSITIONAL`` first, positionally, the others keyword-only, those of the most
-    derived options class first) and, if
-    ``process_group``, ``process_group=None``; it validates them (making ``options``) and calls
-    ``init(self, params, defaults, process_group)``. ``TypeError`` for missing or unknown
+    derived options class first) and then ``keywords`` (name: default, keyword-only, not
+    hyper-parameters: ``process_group``, ``stages``); it validates the options and calls
+    ``init(self, params, defaults, **keywords)``. ``TypeError`` for missing or unknown
     arguments, as in Python."""
     fields = {f.name: f for f in dataclasses.fields(options) if f.metadata["keyword"]}
 
@@ -151,9 +153,8 @@ def constructor(options: type[CurvatureOptions], process_group: bool, init: Call
     # keyword-only: an optimizer's own options first, then those it shares
     others = sorted((n for n in fields if n not in options.POSITIONAL), key=introduced)
     params += [parameter(name, inspect.Parameter.KEYWORD_ONLY) for name in others]
-    if process_group:
-        keyword = inspect.Parameter.KEYWORD_ONLY
-        params.append(inspect.Parameter("process_group", keyword, default=None))
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params += [inspect.Parameter(name, keyword, default=d) for name, d in keywords.items()]
     signature = inspect.Signature(params)
 
     def __init__(self, *args, **kwargs):
@@ -161,8 +162,8 @@ def constructor(options: type[CurvatureOptions], process_group: bool, init: Call
         bound.apply_defaults()
         values = dict(bound.arguments)
         del values["self"]
-        groups, group = values.pop("params"), values.pop("process_group", None)
-        init(self, groups, options(**values).as_defaults(), group)
+        groups, extras = values.pop("params"), {name: values.pop(name) for name in keywords}
+        init(self, groups, options(**values).as_defaults(), **extras)
 
     __init__.__signature__ = signature
     __init__.__doc__ = f"See the class docstring; options: :class:`{options.__qualname__}`."

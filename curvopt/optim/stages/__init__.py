@@ -1,15 +1,40 @@
 """The damped Newton step as a chain of small stages (see :mod:`curvopt.optim.stages.base`).
 
-Every module of this package is imported here, so a stage is added by adding one module that
-defines a :class:`Stage` subclass decorated with ``@register`` (its ``order`` places it).
+:data:`NEWTON` is the chain every Newton optimizer runs by default; a stage is one module here
+with a :class:`Stage` subclass (its ``order`` places it) and its instance in :data:`NEWTON`, or,
+for one optimizer, ``stages=NEWTON.with_stage(MyStage())``.
 """
 
-import importlib
-import pkgutil
+from curvopt.optim.stages.base import Chain, GroupStep, ParamStep, Stage
+from curvopt.optim.stages.curvature_ema import AverageCurvature
+from curvopt.optim.stages.learning_rate import ScaleByLearningRate
+from curvopt.optim.stages.momentum import TraceMomentum
+from curvopt.optim.stages.precondition import Precondition
+from curvopt.optim.stages.trust_region import ScaleByTrustRegion
+from curvopt.optim.stages.weight_decay import AddWeightDecay
 
-from curvopt.optim.stages.base import GroupStep, ParamStep, Stage, chain, register
+#: the damped Newton step of ``DiagGGNNewton``, ``KFAC`` and ``EKFAC``
+NEWTON = Chain(
+    (
+        AddWeightDecay(),
+        AverageCurvature(),
+        Precondition(),
+        ScaleByTrustRegion(),
+        TraceMomentum(),
+        ScaleByLearningRate(),
+    )
+)
 
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
-
-__all__ = ["GroupStep", "ParamStep", "Stage", "chain", "register"]
+__all__ = [
+    "NEWTON",
+    "AddWeightDecay",
+    "AverageCurvature",
+    "Chain",
+    "GroupStep",
+    "ParamStep",
+    "Precondition",
+    "ScaleByLearningRate",
+    "ScaleByTrustRegion",
+    "Stage",
+    "TraceMomentum",
+]

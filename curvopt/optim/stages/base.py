@@ -14,9 +14,9 @@ the update in the making, as optax's transforms do::
 State is explicit: a stage reads the parameter's state before the step from
 ``ParamStep.state`` (never modified) and writes what it keeps into ``update.state`` (the new
 state, stored only when the whole plan is valid). Its hyper-parameters are the param group's
-(``GroupStep.group``). Every module of :mod:`curvopt.optim.stages` is imported by the package,
-and a stage class decorated with :func:`register` joins the chain of every Newton optimizer:
-a new stage is one file.
+(``GroupStep.group``). The chain is a value, :class:`Chain`: each Newton optimizer class
+declares its own (``stages``, :data:`curvopt.optim.stages.NEWTON` by default), and the
+constructor argument ``stages=`` replaces it for one optimizer (``NEWTON.with_stage(...)``).
 """
 
 from __future__ import annotations
@@ -73,19 +73,34 @@ class Stage:
         return f"{type(self).__name__}(order={self.order})"
 
 
-#: the registered stages, kept sorted by ``order``
-_REGISTRY: list[Stage] = []
+@dataclass(frozen=True)
+class Chain:
+    """The stages a Newton optimizer runs, in increasing ``order``: a value (as optax's
+    ``chain``), declared by each optimizer class and replaceable per optimizer
+    (``KFAC(..., stages=...)``)."""
 
+    stages: tuple[Stage, ...]
 
-def register(cls: type[Stage]) -> type[Stage]:
-    """Class decorator: an instance of ``cls`` joins the chain at ``cls.order``."""
-    if any(type(s).order == cls.order for s in _REGISTRY):
-        raise ValueError(f"{cls.__name__}: another stage already runs at order {cls.order}")
-    _REGISTRY.append(cls())
-    _REGISTRY.sort(key=lambda s: s.order)
-    return cls
+    def __post_init__(self):
+        orders = [s.order for s in self.stages]
+        if orders != sorted(set(orders)):
+            raise ValueError(
+                f"the stages of a chain run in strictly increasing order, got {list(self.stages)}"
+            )
 
+    def __iter__(self):
+        return iter(self.stages)
 
-def chain() -> tuple[Stage, ...]:
-    """The registered stages, in the order they run."""
-    return tuple(_REGISTRY)
+    def with_stage(self, stage: Stage) -> "Chain":
+        """This chain with ``stage`` inserted at its ``order`` (taken: ``ValueError``)."""
+        clash = [s for s in self.stages if s.order == stage.order]
+        if clash:
+            raise ValueError(
+                f"{type(stage).__name__}: {type(clash[0]).__name__} already runs at order "
+                f"{stage.order}"
+            )
+        return Chain(tuple(sorted((*self.stages, stage), key=lambda s: s.order)))
+
+    def without(self, kind: type[Stage]) -> "Chain":
+        """This chain without its stages of type ``kind``."""
+        return Chain(tuple(s for s in self.stages if not isinstance(s, kind)))

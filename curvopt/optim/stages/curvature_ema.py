@@ -3,11 +3,10 @@ between curvature steps the stored ``C`` is used as it is."""
 
 from __future__ import annotations
 
-from curvopt.optim.stages.base import GroupStep, Stage, register
+from curvopt.optim.stages.base import GroupStep, Stage
 from curvopt.optim.transforms import ema
 
 
-@register
 class AverageCurvature(Stage):
     order = 20
 

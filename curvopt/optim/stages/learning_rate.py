@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from curvopt.optim.stages.base import GroupStep, Stage, register
+from curvopt.optim.stages.base import GroupStep, Stage
 
 
-@register
 class ScaleByLearningRate(Stage):
     order = 60
 

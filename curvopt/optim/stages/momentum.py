@@ -3,11 +3,10 @@ when ``μ > 0``."""
 
 from __future__ import annotations
 
-from curvopt.optim.stages.base import GroupStep, Stage, register
+from curvopt.optim.stages.base import GroupStep, Stage
 from curvopt.optim.transforms import momentum
 
 
-@register
 class TraceMomentum(Stage):
     order = 50
 

@@ -19,10 +19,9 @@ import torch
 
 from curvopt.optim.cache import cached
 from curvopt.optim.distributed import Job, inversion_cost
-from curvopt.optim.stages.base import GroupStep, Stage, register
+from curvopt.optim.stages.base import GroupStep, Stage
 
 
-@register
 class Precondition(Stage):
     order = 30
 

@@ -3,11 +3,10 @@ for ``None``): the step's length in the damped curvature is at most ``κ``."""
 
 from __future__ import annotations
 
-from curvopt.optim.stages.base import GroupStep, Stage, register
+from curvopt.optim.stages.base import GroupStep, Stage
 from curvopt.optim.transforms import kl_clip_factor
 
 
-@register
 class ScaleByTrustRegion(Stage):
     order = 40
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from curvopt.optim.stages.base import GroupStep, Stage, register
+from curvopt.optim.stages.base import GroupStep, Stage
 from curvopt.optim.transforms import add_weight_decay
 
 
-@register
 class AddWeightDecay(Stage):
     order = 10
 
