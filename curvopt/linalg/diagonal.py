@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from curvopt import extensions, optim
+from curvopt import extensions
 from curvopt.linalg.base import BlockDiagonal, CurvatureOperator
 from curvopt.linalg.collected import collected
-from curvopt.optim.stages.precondition import damped_inverse
+from curvopt.optim.inverses import DiagonalInverse
 
 #: ``curvature=`` -> the attribute its extension writes (``curvopt.extensions.writer``)
 _CURVATURES = {"ggn_exact": "diag_ggn_exact", "ggn_mc": "diag_ggn_mc", "hessian": "diag_h"}
@@ -46,13 +46,12 @@ class Diagonal(CurvatureOperator):
 
     def inverse(self, damping: float) -> BlockDiagonal:
         """``(diag(c) + λ I)⁻¹`` by ``optim.DiagGGNNewton``'s own preconditioning (the
-        precondition stage: ``g / (c + λ)``)."""
-        optimizer = optim.DiagGGNNewton(self.params, 1.0, damping, process_group=False)
+        ``optim.inverses``: ``g / (c + λ)``)."""
         diagonals = self.diagonal.split([p.numel() for p in self.params])
         return BlockDiagonal(
             self.params,
             [
-                damped_inverse(optimizer, p, c.view(p.shape), damping)
+                DiagonalInverse.build(c.view(p.shape), damping).apply
                 for p, c in zip(self.params, diagonals)
             ],
         )

@@ -15,12 +15,12 @@ diagonal in ``Q``.
 
 from __future__ import annotations
 
-from curvopt import extensions, optim
+from curvopt import extensions
 from curvopt.linalg.base import BlockDiagonal, CurvatureOperator
 from curvopt.linalg.collected import collected
 from curvopt.linalg.kronecker import KFAC
 from curvopt.optim.eigen_corrected import as_rows, eigen_corrected_matmul, kron_basis
-from curvopt.optim.stages.precondition import damped_inverse
+from curvopt.optim.inverses import EigenCorrectedInverse
 
 
 def _block(bases, apply):
@@ -65,13 +65,12 @@ class EKFAC(CurvatureOperator):
         return self.matrix._apply(matrix)
 
     def inverse(self, damping: float) -> BlockDiagonal:
-        """``(Q diag(S) Qᵀ + λ I)⁻¹`` by ``optim.EKFAC``'s own preconditioning (the precondition
-        stage)."""
-        optimizer = optim.EKFAC(self.params, 1.0, damping)
+        """``(Q diag(S) Qᵀ + λ I)⁻¹`` by ``optim.EKFAC``'s own preconditioning
+        (``optim.inverses``)."""
         return BlockDiagonal(
             self.params,
             [
-                damped_inverse(optimizer, p, [s, *bs], damping)
-                for p, bs, s in zip(self.params, self.bases, self.corrections)
+                EigenCorrectedInverse.build([s, *bs], damping).apply
+                for bs, s in zip(self.bases, self.corrections)
             ],
         )

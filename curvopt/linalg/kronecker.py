@@ -10,11 +10,11 @@ batch the factors are those ``collect`` writes.
 
 from __future__ import annotations
 
-from curvopt import extensions, optim
+from curvopt import extensions
 from curvopt.linalg.base import BlockDiagonal, CurvatureOperator
 from curvopt.linalg.collected import collected
 from curvopt.optim.kronecker import as_matrix, kron_matmul
-from curvopt.optim.stages.precondition import damped_inverse
+from curvopt.optim.inverses import InverseOptions, KroneckerInverse
 
 #: the curvatures, by the attribute their extension writes (``curvopt.extensions.writer``)
 _CURVATURES = ("kfac", "kflr", "kfra")
@@ -71,7 +71,7 @@ class KFAC(CurvatureOperator):
         return self.matrix._apply(matrix)
 
     def inverse(self, damping: float, kronecker_damping: str = "trace_norm") -> BlockDiagonal:
-        """``(B ⊗ A + λ I)⁻¹`` by ``optim.KFAC``'s own preconditioning (the precondition stage):
+        """``(B ⊗ A + λ I)⁻¹`` by ``optim.KFAC``'s own preconditioning (``optim.inverses``):
         ``"trace_norm"`` inverts ``(B + √λ/π I) ⊗ (A + π√λ I)``, ``"exact"`` the damped product
         itself."""
         if kronecker_damping not in ("trace_norm", "exact"):
@@ -79,10 +79,8 @@ class KFAC(CurvatureOperator):
                 f"KFAC.inverse: kronecker_damping must be 'trace_norm' or 'exact', got "
                 f"{kronecker_damping!r}"
             )
-        optimizer = optim.KFAC(
-            self.params, 1.0, damping, kronecker_damping=kronecker_damping, process_group=False
-        )
+        options = InverseOptions(kronecker_damping)
         return BlockDiagonal(
             self.params,
-            [damped_inverse(optimizer, p, fs, damping) for p, fs in zip(self.params, self.factors)],
+            [KroneckerInverse.build(fs, damping, options).apply for fs in self.factors],
         )

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from curvopt.optim.diagonal import diag_precondition, diag_quadratic
+from curvopt.optim.diagonal import diag_quadratic
+from curvopt.optim.inverses import DiagonalInverse
 from curvopt.optim.newton import NewtonOptimizer
 from curvopt.optim.options import NewtonOptions, choice, option
 
@@ -60,7 +61,7 @@ class DiagGGNNewton(NewtonOptimizer):
     def _direction(
         self, grad, curvature, state, group, step, damping, curvature_step, factors=None
     ):
-        return diag_precondition(grad, curvature, damping), {}
+        return DiagonalInverse(curvature, damping).apply_one(grad), {}
 
     def _quadratic(self, curvature, step):
         return diag_quadratic(curvature, step)

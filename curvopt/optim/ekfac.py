@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from curvopt.optim.eigen_corrected import as_rows, eigen_corrected_quadratic, eigen_corrected_solve
+from curvopt.optim.eigen_corrected import as_rows, eigen_corrected_quadratic
+from curvopt.optim.inverses import EigenCorrectedInverse
 from curvopt.optim.newton import NewtonOptimizer
 from curvopt.optim.options import NewtonOptions, choice, number, option, optional
 
@@ -114,9 +115,7 @@ class EKFAC(NewtonOptimizer):
     def _direction(
         self, grad, curvature, state, group, step, damping, curvature_step, factors=None
     ):
-        correction, bases = curvature[0], curvature[1:]
-        direction = eigen_corrected_solve(bases, correction, as_rows(grad, bases), damping)
-        return direction.reshape(grad.shape), {}
+        return EigenCorrectedInverse.build(curvature, damping).apply_one(grad), {}
 
     def _quadratic(self, curvature, step):
         correction, bases = curvature[0], curvature[1:]

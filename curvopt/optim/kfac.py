@@ -12,16 +12,8 @@ from curvopt import extensions
 from curvopt.optim.cache import cached
 from curvopt.optim.fallback import fallback_diagonal
 from curvopt.optim.gradient_factors import FactorCapture, factored_cheaper, reproduces
-from curvopt.optim.kronecker import (
-    as_matrix,
-    exact_damped_solve,
-    kron_cholesky_solve,
-    kron_eigh,
-    kron_quadratic,
-    kron_solve,
-    trace_norm_cholesky,
-    trace_norm_solvers,
-)
+from curvopt.optim.inverses import InverseOptions, KroneckerInverse
+from curvopt.optim.kronecker import as_matrix, kron_quadratic
 from curvopt.optim.newton import Derived, NewtonOptimizer
 from curvopt.optim.options import NewtonOptions, choice, number, option
 
@@ -102,28 +94,22 @@ class KFAC(NewtonOptimizer):
             raise ValueError(f"expected a list of square Kronecker factors, got {curvature!r}")
         as_matrix(param, curvature)
 
-    def _derived(self, curvature, group, damping, curvature_step):
-        interval = group["inverse_interval"]
-        if group["kronecker_damping"] == "exact":
-            return Derived(
-                "eigh",
-                curvature_step,
-                interval,
-                lambda: kron_eigh(curvature),
-                lambda: [(f.new_empty(f.shape[0]), torch.empty_like(f)) for f in curvature],
-            )
+    def _inverse_options(self, group) -> InverseOptions:
         # a product with a dense inverse runs ~2x faster than two triangular solves, and forming
         # the inverse costs ~2x the Cholesky factorisation: worth it when it is applied again
-        reused = max(interval, group["curvature_interval"]) > 1
+        reused = max(group["inverse_interval"], group["curvature_interval"]) > 1
         # Woodbury needs each rank's own roots: off when inverses are spread over ranks
         low_rank = self._distributed is None
-        build = trace_norm_solvers if reused else trace_norm_cholesky
+        return InverseOptions(group["kronecker_damping"], reused, low_rank)
+
+    def _derived(self, curvature, group, damping, curvature_step):
+        options = self._inverse_options(group)
         return Derived(
-            "inverse" if reused else "cholesky",
-            (curvature_step, damping),
-            interval,
-            lambda: build(curvature, damping, low_rank=low_rank),
-            lambda: [torch.empty_like(f) for f in curvature],
+            options.kind,
+            curvature_step if options.kind == "eigh" else (curvature_step, damping),
+            group["inverse_interval"],
+            lambda: KroneckerInverse.compute(curvature, damping, options),
+            lambda: KroneckerInverse.empty(curvature, options),
         )
 
     def _direction(
@@ -134,13 +120,12 @@ class KFAC(NewtonOptimizer):
         entry = cached(
             state.get(derived.name), derived.key, step, derived.interval, derived.compute
         )
-        if derived.name == "eigh":
-            direction = exact_damped_solve(entry["value"], matrix, damping)
-        else:
-            apply = kron_cholesky_solve if derived.name == "cholesky" else kron_solve
-            direction = _factored(apply, entry["value"], matrix, factors)
-            if direction is None:
-                direction = apply(entry["value"], matrix)
+        inverse = KroneckerInverse(derived.name, entry["value"], damping, matrix.shape[0])
+        direction = None
+        if derived.name != "eigh":
+            direction = _factored(inverse.solve, entry["value"], matrix, factors)
+        if direction is None:
+            return inverse.apply_one(grad), {derived.name: entry}
         return direction.reshape(grad.shape), {derived.name: entry}
 
     # ----------------------------------------------------------------- factored steps

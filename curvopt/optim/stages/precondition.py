@@ -7,13 +7,12 @@ Under ``torch.distributed`` the derived quantities that are due (``_derived``) a
 computed each on one rank and broadcast (``DistributedCurvature.spread``), then put into the
 state ``_direction`` reads, where ``cached`` finds them current.
 
-:func:`damped_inverse` applies the same code to a block of vectors: what
-``curvopt.linalg``'s ``inverse`` operators are.
+The optimizers' ``_direction`` applies their curvature type's ``optim.inverses.DampedInverse``,
+which ``curvopt.linalg``'s ``inverse`` operators apply too.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
 
 import torch
 
@@ -72,27 +71,3 @@ def _spread_derived(step: GroupStep) -> None:
     for (item, derived), value in zip(due, values):
         entry = {"value": value, "key": derived.key, "step": step.step}
         item.state = {**item.state, derived.name: entry}
-
-
-def damped_inverse(
-    optimizer, param: torch.Tensor, curvature: Any, damping: float
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``V [K, *p.shape] ↦ (C + λ I)⁻¹ V`` by the optimizer's ``_direction`` for curvature
-    ``C`` of ``param`` (in its first param group): the derived inverse computed once, as at a
-    step, then applied to each of the ``K`` vectors in turn."""
-    group = optimizer.param_groups[0]
-
-    def direction(grad: torch.Tensor, state: dict[str, Any]):
-        return optimizer._direction(grad, curvature, state, group, 0, damping, 0)
-
-    _, state = direction(torch.zeros_like(param), {})
-
-    def apply(vectors: torch.Tensor) -> torch.Tensor:
-        # one vector at a time, as a step: the same kernels, so the same bits (vmap's batched
-        # products round differently)
-        result = torch.empty_like(vectors)
-        for index, vector in enumerate(vectors):
-            result[index] = direction(vector, state)[0]
-        return result
-
-    return apply
