@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from curvopt.optim import KFAC, DiagGGNNewton, LevenbergMarquardt, VarianceAdaptedSGD
-from curvopt.optim.base import CurvatureOptimizer, ParamUpdate
+from curvopt.optim.plan import ParamUpdate, check_finite
 
 DT = torch.float64
 torch.set_num_threads(1)
@@ -626,12 +626,12 @@ def test_finite_check_tolerates_overflowing_sums_and_names_the_bad_tensor():
     p = torch.zeros(2)
     big = torch.full((4,), 3e38)  # finite entries, float32 sum overflows to inf
     update = ParamUpdate(p, "parameter 'w' (shape (2,))", checks=[("gradient", big)])
-    CurvatureOptimizer._check_finite([update])
+    check_finite([update])
     bad = ParamUpdate(
         p, "parameter 'v' (shape (2,))", checks=[("update", torch.tensor([1, -math.inf]))]
     )
     with pytest.raises(FloatingPointError, match=r"update of parameter 'v'"):
-        CurvatureOptimizer._check_finite([update, bad])
+        check_finite([update, bad])
 
 
 def test_momentum_of_a_fallback_parameter_does_not_alias_its_gradient():

@@ -23,7 +23,6 @@ import contextlib
 import copy
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -34,28 +33,11 @@ from curvopt.collect import collect
 from curvopt.optim import distributed
 from curvopt.optim.loss_scale import NONE, LossScale, loss_scale
 from curvopt.optim.options import CurvatureOptions, constructor
+from curvopt.optim.plan import ParamUpdate, check_finite, describe, number, regularizer_change
 
 #: an extension to collect, as ``(the attribute it writes, its options)``: built by
 #: ``curvopt.extensions.extension(attr, **options)``
 ExtensionSpec = tuple[str, dict[str, Any]]
-
-
-@dataclass
-class ParamUpdate:
-    """The planned change of one parameter: ``θ ← θ − delta`` and its new ``state``."""
-
-    param: torch.Tensor
-    description: str
-    delta: torch.Tensor | None = None
-    state: dict[str, Any] = field(default_factory=dict)
-    #: ``(what, tensor)`` pairs that must be finite for the step to be taken
-    checks: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    #: the quantity objects read from the parameter (to detect stale ones next time)
-    consumed: dict[str, Any] = field(default_factory=dict)
-
-
-def _number(loss) -> float:
-    return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
 
 
 class CurvatureOptimizer(Optimizer):
@@ -88,8 +70,7 @@ class CurvatureOptimizer(Optimizer):
     #: the hyper-parameters of a param group, their defaults and validation
     Options: ClassVar[type[CurvatureOptions]] = CurvatureOptions
 
-    #: keyword-only constructor arguments besides the hyper-parameters, with their defaults
-    #: (``process_group`` is added for a ``_distributable`` class)
+    #: keyword-only constructor arguments besides the hyper-parameters (and process_group)
     _KEYWORDS: ClassVar[dict[str, Any]] = {}
 
     def __init_subclass__(cls, **kwargs):
@@ -163,17 +144,7 @@ class CurvatureOptimizer(Optimizer):
     # ----------------------------------------------------------------- reading quantities
     def _describe(self, group: dict[str, Any], index: int, param: torch.Tensor) -> str:
         """``parameter 'name' (shape ...)``, or its position over all groups (as in state_dict)."""
-        names = group.get("param_names")
-        if names:
-            where = repr(names[index])
-        else:
-            offset = 0
-            for other in self.param_groups:
-                if other is group:
-                    break
-                offset += len(other["params"])
-            where = f"#{offset + index}"
-        return f"parameter {where} (shape {tuple(param.shape)})"
+        return describe(self.param_groups, group, index, param)
 
     def _unused(self, param: torch.Tensor, attrs: Sequence[str]) -> bool:
         """Whether ``param`` took no part in this step: ``grad`` is None, or all zero (after
@@ -262,9 +233,9 @@ class CurvatureOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad(), self.collect():
                 loss = closure()
-            if loss is not None and not math.isfinite(_number(loss)):
+            if loss is not None and not math.isfinite(number(loss)):
                 raise FloatingPointError(
-                    f"the loss returned by the closure is {_number(loss)}: the loss exploded "
+                    f"the loss returned by the closure is {number(loss)}: the loss exploded "
                     "(non-finite loss); no parameter was updated. Lower the learning rate, "
                     "increase the damping, or keep the step's trust region (kl_clip) on."
                 )
@@ -281,8 +252,8 @@ class CurvatureOptimizer(Optimizer):
             for group, group_state in zip(self.param_groups, self._group_state)
         ]
         updates = [u for group_updates, _ in plans for u in group_updates]
-        self._check_finite(updates)
-        regularizer_change = self._regularizer_change(plans) if due else 0.0
+        check_finite(updates)
+        decay_change = regularizer_change(self.param_groups, plans) if due else 0.0
         for update in updates:
             update.param.sub_(update.delta)
             self.state[update.param] = update.state
@@ -292,50 +263,12 @@ class CurvatureOptimizer(Optimizer):
         if due:
             with torch.enable_grad():
                 new_loss = closure()
-            actual = _number(new_loss) - _number(loss)
+            actual = number(new_loss) - number(loss)
             if self._distributed is not None:  # the change of the ranks' mean loss
                 actual = self._distributed.mean(actual)
-            actual += regularizer_change
+            actual += decay_change
             self._adapt(due, actual, sum(predicted for _, predicted in plans))
         return loss
-
-    def _regularizer_change(self, plans) -> float:
-        """``Σ δ/2 (‖θ − Δ‖² − ‖θ‖²)``: the change of the weight-decay term by the step."""
-        change = 0.0
-        for group, (updates, _) in zip(self.param_groups, plans):
-            if group["weight_decay"] == 0:
-                continue
-            for u in updates:
-                change += (
-                    0.5 * group["weight_decay"] * float((u.delta * (u.delta - 2 * u.param)).sum())
-                )
-        return change
-
-    @staticmethod
-    def _check_finite(updates: list[ParamUpdate]) -> None:
-        checks = [(u, what, t) for u in updates for what, t in u.checks]
-        if not checks:
-            return
-        device = checks[0][2].device
-        # one read per tensor and one host sync: a finite sum means finite entries (a NaN or
-        # inf entry makes the sum NaN or inf); only a non-finite sum (or overflow) is looked into
-        sums = torch.stack([t.sum().to(device) for _, _, t in checks])
-        if bool(sums.isfinite().all()):
-            return
-        flags = [t.isfinite().all().to(device) for _, _, t in checks]
-        if bool(torch.stack(flags).all()):
-            return
-        for (update, what, _), flag in zip(checks, flags):
-            if not flag:
-                cause = (
-                    " (the loss exploded, or the backward pass overflowed)"
-                    if what == "gradient"
-                    else ""
-                )
-                raise FloatingPointError(
-                    f"the {what} of {update.description} is not finite{cause}; no parameter was "
-                    "updated. Check the loss and the learning rate, or increase the damping."
-                )
 
     # ----------------------------------------------------------------- saving
     def state_dict(self) -> dict[str, Any]:
