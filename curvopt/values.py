@@ -12,7 +12,8 @@ a consumer must not re-derive from the attribute's name or a factor's position:
 * a tensor (per-sample, summed, moment): carries the loss scale as a whole.
 
 Each carries the loss scale to its quantity's power (``Quantity.loss_scale_power``), so
-:func:`unscaled` is the one place that divides a value by a loss scale.
+:func:`unscaled` is the one place that divides a value by a loss scale; :func:`read` the one
+place where consumers read a value from a parameter.
 """
 
 from __future__ import annotations
@@ -91,6 +92,12 @@ class EigenCorrected(list):
 Value = Union[torch.Tensor, KroneckerFactors, EigenCorrected, tuple]
 
 _LISTS = {Kind.FACTORS: KroneckerFactors, Kind.EIGEN_CORRECTED: EigenCorrected}
+
+
+def read(param: torch.Tensor, attr: str):
+    """``param.<attr>`` as ``collect`` (or the user) set it, or ``None``: the one place where
+    consumers read a quantity from a parameter."""
+    return getattr(param, attr, None)
 
 
 def typed(q: Quantity, value):

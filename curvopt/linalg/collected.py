@@ -18,6 +18,7 @@ from curvopt.collect import collect
 from curvopt.errors import UnsupportedModuleError
 from curvopt.extensions.base import Extension
 from curvopt.linalg.base import CurvatureOperator
+from curvopt.values import read
 
 _MISSING = object()
 
@@ -49,7 +50,7 @@ def collected(op: CurvatureOperator, extension: Extension, seed: int) -> Iterato
             loss = op.lossfunc(output, targets)
             with collect(extension):
                 loss.backward()
-            values = [getattr(p, extension.attr, None) for p in op.params]
+            values = [read(p, extension.attr) for p in op.params]
             missing = [n for n, v in zip(op.names, values) if v is None]
             if missing:
                 raise UnsupportedModuleError(

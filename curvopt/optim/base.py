@@ -153,7 +153,7 @@ class CurvatureOptimizer(Optimizer):
         if param.grad is None:
             return True
         used = self._consumed.get(param, {})
-        stale = bool(used) and all(getattr(param, a, None) is used.get(a) for a in attrs)
+        stale = bool(used) and all(values.read(param, a) is used.get(a) for a in attrs)
         return stale and not bool(param.grad.any())
 
     def _read(self, update: ParamUpdate, attr: str, extension: str, fallback: str | None) -> Any:
@@ -165,7 +165,7 @@ class CurvatureOptimizer(Optimizer):
         object a previous step already used (the backward pass ran outside ``opt.collect()``).
         """
         param, description = update.param, update.description
-        value = getattr(param, attr, None)
+        value = values.read(param, attr)
         if value is None:
             if fallback is not None:
                 return None

@@ -18,6 +18,7 @@ as well there; an Adam-style ``d = g / (√v̂ + ε)`` stalled or diverged at KF
 from __future__ import annotations
 
 
+from curvopt import values
 from curvopt.optim.diagonal import diag_precondition
 
 
@@ -28,7 +29,7 @@ def fallback_diagonal(optimizer, update, grad, state, writer, damping):
     (``state["fallback_diagonal"]``)."""
     name = writer.fallback.attr
     param = update.param
-    value = getattr(param, name, None)
+    value = values.read(param, name)
     stale = value is None or value is optimizer._consumed.get(param, {}).get(name)
     diagonal = state.get("fallback_diagonal") if stale else None
     if diagonal is None:

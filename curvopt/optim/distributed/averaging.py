@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from curvopt import values
+
 from curvopt.optim.distributed.common import CommStats, by_kind, control, leaves, nbytes, rebuild
 
 Target = tuple[torch.Tensor, str]  # (parameter, attribute)
@@ -97,7 +99,7 @@ class Averaging:
             self.launch(targets)
 
     def _known(self, param, attr) -> bool:
-        key, value = (id(param), attr), getattr(param, attr, None)
+        key, value = (id(param), attr), values.read(param, attr)
         slot = self._slots.get(key)
         return (slot is not None and slot.raw is value) or (
             value is not None and self._averaged.get(key, (None,))[0] is value
@@ -112,13 +114,13 @@ class Averaging:
         targets = [(p, a) for p, a in targets if not self._known(p, a)]
         if not targets:
             return
-        values = [getattr(p, attr, None) for p, attr in targets]
-        tensors = [[] if v is None else leaves(v) for v in values]
-        self._check_presence(targets, values, tensors)
+        found = [values.read(p, attr) for p, attr in targets]
+        tensors = [[] if v is None else leaves(v) for v in found]
+        self._check_presence(targets, found, tensors)
         flat = [t for ts in tensors for t in ts]
         pieces = self._all_reduce(flat)
         it = iter(pieces)
-        for (p, attr), value, ts in zip(targets, values, tensors):
+        for (p, attr), value, ts in zip(targets, found, tensors):
             self._slots[(id(p), attr)] = _Slot(value, [next(it) for _ in ts])
 
     def _check_presence(self, targets, values, tensors) -> None:
