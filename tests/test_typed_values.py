@@ -17,6 +17,7 @@ from torch import nn
 import curvopt
 from curvopt import extensions as ext
 from curvopt.optim import EKFAC, KFAC, DiagGGNNewton
+from curvopt.optim.distributed.common import leaves, rebuild
 from curvopt.values import EigenCorrected, KroneckerFactors, unscaled
 
 
@@ -122,3 +123,14 @@ def test_unscaled_divides_each_value_where_it_carries_the_scale():
     torch.testing.assert_close(unscaled(ext.quantity("variance"), s, 2.0), s / 4)
     torch.testing.assert_close(unscaled(ext.quantity("diag_ggn_mc"), s, 2.0), s / 2)
     assert unscaled(ext.quantity("kfac"), factors, None) is factors
+
+
+def test_distributed_averaging_rebuilds_values_of_the_same_type():
+    """The rank average of ``p.kfac`` keeps its output side (an Embedding's is second)."""
+    b, a = torch.eye(2, dtype=torch.float64), torch.eye(3, dtype=torch.float64)
+    factors = KroneckerFactors([a, b], output_index=1)
+    average = rebuild(factors, iter([t * 2 for t in leaves(factors)]))
+    assert type(average) is KroneckerFactors and average.output_index == 1
+    torch.testing.assert_close(average.output_side, 2 * b)
+    corrected = rebuild(EigenCorrected([a, b]), iter([a, b]))
+    assert type(corrected) is EigenCorrected
