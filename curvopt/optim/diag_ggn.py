@@ -58,10 +58,8 @@ class DiagGGNNewton(NewtonOptimizer):
                 f"{getattr(curvature, 'shape', type(curvature))}"
             )
 
-    def _direction(
-        self, grad, curvature, state, group, step, damping, curvature_step, factors=None
-    ):
-        return DiagonalInverse(curvature, damping).apply_one(grad), {}
+    def _direction(self, item, step):
+        return DiagonalInverse(item.curvature, step.damping).apply_one(item.grad), {}
 
     def _quadratic(self, curvature, step):
         return diag_quadratic(curvature, step)

@@ -112,10 +112,8 @@ class EKFAC(NewtonOptimizer):
         return None
 
     # ----------------------------------------------------------------- the step
-    def _direction(
-        self, grad, curvature, state, group, step, damping, curvature_step, factors=None
-    ):
-        return EigenCorrectedInverse.build(curvature, damping).apply_one(grad), {}
+    def _direction(self, item, step):
+        return EigenCorrectedInverse.build(item.curvature, step.damping).apply_one(item.grad), {}
 
     def _quadratic(self, curvature, step):
         correction, bases = curvature[0], curvature[1:]

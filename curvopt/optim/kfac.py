@@ -77,11 +77,11 @@ class KFAC(NewtonOptimizer):
             return {"skip_unsupported": "diagonal"}
         return {"skip_unsupported": fallbacks != {None}}
 
-    def _fallback_direction(self, update, grad, state, group, damping):
-        if group["fallback"] != "diagonal":
-            return super()._fallback_direction(update, grad, state, group, damping)
-        writer = extensions.writer(self._extension(group)[0])
-        return fallback_diagonal(self, update, grad, state, writer, damping)
+    def _fallback_direction(self, item, step):
+        if step.group["fallback"] != "diagonal":
+            return super()._fallback_direction(item, step)
+        writer = extensions.writer(self._extension(step.group)[0])
+        return fallback_diagonal(self, item.update, item.grad, item.state, writer, step.damping)
 
     def _extension(self, group):
         return group["curvature"], {"mc_samples": group["mc_samples"]}
@@ -112,17 +112,17 @@ class KFAC(NewtonOptimizer):
             lambda: KroneckerInverse.empty(curvature, options),
         )
 
-    def _direction(
-        self, grad, curvature, state, group, step, damping, curvature_step, factors=None
-    ):
+    def _direction(self, item, step):
+        grad, curvature, damping = item.grad, item.curvature, step.damping
         matrix = as_matrix(grad, curvature)
-        derived = self._derived(curvature, group, damping, curvature_step)
+        derived = self._derived(curvature, step.group, damping, item.curvature_step)
         entry = cached(
-            state.get(derived.name), derived.key, step, derived.interval, derived.compute
+            item.state.get(derived.name), derived.key, step.step, derived.interval, derived.compute
         )
         inverse = KroneckerInverse(derived.name, entry["value"], damping, matrix.shape[0])
         direction = None
         if derived.name != "eigh":
+            factors = self._gradient_factors(item.update.param)
             direction = _factored(inverse.solve, entry["value"], matrix, factors)
         if direction is None:
             return inverse.apply_one(grad), {derived.name: entry}
@@ -146,6 +146,7 @@ class KFAC(NewtonOptimizer):
                 _CAPTURES[self].clear()
 
     def _gradient_factors(self, param):
+        """The rows of ``param``'s gradient captured in the pass, or None (``gradient_factors``)."""
         capture = _CAPTURES.get(self)
         return None if capture is None else capture.factors(param)
 

@@ -102,36 +102,22 @@ class NewtonOptimizer(CurvatureOptimizer):
     def _check_curvature(self, curvature: Any, param: torch.Tensor) -> None:
         """Raise ``ValueError`` if ``curvature`` does not fit ``param``."""
 
-    def _direction(
-        self,
-        grad: torch.Tensor,
-        curvature: Any,
-        state: dict[str, Any],
-        group: dict[str, Any],
-        step: int,
-        damping: float,
-        curvature_step: int,
-        factors: Any = None,
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """``(C + λ I)⁻¹ g`` (shape of ``grad``) and the cache entries to keep in the state;
-        ``factors``: what :meth:`_gradient_factors` gave for the parameter (may be ignored)."""
+    def _direction(self, item: ParamStep, step: GroupStep) -> tuple[torch.Tensor, dict[str, Any]]:
+        """``(C + λ I)⁻¹ g`` for one parameter (``item``: its ``grad``, ``curvature``,
+        ``curvature_step``, ``state``; ``step``: the group's ``group``, ``step`` and
+        ``damping``), shaped like ``g``, and the cache entries to keep in its state."""
         raise NotImplementedError
-
-    def _gradient_factors(self, param: torch.Tensor) -> Any:
-        """Factors of ``param``'s gradient captured in the pass (None: none; see
-        :mod:`curvopt.optim.gradient_factors`)."""
-        return None
 
     def _quadratic(self, curvature: Any, step: torch.Tensor) -> torch.Tensor:
         """``sᵀ C s`` for a step ``s`` of the parameter's shape."""
         raise NotImplementedError
 
     def _fallback_direction(
-        self, update: ParamUpdate, grad, state, group, damping
+        self, item: ParamStep, step: GroupStep
     ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """The direction (and new state) of ``update.param`` without curvature: ``grad`` itself
-        (``fallback='sgd'``)."""
-        return grad, {}
+        """The direction (and new state) of a parameter without curvature: ``item.grad``
+        itself (``fallback='sgd'``)."""
+        return item.grad, {}
 
     def _derived(
         self, curvature: Any, group: dict[str, Any], damping: float, curvature_step: int

@@ -52,7 +52,7 @@ class ParamStep:
 class GroupStep:
     """The step of one param group: its ``ParamStep``s and what every stage may read."""
 
-    optimizer: Any  # the NewtonOptimizer (its hooks: _direction, _derived, _distributed, ...)
+    optimizer: Any  # the NewtonOptimizer (its hooks: _direction(item, step), _derived, ...)
     group: dict[str, Any]
     #: the group's step count and damping ``λ + δ`` (weight decay included)
     step: int

@@ -31,21 +31,10 @@ class Precondition(Stage):
         for item in step.params:
             update = item.update
             if item.curvature is None:
-                item.direction, update.state = optimizer._fallback_direction(
-                    update, item.grad, item.state, step.group, step.damping
-                )
+                item.direction, update.state = optimizer._fallback_direction(item, step)
                 continue
             try:
-                item.direction, update.state = optimizer._direction(
-                    item.grad,
-                    item.curvature,
-                    item.state,
-                    step.group,
-                    step.step,
-                    step.damping,
-                    item.curvature_step,
-                    optimizer._gradient_factors(update.param),
-                )
+                item.direction, update.state = optimizer._direction(item, step)
             except torch.linalg.LinAlgError as error:
                 raise torch.linalg.LinAlgError(f"{update.description}: {error}") from None
             update.state.update(curvature=item.curvature, curvature_step=item.curvature_step)
