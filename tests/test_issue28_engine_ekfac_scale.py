@@ -168,3 +168,10 @@ def test_s_averaged_over_sampled_targets_is_the_ggn_diagonal_in_the_basis(name):
         assert 0.85 < ratio < 1.15, (k, ratio)
         relative = float((mean - ggn).norm() / ggn.norm())
         assert relative < 0.3, (k, relative)
+
+
+@pytest.mark.parametrize("value", [None, "Q", torch.eye(3)])
+def test_a_bases_dict_with_a_value_that_is_not_a_list_of_tensors_raises_naming_it(value):
+    p = nn.Linear(3, 3).weight
+    with pytest.raises(TypeError, match=r"EKFAC: bases\[parameter of shape \(3, 3\)\].*fresh"):
+        ext.EKFAC(bases={p: value})
