@@ -101,7 +101,7 @@ class CurvaturePass:
         groups = defaultdict(list)
         for ext in self.exts:
             if ext.quantity.producer is Producer.EIGEN_CORRECTED:
-                self._note_reduction(ext)
+                self._note_reduction(ext, rule)
                 if not _fresh_bases(ext, calls):
                     continue  # every basis supplied: S from the module hooks alone
             elif ext.quantity.producer is Producer.KFRA:
@@ -119,10 +119,12 @@ class CurvaturePass:
         if kfra_exts:
             self.results.add(kfra(self, rule, calls, kfra_exts))
 
-    def _note_reduction(self, ext) -> None:
-        """``EKFAC``'s scale is that of this pass's one loss: note it, and check it against
-        the reduction ``ext`` expects (if it says)."""
-        self.results.note_loss(self.loss)
+    def _note_reduction(self, ext, rule) -> None:
+        """``EKFAC``'s scale is the divisor ``D`` of this pass's one loss (its rule's
+        ``divisor``): note it, and check the reduction against the one ``ext`` expects (if it
+        says)."""
+        module, output = self.loss.module, self.loss.output.detach()
+        self.results.note_loss(self.loss, rule.divisor(module, output, self.loss.target))
         expected, actual = ext.options["reduction"], getattr(self.loss.module, "reduction", None)
         if expected is not None and expected != actual:
             raise UnsupportedLossError(

@@ -74,7 +74,7 @@ LAYERS = [
         "kfra",
     },
     {"reducer", "checks", "curvature", "accumulate", "backward"},
-    {"hooks", "collect", "verify"},
+    {"hooks", "unextended", "collect", "verify"},
     {"optim", "linalg"},
 ]
 

@@ -7,6 +7,8 @@ factor ``H_n = sum_k s_nk s_nk^T`` (exact: ``K`` columns from the loss; Monte-Ca
 columns from targets sampled from the model's predictive distribution), propagated backwards.
 """
 
+import torch
+
 from curvopt.extensions.base import Extension
 from curvopt.extensions.quantity import Combine, Kind, Producer, Quantity, declare
 
@@ -114,12 +116,25 @@ class KFRA(_Curvature):
     quantity = Quantity("kfra", Kind.FACTORS, Combine.RAISES, Producer.KFRA)
 
 
+def _described(p):
+    """A dict key of ``bases`` for a message: the parameter's shape."""
+    shape = tuple(p.shape) if isinstance(p, torch.Tensor) else None
+    return f"parameter of shape {shape}" if shape is not None else repr(p)
+
+
 def _supplied(bases):
     """``bases`` (None, a dict ``{param: [Q_0, ...]}`` or a callable ``param -> [Q_0, ...] or
     None``) as a callable; the dict is looked up by identity (tensors hash by id)."""
     if bases is None or callable(bases):
         return bases
     if isinstance(bases, dict):
+        for p, q in bases.items():
+            if not isinstance(q, (list, tuple)) or not all(isinstance(m, torch.Tensor) for m in q):
+                raise TypeError(
+                    f"EKFAC: bases[{_described(p)}] must be a list of tensors [Q_0, Q_1] (or a "
+                    f"prefix of it, [] for the identity), got {type(q).__name__}; leave a "
+                    "parameter out of the dict (or return None from a callable) for fresh bases"
+                )
         by_id = {id(p): list(q) for p, q in bases.items()}
         return lambda p: by_id.get(id(p))
     raise TypeError(
@@ -134,9 +149,11 @@ class EKFAC(_MonteCarlo):
     al., 2018), ``S = c · Σ_n (Q_0ᵀ G_n Q_1)²`` (element-wise square, ``[dim Q_0, dim Q_1]``).
 
     ``G_n`` is ``g_n`` (the gradient of the loss as computed, restricted to sample ``n``)
-    reshaped to ``[p.shape[0], -1]`` (``[p.shape[0], 1]`` for one-dimensional ``p``); ``c = N``
-    for a loss with ``reduction="mean"``, 1 for ``"sum"``, read from the loss, so that
-    ``vec S = diag(Qᵀ EF Q)`` for the empirical Fisher scaled like the GGN. ``Q_0, Q_1`` are
+    reshaped to ``[p.shape[0], -1]`` (``[p.shape[0], 1]`` for one-dimensional ``p``); ``c = D``,
+    the divisor of a loss with ``reduction="mean"`` (``N`` for one term per sample, the counted
+    rows of a flattened sequence loss, ``N K`` for ``MSELoss`` on ``K`` outputs), 1 for
+    ``"sum"``, read from the loss, so that ``vec S = diag(Qᵀ EF Q)`` for the empirical Fisher on
+    the GGN's scale (``E[S] = diag(Qᵀ G Q)`` under targets drawn from the model). ``Q_0, Q_1`` are
     the eigenvectors (``psd_eigh``) of this pass's Kronecker factors, in ``p``'s dim order
     (``[Q_B, Q_A]`` for ``Linear``/conv weights, ``[Q_A, Q_B]`` for ``Embedding``):
     ``factors="kfac"`` (``mc_samples`` sampled columns) or ``"kflr"`` (exact), with
