@@ -141,6 +141,11 @@ class LossRule(ABC):
         output = output.detach()
         return self._sqrt_hessian_mc(loss_module, output, target, mc_samples)
 
+    def divisor(self, loss_module, output, target) -> float:
+        """``c``, what the reduction divides the summed loss by (1 for "sum"): the empirical
+        Fisher ``c sum_r g_r g_r^T`` of the loss gradients ``g_r`` is then on the GGN's scale."""
+        return 1.0 / reduction_scale(loss_module, output.numel())
+
     @abstractmethod
     def _sqrt_hessian(self, loss_module, output, target, ks):
         """Rows ``ks`` (long tensor ``[k]``) of the exact factor, ``[k, *output.shape]``."""

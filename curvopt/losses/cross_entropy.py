@@ -84,6 +84,16 @@ class CrossEntropyLossRule(LossRule):
 
     def _beta(self, loss_module, output, target):
         """``beta`` of shape ``[N, D]`` (see module doc); validates the normaliser and sign."""
+        alpha, count = self._alpha_count(loss_module, output, target)
+        return alpha * reduction_scale(loss_module, count)
+
+    def divisor(self, loss_module, output, target) -> float:
+        """``1 / s`` (see module doc): the kept rows' weight sum, ``N D`` for probabilities."""
+        count = self._alpha_count(loss_module, output, target)[1]
+        return 1.0 / float(reduction_scale(loss_module, count))
+
+    def _alpha_count(self, loss_module, output, target):
+        """``(alpha [N, D], the normaliser of "mean")`` (see module doc)."""
         num_classes = output.shape[1]
         eps = loss_module.label_smoothing
         weight = loss_module.weight
@@ -114,7 +124,7 @@ class CrossEntropyLossRule(LossRule):
                     "zero class weight, so the loss is 0/0 = nan; use reduction='sum' or keep a "
                     "target."
                 )
-        return alpha * reduction_scale(loss_module, count)
+        return alpha, count
 
     def num_columns(self, loss_module, output):
         return output[0].numel()
