@@ -74,8 +74,8 @@ class GPT2Classifier(nn.Module):
         transformers = pytest.importorskip("transformers")
         config = transformers.GPT2Config(
             vocab_size=VOCAB, n_positions=LENGTH, n_embd=WIDTH, n_layer=1, n_head=2,
-            n_inner=WIDTH, num_labels=CLASSES, pad_token_id=0, resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0,
+            n_inner=WIDTH, num_labels=CLASSES, pad_token_id=0, bos_token_id=1, eos_token_id=1,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         )  # fmt: skip
         self.hf = transformers.GPT2ForSequenceClassification(config)
 
