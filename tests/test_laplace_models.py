@@ -1,7 +1,8 @@
 """``curvopt.laplace`` end to end on models laplace-torch's BackPACK and curvlinops backends
 cannot run: a transformer classifier (LayerNorm, ``scaled_dot_product_attention``), a model
 whose embedding and head share one weight, and Hugging Face's ``GPT2ForSequenceClassification``
-with dict batches and a padding mask (a tiny local config, no download).
+with dict batches and a padding mask (a tiny local config, no download); and the transformer
+with a regression head.
 
 Each: ``Laplace.fit`` with ``full``, ``kron`` and ``diag`` and both backends,
 ``optimize_prior_precision``, the GLM predictive (probit and Monte-Carlo links) and the sampled
@@ -112,13 +113,15 @@ def _problem(name):
         return GPT2Classifier().to(DT).eval(), DataLoader(data, 5, collate_fn=_collate), test
     model = Transformer(tied=name == "tied").to(DT)
     labels = torch.randint(0, VOCAB if name == "tied" else CLASSES, (N + 4,))
+    if name == "regression":
+        labels = torch.randn(N + 4, CLASSES, dtype=DT)
     return model, DataLoader(TensorDataset(idx[:N], labels[:N]), batch_size=5), idx[N:]
 
 
-def _fit(model, loader, structure, backend):
+def _fit(model, loader, structure, backend, likelihood="classification"):
     la = Laplace(
         copy.deepcopy(model),
-        "classification",
+        likelihood,
         subset_of_weights="all",
         hessian_structure=structure,
         backend=backend,
@@ -143,16 +146,17 @@ def _one_dimensional_blocks(model):
 
 
 @pytest.mark.parametrize("kind", ["ggn", "ef"])
-@pytest.mark.parametrize("name", ["transformer", "tied", "gpt2"])
+@pytest.mark.parametrize("name", ["transformer", "tied", "gpt2", "regression"])
 def test_end_to_end(name, kind):
     model, loader, test = _problem(name)
     backend = CurvoptGGN if kind == "ggn" else CurvoptEF
-    fits = {s: _fit(model, loader, s, backend) for s in ("full", "diag", "kron")}
+    likelihood = "regression" if name == "regression" else "classification"
+    fits = {s: _fit(model, loader, s, backend, likelihood) for s in ("full", "diag", "kron")}
     # the reference: laplace's own torch.func curvature (no per-sample vmap over dict batches)
     reference = GGNInterface if kind == "ggn" else EFInterface
     if not (kind == "ef" and name == "gpt2"):
         for structure in ("full", "diag"):
-            want = _fit(model, loader, structure, reference)
+            want = _fit(model, loader, structure, reference, likelihood)
             _close(fits[structure].H, want.H)
             _close(fits[structure].log_marginal_likelihood(), want.log_marginal_likelihood())
     full = fits["full"].H
@@ -163,6 +167,13 @@ def test_end_to_end(name, kind):
         assert torch.isfinite(la.log_marginal_likelihood()), structure
         la.optimize_prior_precision(method="marglik", pred_type="glm", n_steps=20)
         assert torch.isfinite(la.prior_precision).all(), structure
+        if likelihood == "regression":
+            for pred_type in ("glm", "nn"):
+                link = "mc" if pred_type == "nn" else "probit"
+                mean, var = la(test, pred_type=pred_type, link_approx=link, n_samples=5)
+                assert mean.shape == (4, CLASSES) and torch.isfinite(var).all(), pred_type
+                assert (torch.diagonal(var, dim1=-2, dim2=-1) > 0).all(), pred_type
+            continue
         for kwargs in (
             dict(pred_type="glm", link_approx="probit"),
             dict(pred_type="glm", link_approx="mc", n_samples=20),
