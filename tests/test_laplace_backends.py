@@ -19,7 +19,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 pytest.importorskip("laplace")
 from laplace import Laplace  # noqa: E402
-from laplace.curvature import BackPackEF, BackPackGGN, CurvlinopsEF, CurvlinopsGGN  # noqa: E402
+from laplace.curvature import (  # noqa: E402
+    BackPackEF,
+    BackPackGGN,
+    CurvlinopsEF,
+    CurvlinopsGGN,
+    EFInterface,
+    GGNInterface,
+)
 
 from curvopt.laplace import CurvoptEF, CurvoptGGN  # noqa: E402
 
@@ -218,3 +225,31 @@ def test_jacobians_and_gradients():
 def test_bad_kfac_approx():
     with pytest.raises(ValueError, match="CurvoptGGN: kfac_approx"):
         CurvoptGGN(_mlp(), "classification", kfac_approx="both")
+
+
+class _WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = _mlp(), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+@pytest.mark.parametrize("kind", ["ggn", "ef"])
+def test_unused_parameter_has_zero_curvature(kind):
+    """A trainable parameter the output does not depend on: zero rows, as laplace's torch.func
+    curvature has them, and zero Kronecker factors."""
+    torch.manual_seed(0)
+    model = _WithUnused().to(DT)
+    x, y = torch.randn(6, 4, dtype=DT), torch.randint(0, 3, (6,))
+    mine = CurvoptGGN if kind == "ggn" else CurvoptEF
+    reference = GGNInterface if kind == "ggn" else EFInterface
+    for structure in ("full", "diag"):
+        got = getattr(_backend(mine, model, "classification"), structure)(x, y)[1]
+        want = getattr(_backend(reference, model, "classification"), structure)(x, y)[1]
+        _close(got, want)
+    kron = _backend(mine, model, "classification").kron(x, y, N=6)[1]
+    assert [f.shape for f in kron.kfacs[-2]] == [(2, 2), (3, 3)]
+    assert all((f == 0).all() for factors in kron.kfacs[-2:] for f in factors)
+    assert all(f.abs().sum() > 0 for factors in kron.kfacs[:-2] for f in factors)

@@ -74,7 +74,8 @@ class CurvoptInterface(CurvatureInterface):
 
     def _collected(self, scalar, *extensions):
         """Backpropagate ``scalar`` into ``self.params`` only within ``collect(*extensions)``,
-        their gradients left as they were; ``{attr: [value of p.attr for p in self.params]}``."""
+        their gradients left as they were; ``{attr: [value of p.attr for p in self.params]}``,
+        ``None`` for a parameter that ``scalar`` does not depend on (its curvature is zero)."""
         saved = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
@@ -95,7 +96,14 @@ class CurvoptInterface(CurvatureInterface):
         """Per-parameter values concatenated (``[P]``, or ``[N, P]`` when ``batched``) and
         restricted to ``subnetwork_indices``."""
         start = 1 if batched else 0
-        vec = torch.cat([v.flatten(start_dim=start) for v in values], dim=start)
+        batch = next((v.shape[0] for v in values if v is not None), 0) if batched else None
+        vec = torch.cat(
+            [
+                (_zeros(p, batch) if v is None else v).flatten(start_dim=start)
+                for p, v in zip(self.params, values)
+            ],
+            dim=start,
+        )
         if self.subnetwork_indices is not None:
             vec = vec[..., self.subnetwork_indices]
         return vec
@@ -154,6 +162,8 @@ class CurvoptInterface(CurvatureInterface):
         owners = _owners(self._model)
         kfacs = []
         for p, factors in zip(self.params, values):
+            if factors is None:  # not used by the output: zero factors of laplace's shapes
+                factors = [p.new_zeros(n, n) for n in _factor_sizes(p)]
             factors = [f.detach() for f in factors]
             if len(factors) == 2:
                 module, name = owners[id(p)]
@@ -164,9 +174,27 @@ class CurvoptInterface(CurvatureInterface):
 
 
 def _pop(p, attr):
+    """``p.<attr>``, removed from ``p``; ``None`` where the pass did not reach ``p``."""
+    if not hasattr(p, attr):
+        if p.grad is not None:  # reached, yet nothing written: never silently zero
+            raise RuntimeError(
+                f"curvopt.laplace: a parameter of shape {tuple(p.shape)} got no {attr}"
+            )
+        return None
     value = getattr(p, attr)
     delattr(p, attr)
     return value
+
+
+def _zeros(p, batch):
+    """The zero value of a parameter the output does not depend on (``[batch, *p]`` or ``p``)."""
+    return p.new_zeros(p.shape if batch is None else (batch, *p.shape))
+
+
+def _factor_sizes(p):
+    """laplace's Kronecker factor sizes for ``p``: ``[numel]`` (one-dimensional) or
+    ``[p.shape[0], numel / p.shape[0]]``."""
+    return [p.numel()] if p.dim() == 1 else [p.shape[0], p[0].numel()]
 
 
 def _owners(model) -> dict:
