@@ -251,3 +251,27 @@ def test_unsupported_layer_raises_naming_it():
 def test_bad_approx_raises():
     with pytest.raises(ValueError, match="KFACEmpirical: kfac_approx"):
         ext.KFACEmpirical(kfac_approx="both")
+
+
+@pytest.mark.filterwarnings("ignore:curvopt.collect\\(skip_unsupported")
+def test_diagonal_fallback_is_the_empirical_fisher_diagonal():
+    """``collect(skip_unsupported="diagonal")``: a weight without factors gets
+    ``p.kfac_empirical_diagonal = c sum_n g_n**2`` (``MSELoss("mean")``: ``c = N K``)."""
+    torch.manual_seed(0)
+    model = curvopt.extend(
+        nn.Sequential(nn.Conv1d(2, 3, 3), nn.Tanh(), nn.ConvTranspose1d(3, 2, 3))
+    )
+    model = model.to(DT)
+    lossfunc = curvopt.extend(nn.MSELoss())
+    x, y = torch.randn(4, 2, 5, dtype=DT), torch.randn(4, 2, 5, dtype=DT)
+    plain = copy.deepcopy(model)
+    weight = plain[2].weight
+    want = sum(
+        torch.autograd.grad(lossfunc(plain(x)[n : n + 1], y[n : n + 1]) / 4, weight)[0] ** 2
+        for n in range(4)
+    )
+    with curvopt.collect(ext.KFACEmpirical(), skip_unsupported="diagonal"):
+        lossfunc(model(x), y).backward()
+    assert not hasattr(model[2].weight, "kfac_empirical")
+    torch.testing.assert_close(model[2].weight.kfac_empirical_diagonal, y.numel() * want)
+    assert len(model[0].weight.kfac_empirical) == 2
