@@ -12,7 +12,7 @@ unregularised weights, is far too weak here), and predicts with that predictive.
 negative log-likelihood and the expected calibration error of the MAP and of the Laplace
 predictive on the held-out digits. BackPACK's and curvlinops' backends cannot factor this model.
 
-    python examples/laplace_transformer.py            # about 30 s on one core
+    python examples/laplace_transformer.py            # under a minute on one core
 
 Needs laplace-torch (``pip install --no-deps laplace-torch==0.3`` and what ``curvopt.laplace``
 names) and scikit-learn.

@@ -46,16 +46,24 @@ def _mlp():
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("loss", ["ce", "mse"])
+@pytest.mark.parametrize("loss", ["ce", "ce_weighted", "mse", "bce"])
 def test_one_sample_is_the_empirical_fisher_block(loss, reduction):
     torch.manual_seed(0)
     model = _mlp()
     x = torch.randn(1, 4, dtype=DT)
+    mean = reduction == "mean"
     if loss == "ce":
         lossfunc, y, divisor = nn.CrossEntropyLoss(reduction=reduction), torch.tensor([2]), 1
-    else:
+    elif loss == "ce_weighted":  # "mean" divides by the target's class weight
+        weight = torch.tensor([0.5, 1.0, 3.0], dtype=DT)
+        lossfunc = nn.CrossEntropyLoss(weight=weight, reduction=reduction, label_smoothing=0.1)
+        y, divisor = torch.tensor([2]), 3.0 if mean else 1
+    elif loss == "mse":
         lossfunc, y = nn.MSELoss(reduction=reduction), torch.randn(1, 3, dtype=DT)
-        divisor = 3 if reduction == "mean" else 1  # MSE "mean" divides by N K
+        divisor = 3 if mean else 1  # "mean" divides by N K
+    else:
+        lossfunc, y = nn.BCEWithLogitsLoss(reduction=reduction), torch.rand(1, 3, dtype=DT)
+        divisor = 3 if mean else 1
     plain = copy.deepcopy(model)
     grads = torch.autograd.grad(lossfunc(plain(x), y), list(plain.parameters()))
     got = _factors(model, lossfunc, x, y)
