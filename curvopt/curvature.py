@@ -106,7 +106,7 @@ class CurvaturePass:
                     continue  # every basis supplied: S from the module hooks alone
             elif ext.quantity.producer is Producer.KFRA:
                 continue
-            key = ("mc", ext.options["mc_samples"]) if ext.source == "mc" else ("exact", 0)
+            key = (ext.source, ext.options["mc_samples"] if ext.source == "mc" else 0)
             groups[key].append(ext)
         for (source, mc_samples), exts in groups.items():
             self._propagate(rule, calls, exts, source, mc_samples)
@@ -135,10 +135,16 @@ class CurvaturePass:
 
     def columns(self, rule, source: str, mc_samples: int, chunk: int):
         """Chunks ``[k, *output.shape]`` of the (scaled) square-root factor, rows packed by
-        slot for the exact factor (Monte-Carlo rows are independent draws: no packing)."""
+        slot for the exact factor (Monte-Carlo rows are independent draws: no packing; the
+        empirical column, ``sqrt(c)`` times the loss gradient with ``c`` the reduction's
+        divisor, holds every row: propagated, it sums each sample's rows)."""
         module, output, target = self.loss.module, self.loss.output.detach(), self.loss.target
         if source == "mc":
             yield rule.sqrt_hessian_mc(module, output, target, mc_samples, check=False) * self.scale
+            return
+        if source == "empirical":
+            divisor = rule.divisor(module, output, target)
+            yield loss_gradient(self.loss, self.scale * math.sqrt(divisor)).unsqueeze(0)
             return
         slots = self.layout.num_slots
         per_chunk = max(1, chunk // slots)

@@ -76,6 +76,7 @@ LAYERS = [
     {"reducer", "checks", "curvature", "accumulate", "backward"},
     {"hooks", "unextended", "collect", "verify"},
     {"optim", "linalg"},
+    {"laplace"},
 ]
 
 

@@ -106,6 +106,26 @@ class KFAC(_MonteCarlo):
         super().__init__(mc_samples=mc_samples, kfac_approx=kfac_approx)
 
 
+class KFACEmpirical(_Curvature):
+    """``p.kfac_empirical``: as :class:`KFLR` with one column, the gradient of the loss w.r.t.
+    its input at the observed targets, in place of the loss-Hessian square root: Kronecker
+    factors of the empirical Fisher ``EF = c sum_n vec(g_n) vec(g_n)^T`` (``c`` the loss's
+    divisor: 1 for "sum", ``N`` or the kept rows for "mean"; on the GGN's scale). With one
+    sample and no weight sharing, ``kron(*p.kfac_empirical)`` is the EF block exactly.
+    """
+
+    source = "empirical"
+    quantity = Quantity("kfac_empirical", Kind.FACTORS, Combine.FACTORS, Producer.KRONECKER)
+    #: ``collect(skip_unsupported="diagonal")`` writes this instead where there are no factors
+    fallback = declare(
+        Quantity("kfac_empirical_diagonal", Kind.SUMMED, Combine.ADD, Producer.GGN_DIAGONAL)
+    )
+
+    def __init__(self, kfac_approx: str = "expand"):
+        _check_approx(type(self).__name__, kfac_approx)
+        super().__init__(kfac_approx=kfac_approx)
+
+
 class KFRA(_Curvature):
     """``p.kfra``: Kronecker factors with the batch-averaged GGN propagated recursively
     (Botev et al., 2017): ``B_l = (W_{l+1}^T B_{l+1} W_{l+1}) * mean_n d_n d_n^T`` with
@@ -214,6 +234,7 @@ SECOND_ORDER = (
     BatchDiagHessian,
     KFLR,
     KFAC,
+    KFACEmpirical,
     KFRA,
     EKFAC,
 )
