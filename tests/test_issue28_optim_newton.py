@@ -95,3 +95,27 @@ def test_a_closure_loss_that_grows_by_orders_of_magnitude_warns():
     factor[0] = 2e3  # the loss of this step 2000x (and more) the first one
     with pytest.warns(RuntimeWarning, match=r"KFAC: the closure's loss .* diverging.*kl_clip"):
         opt.step(closure)
+
+
+def test_the_silent_death_of_the_paper_update_warns_when_stepped_with_a_closure():
+    """The case that died silently, with ``kl_clip=None``: the loss goes 2.32 → 4.16 → 7.48 →
+    2929 (all finite); stepped with a closure, the 4th step's loss warns."""
+    X, y = _digits()
+    torch.manual_seed(0)
+    model = curvopt.extend(_digits_cnn())
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    opt = DiagGGNNewton(model.parameters(), lr=0.05, damping=1e-3, kl_clip=None)
+    generator = torch.Generator().manual_seed(0)
+
+    def closure():
+        opt.zero_grad()
+        loss = lossfunc(model(X[index]), y[index])
+        loss.backward()
+        return loss
+
+    losses = []
+    with pytest.warns(RuntimeWarning, match=r"DiagGGNNewton: the closure's loss .*kl_clip=None"):
+        for _ in range(5):
+            index = torch.randint(0, len(X), (128,), generator=generator)
+            losses.append(float(opt.step(closure)))
+    assert all(math.isfinite(loss) for loss in losses) and max(losses) > 1e3 * losses[0], losses

@@ -117,10 +117,6 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
         finally:
             self._collected.clear()
 
-    def __getstate__(self):
-        state = super().__getstate__()
-        return {k: v for k, v in state.items() if k not in ("_collected", "_hooks")}
-
     def __setstate__(self, state):
         super().__setstate__(state)
         self._collected, self._hooks = {}, {}
