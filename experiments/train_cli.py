@@ -69,9 +69,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--train-size", type=int, help="train on this many samples only (default: all of them)"
     )
     p.add_argument(
-        "--eval-size",
-        type=int,
-        help="cap the train-eval/valid/test sets at this size (default: no cap)",
+        "--eval-size", type=int, help="cap the train-eval/valid/test sets at this size (default: "
+        "no cap)"
     )
     p.add_argument(
         "--valid-size", type=int, default=10_000, help="training samples held out for validation"
@@ -111,7 +110,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--results-dir", default="results", help="folder of the result JSONs and checkpoints"
     )
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    p.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress bars"
+    )
     add_threads(p, default=None)
 
 

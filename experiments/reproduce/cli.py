@@ -86,7 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=at_least(0),
         help="override the training subset of every problem (0: the whole training set)",
     )
-    p.add_argument("--eval-size", type=at_least(0), help="override the evaluation cap (0: no cap)")
+    p.add_argument(
+        "--eval-size", type=at_least(0), help="override the evaluation cap (0: no cap)"
+    )
     p.add_argument(
         "--lr-grid",
         action="store_true",
