@@ -52,7 +52,7 @@ class _WithToken(nn.Module):
 
 #: name -> (model maker, optimizer maker, loss reduction, step with a closure)
 CASES = {
-    "diag_mc": (lambda: _mlp(4, torch.float64), lambda p: DiagGGNNewton(p, 0.3, 0.1), "mean", 0),
+    "diag_mc": (lambda: _mlp(4, torch.float64), lambda p: DiagGGNNewton(p, 0.3, 0.1, kl_clip=None), "mean", 0),
     "diag_exact_all_options": (
         lambda: _mlp(4, torch.float64),
         lambda p: DiagGGNNewton(p, 0.3, 0.1, "exact", 0.01, **PRACTICAL),
@@ -61,17 +61,19 @@ CASES = {
     ),
     "diag_levenberg_marquardt": (
         lambda: _mlp(4, torch.float64),
-        lambda p: DiagGGNNewton(p, 0.5, LevenbergMarquardt(0.1, interval=1), "exact", 0.01),
+        lambda p: DiagGGNNewton(
+            p, 0.5, LevenbergMarquardt(0.1, interval=1), "exact", 0.01, kl_clip=None
+        ),
         "mean",
         1,
     ),
     "diag_fallback_sgd": (
         lambda: _mlp(4, torch.float64),
-        lambda p: DiagGGNNewton(p, 0.3, 0.1, mc_samples=2, fallback="sgd"),
+        lambda p: DiagGGNNewton(p, 0.3, 0.1, mc_samples=2, fallback="sgd", kl_clip=None),
         "sum",
         0,
     ),
-    "kfac_paper": (lambda: _mlp(4, torch.float64), lambda p: KFAC(p, 0.3, 0.1), "mean", 0),
+    "kfac_paper": (lambda: _mlp(4, torch.float64), lambda p: KFAC(p, 0.3, 0.1, kl_clip=None), "mean", 0),
     "kfac_practical": (
         lambda: _mlp(4, torch.float64),
         lambda p: KFAC(p, 0.3, 0.1, inverse_interval=2, **PRACTICAL),
@@ -80,13 +82,15 @@ CASES = {
     ),
     "kflr_exact_damping": (
         lambda: _mlp(4, torch.float64),
-        lambda p: KFAC(p, 0.3, 0.1, "kflr", 0.01, kronecker_damping="exact", inverse_interval=2),
+        lambda p: KFAC(
+            p, 0.3, 0.1, "kflr", 0.01, kronecker_damping="exact", inverse_interval=2, kl_clip=None
+        ),
         "sum",
         0,
     ),
     "kfra_momentum": (
         lambda: _mlp(4, torch.float64),
-        lambda p: KFAC(p, 0.3, 0.1, "kfra", momentum=0.5, curvature_ema=0.5),
+        lambda p: KFAC(p, 0.3, 0.1, "kfra", momentum=0.5, curvature_ema=0.5, kl_clip=None),
         "mean",
         0,
     ),
@@ -98,25 +102,31 @@ CASES = {
     ),
     "kfac_levenberg_marquardt": (
         lambda: _mlp(4, torch.float64),
-        lambda p: KFAC(p, 0.5, LevenbergMarquardt(0.1, interval=2), "kflr", 0.01),
+        lambda p: KFAC(p, 0.5, LevenbergMarquardt(0.1, interval=2), "kflr", 0.01, kl_clip=None),
         "mean",
         1,
     ),
     "kfac_fallback_diagonal": (
         _WithToken,
-        lambda p: KFAC(p, 0.2, 0.1, "kflr", fallback="diagonal", curvature_interval=2),
+        lambda p: KFAC(
+            p, 0.2, 0.1, "kflr", fallback="diagonal", curvature_interval=2, kl_clip=None
+        ),
         "mean",
         0,
     ),
     "kfac_param_groups": (
         lambda: _mlp(4, torch.float64),
         lambda p: KFAC(
-            [{"params": p[:2], "lr": 0.1, "momentum": 0.9}, {"params": p[2:]}], 0.3, 0.1, "kflr"
+            [{"params": p[:2], "lr": 0.1, "momentum": 0.9}, {"params": p[2:]}],
+            0.3,
+            0.1,
+            "kflr",
+            kl_clip=None,
         ),
         "mean",
         0,
     ),
-    "ekfac_paper": (lambda: _mlp(4, torch.float64), lambda p: EKFAC(p, 0.3, 0.1), "mean", 0),
+    "ekfac_paper": (lambda: _mlp(4, torch.float64), lambda p: EKFAC(p, 0.3, 0.1, kl_clip=None), "mean", 0),
     "ekfac_practical": (
         lambda: _mlp(4, torch.float64),
         lambda p: EKFAC(
