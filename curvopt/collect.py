@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from typing import Dict, Optional, Tuple
 
+from curvopt import unextended
 from curvopt.accumulate import Accumulator
 from curvopt.backward import BackwardPass
 from curvopt.errors import ExtensionConflictError
@@ -65,11 +66,13 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
             )
         STATE.collecting = self
         self._accumulator = Accumulator()
+        self._unextended = unextended.watch()
         return self
 
     def __exit__(self, *exc):
         STATE.collecting = None
         self._pass = None
+        self._unextended.remove()
         if self.skipped and exc[0] is None:
             warnings.warn(
                 "curvopt.collect(skip_unsupported=True) wrote no Kronecker factors for "
@@ -78,6 +81,11 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
                 stacklevel=2,
             )
         return False
+
+    def ran(self, task: int) -> bool:
+        """Whether an extended module or loss took part in the backward pass ``task``."""
+        current = self._pass
+        return current is not None and (current.task == task or task in self._nested)
 
     def backward_pass(self, outer: Optional[int] = None) -> BackwardPass:
         """The state of the backward pass now running, created at its first hook.

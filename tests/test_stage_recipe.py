@@ -74,9 +74,13 @@ def test_the_stage_runs_at_its_place_in_the_chain():
 
 
 MAKERS = {
-    "KFAC": lambda p, lr, **kw: KFAC(p, lr, 0.1, "kflr", momentum=0.9, **kw),
-    "DiagGGNNewton": lambda p, lr, **kw: DiagGGNNewton(p, lr, 0.1, "exact", 0.01, **kw),
-    "HalvingKFAC": lambda p, lr, **kw: HalvingKFAC(p, lr, 0.1, "kflr", momentum=0.9, **kw),
+    "KFAC": lambda p, lr, **kw: KFAC(p, lr, 0.1, "kflr", momentum=0.9, kl_clip=None, **kw),
+    "DiagGGNNewton": lambda p, lr, **kw: DiagGGNNewton(
+        p, lr, 0.1, "exact", 0.01, kl_clip=None, **kw
+    ),
+    "HalvingKFAC": lambda p, lr, **kw: HalvingKFAC(
+        p, lr, 0.1, "kflr", momentum=0.9, kl_clip=None, **kw
+    ),
 }
 
 

@@ -33,7 +33,14 @@ from curvopt.collect import collect
 from curvopt.optim import distributed
 from curvopt.optim.loss_scale import NONE, LossScale, loss_scale
 from curvopt.optim.options import CurvatureOptions, constructor
-from curvopt.optim.plan import ParamUpdate, check_finite, describe, number, regularizer_change
+from curvopt.optim.plan import (
+    REMEDY,
+    ParamUpdate,
+    check_finite,
+    describe,
+    number,
+    regularizer_change,
+)
 
 #: an extension to collect, as ``(the attribute it writes, its options)``: built by
 #: ``curvopt.extensions.extension(attr, **options)``
@@ -48,18 +55,9 @@ class CurvatureOptimizer(Optimizer):
     ``__init__`` gets the constructor written from it) and implement :meth:`_needs` (the
     extensions a group needs at its next step) and :meth:`_plan_group`.
 
-    Two equivalent ways to take a step::
-
-        with opt.collect():          # curvopt.collect(<extensions this optimizer needs>)
-            loss.backward()
-        opt.step()
-
-        def closure():               # must zero the grads, compute the loss, call backward
-            opt.zero_grad()
-            loss = lossfunc(model(X), y)
-            loss.backward()
-            return loss
-        opt.step(closure)            # runs the closure inside opt.collect(); returns the loss
+    A step: ``with opt.collect(): loss.backward()`` then ``opt.step()``, or
+    ``opt.step(closure)`` with a closure that zeroes the grads, computes the loss, calls
+    ``backward`` and returns the loss (run inside :meth:`collect`).
     """
 
     #: whether averaging the collected quantities over ranks gives the right step (opt-in)
@@ -69,7 +67,8 @@ class CurvatureOptimizer(Optimizer):
     _step_supports_amp_scaling = True
     #: the hyper-parameters of a param group, their defaults and validation
     Options: ClassVar[type[CurvatureOptions]] = CurvatureOptions
-
+    #: what to change when a step is not finite (the error's last sentence)
+    _remedy: ClassVar[str] = REMEDY
     #: keyword-only constructor arguments besides the hyper-parameters (and process_group)
     _KEYWORDS: ClassVar[dict[str, Any]] = {}
 
@@ -169,13 +168,16 @@ class CurvatureOptimizer(Optimizer):
         if value is None:
             if fallback is not None:
                 return None
+            hint = (
+                " To update such parameters with the plain (weight-decayed) gradient instead, "
+                "pass fallback='sgd' (for all parameters or in their param group)."
+            )
             raise RuntimeError(
                 f"{description} has no `{attr}` after the backward pass, so {type(self).__name__} "
                 f"cannot precondition it. Either its module type is not supported by {extension}, "
                 "the model or the loss was not passed through curvopt.extend, or the backward pass "
-                "did not run inside `opt.collect()` / `opt.step(closure)`. To update such "
-                "parameters with the plain (weight-decayed) gradient instead, pass "
-                "fallback='sgd' (for all parameters or in their param group)."
+                "did not run inside `opt.collect()` / `opt.step(closure)`."
+                + (hint if "fallback" in self.defaults else "")
             )
         if value is self._consumed.get(param, {}).get(attr):
             raise RuntimeError(
@@ -235,9 +237,9 @@ class CurvatureOptimizer(Optimizer):
                 loss = closure()
             if loss is not None and not math.isfinite(number(loss)):
                 raise FloatingPointError(
-                    f"the loss returned by the closure is {number(loss)}: the loss exploded "
-                    "(non-finite loss); no parameter was updated. Lower the learning rate, "
-                    "increase the damping, or keep the step's trust region (kl_clip) on."
+                    f"{type(self).__name__}: the loss returned by the closure is "
+                    f"{number(loss)}: the loss exploded (non-finite loss); no parameter was "
+                    f"updated. {self._remedy}."
                 )
         due = self._model_due()
         if due and closure is None:
@@ -252,7 +254,7 @@ class CurvatureOptimizer(Optimizer):
             for group, group_state in zip(self.param_groups, self._group_state)
         ]
         updates = [u for group_updates, _ in plans for u in group_updates]
-        check_finite(updates)
+        check_finite(updates, f"{type(self).__name__}: ", self._remedy)
         decay_change = regularizer_change(self.param_groups, plans) if due else 0.0
         for update in updates:
             update.param.sub_(update.delta)

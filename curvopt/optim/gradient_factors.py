@@ -31,6 +31,7 @@ from curvopt.layers import rule_for
 from curvopt.optim.kronecker import solver_flops
 from curvopt.params import owners
 from curvopt.records import Call
+from curvopt.state import STATE
 
 Factors = Tuple[torch.Tensor, torch.Tensor]
 
@@ -61,7 +62,11 @@ class FactorCapture:
                 weakref.finalize(owner, handle.remove)
 
     def _forward(self, module, args, kwargs, output) -> None:
-        if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor)):
+        """Keep the inputs of a call of the model's own forward, and its output gradient from
+        its backward; the calls curvopt makes itself (a module re-run under ``vmap`` for
+        per-sample gradients, with batched inputs that must not leak out of it) are not the
+        layer's uses."""
+        if STATE.suspended or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
             return
         if not output.requires_grad:
             return
@@ -71,7 +76,8 @@ class FactorCapture:
         self.calls.setdefault(id(module), []).append(entry)
 
         def keep(grad, entry=entry):
-            entry[1] = grad.detach()
+            if not STATE.suspended:  # not curvopt's own (batched) propagation of columns
+                entry[1] = grad.detach()
 
         output.register_hook(keep)
 

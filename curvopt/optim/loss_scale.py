@@ -34,6 +34,12 @@ class LossScale:
     grad: float | None = None
     overflow: bool = False
 
+    @property
+    def divided_already(self) -> float:
+        """The factor ``p.grad`` was divided by before ``step``, relative to the backward
+        pass's (``S`` after ``scaler.unscale_``, else 1)."""
+        return self.values if self.values is not None and self.grad is None else 1.0
+
 
 NONE = LossScale()
 

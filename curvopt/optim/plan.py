@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+#: what to change when a step is not finite (the error's last sentence)
+REMEDY = "Check the loss, and lower the learning rate (lr)"
 
 
 @dataclass
@@ -53,29 +57,39 @@ def describe(param_groups, group: dict[str, Any], index: int, param: torch.Tenso
     return f"parameter {where} (shape {tuple(param.shape)})"
 
 
-def check_finite(updates: list[ParamUpdate]) -> None:
-    """Raise ``FloatingPointError`` naming the first of the updates' ``checks`` that is not
-    finite (one host sync when all are)."""
+def _size(tensor: torch.Tensor) -> torch.Tensor:
+    """``‖t‖∞`` in float64 (inf or NaN for non-finite entries; 0 for no entries)."""
+    if tensor.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=tensor.device)
+    return torch.linalg.vector_norm(tensor.detach(), math.inf, dtype=torch.float64)
+
+
+def check_finite(updates: list[ParamUpdate], owner: str = "", remedy: str = REMEDY) -> None:
+    """Raise ``FloatingPointError`` unless every checked tensor, and every parameter after
+    its update ``θ − Δ``, is finite (``‖θ‖∞ + ‖Δ‖∞ ≤ max`` of the dtype: no overflow)."""
     checks = [(u, what, t) for u in updates for what, t in u.checks]
-    if not checks:
+    moved = [u for u in updates if u.delta is not None]
+    if not checks and not moved:
         return
-    device = checks[0][2].device
+    device = (checks[0][2] if checks else moved[0].param).device
     # one read per tensor and one host sync: a finite sum means finite entries (a NaN or
     # inf entry makes the sum NaN or inf); only a non-finite sum (or overflow) is looked into
-    sums = torch.stack([t.sum().to(device) for _, _, t in checks])
-    if bool(sums.isfinite().all()):
+    sums = [t.sum().to(device) for _, _, t in checks]
+    sizes = [_size(u.param) + _size(u.delta) - torch.finfo(u.param.dtype).max for u in moved]
+    fine = torch.stack(sums).isfinite().all() if sums else torch.tensor(True, device=device)
+    if sizes:
+        fine = fine & (torch.stack([size.to(device) for size in sizes]) <= 0).all()
+    if bool(fine):
         return
-    flags = [t.isfinite().all().to(device) for _, _, t in checks]
-    if bool(torch.stack(flags).all()):
-        return
-    for (update, what, _), flag in zip(checks, flags):
-        if not flag:
+    after = [(u, "parameter after the step", (u.param - u.delta).to(u.param.dtype)) for u in moved]
+    for update, what, tensor in checks + after:
+        if not bool(tensor.isfinite().all()):
             cause = (
                 " (the loss exploded, or the backward pass overflowed)"
                 if what == "gradient"
                 else ""
             )
             raise FloatingPointError(
-                f"the {what} of {update.description} is not finite{cause}; no parameter was "
-                "updated. Check the loss and the learning rate, or increase the damping."
+                f"{owner}the {what} of {update.description} is not finite{cause}; no "
+                f"parameter was updated. {remedy}."
             )
