@@ -42,8 +42,7 @@ from curvopt.optim.plan import (
     regularizer_change,
 )
 
-#: an extension to collect, as ``(the attribute it writes, its options)``: built by
-#: ``curvopt.extensions.extension(attr, **options)``
+#: an extension to collect: ``(attr, options)`` for ``curvopt.extensions.extension``
 ExtensionSpec = tuple[str, dict[str, Any]]
 
 
@@ -62,8 +61,7 @@ class CurvatureOptimizer(Optimizer):
 
     #: whether averaging the collected quantities over ranks gives the right step (opt-in)
     _distributable = False
-    #: ``torch.amp.GradScaler.step`` hands this optimizer ``grad_scale`` and ``found_inf``
-    #: (attributes set during ``step``) instead of unscaling ``p.grad`` only
+    #: ``GradScaler.step`` sets ``grad_scale`` and ``found_inf`` on it (``optim.loss_scale``)
     _step_supports_amp_scaling = True
     #: the hyper-parameters of a param group, their defaults and validation
     Options: ClassVar[type[CurvatureOptions]] = CurvatureOptions
