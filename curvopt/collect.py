@@ -1,14 +1,25 @@
-"""``collect(*extensions)``: the context in which backward passes write quantities."""
+"""``collect(*extensions)``: the context in which backward passes write quantities, and
+``Collection``: the persistent, armed collection an optimizer owns (``optim.base``).
+
+Several collections can be active at once: the open ``collect`` block and any number of armed
+ones, each with its own passes, results and accumulation. The hooks dispatch to all of them
+(``_Dispatch``); each writes only its own quantities. Where two would write the same
+attribute on the same parameter, one does: the open block before the armed collections, a
+newer armed collection before an older one; the one that stood aside notes it, and its
+optimizer's next step raises if it would read values that mix its own passes with another's.
+"""
 
 from __future__ import annotations
 
+import weakref
 import warnings
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 from curvopt.accumulate import Accumulator
 from curvopt.backward import BackwardPass
-from curvopt.errors import ExtensionConflictError
+from curvopt.errors import AccumulationError, ExtensionConflictError
 from curvopt.extensions.base import Extension
+from curvopt.extensions.quantity import Combine, quantity
 from curvopt.state import STATE
 from curvopt.torch_internals import current_graph_task_id
 
@@ -48,6 +59,7 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
             by_attr[ext.attr] = ext
         self.extensions: Tuple[Extension, ...] = tuple(by_attr.values())
         self._pass: Optional[BackwardPass] = None
+        self._task: Optional[int] = None  # the autograd task of ``_pass``
         self._nested: set = set()  # autograd tasks run inside the current pass (see backward_pass)
         self._accumulator = Accumulator()
         if skip_unsupported not in (False, True, "diagonal"):
@@ -59,17 +71,19 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
         self.skipped: Dict[str, str] = {}
 
     def __enter__(self):
-        if STATE.collecting is not None:
+        if STATE.open is not None:
             raise RuntimeError(
                 "curvopt.collect blocks cannot be nested; pass all extensions to one collect(...)"
             )
-        STATE.collecting = self
+        STATE.open = self
+        STATE.collecting = _DISPATCH
         self._accumulator = Accumulator()
         return self
 
     def __exit__(self, *exc):
-        STATE.collecting = None
-        self._pass = None
+        STATE.open = None
+        _refresh()
+        self._pass = self._task = None
         if self.skipped and exc[0] is None:
             warnings.warn(
                 "curvopt.collect(skip_unsupported=True) wrote no Kronecker factors for "
@@ -79,7 +93,17 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
             )
         return False
 
-    def backward_pass(self, outer: Optional[int] = None) -> BackwardPass:
+    def _new_pass(self, task: int) -> Optional[BackwardPass]:
+        skipped = self.skipped if self.skip_unsupported else None
+        return BackwardPass(
+            self.extensions,
+            task,
+            self._accumulator,
+            skipped,
+            diagonal=self.skip_unsupported == "diagonal",
+        )
+
+    def backward_pass(self, outer: Optional[int] = None) -> Optional[BackwardPass]:
         """The state of the backward pass now running, created at its first hook.
 
         A backward run from inside another (``torch.utils.checkpoint(use_reentrant=True)``
@@ -89,19 +113,173 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
         it while the outer pass runs."""
         task = current_graph_task_id()
         current = self._pass
-        if current is not None and task != current.task:
-            if outer is not None and current.running:
+        if self._task is not None and task != self._task:
+            if outer is not None and current is not None and current.running:
                 self._nested.add(task)
             if task in self._nested:
                 return current
-        if current is None or current.task != task:
-            skipped = self.skipped if self.skip_unsupported else None
-            self._pass = BackwardPass(
-                self.extensions,
-                task,
-                self._accumulator,
-                skipped,
-                diagonal=self.skip_unsupported == "diagonal",
-            )
+        if self._task != task:
+            self._task = task
+            self._pass = self._new_pass(task)
             self._nested = set()
         return self._pass
+
+
+class Collection(collect):
+    """The persistent collection an optimizer owns. Armed, it collects what ``requests()``
+    names on every backward pass that reaches the parameters it names, with no ``with`` block,
+    and writes only for them; the passes of one window (until :meth:`reset`: the optimizer's
+    ``step`` or ``zero_grad``) combine like one batch (``accumulate``). EKFAC's later passes of
+    a window are computed in the bases its first pass made (the last refresh), so that ``S``
+    adds.
+
+    ``requests() -> (extensions, [(param, attr)], collect options)``, read at the first pass
+    of each window; ``None`` when its owner is gone.
+    """
+
+    def __init__(self, requests: Callable[[], Optional[tuple]]):
+        super().__init__()
+        self._requests = requests
+        self._window: Optional[tuple] = None  # (extensions, {(id(p), attr)}, scope, options)
+        #: what took over an attribute in a pass of this window: "block" (an open collect)
+        #: or "optimizer" (a collection armed later on the same parameters); None
+        self.stood_aside: Optional[str] = None
+        self._ref: Optional[weakref.ref] = None
+
+    @property
+    def armed(self) -> bool:
+        return self._ref is not None
+
+    def arm(self) -> None:
+        if self._ref is None:
+            self._ref = weakref.ref(self, _forget)
+            STATE.armed.append(self._ref)
+            _refresh()
+
+    def disarm(self) -> None:
+        if self._ref is not None:
+            _forget(self._ref)
+            self._ref = None
+
+    def reset(self) -> None:
+        """Start a new window: forget the passes so far (their values stay written)."""
+        self._accumulator = Accumulator()
+        self._window = self.stood_aside = None
+        self._pass = self._task = None
+        self.skipped = {}
+
+    def check(self, owner: str) -> None:
+        """Raise where the values of this window are not this collection's alone."""
+        if self.stood_aside == "optimizer":
+            raise ExtensionConflictError(
+                f"{owner}: another curvopt optimizer created later on the same parameters "
+                "collected the same quantities since this optimizer's last step, so this step "
+                "would read that optimizer's values; give each parameter one curvopt optimizer "
+                "(free the old one), or create them with collection='explicit'"
+            )
+        if self.stood_aside == "block" and self._accumulator.written:
+            raise AccumulationError(
+                f"{owner}: between two steps some backward passes ran inside a curvopt.collect "
+                "block computing the quantities this optimizer needs and some outside it; the "
+                "block's values do not include the other passes. Run all of them inside the "
+                "block, or none (the optimizer collects on its own)"
+            )
+
+    def window(self) -> tuple:
+        if self._window is None:
+            found = self._requests()
+            exts, targets, options = found if found is not None else ([], [], {})
+            wanted = {(id(p), attr) for p, attr in targets}
+            self._window = (exts, wanted, {key for key, _ in wanted}, options)
+            self.skip_unsupported = options.get("skip_unsupported", False)
+        return self._window
+
+    def _taken(self, wanted: set) -> set:
+        """The attributes of ``wanted`` that a collection before this one writes this pass."""
+        taken: set = set()
+        block = STATE.open
+        if block is not None:
+            hit = {attr for _, attr in wanted} & {e.attr for e in block.extensions}
+            if hit:
+                taken |= hit
+                self.stood_aside = self.stood_aside or "block"
+        newer = STATE.armed[STATE.armed.index(self._ref) + 1 :] if self._ref in STATE.armed else []
+        for ref in newer:
+            other = ref()
+            hit = {key for key in wanted if other is not None and key in other.window()[1]}
+            if hit:
+                taken |= {attr for _, attr in hit}
+                self.stood_aside = "optimizer"
+        return taken
+
+    def _new_pass(self, task: int) -> Optional[BackwardPass]:
+        exts, wanted, scope, options = self.window()
+        if not exts:
+            return None
+        taken = self._taken(wanted)
+        exts = [self._in_earlier_bases(e) for e in exts if e.attr not in taken]
+        if not exts:
+            return None
+        skipped = self.skipped if self.skip_unsupported else None
+        return BackwardPass(
+            tuple(exts),
+            task,
+            self._accumulator,
+            skipped,
+            diagonal=self.skip_unsupported == "diagonal",
+            scope=scope,
+        )
+
+    def _in_earlier_bases(self, ext: Extension) -> Extension:
+        """``ext``, or for EKFAC one that takes the bases of this window's earlier passes."""
+        if quantity(ext.attr).combine is not Combine.SAME_BASIS:
+            return ext
+        accumulator, attr, supplied = self._accumulator, ext.attr, ext.supplied
+
+        def bases(p):
+            earlier = accumulator.bases(p, attr)
+            return supplied(p) if earlier is None else earlier
+
+        return type(ext)(**{**ext.options, "bases": bases})
+
+
+class _Passes:
+    """The passes of several active collections for one backward pass, each hook sent to all."""
+
+    def __init__(self, passes):
+        self.passes = passes
+
+    def on_loss(self, record, grad) -> bool:
+        return any([p.on_loss(record, grad) for p in self.passes])
+
+    def on_module(self, record, grads) -> bool:
+        return any([p.on_module(record, grads) for p in self.passes])
+
+    def on_parameter_grad(self, param, grad) -> None:
+        for p in self.passes:
+            p.on_parameter_grad(param, grad)
+
+
+class _Dispatch:
+    """What the hooks call (``STATE.collecting``) while a collection is open or armed: the
+    passes of every active one (the open block first, then the armed ones, newest first)."""
+
+    def backward_pass(self, outer: Optional[int] = None):
+        active = [STATE.open] + [ref() for ref in reversed(STATE.armed)]
+        passes = [c.backward_pass(outer) for c in active if c is not None]
+        passes = [p for p in passes if p is not None]
+        return passes[0] if len(passes) == 1 else _Passes(passes)
+
+
+_DISPATCH = _Dispatch()
+
+
+def _refresh() -> None:
+    STATE.collecting = _DISPATCH if STATE.open is not None or STATE.armed else None
+
+
+def _forget(ref) -> None:
+    """Disarm the collection behind ``ref`` (also its weakref callback: its owner is gone)."""
+    if ref in STATE.armed:
+        STATE.armed.remove(ref)
+    _refresh()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
@@ -31,7 +32,7 @@ import torch
 from torch.optim import Optimizer
 
 from curvopt import extensions
-from curvopt.collect import collect
+from curvopt.collect import Collection, collect
 from curvopt.optim import distributed
 from curvopt.optim.kronecker import rescaled
 from curvopt.optim.options import CurvatureOptions, constructor
@@ -98,7 +99,7 @@ class CurvatureOptimizer(Optimizer):
         if "Options" in cls.__dict__ and "__init__" not in cls.__dict__:
             cls.__init__ = constructor(cls.Options, cls._distributable, CurvatureOptimizer.__init__)
 
-    def __init__(self, params, defaults: dict[str, Any], process_group=None):
+    def __init__(self, params, defaults: dict[str, Any], process_group=None, collection="auto"):
         self._group_state: list[dict[str, Any]] = []
         self._consumed: dict[torch.Tensor, dict[str, Any]] = {}
         self._loss_scale: float | None = None
@@ -106,6 +107,29 @@ class CurvatureOptimizer(Optimizer):
         self._distributed = distributed.resolve(
             process_group, self._distributable, type(self).__name__
         )
+        self._arm(collection)
+
+    # ----------------------------------------------------------------- the armed collection
+    # ``collection="auto"`` (default): the optimizer owns a ``curvopt.collect.Collection``,
+    # armed from construction, that collects ``_requests()`` on every backward pass reaching
+    # its parameters; the window it combines ends at ``step()`` and ``zero_grad()``.
+    # ``"explicit"`` (and under ``torch.distributed``): only ``opt.collect()`` and
+    # ``opt.step(closure)`` collect, as ``curvopt.collect`` blocks.
+    def _arm(self, mode: str) -> None:
+        if mode not in ("auto", "explicit"):
+            raise ValueError(f"collection must be 'auto' or 'explicit', got {mode!r}")
+        self._collection_mode = mode
+        self._collection = Collection(_weak(self._armed_requests))
+        if mode == "auto" and self._distributed is None:
+            self._collection.arm()
+
+    def _armed_requests(self) -> tuple[list, list[tuple[torch.Tensor, str]], dict[str, Any]]:
+        return (*self._requests(), self._collect_options())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As in ``torch.optim``; the armed collection starts a new window too."""
+        super().zero_grad(set_to_none)
+        self._collection.reset()
 
     # ----------------------------------------------------------------- hyper-parameters
     def _validate(self, group: dict[str, Any]) -> None:
@@ -147,7 +171,7 @@ class CurvatureOptimizer(Optimizer):
         ``torch.distributed`` the collected quantities are then averaged over the ranks.
         """
         exts, targets = self._requests()
-        if not exts:
+        if not exts or self._collection.armed:  # armed: it collects already
             return contextlib.nullcontext()
         context = collect(*exts, **self._collect_options())
         if self._distributed is None:
@@ -272,14 +296,17 @@ class CurvatureOptimizer(Optimizer):
         Raises ``FloatingPointError`` (and changes nothing) if a gradient, a curvature
         quantity or the resulting update is not finite. Returns the closure's loss, or None.
         """
-        scale = self._amp_scale()
-        if scale == math.inf:  # as GradScaler skips torch.optim optimizers
-            return None
-        self._loss_scale = scale
         try:
+            if closure is None:
+                self._collection.check(type(self).__name__)
+            scale = self._amp_scale()
+            if scale == math.inf:  # as GradScaler skips torch.optim optimizers
+                return None
+            self._loss_scale = scale
             return self._step(closure)
         finally:
             self._loss_scale = None
+            self._collection.reset()
 
     def _step(self, closure):
         loss = None
@@ -382,10 +409,25 @@ class CurvatureOptimizer(Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         state = {**super().__getstate__(), "_group_state": self._group_state}
+        state["_collection_mode"] = self._collection_mode
         return {**state, "_distributed": self._distributed}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        mode = state.pop("_collection_mode", "auto")
         super().__setstate__(state)
         self.__dict__.setdefault("_consumed", {})
         self.__dict__.setdefault("_distributed", None)
         self.__dict__.setdefault("_loss_scale", None)
+        self._arm(mode)
+
+
+def _weak(method: Callable[[], Any]) -> Callable[[], Any]:
+    """``method()`` through a weak reference (None once its object is gone), so that the
+    armed collection does not keep its optimizer alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call():
+        bound = ref()
+        return None if bound is None else bound()
+
+    return call

@@ -129,9 +129,10 @@ class NewtonOptions(CurvatureOptions):
 def constructor(options: type[CurvatureOptions], process_group: bool, init: Callable) -> Callable:
     """An optimizer's ``__init__(self, params, ...)`` taking the keyword fields of ``options``
     (``options.POSITIONAL`` first, positionally, the others keyword-only, those of the most
-    derived options class first) and, if
-    ``process_group``, ``process_group=None``; it validates them (making ``options``) and calls
-    ``init(self, params, defaults, process_group)``. ``TypeError`` for missing or unknown
+    derived options class first), if ``process_group``, ``process_group=None``, and
+    ``collection="auto"``; it validates them (making ``options``) and calls
+    ``init(self, params, defaults, process_group, collection=...)``. ``TypeError`` for missing
+    or unknown
     arguments, as in Python."""
     fields = {f.name: f for f in dataclasses.fields(options) if f.metadata["keyword"]}
 
@@ -151,9 +152,10 @@ def constructor(options: type[CurvatureOptions], process_group: bool, init: Call
     # keyword-only: an optimizer's own options first, then those it shares
     others = sorted((n for n in fields if n not in options.POSITIONAL), key=introduced)
     params += [parameter(name, inspect.Parameter.KEYWORD_ONLY) for name in others]
+    keyword = inspect.Parameter.KEYWORD_ONLY
     if process_group:
-        keyword = inspect.Parameter.KEYWORD_ONLY
         params.append(inspect.Parameter("process_group", keyword, default=None))
+    params.append(inspect.Parameter("collection", keyword, default="auto"))
     signature = inspect.Signature(params)
 
     def __init__(self, *args, **kwargs):
@@ -162,7 +164,8 @@ def constructor(options: type[CurvatureOptions], process_group: bool, init: Call
         values = dict(bound.arguments)
         del values["self"]
         groups, group = values.pop("params"), values.pop("process_group", None)
-        init(self, groups, options(**values).as_defaults(), group)
+        mode = values.pop("collection")
+        init(self, groups, options(**values).as_defaults(), group, collection=mode)
 
     __init__.__signature__ = signature
     __init__.__doc__ = f"See the class docstring; options: :class:`{options.__qualname__}`."
