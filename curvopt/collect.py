@@ -129,9 +129,10 @@ class Collection(collect):
     """The persistent collection an optimizer owns. Armed, it collects what ``requests()``
     names on every backward pass that reaches the parameters it names, with no ``with`` block,
     and writes only for them; the passes of one window (until :meth:`reset`: the optimizer's
-    ``step`` or ``zero_grad``) combine like one batch (``accumulate``). EKFAC's later passes of
-    a window are computed in the bases its first pass made (the last refresh), so that ``S``
-    adds.
+    ``step`` or ``zero_grad``, or a pass that finds every ``p.grad`` None: the model's
+    ``zero_grad()``) combine like one batch (``accumulate``), as ``p.grad`` does. EKFAC's
+    later passes of a window are computed in the bases its first pass made (the last
+    refresh), so that ``S`` adds.
 
     ``requests() -> (extensions, [(param, attr)], collect options)``, read at the first pass
     of each window; ``None`` when its owner is gone.
@@ -145,6 +146,7 @@ class Collection(collect):
         #: or "optimizer" (a collection armed later on the same parameters); None
         self.stood_aside: Optional[str] = None
         self._ref: Optional[weakref.ref] = None
+        self._params: list = []  # the parameters of the window's targets
 
     @property
     def armed(self) -> bool:
@@ -166,6 +168,7 @@ class Collection(collect):
         self._accumulator = Accumulator()
         self._window = self.stood_aside = None
         self._pass = self._task = None
+        self._params = []
         self.skipped = {}
 
     def check(self, owner: str) -> None:
@@ -185,12 +188,23 @@ class Collection(collect):
                 "block, or none (the optimizer collects on its own)"
             )
 
+    def __enter__(self):
+        """A block that adds nothing: an armed collection collects without one."""
+        self.window()
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
     def window(self) -> tuple:
+        """``(extensions, {(id(p), attr)}, scope, options)`` of this window."""
         if self._window is None:
             found = self._requests()
             exts, targets, options = found if found is not None else ([], [], {})
             wanted = {(id(p), attr) for p, attr in targets}
+            self._params = list({id(p): p for p, _ in targets}.values())
             self._window = (exts, wanted, {key for key, _ in wanted}, options)
+            self.extensions = tuple(exts)
             self.skip_unsupported = options.get("skip_unsupported", False)
         return self._window
 
@@ -216,6 +230,8 @@ class Collection(collect):
         exts, wanted, scope, options = self.window()
         if not exts:
             return None
+        if self._accumulator.written and all(p.grad is None for p in self._params):
+            self._accumulator = Accumulator()  # zero_grad() on the model: p.grad starts anew
         taken = self._taken(wanted)
         exts = [self._in_earlier_bases(e) for e in exts if e.attr not in taken]
         if not exts:

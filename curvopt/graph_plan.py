@@ -236,9 +236,11 @@ class Walk:
         for position, (record, edges) in enumerate(self.calls.items()):
             if len(record.out_shapes) == 1:
                 ((index, edge),) = edges
-                record.broadcast = find(
-                    edge.node, edge.output_nr, record.out_shapes[0], self.consumers
-                )
+                broadcast = find(edge.node, edge.output_nr, record.out_shapes[0], self.consumers)
+                # another collection's pass of this backward found it already: the same object
+                kept = record.broadcast
+                if broadcast is None or kept is None or kept.edge != broadcast.edge:
+                    record.broadcast = broadcast
                 if record.broadcast is not None:
                     self.calls[record] = [(index, record.broadcast.edge)]
                     found.append(position)

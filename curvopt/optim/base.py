@@ -168,11 +168,15 @@ class CurvatureOptimizer(Optimizer):
         """``curvopt.collect(...)`` with the extensions the next ``step()`` needs.
 
         A null context when the next step needs none (e.g. between curvature updates). Under
-        ``torch.distributed`` the collected quantities are then averaged over the ranks.
+        ``torch.distributed`` the collected quantities are then averaged over the ranks. With
+        the collection armed (the default) a block that adds nothing: the optimizer collects
+        on every backward pass anyway.
         """
         exts, targets = self._requests()
-        if not exts or self._collection.armed:  # armed: it collects already
+        if not exts:
             return contextlib.nullcontext()
+        if self._collection.armed:  # it collects without a block: one that adds nothing
+            return self._collection
         context = collect(*exts, **self._collect_options())
         if self._distributed is None:
             return context
