@@ -84,14 +84,18 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
         STATE.open = None
         _refresh()
         self._pass = self._task = None
-        if self.skipped and exc[0] is None:
+        if exc[0] is None:
+            self._warn_skipped()
+        return False
+
+    def _warn_skipped(self) -> None:
+        if self.skipped:
             warnings.warn(
                 "curvopt.collect(skip_unsupported=True) wrote no Kronecker factors for "
                 f"{sorted(self.skipped)} (no Kronecker factorisation for them); "
                 "optim.KFAC(..., fallback='diagonal') preconditions them by their diagonal",
-                stacklevel=2,
+                stacklevel=3,
             )
-        return False
 
     def _new_pass(self, task: int) -> Optional[BackwardPass]:
         skipped = self.skipped if self.skip_unsupported else None
@@ -147,6 +151,7 @@ class Collection(collect):
         self.stood_aside: Optional[str] = None
         self._ref: Optional[weakref.ref] = None
         self._params: list = []  # the parameters of the window's targets
+        self._warned = False  # the window's skipped parameters were warned about
 
     @property
     def armed(self) -> bool:
@@ -169,10 +174,13 @@ class Collection(collect):
         self._window = self.stood_aside = None
         self._pass = self._task = None
         self._params = []
+        self._warned = False
         self.skipped = {}
 
     def check(self, owner: str) -> None:
-        """Raise where the values of this window are not this collection's alone."""
+        """Raise where the values of this window are not this collection's alone (and warn
+        about parameters left out, ``skip_unsupported``)."""
+        self._warn_skipped()
         if self.stood_aside == "optimizer":
             raise ExtensionConflictError(
                 f"{owner}: another curvopt optimizer created later on the same parameters "
@@ -194,7 +202,15 @@ class Collection(collect):
         return self
 
     def __exit__(self, *exc):
+        if exc[0] is None:
+            self._warn_skipped()
         return False
+
+    def _warn_skipped(self) -> None:
+        """Once per window (at the end of ``opt.collect()``'s block, or at the step)."""
+        if not self._warned:
+            super()._warn_skipped()
+            self._warned = bool(self.skipped)
 
     def window(self) -> tuple:
         """``(extensions, {(id(p), attr)}, scope, options)`` of this window."""
@@ -208,34 +224,37 @@ class Collection(collect):
             self.skip_unsupported = options.get("skip_unsupported", False)
         return self._window
 
-    def _taken(self, wanted: set) -> set:
-        """The attributes of ``wanted`` that a collection before this one writes this pass."""
+    def _taken(self, wanted: set) -> Tuple[set, Optional[str]]:
+        """The attributes of ``wanted`` that a collection before this one writes this pass,
+        and which kind of collection takes them ("optimizer" over "block")."""
         taken: set = set()
+        kind = None
         block = STATE.open
         if block is not None:
             hit = {attr for _, attr in wanted} & {e.attr for e in block.extensions}
             if hit:
-                taken |= hit
-                self.stood_aside = self.stood_aside or "block"
+                taken, kind = hit, "block"
         newer = STATE.armed[STATE.armed.index(self._ref) + 1 :] if self._ref in STATE.armed else []
         for ref in newer:
             other = ref()
             hit = {key for key in wanted if other is not None and key in other.window()[1]}
             if hit:
                 taken |= {attr for _, attr in hit}
-                self.stood_aside = "optimizer"
-        return taken
+                kind = "optimizer"
+        return taken, kind
 
-    def _new_pass(self, task: int) -> Optional[BackwardPass]:
+    def _new_pass(self, task: int):
         exts, wanted, scope, options = self.window()
         if not exts:
             return None
         if self._accumulator.written and all(p.grad is None for p in self._params):
             self._accumulator = Accumulator()  # zero_grad() on the model: p.grad starts anew
-        taken = self._taken(wanted)
+        taken, kind = self._taken(wanted)
+        if kind is not None and len(taken) == len(exts):
+            return _StoodAside(self, kind, scope)
+        if kind is not None:
+            self.stood_aside = kind if self.stood_aside != "optimizer" else self.stood_aside
         exts = [self._in_earlier_bases(e) for e in exts if e.attr not in taken]
-        if not exts:
-            return None
         skipped = self.skipped if self.skip_unsupported else None
         return BackwardPass(
             tuple(exts),
@@ -257,6 +276,26 @@ class Collection(collect):
             return supplied(p) if earlier is None else earlier
 
         return type(ext)(**{**ext.options, "bases": bases})
+
+
+class _StoodAside:
+    """The pass of a collection that left all its attributes to another one: it notes
+    ``kind`` (``Collection.stood_aside``) once the pass reaches one of its parameters."""
+
+    running = False  # no backward of its own to join (``collect.backward_pass``)
+
+    def __init__(self, collection: Collection, kind: str, scope: set):
+        self.collection, self.kind, self.scope = collection, kind, scope
+
+    def on_loss(self, record, grad) -> bool:
+        return False
+
+    def on_module(self, record, grads) -> bool:
+        return False
+
+    def on_parameter_grad(self, param, grad) -> None:
+        if id(param) in self.scope and self.collection.stood_aside != "optimizer":
+            self.collection.stood_aside = self.kind
 
 
 class _Passes:

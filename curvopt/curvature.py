@@ -122,7 +122,7 @@ class CurvaturePass:
     def _note_reduction(self, ext) -> None:
         """``EKFAC``'s scale is that of this pass's one loss: note it, and check it against
         the reduction ``ext`` expects (if it says)."""
-        self.results.note_loss(self.loss)
+        self.results.note_loss(self.loss, self.weight)
         expected, actual = ext.options["reduction"], getattr(self.loss.module, "reduction", None)
         if expected is not None and expected != actual:
             raise UnsupportedLossError(

@@ -143,12 +143,18 @@ class FirstOrderReducer:
             self._correct(p, len(batch), lambda bases, batch=batch: eigen_moment_of(batch, bases))
 
     def _correct(self, p, n: int, moment) -> None:
-        """``p.ekfac = [c · moment(bases), *bases]`` for every ``EKFAC`` extension."""
+        """``p.ekfac = [c · moment(bases), *bases]`` for every ``EKFAC`` extension: ``c`` the
+        reduction's (``n`` for ``"mean"``, 1 for ``"sum"``) divided by the factor ``w`` the
+        loss enters the backward pass with, so that ``S`` is linear in ``w`` as the GGN is
+        (``G_n`` carries ``w``, its square ``w²``): a loss divided by the accumulation steps,
+        or a sum divided by a count, scales ``S`` as it scales the loss."""
+        weight = self.results.loss_weight
         for ext in self.corrected:
             bases = self._bases(ext, p)
             if bases is None:
                 continue
             scale = n if self.results.loss.module.reduction == "mean" else 1
+            scale = scale / weight if weight else 0.0
             self.results.put(p, ext.attr, [moment(bases).mul_(scale), *bases])
 
     def _bases(self, ext, p):

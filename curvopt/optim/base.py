@@ -176,6 +176,7 @@ class CurvatureOptimizer(Optimizer):
         if not exts:
             return contextlib.nullcontext()
         if self._collection.armed:  # it collects without a block: one that adds nothing
+            self._collection.window()
             return self._collection
         context = collect(*exts, **self._collect_options())
         if self._distributed is None:

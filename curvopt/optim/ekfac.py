@@ -112,11 +112,12 @@ class EKFAC(NewtonOptimizer):
 
     # ----------------------------------------------------------------- reading
     def _unscaled(self, attr, value):
-        """``[S, *bases]``: ``S`` carries the square of a ``GradScaler``'s loss scale."""
+        """``[S, *bases]``: ``S`` carries a ``GradScaler``'s loss scale once, as the GGN does
+        (``c`` divides by the factor the loss entered the backward with)."""
         scale = self._loss_scale
         if attr != "ekfac" or scale is None:
             return super()._unscaled(attr, value)
-        return [value[0] / scale**2, *value[1:]]
+        return [value[0] / scale, *value[1:]]
 
     # ----------------------------------------------------------------- the step
     def _direction(
