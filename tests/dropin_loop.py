@@ -96,8 +96,9 @@ def parameters(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def plain_loop(name: str, setting: Setting) -> torch.Tensor:
-    """The parameters after the hand-written loop."""
+def plain_loop(name: str, setting: Setting, float_outputs: bool = False) -> torch.Tensor:
+    """The parameters after the hand-written loop (``float_outputs``: the model's outputs
+    cast to float32 under autocast, as accelerate's prepared model returns them)."""
     model, lossfunc = make_model(setting), make_loss()
     opt = OPTIMIZERS[name](model.parameters())
     sched = schedule(opt) if setting.schedule else None
@@ -109,7 +110,9 @@ def plain_loop(name: str, setting: Setting) -> torch.Tensor:
         for _ in range(k):
             X, y = next(batches)
             with autocast(setting):
-                loss = lossfunc(model(X), y) / k
+                out = model(X)
+                out = out.float() if float_outputs and setting.precision != "64" else out
+                loss = lossfunc(out, y) / k
             (loss if scaler is None else scaler.scale(loss)).backward()
         if setting.clip is not None:
             if scaler is not None:

@@ -1,0 +1,78 @@
+"""accelerate with a curvopt optimizer swapped in: ``accelerator.prepare`` wraps it in an
+``AcceleratedOptimizer``, the loop is accelerate's own (``accumulate``, ``backward``,
+``clip_grad_norm_``, ``step``, ``zero_grad``), with no ``collect``; the parameters equal the
+plain loop's (``dropin_loop``) for every optimizer and setting (the prepared model returns
+float32 outputs under autocast, so the plain loop casts them too; fp16 does not apply on
+CPU)."""
+
+import warnings
+
+import pytest
+import torch
+from dropin_loop import (
+    OPTIMIZERS,
+    SETTINGS,
+    assert_same,
+    make_loss,
+    make_model,
+    micro_batches,
+    parameters,
+    plain_loop,
+    schedule,
+)
+from torch.utils.data import DataLoader
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+
+PRECISION = {"64": "no", "bf16": "bf16", "fp16": "fp16"}
+CPU_FP16 = "accelerate on CPU runs mixed_precision='fp16' with neither autocast nor a GradScaler"
+
+
+def _train(name, setting):
+    AcceleratorState._reset_state(True)  # one Accelerator per test, each with its own options
+    GradientState._reset_state()
+    accelerator = accelerate.Accelerator(
+        cpu=True,
+        gradient_accumulation_steps=len(setting.sizes),
+        mixed_precision=PRECISION[setting.precision],
+    )
+    model, lossfunc = make_model(setting), make_loss()
+    opt = OPTIMIZERS[name](model.parameters())
+    sched = schedule(opt) if setting.schedule else None
+    loader = DataLoader(micro_batches(setting), batch_size=None)
+    if sched is None:
+        model, opt, loader = accelerator.prepare(model, opt, loader)
+    else:
+        model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    assert type(opt).__name__ == "AcceleratedOptimizer"
+    for X, y in loader:
+        with accelerator.accumulate(model):
+            with accelerator.autocast():
+                loss = lossfunc(model(X), y)
+            accelerator.backward(loss)
+            if setting.clip is not None and accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), setting.clip)
+            opt.step()
+            if sched is not None:
+                sched.step()
+            opt.zero_grad()
+    return parameters(accelerator.unwrap_model(model))
+
+
+def _cases():
+    for setting in SETTINGS:
+        for name in OPTIMIZERS:
+            marks = ()
+            if SETTINGS[setting].precision == "fp16":
+                marks = pytest.mark.skip(reason=CPU_FP16)
+            yield pytest.param(name, setting, marks=marks, id=f"{name}-{setting}")
+
+
+@pytest.mark.parametrize("name, setting", list(_cases()))
+def test_accelerate_takes_the_plain_loops_steps(name, setting):
+    setting = SETTINGS[setting]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # accelerate's notes on CPU mixed precision
+        got = _train(name, setting)
+    assert_same(got, plain_loop(name, setting, float_outputs=True), setting)
