@@ -10,7 +10,9 @@ a framework may draw from the global random generator between passes.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import List, Optional, Tuple
 
 import torch
@@ -135,3 +137,11 @@ def assert_same(got: torch.Tensor, want: torch.Tensor, setting: Setting) -> None
     assert error <= 1e-12, f"relative difference {error:.2e}"
     start = parameters(make_model(setting))
     assert not torch.equal(want, start), "the case must move the parameters"
+
+
+def readme_snippet(first_line: str) -> str:
+    """The README's python block that starts with ``first_line``."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    (block,) = [b for b in blocks if b.startswith(first_line)]
+    return block

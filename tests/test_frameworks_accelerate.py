@@ -18,6 +18,7 @@ from dropin_loop import (
     micro_batches,
     parameters,
     plain_loop,
+    readme_snippet,
     schedule,
 )
 from torch.utils.data import DataLoader
@@ -76,3 +77,19 @@ def test_accelerate_takes_the_plain_loops_steps(name, setting):
         warnings.simplefilter("ignore")  # accelerate's notes on CPU mixed precision
         got = _train(name, setting)
     assert_same(got, plain_loop(name, setting, float_outputs=True), setting)
+
+
+def test_readme_accelerate_snippet_trains():
+    """(KFAC's Monte-Carlo targets: accelerate's data loader draws from the global generator
+    too, so the steps are compared for the deterministic curvatures above only.)"""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    setting = SETTINGS["accumulate_2"]
+    model = make_model(setting)
+    start = parameters(model)
+    scope = {"Accelerator": accelerate.Accelerator, "curvopt": __import__("curvopt")}
+    scope.update(model=model, lossfunc=make_loss())
+    scope["loader"] = DataLoader(micro_batches(setting), batch_size=None)
+    exec(readme_snippet("# accelerate"), scope)
+    moved = parameters(model)
+    assert moved.isfinite().all() and not torch.equal(moved, start)

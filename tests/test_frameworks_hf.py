@@ -17,6 +17,7 @@ from dropin_loop import (
     micro_batches,
     parameters,
     plain_loop,
+    readme_snippet,
     schedule,
 )
 from torch import nn
@@ -165,3 +166,18 @@ def test_trainer_with_the_models_own_loss(name, tmp_path):
     scale = want.abs().max()
     assert float((got - want).abs().max() / scale) <= 1e-12
     assert not torch.equal(want, parameters(_gpt2()))
+
+
+def test_readme_trainer_snippet_trains(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # TrainingArguments("out")
+    setting = SETTINGS["accumulate_2"]
+    module = _WithLoss(setting)
+    start = parameters(module.model)
+    data = [{"x": x, "labels": label} for X, y in micro_batches(setting) for x, label in zip(X, y)]
+    scope = {"curvopt": __import__("curvopt"), "model": module, "dataset": data}
+    scope.update(Trainer=transformers.Trainer, TrainingArguments=transformers.TrainingArguments)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(readme_snippet("# the Hugging Face Trainer"), scope)
+    moved = parameters(module.model)
+    assert moved.isfinite().all() and not torch.equal(moved, start)

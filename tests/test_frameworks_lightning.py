@@ -19,6 +19,7 @@ from dropin_loop import (
     micro_batches,
     parameters,
     plain_loop,
+    readme_snippet,
     schedule,
 )
 from torch.utils.data import DataLoader
@@ -124,3 +125,17 @@ def test_lightning_optimizer_is_wrapped_and_needs_no_collect():
         trainer.fit(module, DataLoader(micro_batches(SETTINGS["one_batch"]), batch_size=None))
     assert seen == [True, True]
     assert not torch.equal(parameters(module.model), parameters(make_model(SETTINGS["one_batch"])))
+
+
+def test_readme_lightning_snippet_trains(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # Lightning writes its logs into the working directory
+    setting = SETTINGS["accumulate_2"]
+    model = make_model(setting)
+    start = parameters(model)
+    scope = {"pl": pl, "torch": torch, "curvopt": __import__("curvopt"), "model": model}
+    scope["loader"] = DataLoader(micro_batches(setting), batch_size=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(readme_snippet("# Lightning"), scope)
+    moved = parameters(model)
+    assert moved.isfinite().all() and not torch.equal(moved, start)
