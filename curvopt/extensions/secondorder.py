@@ -135,8 +135,10 @@ class EKFAC(_MonteCarlo):
 
     ``G_n`` is ``g_n`` (the gradient of the loss as computed, restricted to sample ``n``)
     reshaped to ``[p.shape[0], -1]`` (``[p.shape[0], 1]`` for one-dimensional ``p``); ``c = N``
-    for a loss with ``reduction="mean"``, 1 for ``"sum"``, read from the loss, so that
-    ``vec S = diag(Qᵀ EF Q)`` for the empirical Fisher scaled like the GGN. ``Q_0, Q_1`` are
+    for a loss with ``reduction="mean"``, 1 for ``"sum"``, read from the loss, divided by the
+    factor ``w`` the loss enters the backward pass with (so that ``S`` is linear in ``w``, as
+    the GGN is), so that ``vec S = diag(Qᵀ EF Q)`` for the empirical Fisher scaled like the
+    GGN. ``Q_0, Q_1`` are
     the eigenvectors (``psd_eigh``) of this pass's Kronecker factors, in ``p``'s dim order
     (``[Q_B, Q_A]`` for ``Linear``/conv weights, ``[Q_A, Q_B]`` for ``Embedding``):
     ``factors="kfac"`` (``mc_samples`` sampled columns) or ``"kflr"`` (exact), with
