@@ -308,7 +308,10 @@ class BackwardPass:
                 raise MissingLossError(
                     f"{names} need(s) the loss: the loss that was backpropagated was not "
                     "computed by an extended loss module; wrap it, e.g. "
-                    "lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())"
+                    "lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss()), and compute the "
+                    "loss with it (a functional loss such as F.cross_entropy, or a Hugging Face "
+                    "model's own labels= loss, is not recognised: compute the loss from the "
+                    "logits with the extended module; with the Trainer, compute_loss_func=)"
                 )
             if not (self.checkpointed and current_graph_task_id() != self.task):
                 # (a call inside a checkpoint runs in torch's nested backward: checked at the
