@@ -40,7 +40,10 @@ def _mlp():
 def _cnn():
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Unflatten(1, (1, 2, 2)), nn.Conv2d(1, 3, 2, padding=1), nn.Tanh(), nn.Flatten(),
+        nn.Unflatten(1, (1, 2, 2)),
+        nn.Conv2d(1, 3, 2, padding=1),
+        nn.Tanh(),
+        nn.Flatten(),
         nn.Linear(27, 3),
     ).to(DT)
 
@@ -194,6 +197,7 @@ def test_ekfac_s_is_linear_in_the_loss_weight_as_the_ggn():
 def test_two_optimizers_on_disjoint_parameters_each_collect_their_own():
     """KFAC on the first layer, the diagonal Newton step on the last: each armed, scoped to
     its parameters, each step that of its explicit twin."""
+
     def run(explicit):
         model = curvopt.extend(_mlp())
         lossfunc = curvopt.extend(nn.CrossEntropyLoss())

@@ -73,11 +73,7 @@ def _train(name, setting, directory):
     module = _WithLoss(setting)
     opt = OPTIMIZERS[name](module.parameters())
     sched = schedule(opt) if setting.schedule else _constant(opt)
-    data = [
-        {"x": x, "labels": label}
-        for X, y in micro_batches(setting)
-        for x, label in zip(X, y)
-    ]
+    data = [{"x": x, "labels": label} for X, y in micro_batches(setting) for x, label in zip(X, y)]
     trainer = transformers.Trainer(
         model=module,
         args=_arguments(setting, directory, setting.sizes[0]),
@@ -109,8 +105,14 @@ def test_trainer_takes_the_plain_loops_steps(name, setting, tmp_path):
 # ------------------------------------------------------------------ a model's own labels= loss
 def _gpt2():
     config = transformers.GPT2Config(
-        vocab_size=11, n_positions=6, n_embd=8, n_layer=1, n_head=2,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=11,
+        n_positions=6,
+        n_embd=8,
+        n_layer=1,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config).to(torch.float64)

@@ -117,8 +117,13 @@ def test_lightning_optimizer_is_wrapped_and_needs_no_collect():
 
     module.training_step = training_step
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
