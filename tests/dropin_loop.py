@@ -11,7 +11,7 @@ a framework may draw from the global random generator between passes.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import List, Optional, Tuple
 
@@ -33,9 +33,9 @@ OPTIMIZERS = {
 
 @dataclass(frozen=True)
 class Setting:
-    """``sizes``: the micro-batches of each step; ``precision``: "64" (float64), "bf16" or
-    "fp16" (autocast casts float32 only: the model is float32 then, and both runs compute the
-    same ops in the same order)."""
+    """``sizes``: the micro-batches of each step; ``precision``: "64" (float64), "fp32", "bf16"
+    or "fp16" (autocast casts float32 only: the model is float32 but for "64", and both runs
+    compute the same ops in the same order)."""
 
     sizes: Tuple[int, ...]
     steps: int = 2
@@ -58,6 +58,12 @@ SETTINGS = {
 #: why fp16 with a GradScaler fails where the gradients are unscaled before the step (to clip
 #: them): the optimizer reads the scale from ``scaler.step``, which ``unscale_`` has spent
 NEEDS_SCALE_FROM_BACKWARD = "needs the loss scale read from the backward"
+
+
+def on_cpu(setting: Setting) -> Setting:
+    """What accelerate (and the Trainer through it) runs on CPU: fp16 without autocast or a
+    GradScaler, i.e. float32 ("fp32")."""
+    return replace(setting, precision="fp32") if setting.precision == "fp16" else setting
 
 
 def dtype(setting: Setting) -> torch.dtype:

@@ -1,7 +1,8 @@
 """The Hugging Face ``Trainer`` with a curvopt optimizer swapped in
 (``optimizers=(opt, scheduler)``), nothing else changed: the parameters equal the plain
 loop's (``dropin_loop``) for every optimizer and setting (``gradient_accumulation_steps``,
-``max_grad_norm``, a schedule, ``bf16``), and a tiny GPT-2's own ``labels=`` loss."""
+``max_grad_norm``, a schedule, ``bf16``; ``fp16`` runs as float32 on CPU, as accelerate runs it,
+``dropin_loop.on_cpu``), and a tiny GPT-2's own ``labels=`` loss."""
 
 import warnings
 
@@ -15,6 +16,7 @@ from dropin_loop import (
     make_loss,
     make_model,
     micro_batches,
+    on_cpu,
     parameters,
     plain_loop,
     readme_snippet,
@@ -29,7 +31,6 @@ transformers = pytest.importorskip("transformers")
 #: the Trainer batches consecutive samples with one batch size: the unequal micro-batches
 #: of one step (5 + 3) are one epoch of 8 samples
 HF_SETTINGS = {**SETTINGS, "accumulate_2_unequal": Setting((5, 3), steps=1)}
-CPU_FP16 = "the Trainer runs fp16 on CPU through accelerate: neither autocast nor a GradScaler"
 FUNCTIONAL_LOSS = "second order needs the functional loss (F.cross_entropy) found without extend"
 
 
@@ -87,10 +88,7 @@ def _train(name, setting, directory):
 def _cases():
     for setting in HF_SETTINGS:
         for name in OPTIMIZERS:
-            marks = ()
-            if HF_SETTINGS[setting].precision == "fp16":
-                marks = pytest.mark.skip(reason=CPU_FP16)
-            yield pytest.param(name, setting, marks=marks, id=f"{name}-{setting}")
+            yield pytest.param(name, setting, id=f"{name}-{setting}")
 
 
 @pytest.mark.parametrize("name, setting", list(_cases()))
@@ -99,7 +97,7 @@ def test_trainer_takes_the_plain_loops_steps(name, setting, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the Trainer's notes on plain nn.Module models
         got = _train(name, setting, tmp_path)
-    assert_same(got, plain_loop(name, setting), setting)
+    assert_same(got, plain_loop(name, on_cpu(setting)), setting)
 
 
 # ------------------------------------------------------------------ a model's own labels= loss

@@ -58,8 +58,9 @@ class EKFAC(NewtonOptimizer):
     matrix (extension ``EKFAC``) and ``c = N``
     for ``reduction="mean"``, ``c = 1`` for ``"sum"`` (divided by the factor the loss enters
     the backward with: micro-batches divided by their number add up), so that
-    ``vec S = diag(Qᵀ EF Q)`` for the empirical Fisher ``EF`` of the batch scaled like the GGN (``API.md``): ``Q diag(S) Qᵀ``
-    is the projection of ``EF`` onto the matrices diagonal in ``Q``. This holds for any
+    ``vec S = diag(Qᵀ EF Q)`` for the empirical Fisher ``EF`` of the batch scaled like the
+    GGN (``API.md``): ``Q diag(S) Qᵀ`` is the projection of ``EF`` onto the matrices diagonal
+    in ``Q``. This holds for any
     parameter: with weight sharing (convolutions, sequences) ``G_n`` is
     the per-sample gradient summed over the shared positions, so ``S`` is the diagonal of the
     *per-sample* empirical Fisher in the basis (the basis itself is KFAC's approximation).
