@@ -68,7 +68,14 @@ class CurvatureOptimizer(Optimizer):
     ``__init__`` gets the constructor written from it) and implement :meth:`_needs` (the
     extensions a group needs at its next step) and :meth:`_plan_group`.
 
-    Two equivalent ways to take a step::
+    By default (``collection="auto"``) the optimizer collects what its next step needs on
+    every backward pass that reaches its parameters, with no block::
+
+        loss.backward()              # micro-batches between two steps combine like one batch
+        opt.step()
+
+    With ``collection="explicit"`` (or under ``torch.distributed``) there are two equivalent
+    ways to take a step (both also work with the default)::
 
         with opt.collect():          # curvopt.collect(<extensions this optimizer needs>)
             loss.backward()
