@@ -20,6 +20,7 @@ from curvopt.backward import BackwardPass
 from curvopt.errors import AccumulationError, ExtensionConflictError
 from curvopt.extensions.base import Extension
 from curvopt.extensions.quantity import Combine, quantity
+from curvopt.params import EXTENDED, owned
 from curvopt.state import STATE
 from curvopt.torch_internals import current_graph_task_id
 
@@ -152,6 +153,8 @@ class Collection(collect):
         self._ref: Optional[weakref.ref] = None
         self._params: list = []  # the parameters of the window's targets
         self._warned = False  # the window's skipped parameters were warned about
+        #: ``(scope, the extended modules owning its parameters)``, kept while the scope stays
+        self._owners: tuple = (set(), [])
 
     @property
     def armed(self) -> bool:
@@ -219,7 +222,10 @@ class Collection(collect):
             exts, targets, options = found if found is not None else ([], [], {})
             wanted = {(id(p), attr) for p, attr in targets}
             self._params = list({id(p): p for p, _ in targets}.values())
-            self._window = (exts, wanted, {key for key, _ in wanted}, options)
+            scope = {key for key, _ in wanted}
+            if scope != self._owners[0]:
+                self._owners = (scope, _owners(scope))
+            self._window = (exts, wanted, scope, options)
             self.extensions = tuple(exts)
             self.skip_unsupported = options.get("skip_unsupported", False)
         return self._window
@@ -245,8 +251,8 @@ class Collection(collect):
 
     def _new_pass(self, task: int):
         exts, wanted, scope, options = self.window()
-        if not exts:
-            return None
+        if not exts or not any(m._curvopt_live for m in self._owners[1]):
+            return None  # nothing to collect, or no call of its modules awaits its gradient
         if self._accumulator.written and all(p.grad is None for p in self._params):
             self._accumulator = Accumulator()  # zero_grad() on the model: p.grad starts anew
         taken, kind = self._taken(wanted)
@@ -276,6 +282,11 @@ class Collection(collect):
             return supplied(p) if earlier is None else earlier
 
         return type(ext)(**{**ext.options, "bases": bases})
+
+
+def _owners(scope: set) -> list:
+    """The extended modules that own a parameter of ``scope`` (``id``s)."""
+    return [m for m in list(EXTENDED) if any(id(p) in scope for _, p in owned(m))]
 
 
 class _StoodAside:

@@ -336,3 +336,22 @@ def test_a_freed_optimizer_disarms_and_the_model_costs_like_the_plain_one():
     assert STATE.collecting is not None and len(STATE.armed) == 2
     del opt, twin
     assert STATE.collecting is None and not STATE.armed
+
+
+def test_an_optimizer_on_another_model_does_no_work_in_this_ones_backward(monkeypatch):
+    """An armed optimizer whose modules have no call awaiting a gradient (another model, or
+    one not yet garbage-collected) takes no part: one graph walk, that of the open block."""
+    from curvopt import graph_plan
+
+    walks = []
+    walk = graph_plan.Walk._walk
+    monkeypatch.setattr(graph_plan.Walk, "_walk", lambda *a: walks.append(1) or walk(*a))
+    other = curvopt.extend(_mlp())
+    armed = OPTIMIZERS["kflr"](other.parameters())
+    model = curvopt.extend(_mlp())
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    X, y = _data(0)
+    with curvopt.collect(ext.DiagGGNExact()):
+        lossfunc(model(X), y).backward()
+    assert len(walks) == 1 and armed.collect().extensions
+    assert not hasattr(other[0].weight, "kflr")
