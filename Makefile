@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+EXTRAS := $(VENV)/.extras
 
 .PHONY: install reference run ttr test bench data lint clean
 
@@ -16,31 +17,38 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# BackPACK 1.7.1, Opacus 1.6.0 and curvlinops 3.0.1 for the comparisons (experiments overhead,
-# benchmarks/), without replacing the CPU torch: their pure-python dependencies from the
-# "reference" extra, the libraries themselves without dependencies (torchvision, which BackPACK
-# declares and curvlinops pulls in through it, would bring a CUDA torch; no import needs it).
-# The Opacus wheel also installs top-level "benchmarks" and "examples" folders that are not part
-# of the library: removed.
-reference: $(STAMP)  ## BackPACK, Opacus, curvlinops for the comparison columns (keeps the CPU torch)
-	$(PY) -m pip install --quiet -e ".[dev,experiments,reference]"
+# The test and comparison extras, without replacing the CPU torch: BackPACK 1.7.1, Opacus 1.6.0
+# and curvlinops 3.0.1 (the overhead comparisons, references in the tests), laplace-torch 0.3
+# with its ASDL (the laplace backend's tests), heavyball 3.2.1 (SOAP, PSGD-Kron in the
+# time-to-result benchmark), and the "frameworks" extra (Lightning, accelerate, schedule-free).
+# Their pure-python dependencies come from the "reference" and "frameworks" extras, the
+# libraries themselves without dependencies: BackPACK and laplace-torch declare torchvision,
+# which would bring a CUDA build of torch; no import needs it. The Opacus wheel also installs
+# top-level "benchmarks" and "examples" folders that are not part of the library: removed.
+$(EXTRAS): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[dev,experiments,reference,frameworks]"
 	$(PY) -m pip install --quiet --no-deps backpack-for-pytorch==1.7.1 opacus==1.6.0 \
-	    curvlinops-for-pytorch==3.0.1
+	    curvlinops-for-pytorch==3.0.1 laplace-torch==0.3 asdfghjkl==0.1a4 heavyball==3.2.1
 	SP=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
 	    rm -rf "$$SP/benchmarks" "$$SP/examples"
-	$(PY) -c 'import torch, backpack, opacus, curvlinops; from importlib.metadata import version as v; \
-	    print("torch", torch.__version__, "backpack", v("backpack-for-pytorch"), "opacus", v("opacus"), \
-	    "curvlinops", v("curvlinops-for-pytorch"))'
+	$(PY) -c 'import torch, backpack, opacus, curvlinops, laplace, heavyball, pytorch_lightning, \
+	    accelerate, schedulefree; from importlib.metadata import version as v; \
+	    print("torch", torch.__version__, *(f"{m} {v(m)}" for m in ("backpack-for-pytorch", \
+	    "opacus", "curvlinops-for-pytorch", "laplace-torch", "heavyball", "pytorch-lightning", \
+	    "accelerate", "schedulefree")))'
+	touch $(EXTRAS)
+
+reference: $(EXTRAS)  ## the test and comparison extras (peers, frameworks), keeping the CPU torch
 
 run: $(STAMP)  ## the main job: budgeted reproduction of the BackPACK paper on real data
 	$(PY) -m experiments reproduce
 
-ttr: $(STAMP)  ## time-to-result benchmark (hours on one core), cost per step, table and figure
+ttr: $(EXTRAS)  ## time-to-result benchmark (hours on one core), cost per step, table and figure
 	OMP_NUM_THREADS=1 nice $(PY) -m experiments ttr --json experiments/results/ttr
 	OMP_NUM_THREADS=1 $(PY) -m experiments ttr_cost --from experiments/results/ttr
 	$(PY) -m paper_figs ttr experiments/results/ttr experiments/results/ttr
 
-test: $(STAMP)  ## the unit tests
+test: $(EXTRAS)  ## the unit tests (with the extras, so that no comparison is skipped)
 	OMP_NUM_THREADS=2 $(PY) -m pytest tests
 
 bench: $(STAMP)  ## overhead benchmarks (pytest-benchmark) and the ratio table

@@ -15,6 +15,7 @@ import weakref
 import warnings
 from typing import Callable, Dict, Optional, Tuple
 
+from curvopt import unextended
 from curvopt.accumulate import Accumulator
 from curvopt.backward import BackwardPass
 from curvopt.errors import AccumulationError, ExtensionConflictError
@@ -79,12 +80,14 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
         STATE.open = self
         STATE.collecting = _DISPATCH
         self._accumulator = Accumulator()
+        self._unextended = unextended.watch()
         return self
 
     def __exit__(self, *exc):
         STATE.open = None
         _refresh()
         self._pass = self._task = None
+        self._unextended.remove()
         if exc[0] is None:
             self._warn_skipped()
         return False
@@ -107,6 +110,10 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
             skipped,
             diagonal=self.skip_unsupported == "diagonal",
         )
+
+    def ran(self, task: int) -> bool:
+        """Whether an extended module or loss took part in the backward pass ``task``."""
+        return self._pass is not None and (self._task == task or task in self._nested)
 
     def backward_pass(self, outer: Optional[int] = None) -> Optional[BackwardPass]:
         """The state of the backward pass now running, created at its first hook.

@@ -101,12 +101,12 @@ class CurvaturePass:
         groups = defaultdict(list)
         for ext in self.exts:
             if ext.quantity.producer is Producer.EIGEN_CORRECTED:
-                self._note_reduction(ext)
+                self._note_reduction(ext, rule)
                 if not _fresh_bases(ext, calls):
                     continue  # every basis supplied: S from the module hooks alone
             elif ext.quantity.producer is Producer.KFRA:
                 continue
-            key = ("mc", ext.options["mc_samples"]) if ext.source == "mc" else ("exact", 0)
+            key = (ext.source, ext.options["mc_samples"] if ext.source == "mc" else 0)
             groups[key].append(ext)
         for (source, mc_samples), exts in groups.items():
             self._propagate(rule, calls, exts, source, mc_samples)
@@ -119,10 +119,13 @@ class CurvaturePass:
         if kfra_exts:
             self.results.add(kfra(self, rule, calls, kfra_exts))
 
-    def _note_reduction(self, ext) -> None:
-        """``EKFAC``'s scale is that of this pass's one loss: note it, and check it against
-        the reduction ``ext`` expects (if it says)."""
-        self.results.note_loss(self.loss, self.weight)
+    def _note_reduction(self, ext, rule) -> None:
+        """``EKFAC``'s scale is the divisor ``D`` of this pass's one loss (its rule's
+        ``divisor``) and the factor the loss enters the backward with: note them, and check
+        the reduction against the one ``ext`` expects (if it says)."""
+        module, output = self.loss.module, self.loss.output.detach()
+        divisor = rule.divisor(module, output, self.loss.target)
+        self.results.note_loss(self.loss, divisor, self.weight)
         expected, actual = ext.options["reduction"], getattr(self.loss.module, "reduction", None)
         if expected is not None and expected != actual:
             raise UnsupportedLossError(
@@ -133,10 +136,16 @@ class CurvaturePass:
 
     def columns(self, rule, source: str, mc_samples: int, chunk: int):
         """Chunks ``[k, *output.shape]`` of the (scaled) square-root factor, rows packed by
-        slot for the exact factor (Monte-Carlo rows are independent draws: no packing)."""
+        slot for the exact factor (Monte-Carlo rows are independent draws: no packing; the
+        empirical column, ``sqrt(c)`` times the loss gradient with ``c`` the reduction's
+        divisor, holds every row: propagated, it sums each sample's rows)."""
         module, output, target = self.loss.module, self.loss.output.detach(), self.loss.target
         if source == "mc":
             yield rule.sqrt_hessian_mc(module, output, target, mc_samples, check=False) * self.scale
+            return
+        if source == "empirical":
+            divisor = rule.divisor(module, output, target)
+            yield loss_gradient(self.loss, self.scale * math.sqrt(divisor)).unsqueeze(0)
             return
         slots = self.layout.num_slots
         per_chunk = max(1, chunk // slots)

@@ -19,7 +19,7 @@ the graph...) raises an error naming it instead of returning a wrong diagonal.
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -34,7 +34,16 @@ from curvopt.propagate import backpropagate, to_calls
 from curvopt.records import records_on
 from curvopt.results import Term
 from curvopt.rows import establish
-from curvopt.torch_internals import ACCUMULATE_GRAD, BILINEAR_OPS, LINEAR_OPS, SECOND_DERIVATIVES
+from curvopt.state import STATE
+from curvopt.torch_internals import (
+    ACCUMULATE_GRAD,
+    BILINEAR_OPS,
+    IN_PLACE_ON_VIEW,
+    LINEAR_OPS,
+    SECOND_DERIVATIVES,
+    backward_with_graph,
+    ones_of_input,
+)
 
 
 def _error(what: str) -> UnsupportedModuleError:
@@ -45,10 +54,11 @@ def _error(what: str) -> UnsupportedModuleError:
     )
 
 
-def curved_nodes(root: torch.Tensor, walk) -> List[object]:
-    """Autograd nodes of curved elementwise ops upstream of ``root``; errors on unknown ops.
-    (Module calls are stepped over, from their output to their input; the edges are read off
-    ``walk``, the loss's ``graph_plan.Walk``.)"""
+def curved_nodes(root: torch.Tensor, walk) -> List[Tuple[object, Optional[torch.Tensor]]]:
+    """``(node, phi'')`` for the autograd nodes of curved elementwise ops upstream of ``root``
+    (``phi''`` computed here for in-place ops on views, else ``None``: read off the node by
+    ``SECOND_DERIVATIVES``); errors on unknown ops. (Module calls are stepped over, from their
+    output to their input; the edges are read off ``walk``, the loss's ``graph_plan.Walk``.)"""
     found, stack, seen = [], [root.grad_fn], set()
     while stack:
         node = stack.pop()
@@ -68,8 +78,10 @@ def curved_nodes(root: torch.Tensor, walk) -> List[object]:
                 )
             if not rule_for(module).curvature_free:
                 raise _error(
-                    f"module {module._curvopt_path!r} ({type(module).__name__}) is nonlinear in "
-                    "its input, and the curvature of that is not implemented"
+                    f"module {module._curvopt_path!r} ({type(module).__name__}) is not known to "
+                    "be linear in its input (its layer rule does not declare curvature_free), "
+                    "so the curvature inside it is unknown; if its output is linear in its "
+                    "input, register a LayerRule for it with curvature_free = True"
                 )
             x = record.args[0]
             if isinstance(x, torch.Tensor):
@@ -80,7 +92,11 @@ def curved_nodes(root: torch.Tensor, walk) -> List[object]:
             continue
         name = type(node).__name__
         if name in SECOND_DERIVATIVES:
-            found.append(node)
+            found.append((node, None))
+        elif name == IN_PLACE_ON_VIEW:
+            second = _in_place_second_derivative(node, walk.next_of(node))
+            if second is not None:
+                found.append((node, second))
         elif name in BILINEAR_OPS:
             dependent = [
                 fn
@@ -93,6 +109,46 @@ def curved_nodes(root: torch.Tensor, walk) -> List[object]:
             raise _error(f"the op {name} has curvature curvopt cannot account for")
         stack.extend(fn for fn, _ in walk.next_of(node))
     return found
+
+
+def _in_place_second_derivative(node, edges) -> Optional[torch.Tensor]:
+    """``phi''(u)`` at the base ``u`` of an in-place op on a view (``CopySlices``, whose op
+    Python cannot name), ``None`` where it is zero: the op's backward is run again on ones with
+    its graph (``g_i = ∂(1ᵀ y)/∂x_i`` for its inputs ``x_i``) and differentiated once more.
+    ``∂(1ᵀ g_0)/∂u`` is ``phi''`` if ``phi`` is elementwise (checked with a sign vector); every
+    other second derivative must vanish, except between a parameter itself and another operand
+    (``h *= w``), which the diagonal does not see: ``h += o`` and ``h *= 2`` are linear,
+    ``h *= o`` with ``o`` computed from the parameters raises."""
+    with STATE.suspend():  # curvopt's own differentiation: no hooks
+        return _in_place_second(edges, backward_with_graph(node, (ones_of_input(node, 0),)))
+
+
+def _in_place_second(edges, grads) -> Optional[torch.Tensor]:
+    """``_in_place_second_derivative`` from the gradients ``grads`` of its inputs ``edges``."""
+    second = None
+    for i, (g, (fn_i, _)) in enumerate(zip(grads, edges)):
+        if fn_i is None or g is None or not g.requires_grad:
+            continue
+        for j, (fn_j, nr_j) in enumerate(edges):
+            leaf = ACCUMULATE_GRAD in (type(fn_i).__name__, type(fn_j).__name__)
+            if fn_j is None or (i != j and leaf):
+                continue
+            source = GradientEdge(fn_j, nr_j)
+            (d,) = torch.autograd.grad(g, source, torch.ones_like(g), True, allow_unused=True)
+            if d is None or not bool(d.any()):
+                continue
+            if i or j:
+                raise _error(
+                    "an in-place op on a view (CopySlices) is curved in an operand other than "
+                    "the tensor it modifies, or multiplies two parameter-dependent tensors"
+                )
+            signs = torch.randint(0, 2, g.shape, generator=torch.Generator().manual_seed(0))
+            signs = (2 * signs - 1).to(g)
+            (ds,) = torch.autograd.grad(g, source, signs, True)
+            if not torch.allclose(ds, d * signs, rtol=1e-5, atol=1e-12 * float(d.abs().max())):
+                raise _error("an in-place op on a view (CopySlices) is curved and not elementwise")
+            second = d
+    return second
 
 
 def _weighted_squares(record, r: torch.Tensor, name: str, batched: bool) -> torch.Tensor:
@@ -126,27 +182,32 @@ def residuals(cpass, calls, exts):
     if not nodes:
         return
     g0 = cpass.loss_grad
-    deltas = backpropagate(output, [GradientEdge(nd, 0) for nd in nodes], g0[None], False)
+    deltas = backpropagate(output, [GradientEdge(nd, 0) for nd, _ in nodes], g0[None], False)
     producers = {}
     for record, edges in calls.items():
-        for _, edge in edges:
-            producers[(edge.node, edge.output_nr)] = record
-    for node, delta in zip(nodes, deltas):
+        for i, edge in edges:
+            producers[(edge.node, edge.output_nr)] = record, i
+    for (node, second), delta in zip(nodes, deltas):
         if delta is None:
             continue
-        r = delta[0] * SECOND_DERIVATIVES[type(node).__name__](node)
+        if second is None:
+            second = SECOND_DERIVATIVES[type(node).__name__](node)
+        r = delta[0] * second
         fn, nr = cpass.walk.next_of(node)[0]
         if fn is None:
             continue
-        direct = producers.get((fn, nr))
+        direct, index = producers.get((fn, nr), (None, None))
         upstream = Walk(fn, within=cpass.walk.edges)  # a part of the loss's walk, read again
         others = {record: calls[record] for record in upstream.calls if record in calls}
         if direct is not None and rule_for(direct.module).has_weighted_squares(direct.module):
+            # in the call's output shape: an in-place op on a view modifies the output's base
+            # (a Linear on [N, T, D] returns a view of its [N T, D'] product), of r's shape
+            own = r.reshape(direct.out_shapes[index])
             for ext in exts:
                 batched = ext.quantity.per_sample
                 for name, p in owned(direct.module):
                     if p.requires_grad:
-                        yield Term(p, ext.attr, _weighted_squares(direct, r, name, batched))
+                        yield Term(p, ext.attr, _weighted_squares(direct, own, name, batched))
             others.pop(direct)
         if others:
             source = GradientEdge(fn, nr)

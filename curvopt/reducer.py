@@ -5,7 +5,10 @@ where a rule has no fast path (``reduce_in_chunks``, also used by the gradient-s
 ``EKFAC``'s ``S = c · Σ_n (Q_0ᵀ G_n Q_1)²`` is a reduction of the per-sample gradients too, in
 an eigenbasis (supplied, or that of this pass's factors from the loss hook, ``results.basis``):
 each call's from its rule (``LayerRule.eigen_correction``), a parameter used by several calls
-from its materialised per-sample gradients; ``c = N`` for a loss with reduction ``"mean"``."""
+from its materialised per-sample gradients; ``c = D``, the divisor of the pass's loss
+(``results.divisor``: ``N`` for one term per sample, the counted rows of a flattened sequence
+loss, ``N K`` for ``MSELoss("mean")`` with ``K`` outputs, 1 for ``"sum"``), so that ``S`` is on
+the GGN's scale."""
 
 from __future__ import annotations
 
@@ -83,9 +86,7 @@ class FirstOrderReducer:
                     self.results.put(p, ext.attr, None)
         else:
             self._reduce(p, rule, call, name)
-            self._correct(
-                p, call.batch_size, lambda bases: rule.eigen_correction(call, name, bases)
-            )
+            self._correct(p, lambda bases: rule.eigen_correction(call, name, bases))
 
     def add_total(self, p, rule, call, name, total) -> torch.Tensor:
         """This call's ``sum_n g_n`` for the checks (computed in chunks if the rule has no fast
@@ -140,22 +141,19 @@ class FirstOrderReducer:
                 sgs = sum_of_squares(batch) if want_sgs else None
                 total = batch.sum(0) if Producer.MOMENTS in first else None
                 self._store(p, l2, sgs, total)
-            self._correct(p, len(batch), lambda bases, batch=batch: eigen_moment_of(batch, bases))
+            self._correct(p, lambda bases, batch=batch: eigen_moment_of(batch, bases))
 
-    def _correct(self, p, n: int, moment) -> None:
-        """``p.ekfac = [c · moment(bases), *bases]`` for every ``EKFAC`` extension: ``c`` the
-        reduction's (``n`` for ``"mean"``, 1 for ``"sum"``) divided by the factor ``w`` the
-        loss enters the backward pass with, so that ``S`` is linear in ``w`` as the GGN is
-        (``G_n`` carries ``w``, its square ``w²``): a loss divided by the accumulation steps,
-        or a sum divided by a count, scales ``S`` as it scales the loss."""
-        weight = self.results.loss_weight
+    def _correct(self, p, moment) -> None:
+        """``p.ekfac = [c · moment(bases), *bases]`` for every ``EKFAC`` extension, ``c`` the
+        loss's divisor ``D`` over the factor ``w`` the loss enters the backward with, so that
+        ``S`` is linear in ``w`` as the GGN is (``G_n`` carries ``w``, its square ``w²``): a
+        loss divided by the accumulation steps, or a sum divided by a count, scales ``S`` as it
+        scales the loss."""
         for ext in self.corrected:
             bases = self._bases(ext, p)
             if bases is None:
                 continue
-            scale = n if self.results.loss.module.reduction == "mean" else 1
-            scale = scale / weight if weight else 0.0
-            self.results.put(p, ext.attr, [moment(bases).mul_(scale), *bases])
+            self.results.put(p, ext.attr, [moment(bases).mul_(self.results.divisor), *bases])
 
     def _bases(self, ext, p):
         """``p``'s bases for ``ext``: supplied (checked), or this pass's; ``None`` where ``p``

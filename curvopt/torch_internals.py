@@ -49,6 +49,20 @@ def input_shape(node, index: int):
     return tuple(node._input_metadata[index].shape)
 
 
+def backward_with_graph(node, grads: tuple) -> tuple:
+    """``node``'s backward applied to ``grads`` with its own graph recorded (grad enabled): the
+    gradients for its inputs as differentiable functions of what it saved."""
+    with torch.enable_grad():
+        result = node(*grads)
+    return result if isinstance(result, tuple) else (result,)
+
+
+def ones_of_input(node, index: int) -> torch.Tensor:
+    """Ones of the shape, dtype and device of ``node``'s ``index``-th input (output gradient)."""
+    meta = node._input_metadata[index]
+    return torch.ones(tuple(meta.shape), dtype=meta.dtype, device=meta.device)
+
+
 def grad_accumulator(p: torch.Tensor):
     """The ``AccumulateGrad`` node of a leaf tensor ``p`` (that of a view of it points there)."""
     with torch.enable_grad():
@@ -112,6 +126,9 @@ ACCUMULATE_GRAD = "AccumulateGrad"
 
 #: ops that only change the shape of their input (their output has the input's elements)
 SHAPE_OPS = {"UnsqueezeBackward0", "ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"}
+#: an in-place op on a view (``h.relu_()``, ``h += o`` for a view ``h``, e.g. a ``Linear``'s
+#: output on ``[N, T, D]``): it wraps the op's backward, which Python cannot name
+IN_PLACE_ON_VIEW = "CopySlices"
 #: ``a + alpha * b`` (``add_alpha``)
 ADD = "AddBackward0"
 #: ops whose output gradient is the per-sample gradient of a broadcast operand

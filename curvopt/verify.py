@@ -28,7 +28,7 @@ from torch.func import functional_call, hessian, jacrev
 
 from curvopt import inputs as io
 from curvopt.collect import collect
-from curvopt.errors import CurvoptError
+from curvopt.errors import CurvoptError, UnsupportedModuleError
 from curvopt.extensions.base import Extension
 from curvopt.extensions.quantity import Producer
 from curvopt.state import STATE
@@ -108,6 +108,23 @@ def _compare(params, wanted, ref, rtol, X):
     return errors
 
 
+def _second_derivatives(f: Callable, q: torch.Tensor) -> torch.Tensor:
+    """``torch.func.hessian(f)(q)``; a model with an op that torch cannot differentiate twice
+    (``hardsigmoid``: its backward has no derivative) raises, naming the op and the fix."""
+    try:
+        return hessian(f)(q)
+    except (NotImplementedError, RuntimeError) as error:
+        if "derivative" not in str(error) and "forward AD" not in str(error):
+            raise
+        raise UnsupportedModuleError(
+            "curvopt.verify: the torch.func reference of diag_h needs the second derivative of "
+            f"every op of the model, which torch does not implement for one of them ({error}). "
+            "curvopt's DiagHessian takes piecewise-linear ops (hardsigmoid, relu6, hardtanh) "
+            "as of zero curvature; to verify it, write such an op from clamp, e.g. "
+            "hardsigmoid(x) = (x + 3).clamp(0, 6) / 6, in the model you pass to verify"
+        ) from error
+
+
 def _reference(model, loss_of, X, y, batch_dim, params, output):
     """Lazily computed reference values: ``ref(quantity, name)``."""
     n = io.first_tensor(X).shape[batch_dim]
@@ -165,7 +182,7 @@ def _reference(model, loss_of, X, y, batch_dim, params, output):
                 return per_sample_loss({**stacked(), k: q.unsqueeze(0).expand(n, *q.shape)})
 
             q = params[k]
-        h = hessian(f)(q).reshape(q.numel(), q.numel())
+        h = _second_derivatives(f, q).reshape(q.numel(), q.numel())
         return torch.diagonal(h).reshape(q.shape)
 
     def ref(q, k: str):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import faulthandler
 import json
 import os
 import pickle
@@ -455,18 +456,24 @@ def _raw(params, attr):
         yield from ([value] if isinstance(value, torch.Tensor) else value)
 
 
+#: how long a rank waits for the others in a collective (and at start-up) before gloo raises
+#: "Timed out waiting ...": generous, since on a loaded machine one rank can lag the others
+TIMEOUT = datetime.timedelta(seconds=300)
+
+
 def _worker(rank, world, port, outdir):
     torch.set_num_threads(1)
+    # a rank killed by a signal (SIGABRT from gloo's C++) leaves its Python stack here
+    stack = open(os.path.join(outdir, f"rank{rank}.stack"), "w")
+    faulthandler.enable(stack, all_threads=True)
     dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=TIMEOUT
     )
     result = {"error": "no result"}
     try:
         result = {"ok": scenarios(Rank(rank, world))}
+        # no rank tears its connections down while another still reads from them
+        dist.barrier()
     except BaseException:
         result = {"error": traceback.format_exc()}
         raise  # mp.spawn reports it with its traceback
@@ -477,11 +484,37 @@ def _worker(rank, world, port, outdir):
     os._exit(0)  # skip the interpreter's teardown (seconds with torch._dynamo loaded)
 
 
+def _outcome(outdir, rank) -> str:
+    """What rank ``rank`` left: its error, or its stack where it died without writing one."""
+    path = os.path.join(outdir, f"rank{rank}.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f).get("error", "finished")
+    stack = os.path.join(outdir, f"rank{rank}.stack")
+    if not os.path.exists(stack):
+        return "failed before it started (see the error above)"
+    with open(stack) as f:
+        return "killed before writing a result; its stack:\n" + (f.read() or "(none)")
+
+
+def spawn_ranks(world, outdir, worker=_worker):
+    """``mp.spawn`` the ranks; a rank that fails (an exception, a collective that timed out
+    after ``TIMEOUT``, a signal) fails with every rank's outcome in the message."""
+    try:
+        mp.spawn(worker, args=(world, _free_port(), outdir), nprocs=world, join=True)
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as error:
+        outcomes = "\n".join(f"rank {r}: {_outcome(outdir, r)}" for r in range(world))
+        raise AssertionError(
+            f"{world} gloo ranks failed ({error}; collectives time out after {TIMEOUT}):\n"
+            f"{outcomes}"
+        ) from error
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda k: f"{k}ranks")
 def ranks(request, tmp_path_factory):
     world = request.param
     outdir = str(tmp_path_factory.mktemp(f"dist{world}"))
-    mp.spawn(_worker, args=(world, _free_port(), outdir), nprocs=world, join=True)
+    spawn_ranks(world, outdir)
     results = []
     for rank in range(world):
         with open(os.path.join(outdir, f"rank{rank}.json")) as f:
@@ -489,6 +522,25 @@ def ranks(request, tmp_path_factory):
         assert "ok" in result, result.get("error")
         results.append(result["ok"])
     return results
+
+
+def _aborting_worker(rank, world, port, outdir):
+    """Rank 1 dies of SIGABRT (as gloo's C++ aborts) while rank 0 waits for it."""
+    faulthandler.enable(open(os.path.join(outdir, f"rank{rank}.stack"), "w"), all_threads=True)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=TIMEOUT
+    )
+    if rank == 1:
+        os.abort()
+    dist.barrier()
+
+
+def test_a_rank_killed_by_a_signal_fails_naming_every_rank_and_its_stack(tmp_path):
+    with pytest.raises(AssertionError) as failure:
+        spawn_ranks(2, str(tmp_path), _aborting_worker)
+    message = str(failure.value)
+    assert "SIGABRT" in message and "rank 0: killed before writing a result" in message
+    assert "rank 1: killed before writing a result" in message and "_aborting_worker" in message
 
 
 TOL = 1e-6

@@ -164,6 +164,11 @@ def _per_sample_grads(model, loss_of, x, y):
     return dict(zip(names, grads))
 
 
+def _divisor(reduction, y):
+    """The cross-entropy's divisor ``D``: its counted (non-ignored) target rows for "mean"."""
+    return int((y != -100).sum()) if reduction == "mean" else 1
+
+
 def _moment(grads, bases, scale):
     """``scale · Σ_n (Q_0ᵀ G_n Q_1)²`` by explicit products over samples."""
     rows = bases[0].shape[0] if bases else 1
@@ -215,7 +220,7 @@ def test_fresh_bases_are_the_factors_eigenvectors_and_s_the_rotated_second_momen
     written = {k: p.ekfac for k, p in model.named_parameters()}
     kron = ext.KFAC() if factors == "kfac" else ext.KFLR()
     _collect(model, lossfunc, layout, x, y, kron)  # the same seed: the same sampled columns
-    scale = n if reduction == "mean" else 1
+    scale = _divisor(reduction, y)
     for k, p in model.named_parameters():
         S, *bases = written[k]
         expected_bases = [psd_eigh(f)[1] for f in getattr(p, kron.attr)]
@@ -257,7 +262,7 @@ def test_supplied_bases_give_s_in_that_basis_without_any_factors(name, reduction
 
     monkeypatch.setattr("curvopt.curvature.kron_factors", no_factors)
     _collect(model, lossfunc, layout, x, y, ext.EKFAC(bases=bases))
-    scale = 3 if reduction == "mean" else 1
+    scale = _divisor(reduction, y)
     for k, p in model.named_parameters():
         S, *written = p.ekfac
         assert all(a is b for a, b in zip(written, bases[p])) and len(written) == len(bases[p])
@@ -304,7 +309,8 @@ def test_dense_layers_never_materialise_per_sample_weight_gradients(name, monkey
     _collect(model, lossfunc, layout, x, y, ext.KFAC())
     for k, p in model.named_parameters():
         bases = [psd_eigh(f)[1] for f in p.kfac]
-        torch.testing.assert_close(ekfac[k][0], _moment(grads[k], bases, 4), rtol=1e-10, atol=1e-13)
+        expected = _moment(grads[k], bases, _divisor("mean", y))
+        torch.testing.assert_close(ekfac[k][0], expected, rtol=1e-10, atol=1e-13)
 
 
 def test_the_guard_of_the_dense_path_does_fire_through_batch_grad(monkeypatch):
@@ -323,7 +329,7 @@ def test_the_guard_of_the_dense_path_does_fire_through_batch_grad(monkeypatch):
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_micro_batches_with_supplied_bases_add_each_pass_s(reduction):
     """Like ``diag_ggn`` and ``kfac``'s ``B``, ``S`` is that of the objective the passes sum
-    to: each pass scaled by its own ``c`` (``N_i`` for "mean"), then added."""
+    to: each pass scaled by its own ``c`` (its divisor ``D_i`` for "mean"), then added."""
     model, lossfunc, layout, x, y = _problem("cnn", 5, reduction)
     parts = [(x[:2], y[:2]), (x[2:], y[2:])]
     grads = [_per_sample_grads(model, lossfunc, xi, yi) for xi, yi in parts]
@@ -335,8 +341,7 @@ def test_micro_batches_with_supplied_bases_add_each_pass_s(reduction):
             lossfunc(model(xi), yi).backward()
     for k, p in model.named_parameters():
         expected = sum(
-            _moment(g[k], bases[p], len(xi) if reduction == "mean" else 1)
-            for g, (xi, _) in zip(grads, parts)
+            _moment(g[k], bases[p], _divisor(reduction, yi)) for g, (_, yi) in zip(grads, parts)
         )
         torch.testing.assert_close(p.ekfac[0], expected, rtol=1e-10, atol=1e-13)
 
@@ -461,7 +466,7 @@ def test_zoo_models_in_supplied_and_fresh_bases(name, reduction):
     grads = _per_sample_grads(problem.model, problem.loss_on, x, y)
     model = curvopt.extend(problem.model)
     curvopt.extend(problem.lossfunc)  # the loss that loss_of calls
-    scale = 3 if reduction == "mean" else 1
+    scale = _divisor(reduction, y)
     bases = _random_bases(model)
     model.zero_grad()
     with curvopt.collect(ext.EKFAC(bases=bases)):

@@ -332,7 +332,13 @@ def test_diagonal_fallback_step_formula(weight_decay):
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
     lr, lam = 0.3, 0.7
     opt = curvopt.optim.KFAC(
-        model.parameters(), lr, lam, "kflr", weight_decay=weight_decay, fallback="diagonal"
+        model.parameters(),
+        lr,
+        lam,
+        "kflr",
+        weight_decay=weight_decay,
+        fallback="diagonal",
+        kl_clip=None,
     )
     before = {n: model.get_parameter(n).detach().clone() for n in RAW}
     with pytest.warns(UserWarning):

@@ -74,8 +74,9 @@ LAYERS = [
         "kfra",
     },
     {"reducer", "checks", "curvature", "accumulate", "backward"},
-    {"hooks", "collect", "verify"},
+    {"hooks", "unextended", "collect", "verify"},
     {"optim", "linalg"},
+    {"laplace"},
 ]
 
 

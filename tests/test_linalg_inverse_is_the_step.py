@@ -24,19 +24,19 @@ LAMBDA = 0.05
 CASES = {
     "kfac_trace_norm": (
         lambda m, f, d: linalg.KFAC(m, f, d, "kflr").inverse(LAMBDA),
-        lambda p: optim.KFAC(p, 1.0, LAMBDA, "kflr"),
+        lambda p: optim.KFAC(p, 1.0, LAMBDA, "kflr", kl_clip=None),
     ),
     "kfac_exact": (
         lambda m, f, d: linalg.KFAC(m, f, d, "kflr").inverse(LAMBDA, "exact"),
-        lambda p: optim.KFAC(p, 1.0, LAMBDA, "kflr", kronecker_damping="exact"),
+        lambda p: optim.KFAC(p, 1.0, LAMBDA, "kflr", kronecker_damping="exact", kl_clip=None),
     ),
     "diagonal": (
         lambda m, f, d: linalg.Diagonal(m, f, d, "ggn_exact").inverse(LAMBDA),
-        lambda p: optim.DiagGGNNewton(p, 1.0, LAMBDA, "exact"),
+        lambda p: optim.DiagGGNNewton(p, 1.0, LAMBDA, "exact", kl_clip=None),
     ),
     "ekfac": (
         lambda m, f, d: linalg.EKFAC(m, f, d, "kflr").inverse(LAMBDA),
-        lambda p: optim.EKFAC(p, 1.0, LAMBDA, "kflr"),
+        lambda p: optim.EKFAC(p, 1.0, LAMBDA, "kflr", kl_clip=None),
     ),
 }
 

@@ -1,10 +1,12 @@
-"""The settings the README shows, ``lr=0.05, damping=1e-3, kl_clip=1e-3``, train without diverging.
+"""The defaults train: ``lr=0.05, damping=1e-3`` (the README's settings) without diverging.
 
-The trust region (``kl_clip=1e-3``: the step scaled by ``ν = min(1, sqrt(κ / (lr² gᵀd)))``) is
-what makes them work; the default is the paper's unclipped update (``kl_clip=None``), which
-diverges on the digits CNN at these settings. When a step fails, the error names the cause.
+The trust region (``kl_clip=1e-3`` by default: the step scaled by
+``ν = min(1, sqrt(κ / (lr² gᵀd)))``) is what makes them work; the paper's unclipped update
+(``kl_clip=None``) diverges on the digits CNN at these settings. When a step fails, the error
+names the optimizer, the cause and the options to change.
 """
 
+import inspect
 import math
 from functools import partial
 
@@ -17,8 +19,8 @@ from curvopt.optim import EKFAC, KFAC, DiagGGNNewton
 from experiments.problems import get_problem
 from fixtures import zoo
 
-README = {"lr": 0.05, "damping": 1e-3, "kl_clip": 1e-3}
-PAPER = {"lr": 0.05, "damping": 1e-3}
+README = {"lr": 0.05, "damping": 1e-3}  # and the default trust region, kl_clip=1e-3
+PAPER = {"lr": 0.05, "damping": 1e-3, "kl_clip": None}
 OPTIMIZERS = {"KFAC": KFAC, "DiagGGNNewton": DiagGGNNewton}
 #: trained with the README settings too (the trust-region tests below are for the first two)
 TRAINED = {**OPTIMIZERS, "EKFAC": partial(EKFAC, basis_interval=5)}
@@ -80,8 +82,10 @@ def test_paper_update_diverges_on_the_digits_cnn_and_the_error_names_the_factor(
     model = curvopt.extend(_digits_cnn())
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
     opt = KFAC(model.named_parameters(), **PAPER)
-    with pytest.raises(torch.linalg.LinAlgError, match=r"parameter '.*' .*Kronecker factor [AB]"):
+    match = r"parameter '.*' .*Kronecker factor [AB]"
+    with pytest.raises(torch.linalg.LinAlgError, match=match) as error:
         _train(opt, lambda a, b: lossfunc(model(a), b), X, y, steps=40, batch=128)
+    assert "kl_clip" in str(error.value)  # the option that keeps these settings training
 
 
 @pytest.mark.parametrize("model_name", ["mlp", "resnet_block", "gpt", "bert"])
@@ -112,13 +116,13 @@ def _one_layer(seed=0):
 @pytest.mark.parametrize("lr", [1e-3, 0.5])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_clipped_step_is_the_paper_step_scaled_into_the_trust_region(name, lr):
-    """``kl_clip=1e-3``: ``θ ← θ − lr ν d`` with ``ν = min(1, sqrt(1e-3 / (lr² Σ gᵀd)))`` and
-    ``d`` the paper's direction, taken from a twin with the default options (no clip: the paper's
-    update); ``ν < 1`` for the large ``lr``."""
+    """The default ``kl_clip=1e-3``: ``θ ← θ − lr ν d`` with
+    ``ν = min(1, sqrt(1e-3 / (lr² Σ gᵀd)))`` and ``d`` the paper's direction, taken from a twin
+    with ``kl_clip=None`` (the paper's update); ``ν < 1`` for the large ``lr``."""
     steps = {}
     for kl_clip in (None, "clipped"):
         layer, lossfunc, x, y = _one_layer()
-        options = {} if kl_clip is None else {"kl_clip": 1e-3}
+        options = {"kl_clip": None} if kl_clip is None else {}
         opt = OPTIMIZERS[name](layer.parameters(), lr=lr, damping=1e-2, **options)
         before = [p.detach().clone() for p in layer.parameters()]
         torch.manual_seed(1)
@@ -168,7 +172,7 @@ def test_a_non_finite_gradient_names_the_exploded_loss():
 @pytest.mark.parametrize("side, index", [("output-side Kronecker factor B", 0), ("input", 1)])
 def test_a_factor_that_cannot_be_factorised_is_named(side, index):
     layer, lossfunc, x, y = _one_layer()
-    opt = KFAC(layer.named_parameters(), lr=0.1, damping=0.0, curvature="kflr")
+    opt = KFAC(layer.named_parameters(), lr=0.1, damping=0.0, curvature="kflr", kl_clip=None)
     with opt.collect():
         lossfunc(layer(x), y).backward()
     factors = [torch.eye(f.shape[0], dtype=torch.float64) for f in layer.weight.kflr]
@@ -183,8 +187,7 @@ DEEPOBS = ["mnist_logreg", "fmnist_2c2d", "cifar10_3c3d", "cifar100_allcnnc"]
 
 @pytest.mark.parametrize(
     "name, problem",
-    [(name, problem) for name in OPTIMIZERS for problem in DEEPOBS]
-    + [("EKFAC", "mnist_logreg")],
+    [(name, problem) for name in OPTIMIZERS for problem in DEEPOBS] + [("EKFAC", "mnist_logreg")],
 )
 def test_readme_settings_train_the_deepobs_networks(name, problem):
     """The four DeepOBS networks as the benchmarks build them, on 64 images of a learnable
@@ -206,3 +209,20 @@ def test_readme_settings_train_the_deepobs_networks(name, problem):
     steps, target = (10, 1.0) if slow else (30, 0.9)
     first, last = _train(opt, lambda a, b: lossfunc(model(a), b), X, y, steps=steps, batch=16)
     assert math.isfinite(last) and last < target * first, (first, last)
+
+
+@pytest.mark.parametrize("name", list(TRAINED))
+def test_the_trust_region_is_on_by_default(name):
+    cls = {"KFAC": KFAC, "DiagGGNNewton": DiagGGNNewton, "EKFAC": EKFAC}[name]
+    assert inspect.signature(cls).parameters["kl_clip"].default == 1e-3
+    assert cls([nn.Parameter(torch.zeros(2, 2))], 0.1, 0.1).defaults["kl_clip"] == 1e-3
+
+
+def test_error_messages_name_the_optimizer_and_the_options_to_change():
+    layer, lossfunc, x, y = _one_layer()
+    opt = KFAC(layer.named_parameters(), **README)
+    with opt.collect():
+        lossfunc(layer(x), y).backward()
+    layer.weight.grad[0, 0] = math.inf
+    with pytest.raises(FloatingPointError, match=r"^KFAC: the gradient .*damping.*kl_clip"):
+        opt.step()

@@ -30,9 +30,11 @@ class _TwoHeads(nn.Module):
 
 
 OPTIMIZERS = {
-    "kfac": lambda p, **kw: curvopt.optim.KFAC(p, lr=0.1, damping=1.0, **kw),
-    "kflr": lambda p, **kw: curvopt.optim.KFAC(p, lr=0.1, damping=1.0, curvature="kflr", **kw),
-    "diag": lambda p, **kw: curvopt.optim.DiagGGNNewton(p, lr=0.1, damping=1.0, **kw),
+    "kfac": lambda p, **kw: curvopt.optim.KFAC(p, lr=0.1, damping=1.0, kl_clip=None, **kw),
+    "kflr": lambda p, **kw: curvopt.optim.KFAC(
+        p, lr=0.1, damping=1.0, curvature="kflr", kl_clip=None, **kw
+    ),
+    "diag": lambda p, **kw: curvopt.optim.DiagGGNNewton(p, lr=0.1, damping=1.0, kl_clip=None, **kw),
     "vsgd": lambda p, **kw: curvopt.optim.VarianceAdaptedSGD(p, lr=0.1, **kw),
 }
 
@@ -120,6 +122,7 @@ def test_curvature_ema_diagonal(beta, seed):
         damping=damping,
         curvature="exact",
         curvature_ema=beta,
+        kl_clip=None,
     )
     (x1, y1), (x2, y2) = _linear_problem(4, 1), _linear_problem(4, 2)
     c1 = _exact_curvature(layer, x1, y1)
@@ -145,6 +148,7 @@ def test_curvature_ema_kronecker(beta, seed):
         damping=damping,
         curvature="kflr",
         curvature_ema=beta,
+        kl_clip=None,
     )
     (x1, y1), (x2, y2) = _linear_problem(4, 1), _linear_problem(4, 2)
     _, _, b1, a1 = _exact_curvature(layer, x1, y1)
@@ -197,6 +201,7 @@ def test_levenberg_marquardt_damping_update(monkeypatch, seed):
             damping=strategy,
             curvature="exact",
             weight_decay=weight_decay,
+            kl_clip=None,
         )
         w, b = (p.detach().clone() for p in layer.parameters())
         loss0 = _loss(w, b, x, y)
@@ -249,7 +254,7 @@ def test_kfac_kfra_uses_kfra_factors(seed):
     model = curvopt.extend(copy.deepcopy(plain))
     lr, damping = 0.5, 0.01
     opt = curvopt.optim.KFAC(
-        model.parameters(), lr=lr, damping=damping, curvature="kfra"
+        model.parameters(), lr=lr, damping=damping, curvature="kfra", kl_clip=None
     )
     deltas = _step(opt, model, lossfunc, x, y)
     for (name, p), delta in zip(probe.named_parameters(), deltas):

@@ -362,12 +362,15 @@ def test_reproduce_full_protocol_commands_and_dry_run(capsys):
     cmds = rep.full_protocol_commands("X")
     grids = [c for c in cmds if " grid " in c]
     assert len(grids) == sum(len(v) for v in rep.PAPER_OPTIMIZERS.values()) == 22
+    # the curvature optimizers take the paper's update (preset paper: kl_clip=None)
+    kfac = "python -m experiments grid cifar100_allcnnc kfac --preset paper --seeds 10"
+    assert f"{kfac} --results-dir X/runs" in cmds
     assert (
-        "python -m experiments grid cifar100_allcnnc kfac --seeds 10 --results-dir X/runs" in cmds
+        "python -m experiments grid mnist_logreg momentum --seeds 10 --results-dir X/runs" in cmds
     )
     assert rep.main(["--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "python -m experiments grid fmnist_2c2d kflr --seeds 10" in out
+    assert "python -m experiments grid fmnist_2c2d kflr --preset paper --seeds 10" in out
 
 
 def test_reproduce_registers_second_order_overhead_quantities():

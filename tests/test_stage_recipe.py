@@ -73,8 +73,8 @@ def test_the_stage_runs_at_its_place_in_the_chain(registered):
 @pytest.mark.parametrize(
     "make",
     [
-        lambda p, lr: KFAC(p, lr, 0.1, "kflr", momentum=0.9),
-        lambda p, lr: DiagGGNNewton(p, lr, 0.1, "exact", 0.01),
+        lambda p, lr: KFAC(p, lr, 0.1, "kflr", momentum=0.9, kl_clip=None),
+        lambda p, lr: DiagGGNNewton(p, lr, 0.1, "exact", 0.01, kl_clip=None),
     ],
     ids=["KFAC", "DiagGGNNewton"],
 )

@@ -20,6 +20,7 @@ GENERATED = {
     "SECOND_DERIVATIVES": set(ti.SECOND_DERIVATIVES),
     "ACCUMULATE_GRAD": {ti.ACCUMULATE_GRAD},
     "ADD": {ti.ADD},
+    "IN_PLACE_ON_VIEW": {ti.IN_PLACE_ON_VIEW},
 }
 
 
@@ -71,6 +72,7 @@ GRAPHS = [
     (lambda: F.pad(_x(1, 2, 3), (1, 1)), ti.LINEAR_OPS, "ConstantPadNdBackward0"),
     (lambda: torch.cat([_x(2), _x(3)]), ti.LINEAR_OPS, "CatBackward0"),
     (lambda: _x(2).view_as(torch.empty(2)), {ti.ACCUMULATE_GRAD}, "AccumulateGrad"),
+    (lambda: (_x(2, 3) * 1).view(6).relu_(), {ti.IN_PLACE_ON_VIEW}, "CopySlices"),
 ]
 
 

@@ -7,6 +7,7 @@ from curvopt.extensions.secondorder import (
     EKFAC,
     KFAC,
     KFLR,
+    KFACEmpirical,
     KFRA,
     BatchDiagGGNExact,
     BatchDiagGGNMC,
@@ -38,6 +39,7 @@ __all__ = [
     "BatchDiagHessian",
     "KFAC",
     "KFLR",
+    "KFACEmpirical",
     "KFRA",
     "EKFAC",
 ]

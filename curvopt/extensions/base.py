@@ -19,8 +19,9 @@ class Extension:
     quantity: ClassVar[Quantity]
     attr: ClassVar[str] = ""
     order: ClassVar[int] = 1
-    #: which loss-Hessian square root a curvature quantity propagates: "exact" or "mc"
-    #: (Monte-Carlo, ``mc_samples`` columns); None for first-order quantities
+    #: which loss-Hessian square root a curvature quantity propagates: "exact", "mc"
+    #: (Monte-Carlo, ``mc_samples`` columns) or "empirical" (one column, the loss gradient at
+    #: the observed targets); None for first-order quantities
     source: ClassVar[Optional[str]] = None
 
     def __init_subclass__(cls, **kwargs):

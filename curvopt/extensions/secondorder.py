@@ -7,6 +7,8 @@ factor ``H_n = sum_k s_nk s_nk^T`` (exact: ``K`` columns from the loss; Monte-Ca
 columns from targets sampled from the model's predictive distribution), propagated backwards.
 """
 
+import torch
+
 from curvopt.extensions.base import Extension
 from curvopt.extensions.quantity import Combine, Kind, Producer, Quantity, declare
 
@@ -104,6 +106,26 @@ class KFAC(_MonteCarlo):
         super().__init__(mc_samples=mc_samples, kfac_approx=kfac_approx)
 
 
+class KFACEmpirical(_Curvature):
+    """``p.kfac_empirical``: as :class:`KFLR` with one column, the gradient of the loss w.r.t.
+    its input at the observed targets, in place of the loss-Hessian square root: Kronecker
+    factors of the empirical Fisher ``EF = c sum_n vec(g_n) vec(g_n)^T`` (``c`` the loss's
+    divisor: 1 for "sum", ``N`` or the kept rows for "mean"; on the GGN's scale). With one
+    sample and no weight sharing, ``kron(*p.kfac_empirical)`` is the EF block exactly.
+    """
+
+    source = "empirical"
+    quantity = Quantity("kfac_empirical", Kind.FACTORS, Combine.FACTORS, Producer.KRONECKER)
+    #: ``collect(skip_unsupported="diagonal")`` writes this instead where there are no factors
+    fallback = declare(
+        Quantity("kfac_empirical_diagonal", Kind.SUMMED, Combine.ADD, Producer.GGN_DIAGONAL)
+    )
+
+    def __init__(self, kfac_approx: str = "expand"):
+        _check_approx(type(self).__name__, kfac_approx)
+        super().__init__(kfac_approx=kfac_approx)
+
+
 class KFRA(_Curvature):
     """``p.kfra``: Kronecker factors with the batch-averaged GGN propagated recursively
     (Botev et al., 2017): ``B_l = (W_{l+1}^T B_{l+1} W_{l+1}) * mean_n d_n d_n^T`` with
@@ -114,12 +136,25 @@ class KFRA(_Curvature):
     quantity = Quantity("kfra", Kind.FACTORS, Combine.RAISES, Producer.KFRA)
 
 
+def _described(p):
+    """A dict key of ``bases`` for a message: the parameter's shape."""
+    shape = tuple(p.shape) if isinstance(p, torch.Tensor) else None
+    return f"parameter of shape {shape}" if shape is not None else repr(p)
+
+
 def _supplied(bases):
     """``bases`` (None, a dict ``{param: [Q_0, ...]}`` or a callable ``param -> [Q_0, ...] or
     None``) as a callable; the dict is looked up by identity (tensors hash by id)."""
     if bases is None or callable(bases):
         return bases
     if isinstance(bases, dict):
+        for p, q in bases.items():
+            if not isinstance(q, (list, tuple)) or not all(isinstance(m, torch.Tensor) for m in q):
+                raise TypeError(
+                    f"EKFAC: bases[{_described(p)}] must be a list of tensors [Q_0, Q_1] (or a "
+                    f"prefix of it, [] for the identity), got {type(q).__name__}; leave a "
+                    "parameter out of the dict (or return None from a callable) for fresh bases"
+                )
         by_id = {id(p): list(q) for p, q in bases.items()}
         return lambda p: by_id.get(id(p))
     raise TypeError(
@@ -134,11 +169,13 @@ class EKFAC(_MonteCarlo):
     al., 2018), ``S = c · Σ_n (Q_0ᵀ G_n Q_1)²`` (element-wise square, ``[dim Q_0, dim Q_1]``).
 
     ``G_n`` is ``g_n`` (the gradient of the loss as computed, restricted to sample ``n``)
-    reshaped to ``[p.shape[0], -1]`` (``[p.shape[0], 1]`` for one-dimensional ``p``); ``c = N``
-    for a loss with ``reduction="mean"``, 1 for ``"sum"``, read from the loss, divided by the
-    factor ``w`` the loss enters the backward pass with (so that ``S`` is linear in ``w``, as
-    the GGN is), so that ``vec S = diag(Qᵀ EF Q)`` for the empirical Fisher scaled like the
-    GGN. ``Q_0, Q_1`` are
+    reshaped to ``[p.shape[0], -1]`` (``[p.shape[0], 1]`` for one-dimensional ``p``); ``c = D``,
+    the divisor of a loss with ``reduction="mean"`` (``N`` for one term per sample, the counted
+    rows of a flattened sequence loss, ``N K`` for ``MSELoss`` on ``K`` outputs), 1 for
+    ``"sum"``, read from the loss, divided by the factor ``w`` the loss enters the backward
+    pass with (so that ``S`` is linear in ``w``, as the GGN is), so that ``vec S = diag(Qᵀ EF
+    Q)`` for the empirical Fisher on the GGN's scale (``E[S] = diag(Qᵀ G Q)`` under targets
+    drawn from the model). ``Q_0, Q_1`` are
     the eigenvectors (``psd_eigh``) of this pass's Kronecker factors, in ``p``'s dim order
     (``[Q_B, Q_A]`` for ``Linear``/conv weights, ``[Q_A, Q_B]`` for ``Embedding``):
     ``factors="kfac"`` (``mc_samples`` sampled columns) or ``"kflr"`` (exact), with
@@ -199,6 +236,7 @@ SECOND_ORDER = (
     BatchDiagHessian,
     KFLR,
     KFAC,
+    KFACEmpirical,
     KFRA,
     EKFAC,
 )

@@ -4,13 +4,13 @@
 Per parameter the block is ``Q diag(vec S) Qᵀ`` with ``Q = Q_B ⊗ Q_A`` the eigenvectors of the
 factors of :class:`~curvopt.linalg.KFAC` (accumulated over all of ``data``) and
 ``vec S = diag(Qᵀ EF Q)``, ``EF`` the empirical Fisher of all of ``data`` from the per-sample
-gradients (extension ``EKFAC`` in the supplied bases ``Q``, one pass per batch; scaled like
-the GGN: ``(1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ`` for "mean", the sum for "sum", ``N`` the samples).
-Batches are weighted as in :mod:`curvopt.linalg.base`: batch ``b`` contributes ``S_b = N_b
-Σ_{n∈b} (Q_Bᵀ G_n Q_A)²`` ("mean", weight ``N_b / N``) or ``Σ_{n∈b} (...)²`` ("sum"), the
-optimizer's correction of that batch. With per-sample loss rows (dim 0 of the loss input the
-samples) it is the projection of :class:`~curvopt.linalg.EmpiricalFisher` onto the matrices
-diagonal in ``Q``.
+gradients (extension ``EKFAC`` in the supplied bases ``Q``, one pass per batch; on the GGN's
+scale: ``D Σ_n g_n g_nᵀ`` for "mean", ``D`` the loss's divisor, the sum for "sum").
+Batches are weighted as in :mod:`curvopt.linalg.base`: batch ``b`` contributes ``S_b = D_b
+Σ_{n∈b} (Q_Bᵀ G_n Q_A)²`` ("mean", weight ``R_b / R``, its share of the loss rows) or
+``Σ_{n∈b} (...)²`` ("sum"), the optimizer's correction of that batch. With one loss term per
+sample (``D = N``: a classifier's cross-entropy) it is the projection of
+:class:`~curvopt.linalg.EmpiricalFisher` onto the matrices diagonal in ``Q``.
 """
 
 from __future__ import annotations

@@ -119,6 +119,17 @@ class LossRule(ABC):
     def _check_target(self, loss_module, output, target):
         """Raise ``ValueError``/``UnsupportedLossError`` for bad targets (output already valid)."""
 
+    def divisor(self, loss_module, output, target) -> float:
+        """``D`` with ``loss = (1/D) Σ_r ℓ_r`` over the loss's terms ``r``: 1 for "sum", the
+        number of terms :meth:`_mean_count` for "mean" (the scale of ``EKFAC``'s ``S``)."""
+        if loss_module.reduction == "sum":
+            return 1.0
+        return float(self._mean_count(loss_module, output, target))
+
+    def _mean_count(self, loss_module, output, target):
+        """The normaliser of reduction "mean": every element of ``output`` (one term each)."""
+        return output.numel()
+
     @abstractmethod
     def num_columns(self, loss_module, output):
         """Number ``K`` of columns of the exact factor."""

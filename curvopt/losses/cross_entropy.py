@@ -84,6 +84,16 @@ class CrossEntropyLossRule(LossRule):
 
     def _beta(self, loss_module, output, target):
         """``beta`` of shape ``[N, D]`` (see module doc); validates the normaliser and sign."""
+        alpha, count = self._alpha(loss_module, output, target)
+        return alpha * reduction_scale(loss_module, count)
+
+    def _mean_count(self, loss_module, output, target):
+        """The normaliser of "mean": ``sum_{kept} w_y`` (the kept rows without class weights),
+        ``N D`` for probability targets."""
+        return self._alpha(loss_module, output, target)[1]
+
+    def _alpha(self, loss_module, output, target):
+        """``(alpha [N, D], count)``: the rows' weights and the normaliser of "mean"."""
         num_classes = output.shape[1]
         eps = loss_module.label_smoothing
         weight = loss_module.weight
@@ -114,7 +124,7 @@ class CrossEntropyLossRule(LossRule):
                     "zero class weight, so the loss is 0/0 = nan; use reduction='sum' or keep a "
                     "target."
                 )
-        return alpha * reduction_scale(loss_module, count)
+        return alpha, count
 
     def num_columns(self, loss_module, output):
         return output[0].numel()

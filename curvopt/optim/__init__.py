@@ -1,7 +1,8 @@
 """Curvature optimizers and the damping-and-inversion layer they share.
 
 Optimizers (``torch.optim.Optimizer`` subclasses): :class:`DiagGGNNewton`, :class:`KFAC`,
-:class:`VarianceAdaptedSGD`. The layer (pure tensor functions, usable on their own):
+:class:`EKFAC`, :class:`VarianceAdaptedSGD`. The layer (pure tensor functions, usable on their
+own):
 
 * damping strategies: :class:`ConstantDamping`, :class:`ScheduledDamping`,
   :class:`LevenbergMarquardt`, :func:`as_damping`, :func:`reduction_ratio`;

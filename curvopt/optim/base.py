@@ -56,6 +56,16 @@ class ParamUpdate:
     consumed: dict[str, Any] = field(default_factory=dict)
 
 
+_REMEDY = "Check the loss, and lower the learning rate (lr)"
+
+
+def _size(tensor: torch.Tensor) -> torch.Tensor:
+    """``‖t‖∞`` in float64 (inf or NaN for non-finite entries; 0 for no entries)."""
+    if tensor.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=tensor.device)
+    return torch.linalg.vector_norm(tensor.detach(), math.inf, dtype=torch.float64)
+
+
 def _number(loss) -> float:
     return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
 
@@ -100,6 +110,8 @@ class CurvatureOptimizer(Optimizer):
 
     #: the hyper-parameters of a param group, their defaults and validation
     Options: ClassVar[type[CurvatureOptions]] = CurvatureOptions
+    #: what to change when a step is not finite (the error's last sentence)
+    _remedy: ClassVar[str] = _REMEDY
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -232,13 +244,16 @@ class CurvatureOptimizer(Optimizer):
         if value is None:
             if fallback is not None:
                 return None
+            hint = (
+                " To update such parameters with the plain (weight-decayed) gradient instead, "
+                "pass fallback='sgd' (for all parameters or in their param group)."
+            )
             raise RuntimeError(
                 f"{description} has no `{attr}` after the backward pass, so {type(self).__name__} "
                 f"cannot precondition it. Either its module type is not supported by {extension}, "
                 "the model or the loss was not passed through curvopt.extend, or the backward pass "
-                "did not run inside `opt.collect()` / `opt.step(closure)`. To update such "
-                "parameters with the plain (weight-decayed) gradient instead, pass "
-                "fallback='sgd' (for all parameters or in their param group)."
+                "did not run inside `opt.collect()` / `opt.step(closure)`."
+                + (hint if "fallback" in self.defaults else "")
             )
         if value is self._consumed.get(param, {}).get(attr):
             raise RuntimeError(
@@ -327,9 +342,9 @@ class CurvatureOptimizer(Optimizer):
                 loss = closure()
             if loss is not None and not math.isfinite(_number(loss)):
                 raise FloatingPointError(
-                    f"the loss returned by the closure is {_number(loss)}: the loss exploded "
-                    "(non-finite loss); no parameter was updated. Lower the learning rate, "
-                    "increase the damping, or keep the step's trust region (kl_clip) on."
+                    f"{type(self).__name__}: the loss returned by the closure is "
+                    f"{_number(loss)}: the loss exploded (non-finite loss); no parameter was "
+                    f"updated. {self._remedy}."
                 )
         due = self._model_due()
         if due and closure is None:
@@ -344,7 +359,7 @@ class CurvatureOptimizer(Optimizer):
             for group, group_state in zip(self.param_groups, self._group_state)
         ]
         updates = [u for group_updates, _ in plans for u in group_updates]
-        self._check_finite(updates)
+        self._check_finite(updates, f"{type(self).__name__}: ", self._remedy)
         regularizer_change = self._regularizer_change(plans) if due else 0.0
         for update in updates:
             update.param.sub_(update.delta)
@@ -375,29 +390,36 @@ class CurvatureOptimizer(Optimizer):
         return change
 
     @staticmethod
-    def _check_finite(updates: list[ParamUpdate]) -> None:
+    def _check_finite(updates: list[ParamUpdate], owner: str = "", remedy: str = _REMEDY) -> None:
+        """Raise ``FloatingPointError`` unless every checked tensor, and every parameter after
+        its update ``θ − Δ``, is finite (``‖θ‖∞ + ‖Δ‖∞ ≤ max`` of the dtype: no overflow)."""
         checks = [(u, what, t) for u in updates for what, t in u.checks]
-        if not checks:
+        moved = [u for u in updates if u.delta is not None]
+        if not checks and not moved:
             return
-        device = checks[0][2].device
+        device = (checks[0][2] if checks else moved[0].param).device
         # one read per tensor and one host sync: a finite sum means finite entries (a NaN or
         # inf entry makes the sum NaN or inf); only a non-finite sum (or overflow) is looked into
-        sums = torch.stack([t.sum().to(device) for _, _, t in checks])
-        if bool(sums.isfinite().all()):
+        sums = [t.sum().to(device) for _, _, t in checks]
+        sizes = [_size(u.param) + _size(u.delta) - torch.finfo(u.param.dtype).max for u in moved]
+        fine = torch.stack(sums).isfinite().all() if sums else torch.tensor(True, device=device)
+        if sizes:
+            fine = fine & (torch.stack([size.to(device) for size in sizes]) <= 0).all()
+        if bool(fine):
             return
-        flags = [t.isfinite().all().to(device) for _, _, t in checks]
-        if bool(torch.stack(flags).all()):
-            return
-        for (update, what, _), flag in zip(checks, flags):
-            if not flag:
+        after = [
+            (u, "parameter after the step", (u.param - u.delta).to(u.param.dtype)) for u in moved
+        ]
+        for update, what, tensor in checks + after:
+            if not bool(tensor.isfinite().all()):
                 cause = (
                     " (the loss exploded, or the backward pass overflowed)"
                     if what == "gradient"
                     else ""
                 )
                 raise FloatingPointError(
-                    f"the {what} of {update.description} is not finite{cause}; no parameter was "
-                    "updated. Check the loss and the learning rate, or increase the damping."
+                    f"{owner}the {what} of {update.description} is not finite{cause}; no "
+                    f"parameter was updated. {remedy}."
                 )
 
     # ----------------------------------------------------------------- saving

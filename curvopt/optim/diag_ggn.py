@@ -33,10 +33,11 @@ class DiagGGNNewton(NewtonOptimizer):
             (``DiagGGNExact``, ``p.diag_ggn_exact``).
         weight_decay: ``δ ≥ 0`` (added to the gradient and to the damping).
         mc_samples: Monte-Carlo samples for ``curvature="mc"``.
-        kl_clip: ``κ``: a trust region for every step, off by default (``None``: the paper's
-            update): the step is scaled by ``ν = min(1, sqrt(κ / (lr² gᵀ d)))``, ``d`` the damped
-            direction, so its length in the damped curvature (a proxy for the KL divergence it
-            causes) is at most ``κ``. ``1e-3`` makes small dampings such as ``1e-3`` train.
+        kl_clip: ``κ``: a trust region for every step, ``1e-3`` by default (``None``: the
+            paper's update): the step is scaled by ``ν = min(1, sqrt(κ / (lr² gᵀ d)))``, ``d``
+            the damped direction, so its length in the damped curvature (a proxy for the KL
+            divergence it causes) is at most ``κ``; it makes small dampings such as ``1e-3``
+            train.
             See :mod:`curvopt.optim.newton`.
         momentum, curvature_ema, curvature_interval, fallback: see
             :mod:`curvopt.optim.newton` (all off by default).

@@ -9,9 +9,11 @@ uses the second moment of the per-sample gradients in that basis::
 with ``G_n = grad_batch[n].reshape(dim B, -1)`` the per-sample gradient as a matrix (``[dim
 B, 1]`` for a bias with ``[B]``; with no factors the basis is the identity and ``G_n`` the
 row ``[1, numel]``). ``g_n`` (``grad_batch``) is the gradient of the loss *as computed*
-restricted to sample ``n`` (``∇ℓ_n / N`` for ``reduction="mean"``, ``∇ℓ_n`` for ``"sum"``),
-and the empirical Fisher scaled like the GGN is ``EF = (1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ = N Σ_n g_n g_nᵀ``
-("mean") or ``Σ_n g_n g_nᵀ`` ("sum"). Hence ``c = N`` for "mean", ``c = 1`` for "sum", and::
+restricted to sample ``n`` (``∇ℓ_n / D`` for ``reduction="mean"``, ``D`` the loss's divisor:
+``N`` for one term per sample, ``N T`` counted rows of a flattened sequence loss, ``N K`` for
+``MSELoss`` on ``K`` outputs; ``∇ℓ_n`` for ``"sum"``), and the empirical Fisher on the GGN's
+scale is ``EF = D Σ_n g_n g_nᵀ`` ("mean") or ``Σ_n g_n g_nᵀ`` ("sum"). Hence ``c = D`` for
+"mean", ``c = 1`` for "sum", and::
 
     vec(S) = diag(Qᵀ EF Q)
 

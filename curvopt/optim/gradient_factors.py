@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from curvopt.optim.kronecker import solver_flops
+from curvopt.state import STATE
 
 Factors = Tuple[torch.Tensor, torch.Tensor]
 
@@ -43,7 +44,10 @@ class FactorCapture:
         weakref.finalize(owner, handle.remove)
 
     def _forward(self, module, inputs, output) -> None:
-        if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor)):
+        """Keep ``a`` of a call of the model's own forward, and ``b`` from its backward; the
+        calls curvopt makes itself (a module re-run under ``vmap`` for per-sample gradients,
+        with batched inputs that must not leak out of it) are not the layer's uses."""
+        if STATE.suspended or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
             return
         if not output.requires_grad:
             return
@@ -51,7 +55,8 @@ class FactorCapture:
         self.calls.setdefault(id(module.weight), []).append(entry)
 
         def keep(grad, entry=entry, width=module.out_features):
-            entry[1] = grad.detach().reshape(-1, width)
+            if not STATE.suspended:  # not curvopt's own (batched) propagation of columns
+                entry[1] = grad.detach().reshape(-1, width)
 
         output.register_hook(keep)
 

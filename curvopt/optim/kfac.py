@@ -63,10 +63,11 @@ class KFAC(NewtonOptimizer):
             matrix products) or eigendecompositions at most every ``m``
             steps, reusing them in between (default 1: whenever curvature or damping changed).
         mc_samples: Monte-Carlo samples for ``curvature="kfac"``.
-        kl_clip: ``κ``: a trust region for every step, off by default (``None``: the paper's
-            update): the step is scaled by ``ν = min(1, sqrt(κ / (lr² gᵀ d)))``, ``d`` the damped
-            direction, so its length in the damped curvature (a proxy for the KL divergence it
-            causes) is at most ``κ``. ``1e-3`` makes small dampings such as ``1e-3`` train.
+        kl_clip: ``κ``: a trust region for every step, ``1e-3`` by default (``None``: the
+            paper's update): the step is scaled by ``ν = min(1, sqrt(κ / (lr² gᵀ d)))``, ``d``
+            the damped direction, so its length in the damped curvature (a proxy for the KL
+            divergence it causes) is at most ``κ``; it makes small dampings such as ``1e-3``
+            train.
         fallback: for parameters without Kronecker factors (a ViT's class token and position
             embeddings): ``None`` (default: raise, naming them), ``"sgd"`` (the plain gradient)
             or ``"diagonal"`` (the damped diagonal Newton step with the diagonal of the same

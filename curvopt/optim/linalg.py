@@ -38,7 +38,9 @@ def _cholesky(
     if bool((info != 0).any()):
         raise torch.linalg.LinAlgError(
             f"cholesky: the {tuple(matrix.shape)} matrix is not positive definite, even in "
-            "float64; increase the damping so that curvature + damping is positive definite"
+            "float64; increase the damping so that curvature + damping is positive definite. "
+            "If its entries exploded (the steps diverged), keep the optimizer's trust region "
+            "on (kl_clip, default 1e-3; kl_clip=None is the unclipped update) or lower lr"
         )
     return factor
 

@@ -13,17 +13,21 @@ preconditioning, trust region, momentum, learning rate), run in that order on ev
 group; this module plans around them (which parameters take part, the curvature read where
 due, the quadratic model of adaptive damping).
 
-The trust region is opt-in (``kl_clip=κ``; off by default, so that the default update is the
-paper's). ``kl_clip=1e-3`` (kfac-pytorch's value) is the setting the README shows: ``lr² gᵀd``
+The trust region is on by default (``kl_clip=1e-3``, kfac-pytorch's default): ``lr² gᵀd``
 is the step's squared length in the damped curvature, ``sᵀ(C + λ'I)s`` (twice the curvature term of
 the damped quadratic model of the loss) and, for a Fisher-type ``C``, a proxy for twice the
 KL divergence between the model's predictions before and after the step (for
 ``reduction="mean"``: per sample). With a damping far below the curvature's scale (or sampled
 factors whose range misses part of the gradient), the paper's step ``lr · d`` is many times
 longer than the model can be trusted, and training diverges; ``ν`` shortens exactly those
-steps, so the effective step is ``min(lr, sqrt(κ / gᵀd)) · d``. ``kl_clip=None`` (the default)
-gives the paper's update ``θ ← θ − lr · d`` (Dangel et al. 2020). For ``reduction="sum"`` ``gᵀd``
+steps, so the effective step is ``min(lr, sqrt(κ / gᵀd)) · d``. ``kl_clip=None`` gives the
+paper's update ``θ ← θ − lr · d`` (Dangel et al. 2020). For ``reduction="sum"`` ``gᵀd``
 grows with the batch size ``N``; scale ``κ`` by ``N`` to keep the same per-sample bound.
+
+A step whose gradient, curvature, update or resulting parameters are not finite raises
+``FloatingPointError`` naming the optimizer, the parameter and the options to change; a
+closure's loss over ``LOSS_GROWTH`` (1000) times the first one warns. A finite loss that
+grows without a closure is not seen by the optimizer.
 
 Opt-in, per param group: ``curvature_interval`` (read ``C`` every k steps, reuse it between),
 ``curvature_ema`` (``C ← β C + (1 − β) C_new``), ``momentum``, adaptive damping
@@ -36,6 +40,7 @@ eigendecompositions) are computed before the directions, each on one rank, and b
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -43,7 +48,7 @@ import torch
 
 from curvopt import extensions
 from curvopt.optim import stages
-from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, ParamUpdate
+from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, ParamUpdate, _number
 from curvopt.optim.damping import as_damping, reduction_ratio
 from curvopt.optim.stages import GroupStep, ParamStep
 
@@ -74,6 +79,30 @@ class NewtonOptimizer(CurvatureOptimizer):
     """
 
     _distributable = True
+    _remedy = (
+        "Lower the learning rate (lr), increase the damping, or keep the trust region on "
+        "(kl_clip, default 1e-3; kl_clip=None turns it off)"
+    )
+    #: a closure's loss above this multiple of the run's first one warns (the steps diverge)
+    LOSS_GROWTH = 1e3
+
+    def step(self, closure=None):
+        """As :meth:`CurvatureOptimizer.step`; with a closure, warns (``RuntimeWarning``) when
+        its loss exceeds ``LOSS_GROWTH`` times the first closure loss of this optimizer."""
+        loss = super().step(closure)
+        if loss is not None:
+            value = _number(loss)
+            first = self.__dict__.setdefault("_first_loss", value)
+            if first > 0 and value > self.LOSS_GROWTH * first:
+                clips = sorted({str(group["kl_clip"]) for group in self.param_groups})
+                warnings.warn(
+                    f"{type(self).__name__}: the closure's loss {value:.4g} is over "
+                    f"{self.LOSS_GROWTH:g}x the first one ({first:.4g}): the steps are diverging "
+                    f"(kl_clip={', '.join(clips)}). {self._remedy}.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        return loss
 
     # ----------------------------------------------------------------- subclass hooks
     def _extension(self, group: dict[str, Any]) -> ExtensionSpec:

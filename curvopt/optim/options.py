@@ -122,7 +122,7 @@ class NewtonOptions(CurvatureOptions):
     momentum: float = option(0.0, number(0.0, 1.0, open_high=True))
     curvature_ema: float = option(0.0, number(0.0, 1.0, open_high=True))
     curvature_interval: int = option(1, number(1, integer=True))
-    kl_clip: float | None = option(None, optional(number()))
+    kl_clip: float | None = option(1e-3, optional(number()))
     fallback: str | None = option(None, choice(None, "sgd"))
 
 

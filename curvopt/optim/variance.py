@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import torch
-
+import weakref
 from dataclasses import dataclass
 from typing import ClassVar
+
+import torch
 
 from curvopt.optim.base import CurvatureOptimizer, ParamUpdate
 from curvopt.optim.options import CurvatureOptions, number, option
@@ -38,14 +39,42 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
     is M-SVAG. When all per-sample gradients agree, ``s = 0`` and ``γ = 1``: the step is SGD's
     (``torch.optim.SGD(lr)`` for ``β = 0``, SGD on the bias-corrected average ``m`` otherwise).
 
+    A gradient rescaled between the backward pass and ``step`` (``clip_grad_norm_``:
+    ``p.grad = c · Σ_n g_n``) is the sum of the rescaled per-sample gradients ``c g_n``, whose
+    variance is ``c² s``: the step uses that (:func:`rescaling`). A gradient changed otherwise
+    (``clip_grad_value_``, adding to ``p.grad``) raises, since its variance is unknown.
+
     Args:
         params: parameters or param groups, as for ``torch.optim.SGD``.
-        lr: learning rate ``≥ 0``.
+        lr: learning rate ``≥ 0``; SVAG shrinks the steps, so it takes a larger ``lr`` than
+            SGD (a small CNN on sklearn's 8x8 digits: ``lr=1`` with ``momentum=0.9``).
         momentum: ``β ∈ [0, 1)``.
         weight_decay: ``δ ≥ 0`` (added to the gradient; it has no variance).
     """
 
     Options = VarianceAdaptedOptions
+
+    def add_param_group(self, param_group):
+        """As in ``torch.optim``; also remembers each new parameter's gradient as the backward
+        pass leaves it (to recognise a rescaled gradient at the step)."""
+        super().add_param_group(param_group)
+        self.__dict__.setdefault("_collected", {})
+        self.__dict__.setdefault("_hooks", {})
+        for param in self.param_groups[-1]["params"]:
+            self._watch(param)
+
+    def _watch(self, param: torch.Tensor) -> None:
+        if param in self._hooks or not param.requires_grad:
+            return
+        owner = weakref.ref(self)
+
+        def remember(p):
+            optimizer = owner()
+            if optimizer is not None and p.grad is not None:
+                grad = p.grad
+                optimizer._collected[p] = (grad.detach().clone(), weakref.ref(grad), grad._version)
+
+        self._hooks[param] = param.register_post_accumulate_grad_hook(remember)
 
     def _needs(self, group, group_state):
         return [("variance", {}), ("batch_l2", {})]
@@ -63,7 +92,8 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
             update.consumed.update(variance=variance, batch_l2=batch_l2)
             update.checks += [("gradient", param.grad), ("`variance`", variance)]
             n = batch_l2.shape[0]
-            noise = variance * (n * n / (n - 1)) if n > 1 else torch.zeros_like(variance)
+            scale = rescaling(param.grad, self._collected.get(param), update.description)
+            noise = variance * (scale * n * n / (n - 1)) if n > 1 else torch.zeros_like(variance)
 
             grad = add_weight_decay(self._grad(param), param, group["weight_decay"])
             t = state.get("step", 0) + 1
@@ -79,3 +109,48 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
                 update.state = {"step": t, "exp_avg": average}
             updates.append(update)
         return updates, 0.0
+
+    def step(self, closure=None):
+        """As :meth:`CurvatureOptimizer.step`; the remembered gradients are dropped after."""
+        try:
+            return super().step(closure)
+        finally:
+            self._collected.clear()
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._collected, self._hooks = {}, {}
+        for group in self.param_groups:
+            for param in group["params"]:
+                self._watch(param)
+
+
+def rescaling(grad: torch.Tensor, collected, description: str) -> float:
+    """``c²`` for ``grad = c · g₀``, ``g₀`` the gradient the backward pass left (``collected``:
+    its copy, a weak reference to the tensor it was written to, and that tensor's version).
+
+    ``c² = 1`` when ``grad`` is that very tensor, unchanged (or no backward pass was seen).
+    Otherwise ``c = ⟨grad, g₀⟩ / ‖g₀‖²`` (in float64), and ``grad`` must equal ``c g₀`` up to the
+    rounding of one product per entry (``|grad − c g₀| ≤ 8 ε (|grad| + |c g₀|)``); else
+    ``RuntimeError``: the gradient was changed other than by a common factor.
+    """
+    if collected is None:
+        return 1.0
+    copy, written, version = collected
+    if (written() is grad and grad._version == version) or torch.equal(grad, copy):
+        return 1.0
+    new, old = grad.detach().double(), copy.double()
+    norm = float((old * old).sum())
+    scale = float((new * old).sum()) / norm if norm > 0 else 1.0
+    eps = torch.finfo(grad.dtype).eps if grad.dtype.is_floating_point else 0.0
+    residual = (new - scale * old).abs()
+    bound = 8 * eps * (new.abs() + abs(scale) * old.abs())
+    if not bool((residual <= bound).all()) and bool(new.isfinite().all()):
+        raise RuntimeError(
+            f"VarianceAdaptedSGD: the gradient of {description} was changed after the backward "
+            "pass other than by a common factor (e.g. by clip_grad_value_, or by adding to "
+            "p.grad), so the variance the pass collected is not that of this gradient. Rescale "
+            "gradients only as a whole (clip_grad_norm_ is supported), or add terms such as "
+            "weight decay through the optimizer's weight_decay."
+        )
+    return scale * scale

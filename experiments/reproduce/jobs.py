@@ -14,7 +14,7 @@ from ..distributed import resolve_device
 from ..optimizers import DAMPED, SetupError
 from ..problems import get_problem
 from ..runner import PAPER_DAMPINGS, PAPER_LRS, grid, run
-from .plan import Plan
+from .plan import Plan, paper_preset
 
 
 class Log:
@@ -113,7 +113,11 @@ def run_budgeted(plan: Plan, datasets, skipped, args, log) -> list[dict]:
                     lr, damping = plan.hparams[problem][opt]
                     base = plan.configs(problem, args.synthetic)[0]
                     base = replace(
-                        base, optimizer=opt, lr=lr, damping=damping if opt in DAMPED else None
+                        base,
+                        optimizer=opt,
+                        lr=lr,
+                        damping=damping if opt in DAMPED else None,
+                        preset=paper_preset(opt),
                     )
                     t0 = time.perf_counter()
                     try:
@@ -181,6 +185,7 @@ def run_full(plan: Plan, skipped, args, log) -> list[dict]:
                 train_size=plan.budgets[problem].train_size,
                 eval_size=plan.budgets[problem].eval_size,
                 synthetic=args.synthetic,
+                preset=paper_preset(opt),
             )
             t0 = time.perf_counter()
             with log.phase(f"train {problem}"):

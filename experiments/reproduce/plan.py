@@ -89,6 +89,12 @@ BUDGET_HPARAMS: dict[str, dict[str, tuple[float, float | None]]] = {
 }
 
 
+def paper_preset(optimizer: str) -> str | None:
+    """``"paper"`` for the curvature optimizers: the paper's update (``kl_clip=None``), not
+    the library's default trust region; None for the others."""
+    return "paper" if optimizer in DAMPED else None
+
+
 @dataclass
 class Plan:
     problems: list[str]
@@ -118,6 +124,7 @@ class Plan:
                         train_size=b.train_size,
                         eval_size=b.eval_size,
                         synthetic=synthetic,
+                        preset=paper_preset(opt),
                     )
                 )
         return out
@@ -176,8 +183,9 @@ def full_protocol_commands(out: str = "results/reproduce_full") -> list[str]:
     cmds = []
     for problem, opts in PAPER_OPTIMIZERS.items():
         for opt in opts:
+            preset = " --preset paper" if paper_preset(opt) else ""
             cmds.append(
-                f"python -m experiments grid {problem} {opt} --seeds {PAPER_SEEDS} "
+                f"python -m experiments grid {problem} {opt}{preset} --seeds {PAPER_SEEDS} "
                 f"--results-dir {out}/runs"
             )
     cmds.append(

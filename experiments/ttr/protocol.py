@@ -127,6 +127,8 @@ def _grid(optimizer: str, *points: tuple) -> tuple[Setting, ...]:
 WC = "warmup_cosine"
 #: the README's KFAC settings (``kl_clip=1e-3``, kfac-pytorch's default trust region)
 README_KL = {"kl_clip": 1e-3}
+#: the paper's update (no trust region; the constructors' default is ``kl_clip=1e-3``)
+PAPER_KL = {"kl_clip": None}
 
 #: The tuning grids, fixed before tuning: problem -> optimizer -> settings, 4 each. The
 #: baselines get two constant learning rates and two with linear warm-up and cosine decay
@@ -143,21 +145,21 @@ GRIDS: dict[str, dict[str, tuple[Setting, ...]]] = {
         ),
         "kfac": _grid(
             "kfac",
-            (0.1, 0.01),
+            (0.1, 0.01, None, PAPER_KL),
             (0.3, 0.01, None, README_KL),
             (0.05, 1e-3, None, README_KL),
             (0.03, 0.01, "practical"),
         ),
         "diagggn_mc": _grid(
             "diagggn_mc",
-            (0.01, 0.01),
-            (0.1, 0.01),
+            (0.01, 0.01, None, PAPER_KL),
+            (0.1, 0.01, None, PAPER_KL),
             (0.3, 0.01, None, README_KL),
             (0.01, 0.01, "practical"),
         ),
         "ekfac": _grid(
             "ekfac",
-            (0.1, 0.01),
+            (0.1, 0.01, None, PAPER_KL),
             (0.3, 0.01, None, README_KL),
             (0.05, 1e-3, None, README_KL),
             (0.03, 0.01, "practical"),
@@ -172,21 +174,21 @@ GRIDS: dict[str, dict[str, tuple[Setting, ...]]] = {
         ),
         "kfac": _grid(
             "kfac",
-            (0.1, 0.1),
+            (0.1, 0.1, None, PAPER_KL),
             (0.05, 1e-3, None, README_KL),
             (0.01, 0.1, "practical"),
             (0.01, 0.1, "practical", {"kl_clip": 1e-2}),
         ),
         "diagggn_mc": _grid(
             "diagggn_mc",
-            (1e-3, 1e-3),
-            (0.01, 0.01),
+            (1e-3, 1e-3, None, PAPER_KL),
+            (0.01, 0.01, None, PAPER_KL),
             (0.05, 1e-3, None, README_KL),
             (1e-3, 1e-3, "practical"),
         ),
         "ekfac": _grid(
             "ekfac",
-            (0.1, 0.1),
+            (0.1, 0.1, None, PAPER_KL),
             (0.05, 1e-3, None, README_KL),
             (0.01, 0.1, "practical"),
             (0.01, 0.1, "practical", {"kl_clip": 1e-2}),
