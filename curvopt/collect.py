@@ -11,8 +11,9 @@ optimizer's next step raises if it would read values that mix its own passes wit
 
 from __future__ import annotations
 
-import weakref
+import contextlib
 import warnings
+import weakref
 from typing import Callable, Dict, Optional, Tuple
 
 from curvopt import unextended
@@ -177,6 +178,21 @@ class Collection(collect):
         if self._ref is not None:
             _forget(self._ref)
             self._ref = None
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Disarmed inside the block (re-armed in its place after): a backward pass that only
+        measures a loss (Levenberg-Marquardt's second closure call) collects nothing."""
+        index = STATE.armed.index(self._ref) if self._ref in STATE.armed else None
+        if index is not None:
+            STATE.armed.pop(index)
+            _refresh()
+        try:
+            yield
+        finally:
+            if index is not None:
+                STATE.armed.insert(min(index, len(STATE.armed)), self._ref)
+                _refresh()
 
     def reset(self) -> None:
         """Start a new window: forget the passes so far (their values stay written)."""

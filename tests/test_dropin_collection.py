@@ -355,3 +355,33 @@ def test_an_optimizer_on_another_model_does_no_work_in_this_ones_backward(monkey
         lossfunc(model(X), y).backward()
     assert len(walks) == 1 and armed.collect().extensions
     assert not hasattr(other[0].weight, "kflr")
+
+
+def test_levenberg_marquardt_measures_the_loss_without_collecting(monkeypatch):
+    """The closure's second call (the loss after the step) computes no curvature: one
+    curvature walk per step, and the explicit loop's steps."""
+    from curvopt import graph_plan
+    from curvopt.optim import LevenbergMarquardt
+
+    def run(**kw):
+        model = curvopt.extend(_mlp())
+        lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+        opt = KFAC(model.parameters(), 0.5, LevenbergMarquardt(0.1, interval=1), "kflr", **kw)
+        X, y = _data(0)
+
+        def closure():
+            opt.zero_grad()
+            loss = lossfunc(model(X), y)
+            loss.backward()
+            return loss
+
+        for _ in range(2):
+            opt.step(closure)
+        return _params(model)
+
+    want = run(collection="explicit")
+    walks = []
+    walk = graph_plan.Walk._walk
+    monkeypatch.setattr(graph_plan.Walk, "_walk", lambda *a: walks.append(1) or walk(*a))
+    _assert_same(run(), want)
+    assert len(walks) == 2

@@ -368,7 +368,7 @@ class CurvatureOptimizer(Optimizer):
         for group_state in self._group_state:
             group_state["step"] += 1
         if due:
-            with torch.enable_grad():
+            with torch.enable_grad(), self._collection.paused():  # a loss, no curvature
                 new_loss = closure()
             actual = _number(new_loss) - _number(loss)
             if self._distributed is not None:  # the change of the ranks' mean loss
