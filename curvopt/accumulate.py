@@ -14,7 +14,7 @@ How is each quantity's declared ``combine`` (``extensions.Combine``):
 * ``SAME_BASIS`` (``ekfac = [S, *bases]``): ``S`` adds (each pass scaled by its own ``c``, so
   that it is that of the summed objective, as the GGN is) where both passes used the very same
   bases (supplied ones); fresh bases differ from pass to pass, and raise. An optimizer's
-  collection (``collect.Collection``) supplies to its later passes the bases its first pass
+  collection (``collection.Collection``) supplies to its later passes the bases its first pass
   made (``Accumulator.bases``): its micro-batches accumulate in the basis of the last refresh.
 """
 

@@ -32,7 +32,8 @@ import torch
 from torch.optim import Optimizer
 
 from curvopt import extensions
-from curvopt.collect import Collection, collect
+from curvopt.collect import collect
+from curvopt.collection import Collection
 from curvopt.optim import distributed
 from curvopt.optim.kronecker import rescaled
 from curvopt.optim.options import CurvatureOptions, constructor
@@ -129,7 +130,7 @@ class CurvatureOptimizer(Optimizer):
         self._arm(collection)
 
     # ----------------------------------------------------------------- the armed collection
-    # ``collection="auto"`` (default): the optimizer owns a ``curvopt.collect.Collection``,
+    # ``collection="auto"`` (default): the optimizer owns a ``curvopt.collection.Collection``,
     # armed from construction, that collects ``_requests()`` on every backward pass reaching
     # its parameters; the window it combines ends at ``step()`` and ``zero_grad()``.
     # ``"explicit"`` (and under ``torch.distributed``): only ``opt.collect()`` and
