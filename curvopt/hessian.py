@@ -38,6 +38,7 @@ from curvopt.state import STATE
 from curvopt.torch_internals import (
     ACCUMULATE_GRAD,
     BILINEAR_OPS,
+    DIVISION,
     IN_PLACE_ON_VIEW,
     LINEAR_OPS,
     SECOND_DERIVATIVES,
@@ -98,17 +99,48 @@ def curved_nodes(root: torch.Tensor, walk) -> List[Tuple[object, Optional[torch.
             if second is not None:
                 found.append((node, second))
         elif name in BILINEAR_OPS:
-            dependent = [
-                fn
-                for fn, _ in walk.next_of(node)
-                if fn is not None and type(fn).__name__ != ACCUMULATE_GRAD
-            ]
-            if len(dependent) > 1:
-                raise _error(f"the op {name} multiplies two parameter-dependent tensors")
+            _check_bilinear(node, name, walk)
         elif name not in LINEAR_OPS:
             raise _error(f"the op {name} has curvature curvopt cannot account for")
         stack.extend(fn for fn, _ in walk.next_of(node))
     return found
+
+
+def _check_bilinear(node, name: str, walk) -> None:
+    """Raise unless the product ``node`` is linear in each parameter on its own (then the
+    diagonal has no term from it): at most one operand computed from parameters, no raw
+    parameter ``w`` in two operands (``w * w``, ``tanh(w x) * w``: curved in ``w``), and a
+    divisor free of parameters (``x / w`` is curved in ``w``: ``2x/w³``)."""
+    operands = [fn for fn, _ in walk.next_of(node)]
+    if name == DIVISION and operands[1] is not None:
+        raise _error(f"the op {name} divides by a parameter-dependent tensor (curved in it)")
+    present = [fn for fn in operands if fn is not None]
+    computed = [fn for fn in present if type(fn).__name__ != ACCUMULATE_GRAD]
+    if len(computed) > 1:
+        raise _error(f"the op {name} multiplies two parameter-dependent tensors")
+    leaves = [fn for fn in present if type(fn).__name__ == ACCUMULATE_GRAD]
+    if len(set(leaves)) < len(leaves) or any(_reaches(c, set(leaves), walk) for c in computed):
+        raise _error(f"the op {name} multiplies a parameter by a tensor computed from it")
+
+
+def _reaches(node, targets: set, walk) -> bool:
+    """Whether one of the nodes ``targets`` is upstream of ``node`` (module calls stepped over
+    from their output to their input, as in :func:`curved_nodes`)."""
+    stack, seen = [node], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        if node in targets:
+            return True
+        seen.add(node)
+        entries = records_on(node)
+        if entries:
+            x = entries[0][0].args[0]
+            stack.append(x.grad_fn if isinstance(x, torch.Tensor) else None)
+        else:
+            stack.extend(walk.next_nodes(node))
+    return False
 
 
 def _in_place_second_derivative(node, edges) -> Optional[torch.Tensor]:

@@ -307,6 +307,8 @@ LINEAR_OPS = (
 )
 #: products: linear when at most one operand depends on the parameters; ``prelu(u, a)`` is
 #: piecewise linear in ``u`` and linear in ``a``, its cross derivative ``1[u < 0]`` pairs them
+#: ``a / b`` of two tensors: linear in ``a``, curved in ``b``
+DIVISION = "DivBackward0"
 BILINEAR_OPS = {
     "MulBackward0",
     "DivBackward0",

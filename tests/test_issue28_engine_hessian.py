@@ -214,3 +214,59 @@ def test_diag_hessian_error_for_a_module_without_a_linearity_rule_does_not_call_
     message = str(error.value)
     assert "'1'" in message and "Scale" in message and "curvature_free" in message
     assert "nonlinear in its input" not in message
+
+
+class _RawParameterProduct(nn.Module):
+    """A raw parameter ``w`` (no module of its own) in a product or quotient of the hidden
+    layer: ``h w`` is linear in ``w``; ``h / w``, ``h w w`` and ``tanh(h w) w`` are curved in it
+    (``∂²/∂w²`` of ``h / w`` is ``2h / w³``)."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.a, self.b, self.op = nn.Linear(3, 3).to(DT), nn.Linear(3, 2).to(DT), op
+        self.w = nn.Parameter(torch.rand(3, dtype=DT) + 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(self.op(h, self.w))
+
+
+_LINEAR_IN_W = {"h * w": lambda h, w: h * w, "w * h": lambda h, w: w * h}
+_CURVED_IN_W = {
+    "h / w": lambda h, w: h / w,
+    "h * w * w": lambda h, w: h * w * w,
+    "w * w * h": lambda h, w: (w * w) * h,
+    "tanh(h * w) * w": lambda h, w: torch.tanh(h * w) * w,
+}
+
+
+def _hessian_diagonals(model, X, y):
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    lossfunc = nn.CrossEntropyLoss()
+    hess = torch.func.hessian(lambda q: lossfunc(functional_call(model, q, (X,)), y))(params)
+    return {n: hess[n][n].reshape(p.numel(), p.numel()).diagonal().reshape(p.shape)
+            for n, p in params.items()}
+
+
+@pytest.mark.parametrize("op", sorted(_LINEAR_IN_W))
+def test_a_raw_parameter_in_a_product_has_the_hessian_diagonal(op):
+    torch.manual_seed(0)
+    model = _RawParameterProduct(_LINEAR_IN_W[op])
+    X, y = torch.randn(4, 3, dtype=DT), torch.randint(0, 2, (4,))
+    expected = _hessian_diagonals(model, X, y)
+    curvopt.extend(model)
+    with curvopt.collect(ext.DiagHessian()):
+        curvopt.extend(nn.CrossEntropyLoss())(model(X), y).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_h, expected[name], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("op", sorted(_CURVED_IN_W))
+def test_a_raw_parameter_curved_in_a_product_or_divisor_raises(op):
+    torch.manual_seed(0)
+    model = curvopt.extend(_RawParameterProduct(_CURVED_IN_W[op]))
+    X, y = torch.randn(4, 3, dtype=DT), torch.randint(0, 2, (4,))
+    with pytest.raises(UnsupportedModuleError, match="DiagHessian: the op"):
+        with curvopt.collect(ext.DiagHessian()):
+            curvopt.extend(nn.CrossEntropyLoss())(model(X), y).backward()
+    assert all(not hasattr(p, "diag_h") for p in model.parameters())
