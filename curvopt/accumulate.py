@@ -13,7 +13,9 @@ How is each quantity's declared ``combine`` (``extensions.Combine``):
 * ``RAISES`` (KFRA's recursively averaged factors): a second pass raises;
 * ``SAME_BASIS`` (``ekfac = [S, *bases]``): ``S`` adds (each pass scaled by its own ``c``, so
   that it is that of the summed objective, as the GGN is) where both passes used the very same
-  bases (supplied ones); fresh bases differ from pass to pass, and raise.
+  bases (supplied ones); fresh bases differ from pass to pass, and raise. An optimizer's
+  collection (``collection.Collection``) supplies to its later passes the bases its first pass
+  made (``Accumulator.bases``): its micro-batches accumulate in the basis of the last refresh.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ class Accumulator:
 
     def __init__(self):
         self.written: Dict[Tuple[int, str], Tuple[object, int]] = {}
+
+    def bases(self, p, attr: str):
+        """The bases earlier passes wrote in ``p.<attr> = [S, *bases]``, or None."""
+        old = self.written.get((id(p), attr))
+        return None if old is None else list(old[0][1:])
 
     def combine(self, p, attr: str, value, n: int):
         """``value`` of this pass (over ``n`` samples) combined with the earlier passes'."""

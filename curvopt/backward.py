@@ -69,8 +69,12 @@ class BackwardPass:
     """One pass's hook router: ``on_loss`` (the extended loss's hook), ``on_module`` (every
     extended module's), ``on_parameter_grad`` (every parameter's), ``_finish`` (the end)."""
 
-    def __init__(self, extensions, task: int, accumulator, skipped=None, diagonal=False):
+    def __init__(
+        self, extensions, task: int, accumulator, skipped=None, diagonal=False, scope=None
+    ):
         self.task = task
+        #: ``id``s of the parameters this pass writes for (an optimizer's own), None: all
+        self.scope = scope
         #: ``collect(skip_unsupported=...)``: where to report the parameters left out (the
         #: result buffer does), and whether they get the diagonal of the curvature instead
         self.results = ResultBuffer(skipped)
@@ -103,9 +107,12 @@ class BackwardPass:
         """Whether this pass leaves ``p.grad`` alone (``torch.autograd.grad``, ``backward(inputs=
         ...)`` without ``p``): ``p``'s gradient accumulator is in the graph, but the engine will
         not run it. (A parameter outside the graph, unused in this pass, is not skipped: it gets
-        zeros, as its module's output gradient says.)"""
+        zeros, as its module's output gradient says.) A parameter outside the pass's ``scope``
+        is skipped too: the pass computes and writes nothing for it."""
         key = id(p)
         skip = self.untouched.get(key)
+        if skip is None and self.scope is not None and key not in self.scope:
+            skip = self.untouched[key] = True
         if skip is None:
             accumulator = grad_accumulator(p)
             try:
@@ -301,7 +308,10 @@ class BackwardPass:
                 raise MissingLossError(
                     f"{names} need(s) the loss: the loss that was backpropagated was not "
                     "computed by an extended loss module; wrap it, e.g. "
-                    "lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())"
+                    "lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss()), and compute the "
+                    "loss with it (a functional loss such as F.cross_entropy, or a Hugging Face "
+                    "model's own labels= loss, is not recognised: compute the loss from the "
+                    "logits with the extended module; with the Trainer, compute_loss_func=)"
                 )
             if not (self.checkpointed and current_graph_task_id() != self.task):
                 # (a call inside a checkpoint runs in torch's nested backward: checked at the

@@ -1,4 +1,13 @@
-"""``collect(*extensions)``: the context in which backward passes write quantities."""
+"""``collect(*extensions)``: the context in which backward passes write quantities, and the
+dispatcher the hooks call while a block is open or a collection is armed (``collection``).
+
+Several collections can be active at once: the open ``collect`` block and any number of armed
+ones, each with its own passes, results and accumulation. The hooks dispatch to all of them
+(``_Dispatch``); each writes only its own quantities. Where two would write the same
+attribute on the same parameter, one does: the open block before the armed collections, a
+newer armed collection before an older one; the one that stood aside notes it, and its
+optimizer's next step raises if it would read values that mix its own passes with another's.
+"""
 
 from __future__ import annotations
 
@@ -49,6 +58,7 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
             by_attr[ext.attr] = ext
         self.extensions: Tuple[Extension, ...] = tuple(by_attr.values())
         self._pass: Optional[BackwardPass] = None
+        self._task: Optional[int] = None  # the autograd task of ``_pass``
         self._nested: set = set()  # autograd tasks run inside the current pass (see backward_pass)
         self._accumulator = Accumulator()
         if skip_unsupported not in (False, True, "diagonal"):
@@ -60,34 +70,49 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
         self.skipped: Dict[str, str] = {}
 
     def __enter__(self):
-        if STATE.collecting is not None:
+        if STATE.open is not None:
             raise RuntimeError(
                 "curvopt.collect blocks cannot be nested; pass all extensions to one collect(...)"
             )
-        STATE.collecting = self
+        STATE.open = self
+        STATE.collecting = _DISPATCH
         self._accumulator = Accumulator()
         self._unextended = unextended.watch()
         return self
 
     def __exit__(self, *exc):
-        STATE.collecting = None
-        self._pass = None
+        STATE.open = None
+        refresh()
+        self._pass = self._task = None
         self._unextended.remove()
-        if self.skipped and exc[0] is None:
+        if exc[0] is None:
+            self._warn_skipped()
+        return False
+
+    def _warn_skipped(self) -> None:
+        if self.skipped:
             warnings.warn(
                 "curvopt.collect(skip_unsupported=True) wrote no Kronecker factors for "
                 f"{sorted(self.skipped)} (no Kronecker factorisation for them); "
                 "optim.KFAC(..., fallback='diagonal') preconditions them by their diagonal",
-                stacklevel=2,
+                stacklevel=3,
             )
-        return False
+
+    def _new_pass(self, task: int) -> Optional[BackwardPass]:
+        skipped = self.skipped if self.skip_unsupported else None
+        return BackwardPass(
+            self.extensions,
+            task,
+            self._accumulator,
+            skipped,
+            diagonal=self.skip_unsupported == "diagonal",
+        )
 
     def ran(self, task: int) -> bool:
         """Whether an extended module or loss took part in the backward pass ``task``."""
-        current = self._pass
-        return current is not None and (current.task == task or task in self._nested)
+        return self._pass is not None and (self._task == task or task in self._nested)
 
-    def backward_pass(self, outer: Optional[int] = None) -> BackwardPass:
+    def backward_pass(self, outer: Optional[int] = None) -> Optional[BackwardPass]:
         """The state of the backward pass now running, created at its first hook.
 
         A backward run from inside another (``torch.utils.checkpoint(use_reentrant=True)``
@@ -97,19 +122,56 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
         it while the outer pass runs."""
         task = current_graph_task_id()
         current = self._pass
-        if current is not None and task != current.task:
-            if outer is not None and current.running:
+        if self._task is not None and task != self._task:
+            if outer is not None and current is not None and current.running:
                 self._nested.add(task)
             if task in self._nested:
                 return current
-        if current is None or current.task != task:
-            skipped = self.skipped if self.skip_unsupported else None
-            self._pass = BackwardPass(
-                self.extensions,
-                task,
-                self._accumulator,
-                skipped,
-                diagonal=self.skip_unsupported == "diagonal",
-            )
+        if self._task != task:
+            self._task = task
+            self._pass = self._new_pass(task)
             self._nested = set()
         return self._pass
+
+
+class _Passes:
+    """The passes of several active collections for one backward pass, each hook sent to all."""
+
+    def __init__(self, passes):
+        self.passes = passes
+
+    def on_loss(self, record, grad) -> bool:
+        return any([p.on_loss(record, grad) for p in self.passes])
+
+    def on_module(self, record, grads) -> bool:
+        return any([p.on_module(record, grads) for p in self.passes])
+
+    def on_parameter_grad(self, param, grad) -> None:
+        for p in self.passes:
+            p.on_parameter_grad(param, grad)
+
+
+class _Dispatch:
+    """What the hooks call (``STATE.collecting``) while a collection is open or armed: the
+    passes of every active one (the open block first, then the armed ones, newest first)."""
+
+    def backward_pass(self, outer: Optional[int] = None):
+        active = [STATE.open] + [ref() for ref in reversed(STATE.armed)]
+        passes = [c.backward_pass(outer) for c in active if c is not None]
+        passes = [p for p in passes if p is not None]
+        return passes[0] if len(passes) == 1 else _Passes(passes)
+
+
+_DISPATCH = _Dispatch()
+
+
+def refresh() -> None:
+    """``STATE.collecting``: the dispatcher while a block is open or a collection armed."""
+    STATE.collecting = _DISPATCH if STATE.open is not None or STATE.armed else None
+
+
+def forget(ref) -> None:
+    """Disarm the collection behind ``ref`` (also its weakref callback: its owner is gone)."""
+    if ref in STATE.armed:
+        STATE.armed.remove(ref)
+    refresh()

@@ -121,10 +121,11 @@ class CurvaturePass:
 
     def _note_reduction(self, ext, rule) -> None:
         """``EKFAC``'s scale is the divisor ``D`` of this pass's one loss (its rule's
-        ``divisor``): note it, and check the reduction against the one ``ext`` expects (if it
-        says)."""
+        ``divisor``) and the factor the loss enters the backward with: note them, and check
+        the reduction against the one ``ext`` expects (if it says)."""
         module, output = self.loss.module, self.loss.output.detach()
-        self.results.note_loss(self.loss, rule.divisor(module, output, self.loss.target))
+        divisor = rule.divisor(module, output, self.loss.target)
+        self.results.note_loss(self.loss, divisor, self.weight)
         expected, actual = ext.options["reduction"], getattr(self.loss.module, "reduction", None)
         if expected is not None and expected != actual:
             raise UnsupportedLossError(

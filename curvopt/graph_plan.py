@@ -119,7 +119,8 @@ class Walk:
     A reentrant checkpoint is walked through where curvopt re-ran its segment, and re-run on
     the way where ``recompute`` is a list (the new ``checkpointing.Segment``s are appended to
     it, for the caller to release). ``within`` (another walk's ``edges``) walks a part of a
-    graph walked already, reading no node again.
+    graph walked already, reading no node again. A ``torch.compile``d graph's node (one fused
+    op) raises where ``recompute`` is a list (curvature); a first-order walk passes it.
     """
 
     def __init__(self, root, recompute: Optional[list] = None, within: Optional[dict] = None):
@@ -148,7 +149,7 @@ class Walk:
             if node is None or node in edges or node in stops:
                 continue
             kind = type(node).__name__
-            if kind in COMPILED:
+            if kind in COMPILED and recompute is not None:  # curvature (first order walks on)
                 raise UnsupportedModuleError(
                     "curvopt cannot propagate curvature through a graph compiled by "
                     "torch.compile (its backward is one fused op); compute curvature on the "
@@ -236,9 +237,11 @@ class Walk:
         for position, (record, edges) in enumerate(self.calls.items()):
             if len(record.out_shapes) == 1:
                 ((index, edge),) = edges
-                record.broadcast = find(
-                    edge.node, edge.output_nr, record.out_shapes[0], self.consumers
-                )
+                broadcast = find(edge.node, edge.output_nr, record.out_shapes[0], self.consumers)
+                # another collection's pass of this backward found it already: the same object
+                kept = record.broadcast
+                if broadcast is None or kept is None or kept.edge != broadcast.edge:
+                    record.broadcast = broadcast
                 if record.broadcast is not None:
                     self.calls[record] = [(index, record.broadcast.edge)]
                     found.append(position)

@@ -145,7 +145,10 @@ class FirstOrderReducer:
 
     def _correct(self, p, moment) -> None:
         """``p.ekfac = [c · moment(bases), *bases]`` for every ``EKFAC`` extension, ``c`` the
-        loss's divisor."""
+        loss's divisor ``D`` over the factor ``w`` the loss enters the backward with, so that
+        ``S`` is linear in ``w`` as the GGN is (``G_n`` carries ``w``, its square ``w²``): a
+        loss divided by the accumulation steps, or a sum divided by a count, scales ``S`` as it
+        scales the loss."""
         for ext in self.corrected:
             bases = self._bases(ext, p)
             if bases is None:

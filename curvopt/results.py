@@ -87,7 +87,9 @@ class ResultBuffer:
         self.basis_uses: Dict[Tuple[int, str], dict] = {}  # (id(p), attr): {call: factors}
         self.bases: Dict[Tuple[int, str], list] = {}  # (id(p), attr): eigenvectors
         self.loss = None  # the loss record of an EKFAC pass (note_loss)
-        self.divisor = None  # its divisor ``D``: the scale ``c`` of EKFAC's ``S``
+        #: the scale ``c`` of EKFAC's ``S``: its divisor ``D`` over the factor ``w`` the loss
+        #: enters the backward with
+        self.divisor = None
 
     def put(self, p, attr: str, value) -> None:
         """``p.<attr> = value`` when the pass has finished."""
@@ -141,9 +143,11 @@ class ResultBuffer:
             self.bases[key] = [psd_eigh(f)[1] for f in factors]
         return self.bases[key]
 
-    def note_loss(self, record, divisor: float) -> None:
-        """The extended loss of an ``EKFAC`` pass and its divisor ``D``, ``S``'s scale: one
-        loss per pass (the per-sample gradients of two losses mix two scalings)."""
+    def note_loss(self, record, divisor: float, weight: float = 1.0) -> None:
+        """The extended loss of an ``EKFAC`` pass, its divisor ``D`` and the factor ``w`` it
+        enters the backward pass with: ``S``'s scale is ``D / w`` (linear in ``w``, as the
+        GGN; ``grad_batch`` carries ``w``). One loss per pass (the per-sample gradients of two
+        losses mix two scalings)."""
         if self.loss is not None and self.loss is not record:
             raise UnsupportedLossError(
                 f"EKFAC: one backward pass runs through two extended losses "
@@ -151,7 +155,7 @@ class ResultBuffer:
                 "per-sample gradients mix two loss scalings and S has no single scale; "
                 "backpropagate each loss in its own pass, or add them into one loss module"
             )
-        self.loss, self.divisor = record, divisor
+        self.loss, self.divisor = record, (divisor / weight if weight else 0.0)
 
     def skip(self, p, attr: str, error: Exception, record) -> None:
         """Leave ``p.<attr>`` out (``collect(skip_unsupported=True)``), or re-raise ``error``.

@@ -1,4 +1,11 @@
-"""Process-wide state shared by the forward hooks and the backward pass."""
+"""Process-wide state shared by the forward hooks and the backward pass.
+
+``collecting`` is what the hooks dispatch a backward pass to (``collect``'s dispatcher), set
+only while a ``collect`` block is open or a collection is armed, so that without either an
+extended model costs what the plain model costs. ``open`` is the open ``collect`` block;
+``armed`` holds weak references to the persistent collections that optimizers own (oldest
+first), so an optimizer that is freed disarms its collection.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,9 @@ import contextlib
 
 class _State:
     def __init__(self):
-        self.collecting = None  # the active curvopt.collect context, if any
+        self.collecting = None  # the dispatcher while a collect is open or armed, else None
+        self.open = None  # the open curvopt.collect block, if any
+        self.armed: list = []  # weakref.ref to each armed collection, oldest first
         self.suspended = 0  # >0 while curvopt itself re-runs modules or propagates curvature
 
     @contextlib.contextmanager

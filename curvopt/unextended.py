@@ -44,14 +44,14 @@ def watch():
 
 
 def _forward(module, inputs, output) -> None:
-    if STATE.suspended or STATE.collecting is None or not torch.is_grad_enabled():
+    if STATE.suspended or STATE.open is None or not torch.is_grad_enabled():
         return
     if module in EXTENDED or not isinstance(output, torch.Tensor) or not output.requires_grad:
         return
     # a child of a module whose rule owns it (MultiheadAttention's out_proj) is extended with it
     params = [p for p in module.parameters(recurse=False) if p.requires_grad and not is_extended(p)]
     if params:
-        collecting = STATE.collecting
+        collecting = STATE.open
         output.register_hook(lambda grad: _reached(collecting, module, params))
 
 

@@ -250,9 +250,10 @@ def test_curvature_ema_in_a_param_group_raises():
 
 
 def test_backward_outside_collect_raises_instead_of_reusing_stale_per_sample_gradients():
+    """Explicit mode: only ``opt.collect()`` collects."""
     model, lossfunc, x, y = _problem("mlp", 8, "mean")
     model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
-    opt = EKFAC(model.named_parameters(), 0.1, 0.1, "kflr")
+    opt = EKFAC(model.named_parameters(), 0.1, 0.1, "kflr", collection="explicit")
     with opt.collect():
         lossfunc(model(x), y).backward()
     opt.step()
@@ -264,10 +265,10 @@ def test_backward_outside_collect_raises_instead_of_reusing_stale_per_sample_gra
 
 def test_a_pass_without_the_ekfac_quantity_raises_naming_it():
     """``grad_batch`` alone (the quantity the optimizer read before it had its own) is not
-    enough: the step names the missing ``ekfac`` and changes nothing."""
+    enough: the step names the missing ``ekfac`` and changes nothing (explicit mode)."""
     model, lossfunc, x, y = _problem("mlp", 8, "sum")
     model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
-    opt = EKFAC(model.parameters(), 1.0, 0.2, "kflr")
+    opt = EKFAC(model.parameters(), 1.0, 0.2, "kflr", collection="explicit")
     _collect(model, lossfunc, x, y, ext.BatchGrad())
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match="has no `ekfac`"):

@@ -75,7 +75,7 @@ LAYERS = [
         "kfra",
     },
     {"reducer", "checks", "curvature", "accumulate", "backward"},
-    {"hooks", "unextended", "collect", "verify"},
+    {"hooks", "unextended", "collect", "collection", "verify"},
     {"optim", "linalg"},
     {"laplace"},
 ]

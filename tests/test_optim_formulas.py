@@ -30,10 +30,12 @@ class _TwoHeads(nn.Module):
 
 
 OPTIMIZERS = {
-    "kfac": lambda p: curvopt.optim.KFAC(p, lr=0.1, damping=1.0, kl_clip=None),
-    "kflr": lambda p: curvopt.optim.KFAC(p, lr=0.1, damping=1.0, curvature="kflr", kl_clip=None),
-    "diag": lambda p: curvopt.optim.DiagGGNNewton(p, lr=0.1, damping=1.0, kl_clip=None),
-    "vsgd": lambda p: curvopt.optim.VarianceAdaptedSGD(p, lr=0.1),
+    "kfac": lambda p, **kw: curvopt.optim.KFAC(p, lr=0.1, damping=1.0, kl_clip=None, **kw),
+    "kflr": lambda p, **kw: curvopt.optim.KFAC(
+        p, lr=0.1, damping=1.0, curvature="kflr", kl_clip=None, **kw
+    ),
+    "diag": lambda p, **kw: curvopt.optim.DiagGGNNewton(p, lr=0.1, damping=1.0, kl_clip=None, **kw),
+    "vsgd": lambda p, **kw: curvopt.optim.VarianceAdaptedSGD(p, lr=0.1, **kw),
 }
 
 
@@ -59,10 +61,11 @@ def test_zero_grad_without_none_and_unused_parameter(name, seed):
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_stale_quantities_with_nonzero_grad_still_raise(name, seed):
-    """A backward pass outside ``opt.collect()`` (non-zero gradient, old quantities) raises."""
+    """Explicit mode: a backward pass outside ``opt.collect()`` (non-zero gradient, old
+    quantities) raises."""
     model = curvopt.extend(_TwoHeads().to(DT))
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
-    opt = OPTIMIZERS[name](model.parameters())
+    opt = OPTIMIZERS[name](model.parameters(), collection="explicit")
     x, y = torch.randn(4, 3, dtype=DT), torch.randint(0, 2, (4,))
     with opt.collect():
         lossfunc(model(x), y).backward()

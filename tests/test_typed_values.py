@@ -118,7 +118,7 @@ def test_unscaled_divides_each_value_where_it_carries_the_scale():
     torch.testing.assert_close(plain[0], b / 2)
     s = torch.ones(2, 3, dtype=torch.float64)
     corrected = unscaled(ext.quantity("ekfac"), EigenCorrected([s, b, a]), 2.0)
-    torch.testing.assert_close(corrected.eigenvalues, s / 4)
+    torch.testing.assert_close(corrected.eigenvalues, s / 2)  # c = D / w: the scale once
     assert corrected.bases[0] is b
     torch.testing.assert_close(unscaled(ext.quantity("variance"), s, 2.0), s / 4)
     torch.testing.assert_close(unscaled(ext.quantity("diag_ggn_mc"), s, 2.0), s / 2)

@@ -50,7 +50,7 @@ class Producer(enum.Enum):
     in ``backward``; 2: from propagated curvature in ``curvature``), and the power of the loss
     scale its values carry (a loss multiplied by ``s`` multiplies ``g_n`` and the curvature by
     ``s``, squares of gradients by ``s²``; for Kronecker factors the output side carries it, for
-    ``[S, *bases]`` the eigenvalues ``S``)."""
+    ``[S, *bases]`` the eigenvalues ``S``, once: their scale divides by the factor)."""
 
     PER_SAMPLE_GRADIENTS = ("the per-sample gradients g_n", 1, 1)
     SQUARED_NORMS = ("||g_n||^2 for each n", 1, 2)
@@ -62,9 +62,10 @@ class Producer(enum.Enum):
     KFRA = ("the KFRA recursion (kfra)", 2, 1)
     EIGEN_CORRECTED = (
         "sum_n (Q_0^T G_n Q_1)^2 from each call's inputs and output gradients (reducer), "
-        "in supplied bases or those of this pass's Kronecker factors (curvature)",
+        "in supplied bases or those of this pass's Kronecker factors (curvature), times the "
+        "loss's divisor over the factor the loss enters the backward with",
         2,
-        2,
+        1,
     )
 
     @property

@@ -172,8 +172,10 @@ class EKFAC(_MonteCarlo):
     reshaped to ``[p.shape[0], -1]`` (``[p.shape[0], 1]`` for one-dimensional ``p``); ``c = D``,
     the divisor of a loss with ``reduction="mean"`` (``N`` for one term per sample, the counted
     rows of a flattened sequence loss, ``N K`` for ``MSELoss`` on ``K`` outputs), 1 for
-    ``"sum"``, read from the loss, so that ``vec S = diag(Qᵀ EF Q)`` for the empirical Fisher on
-    the GGN's scale (``E[S] = diag(Qᵀ G Q)`` under targets drawn from the model). ``Q_0, Q_1`` are
+    ``"sum"``, read from the loss, divided by the factor ``w`` the loss enters the backward
+    pass with (so that ``S`` is linear in ``w``, as the GGN is), so that ``vec S = diag(Qᵀ EF
+    Q)`` for the empirical Fisher on the GGN's scale (``E[S] = diag(Qᵀ G Q)`` under targets
+    drawn from the model). ``Q_0, Q_1`` are
     the eigenvectors (``psd_eigh``) of this pass's Kronecker factors, in ``p``'s dim order
     (``[Q_B, Q_A]`` for ``Linear``/conv weights, ``[Q_A, Q_B]`` for ``Embedding``):
     ``factors="kfac"`` (``mc_samples`` sampled columns) or ``"kflr"`` (exact), with

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any, Callable, ClassVar
 
@@ -30,6 +31,7 @@ from torch.optim import Optimizer
 
 from curvopt import extensions, values
 from curvopt.collect import collect
+from curvopt.collection import Collection
 from curvopt.optim import distributed
 from curvopt.optim.loss_scale import NONE, LossScale, loss_scale
 from curvopt.optim.options import CurvatureOptions, constructor
@@ -54,9 +56,25 @@ class CurvatureOptimizer(Optimizer):
     ``__init__`` gets the constructor written from it) and implement :meth:`_needs` (the
     extensions a group needs at its next step) and :meth:`_plan_group`.
 
-    A step: ``with opt.collect(): loss.backward()`` then ``opt.step()``, or
-    ``opt.step(closure)`` with a closure that zeroes the grads, computes the loss, calls
-    ``backward`` and returns the loss (run inside :meth:`collect`).
+    By default (``collection="auto"``) the optimizer collects what its next step needs on
+    every backward pass that reaches its parameters, with no block::
+
+        loss.backward()              # micro-batches between two steps combine like one batch
+        opt.step()
+
+    With ``collection="explicit"`` (or under ``torch.distributed``) there are two equivalent
+    ways to take a step (both also work with the default)::
+
+        with opt.collect():          # curvopt.collect(<extensions this optimizer needs>)
+            loss.backward()
+        opt.step()
+
+        def closure():               # must zero the grads, compute the loss, call backward
+            opt.zero_grad()
+            loss = lossfunc(model(X), y)
+            loss.backward()
+            return loss
+        opt.step(closure)            # runs the closure inside opt.collect(); returns the loss
     """
 
     #: whether averaging the collected quantities over ranks gives the right step (opt-in)
@@ -68,7 +86,7 @@ class CurvatureOptimizer(Optimizer):
     #: what to change when a step is not finite (the error's last sentence)
     _remedy: ClassVar[str] = REMEDY
     #: keyword-only constructor arguments besides the hyper-parameters (and process_group)
-    _KEYWORDS: ClassVar[dict[str, Any]] = {}
+    _KEYWORDS: ClassVar[dict[str, Any]] = {"collection": "auto"}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -77,7 +95,7 @@ class CurvatureOptimizer(Optimizer):
             init = super(cls, cls).__init__
             cls.__init__ = constructor(cls.Options, {**keywords, **cls._KEYWORDS}, init)
 
-    def __init__(self, params, defaults: dict[str, Any], process_group=None):
+    def __init__(self, params, defaults: dict[str, Any], process_group=None, collection="auto"):
         self._group_state: list[dict[str, Any]] = []
         self._consumed: dict[torch.Tensor, dict[str, Any]] = {}
         self._loss_scale: LossScale = NONE
@@ -85,6 +103,29 @@ class CurvatureOptimizer(Optimizer):
         self._distributed = distributed.resolve(
             process_group, self._distributable, type(self).__name__
         )
+        self._arm(collection)
+
+    # ----------------------------------------------------------------- the armed collection
+    # ``collection="auto"`` (default): the optimizer owns a ``curvopt.collection.Collection``,
+    # armed from construction, that collects ``_requests()`` on every backward pass reaching
+    # its parameters; the window it combines ends at ``step()`` and ``zero_grad()``.
+    # ``"explicit"`` (and under ``torch.distributed``): only ``opt.collect()`` and
+    # ``opt.step(closure)`` collect, as ``curvopt.collect`` blocks.
+    def _arm(self, mode: str) -> None:
+        if mode not in ("auto", "explicit"):
+            raise ValueError(f"collection must be 'auto' or 'explicit', got {mode!r}")
+        self._collection_mode = mode
+        self._collection = Collection(_weak(self._armed_requests))
+        if mode == "auto" and self._distributed is None:
+            self._collection.arm()
+
+    def _armed_requests(self) -> tuple[list, list[tuple[torch.Tensor, str]], dict[str, Any]]:
+        return (*self._requests(), self._collect_options())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As in ``torch.optim``; the armed collection starts a new window too."""
+        super().zero_grad(set_to_none)
+        self._collection.reset()
 
     # ----------------------------------------------------------------- hyper-parameters
     def _validate(self, group: dict[str, Any]) -> None:
@@ -123,11 +164,16 @@ class CurvatureOptimizer(Optimizer):
         """``curvopt.collect(...)`` with the extensions the next ``step()`` needs.
 
         A null context when the next step needs none (e.g. between curvature updates). Under
-        ``torch.distributed`` the collected quantities are then averaged over the ranks.
+        ``torch.distributed`` the collected quantities are then averaged over the ranks. With
+        the collection armed (the default) a block that adds nothing: the optimizer collects
+        on every backward pass anyway.
         """
         exts, targets = self._requests()
         if not exts:
             return contextlib.nullcontext()
+        if self._collection.armed:  # it collects without a block: one that adds nothing
+            self._collection.window()
+            return self._collection
         context = collect(*exts, **self._collect_options())
         if self._distributed is None:
             return context
@@ -219,14 +265,17 @@ class CurvatureOptimizer(Optimizer):
         Raises ``FloatingPointError`` (and changes nothing) if a gradient, a curvature
         quantity or the resulting update is not finite. Returns the closure's loss, or None.
         """
-        scale = loss_scale(self)
-        if scale.overflow:  # as GradScaler skips torch.optim optimizers
-            return None
-        self._loss_scale = scale
         try:
+            if closure is None:
+                self._collection.check(type(self).__name__)
+            scale = loss_scale(self)
+            if scale.overflow:  # as GradScaler skips torch.optim optimizers
+                return None
+            self._loss_scale = scale
             return self._step(closure)
         finally:
             self._loss_scale = NONE
+            self._collection.reset()
 
     def _step(self, closure):
         loss = None
@@ -261,7 +310,7 @@ class CurvatureOptimizer(Optimizer):
         for group_state in self._group_state:
             group_state["step"] += 1
         if due:
-            with torch.enable_grad():
+            with torch.enable_grad(), self._collection.paused():  # a loss, no curvature
                 new_loss = closure()
             actual = number(new_loss) - number(loss)
             if self._distributed is not None:  # the change of the ranks' mean loss
@@ -291,10 +340,25 @@ class CurvatureOptimizer(Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         state = {**super().__getstate__(), "_group_state": self._group_state}
+        state["_collection_mode"] = self._collection_mode
         return {**state, "_distributed": self._distributed}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        mode = state.pop("_collection_mode", "auto")
         super().__setstate__(state)
         self.__dict__.setdefault("_consumed", {})
         self.__dict__.setdefault("_distributed", None)
         self.__dict__.setdefault("_loss_scale", NONE)
+        self._arm(mode)
+
+
+def _weak(method: Callable[[], Any]) -> Callable[[], Any]:
+    """``method()`` through a weak reference (None once its object is gone), so that the
+    armed collection does not keep its optimizer alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call():
+        bound = ref()
+        return None if bound is None else bound()
+
+    return call

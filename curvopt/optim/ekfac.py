@@ -58,9 +58,11 @@ class EKFAC(NewtonOptimizer):
     ``S = c · Σ_n (Q_Bᵀ G_n Q_A)²`` with ``G_n`` the per-sample gradient as an ``[out, -1]``
     matrix (extension ``EKFAC``) and ``c = D``, the loss's divisor (``N`` for one term per
     sample, the counted rows of a flattened sequence loss, ``N K`` for ``MSELoss`` on ``K``
-    outputs), for ``reduction="mean"``, ``c = 1`` for ``"sum"``, so that ``vec S = diag(Qᵀ EF
-    Q)`` for the empirical Fisher ``EF`` of the batch on the GGN's scale: ``Q diag(S) Qᵀ``
-    is the projection of ``EF`` onto the matrices diagonal in ``Q``. This holds for any
+    outputs), for ``reduction="mean"``, ``c = 1`` for ``"sum"`` (divided by the factor the
+    loss enters the backward with: micro-batches divided by their number add up), so that
+    ``vec S = diag(Qᵀ EF Q)`` for the empirical Fisher ``EF`` of the batch on the GGN's scale:
+    ``Q diag(S) Qᵀ`` is the projection of ``EF`` onto the matrices diagonal in ``Q``. This
+    holds for any
     parameter: with weight sharing (convolutions, sequences) ``G_n`` is
     the per-sample gradient summed over the shared positions, so ``S`` is the diagonal of the
     *per-sample* empirical Fisher in the basis (the basis itself is KFAC's approximation).

@@ -81,16 +81,16 @@ class NewtonOptimizer(CurvatureOptimizer):
     _distributable = True
     #: the chain of stages this class runs (a constructor argument ``stages=`` replaces it)
     stages: ClassVar[Chain] = NEWTON
-    _KEYWORDS: ClassVar[dict[str, Any]] = {"stages": None}
+    _KEYWORDS: ClassVar[dict[str, Any]] = {**CurvatureOptimizer._KEYWORDS, "stages": None}
 
-    def __init__(self, params, defaults, process_group=None, stages=None):
+    def __init__(self, params, defaults, process_group=None, collection="auto", stages=None):
         if stages is not None and not isinstance(stages, Chain):
             raise TypeError(
                 f"{type(self).__name__}: stages must be a curvopt.optim.stages.Chain (e.g. "
                 f"curvopt.optim.stages.NEWTON.with_stage(...)), got {type(stages).__name__}"
             )
         self._stages = type(self).stages if stages is None else stages
-        super().__init__(params, defaults, process_group)
+        super().__init__(params, defaults, process_group, collection)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_stages": self._stages}

@@ -132,9 +132,9 @@ def constructor(
     """An optimizer's ``__init__(self, params, ...)`` taking the keyword fields of ``options``
     (``options.POSITIONAL`` first, positionally, the others keyword-only, those of the most
     derived options class first) and then ``keywords`` (name: default, keyword-only, not
-    hyper-parameters: ``process_group``, ``stages``); it validates the options and calls
-    ``init(self, params, defaults, **keywords)``. ``TypeError`` for missing or unknown
-    arguments, as in Python."""
+    hyper-parameters: ``process_group``, ``collection``, ``stages``); it validates the options
+    and calls ``init(self, params, defaults, **keywords)``. ``TypeError`` for missing or
+    unknown arguments, as in Python."""
     fields = {f.name: f for f in dataclasses.fields(options) if f.metadata["keyword"]}
 
     def parameter(name: str, kind) -> inspect.Parameter:

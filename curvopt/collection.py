@@ -1,0 +1,216 @@
+"""``Collection``: the persistent collection an optimizer owns (``optim.base``), armed from
+the optimizer's construction: it collects on every backward pass that reaches its parameters,
+with no ``with`` block, and combines the passes of one window (until the optimizer's step or
+``zero_grad``) like one batch. ``collect``'s dispatcher sends each backward pass's hooks to it
+(and to the open ``collect`` block and the other armed collections; see ``collect`` for which
+one writes an attribute two of them want).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Callable, Optional, Tuple
+
+from curvopt.accumulate import Accumulator
+from curvopt.backward import BackwardPass
+from curvopt.collect import collect, forget, refresh
+from curvopt.errors import AccumulationError, ExtensionConflictError
+from curvopt.extensions.base import Extension
+from curvopt.extensions.quantity import Combine, quantity
+from curvopt.params import EXTENDED, owned
+from curvopt.state import STATE
+
+
+class Collection(collect):
+    """The persistent collection an optimizer owns. Armed, it collects what ``requests()``
+    names on every backward pass that reaches the parameters it names, with no ``with`` block,
+    and writes only for them; the passes of one window (until :meth:`reset`: the optimizer's
+    ``step`` or ``zero_grad``, or a pass that finds every ``p.grad`` None: the model's
+    ``zero_grad()``) combine like one batch (``accumulate``), as ``p.grad`` does. EKFAC's
+    later passes of a window are computed in the bases its first pass made (the last
+    refresh), so that ``S`` adds.
+
+    ``requests() -> (extensions, [(param, attr)], collect options)``, read at the first pass
+    of each window; ``None`` when its owner is gone.
+    """
+
+    def __init__(self, requests: Callable[[], Optional[tuple]]):
+        super().__init__()
+        self._requests = requests
+        self._window: Optional[tuple] = None  # (extensions, {(id(p), attr)}, scope, options)
+        #: what took over an attribute in a pass of this window: "block" (an open collect)
+        #: or "optimizer" (a collection armed later on the same parameters); None
+        self.stood_aside: Optional[str] = None
+        self._ref: Optional[weakref.ref] = None
+        self._params: list = []  # the parameters of the window's targets
+        self._warned = False  # the window's skipped parameters were warned about
+        #: ``(scope, the extended modules owning its parameters)``, kept while the scope stays
+        self._owners: tuple = (set(), [])
+
+    @property
+    def armed(self) -> bool:
+        return self._ref is not None
+
+    def arm(self) -> None:
+        if self._ref is None:
+            self._ref = weakref.ref(self, forget)
+            STATE.armed.append(self._ref)
+            refresh()
+
+    def disarm(self) -> None:
+        if self._ref is not None:
+            forget(self._ref)
+            self._ref = None
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Disarmed inside the block (re-armed in its place after): a backward pass that only
+        measures a loss (Levenberg-Marquardt's second closure call) collects nothing."""
+        index = STATE.armed.index(self._ref) if self._ref in STATE.armed else None
+        if index is not None:
+            STATE.armed.pop(index)
+            refresh()
+        try:
+            yield
+        finally:
+            if index is not None:
+                STATE.armed.insert(min(index, len(STATE.armed)), self._ref)
+                refresh()
+
+    def reset(self) -> None:
+        """Start a new window: forget the passes so far (their values stay written)."""
+        self._accumulator = Accumulator()
+        self._window = self.stood_aside = None
+        self._pass = self._task = None
+        self._params = []
+        self._warned = False
+        self.skipped = {}
+
+    def check(self, owner: str) -> None:
+        """Raise where the values of this window are not this collection's alone (and warn
+        about parameters left out, ``skip_unsupported``)."""
+        self._warn_skipped()
+        if self.stood_aside == "optimizer":
+            raise ExtensionConflictError(
+                f"{owner}: another curvopt optimizer created later on the same parameters "
+                "collected the same quantities since this optimizer's last step, so this step "
+                "would read that optimizer's values; give each parameter one curvopt optimizer "
+                "(free the old one), or create them with collection='explicit'"
+            )
+        if self.stood_aside == "block" and self._accumulator.written:
+            raise AccumulationError(
+                f"{owner}: between two steps some backward passes ran inside a curvopt.collect "
+                "block computing the quantities this optimizer needs and some outside it; the "
+                "block's values do not include the other passes. Run all of them inside the "
+                "block, or none (the optimizer collects on its own)"
+            )
+
+    def __enter__(self):
+        """A block that adds nothing: an armed collection collects without one."""
+        self.window()
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self._warn_skipped()
+        return False
+
+    def _warn_skipped(self) -> None:
+        """Once per window (at the end of ``opt.collect()``'s block, or at the step)."""
+        if not self._warned:
+            super()._warn_skipped()
+            self._warned = bool(self.skipped)
+
+    def window(self) -> tuple:
+        """``(extensions, {(id(p), attr)}, scope, options)`` of this window."""
+        if self._window is None:
+            found = self._requests()
+            exts, targets, options = found if found is not None else ([], [], {})
+            wanted = {(id(p), attr) for p, attr in targets}
+            self._params = list({id(p): p for p, _ in targets}.values())
+            scope = {key for key, _ in wanted}
+            if scope != self._owners[0]:
+                self._owners = (scope, _owners(scope))
+            self._window = (exts, wanted, scope, options)
+            self.extensions = tuple(exts)
+            self.skip_unsupported = options.get("skip_unsupported", False)
+        return self._window
+
+    def _taken(self, wanted: set) -> Tuple[set, Optional[str]]:
+        """The attributes of ``wanted`` that a collection before this one writes this pass,
+        and which kind of collection takes them ("optimizer" over "block")."""
+        taken: set = set()
+        kind = None
+        block = STATE.open
+        if block is not None:
+            hit = {attr for _, attr in wanted} & {e.attr for e in block.extensions}
+            if hit:
+                taken, kind = hit, "block"
+        newer = STATE.armed[STATE.armed.index(self._ref) + 1 :] if self._ref in STATE.armed else []
+        for ref in newer:
+            other = ref()
+            hit = {key for key in wanted if other is not None and key in other.window()[1]}
+            if hit:
+                taken |= {attr for _, attr in hit}
+                kind = "optimizer"
+        return taken, kind
+
+    def _new_pass(self, task: int):
+        exts, wanted, scope, options = self.window()
+        if not exts or not any(m._curvopt_live for m in self._owners[1]):
+            return None  # nothing to collect, or no call of its modules awaits its gradient
+        if self._accumulator.written and all(p.grad is None for p in self._params):
+            self._accumulator = Accumulator()  # zero_grad() on the model: p.grad starts anew
+        taken, kind = self._taken(wanted)
+        if kind is not None and len(taken) == len(exts):
+            return _StoodAside(self, kind, scope)
+        if kind is not None:
+            self.stood_aside = kind if self.stood_aside != "optimizer" else self.stood_aside
+        exts = [self._in_earlier_bases(e) for e in exts if e.attr not in taken]
+        skipped = self.skipped if self.skip_unsupported else None
+        return BackwardPass(
+            tuple(exts),
+            task,
+            self._accumulator,
+            skipped,
+            diagonal=self.skip_unsupported == "diagonal",
+            scope=scope,
+        )
+
+    def _in_earlier_bases(self, ext: Extension) -> Extension:
+        """``ext``, or for EKFAC one that takes the bases of this window's earlier passes."""
+        if quantity(ext.attr).combine is not Combine.SAME_BASIS:
+            return ext
+        accumulator, attr, supplied = self._accumulator, ext.attr, ext.supplied
+
+        def bases(p):
+            earlier = accumulator.bases(p, attr)
+            return supplied(p) if earlier is None else earlier
+
+        return type(ext)(**{**ext.options, "bases": bases})
+
+
+def _owners(scope: set) -> list:
+    """The extended modules that own a parameter of ``scope`` (``id``s)."""
+    return [m for m in list(EXTENDED) if any(id(p) in scope for _, p in owned(m))]
+
+
+class _StoodAside:
+    """The pass of a collection that left all its attributes to another one: it notes
+    ``kind`` (``Collection.stood_aside``) once the pass reaches one of its parameters."""
+
+    running = False  # no backward of its own to join (``collect.backward_pass``)
+
+    def __init__(self, collection: Collection, kind: str, scope: set):
+        self.collection, self.kind, self.scope = collection, kind, scope
+
+    def on_loss(self, record, grad) -> bool:
+        return False
+
+    def on_module(self, record, grads) -> bool:
+        return False
+
+    def on_parameter_grad(self, param, grad) -> None:
+        if id(param) in self.scope and self.collection.stood_aside != "optimizer":
+            self.collection.stood_aside = self.kind
