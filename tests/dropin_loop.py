@@ -55,10 +55,6 @@ SETTINGS = {
     "fp16_clip": Setting((8,), clip=0.05, precision="fp16"),
 }
 
-#: why fp16 with a GradScaler fails where the gradients are unscaled before the step (to clip
-#: them): the optimizer reads the scale from ``scaler.step``, which ``unscale_`` has spent
-NEEDS_SCALE_FROM_BACKWARD = "needs the loss scale read from the backward"
-
 
 def on_cpu(setting: Setting) -> Setting:
     """What accelerate (and the Trainer through it) runs on CPU: fp16 without autocast or a

@@ -5,9 +5,9 @@ which moved the float32 case by 6e-8; and on an Intel Xeon, whose BLAS rounds 16
 differently from the AMD EPYC that recorded them before, by at most 1.1e-16).
 
 Each case trains a small model for a few steps on changing batches and keeps the parameters
-after every step. On the machine (torch build, CPU capability and model) that recorded the file the comparison is
-exact (``torch.equal``: bit-identical steps); elsewhere (another BLAS, another CPU) it is a
-float64 comparison to 1e-10. Re-record (only when a change of the numbers is intended) with
+after every step. On the machine (torch build, CPU capability and model) that recorded the file
+the comparison is exact (``torch.equal``: bit-identical steps); elsewhere (another BLAS, another
+CPU) it is a float64 comparison to 1e-10. Re-record (only when a change of the numbers is intended) with
 ``python tests/test_optim_steps_recorded.py --record``.
 """
 
@@ -52,7 +52,12 @@ class _WithToken(nn.Module):
 
 #: name -> (model maker, optimizer maker, loss reduction, step with a closure)
 CASES = {
-    "diag_mc": (lambda: _mlp(4, torch.float64), lambda p: DiagGGNNewton(p, 0.3, 0.1, kl_clip=None), "mean", 0),
+    "diag_mc": (
+        lambda: _mlp(4, torch.float64),
+        lambda p: DiagGGNNewton(p, 0.3, 0.1, kl_clip=None),
+        "mean",
+        0,
+    ),
     "diag_exact_all_options": (
         lambda: _mlp(4, torch.float64),
         lambda p: DiagGGNNewton(p, 0.3, 0.1, "exact", 0.01, **PRACTICAL),
@@ -73,7 +78,12 @@ CASES = {
         "sum",
         0,
     ),
-    "kfac_paper": (lambda: _mlp(4, torch.float64), lambda p: KFAC(p, 0.3, 0.1, kl_clip=None), "mean", 0),
+    "kfac_paper": (
+        lambda: _mlp(4, torch.float64),
+        lambda p: KFAC(p, 0.3, 0.1, kl_clip=None),
+        "mean",
+        0,
+    ),
     "kfac_practical": (
         lambda: _mlp(4, torch.float64),
         lambda p: KFAC(p, 0.3, 0.1, inverse_interval=2, **PRACTICAL),
@@ -126,7 +136,12 @@ CASES = {
         "mean",
         0,
     ),
-    "ekfac_paper": (lambda: _mlp(4, torch.float64), lambda p: EKFAC(p, 0.3, 0.1, kl_clip=None), "mean", 0),
+    "ekfac_paper": (
+        lambda: _mlp(4, torch.float64),
+        lambda p: EKFAC(p, 0.3, 0.1, kl_clip=None),
+        "mean",
+        0,
+    ),
     "ekfac_practical": (
         lambda: _mlp(4, torch.float64),
         lambda p: EKFAC(
