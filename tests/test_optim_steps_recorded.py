@@ -7,8 +7,8 @@ differently from the AMD EPYC that recorded them before, by at most 1.1e-16).
 Each case trains a small model for a few steps on changing batches and keeps the parameters
 after every step. On the machine (torch build, CPU capability and model) that recorded the file
 the comparison is exact (``torch.equal``: bit-identical steps); elsewhere (another BLAS, another
-CPU) it is a float64 comparison to 1e-10. Re-record (only when a change of the numbers is intended) with
-``python tests/test_optim_steps_recorded.py --record``.
+CPU) it is a float64 comparison to 1e-10. Re-record (only when a change of the numbers is
+intended) with ``python tests/test_optim_steps_recorded.py --record``.
 """
 
 from __future__ import annotations
