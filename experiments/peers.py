@@ -134,12 +134,20 @@ def _probe(cls, groups: list[dict], lr: float, options: dict) -> CompileInfo:
 @contextlib.contextmanager
 def averaged_weights(opt: torch.optim.Optimizer):
     """Evaluate with the weights the optimizer reports: schedule-free's average ``x``
-    (``opt.eval()``, then ``opt.train()`` after); other optimizers' parameters as they are."""
-    switch = callable(getattr(opt, "eval", None)) and callable(getattr(opt, "train", None))
-    if switch:
-        opt.eval()
+    (``opt.eval()``, then ``opt.train()`` after); other optimizers' parameters as they are.
+
+    The training parameters are restored exactly after ``opt.train()`` (its interpolation back
+    from ``x`` rounds differently), so that evaluating changes nothing in the training."""
+    if not (callable(getattr(opt, "eval", None)) and callable(getattr(opt, "train", None))):
+        yield
+        return
+    params = [p for g in opt.param_groups for p in g["params"]]
+    saved = [p.detach().clone() for p in params]
+    opt.eval()
     try:
         yield
     finally:
-        if switch:
-            opt.train()
+        opt.train()
+        with torch.no_grad():
+            for p, s in zip(params, saved):
+                p.copy_(s)

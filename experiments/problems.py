@@ -190,7 +190,10 @@ class ViT(nn.Module):
         super().__init__()
         channels, height, width = image
         if height % patch or width % patch or d % heads:
-            raise ValueError(f"ViT: patch {patch} must divide {height}x{width}, heads {heads} d {d}")
+            raise ValueError(
+                f"ViT: the patch size {patch} must divide the image ({height}x{width}) and "
+                f"the number of heads {heads} the width {d}"
+            )
         tokens = (height // patch) * (width // patch)
         self.patch = nn.Conv2d(channels, d, patch, stride=patch)
         self.cls = nn.Parameter(torch.zeros(1, 1, d))

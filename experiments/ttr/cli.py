@@ -149,12 +149,12 @@ def execute_ttr(args) -> int:
     set_threads(args.threads)
     for problem in args.problems:
         spec = _spec(problem, args)
-        splits = _splits(problem, spec.eval_size, args)
         if not spec.targets and set(args.optimizers) != {CALIBRATION_OPTIMIZER}:
             raise ValueError(
                 f"{problem} has no targets yet: run --problems {problem} --optimizers "
                 f"{CALIBRATION_OPTIMIZER} first and write its proposed_targets into TTR_PROBLEMS"
             )
+        splits = _splits(problem, spec.eval_size, args)
         for optimizer in args.optimizers:
             if optimizer not in GRIDS[problem]:
                 _log(f"{problem}: no grid for {optimizer}, skipped")

@@ -133,6 +133,11 @@ def train_to_targets(
     device = splits.train.x.device
     cfg = setting.config(problem, seed, splits.synthetic)
     spec = spec.at_batch(cfg.batch_size, prob.batch_size)
+    if len(splits.train) < cfg.batch_size:
+        raise ValueError(
+            f"{problem}: batch size {cfg.batch_size} is larger than the training split "
+            f"({len(splits.train)} samples); use a smaller batch size"
+        )
     prep = prob.preprocess(cfg.augment)
     torch.manual_seed(seed)
     model = prob.model(seed, device)
