@@ -10,7 +10,7 @@ from experiments import peers
 from experiments.__main__ import main
 from experiments.data import ImageData, make_splits
 from experiments.problems import get_problem
-from experiments.ttr import protocol
+from experiments.ttr import cost, protocol
 from experiments.ttr.grids import BATCH_SIZES, GRIDS, Setting
 from experiments.ttr.protocol import RunResult, TtrProblem, train_to_targets, tune_and_run
 from experiments.ttr.report import load_costs, load_entries, markdown_table, summarize
@@ -268,3 +268,18 @@ def test_the_committed_results_still_load_and_report():
     assert "| fmnist_2c2d | adam lr 0.004, warmup_cosine | 128 | 0.9 | 525 |" in markdown_table(
         list(rows.values())
     )
+
+
+def test_cost_blocks_use_each_entrys_own_batch_size(splits, monkeypatch):
+    seen = []
+    original = cost.timed_step
+
+    def record(net, lossfunc, opt, collects, x, y, clock):
+        seen.append((opt.param_groups[0]["lr"], len(y)))
+        return original(net, lossfunc, opt, collects, x, y, clock)
+
+    monkeypatch.setattr(cost, "timed_step", record)
+    settings = {"128": Setting("adam", 0.01), "512": Setting("adam", 0.02, batch_size=512)}
+    out = cost.measure_costs("mnist_logreg", settings, splits, rounds=1, warmup=0, log=len)
+    assert {lr: n for lr, n in seen} == {0.01: 128, 0.02: 512} and len(seen) == 20
+    assert {k: e["batch_size"] for k, e in out["entries"].items()} == {"128": 128, "512": 512}
