@@ -15,7 +15,9 @@ setting ``heavyball.utils.compile_mode``): each heavyball peer tries the modes o
 :data:`COMPILE_MODES` in order on a throw-away copy of its parameters with random gradients
 (:data:`PROBE_STEPS` steps), and keeps the first that compiles; ``None`` (eager) if none does.
 Its steps then run under that mode. The probe's seconds (the compilation) are reported by
-:func:`compile_info` and counted in a run's wall-clock, never in a cost per step.
+:func:`compile_info` and counted in a run's wall-clock, never in a cost per step. A mode that
+failed for a class and the same parameter shapes is not tried again in the process (a failed
+compilation is not cached by torch, and takes minutes).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class CompileInfo:
 
 
 _COMPILE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: (class name, mode, parameter shapes per group) -> the error, for the modes that failed
+_FAILED: dict[tuple, str] = {}
 
 
 def peer_class(name: str) -> type[torch.optim.Optimizer]:
@@ -111,7 +115,12 @@ def _probe(cls, groups: list[dict], lr: float, options: dict) -> CompileInfo:
     failures = {}
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
+    shapes = tuple(tuple(tuple(p.shape) for p in g["params"]) for g in groups)
     for mode in COMPILE_MODES:
+        known = (cls.__name__, mode, shapes)
+        if known in _FAILED:
+            failures[mode] = _FAILED[known]
+            continue
         copies = [
             {**g, "params": [p.detach().clone().requires_grad_() for p in g["params"]]}
             for g in groups
@@ -125,7 +134,7 @@ def _probe(cls, groups: list[dict], lr: float, options: dict) -> CompileInfo:
                             p.grad = torch.randn(p.shape, generator=gen).to(p)
                     probe.step()
         except Exception as err:  # inductor raises many types; the message is recorded
-            failures[mode] = f"{type(err).__name__}: {str(err).strip()[:300]}"
+            failures[mode] = _FAILED[known] = f"{type(err).__name__}: {str(err).strip()[:300]}"
             continue
         return CompileInfo(True, mode, time.perf_counter() - start, failures)
     return CompileInfo(False, None, time.perf_counter() - start, failures)

@@ -67,9 +67,22 @@ def test_peers_build_and_train_on_a_tiny_problem(splits, eager, name, lr, packag
 def test_a_compile_mode_that_fails_is_recorded_and_the_peer_runs_eager(splits, monkeypatch):
     pytest.importorskip("heavyball")
     monkeypatch.setattr(peers, "COMPILE_MODES", ("no-such-mode",))
+    monkeypatch.setattr(peers, "_FAILED", {})
+    tried = []
+    mode_of = peers._compile_mode
+
+    def record(mode):
+        tried.append(mode)
+        return mode_of(mode)
+
+    monkeypatch.setattr(peers, "_compile_mode", record)
     run = train_to_targets(Setting("soap", 3e-3), "mnist_logreg", SPEC, splits, seed=0)
     assert run.compile["compiled"] is False and run.compile["mode"] is None
     assert "no-such-mode" in run.compile["failures"] and run.status == "reached"
+    assert tried.count("no-such-mode") == 1 and set(tried) == {"no-such-mode", None}
+    again = train_to_targets(Setting("soap", 3e-3), "mnist_logreg", SPEC, splits, seed=1)
+    assert tried.count("no-such-mode") == 1  # a failed mode is not tried again
+    assert again.compile["failures"] == run.compile["failures"]
     # the probe's seconds count in the run's wall-clock, not in its steps' phases
     assert run.train_s == pytest.approx(
         run.compile["compile_s"] + sum(run.per_step_s.values()) * run.steps
