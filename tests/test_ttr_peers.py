@@ -1,7 +1,9 @@
 """The time-to-result benchmark's peers (SOAP, PSGD-Kron, schedule-free AdamW), its batch-size
 axis, the ViT problem and the calibration of a new problem's targets; old result files."""
 
+import json
 import pathlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -260,14 +262,23 @@ def test_a_problem_without_targets_is_calibrated_by_adam_first(splits, monkeypat
         run.curve = [[0, 0.0, 0.1], [10, 1.0, accuracies[setting.lr]], [20, 2.0, 0.5]]
         return run
 
+    real = protocol.train_to_targets
     monkeypatch.setattr(protocol, "train_to_targets", fake)
     grid = tuple(Setting("adam", lr) for lr in accuracies)
     entry = tune_and_run("fmnist_vit", grid, TtrProblem((), 100), splits, 1, log=len)
     assert entry["winner"] == 1 and entry["proposed_targets"] == [0.88, 0.9]
     assert summarize([entry], {}) == []  # a calibration entry is no row of the table
-    assert protocol.TTR_PROBLEMS["fmnist_vit"].targets == ()
+
+    monkeypatch.setattr(protocol, "train_to_targets", real)
+    uncalibrated = replace(protocol.TTR_PROBLEMS["fmnist_vit"], targets=())
+    monkeypatch.setitem(protocol.TTR_PROBLEMS, "fmnist_vit", uncalibrated)
     args = ["ttr", "--synthetic", "--problems", "fmnist_vit", "--json", str(tmp_path)]
-    assert main(args + ["--optimizers", "kfac"]) == 2
+    assert main(args + ["--optimizers", "kfac"]) == 2  # not before the targets are fixed
+    quick = ["--quick", "--max-steps", "4", "--seeds", "1", "--batch-sizes", "128"]
+    assert main(args + quick + ["--optimizers", "adam"]) == 0
+    written = json.loads((tmp_path / "fmnist_vit_adam_calibration.json").read_text())
+    assert len(written["tuning"]) == 4 and len(written["proposed_targets"]) == 2
+    assert not (tmp_path / "fmnist_vit_adam.json").exists()
 
 
 def test_the_committed_results_still_load_and_report():

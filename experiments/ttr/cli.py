@@ -162,7 +162,7 @@ def execute_ttr(args) -> int:
             grid = tuple(s for s in GRIDS[problem][optimizer] if s.batch_size in args.batch_sizes)
             entry = tune_and_run(problem, grid, spec, splits, args.seeds, log=_log)
             entry["meta"] = _meta(args)
-            write_json(entry_path(args.json, problem, optimizer), entry)
+            write_json(entry_path(args.json, problem, optimizer, not spec.targets), entry)
     rows, path = write_summary(args.json, _meta(args))
     print(f"written: {path}")
     return 0

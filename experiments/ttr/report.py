@@ -2,7 +2,8 @@
 
 A results folder (default ``experiments/results/ttr/``) holds
 
-* ``<problem>_<optimizer>.json``: one optimizer's protocol on one problem
+* ``<problem>_<optimizer>.json``: one optimizer's protocol on one problem (a new problem's
+  calibration: ``<problem>_<optimizer>_calibration.json``)
   (:func:`experiments.ttr.protocol.tune_and_run`: its tuning runs, the winner, the winner's
   seeds) and ``meta`` (machine, threads, command);
 * ``cost.json``: per problem, the interleaved cost per step of the winners
@@ -29,8 +30,12 @@ COST, SUMMARY, TABLE = "cost.json", "summary.json", "ttr.md"
 REFERENCE = "adam"
 
 
-def entry_path(folder: str | Path, problem: str, optimizer: str) -> Path:
-    return Path(folder) / f"{problem}_{optimizer}.json"
+def entry_path(folder: str | Path, problem: str, optimizer: str, calibration=False) -> Path:
+    """``<problem>_<optimizer>.json``; a calibration entry (the targets' tuning of a new
+    problem) ``<problem>_<optimizer>_calibration.json``, kept when the tuning to the targets
+    writes the first."""
+    suffix = "_calibration" if calibration else ""
+    return Path(folder) / f"{problem}_{optimizer}{suffix}.json"
 
 
 def write_json(path: Path, content) -> None:
