@@ -75,12 +75,13 @@ class TtrProblem:
 
 
 #: Fixed before tuning. MNIST logreg is evaluated on the whole test set (cheap), the FMNIST
-#: problems on their first 2,000 images. The ViT's targets are fixed from Adam's tuning
-#: (protocol step 1); until then it has none.
+#: problems on their first 2,000 images. The ViT's targets were fixed from Adam's tuning
+#: (protocol step 1: lr 0.002, warm-up + cosine, batch 128 reached 0.872 within the cap;
+#: ``fmnist_vit_adam_calibration.json``).
 TTR_PROBLEMS: dict[str, TtrProblem] = {
     "mnist_logreg": TtrProblem(targets=(0.92,), max_steps=1000, eval_every=25, eval_size=10_000),
     "fmnist_2c2d": TtrProblem(targets=(0.88, 0.90), max_steps=1500, eval_every=25, eval_size=2000),
-    "fmnist_vit": TtrProblem(targets=(), max_steps=1500, eval_every=25, eval_size=2000),
+    "fmnist_vit": TtrProblem(targets=(0.84, 0.86), max_steps=1500, eval_every=25, eval_size=2000),
 }
 #: the optimizer whose tuning fixes a new problem's targets
 CALIBRATION_OPTIMIZER = "adam"
