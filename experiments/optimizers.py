@@ -14,6 +14,9 @@ Presets (curvature optimizers only; see docs/optim.md for the reasoning):
 * ``practical``: amortised curvature and inverses (every 10 steps), an exponential average of
   the curvature (0.95), heavy-ball momentum 0.9 and KL clipping (1e-3), as kfac-pytorch and
   K-FAC JAX configure K-FAC for speed.
+
+The peers from other packages (``soap``, ``psgd_kron``, ``sf_adamw``) are built by
+:mod:`experiments.peers`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .peers import PEERS, build_peer, peer_class
 from .problems import Problem
 
 
@@ -41,6 +45,7 @@ OPTIMIZERS: dict[str, tuple[str | None, dict]] = {
     "kfra": ("KFAC", {"curvature": "kfra"}),
     "ekfac": ("EKFAC", {"curvature": "kfac"}),
     "vsgd": ("VarianceAdaptedSGD", {}),
+    **{name: (None, {}) for name in PEERS},
 }
 DAMPED = {"diagggn", "diagggn_mc", "kfac", "kflr", "kfra", "ekfac"}
 
@@ -68,6 +73,11 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
 
     ``curvopt`` is imported here, at first use, so that the first-order baselines run without it.
     """
+    if name in PEERS:
+        try:
+            return peer_class(name)
+        except ImportError as err:
+            raise SetupError(str(err)) from err
     cls_name = OPTIMIZERS[name][0]
     if cls_name is None:
         return torch.optim.SGD if name == "momentum" else torch.optim.Adam
@@ -148,6 +158,8 @@ def make_optimizer(
     groups = problem.param_groups(model)
     cls = optimizer_class(cfg.optimizer)
     kwargs = {**fixed, **resolve_options(cfg.optimizer, cfg.preset, cfg.options)}
+    if cfg.optimizer in PEERS:
+        return build_peer(cfg.optimizer, groups, cfg.lr, **kwargs), False
     if cls_name is None:
         return cls(groups, lr=cfg.lr, **kwargs), False
     if cfg.damping is not None:

@@ -1,4 +1,6 @@
-"""The DeepOBS test problems of the BackPACK paper, as plain ``nn.Sequential`` models.
+"""The DeepOBS test problems of the BackPACK paper, as plain ``nn.Sequential`` models, and a
+small vision transformer on Fashion-MNIST (``fmnist_vit``, the time-to-result benchmark's
+transformer).
 
 TensorFlow's 'same' padding can be asymmetric (one more row/column at the bottom/right); it is
 written as an explicit ``nn.ZeroPad2d`` in front of the layer. Zero padding in front of a max-pool
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .data import SPECS, Preprocess
@@ -134,19 +137,96 @@ def cifar100_allcnnc() -> nn.Sequential:
     return _init(model, nn.init.xavier_normal_, None, 0.1)
 
 
+class SelfAttention(nn.Module):
+    """``proj(softmax(q kᵀ / √d_h) v)`` per head, ``q, k, v = split(qkv(x))``, ``x: [N, T, d]``
+    (two ``nn.Linear``, so that KFAC has their Kronecker factors)."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (z.reshape(n, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        h = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(h.transpose(1, 2).reshape(n, t, d))
+
+
+class EncoderBlock(nn.Module):
+    """Pre-LayerNorm block: ``x + attn(ln1(x))``, then ``x + fc2(gelu(fc1(ln2(x))))``."""
+
+    def __init__(self, d: int, heads: int, mlp: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = SelfAttention(d, heads)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, mlp)
+        self.fc2 = nn.Linear(mlp, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class ViT(nn.Module):
+    """Vision transformer ``images [N, C, H, W] -> logits [N, classes]``: non-overlapping
+    ``patch x patch`` patches embedded by a strided ``Conv2d``, a raw class token and raw
+    position embeddings (``nn.Parameter``, no Kronecker factors), ``depth`` pre-LayerNorm
+    blocks, a final LayerNorm and a linear head on the class token."""
+
+    def __init__(
+        self,
+        image: tuple[int, int, int] = (1, 28, 28),
+        patch: int = 7,
+        d: int = 64,
+        depth: int = 2,
+        heads: int = 4,
+        mlp: int = 128,
+        classes: int = 10,
+    ):
+        super().__init__()
+        channels, height, width = image
+        if height % patch or width % patch or d % heads:
+            raise ValueError(
+                f"ViT: the patch size {patch} must divide the image ({height}x{width}) and "
+                f"the number of heads {heads} the width {d}"
+            )
+        tokens = (height // patch) * (width // patch)
+        self.patch = nn.Conv2d(channels, d, patch, stride=patch)
+        self.cls = nn.Parameter(torch.zeros(1, 1, d))
+        self.pos = nn.Parameter(0.02 * torch.randn(1, tokens + 1, d))
+        self.blocks = nn.Sequential(*(EncoderBlock(d, heads, mlp) for _ in range(depth)))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.patch(images).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
+        return self.head(self.norm(self.blocks(x))[:, 0])
+
+
+def fmnist_vit() -> ViT:
+    """A small ViT for Fashion-MNIST: 7x7 patches (16 tokens and the class token), width 64,
+    2 blocks of 4 heads, MLP 128; PyTorch's default initialisation of the layers."""
+    return ViT()
+
+
 @dataclass(frozen=True)
 class Problem:
     """A test problem: data set, architecture, loss and the training set-up of the paper."""
 
     name: str
     dataset: str
-    build: Callable[[], nn.Sequential]
+    build: Callable[[], nn.Module]
     batch_size: int
     epochs: int
     weight_decay: float = 0.0
     augment: bool = False
 
-    def model(self, seed: int, device: str | torch.device = "cpu") -> nn.Sequential:
+    def model(self, seed: int, device: str | torch.device = "cpu") -> nn.Module:
         """The initialised network; equal seeds give equal weights, whatever the RNG state."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -181,6 +261,7 @@ PROBLEMS: dict[str, Problem] = {
     for p in (
         Problem("mnist_logreg", "mnist", mnist_logreg, batch_size=128, epochs=50),
         Problem("fmnist_2c2d", "fmnist", fmnist_2c2d, batch_size=128, epochs=100),
+        Problem("fmnist_vit", "fmnist", fmnist_vit, batch_size=128, epochs=100),
         Problem(
             "cifar10_3c3d",
             "cifar10",

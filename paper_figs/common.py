@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 PROBLEM_TITLES = {
     "mnist_logreg": "MNIST logistic regression",
     "fmnist_2c2d": "Fashion-MNIST 2C2D",
+    "fmnist_vit": "Fashion-MNIST ViT",
     "cifar10_3c3d": "CIFAR-10 3C3D",
     "cifar100_allcnnc": "CIFAR-100 All-CNN-C",
 }
@@ -35,6 +36,9 @@ OPTIMIZER_TITLES = {
     "kfra": "KFRA",
     "vsgd": "M-SVAG",
     "ekfac": "EKFAC",
+    "soap": "SOAP",
+    "psgd_kron": "PSGD-Kron",
+    "sf_adamw": "schedule-free AdamW",
 }
 #: fixed colour per optimizer, so that the same method has the same colour in every figure
 OPTIMIZER_COLORS = {
@@ -47,6 +51,9 @@ OPTIMIZER_COLORS = {
     "kfra": "tab:brown",
     "vsgd": "tab:gray",
     "ekfac": "tab:pink",
+    "soap": "tab:cyan",
+    "psgd_kron": "darkgoldenrod",
+    "sf_adamw": "darkslateblue",
 }
 OPTIMIZER_ORDER = list(OPTIMIZER_TITLES)
 PROBLEM_ORDER = list(PROBLEM_TITLES)

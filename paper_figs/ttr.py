@@ -27,7 +27,8 @@ def load_ttr(folder: str | Path) -> tuple[list[dict], dict]:
     for path in sorted(folder.glob("*.json")):
         if path.name not in SKIP:
             entry = json.loads(path.read_text())
-            if {"problem", "optimizer", "runs"} <= set(entry):
+            # a calibration entry (a problem without targets yet) is not drawn
+            if {"problem", "optimizer", "runs"} <= set(entry) and entry["spec"]["targets"]:
                 entries.append(entry)
     summary = folder / SUMMARY
     return entries, json.loads(summary.read_text()) if summary.is_file() else {}

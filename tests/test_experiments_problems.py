@@ -47,6 +47,7 @@ def test_paper_settings():
     assert settings == {
         "mnist_logreg": ("mnist", 128, 50, 0.0),
         "fmnist_2c2d": ("fmnist", 128, 100, 0.0),
+        "fmnist_vit": ("fmnist", 128, 100, 0.0),
         "cifar10_3c3d": ("cifar10", 128, 100, 0.002),
         "cifar100_allcnnc": ("cifar100", 256, 350, 5e-4),
     }

@@ -440,7 +440,7 @@ def test_grid_selection_follows_the_search_run_like_runner_grid(tmp_path):
 
 def test_paper_protocol_reference_matches_the_experiments_problems():
     """paper_figs keeps the paper's protocol as reference data (it never imports experiments)."""
-    assert set(common.PAPER_PROTOCOL) == set(PROBLEMS)
+    assert set(common.PAPER_PROTOCOL) == set(PROBLEMS) - {"fmnist_vit"}  # not the paper's
     for name, ref in common.PAPER_PROTOCOL.items():
         p = PROBLEMS[name]
         assert (ref["epochs"], ref["batch_size"], ref["augment"]) == (

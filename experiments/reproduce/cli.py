@@ -16,12 +16,12 @@ import torch
 from ..commands import Command, add_threads, at_least, choose_threads, relative
 from ..data import default_root
 from ..optimizers import OPTIMIZERS
-from ..problems import PROBLEMS
 from .jobs import Log, load_data, run_budgeted, run_full
 from .overhead_table import run_overhead
 from .plan import (
     BUDGET_OPTIMIZERS,
     BUDGET_PROBLEMS,
+    PAPER_OPTIMIZERS,
     PAPER_SEEDS,
     describe,
     full_protocol_commands,
@@ -63,9 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--problems",
         nargs="+",
-        choices=list(PROBLEMS),
+        choices=list(PAPER_OPTIMIZERS),
         metavar="PROBLEM",
-        help=f"of {', '.join(PROBLEMS)} (default: {' '.join(BUDGET_PROBLEMS)}; --full: all four)",
+        help=f"of {', '.join(PAPER_OPTIMIZERS)} (default: {' '.join(BUDGET_PROBLEMS)}; "
+        "--full: all four)",
     )
     p.add_argument(
         "--optimizers",

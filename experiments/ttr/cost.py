@@ -1,7 +1,8 @@
 """Cost per step, measured interleaved in one process.
 
 Every entry (a problem's winning settings) gets its own model (seed 0) and optimizer. A *block*
-is ``L`` consecutive steps of one entry on the same ``L`` fixed training batches; ``L`` is the
+is ``L`` consecutive steps of one entry on the same ``L`` fixed training batches (of the entry's
+batch size: entries of one batch size share theirs); ``L`` is the
 least multiple of the entries' periods (lcm of curvature, inverse and basis intervals) that is
 at least ``min_block``, so each block holds the same share of curvature steps as a long run and
 its mean is the amortised cost of a step. The entries' blocks alternate round-robin, the
@@ -13,6 +14,10 @@ it is the wall-clock of an idle machine, and other jobs on a shared machine do n
 and the wall-clock (``per_step_wall_s``: under load it is inflated, more for long steps than for
 steps shorter than the scheduler's time slice, so ratios between entries drift with the load).
 An entry that diverges on these batches drops out (costs None, ``failed`` says where).
+
+A compiling peer (:mod:`experiments.peers`) compiles when it is built, before the rounds: its
+compilation is not in its cost (``compile`` records it), nor is a recompilation in the first
+steps, which fall in the warm-up.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ import torch
 from ..data import Splits, train_batches
 from ..evaluation import Clock
 from ..optimizers import make_optimizer, resolve_options
+from ..peers import compile_info
 from ..problems import get_problem
 from ..timing import timed_step
-from .protocol import Setting
+from .grids import Setting
 
 PERIOD_OPTIONS = ("curvature_interval", "inverse_interval", "basis_interval")
 #: the fewest steps of a block (a multiple of the periods' lcm)
@@ -41,6 +47,18 @@ def period(setting: Setting) -> int:
     return math.lcm(*(int(opts.get(k, 1)) for k in PERIOD_OPTIONS))
 
 
+def fixed_batches(splits: Splits, batch_size: int, count: int, prep) -> list:
+    """The first ``count`` training batches of seed 0's shuffles (several epochs if needed)."""
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    while len(batches) < count:
+        for xy in train_batches(splits.train, batch_size, prep, gen):
+            batches.append(xy)
+            if len(batches) == count:
+                break
+    return batches
+
+
 def measure_costs(
     problem: str,
     settings: dict[str, Setting],
@@ -51,8 +69,8 @@ def measure_costs(
     log=print,
 ) -> dict:
     """``{"block": L, "sequence": [name per block, in order], "entries": {name: {"setting",
-    "period", "per_step_s" (CPU), "per_step_wall_s", "rounds_cpu_s", "rounds_wall_s",
-    "failed"}}}``; the costs are medians over ``rounds`` of the block means."""
+    "batch_size", "compile", "period", "per_step_s" (CPU), "per_step_wall_s", "rounds_cpu_s",
+    "rounds_wall_s", "failed"}}}``; the costs are medians over ``rounds`` of the block means."""
     if rounds < 1 or warmup < 0:
         raise ValueError("rounds must be >= 1 and warmup >= 0")
     prob = get_problem(problem)
@@ -60,22 +78,16 @@ def measure_costs(
     clock = Clock(device)
     lcm = math.lcm(*(period(s) for s in settings.values()))
     block = lcm * math.ceil(min_block / lcm)
-    entries = {}
+    entries, sizes = {}, {}
     for name, setting in settings.items():
         cfg = setting.config(problem, 0, splits.synthetic)
         torch.manual_seed(0)
         model, lossfunc = prob.model(0, device), prob.loss()
         opt, collects = make_optimizer(cfg, prob, model, lossfunc)
         entries[name] = (model, lossfunc, opt, collects)
-    gen = torch.Generator().manual_seed(0)
+        sizes[name] = cfg.batch_size
     prep = prob.preprocess(False)
-    batch_size = settings[next(iter(settings))].config(problem, 0).batch_size
-    batches = []
-    while len(batches) < block:
-        for xy in train_batches(splits.train, batch_size, prep, gen):
-            batches.append(xy)
-            if len(batches) == block:
-                break
+    fixed = {b: fixed_batches(splits, b, block, prep) for b in set(sizes.values())}
     names = list(settings)
     samples: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
     failed: dict[str, str] = {}
@@ -87,7 +99,7 @@ def measure_costs(
                 continue
             model, lossfunc, opt, collects = entries[name]
             wall, cpu = clock(), time.process_time()
-            for i, (x, y) in enumerate(batches):
+            for i, (x, y) in enumerate(fixed[sizes[name]]):
                 if timed_step(model, lossfunc, opt, collects, x, y, clock).diverged:
                     failed[name] = f"diverged at step {i} of round {r} (fixed batches)"
                     break
@@ -116,6 +128,8 @@ def measure_costs(
         "entries": {
             n: {
                 "setting": settings[n].as_dict(),
+                "batch_size": sizes[n],
+                "compile": compile_info(entries[n][2]),
                 "period": period(settings[n]),
                 "per_step_s": median(n, 1),
                 "per_step_wall_s": median(n, 0),

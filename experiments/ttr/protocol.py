@@ -1,47 +1,57 @@
 """Time to result: steps until a fixed test accuracy, with the same tuning budget for everyone.
 
-Protocol (issue 19 item 4), the same for every optimizer:
+Protocol, the same for every optimizer:
 
-1. The targets of each problem are fixed here (:data:`TTR_PROBLEMS`), before any tuning.
+1. The targets of each problem are fixed here (:data:`TTR_PROBLEMS`), before any tuning. A new
+   problem starts without targets; its reference optimizer (Adam, which is AdamW at weight
+   decay 0) is tuned first by the highest accuracy it reaches within the cap
+   (:func:`proposed_targets` gives the targets from it), the targets are written here, and only
+   then are the others tuned (and Adam again, to the targets).
 2. Evaluation is off the clock and at a fixed cadence in *steps* (every ``eval_every`` steps,
    and at step 0), on a fixed test subset, so that the steps to a target do not depend on the
    machine's load. A run stops at the first evaluation that reaches the highest target, or at
-   the problem's step cap.
-3. Tuning: every setting of the committed grid (:data:`GRIDS`, at least 4 per optimizer, fixed
-   before tuning) trains with seed 0. The best is the one with the fewest steps to the highest
-   target; ties go to fewer steps to the next lower target, and so on; then the first in the
-   grid. Not reached counts as infinitely many steps. A tuning run that has taken as many
-   steps as the best one so far needed for the highest target, without reaching it, cannot
-   win and stops there (status ``pruned``): this saves time and changes no selection.
+   the problem's step cap. ``max_steps`` and ``eval_every`` are given at the problem's batch
+   size and mean the same amount of *data* at every batch size (:meth:`TtrProblem.at_batch`).
+3. Tuning: every setting of the committed grid (:mod:`.grids`, 4 per optimizer at each batch
+   size) trains with seed 0. At each batch size the best is the one with the fewest steps to
+   the highest target; ties go to fewer steps to the next lower target, and so on; then the
+   first in the grid. Not reached counts as infinitely many steps. A tuning run that has taken
+   as many steps as the best one of its batch size so far needed for the highest target,
+   without reaching it, cannot win and stops there (status ``pruned``). Across batch sizes,
+   the winners are compared in time: steps × their cost per step, measured interleaved
+   (:func:`experiments.ttr.cost.measure_costs`) right after the tuning.
 4. The winner runs seeds 1 and 2 (seed 0 is its tuning run).
 
 All runs use the same data (the full training split minus the validation hold-out, reshuffled
-every epoch, the problem's batch size) and the same thread count. The cost of a step is not
-taken from these runs (the machine's load changes it) but measured interleaved in one process,
-see :mod:`experiments.ttr.cost`.
+every epoch) and the same thread count. Schedule-free AdamW is evaluated at its averaged
+weights (:func:`experiments.peers.averaged_weights`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from ..config import RunConfig
 from ..data import Splits, train_batches
 from ..evaluation import Clock, split_sums
 from ..optimizers import make_optimizer
+from ..peers import averaged_weights, compile_info
 from ..problems import get_problem
 from ..timing import timed_step
-from .schedules import SCHEDULES, lr_factor
+from .cost import measure_costs
+from .grids import GRIDS, Setting
+from .schedules import lr_factor
+
+__all__ = ["GRIDS", "Setting", "TtrProblem", "TTR_PROBLEMS", "tune_and_run", "train_to_targets"]
 
 
 @dataclass(frozen=True)
 class TtrProblem:
-    """Targets (test accuracy on the first ``eval_size`` test images, ascending) and budget:
-    ``max_steps`` optimizer steps per run, an evaluation every ``eval_every`` steps."""
+    """Targets (test accuracy on the first ``eval_size`` test images, ascending; empty: not yet
+    fixed) and budget: ``max_steps`` optimizer steps per run, an evaluation every
+    ``eval_every`` steps, both at the problem's own batch size."""
 
     targets: tuple[float, ...]
     max_steps: int
@@ -49,152 +59,32 @@ class TtrProblem:
     eval_size: int = 2000
 
     def __post_init__(self):
-        if list(self.targets) != sorted(self.targets) or not self.targets:
-            raise ValueError(f"targets must be non-empty and ascending, got {self.targets}")
+        if list(self.targets) != sorted(self.targets):
+            raise ValueError(f"targets must be ascending, got {self.targets}")
         if self.max_steps < 1 or self.eval_every < 1:
             raise ValueError("max_steps and eval_every must be >= 1")
 
+    def at_batch(self, batch_size: int, base_batch_size: int) -> TtrProblem:
+        """The same budget in data at ``batch_size``: steps and cadence × base / batch."""
+        scale = base_batch_size / batch_size
+        return replace(
+            self,
+            max_steps=max(1, round(self.max_steps * scale)),
+            eval_every=max(1, round(self.eval_every * scale)),
+        )
 
-#: Fixed before tuning (issue 19 item 4). MNIST logreg is evaluated on the whole test set
-#: (cheap), FMNIST 2C2D on its first 2,000 images.
+
+#: Fixed before tuning. MNIST logreg is evaluated on the whole test set (cheap), the FMNIST
+#: problems on their first 2,000 images. The ViT's targets were fixed from Adam's tuning
+#: (protocol step 1: lr 0.002, warm-up + cosine, batch 128 reached 0.872 within the cap;
+#: ``fmnist_vit_adam_calibration.json``).
 TTR_PROBLEMS: dict[str, TtrProblem] = {
     "mnist_logreg": TtrProblem(targets=(0.92,), max_steps=1000, eval_every=25, eval_size=10_000),
     "fmnist_2c2d": TtrProblem(targets=(0.88, 0.90), max_steps=1500, eval_every=25, eval_size=2000),
+    "fmnist_vit": TtrProblem(targets=(0.84, 0.86), max_steps=1500, eval_every=25, eval_size=2000),
 }
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One point of a tuning grid: optimizer, lr, damping, preset, extra options, lr schedule."""
-
-    optimizer: str
-    lr: float
-    damping: float | None = None
-    preset: str | None = None
-    options: tuple[tuple[str, Any], ...] = ()
-    schedule: str = "constant"
-
-    def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; choose from {SCHEDULES}")
-        object.__setattr__(self, "options", tuple(sorted(dict(self.options).items())))
-
-    def config(self, problem: str, seed: int, synthetic: bool = False) -> RunConfig:
-        return RunConfig(
-            problem,
-            self.optimizer,
-            self.lr,
-            damping=self.damping,
-            seed=seed,
-            synthetic=synthetic,
-            preset=self.preset,
-            options=self.options,
-        )
-
-    def as_dict(self) -> dict:
-        out = asdict(self)
-        out["options"] = dict(self.options)
-        return out
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Setting:
-        return cls(**{**d, "options": tuple(d.get("options", {}).items())})
-
-    @property
-    def label(self) -> str:
-        parts = [f"lr {self.lr:g}"]
-        if self.damping is not None:
-            parts.append(f"damping {self.damping:g}")
-        if self.preset:
-            parts.append(self.preset)
-        parts += [f"{k}={v}" for k, v in self.options]
-        if self.schedule != "constant":
-            parts.append(self.schedule)
-        return f"{self.optimizer} " + ", ".join(parts)
-
-
-def _grid(optimizer: str, *points: tuple) -> tuple[Setting, ...]:
-    """``(lr, damping, preset, options dict, schedule)`` tuples (trailing fields optional)."""
-    out = []
-    for point in points:
-        lr, damping, preset, options, schedule = (
-            point + (None, None, {}, "constant")[len(point) - 1 :]
-        )
-        out.append(Setting(optimizer, lr, damping, preset, tuple(options.items()), schedule))
-    return tuple(out)
-
-
-WC = "warmup_cosine"
-#: the README's KFAC settings (``kl_clip=1e-3``, kfac-pytorch's default trust region)
-README_KL = {"kl_clip": 1e-3}
-#: the paper's update (no trust region; the constructors' default is ``kl_clip=1e-3``)
-PAPER_KL = {"kl_clip": None}
-
-#: The tuning grids, fixed before tuning: problem -> optimizer -> settings, 4 each. The
-#: baselines get two constant learning rates and two with linear warm-up and cosine decay
-#: (AlgoPerf's baselines); KFAC (trace-norm damping) the paper's update, the README's setting
-#: (kl_clip 1e-3) and the ``practical`` preset (curvature and inverses every 10 steps, EMA,
-#: momentum, kl_clip); DiagGGN-Newton (MC curvature) and EKFAC alike.
-GRIDS: dict[str, dict[str, tuple[Setting, ...]]] = {
-    "mnist_logreg": {
-        "momentum": _grid(
-            "momentum", (0.03,), (0.1,), (0.1, None, None, {}, WC), (0.3, None, None, {}, WC)
-        ),
-        "adam": _grid(
-            "adam", (1e-3,), (3e-3,), (3e-3, None, None, {}, WC), (1e-2, None, None, {}, WC)
-        ),
-        "kfac": _grid(
-            "kfac",
-            (0.1, 0.01, None, PAPER_KL),
-            (0.3, 0.01, None, README_KL),
-            (0.05, 1e-3, None, README_KL),
-            (0.03, 0.01, "practical"),
-        ),
-        "diagggn_mc": _grid(
-            "diagggn_mc",
-            (0.01, 0.01, None, PAPER_KL),
-            (0.1, 0.01, None, PAPER_KL),
-            (0.3, 0.01, None, README_KL),
-            (0.01, 0.01, "practical"),
-        ),
-        "ekfac": _grid(
-            "ekfac",
-            (0.1, 0.01, None, PAPER_KL),
-            (0.3, 0.01, None, README_KL),
-            (0.05, 1e-3, None, README_KL),
-            (0.03, 0.01, "practical"),
-        ),
-    },
-    "fmnist_2c2d": {
-        "momentum": _grid(
-            "momentum", (0.02,), (0.05,), (0.05, None, None, {}, WC), (0.1, None, None, {}, WC)
-        ),
-        "adam": _grid(
-            "adam", (1e-3,), (2e-3,), (2e-3, None, None, {}, WC), (4e-3, None, None, {}, WC)
-        ),
-        "kfac": _grid(
-            "kfac",
-            (0.1, 0.1, None, PAPER_KL),
-            (0.05, 1e-3, None, README_KL),
-            (0.01, 0.1, "practical"),
-            (0.01, 0.1, "practical", {"kl_clip": 1e-2}),
-        ),
-        "diagggn_mc": _grid(
-            "diagggn_mc",
-            (1e-3, 1e-3, None, PAPER_KL),
-            (0.01, 0.01, None, PAPER_KL),
-            (0.05, 1e-3, None, README_KL),
-            (1e-3, 1e-3, "practical"),
-        ),
-        "ekfac": _grid(
-            "ekfac",
-            (0.1, 0.1, None, PAPER_KL),
-            (0.05, 1e-3, None, README_KL),
-            (0.01, 0.1, "practical"),
-            (0.01, 0.1, "practical", {"kl_clip": 1e-2}),
-        ),
-    },
-}
+#: the optimizer whose tuning fixes a new problem's targets
+CALIBRATION_OPTIMIZER = "adam"
 
 SEEDS = 3
 
@@ -203,8 +93,9 @@ SEEDS = 3
 class RunResult:
     """One run. ``steps_to``: target -> steps at the first evaluation reaching it (``None``:
     not reached); ``seconds_to``: the training seconds at that evaluation (this run's own
-    clock, load dependent); ``curve``: ``[step, training seconds, test accuracy]`` per
-    evaluation."""
+    clock, load dependent, including a compiling peer's ``compile`` seconds); ``curve``:
+    ``[step, training seconds, test accuracy]`` per evaluation; ``max_steps`` the cap at this
+    run's ``batch_size``; ``compile``: :func:`experiments.peers.compile_info`."""
 
     setting: dict
     seed: int
@@ -216,6 +107,9 @@ class RunResult:
     eval_s: float = 0.0
     per_step_s: dict[str, float] = field(default_factory=dict)
     curve: list[list[float]] = field(default_factory=list)
+    batch_size: int | None = None
+    max_steps: int | None = None
+    compile: dict | None = None
 
 
 def target_key(target: float) -> str:
@@ -230,14 +124,21 @@ def train_to_targets(
     seed: int,
     prune_at: int | None = None,
 ) -> RunResult:
-    """Train ``setting`` with ``seed`` until the highest target or ``spec.max_steps`` steps,
-    evaluating the test subset at step 0 and every ``spec.eval_every`` steps (off the clock).
+    """Train ``setting`` with ``seed`` until the highest target or the step cap (``spec`` at
+    the setting's batch size), evaluating the test subset at step 0 and every ``eval_every``
+    steps (off the clock).
 
     ``prune_at``: stop (status ``pruned``) after that many steps without the highest target: a
     tuning run past the best run's steps to the highest target cannot win."""
     prob = get_problem(problem)
     device = splits.train.x.device
     cfg = setting.config(problem, seed, splits.synthetic)
+    spec = spec.at_batch(cfg.batch_size, prob.batch_size)
+    if len(splits.train) < cfg.batch_size:
+        raise ValueError(
+            f"{problem}: batch size {cfg.batch_size} is larger than the training split "
+            f"({len(splits.train)} samples); use a smaller batch size"
+        )
     prep = prob.preprocess(cfg.augment)
     torch.manual_seed(seed)
     model = prob.model(seed, device)
@@ -248,13 +149,16 @@ def train_to_targets(
     clock = Clock(device)
     keys = [target_key(t) for t in spec.targets]
     run = RunResult(setting.as_dict(), seed, dict.fromkeys(keys), dict.fromkeys(keys), "capped")
+    run.batch_size, run.max_steps, run.compile = cfg.batch_size, spec.max_steps, compile_info(opt)
+    run.train_s = run.compile["compile_s"] if run.compile else 0.0
     phases: dict[str, float] = {}
 
     def evaluate() -> bool:
         """Record the test accuracy; True when the highest target is reached."""
         t = clock()
         model.eval()
-        _, correct = split_sums(model, lossfunc, splits.test, cfg.batch_size, prep)
+        with averaged_weights(opt):
+            _, correct = split_sums(model, lossfunc, splits.test, cfg.batch_size, prep)
         model.train()
         run.eval_s += clock() - t
         acc = correct / len(splits.test)
@@ -262,7 +166,7 @@ def train_to_targets(
         for key, target in zip(keys, spec.targets):
             if run.steps_to[key] is None and acc >= target:
                 run.steps_to[key], run.seconds_to[key] = run.steps, run.train_s
-        return run.steps_to[keys[-1]] is not None
+        return bool(keys) and run.steps_to[keys[-1]] is not None
 
     done = evaluate()
     while not done and run.status == "capped":
@@ -302,9 +206,27 @@ def selection_key(steps_to: dict[str, int | None], targets: tuple[float, ...]) -
     )
 
 
+def best_accuracy(run: RunResult) -> float:
+    return max(acc for _, _, acc in run.curve)
+
+
+def _key(run: RunResult, targets: tuple[float, ...], cost: float = 1.0) -> tuple:
+    """Steps (× ``cost``) to the targets; without targets the highest accuracy reached."""
+    if not targets:
+        return (-best_accuracy(run),)
+    return tuple(s * cost for s in selection_key(run.steps_to, targets))
+
+
 def select(runs: list[RunResult], targets: tuple[float, ...]) -> int:
     """Index of the winning tuning run (the first of equal keys)."""
-    return min(range(len(runs)), key=lambda i: (selection_key(runs[i].steps_to, targets), i))
+    return min(range(len(runs)), key=lambda i: (_key(runs[i], targets), i))
+
+
+def proposed_targets(run: RunResult) -> tuple[float, float]:
+    """A new problem's targets from its calibration winner's seed-0 run: the highest
+    accuracy it reached less 0.01, rounded down to a multiple of 0.01, and 0.02 below that."""
+    top = math.floor(round((best_accuracy(run) - 0.01) * 100, 6)) / 100
+    return (round(top - 0.02, 2), top)
 
 
 def tune_and_run(
@@ -314,33 +236,69 @@ def tune_and_run(
     splits: Splits,
     seeds: int = SEEDS,
     log=print,
+    cost_rounds: int = 3,
 ) -> dict:
-    """The protocol for one optimizer on one problem: tuning runs (seed 0), the winner, and
-    the winner's runs for seeds ``0..seeds-1`` (seed 0 being its tuning run)."""
-    tuning = []
+    """The protocol for one optimizer on one problem: tuning runs (seed 0), at each batch size
+    its winner, the winner across batch sizes (in time, ``cost_rounds`` interleaved rounds),
+    and the winner's runs for seeds ``0..seeds-1`` (seed 0 being its tuning run)."""
+    tuning: list[RunResult] = []
+    best_of: dict[int | None, int] = {}  # batch size -> index of its best tuning run
     for setting in settings:
-        best = tuning[select(tuning, spec.targets)].steps_to if tuning else {}
-        prune_at = best.get(target_key(spec.targets[-1]))
+        own = best_of.get(setting.batch_size)
+        prune_at = None
+        if own is not None and spec.targets:
+            prune_at = tuning[own].steps_to[target_key(spec.targets[-1])]
         tuning.append(train_to_targets(setting, problem, spec, splits, 0, prune_at))
         log(line(problem, tuning[-1]))
-    best = select(tuning, spec.targets)
+        if own is None or _key(tuning[-1], spec.targets) < _key(tuning[own], spec.targets):
+            best_of[setting.batch_size] = len(tuning) - 1
+    batch_costs = _batch_costs(problem, tuning, best_of, spec, splits, cost_rounds, log)
+
+    def in_time(i: int) -> tuple:
+        """Steps × the batch size's cost (a winner whose cost failed cannot win)."""
+        cost = batch_costs.get(str(tuning[i].batch_size), math.inf) if batch_costs else 1.0
+        return (_key(tuning[i], spec.targets, cost) if cost < math.inf else (math.inf,), i)
+
+    best = min(best_of.values(), key=in_time)
     winner = Setting.from_dict(tuning[best].setting)
     runs = [tuning[best]]
     for seed in range(1, seeds):
         runs.append(train_to_targets(winner, problem, spec, splits, seed))
         log(line(problem, runs[-1]))
-    return {
+    entry = {
         "problem": problem,
         "optimizer": settings[0].optimizer,
         "spec": asdict(spec),
         "tuning": [asdict(r) for r in tuning],
+        "batch_winners": {str(tuning[i].batch_size): i for i in best_of.values()},
+        "batch_costs": batch_costs,
         "winner": best,
         "runs": [asdict(r) for r in runs],
+    }
+    if not spec.targets:
+        entry["proposed_targets"] = list(proposed_targets(runs[0]))
+    return entry
+
+
+def _batch_costs(problem, tuning, best_of, spec, splits, rounds, log) -> dict[str, float]:
+    """Cost per step (CPU seconds) of each batch size's winner, measured interleaved, when more
+    than one batch size's winner reached the highest target (else nothing to compare)."""
+    reached = [i for i in best_of.values() if tuning[i].status == "reached"]
+    if len(reached) < 2 or not spec.targets:
+        return {}
+    winners = {str(tuning[i].batch_size): Setting.from_dict(tuning[i].setting) for i in reached}
+    measured = measure_costs(problem, winners, splits, rounds=rounds, warmup=1, log=log)
+    return {
+        name: e["per_step_s"]
+        for name, e in measured["entries"].items()
+        if e["per_step_s"] is not None
     }
 
 
 def line(problem: str, run: RunResult) -> str:
     reached = ", ".join(f"{k}: {'-' if v is None else v} steps" for k, v in run.steps_to.items())
+    if not run.steps_to and run.curve:
+        reached = f"best accuracy {best_accuracy(run):.4f}"
     return (
         f"{problem} {Setting.from_dict(run.setting).label} seed {run.seed}: {run.status} "
         f"({reached}); {run.steps} steps in {run.train_s:.1f}s (+{run.eval_s:.1f}s eval)"

@@ -2,12 +2,16 @@
 
 A results folder (default ``experiments/results/ttr/``) holds
 
-* ``<problem>_<optimizer>.json``: one optimizer's protocol on one problem
+* ``<problem>_<optimizer>.json``: one optimizer's protocol on one problem (a new problem's
+  calibration: ``<problem>_<optimizer>_calibration.json``)
   (:func:`experiments.ttr.protocol.tune_and_run`: its tuning runs, the winner, the winner's
   seeds) and ``meta`` (machine, threads, command);
 * ``cost.json``: per problem, the interleaved cost per step of the winners
   (:func:`experiments.ttr.cost.measure_costs`) and ``meta``;
 * ``summary.json`` and ``ttr.md``: the table (:func:`summarize`).
+
+Files written before the batch size was tuned (settings without ``batch_size``) read as runs at
+the problem's batch size. A calibration entry (a problem without targets yet) is not a row.
 """
 
 from __future__ import annotations
@@ -18,14 +22,20 @@ import statistics
 from pathlib import Path
 
 from ..files import atomic_write, finite
-from .protocol import Setting, target_key
+from ..problems import PROBLEMS
+from .grids import Setting
+from .protocol import target_key
 
 COST, SUMMARY, TABLE = "cost.json", "summary.json", "ttr.md"
 REFERENCE = "adam"
 
 
-def entry_path(folder: str | Path, problem: str, optimizer: str) -> Path:
-    return Path(folder) / f"{problem}_{optimizer}.json"
+def entry_path(folder: str | Path, problem: str, optimizer: str, calibration=False) -> Path:
+    """``<problem>_<optimizer>.json``; a calibration entry (the targets' tuning of a new
+    problem) ``<problem>_<optimizer>_calibration.json``, kept when the tuning to the targets
+    writes the first."""
+    suffix = "_calibration" if calibration else ""
+    return Path(folder) / f"{problem}_{optimizer}{suffix}.json"
 
 
 def write_json(path: Path, content) -> None:
@@ -61,6 +71,13 @@ def winner_setting(entry: dict) -> Setting:
     return Setting.from_dict(entry["tuning"][entry["winner"]]["setting"])
 
 
+def batch_size(problem: str, setting: Setting) -> int | None:
+    """The setting's batch size, else the problem's (``None`` for an unknown problem)."""
+    if setting.batch_size is not None:
+        return setting.batch_size
+    return PROBLEMS[problem].batch_size if problem in PROBLEMS else None
+
+
 def summarize(entries: list[dict], costs: dict) -> list[dict]:
     """One row per (problem, optimizer): the winner, steps to each target (median and per
     seed), the interleaved cost per step (CPU time, and wall-clock; only where ``costs``
@@ -70,6 +87,8 @@ def summarize(entries: list[dict], costs: dict) -> list[dict]:
     for entry in entries:
         problem, optimizer = entry["problem"], entry["optimizer"]
         targets = entry["spec"]["targets"]
+        if not targets:
+            continue
         setting = winner_setting(entry)
         runs = entry["runs"]
         measured = costs.get("problems", {}).get(problem, {}).get("entries", {}).get(optimizer)
@@ -90,6 +109,8 @@ def summarize(entries: list[dict], costs: dict) -> list[dict]:
                 "optimizer": optimizer,
                 "setting": setting.as_dict(),
                 "label": setting.label,
+                "batch_size": batch_size(problem, setting),
+                "compiled": _compiled(runs),
                 "targets": targets,
                 "seeds": [r["seed"] for r in runs],
                 "steps": steps,
@@ -116,6 +137,12 @@ def summarize(entries: list[dict], costs: dict) -> list[dict]:
     return rows
 
 
+def _compiled(runs: list[dict]) -> bool | None:
+    """Whether a peer's runs were compiled (``None``: not a compiling peer)."""
+    infos = [r.get("compile") for r in runs if r.get("compile")]
+    return all(i["compiled"] for i in infos) if infos else None
+
+
 def _ratio(a, b):
     return None if a is None or not b else a / b
 
@@ -135,14 +162,20 @@ def _ratio_cell(value, ratio) -> str:
     return "-" if ratio is None else f"{ratio:.2f}"
 
 
+def _title(row: dict) -> str:
+    """The winning setting, and for a compiling peer whether it ran compiled."""
+    compiled = row.get("compiled")
+    return row["label"] + ("" if compiled is None else (", compiled" if compiled else ", eager"))
+
+
 def markdown_table(rows: list[dict]) -> str:
     """The table: steps to each target (median; per seed), ms per step, estimated and measured
     seconds to the highest target, ratios to Adam."""
     lines = [
-        "| problem | optimizer (winning setting) | target | steps (median) | steps per seed | "
-        "ms/step (interleaved: CPU / wall) | est. s = steps × CPU cost | ratio to Adam (est.) | "
-        "wall-clock s of the runs (median) | ratio to Adam (wall) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| problem | optimizer (winning setting) | batch | target | steps (median) | "
+        "steps per seed | ms/step (interleaved: CPU / wall) | est. s = steps × CPU cost | "
+        "ratio to Adam (est.) | wall-clock s of the runs (median) | ratio to Adam (wall) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         for i, t in enumerate(r["targets"]):
@@ -151,7 +184,8 @@ def markdown_table(rows: list[dict]) -> str:
             cost = r["cost_per_step_s"]
             seeds = ", ".join("-" if s is None else str(s) for s in r["steps_per_seed"][key])
             lines.append(
-                f"| {r['problem']} | {r['label']} | {key} | {_n(r['steps'][key])} | {seeds} | "
+                f"| {r['problem']} | {_title(r)} | {r.get('batch_size') or '-'} | {key} | "
+                f"{_n(r['steps'][key])} | {seeds} | "
                 f"{_ms(cost, r['cost_per_step_wall_s'])} | "
                 f"{'-' if cost is None else _n(r['est_s'][key], '{:.1f}')} | "
                 f"{_ratio_cell(r['est_s'][key], r['est_ratio_to_adam']) if top else ''} | "

@@ -1,0 +1,193 @@
+"""The tuning grids of the time-to-result benchmark, fixed before tuning.
+
+A :class:`Setting` is one point of a grid: optimizer, lr, damping, preset, options, lr schedule
+and batch size. Every grid is the product of an optimizer's 4 settings and
+:data:`BATCH_SIZES`: the batch size is a tuned choice like the lr.
+
+Choice of the 4 settings:
+
+* the baselines (momentum SGD, Adam): two constant learning rates and two with linear warm-up
+  and cosine decay (AlgoPerf's baselines). With the problems' weight decay of 0, Adam is AdamW;
+* KFAC (trace-norm damping): the paper's update, the README's setting (kl_clip 1e-3) and the
+  ``practical`` preset; DiagGGN-Newton (MC curvature) and EKFAC alike; on the ViT with
+  ``fallback`` for the raw class and position tokens;
+* SOAP and PSGD-Kron (heavyball): as the baselines, around heavyball's default lr (3e-3 and
+  1e-3): two constant, two warm-up + cosine;
+* schedule-free AdamW: it is made to run without a schedule (its averaging replaces the
+  decay), but with a warm-up; so 4 learning rates (a factor 2 apart), each with the ``warmup``
+  schedule (linear warm-up over the same 5 % of the cap as the baselines', then constant).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from ..config import RunConfig
+from .schedules import SCHEDULES
+
+#: the batch sizes every optimizer's settings are tried at
+BATCH_SIZES = (128, 512)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One point of a tuning grid: optimizer, lr, damping, preset, extra options, lr schedule,
+    batch size (``None``: the problem's, as in the result files written before the batch size
+    was tuned)."""
+
+    optimizer: str
+    lr: float
+    damping: float | None = None
+    preset: str | None = None
+    options: tuple[tuple[str, Any], ...] = ()
+    schedule: str = "constant"
+    batch_size: int | None = None
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose from {SCHEDULES}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        object.__setattr__(self, "options", tuple(sorted(dict(self.options).items())))
+
+    def config(self, problem: str, seed: int, synthetic: bool = False) -> RunConfig:
+        return RunConfig(
+            problem,
+            self.optimizer,
+            self.lr,
+            damping=self.damping,
+            seed=seed,
+            batch_size=self.batch_size,
+            synthetic=synthetic,
+            preset=self.preset,
+            options=self.options,
+        )
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["options"] = dict(self.options)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Setting:
+        return cls(**{**d, "options": tuple(d.get("options", {}).items())})
+
+    @property
+    def label(self) -> str:
+        parts = [f"lr {self.lr:g}"]
+        if self.damping is not None:
+            parts.append(f"damping {self.damping:g}")
+        if self.preset:
+            parts.append(self.preset)
+        parts += [f"{k}={v}" for k, v in self.options]
+        if self.schedule != "constant":
+            parts.append(self.schedule)
+        if self.batch_size is not None:
+            parts.append(f"batch {self.batch_size}")
+        return f"{self.optimizer} " + ", ".join(parts)
+
+
+def _grid(optimizer: str, *points: tuple) -> tuple[Setting, ...]:
+    """``(lr, damping, preset, options dict, schedule)`` tuples (trailing fields optional), each
+    at every batch size of :data:`BATCH_SIZES`."""
+    out = []
+    for point in points:
+        lr, damping, preset, options, schedule = (
+            point + (None, None, {}, "constant")[len(point) - 1 :]
+        )
+        out.append(Setting(optimizer, lr, damping, preset, tuple(options.items()), schedule))
+    return tuple(replace(s, batch_size=b) for b in BATCH_SIZES for s in out)
+
+
+def _first_order(optimizer: str, lrs: tuple[float, float, float, float]):
+    """Two constant learning rates, two with warm-up and cosine decay."""
+    a, b, c, d = lrs
+    return _grid(optimizer, (a,), (b,), (c, None, None, {}, WC), (d, None, None, {}, WC))
+
+
+def _schedule_free(lrs: tuple[float, ...]):
+    return _grid("sf_adamw", *((lr, None, None, {}, "warmup") for lr in lrs))
+
+
+WC = "warmup_cosine"
+#: the README's KFAC settings (``kl_clip=1e-3``, kfac-pytorch's default trust region)
+README_KL = {"kl_clip": 1e-3}
+#: the paper's update (no trust region; the constructors' default is ``kl_clip=1e-3``)
+PAPER_KL = {"kl_clip": None}
+#: a ViT's raw class and position tokens have no Kronecker factors
+DIAG = {"fallback": "diagonal"}
+
+#: The tuning grids: problem -> optimizer -> settings (see the module doc).
+GRIDS: dict[str, dict[str, tuple[Setting, ...]]] = {
+    "mnist_logreg": {
+        "momentum": _first_order("momentum", (0.03, 0.1, 0.1, 0.3)),
+        "adam": _first_order("adam", (1e-3, 3e-3, 3e-3, 1e-2)),
+        "kfac": _grid(
+            "kfac",
+            (0.1, 0.01, None, PAPER_KL),
+            (0.3, 0.01, None, README_KL),
+            (0.05, 1e-3, None, README_KL),
+            (0.03, 0.01, "practical"),
+        ),
+        "diagggn_mc": _grid(
+            "diagggn_mc",
+            (0.01, 0.01, None, PAPER_KL),
+            (0.1, 0.01, None, PAPER_KL),
+            (0.3, 0.01, None, README_KL),
+            (0.01, 0.01, "practical"),
+        ),
+        "ekfac": _grid(
+            "ekfac",
+            (0.1, 0.01, None, PAPER_KL),
+            (0.3, 0.01, None, README_KL),
+            (0.05, 1e-3, None, README_KL),
+            (0.03, 0.01, "practical"),
+        ),
+        "soap": _first_order("soap", (1e-3, 3e-3, 3e-3, 1e-2)),
+        "psgd_kron": _first_order("psgd_kron", (1e-3, 3e-3, 3e-3, 1e-2)),
+        "sf_adamw": _schedule_free((1e-3, 3e-3, 1e-2, 3e-2)),
+    },
+    "fmnist_2c2d": {
+        "momentum": _first_order("momentum", (0.02, 0.05, 0.05, 0.1)),
+        "adam": _first_order("adam", (1e-3, 2e-3, 2e-3, 4e-3)),
+        "kfac": _grid(
+            "kfac",
+            (0.1, 0.1, None, PAPER_KL),
+            (0.05, 1e-3, None, README_KL),
+            (0.01, 0.1, "practical"),
+            (0.01, 0.1, "practical", {"kl_clip": 1e-2}),
+        ),
+        "diagggn_mc": _grid(
+            "diagggn_mc",
+            (1e-3, 1e-3, None, PAPER_KL),
+            (0.01, 0.01, None, PAPER_KL),
+            (0.05, 1e-3, None, README_KL),
+            (1e-3, 1e-3, "practical"),
+        ),
+        "ekfac": _grid(
+            "ekfac",
+            (0.1, 0.1, None, PAPER_KL),
+            (0.05, 1e-3, None, README_KL),
+            (0.01, 0.1, "practical"),
+            (0.01, 0.1, "practical", {"kl_clip": 1e-2}),
+        ),
+        "soap": _first_order("soap", (1e-3, 3e-3, 3e-3, 6e-3)),
+        "psgd_kron": _first_order("psgd_kron", (3e-4, 1e-3, 1e-3, 3e-3)),
+        "sf_adamw": _schedule_free((1e-3, 2e-3, 4e-3, 8e-3)),
+    },
+    "fmnist_vit": {
+        "adam": _first_order("adam", (5e-4, 1e-3, 1e-3, 2e-3)),
+        "momentum": _first_order("momentum", (0.01, 0.03, 0.03, 0.1)),
+        "kfac": _grid(
+            "kfac",
+            (0.1, 0.1, None, {**PAPER_KL, **DIAG}),
+            (0.05, 1e-3, None, {**README_KL, **DIAG}),
+            (0.01, 0.1, "practical", DIAG),
+            (0.01, 0.1, "practical", {"fallback": "sgd"}),
+        ),
+        "soap": _first_order("soap", (1e-3, 3e-3, 3e-3, 6e-3)),
+        "psgd_kron": _first_order("psgd_kron", (3e-4, 1e-3, 1e-3, 3e-3)),
+        "sf_adamw": _schedule_free((5e-4, 1e-3, 2e-3, 4e-3)),
+    },
+}
