@@ -331,7 +331,7 @@ class BackwardPass:
         if not self.first:
             if self.checks.sums:
                 for name, p in params:
-                    self.reducer.add_total(p, rule, call, name, rule.grad_sum(call, name))
+                    self.reducer.add_total(p, rule, call, name)
             return
         self._check_batch_size(call)
         materialise = self.reducer.keeps_per_sample or self._reused(module, params)

@@ -25,12 +25,27 @@ Tolerance: a comparison of ``a`` with ``b`` fails beyond ``factor * eps * max(|a
 them (an autocast call computes in a lower precision than its parameters: ``note_precision``).
 The sum check has two tiers: the cheap bound above (``factor`` 64), then, for the sums that
 miss it, the rounding bound ``8 eps (sum_n |g_n| + |grad|) + 1000 eps max |grad of the pass|``.
+
+Projected sums (Freivalds): where a rule computes ``sum_n g_n = sum_r b_r a_rᵀ`` from per-row
+factors (``LayerRule.projected_sum``), the sum is checked through ``K = 4`` pairs of Gaussian
+probes ``u_k, v_k`` (a generator of the checks' own: the user's random stream is untouched),
+``uᵀ (sum_n g_n) v = sum_r (b_rᵀ u)(a_rᵀ v)`` against ``uᵀ grad v``, at ``O(R (I + O) K)`` plus
+one read of ``grad`` instead of the ``O(R I O)`` product. The bounds are the elementwise ones
+seen through the probes (``sum_ij |u_i| |v_j| tol_ij``): ``16 eps M_k`` with
+``M_k = sum_r (|b_r|ᵀ|u_k|)(|a_r|ᵀ|v_k|) >= |u_k|ᵀ (sum_n |g_n|) |v_k|``, then for the sums
+that miss it ``+ 1000 eps max |grad of the pass| |u_k|_1 |v_k|_1``: a sum that passes the
+elementwise check passes the projected one. A wrong sum, ``E = sum_n g_n - grad != 0``, is
+missed only if ``|u_kᵀ E v_k| <= tol_k`` for all ``k``; ``u_kᵀ E v_k`` is ``0`` with
+probability 0, and with ``r = sigma_max(E) / tol_k`` each probe misses with probability at
+most ``(2/pi)(2 + ln r) / r`` (conditioned on ``v``, ``uᵀ(E v)`` is normal with standard
+deviation ``|E v| >= sigma_max(E) |z|``, ``z`` standard normal), so all four with at most its
+fourth power: ``3e-6`` for ``r = 100``, ``1e-9`` for ``r = 1000``.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -48,6 +63,45 @@ _OUTSIDE = (
     "backpropagate only sums of extended losses inside collect, or add the other terms' "
     "curvature yourself"
 )
+
+
+#: probe pairs of the projected sum check
+PROBES = 4
+#: the checks' own random streams (per device), so that the probes leave the user's untouched
+_GENERATORS: Dict[torch.device, torch.Generator] = {}
+
+
+def draw_probes(p) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gaussian ``u [p.shape[0], K]`` and ``v [p[0].numel(), K]`` for the projected check."""
+    gen = _GENERATORS.get(p.device)
+    if gen is None:
+        gen = _GENERATORS[p.device] = torch.Generator(device=p.device).manual_seed(0x5EED)
+    dtype = p.dtype if p.is_floating_point() else torch.get_default_dtype()
+    u, v = (
+        torch.randn(size, PROBES, generator=gen, device=p.device, dtype=dtype)
+        for size in (p.shape[0], p[0].numel())
+    )
+    return u, v
+
+
+def project(matrix, u, v) -> torch.Tensor:
+    """``[K]``: ``u_kᵀ matrix v_k`` for ``matrix`` of any shape seen as ``[u.shape[0], -1]``."""
+    return ((matrix.reshape(u.shape[0], -1).to(v.dtype) @ v) * u).sum(0)
+
+
+class _Total:
+    """One parameter's sums of this pass: full ``sum_n g_n`` and/or projected through
+    ``probes``, with the rounding magnitude of the projected part."""
+
+    __slots__ = ("uses", "full", "total", "probes", "projected", "magnitude")
+
+    def __init__(self):
+        self.uses: list = []  # (rule, call, name) of every call
+        self.full: list = []  # those that gave a full sum
+        self.total: Optional[torch.Tensor] = None
+        self.probes: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self.projected: Optional[torch.Tensor] = None
+        self.magnitude: Optional[torch.Tensor] = None
 
 
 def roundoff(*tensors, floor: float = 0.0) -> float:
@@ -96,10 +150,12 @@ class Checks:
     """What the checks of one pass have seen so far."""
 
     def __init__(self):
-        self.totals: Dict[int, Tuple[list, torch.Tensor]] = {}  # id(p): uses, sum_n g_n
+        self.totals: Dict[int, _Total] = {}  # id(p): its sums of this pass
         self.param_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, grad
         self.seen: set = set()  # ids of parameters whose module call was processed
         self.suspects: list = []  # (p, sum_n g_n, grad, sum_n |g_n|) beyond the cheap bound
+        #: (p, projected sum_n g_n, projected grad, M, |u|_1 |v|_1), each [K], beyond 16 eps M
+        self.projected_suspects: List[tuple] = []
         self.compute_eps: Dict[int, float] = {}  # id(p): roundoff of autocast calls using p
         self.reached: set = set()  # module calls upstream of the extended losses
         self.watched: set = set()  # autograd nodes whose incoming gradient is checked
@@ -191,14 +247,33 @@ class Checks:
                 mark_sums_checked(key)
 
     # ------------------------------------------------------------ sum_n g_n == p.grad
+    def probes(self, p) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The probes of ``p``'s projected check in this pass (the same for all its calls)."""
+        entry = self.totals.setdefault(id(p), _Total())
+        if entry.probes is None:
+            entry.probes = draw_probes(p)
+        return entry.probes
+
     def add_total(self, p, use, total) -> None:
         """Add one call's ``sum_n g_n`` (``use``: its ``(rule, call, name)``)."""
-        old = self.totals.get(id(p))
-        if old is None:
-            self.totals[id(p)] = [use], total
+        entry = self.totals.setdefault(id(p), _Total())
+        entry.uses.append(use)
+        entry.full.append(use)
+        entry.total = total if entry.total is None else entry.total + total
+        self._check_if_due(p)
+
+    def add_projected(self, p, use, projected, magnitude) -> None:
+        """Add one call's ``sum_n g_n`` seen through ``p``'s probes (``self.probes(p)``) and
+        its rounding magnitude (``LayerRule.projected_sum``)."""
+        entry = self.totals[id(p)]
+        entry.uses.append(use)
+        if entry.projected is None:
+            entry.projected, entry.magnitude = projected, magnitude
         else:
-            old[0].append(use)
-            self.totals[id(p)] = old[0], old[1] + total
+            entry.projected, entry.magnitude = entry.projected + projected, entry.magnitude + magnitude
+        self._check_if_due(p)
+
+    def _check_if_due(self, p) -> None:
         if id(p) in self.param_grads:  # the parameter's hook ran first (dependent outputs)
             self.check_sum(p)
 
@@ -209,17 +284,38 @@ class Checks:
         if id(p) in self.totals:
             self.check_sum(p)
 
+    def pass_grad(self, p) -> torch.Tensor:
+        """``p``'s whole gradient of this pass (dense)."""
+        return dense(self.param_grads[id(p)][1])
+
     def check_sum(self, p) -> None:
         """``sum_n g_n == grad`` to the cheap bound, or else noted for the rounding bound."""
-        grad = dense(self.param_grads[id(p)][1])
-        uses, total = self.totals.pop(id(p))
-        if not mismatch(total, grad, 64, self.compute_eps.get(id(p), 0.0)):
+        grad = self.pass_grad(p)
+        entry = self.totals.pop(id(p))
+        if entry.projected is not None:
+            self._check_projected(p, entry, grad)
             return
-        magnitude = sum(
-            reduce_in_chunks(rule, call, name, p.shape, {"abs_sum": True})["abs_sum"]
-            for rule, call, name in uses
-        )
-        self.suspects.append((p, total, grad, magnitude))
+        if not mismatch(entry.total, grad, 64, self.compute_eps.get(id(p), 0.0)):
+            return
+        self.suspects.append((p, entry.total, grad, _abs_sum(p, entry.full)))
+
+    def _check_projected(self, p, entry, grad) -> None:
+        """The projected sums against ``uᵀ grad v`` to ``16 eps M``, or else noted for the
+        rounding bound (a call that gave a full sum is projected too, with its ``sum_n |g_n|``)."""
+        u, v = entry.probes
+        total, magnitude = entry.projected, entry.magnitude
+        if entry.total is not None:
+            total = total + project(entry.total, u, v)
+            magnitude = magnitude + project(_abs_sum(p, entry.full), u.abs(), v.abs())
+        seen = project(grad, u, v)
+        eps = roundoff(total, grad, floor=self.compute_eps.get(id(p), 0.0))
+        gap = (total - seen.to(total.dtype)).abs_()
+        if not bool(seen.isfinite().all()):
+            return  # the gradient itself is not finite: nothing to verify against
+        if bool(gap.isfinite().all()) and bool((gap <= magnitude * (16 * eps)).all()):
+            return
+        scale = u.abs().sum(0) * v.abs().sum(0)
+        self.projected_suspects.append((p, total, seen, magnitude, scale))
 
     def check_materialised(self, batch_grads) -> None:
         """Spot check of ``sum_n g_n == grad`` on evenly spread entries of materialised
@@ -236,11 +332,16 @@ class Checks:
 
     def check_suspects(self) -> None:
         """Sums that missed the cheap bound, against the rounding bound (rounding inside each
-        ``g_n`` when a parameter's gradient cancels to nearly zero); raises on a real gap."""
-        if not self.suspects:
+        ``g_n`` when a parameter's gradient cancels to nearly zero); raises on a real gap.
+        Projected sums: the same bound through the probes."""
+        if not (self.suspects or self.projected_suspects):
             return
         largest = float(_max_abs(*(dense(g) for _, g in self.param_grads.values() if g.numel())))
-        for p, total, grad, magnitude in self.suspects:
+        cases = [(p, total, grad, (magnitude + grad.abs()) * 8, 1.0)
+                 for p, total, grad, magnitude in self.suspects]
+        cases.extend((p, total, seen, magnitude * 16, scale)
+                     for p, total, seen, magnitude, scale in self.projected_suspects)
+        for p, total, grad, rounding, scale in cases:
             gap = (total - grad.to(total.dtype)).abs_()
             if not bool(gap.isfinite().all()):  # mismatch lets these through only for a finite grad
                 raise UnsupportedModuleError(
@@ -250,7 +351,7 @@ class Checks:
                     "report the module and input shapes as a curvopt bug"
                 )
             eps = roundoff(total, grad, floor=self.compute_eps.get(id(p), 0.0))
-            tol = (magnitude + grad.abs()).mul_(8 * eps).add_(1000 * eps * largest)
+            tol = rounding * eps + scale * (1000 * eps * largest)
             if bool((gap > tol).any()):
                 raise UnsupportedModuleError(
                     f"curvopt: parameter {name_of(p)!r} receives gradient from outside the module "
@@ -298,6 +399,14 @@ class Checks:
     def clear(self) -> None:
         self.param_grads.clear()
         self.release()
+
+
+def _abs_sum(p, uses) -> torch.Tensor:
+    """``sum_n |g_n|`` of ``p`` over the calls ``uses``, materialised in chunks."""
+    return sum(
+        reduce_in_chunks(rule, call, name, p.shape, {"abs_sum": True})["abs_sum"]
+        for rule, call, name in uses
+    )
 
 
 def _extended_leaf(node) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from curvopt.layers.registry import LayerRule, register
+from curvopt.layers.registry import LayerRule, projected_pairs, register
 from curvopt.reductions import gram
 
 
@@ -79,6 +79,12 @@ class EmbeddingRule(LayerRule):
         idx, _, g = _rows(call)
         result = torch.zeros_like(call.module.weight, dtype=g.dtype)
         return result.index_add_(0, idx, g)
+
+    def projected_sum(self, call, name, u, v):
+        """``sum_r u[token_r]ᵀ ⊙ (g_rᵀ v)``: a token's one-hot input picks its row of ``u``."""
+        idx, _, g = _rows(call)
+        u, v = u.to(g.dtype)[idx], v.to(g.dtype)
+        return projected_pairs(u, g @ v, u.abs(), g.abs() @ v.abs(), 0)
 
     def kron_factors(self, call, columns, name, approx, n):
         module = call.module
