@@ -24,7 +24,7 @@ from torch import nn
 from curvopt.errors import UnsupportedKroneckerError, module_error
 from curvopt.layers.eigenbasis import eigen_moment
 from curvopt.layers.kron import input_factor, output_factor_channels_first
-from curvopt.layers.registry import LayerRule, projected_pairs, register
+from curvopt.layers.registry import LayerRule, register
 from curvopt.records import Call
 from curvopt.layers.unfold import (
     kernel_major_to_channel_major,
@@ -200,31 +200,33 @@ class ConvRule(_ConvRuleBase):
     def projected_sum(self, call, name, u, v):
         """``sum_{n,l} (G_nlᵀ u)(X_nlᵀ v)`` per group, without unfolding: ``X v`` is the
         convolution of the input with ``v`` as ``K`` filters (each group's input with the same
-        ``v``), ``|X| |v|`` that of ``|x|`` with ``|v|``."""
+        ``v``), the patches' norms that of ``x²`` with a filter of ones."""
         if name == "bias":
             return None
         module, g = call.module, call.grad_out
-        groups, k = module.groups, u.shape[1]
-        n = g.shape[0]
+        groups, k, n = module.groups, u.shape[1], g.shape[0]
         x, padding = padded_conv_input(module, call.input)
-        filters = v.to(x.dtype).T.reshape(k, *module.weight.shape[1:])
-        filters = filters.repeat(groups, *[1] * (x.dim() - 1))
 
-        def convolve(inputs, weight):  # [N, G, K, L]
+        def convolve(inputs, filters):  # ``[N, G, K, L]``, the same K filters for every group
             out = torch.ops.aten.convolution(
-                inputs, weight, None, module.stride, padding, module.dilation, False,
-                [0] * len(padding), groups,
+                inputs,
+                filters.repeat(groups, *[1] * (x.dim() - 1)),
+                None,
+                module.stride,
+                padding,
+                module.dilation,
+                False,
+                [0] * len(padding),
+                groups,
             )
-            return out.reshape(n, groups, k, -1)
+            return out.reshape(n, groups, filters.shape[0], -1)
 
-        def probe(t, w):  # [N, G, K, L]
-            return torch.einsum("ngol,gok->ngkl", t.reshape(n, groups, -1, t[0, 0].numel()), w)
-
-        u = u.to(g.dtype).reshape(groups, -1, k)
-        return projected_pairs(
-            probe(g, u), convolve(x, filters), probe(g.abs(), u.abs()),
-            convolve(x.abs(), filters.abs()), (0, 1, 3),
-        )
+        g = g.reshape(n, groups, -1, g[0, 0].numel())  # [N, G, O/G, L]
+        probed = torch.einsum("ngol,gok->ngkl", g, u.to(g.dtype).reshape(groups, -1, k))
+        filters = v.to(x.dtype).T.reshape(k, *module.weight.shape[1:])
+        projected = (probed * convolve(x, filters)).sum((0, 1, 3))
+        patch_norms = convolve(x.square(), torch.ones_like(filters[:1])).sqrt_()[:, :, 0]
+        return projected, (torch.linalg.vector_norm(g, dim=2) * patch_norms).sum()
 
     def _length(self, call):
         return call.grad_out[0, 0].numel()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from curvopt.layers.registry import LayerRule, projected_pairs, register
+from curvopt.layers.registry import LayerRule, register
 from curvopt.reductions import gram
 
 
@@ -81,10 +81,11 @@ class EmbeddingRule(LayerRule):
         return result.index_add_(0, idx, g)
 
     def projected_sum(self, call, name, u, v):
-        """``sum_r u[token_r]ᵀ ⊙ (g_rᵀ v)``: a token's one-hot input picks its row of ``u``."""
+        """``sum_r u[token_r] ⊙ (g_rᵀ v)``: a token's one-hot input picks its row of ``u``
+        (and has norm 1)."""
         idx, _, g = _rows(call)
-        u, v = u.to(g.dtype)[idx], v.to(g.dtype)
-        return projected_pairs(u, g @ v, u.abs(), g.abs() @ v.abs(), 0)
+        projected = (u.to(g.dtype)[idx] * (g @ v.to(g.dtype))).sum(0)
+        return projected, torch.linalg.vector_norm(g, dim=1).sum()
 
     def kron_factors(self, call, columns, name, approx, n):
         module = call.module

@@ -20,7 +20,7 @@ from torch import nn
 
 from curvopt.layers.eigenbasis import eigen_moment
 from curvopt.layers.kron import linear_like
-from curvopt.layers.registry import LayerRule, projected_pairs, register
+from curvopt.layers.registry import LayerRule, register
 from curvopt.reductions import sum_of_squares
 
 
@@ -46,8 +46,8 @@ def _rows(call):
 def _projected(left, right, u, v):
     """``projected_sum`` of ``sum_r left_r right_rᵀ`` (rows: all dims but the last)."""
     left, right = left.reshape(-1, left.shape[-1]), right.reshape(-1, right.shape[-1])
-    u, v = u.to(left.dtype), v.to(right.dtype)
-    return projected_pairs(left @ u, right @ v, left.abs() @ u.abs(), right.abs() @ v.abs(), 0)
+    projected = ((left @ u.to(left.dtype)) * (right @ v.to(right.dtype))).sum(0)
+    return projected, torch.linalg.vector_norm(left, dim=1) @ torch.linalg.vector_norm(right, dim=1)
 
 
 def canonical(call, columns, n: int):

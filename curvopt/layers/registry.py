@@ -34,12 +34,6 @@ _FALLBACK: List["LayerRule"] = []
 _REPARAMETRIZED: List["LayerRule"] = []
 
 
-def projected_pairs(left, right, left_abs, right_abs, dims) -> tuple:
-    """``(sum (left * right), sum (left_abs * right_abs))`` over ``dims``: the probes' products
-    ``(b_rᵀ u)(a_rᵀ v)`` of :meth:`LayerRule.projected_sum` and their rounding magnitude."""
-    return (left * right).sum(dims), (left_abs * right_abs).sum(dims)
-
-
 def register(*module_types: Type[nn.Module]) -> Callable:
     """Class decorator: register one rule instance for the given module types."""
 
@@ -178,9 +172,9 @@ class LayerRule:
     def projected_sum(self, call, name: str, u, v) -> Optional[tuple]:
         """``sum_n g_n`` seen through random probes, from the per-row factors (inputs ``a_r``,
         output gradients ``b_r``, ``g_n = sum_{r in n} b_r a_rᵀ``) at ``O(R (I + O) K)``:
-        ``(diag(uᵀ (sum_n g_n) v) = sum_r (b_rᵀ u)(a_rᵀ v), sum_r (|b_r|ᵀ|u|)(|a_r|ᵀ|v|))``,
-        both ``[K]``, for probes ``u [p.shape[0], K]``, ``v [p[0].numel(), K]`` (``p`` as a
-        matrix); the second bounds the rounding of the first. ``None``: use :meth:`grad_sum`."""
+        ``(diag(uᵀ (sum_n g_n) v) = sum_r (b_rᵀ u)(a_rᵀ v)  [K],  sum_r |b_r| |a_r|  [])``
+        for probes ``u [p.shape[0], K]``, ``v [p[0].numel(), K]`` (``p`` as a matrix); the
+        second (Euclidean norms) sets the rounding bound. ``None``: use :meth:`grad_sum`."""
         return None
 
     # ------------------------------------------------------------ optional second-order hooks
