@@ -274,7 +274,10 @@ class Checks:
         if entry.projected is None:
             entry.projected, entry.magnitude = projected, magnitude
         else:
-            entry.projected, entry.magnitude = entry.projected + projected, entry.magnitude + magnitude
+            entry.projected, entry.magnitude = (
+                entry.projected + projected,
+                entry.magnitude + magnitude,
+            )
         self._check_if_due(p)
 
     def _check_if_due(self, p) -> None:

@@ -28,9 +28,6 @@ from curvopt import extensions as ext
 from curvopt.checks import PROBES, draw_probes
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers import rule_for
-from curvopt.layers.conv import ConvRule
-from curvopt.layers.embedding import EmbeddingRule
-from curvopt.layers.linear import LinearRule
 from curvopt.records import Call, Record
 
 # ------------------------------------------------------------------ the rules, against brute force
@@ -116,6 +113,7 @@ def test_projected_sum_is_the_projected_weight_gradient(case, seed):
         return (functional_call(module, params, (x,)) * g).sum()
 
     expected_sum = grad(inner)(params, x)["weight"]
+
     def one(params, xi, gi):
         return (functional_call(module, params, (xi,)) * gi).sum()
 
@@ -304,7 +302,9 @@ def test_reduced_quantities_match_the_per_sample_reference(model, reduction, see
         def lossfunc(out, y):
             return F.cross_entropy(out.reshape(-1, 3), y.reshape(-1), reduction=reduction)
 
-        check_against_loop(net, lossfunc, x, y, attr_sets=[("batch_l2", "sum_grad_squared", "variance")])
+        check_against_loop(
+            net, lossfunc, x, y, attr_sets=[("batch_l2", "sum_grad_squared", "variance")]
+        )
         return
     if model == "conv":
         net, shape = _conv_model()
