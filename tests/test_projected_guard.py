@@ -25,7 +25,7 @@ from torch.func import functional_call, grad
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.checks import PROBES, draw_probes
+from curvopt.checks import PROBES, Checks, draw_probes
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers import rule_for
 from curvopt.records import Call, Record
@@ -320,3 +320,31 @@ def test_reduced_quantities_match_the_per_sample_reference(model, reduction, see
         y,
         attr_sets=[("batch_l2", "variance"), ("variance",)],
     )
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_a_parameter_with_projected_and_full_sums(wrong, seed):
+    """One weight used by two calls (a curvature pass's sums), one rule projecting, the other
+    giving its full sum: both are checked together through the probes, the full one projected
+    (its magnitude from its per-sample norms); a gradient off by ``1e-6`` in one entry raises."""
+    linear = nn.Linear(7, 5, bias=False).to(DT)
+    rule = rule_for(linear)
+    calls = [Call(linear, (torch.randn(4, 3, 7, dtype=DT),), {}, None) for _ in range(2)]
+    for call in calls:
+        call.grad_out = torch.randn(4, 3, 5, dtype=DT)
+    p = linear.weight
+    grad = sum(rule.grad_sum(call, "weight") for call in calls).clone()
+    if wrong:
+        grad[2, 3] += 1e-6 * float(grad.abs().max())
+    checks = Checks()
+    checks.seen.add(id(p))
+    projected = rule.projected_sum(calls[0], "weight", *checks.probes(p))
+    checks.add_projected(p, (rule, calls[0], "weight"), *projected)
+    checks.add_total(p, (rule, calls[1], "weight"), rule.grad_sum(calls[1], "weight"))
+    checks.parameter_grad(p, grad)
+    checks.check_seen()
+    if wrong:
+        with pytest.raises(UnsupportedModuleError, match="outside the module"):
+            checks.check_suspects()
+    else:
+        checks.check_suspects()
