@@ -88,6 +88,14 @@ def draw_probes(p) -> Tuple[torch.Tensor, torch.Tensor]:
     return u, v
 
 
+def projection_pays(p) -> bool:
+    """Whether the projected check of ``p`` (as a ``rows x cols`` matrix) costs under an eighth
+    of the full sum: per row of the factors, ``K (rows + cols)`` against ``rows cols`` flops
+    (measured: the projected convolutions run at a lower rate than the weight gradient's)."""
+    rows, cols = p.shape[0], p[0].numel()
+    return 8 * PROBES * (rows + cols) < rows * cols
+
+
 def project(matrix, u, v) -> torch.Tensor:
     """``[K]``: ``u_kᵀ matrix v_k`` for ``matrix`` of any shape seen as ``[u.shape[0], -1]``."""
     return ((matrix.reshape(u.shape[0], -1).to(v.dtype) @ v) * u).sum(0)
@@ -251,6 +259,10 @@ class Checks:
                 mark_sums_checked(key)
 
     # ------------------------------------------------------------ sum_n g_n == p.grad
+    def projects(self, p) -> bool:
+        """Whether ``p``'s sum is checked through probes if its rule can (``projection_pays``)."""
+        return p.dim() > 1 and projection_pays(p)
+
     def probes(self, p) -> Tuple[torch.Tensor, torch.Tensor]:
         """The probes of ``p``'s projected check in this pass (the same for all its calls)."""
         entry = self.totals.setdefault(id(p), _Total())
@@ -290,6 +302,10 @@ class Checks:
         self.param_grads[id(p)] = (p, grad)
         if id(p) in self.totals:
             self.check_sum(p)
+
+    def has_grad(self, p) -> bool:
+        """Whether ``p`` received its gradient of this pass."""
+        return id(p) in self.param_grads
 
     def pass_grad(self, p) -> torch.Tensor:
         """``p``'s whole gradient of this pass (dense)."""

@@ -71,8 +71,9 @@ class FirstOrderReducer:
                 self.first.setdefault(ext.quantity.producer, []).append(ext.attr)
         self.results, self.checks = results, checks
         self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
-        #: (p, sum_n g_n**2) whose moments take ``sum_n g_n`` from ``p``'s checked gradient
-        self.moments_from_grad: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        #: (p, sum_n g_n**2, rule, call, name) whose moments take ``sum_n g_n`` from ``p``'s
+        #: checked gradient
+        self.moments_from_grad: List[tuple] = []
 
     @property
     def keeps_per_sample(self) -> bool:
@@ -92,9 +93,10 @@ class FirstOrderReducer:
 
     def add_total(self, p, rule, call, name, total=None) -> Optional[torch.Tensor]:
         """This call's ``sum_n g_n`` for the checks, returned: ``total`` (from per-sample
-        gradients made anyway), else seen through random probes (``rule.projected_sum``,
-        returning ``None``), else by the rule's ``grad_sum`` or in chunks."""
-        if total is None and p.dim() > 1:
+        gradients made anyway), else seen through random probes where that is cheaper
+        (``rule.projected_sum``, returning ``None``), else by the rule's ``grad_sum`` or in
+        chunks."""
+        if total is None and self.checks.projects(p):
             projected = rule.projected_sum(call, name, *self.checks.probes(p))
             if projected is not None:
                 self.checks.add_projected(p, (rule, call, name), *projected)
@@ -140,15 +142,21 @@ class FirstOrderReducer:
             total = None
         total = self.add_total(p, rule, call, name, total)
         if total is None and Producer.MOMENTS in first:
-            self.moments_from_grad.append((p, sgs))
+            self.moments_from_grad.append((p, sgs, rule, call, name))
         self._store(p, l2, sgs, total)
 
     def finish(self) -> None:
         """The materialised per-sample gradients and their reductions, into the buffer (and
         the moments whose ``sum_n g_n`` is ``p``'s gradient of the pass, checked equal)."""
         first = self.first
-        for p, sgs in self.moments_from_grad:
-            total = self.checks.pass_grad(p).to(sgs.dtype, copy=True)
+        for p, sgs, rule, call, name in self.moments_from_grad:
+            if self.checks.has_grad(p):
+                total = self.checks.pass_grad(p).to(sgs.dtype, copy=True)
+            else:  # no gradient accumulated (nothing checked against): the sum itself
+                total = rule.grad_sum(call, name)
+                if total is None:
+                    total = reduce_in_chunks(rule, call, name, p.shape, {"grad_sum": True})
+                    total = total["grad_sum"]
             self._put_all(p, Producer.MOMENTS, (sgs, total))
         self.moments_from_grad.clear()
         for p, batch in self.batch_grads.values():

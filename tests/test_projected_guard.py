@@ -24,11 +24,20 @@ from torch import nn
 from torch.func import functional_call, grad
 
 import curvopt
+import curvopt.checks
 from curvopt import extensions as ext
 from curvopt.checks import PROBES, Checks, draw_probes
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers import rule_for
+from curvopt.layers.linear import LinearRule
 from curvopt.records import Call, Record
+
+
+@pytest.fixture(autouse=True)
+def always_projected(monkeypatch):
+    """The small layers here are checked through probes too (by cost, in full)."""
+    monkeypatch.setattr(curvopt.checks, "projection_pays", lambda p: True)
+
 
 # ------------------------------------------------------------------ the rules, against brute force
 
@@ -348,3 +357,21 @@ def test_a_parameter_with_projected_and_full_sums(wrong, seed):
             checks.check_suspects()
     else:
         checks.check_suspects()
+
+
+def test_the_cheaper_check_is_chosen(monkeypatch):
+    """By cost: a wide weight (512 x 256) is checked through probes, a narrow one (3 x 256)
+    by its full sum."""
+    monkeypatch.undo()
+    net = curvopt.extend(nn.Sequential(nn.Linear(256, 512), nn.Tanh(), nn.Linear(512, 3)))
+    used = []
+    full = LinearRule.grad_sum
+
+    def spy(self, call, name):
+        used.append((call.module, name))
+        return full(self, call, name)
+
+    monkeypatch.setattr(LinearRule, "grad_sum", spy)
+    with curvopt.collect(ext.BatchL2Grad()):
+        F.cross_entropy(net(torch.randn(8, 256)), torch.randint(0, 3, (8,))).backward()
+    assert (net[0], "weight") not in used and (net[2], "weight") in used
