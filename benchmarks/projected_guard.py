@@ -7,7 +7,8 @@
 A second table times the guard alone per weight (milliseconds, median over rounds), on each
 layer's recorded input and a random output gradient: full (``grad_sum``, then
 ``checks.mismatch`` with the gradient) against projected (``projected_sum``, ``uᵀ grad v``
-and the comparison with its bound).
+and the comparison with its bound), and which of the two curvopt runs for that weight
+(``checks.projection_pays``).
 
 DeepOBS 2C2D (Fashion-MNIST shapes) and 3C3D (CIFAR-10 shapes) at batch 8 and 64, float32, one
 thread. "full" runs the same code with every rule's ``projected_sum`` returning ``None``, which
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.checks import PROJECTED_FACTOR, draw_probes, mismatch, project
+from curvopt.checks import PROJECTED_FACTOR, draw_probes, mismatch, project, projection_pays
 from curvopt.layers.conv import ConvRule
 from curvopt.layers.embedding import EmbeddingRule
 from curvopt.layers.linear import LinearRule
@@ -124,7 +125,9 @@ def guard_times(name, batch, rounds):
             for fn in times:
                 times[fn].append(_time(fn, 3))
         label = f"{type(call.module).__name__}{tuple(call.module.weight.shape)}"
-        rows.append((label, *(statistics.median(times[fn]) * 1e3 for fn in (full, projected))))
+        chosen = "projected" if projection_pays(call.module.weight) else "full"
+        medians = (statistics.median(times[fn]) * 1e3 for fn in (full, projected))
+        rows.append((label, *medians, chosen))
     return rows
 
 
@@ -160,12 +163,13 @@ def main() -> None:
                     f"{projected:.3f} | {projected / full:.3f} |",
                     flush=True,
                 )
-    print("\n| network | N | weight | full guard ms | projected guard ms |")
-    print("|---|---|---|---|---|")
+    print("\n| network | N | weight | full guard ms | projected guard ms | curvopt checks |")
+    print("|---|---|---|---|---|---|")
     for name in NETWORKS:
         for batch in (8, 64):
-            for label, full, projected in guard_times(name, batch, args.rounds):
-                print(f"| {name} | {batch} | {label} | {full:.3f} | {projected:.3f} |", flush=True)
+            for label, full, projected, chosen in guard_times(name, batch, args.rounds):
+                cells = f"{label} | {full:.3f} | {projected:.3f} | {chosen}"
+                print(f"| {name} | {batch} | {cells} |", flush=True)
 
 
 if __name__ == "__main__":
