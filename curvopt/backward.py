@@ -331,7 +331,7 @@ class BackwardPass:
         if not self.first:
             if self.checks.sums:
                 for name, p in params:
-                    self.reducer.add_total(p, rule, call, name, rule.grad_sum(call, name))
+                    self.reducer.add_total(p, rule, call, name)
             return
         self._check_batch_size(call)
         materialise = self.reducer.keeps_per_sample or self._reused(module, params)
@@ -379,7 +379,8 @@ class BackwardPass:
         if self._skips(p):
             return
         try:
-            self.checks.parameter_grad(p, grad)
+            with _autocast_off():  # the sum check computes (projected sums: matmuls)
+                self.checks.parameter_grad(p, grad)
         except BaseException:
             self._abort()
             raise

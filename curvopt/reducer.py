@@ -12,7 +12,7 @@ the GGN's scale."""
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -71,6 +71,9 @@ class FirstOrderReducer:
                 self.first.setdefault(ext.quantity.producer, []).append(ext.attr)
         self.results, self.checks = results, checks
         self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
+        #: (p, sum_n g_n**2, rule, call, name) whose moments take ``sum_n g_n`` from ``p``'s
+        #: checked gradient
+        self.moments_from_grad: List[tuple] = []
 
     @property
     def keeps_per_sample(self) -> bool:
@@ -88,9 +91,18 @@ class FirstOrderReducer:
             self._reduce(p, rule, call, name)
             self._correct(p, lambda bases: rule.eigen_correction(call, name, bases))
 
-    def add_total(self, p, rule, call, name, total) -> torch.Tensor:
-        """This call's ``sum_n g_n`` for the checks (computed in chunks if the rule has no fast
-        path), returned."""
+    def add_total(self, p, rule, call, name, total=None) -> Optional[torch.Tensor]:
+        """This call's ``sum_n g_n`` for the checks, returned: ``total`` (from per-sample
+        gradients made anyway), else seen through random probes where that is cheaper
+        (``rule.projected_sum``, returning ``None``), else by the rule's ``grad_sum`` or in
+        chunks."""
+        if total is None and self.checks.projects(p):
+            projected = rule.projected_sum(call, name, *self.checks.probes(p))
+            if projected is not None:
+                self.checks.add_projected(p, (rule, call, name), *projected)
+                return None
+        if total is None:
+            total = rule.grad_sum(call, name)
         if total is None:
             total = reduce_in_chunks(rule, call, name, p.shape, {"grad_sum": True})["grad_sum"]
         self.checks.add_total(p, (rule, call, name), total)
@@ -112,8 +124,9 @@ class FirstOrderReducer:
     def _reduce(self, p, rule, call, name) -> None:
         """Reduced quantities of a parameter used once, via fast paths where the rule has them.
         Where per-sample gradients are materialised in chunks anyway, their sum is the total
-        checked against ``p``'s whole gradient (checking them too); else the rule's
-        ``grad_sum``."""
+        checked against ``p``'s whole gradient (checking them too); else the projected or full
+        sum of ``add_total``. A projected sum leaves ``MOMENTS``' ``sum_n g_n`` to ``p``'s
+        gradient of the pass, which the check proves equal to it (``finish``)."""
         first = self.first
         want_l2 = Producer.SQUARED_NORMS in first
         want_sgs = Producer.SUM_OF_SQUARES in first or Producer.MOMENTS in first
@@ -126,13 +139,26 @@ class FirstOrderReducer:
             sgs = chunked.get("sgs", sgs)
             total = chunked["grad_sum"]
         else:
-            total = rule.grad_sum(call, name)
+            total = None
         total = self.add_total(p, rule, call, name, total)
+        if total is None and Producer.MOMENTS in first:
+            self.moments_from_grad.append((p, sgs, rule, call, name))
         self._store(p, l2, sgs, total)
 
     def finish(self) -> None:
-        """The materialised per-sample gradients and their reductions, into the buffer."""
+        """The materialised per-sample gradients and their reductions, into the buffer (and
+        the moments whose ``sum_n g_n`` is ``p``'s gradient of the pass, checked equal)."""
         first = self.first
+        for p, sgs, rule, call, name in self.moments_from_grad:
+            if self.checks.has_grad(p):
+                total = self.checks.pass_grad(p).to(sgs.dtype, copy=True)
+            else:  # no gradient accumulated (nothing checked against): the sum itself
+                total = rule.grad_sum(call, name)
+                if total is None:
+                    total = reduce_in_chunks(rule, call, name, p.shape, {"grad_sum": True})
+                    total = total["grad_sum"]
+            self._put_all(p, Producer.MOMENTS, (sgs, total))
+        self.moments_from_grad.clear()
         for p, batch in self.batch_grads.values():
             self._put_all(p, Producer.PER_SAMPLE_GRADIENTS, batch)
             if any(producer in first for producer in _REDUCED):
@@ -171,12 +197,14 @@ class FirstOrderReducer:
         return bases
 
     def _store(self, p, l2, sgs, total) -> None:
+        """The reductions into the buffer (``MOMENTS`` only with ``total``)."""
         for producer, value in (
             (Producer.SQUARED_NORMS, l2),
             (Producer.SUM_OF_SQUARES, sgs),
             (Producer.MOMENTS, (sgs, total)),
         ):
-            self._put_all(p, producer, value)
+            if producer is not Producer.MOMENTS or total is not None:
+                self._put_all(p, producer, value)
 
     def _put_all(self, p, producer, value) -> None:
         """``value`` for every attribute ``producer`` writes (copies beyond the first)."""

@@ -197,6 +197,41 @@ class ConvRule(_ConvRuleBase):
         n = g.shape[0]
         return g.reshape(n, g.shape[1], -1), unfold_conv_input(call.module, call.input)
 
+    def projected_sum(self, call, name, u, v):
+        """``sum_{n,l} (G_nlᵀ u)(X_nlᵀ v)`` per group, without unfolding: ``X v`` is the
+        convolution of the input with ``v`` as ``K`` filters (each group's input with the same
+        ``v``), the patches' squared norms that of the input's squares summed over each
+        group's channels with a filter of ones."""
+        if name == "bias":
+            return None
+        module, g = call.module, call.grad_out
+        groups, k, n = module.groups, u.shape[1], g.shape[0]
+        x, padding = padded_conv_input(module, call.input)
+
+        def convolve(inputs, filters):  # ``[N, G, ·, L]``
+            out = torch.ops.aten.convolution(
+                inputs,
+                filters,
+                None,
+                module.stride,
+                padding,
+                module.dilation,
+                False,
+                [0] * len(padding),
+                groups,
+            )
+            return out.reshape(n, groups, -1, out[0, 0].numel())
+
+        g = g.reshape(n, groups, -1, g[0, 0].numel())  # [N, G, O/G, L]
+        probed = torch.matmul(u.to(g.dtype).reshape(groups, -1, k).transpose(1, 2), g)
+        filters = v.to(x.dtype).T.reshape(k, *module.weight.shape[1:])
+        filters = filters.repeat(groups, *[1] * (x.dim() - 1))
+        projected = (probed * convolve(x, filters)).sum((0, 1, 3))
+        squares = x.square().reshape(n, groups, -1, *x.shape[2:]).sum(2)  # [N, G, *S]
+        ones = x.new_ones(groups, 1, *module.kernel_size)
+        patch_norms = convolve(squares, ones).sqrt_()[:, :, 0]
+        return projected, (g.square().sum(2).sqrt_() * patch_norms).sum()
+
     def _length(self, call):
         return call.grad_out[0, 0].numel()
 

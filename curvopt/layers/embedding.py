@@ -80,6 +80,13 @@ class EmbeddingRule(LayerRule):
         result = torch.zeros_like(call.module.weight, dtype=g.dtype)
         return result.index_add_(0, idx, g)
 
+    def projected_sum(self, call, name, u, v):
+        """``sum_r u[token_r] ⊙ (g_rᵀ v)``: a token's one-hot input picks its row of ``u``
+        (and has norm 1)."""
+        idx, _, g = _rows(call)
+        projected = (u.to(g.dtype)[idx] * (g @ v.to(g.dtype))).sum(0)
+        return projected, torch.linalg.vector_norm(g, dim=1).sum()
+
     def kron_factors(self, call, columns, name, approx, n):
         module = call.module
         idx = call.input.reshape(n, -1)

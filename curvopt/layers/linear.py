@@ -5,6 +5,7 @@ With the positions ``t`` of the middle dims flattened (``x_nt``, ``g_nt = dL/dy_
 * ``g_n(W) = sum_t g_nt x_nt^T``                         ``[N, O, I]``
 * ``||g_n(W)||^2 = sum_{t,s} (g_nt . g_ns)(x_nt . x_ns)``  (ghost norm, ``T^2 (O+I)`` flops)
 * ``sum_n g_n(W)**2 = (g**2)^T (x**2)``                  when ``T = 1``
+* ``uᵀ (sum_n g_n(W)) v = sum_nt (g_nt . u)(x_nt . v)``  (the projected guard, ``(T N)(O+I)``)
 
 Second order: Kronecker factors with the positions ``t`` as the shared dim (``layers.kron``);
 the eigen-corrected moment from the rotated ``x`` and ``g`` (``layers.eigenbasis``);
@@ -40,6 +41,13 @@ def _rows(call):
     if x.numel() != n * x.shape[-1]:
         return None
     return x.reshape(n, -1), g.reshape(n, -1)
+
+
+def _projected(left, right, u, v):
+    """``projected_sum`` of ``sum_r left_r right_rᵀ`` (rows: all dims but the last)."""
+    left, right = left.reshape(-1, left.shape[-1]), right.reshape(-1, right.shape[-1])
+    projected = ((left @ u.to(left.dtype)) * (right @ v.to(right.dtype))).sum(0)
+    return projected, torch.linalg.vector_norm(left, dim=1) @ torch.linalg.vector_norm(right, dim=1)
 
 
 def canonical(call, columns, n: int):
@@ -108,6 +116,10 @@ class LinearRule(LayerRule):
         x, g = call.input, call.grad_out
         g = g.reshape(-1, g.shape[-1])
         return g.sum(0) if name == "bias" else g.T @ x.reshape(-1, x.shape[-1])
+
+    def projected_sum(self, call, name, u, v):
+        """``sum_r (g_rᵀ u)(x_rᵀ v)`` over the rows ``r`` (samples and positions)."""
+        return None if name == "bias" else _projected(call.grad_out, call.input, u, v)
 
     def kron_factors(self, call, columns, name, approx, n):
         if name != "weight":

@@ -169,6 +169,14 @@ class LayerRule:
         """``p.shape``: ``sum_n g_n`` (this call's share of ``p.grad``), or ``None``."""
         return None
 
+    def projected_sum(self, call, name: str, u, v) -> Optional[tuple]:
+        """``sum_n g_n`` seen through random probes, from the per-row factors (inputs ``a_r``,
+        output gradients ``b_r``, ``g_n = sum_{r in n} b_r a_rᵀ``) at ``O(R (I + O) K)``:
+        ``(diag(uᵀ (sum_n g_n) v) = sum_r (b_rᵀ u)(a_rᵀ v)  [K],  sum_r |b_r| |a_r|  [])``
+        for probes ``u [p.shape[0], K]``, ``v [p[0].numel(), K]`` (``p`` as a matrix); the
+        second (Euclidean norms) sets the rounding bound. ``None``: use :meth:`grad_sum`."""
+        return None
+
     # ------------------------------------------------------------ optional second-order hooks
     #: whether the module's output is linear in its input (or, ``PReLU``, piecewise linear in it
     #: and linear in its own leaf weight), so that ``DiagHessian`` needs no look inside it

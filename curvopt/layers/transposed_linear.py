@@ -20,7 +20,7 @@ import torch
 
 from curvopt.layers.eigenbasis import eigen_moment
 from curvopt.layers.kron import linear_like
-from curvopt.layers.linear import LinearRule, _flat, canonical
+from curvopt.layers.linear import LinearRule, _flat, _projected, canonical
 from curvopt.layers.registry import register_name
 
 
@@ -64,6 +64,10 @@ class TransposedLinearRule(LinearRule):
     def grad_sum(self, call, name):
         result = super().grad_sum(call, name)
         return result if name == "bias" else result.T
+
+    def projected_sum(self, call, name, u, v):
+        """``sum_r (x_rᵀ u)(g_rᵀ v)``: the input side indexes the weight's rows."""
+        return None if name == "bias" else _projected(call.input, call.grad_out, u, v)
 
     def kron_factors(self, call, columns, name, approx, n):
         if name == "bias":
