@@ -22,6 +22,7 @@ from .distributed import RANK_SEED_STRIDE, DistInfo, shard
 from .evaluation import Clock, evaluate
 from .files import atomic_write, finite
 from .optimizers import SetupError, make_optimizer, resolve_options
+from .peers import averaged_weights
 from .problems import get_problem
 from .timing import finite_loss, timed_step
 
@@ -193,15 +194,16 @@ class TrainingRun:
 
     def eval_entry(self, epoch: int, train_stats: dict | None) -> dict:
         t0 = self.clock()
-        metrics = evaluate(
-            self.model,
-            self.lossfunc,
-            self.splits,
-            self.cfg.batch_size,
-            self.prep,
-            self.info,
-            f"eval {epoch}/{self.cfg.epochs}" if self.progress else None,
-        )
+        with averaged_weights(self.opt):  # schedule-free: its average, not the gradient point
+            metrics = evaluate(
+                self.model,
+                self.lossfunc,
+                self.splits,
+                self.cfg.batch_size,
+                self.prep,
+                self.info,
+                f"eval {epoch}/{self.cfg.epochs}" if self.progress else None,
+            )
         entry = {"epoch": epoch, **metrics}
         if train_stats is not None:
             entry.update(

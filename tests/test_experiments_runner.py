@@ -262,3 +262,28 @@ def test_unsupported_by_the_engine_fails_clearly(tmp_path, data_root, fake_curvo
     with pytest.raises(SetupError, match="kfra cannot train mnist_logreg: module '0'"):
         _run(cfg, tmp_path, data_root)
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_schedule_free_is_evaluated_at_its_average(tmp_path, data_root, monkeypatch):
+    """``run`` evaluates schedule-free AdamW in its ``eval()`` mode (the averaged weights ``x``),
+    and training resumes from its own parameters after."""
+    pytest.importorskip("schedulefree")
+    modes, original = [], training.evaluate
+
+    def evaluate(model, *args, **kwargs):
+        modes.append([g["train_mode"] for g in run_state["opt"].param_groups])
+        return original(model, *args, **kwargs)
+
+    run_state = {}
+    original_init = training.TrainingRun.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        run_state["opt"] = self.opt
+
+    monkeypatch.setattr(training, "evaluate", evaluate)
+    monkeypatch.setattr(training.TrainingRun, "__init__", init)
+    result = _run(RunConfig("mnist_logreg", "sf_adamw", 0.01, **TINY), tmp_path, data_root)
+    assert result["status"] == "finished" and len(modes) == 2
+    assert not any(train for mode in modes for train in mode), modes
+    assert all(g["train_mode"] for g in run_state["opt"].param_groups)
