@@ -201,12 +201,15 @@ class Record:
 
 
 class LossRecord:
-    """One call of an extended loss: its input and target until the backward pass starts."""
+    """One call of an extended loss: its input and target until the backward pass starts.
+    ``no_hessian``: why ``DiagHessian`` cannot use it (a loss read from the graph whose input
+    is not its Hessian's: ``recognize``), else None."""
 
-    __slots__ = ("module", "args", "kwargs")
+    __slots__ = ("module", "args", "kwargs", "no_hessian")
 
-    def __init__(self, module, args, kwargs):
+    def __init__(self, module, args, kwargs, no_hessian=None):
         self.module, self.args, self.kwargs = module, args, kwargs
+        self.no_hessian = no_hessian
 
     @property
     def output(self) -> torch.Tensor:

@@ -317,3 +317,21 @@ BILINEAR_OPS = {
     "AddmmBackward0",
     "PreluKernelBackward0",
 }
+
+# ------------------------------------- losses computed functionally (``recognize``)
+
+NLL_LOSS = "NllLossBackward0"
+LOG_SOFTMAX = "LogSoftmaxBackward0"
+MSE_LOSS = "MseLossBackward0"
+BCE_WITH_LOGITS = "BinaryCrossEntropyWithLogitsBackward0"
+#: the ``reduction`` enum a loss node saves (``at::Reduction``)
+REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def saved(node, name: str):
+    """The attribute ``name`` a loss node saved in the forward (a tensor, None, or a number;
+    signed integers such as ``ignore_index`` and ``dim`` come back as unsigned 64-bit)."""
+    value = getattr(node, f"_saved_{name}")
+    if isinstance(value, int) and value >= 1 << 63:
+        value -= 1 << 64
+    return value

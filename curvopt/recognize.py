@@ -1,0 +1,162 @@
+"""Losses an extended model computes functionally itself (a Hugging Face model's own
+``labels=`` loss), found in the autograd graph of the loss the model returns.
+
+When an extended model's forward returns a loss (a scalar, a tuple starting with one, or a
+mapping with ``"loss"``) while a collection is open or armed, the graph of that loss is read
+right away, while every node still holds what it saved. Each term found exactly becomes the
+``LossRecord`` an extended loss module would have made, with the same module options:
+
+* ``F.cross_entropy(x, y, weight, ignore_index, reduction)`` and ``F.nll_loss(F.log_softmax(x,
+  1), y, ...)`` (one graph: ``NllLossBackward0 <- LogSoftmaxBackward0``):
+  ``CrossEntropyLoss`` on the log-probabilities ``z = log_softmax(x)``. Its factor is exact at
+  ``x`` too: ``softmax(z) = softmax(x)``, and each column ``s`` sums to 0 over the classes, so
+  the log-softmax's transposed Jacobian ``s - p 1^T s`` passes it unchanged;
+* ``F.mse_loss`` (``MseLossBackward0``): ``MSELoss``;
+* ``F.binary_cross_entropy_with_logits`` (``BinaryCrossEntropyWithLogitsBackward0``):
+  ``BCEWithLogitsLoss`` with its ``weight`` and ``pos_weight``.
+
+The record's hook is a pre-hook on the term's node, so it receives what an extended loss's
+output would: ``d total / d term``, which carries every factor outside the term (HF's division
+of a "sum" by ``num_items_in_batch``, a weighted sum of several terms). Anything else in the
+loss's graph is left alone, and the engine's checks then raise as without a loss: a term this
+cannot read (label smoothing, a custom loss, ``reduction="none"``) is never guessed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from curvopt.records import LossRecord
+from curvopt.torch_internals import (
+    BCE_WITH_LOGITS,
+    LOG_SOFTMAX,
+    MSE_LOSS,
+    NLL_LOSS,
+    REDUCTIONS,
+    saved,
+)
+
+
+def returned_loss(output) -> Optional[torch.Tensor]:
+    """The loss a model's forward returned: the output itself when it is a scalar, the first
+    item of a tuple, a mapping's ``"loss"`` (Hugging Face's ``ModelOutput``); else None."""
+    if isinstance(output, Mapping):
+        output = output.get("loss")
+    elif isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    if (
+        isinstance(output, torch.Tensor)
+        and output.dim() == 0
+        and output.is_floating_point()
+        and output.grad_fn is not None
+    ):
+        return output
+    return None
+
+
+def watch(loss: torch.Tensor) -> int:
+    """Find the terms of ``loss``'s graph (see module doc) and hook each; the number found."""
+    found = recognise(loss)
+    for node, record in found:
+        node.register_prehook(_hook(record))
+    return len(found)
+
+
+def _hook(record: LossRecord):
+    def on_term(grad_outputs):
+        record.on_grad(grad_outputs[0])
+
+    return on_term
+
+
+def recognise(loss: torch.Tensor) -> List[Tuple[object, LossRecord]]:
+    """``(node, record)`` of every term of ``loss`` read exactly; [] where any term of the
+    cross-entropy kind shares its log-probabilities with other terms (label smoothing)."""
+    nodes, consumers = _loss_graph(loss.grad_fn)
+    found = []
+    for node in nodes:
+        kind = type(node).__name__
+        if kind == NLL_LOSS:
+            record = _cross_entropy(node, consumers)
+            if record is None:
+                return []
+        elif kind == MSE_LOSS:
+            record = _record(node, nn.MSELoss, ())
+        elif kind == BCE_WITH_LOGITS:
+            record = _record(node, nn.BCEWithLogitsLoss, ("weight", "pos_weight"))
+        else:
+            continue
+        if record is not None:
+            found.append((node, record))
+    return found
+
+
+_TERMS = {NLL_LOSS, MSE_LOSS, BCE_WITH_LOGITS}
+
+_NO_HESSIAN = (
+    "DiagHessian: the model computes F.cross_entropy (or F.nll_loss after F.log_softmax) "
+    "itself, so curvopt sees the loss only from the log-probabilities, whose curvature belongs "
+    "to the loss; compute the loss from the logits with an extended loss module, lossfunc = "
+    "curvopt.extend(torch.nn.CrossEntropyLoss()) (Hugging Face Trainer: compute_loss_func=), "
+    "or use DiagGGNExact"
+)
+
+
+def _loss_graph(root):
+    """The nodes from ``root`` down to the loss terms (not below them; a log-softmax is read
+    with its consumers), and how many of them feed each node."""
+    nodes, consumers, stack = [], {}, [root]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        nodes.append(node)
+        kind = type(node).__name__
+        if kind == LOG_SOFTMAX:
+            continue
+        for fn, _ in node.next_functions:
+            if fn is not None:
+                consumers[fn] = consumers.get(fn, 0) + 1
+                if kind not in _TERMS or type(fn).__name__ == LOG_SOFTMAX:
+                    stack.append(fn)
+    return nodes, consumers
+
+
+def _reduction(node) -> Optional[str]:
+    reduction = REDUCTIONS.get(saved(node, "reduction"))
+    return reduction if reduction in ("mean", "sum") else None
+
+
+def _cross_entropy(node, consumers) -> Optional[LossRecord]:
+    """``CrossEntropyLoss`` on the log-probabilities of an ``nll_loss`` after a class-dim
+    ``log_softmax`` that feeds nothing else; None otherwise."""
+    log_softmax = node.next_functions[0][0]
+    if log_softmax is None or type(log_softmax).__name__ != LOG_SOFTMAX:
+        return None
+    log_probs = saved(node, "self")
+    if consumers.get(log_softmax) != 1 or saved(log_softmax, "dim") % log_probs.dim() != 1:
+        return None
+    reduction = _reduction(node)
+    if reduction is None:
+        return None
+    module = nn.CrossEntropyLoss(
+        weight=saved(node, "weight"),
+        ignore_index=saved(node, "ignore_index"),
+        reduction=reduction,
+    )
+    return LossRecord(module, (log_probs, saved(node, "target")), {}, _NO_HESSIAN)
+
+
+def _record(node, loss_type, options) -> Optional[LossRecord]:
+    """``loss_type`` with the node's reduction and ``options``, on its saved input and target."""
+    reduction = _reduction(node)
+    if reduction is None:
+        return None
+    module = loss_type(reduction=reduction, **{o: saved(node, o) for o in options})
+    return LossRecord(module, (saved(node, "self"), saved(node, "target")), {})
