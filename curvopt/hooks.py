@@ -16,7 +16,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from curvopt.layers import rule_for
 from curvopt.params import EXTENDED, owned, owned_parameters
 from curvopt.recognize import returned_loss, watch
-from curvopt.records import LossRecord, Record, anchor, output_tensors
+from curvopt.records import LossRecord, Record, anchor, mark_extended_loss, output_tensors
 from curvopt.state import STATE
 
 __all__ = ["extend", "is_extended", "Record"]
@@ -52,6 +52,8 @@ def _loss_forward_hook(module, args, kwargs, output):
         return
     record = LossRecord(module, args, kwargs)
     output.register_hook(record.on_grad)
+    if output.grad_fn is not None:
+        mark_extended_loss(output)
 
 
 def _returned_loss_hook(module, args, kwargs, output):

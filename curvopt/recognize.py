@@ -17,9 +17,15 @@ right away, while every node still holds what it saved. Each term found exactly 
 
 The record's hook is a pre-hook on the term's node, so it receives what an extended loss's
 output would: ``d total / d term``, which carries every factor outside the term (HF's division
-of a "sum" by ``num_items_in_batch``, a weighted sum of several terms). Anything else in the
-loss's graph is left alone, and the engine's checks then raise as without a loss: a term this
+of a "sum" by ``num_items_in_batch``, a weighted sum of several terms). The output of an
+extended loss module's call is left to that module's own hook. Anything else in the loss's
+graph is left alone, and the engine's checks then raise as without a loss: a term this
 cannot read (label smoothing, a custom loss, ``reduction="none"``) is never guessed.
+
+Only a loss the model returns is read: one computed after the forward (``F.cross_entropy(
+model(x), y)``) is seen by curvopt's hooks only once its nodes have run and freed what they
+saved. ``DiagHessian`` raises for a cross-entropy read here: the log-softmax's curvature is the
+loss's, and the record's input is its output.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from curvopt.records import LossRecord
+from curvopt.records import LossRecord, is_extended_loss
 from curvopt.torch_internals import (
     BCE_WITH_LOGITS,
     LOG_SOFTMAX,
@@ -113,8 +119,8 @@ def _loss_graph(root):
     seen = set()
     while stack:
         node = stack.pop()
-        if node is None or node in seen:
-            continue
+        if node is None or node in seen or is_extended_loss(node):
+            continue  # (an extended loss module's output: hooked by the module already)
         seen.add(node)
         nodes.append(node)
         kind = type(node).__name__

@@ -204,6 +204,17 @@ def test_weighted_sum_of_two_recognised_losses():
     torch.testing.assert_close(_flat(got), _flat(want), rtol=1e-12, atol=1e-14)
 
 
+def test_an_extended_loss_inside_the_extended_model_counts_once():
+    x, y = _mlp_data("class")
+    torch.manual_seed(0)
+    model = curvopt.extend(Mlp().to(DT))
+    twin = curvopt.extend(nn.CrossEntropyLoss())
+    own = curvopt.extend(WithLoss(model, twin, "tensor"))
+    got = _collected(model, lambda m: own(x, y), E.DiagGGNExact())
+    want = _collected(model, lambda m: twin(m(x), y), E.DiagGGNExact())
+    torch.testing.assert_close(_flat(got), _flat(want), rtol=1e-12, atol=1e-14)
+
+
 #: losses whose curvature curvopt cannot read exactly from the graph: second order raises
 UNREAD = {
     "label_smoothing": lambda z, y: F.cross_entropy(z, y, label_smoothing=0.1),
