@@ -42,7 +42,9 @@ from curvopt.torch_internals import (
     LOG_SOFTMAX,
     MSE_LOSS,
     NLL_LOSS,
+    NLL_LOSS_2D,
     REDUCTIONS,
+    VIEW,
     saved,
 )
 
@@ -86,7 +88,7 @@ def recognise(loss: torch.Tensor) -> List[Tuple[object, LossRecord]]:
     found = []
     for node in nodes:
         kind = type(node).__name__
-        if kind == NLL_LOSS:
+        if kind in _NLL:
             record = _cross_entropy(node, consumers)
             if record is None:
                 return []
@@ -101,7 +103,8 @@ def recognise(loss: torch.Tensor) -> List[Tuple[object, LossRecord]]:
     return found
 
 
-_TERMS = {NLL_LOSS, MSE_LOSS, BCE_WITH_LOGITS}
+_NLL = {NLL_LOSS, NLL_LOSS_2D}
+_TERMS = _NLL | {MSE_LOSS, BCE_WITH_LOGITS}
 
 _NO_HESSIAN = (
     "DiagHessian: the model computes F.cross_entropy (or F.nll_loss after F.log_softmax) "
@@ -113,24 +116,27 @@ _NO_HESSIAN = (
 
 
 def _loss_graph(root):
-    """The nodes from ``root`` down to the loss terms (not below them; a log-softmax is read
-    with its consumers), and how many of them feed each node."""
-    nodes, consumers, stack = [], {}, [root]
+    """The nodes from ``root`` down to the loss terms (below a negative log-likelihood only its
+    log-softmax, through the view ``nll_loss`` makes of ``[N, C, *d]``), and how many of them
+    feed each node."""
+    nodes, consumers, stack = [], {}, [(root, False)]
     seen = set()
     while stack:
-        node = stack.pop()
+        node, below_nll = stack.pop()
         if node is None or node in seen or is_extended_loss(node):
             continue  # (an extended loss module's output: hooked by the module already)
         seen.add(node)
         nodes.append(node)
         kind = type(node).__name__
-        if kind == LOG_SOFTMAX:
+        if kind == LOG_SOFTMAX or (kind in _TERMS and kind not in _NLL):
             continue
         for fn, _ in node.next_functions:
-            if fn is not None:
-                consumers[fn] = consumers.get(fn, 0) + 1
-                if kind not in _TERMS or type(fn).__name__ == LOG_SOFTMAX:
-                    stack.append(fn)
+            if fn is None:
+                continue
+            consumers[fn] = consumers.get(fn, 0) + 1
+            below = kind in _NLL or below_nll
+            if not below or type(fn).__name__ in (LOG_SOFTMAX, VIEW):
+                stack.append((fn, below))
     return nodes, consumers
 
 
@@ -140,14 +146,21 @@ def _reduction(node) -> Optional[str]:
 
 
 def _cross_entropy(node, consumers) -> Optional[LossRecord]:
-    """``CrossEntropyLoss`` on the log-probabilities of an ``nll_loss`` after a class-dim
-    ``log_softmax`` that feeds nothing else; None otherwise."""
-    log_softmax = node.next_functions[0][0]
+    """``CrossEntropyLoss`` on the log-probabilities ``[N, C, *d]`` of an ``nll_loss`` after a
+    class-dim ``log_softmax`` that feeds nothing else; None otherwise."""
+    below = _only_input(node, consumers)
+    view = below if below is not None and type(below).__name__ == VIEW else None
+    log_softmax = _only_input(view, consumers) if view is not None else below
     if log_softmax is None or type(log_softmax).__name__ != LOG_SOFTMAX:
         return None
-    log_probs = saved(node, "self")
-    if consumers.get(log_softmax) != 1 or saved(log_softmax, "dim") % log_probs.dim() != 1:
+    log_probs, target = saved(log_softmax, "result"), saved(node, "target")
+    if log_probs.dim() < 2 or saved(log_softmax, "dim") % log_probs.dim() != 1:
         return None
+    if view is not None:  # nll_loss's own view: the positions merged in order
+        viewed = saved(node, "self").shape
+        if type(node).__name__ != NLL_LOSS_2D or viewed[:2] != log_probs.shape[:2]:
+            return None
+        target = target.reshape(log_probs.shape[0], *log_probs.shape[2:])
     reduction = _reduction(node)
     if reduction is None:
         return None
@@ -156,7 +169,13 @@ def _cross_entropy(node, consumers) -> Optional[LossRecord]:
         ignore_index=saved(node, "ignore_index"),
         reduction=reduction,
     )
-    return LossRecord(module, (log_probs, saved(node, "target")), {}, _NO_HESSIAN)
+    return LossRecord(module, (log_probs, target), {}, _NO_HESSIAN)
+
+
+def _only_input(node, consumers):
+    """The node ``node`` takes its first input from, where ``node`` is its only consumer."""
+    below = node.next_functions[0][0]
+    return below if below is not None and consumers.get(below) == 1 else None
 
 
 def _record(node, loss_type, options) -> Optional[LossRecord]:

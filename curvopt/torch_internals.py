@@ -321,6 +321,9 @@ BILINEAR_OPS = {
 # ------------------------------------- losses computed functionally (``recognize``)
 
 NLL_LOSS = "NllLossBackward0"
+#: ``nll_loss`` of inputs ``[N, C, *d]`` (viewed as ``[N, C, H, W]`` where ``d`` is not 2-D)
+NLL_LOSS_2D = "NllLoss2DBackward0"
+VIEW = "ViewBackward0"
 LOG_SOFTMAX = "LogSoftmaxBackward0"
 MSE_LOSS = "MseLossBackward0"
 BCE_WITH_LOGITS = "BinaryCrossEntropyWithLogitsBackward0"

@@ -38,6 +38,13 @@ class Sequence(nn.Module):
         return self.head(torch.tanh(self.mix(self.emb(x)))).flatten(0, 1)
 
 
+class Channels(Sequence):
+    """Logits ``[N, V, T]``: the classes along dim 1, positions after them."""
+
+    def forward(self, x):
+        return super().forward(x).unflatten(0, x.shape).transpose(1, 2)
+
+
 class WithLoss(nn.Module):
     """The model computing its own loss from ``labels`` with ``loss_fn``, returned as a
     mapping with ``"loss"`` (``returns="tuple"``: as the first item, ``"tensor"``: alone)."""
@@ -76,37 +83,59 @@ def _sequence_data(target):
     return x, torch.rand(N * T, V, generator=g, dtype=DT)
 
 
-ARCHITECTURES = {"mlp": (Mlp, _mlp_data), "sequence": (Sequence, _sequence_data)}
+def _channels_data(target):
+    x, y = _sequence_data(target)
+    if target == "class":
+        return x, y.reshape(N, T)
+    return x, y.reshape(N, T, V).transpose(1, 2)
+
+
+ARCHITECTURES = {
+    "mlp": (Mlp, _mlp_data),
+    "sequence": (Sequence, _sequence_data),
+    "channels": (Channels, _channels_data),
+}
 WEIGHT = torch.tensor([0.5, 2.0, 1.0, 3.0, 0.25, 1.5], dtype=DT)
 
-#: name -> (functional loss (logits, y), the extended module's twin, target kind, scale the
-#: functional loss applies after the loss: HF's num_items_in_batch)
+#: name -> (functional loss (logits, y, reduction, class weights), the extended module's twin,
+#: its options given the class weights)
 LOSSES = {
-    "cross_entropy": (lambda z, y, r: F.cross_entropy(z, y, reduction=r), nn.CrossEntropyLoss, {}),
-    "cross_entropy_weight": (
-        lambda z, y, r: F.cross_entropy(z, y, weight=WEIGHT, reduction=r),
+    "cross_entropy": (
+        lambda z, y, r, w: F.cross_entropy(z, y, reduction=r),
         nn.CrossEntropyLoss,
-        {"weight": WEIGHT},
+        lambda w: {},
+    ),
+    "cross_entropy_weight": (
+        lambda z, y, r, w: F.cross_entropy(z, y, weight=w, reduction=r),
+        nn.CrossEntropyLoss,
+        lambda w: {"weight": w},
     ),
     "cross_entropy_ignore_7": (
-        lambda z, y, r: F.cross_entropy(z, y.where(y >= 0, 7), ignore_index=7, reduction=r),
+        lambda z, y, r, w: F.cross_entropy(z, y.where(y >= 0, 7), ignore_index=7, reduction=r),
         nn.CrossEntropyLoss,
-        {"ignore_index": 7},
+        lambda w: {"ignore_index": 7},
     ),
     "nll_after_log_softmax": (
-        lambda z, y, r: F.nll_loss(F.log_softmax(z, dim=-1), y, reduction=r),
+        lambda z, y, r, w: F.nll_loss(F.log_softmax(z, dim=1), y, reduction=r),
         nn.CrossEntropyLoss,
-        {},
+        lambda w: {},
     ),
-    "mse": (lambda z, y, r: F.mse_loss(z, y, reduction=r), nn.MSELoss, {}),
+    "mse": (lambda z, y, r, w: F.mse_loss(z, y, reduction=r), nn.MSELoss, lambda w: {}),
     "bce_with_logits": (
-        lambda z, y, r: F.binary_cross_entropy_with_logits(
-            z, y, weight=WEIGHT, pos_weight=2 * WEIGHT, reduction=r
+        lambda z, y, r, w: F.binary_cross_entropy_with_logits(
+            z, y, weight=_broadcast(w, z), pos_weight=2 * _broadcast(w, z), reduction=r
         ),
         nn.BCEWithLogitsLoss,
-        {"weight": WEIGHT, "pos_weight": 2 * WEIGHT},
+        lambda w: {"weight": w, "pos_weight": 2 * w},
     ),
 }
+
+
+def _broadcast(w, z):
+    """The class weights ``[V]`` as they broadcast over ``z`` (classes along dim 1)."""
+    return w if z.dim() == 2 else w[:, None]
+
+
 TARGETS = {"mse": "real", "bce_with_logits": "probability"}
 
 
@@ -136,9 +165,10 @@ def _both(arch, name, reduction, ext, scale=1.0):
     x, y = data(TARGETS.get(name, "class"))
     torch.manual_seed(0)
     model = curvopt.extend(make().to(DT))
-    own = curvopt.extend(WithLoss(model, lambda z, t: functional(z, t, reduction) / scale))
+    own = curvopt.extend(WithLoss(model, lambda z, t: functional(z, t, reduction, WEIGHT) / scale))
     got = _collected(model, lambda m: own(x, y)["loss"], ext)
-    twin = curvopt.extend(twin_type(reduction=reduction, **options))
+    weight = WEIGHT if arch != "channels" or twin_type is not nn.BCEWithLogitsLoss else WEIGHT[:, None]
+    twin = curvopt.extend(twin_type(reduction=reduction, **options(weight)))
     y_twin = _twin_target(name, y)
     want = _collected(model, lambda m: twin(m(x), y_twin) / scale, ext)
     return _flat(got), _flat(want)

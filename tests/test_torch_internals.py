@@ -21,7 +21,14 @@ GENERATED = {
     "ACCUMULATE_GRAD": {ti.ACCUMULATE_GRAD},
     "ADD": {ti.ADD},
     "IN_PLACE_ON_VIEW": {ti.IN_PLACE_ON_VIEW},
-    "LOSS_NODES": {ti.NLL_LOSS, ti.LOG_SOFTMAX, ti.MSE_LOSS, ti.BCE_WITH_LOGITS},
+    "LOSS_NODES": {
+        ti.NLL_LOSS,
+        ti.NLL_LOSS_2D,
+        ti.VIEW,
+        ti.LOG_SOFTMAX,
+        ti.MSE_LOSS,
+        ti.BCE_WITH_LOGITS,
+    },
 }
 
 
@@ -96,6 +103,10 @@ def test_loss_nodes_and_their_saved_attributes():
     assert ti.saved(nll, "target") is y and ti.saved(nll, "weight") is w
     assert ti.saved(nll, "self").grad_fn is log_softmax
     assert ti.saved(F.log_softmax(x, -1).grad_fn, "dim") == -1
+    nll_2d = F.cross_entropy(_x(2, 4, 3), torch.zeros(2, 3, dtype=torch.long)).grad_fn
+    view = nll_2d.next_functions[0][0]
+    assert (type(nll_2d).__name__, type(view).__name__) == (ti.NLL_LOSS_2D, ti.VIEW)
+    assert type(view.next_functions[0][0]).__name__ == ti.LOG_SOFTMAX
     target = torch.rand(3, 4, dtype=torch.float64)
     mse = F.mse_loss(x, target).grad_fn
     assert type(mse).__name__ == ti.MSE_LOSS and ti.saved(mse, "self") is x
