@@ -167,7 +167,9 @@ def _both(arch, name, reduction, ext, scale=1.0):
     model = curvopt.extend(make().to(DT))
     own = curvopt.extend(WithLoss(model, lambda z, t: functional(z, t, reduction, WEIGHT) / scale))
     got = _collected(model, lambda m: own(x, y)["loss"], ext)
-    weight = WEIGHT if arch != "channels" or twin_type is not nn.BCEWithLogitsLoss else WEIGHT[:, None]
+    weight = (
+        WEIGHT if arch != "channels" or twin_type is not nn.BCEWithLogitsLoss else WEIGHT[:, None]
+    )
     twin = curvopt.extend(twin_type(reduction=reduction, **options(weight)))
     y_twin = _twin_target(name, y)
     want = _collected(model, lambda m: twin(m(x), y_twin) / scale, ext)
@@ -252,6 +254,9 @@ UNREAD = {
     "reduction_none_then_mean": lambda z, y: F.cross_entropy(z, y, reduction="none").mean(),
     "custom": lambda z, y: (z**4).mean(),
     "log_softmax_over_the_batch": lambda z, y: F.nll_loss(F.log_softmax(z, dim=0), y),
+    "classes_regrouped_after_log_softmax": lambda z, y: F.nll_loss(
+        F.log_softmax(z, dim=1).reshape(2 * N, V // 2), y.repeat(2).clamp(0, 2)
+    ),
 }
 
 
@@ -340,36 +345,41 @@ def _twin_loss(kind, logits, labels, count):
     return lossfunc(logits.float().flatten(0, 1), shifted) / count
 
 
-def _hf_steps(kind, name, own_loss, count):
+def _hf_steps(kind, name, own_loss, count, micro=1):
+    """Two optimizer steps, each of ``micro`` micro-batches (backward passes)."""
     model = _gpt2(kind)
     opt = HF_OPTIMIZERS[name](model.parameters())
     torch.manual_seed(5)  # the Monte-Carlo draws
-    for tokens, labels in _hf_batches(kind):
+    for batch, targets in _hf_batches(kind):
         opt.zero_grad()
         items = None if count is None else torch.tensor(count)
-        if own_loss:
-            loss = model(input_ids=tokens, labels=labels, num_items_in_batch=items).loss
-        else:
-            loss = _twin_loss(kind, model(input_ids=tokens).logits, labels, items)
-        loss.backward()
+        for tokens, labels in zip(batch.chunk(micro), targets.chunk(micro)):
+            if own_loss:
+                loss = model(input_ids=tokens, labels=labels, num_items_in_batch=items).loss
+            else:
+                loss = _twin_loss(kind, model(input_ids=tokens).logits, labels, items)
+            loss.backward()
         opt.step()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 @pytest.mark.parametrize("name", sorted(HF_OPTIMIZERS))
 @pytest.mark.parametrize(
-    "kind, count",
+    "kind, count, micro",
     [
-        ("GPT2LMHeadModel", None),
-        ("GPT2LMHeadModel", 20),
-        ("GPT2ForSequenceClassification", None),
+        ("GPT2LMHeadModel", None, 1),
+        ("GPT2LMHeadModel", 20, 1),
+        ("GPT2LMHeadModel", 20, 2),
+        ("GPT2ForSequenceClassification", None, 1),
+        ("GPT2ForSequenceClassification", None, 2),
     ],
 )
-def test_hugging_face_labels_loss_equals_an_extended_twin(kind, count, name):
-    """Two optimizer steps; the LM's loss is computed in float32 by transformers (its logits
-    cast with ``.float()``), so the twin's is too, and the two agree to float32 roundoff (the
-    loss is read from the float32 log-probabilities)."""
-    got, want = _hf_steps(kind, name, True, count), _hf_steps(kind, name, False, count)
+def test_hugging_face_labels_loss_equals_an_extended_twin(kind, count, micro, name):
+    """Two optimizer steps (of 1 or 2 micro-batches); the LM's loss is computed in float32 by
+    transformers (its logits cast with ``.float()``), so the twin's is too, and the two agree
+    to float32 roundoff (the loss is read from the float32 log-probabilities)."""
+    got = _hf_steps(kind, name, True, count, micro)
+    want = _hf_steps(kind, name, False, count, micro)
     start = torch.cat([p.detach().reshape(-1) for p in _gpt2(kind).parameters()])
     assert not torch.equal(want, start)
     tolerance = 1e-12 if kind == "GPT2ForSequenceClassification" else 1e-7
