@@ -36,10 +36,11 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from curvopt.records import LossRecord, is_extended_loss
+from curvopt.records import LossRecord, is_extended_loss, records_on
 from curvopt.torch_internals import (
     BCE_WITH_LOGITS,
     LOG_SOFTMAX,
+    LOSS_COMBINATIONS,
     MSE_LOSS,
     NLL_LOSS,
     NLL_LOSS_2D,
@@ -82,24 +83,21 @@ def _hook(record: LossRecord):
 
 
 def recognise(loss: torch.Tensor) -> List[Tuple[object, LossRecord]]:
-    """``(node, record)`` of every term of ``loss`` read exactly; [] where any term of the
-    cross-entropy kind shares its log-probabilities with other terms (label smoothing)."""
-    nodes, consumers = _loss_graph(loss.grad_fn)
+    """``(node, record)`` of every term of ``loss``; [] where a term cannot be read exactly or
+    enters the loss other than linearly (``exp(loss)``): then nothing is read."""
+    terms, consumers = _loss_graph(loss.grad_fn)
     found = []
-    for node in nodes:
+    for node, linear in terms:
         kind = type(node).__name__
         if kind in _NLL:
             record = _cross_entropy(node, consumers)
-            if record is None:
-                return []
         elif kind == MSE_LOSS:
             record = _record(node, nn.MSELoss, ())
-        elif kind == BCE_WITH_LOGITS:
-            record = _record(node, nn.BCEWithLogitsLoss, ("weight", "pos_weight"))
         else:
-            continue
-        if record is not None:
-            found.append((node, record))
+            record = _record(node, nn.BCEWithLogitsLoss, ("weight", "pos_weight"))
+        if record is None or not linear:
+            return []
+        found.append((node, record))
     return found
 
 
@@ -116,28 +114,41 @@ _NO_HESSIAN = (
 
 
 def _loss_graph(root):
-    """The nodes from ``root`` down to the loss terms (below a negative log-likelihood only its
-    log-softmax, through the view ``nll_loss`` makes of ``[N, C, *d]``), and how many of them
-    feed each node."""
-    nodes, consumers, stack = [], {}, [(root, False)]
+    """The loss's own graph, from ``root`` down to the model's outputs (the nodes of extended
+    module calls) and the log-softmaxes: ``(terms, consumers)``, the loss terms found with
+    whether only linear combinations of scalars lie between them and ``root``, and how many
+    nodes of the loss's graph feed each node (a log-softmax read by one term only)."""
+    terms, consumers, stack = [], {}, [(root, True)]
     seen = set()
     while stack:
-        node, below_nll = stack.pop()
+        node, linear = stack.pop()
         if node is None or node in seen or is_extended_loss(node):
             continue  # (an extended loss module's output: hooked by the module already)
         seen.add(node)
-        nodes.append(node)
         kind = type(node).__name__
-        if kind == LOG_SOFTMAX or (kind in _TERMS and kind not in _NLL):
+        if kind == LOG_SOFTMAX or records_on(node):
             continue
-        for fn, _ in node.next_functions:
-            if fn is None:
+        if kind in _TERMS:
+            terms.append((node, linear))
+            if kind not in _NLL:
                 continue
-            consumers[fn] = consumers.get(fn, 0) + 1
-            below = kind in _NLL or below_nll
-            if not below or type(fn).__name__ in (LOG_SOFTMAX, VIEW):
-                stack.append((fn, below))
-    return nodes, consumers
+        through = linear and _combines_linearly(node, kind)
+        for fn, _ in node.next_functions:
+            if fn is not None:
+                consumers[fn] = consumers.get(fn, 0) + 1
+                stack.append((fn, through))
+    return terms, consumers
+
+
+def _combines_linearly(node, kind) -> bool:
+    """``node`` combines scalars linearly: one operand of a product or quotient is constant."""
+    if kind not in LOSS_COMBINATIONS:
+        return False
+    if kind == "MulBackward0":
+        return sum(fn is not None for fn, _ in node.next_functions) == 1
+    if kind == "DivBackward0":
+        return node.next_functions[1][0] is None
+    return True
 
 
 def _reduction(node) -> Optional[str]:

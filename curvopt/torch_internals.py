@@ -327,6 +327,17 @@ VIEW = "ViewBackward0"
 LOG_SOFTMAX = "LogSoftmaxBackward0"
 MSE_LOSS = "MseLossBackward0"
 BCE_WITH_LOGITS = "BinaryCrossEntropyWithLogitsBackward0"
+#: scalar ops that combine loss terms linearly: sums, differences, products and quotients by
+#: constants (``MulBackward0``/``DivBackward0`` only where the other operand needs no grad)
+LOSS_COMBINATIONS = {
+    "AddBackward0",
+    "SubBackward0",
+    "NegBackward0",
+    "MulBackward0",
+    "MulBackward1",
+    "DivBackward0",
+    "DivBackward1",
+}
 #: the ``reduction`` enum a loss node saves (``at::Reduction``)
 REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 

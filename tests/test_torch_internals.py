@@ -21,6 +21,7 @@ GENERATED = {
     "ACCUMULATE_GRAD": {ti.ACCUMULATE_GRAD},
     "ADD": {ti.ADD},
     "IN_PLACE_ON_VIEW": {ti.IN_PLACE_ON_VIEW},
+    "LOSS_COMBINATIONS": ti.LOSS_COMBINATIONS,
     "LOSS_NODES": {
         ti.NLL_LOSS,
         ti.NLL_LOSS_2D,
