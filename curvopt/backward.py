@@ -313,7 +313,8 @@ class BackwardPass:
                     "read only where the extended model computes and returns it itself (a "
                     "Hugging Face model's labels= loss): F.cross_entropy without "
                     "label_smoothing, F.nll_loss after F.log_softmax, F.mse_loss, "
-                    "F.binary_cross_entropy_with_logits, with reduction 'mean' or 'sum'"
+                    "F.binary_cross_entropy_with_logits, with reduction 'mean' or 'sum', "
+                    "summed and scaled by constants"
                 )
             if not (self.checkpointed and current_graph_task_id() != self.task):
                 # (a call inside a checkpoint runs in torch's nested backward: checked at the

@@ -3,7 +3,9 @@
 
 When an extended model's forward returns a loss (a scalar, a tuple starting with one, or a
 mapping with ``"loss"``) while a collection is open or armed, the graph of that loss is read
-right away, while every node still holds what it saved. Each term found exactly becomes the
+right away, while every node still holds what it saved, down to the model's outputs (the
+nodes of extended module calls). Each term reached through linear combinations of scalars only
+(sums, differences, products and quotients by constants) and read exactly becomes the
 ``LossRecord`` an extended loss module would have made, with the same module options:
 
 * ``F.cross_entropy(x, y, weight, ignore_index, reduction)`` and ``F.nll_loss(F.log_softmax(x,
@@ -18,9 +20,12 @@ right away, while every node still holds what it saved. Each term found exactly 
 The record's hook is a pre-hook on the term's node, so it receives what an extended loss's
 output would: ``d total / d term``, which carries every factor outside the term (HF's division
 of a "sum" by ``num_items_in_batch``, a weighted sum of several terms). The output of an
-extended loss module's call is left to that module's own hook. Anything else in the loss's
-graph is left alone, and the engine's checks then raise as without a loss: a term this
-cannot read (label smoothing, a custom loss, ``reduction="none"``) is never guessed.
+extended loss module's call is left to that module's own hook. Where a term cannot be read
+(label smoothing, ``reduction="none"``, a log-softmax feeding anything else) or enters the
+loss nonlinearly (``exp(loss)``, a product of two terms), nothing is read and the loss is as
+without ``extend``: second order raises ``MissingLossError``. A further part that is no term
+(a custom penalty beside a cross-entropy) is left alone; the engine's gradient-flow check
+raises for it. Nothing is guessed.
 
 Only a loss the model returns is read: one computed after the forward (``F.cross_entropy(
 model(x), y)``) is seen by curvopt's hooks only once its nodes have run and freed what they
