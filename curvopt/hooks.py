@@ -132,8 +132,9 @@ def extend(
     if isinstance(module, nn.modules.loss._Loss):
         _hook(module, name or "", _loss_forward_hook)
         return module
+    reached = is_extended(module)  # hooked as a part of a model extended before
     _install(module, name or "", sequence_first)
-    if not getattr(module, _RETURNS_LOSS, False):
+    if not (reached or getattr(module, _RETURNS_LOSS, False)):
         module.register_forward_hook(_returned_loss_hook, with_kwargs=True)
         setattr(module, _RETURNS_LOSS, True)
     return module
