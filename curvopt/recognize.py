@@ -41,6 +41,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
+from curvopt.graph_plan import read_down
 from curvopt.records import LossRecord, is_extended_loss, records_on
 from curvopt.torch_internals import (
     BCE_WITH_LOGITS,
@@ -90,12 +91,30 @@ def _hook(record: LossRecord):
 def recognise(loss: torch.Tensor) -> List[Tuple[object, LossRecord]]:
     """``(node, record)`` of every term of ``loss``; [] where a term cannot be read exactly or
     enters the loss other than linearly (``exp(loss)``): then nothing is read."""
-    terms, consumers = _loss_graph(loss.grad_fn)
+    terms = []
+
+    def expand(node, linear, nexts):
+        """Walk the loss's graph down to the model's outputs (the nodes of extended module
+        calls) and the log-softmaxes; ``linear``: only linear combinations of scalars lie
+        between ``node`` and the loss (the root: True)."""
+        linear = linear is None or linear
+        kind = type(node).__name__
+        if is_extended_loss(node):
+            return None  # an extended loss module's output: hooked by the module already
+        if kind == LOG_SOFTMAX or records_on(node):
+            return None
+        if kind in _TERMS:
+            terms.append((node, linear))
+            if kind not in _NLL:
+                return None
+        return linear and _combines_linearly(kind, nexts)
+
+    inputs, consumers = read_down(loss.grad_fn, expand)
     found = []
     for node, linear in terms:
         kind = type(node).__name__
         if kind in _NLL:
-            record = _cross_entropy(node, consumers)
+            record = _cross_entropy(node, inputs, consumers)
         elif kind == MSE_LOSS:
             record = _record(node, nn.MSELoss, ())
         else:
@@ -118,41 +137,15 @@ _NO_HESSIAN = (
 )
 
 
-def _loss_graph(root):
-    """The loss's own graph, from ``root`` down to the model's outputs (the nodes of extended
-    module calls) and the log-softmaxes: ``(terms, consumers)``, the loss terms found with
-    whether only linear combinations of scalars lie between them and ``root``, and how many
-    nodes of the loss's graph feed each node (a log-softmax read by one term only)."""
-    terms, consumers, stack = [], {}, [(root, True)]
-    seen = set()
-    while stack:
-        node, linear = stack.pop()
-        if node is None or node in seen or is_extended_loss(node):
-            continue  # (an extended loss module's output: hooked by the module already)
-        seen.add(node)
-        kind = type(node).__name__
-        if kind == LOG_SOFTMAX or records_on(node):
-            continue
-        if kind in _TERMS:
-            terms.append((node, linear))
-            if kind not in _NLL:
-                continue
-        through = linear and _combines_linearly(node, kind)
-        for fn, _ in node.next_functions:
-            if fn is not None:
-                consumers[fn] = consumers.get(fn, 0) + 1
-                stack.append((fn, through))
-    return terms, consumers
-
-
-def _combines_linearly(node, kind) -> bool:
-    """``node`` combines scalars linearly: one operand of a product or quotient is constant."""
+def _combines_linearly(kind, nexts) -> bool:
+    """A node of type ``kind`` with inputs ``nexts`` combines scalars linearly: one operand of
+    a product or quotient is constant (None)."""
     if kind not in LOSS_COMBINATIONS:
         return False
     if kind == "MulBackward0":
-        return sum(fn is not None for fn, _ in node.next_functions) == 1
+        return sum(fn is not None for fn in nexts) == 1
     if kind == "DivBackward0":
-        return node.next_functions[1][0] is None
+        return nexts[1] is None
     return True
 
 
@@ -161,12 +154,12 @@ def _reduction(node) -> Optional[str]:
     return reduction if reduction in ("mean", "sum") else None
 
 
-def _cross_entropy(node, consumers) -> Optional[LossRecord]:
+def _cross_entropy(node, inputs, consumers) -> Optional[LossRecord]:
     """``CrossEntropyLoss`` on the log-probabilities ``[N, C, *d]`` of an ``nll_loss`` after a
     class-dim ``log_softmax`` that feeds nothing else; None otherwise."""
-    below = _only_input(node, consumers)
+    below = _only_input(node, inputs, consumers)
     view = below if below is not None and type(below).__name__ == VIEW else None
-    log_softmax = _only_input(view, consumers) if view is not None else below
+    log_softmax = _only_input(view, inputs, consumers) if view is not None else below
     if log_softmax is None or type(log_softmax).__name__ != LOG_SOFTMAX:
         return None
     log_probs, target = saved(log_softmax, "result"), saved(node, "target")
@@ -188,9 +181,9 @@ def _cross_entropy(node, consumers) -> Optional[LossRecord]:
     return LossRecord(module, (log_probs, target), {}, _NO_HESSIAN)
 
 
-def _only_input(node, consumers):
+def _only_input(node, inputs, consumers):
     """The node ``node`` takes its first input from, where ``node`` is its only consumer."""
-    below = node.next_functions[0][0]
+    below = inputs[node][0] if inputs.get(node) else None
     return below if below is not None and consumers.get(below) == 1 else None
 
 
