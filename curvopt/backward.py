@@ -309,9 +309,12 @@ class BackwardPass:
                     f"{names} need(s) the loss: the loss that was backpropagated was not "
                     "computed by an extended loss module; wrap it, e.g. "
                     "lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss()), and compute the "
-                    "loss with it (a functional loss such as F.cross_entropy, or a Hugging Face "
-                    "model's own labels= loss, is not recognised: compute the loss from the "
-                    "logits with the extended module; with the Trainer, compute_loss_func=)"
+                    "loss with it (with the Trainer, compute_loss_func=). A functional loss is "
+                    "read only where the extended model computes and returns it itself (a "
+                    "Hugging Face model's labels= loss): F.cross_entropy without "
+                    "label_smoothing, F.nll_loss after F.log_softmax, F.mse_loss, "
+                    "F.binary_cross_entropy_with_logits, with reduction 'mean' or 'sum', "
+                    "summed and scaled by constants"
                 )
             if not (self.checkpointed and current_graph_task_id() != self.task):
                 # (a call inside a checkpoint runs in torch's nested backward: checked at the

@@ -112,6 +112,8 @@ class CurvaturePass:
             self._propagate(rule, calls, exts, source, mc_samples)
         hessian_exts = [e for e in self.exts if e.quantity.producer is Producer.HESSIAN_DIAGONAL]
         if hessian_exts:
+            if self.loss.no_hessian is not None:
+                raise UnsupportedLossError(self.loss.no_hessian)
             #: ``dL/d output`` of this loss, for the residuals
             self.loss_grad = loss_gradient(self.loss, self.weight)
             self.results.add(residuals(self, calls, hessian_exts))

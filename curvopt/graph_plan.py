@@ -9,8 +9,9 @@ calls whose outputs it reaches (``calls``, in walk order), who consumes each nod
 edges (``edges``: the flow check's hooks, the accumulators the pass reaches, the checkpoint
 stages, DiagHessian's and KFRA's traversals). What else is derived from the graph
 (``indexes_inside``, the checkpoint regions) is read off these facts, not walked again; only
-``between`` (the loss's own nodes, above the walk's root) and ``reaches`` (the engine's graph
-where no walk read it, ``BackwardPass._reaches``) read nodes the walk did not.
+``between`` (the loss's own nodes, above the walk's root), ``reaches`` (the engine's graph
+where no walk read it, ``BackwardPass._reaches``) and ``read_down`` (a loss's own graph at the
+forward, before any backward: ``recognize``) read nodes the walk did not.
 
 A fresh forward makes fresh nodes, so what holds for the graph's *structure* is kept apart:
 :class:`Plan`, frozen, holds the structure facts (the calls in order, which of them are
@@ -331,3 +332,29 @@ def reaches(start, node, done: dict) -> bool:
         nexts = done[current] = current.next_functions
         stack.extend(fn for fn, _ in nexts)
     return node in done
+
+
+def read_down(root, expand) -> Tuple[Dict[object, tuple], Dict[object, int]]:
+    """A loss's own graph, read from its output node ``root`` before any backward
+    (``recognize``): ``expand(node, state, inputs)`` (``inputs``: the nodes ``node`` passes
+    gradient to, None for a constant) gives the state to walk ``inputs`` with, or None to stop
+    at ``node`` (``root`` is walked with state None). Returns the inputs of every node expanded
+    and how many expanded nodes feed each node."""
+    inputs: Dict[object, tuple] = {}
+    consumers: Dict[object, int] = defaultdict(int)
+    stack, seen = [(root, None)], set()
+    while stack:
+        node, state = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        nexts = tuple(fn for fn, _ in node.next_functions)
+        below = expand(node, state, nexts)
+        if below is None:
+            continue
+        inputs[node] = nexts
+        for fn in nexts:
+            if fn is not None:
+                consumers[fn] += 1
+                stack.append((fn, below))
+    return inputs, dict(consumers)

@@ -15,12 +15,14 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from curvopt.layers import rule_for
 from curvopt.params import EXTENDED, owned, owned_parameters
-from curvopt.records import LossRecord, Record, anchor, output_tensors
+from curvopt.recognize import returned_loss, watch
+from curvopt.records import LossRecord, Record, anchor, mark_extended_loss, output_tensors
 from curvopt.state import STATE
 
 __all__ = ["extend", "is_extended", "Record"]
 
 _HOOKED = "_curvopt_hooked"
+_RETURNS_LOSS = "_curvopt_returned_loss_hooked"
 _SEQUENCE_FIRST = "_curvopt_sequence_first"
 
 
@@ -50,6 +52,18 @@ def _loss_forward_hook(module, args, kwargs, output):
         return
     record = LossRecord(module, args, kwargs)
     output.register_hook(record.on_grad)
+    if output.grad_fn is not None:
+        mark_extended_loss(output)
+
+
+def _returned_loss_hook(module, args, kwargs, output):
+    """A loss the model computed itself (Hugging Face's ``labels=``): its terms read from the
+    graph while a collection is open or armed (``recognize``)."""
+    if STATE.suspended or STATE.collecting is None or not torch.is_grad_enabled():
+        return
+    loss = returned_loss(output)
+    if loss is not None:
+        watch(loss)
 
 
 def _hook(module: nn.Module, path: str, fn) -> None:
@@ -118,5 +132,9 @@ def extend(
     if isinstance(module, nn.modules.loss._Loss):
         _hook(module, name or "", _loss_forward_hook)
         return module
+    reached = is_extended(module)  # hooked as a part of a model extended before
     _install(module, name or "", sequence_first)
+    if not (reached or getattr(module, _RETURNS_LOSS, False)):
+        module.register_forward_hook(_returned_loss_hook, with_kwargs=True)
+        setattr(module, _RETURNS_LOSS, True)
     return module

@@ -200,13 +200,32 @@ class Record:
                 self.release()
 
 
+#: key of the autograd-node metadata marking the output node of an extended loss's call
+_LOSS_METADATA = "curvopt_loss"
+
+
+def mark_extended_loss(t: torch.Tensor) -> None:
+    """Note on ``t``'s node that an extended loss module computed ``t`` (see
+    :func:`is_extended_loss`)."""
+    t.grad_fn.metadata[_LOSS_METADATA] = True
+
+
+def is_extended_loss(node) -> bool:
+    """Whether ``node`` produced the output of an extended loss module's call (its record is
+    hooked there already)."""
+    return node.metadata.get(_LOSS_METADATA, False)
+
+
 class LossRecord:
-    """One call of an extended loss: its input and target until the backward pass starts."""
+    """One call of an extended loss: its input and target until the backward pass starts.
+    ``no_hessian``: why ``DiagHessian`` cannot use it (a loss read from the graph whose input
+    is not its Hessian's: ``recognize``), else None."""
 
-    __slots__ = ("module", "args", "kwargs")
+    __slots__ = ("module", "args", "kwargs", "no_hessian")
 
-    def __init__(self, module, args, kwargs):
+    def __init__(self, module, args, kwargs, no_hessian=None):
         self.module, self.args, self.kwargs = module, args, kwargs
+        self.no_hessian = no_hessian
 
     @property
     def output(self) -> torch.Tensor:

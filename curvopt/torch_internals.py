@@ -317,3 +317,35 @@ BILINEAR_OPS = {
     "AddmmBackward0",
     "PreluKernelBackward0",
 }
+
+# ------------------------------------- losses computed functionally (``recognize``)
+
+NLL_LOSS = "NllLossBackward0"
+#: ``nll_loss`` of inputs ``[N, C, *d]`` (viewed as ``[N, C, H, W]`` where ``d`` is not 2-D)
+NLL_LOSS_2D = "NllLoss2DBackward0"
+VIEW = "ViewBackward0"
+LOG_SOFTMAX = "LogSoftmaxBackward0"
+MSE_LOSS = "MseLossBackward0"
+BCE_WITH_LOGITS = "BinaryCrossEntropyWithLogitsBackward0"
+#: scalar ops that combine loss terms linearly: sums, differences, products and quotients by
+#: constants (``MulBackward0``/``DivBackward0`` only where the other operand needs no grad)
+LOSS_COMBINATIONS = {
+    "AddBackward0",
+    "SubBackward0",
+    "NegBackward0",
+    "MulBackward0",
+    "MulBackward1",
+    "DivBackward0",
+    "DivBackward1",
+}
+#: the ``reduction`` enum a loss node saves (``at::Reduction``)
+REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def saved(node, name: str):
+    """The attribute ``name`` a loss node saved in the forward (a tensor, None, or a number;
+    signed integers such as ``ignore_index`` and ``dim`` come back as unsigned 64-bit)."""
+    value = getattr(node, f"_saved_{name}")
+    if isinstance(value, int) and value >= 1 << 63:
+        value -= 1 << 64
+    return value

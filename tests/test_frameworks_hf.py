@@ -24,14 +24,12 @@ from dropin_loop import (
 )
 from torch import nn
 
-from curvopt.errors import MissingLossError
 
 transformers = pytest.importorskip("transformers")
 
 #: the Trainer batches consecutive samples with one batch size: the unequal micro-batches
 #: of one step (5 + 3) are one epoch of 8 samples
 HF_SETTINGS = {**SETTINGS, "accumulate_2_unequal": Setting((5, 3), steps=1)}
-FUNCTIONAL_LOSS = "second order needs the functional loss (F.cross_entropy) found without extend"
 
 
 class _WithLoss(nn.Module):
@@ -152,15 +150,7 @@ def _gpt2_trainer(name, directory):
     return parameters(model)
 
 
-def _own_loss_cases():
-    for name in OPTIMIZERS:
-        second_order = name != "VarianceAdaptedSGD"
-        xfail = pytest.mark.xfail(strict=True, reason=FUNCTIONAL_LOSS, raises=MissingLossError)
-        marks = xfail if second_order else ()
-        yield pytest.param(name, marks=marks, id=name)
-
-
-@pytest.mark.parametrize("name", list(_own_loss_cases()))
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_trainer_with_the_models_own_loss(name, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -21,6 +21,15 @@ GENERATED = {
     "ACCUMULATE_GRAD": {ti.ACCUMULATE_GRAD},
     "ADD": {ti.ADD},
     "IN_PLACE_ON_VIEW": {ti.IN_PLACE_ON_VIEW},
+    "LOSS_COMBINATIONS": ti.LOSS_COMBINATIONS,
+    "LOSS_NODES": {
+        ti.NLL_LOSS,
+        ti.NLL_LOSS_2D,
+        ti.VIEW,
+        ti.LOG_SOFTMAX,
+        ti.MSE_LOSS,
+        ti.BCE_WITH_LOGITS,
+    },
 }
 
 
@@ -81,6 +90,32 @@ def test_node_names_seen_in_graphs(build, table, name):
     out = build()
     assert name in table
     assert name in _names(out), sorted(_names(out))
+
+
+def test_loss_nodes_and_their_saved_attributes():
+    """What ``recognize`` reads off a functional loss's nodes: the node names, the saved input,
+    target and options, the signed integers (saved unsigned) and the reduction enum."""
+    x, y, w = _x(3, 4), torch.tensor([0, -100, 3]), torch.rand(4, dtype=torch.float64)
+    nll = F.cross_entropy(x, y, weight=w, reduction="sum").grad_fn
+    log_softmax = nll.next_functions[0][0]
+    assert (type(nll).__name__, type(log_softmax).__name__) == (ti.NLL_LOSS, ti.LOG_SOFTMAX)
+    assert ti.saved(nll, "ignore_index") == -100 and ti.saved(log_softmax, "dim") == 1
+    assert ti.REDUCTIONS[ti.saved(nll, "reduction")] == "sum"
+    assert ti.saved(nll, "target") is y and ti.saved(nll, "weight") is w
+    assert ti.saved(nll, "self").grad_fn is log_softmax
+    assert ti.saved(F.log_softmax(x, -1).grad_fn, "dim") == -1
+    nll_2d = F.cross_entropy(_x(2, 4, 3), torch.zeros(2, 3, dtype=torch.long)).grad_fn
+    view = nll_2d.next_functions[0][0]
+    assert (type(nll_2d).__name__, type(view).__name__) == (ti.NLL_LOSS_2D, ti.VIEW)
+    assert type(view.next_functions[0][0]).__name__ == ti.LOG_SOFTMAX
+    target = torch.rand(3, 4, dtype=torch.float64)
+    mse = F.mse_loss(x, target).grad_fn
+    assert type(mse).__name__ == ti.MSE_LOSS and ti.saved(mse, "self") is x
+    assert ti.REDUCTIONS[ti.saved(mse, "reduction")] == "mean"
+    bce = F.binary_cross_entropy_with_logits(x, target, pos_weight=w, reduction="none").grad_fn
+    assert type(bce).__name__ == ti.BCE_WITH_LOGITS and ti.saved(bce, "pos_weight") is w
+    assert ti.saved(bce, "weight") is None and ti.saved(bce, "target") is target
+    assert ti.REDUCTIONS[ti.saved(bce, "reduction")] == "none"
 
 
 def test_python_node_names():
