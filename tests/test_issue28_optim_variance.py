@@ -16,6 +16,7 @@ from torch import nn
 import curvopt
 from curvopt.optim import VarianceAdaptedSGD
 from conftest import DT, per_sample_grads_loop
+from test_optim_defaults import _digits, _digits_cnn
 
 LR, BETA, WEIGHT_DECAY = 0.3, 0.9, 0.01
 
@@ -120,28 +121,6 @@ def test_missing_variance_error_suggests_no_option_the_constructor_rejects():
     with pytest.raises(RuntimeError, match="curvopt.extend") as error:
         opt.step()
     assert "fallback" not in str(error.value)
-
-
-def _digits():
-    datasets = pytest.importorskip("sklearn.datasets")
-    X, y = datasets.load_digits(return_X_y=True)
-    return torch.tensor(X, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16, torch.tensor(y)
-
-
-def _digits_cnn():
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(128, 64),
-        nn.ReLU(),
-        nn.Linear(64, 10),
-    )
 
 
 def test_the_documented_lr_trains_the_digits_cnn():
