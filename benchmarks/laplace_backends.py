@@ -18,10 +18,8 @@ import argparse
 import copy
 import time
 import warnings
-from collections import UserDict
 
 import torch
-import torch.nn.functional as F
 from laplace import Laplace
 from laplace.curvature import (
     AsdlEF,
@@ -32,9 +30,10 @@ from laplace.curvature import (
     CurvlinopsGGN,
 )
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from curvopt.laplace import CurvoptEF, CurvoptGGN
+from fixtures.laplace_models import DictBatches, GPT2Classifier, Transformer, collate
 
 VOCAB, LENGTH, WIDTH, CLASSES, N = 16, 8, 16, 4, 64
 
@@ -44,66 +43,6 @@ BACKENDS = {
     "curvlinops": (CurvlinopsGGN, CurvlinopsEF),
     "asdl": (AsdlGGN, AsdlEF),
 }
-
-
-class Attention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.qkv, self.out = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, h):
-        q, k, v = self.qkv(h).reshape(*h.shape[:2], 3, 2, WIDTH // 2).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(a.transpose(1, 2).reshape(h.shape))
-
-
-class Transformer(nn.Module):
-    """One pre-norm block, mean pooled; ``tied``: the head is the token embedding."""
-
-    def __init__(self, tied=False):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(VOCAB, WIDTH), nn.Embedding(LENGTH, WIDTH)
-        self.norm1, self.norm2, self.attn = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH), Attention()
-        self.mlp = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH))
-        self.head = nn.Linear(WIDTH, VOCAB if tied else CLASSES, bias=not tied)
-        if tied:
-            self.head.weight = self.tok.weight
-
-    def forward(self, idx):
-        h = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-        h = h + self.attn(self.norm1(h))
-        return self.head((h + self.mlp(self.norm2(h))).mean(1))
-
-
-class GPT2Classifier(nn.Module):
-    def __init__(self):
-        super().__init__()
-        import transformers
-
-        config = transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=LENGTH, n_embd=WIDTH, n_layer=1, n_head=2,
-            n_inner=WIDTH, num_labels=CLASSES, pad_token_id=0, bos_token_id=1, eos_token_id=1,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        )  # fmt: skip
-        self.hf = transformers.GPT2ForSequenceClassification(config)
-
-    def forward(self, data):
-        return self.hf(input_ids=data["input_ids"], attention_mask=data["attention_mask"]).logits
-
-
-class Dicts(Dataset):
-    def __init__(self, ids, mask, labels):
-        self.ids, self.mask, self.labels = ids, mask, labels
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
-
-
-def collate(items):
-    return UserDict({k: torch.stack([item[k] for item in items]) for k in items[0]})
 
 
 def problem(name: str, batch: int):
@@ -122,10 +61,11 @@ def problem(name: str, batch: int):
         labels = torch.randint(0, VOCAB if name == "tied" else CLASSES, (N,))
         if name == "gpt2":
             mask = (torch.arange(LENGTH) < torch.randint(2, LENGTH + 1, (N, 1))).long()
-            model = GPT2Classifier().eval()
-            loader = DataLoader(Dicts(idx * mask, mask, labels), batch, collate_fn=collate)
+            model = GPT2Classifier(VOCAB, LENGTH, WIDTH, CLASSES).eval()
+            loader = DataLoader(DictBatches(idx * mask, mask, labels), batch, collate_fn=collate)
             return model.double(), loader
-        model, data = Transformer(tied=name == "tied"), TensorDataset(idx, labels)
+        model = Transformer(VOCAB, LENGTH, WIDTH, CLASSES, tied=name == "tied")
+        data = TensorDataset(idx, labels)
     model = model.double()
     data = TensorDataset(*(t.double() if t.is_floating_point() else t for t in data.tensors))
     return model, DataLoader(data, batch_size=batch)

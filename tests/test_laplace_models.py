@@ -13,14 +13,13 @@ it; ``kron``'s blocks of one-dimensional parameters (exact blocks) equal those o
 """
 
 import copy
-from collections import UserDict
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import DT
+from fixtures.laplace_models import DictBatches, GPT2Classifier, Transformer, collate
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 pytest.importorskip("laplace")
 from laplace import Laplace  # noqa: E402
@@ -36,69 +35,6 @@ pytestmark = [
 VOCAB, LENGTH, WIDTH, CLASSES, N = 10, 5, 8, 3, 12
 
 
-class _Attention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.qkv, self.out = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, h):
-        q, k, v = self.qkv(h).reshape(*h.shape[:2], 3, 2, WIDTH // 2).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(a.transpose(1, 2).reshape(h.shape))
-
-
-class Transformer(nn.Module):
-    """Pre-norm block, mean-pooled; ``tied``: the head is the token embedding (``C = V``)."""
-
-    def __init__(self, tied=False):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(VOCAB, WIDTH), nn.Embedding(LENGTH, WIDTH)
-        self.norm1, self.norm2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.attn = _Attention()
-        self.mlp = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH))
-        self.head = nn.Linear(WIDTH, VOCAB if tied else CLASSES, bias=not tied)
-        if tied:
-            self.head.weight = self.tok.weight
-
-    def forward(self, idx):
-        h = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-        h = h + self.attn(self.norm1(h))
-        h = h + self.mlp(self.norm2(h))
-        return self.head(h.mean(1))
-
-
-class GPT2Classifier(nn.Module):
-    """laplace's pattern for Hugging Face models: a module taking the dict batch."""
-
-    def __init__(self):
-        super().__init__()
-        transformers = pytest.importorskip("transformers")
-        config = transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=LENGTH, n_embd=WIDTH, n_layer=1, n_head=2,
-            n_inner=WIDTH, num_labels=CLASSES, pad_token_id=0, bos_token_id=1, eos_token_id=1,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        )  # fmt: skip
-        self.hf = transformers.GPT2ForSequenceClassification(config)
-
-    def forward(self, data):
-        return self.hf(input_ids=data["input_ids"], attention_mask=data["attention_mask"]).logits
-
-
-class _Dicts(Dataset):
-    def __init__(self, ids, mask, labels):
-        self.ids, self.mask, self.labels = ids, mask, labels
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
-
-
-def _collate(items):
-    return UserDict({k: torch.stack([item[k] for item in items]) for k in items[0]})
-
-
 def _problem(name):
     """``(model, loader, test_batch)``."""
     torch.manual_seed(0)
@@ -108,10 +44,11 @@ def _problem(name):
         mask = (torch.arange(LENGTH) < lengths[:, None]).long()
         idx = idx * mask  # pad id 0 after each sequence
         labels = torch.randint(0, CLASSES, (N + 4,))
-        data = _Dicts(idx[:N], mask[:N], labels[:N])
-        test = _collate([_Dicts(idx, mask, labels)[i] for i in range(N, N + 4)])
-        return GPT2Classifier().to(DT).eval(), DataLoader(data, 5, collate_fn=_collate), test
-    model = Transformer(tied=name == "tied").to(DT)
+        data = DictBatches(idx[:N], mask[:N], labels[:N])
+        test = collate([DictBatches(idx, mask, labels)[i] for i in range(N, N + 4)])
+        model = GPT2Classifier(VOCAB, LENGTH, WIDTH, CLASSES).to(DT).eval()
+        return model, DataLoader(data, 5, collate_fn=collate), test
+    model = Transformer(VOCAB, LENGTH, WIDTH, CLASSES, tied=name == "tied").to(DT)
     labels = torch.randint(0, VOCAB if name == "tied" else CLASSES, (N + 4,))
     if name == "regression":
         labels = torch.randn(N + 4, CLASSES, dtype=DT)
