@@ -392,3 +392,21 @@ def nearest_kronecker_dense(matrix: torch.Tensor, a: int, b: int) -> torch.Tenso
     r = matrix.reshape(a, b, a, b).permute(0, 2, 1, 3).reshape(a * a, b * b)
     u, s, vh = torch.linalg.svd(r)
     return torch.kron((u[:, 0] * s[0]).reshape(a, a), vh[0].reshape(b, b))
+
+
+def scaled_step(opt, loss, scaler=None, unscale=False, clip=None, params=()):
+    """One optimizer step as an AMP loop takes it: ``loss`` (scaled by ``scaler``) backpropagated
+    inside ``opt.collect()``, then ``scaler.unscale_(opt)`` (``unscale``) and gradient clipping
+    of ``params`` to ``clip`` (its norm returned), then ``opt.step()`` or ``scaler.step(opt);
+    scaler.update()``."""
+    with opt.collect():
+        (loss if scaler is None else scaler.scale(loss)).backward()
+    if scaler is not None and unscale:
+        scaler.unscale_(opt)
+    norm = None if clip is None else float(nn.utils.clip_grad_norm_(params, clip))
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.step(opt)
+        scaler.update()
+    return norm

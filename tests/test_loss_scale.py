@@ -15,6 +15,7 @@ from torch import nn
 import curvopt
 from curvopt.optim import EKFAC, KFAC, DiagGGNNewton, VarianceAdaptedSGD
 from curvopt.optim.loss_scale import stepping_scaler
+from conftest import scaled_step
 
 DT = torch.float64
 
@@ -47,18 +48,11 @@ def _trained(name, scaler, unscale=False, clip=None, weight=1.0, steps=4):
     for step in range(steps):
         opt.zero_grad()
         torch.manual_seed(10 + step)
-        loss = weight * lossfunc(model(X), y)
-        with opt.collect():
-            (loss if scaler is None else scaler.scale(loss)).backward()
-        if scaler is not None and unscale:
-            scaler.unscale_(opt)
-        if clip is not None:
-            norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        if scaler is None:
-            opt.step()
-        else:
-            scaler.step(opt)
-            scaler.update()
+        norm = scaled_step(
+            opt, weight * lossfunc(model(X), y), scaler, unscale, clip, model.parameters()
+        )
+        if norm is not None:
+            norms.append(norm)
     if scaler is not None:
         assert scaler.get_scale() == 16 * 2**steps  # the scale changed at every step
     return torch.cat([p.detach().flatten() for p in model.parameters()]), norms

@@ -14,6 +14,7 @@ from torch import nn
 
 import curvopt
 from curvopt.optim import EKFAC, KFAC, DiagGGNNewton, LowRankInverse, VarianceAdaptedSGD
+from conftest import scaled_step
 
 OPTIMIZERS = {
     "KFAC": lambda ps: KFAC(ps, lr=0.1, damping=1e-2),
@@ -45,14 +46,7 @@ def _run(name, scaler, steps=3):
     for step in range(steps):
         opt.zero_grad()
         torch.manual_seed(10 + step)
-        loss = lossfunc(model(x), y)
-        with opt.collect():
-            (loss if scaler is None else scaler.scale(loss)).backward()
-        if scaler is None:
-            opt.step()
-        else:
-            scaler.step(opt)
-            scaler.update()
+        scaled_step(opt, lossfunc(model(x), y), scaler)
     return torch.cat([p.detach().flatten() for p in model.parameters()]), opt
 
 

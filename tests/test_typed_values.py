@@ -19,6 +19,7 @@ from curvopt import extensions as ext
 from curvopt.optim import EKFAC, KFAC, DiagGGNNewton
 from curvopt.optim.distributed.common import leaves, rebuild
 from curvopt.values import EigenCorrected, KroneckerFactors, unscaled
+from conftest import scaled_step
 
 
 def _has_factors(kind) -> bool:
@@ -49,14 +50,7 @@ def _trained(kind, make, scaler, steps=4):
     for step in range(steps):
         opt.zero_grad()
         torch.manual_seed(10 + step)
-        loss = lossfunc(model(X), y)
-        with opt.collect():
-            (loss if scaler is None else scaler.scale(loss)).backward()
-        if scaler is None:
-            opt.step()
-        else:
-            scaler.step(opt)
-            scaler.update()
+        scaled_step(opt, lossfunc(model(X), y), scaler)
     if scaler is not None:
         assert scaler.get_scale() == 16 * 2**steps  # the scale changed at every step
     return torch.cat([p.detach().flatten() for p in model.parameters()])
