@@ -31,12 +31,12 @@ import torch.nn.functional as F
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.checks import PROJECTED_FACTOR, draw_probes, mismatch, project, projection_pays
+from curvopt.engine.checks import PROJECTED_FACTOR, draw_probes, mismatch, project, projection_pays
 from curvopt.layers.conv import ConvRule
 from curvopt.layers.embedding import EmbeddingRule
 from curvopt.layers.linear import LinearRule
 from curvopt.layers.registry import LayerRule, rule_for
-from curvopt.records import Call
+from curvopt.engine.records import Call
 from curvopt.layers.transposed_linear import TransposedLinearRule
 from experiments.problems import cifar10_3c3d, fmnist_2c2d
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 import warnings
 from typing import Dict, Optional, Tuple
 
-from curvopt import unextended
-from curvopt.accumulate import Accumulator
-from curvopt.backward import BackwardPass
+from curvopt.engine import unextended
+from curvopt.engine.accumulate import Accumulator
+from curvopt.engine.backward import BackwardPass
 from curvopt.errors import ExtensionConflictError
 from curvopt.extensions.base import Extension
-from curvopt.state import STATE
-from curvopt.torch_internals import current_graph_task_id
+from curvopt.engine.state import STATE
+from curvopt.engine.torch_internals import current_graph_task_id
 
 
 class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...):``)

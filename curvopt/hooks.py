@@ -14,10 +14,10 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from curvopt.layers import rule_for
-from curvopt.params import EXTENDED, owned, owned_parameters
-from curvopt.recognize import returned_loss, watch
-from curvopt.records import LossRecord, Record, anchor, mark_extended_loss, output_tensors
-from curvopt.state import STATE
+from curvopt.engine.params import EXTENDED, owned, owned_parameters
+from curvopt.engine.recognize import returned_loss, watch
+from curvopt.engine.records import LossRecord, Record, anchor, mark_extended_loss, output_tensors
+from curvopt.engine.state import STATE
 
 __all__ = ["extend", "is_extended", "Record"]
 

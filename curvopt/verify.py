@@ -26,12 +26,12 @@ from typing import Callable, Dict, Sequence
 import torch
 from torch.func import functional_call, hessian, jacrev
 
-from curvopt import inputs as io
+from curvopt.engine import inputs as io
 from curvopt.collect import collect
 from curvopt.errors import CurvoptError, UnsupportedModuleError
 from curvopt.extensions.base import Extension
 from curvopt.extensions.quantity import Producer
-from curvopt.state import STATE
+from curvopt.engine.state import STATE
 
 _DIAGONALS = (Producer.GGN_DIAGONAL, Producer.HESSIAN_DIAGONAL)
 
@@ -67,7 +67,7 @@ def verify(
     (``model(**X)``, Hugging Face style; tensors with ``N`` entries along ``batch_dim`` are split
     into samples, others shared). ``output`` picks the tensor ``loss_of`` takes from the model's
     output (default: the output itself, or the ``.logits`` of a ``ModelOutput``; a name or a
-    callable otherwise, see :mod:`curvopt.inputs`). Raises :class:`VerificationError` when an
+    callable otherwise, see :mod:`curvopt.engine.inputs`). Raises :class:`VerificationError` when an
     error exceeds ``rtol`` (default: ``1e-6`` in float64, ``1e-3`` otherwise). Parameters and
     ``.grad`` are left as they were; the checked attributes are written as by ``collect``.
     """

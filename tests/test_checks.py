@@ -13,7 +13,7 @@ import torch
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.checks import Checks, mismatch, roundoff
+from curvopt.engine.checks import Checks, mismatch, roundoff
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers.linear import LinearRule
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-import curvopt.curvature
-import curvopt.diagonals
-import curvopt.reducer
+import curvopt.engine.curvature
+import curvopt.engine.diagonals
+import curvopt.engine.reducer
 from curvopt import extensions as ext
 from tests.conftest import (
     assert_close,
@@ -33,8 +33,8 @@ def _cnn():
 
 @pytest.mark.parametrize("budget", [1, 50, 10**9])
 def test_second_order_budget(monkeypatch, budget, seed):
-    monkeypatch.setattr(curvopt.diagonals, "_GRAD_BUDGET", budget)
-    monkeypatch.setattr(curvopt.curvature, "_COLUMN_BUDGET", max(budget, 1))
+    monkeypatch.setattr(curvopt.engine.diagonals, "_GRAD_BUDGET", budget)
+    monkeypatch.setattr(curvopt.engine.curvature, "_COLUMN_BUDGET", max(budget, 1))
     plain = _cnn()
     x, y = torch.randn(5, 2, 6, 6, dtype=DT), torch.randint(0, 3, (5,))
     lossfunc = nn.CrossEntropyLoss()
@@ -55,7 +55,7 @@ def test_second_order_budget(monkeypatch, budget, seed):
 
 @pytest.mark.parametrize("budget", [1, 100, 1 << 21])
 def test_first_order_chunks(monkeypatch, budget, seed):
-    monkeypatch.setattr(curvopt.reducer, "_CHUNK_ELEMENTS", budget)
+    monkeypatch.setattr(curvopt.engine.reducer, "_CHUNK_ELEMENTS", budget)
     plain = _cnn()
     x, y = torch.randn(5, 2, 6, 6, dtype=DT), torch.randint(0, 3, (5,))
     lossfunc = nn.CrossEntropyLoss(reduction="sum")

@@ -1,6 +1,6 @@
 """Exact curvature of language models from ``d`` columns per loss row below the head
-(``curvopt.compress``): the quantities equal torch.func references in float64 where the columns
-are compressed (asserted by counting the columns propagated below the head's input), and
+(``curvopt.engine.compress``): the quantities equal torch.func references in float64 where
+the columns are compressed (asserted by counting the columns propagated below the head's input), and
 where they must not be (``V <= d``, a path around the head's input, mixing above it)."""
 
 import collections
@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt import compress, propagate
+from curvopt.engine import compress, propagate
 from fixtures import zoo
 
 N, T, D = 3, 4, 8

@@ -18,7 +18,7 @@ from curvopt import extensions as ext
 from fixtures import zoo
 from curvopt.errors import AccumulationError, UnsupportedKroneckerError, UnsupportedLossError
 from curvopt.layers.linear import LinearRule
-from curvopt.psd import psd_eigh
+from curvopt.engine.psd import psd_eigh
 from conftest import Conv1D
 
 DT = torch.float64
@@ -260,7 +260,7 @@ def test_supplied_bases_give_s_in_that_basis_without_any_factors(name, reduction
     def no_factors(*args, **kwargs):
         raise AssertionError("supplied bases need no Kronecker factors")
 
-    monkeypatch.setattr("curvopt.curvature.kron_factors", no_factors)
+    monkeypatch.setattr("curvopt.engine.curvature.kron_factors", no_factors)
     _collect(model, lossfunc, layout, x, y, ext.EKFAC(bases=bases))
     scale = _divisor(reduction, y)
     for k, p in model.named_parameters():

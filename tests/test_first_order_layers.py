@@ -539,9 +539,9 @@ def test_every_attribute_alone(seed):
 
 def test_chunked_reduction(monkeypatch, seed):
     """Reduced quantities without a fast path are computed in chunks of samples."""
-    import curvopt.reducer
+    import curvopt.engine.reducer
 
-    monkeypatch.setattr(curvopt.reducer, "_CHUNK_ELEMENTS", 50)
+    monkeypatch.setattr(curvopt.engine.reducer, "_CHUNK_ELEMENTS", 50)
     plain = nn.Sequential(nn.Conv2d(2, 3, 3, groups=1), nn.Flatten(), nn.Linear(6, 2)).to(DT)
     x = torch.randn(7, 2, 4, 3, dtype=DT)
     check_against_loop(
@@ -722,11 +722,11 @@ def test_multihead_attention_per_sample_3d_mask(batch_first, seed):
 def test_generic_reductions_in_chunks(case, monkeypatch, seed):
     """Reduced quantities of generic modules are computed chunk by chunk of samples, split with
     the rule's knowledge of which inputs are per-sample (masks included)."""
-    import curvopt.reducer
+    import curvopt.engine.reducer
     import curvopt.layers.generic
 
     monkeypatch.setattr(curvopt.layers.generic, "_CHUNK_ELEMENTS", 40)
-    monkeypatch.setattr(curvopt.reducer, "_CHUNK_ELEMENTS", 40)
+    monkeypatch.setattr(curvopt.engine.reducer, "_CHUNK_ELEMENTS", 40)
     reduced = [("batch_l2", "sum_grad_squared", "variance"), ("variance",)]
     n = 4
     if case == "mha-seq-first-masked":

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt import graph_plan, rows
+from curvopt.engine import graph_plan, rows
 from fixtures import zoo
 
 N = 5
@@ -125,7 +125,7 @@ def test_no_other_module_reads_next_functions():
     }
     assert not readers, readers
     # checkpointing reads the graph only where the walk did not (its ``_next``)
-    text = (root / "checkpointing.py").read_text()
+    text = (root / "engine" / "checkpointing.py").read_text()
     assert text.count(".next_functions") == 1
 
 

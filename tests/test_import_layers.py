@@ -232,7 +232,10 @@ def test_nothing_loads_a_module_by_path():
 
 
 def _layer(module: str):
-    part = module.split(".")[1] if module.count(".") else None
+    parts = module.split(".")[1:]
+    if parts[:1] == ["engine"]:
+        parts = parts[1:]  # the engine's modules keep their layers inside its package
+    part = parts[0] if parts else None
     for level, members in enumerate(LAYERS):
         if part in members:
             return level
@@ -252,13 +255,42 @@ def test_core_layers_point_down(graph):
 
 def test_every_core_module_has_a_layer():
     missing = [
-        path.stem
-        for path in (ROOT / "curvopt").glob("*.py")
-        if path.stem != "__init__" and _layer(f"curvopt.{path.stem}") is None
+        f"{package}.{path.stem}"
+        for package in ("curvopt", "curvopt.engine")
+        for path in (ROOT / package.replace(".", "/")).glob("*.py")
+        if path.stem != "__init__" and _layer(f"{package}.{path.stem}") is None
     ]
     dirs = [
         p.name
         for p in (ROOT / "curvopt").iterdir()
-        if p.is_dir() and (p / "__init__.py").exists() and _layer(f"curvopt.{p.name}") is None
+        if p.is_dir()
+        and p.name != "engine"
+        and (p / "__init__.py").exists()
+        and _layer(f"curvopt.{p.name}") is None
     ]
     assert not missing + dirs, missing + dirs
+
+
+#: what the top level of ``curvopt`` holds: the public API; the engine has its own package
+PUBLIC_TOP_LEVEL = {
+    "collect",
+    "errors",
+    "extensions",
+    "hooks",
+    "laplace",
+    "layers",
+    "linalg",
+    "losses",
+    "optim",
+    "verify",
+    "engine",
+}
+
+
+def test_the_top_level_holds_the_public_api_only():
+    top = {
+        p.stem if p.suffix == ".py" else p.name
+        for p in (ROOT / "curvopt").iterdir()
+        if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()
+    }
+    assert top == PUBLIC_TOP_LEVEL, sorted(top ^ PUBLIC_TOP_LEVEL)

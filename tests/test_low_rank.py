@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import curvopt
-import curvopt.curvature
+import curvopt.engine.curvature
 from curvopt import extensions as ext
 from curvopt.optim import KFAC
 from curvopt.optim.kronecker import (
@@ -22,7 +22,7 @@ from curvopt.optim.kronecker import (
     trace_norm_pi,
     trace_norm_solvers,
 )
-from curvopt.reductions import gram, gram_add_, gram_root
+from curvopt.engine.reductions import gram, gram_add_, gram_root
 
 DT = torch.float64
 
@@ -125,7 +125,7 @@ def _mlp(batch, seed=0):
 def test_engine_factors_carry_roots_that_reproduce_them(quantity, budget, monkeypatch):
     """Also when the columns come in several chunks (the output factor adds them up)."""
     if budget is not None:
-        monkeypatch.setattr(curvopt.curvature, "_COLUMN_BUDGET", budget)
+        monkeypatch.setattr(curvopt.engine.curvature, "_COLUMN_BUDGET", budget)
     model, lossfunc, x, y = _mlp(batch=3)
     with curvopt.collect(quantity()):
         lossfunc(model(x), y).backward()

@@ -24,19 +24,19 @@ from torch import nn
 from torch.func import functional_call, grad
 
 import curvopt
-import curvopt.checks
+import curvopt.engine.checks
 from curvopt import extensions as ext
-from curvopt.checks import PROBES, Checks, draw_probes
+from curvopt.engine.checks import PROBES, Checks, draw_probes
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers import rule_for
 from curvopt.layers.linear import LinearRule
-from curvopt.records import Call, Record
+from curvopt.engine.records import Call, Record
 
 
 @pytest.fixture(autouse=True)
 def always_projected(monkeypatch):
     """The small layers here are checked through probes too (by cost, in full)."""
-    monkeypatch.setattr(curvopt.checks, "projection_pays", lambda p: True)
+    monkeypatch.setattr(curvopt.engine.checks, "projection_pays", lambda p: True)
 
 
 # ------------------------------------------------------------------ the rules, against brute force

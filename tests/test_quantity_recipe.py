@@ -11,7 +11,7 @@ from torch import nn
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.accumulate import Accumulator
+from curvopt.engine.accumulate import Accumulator
 from curvopt.extensions import Combine, Extension, Kind, Producer, Quantity
 
 
@@ -138,7 +138,7 @@ def test_optimizers_collect_the_extensions_their_curvature_names():
 
 
 def test_every_combine_rule_is_implemented_and_every_shipped_quantity_declared():
-    from curvopt.accumulate import _COMBINE
+    from curvopt.engine.accumulate import _COMBINE
     from curvopt.extensions.firstorder import FIRST_ORDER
     from curvopt.extensions.secondorder import SECOND_ORDER
 

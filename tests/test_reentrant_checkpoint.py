@@ -1,7 +1,7 @@
 """``torch.utils.checkpoint(..., use_reentrant=True)`` (issue 21, item 2): curvature through the
-segments curvopt re-runs (``curvopt.checkpointing``), in float64, equal to the same model without
-checkpoints (curvopt) and to torch.func references; the cases it cannot do raise naming the fix,
-with nothing written.
+segments curvopt re-runs (``curvopt.engine.checkpointing``), in float64, equal to the same
+model without checkpoints (curvopt) and to torch.func references; the cases it cannot do raise
+naming the fix, with nothing written.
 
 Each model runs its blocks through ``checkpoint`` or, with ``mode=None``, directly (the
 reference: torch.func refuses checkpoints). The dropout and MC cases draw the same random
@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import curvopt
-from curvopt import checkpointing
+from curvopt.engine import checkpointing
 from curvopt import extensions as ext
 from curvopt.errors import UnsupportedModuleError
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt import rows
+from curvopt.engine import rows
 from curvopt.errors import UnsupportedModuleError
 
 DT = torch.float64

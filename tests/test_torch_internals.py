@@ -1,13 +1,14 @@
 """Every autograd node name and private accessor curvopt relies on still exists in the installed
-torch (``curvopt/torch_internals.py``): the names are node classes of torch and the nodes that
-small graphs create; the accessors answer as documented inside and outside a backward pass."""
+torch (``curvopt/engine/torch_internals.py``): the names are node classes of torch and the
+nodes that small graphs create; the accessors answer as documented inside and outside a backward
+pass."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from curvopt import torch_internals as ti
+from curvopt.engine import torch_internals as ti
 
 #: the tables of node names generated from torch's derivatives (``torch._C._functions``)
 GENERATED = {

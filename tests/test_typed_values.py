@@ -1,4 +1,5 @@
-"""Typed values (``curvopt.values``): what the optimizers read instead of names and positions.
+"""Typed values (``curvopt.engine.values``): what the optimizers read instead of names and
+positions.
 
 Under ``torch.amp.GradScaler`` with a scale that changes every step and ``curvature_ema``, the
 optimizer averages curvature of passes with different scales, so each value must be unscaled
@@ -18,7 +19,7 @@ import curvopt
 from curvopt import extensions as ext
 from curvopt.optim import EKFAC, KFAC, DiagGGNNewton
 from curvopt.optim.distributed.common import leaves, rebuild
-from curvopt.values import EigenCorrected, KroneckerFactors, unscaled
+from curvopt.engine.values import EigenCorrected, KroneckerFactors, unscaled
 from conftest import scaled_step
 
 

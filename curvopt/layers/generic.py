@@ -24,10 +24,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers.registry import LayerRule, register, register_fallback
-from curvopt.params import owned_parameters
-from curvopt.records import output_tensors
-from curvopt.reductions import squared_norms, sum_of_squares
-from curvopt.state import STATE
+from curvopt.engine.params import owned_parameters
+from curvopt.engine.records import output_tensors
+from curvopt.engine.reductions import squared_norms, sum_of_squares
+from curvopt.engine.state import STATE
 
 #: elements of per-sample gradients held at once when only reduced quantities are wanted
 _CHUNK_ELEMENTS = 1 << 21

@@ -26,7 +26,7 @@ import torch
 
 from curvopt.errors import UnsupportedKroneckerError, module_error
 from curvopt.layers.registry import rule_for
-from curvopt.reductions import block_gram, gram
+from curvopt.engine.reductions import block_gram, gram
 
 
 def input_factor(x, approx):

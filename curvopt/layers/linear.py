@@ -21,7 +21,7 @@ from torch import nn
 from curvopt.layers.eigenbasis import eigen_moment
 from curvopt.layers.kron import linear_like
 from curvopt.layers.registry import LayerRule, register
-from curvopt.reductions import sum_of_squares
+from curvopt.engine.reductions import sum_of_squares
 
 
 def _flat(call):

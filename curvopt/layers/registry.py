@@ -109,12 +109,12 @@ def rule_for(module: nn.Module) -> "LayerRule":
 class LayerRule:
     """Per-module rule for first-order quantities.
 
-    Every method receives a :class:`curvopt.records.Call`: the module, the positional and keyword
-    inputs it was called with (``call.args``, ``call.kwargs``) and the gradient of the loss w.r.t.
-    its output (``call.grad_out``; a tuple for modules with several outputs), and the parameter
-    name (``"weight"``, ``"bias"``, ...). Per-sample results have the batch dimension first:
-    ``[N, *p.shape]``; ``out``, when given, is a buffer of that shape to write into (a rule
-    whose fastest kernel allocates its own result may return that instead).
+    Every method receives a :class:`curvopt.engine.records.Call`: the module, the positional
+    and keyword inputs it was called with (``call.args``, ``call.kwargs``) and the gradient of
+    the loss w.r.t. its output (``call.grad_out``; a tuple for modules with several outputs),
+    and the parameter name (``"weight"``, ``"bias"``, ...). Per-sample results have the batch
+    dimension first: ``[N, *p.shape]``; ``out``, when given, is a buffer of that shape to write
+    into (a rule whose fastest kernel allocates its own result may return that instead).
 
     Only :meth:`batch_grad` is required. The others are optional fast paths that avoid
     materialising ``[N, *p.shape]``; returning ``None`` means "derive it from batch_grad".

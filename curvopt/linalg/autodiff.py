@@ -24,9 +24,9 @@ from torch import nn
 from torch.func import functional_call, grad, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from curvopt import inputs as io
+from curvopt.engine import inputs as io
 from curvopt.errors import UnsupportedModuleError
-from curvopt.state import STATE
+from curvopt.engine.state import STATE
 
 Tensors = Sequence[torch.Tensor]
 
@@ -65,7 +65,7 @@ def _raised_inside_checkpoint(error: BaseException) -> bool:
 
 
 def model_function(model: nn.Module, names: Sequence[str], inputs, output=None) -> Callable:
-    """``θ ↦ model(inputs)`` (the tensor ``output`` selects, :mod:`curvopt.inputs`) with the
+    """``θ ↦ model(inputs)`` (the tensor ``output`` selects, :mod:`curvopt.engine.inputs`) with the
     parameters ``names`` replaced by ``θ`` (a tuple)."""
     args, kwargs = io.split(inputs)
 

@@ -13,12 +13,12 @@ from collections.abc import Iterator
 
 import torch
 
-from curvopt import inputs as io
+from curvopt.engine import inputs as io
 from curvopt.collect import collect
 from curvopt.errors import UnsupportedModuleError
 from curvopt.extensions.base import Extension
 from curvopt.linalg.base import CurvatureOperator
-from curvopt.values import read
+from curvopt.engine.values import read
 
 _MISSING = object()
 

@@ -7,7 +7,7 @@ state untouched. Per-parameter state is replaced, never modified in place, so a
 
 With ``torch.amp.GradScaler`` (``scaler.step(opt)``, also after ``scaler.unscale_(opt)`` and
 gradient clipping) the quantities and ``p.grad`` are divided by the loss scale where they carry
-it (:mod:`curvopt.optim.loss_scale`, ``curvopt.values.unscaled``), so the steps are those
+it (:mod:`curvopt.optim.loss_scale`, ``curvopt.engine.values.unscaled``), so the steps are those
 without scaling; ``p.grad`` itself is left as it is. A step whose gradients overflowed
 (``inf`` or NaN, as the scaler found) is skipped, as ``torch.optim`` optimizers are skipped by
 the scaler.
@@ -29,9 +29,11 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch.optim import Optimizer
 
-from curvopt import extensions, values
+from curvopt import extensions
+
+from curvopt.engine import values
 from curvopt.collect import collect
-from curvopt.collection import Collection
+from curvopt.engine.collection import Collection
 from curvopt.optim import distributed
 from curvopt.optim.loss_scale import NONE, LossScale, loss_scale
 from curvopt.optim.options import CurvatureOptions, constructor
@@ -106,9 +108,10 @@ class CurvatureOptimizer(Optimizer):
         self._arm(collection)
 
     # ----------------------------------------------------------------- the armed collection
-    # ``collection="auto"`` (default): the optimizer owns a ``curvopt.collection.Collection``,
-    # armed from construction, that collects ``_requests()`` on every backward pass reaching
-    # its parameters; the window it combines ends at ``step()`` and ``zero_grad()``.
+    # ``collection="auto"`` (default): the optimizer owns a
+    # ``curvopt.engine.collection.Collection``, armed from construction, that collects
+    # ``_requests()`` on every backward pass reaching its parameters; the window it combines ends at
+    # ``step()`` and ``zero_grad()``.
     # ``"explicit"`` (and under ``torch.distributed``): only ``opt.collect()`` and
     # ``opt.step(closure)`` collect, as ``curvopt.collect`` blocks.
     def _arm(self, mode: str) -> None:
@@ -200,7 +203,7 @@ class CurvatureOptimizer(Optimizer):
         return stale and not bool(param.grad.any())
 
     def _read(self, update: ParamUpdate, attr: str, extension: str, fallback: str | None) -> Any:
-        """``update.param.<attr>`` as its typed value (``curvopt.values``), averaged over the
+        """``update.param.<attr>`` as its typed value (``curvopt.engine.values``), averaged over the
         ranks and unscaled, or ``None`` when it is missing and a ``fallback`` is set; the object
         read is recorded in ``update.consumed``.
 

@@ -18,7 +18,7 @@ as well there; an Adam-style ``d = g / (√v̂ + ε)`` stalled or diverged at KF
 from __future__ import annotations
 
 
-from curvopt import values
+from curvopt.engine import values
 from curvopt.optim.diagonal import diag_precondition
 
 

@@ -29,9 +29,9 @@ import torch
 
 from curvopt.layers import rule_for
 from curvopt.optim.kronecker import solver_flops
-from curvopt.params import owners
-from curvopt.records import Call
-from curvopt.state import STATE
+from curvopt.engine.params import owners
+from curvopt.engine.records import Call
+from curvopt.engine.state import STATE
 
 Factors = Tuple[torch.Tensor, torch.Tensor]
 

@@ -38,8 +38,8 @@ from curvopt.optim.linalg import (
     psd_eigh,
     working_dtype,
 )
-from curvopt.reductions import gram_root
-from curvopt.values import rescaled
+from curvopt.engine.reductions import gram_root
+from curvopt.engine.values import rescaled
 
 Factors = Sequence[torch.Tensor]
 

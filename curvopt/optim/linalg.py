@@ -5,8 +5,8 @@
   fails in lower precision.
 * :func:`cholesky_solve_right` -- ``X M⁻¹`` from ``L`` by two triangular solves.
 * :func:`cholesky_inverse` -- ``M⁻¹`` through ``M = L Lᵀ``.
-* :func:`psd_eigh` -- ``M = Q diag(s) Qᵀ`` with eigenvalues clipped at 0 (from ``curvopt.psd``,
-  where the engine's ``EKFAC`` eigenbases use it too).
+* :func:`psd_eigh` -- ``M = Q diag(s) Qᵀ`` with eigenvalues clipped at 0 (from
+  ``curvopt.engine.psd``, where the engine's ``EKFAC`` eigenbases use it too).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from curvopt.psd import psd_eigh, working_dtype  # re-exported: optim's factorisations
+from curvopt.engine.psd import psd_eigh, working_dtype  # re-exported: optim's factorisations
 
 __all__ = [
     "working_dtype",

@@ -46,7 +46,9 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from curvopt import extensions, values
+from curvopt import extensions
+
+from curvopt.engine import values
 from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, ParamUpdate
 from curvopt.optim.plan import number
 from curvopt.optim.damping import as_damping, reduction_ratio

@@ -15,7 +15,7 @@ from typing import Union
 
 import torch
 
-from curvopt.reductions import gram_root
+from curvopt.engine.reductions import gram_root
 
 Curvature = Union[torch.Tensor, list[torch.Tensor]]
 

@@ -31,9 +31,9 @@ from typing import Optional
 import torch
 from torch.autograd.graph import GradientEdge
 
-from curvopt.checkpointing import reach
-from curvopt.params import trainable
-from curvopt.torch_internals import NO_BATCHING_RULE
+from curvopt.engine.checkpointing import reach
+from curvopt.engine.params import trainable
+from curvopt.engine.torch_internals import NO_BATCHING_RULE
 
 
 class Cut:

@@ -25,19 +25,19 @@ from functools import partial
 
 import torch
 
-from curvopt.compress import find_cut, squeeze
-from curvopt.diagonals import diag_from_columns, diagonals, module_call
+from curvopt.engine.compress import find_cut, squeeze
+from curvopt.engine.diagonals import diag_from_columns, diagonals, module_call
 from curvopt.errors import UnsupportedKroneckerError, UnsupportedLossError, module_error
 from curvopt.extensions.quantity import Producer
-from curvopt.hessian import residuals
-from curvopt.kfra import kfra
+from curvopt.engine.hessian import residuals
+from curvopt.engine.kfra import kfra
 from curvopt.layers import rule_for
 from curvopt.layers.kron import kron_factors, output_factor_index
 from curvopt.losses import loss_rule_for
-from curvopt.params import trainable
-from curvopt.propagate import loss_gradient, through_cut, to_calls
-from curvopt.results import Factors, Term
-from curvopt.rows import establish
+from curvopt.engine.params import trainable
+from curvopt.engine.propagate import loss_gradient, through_cut, to_calls
+from curvopt.engine.results import Factors, Term
+from curvopt.engine.rows import establish
 
 #: bound on the elements of propagated columns held at once (all module outputs together)
 _COLUMN_BUDGET = 1 << 25

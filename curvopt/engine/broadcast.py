@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch.autograd.graph import GradientEdge
 
-from curvopt.torch_internals import ADD, BROADCASTING_OPS, SHAPE_OPS, add_alpha, input_shape
+from curvopt.engine.torch_internals import ADD, BROADCASTING_OPS, SHAPE_OPS, add_alpha, input_shape
 
 
 class Broadcast:

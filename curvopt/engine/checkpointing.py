@@ -30,8 +30,8 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from curvopt.errors import UnsupportedModuleError
-from curvopt.records import records_on
-from curvopt.torch_internals import ACCUMULATE_GRAD, rerun_checkpoint
+from curvopt.engine.records import records_on
+from curvopt.engine.torch_internals import ACCUMULATE_GRAD, rerun_checkpoint
 
 #: key of the autograd-node metadata holding a checkpoint node's live ``Segment``
 _METADATA = "curvopt_segment"

@@ -51,13 +51,13 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from curvopt.checkpointing import segment_on
+from curvopt.engine.checkpointing import segment_on
 from curvopt.errors import UnsupportedModuleError, module_error
-from curvopt.graph_plan import mark_sums_checked
-from curvopt.reducer import reduce_in_chunks
-from curvopt.reductions import probe_columns
-from curvopt.results import name_of
-from curvopt.torch_internals import ACCUMULATE_GRAD
+from curvopt.engine.graph_plan import mark_sums_checked
+from curvopt.engine.reducer import reduce_in_chunks
+from curvopt.engine.reductions import probe_columns
+from curvopt.engine.results import name_of
+from curvopt.engine.torch_internals import ACCUMULATE_GRAD
 
 _OUTSIDE = (
     "the backpropagated objective has other terms (a regulariser on activations, a loss that "

@@ -25,8 +25,8 @@ from typing import Dict, Optional
 
 import torch
 
-from curvopt.checks import Checks
-from curvopt.curvature import CurvaturePass, check_reduction
+from curvopt.engine.checks import Checks
+from curvopt.engine.curvature import CurvaturePass, check_reduction
 from curvopt.errors import (
     MissingLossError,
     UnsupportedLossError,
@@ -35,13 +35,13 @@ from curvopt.errors import (
 )
 from curvopt.layers import rule_for
 from curvopt.losses import loss_rule_for
-from curvopt.params import shared_parameters, trainable
-from curvopt.graph_plan import Walk, reaches
-from curvopt.reducer import FirstOrderReducer
-from curvopt.records import Call
-from curvopt.results import ResultBuffer
-from curvopt.rows import establish
-from curvopt.torch_internals import (
+from curvopt.engine.params import shared_parameters, trainable
+from curvopt.engine.graph_plan import Walk, reaches
+from curvopt.engine.reducer import FirstOrderReducer
+from curvopt.engine.records import Call
+from curvopt.engine.results import ResultBuffer
+from curvopt.engine.rows import establish
+from curvopt.engine.torch_internals import (
     current_autograd_node,
     current_graph_task_id,
     grad_accumulator,

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from curvopt.errors import GraphReuseError
-from curvopt.state import STATE
-from curvopt.torch_internals import current_graph_task_id
+from curvopt.engine.state import STATE
+from curvopt.engine.torch_internals import current_graph_task_id
 
 #: key of the autograd-node metadata listing the module calls whose output the node produced
 _METADATA = "curvopt"
@@ -72,7 +72,7 @@ class Record:
     ``out_shapes`` are the shapes of the outputs that require grad, ``batch_dim`` the dim of
     the first of them that indexes samples (as the module's rule defines it). ``broadcast`` is
     set by the backward pass for a call without a batch dim whose output is broadcast over the
-    batch (``curvopt.broadcast``).
+    batch (``curvopt.engine.broadcast``).
     """
 
     __slots__ = (

@@ -31,9 +31,9 @@ import torch
 from curvopt.errors import UnsupportedLossError, module_error
 from curvopt.extensions.quantity import Combine, quantity
 from curvopt.layers.kron import nearest_kronecker
-from curvopt.psd import psd_eigh
-from curvopt.reductions import gram_add_
-from curvopt.values import KroneckerFactors, typed
+from curvopt.engine.psd import psd_eigh
+from curvopt.engine.reductions import gram_add_
+from curvopt.engine.values import KroneckerFactors, typed
 
 
 class Term(NamedTuple):

@@ -25,9 +25,9 @@ from torch import nn
 
 from curvopt.errors import UnsupportedModuleError
 from curvopt.hooks import is_extended
-from curvopt.params import EXTENDED
-from curvopt.state import STATE
-from curvopt.torch_internals import (
+from curvopt.engine.params import EXTENDED
+from curvopt.engine.state import STATE
+from curvopt.engine.torch_internals import (
     current_graph_task_id,
     grad_accumulator,
     queue_callback,

@@ -24,18 +24,18 @@ from typing import List, Optional, Tuple
 import torch
 from torch.autograd.graph import GradientEdge
 
-from curvopt.checkpointing import segment_on
+from curvopt.engine.checkpointing import segment_on
 from curvopt.errors import UnsupportedModuleError
-from curvopt.diagonals import diagonals
+from curvopt.engine.diagonals import diagonals
 from curvopt.layers.registry import reparametrization, rule_for
-from curvopt.params import owned
-from curvopt.graph_plan import Walk
-from curvopt.propagate import backpropagate, to_calls
-from curvopt.records import records_on
-from curvopt.results import Term
-from curvopt.rows import establish
-from curvopt.state import STATE
-from curvopt.torch_internals import (
+from curvopt.engine.params import owned
+from curvopt.engine.graph_plan import Walk
+from curvopt.engine.propagate import backpropagate, to_calls
+from curvopt.engine.records import records_on
+from curvopt.engine.results import Term
+from curvopt.engine.rows import establish
+from curvopt.engine.state import STATE
+from curvopt.engine.torch_internals import (
     ACCUMULATE_GRAD,
     BILINEAR_OPS,
     DIVISION,

@@ -12,14 +12,14 @@ import contextlib
 import weakref
 from typing import Callable, Optional, Tuple
 
-from curvopt.accumulate import Accumulator
-from curvopt.backward import BackwardPass
+from curvopt.engine.accumulate import Accumulator
+from curvopt.engine.backward import BackwardPass
 from curvopt.collect import collect, forget, refresh
 from curvopt.errors import AccumulationError, ExtensionConflictError
 from curvopt.extensions.base import Extension
 from curvopt.extensions.quantity import Combine, quantity
-from curvopt.params import EXTENDED, owned
-from curvopt.state import STATE
+from curvopt.engine.params import EXTENDED, owned
+from curvopt.engine.state import STATE
 
 
 class Collection(collect):

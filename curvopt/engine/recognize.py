@@ -41,9 +41,9 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from curvopt.graph_plan import read_down
-from curvopt.records import LossRecord, is_extended_loss, records_on
-from curvopt.torch_internals import (
+from curvopt.engine.graph_plan import read_down
+from curvopt.engine.records import LossRecord, is_extended_loss, records_on
+from curvopt.engine.torch_internals import (
     BCE_WITH_LOGITS,
     LOG_SOFTMAX,
     LOSS_COMBINATIONS,

@@ -12,10 +12,10 @@ from collections import defaultdict
 import torch
 
 from curvopt.layers import rule_for
-from curvopt.params import owned, trainable
-from curvopt.records import Call
-from curvopt.reductions import sum_of_squares
-from curvopt.results import Term
+from curvopt.engine.params import owned, trainable
+from curvopt.engine.records import Call
+from curvopt.engine.reductions import sum_of_squares
+from curvopt.engine.results import Term
 
 #: bound on the elements of per-(column, sample) parameter gradients held at once
 _GRAD_BUDGET = 1 << 24

@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 from curvopt.errors import module_error
 from curvopt.layers.registry import reparametrization, rule_for
-from curvopt.params import trainable
-from curvopt.propagate import backpropagate
-from curvopt.records import records_on
-from curvopt.results import Factors
-from curvopt.torch_internals import ACCUMULATE_GRAD
+from curvopt.engine.params import trainable
+from curvopt.engine.propagate import backpropagate
+from curvopt.engine.records import records_on
+from curvopt.engine.results import Factors
+from curvopt.engine.torch_internals import ACCUMULATE_GRAD
 
 
 def _reject(record, reason):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from curvopt.checkpointing import live, through
-from curvopt.state import STATE
+from curvopt.engine.checkpointing import live, through
+from curvopt.engine.state import STATE
 
 
 def backpropagate(outputs, edges, columns: torch.Tensor, batched: bool):

@@ -26,7 +26,7 @@ import torch
 
 from curvopt.errors import AccumulationError
 from curvopt.extensions.quantity import Combine, quantity
-from curvopt.values import KroneckerFactors
+from curvopt.engine.values import KroneckerFactors
 
 
 class Accumulator:

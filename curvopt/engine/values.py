@@ -23,7 +23,7 @@ from typing import Callable, Sequence, Union
 import torch
 
 from curvopt.extensions.quantity import Kind, Quantity
-from curvopt.reductions import gram_root
+from curvopt.engine.reductions import gram_root
 
 
 def rescaled(factor: torch.Tensor, scale: float, dtype: torch.dtype | None = None) -> torch.Tensor:

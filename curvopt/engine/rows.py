@@ -34,9 +34,9 @@ from typing import Dict, List, Optional
 import torch
 
 from curvopt.errors import UnsupportedModuleError, module_error
-from curvopt.graph_plan import add_layout
+from curvopt.engine.graph_plan import add_layout
 from curvopt.layers import rule_for
-from curvopt.propagate import to_calls
+from curvopt.engine.propagate import to_calls
 
 #: probe columns per propagation: the probes' memory
 _PROBES_PER_CALL = 2

@@ -36,11 +36,11 @@ from typing import Dict, Hashable, List, Optional, Tuple
 import torch
 from torch.autograd.graph import GradientEdge
 
-from curvopt.broadcast import find
-from curvopt.checkpointing import Segment, adopt, segment_on
+from curvopt.engine.broadcast import find
+from curvopt.engine.checkpointing import Segment, adopt, segment_on
 from curvopt.errors import UnsupportedModuleError
-from curvopt.records import records_on, token
-from curvopt.torch_internals import (
+from curvopt.engine.records import records_on, token
+from curvopt.engine.torch_internals import (
     ACCUMULATE_GRAD,
     COMPILED,
     DATA_INDEXING,

@@ -16,12 +16,12 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from curvopt.buffers import empty_result
+from curvopt.engine.buffers import empty_result
 from curvopt.errors import UnsupportedModuleError
 from curvopt.extensions.quantity import Producer
 from curvopt.layers.eigenbasis import eigen_moment_of
-from curvopt.reductions import squared_norms, sum_of_squares
-from curvopt.results import name_of
+from curvopt.engine.reductions import squared_norms, sum_of_squares
+from curvopt.engine.results import name_of
 
 #: elements per chunk when per-sample gradients are materialised only to be reduced
 _CHUNK_ELEMENTS = 1 << 20
