@@ -16,7 +16,8 @@ from torch.autograd.graph import register_multi_grad_hook
 from curvopt.layers import rule_for
 from curvopt.engine.params import EXTENDED, owned, owned_parameters
 from curvopt.engine.recognize import returned_loss, watch
-from curvopt.engine.records import LossRecord, Record, anchor, mark_extended_loss, output_tensors
+from curvopt.engine.functional import hook_loss, wants_loss, watch_outputs
+from curvopt.engine.records import Record, anchor, output_tensors
 from curvopt.engine.state import STATE
 
 __all__ = ["extend", "is_extended", "Record"]
@@ -50,20 +51,21 @@ def _module_forward_hook(module, args, kwargs, output):
 def _loss_forward_hook(module, args, kwargs, output):
     if STATE.suspended or not torch.is_grad_enabled() or not output.requires_grad:
         return
-    record = LossRecord(module, args, kwargs)
-    output.register_hook(record.on_grad)
-    if output.grad_fn is not None:
-        mark_extended_loss(output)
+    hook_loss(module, args, kwargs, output)
 
 
 def _returned_loss_hook(module, args, kwargs, output):
-    """A loss the model computed itself (Hugging Face's ``labels=``): its terms read from the
-    graph while a collection is open or armed (``recognize``)."""
+    """While a collection is open or armed: a loss the model computed itself (Hugging Face's
+    ``labels=``) read from the graph (``recognize``), and, where the collection needs the loss,
+    the other outputs watched for a loss computed from them after the forward
+    (``functional``)."""
     if STATE.suspended or STATE.collecting is None or not torch.is_grad_enabled():
         return
     loss = returned_loss(output)
     if loss is not None:
         watch(loss)
+    if wants_loss(module):
+        watch_outputs(output, loss)
 
 
 def _hook(module: nn.Module, path: str, fn) -> None:

@@ -72,8 +72,13 @@ def make_model(setting: Setting) -> nn.Module:
     return curvopt.extend(model.to(dtype(setting)))
 
 
-def make_loss() -> nn.Module:
-    return curvopt.extend(nn.CrossEntropyLoss())
+def make_loss(functional: bool = False):
+    """The extended ``CrossEntropyLoss``, or (``functional``) ``F.cross_entropy`` itself."""
+    return nn.functional.cross_entropy if functional else curvopt.extend(nn.CrossEntropyLoss())
+
+
+#: the settings the framework tests also run with a functional loss (``make_loss(True)``)
+FUNCTIONAL_SETTINGS = ("accumulate_2_unequal", "clip_schedule", "bf16", "fp16")
 
 
 def micro_batches(setting: Setting) -> List[Tuple[torch.Tensor, torch.Tensor]]:

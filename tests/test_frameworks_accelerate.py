@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 from dropin_loop import (
+    FUNCTIONAL_SETTINGS,
     OPTIMIZERS,
     SETTINGS,
     assert_same,
@@ -31,7 +32,7 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 PRECISION = {"64": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
-def _train(name, setting):
+def _train(name, setting, functional=False):
     AcceleratorState._reset_state(True)  # one Accelerator per test, each with its own options
     GradientState._reset_state()
     accelerator = accelerate.Accelerator(
@@ -39,7 +40,7 @@ def _train(name, setting):
         gradient_accumulation_steps=len(setting.sizes),
         mixed_precision=PRECISION[setting.precision],
     )
-    model, lossfunc = make_model(setting), make_loss()
+    model, lossfunc = make_model(setting), make_loss(functional)
     opt = OPTIMIZERS[name](model.parameters())
     sched = schedule(opt) if setting.schedule else None
     loader = DataLoader(micro_batches(setting), batch_size=None)
@@ -65,15 +66,18 @@ def _train(name, setting):
 def _cases():
     for setting in SETTINGS:
         for name in OPTIMIZERS:
-            yield pytest.param(name, setting, id=f"{name}-{setting}")
+            yield pytest.param(name, setting, False, id=f"{name}-{setting}")
+    for setting in FUNCTIONAL_SETTINGS:  # F.cross_entropy(model(X), y): no loss module
+        for name in OPTIMIZERS:
+            yield pytest.param(name, setting, True, id=f"{name}-{setting}-functional")
 
 
-@pytest.mark.parametrize("name, setting", list(_cases()))
-def test_accelerate_takes_the_plain_loops_steps(name, setting):
+@pytest.mark.parametrize("name, setting, functional", list(_cases()))
+def test_accelerate_takes_the_plain_loops_steps(name, setting, functional):
     setting = SETTINGS[setting]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # accelerate's notes on CPU mixed precision
-        got = _train(name, setting)
+        got = _train(name, setting, functional)
     assert_same(got, plain_loop(name, on_cpu(setting), float_outputs=True), setting)
 
 

@@ -198,15 +198,23 @@ def _gpt2_plain_extended_loss(name):
     return parameters(model)
 
 
+#: the losses ``compute_loss_func`` computes the causal LM loss with
+LOSSES = {
+    "extended": lambda: __import__("curvopt").extend(nn.CrossEntropyLoss(reduction="sum")),
+    "functional": lambda: lambda z, y: nn.functional.cross_entropy(z, y, reduction="sum"),
+}
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_trainer_with_compute_loss_func_of_an_extended_loss(name, tmp_path):
+def test_trainer_with_compute_loss_func(name, loss, tmp_path):
     """Second order for a Hugging Face model in the Trainer: ``compute_loss_func`` computes
-    the loss from the logits with an extended loss module (the Trainer then passes no
-    ``labels=`` to the model)."""
+    the loss from the logits with an extended loss module or with ``F.cross_entropy`` (the
+    Trainer then passes no ``labels=`` to the model)."""
     import curvopt
 
     model = curvopt.extend(_gpt2())
-    lossfunc = curvopt.extend(nn.CrossEntropyLoss(reduction="sum"))
+    lossfunc = LOSSES[loss]()
     opt = OPTIMIZERS[name](model.parameters())
     data = [{"input_ids": t, "labels": t} for t in _tokens()]
 

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 from dropin_loop import (
+    FUNCTIONAL_SETTINGS,
     OPTIMIZERS,
     SETTINGS,
     assert_same,
@@ -30,9 +31,9 @@ PRECISION = {"64": "64-true", "bf16": "bf16-mixed"}
 
 
 class _Module(pl.LightningModule):
-    def __init__(self, name, setting, manual=False):
+    def __init__(self, name, setting, manual=False, functional=False):
         super().__init__()
-        self.model, self.lossfunc = make_model(setting), make_loss()
+        self.model, self.lossfunc = make_model(setting), make_loss(functional)
         self.name, self.setting = name, setting
         self.automatic_optimization = not manual
 
@@ -54,8 +55,8 @@ class _Module(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule(opt), "interval": "step"}}
 
 
-def _fit(name, setting, manual=False):
-    module = _Module(name, setting, manual)
+def _fit(name, setting, manual=False, functional=False):
+    module = _Module(name, setting, manual, functional)
     # Lightning replaces "16-mixed" on CPU by bf16: its fp16 plugin, with a GradScaler, given
     fp16 = setting.precision == "fp16"
     precision = {} if fp16 else {"precision": PRECISION[setting.precision]}
@@ -91,6 +92,13 @@ _REFUSED = {"fp16_clip"}
 def test_lightning_takes_the_plain_loops_steps(name, setting):
     setting = SETTINGS[setting]
     assert_same(_fit(name, setting), plain_loop(name, setting), setting)
+
+
+@pytest.mark.parametrize("name, setting", [(n, s) for s in FUNCTIONAL_SETTINGS for n in OPTIMIZERS])
+def test_lightning_with_a_functional_loss_takes_the_plain_loops_steps(name, setting):
+    """``training_step`` returns ``F.cross_entropy(self.model(X), y)``: no loss module at all."""
+    setting = SETTINGS[setting]
+    assert_same(_fit(name, setting, functional=True), plain_loop(name, setting), setting)
 
 
 @pytest.mark.parametrize("name, setting", [(n, s) for s in sorted(_REFUSED) for n in OPTIMIZERS])

@@ -75,7 +75,7 @@ LAYERS = [
         "kfra",
     },
     {"reducer", "checks", "curvature", "accumulate", "backward"},
-    {"recognize", "hooks", "unextended", "collect", "collection", "verify"},
+    {"recognize", "functional", "hooks", "unextended", "collect", "collection", "verify"},
     {"optim", "linalg"},
     {"laplace"},
 ]

@@ -7,5 +7,6 @@ that each module is imported only by name.
 * propagation: ``graph_plan``, ``propagate``, ``checkpointing``, ``compress``, ``broadcast``,
   ``rows``, ``results``, ``diagonals``, ``hessian``, ``kfra``;
 * one pass: ``reducer``, ``checks``, ``curvature``, ``accumulate``, ``backward``;
-* collection: ``recognize``, ``unextended``, ``collection``.
+* collection: ``recognize`` (a loss the model returns), ``functional`` (a loss computed from
+  the model's outputs), ``unextended``, ``collection``.
 """

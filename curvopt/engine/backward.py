@@ -306,15 +306,15 @@ class BackwardPass:
             if not self.loss_seen:
                 names = ", ".join(repr(e) for e in self.second_order_exts)
                 raise MissingLossError(
-                    f"{names} need(s) the loss: the loss that was backpropagated was not "
-                    "computed by an extended loss module; wrap it, e.g. "
-                    "lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss()), and compute the "
-                    "loss with it (with the Trainer, compute_loss_func=). A functional loss is "
-                    "read only where the extended model computes and returns it itself (a "
-                    "Hugging Face model's labels= loss): F.cross_entropy without "
-                    "label_smoothing, F.nll_loss after F.log_softmax, F.mse_loss, "
-                    "F.binary_cross_entropy_with_logits, with reduction 'mean' or 'sum', "
-                    "summed and scaled by constants"
+                    f"{names} need(s) the loss, and curvopt could not read the loss that was "
+                    "backpropagated; compute it with an extended loss module, e.g. "
+                    "lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss()) (with the Trainer, "
+                    "compute_loss_func=), or functionally from the outputs of the extended "
+                    "model called inside the collect block (or, for an optimizer, after it was "
+                    "made): F.cross_entropy, F.nll_loss after F.log_softmax over the classes, "
+                    "F.mse_loss, F.binary_cross_entropy_with_logits, reduction 'mean' or 'sum' "
+                    "(a loss the model returns itself, e.g. a Hugging Face model's labels=, "
+                    "also without label_smoothing), summed and scaled by constants"
                 )
             if not (self.checkpointed and current_graph_task_id() != self.task):
                 # (a call inside a checkpoint runs in torch's nested backward: checked at the

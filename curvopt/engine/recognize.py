@@ -128,7 +128,7 @@ def recognise(loss: torch.Tensor) -> List[Tuple[object, LossRecord]]:
 _NLL = {NLL_LOSS, NLL_LOSS_2D}
 _TERMS = _NLL | {MSE_LOSS, BCE_WITH_LOGITS}
 
-_NO_HESSIAN = (
+NO_HESSIAN = (
     "DiagHessian: the model computes F.cross_entropy (or F.nll_loss after F.log_softmax) "
     "itself, so curvopt sees the loss only from the log-probabilities, whose curvature belongs "
     "to the loss; compute the loss from the logits with an extended loss module, lossfunc = "
@@ -178,7 +178,7 @@ def _cross_entropy(node, inputs, consumers) -> Optional[LossRecord]:
         ignore_index=saved(node, "ignore_index"),
         reduction=reduction,
     )
-    return LossRecord(module, (log_probs, target), {}, _NO_HESSIAN)
+    return LossRecord(module, (log_probs, target), {}, NO_HESSIAN)
 
 
 def _only_input(node, inputs, consumers):

@@ -349,3 +349,12 @@ def saved(node, name: str):
     if isinstance(value, int) and value >= 1 << 63:
         value -= 1 << 64
     return value
+
+
+#: views that merge leading dims and keep the last (``[N, T, C] -> [N·T, C]`` when contiguous)
+ROW_VIEWS = {VIEW, "UnsafeViewBackward0", "ReshapeAliasBackward0"}
+
+
+def first_input(node):
+    """The node ``node`` takes its first input from (None for a constant)."""
+    return node.next_functions[0][0] if node.next_functions else None
