@@ -116,19 +116,30 @@ class OutputProducts:
 
 def jtmj_forward(forward, params, vectors, output_operator) -> tuple[int, list[torch.Tensor]]:
     """``(R, Jᵀ M J V)`` with ``J V`` by ``jvp``: per chunk of columns one forward, computing
-    ``f`` once and its tangents vmapped over the columns, under the ``vjp`` that records ``f``'s
-    graph; ``M`` built once per batch, from the first chunk's ``f``."""
+    ``f`` once and its tangents (vmapped over the columns), under the ``vjp`` that records
+    ``f``'s graph; ``M`` built once per batch, from the first chunk's ``f``. A single column
+    runs without ``vmap``, whose batching rules split some kernels (a convolution's backward
+    into one call per input)."""
     apply_m, parts, rows = None, [], 0
     with _differentiable():
         for chunk in zip(*(v.split(CHUNK) for v in vectors)):
+            single = len(chunk[0]) == 1
 
-            def linearized(*ps, chunk=chunk):
+            def linearized(*ps, chunk=chunk, single=single):
+                if single:
+                    output, tangent = jvp(forward, ps, tuple(c[0] for c in chunk))
+                    return output, tangent[None]
                 return vmap(lambda *v: jvp(forward, ps, v), out_dims=(None, 0))(*chunk)
 
             output, pullback, tangents = vjp(linearized, *params, has_aux=True)
             if apply_m is None:
                 rows, apply_m = output.shape[0], output_operator(output.detach())
-            parts.append(vmap(lambda t: pullback(apply_m(t)))(tangents))
+            if single:
+                parts.append([r[None] for r in pullback(apply_m(tangents[0]))])
+            else:
+                parts.append(vmap(lambda t: pullback(apply_m(t)))(tangents))
+    if len(parts) == 1:
+        return rows, list(parts[0])
     return rows, [torch.cat(columns) for columns in zip(*parts)]
 
 
