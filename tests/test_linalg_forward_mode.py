@@ -135,6 +135,7 @@ def test_forward_mode_ggn_is_the_dense_ggn(name, reduction, n):
 @pytest.mark.parametrize(
     "operator",
     [linalg.GGN, linalg.EmpiricalFisher, lambda *a, **k: linalg.FisherMC(*a, mc_samples=3, **k)],
+    ids=["GGN", "EmpiricalFisher", "FisherMC"],
 )
 def test_forward_and_reverse_paths_agree(name, operator):
     """On two batches and ``K > CHUNK`` columns, the sampled ``M`` of ``FisherMC`` included."""
