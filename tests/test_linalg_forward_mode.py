@@ -13,8 +13,10 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import curvopt
+from benchmarks import ggn_matvec_modes
 from curvopt import linalg
 from curvopt.linalg.autodiff import CHUNK
+from experiments.overhead.problems import PROBLEMS
 from fixtures import zoo
 
 
@@ -176,3 +178,12 @@ def test_a_fallback_after_sampling_draws_the_same_fisher():
     V = np.random.default_rng(1).standard_normal((F_late.shape[0], CHUNK + 1))
     np.testing.assert_allclose(F_late.matmat(V), F_reverse.matmat(V), rtol=0, atol=1e-12)
     assert late.calls == 3 and not F_late.products.forward_mode  # chunk 1, chunk 2, reverse
+
+
+@pytest.mark.parametrize("name", ["2c2d", "gpt"])
+def test_the_benchmarks_products_agree(name):
+    """``benchmarks.ggn_matvec_modes`` times forward mode, reverse and curvlinops on products
+    it first checks to agree (float32, batch 2), with forward mode not fallen back."""
+    pytest.importorskip("curvlinops")
+    named = ggn_matvec_modes.steps(PROBLEMS[name].resized(2))
+    assert {"forward mode", "reverse", "curvlinops"} <= set(named)
