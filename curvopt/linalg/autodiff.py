@@ -3,10 +3,13 @@
 With ``f(θ)`` the model output (the loss input, ``[R, *F]``, row ``r`` of dim 0 a sample) and
 ``J = ∂f/∂θ``:
 
-* :func:`jtmj`: ``Jᵀ M J V`` for a symmetric ``M`` on the output space: ``J V`` as the
-  transpose of the pullback ``u ↦ Jᵀ u`` (reverse over reverse, which every differentiable op
-  supports, unlike forward mode), then ``M``, then ``Jᵀ``; the ``K`` columns of ``V`` batched
-  by ``vmap``;
+* :class:`OutputProducts`: ``Jᵀ M J V`` for a symmetric ``M`` on the output space, the ``K``
+  columns of ``V`` batched by ``vmap``. Forward mode (:func:`jtmj_forward`): one forward
+  computes ``f`` and the tangents ``J V`` (``jvp``) while recording ``f``'s graph, then ``M``,
+  then ``Jᵀ`` by one pullback: a forward, its tangents and a backward. Where the model has no
+  forward-mode derivative (an op or ``autograd.Function`` without one, random ops under
+  ``vmap``), reverse over reverse (:func:`jtmj_reverse`): ``J V`` as the transpose of the
+  pullback ``u ↦ Jᵀ u``, which every differentiable op supports, at about two backwards more;
 * :func:`hessian_matmat`: ``∇²_θ L V`` by double backward (reverse over reverse).
 
 curvopt's hooks are suspended meanwhile (these products never touch ``collect``), and
@@ -21,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.func import functional_call, grad, vjp, vmap
+from torch.func import functional_call, grad, jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from curvopt.engine import inputs as io
@@ -36,8 +39,12 @@ CHUNK = 32
 
 @contextlib.contextmanager
 def _differentiable() -> Iterator[None]:
-    """Hooks suspended, the math attention kernel; torch.func's refusal of
-    ``torch.utils.checkpoint`` (either ``use_reentrant``) raised as what to do instead."""
+    """Hooks suspended, the math attention kernel and no fused ``MultiheadAttention`` /
+    ``TransformerEncoderLayer`` fast path (the same functions, by kernels with derivatives
+    of every order and mode); torch.func's refusal of ``torch.utils.checkpoint`` (either
+    ``use_reentrant``) raised as what to do instead."""
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
     with STATE.suspend(), sdpa_kernel(SDPBackend.MATH):
         try:
             yield
@@ -52,6 +59,8 @@ def _differentiable() -> Iterator[None]:
                     "linalg.KFAC, which support it."
                 ) from error
             raise
+        finally:
+            torch.backends.mha.set_fastpath_enabled(fastpath)
 
 
 def _raised_inside_checkpoint(error: BaseException) -> bool:
@@ -75,15 +84,67 @@ def model_function(model: nn.Module, names: Sequence[str], inputs, output=None) 
     return forward
 
 
-def jtmj(
-    forward: Callable,
-    params: Tensors,
-    vectors: Tensors,
-    output_operator: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]],
-) -> tuple[int, list[torch.Tensor]]:
-    """``(R, Jᵀ M J V)``: ``vectors [[K, *p.shape]]``; ``output_operator(f)`` returns ``u ↦ M u``
-    for one output-shaped ``u``."""
-    params = tuple(p.detach() for p in params)
+class OutputProducts:
+    """``Jᵀ M J V`` of one operator's model: forward mode until the model refuses it, then
+    reverse over reverse for good (the same product; a failed attempt leaves the RNG as it
+    found it, so sampled ``M`` are the same draws)."""
+
+    def __init__(self):
+        self.forward_mode = True
+
+    def __call__(
+        self,
+        forward: Callable,
+        params: Tensors,
+        vectors: Tensors,
+        output_operator: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]],
+    ) -> tuple[int, list[torch.Tensor]]:
+        """``(R, Jᵀ M J V)``: ``vectors [[K, *p.shape]]``; ``output_operator(f)`` returns
+        ``u ↦ M u`` for one output-shaped ``u``."""
+        params = tuple(p.detach() for p in params)
+        if self.forward_mode:
+            rng = _rng_state(params[0].device)
+            try:
+                return jtmj_forward(forward, params, vectors, output_operator)
+            except Exception:  # noqa: BLE001 - the reverse path raises the model's own errors
+                _set_rng_state(params[0].device, rng)
+                result = jtmj_reverse(forward, params, vectors, output_operator)
+                self.forward_mode = False
+                return result
+        return jtmj_reverse(forward, params, vectors, output_operator)
+
+
+def jtmj_forward(forward, params, vectors, output_operator) -> tuple[int, list[torch.Tensor]]:
+    """``(R, Jᵀ M J V)`` with ``J V`` by ``jvp``: per chunk of columns one forward, computing
+    ``f`` once and its tangents (vmapped over the columns), under the ``vjp`` that records
+    ``f``'s graph; ``M`` built once per batch, from the first chunk's ``f``. A single column
+    runs without ``vmap``, whose batching rules split some kernels (a convolution's backward
+    into one call per input)."""
+    apply_m, parts, rows = None, [], 0
+    with _differentiable():
+        for chunk in zip(*(v.split(CHUNK) for v in vectors)):
+            single = len(chunk[0]) == 1
+
+            def linearized(*ps, chunk=chunk, single=single):
+                if single:
+                    output, tangent = jvp(forward, ps, tuple(c[0] for c in chunk))
+                    return output, tangent[None]
+                return vmap(lambda *v: jvp(forward, ps, v), out_dims=(None, 0))(*chunk)
+
+            output, pullback, tangents = vjp(linearized, *params, has_aux=True)
+            if apply_m is None:
+                rows, apply_m = output.shape[0], output_operator(output.detach())
+            if single:
+                parts.append([r[None] for r in pullback(apply_m(tangents[0]))])
+            else:
+                parts.append(vmap(lambda t: pullback(apply_m(t)))(tangents))
+    if len(parts) == 1:
+        return rows, list(parts[0])
+    return rows, [torch.cat(columns) for columns in zip(*parts)]
+
+
+def jtmj_reverse(forward, params, vectors, output_operator) -> tuple[int, list[torch.Tensor]]:
+    """``(R, Jᵀ M J V)`` with ``J V`` as the transpose of the pullback (reverse over reverse)."""
     with _differentiable():
         output, pullback = vjp(forward, *params)
         output = output.detach()
@@ -95,6 +156,17 @@ def jtmj(
 
         result = vmap(one, chunk_size=CHUNK)(*vectors)
     return output.shape[0], list(result)
+
+
+def _rng_state(device: torch.device) -> tuple:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(device: torch.device, state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 def hessian_matmat(

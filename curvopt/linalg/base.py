@@ -140,15 +140,20 @@ class CurvatureOperator(ParameterOperator):
         return t.to(self.device)
 
     def weighted_sum(self, pairs: Iterable[tuple[int, torch.Tensor]]) -> torch.Tensor:
-        """``Σ_b R_b C_b / R`` ("mean") or ``Σ_b C_b`` ("sum") over ``pairs`` ``(R_b, C_b)``."""
+        """``Σ_b R_b C_b / R`` ("mean", as a running mean: one batch is returned as it is) or
+        ``Σ_b C_b`` ("sum") over ``pairs`` ``(R_b, C_b)``."""
         total, rows = None, 0
         for count, value in pairs:
-            value = value * count if self.mean else value
-            total = value if total is None else total + value
+            if total is None:
+                total = value
+            elif self.mean:
+                total = total + (value - total) * (count / (rows + count))
+            else:
+                total = total + value
             rows += count
         if total is None:
             raise ValueError("curvopt.linalg: data yielded no batch this time (exhausted?)")
-        return total / rows if self.mean else total
+        return total
 
     def _batch_matmat(self, inputs, targets, vectors: list[torch.Tensor]):
         """``(R_b, [C_b V per parameter])`` for ``vectors`` ``[[K, *p.shape]]``."""

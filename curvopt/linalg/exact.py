@@ -20,8 +20,8 @@ from torch.func import grad
 
 from curvopt.errors import UnsupportedModuleError
 from curvopt.linalg.autodiff import (
+    OutputProducts,
     hessian_matmat,
-    jtmj,
     loss_hessian,
     model_function,
     per_row_outer,
@@ -31,7 +31,12 @@ from curvopt.losses import loss_rule_for
 
 
 class _OutputCurvature(CurvatureOperator):
-    """``Σ_b Jᵀ M_b J`` (weighted as in :mod:`curvopt.linalg.base`); subclasses give ``M_b``."""
+    """``Σ_b Jᵀ M_b J`` (weighted as in :mod:`curvopt.linalg.base`); subclasses give ``M_b``.
+    ``J V`` by forward mode where the model supports it (:class:`OutputProducts`)."""
+
+    def __init__(self, model, lossfunc, data, output=None):
+        super().__init__(model, lossfunc, data, output)
+        self.products = OutputProducts()
 
     def output_operator(self, targets):
         """``f ↦ (u ↦ M_b u)`` for the batch with ``targets``."""
@@ -39,7 +44,7 @@ class _OutputCurvature(CurvatureOperator):
 
     def _batch_matmat(self, inputs, targets, vectors):
         forward = model_function(self.model, self.names, inputs, self.output)
-        return jtmj(forward, self.params, vectors, self.output_operator(targets))
+        return self.products(forward, self.params, vectors, self.output_operator(targets))
 
     def loss(self, targets):
         return lambda output: self.lossfunc(output, targets)
