@@ -36,7 +36,8 @@ from curvopt.errors import (
 from curvopt.layers import rule_for
 from curvopt.losses import loss_rule_for
 from curvopt.engine.params import shared_parameters, trainable
-from curvopt.engine.graph_plan import Walk, reaches
+from curvopt.engine.graph_plan import reaches
+from curvopt.engine.walk import Walk
 from curvopt.engine.reducer import FirstOrderReducer
 from curvopt.engine.records import Call
 from curvopt.engine.results import ResultBuffer
@@ -91,7 +92,7 @@ class BackwardPass:
         self.first = self.reducer.first  # first-order producer -> the attributes it writes
         self.handles: list = []  # hooks on autograd nodes, removed when the pass ends
         self.upstream: list = []  # module calls upstream of the extended losses
-        self.walks: list = []  # the graph walks of this pass (``graph_plan.Walk``)
+        self.walks: list = []  # the graph walks of this pass (``walk.Walk``)
         self.failed = False
         self.searched = False  # the graph upstream was searched for broadcast calls
         self.ignored = False  # the pass accumulates into no parameter it reaches

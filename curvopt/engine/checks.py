@@ -9,7 +9,7 @@ tolerance policy they share.
   pass), and every parameter with a gradient gets every requested curvature attribute.
 
 The flow check costs no propagated column. The graph upstream of each extended loss is known
-(the pass's ``graph_plan.Walk``); at every node of it that lies downstream of what curvopt reads
+(the pass's ``walk.Walk``); at every node of it that lies downstream of what curvopt reads
 (a module call's output, an extended parameter), the gradient the autograd engine hands the
 node must be the sum of what the node's consumers inside that graph sent it. A node with one
 such consumer receives the very tensor it sent unless something else adds to it (an identity
@@ -53,7 +53,7 @@ import torch
 
 from curvopt.engine.checkpointing import segment_on
 from curvopt.errors import UnsupportedModuleError, module_error
-from curvopt.engine.graph_plan import mark_sums_checked
+from curvopt.engine.graph_plan import mark_sums_checked, search
 from curvopt.engine.reducer import reduce_in_chunks
 from curvopt.engine.reductions import probe_columns
 from curvopt.engine.results import name_of
@@ -174,7 +174,7 @@ class Checks:
         self.watched: set = set()  # autograd nodes whose incoming gradient is checked
         self.senders: set = set()  # autograd nodes whose outgoing gradient is recorded
         self.sent: Dict[Tuple[object, int], list] = defaultdict(list)  # (node, nr): gradients
-        self.structures: list = []  # keys of the extended losses' graphs (``graph_plan.Walk``)
+        self.structures: list = []  # keys of the extended losses' graphs (``walk.Walk``)
         self.sums = False  # whether curvature-only passes check their per-sample sums
         self.modules: dict = {}  # autograd node -> the module whose call's output it produced
 
@@ -202,14 +202,8 @@ class Checks:
         self.modules.update((c, segment_on(c)) for c in walk.checkpoints)
         for record, edges in walk.calls.items():
             self.modules.update((edge.node, record.module) for _, edge in edges)
-        stack = list(self.modules)
-        stack.extend(n for n in users if _extended_leaf(n))
-        region = set()
-        while stack:  # downstream of what curvopt reads
-            node = stack.pop()
-            if node not in region:
-                region.add(node)
-                stack.extend(users.get(node, ()))
+        starts = [*self.modules, *(n for n in users if _extended_leaf(n))]
+        region = search(starts, lambda node: users.get(node, ()))  # downstream of what is read
         check = [n for n in region if n not in self.watched]
         self.watched.update(check)
         inside = walk.between(loss_node)

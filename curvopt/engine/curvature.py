@@ -31,6 +31,7 @@ from curvopt.errors import UnsupportedKroneckerError, UnsupportedLossError, modu
 from curvopt.extensions.quantity import Producer
 from curvopt.engine.hessian import residuals
 from curvopt.engine.kfra import kfra
+from curvopt.engine.loss_context import LossContext
 from curvopt.layers import rule_for
 from curvopt.layers.kron import kron_factors, output_factor_index
 from curvopt.losses import loss_rule_for
@@ -81,7 +82,7 @@ class CurvaturePass:
         self.scale = math.sqrt(self.weight)
 
     def check(self, walk) -> None:
-        """The loss's target and the calls of ``walk`` (``graph_plan.Walk`` of its input) are
+        """The loss's target and the calls of ``walk`` (``walk.Walk`` of its input) are
         supported."""
         module, output, target = self.loss.module, self.loss.output, self.loss.target
         loss_rule_for(module).check(module, output.detach(), target)
@@ -91,7 +92,7 @@ class CurvaturePass:
                 raise module_error(record.module, reason)
 
     def run(self, walk) -> None:
-        """All curvature of this loss, given ``walk`` (``graph_plan.Walk`` of its input, its
+        """All curvature of this loss, given ``walk`` (``walk.Walk`` of its input, its
         plan bound to this pass)."""
         output = self.loss.output
         rule = loss_rule_for(self.loss.module)
@@ -111,15 +112,19 @@ class CurvaturePass:
         for (source, mc_samples), exts in groups.items():
             self._propagate(rule, calls, exts, source, mc_samples)
         hessian_exts = [e for e in self.exts if e.quantity.producer is Producer.HESSIAN_DIAGONAL]
+        kfra_exts = [e for e in self.exts if e.quantity.producer is Producer.KFRA]
+        if not (hessian_exts or kfra_exts):
+            return
+        context = LossContext(
+            output, walk, self.batched, partial(self.columns, rule, "exact", 0)
+        )
         if hessian_exts:
             if self.loss.no_hessian is not None:
                 raise UnsupportedLossError(self.loss.no_hessian)
-            #: ``dL/d output`` of this loss, for the residuals
-            self.loss_grad = loss_gradient(self.loss, self.weight)
-            self.results.add(residuals(self, calls, hessian_exts))
-        kfra_exts = [e for e in self.exts if e.quantity.producer is Producer.KFRA]
+            gradient = loss_gradient(self.loss, self.weight)
+            self.results.add(residuals(context, gradient, calls, hessian_exts))
         if kfra_exts:
-            self.results.add(kfra(self, rule, calls, kfra_exts))
+            self.results.add(kfra(context, calls, kfra_exts))
 
     def _note_reduction(self, ext, rule) -> None:
         """``EKFAC``'s scale is the divisor ``D`` of this pass's one loss (its rule's

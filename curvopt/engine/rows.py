@@ -158,7 +158,7 @@ def establish(
     required: bool = True,
 ) -> Optional[RowLayout]:
     """The verified layout of the rows of ``source`` (a tensor or gradient edge of ``shape``)
-    over the samples of ``calls`` (of ``walk``, a ``graph_plan.Walk`` from ``source``, whose
+    over the samples of ``calls`` (of ``walk``, a ``walk.Walk`` from ``source``, whose
     plan keeps it); raises when no candidate map passes the probes.
 
     Rows are dim 0; where the Hessian is ``elementwise`` (independent entries, so dim 1 holds
