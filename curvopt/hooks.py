@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
+from curvopt.engine.dispatch import loss_hook, module_hook, parameter_hook
 from curvopt.layers import rule_for
 from curvopt.engine.params import EXTENDED, owned, owned_parameters
 from curvopt.engine.recognize import returned_loss, watch
@@ -42,16 +43,16 @@ def _module_forward_hook(module, args, kwargs, output):
     if rule.positionwise and getattr(module, _SEQUENCE_FIRST, False) and outputs[0].dim() >= 3:
         record.transposed = True  # declared: extend(model, sequence_first=True)
     if len(anchors) == 1:
-        anchors[0].register_hook(record.on_grad)
+        anchors[0].register_hook(module_hook(record))
     else:
-        register_multi_grad_hook(anchors, record.on_grads, mode="all")
+        register_multi_grad_hook(anchors, module_hook(record, several=True), mode="all")
 
 
 def _loss_forward_hook(module, args, kwargs, output):
     if STATE.suspended or not torch.is_grad_enabled() or not output.requires_grad:
         return
     record = LossRecord(module, args, kwargs)
-    output.register_hook(record.on_grad)
+    output.register_hook(loss_hook(record))
     if output.grad_fn is not None:
         mark_extended_loss(output)
 
@@ -74,14 +75,6 @@ def _hook(module: nn.Module, path: str, fn) -> None:
     setattr(module, _HOOKED, True)
 
 
-def _parameter_hook(p: nn.Parameter):
-    def check(grad):
-        if not STATE.suspended and STATE.collecting is not None:
-            STATE.collecting.backward_pass().on_parameter_grad(p, grad)
-
-    return check
-
-
 def _install(module: nn.Module, path: str, sequence_first: bool) -> None:
     rule = rule_for(module)
     if sequence_first:
@@ -89,7 +82,7 @@ def _install(module: nn.Module, path: str, sequence_first: bool) -> None:
     params = owned_parameters(module, rule.owns_children)
     for name, p in params.items():
         if p.requires_grad and not getattr(p, "_curvopt_checked", False):
-            p.register_hook(_parameter_hook(p))
+            p.register_hook(parameter_hook(p))
             p._curvopt_checked = True
         if not hasattr(p, "_curvopt_path"):
             p._curvopt_path = f"{path}.{name}" if path else name

@@ -78,7 +78,7 @@ LAYERS = [
         "hessian",
         "kfra",
     },
-    {"reducer", "checks", "curvature", "accumulate", "backward"},
+    {"reducer", "checks", "curvature", "accumulate", "backward", "dispatch"},
     {"recognize", "hooks", "unextended", "collect", "collection", "verify"},
     {"optim", "linalg"},
     {"laplace"},

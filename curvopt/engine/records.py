@@ -2,8 +2,9 @@
 
 A forward hook creates a :class:`Record` per call and lists it in the metadata of each output's
 autograd node (:func:`records_on` reads it back), so the backward pass can find every module
-call upstream of a tensor. The gradient hook on the output completes the record into a
-:class:`Call`, the unit every per-module rule works on.
+call upstream of a tensor; the gradient hook on the output (``dispatch.module_hook``) hands
+the record to the pass, which completes it into a :class:`Call`, the unit every per-module
+rule works on. A record is data: it calls nothing above it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Any, Dict, List, Tuple, Union
 import torch
 from torch import nn
 
-from curvopt.errors import GraphReuseError
 from curvopt.engine.state import STATE
 from curvopt.engine.torch_internals import current_graph_task_id
 
@@ -164,12 +164,6 @@ class Record:
         except Exception:  # noqa: BLE001  (interpreter shutdown: never print from __del__)
             pass
 
-    def on_grad(self, grad):
-        self._dispatch((grad,))
-
-    def on_grads(self, grads):
-        self._dispatch(tuple(grads))
-
     def shaped(self, index: int, grad, columns: bool = False):
         """``grad`` read at the anchor of output ``index`` (see :func:`anchor`) in the output's
         shape (``[k, *anchor] -> [k, *out]`` for ``columns``)."""
@@ -177,27 +171,6 @@ class Record:
         if grad is None or grad.shape[int(columns) :] == shape:
             return grad
         return grad.reshape(*grad.shape[: int(columns)], *shape)
-
-    def _dispatch(self, grads):
-        if STATE.suspended:
-            return
-        grads = tuple(self.shaped(i, g) for i, g in enumerate(grads))
-        if self.args is None:
-            if STATE.collecting is not None:
-                raise GraphReuseError(
-                    f"curvopt: a second backward pass through the graph of module "
-                    f"{self.module._curvopt_path!r} inside collect; each backward pass inside "
-                    "collect needs its own forward pass (retain_graph=True is not enough, "
-                    "the module inputs were released after the first pass)"
-                )
-            return
-        used = True  # False: a pass that leaves this call alone, for another pass to use
-        try:
-            if STATE.collecting is not None:
-                used = STATE.collecting.backward_pass(self.outer).on_module(self, grads)
-        finally:
-            if used:
-                self.release()
 
 
 #: key of the autograd-node metadata marking the output node of an extended loss's call
@@ -234,17 +207,6 @@ class LossRecord:
     @property
     def target(self):
         return self.args[1] if len(self.args) > 1 else self.kwargs["target"]
-
-    def on_grad(self, grad):
-        if STATE.suspended or self.args is None:
-            return
-        used = True
-        try:
-            if STATE.collecting is not None:
-                used = STATE.collecting.backward_pass().on_loss(self, grad)
-        finally:
-            if used:
-                self.args = self.kwargs = None
 
 
 @dataclass
