@@ -15,7 +15,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from curvopt.engine.dispatch import loss_hook, module_hook, parameter_hook
 from curvopt.layers import rule_for
-from curvopt.engine.params import EXTENDED, owned, owned_parameters
+from curvopt.engine.params import note_extended, owned, owned_parameters
 from curvopt.engine.recognize import returned_loss, watch
 from curvopt.engine.records import LossRecord, Record, anchor, mark_extended_loss, output_tensors
 from curvopt.engine.state import STATE
@@ -90,7 +90,7 @@ def _install(module: nn.Module, path: str, sequence_first: bool) -> None:
         module._curvopt_owns_children = rule.owns_children
         if not hasattr(module, "_curvopt_live"):
             module._curvopt_live = 0
-        EXTENDED.add(module)
+        note_extended(module)
         _hook(module, path, _module_forward_hook)
     if rule.owns_children:
         return

@@ -35,7 +35,7 @@ from curvopt.errors import (
 )
 from curvopt.layers import rule_for
 from curvopt.losses import loss_rule_for
-from curvopt.engine.params import shared_parameters, trainable
+from curvopt.engine.params import tied, trainable
 from curvopt.engine.graph_plan import reaches
 from curvopt.engine.walk import Walk
 from curvopt.engine.reducer import FirstOrderReducer
@@ -86,7 +86,6 @@ class BackwardPass:
         self.loss_seen = False
         self.batch_size: Optional[int] = None
         self.reused: Dict[int, bool] = {}
-        self.shared: Optional[set] = None
         self.checks = Checks()
         self.reducer = FirstOrderReducer(extensions, self.results, self.checks)
         self.first = self.reducer.first  # first-order producer -> the attributes it writes
@@ -346,13 +345,9 @@ class BackwardPass:
         """Whether ``module`` is called several times in this pass or shares a parameter with
         another module (decided at its first call, while its later calls still await their
         gradients): its per-sample gradients are summed before they are reduced."""
-        if self.shared is None:
-            self.shared = shared_parameters()
         key = id(module)
         if key not in self.reused:
-            self.reused[key] = module._curvopt_live > 1 or any(
-                id(p) in self.shared for _, p in params
-            )
+            self.reused[key] = module._curvopt_live > 1 or any(tied(p) for _, p in params)
         return self.reused[key]
 
     def _check_batch_size(self, call: Call) -> None:

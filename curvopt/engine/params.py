@@ -12,9 +12,13 @@ import weakref
 from typing import Dict, List, Set, Tuple
 
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-#: every module with parameters that ``extend`` hooked
+#: every module with parameters that ``extend`` hooked (``unextended``: whether a module is
+#: extended; ``collection``: the modules of an optimizer's parameters)
 EXTENDED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+#: parameter -> weak references to the extended modules holding it at ``extend``, in order
+_HOLDERS = WeakIdKeyDictionary()
 
 
 def _held_below(module: nn.Module) -> Set[int]:
@@ -55,22 +59,32 @@ def trainable(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in owned(module) if p.requires_grad]
 
 
-def shared_parameters() -> Set[int]:
-    """ids of parameters owned by more than one extended module (weight tying)."""
-    seen, shared = set(), set()
-    for module in list(EXTENDED):
-        for _, p in owned(module):
-            (shared if id(p) in seen else seen).add(id(p))
-    return shared
+def note_extended(module: nn.Module) -> None:
+    """``extend`` hooked ``module``: it is extended, and a holder of its parameters."""
+    EXTENDED.add(module)
+    for _, p in owned(module):
+        holders = _HOLDERS.setdefault(p, [])
+        if not any(ref() is module for ref in holders):
+            holders.append(weakref.ref(module))
+
+
+def tied(p: nn.Parameter) -> bool:
+    """Whether more than one extended module owns ``p`` (weight tying), of the modules
+    ``extend`` found holding it."""
+    holders = (ref() for ref in _HOLDERS.get(p, ()))
+    return sum(m is not None and any(q is p for _, q in owned(m)) for m in holders) > 1
 
 
 def owners(params) -> Dict[int, Tuple[nn.Module, str]]:
     """``id(p) -> (module, name)`` for those of ``params`` an extended module's rule handles
-    (``name`` as that module calls it)."""
-    wanted = {id(p) for p in params}
+    (``name`` as that module calls it): the first module ``extend`` found holding ``p`` that
+    still owns it."""
     found: Dict[int, Tuple[nn.Module, str]] = {}
-    for module in list(EXTENDED):
-        for name, p in owned(module):
-            if id(p) in wanted:
-                found.setdefault(id(p), (module, name))
+    for p in params:
+        for ref in _HOLDERS.get(p, ()):
+            module = ref()
+            name = None if module is None else next((n for n, q in owned(module) if q is p), None)
+            if name is not None:
+                found[id(p)] = (module, name)
+                break
     return found
