@@ -36,7 +36,7 @@ from curvopt.layers.conv import ConvRule
 from curvopt.layers.embedding import EmbeddingRule
 from curvopt.layers.linear import LinearRule
 from curvopt.layers.registry import LayerRule, rule_for
-from curvopt.engine.records import Call
+from curvopt.engine.calls import Call
 from curvopt.layers.transposed_linear import TransposedLinearRule
 from experiments.problems import cifar10_3c3d, fmnist_2c2d
 

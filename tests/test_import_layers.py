@@ -52,6 +52,7 @@ LAYERS = [
         "errors",
         "state",
         "records",
+        "calls",
         "params",
         "reductions",
         "buffers",

@@ -30,7 +30,8 @@ from curvopt.engine.checks import PROBES, Checks, draw_probes
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers import rule_for
 from curvopt.layers.linear import LinearRule
-from curvopt.engine.records import Call, Record
+from curvopt.engine.calls import Call
+from curvopt.engine.records import Record
 
 
 @pytest.fixture(autouse=True)

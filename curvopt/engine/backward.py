@@ -39,7 +39,7 @@ from curvopt.engine.params import tied, trainable
 from curvopt.engine.graph_plan import reaches
 from curvopt.engine.walk import Walk
 from curvopt.engine.reducer import FirstOrderReducer
-from curvopt.engine.records import Call
+from curvopt.engine.calls import Call
 from curvopt.engine.results import ResultBuffer
 from curvopt.engine.rows import establish
 from curvopt.engine.torch_internals import (

@@ -25,7 +25,7 @@ from curvopt.errors import UnsupportedKroneckerError, module_error
 from curvopt.layers.eigenbasis import eigen_moment
 from curvopt.layers.kron import input_factor, output_factor_channels_first
 from curvopt.layers.registry import LayerRule, register
-from curvopt.engine.records import Call
+from curvopt.engine.calls import Call
 from curvopt.layers.unfold import (
     kernel_major_to_channel_major,
     padded_conv_input,
