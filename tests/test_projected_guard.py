@@ -26,7 +26,8 @@ from torch.func import functional_call, grad
 import curvopt
 import curvopt.engine.checks
 from curvopt import extensions as ext
-from curvopt.engine.checks import PROBES, Checks, draw_probes
+from curvopt.engine.checks import Checks
+from curvopt.engine.projected import PROBES, draw_probes
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers import rule_for
 from curvopt.layers.linear import LinearRule

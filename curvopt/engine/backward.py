@@ -35,8 +35,9 @@ from curvopt.errors import (
 )
 from curvopt.layers import rule_for
 from curvopt.losses import loss_rule_for
-from curvopt.engine.params import tied, trainable
-from curvopt.engine.graph_plan import reaches
+from curvopt.engine.flow import FlowCheck
+from curvopt.engine.params import tied
+from curvopt.engine.participation import Participation
 from curvopt.engine.walk import Walk
 from curvopt.engine.reducer import FirstOrderReducer
 from curvopt.engine.calls import Call
@@ -45,9 +46,7 @@ from curvopt.engine.rows import establish
 from curvopt.engine.torch_internals import (
     current_autograd_node,
     current_graph_task_id,
-    grad_accumulator,
     queue_callback,
-    will_engine_execute_node,
 )
 
 
@@ -74,8 +73,6 @@ class BackwardPass:
         self, extensions, task: int, accumulator, skipped=None, diagonal=False, scope=None
     ):
         self.task = task
-        #: ``id``s of the parameters this pass writes for (an optimizer's own), None: all
-        self.scope = scope
         #: ``collect(skip_unsupported=...)``: where to report the parameters left out (the
         #: result buffer does), and whether they get the diagonal of the curvature instead
         self.results = ResultBuffer(skipped)
@@ -92,63 +89,14 @@ class BackwardPass:
         self.handles: list = []  # hooks on autograd nodes, removed when the pass ends
         self.upstream: list = []  # module calls upstream of the extended losses
         self.walks: list = []  # the graph walks of this pass (``walk.Walk``)
+        self.taking = Participation(scope, self.walks)  # the parameters it accumulates into
+        self.flow = FlowCheck(task, lambda: not (self.failed or self.ignored), self._abort)
         self.failed = False
         self.searched = False  # the graph upstream was searched for broadcast calls
         self.ignored = False  # the pass accumulates into no parameter it reaches
-        self.untouched: Dict[int, bool] = {}  # id(p): the pass does not accumulate into p.grad
-        self.parameters: Dict[int, tuple] = {}  # id(module): ``_parameters``
-        #: autograd nodes outside the walks whose upstream ``_reaches`` has walked
-        self.reached: dict = {}
         self.checkpointed = False  # a reentrant checkpoint was re-run (``checkpointing``)
         self.running = True  # until the engine's callback at the end of the pass
         queue_callback(self._finish)
-
-    def _skips(self, p) -> bool:
-        """Whether this pass leaves ``p.grad`` alone (``torch.autograd.grad``, ``backward(inputs=
-        ...)`` without ``p``): ``p``'s gradient accumulator is in the graph, but the engine will
-        not run it. (A parameter outside the graph, unused in this pass, is not skipped: it gets
-        zeros, as its module's output gradient says.) A parameter outside the pass's ``scope``
-        is skipped too: the pass computes and writes nothing for it."""
-        key = id(p)
-        skip = self.untouched.get(key)
-        if skip is None and self.scope is not None and key not in self.scope:
-            skip = self.untouched[key] = True
-        if skip is None:
-            accumulator = grad_accumulator(p)
-            try:
-                skip = not will_engine_execute_node(accumulator) and self._reaches(accumulator)
-            except RuntimeError:  # p is an input of torch.autograd.grad
-                skip = True
-            self.untouched[key] = skip
-        return skip
-
-    def _reaches(self, node) -> bool:
-        """Whether ``node`` lies upstream of the autograd node running now: in the walk of an
-        extended loss's graph, or else upstream of the node running now, walked incrementally
-        (a node seen before had its whole upstream walked). That second walk runs only for a
-        parameter whose accumulator the engine will not run (``torch.autograd.grad``) and that
-        no loss's walk reached (no extended loss: Hugging Face's ``labels=``), a graph part the
-        walks have not read, or where a walk went through a re-run reentrant checkpoint (the
-        engine's graph does not: the parameters inside reach it only in torch's re-run)."""
-        if any(node in walk.edges for walk in self.walks if not walk.checkpoints):
-            return True
-        return reaches(current_autograd_node(), node, self.reached)
-
-    def _parameters(self, module) -> tuple:
-        """``(trainable, taking part)``: ``module``'s trainable ``(name, p)`` and those of them
-        whose gradient this pass accumulates (looked up once per pass)."""
-        key = id(module)
-        found = self.parameters.get(key)
-        if found is None:
-            params = trainable(module)
-            found = self.parameters[key] = params, [(n, p) for n, p in params if not self._skips(p)]
-        return found
-
-    def _skips_all(self, modules) -> bool:
-        """The pass accumulates into none of the trainable parameters of ``modules`` (and there
-        is one)."""
-        found = [self._parameters(m) for m in modules]
-        return any(params for params, _ in found) and not any(taking for _, taking in found)
 
     # ---------------------------------------------------------------- hooks
     def on_loss(self, record, grad) -> bool:
@@ -173,7 +121,7 @@ class BackwardPass:
                     "so curvopt cannot compute anything for them; extend the model too: "
                     "model = curvopt.extend(model)"
                 )
-            if self._skips_all(r.module for r in upstream.calls):
+            if self.taking.skips_all(r.module for r in upstream.calls):
                 self.ignored = True
                 return False
             self.loss_seen = True
@@ -186,7 +134,8 @@ class BackwardPass:
                     self.watch_broadcasts(upstream.calls)
                     cpass.run(upstream)
                     self.batch_size = self.batch_size or cpass.layout.samples
-                    self._watch_flow(upstream, current_autograd_node())
+                    self.checks.note_walk(upstream)
+                    self.flow.watch(upstream, current_autograd_node())
                     self.checkpointed = self.checkpointed or bool(segments)
                 else:
                     self._check_layout(record, upstream)
@@ -223,32 +172,6 @@ class BackwardPass:
                 required=False,
             )
 
-    def _watch_flow(self, upstream, loss_node) -> None:
-        """Hooks on the autograd nodes upstream of an extended loss, for ``checks.check_flow``
-        (registered after the curvature's own backward runs through the graph; each acts only
-        in this pass's autograd task)."""
-        check, send = self.checks.watch_flow(upstream, loss_node)
-        for node in send:
-            nexts = upstream.next_of(node)
-
-            def record_sent(grad_inputs, _grad_outputs, nexts=nexts):
-                if current_graph_task_id() == self.task and not self.failed:
-                    self.checks.record_sent(nexts, grad_inputs)
-
-            self.handles.append(node.register_hook(record_sent))
-        for node in check:
-
-            def check_flow(grad_outputs, node=node):
-                if current_graph_task_id() != self.task or self.failed or self.ignored:
-                    return
-                try:
-                    self.checks.check_flow(node, grad_outputs)
-                except BaseException:
-                    self._abort()
-                    raise
-
-            self.handles.append(node.register_prehook(check_flow))
-
     def watch_broadcasts(self, calls) -> None:
         """Read the per-sample output gradients of broadcast calls where they still exist (and
         remember the calls upstream of the loss, to release them if the pass fails)."""
@@ -282,7 +205,7 @@ class BackwardPass:
         accumulates into none of its parameters): its record stays for another pass."""
         if self.failed:
             return True
-        if self.ignored or self._skips_all((record.module,)):
+        if self.ignored or self.taking.skips_all((record.module,)):
             return False
         try:
             with _autocast_off():
@@ -319,7 +242,7 @@ class BackwardPass:
             if not (self.checkpointed and current_graph_task_id() != self.task):
                 # (a call inside a checkpoint runs in torch's nested backward: checked at the
                 # checkpoint's node by the flow hooks instead)
-                self.checks.check_unreached(record, grads)
+                self.flow.check_unreached(record, grads)
         elif not self.first:
             return
         rule = rule_for(module)
@@ -328,7 +251,7 @@ class BackwardPass:
             raise module_error(module, reason)
         grad_out = grads[0] if len(grads) == 1 else grads
         call = record.call(grad_out)
-        params = self._parameters(module)[1]
+        params = self.taking.of(module)[1]
         self.checks.note_precision(record, params)
         self.checks.seen.update(id(p) for _, p in params)
         if not self.first:
@@ -375,7 +298,7 @@ class BackwardPass:
         exception), so the sum of per-sample gradients is checked at whichever comes last."""
         if self.failed or self.ignored or not (self.first or self.second_order_exts):
             return
-        if self._skips(p):
+        if self.taking.skips(p):
             return
         try:
             with _autocast_off():  # the sum check computes (projected sums: matmuls)
@@ -394,7 +317,7 @@ class BackwardPass:
         for handle in self.handles:
             handle.remove()
         self.walks.clear()
-        self.checks.release()
+        self.flow.release()
         if self.failed:
             return
         try:
@@ -407,7 +330,7 @@ class BackwardPass:
             raise
         self.checks.mark_checked()
         self.reducer.finish()
-        self.results.write(self.accumulator, self.batch_size or 0, self.untouched)
+        self.results.write(self.accumulator, self.batch_size or 0, self.taking.untouched)
         self.reducer.batch_grads.clear()
 
     def _abort(self) -> None:
@@ -422,3 +345,4 @@ class BackwardPass:
         self.reducer.batch_grads.clear()
         self.results.clear()
         self.checks.clear()
+        self.flow.release()
