@@ -87,7 +87,6 @@ class Tracer:
             self.calls.append((caller, callee, frame.f_code.co_name))
 
 
-
 def sequence(calls) -> list:
     """The modules the calls enter, consecutive repeats merged."""
     merged = []
@@ -116,7 +115,7 @@ def _mlp():
 def trace(quantity: str, first: bool) -> Tracer:
     model, lossfunc, x, y = _mlp()
     factory = getattr(ext, quantity)
-    for warm in range(0 if first else 1):
+    for _ in range(0 if first else 1):
         with curvopt.collect(factory()):
             lossfunc(model(x), y).backward()
     tracer = Tracer()
@@ -180,8 +179,10 @@ def main(argv=None) -> None:
     print("sequence:", " -> ".join(merged))
     counts = collections.Counter(merged)
     print("entries:", ", ".join(f"{m} {n}" for m, n in counts.most_common()))
-    print(f"calls passing the loss on: {len(calls) - 1}, modules: {len(counts)}, "
-          f"comebacks: {comebacks(merged)}")
+    print(
+        f"calls passing the loss on: {len(calls) - 1}, modules: {len(counts)}, "
+        f"comebacks: {comebacks(merged)}"
+    )
 
 
 if __name__ == "__main__":

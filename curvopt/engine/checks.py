@@ -256,5 +256,3 @@ def _abs_sum(p, uses) -> torch.Tensor:
         reduce_in_chunks(rule, call, name, p.shape, {"abs_sum": True})["abs_sum"]
         for rule, call, name in uses
     )
-
-

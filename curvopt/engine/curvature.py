@@ -115,9 +115,7 @@ class CurvaturePass:
         kfra_exts = [e for e in self.exts if e.quantity.producer is Producer.KFRA]
         if not (hessian_exts or kfra_exts):
             return
-        context = LossContext(
-            output, walk, self.batched, partial(self.columns, rule, "exact", 0)
-        )
+        context = LossContext(output, walk, self.batched, partial(self.columns, rule, "exact", 0))
         if hessian_exts:
             if self.loss.no_hessian is not None:
                 raise UnsupportedLossError(self.loss.no_hessian)

@@ -31,8 +31,6 @@ _OUTSIDE = (
 )
 
 
-
-
 class FlowCheck:
     """The flow check of one pass (autograd task ``task``): hooks that act while ``active()``
     and call ``abort()`` before raising."""

@@ -1,7 +1,8 @@
 """The probes of the projected sum check (Freivalds).
 
-Where a rule computes ``sum_n g_n = sum_r b_r a_rᵀ`` from per-row factors (``LayerRule.projected_sum``), the sum is checked through ``K = 8`` pairs of Gaussian
-probes ``u_k, v_k`` (a generator of the checks' own: the user's random stream is untouched),
+Where a rule computes ``sum_n g_n = sum_r b_r a_rᵀ`` from per-row factors
+(``LayerRule.projected_sum``), the sum is checked through ``K = 8`` pairs of Gaussian probes
+``u_k, v_k`` (a generator of the checks' own: the user's random stream is untouched),
 ``uᵀ (sum_n g_n) v = sum_r (b_rᵀ u)(a_rᵀ v)`` against ``uᵀ grad v``, at ``O(R (I + O) K)`` plus
 one read of ``grad`` instead of the ``O(R I O)`` product. Bound: ``64 eps M`` with
 ``M = sum_r |b_r| |a_r|`` (Euclidean norms). For random probes the rounding of either side,

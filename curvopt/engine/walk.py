@@ -58,9 +58,10 @@ class Walk:
 
     ``calls[record] = [(output index, edge)]``; ``consumers[(node, nr)] = [(consumer, j)]``: the
     nodes that take output ``nr`` of ``node`` as their ``j``-th input (``j`` None: a re-run
-    checkpoint taking its re-run output); ``edges[node]``: the edges (``graph_plan.edges_of``) of every node
-    walked past; ``batchable``: columns may be propagated batched; ``foreign``: parameters it
-    reaches that no extended module owns; ``reentrant``: a checkpoint it could not walk through;
+    checkpoint taking its re-run output); ``edges[node]``: the edges (``graph_plan.edges_of``)
+    of every node walked past; ``batchable``: columns may be propagated batched; ``foreign``:
+    parameters it reaches that no extended module owns; ``reentrant``: a checkpoint it could
+    not walk through;
     ``key``: the structure's key (None: indexes by data); ``plan``: the structure's plan.
 
     A reentrant checkpoint is walked through where curvopt re-ran its segment, and re-run on
