@@ -86,6 +86,7 @@ LAYERS = [
         "checks",
         "flow",
         "participation",
+        "pass_guards",
         "curvature",
         "accumulate",
         "backward",

@@ -5,42 +5,26 @@ end of the pass, so an exception in the middle leaves no half-written attribute 
 result buffer is taken off its parameter while it is being overwritten, see ``buffers``).
 
 ``BackwardPass`` routes the hooks to the first-order reducer (``reducer``), the curvature
-(``curvature``), the checks (``checks``: each raising before anything is written, with one
-tolerance policy; the loss rows are checked to map onto the model's samples by ``rows``) and
-the result buffer that all of them contribute to (``results``). The checks of the gradient flow
-run on every pass (a term whose weight is zero on one pass may not be on the next), from hooks
-on the autograd nodes upstream of the extended losses (``checks.watch_flow``).
-
-Only gradient that is accumulated into ``p.grad`` counts: a pass that does not accumulate into a
-parameter (``torch.autograd.grad``, e.g. the input gradient of an adversarial attack, or
-``backward(inputs=...)`` without it) writes nothing for it, and a pass that accumulates into
-none of the parameters it reaches is ignored altogether (its module inputs stay, so a retained
-graph can still be backpropagated).
+(``curvature``), the sum checks (``checks``), the flow check (``flow``: on every pass, a term
+whose weight is zero on one pass may not be on the next), the guards (``pass_guards``) and
+the result buffer that all of them contribute to (``results``); which parameters take part is
+``participation``'s: a pass that accumulates into none of the parameters it reaches is ignored
+altogether (its module inputs stay, so a retained graph can still be backpropagated).
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Dict, Optional
 
 import torch
 
 from curvopt.engine.checks import Checks
 from curvopt.engine.curvature import CurvaturePass, check_reduction
-from curvopt.errors import (
-    MissingLossError,
-    UnsupportedLossError,
-    UnsupportedModuleError,
-    module_error,
-)
-from curvopt.layers import rule_for
-from curvopt.losses import loss_rule_for
 from curvopt.engine.flow import FlowCheck
 from curvopt.engine.params import tied
 from curvopt.engine.participation import Participation
-from curvopt.engine.walk import Walk
+from curvopt.engine.pass_guards import autocast_off, missing_loss, one_batch_size
 from curvopt.engine.reducer import FirstOrderReducer
-from curvopt.engine.calls import Call
 from curvopt.engine.results import ResultBuffer
 from curvopt.engine.rows import establish
 from curvopt.engine.torch_internals import (
@@ -48,21 +32,10 @@ from curvopt.engine.torch_internals import (
     current_graph_task_id,
     queue_callback,
 )
-
-
-_NO_OP = contextlib.nullcontext()
-
-
-def _autocast_off() -> contextlib.AbstractContextManager:
-    """Autocast disabled while curvopt computes (a backward pass run inside ``autocast`` would
-    otherwise compute the quantities in whatever dtype each op's autocast policy picks)."""
-    if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
-        return _NO_OP
-    stack = contextlib.ExitStack()
-    for device in ("cpu", "cuda"):
-        if torch.is_autocast_enabled(device):
-            stack.enter_context(torch.autocast(device, enabled=False))
-    return stack
+from curvopt.engine.walk import Walk
+from curvopt.errors import UnsupportedLossError, UnsupportedModuleError, module_error
+from curvopt.layers import rule_for
+from curvopt.losses import loss_rule_for
 
 
 class BackwardPass:
@@ -125,7 +98,7 @@ class BackwardPass:
                 self.ignored = True
                 return False
             self.loss_seen = True
-            with _autocast_off():
+            with autocast_off():
                 if self.second_order_exts:
                     cpass = CurvaturePass(
                         self.results, self.second_order_exts, record, grad, self.skip_diagonal
@@ -208,7 +181,7 @@ class BackwardPass:
         if self.ignored or self.taking.skips_all((record.module,)):
             return False
         try:
-            with _autocast_off():
+            with autocast_off():
                 self._on_module(record, grads)
         except BaseException:
             self._abort()
@@ -227,18 +200,7 @@ class BackwardPass:
             grads = (zeros, *grads[1:])
         if self.second_order_exts:
             if not self.loss_seen:
-                names = ", ".join(repr(e) for e in self.second_order_exts)
-                raise MissingLossError(
-                    f"{names} need(s) the loss: the loss that was backpropagated was not "
-                    "computed by an extended loss module; wrap it, e.g. "
-                    "lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss()), and compute the "
-                    "loss with it (with the Trainer, compute_loss_func=). A functional loss is "
-                    "read only where the extended model computes and returns it itself (a "
-                    "Hugging Face model's labels= loss): F.cross_entropy without "
-                    "label_smoothing, F.nll_loss after F.log_softmax, F.mse_loss, "
-                    "F.binary_cross_entropy_with_logits, with reduction 'mean' or 'sum', "
-                    "summed and scaled by constants"
-                )
+                raise missing_loss(self.second_order_exts)
             if not (self.checkpointed and current_graph_task_id() != self.task):
                 # (a call inside a checkpoint runs in torch's nested backward: checked at the
                 # checkpoint's node by the flow hooks instead)
@@ -259,7 +221,7 @@ class BackwardPass:
                 for name, p in params:
                     self.reducer.add_total(p, rule, call, name)
             return
-        self._check_batch_size(call)
+        self.batch_size = one_batch_size(call, self.batch_size)
         materialise = self.reducer.keeps_per_sample or self._reused(module, params)
         for name, p in params:
             self.reducer.add(p, rule, call, name, materialise)
@@ -273,25 +235,6 @@ class BackwardPass:
             self.reused[key] = module._curvopt_live > 1 or any(tied(p) for _, p in params)
         return self.reused[key]
 
-    def _check_batch_size(self, call: Call) -> None:
-        n = call.batch_size
-        if self.batch_size is None:
-            self.batch_size = n
-        elif n != self.batch_size:
-            raise module_error(
-                call.module,
-                f"it sees {n} samples along dim {call.batch_dim} while other modules saw "
-                f"{self.batch_size}; per-sample quantities need the batch dimension kept intact "
-                "(do not fold other dims into it before a layer with parameters; sequence-first "
-                "models: extend the loss module too, so that curvopt can find the batch, declare "
-                "curvopt.extend(model, sequence_first=True), or use batch_first=True; a module "
-                "called without the batch whose output is added to every sample, such as "
-                "position embeddings of a shared arange(T): "
-                "extend the loss module too, curvopt.extend(lossfunc), so that curvopt can "
-                "follow the broadcast, or index them per sample, "
-                "pos_emb(torch.arange(T).expand(N, T)))",
-            )
-
     def on_parameter_grad(self, p, grad: torch.Tensor) -> None:
         """``p``'s whole gradient of this pass. Its hook normally runs after those of all the
         module calls using ``p`` (a module whose outputs depend on each other is the
@@ -301,7 +244,7 @@ class BackwardPass:
         if self.taking.skips(p):
             return
         try:
-            with _autocast_off():  # the sum check computes (projected sums: matmuls)
+            with autocast_off():  # the sum check computes (projected sums: matmuls)
                 self.checks.parameter_grad(p, grad)
         except BaseException:
             self._abort()
@@ -310,7 +253,7 @@ class BackwardPass:
     # ---------------------------------------------------------------- end of pass
     def _finish(self) -> None:
         self.running = False
-        with _autocast_off():
+        with autocast_off():
             self._finish_pass()
 
     def _finish_pass(self) -> None:

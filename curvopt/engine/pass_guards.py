@@ -1,0 +1,64 @@
+"""The guards of one backward pass's hooks, each raising with the fix: the loss is an extended
+one where curvature is asked, every module sees the same batch; and autocast off while curvopt
+computes."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from curvopt.errors import MissingLossError, module_error
+
+_NO_OP = contextlib.nullcontext()
+
+
+def autocast_off() -> contextlib.AbstractContextManager:
+    """Autocast disabled while curvopt computes (a backward pass run inside ``autocast`` would
+    otherwise compute the quantities in whatever dtype each op's autocast policy picks)."""
+    if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+        return _NO_OP
+    stack = contextlib.ExitStack()
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
+
+
+def missing_loss(exts) -> MissingLossError:
+    """The error for a module hook of a pass computing ``exts`` (second order) before any
+    extended loss's: the loss backpropagated is not an extended one."""
+    names = ", ".join(repr(e) for e in exts)
+    return MissingLossError(
+        f"{names} need(s) the loss: the loss that was backpropagated was not "
+        "computed by an extended loss module; wrap it, e.g. "
+        "lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss()), and compute the "
+        "loss with it (with the Trainer, compute_loss_func=). A functional loss is "
+        "read only where the extended model computes and returns it itself (a "
+        "Hugging Face model's labels= loss): F.cross_entropy without "
+        "label_smoothing, F.nll_loss after F.log_softmax, F.mse_loss, "
+        "F.binary_cross_entropy_with_logits, with reduction 'mean' or 'sum', "
+        "summed and scaled by constants"
+    )
+
+
+def one_batch_size(call, seen: Optional[int]) -> int:
+    """The batch size of the pass (``seen``: that of the calls before, None for the first),
+    checked against ``call``'s."""
+    n = call.batch_size
+    if seen is None or n == seen:
+        return n
+    raise module_error(
+        call.module,
+        f"it sees {n} samples along dim {call.batch_dim} while other modules saw "
+        f"{seen}; per-sample quantities need the batch dimension kept intact "
+        "(do not fold other dims into it before a layer with parameters; sequence-first "
+        "models: extend the loss module too, so that curvopt can find the batch, declare "
+        "curvopt.extend(model, sequence_first=True), or use batch_first=True; a module "
+        "called without the batch whose output is added to every sample, such as "
+        "position embeddings of a shared arange(T): "
+        "extend the loss module too, curvopt.extend(lossfunc), so that curvopt can "
+        "follow the broadcast, or index them per sample, "
+        "pos_emb(torch.arange(T).expand(N, T)))",
+    )
