@@ -6,11 +6,13 @@
 Runs a KFAC pass (or ``--quantity``'s) on a plain two-layer MLP, after one warm-up pass (so that
 the structure's plan is cached; ``--first`` traces the first pass instead), and traces with
 ``sys.setprofile`` every call made while ``BackwardPass.on_loss`` runs. A call *passes the loss
-on* when it enters an engine module of the propagation or engine layer (``curvopt/engine/``,
-not the foundation's data modules ``FOUNDATION``) from another module. Prints the sequence of
-modules those calls enter (consecutive repeats merged), how often each module is entered, and
-the number of *comebacks*: entries into a module the trace has been in and left before.
-A generator resumed is not a new call.
+on* when curvopt code calls into an engine module of the propagation or engine layer
+(``curvopt/engine/``, not the foundation's data modules ``FOUNDATION``) that has no frame
+running: a callback into a module still running (a search's ``expand``, a generator expression
+passed down) does not leave it, and a hook that torch runs is not a call of curvopt's. Prints the
+sequence of modules those calls enter (consecutive repeats merged), how often each module is
+entered, and the number of *comebacks*: entries into a module the trace has been in and left
+before. A generator resumed is not a new call.
 
 ``--files`` lists instead the files of ``curvopt`` that one step of ``optim.KFAC`` on the same
 MLP executes (forward, backward in its collection, step; after two warm-up steps), with the
@@ -37,15 +39,19 @@ ENGINE = PACKAGE / "engine"
 #: the engine's data modules (layer 0), which every layer reads: not a step of the pass
 FOUNDATION = {
     "buffers",
+    "calls",
     "errors",
+    "graph_plan",
     "inputs",
     "params",
     "psd",
     "records",
-    "calls",
     "reductions",
+    "second_derivatives",
     "state",
+    "tolerance",
     "torch_internals",
+    "torch_rerun",
     "values",
 }
 
@@ -79,11 +85,18 @@ class Tracer:
             return
         self.seen.add(frame)
         callee = _engine_module(frame.f_code)
-        if callee is None:
-            return
         back = frame.f_back
-        caller = pathlib.Path(back.f_code.co_filename).stem if back is not None else None
-        if caller != callee:
+        if (
+            callee is None
+            or back is None
+            or PACKAGE not in pathlib.Path(back.f_code.co_filename).parents
+        ):
+            return  # not the engine, or a hook that torch runs
+        caller, active = pathlib.Path(back.f_code.co_filename).stem, set()
+        while back is not None:
+            active.add(pathlib.Path(back.f_code.co_filename).stem)
+            back = back.f_back
+        if callee not in active:  # a call back into a module still running does not leave it
             self.calls.append((caller, callee, frame.f_code.co_name))
 
 

@@ -19,11 +19,16 @@ from typing import Dict, Optional
 import torch
 
 from curvopt.engine.checks import Checks
-from curvopt.engine.curvature import CurvaturePass, check_reduction
+from curvopt.engine.curvature import CurvaturePass
 from curvopt.engine.flow import FlowCheck
 from curvopt.engine.params import tied
 from curvopt.engine.participation import Participation
-from curvopt.engine.pass_guards import autocast_off, missing_loss, one_batch_size
+from curvopt.engine.pass_guards import (
+    autocast_off,
+    check_reduction,
+    missing_loss,
+    one_batch_size,
+)
 from curvopt.engine.reducer import FirstOrderReducer
 from curvopt.engine.results import ResultBuffer
 from curvopt.engine.rows import establish
@@ -81,43 +86,46 @@ class BackwardPass:
             return False
         segments: list = []
         try:
-            check_reduction(record.module)
-            if not (self.second_order_exts or self.first):
-                return True
-            upstream = Walk(record.output, segments if self.second_order_exts else None)
-            self.walks.append(upstream)
-            if not upstream.calls and upstream.foreign:
-                raise UnsupportedModuleError(
-                    f"curvopt: the input of the extended loss {type(record.module).__name__} "
-                    f"depends on parameters (one of shape {tuple(upstream.foreign[0].shape)}) "
-                    "of modules that were not extended, "
-                    "so curvopt cannot compute anything for them; extend the model too: "
-                    "model = curvopt.extend(model)"
-                )
-            if self.taking.skips_all(r.module for r in upstream.calls):
-                self.ignored = True
-                return False
-            self.loss_seen = True
             with autocast_off():
-                if self.second_order_exts:
-                    cpass = CurvaturePass(
-                        self.results, self.second_order_exts, record, grad, self.skip_diagonal
-                    )
-                    cpass.check(upstream)
-                    self.watch_broadcasts(upstream.calls)
-                    cpass.run(upstream)
-                    self.batch_size = self.batch_size or cpass.layout.samples
-                    self.checks.note_walk(upstream)
-                    self.flow.watch(upstream, current_autograd_node())
-                    self.checkpointed = self.checkpointed or bool(segments)
-                else:
-                    self._check_layout(record, upstream)
+                return self._on_loss(record, grad, segments)
         except BaseException:
             self._abort()
             raise
         finally:
             for segment in segments:  # the re-run checkpoints (``checkpointing``)
                 segment.release()
+
+    def _on_loss(self, record, grad, segments) -> bool:
+        check_reduction(record.module)
+        if not (self.second_order_exts or self.first):
+            return True
+        upstream = Walk(record.output, segments if self.second_order_exts else None)
+        self.walks.append(upstream)
+        if not upstream.calls and upstream.foreign:
+            raise UnsupportedModuleError(
+                f"curvopt: the input of the extended loss {type(record.module).__name__} "
+                f"depends on parameters (one of shape {tuple(upstream.foreign[0].shape)}) "
+                "of modules that were not extended, "
+                "so curvopt cannot compute anything for them; extend the model too: "
+                "model = curvopt.extend(model)"
+            )
+        if self.taking.skips_all(r.module for r in upstream.calls):
+            self.ignored = True
+            return False
+        self.loss_seen = True
+        if not self.second_order_exts:
+            self._check_layout(record, upstream)
+            return True
+        cpass = CurvaturePass(
+            self.results, self.second_order_exts, record, grad, self.skip_diagonal
+        )
+        cpass.check(upstream)
+        self.watch_broadcasts(upstream.calls)
+        cpass.run(upstream)
+        self.batch_size = self.batch_size or cpass.layout.samples
+        self.checks.note_walk(upstream)
+        self.flow.watch(upstream, current_autograd_node())
+        self.checkpointed = self.checkpointed or bool(segments)
         return True
 
     def _check_layout(self, record, upstream) -> None:

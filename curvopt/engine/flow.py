@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable, Dict, Tuple
 
-from curvopt.engine.checkpointing import segment_on
 from curvopt.engine.graph_plan import search
 from curvopt.engine.results import name_of
 from curvopt.engine.tolerance import dense, mismatch
@@ -79,7 +78,7 @@ class FlowCheck:
         users = walk.users
         # a re-run reentrant checkpoint takes its re-run outputs (no input index): its node is
         # checked like a call's output, named by its segment (``checkpointing``)
-        self.modules.update((c, segment_on(c)) for c in walk.checkpoints)
+        self.modules.update((c, walk.segment_of(c)) for c in walk.checkpoints)
         for record, edges in walk.calls.items():
             self.modules.update((edge.node, record.module) for _, edge in edges)
         starts = [*self.modules, *(n for n in users if _extended_leaf(n))]

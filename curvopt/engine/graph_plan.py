@@ -105,14 +105,6 @@ class Plan:
     layouts: Tuple = ()
     sums_checked: bool = False
 
-    def layout(self, shape, elementwise: bool):
-        """``(found,)`` for a verified layout of a root of ``shape`` (``found`` None where none
-        passed), ``()`` where none was looked for."""
-        for key, found in self.layouts:
-            if key == (tuple(shape), elementwise):
-                return (found,)
-        return ()
-
 
 def plan_of(key: Hashable, make: Callable[[], Plan]) -> Plan:
     """The cached plan of the structure ``key`` (made by ``make`` on its first pass)."""

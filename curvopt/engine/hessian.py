@@ -24,7 +24,6 @@ from typing import List, Optional, Tuple
 import torch
 from torch.autograd.graph import GradientEdge
 
-from curvopt.engine.checkpointing import segment_on
 from curvopt.errors import UnsupportedModuleError
 from curvopt.engine.diagonals import diagonals
 from curvopt.layers.registry import reparametrization, rule_for
@@ -84,7 +83,7 @@ def curved_nodes(root: torch.Tensor, walk) -> List[Tuple[object, Optional[torch.
                 )
             x = record.args[0]
             return [x.grad_fn] if isinstance(x, torch.Tensor) else []
-        if segment_on(node) is not None:  # a reentrant checkpoint curvopt re-ran: its re-run
+        if walk.segment_of(node) is not None:  # a reentrant checkpoint curvopt re-ran: its re-run
             return walk.next_nodes(node)
         name = type(node).__name__
         if name in SECOND_DERIVATIVES:

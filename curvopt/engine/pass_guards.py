@@ -1,6 +1,6 @@
-"""The guards of one backward pass's hooks, each raising with the fix: the loss is an extended
-one where curvature is asked, every module sees the same batch; and autocast off while curvopt
-computes."""
+"""The guards of one backward pass's hooks, each raising with the fix: the loss is reduced, it
+is an extended one where curvature is asked, every module sees the same batch; and autocast off
+while curvopt computes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from curvopt.errors import MissingLossError, module_error
+from curvopt.errors import MissingLossError, UnsupportedLossError, module_error
 
 _NO_OP = contextlib.nullcontext()
 
@@ -62,3 +62,11 @@ def one_batch_size(call, seen: Optional[int]) -> int:
         "follow the broadcast, or index them per sample, "
         "pos_emb(torch.arange(T).expand(N, T)))",
     )
+
+
+def check_reduction(loss_module) -> None:
+    if getattr(loss_module, "reduction", None) == "none":
+        raise UnsupportedLossError(
+            f"{type(loss_module).__name__}(reduction='none') returns per-sample losses, whose "
+            "scaling curvopt cannot know; use reduction='mean' or 'sum'"
+        )

@@ -165,7 +165,8 @@ def establish(
     independent units too) also the pairs of dims 0 and 1 (a sequence-first ``[T, N, D]``).
     Not ``required`` (a check only): ``None`` when the shapes suggest no map at all.
     """
-    known = () if walk.plan is None else walk.plan.layout(shape, elementwise)
+    wanted = (tuple(shape), elementwise)  # ``(found,)`` where a layout was looked for before
+    known = () if walk.plan is None else [f for k, f in walk.plan.layouts if k == wanted][:1]
     records = list(calls)
     cached = bool(known)
     if cached:

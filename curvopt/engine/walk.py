@@ -83,6 +83,7 @@ class Walk:
         self.foreign: list = []
         self.reentrant = False
         self.checkpoints: list = []  # the re-run checkpoints walked through
+        self.segmented = False  # a checkpoint curvopt re-ran was met (``checkpointing``)
         self.broadcasting = False  # a broadcasting op was met (``broadcast``)
         self.by_data = False  # an op that picks entries by data was met
         self._users = None
@@ -152,6 +153,7 @@ class Walk:
             self.reentrant = True
             key.extend((kind, 0, ()))
             return []
+        self.segmented = True
         self.edges[node] = edges_of(node)
         nexts = [
             (t.grad_fn, t.output_nr)
@@ -223,10 +225,14 @@ class Walk:
             nexts = self.head.get(node)
         return edges_of(node) if nexts is None else nexts
 
+    def segment_of(self, node):
+        """The live ``checkpointing.Segment`` of a checkpoint's node the walk re-ran, or None."""
+        return segment_on(node) if self.segmented else None
+
     def next_nodes(self, node) -> list:
         """The nodes ``node`` passes gradient to as the walk went on: through a live segment's
         re-run for its checkpoint's node (``None`` entries possible)."""
-        segment = segment_on(node)
+        segment = self.segment_of(node)
         if segment is None:
             return [fn for fn, _ in self.next_of(node)]
         return [t.grad_fn for t in segment.outputs if isinstance(t, torch.Tensor)]
