@@ -9,16 +9,16 @@ also use it directly, the per-sample sums miss that use and the backward pass ra
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 #: every module with parameters that ``extend`` hooked (``unextended``: whether a module is
 #: extended; ``collection``: the modules of an optimizer's parameters)
 EXTENDED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-#: parameter -> weak references to the extended modules holding it at ``extend``, in order
-_HOLDERS = WeakIdKeyDictionary()
+#: ``id(p) -> (weak reference to p, [weak references to the extended modules holding p at
+#: extend, in order])``, an entry dropped when ``p`` is freed
+_HOLDERS: Dict[int, tuple] = {}
 
 
 def _held_below(module: nn.Module) -> Set[int]:
@@ -63,15 +63,25 @@ def note_extended(module: nn.Module) -> None:
     """``extend`` hooked ``module``: it is extended, and a holder of its parameters."""
     EXTENDED.add(module)
     for _, p in owned(module):
-        holders = _HOLDERS.setdefault(p, [])
+        holders = _holders(p)
+        if holders is None:
+            key = id(p)
+            holders = []
+            _HOLDERS[key] = (weakref.ref(p, lambda _, key=key: _HOLDERS.pop(key, None)), holders)
         if not any(ref() is module for ref in holders):
             holders.append(weakref.ref(module))
+
+
+def _holders(p) -> Optional[list]:
+    """The weak references to the modules ``extend`` found holding ``p``, or None."""
+    entry = _HOLDERS.get(id(p))
+    return entry[1] if entry is not None and entry[0]() is p else None
 
 
 def tied(p: nn.Parameter) -> bool:
     """Whether more than one extended module owns ``p`` (weight tying), of the modules
     ``extend`` found holding it."""
-    holders = (ref() for ref in _HOLDERS.get(p, ()))
+    holders = (ref() for ref in _holders(p) or ())
     return sum(m is not None and any(q is p for _, q in owned(m)) for m in holders) > 1
 
 
@@ -81,7 +91,7 @@ def owners(params) -> Dict[int, Tuple[nn.Module, str]]:
     still owns it."""
     found: Dict[int, Tuple[nn.Module, str]] = {}
     for p in params:
-        for ref in _HOLDERS.get(p, ()):
+        for ref in _holders(p) or ():
             module = ref()
             name = None if module is None else next((n for n, q in owned(module) if q is p), None)
             if name is not None:

@@ -93,8 +93,10 @@ class Walk:
         # the key, flat: per node walked, its type, its number of edges, each edge as the
         # discovery number of its node (-1 for none) and the output it takes, its calls
         key, found = [], {start: 0}
+        calls, consumers, edges = self.calls, self.consumers, self.edges
 
         def expand(node) -> list:
+            nonlocal key
             kind = type(node).__name__
             if kind in COMPILED and recompute is not None:  # curvature (first order walks on)
                 raise UnsupportedModuleError(_COMPILED)
@@ -103,7 +105,7 @@ class Walk:
             nexts = None if within is None else within.get(node)
             if nexts is None:
                 nexts = edges_of(node)
-            self.edges[node] = nexts
+            edges[node] = nexts
             if kind == ACCUMULATE_GRAD:
                 leaf = node.variable
                 if isinstance(leaf, torch.nn.Parameter) and not getattr(
@@ -116,21 +118,23 @@ class Walk:
                 self.by_data = True
             elif kind in BROADCASTING_OPS:
                 self.broadcasting = True
-            key.extend((kind, len(nexts)))
+            key += (kind, len(nexts))
+            on = []
             for j, (fn, nr) in enumerate(nexts):
                 if fn is None:
-                    key.extend((-1, nr))
+                    key += (-1, nr)
                 else:
-                    self.consumers[(fn, nr)].append((node, j))
-                    key.extend((found.setdefault(fn, len(found)), nr))
+                    consumers[(fn, nr)].append((node, j))
+                    on.append(fn)
+                    key += (found.setdefault(fn, len(found)), nr)
             entries = records_on(node)
             if entries:
                 key.append(tuple((token(r.module), i, r.out_shapes) for r, i, _ in entries))
                 for record, index, output_nr in entries:
-                    self.calls[record].append((index, GradientEdge(node, output_nr)))
+                    calls[record].append((index, GradientEdge(node, output_nr)))
             else:
                 key.append(())
-            return [fn for fn, _ in nexts]
+            return on
 
         search([start], expand)
         if self.checkpoints:
