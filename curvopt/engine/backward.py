@@ -68,7 +68,7 @@ class BackwardPass:
         self.upstream: list = []  # module calls upstream of the extended losses
         self.walks: list = []  # the graph walks of this pass (``walk.Walk``)
         self.taking = Participation(scope, self.walks)  # the parameters it accumulates into
-        self.flow = FlowCheck(task, lambda: not (self.failed or self.ignored), self._abort)
+        self.flow = FlowCheck(task)
         self.failed = False
         self.searched = False  # the graph upstream was searched for broadcast calls
         self.ignored = False  # the pass accumulates into no parameter it reaches
@@ -124,9 +124,12 @@ class BackwardPass:
         cpass.run(upstream)
         self.batch_size = self.batch_size or cpass.layout.samples
         self.checks.note_walk(upstream)
-        self.flow.watch(upstream, current_autograd_node())
+        self.flow.watch(upstream, current_autograd_node(), self._active, self._abort)
         self.checkpointed = self.checkpointed or bool(segments)
         return True
+
+    def _active(self) -> bool:
+        return not (self.failed or self.ignored)
 
     def _check_layout(self, record, upstream) -> None:
         """First order under an extended loss: the loss rows map onto the model's samples

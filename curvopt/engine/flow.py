@@ -31,11 +31,10 @@ _OUTSIDE = (
 
 
 class FlowCheck:
-    """The flow check of one pass (autograd task ``task``): hooks that act while ``active()``
-    and call ``abort()`` before raising."""
+    """The flow check of one pass (autograd task ``task``)."""
 
-    def __init__(self, task: int, active: Callable[[], bool], abort: Callable[[], None]):
-        self.task, self.active, self.abort = task, active, abort
+    def __init__(self, task: int):
+        self.task = task
         self.reached: set = set()  # module calls upstream of the extended losses
         self.watched: set = set()  # autograd nodes whose incoming gradient is checked
         self.senders: set = set()  # autograd nodes whose outgoing gradient is recorded
@@ -43,28 +42,29 @@ class FlowCheck:
         self.modules: dict = {}  # autograd node -> the module whose call's output it produced
         self.handles: list = []  # the hooks on the nodes
 
-    def watch(self, walk, loss_node) -> None:
+    def watch(self, walk, loss_node, active: Callable[[], bool], abort: Callable[[], None]):
         """Hooks on the graph upstream of one extended loss (``walk``: of its input;
         ``loss_node``: its output's node), registered after the curvature's own backward ran
-        through the graph."""
+        through the graph; they act while ``active()`` and call ``abort()`` before raising
+        (held by the hooks only, which ``release`` removes)."""
         check, send = self._region(walk, loss_node)
         for node in send:
             nexts = walk.next_of(node)
 
             def record_sent(grad_inputs, _grad_outputs, nexts=nexts):
-                if current_graph_task_id() == self.task and self.active():
+                if current_graph_task_id() == self.task and active():
                     self.record_sent(nexts, grad_inputs)
 
             self.handles.append(node.register_hook(record_sent))
         for node in check:
 
             def check_flow(grad_outputs, node=node):
-                if current_graph_task_id() != self.task or not self.active():
+                if current_graph_task_id() != self.task or not active():
                     return
                 try:
                     self.check_flow(node, grad_outputs)
                 except BaseException:
-                    self.abort()
+                    abort()
                     raise
 
             self.handles.append(node.register_prehook(check_flow))
