@@ -133,17 +133,19 @@ def trace(quantity: str, first: bool) -> Tracer:
             lossfunc(model(x), y).backward()
     tracer = Tracer()
     loss = lossfunc(model(x), y)
+    previous = sys.getprofile()
     with curvopt.collect(factory()):
         sys.setprofile(tracer)
         try:
             loss.backward()
         finally:
-            sys.setprofile(None)
+            sys.setprofile(previous)
     return tracer
 
 
 def files_of_a_step() -> dict:
-    """``{file relative to curvopt: lines run}`` of one ``optim.KFAC`` step on the MLP."""
+    """``{file relative to curvopt: the numbers of its lines run}`` of one ``optim.KFAC`` step
+    on the MLP (a tracer already set, e.g. coverage's, is set back after)."""
     model, lossfunc, x, y = _mlp()
     optimizer = KFAC(model.parameters(), lr=0.1, damping=1e-2)
     lines: dict = collections.defaultdict(set)
@@ -157,6 +159,7 @@ def files_of_a_step() -> dict:
         path = pathlib.Path(frame.f_code.co_filename)
         return local if PACKAGE in path.parents else None
 
+    previous = sys.gettrace()
     for step in range(3):
         if step == 2:
             sys.settrace(start)
@@ -166,8 +169,8 @@ def files_of_a_step() -> dict:
                 lossfunc(model(x), y).backward()
             optimizer.step()
         finally:
-            sys.settrace(None)
-    return {str(pathlib.Path(f).relative_to(PACKAGE)): len(n) for f, n in sorted(lines.items())}
+            sys.settrace(previous)
+    return {pathlib.Path(f).relative_to(PACKAGE).as_posix(): n for f, n in sorted(lines.items())}
 
 
 def main(argv=None) -> None:
@@ -179,9 +182,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.files:
         found = files_of_a_step()
-        for path, count in found.items():
-            print(f"  {path}: {count} lines")
-        print(f"files run: {len(found)}, lines run: {sum(found.values())}")
+        for path, numbers in found.items():
+            print(f"  {path}: {len(numbers)} lines")
+        print(f"files run: {len(found)}, lines run: {sum(map(len, found.values()))}")
         return
     tracer = trace(args.quantity, args.first)
     calls = tracer.calls
