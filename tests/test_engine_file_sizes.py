@@ -1,5 +1,4 @@
-"""No file of ``curvopt`` is longer than 300 lines: a module holds one job (docs/architecture.md).
-"""
+"""No file of ``curvopt`` is longer than 300 lines: a module holds one job (docs/architecture.md)."""
 
 import pathlib
 

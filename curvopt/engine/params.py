@@ -4,6 +4,11 @@ A parameter held by a module *and* by one of its descendants (BERT's masked-LM h
 raw ``bias`` that is also ``decoder.bias``) belongs to the deepest holder: the parent's forward
 reaches it through the child's call, so the child's rule accounts for it. Should the parent
 also use it directly, the per-sample sums miss that use and the backward pass raises.
+
+The modules of a parameter come from the parameter itself: ``extend`` notes, weakly, every
+module it finds holding it (``note_extended``), and ``owners``/``tied`` ask those that still
+own it, never every extended model in the process (weights tied after ``extend`` are seen once
+``extend`` runs again).
 """
 
 from __future__ import annotations
