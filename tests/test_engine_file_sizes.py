@@ -1,4 +1,5 @@
-"""No file of ``curvopt`` is longer than 300 lines: a module holds one job (docs/architecture.md)."""
+"""No file of ``curvopt`` is longer than 300 lines: a module holds one job
+(``docs/architecture.md``)."""
 
 import pathlib
 
