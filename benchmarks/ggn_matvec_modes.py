@@ -46,7 +46,9 @@ def steps(problem) -> dict[str, callable]:
     operators = {}
     for mode in ("forward mode", "reverse"):
         inst = Instance.of(problem)
-        G = linalg.GGN(curvopt.extend(inst.model), curvopt.extend(inst.lossfunc), [(inst.X, inst.y)])
+        G = linalg.GGN(
+            curvopt.extend(inst.model), curvopt.extend(inst.lossfunc), [(inst.X, inst.y)]
+        )
         G.products.forward_mode = mode == "forward mode"
         operators[mode] = G
     v = probe_vector(plain.model).numpy()

@@ -6,9 +6,9 @@
 
 A second table times the guard alone per weight (milliseconds, median over rounds), on each
 layer's recorded input and a random output gradient: full (``grad_sum``, then
-``checks.mismatch`` with the gradient) against projected (``projected_sum``, ``uᵀ grad v``
+``tolerance.mismatch`` with the gradient) against projected (``projected_sum``, ``uᵀ grad v``
 and the comparison with its bound), and which of the two curvopt runs for that weight
-(``checks.projection_pays``).
+(``projected.projection_pays``).
 
 DeepOBS 2C2D (Fashion-MNIST shapes) and 3C3D (CIFAR-10 shapes) at batch 8 and 64, float32, one
 thread. "full" runs the same code with every rule's ``projected_sum`` returning ``None``, which
@@ -31,12 +31,13 @@ import torch.nn.functional as F
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.engine.checks import PROJECTED_FACTOR, draw_probes, mismatch, project, projection_pays
+from curvopt.engine.projected import PROJECTED_FACTOR, draw_probes, project, projection_pays
+from curvopt.engine.tolerance import mismatch
 from curvopt.layers.conv import ConvRule
 from curvopt.layers.embedding import EmbeddingRule
 from curvopt.layers.linear import LinearRule
 from curvopt.layers.registry import LayerRule, rule_for
-from curvopt.engine.records import Call
+from curvopt.engine.calls import Call
 from curvopt.layers.transposed_linear import TransposedLinearRule
 from experiments.problems import cifar10_3c3d, fmnist_2c2d
 

@@ -1,9 +1,10 @@
 """``collect(*extensions)``: the context in which backward passes write quantities, and the
-dispatcher the hooks call while a block is open or a collection is armed (``collection``).
+pass each collection makes of a backward pass while its block is open or it is armed
+(``collection``); the hooks reach these passes through ``dispatch``.
 
 Several collections can be active at once: the open ``collect`` block and any number of armed
 ones, each with its own passes, results and accumulation. The hooks dispatch to all of them
-(``_Dispatch``); each writes only its own quantities. Where two would write the same
+(``dispatch.DISPATCH``); each writes only its own quantities. Where two would write the same
 attribute on the same parameter, one does: the open block before the armed collections, a
 newer armed collection before an older one; the one that stood aside notes it, and its
 optimizer's next step raises if it would read values that mix its own passes with another's.
@@ -17,6 +18,7 @@ from typing import Dict, Optional, Tuple
 from curvopt.engine import unextended
 from curvopt.engine.accumulate import Accumulator
 from curvopt.engine.backward import BackwardPass
+from curvopt.engine.dispatch import DISPATCH
 from curvopt.errors import ExtensionConflictError
 from curvopt.extensions.base import Extension
 from curvopt.engine.state import STATE
@@ -75,7 +77,7 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
                 "curvopt.collect blocks cannot be nested; pass all extensions to one collect(...)"
             )
         STATE.open = self
-        STATE.collecting = _DISPATCH
+        STATE.collecting = DISPATCH
         self._accumulator = Accumulator()
         self._unextended = unextended.watch()
         return self
@@ -134,40 +136,9 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
         return self._pass
 
 
-class _Passes:
-    """The passes of several active collections for one backward pass, each hook sent to all."""
-
-    def __init__(self, passes):
-        self.passes = passes
-
-    def on_loss(self, record, grad) -> bool:
-        return any([p.on_loss(record, grad) for p in self.passes])
-
-    def on_module(self, record, grads) -> bool:
-        return any([p.on_module(record, grads) for p in self.passes])
-
-    def on_parameter_grad(self, param, grad) -> None:
-        for p in self.passes:
-            p.on_parameter_grad(param, grad)
-
-
-class _Dispatch:
-    """What the hooks call (``STATE.collecting``) while a collection is open or armed: the
-    passes of every active one (the open block first, then the armed ones, newest first)."""
-
-    def backward_pass(self, outer: Optional[int] = None):
-        active = [STATE.open] + [ref() for ref in reversed(STATE.armed)]
-        passes = [c.backward_pass(outer) for c in active if c is not None]
-        passes = [p for p in passes if p is not None]
-        return passes[0] if len(passes) == 1 else _Passes(passes)
-
-
-_DISPATCH = _Dispatch()
-
-
 def refresh() -> None:
     """``STATE.collecting``: the dispatcher while a block is open or a collection armed."""
-    STATE.collecting = _DISPATCH if STATE.open is not None or STATE.armed else None
+    STATE.collecting = DISPATCH if STATE.open is not None or STATE.armed else None
 
 
 def forget(ref) -> None:

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
+from curvopt.engine.dispatch import module_hook, parameter_hook
 from curvopt.layers import rule_for
-from curvopt.engine.params import EXTENDED, owned, owned_parameters
+from curvopt.engine.params import note_extended, owned, owned_parameters
 from curvopt.engine.recognize import returned_loss, watch
 from curvopt.engine.functional import hook_loss, wants_loss, watch_outputs
 from curvopt.engine.records import Record, anchor, output_tensors
@@ -43,9 +44,9 @@ def _module_forward_hook(module, args, kwargs, output):
     if rule.positionwise and getattr(module, _SEQUENCE_FIRST, False) and outputs[0].dim() >= 3:
         record.transposed = True  # declared: extend(model, sequence_first=True)
     if len(anchors) == 1:
-        anchors[0].register_hook(record.on_grad)
+        anchors[0].register_hook(module_hook(record))
     else:
-        register_multi_grad_hook(anchors, record.on_grads, mode="all")
+        register_multi_grad_hook(anchors, module_hook(record, several=True), mode="all")
 
 
 def _loss_forward_hook(module, args, kwargs, output):
@@ -76,14 +77,6 @@ def _hook(module: nn.Module, path: str, fn) -> None:
     setattr(module, _HOOKED, True)
 
 
-def _parameter_hook(p: nn.Parameter):
-    def check(grad):
-        if not STATE.suspended and STATE.collecting is not None:
-            STATE.collecting.backward_pass().on_parameter_grad(p, grad)
-
-    return check
-
-
 def _install(module: nn.Module, path: str, sequence_first: bool) -> None:
     rule = rule_for(module)
     if sequence_first:
@@ -91,7 +84,7 @@ def _install(module: nn.Module, path: str, sequence_first: bool) -> None:
     params = owned_parameters(module, rule.owns_children)
     for name, p in params.items():
         if p.requires_grad and not getattr(p, "_curvopt_checked", False):
-            p.register_hook(_parameter_hook(p))
+            p.register_hook(parameter_hook(p))
             p._curvopt_checked = True
         if not hasattr(p, "_curvopt_path"):
             p._curvopt_path = f"{path}.{name}" if path else name
@@ -99,7 +92,7 @@ def _install(module: nn.Module, path: str, sequence_first: bool) -> None:
         module._curvopt_owns_children = rule.owns_children
         if not hasattr(module, "_curvopt_live"):
             module._curvopt_live = 0
-        EXTENDED.add(module)
+        note_extended(module)
         _hook(module, path, _module_forward_hook)
     if rule.owns_children:
         return

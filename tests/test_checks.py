@@ -1,4 +1,4 @@
-"""The one tolerance policy of the checks (``checks.mismatch``): its decisions are those of the
+"""The one tolerance policy of the checks (``tolerance.mismatch``): its decisions are those of the
 textbook formula ``max |a - b| > factor * eps * max(max |a|, max |b|)`` (and, where ``a - b`` is
 not finite, a mismatch exactly when the reference ``b`` is finite), written here with full
 ``abs`` temporaries as an independent reference, on the edge cases where a cheaper formula
@@ -13,7 +13,8 @@ import torch
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.engine.checks import Checks, mismatch, roundoff
+from curvopt.engine.checks import Checks
+from curvopt.engine.tolerance import mismatch, roundoff
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers.linear import LinearRule
 

@@ -341,11 +341,11 @@ def test_a_freed_optimizer_disarms_and_the_model_costs_like_the_plain_one():
 def test_an_optimizer_on_another_model_does_no_work_in_this_ones_backward(monkeypatch):
     """An armed optimizer whose modules have no call awaiting a gradient (another model, or
     one not yet garbage-collected) takes no part: one graph walk, that of the open block."""
-    from curvopt.engine import graph_plan
+    from curvopt.engine import walk as walk_module
 
     walks = []
-    walk = graph_plan.Walk._walk
-    monkeypatch.setattr(graph_plan.Walk, "_walk", lambda *a: walks.append(1) or walk(*a))
+    walk = walk_module.Walk._walk
+    monkeypatch.setattr(walk_module.Walk, "_walk", lambda *a: walks.append(1) or walk(*a))
     other = curvopt.extend(_mlp())
     armed = OPTIMIZERS["kflr"](other.parameters())
     model = curvopt.extend(_mlp())
@@ -360,7 +360,7 @@ def test_an_optimizer_on_another_model_does_no_work_in_this_ones_backward(monkey
 def test_levenberg_marquardt_measures_the_loss_without_collecting(monkeypatch):
     """The closure's second call (the loss after the step) computes no curvature: one
     curvature walk per step, and the explicit loop's steps."""
-    from curvopt.engine import graph_plan
+    from curvopt.engine import walk as walk_module
     from curvopt.optim import LevenbergMarquardt
 
     def run(**kw):
@@ -381,7 +381,7 @@ def test_levenberg_marquardt_measures_the_loss_without_collecting(monkeypatch):
 
     want = run(collection="explicit")
     walks = []
-    walk = graph_plan.Walk._walk
-    monkeypatch.setattr(graph_plan.Walk, "_walk", lambda *a: walks.append(1) or walk(*a))
+    walk = walk_module.Walk._walk
+    monkeypatch.setattr(walk_module.Walk, "_walk", lambda *a: walks.append(1) or walk(*a))
     _assert_same(run(), want)
     assert len(walks) == 2

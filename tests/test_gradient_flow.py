@@ -1,5 +1,5 @@
 """The per-pass check that gradient enters the graph upstream of the extended losses only
-through them (``checks.watch_flow``): hooks on the graph's nodes, no propagated column.
+through them (``flow.FlowCheck``): hooks on the graph's nodes, no propagated column.
 
 Each case runs several passes of one graph structure: a term of the objective whose weight is 0
 gives the reference (float64, torch.func), the same term with a non-zero weight on a later pass

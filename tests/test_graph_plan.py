@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 import curvopt
 from curvopt import extensions as ext
 from curvopt.engine import graph_plan, rows
+from curvopt.engine import walk as walk_module
 from fixtures import zoo
 
 N = 5
@@ -56,14 +57,14 @@ def _data(seed=0):
 def walks(monkeypatch):
     """Every full walk made (``within`` None: not a re-read of a part of one)."""
     made = []
-    original = graph_plan.Walk._walk
+    original = walk_module.Walk._walk
 
     def counted(self, start, recompute, within):
         original(self, start, recompute, within)
         if within is None:
             made.append(self)
 
-    monkeypatch.setattr(graph_plan.Walk, "_walk", counted)
+    monkeypatch.setattr(walk_module.Walk, "_walk", counted)
     return made
 
 
@@ -114,19 +115,29 @@ def test_one_walk_without_an_extended_loss(walks):
 
 
 def test_no_other_module_reads_next_functions():
-    """Reading the graph is ``graph_plan``'s (and, for the engine's own graph or a node the
-    walk did not read, the fallbacks named here)."""
+    """Reading the graph is ``graph_plan``'s (``edges_of``; torch's own accessors aside)."""
     root = pathlib.Path(curvopt.__file__).parent
-    allowed = {"graph_plan.py", "torch_internals.py", "checkpointing.py"}
+    allowed = {"graph_plan.py", "torch_internals.py"}
     readers = {
         path.name
         for path in root.rglob("*.py")
         if re.search(r"\.next_functions\b", path.read_text()) and path.name not in allowed
     }
     assert not readers, readers
-    # checkpointing reads the graph only where the walk did not (its ``_next``)
-    text = (root / "engine" / "checkpointing.py").read_text()
-    assert text.count(".next_functions") == 1
+    text = (root / "engine" / "graph_plan.py").read_text()
+    assert text.count(".next_functions") == 1  # ``edges_of``, the one read
+
+
+def test_every_graph_walk_is_the_one_search():
+    """No module of curvopt walks nodes with a stack of its own: every traversal of the
+    autograd graph is ``graph_plan.search`` with its own ``expand``."""
+    root = pathlib.Path(curvopt.__file__).parent
+    walkers = {
+        path.name
+        for path in root.rglob("*.py")
+        if re.search(r"while stack|stack\.pop\(\)|\.popleft\(\)", path.read_text())
+    }
+    assert walkers == {"graph_plan.py"}, walkers
 
 
 def test_plan_is_frozen_and_made_once(walks, probed):
@@ -167,13 +178,13 @@ def test_same_node_types_other_edges_differ():
     (a key of types alone would take one for the other); their keys differ."""
     x = torch.randn(3, requires_grad=True)
     s = x.sin()
-    first = graph_plan.Walk(s.exp() + s)
-    second = graph_plan.Walk(x.exp() + x.sin())
+    first = walk_module.Walk(s.exp() + s)
+    second = walk_module.Walk(x.exp() + x.sin())
     assert _types(first) == _types(second)
     assert first.key != second.key
     a, b = torch.randn(2, 3, requires_grad=True).unbind(0)
-    assert graph_plan.Walk(a.sin()).key != graph_plan.Walk(b.sin()).key  # output 0 vs 1
-    assert graph_plan.Walk(x.exp() + x.sin()).key == second.key  # a fresh graph, one structure
+    assert walk_module.Walk(a.sin()).key != walk_module.Walk(b.sin()).key  # output 0 vs 1
+    assert walk_module.Walk(x.exp() + x.sin()).key == second.key  # a fresh graph, one structure
 
 
 def test_plan_names_the_broadcast_calls(walks):

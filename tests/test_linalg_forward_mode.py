@@ -147,7 +147,9 @@ def test_forward_and_reverse_paths_agree(name, operator):
     reverse.products.forward_mode = False
     V = np.random.default_rng(0).standard_normal((forward.shape[0], CHUNK + 7))
     expected = reverse.matmat(V)
-    np.testing.assert_allclose(forward.matmat(V), expected, rtol=0, atol=1e-10 * abs(expected).max())
+    np.testing.assert_allclose(
+        forward.matmat(V), expected, rtol=0, atol=1e-10 * abs(expected).max()
+    )
     assert forward.products.forward_mode and not reverse.products.forward_mode
 
 

@@ -26,11 +26,13 @@ from torch.func import functional_call, grad
 import curvopt
 import curvopt.engine.checks
 from curvopt import extensions as ext
-from curvopt.engine.checks import PROBES, Checks, draw_probes
+from curvopt.engine.checks import Checks
+from curvopt.engine.projected import PROBES, draw_probes
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers import rule_for
 from curvopt.layers.linear import LinearRule
-from curvopt.engine.records import Call, Record
+from curvopt.engine.calls import Call
+from curvopt.engine.records import Record
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from curvopt.engine import second_derivatives, torch_rerun
 from curvopt.engine import torch_internals as ti
 
 #: the tables of node names generated from torch's derivatives (``torch._C._functions``)
@@ -18,7 +19,7 @@ GENERATED = {
     "DATA_INDEXING": ti.DATA_INDEXING,
     "LINEAR_OPS": ti.LINEAR_OPS,
     "BILINEAR_OPS": ti.BILINEAR_OPS,
-    "SECOND_DERIVATIVES": set(ti.SECOND_DERIVATIVES),
+    "SECOND_DERIVATIVES": set(second_derivatives.SECOND_DERIVATIVES),
     "ACCUMULATE_GRAD": {ti.ACCUMULATE_GRAD},
     "ADD": {ti.ADD},
     "IN_PLACE_ON_VIEW": {ti.IN_PLACE_ON_VIEW},
@@ -142,7 +143,7 @@ OPS = {
 
 
 def test_every_curved_op_is_covered():
-    assert set(OPS) == set(ti.SECOND_DERIVATIVES)
+    assert set(OPS) == set(second_derivatives.SECOND_DERIVATIVES)
 
 
 @pytest.mark.parametrize("name", sorted(OPS))
@@ -153,7 +154,7 @@ def test_second_derivative_from_saved_tensors(name):
     y = OPS[name](u.clone().requires_grad_(True))
     assert type(y.grad_fn).__name__ == name
     expected = torch.func.vmap(torch.func.grad(torch.func.grad(OPS[name])))(u)
-    torch.testing.assert_close(ti.SECOND_DERIVATIVES[name](y.grad_fn), expected)
+    torch.testing.assert_close(second_derivatives.SECOND_DERIVATIVES[name](y.grad_fn), expected)
 
 
 def test_accessors_outside_a_backward_pass():
@@ -228,7 +229,7 @@ def test_rerun_checkpoint(preserve):
     out, _ = checkpoint(_segment, h, 2.0, use_reentrant=True, preserve_rng_state=preserve)
     assert torch.equal(out, plain)
     before = torch.get_rng_state()
-    outputs, drew = ti.rerun_checkpoint(out.grad_fn)
+    outputs, drew = torch_rerun.rerun_checkpoint(out.grad_fn)
     assert torch.equal(torch.get_rng_state(), before)
     assert drew == (not preserve)
     assert len(outputs) == 2 and torch.equal(outputs[1], total)

@@ -5,64 +5,35 @@ end of the pass, so an exception in the middle leaves no half-written attribute 
 result buffer is taken off its parameter while it is being overwritten, see ``buffers``).
 
 ``BackwardPass`` routes the hooks to the first-order reducer (``reducer``), the curvature
-(``curvature``), the checks (``checks``: each raising before anything is written, with one
-tolerance policy; the loss rows are checked to map onto the model's samples by ``rows``) and
-the result buffer that all of them contribute to (``results``). The checks of the gradient flow
-run on every pass (a term whose weight is zero on one pass may not be on the next), from hooks
-on the autograd nodes upstream of the extended losses (``checks.watch_flow``).
-
-Only gradient that is accumulated into ``p.grad`` counts: a pass that does not accumulate into a
-parameter (``torch.autograd.grad``, e.g. the input gradient of an adversarial attack, or
-``backward(inputs=...)`` without it) writes nothing for it, and a pass that accumulates into
-none of the parameters it reaches is ignored altogether (its module inputs stay, so a retained
-graph can still be backpropagated).
+(``curvature``), the sum checks (``checks``), the flow check (``flow``: on every pass, a term
+whose weight is zero on one pass may not be on the next), the guards (``pass_guards``) and
+the result buffer that all of them contribute to (``results``); which parameters take part is
+``participation``'s: a pass that accumulates into none of the parameters it reaches is ignored
+altogether (its module inputs stay, so a retained graph can still be backpropagated).
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Dict, Optional
 
 import torch
 
 from curvopt.engine.checks import Checks
-from curvopt.engine.curvature import CurvaturePass, check_reduction
-from curvopt.errors import (
-    MissingLossError,
-    UnsupportedLossError,
-    UnsupportedModuleError,
-    module_error,
-)
-from curvopt.layers import rule_for
-from curvopt.losses import loss_rule_for
-from curvopt.engine.params import shared_parameters, trainable
-from curvopt.engine.graph_plan import Walk, reaches
+from curvopt.engine.curvature import CurvaturePass
+from curvopt.engine.flow import FlowCheck
+from curvopt.engine.params import tied
+from curvopt.engine.participation import Participation
+from curvopt.engine.pass_guards import autocast_off, check_reduction, missing_loss
+from curvopt.engine.pass_guards import one_batch_size
 from curvopt.engine.reducer import FirstOrderReducer
-from curvopt.engine.records import Call
 from curvopt.engine.results import ResultBuffer
 from curvopt.engine.rows import establish
-from curvopt.engine.torch_internals import (
-    current_autograd_node,
-    current_graph_task_id,
-    grad_accumulator,
-    queue_callback,
-    will_engine_execute_node,
-)
-
-
-_NO_OP = contextlib.nullcontext()
-
-
-def _autocast_off() -> contextlib.AbstractContextManager:
-    """Autocast disabled while curvopt computes (a backward pass run inside ``autocast`` would
-    otherwise compute the quantities in whatever dtype each op's autocast policy picks)."""
-    if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
-        return _NO_OP
-    stack = contextlib.ExitStack()
-    for device in ("cpu", "cuda"):
-        if torch.is_autocast_enabled(device):
-            stack.enter_context(torch.autocast(device, enabled=False))
-    return stack
+from curvopt.engine.torch_internals import current_autograd_node, current_graph_task_id
+from curvopt.engine.torch_internals import queue_callback
+from curvopt.engine.walk import Walk
+from curvopt.errors import UnsupportedLossError, UnsupportedModuleError, module_error
+from curvopt.layers import rule_for
+from curvopt.losses import loss_rule_for
 
 
 class BackwardPass:
@@ -73,8 +44,6 @@ class BackwardPass:
         self, extensions, task: int, accumulator, skipped=None, diagonal=False, scope=None
     ):
         self.task = task
-        #: ``id``s of the parameters this pass writes for (an optimizer's own), None: all
-        self.scope = scope
         #: ``collect(skip_unsupported=...)``: where to report the parameters left out (the
         #: result buffer does), and whether they get the diagonal of the curvature instead
         self.results = ResultBuffer(skipped)
@@ -85,70 +54,20 @@ class BackwardPass:
         self.loss_seen = False
         self.batch_size: Optional[int] = None
         self.reused: Dict[int, bool] = {}
-        self.shared: Optional[set] = None
         self.checks = Checks()
         self.reducer = FirstOrderReducer(extensions, self.results, self.checks)
         self.first = self.reducer.first  # first-order producer -> the attributes it writes
         self.handles: list = []  # hooks on autograd nodes, removed when the pass ends
         self.upstream: list = []  # module calls upstream of the extended losses
-        self.walks: list = []  # the graph walks of this pass (``graph_plan.Walk``)
+        self.walks: list = []  # the graph walks of this pass (``walk.Walk``)
+        self.taking = Participation(scope, self.walks)  # the parameters it accumulates into
+        self.flow = FlowCheck(task)
         self.failed = False
         self.searched = False  # the graph upstream was searched for broadcast calls
         self.ignored = False  # the pass accumulates into no parameter it reaches
-        self.untouched: Dict[int, bool] = {}  # id(p): the pass does not accumulate into p.grad
-        self.parameters: Dict[int, tuple] = {}  # id(module): ``_parameters``
-        #: autograd nodes outside the walks whose upstream ``_reaches`` has walked
-        self.reached: dict = {}
         self.checkpointed = False  # a reentrant checkpoint was re-run (``checkpointing``)
         self.running = True  # until the engine's callback at the end of the pass
         queue_callback(self._finish)
-
-    def _skips(self, p) -> bool:
-        """Whether this pass leaves ``p.grad`` alone (``torch.autograd.grad``, ``backward(inputs=
-        ...)`` without ``p``): ``p``'s gradient accumulator is in the graph, but the engine will
-        not run it. (A parameter outside the graph, unused in this pass, is not skipped: it gets
-        zeros, as its module's output gradient says.) A parameter outside the pass's ``scope``
-        is skipped too: the pass computes and writes nothing for it."""
-        key = id(p)
-        skip = self.untouched.get(key)
-        if skip is None and self.scope is not None and key not in self.scope:
-            skip = self.untouched[key] = True
-        if skip is None:
-            accumulator = grad_accumulator(p)
-            try:
-                skip = not will_engine_execute_node(accumulator) and self._reaches(accumulator)
-            except RuntimeError:  # p is an input of torch.autograd.grad
-                skip = True
-            self.untouched[key] = skip
-        return skip
-
-    def _reaches(self, node) -> bool:
-        """Whether ``node`` lies upstream of the autograd node running now: in the walk of an
-        extended loss's graph, or else upstream of the node running now, walked incrementally
-        (a node seen before had its whole upstream walked). That second walk runs only for a
-        parameter whose accumulator the engine will not run (``torch.autograd.grad``) and that
-        no loss's walk reached (no extended loss: Hugging Face's ``labels=``), a graph part the
-        walks have not read, or where a walk went through a re-run reentrant checkpoint (the
-        engine's graph does not: the parameters inside reach it only in torch's re-run)."""
-        if any(node in walk.edges for walk in self.walks if not walk.checkpoints):
-            return True
-        return reaches(current_autograd_node(), node, self.reached)
-
-    def _parameters(self, module) -> tuple:
-        """``(trainable, taking part)``: ``module``'s trainable ``(name, p)`` and those of them
-        whose gradient this pass accumulates (looked up once per pass)."""
-        key = id(module)
-        found = self.parameters.get(key)
-        if found is None:
-            params = trainable(module)
-            found = self.parameters[key] = params, [(n, p) for n, p in params if not self._skips(p)]
-        return found
-
-    def _skips_all(self, modules) -> bool:
-        """The pass accumulates into none of the trainable parameters of ``modules`` (and there
-        is one)."""
-        found = [self._parameters(m) for m in modules]
-        return any(params for params, _ in found) and not any(taking for _, taking in found)
 
     # ---------------------------------------------------------------- hooks
     def on_loss(self, record, grad) -> bool:
@@ -160,43 +79,50 @@ class BackwardPass:
             return False
         segments: list = []
         try:
-            check_reduction(record.module)
-            if not (self.second_order_exts or self.first):
-                return True
-            upstream = Walk(record.output, segments if self.second_order_exts else None)
-            self.walks.append(upstream)
-            if not upstream.calls and upstream.foreign:
-                raise UnsupportedModuleError(
-                    f"curvopt: the input of the extended loss {type(record.module).__name__} "
-                    f"depends on parameters (one of shape {tuple(upstream.foreign[0].shape)}) "
-                    "of modules that were not extended, "
-                    "so curvopt cannot compute anything for them; extend the model too: "
-                    "model = curvopt.extend(model)"
-                )
-            if self._skips_all(r.module for r in upstream.calls):
-                self.ignored = True
-                return False
-            self.loss_seen = True
-            with _autocast_off():
-                if self.second_order_exts:
-                    cpass = CurvaturePass(
-                        self.results, self.second_order_exts, record, grad, self.skip_diagonal
-                    )
-                    cpass.check(upstream)
-                    self.watch_broadcasts(upstream.calls)
-                    cpass.run(upstream)
-                    self.batch_size = self.batch_size or cpass.layout.samples
-                    self._watch_flow(upstream, current_autograd_node())
-                    self.checkpointed = self.checkpointed or bool(segments)
-                else:
-                    self._check_layout(record, upstream)
+            with autocast_off():
+                return self._on_loss(record, grad, segments)
         except BaseException:
             self._abort()
             raise
         finally:
             for segment in segments:  # the re-run checkpoints (``checkpointing``)
                 segment.release()
+
+    def _on_loss(self, record, grad, segments) -> bool:
+        check_reduction(record.module)
+        if not (self.second_order_exts or self.first):
+            return True
+        upstream = Walk(record.output, segments if self.second_order_exts else None)
+        self.walks.append(upstream)
+        if not upstream.calls and upstream.foreign:
+            raise UnsupportedModuleError(
+                f"curvopt: the input of the extended loss {type(record.module).__name__} "
+                f"depends on parameters (one of shape {tuple(upstream.foreign[0].shape)}) "
+                "of modules that were not extended, "
+                "so curvopt cannot compute anything for them; extend the model too: "
+                "model = curvopt.extend(model)"
+            )
+        if self.taking.skips_all(r.module for r in upstream.calls):
+            self.ignored = True
+            return False
+        self.loss_seen = True
+        if not self.second_order_exts:
+            self._check_layout(record, upstream)
+            return True
+        cpass = CurvaturePass(
+            self.results, self.second_order_exts, record, grad, self.skip_diagonal
+        )
+        cpass.check(upstream)
+        self.watch_broadcasts(upstream.calls)
+        cpass.run(upstream)
+        self.batch_size = self.batch_size or cpass.layout.samples
+        self.checks.note_walk(upstream)
+        self.flow.watch(upstream, current_autograd_node(), self._active, self._abort)
+        self.checkpointed = self.checkpointed or bool(segments)
         return True
+
+    def _active(self) -> bool:
+        return not (self.failed or self.ignored)
 
     def _check_layout(self, record, upstream) -> None:
         """First order under an extended loss: the loss rows map onto the model's samples
@@ -222,32 +148,6 @@ class BackwardPass:
                 elementwise,
                 required=False,
             )
-
-    def _watch_flow(self, upstream, loss_node) -> None:
-        """Hooks on the autograd nodes upstream of an extended loss, for ``checks.check_flow``
-        (registered after the curvature's own backward runs through the graph; each acts only
-        in this pass's autograd task)."""
-        check, send = self.checks.watch_flow(upstream, loss_node)
-        for node in send:
-            nexts = upstream.next_of(node)
-
-            def record_sent(grad_inputs, _grad_outputs, nexts=nexts):
-                if current_graph_task_id() == self.task and not self.failed:
-                    self.checks.record_sent(nexts, grad_inputs)
-
-            self.handles.append(node.register_hook(record_sent))
-        for node in check:
-
-            def check_flow(grad_outputs, node=node):
-                if current_graph_task_id() != self.task or self.failed or self.ignored:
-                    return
-                try:
-                    self.checks.check_flow(node, grad_outputs)
-                except BaseException:
-                    self._abort()
-                    raise
-
-            self.handles.append(node.register_prehook(check_flow))
 
     def watch_broadcasts(self, calls) -> None:
         """Read the per-sample output gradients of broadcast calls where they still exist (and
@@ -282,10 +182,10 @@ class BackwardPass:
         accumulates into none of its parameters): its record stays for another pass."""
         if self.failed:
             return True
-        if self.ignored or self._skips_all((record.module,)):
+        if self.ignored or self.taking.skips_all((record.module,)):
             return False
         try:
-            with _autocast_off():
+            with autocast_off():
                 self._on_module(record, grads)
         except BaseException:
             self._abort()
@@ -304,22 +204,11 @@ class BackwardPass:
             grads = (zeros, *grads[1:])
         if self.second_order_exts:
             if not self.loss_seen:
-                names = ", ".join(repr(e) for e in self.second_order_exts)
-                raise MissingLossError(
-                    f"{names} need(s) the loss, and curvopt could not read the loss that was "
-                    "backpropagated; compute it with an extended loss module, e.g. "
-                    "lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss()) (with the Trainer, "
-                    "compute_loss_func=), or functionally from the outputs of the extended "
-                    "model called inside the collect block (or, for an optimizer, after it was "
-                    "made): F.cross_entropy, F.nll_loss after F.log_softmax over the classes, "
-                    "F.mse_loss, F.binary_cross_entropy_with_logits, reduction 'mean' or 'sum' "
-                    "(a loss the model returns itself, e.g. a Hugging Face model's labels=, "
-                    "also without label_smoothing), summed and scaled by constants"
-                )
+                raise missing_loss(self.second_order_exts)
             if not (self.checkpointed and current_graph_task_id() != self.task):
                 # (a call inside a checkpoint runs in torch's nested backward: checked at the
                 # checkpoint's node by the flow hooks instead)
-                self.checks.check_unreached(record, grads)
+                self.flow.check_unreached(record, grads)
         elif not self.first:
             return
         rule = rule_for(module)
@@ -328,7 +217,7 @@ class BackwardPass:
             raise module_error(module, reason)
         grad_out = grads[0] if len(grads) == 1 else grads
         call = record.call(grad_out)
-        params = self._parameters(module)[1]
+        params = self.taking.of(module)[1]
         self.checks.note_precision(record, params)
         self.checks.seen.update(id(p) for _, p in params)
         if not self.first:
@@ -336,7 +225,7 @@ class BackwardPass:
                 for name, p in params:
                     self.reducer.add_total(p, rule, call, name)
             return
-        self._check_batch_size(call)
+        self.batch_size = one_batch_size(call, self.batch_size)
         materialise = self.reducer.keeps_per_sample or self._reused(module, params)
         for name, p in params:
             self.reducer.add(p, rule, call, name, materialise)
@@ -345,33 +234,10 @@ class BackwardPass:
         """Whether ``module`` is called several times in this pass or shares a parameter with
         another module (decided at its first call, while its later calls still await their
         gradients): its per-sample gradients are summed before they are reduced."""
-        if self.shared is None:
-            self.shared = shared_parameters()
         key = id(module)
         if key not in self.reused:
-            self.reused[key] = module._curvopt_live > 1 or any(
-                id(p) in self.shared for _, p in params
-            )
+            self.reused[key] = module._curvopt_live > 1 or any(tied(p) for _, p in params)
         return self.reused[key]
-
-    def _check_batch_size(self, call: Call) -> None:
-        n = call.batch_size
-        if self.batch_size is None:
-            self.batch_size = n
-        elif n != self.batch_size:
-            raise module_error(
-                call.module,
-                f"it sees {n} samples along dim {call.batch_dim} while other modules saw "
-                f"{self.batch_size}; per-sample quantities need the batch dimension kept intact "
-                "(do not fold other dims into it before a layer with parameters; sequence-first "
-                "models: extend the loss module too, so that curvopt can find the batch, declare "
-                "curvopt.extend(model, sequence_first=True), or use batch_first=True; a module "
-                "called without the batch whose output is added to every sample, such as "
-                "position embeddings of a shared arange(T): "
-                "extend the loss module too, curvopt.extend(lossfunc), so that curvopt can "
-                "follow the broadcast, or index them per sample, "
-                "pos_emb(torch.arange(T).expand(N, T)))",
-            )
 
     def on_parameter_grad(self, p, grad: torch.Tensor) -> None:
         """``p``'s whole gradient of this pass. Its hook normally runs after those of all the
@@ -379,10 +245,10 @@ class BackwardPass:
         exception), so the sum of per-sample gradients is checked at whichever comes last."""
         if self.failed or self.ignored or not (self.first or self.second_order_exts):
             return
-        if self._skips(p):
+        if self.taking.skips(p):
             return
         try:
-            with _autocast_off():  # the sum check computes (projected sums: matmuls)
+            with autocast_off():  # the sum check computes (projected sums: matmuls)
                 self.checks.parameter_grad(p, grad)
         except BaseException:
             self._abort()
@@ -391,14 +257,14 @@ class BackwardPass:
     # ---------------------------------------------------------------- end of pass
     def _finish(self) -> None:
         self.running = False
-        with _autocast_off():
+        with autocast_off():
             self._finish_pass()
 
     def _finish_pass(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.walks.clear()
-        self.checks.release()
+        self.flow.release()
         if self.failed:
             return
         try:
@@ -411,7 +277,7 @@ class BackwardPass:
             raise
         self.checks.mark_checked()
         self.reducer.finish()
-        self.results.write(self.accumulator, self.batch_size or 0, self.untouched)
+        self.results.write(self.accumulator, self.batch_size or 0, self.taking.untouched)
         self.reducer.batch_grads.clear()
 
     def _abort(self) -> None:
@@ -426,3 +292,4 @@ class BackwardPass:
         self.reducer.batch_grads.clear()
         self.results.clear()
         self.checks.clear()
+        self.flow.release()

@@ -64,7 +64,7 @@ def find(node, output_nr: int, out_shape, consumers) -> Optional[Broadcast]:
     """The :class:`Broadcast` of a call whose output is ``(node, output_nr)``, or None.
 
     ``consumers[(node, nr)]`` lists the ``(node, input index)`` pairs that take that output as
-    an input (``graph_plan.Walk.consumers``: read off the pass's walk, no graph walk here).
+    an input (``walk.Walk.consumers``: read off the pass's walk, no graph walk here).
     """
     shape = tuple(out_shape)
     edge = (node, output_nr)

@@ -3,7 +3,7 @@
 ``torch.utils.checkpoint(fn, *args, use_reentrant=True)`` leaves one autograd node whose
 backward re-runs ``fn`` and calls ``backward()`` on the result: ``torch.autograd.grad``, and so
 curvopt's columns, cannot pass it. For curvature, curvopt re-runs each such segment itself when
-the loss hook walks the graph (:class:`Segment`, ``torch_internals.rerun_checkpoint``): from the
+the loss hook walks the graph (:class:`Segment`, ``torch_rerun.rerun_checkpoint``): from the
 node's saved inputs, which stay attached to the graph upstream, with the forward's RNG state and
 autocast restored as torch restores them, so the re-run computes what the forward computed.
 
@@ -18,7 +18,7 @@ would make autograd run the checkpoint node: that raises, naming the fix.
 
 While segments are live (from the loss hook to the end of its curvature work), the re-run graphs
 hold the activations of every segment at once, as the model without checkpointing does. The
-regions, and the releases, read the graph as the loss's walk read it (``graph_plan.Walk``,
+regions, and the releases, read the graph as the loss's walk read it (``walk.Walk``,
 ``adopt``): no node's edges are read twice.
 """
 
@@ -30,15 +30,16 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from curvopt.errors import UnsupportedModuleError
+from curvopt.engine.graph_plan import edges_of, forget_stages, search, stages_of
 from curvopt.engine.records import records_on
-from curvopt.engine.torch_internals import ACCUMULATE_GRAD, rerun_checkpoint
+from curvopt.engine.torch_internals import ACCUMULATE_GRAD
+from curvopt.engine.torch_rerun import rerun_checkpoint
 
 #: key of the autograd-node metadata holding a checkpoint node's live ``Segment``
 _METADATA = "curvopt_segment"
 _LIVE: set = set()  # the live segments
-_PLANS: Dict[object, List["_Region"]] = {}  # root node -> its stages, while no segment changes
 #: ``node -> next_functions`` as the walk that re-ran the live segments read them
-#: (``graph_plan.Walk``, ``adopt``): the stages and releases read the graph from it
+#: (``walk.Walk``, ``adopt``): the stages and releases read the graph from it
 _EDGES: Dict[object, tuple] = {}
 
 
@@ -69,7 +70,7 @@ class Segment:
         self.outputs = outputs
         node.metadata[_METADATA] = self
         _LIVE.add(self)
-        _PLANS.clear()
+        forget_stages()
 
     @property
     def module(self):
@@ -92,20 +93,19 @@ class Segment:
         if self.node.metadata.get(_METADATA) is self:
             del self.node.metadata[_METADATA]
         _LIVE.discard(self)
-        _PLANS.clear()
+        forget_stages()
         inputs = {id(t.grad_fn) for t in self.node.saved_tensors if t.grad_fn is not None}
-        stack = [self.outputs[i].grad_fn for i in self._differentiable()]
-        seen = set()
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen or id(node) in inputs:
-                continue
-            seen.add(node)
+
+        def release(node) -> list:
+            if id(node) in inputs:
+                return []
             if type(node).__name__ == ACCUMULATE_GRAD or segment_on(node) is not None:
-                continue
+                return []
             for record, _, _ in records_on(node):
                 record.release()
-            stack.extend(fn for fn, _ in _next(node))
+            return [fn for fn, _ in _next(node)]
+
+        search([self.outputs[i].grad_fn for i in self._differentiable()], release)
         self.outputs = ()
         if not _LIVE:
             _EDGES.clear()
@@ -119,7 +119,7 @@ def adopt(edges: Dict[object, tuple]) -> None:
 
 def _next(node) -> tuple:
     nexts = _EDGES.get(node)
-    return node.next_functions if nexts is None else nexts
+    return edges_of(node) if nexts is None else nexts
 
 
 def segment_on(node) -> Optional[Segment]:
@@ -138,24 +138,23 @@ def reach(starts, stop=frozenset(), nexts=None):
     ``stop`` (``entries``: the edges ``(node, output_nr)`` by which the stop nodes are entered).
     ``nexts(node)``: its edges as a walk read them (default: as the live segments' walk)."""
     nexts = _next if nexts is None else nexts
-    nodes, barriers, entries = set(), [], set()
-    stack = [(node, None) for node in starts]
-    while stack:
-        node, nr = stack.pop()
-        if node is None:
-            continue
-        if node in stop:
-            entries.add((node, nr))
-            continue
-        if node in nodes:
-            continue
+    barriers, entries = [], {(node, None) for node in starts if node in stop}
+
+    def expand(node) -> list:
         barrier = segment_on(node)
         if barrier is not None:
-            if barrier not in barriers:
-                barriers.append(barrier)
-            continue
-        nodes.add(node)
-        stack.extend(nexts(node))
+            barriers.append(barrier)
+            return []
+        on = []
+        for fn, nr in nexts(node):
+            if fn in stop:
+                entries.add((fn, nr))
+            else:
+                on.append(fn)
+        return on
+
+    read = search([node for node in starts if node not in stop], expand)
+    nodes = {node for node in read if segment_on(node) is None}
     return nodes, barriers, entries
 
 
@@ -173,14 +172,8 @@ class _Region:
         """Raise if a node asked for lies upstream of a checkpoint this region meets (autograd
         would run the checkpoint to reach it)."""
         if self._above is None:
-            above, stack = set(), [fn for b in self.barriers for fn, _ in _next(b.node)]
-            while stack:
-                node = stack.pop()
-                if node is None or node in above:
-                    continue
-                above.add(node)
-                stack.extend(fn for fn, _ in _next(node))
-            self._above = above
+            starts = [fn for b in self.barriers for fn, _ in _next(b.node)]
+            self._above = search(starts, lambda node: [fn for fn, _ in _next(node)])
         for node in nodes:
             if node in self._above:
                 names = ", ".join(b._curvopt_path for b in self.barriers)
@@ -195,21 +188,24 @@ class _Region:
 
 
 def _plan(start) -> List[_Region]:
-    """The regions from ``start`` (a node), each after every region that feeds it."""
-    plan = _PLANS.get(start)
-    if plan is not None:
-        return plan
-    regions, order, stack = {}, [], [None]
-    regions[None] = _Region(None, [start])
+    """The regions from ``start`` (a node), each after every region that feeds it (kept in
+    ``graph_plan``'s cache of stages while the live segments stay the same)."""
+    return stages_of(start, lambda: _regions(start))
+
+
+def _regions(start) -> List[_Region]:
+    regions = {start: _Region(None, [start])}  # the root's region, then one per segment met
     feeders: Dict[object, int] = {}
-    while stack:
-        key = stack.pop()
+
+    def expand(key) -> list:
         for b in regions[key].barriers:
             feeders[b] = feeders.get(b, 0) + 1
             if b not in regions:
                 regions[b] = _Region(b, [b.outputs[i].grad_fn for i in b._differentiable()])
-                stack.append(b)
-    ready = [None]
+        return regions[key].barriers
+
+    search([start], expand)
+    order, ready = [], [start]
     while ready:  # Kahn: a segment's region once all regions meeting it are placed
         key = ready.pop()
         order.append(regions[key])
@@ -217,7 +213,6 @@ def _plan(start) -> List[_Region]:
             feeders[b] -= 1
             if not feeders[b]:
                 ready.append(b)
-    _PLANS[start] = order
     return order
 
 

@@ -1,105 +1,35 @@
-"""The checks of one backward pass, each raising before anything is written, and the one
-tolerance policy they share.
+"""The sum checks of one backward pass, each raising before anything is written.
 
 * every parameter that received a gradient was seen through its module's call;
 * the per-sample gradients of each parameter sum to its gradient (a parameter also used
-  outside its module, e.g. a tied head ``h @ emb.weight.T``, breaks this);
-* for curvature, the gradient flowing into the graph upstream of the extended losses enters
-  through them alone (nothing from other terms of the objective: ``watch_flow``, on every
-  pass), and every parameter with a gradient gets every requested curvature attribute.
+  outside its module, e.g. a tied head ``h @ emb.weight.T``, breaks this), in full or through
+  random probes (``projected``);
+* for curvature, every parameter with a gradient gets every requested curvature attribute
+  (that the gradient enters through the extended losses alone is ``flow``'s check).
 
-The flow check costs no propagated column. The graph upstream of each extended loss is known
-(the pass's ``graph_plan.Walk``); at every node of it that lies downstream of what curvopt reads
-(a module call's output, an extended parameter), the gradient the autograd engine hands the
-node must be the sum of what the node's consumers inside that graph sent it. A node with one
-such consumer receives the very tensor it sent unless something else adds to it (an identity
-test, no arithmetic); anything else is compared by value, so that a term whose weight is 0 on
-this pass passes and the same term with weight 0.3 on the next raises. The per-sample sums of
-a curvature-only pass are checked on the first pass of each graph structure (its
-``graph_plan.Plan.sums_checked``): with the flow checked on every pass,
-what a sum check adds (a parameter used again inside the losses' graph, a rule that disagrees
-with autograd) is a property of the structure.
+The per-sample sums of a curvature-only pass are checked on the first pass of each graph
+structure (its ``graph_plan.Plan.sums_checked``): with the flow checked on every pass, what a
+sum check adds (a parameter used again inside the losses' graph, a rule that disagrees with
+autograd) is a property of the structure.
 
-Tolerance: a comparison of ``a`` with ``b`` fails beyond ``factor * eps * max(|a|, |b|)``, with
-``eps`` the unit roundoff of the least precise dtype involved, or of the computation that made
-them (an autocast call computes in a lower precision than its parameters: ``note_precision``).
-The sum check has two tiers: the cheap bound above (``factor`` 64), then, for the sums that
-miss it, the rounding bound ``8 eps (sum_n |g_n| + |grad|) + 1000 eps max |grad of the pass|``.
-
-Projected sums (Freivalds): where a rule computes ``sum_n g_n = sum_r b_r a_rᵀ`` from per-row
-factors (``LayerRule.projected_sum``), the sum is checked through ``K = 8`` pairs of Gaussian
-probes ``u_k, v_k`` (a generator of the checks' own: the user's random stream is untouched),
-``uᵀ (sum_n g_n) v = sum_r (b_rᵀ u)(a_rᵀ v)`` against ``uᵀ grad v``, at ``O(R (I + O) K)`` plus
-one read of ``grad`` instead of the ``O(R I O)`` product. Bound: ``64 eps M`` with
-``M = sum_r |b_r| |a_r|`` (Euclidean norms). For random probes the rounding of either side,
-``uᵀ D v`` for an error matrix ``D``, has standard deviation ``|D|_F``, and ``|D|_F`` is a few
-``eps`` times ``|sum_r |b_r| |a_r|ᵀ|_F <= M`` (measured on 2C2D, 3C3D and a 512 x 256 layer
-with 1024 rows in float32: at most ``3 eps M``); ``M`` sums norms, so a gradient that cancels
-to nearly zero keeps its bound. A wrong sum, ``E = sum_n g_n - grad != 0``, is missed only if
-``|u_kᵀ E v_k| <= 64 eps M`` for every ``k``: ``u_kᵀ E v_k = 0`` has probability 0, and with
-``r = sigma_max(E) / (64 eps M)`` one probe misses with probability at most
-``(2/pi)(2 + ln r) / r`` (given ``v``, ``uᵀ(E v)`` is normal with standard deviation
-``|E v| >= sigma_max(E) |z|``, ``z`` standard normal), all eight at most its eighth power:
-``2e-3`` for ``r = 5``, ``3e-5`` for ``r = 10``, ``1e-11`` for ``r = 100``. In float32
-(``64 eps = 8e-6``) an error of ``sigma_max(E) >= 8e-5 M`` is caught but for ``3e-5``.
+Tolerance (``tolerance``): the sum check has two tiers: the cheap bound (``factor`` 64), then,
+for the sums that miss it, the rounding bound ``8 eps (sum_n |g_n| + |grad|) + 1000 eps max
+|grad of the pass|``; a projected sum has its own bound (``projected``).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from curvopt.engine.checkpointing import segment_on
-from curvopt.errors import UnsupportedModuleError, module_error
 from curvopt.engine.graph_plan import mark_sums_checked
+from curvopt.engine.projected import PROJECTED_FACTOR, draw_probes, project, projection_pays
 from curvopt.engine.reducer import reduce_in_chunks
 from curvopt.engine.reductions import probe_columns
 from curvopt.engine.results import name_of
-from curvopt.engine.torch_internals import ACCUMULATE_GRAD
-
-_OUTSIDE = (
-    "the backpropagated objective has other terms (a regulariser on activations, a loss that "
-    "is not extended, a term of the parameters), whose curvature curvopt would miss; "
-    "backpropagate only sums of extended losses inside collect, or add the other terms' "
-    "curvature yourself"
-)
-
-
-#: probe pairs of the projected sum check
-PROBES = 8
-#: the projected sums' rounding bound, ``factor * eps * sum_r |b_r| |a_r|``
-PROJECTED_FACTOR = 64
-#: the checks' own random streams (per device), so that the probes leave the user's untouched
-_GENERATORS: Dict[torch.device, torch.Generator] = {}
-
-
-def draw_probes(p) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Gaussian ``u [p.shape[0], K]`` and ``v [p[0].numel(), K]`` for the projected check."""
-    gen = _GENERATORS.get(p.device)
-    if gen is None:
-        gen = _GENERATORS[p.device] = torch.Generator(device=p.device).manual_seed(0x5EED)
-    dtype = p.dtype if p.is_floating_point() else torch.get_default_dtype()
-    u, v = (
-        torch.randn(size, PROBES, generator=gen, device=p.device, dtype=dtype)
-        for size in (p.shape[0], p[0].numel())
-    )
-    return u, v
-
-
-def projection_pays(p) -> bool:
-    """Whether the projected check of ``p`` (as a ``rows x cols`` matrix) costs under a sixth
-    of the full sum in flops: per row of the factors, ``K (rows + cols)`` against ``rows cols``
-    (the projected convolutions run at a lower rate than the weight gradient's; the sixth
-    picks the faster check for every weight of 2C2D and 3C3D, ``benchmarks/projected_guard``)."""
-    rows, cols = p.shape[0], p[0].numel()
-    return 6 * PROBES * (rows + cols) < rows * cols
-
-
-def project(matrix, u, v) -> torch.Tensor:
-    """``[K]``: ``u_kᵀ matrix v_k`` for ``matrix`` of any shape seen as ``[u.shape[0], -1]``."""
-    return ((matrix.reshape(u.shape[0], -1).to(v.dtype) @ v) * u).sum(0)
+from curvopt.engine.tolerance import dense, max_abs, mismatch, roundoff
+from curvopt.errors import UnsupportedModuleError
 
 
 class _Total:
@@ -117,48 +47,6 @@ class _Total:
         self.magnitude: Optional[torch.Tensor] = None
 
 
-def roundoff(*tensors, floor: float = 0.0) -> float:
-    """Unit roundoff of the least precise floating dtype among ``tensors``, at least ``floor``."""
-    eps = floor
-    for t in tensors:
-        if t is not None and t.is_floating_point():
-            eps = max(eps, torch.finfo(t.dtype).eps)
-    return eps
-
-
-def mismatch(a, b, factor: float, floor: float = 0.0) -> bool:
-    """``|a - b|`` beyond ``factor * roundoff(a, b, floor) * max(|a|, |b|)`` somewhere (the
-    roundoff of both dtypes; ``b``, the reference, is compared in ``a``'s dtype).
-
-    Non-finite values: where ``b`` is finite everywhere, a non-finite ``a`` (or a difference
-    that overflows) is a mismatch, never a pass; where ``b`` itself is not finite there is
-    nothing to verify against (the gradient is visibly broken) and it is not one."""
-    if not a.numel():
-        return False
-    eps = roundoff(a, b, floor=floor)
-    if b.dtype != a.dtype:
-        b = b.to(a.dtype)
-    gap = (a - b).abs_().max()  # one fresh difference, its abs in place
-    if not bool(gap.isfinite()):  # NaN or inf in a or b, or an overflow
-        return bool(b.isfinite().all())
-    bound = factor * eps
-    # max(|a|, |b|) >= max |b| (and rounding is monotone): within the bound at max |b|, a sum
-    # that is right reads one tensor fewer, with one sync; only otherwise is max |a| read
-    if bool(gap <= bound * _max_abs(b)):
-        return False
-    return bool(gap > bound * _max_abs(a, b))
-
-
-def _max_abs(*tensors) -> torch.Tensor:
-    """``max |x|`` over ``tensors`` as ``max(|min x|, |max x|)``: no full-size ``|x|``."""
-    return torch.stack([v for t in tensors for v in torch.aminmax(t)]).abs_().max()
-
-
-def dense(grad: torch.Tensor) -> torch.Tensor:
-    """A sparse gradient (``nn.Embedding(sparse=True)``) as the dense tensor it stands for."""
-    return grad.coalesce().to_dense() if grad.is_sparse else grad
-
-
 class Checks:
     """What the checks of one pass have seen so far."""
 
@@ -170,13 +58,8 @@ class Checks:
         #: (p, projected sum_n g_n, projected grad, M, |u|_1 |v|_1), each [K], beyond 16 eps M
         self.projected_suspects: List[tuple] = []
         self.compute_eps: Dict[int, float] = {}  # id(p): roundoff of autocast calls using p
-        self.reached: set = set()  # module calls upstream of the extended losses
-        self.watched: set = set()  # autograd nodes whose incoming gradient is checked
-        self.senders: set = set()  # autograd nodes whose outgoing gradient is recorded
-        self.sent: Dict[Tuple[object, int], list] = defaultdict(list)  # (node, nr): gradients
-        self.structures: list = []  # keys of the extended losses' graphs (``graph_plan.Walk``)
+        self.structures: list = []  # keys of the extended losses' graphs (``walk.Walk``)
         self.sums = False  # whether curvature-only passes check their per-sample sums
-        self.modules: dict = {}  # autograd node -> the module whose call's output it produced
 
     def note_precision(self, record, params) -> None:
         """A call computed in a lower precision than its parameters (autocast) makes ``p.grad``
@@ -186,70 +69,11 @@ class Checks:
                 eps = torch.finfo(record.dtype).eps
                 self.compute_eps[id(p)] = max(eps, self.compute_eps.get(id(p), 0.0))
 
-    # ------------------------------------------------------------ curvature: gradient flow
-    def watch_flow(self, walk, loss_node):
-        """Add the graph upstream of one extended loss (``walk``: of its input; ``loss_node``:
-        its output's node); returns the nodes newly to check (``check_flow`` before they run)
-        and the nodes newly to record (``record_sent`` after they ran): those of the graph that
-        lie downstream of a module call's output or an extended parameter, and the loss's own
-        nodes between its output and its input."""
-        self.reached.update(walk.calls)
+    def note_walk(self, walk) -> None:
+        """An extended loss's graph (``walk``) in this pass: its structure's sums are checked
+        unless a pass of it had them checked."""
         self.structures.append(walk.key)
         self.sums = self.sums or walk.plan is None or not walk.plan.sums_checked
-        users = walk.users
-        # a re-run reentrant checkpoint takes its re-run outputs (no input index): its node is
-        # checked like a call's output, named by its segment (``checkpointing``)
-        self.modules.update((c, segment_on(c)) for c in walk.checkpoints)
-        for record, edges in walk.calls.items():
-            self.modules.update((edge.node, record.module) for _, edge in edges)
-        stack = list(self.modules)
-        stack.extend(n for n in users if _extended_leaf(n))
-        region = set()
-        while stack:  # downstream of what curvopt reads
-            node = stack.pop()
-            if node not in region:
-                region.add(node)
-                stack.extend(users.get(node, ()))
-        check = [n for n in region if n not in self.watched]
-        self.watched.update(check)
-        inside = walk.between(loss_node)
-        send = [n for n in (*region, *inside) if n not in self.senders]
-        self.senders.update(send)
-        return check, send
-
-    def record_sent(self, nexts, grads) -> None:
-        """The gradients a node sends to the checked nodes upstream (``nexts``: its
-        ``next_functions``)."""
-        for grad, (fn, nr) in zip(grads, nexts):
-            if fn in self.watched and grad is not None:
-                self.sent[(fn, nr)].append(grad)
-
-    def check_flow(self, node, grads) -> None:
-        """``grads``, handed to ``node`` by the engine, are what its consumers upstream of the
-        extended losses sent (the same tensor, or the sum to roundoff)."""
-        for nr, grad in enumerate(grads):
-            sent = self.sent.pop((node, nr), ())
-            if grad is None or (len(sent) == 1 and sent[0] is grad):
-                continue
-            grad = dense(grad)
-            if not sent:
-                bad = bool(grad.any())
-            else:
-                total = dense(sent[0]).to(grad.dtype)
-                for other in sent[1:]:
-                    total = total + dense(other).to(grad.dtype)
-                bad = total.shape != grad.shape or mismatch(total, grad, 256)
-            if bad:
-                raise _flow_error(node, self.modules.get(node))
-
-    def check_unreached(self, record, grads) -> None:
-        """A module call that no extended loss reaches gets no gradient."""
-        if record not in self.reached and any(g is not None and bool(g.any()) for g in grads):
-            raise module_error(
-                record.module,
-                f"its output gradient does not come from the extended loss(es) "
-                f"alone (none of them depends on it): {_OUTSIDE}",
-            )
 
     def mark_checked(self) -> None:
         """The pass succeeded: its structures had their sums checked (if they were)."""
@@ -360,7 +184,7 @@ class Checks:
             _raise_wrong_sum(p, (total - seen.to(total.dtype)).abs_())
         if not self.suspects:
             return
-        largest = float(_max_abs(*(dense(g) for _, g in self.param_grads.values() if g.numel())))
+        largest = float(max_abs(*(dense(g) for _, g in self.param_grads.values() if g.numel())))
         for p, total, grad, magnitude in self.suspects:
             gap = (total - grad.to(total.dtype)).abs_()
             eps = roundoff(total, grad, floor=self.compute_eps.get(id(p), 0.0))
@@ -395,16 +219,8 @@ class Checks:
                     "comes from another term of the objective)"
                 )
 
-    def release(self) -> None:
-        """Drop the references to the graph's nodes and gradients (the pass has ended)."""
-        self.sent.clear()
-        self.watched.clear()
-        self.senders.clear()
-        self.modules.clear()
-
     def clear(self) -> None:
         self.param_grads.clear()
-        self.release()
 
 
 def _raise_wrong_sum(p, gap) -> None:
@@ -439,32 +255,4 @@ def _abs_sum(p, uses) -> torch.Tensor:
     return sum(
         reduce_in_chunks(rule, call, name, p.shape, {"abs_sum": True})["abs_sum"]
         for rule, call, name in uses
-    )
-
-
-def _extended_leaf(node) -> bool:
-    """``node`` accumulates into a parameter of an extended module."""
-    return type(node).__name__ == ACCUMULATE_GRAD and getattr(
-        node.variable, "_curvopt_checked", False
-    )
-
-
-def _flow_error(node, module) -> Exception:
-    """The error for gradient from outside the extended losses arriving at ``node`` (the
-    output of a call of ``module``, if not None)."""
-    if type(node).__name__ == ACCUMULATE_GRAD:
-        return UnsupportedModuleError(
-            f"curvopt: parameter {name_of(node.variable)!r} receives gradient from outside the "
-            "module that owns it and the extended loss(es) (a penalty on the parameter added "
-            f"to the loss, or a use outside its module): {_OUTSIDE}"
-        )
-    if module is not None:
-        return module_error(
-            module,
-            f"its output gradient does not come from the extended loss(es) alone: {_OUTSIDE}",
-        )
-    return UnsupportedModuleError(
-        f"curvopt: the gradient of an intermediate result between the model's modules and the "
-        f"extended loss(es) (autograd node {type(node).__name__}) does not come from the "
-        f"extended loss(es) alone: {_OUTSIDE}"
     )

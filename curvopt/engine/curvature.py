@@ -31,6 +31,7 @@ from curvopt.errors import UnsupportedKroneckerError, UnsupportedLossError, modu
 from curvopt.extensions.quantity import Producer
 from curvopt.engine.hessian import residuals
 from curvopt.engine.kfra import kfra
+from curvopt.engine.loss_context import LossContext
 from curvopt.layers import rule_for
 from curvopt.layers.kron import kron_factors, output_factor_index
 from curvopt.losses import loss_rule_for
@@ -53,14 +54,6 @@ def _fresh_bases(ext, calls) -> bool:
     return any(ext.supplied(p) is None for record in calls for _, p in trainable(record.module))
 
 
-def check_reduction(loss_module) -> None:
-    if getattr(loss_module, "reduction", None) == "none":
-        raise UnsupportedLossError(
-            f"{type(loss_module).__name__}(reduction='none') returns per-sample losses, whose "
-            "scaling curvopt cannot know; use reduction='mean' or 'sum'"
-        )
-
-
 class CurvaturePass:
     """Second-order work of one loss of a backward pass, run from the loss hook: ``exts`` (the
     second-order extensions) contribute to ``results`` (the pass's ``results.ResultBuffer``);
@@ -81,7 +74,7 @@ class CurvaturePass:
         self.scale = math.sqrt(self.weight)
 
     def check(self, walk) -> None:
-        """The loss's target and the calls of ``walk`` (``graph_plan.Walk`` of its input) are
+        """The loss's target and the calls of ``walk`` (``walk.Walk`` of its input) are
         supported."""
         module, output, target = self.loss.module, self.loss.output, self.loss.target
         loss_rule_for(module).check(module, output.detach(), target)
@@ -91,7 +84,7 @@ class CurvaturePass:
                 raise module_error(record.module, reason)
 
     def run(self, walk) -> None:
-        """All curvature of this loss, given ``walk`` (``graph_plan.Walk`` of its input, its
+        """All curvature of this loss, given ``walk`` (``walk.Walk`` of its input, its
         plan bound to this pass)."""
         output = self.loss.output
         rule = loss_rule_for(self.loss.module)
@@ -111,15 +104,17 @@ class CurvaturePass:
         for (source, mc_samples), exts in groups.items():
             self._propagate(rule, calls, exts, source, mc_samples)
         hessian_exts = [e for e in self.exts if e.quantity.producer is Producer.HESSIAN_DIAGONAL]
+        kfra_exts = [e for e in self.exts if e.quantity.producer is Producer.KFRA]
+        if not (hessian_exts or kfra_exts):
+            return
+        context = LossContext(output, walk, self.batched, partial(self.columns, rule, "exact", 0))
         if hessian_exts:
             if self.loss.no_hessian is not None:
                 raise UnsupportedLossError(self.loss.no_hessian)
-            #: ``dL/d output`` of this loss, for the residuals
-            self.loss_grad = loss_gradient(self.loss, self.weight)
-            self.results.add(residuals(self, calls, hessian_exts))
-        kfra_exts = [e for e in self.exts if e.quantity.producer is Producer.KFRA]
+            gradient = loss_gradient(self.loss, self.weight)
+            self.results.add(residuals(context, gradient, calls, hessian_exts))
         if kfra_exts:
-            self.results.add(kfra(self, rule, calls, kfra_exts))
+            self.results.add(kfra(context, calls, kfra_exts))
 
     def _note_reduction(self, ext, rule) -> None:
         """``EKFAC``'s scale is the divisor ``D`` of this pass's one loss (its rule's
@@ -185,13 +180,25 @@ class CurvaturePass:
     def _propagate(self, rule, calls, exts, source, mc_samples) -> None:
         kron_exts = [e for e in exts if e.quantity.producer in _FACTORED]
         diag_exts = [e for e in exts if e not in kron_exts]
-        if source == "exact" and self.layout.row_dims == 1:
+        if source == "exact" and self.layout.row_dims == 1 and self._narrower(rule, calls):
             cut = find_cut(self.walk, calls, self.loss.output, bool(diag_exts))
             if cut is not None and self._propagate_cut(rule, calls, cut, diag_exts, kron_exts):
                 return
         for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
             outs = to_calls(self.loss.output, calls, cols, self.batched)
             self._contribute(calls, outs, diag_exts, kron_exts)
+
+    def _narrower(self, rule, calls) -> bool:
+        """Whether a position-wise call's input is narrower than the loss's exact columns per
+        row: only there can columns be compressed (``compress``; the cut is such an input)."""
+        total = rule.num_columns(self.loss.module, self.loss.output)
+        return any(
+            record.positionwise
+            and record.args
+            and isinstance(record.args[0], torch.Tensor)
+            and record.args[0].shape[-1] < total
+            for record in calls
+        )
 
     def _propagate_cut(self, rule, calls, cut, diag_exts, kron_exts) -> bool:
         """The exact columns in two stages around ``cut`` (``compress``), all of a row's
@@ -214,29 +221,34 @@ class CurvaturePass:
     def _contribute(self, calls, outs, diag_exts, kron_exts) -> None:
         if diag_exts:
             self.results.add(diagonals(calls, outs, diag_exts))
-        for record in calls:
-            self._kron(record, outs[record], kron_exts)
+        if kron_exts:
+            self.results.add(self._factors(calls, outs, kron_exts))
 
-    def _kron(self, record, outs, kron_exts) -> None:
-        call, columns, n = module_call(record, outs)
-        if call is None:
-            return
-        for name, p in trainable(record.module):
-            for ext in kron_exts:
-                basis = ext.quantity.producer is Producer.EIGEN_CORRECTED
-                if basis and ext.supplied(p) is not None:
-                    continue
-                try:
-                    factors = kron_factors(call, columns, name, p, ext.options["kfac_approx"], n)
-                except UnsupportedKroneckerError as error:
-                    self.results.skip(p, ext.attr, error, record)
-                    if self.skip_diagonal and not basis:
-                        d = diag_from_columns(rule_for(call.module), call, columns, name, False, n)
-                        self.results.add([Term(p, ext.fallback.attr, d)])
-                    continue
-                index = output_factor_index(call.module, name)
-                contribution = Factors(p, ext.attr, record, factors, index)
-                if basis:  # EKFAC's fresh basis: S follows in the module hooks (reducer)
-                    self.results.add_basis(contribution)
-                else:
-                    self.results.add([contribution])
+    def _factors(self, calls, outs, kron_exts):
+        """The ``Factors`` of ``kron_exts`` of every call, one at a time (a parameter without a
+        factorisation: skipped, or its diagonal ``Term``; ``EKFAC``'s fresh bases: noted)."""
+        for record in calls:
+            call, columns, n = module_call(record, outs[record])
+            if call is None:
+                continue
+            for name, p in trainable(record.module):
+                for ext in kron_exts:
+                    basis = ext.quantity.producer is Producer.EIGEN_CORRECTED
+                    if basis and ext.supplied(p) is not None:
+                        continue
+                    approx = ext.options["kfac_approx"]
+                    try:
+                        factors = kron_factors(call, columns, name, p, approx, n)
+                    except UnsupportedKroneckerError as error:
+                        self.results.skip(p, ext.attr, error, record)
+                        if self.skip_diagonal and not basis:
+                            rule = rule_for(call.module)
+                            d = diag_from_columns(rule, call, columns, name, False, n)
+                            yield Term(p, ext.fallback.attr, d)
+                        continue
+                    index = output_factor_index(call.module, name)
+                    contribution = Factors(p, ext.attr, record, factors, index)
+                    if basis:  # EKFAC's fresh basis: S follows in the module hooks (reducer)
+                        self.results.add_basis(contribution)
+                    else:
+                        yield contribution

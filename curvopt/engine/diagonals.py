@@ -13,7 +13,7 @@ import torch
 
 from curvopt.layers import rule_for
 from curvopt.engine.params import owned, trainable
-from curvopt.engine.records import Call
+from curvopt.engine.calls import Call
 from curvopt.engine.reductions import sum_of_squares
 from curvopt.engine.results import Term
 

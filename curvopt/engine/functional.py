@@ -36,10 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn import _reduction
 
+from curvopt.engine.dispatch import loss_hook
 from curvopt.engine.records import LossRecord, mark_extended_loss, output_tensors
 from curvopt.engine.recognize import NO_HESSIAN
 from curvopt.engine.state import STATE
-from curvopt.engine.torch_internals import LOG_SOFTMAX, ROW_VIEWS, first_input, saved
+from curvopt.engine.graph_plan import edges_of
+from curvopt.engine.torch_internals import LOG_SOFTMAX, ROW_VIEWS, saved
 
 _RECORD_HANDLE = "_curvopt_functional_record"
 
@@ -103,7 +105,7 @@ def hook_loss(module: nn.Module, args, kwargs, output: torch.Tensor) -> None:
     if handle is not None:
         handle.remove()
     record = LossRecord(module, args, kwargs)
-    output.register_hook(record.on_grad)
+    output.register_hook(loss_hook(record))
     if output.grad_fn is not None:
         mark_extended_loss(output)
 
@@ -125,7 +127,7 @@ def _record(func, loss, args, kwargs, result) -> None:
     module, inputs, no_hessian = found
     module._curvopt_path = f"F.{func.__name__}"
     record = LossRecord(module, inputs, {}, no_hessian)
-    handle = result.register_hook(record.on_grad)
+    handle = result.register_hook(loss_hook(record))
     mark_extended_loss(result)
     setattr(result, _RECORD_HANDLE, handle)
 
@@ -178,7 +180,7 @@ def _is_log_softmax(log_probs: torch.Tensor) -> bool:
         return saved(node, "dim") % log_probs.dim() == 1
     if type(node).__name__ not in ROW_VIEWS or log_probs.dim() != 2:
         return False
-    below = first_input(node)
+    below = edges_of(node)[0][0] if edges_of(node) else None
     if below is None or type(below).__name__ != LOG_SOFTMAX:
         return False
     source = saved(below, "result")

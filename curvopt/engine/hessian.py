@@ -24,16 +24,16 @@ from typing import List, Optional, Tuple
 import torch
 from torch.autograd.graph import GradientEdge
 
-from curvopt.engine.checkpointing import segment_on
 from curvopt.errors import UnsupportedModuleError
 from curvopt.engine.diagonals import diagonals
 from curvopt.layers.registry import reparametrization, rule_for
+from curvopt.engine.graph_plan import search
 from curvopt.engine.params import owned
-from curvopt.engine.graph_plan import Walk
 from curvopt.engine.propagate import backpropagate, to_calls
 from curvopt.engine.records import records_on
 from curvopt.engine.results import Term
 from curvopt.engine.rows import establish
+from curvopt.engine.second_derivatives import SECOND_DERIVATIVES
 from curvopt.engine.state import STATE
 from curvopt.engine.torch_internals import (
     ACCUMULATE_GRAD,
@@ -41,10 +41,10 @@ from curvopt.engine.torch_internals import (
     DIVISION,
     IN_PLACE_ON_VIEW,
     LINEAR_OPS,
-    SECOND_DERIVATIVES,
     backward_with_graph,
     ones_of_input,
 )
+from curvopt.engine.walk import Walk
 
 
 def _error(what: str) -> UnsupportedModuleError:
@@ -59,13 +59,10 @@ def curved_nodes(root: torch.Tensor, walk) -> List[Tuple[object, Optional[torch.
     """``(node, phi'')`` for the autograd nodes of curved elementwise ops upstream of ``root``
     (``phi''`` computed here for in-place ops on views, else ``None``: read off the node by
     ``SECOND_DERIVATIVES``); errors on unknown ops. (Module calls are stepped over, from their
-    output to their input; the edges are read off ``walk``, the loss's ``graph_plan.Walk``.)"""
-    found, stack, seen = [], [root.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    output to their input; the edges are read off ``walk``, the loss's ``walk.Walk``.)"""
+    found = []
+
+    def expand(node) -> list:
         entries = records_on(node)
         if entries:
             record = entries[0][0]
@@ -85,12 +82,9 @@ def curved_nodes(root: torch.Tensor, walk) -> List[Tuple[object, Optional[torch.
                     "input, register a LayerRule for it with curvature_free = True"
                 )
             x = record.args[0]
-            if isinstance(x, torch.Tensor):
-                stack.append(x.grad_fn)
-            continue
-        if segment_on(node) is not None:  # a reentrant checkpoint curvopt re-ran: its re-run
-            stack.extend(walk.next_nodes(node))
-            continue
+            return [x.grad_fn] if isinstance(x, torch.Tensor) else []
+        if walk.segment_of(node) is not None:  # a reentrant checkpoint curvopt re-ran: its re-run
+            return walk.next_nodes(node)
         name = type(node).__name__
         if name in SECOND_DERIVATIVES:
             found.append((node, None))
@@ -102,7 +96,9 @@ def curved_nodes(root: torch.Tensor, walk) -> List[Tuple[object, Optional[torch.
             _check_bilinear(node, name, walk)
         elif name not in LINEAR_OPS:
             raise _error(f"the op {name} has curvature curvopt cannot account for")
-        stack.extend(fn for fn, _ in walk.next_of(node))
+        return [fn for fn, _ in walk.next_of(node)]
+
+    search([root.grad_fn], expand)
     return found
 
 
@@ -126,21 +122,20 @@ def _check_bilinear(node, name: str, walk) -> None:
 def _reaches(node, targets: set, walk) -> bool:
     """Whether one of the nodes ``targets`` is upstream of ``node`` (module calls stepped over
     from their output to their input, as in :func:`curved_nodes`)."""
-    stack, seen = [node], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        if node in targets:
-            return True
-        seen.add(node)
+    met = []
+
+    def expand(node) -> list:
+        if met or node in targets:
+            met.append(node)
+            return []
         entries = records_on(node)
         if entries:
             x = entries[0][0].args[0]
-            stack.append(x.grad_fn if isinstance(x, torch.Tensor) else None)
-        else:
-            stack.extend(walk.next_nodes(node))
-    return False
+            return [x.grad_fn if isinstance(x, torch.Tensor) else None]
+        return walk.next_nodes(node)
+
+    search([node], expand)
+    return bool(met)
 
 
 def _in_place_second_derivative(node, edges) -> Optional[torch.Tensor]:
@@ -205,16 +200,16 @@ def _reject_shared(calls) -> None:
             seen[id(p)] = record
 
 
-def residuals(cpass, calls, exts):
+def residuals(context, gradient, calls, exts):
     """``Term``s: the residual terms of ``exts`` (``diag_h``/``diag_h_batch``) of every
-    parameter, one at a time."""
+    parameter, one at a time (``context``: the loss's ``loss_context.LossContext``;
+    ``gradient``: ``dL/d output`` of the loss as it enters the pass)."""
     _reject_shared(calls)
-    output = cpass.loss.output
-    nodes = curved_nodes(output, cpass.walk)
+    output, walk = context.output, context.walk
+    nodes = curved_nodes(output, walk)
     if not nodes:
         return
-    g0 = cpass.loss_grad
-    deltas = backpropagate(output, [GradientEdge(nd, 0) for nd, _ in nodes], g0[None], False)
+    deltas = backpropagate(output, [GradientEdge(nd, 0) for nd, _ in nodes], gradient[None], False)
     producers = {}
     for record, edges in calls.items():
         for i, edge in edges:
@@ -225,11 +220,11 @@ def residuals(cpass, calls, exts):
         if second is None:
             second = SECOND_DERIVATIVES[type(node).__name__](node)
         r = delta[0] * second
-        fn, nr = cpass.walk.next_of(node)[0]
+        fn, nr = walk.next_of(node)[0]
         if fn is None:
             continue
         direct, index = producers.get((fn, nr), (None, None))
-        upstream = Walk(fn, within=cpass.walk.edges)  # a part of the loss's walk, read again
+        upstream = Walk(fn, within=walk.edges)  # a part of the loss's walk, read again
         others = {record: calls[record] for record in upstream.calls if record in calls}
         if direct is not None and rule_for(direct.module).has_weighted_squares(direct.module):
             # in the call's output shape: an in-place op on a view modifies the output's base

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from curvopt.errors import module_error
 from curvopt.layers.registry import reparametrization, rule_for
+from curvopt.engine.graph_plan import search
 from curvopt.engine.params import trainable
 from curvopt.engine.propagate import backpropagate
 from curvopt.engine.records import records_on
@@ -32,15 +33,11 @@ def _reject(record, reason):
 def _check_link(record, nxt, walk) -> None:
     """``nxt``'s input must be computed from ``record``'s output alone (no skip connection
     from an earlier layer, no parameter used outside a layer): the recursion is for chains."""
-    stack, seen = [nxt.args[0].grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+
+    def expand(node) -> list:
         owners = {entry[0] for entry in records_on(node)}
         if record in owners:
-            continue
+            return []
         if owners or type(node).__name__ == ACCUMULATE_GRAD:
             raise _reject(
                 nxt,
@@ -48,21 +45,22 @@ def _check_link(record, nxt, walk) -> None:
                 "residual or skip connection, or a parameter used outside a layer); the KFRA "
                 "recursion is defined for feed-forward chains only; use KFLR or KFAC",
             )
-        stack.extend(walk.next_nodes(node))
+        return walk.next_nodes(node)
+
+    search([nxt.args[0].grad_fn], expand)
 
 
 def _depth(record, walk) -> int:
     """How many module calls lie upstream of ``record``'s input: the chain's order (forward
     order, ``seq``, puts the calls of a re-run checkpoint segment last)."""
     x = record.args[0]
-    stack, seen, owners = [x.grad_fn if isinstance(x, torch.Tensor) else None], set(), set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    owners = set()
+
+    def expand(node) -> list:
         owners.update(entry[0] for entry in records_on(node))
-        stack.extend(walk.next_nodes(node))
+        return walk.next_nodes(node)
+
+    search([x.grad_fn if isinstance(x, torch.Tensor) else None], expand)
     return len(owners)
 
 
@@ -92,25 +90,26 @@ def _chain(calls, walk):
     return records
 
 
-def kfra(cpass, loss_rule, calls, exts):
+def kfra(context, calls, exts):
     """``Factors`` of ``exts`` (``kfra``) of every Linear layer in the chain ending at the
-    loss."""
-    records = _chain(calls, cpass.walk)
+    loss (``context``: the loss's ``loss_context.LossContext``)."""
+    walk = context.walk
+    records = _chain(calls, walk)
     if not records:
         return
-    output = cpass.loss.output
+    output = context.output
     last = records[-1]
     ((index, edge),) = calls[last]
     b = None
-    for cols in cpass.columns(loss_rule, "exact", 0, 1 << 30):
-        (v,) = backpropagate(output, [edge], cols, cpass.batched)
+    for cols in context.exact_columns(1 << 30):
+        (v,) = backpropagate(output, [edge], cols, context.batched)
         v = last.at_parameter_precision(v.flatten(0, 1))
         b = v.T @ v if b is None else b.add_(v.T @ v)
     factors = {}
     for pos in range(len(records) - 1, -1, -1):
         record = records[pos]
         if pos < len(records) - 1:
-            b = _backpropagate(b, record, records[pos + 1], calls, cpass.walk)
+            b = _backpropagate(b, record, records[pos + 1], calls, walk)
         factors[record] = b
     for record, b in factors.items():
         x = record.at_parameter_precision(record.args[0].detach())

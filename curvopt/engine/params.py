@@ -4,17 +4,26 @@ A parameter held by a module *and* by one of its descendants (BERT's masked-LM h
 raw ``bias`` that is also ``decoder.bias``) belongs to the deepest holder: the parent's forward
 reaches it through the child's call, so the child's rule accounts for it. Should the parent
 also use it directly, the per-sample sums miss that use and the backward pass raises.
+
+The modules of a parameter come from the parameter itself: ``extend`` notes, weakly, every
+module it finds holding it (``note_extended``), and ``owners``/``tied`` ask those that still
+own it, never every extended model in the process (weights tied after ``extend`` are seen once
+``extend`` runs again).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from torch import nn
 
-#: every module with parameters that ``extend`` hooked
+#: every module with parameters that ``extend`` hooked (``unextended``: whether a module is
+#: extended; ``collection``: the modules of an optimizer's parameters)
 EXTENDED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+#: ``id(p) -> (weak reference to p, [weak references to the extended modules holding p at
+#: extend, in order])``, an entry dropped when ``p`` is freed
+_HOLDERS: Dict[int, tuple] = {}
 
 
 def _held_below(module: nn.Module) -> Set[int]:
@@ -55,22 +64,42 @@ def trainable(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in owned(module) if p.requires_grad]
 
 
-def shared_parameters() -> Set[int]:
-    """ids of parameters owned by more than one extended module (weight tying)."""
-    seen, shared = set(), set()
-    for module in list(EXTENDED):
-        for _, p in owned(module):
-            (shared if id(p) in seen else seen).add(id(p))
-    return shared
+def note_extended(module: nn.Module) -> None:
+    """``extend`` hooked ``module``: it is extended, and a holder of its parameters."""
+    EXTENDED.add(module)
+    for _, p in owned(module):
+        holders = _holders(p)
+        if holders is None:
+            key = id(p)
+            holders = []
+            _HOLDERS[key] = (weakref.ref(p, lambda _, key=key: _HOLDERS.pop(key, None)), holders)
+        if not any(ref() is module for ref in holders):
+            holders.append(weakref.ref(module))
+
+
+def _holders(p) -> Optional[list]:
+    """The weak references to the modules ``extend`` found holding ``p``, or None."""
+    entry = _HOLDERS.get(id(p))
+    return entry[1] if entry is not None and entry[0]() is p else None
+
+
+def tied(p: nn.Parameter) -> bool:
+    """Whether more than one extended module owns ``p`` (weight tying), of the modules
+    ``extend`` found holding it."""
+    holders = (ref() for ref in _holders(p) or ())
+    return sum(m is not None and any(q is p for _, q in owned(m)) for m in holders) > 1
 
 
 def owners(params) -> Dict[int, Tuple[nn.Module, str]]:
     """``id(p) -> (module, name)`` for those of ``params`` an extended module's rule handles
-    (``name`` as that module calls it)."""
-    wanted = {id(p) for p in params}
+    (``name`` as that module calls it): the first module ``extend`` found holding ``p`` that
+    still owns it."""
     found: Dict[int, Tuple[nn.Module, str]] = {}
-    for module in list(EXTENDED):
-        for name, p in owned(module):
-            if id(p) in wanted:
-                found.setdefault(id(p), (module, name))
+    for p in params:
+        for ref in _holders(p) or ():
+            module = ref()
+            name = None if module is None else next((n for n, q in owned(module) if q is p), None)
+            if name is not None:
+                found[id(p)] = (module, name)
+                break
     return found

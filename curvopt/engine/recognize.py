@@ -41,6 +41,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
+from curvopt.engine.dispatch import on_loss
 from curvopt.engine.graph_plan import read_down
 from curvopt.engine.records import LossRecord, is_extended_loss, records_on
 from curvopt.engine.torch_internals import (
@@ -83,7 +84,7 @@ def watch(loss: torch.Tensor) -> int:
 
 def _hook(record: LossRecord):
     def on_term(grad_outputs):
-        record.on_grad(grad_outputs[0])
+        on_loss(record, grad_outputs[0])
 
     return on_term
 

@@ -2,21 +2,21 @@
 
 A forward hook creates a :class:`Record` per call and lists it in the metadata of each output's
 autograd node (:func:`records_on` reads it back), so the backward pass can find every module
-call upstream of a tensor. The gradient hook on the output completes the record into a
-:class:`Call`, the unit every per-module rule works on.
+call upstream of a tensor; the gradient hook on the output (``dispatch.module_hook``) hands
+the record to the pass, which completes it into a :class:`Call`, the unit every per-module
+rule works on. A record is data: it calls nothing above it.
 """
 
 from __future__ import annotations
 
 import itertools
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple, Union
+from typing import List, Tuple
 
 import torch
 from torch import nn
 
-from curvopt.errors import GraphReuseError
+from curvopt.engine.calls import Call
 from curvopt.engine.state import STATE
 from curvopt.engine.torch_internals import current_graph_task_id
 
@@ -164,12 +164,6 @@ class Record:
         except Exception:  # noqa: BLE001  (interpreter shutdown: never print from __del__)
             pass
 
-    def on_grad(self, grad):
-        self._dispatch((grad,))
-
-    def on_grads(self, grads):
-        self._dispatch(tuple(grads))
-
     def shaped(self, index: int, grad, columns: bool = False):
         """``grad`` read at the anchor of output ``index`` (see :func:`anchor`) in the output's
         shape (``[k, *anchor] -> [k, *out]`` for ``columns``)."""
@@ -177,27 +171,6 @@ class Record:
         if grad is None or grad.shape[int(columns) :] == shape:
             return grad
         return grad.reshape(*grad.shape[: int(columns)], *shape)
-
-    def _dispatch(self, grads):
-        if STATE.suspended:
-            return
-        grads = tuple(self.shaped(i, g) for i, g in enumerate(grads))
-        if self.args is None:
-            if STATE.collecting is not None:
-                raise GraphReuseError(
-                    f"curvopt: a second backward pass through the graph of module "
-                    f"{self.module._curvopt_path!r} inside collect; each backward pass inside "
-                    "collect needs its own forward pass (retain_graph=True is not enough, "
-                    "the module inputs were released after the first pass)"
-                )
-            return
-        used = True  # False: a pass that leaves this call alone, for another pass to use
-        try:
-            if STATE.collecting is not None:
-                used = STATE.collecting.backward_pass(self.outer).on_module(self, grads)
-        finally:
-            if used:
-                self.release()
 
 
 #: key of the autograd-node metadata marking the output node of an extended loss's call
@@ -234,99 +207,6 @@ class LossRecord:
     @property
     def target(self):
         return self.args[1] if len(self.args) > 1 else self.kwargs["target"]
-
-    def on_grad(self, grad):
-        if STATE.suspended or self.args is None:
-            return
-        used = True
-        try:
-            if STATE.collecting is not None:
-                used = STATE.collecting.backward_pass().on_loss(self, grad)
-        finally:
-            if used:
-                self.args = self.kwargs = None
-
-
-@dataclass
-class Call:
-    """One forward call of a module, completed by the gradient w.r.t. its output.
-
-    ``args``/``kwargs`` are the inputs of the call, ``grad_out`` is ``dL/d output`` (a tuple
-    when the module returned several tensors), ``batch_dim`` the dimension indexing samples.
-    """
-
-    module: nn.Module
-    args: Tuple[Any, ...]
-    kwargs: Dict[str, Any]
-    grad_out: Union[torch.Tensor, Tuple[torch.Tensor, ...], None] = None
-    batch_dim: int = 0
-    cache: Dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def input(self) -> torch.Tensor:
-        """The first positional input."""
-        return self.args[0]
-
-    @property
-    def first_grad(self) -> torch.Tensor:
-        """The gradient of the first output that received one."""
-        if isinstance(self.grad_out, torch.Tensor):
-            return self.grad_out
-        return next(g for g in self.grad_out if g is not None)
-
-    @property
-    def batch_size(self) -> int:
-        return self.first_grad.shape[self.batch_dim]
-
-    def _map_batched(self, fn, value):
-        """``fn`` applied to every tensor of ``value`` batched along ``batch_dim``."""
-        n, bd = self.batch_size, self.batch_dim
-        if isinstance(value, torch.Tensor) and value.dim() > bd and value.shape[bd] == n:
-            return fn(value)
-        if isinstance(value, tuple):
-            return tuple(self._map_batched(fn, v) for v in value)
-        return value
-
-    def slice(self, start: int, stop: int) -> "Call":
-        """The same call restricted to samples ``start:stop`` (tensors batched along batch_dim)."""
-
-        def cut(x):
-            return x.narrow(self.batch_dim, start, stop - start)
-
-        return Call(
-            self.module,
-            self._map_batched(cut, self.args),
-            {k: self._map_batched(cut, v) for k, v in self.kwargs.items()},
-            self._map_batched(cut, self.grad_out),
-            self.batch_dim,
-        )
-
-    def expand(self, columns) -> "Call":
-        """The call seen by ``K`` columns as ``K * N`` pseudo-samples (index ``k * N + n``).
-
-        ``columns`` are ``[K, *out]`` (a tuple for several outputs); batched inputs are repeated.
-        """
-        bd = self.batch_dim
-        first = next(
-            c for c in (columns if isinstance(columns, tuple) else (columns,)) if c is not None
-        )
-        k = first.shape[0]
-
-        def rep(x):
-            shape = list(x.shape)
-            return x.unsqueeze(bd).expand(*shape[:bd], k, *shape[bd:]).flatten(bd, bd + 1)
-
-        def merge(v):
-            return None if v is None else v.movedim(0, bd).flatten(bd, bd + 1)
-
-        grad = tuple(merge(v) for v in columns) if isinstance(columns, tuple) else merge(columns)
-        return Call(
-            self.module,
-            self._map_batched(rep, self.args),
-            {a: self._map_batched(rep, b) for a, b in self.kwargs.items()},
-            grad,
-            bd,
-        )
 
 
 def _parameter_precision(module: nn.Module, compute: torch.dtype):

@@ -158,14 +158,15 @@ def establish(
     required: bool = True,
 ) -> Optional[RowLayout]:
     """The verified layout of the rows of ``source`` (a tensor or gradient edge of ``shape``)
-    over the samples of ``calls`` (of ``walk``, a ``graph_plan.Walk`` from ``source``, whose
+    over the samples of ``calls`` (of ``walk``, a ``walk.Walk`` from ``source``, whose
     plan keeps it); raises when no candidate map passes the probes.
 
     Rows are dim 0; where the Hessian is ``elementwise`` (independent entries, so dim 1 holds
     independent units too) also the pairs of dims 0 and 1 (a sequence-first ``[T, N, D]``).
     Not ``required`` (a check only): ``None`` when the shapes suggest no map at all.
     """
-    known = () if walk.plan is None else walk.plan.layout(shape, elementwise)
+    wanted = (tuple(shape), elementwise)  # ``(found,)`` where a layout was looked for before
+    known = () if walk.plan is None else [f for k, f in walk.plan.layouts if k == wanted][:1]
     records = list(calls)
     cached = bool(known)
     if cached:

@@ -1,19 +1,17 @@
-"""Everything curvopt reads from torch's internals, in one place: the autograd node names it
-branches on, and the private accessors it calls. ``tests/test_torch_internals.py`` builds
-small graphs and checks that each name and accessor still exists in the installed torch.
+"""What curvopt reads from torch's internals: the autograd node names it branches on, and the
+private accessors it calls (the re-run of a reentrant checkpoint is ``torch_rerun``'s, the
+second derivatives read off nodes ``second_derivatives``'s). ``tests/test_torch_internals.py``
+builds small graphs and checks that each name and accessor still exists in the installed torch.
 
 Node names are the class names of autograd nodes (``type(tensor.grad_fn).__name__``).
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Dict
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch.autograd import Variable
-from torch.utils.checkpoint import set_device_states
 
 # ----------------------------------------------------------------------------- accessors
 
@@ -74,51 +72,6 @@ def add_alpha(node) -> float:
     return float(node._saved_alpha)
 
 
-def rerun_checkpoint(node):
-    """The segment of a reentrant checkpoint (``node``: its ``CheckpointFunctionBackward``, the
-    ``ctx`` of ``torch.utils.checkpoint.CheckpointFunction``) run again as that function's own
-    backward runs it: its saved inputs, the forward's CPU (and device) RNG state restored where
-    ``preserve_rng_state``, the forward's autocast, grad enabled; but the inputs are not
-    detached, so the new graph hangs from the graph upstream of the checkpoint.
-
-    Returns ``(outputs, drew)``: the outputs as a tuple (entry ``i`` is the node's input ``i``)
-    and whether the run drew random numbers from a generator it did not restore to the
-    forward's state (``preserve_rng_state=False``), i.e. whether it may differ from the forward.
-    The global generators are left as they were either way.
-    """
-    inputs = list(node.inputs)
-    for index, tensor in zip(node.tensor_indices, node.saved_tensors):
-        inputs[index] = tensor
-    preserve, device_type = node.preserve_rng_state, node.device_type
-    device = getattr(torch, device_type, None) if device_type != "cpu" else None
-    watch_device = device is not None and getattr(device, "_initialized", False)
-    if preserve and node.had_device_in_fwd:
-        devices = node.fwd_devices
-    else:
-        devices = [device.current_device()] if watch_device else []
-    with torch.random.fork_rng(devices=devices, device_type=device_type):
-        if preserve:
-            torch.set_rng_state(node.fwd_cpu_state)
-            if node.had_device_in_fwd:
-                set_device_states(node.fwd_devices, node.fwd_device_states, device_type=device_type)
-        before = (torch.get_rng_state(), device.get_rng_state() if watch_device else None)
-        if torch.amp.is_autocast_available(device_type):
-            device_autocast = torch.amp.autocast(device_type, **node.device_autocast_kwargs)
-        else:
-            device_autocast = contextlib.nullcontext()
-        with (
-            torch.enable_grad(),
-            device_autocast,
-            torch.amp.autocast("cpu", **node.cpu_autocast_kwargs),
-        ):
-            outputs = node.run_function(*inputs)
-        after = (torch.get_rng_state(), device.get_rng_state() if watch_device else None)
-    drew = not preserve and any(
-        a is not None and not torch.equal(a, b) for a, b in zip(before, after)
-    )
-    return (outputs if isinstance(outputs, tuple) else (outputs,)), drew
-
-
 # ----------------------------------------------------------------------------- node names
 
 #: the leaf node of a tensor that requires grad (``node.variable`` is the tensor)
@@ -159,48 +112,6 @@ DATA_INDEXING = {
 REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 #: backward nodes of graphs compiled by ``torch.compile``, whose ops columns cannot pass
 COMPILED = {"CompiledFunctionBackward", "CompiledFunction"}
-
-# ------------------------------------------------- curvature of ops (``hessian``, DiagHessian)
-
-
-def _from_result(fn: Callable) -> Callable:
-    return lambda node: fn(node._saved_result)
-
-
-def _from_input(make: Callable) -> Callable:
-    """``phi''(u)`` by double differentiation of ``make(node)(u)``, ``u`` the saved input."""
-
-    def second(node):
-        u = node._saved_self.detach().requires_grad_(True)
-        with torch.enable_grad():
-            (d1,) = torch.autograd.grad(make(node)(u).sum(), u, create_graph=True)
-            (d2,) = torch.autograd.grad(d1.sum(), u)
-        return d2
-
-    return second
-
-
-#: autograd node type -> phi''(u) of the elementwise op it belongs to
-SECOND_DERIVATIVES: Dict[str, Callable] = {
-    "SigmoidBackward0": _from_result(lambda s: s * (1 - s) * (1 - 2 * s)),
-    "TanhBackward0": _from_result(lambda t: -2 * t * (1 - t * t)),
-    "GeluBackward0": _from_input(lambda n: lambda u: F.gelu(u, approximate=n._saved_approximate)),
-    "SiluBackward0": _from_input(lambda n: F.silu),
-    "MishBackward0": _from_input(lambda n: F.mish),
-    "LogSigmoidBackward0": _from_input(lambda n: F.logsigmoid),
-    "SoftplusBackward0": _from_input(
-        lambda n: lambda u: F.softplus(u, n._saved_beta, n._saved_threshold)
-    ),
-    "CeluBackward0": _from_input(lambda n: lambda u: F.celu(u, n._saved_alpha)),
-    "EluBackward0": _from_input(
-        lambda n: (
-            lambda u: (
-                float(n._saved_scale)
-                * F.elu(u * float(n._saved_input_scale), float(n._saved_alpha))
-            )
-        )
-    ),
-}
 
 #: ops with zero second derivative (linear or piecewise linear) in every input (shape-only and
 #: broadcasting ops among them)
@@ -353,8 +264,3 @@ def saved(node, name: str):
 
 #: views that merge leading dims and keep the last (``[N, T, C] -> [N·T, C]`` when contiguous)
 ROW_VIEWS = {VIEW, "UnsafeViewBackward0", "ReshapeAliasBackward0"}
-
-
-def first_input(node):
-    """The node ``node`` takes its first input from (None for a constant)."""
-    return node.next_functions[0][0] if node.next_functions else None

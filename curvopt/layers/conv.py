@@ -1,12 +1,8 @@
-"""Convolutions ``nn.Conv{1,2,3}d`` and ``nn.ConvTranspose{1,2,3}d`` (stride, padding, dilation,
-groups, padding modes).
+"""Convolutions ``nn.Conv{1,2,3}d`` (stride, padding, dilation, groups, padding modes), and
+``ConvRuleBase``, what they share with the transposed ones (``conv_transpose``).
 
 Convolution, with patches ``X_n = unfold(x_n)`` (``[C_in k, L]``) and ``G_n = dL/dy_n``
 (``[C_out, L]``), per group: ``g_n(W) = G_n X_n^T``.
-
-Transposed convolution is the adjoint of a convolution with the same hyper-parameters, so the
-roles swap: ``g_n(W) = x_n unfold(G_n)^T`` with ``x_n`` ``[C_in, L]`` and ``unfold(G_n)``
-``[C_out k, L]``.
 
 Second order (convolutions with ``groups=1``): Kronecker factors with the conv locations as
 the shared dim and the patches as inputs (KFC, Grosse & Martens 2016; ``groups > 1`` has no
@@ -16,7 +12,6 @@ the output, ``sum_l r_nol X_nil^2``.
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import nn
@@ -25,11 +20,10 @@ from curvopt.errors import UnsupportedKroneckerError, module_error
 from curvopt.layers.eigenbasis import eigen_moment
 from curvopt.layers.kron import input_factor, output_factor_channels_first
 from curvopt.layers.registry import LayerRule, register
-from curvopt.engine.records import Call
+from curvopt.engine.calls import Call
 from curvopt.layers.unfold import (
     kernel_major_to_channel_major,
     padded_conv_input,
-    unfold,
     unfold_conv_input,
 )
 
@@ -111,7 +105,7 @@ def _weight_grad(module, x, g, per_sample: bool) -> torch.Tensor:
     return grads.view(n, *module.weight.shape) if per_sample else grads
 
 
-class _ConvRuleBase(LayerRule):
+class ConvRuleBase(LayerRule):
     curvature_free = True
 
     def _operands(self, call):
@@ -173,7 +167,7 @@ class _ConvRuleBase(LayerRule):
 
 
 @register(nn.Conv1d, nn.Conv2d, nn.Conv3d)
-class ConvRule(_ConvRuleBase):
+class ConvRule(ConvRuleBase):
     """Per-sample weight gradients (``batch_grad``, one column per sample) by one grouped
     convolution backward where the layer has ``_GROUPED_MIN_CHANNELS`` input channels per group
     or more, by unfolded patches otherwise (and for several columns per sample, which share
@@ -270,36 +264,3 @@ class ConvRule(_ConvRuleBase):
         x2 = unfold_conv_input(module, x).pow(2)
         out = torch.einsum(f"nol,nil->{'n' if batched else ''}oi", rr, x2)
         return out.reshape(*out.shape[:-2], *module.weight.shape)
-
-
-@register(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-class ConvTransposeRule(_ConvRuleBase):
-    def check(self, module):
-        if module.padding_mode != "zeros":
-            return (
-                f"padding_mode={module.padding_mode!r} is not supported for transposed convolutions"
-            )
-        return None
-
-    def _length(self, call):
-        return call.input[0, 0].numel()
-
-    def _operands(self, call):
-        module, x, g = call.module, call.input, call.grad_out
-        n = g.shape[0]
-        patches = unfold(g, module.kernel_size, module.dilation, module.padding, module.stride)
-        in_size = x.shape[2:]
-        if patches.shape[-1] != math.prod(in_size):
-            # output_padding >= stride adds trailing patch positions no input location maps to
-            grid = patches.shape[-1]
-            out_grid = [
-                (o + 2 * p - d * (k - 1) - 1) // s + 1
-                for o, p, d, k, s in zip(
-                    g.shape[2:], module.padding, module.dilation, module.kernel_size, module.stride
-                )
-            ]
-            assert math.prod(out_grid) == grid
-            patches = patches.reshape(n, -1, *out_grid)
-            patches = patches[(slice(None), slice(None)) + tuple(slice(0, s) for s in in_size)]
-            patches = patches.reshape(n, patches.shape[1], -1)
-        return x.reshape(x.shape[0], x.shape[1], -1), patches

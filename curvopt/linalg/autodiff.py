@@ -129,7 +129,7 @@ def jtmj_forward(forward, params, vectors, output_operator) -> tuple[int, list[t
                 if single:
                     output, tangent = jvp(forward, ps, tuple(c[0] for c in chunk))
                     return output, tangent[None]
-                return vmap(lambda *v: jvp(forward, ps, v), out_dims=(None, 0))(*chunk)
+                return vmap(lambda *cols: jvp(forward, ps, cols), out_dims=(None, 0))(*chunk)
 
             output, pullback, tangents = vjp(linearized, *params, has_aux=True)
             if apply_m is None:
@@ -137,7 +137,7 @@ def jtmj_forward(forward, params, vectors, output_operator) -> tuple[int, list[t
             if single:
                 parts.append([r[None] for r in pullback(apply_m(tangents[0]))])
             else:
-                parts.append(vmap(lambda t: pullback(apply_m(t)))(tangents))
+                parts.append(vmap(lambda t, back=pullback, m=apply_m: back(m(t)))(tangents))
     if len(parts) == 1:
         return rows, list(parts[0])
     return rows, [torch.cat(columns) for columns in zip(*parts)]

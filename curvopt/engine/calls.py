@@ -1,0 +1,92 @@
+"""One forward call of a module completed by the gradient w.r.t. its output: the unit every
+per-module rule works on (``layers``), made from a ``records.Record`` by ``Record.call``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Tuple, Union
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Call:
+    """One forward call of a module, completed by the gradient w.r.t. its output.
+
+    ``args``/``kwargs`` are the inputs of the call, ``grad_out`` is ``dL/d output`` (a tuple
+    when the module returned several tensors), ``batch_dim`` the dimension indexing samples.
+    """
+
+    module: nn.Module
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+    grad_out: Union[torch.Tensor, Tuple[torch.Tensor, ...], None] = None
+    batch_dim: int = 0
+    cache: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def input(self) -> torch.Tensor:
+        """The first positional input."""
+        return self.args[0]
+
+    @property
+    def first_grad(self) -> torch.Tensor:
+        """The gradient of the first output that received one."""
+        if isinstance(self.grad_out, torch.Tensor):
+            return self.grad_out
+        return next(g for g in self.grad_out if g is not None)
+
+    @property
+    def batch_size(self) -> int:
+        return self.first_grad.shape[self.batch_dim]
+
+    def _map_batched(self, fn, value):
+        """``fn`` applied to every tensor of ``value`` batched along ``batch_dim``."""
+        n, bd = self.batch_size, self.batch_dim
+        if isinstance(value, torch.Tensor) and value.dim() > bd and value.shape[bd] == n:
+            return fn(value)
+        if isinstance(value, tuple):
+            return tuple(self._map_batched(fn, v) for v in value)
+        return value
+
+    def slice(self, start: int, stop: int) -> "Call":
+        """The same call restricted to samples ``start:stop`` (tensors batched along batch_dim)."""
+
+        def cut(x):
+            return x.narrow(self.batch_dim, start, stop - start)
+
+        return Call(
+            self.module,
+            self._map_batched(cut, self.args),
+            {k: self._map_batched(cut, v) for k, v in self.kwargs.items()},
+            self._map_batched(cut, self.grad_out),
+            self.batch_dim,
+        )
+
+    def expand(self, columns) -> "Call":
+        """The call seen by ``K`` columns as ``K * N`` pseudo-samples (index ``k * N + n``).
+
+        ``columns`` are ``[K, *out]`` (a tuple for several outputs); batched inputs are repeated.
+        """
+        bd = self.batch_dim
+        first = next(
+            c for c in (columns if isinstance(columns, tuple) else (columns,)) if c is not None
+        )
+        k = first.shape[0]
+
+        def rep(x):
+            shape = list(x.shape)
+            return x.unsqueeze(bd).expand(*shape[:bd], k, *shape[bd:]).flatten(bd, bd + 1)
+
+        def merge(v):
+            return None if v is None else v.movedim(0, bd).flatten(bd, bd + 1)
+
+        grad = tuple(merge(v) for v in columns) if isinstance(columns, tuple) else merge(columns)
+        return Call(
+            self.module,
+            self._map_batched(rep, self.args),
+            {a: self._map_batched(rep, b) for a, b in self.kwargs.items()},
+            grad,
+            bd,
+        )

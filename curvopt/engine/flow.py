@@ -1,0 +1,163 @@
+"""The flow check of a curvature pass: the gradient flowing into the graph upstream of the
+extended losses enters through them alone (nothing from other terms of the objective).
+
+It costs no propagated column. The graph upstream of each extended loss is known (the pass's
+``walk.Walk``); at every node of it that lies downstream of what curvopt reads (a module call's
+output, an extended parameter), the gradient the autograd engine hands the node must be the
+sum of what the node's consumers inside that graph sent it. A node with one such consumer
+receives the very tensor it sent unless something else adds to it (an identity test, no
+arithmetic); anything else is compared by value (``tolerance.mismatch``), so that a term whose
+weight is 0 on this pass passes and the same term with weight 0.3 on the next raises. It runs
+on every pass, from hooks on the nodes, each acting only in its pass's autograd task.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable, Dict, Tuple
+
+from curvopt.engine.graph_plan import search
+from curvopt.engine.results import name_of
+from curvopt.engine.tolerance import dense, mismatch
+from curvopt.engine.torch_internals import ACCUMULATE_GRAD, current_graph_task_id
+from curvopt.errors import UnsupportedModuleError, module_error
+
+_OUTSIDE = (
+    "the backpropagated objective has other terms (a regulariser on activations, a loss that "
+    "is not extended, a term of the parameters), whose curvature curvopt would miss; "
+    "backpropagate only sums of extended losses inside collect, or add the other terms' "
+    "curvature yourself"
+)
+
+
+class FlowCheck:
+    """The flow check of one pass (autograd task ``task``)."""
+
+    def __init__(self, task: int):
+        self.task = task
+        self.reached: set = set()  # module calls upstream of the extended losses
+        self.watched: set = set()  # autograd nodes whose incoming gradient is checked
+        self.senders: set = set()  # autograd nodes whose outgoing gradient is recorded
+        self.sent: Dict[Tuple[object, int], list] = defaultdict(list)  # (node, nr): gradients
+        self.modules: dict = {}  # autograd node -> the module whose call's output it produced
+        self.handles: list = []  # the hooks on the nodes
+
+    def watch(self, walk, loss_node, active: Callable[[], bool], abort: Callable[[], None]):
+        """Hooks on the graph upstream of one extended loss (``walk``: of its input;
+        ``loss_node``: its output's node), registered after the curvature's own backward ran
+        through the graph; they act while ``active()`` and call ``abort()`` before raising
+        (held by the hooks only, which ``release`` removes)."""
+        check, send = self._region(walk, loss_node)
+        for node in send:
+            nexts = walk.next_of(node)
+
+            def record_sent(grad_inputs, _grad_outputs, nexts=nexts):
+                if current_graph_task_id() == self.task and active():
+                    self.record_sent(nexts, grad_inputs)
+
+            self.handles.append(node.register_hook(record_sent))
+        for node in check:
+
+            def check_flow(grad_outputs, node=node):
+                if current_graph_task_id() != self.task or not active():
+                    return
+                try:
+                    self.check_flow(node, grad_outputs)
+                except BaseException:
+                    abort()
+                    raise
+
+            self.handles.append(node.register_prehook(check_flow))
+
+    def _region(self, walk, loss_node):
+        """The nodes newly to check (``check_flow`` before they run) and newly to record
+        (``record_sent`` after they ran): those of the graph that lie downstream of a module
+        call's output or an extended parameter, and the loss's own nodes between its output
+        and its input."""
+        self.reached.update(walk.calls)
+        users = walk.users
+        # a re-run reentrant checkpoint takes its re-run outputs (no input index): its node is
+        # checked like a call's output, named by its segment (``checkpointing``)
+        self.modules.update((c, walk.segment_of(c)) for c in walk.checkpoints)
+        for record, edges in walk.calls.items():
+            self.modules.update((edge.node, record.module) for _, edge in edges)
+        starts = [*self.modules, *(n for n in users if _extended_leaf(n))]
+        region = search(starts, lambda node: users.get(node, ()))  # downstream of what is read
+        check = [n for n in region if n not in self.watched]
+        self.watched.update(check)
+        inside = walk.between(loss_node)
+        send = [n for n in (*region, *inside) if n not in self.senders]
+        self.senders.update(send)
+        return check, send
+
+    def record_sent(self, nexts, grads) -> None:
+        """The gradients a node sends to the checked nodes upstream (``nexts``: its
+        ``next_functions``)."""
+        for grad, (fn, nr) in zip(grads, nexts):
+            if fn in self.watched and grad is not None:
+                self.sent[(fn, nr)].append(grad)
+
+    def check_flow(self, node, grads) -> None:
+        """``grads``, handed to ``node`` by the engine, are what its consumers upstream of the
+        extended losses sent (the same tensor, or the sum to roundoff)."""
+        for nr, grad in enumerate(grads):
+            sent = self.sent.pop((node, nr), ())
+            if grad is None or (len(sent) == 1 and sent[0] is grad):
+                continue
+            grad = dense(grad)
+            if not sent:
+                bad = bool(grad.any())
+            else:
+                total = dense(sent[0]).to(grad.dtype)
+                for other in sent[1:]:
+                    total = total + dense(other).to(grad.dtype)
+                bad = total.shape != grad.shape or mismatch(total, grad, 256)
+            if bad:
+                raise _flow_error(node, self.modules.get(node))
+
+    def check_unreached(self, record, grads) -> None:
+        """A module call that no extended loss reaches gets no gradient."""
+        if record not in self.reached and any(g is not None and bool(g.any()) for g in grads):
+            raise module_error(
+                record.module,
+                f"its output gradient does not come from the extended loss(es) "
+                f"alone (none of them depends on it): {_OUTSIDE}",
+            )
+
+    def release(self) -> None:
+        """Remove the hooks; drop the references to the graph's nodes and gradients."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self.sent.clear()
+        self.watched.clear()
+        self.senders.clear()
+        self.modules.clear()
+
+
+def _extended_leaf(node) -> bool:
+    """``node`` accumulates into a parameter of an extended module."""
+    return type(node).__name__ == ACCUMULATE_GRAD and getattr(
+        node.variable, "_curvopt_checked", False
+    )
+
+
+def _flow_error(node, module) -> Exception:
+    """The error for gradient from outside the extended losses arriving at ``node`` (the
+    output of a call of ``module``, if not None)."""
+    if type(node).__name__ == ACCUMULATE_GRAD:
+        return UnsupportedModuleError(
+            f"curvopt: parameter {name_of(node.variable)!r} receives gradient from outside the "
+            "module that owns it and the extended loss(es) (a penalty on the parameter added "
+            f"to the loss, or a use outside its module): {_OUTSIDE}"
+        )
+    if module is not None:
+        return module_error(
+            module,
+            f"its output gradient does not come from the extended loss(es) alone: {_OUTSIDE}",
+        )
+    return UnsupportedModuleError(
+        f"curvopt: the gradient of an intermediate result between the model's modules and the "
+        f"extended loss(es) (autograd node {type(node).__name__}) does not come from the "
+        f"extended loss(es) alone: {_OUTSIDE}"
+    )

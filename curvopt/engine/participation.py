@@ -1,0 +1,80 @@
+"""Which parameters take part in one backward pass: those whose gradient it accumulates.
+
+Only gradient that is accumulated into ``p.grad`` counts: a pass that does not accumulate into a
+parameter (``torch.autograd.grad``, e.g. the input gradient of an adversarial attack, or
+``backward(inputs=...)`` without it) writes nothing for it, and a parameter outside the pass's
+``scope`` (an optimizer's own parameters) is left alone too.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from curvopt.engine.graph_plan import reaches
+from curvopt.engine.params import trainable
+from curvopt.engine.torch_internals import (
+    current_autograd_node,
+    grad_accumulator,
+    will_engine_execute_node,
+)
+
+
+class Participation:
+    """The parameters one pass accumulates into, looked up once each. ``scope``: ``id``s of
+    the parameters the pass writes for (None: all); ``walks``: the pass's graph walks
+    (``walk.Walk``, the list the pass appends to)."""
+
+    def __init__(self, scope: Optional[set], walks: list):
+        self.scope = scope
+        self.walks = walks
+        self.untouched: Dict[int, bool] = {}  # id(p): the pass does not accumulate into p.grad
+        self.parameters: Dict[int, tuple] = {}  # id(module): ``of``'s answer
+        #: autograd nodes outside the walks whose upstream ``_reaches`` has walked
+        self.reached: dict = {}
+
+    def skips(self, p) -> bool:
+        """Whether this pass leaves ``p.grad`` alone (``torch.autograd.grad``, ``backward(inputs=
+        ...)`` without ``p``): ``p``'s gradient accumulator is in the graph, but the engine will
+        not run it. (A parameter outside the graph, unused in this pass, is not skipped: it gets
+        zeros, as its module's output gradient says.) A parameter outside the pass's ``scope``
+        is skipped too: the pass computes and writes nothing for it."""
+        key = id(p)
+        skip = self.untouched.get(key)
+        if skip is None and self.scope is not None and key not in self.scope:
+            skip = self.untouched[key] = True
+        if skip is None:
+            accumulator = grad_accumulator(p)
+            try:
+                skip = not will_engine_execute_node(accumulator) and self._reaches(accumulator)
+            except RuntimeError:  # p is an input of torch.autograd.grad
+                skip = True
+            self.untouched[key] = skip
+        return skip
+
+    def _reaches(self, node) -> bool:
+        """Whether ``node`` lies upstream of the autograd node running now: in the walk of an
+        extended loss's graph, or else upstream of the node running now, walked incrementally
+        (a node seen before had its whole upstream walked). That second walk runs only for a
+        parameter whose accumulator the engine will not run (``torch.autograd.grad``) and that
+        no loss's walk reached (no extended loss: Hugging Face's ``labels=``), a graph part the
+        walks have not read, or where a walk went through a re-run reentrant checkpoint (the
+        engine's graph does not: the parameters inside reach it only in torch's re-run)."""
+        if any(node in walk.edges for walk in self.walks if not walk.checkpoints):
+            return True
+        return reaches(current_autograd_node(), node, self.reached)
+
+    def of(self, module) -> tuple:
+        """``(trainable, taking part)``: ``module``'s trainable ``(name, p)`` and those of them
+        whose gradient this pass accumulates."""
+        key = id(module)
+        found = self.parameters.get(key)
+        if found is None:
+            params = trainable(module)
+            found = self.parameters[key] = params, [(n, p) for n, p in params if not self.skips(p)]
+        return found
+
+    def skips_all(self, modules) -> bool:
+        """The pass accumulates into none of the trainable parameters of ``modules`` (and there
+        is one)."""
+        found = [self.of(m) for m in modules]
+        return any(params for params, _ in found) and not any(taking for _, taking in found)

@@ -1,0 +1,265 @@
+"""The autograd graph of one pass upstream of a root, walked once (``graph_plan.search``).
+
+:class:`Walk` reads the graph upstream of a root (an extended loss's input) depth-first, every
+node's edges once, and collects what the pass needs from it: the extended-module calls whose
+outputs it reaches (``calls``, in walk order), who consumes each node's outputs
+(``consumers``, for the broadcast calls and the flow check), whether every backward op has a
+``vmap`` batching rule, the parameters no extended module owns, the reentrant checkpoints
+(re-run where asked, and walked on through the re-run), and the nodes themselves with their
+edges (``edges``: the flow check's hooks, the accumulators the pass reaches, the checkpoint
+stages, DiagHessian's and KFRA's traversals). What else is derived from the graph
+(``indexes_inside``, the checkpoint regions) is read off these facts, not walked again; only
+``between`` (the loss's own nodes, above the walk's root) reads nodes the walk did not.
+
+The special cases join only where the walk meets them: the broadcast calls are looked for only
+where it met a broadcasting op, the checkpoint stages only where it met a reentrant checkpoint.
+
+The structure's key is the walk's canonical form: each node's type and, for each node it
+passes gradient to, that node's discovery number in the walk and the output it takes (so two
+graphs with the same node types but other edges differ; the walk is deterministic, so the form
+gives the graph back), the calls named by ``records.token`` (never by ``id``, which fresh
+models in a sweep reuse) and their output shapes; its plan is ``graph_plan.plan_of(key)``. A
+graph that picks entries by data (``logits[mask]``) has no key: what holds for one batch need
+not for the next. Each pass binds its plan to its own nodes and records (``Record.broadcast``,
+``Record.transposed``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+from curvopt.engine.broadcast import find
+from curvopt.engine.checkpointing import Segment, adopt, segment_on
+from curvopt.engine.graph_plan import Plan, edges_of, plan_of, search, upstream
+from curvopt.engine.records import records_on, token
+from curvopt.engine.torch_internals import (
+    ACCUMULATE_GRAD,
+    BROADCASTING_OPS,
+    COMPILED,
+    DATA_INDEXING,
+    NO_BATCHING_RULE,
+    REENTRANT_CHECKPOINT,
+)
+from curvopt.errors import UnsupportedModuleError
+
+_COMPILED = (
+    "curvopt cannot propagate curvature through a graph compiled by torch.compile (its backward "
+    "is one fused op); compute curvature on the uncompiled model (for a compiled module m, use "
+    "m._orig_mod) — first-order quantities do work with torch.compile"
+)
+
+
+class Walk:
+    """The graph upstream of ``root`` (a tensor or an autograd node), walked once.
+
+    ``calls[record] = [(output index, edge)]``; ``consumers[(node, nr)] = [(consumer, j)]``: the
+    nodes that take output ``nr`` of ``node`` as their ``j``-th input (``j`` None: a re-run
+    checkpoint taking its re-run output); ``edges[node]``: the edges (``graph_plan.edges_of``)
+    of every node walked past; ``batchable``: columns may be propagated batched; ``foreign``:
+    parameters it reaches that no extended module owns; ``reentrant``: a checkpoint it could
+    not walk through;
+    ``key``: the structure's key (None: indexes by data); ``plan``: the structure's plan.
+
+    A reentrant checkpoint is walked through where curvopt re-ran its segment, and re-run on
+    the way where ``recompute`` is a list (the new ``checkpointing.Segment``s are appended to
+    it, for the caller to release). ``within`` (another walk's ``edges``) walks a part of a
+    graph walked already, reading no node again. A ``torch.compile``d graph's node (one fused
+    op) raises where ``recompute`` is a list (curvature); a first-order walk passes it.
+    """
+
+    def __init__(self, root, recompute: Optional[list] = None, within: Optional[dict] = None):
+        start = root.grad_fn if isinstance(root, torch.Tensor) else root
+        self.root = start
+        self.calls: Dict[object, List[Tuple[int, GradientEdge]]] = defaultdict(list)
+        #: ``(node, nr) -> [(consumer, j)]``
+        self.consumers: Dict[Tuple[object, int], list] = defaultdict(list)
+        self.edges: Dict[object, tuple] = {}
+        self.head: Dict[object, tuple] = {}  # ``between``'s nodes (the loss's own)
+        self.batchable = True
+        self.foreign: list = []
+        self.reentrant = False
+        self.checkpoints: list = []  # the re-run checkpoints walked through
+        self.segmented = False  # a checkpoint curvopt re-ran was met (``checkpointing``)
+        self.broadcasting = False  # a broadcasting op was met (``broadcast``)
+        self.by_data = False  # an op that picks entries by data was met
+        self._users = None
+        self._walk(start, recompute, within)
+
+    def _walk(self, start, recompute, within) -> None:
+        # the key, flat: per node walked, its type, its number of edges, each edge as the
+        # discovery number of its node (-1 for none) and the output it takes, its calls
+        key, found = [], {start: 0}
+        calls, consumers, edges = self.calls, self.consumers, self.edges
+
+        def expand(node) -> list:
+            nonlocal key
+            kind = type(node).__name__
+            if kind in COMPILED and recompute is not None:  # curvature (first order walks on)
+                raise UnsupportedModuleError(_COMPILED)
+            if kind == REENTRANT_CHECKPOINT:
+                return self._checkpoint(node, kind, recompute, key, found)
+            nexts = None if within is None else within.get(node)
+            if nexts is None:
+                nexts = edges_of(node)
+            edges[node] = nexts
+            if kind == ACCUMULATE_GRAD:
+                leaf = node.variable
+                if isinstance(leaf, torch.nn.Parameter) and not getattr(
+                    leaf, "_curvopt_checked", 0
+                ):
+                    self.foreign.append(leaf)
+            elif kind in NO_BATCHING_RULE:
+                self.batchable = False
+            elif kind in DATA_INDEXING:
+                self.by_data = True
+            elif kind in BROADCASTING_OPS:
+                self.broadcasting = True
+            key += (kind, len(nexts))
+            on = []
+            for j, (fn, nr) in enumerate(nexts):
+                if fn is None:
+                    key += (-1, nr)
+                else:
+                    consumers[(fn, nr)].append((node, j))
+                    on.append(fn)
+                    key += (found.setdefault(fn, len(found)), nr)
+            entries = records_on(node)
+            if entries:
+                key.append(tuple((token(r.module), i, r.out_shapes) for r, i, _ in entries))
+                for record, index, output_nr in entries:
+                    calls[record].append((index, GradientEdge(node, output_nr)))
+            else:
+                key.append(())
+            return on
+
+        search([start], expand)
+        if self.checkpoints:
+            adopt(self.edges)
+        broadcasts = self._broadcasts() if self.broadcasting else ()
+        if self.by_data:
+            self.key, self.plan = None, None
+            return
+        self.key = (tuple(key), broadcasts)
+        self.plan = plan_of(self.key, self._described)
+
+    def _checkpoint(self, node, kind, recompute, key, found) -> list:
+        """A reentrant checkpoint's node: walked on through its re-run (made here where asked),
+        else a stop (nothing upstream can be reached by columns)."""
+        segment = segment_on(node)
+        if segment is None and recompute is not None:
+            segment = Segment(node)
+            recompute.append(segment)
+        if segment is None:
+            self.reentrant = True
+            key.extend((kind, 0, ()))
+            return []
+        self.segmented = True
+        self.edges[node] = edges_of(node)
+        nexts = [
+            (t.grad_fn, t.output_nr)
+            for t in segment.outputs
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None
+        ]
+        key.extend((kind, len(nexts)))
+        if nexts:
+            self.checkpoints.append(node)
+        for fn, nr in nexts:
+            # the checkpoint node takes the re-run output (no input index of its own)
+            self.consumers[(fn, nr)].append((node, None))
+            key.extend((found.setdefault(fn, len(found)), nr))
+        key.append(())
+        return [fn for fn, _ in nexts]
+
+    def _described(self) -> Plan:
+        """The plan of a structure seen for the first time."""
+        described = tuple(
+            (token(r.module), index, r.out_shapes)
+            for r, edges in self.calls.items()
+            for index, _ in edges
+        )
+        return Plan(self.key, described, self.key[1])
+
+    def _broadcasts(self) -> Tuple[int, ...]:
+        """Bind the broadcast calls (``broadcast.find``) on this pass's records; their positions."""
+        found = []
+        for position, (record, edges) in enumerate(self.calls.items()):
+            if len(record.out_shapes) == 1:
+                ((index, edge),) = edges
+                broadcast = find(edge.node, edge.output_nr, record.out_shapes[0], self.consumers)
+                # another collection's pass of this backward found it already: the same object
+                kept = record.broadcast
+                if broadcast is None or kept is None or kept.edge != broadcast.edge:
+                    record.broadcast = broadcast
+                if record.broadcast is not None:
+                    self.calls[record] = [(index, record.broadcast.edge)]
+                    found.append(position)
+        return tuple(found)
+
+    # ------------------------------------------------------------ read off the walk
+    @property
+    def users(self) -> Dict[object, list]:
+        """``users[node]``: the nodes of the walk that take an output of ``node``."""
+        if self._users is None:
+            users = defaultdict(list)
+            for (node, _), consumers in self.consumers.items():
+                users[node].extend(c for c, _ in consumers)
+            self._users = users
+        return self._users
+
+    @property
+    def indexes_inside(self) -> bool:
+        """Whether an op that picks entries by data lies upstream of a module call's output,
+        i.e. inside the model, where it may mix samples (``h[perm]``), rather than between the
+        model and the loss (``logits[mask]``): downstream of such an op, a call's output."""
+        if not self.by_data:
+            return False
+        outputs = {edge.node for edges in self.calls.values() for _, edge in edges}
+        users = self.users
+        starts = [n for n in self.edges if type(n).__name__ in DATA_INDEXING]
+        return any(n in outputs for n in search(starts, lambda n: users.get(n, ())))
+
+    def next_of(self, node) -> tuple:
+        """The edges of ``node`` (``graph_plan.edges_of``), as read by the walk."""
+        nexts = self.edges.get(node)
+        if nexts is None:
+            nexts = self.head.get(node)
+        return edges_of(node) if nexts is None else nexts
+
+    def segment_of(self, node):
+        """The live ``checkpointing.Segment`` of a checkpoint's node the walk re-ran, or None."""
+        return segment_on(node) if self.segmented else None
+
+    def next_nodes(self, node) -> list:
+        """The nodes ``node`` passes gradient to as the walk went on: through a live segment's
+        re-run for its checkpoint's node (``None`` entries possible)."""
+        segment = self.segment_of(node)
+        if segment is None:
+            return [fn for fn, _ in self.next_of(node)]
+        return [t.grad_fn for t in segment.outputs if isinstance(t, torch.Tensor)]
+
+    def between(self, top) -> list:
+        """The nodes on paths from ``top`` (downstream of the root: the loss's output node) down
+        to the root, the root excluded; paths into the walk elsewhere do not count (they enter
+        the model's graph elsewhere). The nodes read are added to ``head``."""
+        bottom = self.root
+        if top is None or bottom is None:
+            return []
+        inside, head = self.edges, self.head
+
+        def down(node) -> list:
+            if node is bottom or node in inside:
+                return []
+            head[node] = edges_of(node)
+            return upstream(node)
+
+        read = search([top], down)
+        feeds = defaultdict(list)  # node -> the nodes read that pass gradient to it
+        for node, nexts in read.items():
+            for fn in nexts:
+                feeds[fn].append(node)
+        reaching = search([bottom], lambda n: feeds.get(n, ()))
+        return [node for node in read if node in reaching and node is not bottom]

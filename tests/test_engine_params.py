@@ -1,0 +1,50 @@
+"""The modules of a parameter come from the parameter (``params``): ``owners`` and ``tied``
+ask the modules ``extend`` found holding it, not every extended model in the process, and a
+freed parameter leaves no entry behind."""
+
+import gc
+import weakref
+
+import torch
+from torch import nn
+
+import curvopt
+from curvopt.engine import params
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(5, 4)
+        self.head = nn.Linear(4, 5, bias=False)
+        self.head.weight = self.emb.weight  # tied before extend
+        self.mid = nn.Linear(4, 4)
+
+
+def test_owners_and_tied_read_the_parameters_not_the_extended_models(monkeypatch):
+    model = curvopt.extend(_Tied())
+    other = curvopt.extend(nn.Linear(4, 4))  # another model in the process
+    monkeypatch.setattr(params, "EXTENDED", weakref.WeakSet())  # no scan can find anything
+    found = params.owners(list(model.parameters()))
+    assert found[id(model.mid.weight)] == (model.mid, "weight")
+    assert found[id(model.mid.bias)] == (model.mid, "bias")
+    assert found[id(model.emb.weight)] == (model.emb, "weight")  # the first holder
+    assert id(other.weight) not in found
+    assert params.tied(model.emb.weight)
+    assert not params.tied(model.mid.weight) and not params.tied(other.weight)
+
+
+def test_a_parameter_that_a_module_no_longer_owns_is_not_its():
+    model = curvopt.extend(_Tied())
+    old = model.mid.weight
+    model.mid.weight = nn.Parameter(torch.zeros(4, 4))
+    assert id(old) not in params.owners([old])
+
+
+def test_a_freed_parameter_leaves_no_entry():
+    layer = curvopt.extend(nn.Linear(3, 2))
+    key = id(layer.weight)
+    assert key in params._HOLDERS
+    del layer
+    gc.collect()
+    assert key not in params._HOLDERS
