@@ -18,7 +18,7 @@ from curvopt.collect import collect, forget, refresh
 from curvopt.errors import AccumulationError, ExtensionConflictError
 from curvopt.extensions.base import Extension
 from curvopt.extensions.quantity import Combine, quantity
-from curvopt.engine.params import EXTENDED, owned
+from curvopt.engine.params import holders
 from curvopt.engine.state import STATE
 
 
@@ -131,7 +131,7 @@ class Collection(collect):
             self._params = list({id(p): p for p, _ in targets}.values())
             scope = {key for key, _ in wanted}
             if scope != self._owners[0]:
-                self._owners = (scope, _owners(scope))
+                self._owners = (scope, holders(self._params))
             self._window = (exts, wanted, scope, options)
             self.extensions = tuple(exts)
             self.skip_unsupported = options.get("skip_unsupported", False)
@@ -189,11 +189,6 @@ class Collection(collect):
             return supplied(p) if earlier is None else earlier
 
         return type(ext)(**{**ext.options, "bases": bases})
-
-
-def _owners(scope: set) -> list:
-    """The extended modules that own a parameter of ``scope`` (``id``s)."""
-    return [m for m in list(EXTENDED) if any(id(p) in scope for _, p in owned(m))]
 
 
 class _StoodAside:

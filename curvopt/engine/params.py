@@ -103,3 +103,15 @@ def owners(params) -> Dict[int, Tuple[nn.Module, str]]:
                 found[id(p)] = (module, name)
                 break
     return found
+
+
+def holders(params) -> List[nn.Module]:
+    """Every extended module that owns one of ``params`` (of those ``extend`` found holding
+    them), each once."""
+    found: Dict[int, nn.Module] = {}
+    for p in params:
+        for ref in _holders(p) or ():
+            module = ref()
+            if module is not None and any(q is p for _, q in owned(module)):
+                found.setdefault(id(module), module)
+    return list(found.values())
