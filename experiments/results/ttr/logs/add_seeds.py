@@ -16,6 +16,8 @@ for seed in map(int, seeds):
     assert run["setting"] == entry["tuning"][index]["setting"] and run["seed"] == seed
     if seed not in have:
         entry["runs"].append(run)
-entry["meta"]["seeds_added"] = f"seeds {', '.join(seeds)} by logs/one_run.py, added by logs/add_seeds.py"
+entry["meta"]["seeds_added"] = (
+    f"seeds {', '.join(seeds)} by logs/one_run.py, added by logs/add_seeds.py"
+)
 json.dump(entry, open(path, "w"), indent=1)
 print(path, [r["steps_to"] for r in entry["runs"]])
