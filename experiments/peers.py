@@ -17,7 +17,8 @@ setting ``heavyball.utils.compile_mode``): each heavyball peer tries the modes o
 Its steps then run under that mode. The probe's seconds (the compilation) are reported by
 :func:`compile_info` and counted in a run's wall-clock, never in a cost per step. A mode that
 failed for a class and the same parameter shapes is not tried again in the process (a failed
-compilation is not cached by torch, and takes minutes).
+compilation is not cached by torch, and takes minutes). A peer of :data:`EAGER_ON_CPU` is not
+compiled on the CPU at all: every mode is known to fail there, after minutes.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ PEERS: dict[str, tuple[str, str, str]] = {
 #: of max-autotune fail on the CPU build of torch 2.13), then eager
 COMPILE_MODES = ("max-autotune-no-cudagraphs", "default")
 PROBE_STEPS = 3
+#: peer -> why it runs eager on the CPU (without trying a compile mode)
+EAGER_ON_CPU = {
+    "psgd_kron": "inductor fails on torch 2.13's CPU build in every mode (AssertionError, after "
+    "about 4.5 minutes; experiments/results/ttr/logs/fmnist_2c2d_psgd_kron_compile.log)",
+}
 
 
 @dataclass
@@ -79,7 +85,11 @@ def build_peer(name: str, groups: list[dict], lr: float, **options: Any) -> torc
         if hasattr(opt, "train"):
             opt.train()
         return opt
-    info = _probe(cls, groups, lr, options)
+    on_cpu = all(p.device.type == "cpu" for g in groups for p in g["params"])
+    if name in EAGER_ON_CPU and on_cpu:
+        info = CompileInfo(False, None, 0.0, {m: EAGER_ON_CPU[name] for m in COMPILE_MODES})
+    else:
+        info = _probe(cls, groups, lr, options)
     opt = cls(groups, lr=lr, **options)
     _COMPILE[opt] = info
     step = opt.step

@@ -296,3 +296,64 @@ def test_problems_fix_their_targets_before_tuning():
     assert protocol.TTR_PROBLEMS["fmnist_vit"].targets == (0.84, 0.86)  # from Adam's calibration
     with pytest.raises(ValueError, match="ascending"):
         TtrProblem(targets=(0.9, 0.88), max_steps=10)
+
+
+def test_a_resumed_tuning_takes_the_earlier_runs_and_trains_only_what_is_missing(
+    splits, monkeypatch
+):
+    """An earlier entry (its settings written without a batch size, as before the batch size
+    was tuned) holds lr 0.1 (50 steps) and lr 0.3 pruned at 50 steps: lr 0.1 is taken, lr 0.2
+    trains, lr 0.3 would now be pruned at 20 steps, earlier than it was, so it is taken too;
+    the winner's seed 1 is trained, a run pruned later than now must train again."""
+    calls = []
+
+    def fake(setting, problem, spec, splits, seed, prune_at=None):
+        calls.append((setting.lr, seed, prune_at))
+        steps = {0.1: 50, 0.2: 20, 0.3: None}[setting.lr]
+        return _result(setting.lr, {"0.5": steps}, seed)
+
+    monkeypatch.setattr(protocol, "train_to_targets", fake)
+    spec = TtrProblem(targets=(0.5,), max_steps=100)
+    old_grid = (Setting("adam", 0.1), Setting("adam", 0.3))
+    earlier = protocol.tune_and_run("mnist_logreg", old_grid, spec, splits, 1, log=len)
+    assert calls == [(0.1, 0, None), (0.3, 0, 50)] and earlier["reused_runs"] == 0
+    for run in earlier["tuning"] + earlier["runs"]:
+        del run["setting"]["batch_size"]
+    earlier["tuning"][1]["status"], earlier["tuning"][1]["steps"] = "pruned", 50
+    earlier = json.loads(json.dumps(earlier))  # as read back from its file
+    done = protocol.reusable_runs(earlier, "mnist_logreg", spec)
+    assert set(done) == {(Setting("adam", lr, batch_size=128), 0) for lr in (0.1, 0.3)}
+
+    calls.clear()
+    grid = tuple(Setting("adam", lr, batch_size=128) for lr in (0.1, 0.2, 0.3))
+    entry = protocol.tune_and_run("mnist_logreg", grid, spec, splits, 2, log=len, done=done)
+    assert calls == [(0.2, 0, 50), (0.2, 1, None)] and entry["reused_runs"] == 2
+    assert entry["winner"] == 1 and entry["tuning"][0]["setting"]["batch_size"] == 128
+    assert entry["tuning"][0]["steps_to"] == {"0.5": 50}
+
+    calls.clear()
+    pruned_late = {(Setting("adam", 0.3, batch_size=128), 0): done[grid[2], 0]}
+    monkeypatch.setitem(pruned_late[grid[2], 0].__dict__, "steps", 10)
+    protocol.tune_and_run("mnist_logreg", grid, spec, splits, 1, log=len, done=pruned_late)
+    assert calls == [(0.1, 0, None), (0.2, 0, 50), (0.3, 0, 20)]
+    other_spec = TtrProblem(targets=(0.6,), max_steps=100)
+    assert protocol.reusable_runs(earlier, "mnist_logreg", other_spec) == {}
+
+
+def test_cli_tunes_the_chosen_settings_and_resumes_from_its_own_file(tmp_path, capsys):
+    out = tmp_path / "ttr"
+    args = ["ttr", "--quick", "--synthetic", "--problems", "mnist_logreg", "--json", str(out)]
+    args += ["--optimizers", "adam", "--seeds", "2", "--max-steps", "6", "--batch-sizes", "128"]
+    assert main(args + ["--settings", "0", "2"]) == 0
+    path = out / "mnist_logreg_adam.json"
+    first = json.loads(path.read_text())
+    assert [r["setting"]["lr"] for r in first["tuning"]] == [1e-3, 3e-3]
+    assert first["reused_runs"] == 0 and "earlier" not in first["meta"]
+    assert main(args + ["--settings", "0", "1", "2", "--resume"]) == 0
+    second = json.loads(path.read_text())
+    assert len(second["tuning"]) == 3 and second["reused_runs"] >= 2
+    assert second["tuning"][0] == first["tuning"][0]
+    assert second["meta"]["earlier"] == first["meta"]
+    assert "(reused)" in capsys.readouterr().out
+    assert main(args + ["--settings", "9"]) == 2
+    assert "--settings 9 is past its grid of 8 settings (0 to 7)" in capsys.readouterr().err

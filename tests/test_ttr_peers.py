@@ -147,18 +147,55 @@ def test_schedule_free_is_evaluated_at_its_average_without_changing_the_training
 
 
 def test_every_grid_has_its_settings_at_every_batch_size():
-    for grids in GRIDS.values():
-        for settings in grids.values():
+    """4 settings at each batch size (fmnist_2c2d: at 128; at 512 only Adam, schedule-free
+    AdamW and KFAC, with 2: a setting of batch 128 and the same with twice its lr)."""
+    for problem, grids in GRIDS.items():
+        for optimizer, settings in grids.items():
             by_batch = {b: [s for s in settings if s.batch_size == b] for b in BATCH_SIZES}
-            assert sum(map(len, by_batch.values())) == len(settings) and len(by_batch) >= 2
-            points = [
-                {(s.lr, s.damping, s.preset, s.options, s.schedule) for s in v}
-                for v in by_batch.values()
-            ]
-            assert all(len(v) == 4 for v in by_batch.values())
-            assert all(p == points[0] for p in points)
+            assert sum(map(len, by_batch.values())) == len(settings)
+            points = {
+                b: [(s.lr, s.damping, s.preset, s.options, s.schedule) for s in v]
+                for b, v in by_batch.items()
+            }
+            assert len(points[128]) == 4
+            if problem != "fmnist_2c2d":
+                assert points[512] == points[128]
+            elif optimizer in ("adam", "sf_adamw", "kfac"):
+                (a, *rest), (b, *same) = points[512]
+                assert (a, *rest) in points[128] and b == 2 * a and same == rest
+            else:
+                assert points[512] == []
     assert set(BATCH_SIZES) >= {128, 512}
     assert {s.schedule for s in GRIDS["fmnist_2c2d"]["sf_adamw"]} == {"warmup"}
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sf_adamw", "kfac"])
+def test_the_batch_512_settings_of_2c2d_train_a_few_steps(splits, optimizer):
+    pytest.importorskip("schedulefree")
+    spec = TtrProblem(targets=(1.01,), max_steps=8, eval_every=8, eval_size=200)
+    for setting in (s for s in GRIDS["fmnist_2c2d"][optimizer] if s.batch_size == 512):
+        run = train_to_targets(setting, "fmnist_2c2d", spec, splits, seed=0)
+        assert run.steps == 2 and run.status == "capped" and run.batch_size == 512
+        assert run.curve[-1][2] > 0
+
+
+def test_psgd_kron_runs_eager_on_the_cpu_without_trying_to_compile(monkeypatch):
+    pytest.importorskip("heavyball")
+
+    def no_probe(*args):
+        raise AssertionError("PSGD-Kron was compiled on the CPU")
+
+    monkeypatch.setattr(peers, "_probe", no_probe)
+    w = torch.nn.Parameter(torch.randn(6, 4))
+    opt = peers.build_peer("psgd_kron", [{"params": [w]}], lr=1e-3)
+    info = peers.compile_info(opt)
+    assert info["compiled"] is False and info["mode"] is None and info["compile_s"] == 0.0
+    assert set(info["failures"]) == set(peers.COMPILE_MODES)
+    assert all("inductor fails" in why for why in info["failures"].values())
+    before = w.detach().clone()
+    w.grad = torch.randn(6, 4)
+    opt.step()
+    assert not torch.equal(w, before)
 
 
 def test_the_step_cap_and_cadence_mean_the_same_data_at_every_batch_size(splits, monkeypatch):
@@ -276,16 +313,18 @@ def test_a_problem_without_targets_is_calibrated_by_adam_first(splits, monkeypat
 
 
 def test_the_committed_results_still_load_and_report():
+    """Files written before the batch size was tuned read as batch 128, and a cost measured for
+    such a setting counts for the same setting resumed with its batch size written."""
     entries = load_entries(RESULTS)
-    old = [e for e in entries if e["problem"] == "fmnist_2c2d" and e["optimizer"] == "adam"]
+    old = [e for e in entries if e["problem"] == "mnist_logreg" and e["optimizer"] == "adam"]
     assert old and "batch_size" not in old[0]["tuning"][0]["setting"]
     rows = {(r["problem"], r["optimizer"]): r for r in summarize(entries, load_costs(RESULTS))}
+    assert rows["mnist_logreg", "adam"]["batch_size"] == 128
     adam = rows["fmnist_2c2d", "adam"]
-    assert adam["batch_size"] == 128 and adam["steps"]["0.9"] == 525
+    assert adam["setting"]["batch_size"] == 128 and adam["steps"]["0.9"] == 525
     assert adam["cost_per_step_s"] > 0 and adam["est_ratio_to_adam"] == 1.0
-    assert "| fmnist_2c2d | adam lr 0.004, warmup_cosine | 128 | 0.9 | 525 |" in markdown_table(
-        list(rows.values())
-    )
+    row = "| fmnist_2c2d | adam lr 0.004, warmup_cosine, batch 128 | 128 | 0.9 | 525 |"
+    assert row in markdown_table(list(rows.values()))
 
 
 def test_cost_blocks_use_each_entrys_own_batch_size(splits, monkeypatch):

@@ -22,6 +22,10 @@ Protocol, the same for every optimizer:
    (:func:`experiments.ttr.cost.measure_costs`) right after the tuning.
 4. The winner runs seeds 1 and 2 (seed 0 is its tuning run).
 
+Runs are deterministic per seed, so a resumed protocol (:func:`reusable_runs`) takes the runs of
+an earlier entry of the same problem and spec instead of training them again: a run of the same
+setting and seed, unless it was pruned later than this tuning would prune it.
+
 All runs use the same data (the full training split minus the validation hold-out, reshuffled
 every epoch) and the same thread count. Schedule-free AdamW is evaluated at its averaged
 weights (:func:`experiments.peers.averaged_weights`).
@@ -229,6 +233,22 @@ def proposed_targets(run: RunResult) -> tuple[float, float]:
     return (round(top - 0.02, 2), top)
 
 
+def reusable_runs(entry: dict | None, problem: str, spec: TtrProblem) -> dict[tuple, RunResult]:
+    """An earlier entry's runs (tuning and seeds) by ``(setting, seed)``, if it has the same
+    ``spec``; a setting written without a batch size is at the problem's."""
+    if not entry or entry.get("spec") != {**asdict(spec), "targets": list(spec.targets)}:
+        return {}
+    out = {}
+    for d in entry["tuning"] + entry["runs"]:
+        run = RunResult(**d)
+        setting = Setting.from_dict(run.setting)
+        if setting.batch_size is None:
+            setting = replace(setting, batch_size=get_problem(problem).batch_size)
+            run.setting, run.batch_size = setting.as_dict(), setting.batch_size
+        out[setting, run.seed] = run
+    return out
+
+
 def tune_and_run(
     problem: str,
     settings: tuple[Setting, ...],
@@ -237,10 +257,25 @@ def tune_and_run(
     seeds: int = SEEDS,
     log=print,
     cost_rounds: int = 3,
+    done: dict[tuple, RunResult] | None = None,
 ) -> dict:
     """The protocol for one optimizer on one problem: tuning runs (seed 0), at each batch size
     its winner, the winner across batch sizes (in time, ``cost_rounds`` interleaved rounds),
-    and the winner's runs for seeds ``0..seeds-1`` (seed 0 being its tuning run)."""
+    and the winner's runs for seeds ``0..seeds-1`` (seed 0 being its tuning run). ``done``:
+    :func:`reusable_runs`, taken instead of training where they are what training would give."""
+    done = done or {}
+    reused = []
+
+    def run(setting: Setting, seed: int, prune_at: int | None = None) -> RunResult:
+        old = done.get((setting, seed))
+        if old is not None and (old.status != "pruned" or (prune_at or math.inf) <= old.steps):
+            reused.append(old)
+            log(line(problem, old) + " (reused)")
+            return old
+        new = train_to_targets(setting, problem, spec, splits, seed, prune_at)
+        log(line(problem, new))
+        return new
+
     tuning: list[RunResult] = []
     best_of: dict[int | None, int] = {}  # batch size -> index of its best tuning run
     for setting in settings:
@@ -248,8 +283,7 @@ def tune_and_run(
         prune_at = None
         if own is not None and spec.targets:
             prune_at = tuning[own].steps_to[target_key(spec.targets[-1])]
-        tuning.append(train_to_targets(setting, problem, spec, splits, 0, prune_at))
-        log(line(problem, tuning[-1]))
+        tuning.append(run(setting, 0, prune_at))
         if own is None or _key(tuning[-1], spec.targets) < _key(tuning[own], spec.targets):
             best_of[setting.batch_size] = len(tuning) - 1
     batch_costs = _batch_costs(problem, tuning, best_of, spec, splits, cost_rounds, log)
@@ -263,8 +297,7 @@ def tune_and_run(
     winner = Setting.from_dict(tuning[best].setting)
     runs = [tuning[best]]
     for seed in range(1, seeds):
-        runs.append(train_to_targets(winner, problem, spec, splits, seed))
-        log(line(problem, runs[-1]))
+        runs.append(run(winner, seed))
     entry = {
         "problem": problem,
         "optimizer": settings[0].optimizer,
@@ -274,6 +307,7 @@ def tune_and_run(
         "batch_costs": batch_costs,
         "winner": best,
         "runs": [asdict(r) for r in runs],
+        "reused_runs": len(reused),
     }
     if not spec.targets:
         entry["proposed_targets"] = list(proposed_targets(runs[0]))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 from ..files import atomic_write, finite
@@ -78,6 +79,13 @@ def batch_size(problem: str, setting: Setting) -> int | None:
     return PROBLEMS[problem].batch_size if problem in PROBLEMS else None
 
 
+def _same(problem: str, a: Setting, b: Setting) -> bool:
+    """Equal settings, a batch size not written being the problem's."""
+    return replace(a, batch_size=batch_size(problem, a)) == replace(
+        b, batch_size=batch_size(problem, b)
+    )
+
+
 def summarize(entries: list[dict], costs: dict) -> list[dict]:
     """One row per (problem, optimizer): the winner, steps to each target (median and per
     seed), the interleaved cost per step (CPU time, and wall-clock; only where ``costs``
@@ -93,7 +101,7 @@ def summarize(entries: list[dict], costs: dict) -> list[dict]:
         runs = entry["runs"]
         measured = costs.get("problems", {}).get(problem, {}).get("entries", {}).get(optimizer)
         cost = cost_wall = None
-        if measured is not None and Setting.from_dict(measured["setting"]) == setting:
+        if measured is not None and _same(problem, Setting.from_dict(measured["setting"]), setting):
             cost, cost_wall = measured["per_step_s"], measured["per_step_wall_s"]
         steps, per_seed, est = {}, {}, {}
         for t in targets:
