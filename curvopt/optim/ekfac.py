@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from curvopt.optim.eigen_corrected import as_rows, eigen_corrected_quadratic
 from curvopt.optim.inverses import EigenCorrectedInverse
 from curvopt.optim.newton import NewtonOptimizer
-from curvopt.optim.options import NewtonOptions, choice, number, option, optional
+from curvopt.optim.options import KFAC_APPROX, NewtonOptions, choice, number, option, optional
 
 #: the factors' curvatures, by the attribute their extension writes
 _FACTORS = ("kfac", "kflr")
@@ -36,6 +36,7 @@ class EKFACOptions(NewtonOptions):
     curvature_ema: float = option(0.0, number(0.0, 1.0, open_high=True), keyword=False)
     reduction: str | None = option(None, optional(choice("mean", "sum")))
     basis_interval: int = option(1, number(1, integer=True))
+    kfac_approx: str = option("expand", choice(*KFAC_APPROX))
 
     def relations(self) -> None:
         if self.curvature_ema != 0:
@@ -98,6 +99,7 @@ class EKFAC(NewtonOptimizer):
     # ----------------------------------------------------------------- what to collect
     def _extension(self, group):
         options = {"factors": group["curvature"], "mc_samples": group["mc_samples"]}
+        options["kfac_approx"] = group["kfac_approx"]
         return "ekfac", {**options, "bases": self._supplied, "reduction": group["reduction"]}
 
     def _basis_due(self, group, step: int) -> bool:

@@ -15,7 +15,13 @@ from curvopt.optim.gradient_factors import FactorCapture, factored_cheaper, repr
 from curvopt.optim.inverses import InverseOptions, KroneckerInverse
 from curvopt.optim.kronecker import as_matrix, kron_quadratic
 from curvopt.optim.newton import Derived, NewtonOptimizer
-from curvopt.optim.options import NewtonOptions, choice, number, option
+from curvopt.optim.options import (
+    KFAC_APPROX,
+    NewtonOptions,
+    choice,
+    number,
+    option,
+)
 
 #: the curvatures, by the attribute their extension writes (``curvopt.extensions.writer``)
 _CURVATURES = ("kfac", "kflr", "kfra")
@@ -30,6 +36,15 @@ class KFACOptions(NewtonOptions):
     fallback: str | None = option(None, choice(None, "sgd", "diagonal"))
     kronecker_damping: str = option("trace_norm", choice("trace_norm", "exact"))
     inverse_interval: int = option(1, number(1, integer=True))
+    kfac_approx: str = option("expand", choice(*KFAC_APPROX))
+
+    def relations(self) -> None:
+        if self.kfac_approx != "expand" and self.curvature == "kfra":
+            raise ValueError(
+                f"KFAC: kfac_approx={self.kfac_approx!r} does not exist for curvature='kfra' "
+                "(KFRA propagates batch-averaged curvature and has no weight-sharing variant); "
+                "use curvature='kfac' or 'kflr', or kfac_approx='expand'"
+            )
 
 
 class KFAC(NewtonOptimizer):
@@ -85,7 +100,10 @@ class KFAC(NewtonOptimizer):
         return fallback_diagonal(self, item.update, item.grad, item.state, writer, step.damping)
 
     def _extension(self, group):
-        return group["curvature"], {"mc_samples": group["mc_samples"]}
+        options = {"mc_samples": group["mc_samples"]}
+        if group["curvature"] != "kfra":  # KFRA has no weight-sharing variants
+            options["kfac_approx"] = group["kfac_approx"]
+        return group["curvature"], options
 
     def _check_curvature(self, curvature, param):
         if not isinstance(curvature, (list, tuple)) or not all(
