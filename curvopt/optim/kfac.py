@@ -15,12 +15,14 @@ from curvopt.optim.gradient_factors import FactorCapture, factored_cheaper, repr
 from curvopt.optim.inverses import InverseOptions, KroneckerInverse
 from curvopt.optim.kronecker import as_matrix, kron_quadratic
 from curvopt.optim.newton import Derived, NewtonOptimizer
+from curvopt.optim.trace_norm_eigh import eigh_solvers
 from curvopt.optim.options import (
     KFAC_APPROX,
     NewtonOptions,
     choice,
     number,
     option,
+    optional,
 )
 
 #: the curvatures, by the attribute their extension writes (``curvopt.extensions.writer``)
@@ -34,11 +36,17 @@ class KFACOptions(NewtonOptions):
 
     curvature: str = option("kfac", choice(*_CURVATURES))
     fallback: str | None = option(None, choice(None, "sgd", "diagonal"))
-    kronecker_damping: str = option("trace_norm", choice("trace_norm", "exact"))
+    kronecker_damping: str = option("trace_norm", choice("trace_norm", "trace_norm_eigh", "exact"))
     inverse_interval: int = option(1, number(1, integer=True))
+    max_rank: int | None = option(None, optional(number(1, integer=True)))
     kfac_approx: str = option("expand", choice(*KFAC_APPROX))
 
     def relations(self) -> None:
+        if self.max_rank is not None and self.kronecker_damping == "exact":
+            raise ValueError(
+                "KFAC: max_rank caps the trace-norm inverses; it does not exist for "
+                "kronecker_damping='exact' (use 'trace_norm' or 'trace_norm_eigh')"
+            )
         if self.kfac_approx != "expand" and self.curvature == "kfra":
             raise ValueError(
                 f"KFAC: kfac_approx={self.kfac_approx!r} does not exist for curvature='kfra' "
@@ -119,13 +127,25 @@ class KFAC(NewtonOptimizer):
         reused = max(group["inverse_interval"], group["curvature_interval"]) > 1
         # Woodbury needs each rank's own roots: off when inverses are spread over ranks
         low_rank = self._distributed is None
-        return InverseOptions(group["kronecker_damping"], reused, low_rank)
+        if (
+            not low_rank
+            and group["max_rank"] is not None
+            and group["kronecker_damping"] != "trace_norm_eigh"
+        ):
+            raise NotImplementedError(
+                "KFAC: max_rank with kronecker_damping='trace_norm' under torch.distributed "
+                "(rank-capped inverses are not broadcast); use kronecker_damping="
+                "'trace_norm_eigh' or max_rank=None"
+            )
+        options = InverseOptions(group["kronecker_damping"], reused, low_rank, group["max_rank"])
+        return options
 
     def _derived(self, curvature, group, damping, curvature_step):
         options = self._inverse_options(group)
+        damped = options.kind not in ("eigh", "trace_norm_eigh")  # the others hold for every λ
         return Derived(
             options.kind,
-            curvature_step if options.kind == "eigh" else (curvature_step, damping),
+            (curvature_step, damping) if damped else curvature_step,
             group["inverse_interval"],
             lambda: KroneckerInverse.compute(curvature, damping, options),
             lambda: KroneckerInverse.empty(curvature, options),
@@ -138,14 +158,27 @@ class KFAC(NewtonOptimizer):
         entry = cached(
             item.state.get(derived.name), derived.key, step.step, derived.interval, derived.compute
         )
-        inverse = KroneckerInverse(derived.name, entry["value"], damping, matrix.shape[0])
+        kept = {derived.name: entry}
+        kind, value = derived.name, entry["value"]
+        if kind == "trace_norm_eigh":  # the damped inverses of the decomposition, per λ
+            key = (entry["step"], damping)
+            solvers = cached(
+                item.state.get("eigh_inverse"),
+                key,
+                step.step,
+                1,
+                lambda: eigh_solvers(value, damping),
+            )
+            kept["eigh_inverse"] = solvers
+            kind, value = "inverse", solvers["value"]
+        inverse = KroneckerInverse(kind, value, damping, matrix.shape[0])
         direction = None
-        if derived.name != "eigh":
+        if kind != "eigh":
             factors = self._gradient_factors(item.update.param)
-            direction = _factored(inverse.solve, entry["value"], matrix, factors)
+            direction = _factored(inverse.solve, value, matrix, factors)
         if direction is None:
-            return inverse.apply_one(grad), {derived.name: entry}
-        return direction.reshape(grad.shape), {derived.name: entry}
+            return inverse.apply_one(grad), kept
+        return direction.reshape(grad.shape), kept
 
     # ----------------------------------------------------------------- factored steps
     def collect(self):
