@@ -5,6 +5,7 @@ trace-norm rule and solved densely), on a convolutional net whose factors differ
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -117,3 +118,192 @@ def test_kfac_approx_is_validated_at_construction():
     with pytest.raises(ValueError, match="kfac_approx must be one of"):
         EKFAC(params, 0.1, 0.1, kfac_approx="sum")
     assert KFAC(params, 0.1, 0.1, "kfra").param_groups[0]["kfac_approx"] == "expand"
+
+
+# ----------------------------------------------------------------- trace-norm in the eigenbasis
+
+
+def capped_reference(factor: torch.Tensor, k: int) -> torch.Tensor:
+    """The best rank-``k`` approximation of a PSD ``factor`` (its top ``k`` eigenpairs)."""
+    values, vectors = torch.linalg.eigh(factor)
+    return vectors[:, -k:] @ torch.diag(values[-k:]) @ vectors[:, -k:].T
+
+
+def capped_trace_norm_reference(factors, grad, damping, k):
+    """As :func:`trace_norm_reference` with each factor wider than ``2k`` replaced by its
+    rank-``k`` part, the shifts still from the full traces."""
+    if len(factors) == 1:
+        return trace_norm_reference(factors, grad, damping)
+    b, a = factors
+    pi = ((a.trace() / len(a)) / (b.trace() / len(b))).sqrt()
+    root = damping**0.5
+    b, a = (capped_reference(f, k) if len(f) > 2 * k else f for f in (b, a))
+    damped = torch.kron(
+        b + root / pi * torch.eye(len(b), dtype=DT), a + pi * root * torch.eye(len(a), dtype=DT)
+    )
+    return torch.linalg.solve(damped, grad.flatten())
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("kfac_approx", ["expand", "reduce"])
+def test_trace_norm_eigh_step_equals_dense_reference(kfac_approx, reduction):
+    """Dense factors (the convolutions') and a Gram root (the Linear's input side: 5 samples,
+    36 inputs) alike: the trace-norm split of the decomposed factors, to rounding."""
+    model = curvopt.extend(conv_net())
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss(reduction=reduction))
+    grads, factors = collected(model, lossfunc, ext.KFLR(kfac_approx=kfac_approx))
+    opt = KFAC(
+        model.parameters(),
+        1.0,
+        LAMBDA,
+        "kflr",
+        kronecker_damping="trace_norm_eigh",
+        kfac_approx=kfac_approx,
+        kl_clip=None,
+    )
+    steps = optimizer_step(model, lossfunc, opt)
+    linear = opt.state[model[4].weight]["trace_norm_eigh"]["value"]
+    assert linear[1][1].shape == (36, 5)  # decomposed through its root: 5 eigenpairs
+    for step, grad, fs in zip(steps, grads, factors):
+        torch.testing.assert_close(step.flatten(), trace_norm_reference(fs, grad, LAMBDA))
+
+
+def test_trace_norm_eigh_applies_a_new_damping_without_a_new_decomposition():
+    """``inverse_interval=10``, ``λ_t = 0.05 (1 + t)``: step 1 uses step 0's decomposition
+    (its factors) with ``λ_1``, where the Cholesky inverses keep ``λ_0`` until they are due."""
+    schedule = ScheduledLambda()
+    steps = {}
+    for damping_kind in ("trace_norm_eigh", "trace_norm"):
+        model = curvopt.extend(conv_net())
+        lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+        opt = KFAC(
+            model.parameters(),
+            1.0,
+            schedule,
+            "kflr",
+            kronecker_damping=damping_kind,
+            inverse_interval=10,
+            kl_clip=None,
+        )
+        optimizer_step(model, lossfunc, opt)
+        first = [[f.clone() for f in opt.state[p]["curvature"]] for p in model.parameters()]
+        x, y = batch(seed=2)
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        lossfunc(model(x), y).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        steps[damping_kind] = [b - p.detach() for b, p in zip(before, model.parameters())]
+        if damping_kind == "trace_norm_eigh":
+            for p, step, grad, fs in zip(model.parameters(), steps[damping_kind], grads, first):
+                assert opt.state[p]["trace_norm_eigh"]["step"] == 0
+                torch.testing.assert_close(
+                    step.flatten(), trace_norm_reference(fs, grad, schedule(1))
+                )
+    assert not torch.allclose(steps["trace_norm_eigh"][0], steps["trace_norm"][0], rtol=1e-3)
+
+
+class ScheduledLambda:
+    """``λ_t = 0.05 (1 + t)`` (a picklable callable)."""
+
+    def __call__(self, step: int) -> float:
+        return 0.05 * (1 + step)
+
+
+@pytest.mark.parametrize("damping_kind", ["trace_norm", "trace_norm_eigh"])
+def test_max_rank_caps_dense_factors_in_the_inverse_and_the_factored_step(
+    damping_kind, monkeypatch
+):
+    """``max_rank=4`` on a Linear 40 -> 30 whose averaged input factor has become dense
+    (``curvature_ema`` over 8 batches of 6): ``A`` (40 > 8) is replaced by its top 4
+    eigenpairs, ``B`` (30 > 8) too, the shifts from the full traces; the step is the factored
+    one (from the batch's 6 rows), and visibly not the uncapped step."""
+    factored = []
+    original = curvopt.optim.kfac._factored
+
+    def spy(*args):
+        result = original(*args)
+        factored.append(result is not None)
+        return result
+
+    monkeypatch.setattr(curvopt.optim.kfac, "_factored", spy)
+    results = {}
+    for max_rank in (4, None):
+        torch.manual_seed(0)
+        model = curvopt.extend(nn.Linear(40, 30).to(DT))
+        lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+        opt = KFAC(
+            model.parameters(),
+            1.0,
+            LAMBDA,
+            "kflr",
+            kronecker_damping=damping_kind,
+            max_rank=max_rank,
+            curvature_ema=0.5,
+            kl_clip=None,
+        )
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(9):
+            x = 10 * torch.randn(6, 40, generator=gen, dtype=DT)
+            y = torch.randint(0, 30, (6,), generator=gen)
+            before = model.weight.detach().clone()
+            factored.clear()
+            opt.zero_grad()
+            with opt.collect():  # KFAC captures the layers' rows from its first collect() on
+                lossfunc(model(x), y).backward()
+            opt.step()
+        step = before - model.weight.detach()
+        factors = opt.state[model.weight]["curvature"]
+        results[max_rank] = (step, model.weight.grad.clone(), factors, factored[0])
+    step, grad, factors, was_factored = results[4]
+    assert was_factored  # the weight's step was the factored one
+    torch.testing.assert_close(
+        step.flatten(), capped_trace_norm_reference(factors, grad, LAMBDA, 4)
+    )
+    exact_step, exact_grad, exact_factors, _ = results[None]
+    torch.testing.assert_close(
+        exact_step.flatten(), trace_norm_reference(exact_factors, exact_grad, LAMBDA)
+    )
+    assert float((step - exact_step).norm() / exact_step.norm()) > 0.05
+
+
+def test_max_rank_is_validated():
+    params = list(conv_net().parameters())
+    with pytest.raises(ValueError, match="max_rank caps the trace-norm inverses"):
+        KFAC(params, 0.1, 0.1, kronecker_damping="exact", max_rank=8)
+    with pytest.raises(ValueError, match="max_rank must be an int >= 1"):
+        KFAC(params, 0.1, 0.1, max_rank=0)
+    with pytest.raises(ValueError, match="kronecker_damping must be one of"):
+        KFAC(params, 0.1, 0.1, kronecker_damping="eigh")
+
+
+def test_trace_norm_eigh_with_rank_cap_resumes_from_a_weights_only_state_dict():
+    """The decompositions and their rank-capped inverses are saved with ``state_dict`` and
+    load with ``weights_only=True``; the resumed optimizer takes the same next step."""
+    model = curvopt.extend(conv_net())
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+
+    def make(m):
+        return KFAC(
+            m.parameters(),
+            1.0,
+            LAMBDA,
+            "kflr",
+            kronecker_damping="trace_norm_eigh",
+            max_rank=2,
+            inverse_interval=5,
+            kl_clip=None,
+        )
+
+    opt = make(model)
+    optimizer_step(model, lossfunc, opt)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    twin = curvopt.extend(copy.deepcopy(model))
+    resumed = make(twin)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    state = resumed.state[twin[0].weight]
+    assert state["trace_norm_eigh"]["value"][1][1].shape == (18, 2)  # A: 18 > 4, capped at 2
+    for a, b in zip(optimizer_step(model, lossfunc, opt), optimizer_step(twin, lossfunc, resumed)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
