@@ -174,8 +174,7 @@ class KFAC(NewtonOptimizer):
         inverse = KroneckerInverse(kind, value, damping, matrix.shape[0])
         direction = None
         if kind != "eigh":
-            factors = self._gradient_factors(item.update.param)
-            direction = _factored(inverse.solve, value, matrix, factors)
+            direction = self._factored_direction(inverse.solve, value, matrix, item.update.param)
         if direction is None:
             return inverse.apply_one(grad), kept
         return direction.reshape(grad.shape), kept
@@ -196,6 +195,18 @@ class KFAC(NewtonOptimizer):
         finally:
             if self in _CAPTURES:
                 _CAPTURES[self].clear()
+
+    def _factored_direction(self, apply, solvers, matrix, param):
+        """:func:`_factored` from the rows of ``param``'s gradient captured in the pass
+        (``gradient_factors``), or None; their forming is skipped where their known count
+        already says that it is not cheaper."""
+        capture = _CAPTURES.get(self)
+        if capture is None or len(solvers) != 2:
+            return None
+        rows = capture.row_count(param)
+        if rows is not None and not factored_cheaper(solvers, *matrix.shape, rows):
+            return None
+        return _factored(apply, solvers, matrix, self._gradient_factors(param))
 
     def _gradient_factors(self, param):
         """The rows of ``param``'s gradient captured in the pass, or None (``gradient_factors``)."""
