@@ -85,6 +85,8 @@ class EKFAC(NewtonOptimizer):
         basis_interval: refresh the basis every ``k`` steps (a multiple of
             ``curvature_interval``); in between ``S`` is still recomputed in the old basis.
         mc_samples: Monte-Carlo samples for ``curvature="kfac"``.
+        kfac_approx: ``"expand"`` (default) or ``"reduce"``: the factors whose eigenbasis is
+            used, as in ``curvopt.extensions.EKFAC``.
         momentum, curvature_interval, kl_clip, fallback: see :class:`~curvopt.optim.KFAC`
             and :mod:`curvopt.optim.newton`. ``curvature_ema`` is not supported (``S`` of an
             old basis cannot be averaged with one of a new basis).

@@ -69,12 +69,23 @@ class KFAC(NewtonOptimizer):
         weight_decay: ``δ ≥ 0`` (added to the gradient and to the damping).
         kronecker_damping: ``"trace_norm"`` (default): ``(B + √λ/π I)⁻¹ G (A + π√λ I)⁻¹`` with
             ``π = sqrt((tr A/dim A)/(tr B/dim B))`` (Martens & Grosse 2015, Sec. 6.3);
+            ``"trace_norm_eigh"``: the same split applied in the factors' eigenbases,
+            ``(F + c I)⁻¹ = Q diag(1/(s + c)) Qᵀ`` (:mod:`curvopt.optim.trace_norm_eigh`), so a
+            new ``λ`` or ``π`` needs no new factorisation;
             ``"exact"``: ``(B ⊗ A + λ I)⁻¹`` through eigendecompositions of ``B`` and ``A``.
         inverse_interval: recompute the inverses (Woodbury for low-rank factors; dense ones as
             Cholesky factors applied by triangular solves, or, when ``inverse_interval`` or
             ``curvature_interval`` is above 1 so that they are reused, as inverses applied by
             matrix products) or eigendecompositions at most every ``m``
-            steps, reusing them in between (default 1: whenever curvature or damping changed).
+            steps, reusing them in between (default 1: whenever curvature or damping changed;
+            with ``"trace_norm_eigh"`` and ``"exact"`` a new damping alone is applied to the
+            cached decomposition at once).
+        max_rank: ``None`` (default, exact) or ``k``: the trace-norm inverse of a factor wider
+            than ``2k`` from its top ``k`` eigenpairs, ``(F_k + c I)⁻¹`` (the other directions
+            see the damping only; an approximation), in the dense and the factored step.
+        kfac_approx: ``"expand"`` (default) or ``"reduce"`` (Eschenhagen et al., 2023): how
+            the factors of weight-sharing layers (convolutions, sequences) treat the shared
+            positions, as in ``curvopt.extensions.KFAC``; not for ``"kfra"``.
         mc_samples: Monte-Carlo samples for ``curvature="kfac"``.
         kl_clip: ``κ``: a trust region for every step, ``1e-3`` by default (``None``: the
             paper's update): the step is scaled by ``ν = min(1, sqrt(κ / (lr² gᵀ d)))``, ``d``
