@@ -307,3 +307,68 @@ def test_trace_norm_eigh_with_rank_cap_resumes_from_a_weights_only_state_dict():
     assert state["trace_norm_eigh"]["value"][1][1].shape == (18, 2)  # A: 18 > 4, capped at 2
     for a, b in zip(optimizer_step(model, lossfunc, opt), optimizer_step(twin, lossfunc, resumed)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------- one-sided EKFAC
+
+
+def per_sample_grads(model, lossfunc, x, y, param_index):
+    """``g_n`` of the loss as computed (``mean``: ``l_n / N``), by a loop over samples."""
+    n = len(x)
+    scale = 1 / n if lossfunc.reduction == "mean" else 1.0
+    grads = []
+    for i in range(n):
+        loss = nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1], reduction="sum")
+        param = list(model.parameters())[param_index]
+        grads.append(scale * torch.autograd.grad(loss, param)[0])
+    return torch.stack(grads)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_one_sided_ekfac_step_equals_dense_reference(reduction):
+    """``max_basis_dim=10`` on Linear(30, 4): the input side (30) keeps the identity, the output
+    side the eigenbasis of ``B`` from the previous step's factors; ``S`` the empirical Fisher's
+    diagonal in that basis from per-sample gradients of a loop; the first step in the identity
+    basis (``S`` = diag EF). The narrow layers keep their two-sided bases."""
+    torch.manual_seed(0)
+    model = curvopt.extend(nn.Sequential(nn.Linear(30, 4), nn.Tanh(), nn.Linear(4, 3)).to(DT))
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss(reduction=reduction))
+    opt = EKFAC(model.parameters(), 1.0, LAMBDA, "kflr", max_basis_dim=10, kl_clip=None)
+    weight = model[0].weight
+    gen = torch.Generator().manual_seed(3)
+    c = 8 if reduction == "mean" else 1
+    basis = torch.eye(4, dtype=DT)  # the first step: identity on both sides
+    for _ in range(3):
+        x, y = (
+            5 * torch.randn(8, 30, generator=gen, dtype=DT),
+            torch.randint(0, 3, (8,), generator=gen),
+        )
+        grads = per_sample_grads(model, lossfunc, x, y, 0)
+        twin = curvopt.extend(copy.deepcopy(model))
+        with curvopt.collect(ext.KFLR()):
+            lossfunc(twin(x), y).backward()
+        output_factor = twin[0].weight.kflr[0]
+        before = weight.detach().clone()
+        opt.zero_grad()
+        lossfunc(model(x), y).backward()
+        opt.step()
+        rotation = torch.kron(basis.contiguous(), torch.eye(30, dtype=DT))
+        moments = c * ((basis.T @ grads).reshape(8, -1) ** 2).sum(0)  # vec S, Q_Bᵀ G_n rows
+        curvature = rotation @ torch.diag(moments) @ rotation.T
+        expected = torch.linalg.solve(
+            curvature + LAMBDA * torch.eye(120, dtype=DT), grads.sum(0).flatten()
+        )
+        torch.testing.assert_close((before - weight.detach()).flatten(), expected)
+        # the next basis: the eigenvectors of this step's B (an input-side one is never formed)
+        pending = opt.state[weight]["bases_next"]
+        assert pending[1] is None
+        basis = pending[0]
+        rotated = basis.T @ output_factor @ basis
+        torch.testing.assert_close(rotated, torch.diag(rotated.diagonal()))
+    assert len(opt.state[weight]["curvature"]) == 2  # [S, Q_B]: the identity side dropped
+    assert len(opt.state[model[2].weight]["curvature"]) == 3  # two-sided
+
+
+def test_max_basis_dim_is_validated():
+    with pytest.raises(ValueError, match="max_basis_dim must be an int >= 1"):
+        EKFAC(conv_net().parameters(), 0.1, 0.1, max_basis_dim=0)
