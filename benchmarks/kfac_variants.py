@@ -24,6 +24,11 @@ warm-up round. EKFAC's step is also profiled by phase (``experiments.step_profil
 fc1 rotations timed on their own (:func:`rotation_floor`), for its floor.
 
 Writes ``benchmarks/results/kfac_variants.json`` and ``.md`` (``--out``).
+
+``--part ekfac`` does the same for EKFAC's ``practical`` setting (lr 0.01, damping 0.1, basis
+every 10 steps, momentum 0.9, ``kl_clip`` 1e-3) and its one-sided variant
+``max_basis_dim=1024`` (fc1's 3136-wide input side in the identity basis), with Adam and KFAC
+(``expand``) in the cost rounds; it writes ``benchmarks/results/ekfac_variants.*``.
 """
 
 from __future__ import annotations
@@ -66,8 +71,24 @@ OTHERS = {
 }
 
 
-def variant(options: dict) -> Setting:
-    return Setting("kfac", 0.01, 0.1, "practical", tuple(options.items()), batch_size=128)
+#: EKFAC's part: variant -> the options it changes in EKFAC's ``practical`` setting
+EKFAC_VARIANTS: dict[str, dict] = {"ekfac": {}, "ekfac_one_sided_1024": {"max_basis_dim": 1024}}
+
+
+def variant(options: dict, optimizer: str = "kfac") -> Setting:
+    return Setting(optimizer, 0.01, 0.1, "practical", tuple(options.items()), batch_size=128)
+
+
+#: part -> (its optimizer, its variants, what else its cost rounds time, its output)
+PARTS = {
+    "kfac": ("kfac", VARIANTS, OTHERS, "benchmarks/results/kfac_variants"),
+    "ekfac": (
+        "ekfac",
+        EKFAC_VARIANTS,
+        {"adam": OTHERS["adam"], "kfac_expand": variant({})},
+        "benchmarks/results/ekfac_variants",
+    ),
+}
 
 
 def rotation_floor(rounds: int = 3) -> dict[str, float]:
@@ -98,11 +119,12 @@ def rotation_floor(rounds: int = 3) -> dict[str, float]:
     return out
 
 
-def _table(result: dict) -> str:
+def _table(result: dict, others) -> str:
     costs = result["cost"]["entries"]
     adam = costs["adam"]["per_step_s"]
     lines = [
-        "| variant | steps to 0.88 / 0.90 | cost per step (ms, CPU) | × Adam | est. time to 0.90 (s) |",
+        "| variant | steps to 0.88 / 0.90 | cost per step (ms, CPU) | × Adam "
+        "| est. time to 0.90 (s) |",
         "|---|---|---|---|---|",
     ]
     for name, run in result["runs"].items():
@@ -113,7 +135,7 @@ def _table(result: dict) -> str:
         ratio = "—" if cost is None else f"{cost / adam:.2f}"
         ms = "—" if cost is None else f"{1e3 * cost:.0f}"
         lines.append(f"| {name} | {shown} | {ms} | {ratio} | {at} |")
-    for name in OTHERS:
+    for name in others:
         cost = costs[name]["per_step_s"]
         lines.append(f"| {name} (cost only) | | {1e3 * cost:.0f} | {cost / adam:.2f} | |")
     return "\n".join(lines)
@@ -123,22 +145,25 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--max-steps", type=int, default=600)
     p.add_argument("--rounds", type=int, default=3, help="cost rounds (after one warm-up)")
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
-    p.add_argument("--out", default="benchmarks/results/kfac_variants")
+    p.add_argument("--part", choices=list(PARTS), default="kfac")
+    p.add_argument("--variants", nargs="+", help="a subset of the part's variants")
+    p.add_argument("--out", default=None, help="output path without suffix (default: the part's)")
     p.add_argument("--data-root", default=None)
     args = p.parse_args(argv)
+    optimizer, variants, others, out = PARTS[args.part]
+    names = args.variants or list(variants)
     print(set_threads(1), flush=True)
     data = load_dataset(get_problem(PROBLEM).dataset, args.data_root)
     splits = make_splits(data, eval_size=2000)
     spec = TtrProblem(targets=TARGETS, max_steps=args.max_steps, eval_every=25, eval_size=2000)
-    settings = {name: variant(VARIANTS[name]) for name in args.variants}
+    settings = {name: variant(variants[name], optimizer) for name in names}
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "problem": PROBLEM,
         "spec": asdict(spec),
-        "variants": {name: VARIANTS[name] for name in args.variants},
+        "variants": {name: variants[name] for name in names},
         "runs": {},
     }
     for name, setting in settings.items():
@@ -146,21 +171,26 @@ def main(argv=None) -> int:
         result["runs"][name] = asdict(run)
         print(f"{name}: {run.status} after {run.steps} steps, {run.steps_to}", flush=True)
     result["cost"] = measure_costs(
-        PROBLEM, {**settings, **OTHERS}, splits, rounds=args.rounds, warmup=1
+        PROBLEM, {**settings, **others}, splits, rounds=args.rounds, warmup=1
     )
-    ekfac = RunConfig(PROBLEM, "ekfac", 0.01, damping=0.1, preset="practical")
-    result["ekfac_profile_ms"] = profile(ekfac, steps=21)
-    result["ekfac_fc1_floor_ms"] = rotation_floor()
-    out = Path(args.out)
+    if args.part == "kfac":
+        ekfac = RunConfig(PROBLEM, "ekfac", 0.01, damping=0.1, preset="practical")
+        result["ekfac_profile_ms"] = profile(ekfac, steps=21)
+        result["ekfac_fc1_floor_ms"] = rotation_floor()
+    out = Path(args.out or out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    table = _table(result)
-    out.with_suffix(".md").write_text(
-        f"# KFAC variants on {PROBLEM} ({result['date']}, one thread)\n\n"
-        "Command: `OMP_NUM_THREADS=1 python -m benchmarks.kfac_variants`"
-        f" (max steps {args.max_steps}, {args.rounds} cost rounds)\n\n{table}\n\n"
+    table = _table(result, others)
+    floor = (
         f"EKFAC (`practical`) step by phase, ms: {json.dumps(result['ekfac_profile_ms'])}\n\n"
         f"EKFAC's dense work on fc1, ms: {json.dumps(result['ekfac_fc1_floor_ms'])}\n"
+        if args.part == "kfac"
+        else ""
+    )
+    out.with_suffix(".md").write_text(
+        f"# {optimizer.upper()} variants on {PROBLEM} ({result['date']}, one thread)\n\n"
+        f"Command: `OMP_NUM_THREADS=1 python -m benchmarks.kfac_variants --part {args.part}`"
+        f" (max steps {args.max_steps}, {args.rounds} cost rounds)\n\n{table}\n\n{floor}"
     )
     print(table)
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")

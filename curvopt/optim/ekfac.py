@@ -90,6 +90,10 @@ class EKFAC(NewtonOptimizer):
         mc_samples: Monte-Carlo samples for ``curvature="kfac"``.
         kfac_approx: ``"expand"`` (default) or ``"reduce"``: the factors whose eigenbasis is
             used, as in ``curvopt.extensions.EKFAC``.
+        max_basis_dim: ``None`` (default: two-sided bases) or ``m``: a side of a parameter
+            wider than ``m`` keeps the identity basis (SOAP-style, :mod:`curvopt.optim.one_sided`;
+            its factor is never eigendecomposed), the other side's basis comes from the factors
+            of a basis step and is used from the next step on.
         momentum, curvature_interval, kl_clip, fallback: see :class:`~curvopt.optim.KFAC`
             and :mod:`curvopt.optim.newton`. ``curvature_ema`` is not supported (``S`` of an
             old basis cannot be averaged with one of a new basis).
