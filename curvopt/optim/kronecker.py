@@ -184,7 +184,7 @@ def trace_norm_solvers(
 def _trace_norm_solvers(factors, damping, low_rank, max_rank, dense) -> list:
     """Per damped factor: ``dense(F + c I)`` or a :class:`LowRankInverse` (see the callers)."""
     stored = [f.dtype for f in factors]
-    factors = [_promoted(f) for f in factors]
+    factors = [promoted(f) for f in factors]
     shifts = _trace_norm_shifts(factors, damping)
     sizes = [f.shape[0] for f in factors]
     solvers = []
@@ -219,7 +219,7 @@ _FACTOR_NAMES = {
 }
 
 
-def _promoted(factor: torch.Tensor) -> torch.Tensor:
+def promoted(factor: torch.Tensor) -> torch.Tensor:
     """``factor`` in ``working_dtype`` (float32 for bfloat16/float16), keeping its Gram root."""
     dtype = working_dtype(factor.dtype)
     return factor if dtype == factor.dtype else rescaled(factor, 1.0, dtype)

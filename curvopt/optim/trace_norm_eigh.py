@@ -25,8 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
-from curvopt.optim.kronecker import Factors, capped, trace_norm_shifts
-from curvopt.optim.linalg import psd_eigh, working_dtype
+from curvopt.optim.kronecker import Factors, capped, promoted, trace_norm_shifts
+from curvopt.optim.linalg import psd_eigh
 from curvopt.optim.low_rank import LowRankInverse, usable_root
 
 Decomposition = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -37,17 +37,19 @@ def trace_norm_eigh(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``[(s_B, Q_B), (s_A, Q_A)]`` (``[(s_B, Q_B)]`` for a bias), see the module doc: through
     the Gram root where ``low_rank`` and it is cheaper (``low_rank.usable_root``), else
-    ``psd_eigh`` (in ``working_dtype``); ``Q`` keeps the top ``max_rank`` eigenvectors of a
-    factor wider than ``2 · max_rank`` (``kronecker.capped``), all otherwise."""
+    ``psd_eigh``, in float32 for bfloat16/float16 factors; ``Q`` keeps the top ``max_rank``
+    eigenvectors of a factor wider than ``2 · max_rank`` (``kronecker.capped``), all
+    otherwise."""
     sizes = [f.shape[0] for f in factors]
     decompositions = []
-    for index, factor in enumerate(factors):
+    for index, stored in enumerate(factors):
         others = sizes[1 - index] if len(factors) == 2 else 1
-        root = usable_root(factor, others) if low_rank else None
+        factor = promoted(stored)  # bfloat16/float16 in float32, keeping the Gram root
+        root = usable_root(factor, others, stored.dtype) if low_rank else None
         if root is None:
             values, vectors = psd_eigh(factor)
         else:
-            values, vectors = _root_eigh(root.to(working_dtype(factor.dtype)))
+            values, vectors = _root_eigh(root)
         if capped(factor.shape[0], max_rank):
             vectors = vectors[:, -min(max_rank, vectors.shape[1]) :]
         decompositions.append((values, vectors))
