@@ -372,3 +372,34 @@ def test_one_sided_ekfac_step_equals_dense_reference(reduction):
 def test_max_basis_dim_is_validated():
     with pytest.raises(ValueError, match="max_basis_dim must be an int >= 1"):
         EKFAC(conv_net().parameters(), 0.1, 0.1, max_basis_dim=0)
+
+
+@pytest.mark.parametrize("max_rank", [None, 4])
+def test_trace_norm_eigh_in_bfloat16_factorises_in_float32(max_rank):
+    """A bfloat16 model: the decomposition runs in float32 (its eigenvectors are float32), the
+    step is bfloat16 and within bfloat16's rounding of the float64 model's step."""
+    steps = {}
+    for dtype in (torch.float64, torch.bfloat16):
+        torch.manual_seed(0)
+        model = curvopt.extend(nn.Linear(40, 30).to(dtype))
+        lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+        opt = KFAC(
+            model.parameters(),
+            1.0,
+            LAMBDA,
+            "kflr",
+            kronecker_damping="trace_norm_eigh",
+            max_rank=max_rank,
+            kl_clip=None,
+        )
+        gen = torch.Generator().manual_seed(5)
+        x = (10 * torch.randn(60, 40, generator=gen, dtype=DT)).to(dtype)
+        y = torch.randint(0, 30, (60,), generator=gen)
+        before = model.weight.detach().clone()
+        lossfunc(model(x), y).backward()
+        opt.step()
+        steps[dtype] = (before - model.weight.detach()).double()
+        (_, vectors), _ = opt.state[model.weight]["trace_norm_eigh"]["value"]
+        assert vectors.dtype == (torch.float32 if dtype == torch.bfloat16 else DT)
+    error = (steps[torch.bfloat16] - steps[torch.float64]).norm() / steps[torch.float64].norm()
+    assert float(error) < 0.05
