@@ -143,3 +143,37 @@ def test_factored_is_chosen_by_flops():
     assert gf.factored_cheaper(dense, 1024, 3136, 128)  # FMNIST 2C2D's fc1 at batch 128
     assert not gf.factored_cheaper(dense, 1024, 3136, 2048)
     assert not gf.factored_cheaper([torch.eye(10), torch.eye(20)], 10, 20, 64)
+
+
+def test_rows_that_are_not_cheaper_are_formed_once_not_at_every_step(monkeypatch):
+    """A convolution over many positions (``R`` = 4 samples x 100 positions, dense product
+    cheaper): its rows are formed at the first step only, later steps with the same shapes skip
+    them from the known count; the dense layer's (cheaper) rows are formed at every step."""
+    calls = {"conv": 0, "linear": 0}
+    for key, module in (("conv", nn.Conv2d(1, 1, 1)), ("linear", nn.Linear(1, 1))):
+        rule = curvopt.layers.rule_for(module)
+        original = rule.gradient_rows
+
+        def counted(call, name, original=original, key=key):
+            calls[key] += 1
+            return original(call, name)
+
+        monkeypatch.setattr(rule, "gradient_rows", counted)
+    torch.manual_seed(0)
+    model = curvopt.extend(
+        nn.Sequential(
+            nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(300, 40), nn.Tanh(), nn.Linear(40, 3)
+        ).double()
+    )
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    opt = KFAC(model.parameters(), lr=0.1, damping=0.1, curvature="kflr")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(4, 2, 12, 12, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 3, (4,), generator=g)
+        opt.zero_grad()
+        with opt.collect():
+            lossfunc(model(x), y).backward()
+        opt.step()
+    assert calls["conv"] == 1
+    assert calls["linear"] >= 3  # Linear(300, 40) at R = 4: factored at every step

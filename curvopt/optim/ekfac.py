@@ -19,9 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from curvopt.optim.eigen_corrected import as_rows, eigen_corrected_quadratic
+from curvopt.engine import values
 from curvopt.optim.inverses import EigenCorrectedInverse
 from curvopt.optim.newton import NewtonOptimizer
-from curvopt.optim.options import NewtonOptions, choice, number, option, optional
+from curvopt.optim.one_sided import is_one_sided, kept, next_bases, supplied
+from curvopt.optim.options import KFAC_APPROX, NewtonOptions, choice, number, option, optional
 
 #: the factors' curvatures, by the attribute their extension writes
 _FACTORS = ("kfac", "kflr")
@@ -36,6 +38,8 @@ class EKFACOptions(NewtonOptions):
     curvature_ema: float = option(0.0, number(0.0, 1.0, open_high=True), keyword=False)
     reduction: str | None = option(None, optional(choice("mean", "sum")))
     basis_interval: int = option(1, number(1, integer=True))
+    kfac_approx: str = option("expand", choice(*KFAC_APPROX))
+    max_basis_dim: int | None = option(None, optional(number(1, integer=True)))
 
     def relations(self) -> None:
         if self.curvature_ema != 0:
@@ -84,6 +88,12 @@ class EKFAC(NewtonOptimizer):
         basis_interval: refresh the basis every ``k`` steps (a multiple of
             ``curvature_interval``); in between ``S`` is still recomputed in the old basis.
         mc_samples: Monte-Carlo samples for ``curvature="kfac"``.
+        kfac_approx: ``"expand"`` (default) or ``"reduce"``: the factors whose eigenbasis is
+            used, as in ``curvopt.extensions.EKFAC``.
+        max_basis_dim: ``None`` (default: two-sided bases) or ``m``: a side of a parameter
+            wider than ``m`` keeps the identity basis (SOAP-style, :mod:`curvopt.optim.one_sided`;
+            its factor is never eigendecomposed), the other side's basis comes from the factors
+            of a basis step and is used from the next step on.
         momentum, curvature_interval, kl_clip, fallback: see :class:`~curvopt.optim.KFAC`
             and :mod:`curvopt.optim.newton`. ``curvature_ema`` is not supported (``S`` of an
             old basis cannot be averaged with one of a new basis).
@@ -92,12 +102,11 @@ class EKFAC(NewtonOptimizer):
     _distributable = False  # torch.distributed raises NotImplementedError (not wired up yet)
 
     Options = EKFACOptions
-    #: what ``_plan_group`` passes to ``_read`` while it runs
-    _planning: dict | None = None
 
     # ----------------------------------------------------------------- what to collect
     def _extension(self, group):
         options = {"factors": group["curvature"], "mc_samples": group["mc_samples"]}
+        options["kfac_approx"] = group["kfac_approx"]
         return "ekfac", {**options, "bases": self._supplied, "reduction": group["reduction"]}
 
     def _basis_due(self, group, step: int) -> bool:
@@ -105,18 +114,59 @@ class EKFAC(NewtonOptimizer):
 
     def _supplied(self, param):
         """The bases the next pass uses for ``param``: its current ones, or ``None`` (fresh)
-        on its group's basis steps and before it has any."""
-        old = self.state.get(param, {}).get("curvature")
-        if old is None:
-            return None
+        on its group's basis steps and before it has any; for a one-sided parameter always
+        supplied (``one_sided.supplied``)."""
+        state = self.state.get(param, {})
         for group, group_state in zip(self.param_groups, self._group_state):
             if any(p is param for p in group["params"]):
-                return None if self._basis_due(group, group_state["step"]) else list(old[1:])
+                if is_one_sided(param, group["max_basis_dim"]):
+                    return supplied(param, state.get("bases_next"))
+                old = state.get("curvature")
+                if old is None or self._basis_due(group, group_state["step"]):
+                    return None
+                return list(old[1:])
         return None
+
+    def _needs(self, group, group_state):
+        """The ``EKFAC`` extension where due; with one-sided parameters, on their basis steps
+        (and before they have a basis) also their factors, whose eigenvectors are the basis
+        of the next steps (:mod:`curvopt.optim.one_sided`)."""
+        needs = super()._needs(group, group_state)
+        wide = [p for p in group["params"] if is_one_sided(p, group["max_basis_dim"])]
+        lacking = any("bases_next" not in self.state.get(p, {}) for p in wide)
+        if needs and wide and (lacking or self._basis_due(group, group_state["step"])):
+            factor_options = {"mc_samples": group["mc_samples"]}
+            needs.append(
+                (group["curvature"], {**factor_options, "kfac_approx": group["kfac_approx"]})
+            )
+        return needs
+
+    def _read_curvature(self, update, group, attr, extension):
+        """As in ``NewtonOptimizer``; a one-sided parameter's ``[S, *bases]`` without its
+        trailing identity sides (``one_sided.kept``), and from fresh factors its next bases
+        (kept in ``update.state`` until :meth:`_direction` returns them into the new state)."""
+        curvature = super()._read_curvature(update, group, attr, extension)
+        param, max_dim = update.param, group["max_basis_dim"]
+        if curvature is None or not is_one_sided(param, max_dim):
+            return curvature
+        pending = self.state.get(param, {}).get("bases_next")
+        curvature = kept(curvature, pending)
+        name = group["curvature"]
+        fresh = values.read(param, name)
+        if fresh is not None and fresh is not self._consumed.get(param, {}).get(name):
+            factors = values.plain(self._read(update, name, extension, None))
+            update.checks += [(f"`{name}`", f) for f in factors]
+            pending = next_bases(factors, max_dim)
+        update.state["bases_next"] = pending
+        return curvature
 
     # ----------------------------------------------------------------- the step
     def _direction(self, item, step):
-        return EigenCorrectedInverse.build(item.curvature, step.damping).apply_one(item.grad), {}
+        inverse = EigenCorrectedInverse.build(item.curvature, step.damping)
+        if not is_one_sided(item.update.param, step.group["max_basis_dim"]):
+            return inverse.apply_one(item.grad), {}
+        pending = item.update.state.get("bases_next", item.state.get("bases_next"))
+        return inverse.apply_one(item.grad), {"bases_next": pending}
 
     def _quadratic(self, curvature, step):
         correction, bases = curvature[0], curvature[1:]

@@ -47,6 +47,7 @@ class FactorCapture:
     def __init__(self, owner, params):
         self.calls: dict[int, list] = {}  # id(module) -> [[Call, grad_out or None] per call]
         self.sources: dict[int, tuple] = {}  # id(p) -> (module, name, rule)
+        self.counts: dict[int, tuple] = {}  # id(p) -> (its calls' output shapes, rows R)
         watched, owning = set(), owners(params)
         for p in params:
             if id(p) not in owning or p.dim() < 2:
@@ -81,23 +82,50 @@ class FactorCapture:
 
         output.register_hook(keep)
 
-    def factors(self, param: torch.Tensor) -> Optional[Factors]:
-        """``(left, right)`` of ``param``'s calls, or None (none, or one without its gradient,
-        or a call the rule gives no rows for)."""
+    def _calls(self, param: torch.Tensor) -> Optional[list]:
+        """``param``'s calls since :meth:`clear`, or None (none, or one without its gradient)."""
         source = self.sources.get(id(param))
         calls = None if source is None else self.calls.get(id(source[0]))
         if not calls or any(grad is None for _, grad in calls):
             return None
-        module, name, rule = source
+        return calls
+
+    def row_count(self, param: torch.Tensor) -> Optional[int]:
+        """``R`` of :meth:`factors` without forming them, where an earlier pass with the same
+        output shapes formed them (the rows are a function of the shapes), else None: so that
+        a step that is not cheaper factored (a convolution's ``R`` = samples x positions) forms
+        its rows once, not at every step."""
+        calls = self._calls(param)
+        known = self.counts.get(id(param))
+        if calls is None or known is None:
+            return None
+        return known[1] if known[0] == _shapes(calls) else None
+
+    def factors(self, param: torch.Tensor) -> Optional[Factors]:
+        """``(left, right)`` of ``param``'s calls, or None (none, or one without its gradient,
+        or a call the rule gives no rows for)."""
+        calls = self._calls(param)
+        if calls is None:
+            return None
+        module, name, rule = self.sources[id(param)]
         rows = [rule.gradient_rows(Call(module, c.args, c.kwargs, g), name) for c, g in calls]
         if any(r is None for r in rows):
             return None
         if len(rows) == 1:
-            return rows[0]
-        return torch.cat([left for left, _ in rows]), torch.cat([right for _, right in rows])
+            left, right = rows[0]
+        else:
+            left = torch.cat([left for left, _ in rows])
+            right = torch.cat([right for _, right in rows])
+        self.counts[id(param)] = (_shapes(calls), len(left))
+        return left, right
 
     def clear(self) -> None:
         self.calls.clear()
+
+
+def _shapes(calls) -> tuple:
+    """The output-gradient shapes of ``calls``: what their number of rows depends on."""
+    return tuple(tuple(grad.shape) for _, grad in calls)
 
 
 def reproduces(matrix: torch.Tensor, factors: Factors) -> bool:

@@ -15,7 +15,15 @@ from curvopt.optim.gradient_factors import FactorCapture, factored_cheaper, repr
 from curvopt.optim.inverses import InverseOptions, KroneckerInverse
 from curvopt.optim.kronecker import as_matrix, kron_quadratic
 from curvopt.optim.newton import Derived, NewtonOptimizer
-from curvopt.optim.options import NewtonOptions, choice, number, option
+from curvopt.optim.trace_norm_eigh import eigh_solvers
+from curvopt.optim.options import (
+    KFAC_APPROX,
+    NewtonOptions,
+    choice,
+    number,
+    option,
+    optional,
+)
 
 #: the curvatures, by the attribute their extension writes (``curvopt.extensions.writer``)
 _CURVATURES = ("kfac", "kflr", "kfra")
@@ -28,8 +36,23 @@ class KFACOptions(NewtonOptions):
 
     curvature: str = option("kfac", choice(*_CURVATURES))
     fallback: str | None = option(None, choice(None, "sgd", "diagonal"))
-    kronecker_damping: str = option("trace_norm", choice("trace_norm", "exact"))
+    kronecker_damping: str = option("trace_norm", choice("trace_norm", "trace_norm_eigh", "exact"))
     inverse_interval: int = option(1, number(1, integer=True))
+    max_rank: int | None = option(None, optional(number(1, integer=True)))
+    kfac_approx: str = option("expand", choice(*KFAC_APPROX))
+
+    def relations(self) -> None:
+        if self.max_rank is not None and self.kronecker_damping == "exact":
+            raise ValueError(
+                "KFAC: max_rank caps the trace-norm inverses; it does not exist for "
+                "kronecker_damping='exact' (use 'trace_norm' or 'trace_norm_eigh')"
+            )
+        if self.kfac_approx != "expand" and self.curvature == "kfra":
+            raise ValueError(
+                f"KFAC: kfac_approx={self.kfac_approx!r} does not exist for curvature='kfra' "
+                "(KFRA propagates batch-averaged curvature and has no weight-sharing variant); "
+                "use curvature='kfac' or 'kflr', or kfac_approx='expand'"
+            )
 
 
 class KFAC(NewtonOptimizer):
@@ -46,12 +69,23 @@ class KFAC(NewtonOptimizer):
         weight_decay: ``δ ≥ 0`` (added to the gradient and to the damping).
         kronecker_damping: ``"trace_norm"`` (default): ``(B + √λ/π I)⁻¹ G (A + π√λ I)⁻¹`` with
             ``π = sqrt((tr A/dim A)/(tr B/dim B))`` (Martens & Grosse 2015, Sec. 6.3);
+            ``"trace_norm_eigh"``: the same split applied in the factors' eigenbases,
+            ``(F + c I)⁻¹ = Q diag(1/(s + c)) Qᵀ`` (:mod:`curvopt.optim.trace_norm_eigh`), so a
+            new ``λ`` or ``π`` needs no new factorisation;
             ``"exact"``: ``(B ⊗ A + λ I)⁻¹`` through eigendecompositions of ``B`` and ``A``.
         inverse_interval: recompute the inverses (Woodbury for low-rank factors; dense ones as
             Cholesky factors applied by triangular solves, or, when ``inverse_interval`` or
             ``curvature_interval`` is above 1 so that they are reused, as inverses applied by
             matrix products) or eigendecompositions at most every ``m``
-            steps, reusing them in between (default 1: whenever curvature or damping changed).
+            steps, reusing them in between (default 1: whenever curvature or damping changed;
+            with ``"trace_norm_eigh"`` and ``"exact"`` a new damping alone is applied to the
+            cached decomposition at once).
+        max_rank: ``None`` (default, exact) or ``k``: the trace-norm inverse of a factor wider
+            than ``2k`` from its top ``k`` eigenpairs, ``(F_k + c I)⁻¹`` (the other directions
+            see the damping only; an approximation), in the dense and the factored step.
+        kfac_approx: ``"expand"`` (default) or ``"reduce"`` (Eschenhagen et al., 2023): how
+            the factors of weight-sharing layers (convolutions, sequences) treat the shared
+            positions, as in ``curvopt.extensions.KFAC``; not for ``"kfra"``.
         mc_samples: Monte-Carlo samples for ``curvature="kfac"``.
         kl_clip: ``κ``: a trust region for every step, ``1e-3`` by default (``None``: the
             paper's update): the step is scaled by ``ν = min(1, sqrt(κ / (lr² gᵀ d)))``, ``d``
@@ -85,7 +119,10 @@ class KFAC(NewtonOptimizer):
         return fallback_diagonal(self, item.update, item.grad, item.state, writer, step.damping)
 
     def _extension(self, group):
-        return group["curvature"], {"mc_samples": group["mc_samples"]}
+        options = {"mc_samples": group["mc_samples"]}
+        if group["curvature"] != "kfra":  # KFRA has no weight-sharing variants
+            options["kfac_approx"] = group["kfac_approx"]
+        return group["curvature"], options
 
     def _check_curvature(self, curvature, param):
         if not isinstance(curvature, (list, tuple)) or not all(
@@ -101,13 +138,25 @@ class KFAC(NewtonOptimizer):
         reused = max(group["inverse_interval"], group["curvature_interval"]) > 1
         # Woodbury needs each rank's own roots: off when inverses are spread over ranks
         low_rank = self._distributed is None
-        return InverseOptions(group["kronecker_damping"], reused, low_rank)
+        if (
+            not low_rank
+            and group["max_rank"] is not None
+            and group["kronecker_damping"] != "trace_norm_eigh"
+        ):
+            raise NotImplementedError(
+                "KFAC: max_rank with kronecker_damping='trace_norm' under torch.distributed "
+                "(rank-capped inverses are not broadcast); use kronecker_damping="
+                "'trace_norm_eigh' or max_rank=None"
+            )
+        options = InverseOptions(group["kronecker_damping"], reused, low_rank, group["max_rank"])
+        return options
 
     def _derived(self, curvature, group, damping, curvature_step):
         options = self._inverse_options(group)
+        damped = options.kind not in ("eigh", "trace_norm_eigh")  # the others hold for every λ
         return Derived(
             options.kind,
-            curvature_step if options.kind == "eigh" else (curvature_step, damping),
+            (curvature_step, damping) if damped else curvature_step,
             group["inverse_interval"],
             lambda: KroneckerInverse.compute(curvature, damping, options),
             lambda: KroneckerInverse.empty(curvature, options),
@@ -120,14 +169,26 @@ class KFAC(NewtonOptimizer):
         entry = cached(
             item.state.get(derived.name), derived.key, step.step, derived.interval, derived.compute
         )
-        inverse = KroneckerInverse(derived.name, entry["value"], damping, matrix.shape[0])
+        kept = {derived.name: entry}
+        kind, value = derived.name, entry["value"]
+        if kind == "trace_norm_eigh":  # the damped inverses of the decomposition, per λ
+            key = (entry["step"], damping)
+            solvers = cached(
+                item.state.get("eigh_inverse"),
+                key,
+                step.step,
+                1,
+                lambda: eigh_solvers(value, damping),
+            )
+            kept["eigh_inverse"] = solvers
+            kind, value = "inverse", solvers["value"]
+        inverse = KroneckerInverse(kind, value, damping, matrix.shape[0])
         direction = None
-        if derived.name != "eigh":
-            factors = self._gradient_factors(item.update.param)
-            direction = _factored(inverse.solve, entry["value"], matrix, factors)
+        if kind != "eigh":
+            direction = self._factored_direction(inverse.solve, value, matrix, item.update.param)
         if direction is None:
-            return inverse.apply_one(grad), {derived.name: entry}
-        return direction.reshape(grad.shape), {derived.name: entry}
+            return inverse.apply_one(grad), kept
+        return direction.reshape(grad.shape), kept
 
     # ----------------------------------------------------------------- factored steps
     def collect(self):
@@ -145,6 +206,18 @@ class KFAC(NewtonOptimizer):
         finally:
             if self in _CAPTURES:
                 _CAPTURES[self].clear()
+
+    def _factored_direction(self, apply, solvers, matrix, param):
+        """:func:`_factored` from the rows of ``param``'s gradient captured in the pass
+        (``gradient_factors``), or None; their forming is skipped where their known count
+        already says that it is not cheaper."""
+        capture = _CAPTURES.get(self)
+        if capture is None or len(solvers) != 2:
+            return None
+        rows = capture.row_count(param)
+        if rows is not None and not factored_cheaper(solvers, *matrix.shape, rows):
+            return None
+        return _factored(apply, solvers, matrix, self._gradient_factors(param))
 
     def _gradient_factors(self, param):
         """The rows of ``param``'s gradient captured in the pass, or None (``gradient_factors``)."""

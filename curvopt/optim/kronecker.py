@@ -27,7 +27,6 @@ A single factor ``[B]`` is damped plainly: ``(B + λ I)⁻¹`` in both cases.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -38,8 +37,34 @@ from curvopt.optim.linalg import (
     psd_eigh,
     working_dtype,
 )
-from curvopt.engine.reductions import gram_root
 from curvopt.engine.values import rescaled
+from curvopt.optim.low_rank import (
+    LowRankInverse,
+    application_flops,
+    capped_inverse,
+    solver_flops,
+    usable_root,
+    woodbury,
+)
+
+__all__ = [  # LowRankInverse and the flop counts: re-exported, their home is optim.low_rank
+    "LowRankInverse",
+    "application_flops",
+    "solver_flops",
+    "as_matrix",
+    "kron_matmul",
+    "kron_quadratic",
+    "trace_norm_pi",
+    "trace_norm_shifts",
+    "trace_norm_damped",
+    "trace_norm_inverse",
+    "trace_norm_cholesky",
+    "trace_norm_solvers",
+    "kron_cholesky_solve",
+    "kron_solve",
+    "kron_eigh",
+    "exact_damped_solve",
+]
 
 Factors = Sequence[torch.Tensor]
 
@@ -80,7 +105,11 @@ def trace_norm_pi(factors: Factors) -> torch.Tensor:
     """
     if len(factors) == 1:
         return torch.ones((), dtype=factors[0].dtype, device=factors[0].device)
-    mean_b, mean_a = (torch.diagonal(f).mean() for f in factors)
+    return _pi(*(torch.diagonal(f).mean() for f in factors))
+
+
+def _pi(mean_b: torch.Tensor, mean_a: torch.Tensor) -> torch.Tensor:
+    """``sqrt(mean_a / mean_b)``, 1 unless both are positive."""
     usable = (mean_a > 0) & (mean_b > 0)
     ratio = torch.where(usable, mean_a / torch.where(usable, mean_b, 1), 1)
     return ratio.sqrt()
@@ -94,13 +123,20 @@ def trace_norm_damped(factors: Factors, damping: float) -> list[torch.Tensor]:
 
 
 def _trace_norm_shifts(factors: Factors, damping: float) -> list:
-    """The damping added to each factor: ``[√λ/π, π√λ]`` for ``[B, A]``; ``[λ]`` for ``[B]``.
+    """The damping added to each factor (:func:`trace_norm_shifts` of their mean diagonals)."""
+    return trace_norm_shifts([torch.diagonal(f).mean() for f in factors], damping)
 
-    With ``π² = (tr A/dim A)/(tr B/dim B)`` each shift is ``√λ`` times its factor's mean
-    eigenvalue over the geometric mean of both, so their product is ``λ``."""
-    if len(factors) == 1:
+
+def trace_norm_shifts(means: Sequence[torch.Tensor], damping: float) -> list:
+    """The damping added to each factor, from their mean eigenvalues ``tr F / dim F``:
+    ``[√λ/π, π√λ]`` for ``[B, A]`` (``π = sqrt(mean_A / mean_B)``, 1 unless both are
+    positive); ``[λ]`` for ``[B]``.
+
+    Each shift is ``√λ`` times its factor's mean eigenvalue over the geometric mean of both, so
+    their product is ``λ``."""
+    if len(means) == 1:
         return [damping]
-    pi = trace_norm_pi(factors)
+    pi = _pi(*means)
     root = damping**0.5
     return [root / pi, pi * root]
 
@@ -116,114 +152,6 @@ def trace_norm_inverse(factors: Factors, damping: float) -> list[torch.Tensor]:
     """Inverses of :func:`trace_norm_damped` (Cholesky, float64 retry); apply with
     :func:`kron_matmul`."""
     return [cholesky_inverse(f) for f in trace_norm_damped(factors, damping)]
-
-
-@dataclass(frozen=True)
-class LowRankInverse:
-    """``(UᵀU + c I)⁻¹ = (I − Vᵀ V) / c`` for a factor ``F = UᵀU`` of size ``d`` with a root
-    ``U [r, d]``, ``r < d``, and a shift ``c > 0`` (Woodbury): with ``U Uᵀ = Q diag(s) Qᵀ``,
-    ``Uᵀ (c I_r + U Uᵀ)⁻¹ U = Vᵀ V`` for ``V = diag(s + c)^(-1/2) Qᵀ U`` (``[k, d]``, computed
-    once; its rows are orthogonal, the directions of ``F``'s nonzero eigenvalues).
-
-    Applying it to ``m`` vectors costs ``4 m d k`` flops (two matrix products, no solve)
-    instead of the ``2 m d²`` of a product with the dense inverse, and setting it up
-    ``4 d r² + O(r³)`` instead of ``d³``. ``k ≤ r`` is the numerical rank of ``U`` (exact
-    compression, :meth:`of`), or a cap on it (an approximation).
-    """
-
-    basis: torch.Tensor
-    shift: torch.Tensor
-
-    @classmethod
-    def of(cls, root: torch.Tensor, shift, max_rank: int | None = None) -> "LowRankInverse":
-        """From ``U`` and ``c``. Exact (default): the directions whose eigenvalue ``s_i`` of
-        ``U Uᵀ`` is at most its rounding, ``r · eps · s_max``, and negligible against the shift,
-        ``s_i ≤ √eps · c`` (dropping one changes the result along it by ``s_i / c`` relative),
-        are dropped: rows repeated in the stacked roots of an average add no rank, and cost
-        nothing to apply.
-
-        ``max_rank=k`` keeps at most the ``k`` largest (an approximation): it inverts
-        ``F_k + c I``, ``F_k`` the best rank-``k`` approximation of ``F``; the dropped
-        directions see the damping only (their ``s_i`` are replaced by 0).
-
-        ``U Uᵀ`` and its eigendecomposition are recomputed from ``U`` in float64 when their
-        rounding in ``U``'s precision, ``eps · s_max``, exceeds ``√eps · c``: the eigenvalues
-        near the shift would be lost in it."""
-        shift = torch.as_tensor(shift, dtype=root.dtype, device=root.device)
-        values, vectors = torch.linalg.eigh(root @ root.mT)
-        eps = torch.finfo(root.dtype).eps
-        if root.dtype != torch.float64 and bool(eps * values[-1] > eps**0.5 * shift):
-            exact = root.to(torch.float64)
-            values, vectors = torch.linalg.eigh(exact @ exact.mT)
-            values, vectors = values.to(root.dtype), vectors.to(root.dtype)
-            eps = torch.finfo(torch.float64).eps
-        noise = torch.minimum(root.shape[0] * eps * values[-1].clamp(min=0), eps**0.5 * shift)
-        kept = int((values > noise).sum())
-        kept = kept if max_rank is None else min(kept, max_rank)
-        values, vectors = values[values.shape[0] - kept :], vectors[:, vectors.shape[1] - kept :]
-        return cls((vectors.mT @ root) / (values + shift).sqrt()[:, None], shift)
-
-    @property
-    def rank(self) -> int:
-        """``k``, the number of rows of ``V``."""
-        return self.basis.shape[0]
-
-    def solve_left(self, matrix: torch.Tensor) -> torch.Tensor:
-        """``(F + c I)⁻¹ M`` for ``M [d, m]``."""
-        return torch.addmm(matrix, self.basis.mT, self.basis @ matrix, alpha=-1).div_(self.shift)
-
-    def solve_right(self, matrix: torch.Tensor) -> torch.Tensor:
-        """``M (F + c I)⁻¹`` for ``M [m, d]``."""
-        return torch.addmm(matrix, matrix @ self.basis.mT, self.basis, alpha=-1).div_(self.shift)
-
-
-def application_flops(dim: int, columns: int, rank: int | None = None) -> int:
-    """Flops of applying a damped factor's inverse of size ``dim`` to ``columns`` vectors:
-    ``2 · columns · d²`` dense, ``4 · columns · d · k`` in the Woodbury form of rank ``k``."""
-    return 2 * columns * dim * dim if rank is None else 4 * columns * dim * rank
-
-
-def solver_flops(solver, dim: int, columns: int) -> int:
-    """:func:`application_flops` of one entry of :func:`trace_norm_solvers` /
-    :func:`trace_norm_cholesky` (a dense matrix or a :class:`LowRankInverse`)."""
-    return application_flops(
-        dim, columns, solver.rank if isinstance(solver, LowRankInverse) else None
-    )
-
-
-def _woodbury_cheaper(dim: int, rows: int, rank: int, others: int) -> bool:
-    """Whether the Woodbury form of a root of ``rows`` rows and (numerical or capped) ``rank``
-    costs fewer flops than the dense inverse for ``others`` right-hand sides: setup ``4 d r²``
-    plus its application against ``d³`` plus the dense one (:func:`application_flops`)."""
-    woodbury = 4 * dim * rows * rows + application_flops(dim, others, rank)
-    return woodbury < dim**3 + application_flops(dim, others)
-
-
-def _usable_root(factor: torch.Tensor, others: int, stored: torch.dtype | None = None):
-    """The factor's Gram root ``U [r, d]`` (``reductions.gram_root``) when the Woodbury form
-    can be cheaper than the dense inverse (:func:`_woodbury_cheaper` at a rank of 1: whether
-    it is depends on the numerical rank, known once it is set up) and ``U`` still reproduces
-    the factor (checked on the all-ones vector against the rounding bound
-    ``√eps · |U|ᵀ|U| 1``: a factor changed in place after the pass falls back to the dense
-    form). ``U`` comes in ``factor``'s dtype (both promoted to ``working_dtype`` by the
-    caller); the bound uses the precision the factor was ``stored`` in (default: its dtype)."""
-    root = gram_root(factor)
-    if root is None or not _woodbury_cheaper(factor.shape[0], root.shape[0], 1, others):
-        return None
-    magnitude = root.abs().mT @ root.abs().sum(1)
-    error = (factor.sum(1) - root.mT @ root.sum(1)).abs()
-    eps = torch.finfo(root.dtype if stored is None else stored).eps
-    if not bool((error <= eps**0.5 * magnitude).all()):
-        return None
-    return root
-
-
-def _woodbury(root: torch.Tensor, shift, others: int, max_rank: int | None):
-    """``LowRankInverse.of(root, shift, max_rank)`` where it is cheaper than the dense inverse
-    at its rank, else None."""
-    solver = LowRankInverse.of(root, shift, max_rank)
-    rows, dim = root.shape
-    return solver if _woodbury_cheaper(dim, rows, solver.rank, others) else None
 
 
 def trace_norm_cholesky(
@@ -256,16 +184,18 @@ def trace_norm_solvers(
 def _trace_norm_solvers(factors, damping, low_rank, max_rank, dense) -> list:
     """Per damped factor: ``dense(F + c I)`` or a :class:`LowRankInverse` (see the callers)."""
     stored = [f.dtype for f in factors]
-    factors = [_promoted(f) for f in factors]
+    factors = [promoted(f) for f in factors]
     shifts = _trace_norm_shifts(factors, damping)
     sizes = [f.shape[0] for f in factors]
     solvers = []
     for index, (factor, shift) in enumerate(zip(factors, shifts)):
         others = sizes[1 - index] if len(factors) == 2 else 1
         usable = low_rank and damping > 0
-        root = _usable_root(factor, others, stored[index]) if usable else None
+        root = usable_root(factor, others, stored[index]) if usable else None
         try:
-            solver = None if root is None else _woodbury(root, shift, others, max_rank)
+            solver = None if root is None else woodbury(root, shift, others, max_rank)
+            if solver is None and usable and capped(factor.shape[0], max_rank):
+                solver = capped_inverse(factor, shift, max_rank)
             solvers.append(dense(_add_diagonal(factor, shift)) if solver is None else solver)
         except torch.linalg.LinAlgError as error:
             raise torch.linalg.LinAlgError(
@@ -276,6 +206,12 @@ def _trace_norm_solvers(factors, damping, low_rank, max_rank, dense) -> list:
     return solvers
 
 
+def capped(dim: int, max_rank: int | None) -> bool:
+    """Whether ``max_rank`` caps a factor of size ``dim``: ``dim > 2 k``, where the rank-``k``
+    form costs fewer flops to apply than the dense inverse (``4 m d k < 2 m d²``)."""
+    return max_rank is not None and dim > 2 * max_rank
+
+
 #: the factors' names by list length, as in the API order ``[B, A]`` / ``[B]``
 _FACTOR_NAMES = {
     1: ["Kronecker factor B (bias)"],
@@ -283,7 +219,7 @@ _FACTOR_NAMES = {
 }
 
 
-def _promoted(factor: torch.Tensor) -> torch.Tensor:
+def promoted(factor: torch.Tensor) -> torch.Tensor:
     """``factor`` in ``working_dtype`` (float32 for bfloat16/float16), keeping its Gram root."""
     dtype = working_dtype(factor.dtype)
     return factor if dtype == factor.dtype else rescaled(factor, 1.0, dtype)
@@ -344,7 +280,3 @@ def exact_damped_solve(
     spectrum = values[0][:, None] * (values[1][None, :] if len(eigs) == 2 else 1)
     rotated = kron_matmul([q.mT for q in vectors], matrix.to(vectors[0].dtype))
     return kron_matmul(vectors, rotated / (spectrum + damping)).to(matrix.dtype)
-
-
-# cached Woodbury inverses live in optimizer state: loadable with torch.load(weights_only=True)
-torch.serialization.add_safe_globals([LowRankInverse])

@@ -68,6 +68,10 @@ def optional(check: Check) -> Check:
     return lambda name, value: None if value is None else check(name, value)
 
 
+#: how Kronecker factors treat positions that share a weight (``extensions.KFAC(kfac_approx=)``)
+KFAC_APPROX = ("expand", "reduce")
+
+
 def _damping(name: str, value) -> None:
     as_damping(value)
 
