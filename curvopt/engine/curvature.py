@@ -190,7 +190,7 @@ class CurvaturePass:
             if cut is not None and self._propagate_cut(rule, calls, cut, diag_exts, kron_exts):
                 return
         for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
-            outs = to_calls(self.loss.output, calls, cols, self.batched)
+            outs = to_calls(self.loss.output, calls, cols, self.batched, walk=self.walk)
             self._contribute(calls, outs, diag_exts, kron_exts)
 
     def _propagate_cut(self, rule, calls, cut, diag_exts, kron_exts) -> bool:
@@ -206,7 +206,7 @@ class CurvaturePass:
         for cols, first, stop in self._exact(rule, per_chunk, max(1, chunk // per_chunk)):
             refactor = partial(squeeze, columns=cols, layout=self.layout, first=first, stop=stop)
             for outs in through_cut(
-                self.loss.output, calls, cols, self.batched, cut, refactor, chunk_below
+                self.loss.output, calls, cols, self.batched, cut, refactor, chunk_below, self.walk
             ):
                 self._contribute(calls, outs, diag_exts, kron_exts)
         return True
