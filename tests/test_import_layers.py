@@ -68,6 +68,7 @@ LAYERS = [
         "compress",
         "graph_plan",
         "propagate",
+        "pooling",
         "rows",
         "results",
         "diagonals",

@@ -197,12 +197,11 @@ class CurvaturePass:
         """The exact columns in two stages around ``cut`` (``compress``), all of a row's
         columns in one chunk where the budget allows, so that they compress together; nothing
         (``False``) where a chunk's columns per row would not exceed the cut's width."""
-        chunk = self._chunk_size({cut.top: calls[cut.top]}, cut.tensor.numel())
+        chunk = self._chunk_size(cut.above(calls), cut.numel)
         per_chunk = min(rule.num_columns(self.loss.module, self.loss.output), chunk)
         if per_chunk <= cut.width:
             return False
-        below = {r: e for r, e in calls.items() if r is not cut.top}
-        chunk_below = self._chunk_size(below, cut.tensor.numel() - self.loss.output.numel())
+        chunk_below = self._chunk_size(cut.below(calls), cut.numel - self.loss.output.numel())
         for cols, first, stop in self._exact(rule, per_chunk, max(1, chunk // per_chunk)):
             refactor = partial(squeeze, columns=cols, layout=self.layout, first=first, stop=stop)
             for outs in through_cut(

@@ -89,25 +89,26 @@ def to_calls(root, calls, columns: torch.Tensor, batched: bool, extra=(), walk=N
 def through_cut(
     root, calls, columns: torch.Tensor, batched: bool, cut, refactor, chunk: int, walk=None
 ):
-    """``to_calls`` in two stages around ``cut`` (``compress.Cut``: the input ``h`` of the call
-    ``cut.top``, which every other call reaches the loss through): from ``root`` to
-    ``cut.top``'s outputs and ``h``; then from ``h`` to the other calls, with the columns there
-    replaced by ``refactor(at_h, columns at the top's output)`` (the same ``J^T``-products
-    below ``h``; ``None``: the columns as they are), in chunks of ``chunk`` columns. Yields
-    ``outs`` dicts over all ``calls``, ``None`` for the calls each stage does not reach. The
-    first stage is batched where its own part of the graph allows (``cut.batchable``); ``walk``:
-    as for ``backpropagate``."""
+    """``to_calls`` in two stages around ``cut`` (``compress.Cut``: the input ``h`` of the
+    head, which every other call reaches the loss through): from ``root`` to the head's
+    outputs (where it is a call) and ``h``; then from ``h`` to the other calls, with the
+    columns there replaced by ``refactor(at_h, columns at the head's output)`` (the same
+    ``J^T``-products below ``h``; ``None``: the columns as they are), in chunks of ``chunk``
+    columns. Yields ``outs`` dicts over all ``calls``, ``None`` for the calls each stage does
+    not reach. The first stage is batched where its own part of the graph allows
+    (``cut.batchable``); ``walk``: as for ``backpropagate``."""
     empty = {record: [None] * len(record.out_shapes) for record in calls}
-    top = {cut.top: calls[cut.top]}
-    outs, (at_h,) = to_calls(root, top, columns, batched or cut.batchable, [cut.edge], walk)
+    outs, (at_h,) = to_calls(
+        root, cut.above(calls), columns, batched or cut.batchable, [cut.edge], walk
+    )
     yield {**empty, **outs}
-    below = {record: edges for record, edges in calls.items() if record is not cut.top}
+    below = cut.below(calls)
     if at_h is None or not below:
         return
-    short = refactor(at_h, outs[cut.top][0])
+    short = refactor(at_h, cut.head_output(outs, columns))
     short = at_h if short is None else short
     for start in range(0, short.shape[0], chunk):
-        yield {**empty, **to_calls(cut.tensor, below, short[start : start + chunk], batched, (), walk)}
+        yield {**empty, **to_calls(cut.root, below, short[start : start + chunk], batched, (), walk)}
 
 
 def loss_gradient(loss, weight: float) -> torch.Tensor:

@@ -149,6 +149,9 @@ ADD = "AddBackward0"
 #: ops whose output gradient is the per-sample gradient of a broadcast operand
 BROADCASTING_OPS = {ADD, "ExpandBackward0"}
 
+#: ``h Wᵀ`` and ``b + h Wᵀ`` (``F.linear`` on ``[.., d]``, a matmul by a weight) -> the position
+#: of ``h``'s edge: with every other edge empty, a frozen linear map of the rows of ``h``
+FROZEN_PRODUCTS = {"MmBackward0": 0, "AddmmBackward0": 1}
 #: max pooling (``F.max_pool1d`` runs as the 2-D op on ``[.., 1, L]``) -> its spatial dims; its
 #: ``J^T`` is ``max_pool_transpose`` (the saved indices), all columns at once
 MAX_POOL = {"MaxPool2DWithIndicesBackward0": 2, "MaxPool3DWithIndicesBackward0": 3}
