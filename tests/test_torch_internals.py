@@ -58,6 +58,10 @@ def _x(*shape):
     return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
 
 
+def _frozen(*shape):
+    return torch.ones(*shape, dtype=torch.float64)
+
+
 #: (graph builder, table, node name the graph must contain)
 GRAPHS = [
     (lambda: _x(3).unsqueeze(0), ti.SHAPE_OPS, "UnsqueezeBackward0"),
@@ -67,9 +71,9 @@ GRAPHS = [
     (lambda: F.max_pool2d(_x(1, 1, 4, 4), 2), ti.NO_BATCHING_RULE, "MaxPool2DWithIndicesBackward0"),
     (lambda: F.max_pool1d(_x(1, 1, 4), 2), ti.NO_BATCHING_RULE, "MaxPool2DWithIndicesBackward0"),
     (lambda: F.max_pool3d(_x(1, 1, 2, 4, 4), 2), set(ti.MAX_POOL), "MaxPool3DWithIndicesBackward0"),
-    (lambda: F.linear(_x(2, 3, 4), torch.ones(5, 4)), set(ti.FROZEN_PRODUCTS), "MmBackward0"),
+    (lambda: F.linear(_x(2, 3, 4), _frozen(5, 4)), set(ti.FROZEN_PRODUCTS), "MmBackward0"),
     (
-        lambda: F.linear(_x(2, 3, 4), torch.ones(5, 4), torch.ones(5)),
+        lambda: F.linear(_x(2, 3, 4), _frozen(5, 4), _frozen(5)),
         set(ti.FROZEN_PRODUCTS),
         "AddmmBackward0",
     ),
