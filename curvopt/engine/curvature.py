@@ -39,8 +39,14 @@ from curvopt.engine.propagate import loss_gradient, through_cut, to_calls
 from curvopt.engine.results import Factors, Term
 from curvopt.engine.rows import establish
 
-#: bound on the elements of propagated columns held at once (all module outputs together)
-_COLUMN_BUDGET = 1 << 25
+#: bound on the elements of propagated columns held at once (all module outputs together):
+#: a memory budget (32 MB in float32); chunks are exact, and for the diagonals they cost no
+#: time (autograd's batched products gain little from more columns at once on large layers)
+_COLUMN_BUDGET = 1 << 23
+#: the same for the columns of a loss row that compress together at a language model's head
+#: (``compress``): more than the head's width of them are needed at once, and below the cut
+#: they are at most that width per row again
+_CUT_BUDGET = 1 << 25
 
 
 #: the producers made from each call's Kronecker factors (``EKFAC``'s: of its fresh bases)
@@ -172,15 +178,16 @@ class CurvaturePass:
                 stop = min(slots, first + slot_chunk)
                 yield self.layout.pack(cols, first, stop), first, stop
 
-    def _chunk_size(self, calls, extra: int = 0) -> int:
-        """Columns per chunk so that all propagated columns fit in ``_COLUMN_BUDGET`` elements
-        (with ``extra`` elements per column besides the loss input and the calls' outputs)."""
+    def _chunk_size(self, calls, extra: int = 0, budget: int = 0) -> int:
+        """Columns per chunk so that all propagated columns fit in ``budget`` elements
+        (``_COLUMN_BUDGET`` by default; with ``extra`` elements per column besides the loss
+        input and the calls' outputs)."""
         per_column = (
             extra
             + self.loss.output.numel()
             + sum(record.out_numel[index] for record, edges in calls.items() for index, _ in edges)
         )
-        return max(1, _COLUMN_BUDGET // per_column)
+        return max(1, (budget or _COLUMN_BUDGET) // per_column)
 
     def _propagate(self, rule, calls, exts, source, mc_samples) -> None:
         kron_exts = [e for e in exts if e.quantity.producer in _FACTORED]
@@ -197,7 +204,7 @@ class CurvaturePass:
         """The exact columns in two stages around ``cut`` (``compress``), all of a row's
         columns in one chunk where the budget allows, so that they compress together; nothing
         (``False``) where a chunk's columns per row would not exceed the cut's width."""
-        chunk = self._chunk_size(cut.above(calls), cut.numel)
+        chunk = self._chunk_size(cut.above(calls), cut.numel, _CUT_BUDGET)
         per_chunk = min(rule.num_columns(self.loss.module, self.loss.output), chunk)
         if per_chunk <= cut.width:
             return False
