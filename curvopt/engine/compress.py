@@ -11,9 +11,14 @@ matrix of the row's columns: ``R_rᵀ R_r = M_r``, without squaring ``C_r`` as a
 before they enter the layers below (attention mixes positions: ``T·V`` columns per sample
 become ``T·d``). The head itself gets the uncompressed columns (its factors need them).
 
+A head whose parameters all need no gradient (a frozen or tied output layer with only the
+layers below trained) is no recorded call: it is found in the graph instead, as ``h Wᵀ (+ b)``
+(``F.linear`` or a matmul by the weight) reached from the loss input through shape ops alone,
+with ``h`` its ``[R, d]`` operand.
+
 Checked, never assumed (:func:`find_cut`, :func:`squeeze`): the head is the one module call
-the loss input reaches first, declared position-wise by its rule; its input ``h`` has the
-loss's rows as positions; every other module call reaches the loss only through ``h`` (else
+the loss input reaches first, declared position-wise by its rule, or that frozen product; its
+input ``h`` has the loss's rows as positions; every other module call reaches the loss only through ``h`` (else
 ``h`` would not hold all their curvature); no parameter of the head is used below ``h`` where
 diagonals are asked (their cross terms pair the columns of both uses one to one); the columns
 at the head's output are the loss's columns unchanged (the rows of ``z`` are the head's
