@@ -44,9 +44,9 @@ from curvopt.engine.rows import establish
 #: time (autograd's batched products gain little from more columns at once on large layers)
 _COLUMN_BUDGET = 1 << 23
 #: the same for the columns of a loss row that compress together at a language model's head
-#: (``compress``): more than the head's width of them are needed at once, and below the cut
-#: they are at most that width per row again
-_CUT_BUDGET = 1 << 25
+#: (``compress``): more than the head's width of them are needed at once (64 MB in float32),
+#: and below the cut they are at most that width per row again
+_CUT_BUDGET = 1 << 24
 
 
 #: the producers made from each call's Kronecker factors (``EKFAC``'s: of its fresh bases)
