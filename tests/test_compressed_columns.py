@@ -218,7 +218,9 @@ def test_gpt_kflr_is_exact_from_compressed_columns(tied, reduction, counted):
 def _frozen_head(model):
     """Every parameter outside Linear layers frozen, the head tied to the embedding too."""
     linear = {id(p) for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
-    embedded = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    embedded = {
+        id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
+    }
     for p in model.parameters():
         p.requires_grad_(id(p) in linear and id(p) not in embedded)
     return model

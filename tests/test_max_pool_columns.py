@@ -63,7 +63,10 @@ def _cnn2d(pool, flat):
 
 #: name -> (model, input shape)
 MODELS = {
-    "overlapping k3 s2 p1": (lambda: _cnn2d(nn.MaxPool2d(3, stride=2, padding=1), 2 * 2 * 2), (2, 8, 8)),
+    "overlapping k3 s2 p1": (
+        lambda: _cnn2d(nn.MaxPool2d(3, stride=2, padding=1), 2 * 2 * 2),
+        (2, 8, 8),
+    ),
     "ceil_mode": (lambda: _cnn2d(nn.MaxPool2d(2, ceil_mode=True), 2 * 2 * 2), (2, 7, 7)),
     "dilation": (lambda: _cnn2d(nn.MaxPool2d(2, stride=1, dilation=2), 2 * 3 * 3), (2, 7, 7)),
     "rectangular": (lambda: _cnn2d(nn.MaxPool2d((2, 3), stride=(1, 2)), 2 * 4 * 1), (2, 7, 8)),
@@ -119,9 +122,10 @@ def _run(plain, x, y, lossfunc, *extensions):
     the second pass, max_pool_transpose calls in it)``."""
     model = extended_copy(plain)
     loss = curvopt.extend(lossfunc)
+    runs = [0]
     for _ in range(2):
         out = model(x)
-        runs = [0]
+        runs[0] = 0
         for node in _pool_nodes(out):
             node.register_prehook(lambda grads: runs.__setitem__(0, runs[0] + 1))
         with curvopt.collect(*extensions):

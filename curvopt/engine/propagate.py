@@ -108,7 +108,10 @@ def through_cut(
     short = refactor(at_h, cut.head_output(outs, columns))
     short = at_h if short is None else short
     for start in range(0, short.shape[0], chunk):
-        yield {**empty, **to_calls(cut.root, below, short[start : start + chunk], batched, (), walk)}
+        yield {
+            **empty,
+            **to_calls(cut.root, below, short[start : start + chunk], batched, (), walk),
+        }
 
 
 def loss_gradient(loss, weight: float) -> torch.Tensor:
