@@ -16,16 +16,16 @@ layers below trained) is no recorded call: it is found in the graph instead, as 
 (``F.linear`` or a matmul by the weight) reached from the loss input through shape ops alone,
 with ``h`` its ``[R, d]`` operand.
 
-Checked, never assumed (:func:`find_cut`, :func:`squeeze`): the head is the one module call
-the loss input reaches first, declared position-wise by its rule, or that frozen product; its
-input ``h`` has the loss's rows as positions; every other module call reaches the loss only
-through ``h`` (else ``h`` would not hold all their curvature); no parameter of the head is
-used below ``h`` where diagonals are asked (their cross terms pair the columns of both uses
-one to one); the columns at the head's output are the loss's columns unchanged (the rows of ``z`` are the head's
-positions in order); and on every chunk the columns at ``h`` vanish exactly outside their own
-row's slot. Where any fails, the columns go on uncompressed. Reentrant checkpoints below
-``h`` are crossed in stages from ``h`` as from the loss (``propagate.backpropagate``); one
-above it (met before ``h``) leaves the columns as they are.
+Checked, never assumed (:func:`find_cut`, :func:`squeeze`): the head is the one module call the
+loss input reaches first, declared position-wise by its rule, or that frozen product; its input
+``h`` has the loss's rows as positions; every other module call reaches the loss only through
+``h`` (else ``h`` would not hold all their curvature); no parameter of the head is used below
+``h`` where diagonals are asked (their cross terms pair the columns of both uses one to one);
+the columns at the head's output are the loss's columns unchanged (the rows of ``z`` are the
+head's positions in order); and on every chunk the columns at ``h`` vanish exactly outside
+their own row's slot. Where any fails, the columns go on uncompressed. Reentrant checkpoints
+below ``h`` are crossed in stages from ``h`` as from the loss (``propagate.backpropagate``);
+one above it (met before ``h``) leaves the columns as they are.
 """
 
 from __future__ import annotations
