@@ -2,11 +2,13 @@
 
 import pytest
 import torch
+from reference import hessian
 from torch import nn
 
 import curvopt.engine.curvature
 import curvopt.engine.diagonals
 import curvopt.engine.reducer
+from curvopt.engine import propagate
 from curvopt import extensions as ext
 from tests.conftest import (
     assert_close,
@@ -68,3 +70,88 @@ def test_first_order_chunks(monkeypatch, budget, seed):
         assert_close(p.sum_grad_squared, (g**2).sum(0), name)
         assert_close(p.variance, (g**2).mean(0) - g.mean(0) ** 2, name)
         assert_close(p.batch_l2, (g**2).flatten(1).sum(1), name)
+
+
+def _pooled_cnn():
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.Tanh(),
+        nn.MaxPool2d(3, stride=2, padding=1),
+        nn.Conv2d(3, 2, 2),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(2 * 2 * 2, 4),
+    ).to(DT)
+
+
+def _exact_cells(model, x, y, lossfunc):
+    """``{(name, attr): value}`` of every exact cell (DiagGGNExact, its per-sample terms,
+    KFLR, DiagHessian) in one pass each."""
+    values = {}
+    cells = [
+        (ext.DiagGGNExact(), ext.BatchDiagGGNExact()),
+        (ext.KFLR(),),
+        (ext.DiagHessian(), ext.BatchDiagHessian()),
+    ]
+    for exts in cells:
+        run_second_order(model, lossfunc, x, y, *exts)
+        for name, p in model.named_parameters():
+            for e in exts:
+                value = getattr(p, e.attr)
+                values[name, e.attr] = value if isinstance(value, torch.Tensor) else list(value)
+    return values
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_exact_cells_do_not_depend_on_the_column_budget(monkeypatch, reduction):
+    """The memory budget only splits the propagated columns into chunks: the exact cells are
+    the same from one column per chunk to all at once, and equal the torch.func references."""
+    torch.manual_seed(0)
+    plain = _pooled_cnn()
+    x, y = torch.randn(5, 2, 6, 6, dtype=DT), torch.randint(0, 4, (5,))
+    lossfunc = nn.CrossEntropyLoss(reduction=reduction)
+    _, per_sample = ggn_reference(plain, lossfunc, x, y)
+    hessian_diag, _ = hessian(plain, lossfunc, x, y)
+    results = {}
+    for budget in [1, 3 * 4 * 100, 1 << 30]:
+        monkeypatch.setattr(curvopt.engine.curvature, "_COLUMN_BUDGET", budget)
+        model = extended_copy(plain)
+        results[budget] = _exact_cells(model, x, y, curvopt.extend(lossfunc))
+    reference = results[1 << 30]
+    for name in dict(plain.named_parameters()):
+        assert_close(reference[name, "diag_ggn_exact_batch"], per_sample[name], name)
+        assert_close(reference[name, "diag_ggn_exact"], per_sample[name].sum(0), name)
+        assert_close(reference[name, "diag_h"], hessian_diag[name], name)
+    for budget, values in results.items():
+        for key, value in values.items():
+            expected = reference[key]
+            if isinstance(value, list):
+                for v, e in zip(value, expected):
+                    assert_close(v, e, f"{key} budget {budget}")
+            else:
+                assert_close(value, expected, f"{key} budget {budget}")
+
+
+def test_propagated_columns_stay_within_the_budget(monkeypatch):
+    """With a budget of two columns at every module output, no propagation from the loss
+    carries more (the first pass's row probes are two at a time as well)."""
+    torch.manual_seed(0)
+    plain = _pooled_cnn()
+    x, y = torch.randn(5, 2, 6, 6, dtype=DT), torch.randint(0, 4, (5,))
+    lossfunc = nn.CrossEntropyLoss()
+    per_column = 5 * (4 + 4 + 2 * 2 * 2 + 3 * 6 * 6)  # the loss input, Linear, Conv2d outputs
+    monkeypatch.setattr(curvopt.engine.curvature, "_COLUMN_BUDGET", 2 * per_column)
+    seen = []
+    plain_backpropagate = propagate.backpropagate
+
+    def counting(outputs, edges, columns, batched, walk=None):
+        seen.append(columns.shape[0])
+        return plain_backpropagate(outputs, edges, columns, batched, walk)
+
+    monkeypatch.setattr(propagate, "backpropagate", counting)
+    _, per_sample = ggn_reference(plain, lossfunc, x, y)
+    model = extended_copy(plain)
+    run_second_order(model, curvopt.extend(lossfunc), x, y, ext.DiagGGNExact())
+    assert seen == [2, 2, 2, 2]  # 4 row probes, then the loss's 4 columns, two at a time
+    for name, p in model.named_parameters():
+        assert_close(p.diag_ggn_exact, per_sample[name].sum(0), name)

@@ -95,9 +95,9 @@ def counted(monkeypatch):
     seen = []
     plain = propagate.backpropagate
 
-    def counting(outputs, edges, columns, batched):
+    def counting(outputs, edges, columns, batched, walk=None):
         seen.append((outputs, columns.shape[0]))
-        return plain(outputs, edges, columns, batched)
+        return plain(outputs, edges, columns, batched, walk)
 
     monkeypatch.setattr(propagate, "backpropagate", counting)
     return seen
@@ -118,8 +118,16 @@ def _run(model, X, y, reduction, extension):
 
 
 def _below(seen, head_input):
-    """Columns of the propagations that start at the head's input (node ``head_input``)."""
-    return [k for root, k in seen if getattr(root, "grad_fn", None) is head_input]
+    """Columns of the propagations that start at the head's input (node ``head_input``, or a
+    view of it: a head found in the graph, whose input is its ``[R, d]`` view)."""
+
+    def starts_at_h(root):
+        node = root.grad_fn if isinstance(root, torch.Tensor) else root.node
+        return node is head_input or (
+            type(node).__name__ == "ViewBackward0" and node.next_functions[0][0] is head_input
+        )
+
+    return [k for root, k in seen if starts_at_h(root)]
 
 
 def _diag_reference(model, X, y, reduction, kind):
@@ -205,6 +213,51 @@ def test_gpt_kflr_is_exact_from_compressed_columns(tied, reduction, counted):
     make = (lambda: zoo.GPT(vocab=vocab, d=D, heads=2, t_max=T)) if tied else lambda: Untied(vocab)
     below = _check_kflr(make, _gpt_batch, vocab, reduction, counted)
     _compressed(below, vocab)
+
+
+def _frozen_head(model):
+    """Every parameter outside Linear layers frozen, the head tied to the embedding too."""
+    linear = {id(p) for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
+    embedded = {
+        id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
+    }
+    for p in model.parameters():
+        p.requires_grad_(id(p) in linear and id(p) not in embedded)
+    return model
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("tied_linear", [True, False], ids=["head module", "functional head"])
+def test_frozen_head_gpt_kflr_is_exact_from_compressed_columns(tied_linear, reduction, counted):
+    """The head's weight needs no gradient (no call records it): the cut at its input is found
+    in the graph, ``h Wᵀ`` up to views, and the block's Linear layers get exact factors."""
+    vocab = 20
+    torch.manual_seed(0)
+    plain = zoo.GPT(vocab=vocab, d=D, heads=2, t_max=T, tied_linear=tied_linear).double()
+    X, y = _gpt_batch(vocab)
+    expected = kronecker(plain, _loss_on(reduction), X, y)  # which parameters train: no matter
+    model = curvopt.extend(_frozen_head(plain))
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss(reduction=reduction))
+    logits = model(X)
+    h = model.ln_f(model.block(model.tok(X) + model.pos(torch.arange(T))))  # the head's input
+    assert torch.equal(logits, h @ model.tok.weight.T)
+    with curvopt.collect(ext.KFLR()):
+        lossfunc(logits.reshape(-1, vocab), y.reshape(-1)).backward()
+    checked = 0
+    for name, p in model.named_parameters():
+        module_name, _, kind = name.rpartition(".")
+        if not p.requires_grad:
+            assert not hasattr(p, "kflr"), name
+        elif kind == "weight":
+            b, a = expected[module_name]
+            assert_close(p.kflr[0], b, f"KFLR {name} [0]")
+            assert_close(p.kflr[1], a, f"KFLR {name} [1]")
+            checked += 1
+    assert checked == 4  # qkv, proj, fc, out
+    # the propagations below the head's input: those from its [R, d] view
+    below = [k for root, k in counted if not isinstance(root, torch.Tensor)]
+    _compressed(below, vocab)
+    assert sum(below) < sum(k for root, k in counted if isinstance(root, torch.Tensor))
 
 
 @pytest.mark.parametrize("kind", ["DiagGGNExact", "BatchDiagGGNExact"])

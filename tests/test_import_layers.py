@@ -74,6 +74,7 @@ LAYERS = [
         "walk",
         "loss_context",
         "propagate",
+        "pooling",
         "rows",
         "results",
         "diagonals",

@@ -16,6 +16,8 @@ GENERATED = {
     "SHAPE_OPS": ti.SHAPE_OPS,
     "BROADCASTING_OPS": ti.BROADCASTING_OPS,
     "NO_BATCHING_RULE": ti.NO_BATCHING_RULE,
+    "MAX_POOL": set(ti.MAX_POOL),
+    "FROZEN_PRODUCTS": set(ti.FROZEN_PRODUCTS),
     "DATA_INDEXING": ti.DATA_INDEXING,
     "LINEAR_OPS": ti.LINEAR_OPS,
     "BILINEAR_OPS": ti.BILINEAR_OPS,
@@ -57,6 +59,10 @@ def _x(*shape):
     return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
 
 
+def _frozen(*shape):
+    return torch.ones(*shape, dtype=torch.float64)
+
+
 #: (graph builder, table, node name the graph must contain)
 GRAPHS = [
     (lambda: _x(3).unsqueeze(0), ti.SHAPE_OPS, "UnsqueezeBackward0"),
@@ -65,6 +71,13 @@ GRAPHS = [
     (lambda: _x(1, 3).expand(4, 3), ti.BROADCASTING_OPS, "ExpandBackward0"),
     (lambda: F.max_pool2d(_x(1, 1, 4, 4), 2), ti.NO_BATCHING_RULE, "MaxPool2DWithIndicesBackward0"),
     (lambda: F.max_pool1d(_x(1, 1, 4), 2), ti.NO_BATCHING_RULE, "MaxPool2DWithIndicesBackward0"),
+    (lambda: F.max_pool3d(_x(1, 1, 2, 4, 4), 2), set(ti.MAX_POOL), "MaxPool3DWithIndicesBackward0"),
+    (lambda: F.linear(_x(2, 3, 4), _frozen(5, 4)), set(ti.FROZEN_PRODUCTS), "MmBackward0"),
+    (
+        lambda: F.linear(_x(2, 3, 4), _frozen(5, 4), _frozen(5)),
+        set(ti.FROZEN_PRODUCTS),
+        "AddmmBackward0",
+    ),
     (lambda: _x(4, 2)[torch.tensor([0, 2])], ti.DATA_INDEXING, "IndexBackward0"),
     (
         lambda: _x(4).masked_select(torch.tensor([1, 0, 1, 0]).bool()),

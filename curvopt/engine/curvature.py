@@ -40,8 +40,14 @@ from curvopt.engine.propagate import loss_gradient, through_cut, to_calls
 from curvopt.engine.results import Factors, Term
 from curvopt.engine.rows import establish
 
-#: bound on the elements of propagated columns held at once (all module outputs together)
-_COLUMN_BUDGET = 1 << 25
+#: bound on the elements of propagated columns held at once (all module outputs together):
+#: a memory budget (32 MB in float32); chunks are exact, and for the diagonals they cost no
+#: time (autograd's batched products gain little from more columns at once on large layers)
+_COLUMN_BUDGET = 1 << 23
+#: the same for the columns of a loss row that compress together at a language model's head
+#: (``compress``): more than the head's width of them are needed at once (64 MB in float32),
+#: and below the cut they are at most that width per row again
+_CUT_BUDGET = 1 << 24
 
 
 #: the producers made from each call's Kronecker factors (``EKFAC``'s: of its fresh bases)
@@ -167,15 +173,16 @@ class CurvaturePass:
                 stop = min(slots, first + slot_chunk)
                 yield self.layout.pack(cols, first, stop), first, stop
 
-    def _chunk_size(self, calls, extra: int = 0) -> int:
-        """Columns per chunk so that all propagated columns fit in ``_COLUMN_BUDGET`` elements
-        (with ``extra`` elements per column besides the loss input and the calls' outputs)."""
+    def _chunk_size(self, calls, extra: int = 0, budget: int = 0) -> int:
+        """Columns per chunk so that all propagated columns fit in ``budget`` elements
+        (``_COLUMN_BUDGET`` by default; with ``extra`` elements per column besides the loss
+        input and the calls' outputs)."""
         per_column = (
             extra
             + self.loss.output.numel()
             + sum(record.out_numel[index] for record, edges in calls.items() for index, _ in edges)
         )
-        return max(1, _COLUMN_BUDGET // per_column)
+        return max(1, (budget or _COLUMN_BUDGET) // per_column)
 
     def _propagate(self, rule, calls, exts, source, mc_samples) -> None:
         kron_exts = [e for e in exts if e.quantity.producer in _FACTORED]
@@ -185,7 +192,7 @@ class CurvaturePass:
             if cut is not None and self._propagate_cut(rule, calls, cut, diag_exts, kron_exts):
                 return
         for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
-            outs = to_calls(self.loss.output, calls, cols, self.batched)
+            outs = to_calls(self.loss.output, calls, cols, self.batched, walk=self.walk)
             self._contribute(calls, outs, diag_exts, kron_exts)
 
     def _narrower(self, rule, calls) -> bool:
@@ -204,16 +211,15 @@ class CurvaturePass:
         """The exact columns in two stages around ``cut`` (``compress``), all of a row's
         columns in one chunk where the budget allows, so that they compress together; nothing
         (``False``) where a chunk's columns per row would not exceed the cut's width."""
-        chunk = self._chunk_size({cut.top: calls[cut.top]}, cut.tensor.numel())
+        chunk = self._chunk_size(cut.above(calls), cut.numel, _CUT_BUDGET)
         per_chunk = min(rule.num_columns(self.loss.module, self.loss.output), chunk)
         if per_chunk <= cut.width:
             return False
-        below = {r: e for r, e in calls.items() if r is not cut.top}
-        chunk_below = self._chunk_size(below, cut.tensor.numel() - self.loss.output.numel())
+        chunk_below = self._chunk_size(cut.below(calls), cut.numel - self.loss.output.numel())
         for cols, first, stop in self._exact(rule, per_chunk, max(1, chunk // per_chunk)):
             refactor = partial(squeeze, columns=cols, layout=self.layout, first=first, stop=stop)
             for outs in through_cut(
-                self.loss.output, calls, cols, self.batched, cut, refactor, chunk_below
+                self.loss.output, calls, cols, self.batched, cut, refactor, chunk_below, self.walk
             ):
                 self._contribute(calls, outs, diag_exts, kron_exts)
         return True

@@ -4,26 +4,34 @@ lie upstream is ``graph_plan``'s walk).
 PyTorch's autograd applies the transposed Jacobian from a tensor (or gradient edge) to the
 outputs of every extended module call upstream, for many columns at once
 (``is_grads_batched``, i.e. ``vmap`` over the backward graph) where every backward op has a
-batching rule, one column at a time otherwise.
+batching rule, in batched stages across max pooling (``pooling``) where the walk of the graph
+is given, one column at a time otherwise.
 """
 
 from __future__ import annotations
 
 import torch
 
+from curvopt.engine.pooling import across_pools, pool_stages
 from curvopt.engine.checkpointing import live, through
 from curvopt.engine.state import STATE
 
 
-def backpropagate(outputs, edges, columns: torch.Tensor, batched: bool):
+def backpropagate(outputs, edges, columns: torch.Tensor, batched: bool, walk=None):
     """``J^T`` of each edge applied to every column (``[k, *out]`` per edge, None if unused).
 
     Batched through ``vmap`` where ``batched``; a backward op that ``vmap`` cannot run (a custom
     ``autograd.Function`` without a batching rule) falls back to one column at a time. Across
-    reentrant checkpoints that curvopt re-ran, in stages (``checkpointing.through``).
+    reentrant checkpoints that curvopt re-ran, in stages (``checkpointing.through``); across
+    max pooling, batched in stages where ``walk`` (the ``graph_plan.Walk`` of a graph holding
+    ``outputs``) allows it (``pooling``).
     """
     if live():
         return through(_grad, outputs, edges, columns, batched)
+    if not batched and walk is not None and columns.shape[0] > 1:
+        stages = pool_stages(outputs, edges, walk)
+        if stages is not None:
+            return across_pools(_grad, stages, outputs, edges, columns)
     return _grad([outputs], edges, [columns], batched)
 
 
@@ -49,19 +57,19 @@ def _grad(outputs, edges, columns, batched: bool):
     return [None if parts[0] is None else torch.stack(parts) for parts in zip(*per_column)]
 
 
-def to_calls(root, calls, columns: torch.Tensor, batched: bool, extra=()):
+def to_calls(root, calls, columns: torch.Tensor, batched: bool, extra=(), walk=None):
     """``{record: [columns at output i, or None where they do not arrive]}`` for ``calls``
     (``[k, *out_i]`` per output of each call), from ``columns`` (``[k, *root.shape]``). A call
     whose output is the root itself (the last layer feeding the loss) takes the columns as
     they are, without autograd. With ``extra`` (gradient edges): ``(outs, [columns at each
-    extra edge])``, in the same autograd call."""
+    extra edge])``, in the same autograd call. ``walk``: as for ``backpropagate``."""
     root_edge = None
     if isinstance(root, torch.Tensor) and root.grad_fn is not None:
         root_edge = (root.grad_fn, root.output_nr)
     records = list(calls)
     edges = [e for r in records for _, e in calls[r] if (e.node, e.output_nr) != root_edge]
     edges += list(extra)
-    found = list(backpropagate(root, edges, columns, batched)) if edges else []
+    found = list(backpropagate(root, edges, columns, batched, walk)) if edges else []
     back = iter(found[: len(found) - len(extra)])
     outs = {}
     for record in records:
@@ -78,25 +86,32 @@ def to_calls(root, calls, columns: torch.Tensor, batched: bool, extra=()):
     return (outs, found[len(found) - len(extra) :]) if extra else outs
 
 
-def through_cut(root, calls, columns: torch.Tensor, batched: bool, cut, refactor, chunk: int):
-    """``to_calls`` in two stages around ``cut`` (``compress.Cut``: the input ``h`` of the call
-    ``cut.top``, which every other call reaches the loss through): from ``root`` to
-    ``cut.top``'s outputs and ``h``; then from ``h`` to the other calls, with the columns there
-    replaced by ``refactor(at_h, columns at the top's output)`` (the same ``J^T``-products
-    below ``h``; ``None``: the columns as they are), in chunks of ``chunk`` columns. Yields
-    ``outs`` dicts over all ``calls``, ``None`` for the calls each stage does not reach. The
-    first stage is batched where its own part of the graph allows (``cut.batchable``)."""
+def through_cut(
+    root, calls, columns: torch.Tensor, batched: bool, cut, refactor, chunk: int, walk=None
+):
+    """``to_calls`` in two stages around ``cut`` (``compress.Cut``: the input ``h`` of the
+    head, which every other call reaches the loss through): from ``root`` to the head's
+    outputs (where it is a call) and ``h``; then from ``h`` to the other calls, with the
+    columns there replaced by ``refactor(at_h, columns at the head's output)`` (the same
+    ``J^T``-products below ``h``; ``None``: the columns as they are), in chunks of ``chunk``
+    columns. Yields ``outs`` dicts over all ``calls``, ``None`` for the calls each stage does
+    not reach. The first stage is batched where its own part of the graph allows
+    (``cut.batchable``); ``walk``: as for ``backpropagate``."""
     empty = {record: [None] * len(record.out_shapes) for record in calls}
-    top = {cut.top: calls[cut.top]}
-    outs, (at_h,) = to_calls(root, top, columns, batched or cut.batchable, [cut.edge])
+    outs, (at_h,) = to_calls(
+        root, cut.above(calls), columns, batched or cut.batchable, [cut.edge], walk
+    )
     yield {**empty, **outs}
-    below = {record: edges for record, edges in calls.items() if record is not cut.top}
+    below = cut.below(calls)
     if at_h is None or not below:
         return
-    short = refactor(at_h, outs[cut.top][0])
+    short = refactor(at_h, cut.head_output(outs, columns))
     short = at_h if short is None else short
     for start in range(0, short.shape[0], chunk):
-        yield {**empty, **to_calls(cut.tensor, below, short[start : start + chunk], batched)}
+        yield {
+            **empty,
+            **to_calls(cut.root, below, short[start : start + chunk], batched, (), walk),
+        }
 
 
 def loss_gradient(loss, weight: float) -> torch.Tensor:

@@ -8,6 +8,7 @@ Node names are the class names of autograd nodes (``type(tensor.grad_fn).__name_
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -72,6 +73,20 @@ def add_alpha(node) -> float:
     return float(node._saved_alpha)
 
 
+def max_pool_transpose(node, columns: torch.Tensor) -> torch.Tensor:
+    """``J^T`` of the max pooling of ``node`` (a ``MAX_POOL`` node) on ``columns`` ``[k, *out]``:
+    ``[k, *in]``, each column's entries added at the input positions of their window's maximum
+    (the saved indices, flat within each input plane; added, as overlapping windows share
+    maxima), all ``k`` columns in one ``scatter_add``."""
+    dims = MAX_POOL[type(node).__name__]
+    indices = node._saved_result1.flatten(-dims)  # [*batch, channels, out positions]
+    shape = node._saved_self.shape
+    k = columns.shape[0]
+    out = columns.new_zeros(k, *shape[:-dims], math.prod(shape[-dims:]))
+    out.scatter_add_(-1, indices.expand(k, *indices.shape), columns.flatten(-dims))
+    return out.view(k, *shape)
+
+
 # ----------------------------------------------------------------------------- node names
 
 #: the leaf node of a tensor that requires grad (``node.variable`` is the tensor)
@@ -87,11 +102,16 @@ ADD = "AddBackward0"
 #: ops whose output gradient is the per-sample gradient of a broadcast operand
 BROADCASTING_OPS = {ADD, "ExpandBackward0"}
 
+#: ``h Wᵀ`` and ``b + h Wᵀ`` (``F.linear`` on ``[.., d]``, a matmul by a weight) -> the position
+#: of ``h``'s edge: with every other edge empty, a frozen linear map of the rows of ``h``
+FROZEN_PRODUCTS = {"MmBackward0": 0, "AddmmBackward0": 1}
+#: max pooling (``F.max_pool1d`` runs as the 2-D op on ``[.., 1, L]``) -> its spatial dims; its
+#: ``J^T`` is ``max_pool_transpose`` (the saved indices), all columns at once
+MAX_POOL = {"MaxPool2DWithIndicesBackward0": 2, "MaxPool3DWithIndicesBackward0": 3}
 #: backward ops that ``vmap`` runs sample by sample (no batching rule in PyTorch): graphs with
-#: them propagate columns one at a time, which is faster than the vmap fallback
-NO_BATCHING_RULE = {
-    "MaxPool2DWithIndicesBackward0",
-    "MaxPool3DWithIndicesBackward0",
+#: them propagate columns one at a time, which is faster than the vmap fallback; the max-pool
+#: nodes among them are crossed by ``max_pool_transpose`` where the walk is known
+NO_BATCHING_RULE = set(MAX_POOL) | {
     "ScaledDotProductFlashAttentionForCpuBackward0",
     "ScaledDotProductEfficientAttentionBackward0",
     "ScaledDotProductFlashAttentionBackward0",

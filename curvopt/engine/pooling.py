@@ -1,0 +1,121 @@
+"""Columns through max pooling, all at once.
+
+``vmap`` has no batching rule for torch's max-pool backward, so columns would cross a graph
+with max pooling one at a time. The pooling's transposed Jacobian is known instead: each entry
+of a column goes to the input position of its window's maximum (the node's saved indices,
+``torch_internals.max_pool_transpose``), for all columns in one ``scatter_add``.
+
+Columns then travel in stages (:func:`across_pools`), as across reentrant checkpoints
+(``checkpointing``): a *region* is what autograd reaches from a root without passing a max-pool
+node; its stage, one batched autograd call, takes the columns to the edges asked for in it and
+to the pooling nodes it meets (their inputs, which autograd captures without running the node).
+A pooling's own region starts at its input, with the columns it received scattered there,
+after every stage that feeds it (``J^T`` is linear: an edge's columns are the sum over the
+regions that reach it).
+
+:func:`pool_stages` gives no stages (``None``: the columns go one at a time, as autograd runs them)
+where a stage would make autograd run a pooling node (an edge asked for, or a pooling met, lies
+upstream of a pooling that the same region meets: a path around it), or where another node of
+the graph has no batching rule. The graph is read as the loss's walk read it.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+from curvopt.engine.checkpointing import reach
+from curvopt.engine.graph_plan import search
+from curvopt.engine.torch_internals import MAX_POOL, NO_BATCHING_RULE, max_pool_transpose
+
+
+class _Stage:
+    """One region: from ``start`` (its root edge ``(node, output_nr)``, the input of the
+    max-pool node ``pool``; both ``None`` for the root's), the ``nodes`` autograd reaches from
+    ``starts`` without passing a pooling, the poolings it ``meets``, and the indices of the
+    asked edges in it (``wanted``)."""
+
+    def __init__(self, pool, start, starts, nexts, pools):
+        self.pool, self.start = pool, start
+        self.nodes, _, entries = reach(starts, pools, nexts)
+        self.meets = sorted({node for node, _ in entries}, key=id)
+        self.wanted: List[int] = []
+
+
+def pool_stages(root, edges, walk) -> Optional[List[_Stage]]:
+    """The stages from ``root`` (a tensor or edge) to ``edges`` across the max-pool nodes of
+    ``walk`` (``graph_plan.Walk``), each after every stage that feeds it; ``None`` where there
+    is no pooling to cross or the stages would not be exact and batched (module doc)."""
+    pools = {node for node in walk.edges if type(node).__name__ in MAX_POOL}
+    if not pools or any(
+        type(node).__name__ in NO_BATCHING_RULE and node not in pools for node in walk.edges
+    ):
+        return None
+    node = root.grad_fn if isinstance(root, torch.Tensor) else root.node
+    stages = {None: _Stage(None, None, [node], walk.next_of, pools)}
+    feeders, todo = {}, [None]
+    while todo:
+        for pool in stages[todo.pop()].meets:
+            feeders[pool] = feeders.get(pool, 0) + 1
+            if pool not in stages:
+                start = walk.next_of(pool)[0]
+                starts = [start[0]] if start[0] is not None else []
+                stages[pool] = _Stage(pool, start, starts, walk.next_of, pools)
+                todo.append(pool)
+    order, ready = [], [None]
+    while ready:  # Kahn: a pooling's stage once every stage meeting it is placed
+        stage = stages[ready.pop()]
+        order.append(stage)
+        for pool in stage.meets:
+            feeders[pool] -= 1
+            if not feeders[pool]:
+                ready.append(pool)
+    for j, edge in enumerate(edges):
+        for stage in order:
+            if edge.node in stage.nodes:
+                stage.wanted.append(j)
+    for stage in order:
+        asked = [edges[j].node for j in stage.wanted] + stage.meets
+        if _upstream(stage.meets, walk.next_of).intersection(asked):
+            return None  # a path around a pooling: autograd would run it
+    return order
+
+
+def _upstream(pools, nexts) -> set:
+    """Every node upstream of the inputs of ``pools``."""
+    starts = [fn for pool in pools for fn, _ in nexts(pool)]
+    return set(search(starts, lambda node: [fn for fn, _ in nexts(node)]))
+
+
+def across_pools(grad, stages, root, edges, columns):
+    """``grad(outputs, inputs, columns, batched)`` (autograd's batched ``J^T``, ``[k, *edge]``
+    per input or ``None``) from ``root`` (columns ``[k, *root]``) to ``edges`` in ``stages``
+    (:func:`pool_stages`): one batched call per stage, the poolings by their indices."""
+    result = [None] * len(edges)
+    pending = {}  # pooling node -> the columns arrived at its output
+    for stage in stages:
+        if stage.pool is None:
+            roots, cols = [root], [columns]
+        else:
+            arrived = pending.get(stage.pool)
+            if arrived is None or stage.start[0] is None:
+                continue
+            roots = [GradientEdge(*stage.start)]
+            cols = [max_pool_transpose(stage.pool, arrived)]
+        asks = [edges[j] for j in stage.wanted] + [GradientEdge(p, 0) for p in stage.meets]
+        if not asks:
+            continue
+        found = grad(roots, asks, cols, True)
+        for j, v in zip(stage.wanted, found):
+            if v is not None:
+                result[j] = v if result[j] is None else result[j] + v
+        for pool, v in zip(stage.meets, found[len(stage.wanted) :]):
+            if v is not None:
+                old = pending.get(pool)
+                pending[pool] = v if old is None else old + v
+    for j, edge in enumerate(edges):  # an edge into a pooling: all that arrived there
+        if edge.node in pending:
+            result[j] = pending[edge.node]
+    return result
