@@ -189,3 +189,33 @@ def test_the_benchmarks_products_agree(name):
     pytest.importorskip("curvlinops")
     named = ggn_matvec_modes.steps(PROBLEMS[name].resized(2))
     assert {"forward mode", "reverse", "curvlinops"} <= set(named)
+
+
+def _batch_norm_model(track):
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(4, track_running_stats=track)
+    model = nn.Sequential(nn.Linear(3, 4), norm, nn.Tanh(), nn.Linear(4, 2)).to(DT)
+    return curvopt.extend(model), curvopt.extend(nn.CrossEntropyLoss())
+
+
+def _batch_norm_data():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(6, 3, generator=g, dtype=DT), torch.randint(0, 2, (6,), generator=g))]
+
+
+def test_batch_norm_updating_running_statistics_raises_naming_the_fix():
+    model, lossfunc = _batch_norm_model(track=True)
+    data = _batch_norm_data()
+    G = linalg.GGN(model, lossfunc, data)
+    with pytest.raises(curvopt.errors.UnsupportedModuleError, match=r"'1'.*model\.eval\(\)"):
+        G @ np.ones(G.shape[1])
+    model.eval()  # the model as it predicts: running statistics, nothing updated
+    before = model[1].running_mean.clone()
+    assert_matrix(G.to_dense(), dense_ggn(model, lossfunc, data))
+    assert torch.equal(model[1].running_mean, before)
+
+
+def test_batch_norm_with_batch_statistics_has_the_dense_ggn():
+    model, lossfunc = _batch_norm_model(track=False)  # training mode, batch statistics
+    data = _batch_norm_data()
+    assert_matrix(linalg.GGN(model, lossfunc, data).to_dense(), dense_ggn(model, lossfunc, data))

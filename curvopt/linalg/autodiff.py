@@ -26,9 +26,10 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.func import functional_call, grad, jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.modules.batchnorm import _NormBase
 
 from curvopt.engine import inputs as io
-from curvopt.errors import UnsupportedModuleError
+from curvopt.errors import UnsupportedModuleError, module_error
 from curvopt.engine.state import STATE
 
 Tensors = Sequence[torch.Tensor]
@@ -76,6 +77,15 @@ def _raised_inside_checkpoint(error: BaseException) -> bool:
 def model_function(model: nn.Module, names: Sequence[str], inputs, output=None) -> Callable:
     """``θ ↦ model(inputs)`` (the tensor ``output`` selects, :mod:`curvopt.engine.inputs`) with the
     parameters ``names`` replaced by ``θ`` (a tuple)."""
+    for module in model.modules():
+        if isinstance(module, _NormBase) and module.training and module.track_running_stats:
+            raise module_error(
+                module,
+                "in training mode it updates its running statistics in every forward, which "
+                "curvopt.linalg's exact operators (differentiated by torch.func) cannot run "
+                "through; call model.eval() for the matrix of the model as it predicts, or build "
+                "the norm with track_running_stats=False for batch statistics",
+            )
     args, kwargs = io.split(inputs)
 
     def forward(*params):
