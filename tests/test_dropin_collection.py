@@ -60,6 +60,18 @@ def _params(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def _closure(opt, model, lossfunc, X, y):
+    """The closure ``opt.step`` takes: zero the gradients, backpropagate the loss, return it."""
+
+    def closure():
+        opt.zero_grad()
+        loss = lossfunc(model(X), y)
+        loss.backward()
+        return loss
+
+    return closure
+
+
 def _assert_same(a, b):
     scale = b.abs().max()
     assert (a - b).abs().max() <= 1e-12 * scale, float((a - b).abs().max() / scale)
@@ -287,13 +299,7 @@ def test_closure_that_does_nothing_inside_opt_collect():
         opt.step(lambda: None)
     X, y = _data(1)
 
-    def closure():
-        opt.zero_grad()
-        loss = lossfunc(model(X), y)
-        loss.backward()
-        return loss
-
-    opt.step(closure)
+    opt.step(_closure(opt, model, lossfunc, X, y))
     _assert_same(_params(model), want)
 
 
@@ -369,14 +375,8 @@ def test_levenberg_marquardt_measures_the_loss_without_collecting(monkeypatch):
         opt = KFAC(model.parameters(), 0.5, LevenbergMarquardt(0.1, interval=1), "kflr", **kw)
         X, y = _data(0)
 
-        def closure():
-            opt.zero_grad()
-            loss = lossfunc(model(X), y)
-            loss.backward()
-            return loss
-
         for _ in range(2):
-            opt.step(closure)
+            opt.step(_closure(opt, model, lossfunc, X, y))
         return _params(model)
 
     want = run(collection="explicit")

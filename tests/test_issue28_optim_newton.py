@@ -17,20 +17,7 @@ from torch import nn
 
 import curvopt
 from curvopt.optim import KFAC, DiagGGNNewton, VarianceAdaptedSGD
-from test_optim_defaults import _digits, _digits_cnn, _one_layer
-
-
-def _fit(opt, model, lossfunc, X, y, steps, batch=128):
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        index = torch.randint(0, len(X), (batch,), generator=generator)
-        opt.zero_grad()
-        with opt.collect():
-            lossfunc(model(X[index]), y[index]).backward()
-        opt.step()
-    with torch.no_grad():
-        out = model(X)
-    return float(lossfunc(out, y)), out.argmax(1)
+from test_optim_defaults import _digits, _digits_cnn, _one_layer, _train
 
 
 def test_diag_ggn_newton_with_the_readme_settings_trains_the_digits_cnn():
@@ -38,10 +25,10 @@ def test_diag_ggn_newton_with_the_readme_settings_trains_the_digits_cnn():
     torch.manual_seed(0)  # Monte-Carlo curvature
     model = curvopt.extend(_digits_cnn())
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
-    with torch.no_grad():
-        first = float(lossfunc(model(X), y))
     opt = DiagGGNNewton(model.parameters(), lr=0.05, damping=1e-3)
-    loss, predicted = _fit(opt, model, lossfunc, X, y, steps=40)
+    first, loss = _train(opt, lambda a, b: lossfunc(model(a), b), X, y, steps=40, batch=128)
+    with torch.no_grad():
+        predicted = model(X).argmax(1)
     accuracy = float((predicted == y).float().mean())
     assert math.isfinite(loss) and loss < 0.5 * first, (first, loss)
     assert accuracy > 0.6 and len(predicted.unique()) == 10, accuracy

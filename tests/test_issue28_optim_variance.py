@@ -17,6 +17,7 @@ import curvopt
 from curvopt.optim import VarianceAdaptedSGD
 from conftest import DT, per_sample_grads_loop
 from test_optim_defaults import _digits, _digits_cnn
+from test_optim_defaults import _train as _train_on_batches
 
 LR, BETA, WEIGHT_DECAY = 0.3, 0.9, 0.01
 
@@ -128,23 +129,18 @@ def test_the_documented_lr_trains_the_digits_cnn():
     training loss falls from 2.31 to 0.73 and the accuracy rises from chance to 0.73; SGD's
     usual lr=0.05 barely moves it (2.29, 0.10) in the same steps (why the docs give an lr)."""
     X, y = _digits()
-    results = {}
-    for lr in (1.0, 0.05):
+
+    def run(lr):
         model = curvopt.extend(_digits_cnn())
         lossfunc = curvopt.extend(nn.CrossEntropyLoss())
         opt = VarianceAdaptedSGD(model.parameters(), lr=lr, momentum=0.9)
-        generator = torch.Generator().manual_seed(0)
+        first, loss = _train_on_batches(opt, lambda a, b: lossfunc(model(a), b), X, y, 60, 64)
         with torch.no_grad():
-            first = float(lossfunc(model(X), y))
-        for _ in range(60):
-            index = torch.randint(0, len(X), (64,), generator=generator)
-            opt.zero_grad()
-            with opt.collect():
-                lossfunc(model(X[index]), y[index]).backward()
-            opt.step()
-        with torch.no_grad():
-            out = model(X)
-            results[lr] = float(lossfunc(out, y)), float((out.argmax(1) == y).float().mean())
+            return first, (loss, float((model(X).argmax(1) == y).float().mean()))
+
+    runs = {lr: run(lr) for lr in (1.0, 0.05)}
+    first = runs[0.05][0]  # the same untrained model's loss for both
+    results = {lr: result for lr, (_, result) in runs.items()}
     loss, accuracy = results[1.0]
     assert loss < 0.4 * first and accuracy > 0.6, (first, results)
     assert results[0.05][0] > 0.8 * first, (first, results)

@@ -210,6 +210,16 @@ class ScheduledLambda:
         return 0.05 * (1 + step)
 
 
+def _wide_linear(dtype, **options):
+    """A seeded extended ``Linear(40, 30)`` in ``dtype``, its loss, and ``KFAC`` on KFLR with
+    lr 1, damping ``LAMBDA``, no trust region and ``options``."""
+    torch.manual_seed(0)
+    model = curvopt.extend(nn.Linear(40, 30).to(dtype))
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    opt = KFAC(model.parameters(), 1.0, LAMBDA, "kflr", kl_clip=None, **options)
+    return model, lossfunc, opt
+
+
 @pytest.mark.parametrize("damping_kind", ["trace_norm", "trace_norm_eigh"])
 def test_max_rank_caps_dense_factors_in_the_inverse_and_the_factored_step(
     damping_kind, monkeypatch
@@ -229,18 +239,8 @@ def test_max_rank_caps_dense_factors_in_the_inverse_and_the_factored_step(
     monkeypatch.setattr(curvopt.optim.kfac, "_factored", spy)
     results = {}
     for max_rank in (4, None):
-        torch.manual_seed(0)
-        model = curvopt.extend(nn.Linear(40, 30).to(DT))
-        lossfunc = curvopt.extend(nn.CrossEntropyLoss())
-        opt = KFAC(
-            model.parameters(),
-            1.0,
-            LAMBDA,
-            "kflr",
-            kronecker_damping=damping_kind,
-            max_rank=max_rank,
-            curvature_ema=0.5,
-            kl_clip=None,
+        model, lossfunc, opt = _wide_linear(
+            DT, kronecker_damping=damping_kind, max_rank=max_rank, curvature_ema=0.5
         )
         gen = torch.Generator().manual_seed(5)
         for _ in range(9):
@@ -380,17 +380,8 @@ def test_trace_norm_eigh_in_bfloat16_factorises_in_float32(max_rank):
     step is bfloat16 and within bfloat16's rounding of the float64 model's step."""
     steps = {}
     for dtype in (torch.float64, torch.bfloat16):
-        torch.manual_seed(0)
-        model = curvopt.extend(nn.Linear(40, 30).to(dtype))
-        lossfunc = curvopt.extend(nn.CrossEntropyLoss())
-        opt = KFAC(
-            model.parameters(),
-            1.0,
-            LAMBDA,
-            "kflr",
-            kronecker_damping="trace_norm_eigh",
-            max_rank=max_rank,
-            kl_clip=None,
+        model, lossfunc, opt = _wide_linear(
+            dtype, kronecker_damping="trace_norm_eigh", max_rank=max_rank
         )
         gen = torch.Generator().manual_seed(5)
         x = (10 * torch.randn(60, 40, generator=gen, dtype=DT)).to(dtype)

@@ -6,11 +6,10 @@ import json
 import time
 
 import pytest
-import torch
+from ttr_data import band_splits
 
 import paper_figs
 from experiments.__main__ import main
-from experiments.data import ImageData, make_splits
 from experiments.ttr import cost as cost_mod
 from experiments.ttr import protocol
 from experiments.ttr.cost import measure_costs, period
@@ -21,19 +20,7 @@ from experiments.ttr.schedules import lr_factor
 
 @pytest.fixture(scope="module")
 def splits():
-    """MNIST-shaped images whose label is a bright band at row 2*label: learnable in a few steps."""
-    gen = torch.Generator().manual_seed(0)
-
-    def draw(n):
-        y = torch.randint(0, 10, (n,), generator=gen)
-        x = torch.randint(0, 60, (n, 1, 28, 28), generator=gen, dtype=torch.uint8)
-        for i, label in enumerate(y.tolist()):
-            x[i, 0, 2 * label : 2 * label + 4, 4:24] = 255
-        return x, y
-
-    (train_x, train_y), (test_x, test_y) = draw(1200), draw(200)
-    data = ImageData("mnist", train_x, train_y, test_x, test_y, 10)
-    return make_splits(data, valid_size=100, eval_size=200)
+    return band_splits()
 
 
 ADAM = Setting("adam", 0.01)

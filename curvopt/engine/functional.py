@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn import _reduction
 
-from curvopt.engine.dispatch import loss_hook
+from curvopt.engine.dispatch import loss_hook, on_loss
 from curvopt.engine.records import LossRecord, mark_extended_loss, output_tensors
 from curvopt.engine.recognize import NO_HESSIAN
 from curvopt.engine.state import STATE
@@ -116,18 +116,23 @@ def _watch(t: torch.Tensor) -> None:
 
 
 def _record(func, loss, args, kwargs, result) -> None:
-    """The record of a functional loss call on a watched input, hooked on ``result``."""
+    """Hook ``result``, a functional loss call's on a watched input: its record is made when
+    the gradient reaches it (a call inside an extended loss module's forward, whose hook is
+    dropped by :func:`hook_loss`, makes none)."""
     if STATE.suspended or STATE.collecting is None or not isinstance(result, torch.Tensor):
         return
     if not result.requires_grad or result.grad_fn is None:
         return
-    found = loss(_SIGNATURES[func].bind(*args, **kwargs).arguments)
-    if found is None:
-        return
-    module, inputs, no_hessian = found
-    module._curvopt_path = f"F.{func.__name__}"
-    record = LossRecord(module, inputs, {}, no_hessian)
-    handle = result.register_hook(loss_hook(record))
+
+    def on_grad(grad):
+        found = loss(_SIGNATURES[func].bind(*args, **kwargs).arguments)
+        if found is None:
+            return  # not read: the pass raises MissingLossError
+        module, inputs, no_hessian = found
+        module._curvopt_path = f"F.{func.__name__}"
+        on_loss(LossRecord(module, inputs, {}, no_hessian), grad)
+
+    handle = result.register_hook(on_grad)
     mark_extended_loss(result)
     setattr(result, _RECORD_HANDLE, handle)
 
