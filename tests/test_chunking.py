@@ -144,7 +144,7 @@ def test_propagated_columns_stay_within_the_budget(monkeypatch):
     seen = []
     plain_backpropagate = propagate.backpropagate
 
-    def counting(outputs, edges, columns, batched, walk=None):
+    def counting(outputs, edges, columns, batched, walk):
         seen.append(columns.shape[0])
         return plain_backpropagate(outputs, edges, columns, batched, walk)
 

@@ -95,7 +95,7 @@ def counted(monkeypatch):
     seen = []
     plain = propagate.backpropagate
 
-    def counting(outputs, edges, columns, batched, walk=None):
+    def counting(outputs, edges, columns, batched, walk):
         seen.append((outputs, columns.shape[0]))
         return plain(outputs, edges, columns, batched, walk)
 

@@ -51,9 +51,9 @@ def propagated(monkeypatch):
     counts = []
     to_calls = rows.to_calls
 
-    def counted(source, calls, columns, batched):
+    def counted(source, calls, columns, batched, walk):
         counts.append(len(columns))
-        return to_calls(source, calls, columns, batched)
+        return to_calls(source, calls, columns, batched, walk)
 
     monkeypatch.setattr(rows, "to_calls", counted)
     return counts

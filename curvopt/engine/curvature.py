@@ -196,7 +196,7 @@ class CurvaturePass:
                 return
         budget = _COLUMN_BUDGET * (1 if diag_exts else _FACTOR_CHUNKS)
         for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls, 0, budget)):
-            outs = to_calls(self.loss.output, calls, cols, self.batched, walk=self.walk)
+            outs = to_calls(self.loss.output, calls, cols, self.batched, self.walk)
             self._contribute(calls, outs, diag_exts, kron_exts)
 
     def _narrower(self, rule, calls) -> bool:

@@ -209,7 +209,8 @@ def residuals(context, gradient, calls, exts):
     nodes = curved_nodes(output, walk)
     if not nodes:
         return
-    deltas = backpropagate(output, [GradientEdge(nd, 0) for nd, _ in nodes], gradient[None], False)
+    edges = [GradientEdge(nd, 0) for nd, _ in nodes]
+    deltas = backpropagate(output, edges, gradient[None], False, walk)
     producers = {}
     for record, edges in calls.items():
         for i, edge in edges:
@@ -224,7 +225,7 @@ def residuals(context, gradient, calls, exts):
         if fn is None:
             continue
         direct, index = producers.get((fn, nr), (None, None))
-        upstream = Walk(fn, within=walk.edges)  # a part of the loss's walk, read again
+        upstream = Walk(fn, within=walk)  # a part of the loss's walk, read again
         others = {record: calls[record] for record in upstream.calls if record in calls}
         if direct is not None and rule_for(direct.module).has_weighted_squares(direct.module):
             # in the call's output shape: an in-place op on a view modifies the output's base
@@ -241,12 +242,13 @@ def residuals(context, gradient, calls, exts):
             layout = establish(
                 source, r.shape, others, upstream.batchable, upstream, elementwise=True
             )
-            yield from _columns(source, r, others, exts, upstream.batchable, layout)
+            yield from _columns(source, r, others, exts, upstream, layout)
 
 
-def _columns(source, r: torch.Tensor, calls, exts, batched: bool, layout):
+def _columns(source, r: torch.Tensor, calls, exts, walk, layout):
     """Signed one-hot columns ``sqrt(|r|)`` at ``u`` (one per element of a row, packed over
-    rows by ``layout``), propagated to the modules upstream."""
+    rows by ``layout``), propagated to the modules upstream (``walk``: the graph from
+    ``source``)."""
     flat = r.reshape(r.shape[0], -1)
     size = flat.shape[1]
     per_column = flat.numel() + sum(rec.out_numel[i] for rec in calls for i, _ in calls[rec])
@@ -260,5 +262,5 @@ def _columns(source, r: torch.Tensor, calls, exts, batched: bool, layout):
             stop = min(size, start + chunk)
             cols = (eye[start:stop, None, :] * root[None]).reshape(stop - start, *r.shape)
             cols = layout.pack(cols, 0, layout.num_slots)
-            outs = to_calls(source, calls, cols, batched)
+            outs = to_calls(source, calls, cols, walk.batchable, walk)
             yield from diagonals(calls, outs, exts, sign)

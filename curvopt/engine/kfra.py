@@ -102,7 +102,7 @@ def kfra(context, calls, exts):
     ((index, edge),) = calls[last]
     b = None
     for cols in context.exact_columns(1 << 30):
-        (v,) = backpropagate(output, [edge], cols, context.batched)
+        (v,) = backpropagate(output, [edge], cols, context.batched, walk)
         v = last.at_parameter_precision(v.flatten(0, 1))
         b = v.T @ v if b is None else b.add_(v.T @ v)
     factors = {}
@@ -126,7 +126,7 @@ def _backpropagate(b_next, record, nxt, calls, walk):
     x_next = nxt.args[0]
     ones = torch.ones_like(x_next)
     probe = torch.randn_like(x_next)
-    (both,) = backpropagate(x_next, [edge], torch.stack([ones, probe]), True)
+    (both,) = backpropagate(x_next, [edge], torch.stack([ones, probe]), True, walk)
     if both is None or both.shape[1:] != x_next.shape:
         raise _reject(nxt, "its input is not computed from the previous Linear layer's output")
     d, dprobe = both[0], both[1]

@@ -13,22 +13,22 @@ from __future__ import annotations
 import torch
 
 from curvopt.engine.pooling import across_pools, pool_stages
-from curvopt.engine.checkpointing import live, through
+from curvopt.engine.checkpointing import through
 from curvopt.engine.state import STATE
 
 
-def backpropagate(outputs, edges, columns: torch.Tensor, batched: bool, walk=None):
+def backpropagate(outputs, edges, columns: torch.Tensor, batched: bool, walk):
     """``J^T`` of each edge applied to every column (``[k, *out]`` per edge, None if unused).
 
-    Batched through ``vmap`` where ``batched``; a backward op that ``vmap`` cannot run (a custom
-    ``autograd.Function`` without a batching rule) falls back to one column at a time. Across
-    reentrant checkpoints that curvopt re-ran, in stages (``checkpointing.through``); across
-    max pooling, batched in stages where ``walk`` (the ``graph_plan.Walk`` of a graph holding
-    ``outputs``) allows it (``pooling``).
+    ``walk``: the ``walk.Walk`` of a graph holding ``outputs``. Batched through ``vmap`` where
+    ``batched``; a backward op that ``vmap`` cannot run (a custom ``autograd.Function`` without
+    a batching rule) falls back to one column at a time. Across reentrant checkpoints that
+    curvopt re-ran (``walk.segmented``), in stages (``checkpointing.through``); across max
+    pooling, batched in stages where the walk allows it (``pooling``).
     """
-    if live():
+    if walk.segmented:
         return through(_grad, outputs, edges, columns, batched)
-    if not batched and walk is not None and columns.shape[0] > 1:
+    if not batched and columns.shape[0] > 1:
         stages = pool_stages(outputs, edges, walk)
         if stages is not None:
             return across_pools(_grad, stages, outputs, edges, columns)
@@ -57,7 +57,7 @@ def _grad(outputs, edges, columns, batched: bool):
     return [None if parts[0] is None else torch.stack(parts) for parts in zip(*per_column)]
 
 
-def to_calls(root, calls, columns: torch.Tensor, batched: bool, extra=(), walk=None):
+def to_calls(root, calls, columns: torch.Tensor, batched: bool, walk, extra=()):
     """``{record: [columns at output i, or None where they do not arrive]}`` for ``calls``
     (``[k, *out_i]`` per output of each call), from ``columns`` (``[k, *root.shape]``). A call
     whose output is the root itself (the last layer feeding the loss) takes the columns as
@@ -99,7 +99,7 @@ def through_cut(
     (``cut.batchable``); ``walk``: as for ``backpropagate``."""
     empty = {record: [None] * len(record.out_shapes) for record in calls}
     outs, (at_h,) = to_calls(
-        root, cut.above(calls), columns, batched or cut.batchable, [cut.edge], walk
+        root, cut.above(calls), columns, batched or cut.batchable, walk, [cut.edge]
     )
     yield {**empty, **outs}
     below = cut.below(calls)
@@ -110,7 +110,7 @@ def through_cut(
     for start in range(0, short.shape[0], chunk):
         yield {
             **empty,
-            **to_calls(cut.root, below, short[start : start + chunk], batched, (), walk),
+            **to_calls(cut.root, below, short[start : start + chunk], batched, walk),
         }
 
 

@@ -179,11 +179,11 @@ def establish(
     if not required and not _any_candidate(shape, n, elementwise):
         return None
     if not cached:
-        found = _verified(source, shape, calls, batched, n, elementwise)
+        found = _verified(source, shape, calls, batched, walk, n, elementwise)
         if found is None and ambiguous:  # T == N: the batch may be dim 1 of those calls
             for record in ambiguous:
                 record.transposed = True
-            found = _verified(source, shape, calls, batched, n, elementwise)
+            found = _verified(source, shape, calls, batched, walk, n, elementwise)
         if found is not None:
             found = (*found, tuple(i for i, r in enumerate(records) if r.transposed))
         add_layout(walk, shape, elementwise, found)
@@ -207,18 +207,18 @@ def _any_candidate(shape, n, elementwise) -> bool:
     return any(_fits(math.prod(shape[:d]), n) for d in _row_dims(shape, elementwise))
 
 
-def _verified(source, shape, calls, batched, n, elementwise) -> Optional[tuple]:
+def _verified(source, shape, calls, batched, walk, n, elementwise) -> Optional[tuple]:
     """``(row_dims, sample)`` of the first candidate map that passes the probes."""
     device = next(iter(calls)).device
     for row_dims in _row_dims(shape, elementwise):
         rows = math.prod(shape[:row_dims])
         for sample in _candidates(rows, n, device):
-            if _passes(source, shape, calls, batched, sample, n, row_dims):
+            if _passes(source, shape, calls, batched, walk, sample, n, row_dims):
                 return row_dims, sample
     return None
 
 
-def _passes(source, shape, calls, batched, sample, n, row_dims) -> bool:
+def _passes(source, shape, calls, batched, walk, sample, n, row_dims) -> bool:
     """Probe columns (see module doc) vanish where the map says they must; propagated
     ``_PROBES_PER_CALL`` at a time, so that the columns held at every module output stay few
     whatever ``N``."""
@@ -234,7 +234,7 @@ def _passes(source, shape, calls, batched, sample, n, row_dims) -> bool:
             noise * side[sample].reshape(*shape[:row_dims], *([1] * (len(shape) - row_dims)))
             for side in keep.to(dtype)
         ]
-        if _leaks(to_calls(source, calls, torch.stack(probes), batched), keep, n):
+        if _leaks(to_calls(source, calls, torch.stack(probes), batched, walk), keep, n):
             return False
     return True
 

@@ -66,8 +66,9 @@ class Walk:
 
     A reentrant checkpoint is walked through where curvopt re-ran its segment, and re-run on
     the way where ``recompute`` is a list (the new ``checkpointing.Segment``s are appended to
-    it, for the caller to release). ``within`` (another walk's ``edges``) walks a part of a
-    graph walked already, reading no node again. A ``torch.compile``d graph's node (one fused
+    it, for the caller to release). ``within`` (another walk) walks a part of a graph walked
+    already, reading no node again; it is ``segmented`` where that walk is (its columns may
+    cross the same live segments). A ``torch.compile``d graph's node (one fused
     op) raises where ``recompute`` is a list (curvature); a first-order walk passes it.
     """
 
@@ -83,7 +84,8 @@ class Walk:
         self.foreign: list = []
         self.reentrant = False
         self.checkpoints: list = []  # the re-run checkpoints walked through
-        self.segmented = False  # a checkpoint curvopt re-ran was met (``checkpointing``)
+        # a checkpoint curvopt re-ran was met, here or by ``within`` (``checkpointing``)
+        self.segmented = within is not None and within.segmented
         self.broadcasting = False  # a broadcasting op was met (``broadcast``)
         self.by_data = False  # an op that picks entries by data was met
         self._users = None
@@ -102,7 +104,7 @@ class Walk:
                 raise UnsupportedModuleError(_COMPILED)
             if kind == REENTRANT_CHECKPOINT:
                 return self._checkpoint(node, kind, recompute, key, found)
-            nexts = None if within is None else within.get(node)
+            nexts = None if within is None else within.edges.get(node)
             if nexts is None:
                 nexts = edges_of(node)
             edges[node] = nexts
