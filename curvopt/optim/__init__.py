@@ -20,7 +20,6 @@ See ``docs/optim.md``.
 """
 
 from curvopt.optim.base import CurvatureOptimizer
-from curvopt.optim.cache import cached
 from curvopt.optim.damping import (
     ConstantDamping,
     LevenbergMarquardt,
@@ -50,7 +49,9 @@ from curvopt.optim.kronecker import (
 )
 from curvopt.optim.linalg import cholesky_factor, cholesky_inverse, cholesky_solve_right, psd_eigh
 from curvopt.optim.newton import NewtonOptimizer
-from curvopt.optim.transforms import add_weight_decay, ema, kl_clip_factor, momentum
+from curvopt.optim.plan import cached
+from curvopt.optim.stages.trust_region import kl_clip_factor
+from curvopt.optim.transforms import add_weight_decay, ema, momentum
 from curvopt.optim.variance import VarianceAdaptedSGD
 
 __all__ = [

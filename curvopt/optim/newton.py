@@ -198,8 +198,10 @@ class NewtonOptimizer(CurvatureOptimizer):
             item = ParamStep(update, self._grad(param), state, *curvature)
             if due or self._lacks_curvature(group, param):
                 item.fresh = self._read_curvature(update, group, attr, extension)
+                if item.fresh is not None:  # in use from this step on (the EMA stage averages)
+                    item.curvature, item.curvature_step = item.fresh, step.step
             step.params.append(item)
-        for stage in self._stages:
+        for stage in self._stages.for_group(group):
             stage(step)
         predicted = self._predicted(step) if with_model else 0.0
         return [item.update for item in step.params], predicted

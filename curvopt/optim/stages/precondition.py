@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from curvopt.optim.cache import cached
+from curvopt.optim.plan import cached
 from curvopt.optim.distributed import Job, inversion_cost
 from curvopt.optim.stages.base import GroupStep, Stage
 
