@@ -13,7 +13,8 @@ from __future__ import annotations
 from curvopt import extensions
 from curvopt.linalg.base import BlockDiagonal, CurvatureOperator
 from curvopt.linalg.collected import collected
-from curvopt.optim.kronecker import as_matrix, kron_matmul
+from curvopt.optim.kron_exact import kron_matmul
+from curvopt.optim.kronecker import as_matrix
 from curvopt.optim.inverses import InverseOptions, KroneckerInverse
 
 #: the curvatures, by the attribute their extension writes (``curvopt.extensions.writer``)

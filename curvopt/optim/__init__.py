@@ -32,14 +32,14 @@ from curvopt.optim.distributed import DistributedCurvature
 from curvopt.optim.diagonal import diag_precondition, diag_quadratic
 from curvopt.optim.kfac import KFAC
 from curvopt.optim.ekfac import EKFAC
+from curvopt.engine.psd import psd_eigh
+from curvopt.optim.kron_exact import exact_damped_solve, kron_eigh, kron_matmul, kron_quadratic
 from curvopt.optim.kronecker import (
-    LowRankInverse,
     as_matrix,
-    exact_damped_solve,
+    cholesky_factor,
+    cholesky_inverse,
+    cholesky_solve_right,
     kron_cholesky_solve,
-    kron_eigh,
-    kron_matmul,
-    kron_quadratic,
     kron_solve,
     trace_norm_cholesky,
     trace_norm_damped,
@@ -47,7 +47,7 @@ from curvopt.optim.kronecker import (
     trace_norm_pi,
     trace_norm_solvers,
 )
-from curvopt.optim.linalg import cholesky_factor, cholesky_inverse, cholesky_solve_right, psd_eigh
+from curvopt.optim.low_rank import LowRankInverse
 from curvopt.optim.newton import NewtonOptimizer
 from curvopt.optim.plan import cached
 from curvopt.optim.stages.trust_region import kl_clip_factor

@@ -21,11 +21,10 @@ import torch
 
 from curvopt.optim.diagonal import diag_precondition
 from curvopt.optim.eigen_corrected import as_rows, eigen_corrected_solve
+from curvopt.optim.kron_exact import exact_damped_solve, kron_eigh
 from curvopt.optim.kronecker import (
     capped,
-    exact_damped_solve,
     kron_cholesky_solve,
-    kron_eigh,
     kron_solve,
     trace_norm_cholesky,
     trace_norm_solvers,

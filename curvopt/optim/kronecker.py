@@ -27,44 +27,13 @@ A single factor ``[B]`` is damped plainly: ``(B + λ I)⁻¹`` in both cases.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Callable
 
 import torch
 
-from curvopt.optim.linalg import (
-    cholesky_factor,
-    cholesky_inverse,
-    cholesky_solve_right,
-    psd_eigh,
-    working_dtype,
-)
+from curvopt.engine.psd import working_dtype
 from curvopt.engine.values import rescaled
-from curvopt.optim.low_rank import (
-    LowRankInverse,
-    application_flops,
-    capped_inverse,
-    solver_flops,
-    usable_root,
-    woodbury,
-)
-
-__all__ = [  # LowRankInverse and the flop counts: re-exported, their home is optim.low_rank
-    "LowRankInverse",
-    "application_flops",
-    "solver_flops",
-    "as_matrix",
-    "kron_matmul",
-    "kron_quadratic",
-    "trace_norm_pi",
-    "trace_norm_shifts",
-    "trace_norm_damped",
-    "trace_norm_inverse",
-    "trace_norm_cholesky",
-    "trace_norm_solvers",
-    "kron_cholesky_solve",
-    "kron_solve",
-    "kron_eigh",
-    "exact_damped_solve",
-]
+from curvopt.optim.low_rank import LowRankInverse, capped_inverse, usable_root, woodbury
 
 Factors = Sequence[torch.Tensor]
 
@@ -83,19 +52,6 @@ def as_matrix(grad: torch.Tensor, factors: Factors) -> torch.Tensor:
             "dim B == numel"
         )
     return grad.reshape(sizes[0], -1)
-
-
-def kron_matmul(factors: Factors, matrix: torch.Tensor) -> torch.Tensor:
-    """``(B ⊗ A) vec(G)`` as the matrix ``B G Aᵀ`` (``B G`` for ``[B]``); ``G``: ``[dim B, ·]``."""
-    result = factors[0] @ matrix
-    if len(factors) == 2:
-        result = result @ factors[1].mT
-    return result
-
-
-def kron_quadratic(factors: Factors, matrix: torch.Tensor) -> torch.Tensor:
-    """``vec(S)ᵀ (B ⊗ A) vec(S) = Σ S ⊙ (B S Aᵀ)``, a scalar tensor."""
-    return (matrix * kron_matmul(factors, matrix)).sum()
 
 
 def trace_norm_pi(factors: Factors) -> torch.Tensor:
@@ -150,7 +106,7 @@ def _add_diagonal(matrix: torch.Tensor, shift) -> torch.Tensor:
 
 def trace_norm_inverse(factors: Factors, damping: float) -> list[torch.Tensor]:
     """Inverses of :func:`trace_norm_damped` (Cholesky, float64 retry); apply with
-    :func:`kron_matmul`."""
+    :func:`kron_exact.kron_matmul`."""
     return [cholesky_inverse(f) for f in trace_norm_damped(factors, damping)]
 
 
@@ -260,23 +216,59 @@ def _kron_apply(solvers, matrix, dense_left, dense_right) -> torch.Tensor:
     return result.to(dtype)
 
 
-def kron_eigh(factors: Factors) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``[(s_B, Q_B), (s_A, Q_A)]``: eigendecompositions of the factors (see ``psd_eigh``)."""
-    return [psd_eigh(f) for f in factors]
-
-
-def exact_damped_solve(
-    eigs: Sequence[tuple[torch.Tensor, torch.Tensor]], matrix: torch.Tensor, damping: float
+def _cholesky(
+    matrix: torch.Tensor, in_float64: Callable[[], torch.Tensor] | None = None
 ) -> torch.Tensor:
-    """``(B ⊗ A + λ I)⁻¹ vec(G)`` as a matrix, from ``eigs = kron_eigh([B, A])``::
+    """``L`` of ``M``, in float64 when the input's precision fails (raises if that fails);
+    ``in_float64()`` gives ``M`` computed in float64 for the retry (default: ``M`` cast)."""
+    factor, info = torch.linalg.cholesky_ex(matrix)
+    if bool((info != 0).any()) and matrix.dtype != torch.float64:
+        exact = matrix.to(torch.float64) if in_float64 is None else in_float64()
+        factor, info = torch.linalg.cholesky_ex(exact)
+    if bool((info != 0).any()):
+        raise torch.linalg.LinAlgError(
+            f"cholesky: the {tuple(matrix.shape)} matrix is not positive definite, even in "
+            "float64; increase the damping so that curvature + damping is positive definite. "
+            "If its entries exploded (the steps diverged), keep the optimizer's trust region "
+            "on (kl_clip, default 1e-3; kl_clip=None is the unclipped update) or lower lr"
+        )
+    return factor
 
-        Q_B [(Q_Bᵀ G Q_A) / (s_B s_Aᵀ + λ)] Q_Aᵀ
 
-    (``Q_B [(Q_Bᵀ G) / (s_B + λ)]`` for ``[B]``), computed in the eigenvectors' precision and
-    returned in ``matrix``'s dtype.
+def cholesky_factor(
+    matrix: torch.Tensor, in_float64: Callable[[], torch.Tensor] | None = None
+) -> torch.Tensor:
+    """The lower-triangular ``L`` with ``M = L Lᵀ`` for a symmetric positive definite ``[d, d]``.
+
+    Factorised in :func:`working_dtype` (``M`` in bfloat16/float16 is promoted to float32, and
+    ``L`` returned in float32). If the factorization fails in that precision (a near-singular
+    ``M`` in float32), it is retried in float64 (on ``in_float64()`` if given: ``M`` recomputed
+    from float64 inputs, else ``M`` cast) and ``L`` cast back. Raises
+    ``torch.linalg.LinAlgError`` when ``M`` is not positive definite even in float64.
     """
-    values = [s for s, _ in eigs]
-    vectors = [q for _, q in eigs]
-    spectrum = values[0][:, None] * (values[1][None, :] if len(eigs) == 2 else 1)
-    rotated = kron_matmul([q.mT for q in vectors], matrix.to(vectors[0].dtype))
-    return kron_matmul(vectors, rotated / (spectrum + damping)).to(matrix.dtype)
+    dtype = working_dtype(matrix.dtype)
+    return _cholesky(matrix.to(dtype), in_float64).to(dtype)
+
+
+def cholesky_solve_right(matrix: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``X M⁻¹ = X L⁻ᵀ L⁻¹`` for ``X`` of shape ``[m, d]`` and ``L = cholesky_factor(M)``.
+
+    Two triangular solves (``2 m d²`` flops, as many as ``X @ M⁻¹``), no inverse formed.
+    """
+    return torch.linalg.solve_triangular(
+        factor,
+        torch.linalg.solve_triangular(factor.mT, matrix, upper=True, left=False),
+        upper=False,
+        left=False,
+    )
+
+
+def cholesky_inverse(matrix: torch.Tensor) -> torch.Tensor:
+    """``M⁻¹ = L⁻ᵀ L⁻¹`` for a symmetric positive definite ``M`` of shape ``[d, d]``.
+
+    As :func:`cholesky_factor` (float32 at least), a failed factorization is retried in float64
+    (the inverse is computed there and cast back); ``torch.linalg.LinAlgError`` if ``M`` is not
+    positive definite even then.
+    """
+    dtype = working_dtype(matrix.dtype)
+    return torch.cholesky_inverse(_cholesky(matrix.to(dtype))).to(dtype)

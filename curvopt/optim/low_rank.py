@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from curvopt.engine.reductions import gram_root
-from curvopt.optim.linalg import psd_eigh
+from curvopt.engine.psd import psd_eigh
 
 
 @dataclass(frozen=True)

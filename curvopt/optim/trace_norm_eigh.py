@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from curvopt.optim.kronecker import Factors, capped, promoted, trace_norm_shifts
-from curvopt.optim.linalg import psd_eigh
+from curvopt.engine.psd import psd_eigh
 from curvopt.optim.low_rank import LowRankInverse, usable_root
 
 Decomposition = Sequence[tuple[torch.Tensor, torch.Tensor]]
