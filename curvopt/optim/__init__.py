@@ -34,11 +34,14 @@ from curvopt.optim.kfac import KFAC
 from curvopt.optim.ekfac import EKFAC
 from curvopt.engine.psd import psd_eigh
 from curvopt.optim.kron_exact import exact_damped_solve, kron_eigh, kron_matmul, kron_quadratic
-from curvopt.optim.kronecker import (
-    as_matrix,
+from curvopt.optim.factor_inverse import (
+    LowRankInverse,
     cholesky_factor,
     cholesky_inverse,
     cholesky_solve_right,
+)
+from curvopt.optim.kronecker import (
+    as_matrix,
     kron_cholesky_solve,
     kron_solve,
     trace_norm_cholesky,
@@ -47,7 +50,6 @@ from curvopt.optim.kronecker import (
     trace_norm_pi,
     trace_norm_solvers,
 )
-from curvopt.optim.low_rank import LowRankInverse
 from curvopt.optim.newton import NewtonOptimizer
 from curvopt.optim.plan import cached
 from curvopt.optim.stages.trust_region import kl_clip_factor

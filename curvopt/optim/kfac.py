@@ -11,9 +11,8 @@ import torch
 from curvopt import extensions
 from curvopt.optim.fallback import fallback_diagonal
 from curvopt.optim.gradient_factors import FactorCapture, factored_cheaper, reproduces
-from curvopt.optim.inverses import InverseOptions, KroneckerInverse
 from curvopt.optim.kron_exact import kron_quadratic
-from curvopt.optim.kronecker import as_matrix
+from curvopt.optim.kronecker import InverseOptions, KroneckerInverse, as_matrix
 from curvopt.optim.newton import Derived, NewtonOptimizer
 from curvopt.optim.plan import cached
 from curvopt.optim.trace_norm_eigh import eigh_solvers

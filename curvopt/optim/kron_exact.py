@@ -9,8 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from curvopt.engine.psd import psd_eigh
-
-Factors = Sequence[torch.Tensor]
+from curvopt.optim.factor_inverse import Factors
 
 
 def kron_matmul(factors: Factors, matrix: torch.Tensor) -> torch.Tensor:

@@ -1,41 +1,55 @@
-"""Kronecker-factored curvature ``C = B ⊗ A``: damping, inversion and application.
+"""The damped inverse of a Kronecker block ``C = B ⊗ A``, :class:`KroneckerInverse` (the
+``DampedInverse`` that ``KFAC`` and ``curvopt.linalg`` apply), in one file: how it is built
+(:class:`InverseOptions`), the trace-norm damping and its solves.
 
 Factors come as a list in the API order: ``[B, A]`` for a weight of shape ``[out, in, *k]``
 (``B``: ``[out, out]``, output side; ``A``: ``[in·k, in·k]``, input side) or ``[B]`` for a bias.
 A gradient is handled as the matrix ``G = grad.reshape(out, -1)`` of shape ``[out, in·k]``
-(``[out, 1]`` for a bias), so that with row-major ``vec``::
-
-    (B ⊗ A) vec(G) = vec(B G Aᵀ)
-
-and ``B ⊗ A`` is never formed. Two ways to damp by ``λ``:
+(``[out, 1]`` for a bias), so that with row-major ``vec`` ``(B ⊗ A) vec(G) = vec(B G Aᵀ)``,
+and ``B ⊗ A`` is never formed. Three ways to damp by ``λ``:
 
 * trace-norm (:func:`trace_norm_inverse`): ``(B + √λ/π I)⁻¹ ⊗ (A + π√λ I)⁻¹`` with
   ``π = sqrt((tr A / dim A) / (tr B / dim B))`` (Martens & Grosse 2015, Sec. 6.3: each factor
   is damped in proportion to its own scale, the input side ``A`` gets ``π√λ``); what the
-  optimizer applies: the damped factors' inverses (:func:`trace_norm_solvers`, through their
-  Cholesky factors) applied by matrix products (:func:`kron_solve`; or the Cholesky factors
-  and triangular solves, :func:`trace_norm_cholesky` + :func:`kron_cholesky_solve`, the same
-  numbers at half the speed); a factor ``F = UᵀU`` with a root of ``r < d`` rows (a batch
-  smaller than the layer's width, see ``reductions.gram_root``) is inverted by Woodbury
+  optimizer applies: per damped factor (``optim.factor_inverse``) its Cholesky factor solved
+  by triangular solves (:func:`trace_norm_cholesky` + :func:`kron_cholesky_solve`), or, when
+  it is reused, its inverse applied by matrix products (:func:`trace_norm_solvers` +
+  :func:`kron_solve`, twice as fast); a factor ``F = UᵀU`` with a root of ``r < d`` rows (a
+  batch smaller than the layer's width, see ``reductions.gram_root``) is inverted by Woodbury
   instead (:class:`LowRankInverse`);
-* exact (:func:`kron_eigh` + :func:`exact_damped_solve`): ``(B ⊗ A + λ I)⁻¹`` from the
-  eigendecompositions of both factors.
+* the same split in the factors' eigenbases (``optim.trace_norm_eigh``);
+* exact (``optim.kron_exact``): ``(B ⊗ A + λ I)⁻¹`` from the eigendecompositions of both
+  factors.
 
-A single factor ``[B]`` is damped plainly: ``(B + λ I)⁻¹`` in both cases.
+A single factor ``[B]`` is damped plainly: ``(B + λ I)⁻¹``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from curvopt.engine.psd import working_dtype
-from curvopt.engine.values import rescaled
-from curvopt.optim.low_rank import LowRankInverse, capped_inverse, usable_root, woodbury
-
-Factors = Sequence[torch.Tensor]
+from curvopt.optim.inverses import DampedInverse
+from curvopt.optim.kron_exact import exact_damped_solve, kron_eigh
+from curvopt.optim.factor_inverse import (
+    Factors,
+    LowRankInverse,
+    add_diagonal,
+    capped,
+    capped_inverse,
+    cholesky_factor,
+    cholesky_inverse,
+    cholesky_solve_right,
+    promoted,
+    trace_norm_ratio,
+    trace_norm_shifts,
+    usable_root,
+    woodbury,
+)
+from curvopt.optim.trace_norm_eigh import eigh_solvers, trace_norm_eigh
 
 
 def as_matrix(grad: torch.Tensor, factors: Factors) -> torch.Tensor:
@@ -61,47 +75,19 @@ def trace_norm_pi(factors: Factors) -> torch.Tensor:
     """
     if len(factors) == 1:
         return torch.ones((), dtype=factors[0].dtype, device=factors[0].device)
-    return _pi(*(torch.diagonal(f).mean() for f in factors))
-
-
-def _pi(mean_b: torch.Tensor, mean_a: torch.Tensor) -> torch.Tensor:
-    """``sqrt(mean_a / mean_b)``, 1 unless both are positive."""
-    usable = (mean_a > 0) & (mean_b > 0)
-    ratio = torch.where(usable, mean_a / torch.where(usable, mean_b, 1), 1)
-    return ratio.sqrt()
+    return trace_norm_ratio(*(torch.diagonal(f).mean() for f in factors))
 
 
 def trace_norm_damped(factors: Factors, damping: float) -> list[torch.Tensor]:
     """``[B + √λ/π I, A + π√λ I]`` for ``[B, A]``; ``[B + λ I]`` for ``[B]``."""
     return [
-        _add_diagonal(f, shift) for f, shift in zip(factors, _trace_norm_shifts(factors, damping))
+        add_diagonal(f, shift) for f, shift in zip(factors, _trace_norm_shifts(factors, damping))
     ]
 
 
 def _trace_norm_shifts(factors: Factors, damping: float) -> list:
     """The damping added to each factor (:func:`trace_norm_shifts` of their mean diagonals)."""
     return trace_norm_shifts([torch.diagonal(f).mean() for f in factors], damping)
-
-
-def trace_norm_shifts(means: Sequence[torch.Tensor], damping: float) -> list:
-    """The damping added to each factor, from their mean eigenvalues ``tr F / dim F``:
-    ``[√λ/π, π√λ]`` for ``[B, A]`` (``π = sqrt(mean_A / mean_B)``, 1 unless both are
-    positive); ``[λ]`` for ``[B]``.
-
-    Each shift is ``√λ`` times its factor's mean eigenvalue over the geometric mean of both, so
-    their product is ``λ``."""
-    if len(means) == 1:
-        return [damping]
-    pi = _pi(*means)
-    root = damping**0.5
-    return [root / pi, pi * root]
-
-
-def _add_diagonal(matrix: torch.Tensor, shift) -> torch.Tensor:
-    """``M + shift · I`` as a new tensor (one copy; no identity matrix is formed)."""
-    result = matrix.clone()
-    result.diagonal().add_(shift)
-    return result
 
 
 def trace_norm_inverse(factors: Factors, damping: float) -> list[torch.Tensor]:
@@ -152,7 +138,7 @@ def _trace_norm_solvers(factors, damping, low_rank, max_rank, dense) -> list:
             solver = None if root is None else woodbury(root, shift, others, max_rank)
             if solver is None and usable and capped(factor.shape[0], max_rank):
                 solver = capped_inverse(factor, shift, max_rank)
-            solvers.append(dense(_add_diagonal(factor, shift)) if solver is None else solver)
+            solvers.append(dense(add_diagonal(factor, shift)) if solver is None else solver)
         except torch.linalg.LinAlgError as error:
             raise torch.linalg.LinAlgError(
                 f"{_FACTOR_NAMES[len(factors)][index]} {tuple(factor.shape)} (trace "
@@ -162,23 +148,11 @@ def _trace_norm_solvers(factors, damping, low_rank, max_rank, dense) -> list:
     return solvers
 
 
-def capped(dim: int, max_rank: int | None) -> bool:
-    """Whether ``max_rank`` caps a factor of size ``dim``: ``dim > 2 k``, where the rank-``k``
-    form costs fewer flops to apply than the dense inverse (``4 m d k < 2 m d²``)."""
-    return max_rank is not None and dim > 2 * max_rank
-
-
 #: the factors' names by list length, as in the API order ``[B, A]`` / ``[B]``
 _FACTOR_NAMES = {
     1: ["Kronecker factor B (bias)"],
     2: ["output-side Kronecker factor B", "input-side Kronecker factor A"],
 }
-
-
-def promoted(factor: torch.Tensor) -> torch.Tensor:
-    """``factor`` in ``working_dtype`` (float32 for bfloat16/float16), keeping its Gram root."""
-    dtype = working_dtype(factor.dtype)
-    return factor if dtype == factor.dtype else rescaled(factor, 1.0, dtype)
 
 
 def kron_cholesky_solve(solvers: Sequence, matrix: torch.Tensor) -> torch.Tensor:
@@ -216,59 +190,87 @@ def _kron_apply(solvers, matrix, dense_left, dense_right) -> torch.Tensor:
     return result.to(dtype)
 
 
-def _cholesky(
-    matrix: torch.Tensor, in_float64: Callable[[], torch.Tensor] | None = None
-) -> torch.Tensor:
-    """``L`` of ``M``, in float64 when the input's precision fails (raises if that fails);
-    ``in_float64()`` gives ``M`` computed in float64 for the retry (default: ``M`` cast)."""
-    factor, info = torch.linalg.cholesky_ex(matrix)
-    if bool((info != 0).any()) and matrix.dtype != torch.float64:
-        exact = matrix.to(torch.float64) if in_float64 is None else in_float64()
-        factor, info = torch.linalg.cholesky_ex(exact)
-    if bool((info != 0).any()):
-        raise torch.linalg.LinAlgError(
-            f"cholesky: the {tuple(matrix.shape)} matrix is not positive definite, even in "
-            "float64; increase the damping so that curvature + damping is positive definite. "
-            "If its entries exploded (the steps diverged), keep the optimizer's trust region "
-            "on (kl_clip, default 1e-3; kl_clip=None is the unclipped update) or lower lr"
-        )
-    return factor
+@dataclass(frozen=True)
+class InverseOptions:
+    """How a Kronecker inverse is built: ``kronecker_damping`` ``"trace_norm"``,
+    ``"trace_norm_eigh"`` or ``"exact"``; ``reused``: applied again (so dense inverses, not
+    Cholesky factors, are worth forming); ``low_rank``: Woodbury for factors with a Gram root
+    (and the rank cap); ``max_rank``: the trace-norm inverses of factors wider than
+    ``2 · max_rank`` from their top ``max_rank`` eigenpairs (an approximation)."""
+
+    kronecker_damping: str = "trace_norm"
+    reused: bool = False
+    low_rank: bool = True
+    max_rank: int | None = None
+
+    @property
+    def kind(self) -> str:
+        """The name of what is computed (and cached): ``eigh``, ``trace_norm_eigh``,
+        ``inverse`` or ``cholesky``."""
+        if self.kronecker_damping == "exact":
+            return "eigh"
+        if self.kronecker_damping == "trace_norm_eigh":
+            return "trace_norm_eigh"
+        return "inverse" if self.reused else "cholesky"
 
 
-def cholesky_factor(
-    matrix: torch.Tensor, in_float64: Callable[[], torch.Tensor] | None = None
-) -> torch.Tensor:
-    """The lower-triangular ``L`` with ``M = L Lᵀ`` for a symmetric positive definite ``[d, d]``.
+@dataclass(frozen=True)
+class KroneckerInverse(DampedInverse):
+    """``(F_0 ⊗ F_1 + λ I)⁻¹`` (``[B]``: ``(B + λ I)⁻¹``): by the trace-norm split into damped
+    factors (``kind`` ``"cholesky"``: their Cholesky factors; ``"inverse"``: their inverses;
+    ``"trace_norm_eigh"``: their eigendecompositions) or exactly through eigendecompositions
+    (``"eigh"``); ``value`` is what ``kind`` computed."""
 
-    Factorised in :func:`working_dtype` (``M`` in bfloat16/float16 is promoted to float32, and
-    ``L`` returned in float32). If the factorization fails in that precision (a near-singular
-    ``M`` in float32), it is retried in float64 (on ``in_float64()`` if given: ``M`` recomputed
-    from float64 inputs, else ``M`` cast) and ``L`` cast back. Raises
-    ``torch.linalg.LinAlgError`` when ``M`` is not positive definite even in float64.
-    """
-    dtype = working_dtype(matrix.dtype)
-    return _cholesky(matrix.to(dtype), in_float64).to(dtype)
+    kind: str
+    value: Any
+    damping: float
+    #: ``dim F_0``: the rows of the parameter as the matrix ``G``
+    rows: int
+
+    @classmethod
+    def build(
+        cls, curvature: Sequence[torch.Tensor], damping: float, options: InverseOptions
+    ) -> "KroneckerInverse":
+        value = cls.compute(curvature, damping, options)
+        return cls(options.kind, value, damping, curvature[0].shape[0])
+
+    @staticmethod
+    def compute(curvature, damping: float, options: InverseOptions):
+        """The ``value`` of :meth:`build`, without the wrapper (what the optimizers cache)."""
+        if options.kind == "eigh":
+            return kron_eigh(curvature)
+        if options.kind == "trace_norm_eigh":
+            return trace_norm_eigh(curvature, options.low_rank, options.max_rank)
+        build = trace_norm_solvers if options.reused else trace_norm_cholesky
+        return build(curvature, damping, options.low_rank, options.max_rank)
+
+    @staticmethod
+    def empty(curvature, options: InverseOptions):
+        """Uninitialised tensors of :meth:`compute`'s structure (to receive a broadcast)."""
+        if options.kind == "eigh":
+            return [(f.new_empty(f.shape[0]), torch.empty_like(f)) for f in curvature]
+        if options.kind == "trace_norm_eigh":  # full decompositions: no Woodbury when spread
+            return [
+                (f.new_empty(d := f.shape[0]), f.new_empty(d, _kept(d, options))) for f in curvature
+            ]
+        return [torch.empty_like(f) for f in curvature]
+
+    @property
+    def solve(self):
+        """``(solvers, matrix) ↦`` the damped solve of a trace-norm ``value``."""
+        return kron_cholesky_solve if self.kind == "cholesky" else kron_solve
+
+    def apply_one(self, grad):
+        matrix = grad.reshape(self.rows, -1)
+        if self.kind == "eigh":
+            direction = exact_damped_solve(self.value, matrix, self.damping)
+        elif self.kind == "trace_norm_eigh":
+            direction = kron_solve(eigh_solvers(self.value, self.damping), matrix)
+        else:
+            direction = self.solve(self.value, matrix)
+        return direction.reshape(grad.shape)
 
 
-def cholesky_solve_right(matrix: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """``X M⁻¹ = X L⁻ᵀ L⁻¹`` for ``X`` of shape ``[m, d]`` and ``L = cholesky_factor(M)``.
-
-    Two triangular solves (``2 m d²`` flops, as many as ``X @ M⁻¹``), no inverse formed.
-    """
-    return torch.linalg.solve_triangular(
-        factor,
-        torch.linalg.solve_triangular(factor.mT, matrix, upper=True, left=False),
-        upper=False,
-        left=False,
-    )
-
-
-def cholesky_inverse(matrix: torch.Tensor) -> torch.Tensor:
-    """``M⁻¹ = L⁻ᵀ L⁻¹`` for a symmetric positive definite ``M`` of shape ``[d, d]``.
-
-    As :func:`cholesky_factor` (float32 at least), a failed factorization is retried in float64
-    (the inverse is computed there and cast back); ``torch.linalg.LinAlgError`` if ``M`` is not
-    positive definite even then.
-    """
-    dtype = working_dtype(matrix.dtype)
-    return torch.cholesky_inverse(_cholesky(matrix.to(dtype))).to(dtype)
+def _kept(dim: int, options: InverseOptions) -> int:
+    """The eigenvectors ``trace_norm_eigh`` keeps of a factor of size ``dim`` (no Gram root)."""
+    return options.max_rank if capped(dim, options.max_rank) else dim

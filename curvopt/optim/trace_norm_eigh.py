@@ -25,9 +25,15 @@ from collections.abc import Sequence
 
 import torch
 
-from curvopt.optim.kronecker import Factors, capped, promoted, trace_norm_shifts
 from curvopt.engine.psd import psd_eigh
-from curvopt.optim.low_rank import LowRankInverse, usable_root
+from curvopt.optim.factor_inverse import (
+    Factors,
+    LowRankInverse,
+    capped,
+    promoted,
+    trace_norm_shifts,
+    usable_root,
+)
 
 Decomposition = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
