@@ -11,9 +11,8 @@ the transforms of the stages left out); turning an option on brings its stage ba
 
 import pytest
 import torch
-from torch import nn
+from test_stage_recipe import _train
 
-import curvopt
 from benchmarks import call_trace
 from curvopt.optim import EKFAC, KFAC, DiagGGNNewton, stages
 
@@ -75,25 +74,6 @@ MAKERS = {
 }
 
 
-def _trajectory(make, steps=4, **kw):
-    torch.manual_seed(0)
-    model = curvopt.extend(nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 3)).double())
-    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
-    opt = make(model.parameters(), **kw)
-    generator = torch.Generator().manual_seed(1)
-    torch.manual_seed(2)  # the Monte-Carlo samples of curvature="kfac"
-    result = []
-    for _ in range(steps):
-        X = torch.randn(5, 6, generator=generator, dtype=torch.float64)
-        y = torch.randint(0, 3, (5,), generator=generator)
-        opt.zero_grad()
-        with opt.collect():
-            lossfunc(model(X), y).backward()
-        opt.step()
-        result.append([p.detach().clone() for p in model.parameters()])
-    return result, opt
-
-
 @pytest.mark.parametrize("name", sorted(MAKERS))
 @pytest.mark.parametrize("curvature_interval", [1, 2])
 def test_the_stages_left_out_are_exactly_the_identity(name, curvature_interval):
@@ -102,10 +82,10 @@ def test_the_stages_left_out_are_exactly_the_identity(name, curvature_interval):
     options = {"curvature_interval": curvature_interval}
     if name == "EKFAC":  # its basis is refreshed at curvature steps
         options["basis_interval"] = curvature_interval
-    pruned, pruned_opt = _trajectory(MAKERS[name], **options)
-    full, full_opt = _trajectory(MAKERS[name], stages=FULL, **options)
-    for a, b in zip(pruned, full):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    make = MAKERS[name]
+    pruned, pruned_opt = _train(lambda groups: make(groups, **options), halve=False, steps=4)
+    full, full_opt = _train(lambda groups: make(groups, stages=FULL, **options), False, 4)
+    assert all(torch.equal(a, b) for a, b in zip(pruned, full))
     for p, q in zip(pruned_opt.state.values(), full_opt.state.values()):
         assert p.keys() == q.keys()
         if "curvature" in p:
