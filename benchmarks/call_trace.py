@@ -16,7 +16,9 @@ before. A generator resumed is not a new call.
 
 ``--files`` lists instead the files of ``curvopt`` that one step of ``optim.KFAC`` on the same
 MLP executes (forward, backward in its collection, step; after two warm-up steps), with the
-number of their lines run (``sys.settrace``).
+number of their lines run (``sys.settrace``), and how many of them are the optimizer's
+(``curvopt/optim/``: the step's reading list on the optimizer side). ``--options`` passes
+keyword options to ``KFAC`` (``--options momentum=0.9 weight_decay=1e-3``).
 """
 
 from __future__ import annotations
@@ -143,11 +145,12 @@ def trace(quantity: str, first: bool) -> Tracer:
     return tracer
 
 
-def files_of_a_step() -> dict:
-    """``{file relative to curvopt: the numbers of its lines run}`` of one ``optim.KFAC`` step
-    on the MLP (a tracer already set, e.g. coverage's, is set back after)."""
+def files_of_a_step(**options) -> dict:
+    """``{file relative to curvopt: the numbers of its lines run}`` of one step of
+    ``optim.KFAC(lr=0.1, damping=1e-2, **options)`` on the MLP (a tracer already set, e.g.
+    coverage's, is set back after)."""
     model, lossfunc, x, y = _mlp()
-    optimizer = KFAC(model.parameters(), lr=0.1, damping=1e-2)
+    optimizer = KFAC(model.parameters(), lr=0.1, damping=1e-2, **options)
     lines: dict = collections.defaultdict(set)
 
     def local(frame, event, arg):
@@ -173,18 +176,30 @@ def files_of_a_step() -> dict:
     return {pathlib.Path(f).relative_to(PACKAGE).as_posix(): n for f, n in sorted(lines.items())}
 
 
+def optim_files(found: dict) -> list:
+    """The files of ``curvopt/optim/`` among those of :func:`files_of_a_step`."""
+    return [path for path in found if path.startswith("optim/")]
+
+
+def _option(text: str):
+    name, _, value = text.partition("=")
+    return name, None if value == "None" else float(value)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quantity", default="KFAC", help="an extension class name")
     parser.add_argument("--first", action="store_true", help="trace the structure's first pass")
     parser.add_argument("--calls", action="store_true", help="print every call")
     parser.add_argument("--files", action="store_true", help="the files a KFAC step runs")
+    parser.add_argument("--options", nargs="*", default=[], help="KFAC options, name=value")
     args = parser.parse_args(argv)
     if args.files:
-        found = files_of_a_step()
+        found = files_of_a_step(**dict(map(_option, args.options)))
         for path, numbers in found.items():
             print(f"  {path}: {len(numbers)} lines")
         print(f"files run: {len(found)}, lines run: {sum(map(len, found.values()))}")
+        print(f"of them in curvopt/optim/: {len(optim_files(found))}")
         return
     tracer = trace(args.quantity, args.first)
     calls = tracer.calls

@@ -13,8 +13,8 @@ from __future__ import annotations
 from curvopt import extensions
 from curvopt.linalg.base import BlockDiagonal, CurvatureOperator
 from curvopt.linalg.collected import collected
-from curvopt.optim.kronecker import as_matrix, kron_matmul
-from curvopt.optim.inverses import InverseOptions, KroneckerInverse
+from curvopt.optim.kron_exact import kron_matmul
+from curvopt.optim.kronecker import InverseOptions, KroneckerInverse, as_matrix
 
 #: the curvatures, by the attribute their extension writes (``curvopt.extensions.writer``)
 _CURVATURES = ("kfac", "kflr", "kfra")
@@ -71,9 +71,9 @@ class KFAC(CurvatureOperator):
         return self.matrix._apply(matrix)
 
     def inverse(self, damping: float, kronecker_damping: str = "trace_norm") -> BlockDiagonal:
-        """``(B ⊗ A + λ I)⁻¹`` by ``optim.KFAC``'s own preconditioning (``optim.inverses``):
-        ``"trace_norm"`` inverts ``(B + √λ/π I) ⊗ (A + π√λ I)``, ``"exact"`` the damped product
-        itself."""
+        """``(B ⊗ A + λ I)⁻¹`` by ``optim.KFAC``'s own preconditioning
+        (``optim.kronecker.KroneckerInverse``): ``"trace_norm"`` inverts
+        ``(B + √λ/π I) ⊗ (A + π√λ I)``, ``"exact"`` the damped product itself."""
         if kronecker_damping not in ("trace_norm", "exact"):
             raise ValueError(
                 f"KFAC.inverse: kronecker_damping must be 'trace_norm' or 'exact', got "

@@ -20,7 +20,6 @@ See ``docs/optim.md``.
 """
 
 from curvopt.optim.base import CurvatureOptimizer
-from curvopt.optim.cache import cached
 from curvopt.optim.damping import (
     ConstantDamping,
     LevenbergMarquardt,
@@ -33,14 +32,17 @@ from curvopt.optim.distributed import DistributedCurvature
 from curvopt.optim.diagonal import diag_precondition, diag_quadratic
 from curvopt.optim.kfac import KFAC
 from curvopt.optim.ekfac import EKFAC
-from curvopt.optim.kronecker import (
+from curvopt.engine.psd import psd_eigh
+from curvopt.optim.kron_exact import exact_damped_solve, kron_eigh, kron_matmul, kron_quadratic
+from curvopt.optim.factor_inverse import (
     LowRankInverse,
+    cholesky_factor,
+    cholesky_inverse,
+    cholesky_solve_right,
+)
+from curvopt.optim.kronecker import (
     as_matrix,
-    exact_damped_solve,
     kron_cholesky_solve,
-    kron_eigh,
-    kron_matmul,
-    kron_quadratic,
     kron_solve,
     trace_norm_cholesky,
     trace_norm_damped,
@@ -48,9 +50,10 @@ from curvopt.optim.kronecker import (
     trace_norm_pi,
     trace_norm_solvers,
 )
-from curvopt.optim.linalg import cholesky_factor, cholesky_inverse, cholesky_solve_right, psd_eigh
 from curvopt.optim.newton import NewtonOptimizer
-from curvopt.optim.transforms import add_weight_decay, ema, kl_clip_factor, momentum
+from curvopt.optim.plan import cached
+from curvopt.optim.stages.trust_region import kl_clip_factor
+from curvopt.optim.transforms import add_weight_decay, ema, momentum
 from curvopt.optim.variance import VarianceAdaptedSGD
 
 __all__ = [

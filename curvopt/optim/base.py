@@ -199,7 +199,8 @@ class CurvatureOptimizer(Collecting, Optimizer):
         try:
             if closure is None:
                 self._collection.check(type(self).__name__)
-            scale = loss_scale(self)
+            # GradScaler.step sets found_inf: outside one there is no loss scale to divide out
+            scale = NONE if getattr(self, "found_inf", None) is None else loss_scale(self)
             if scale.overflow:  # as GradScaler skips torch.optim optimizers
                 return None
             self._loss_scale = scale

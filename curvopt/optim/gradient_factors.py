@@ -28,7 +28,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from curvopt.layers import rule_for
-from curvopt.optim.kronecker import solver_flops
+from curvopt.optim.factor_inverse import solver_flops
 from curvopt.engine.params import owners
 from curvopt.engine.records import Call
 from curvopt.engine.state import STATE
@@ -147,7 +147,7 @@ def reproduces(matrix: torch.Tensor, factors: Factors) -> bool:
 
 def factored_cheaper(solvers: Sequence, out: int, inputs: int, rows: int) -> bool:
     """Whether ``(F_0⁻¹ leftᵀ)(F_1⁻¹ rightᵀ)ᵀ`` costs fewer flops than ``F_0⁻¹ G F_1⁻¹`` for
-    ``R = rows`` (``kronecker.solver_flops`` for each side, plus the final product)."""
+    ``R = rows`` (``factor_inverse.solver_flops`` for each side, plus the final product)."""
     left, right = solvers
     factored = solver_flops(left, out, rows) + solver_flops(right, inputs, rows)
     dense = solver_flops(left, out, inputs) + solver_flops(right, inputs, out)

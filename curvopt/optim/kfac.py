@@ -9,12 +9,12 @@ import weakref
 import torch
 
 from curvopt import extensions
-from curvopt.optim.cache import cached
 from curvopt.optim.fallback import fallback_diagonal
 from curvopt.optim.gradient_factors import FactorCapture, factored_cheaper, reproduces
-from curvopt.optim.inverses import InverseOptions, KroneckerInverse
-from curvopt.optim.kronecker import as_matrix, kron_quadratic
+from curvopt.optim.kron_exact import kron_quadratic
+from curvopt.optim.kronecker import InverseOptions, KroneckerInverse, as_matrix
 from curvopt.optim.newton import Derived, NewtonOptimizer
+from curvopt.optim.plan import cached
 from curvopt.optim.trace_norm_eigh import eigh_solvers
 from curvopt.optim.options import (
     KFAC_APPROX,

@@ -1,72 +1,55 @@
-"""Kronecker-factored curvature ``C = B ⊗ A``: damping, inversion and application.
+"""The damped inverse of a Kronecker block ``C = B ⊗ A``, :class:`KroneckerInverse` (the
+``DampedInverse`` that ``KFAC`` and ``curvopt.linalg`` apply), in one file: how it is built
+(:class:`InverseOptions`), the trace-norm damping and its solves.
 
 Factors come as a list in the API order: ``[B, A]`` for a weight of shape ``[out, in, *k]``
 (``B``: ``[out, out]``, output side; ``A``: ``[in·k, in·k]``, input side) or ``[B]`` for a bias.
 A gradient is handled as the matrix ``G = grad.reshape(out, -1)`` of shape ``[out, in·k]``
-(``[out, 1]`` for a bias), so that with row-major ``vec``::
-
-    (B ⊗ A) vec(G) = vec(B G Aᵀ)
-
-and ``B ⊗ A`` is never formed. Two ways to damp by ``λ``:
+(``[out, 1]`` for a bias), so that with row-major ``vec`` ``(B ⊗ A) vec(G) = vec(B G Aᵀ)``,
+and ``B ⊗ A`` is never formed. Three ways to damp by ``λ``:
 
 * trace-norm (:func:`trace_norm_inverse`): ``(B + √λ/π I)⁻¹ ⊗ (A + π√λ I)⁻¹`` with
   ``π = sqrt((tr A / dim A) / (tr B / dim B))`` (Martens & Grosse 2015, Sec. 6.3: each factor
   is damped in proportion to its own scale, the input side ``A`` gets ``π√λ``); what the
-  optimizer applies: the damped factors' inverses (:func:`trace_norm_solvers`, through their
-  Cholesky factors) applied by matrix products (:func:`kron_solve`; or the Cholesky factors
-  and triangular solves, :func:`trace_norm_cholesky` + :func:`kron_cholesky_solve`, the same
-  numbers at half the speed); a factor ``F = UᵀU`` with a root of ``r < d`` rows (a batch
-  smaller than the layer's width, see ``reductions.gram_root``) is inverted by Woodbury
+  optimizer applies: per damped factor (``optim.factor_inverse``) its Cholesky factor solved
+  by triangular solves (:func:`trace_norm_cholesky` + :func:`kron_cholesky_solve`), or, when
+  it is reused, its inverse applied by matrix products (:func:`trace_norm_solvers` +
+  :func:`kron_solve`, twice as fast); a factor ``F = UᵀU`` with a root of ``r < d`` rows (a
+  batch smaller than the layer's width, see ``reductions.gram_root``) is inverted by Woodbury
   instead (:class:`LowRankInverse`);
-* exact (:func:`kron_eigh` + :func:`exact_damped_solve`): ``(B ⊗ A + λ I)⁻¹`` from the
-  eigendecompositions of both factors.
+* the same split in the factors' eigenbases (``optim.trace_norm_eigh``);
+* exact (``optim.kron_exact``): ``(B ⊗ A + λ I)⁻¹`` from the eigendecompositions of both
+  factors.
 
-A single factor ``[B]`` is damped plainly: ``(B + λ I)⁻¹`` in both cases.
+A single factor ``[B]`` is damped plainly: ``(B + λ I)⁻¹``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from curvopt.optim.linalg import (
+from curvopt.optim.inverses import DampedInverse
+from curvopt.optim.kron_exact import exact_damped_solve, kron_eigh
+from curvopt.optim.factor_inverse import (
+    Factors,
+    LowRankInverse,
+    add_diagonal,
+    capped,
+    capped_inverse,
     cholesky_factor,
     cholesky_inverse,
     cholesky_solve_right,
-    psd_eigh,
-    working_dtype,
-)
-from curvopt.engine.values import rescaled
-from curvopt.optim.low_rank import (
-    LowRankInverse,
-    application_flops,
-    capped_inverse,
-    solver_flops,
+    promoted,
+    trace_norm_ratio,
+    trace_norm_shifts,
     usable_root,
     woodbury,
 )
-
-__all__ = [  # LowRankInverse and the flop counts: re-exported, their home is optim.low_rank
-    "LowRankInverse",
-    "application_flops",
-    "solver_flops",
-    "as_matrix",
-    "kron_matmul",
-    "kron_quadratic",
-    "trace_norm_pi",
-    "trace_norm_shifts",
-    "trace_norm_damped",
-    "trace_norm_inverse",
-    "trace_norm_cholesky",
-    "trace_norm_solvers",
-    "kron_cholesky_solve",
-    "kron_solve",
-    "kron_eigh",
-    "exact_damped_solve",
-]
-
-Factors = Sequence[torch.Tensor]
+from curvopt.optim.trace_norm_eigh import eigh_solvers, trace_norm_eigh
 
 
 def as_matrix(grad: torch.Tensor, factors: Factors) -> torch.Tensor:
@@ -85,19 +68,6 @@ def as_matrix(grad: torch.Tensor, factors: Factors) -> torch.Tensor:
     return grad.reshape(sizes[0], -1)
 
 
-def kron_matmul(factors: Factors, matrix: torch.Tensor) -> torch.Tensor:
-    """``(B ⊗ A) vec(G)`` as the matrix ``B G Aᵀ`` (``B G`` for ``[B]``); ``G``: ``[dim B, ·]``."""
-    result = factors[0] @ matrix
-    if len(factors) == 2:
-        result = result @ factors[1].mT
-    return result
-
-
-def kron_quadratic(factors: Factors, matrix: torch.Tensor) -> torch.Tensor:
-    """``vec(S)ᵀ (B ⊗ A) vec(S) = Σ S ⊙ (B S Aᵀ)``, a scalar tensor."""
-    return (matrix * kron_matmul(factors, matrix)).sum()
-
-
 def trace_norm_pi(factors: Factors) -> torch.Tensor:
     """``π = sqrt((tr A / dim A) / (tr B / dim B))`` for ``[B, A]``; 1 for ``[B]``.
 
@@ -105,20 +75,13 @@ def trace_norm_pi(factors: Factors) -> torch.Tensor:
     """
     if len(factors) == 1:
         return torch.ones((), dtype=factors[0].dtype, device=factors[0].device)
-    return _pi(*(torch.diagonal(f).mean() for f in factors))
-
-
-def _pi(mean_b: torch.Tensor, mean_a: torch.Tensor) -> torch.Tensor:
-    """``sqrt(mean_a / mean_b)``, 1 unless both are positive."""
-    usable = (mean_a > 0) & (mean_b > 0)
-    ratio = torch.where(usable, mean_a / torch.where(usable, mean_b, 1), 1)
-    return ratio.sqrt()
+    return trace_norm_ratio(*(torch.diagonal(f).mean() for f in factors))
 
 
 def trace_norm_damped(factors: Factors, damping: float) -> list[torch.Tensor]:
     """``[B + √λ/π I, A + π√λ I]`` for ``[B, A]``; ``[B + λ I]`` for ``[B]``."""
     return [
-        _add_diagonal(f, shift) for f, shift in zip(factors, _trace_norm_shifts(factors, damping))
+        add_diagonal(f, shift) for f, shift in zip(factors, _trace_norm_shifts(factors, damping))
     ]
 
 
@@ -127,30 +90,9 @@ def _trace_norm_shifts(factors: Factors, damping: float) -> list:
     return trace_norm_shifts([torch.diagonal(f).mean() for f in factors], damping)
 
 
-def trace_norm_shifts(means: Sequence[torch.Tensor], damping: float) -> list:
-    """The damping added to each factor, from their mean eigenvalues ``tr F / dim F``:
-    ``[√λ/π, π√λ]`` for ``[B, A]`` (``π = sqrt(mean_A / mean_B)``, 1 unless both are
-    positive); ``[λ]`` for ``[B]``.
-
-    Each shift is ``√λ`` times its factor's mean eigenvalue over the geometric mean of both, so
-    their product is ``λ``."""
-    if len(means) == 1:
-        return [damping]
-    pi = _pi(*means)
-    root = damping**0.5
-    return [root / pi, pi * root]
-
-
-def _add_diagonal(matrix: torch.Tensor, shift) -> torch.Tensor:
-    """``M + shift · I`` as a new tensor (one copy; no identity matrix is formed)."""
-    result = matrix.clone()
-    result.diagonal().add_(shift)
-    return result
-
-
 def trace_norm_inverse(factors: Factors, damping: float) -> list[torch.Tensor]:
     """Inverses of :func:`trace_norm_damped` (Cholesky, float64 retry); apply with
-    :func:`kron_matmul`."""
+    :func:`kron_exact.kron_matmul`."""
     return [cholesky_inverse(f) for f in trace_norm_damped(factors, damping)]
 
 
@@ -196,7 +138,7 @@ def _trace_norm_solvers(factors, damping, low_rank, max_rank, dense) -> list:
             solver = None if root is None else woodbury(root, shift, others, max_rank)
             if solver is None and usable and capped(factor.shape[0], max_rank):
                 solver = capped_inverse(factor, shift, max_rank)
-            solvers.append(dense(_add_diagonal(factor, shift)) if solver is None else solver)
+            solvers.append(dense(add_diagonal(factor, shift)) if solver is None else solver)
         except torch.linalg.LinAlgError as error:
             raise torch.linalg.LinAlgError(
                 f"{_FACTOR_NAMES[len(factors)][index]} {tuple(factor.shape)} (trace "
@@ -206,23 +148,11 @@ def _trace_norm_solvers(factors, damping, low_rank, max_rank, dense) -> list:
     return solvers
 
 
-def capped(dim: int, max_rank: int | None) -> bool:
-    """Whether ``max_rank`` caps a factor of size ``dim``: ``dim > 2 k``, where the rank-``k``
-    form costs fewer flops to apply than the dense inverse (``4 m d k < 2 m d²``)."""
-    return max_rank is not None and dim > 2 * max_rank
-
-
 #: the factors' names by list length, as in the API order ``[B, A]`` / ``[B]``
 _FACTOR_NAMES = {
     1: ["Kronecker factor B (bias)"],
     2: ["output-side Kronecker factor B", "input-side Kronecker factor A"],
 }
-
-
-def promoted(factor: torch.Tensor) -> torch.Tensor:
-    """``factor`` in ``working_dtype`` (float32 for bfloat16/float16), keeping its Gram root."""
-    dtype = working_dtype(factor.dtype)
-    return factor if dtype == factor.dtype else rescaled(factor, 1.0, dtype)
 
 
 def kron_cholesky_solve(solvers: Sequence, matrix: torch.Tensor) -> torch.Tensor:
@@ -260,23 +190,87 @@ def _kron_apply(solvers, matrix, dense_left, dense_right) -> torch.Tensor:
     return result.to(dtype)
 
 
-def kron_eigh(factors: Factors) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``[(s_B, Q_B), (s_A, Q_A)]``: eigendecompositions of the factors (see ``psd_eigh``)."""
-    return [psd_eigh(f) for f in factors]
+@dataclass(frozen=True)
+class InverseOptions:
+    """How a Kronecker inverse is built: ``kronecker_damping`` ``"trace_norm"``,
+    ``"trace_norm_eigh"`` or ``"exact"``; ``reused``: applied again (so dense inverses, not
+    Cholesky factors, are worth forming); ``low_rank``: Woodbury for factors with a Gram root
+    (and the rank cap); ``max_rank``: the trace-norm inverses of factors wider than
+    ``2 · max_rank`` from their top ``max_rank`` eigenpairs (an approximation)."""
+
+    kronecker_damping: str = "trace_norm"
+    reused: bool = False
+    low_rank: bool = True
+    max_rank: int | None = None
+
+    @property
+    def kind(self) -> str:
+        """The name of what is computed (and cached): ``eigh``, ``trace_norm_eigh``,
+        ``inverse`` or ``cholesky``."""
+        if self.kronecker_damping == "exact":
+            return "eigh"
+        if self.kronecker_damping == "trace_norm_eigh":
+            return "trace_norm_eigh"
+        return "inverse" if self.reused else "cholesky"
 
 
-def exact_damped_solve(
-    eigs: Sequence[tuple[torch.Tensor, torch.Tensor]], matrix: torch.Tensor, damping: float
-) -> torch.Tensor:
-    """``(B ⊗ A + λ I)⁻¹ vec(G)`` as a matrix, from ``eigs = kron_eigh([B, A])``::
+@dataclass(frozen=True)
+class KroneckerInverse(DampedInverse):
+    """``(F_0 ⊗ F_1 + λ I)⁻¹`` (``[B]``: ``(B + λ I)⁻¹``): by the trace-norm split into damped
+    factors (``kind`` ``"cholesky"``: their Cholesky factors; ``"inverse"``: their inverses;
+    ``"trace_norm_eigh"``: their eigendecompositions) or exactly through eigendecompositions
+    (``"eigh"``); ``value`` is what ``kind`` computed."""
 
-        Q_B [(Q_Bᵀ G Q_A) / (s_B s_Aᵀ + λ)] Q_Aᵀ
+    kind: str
+    value: Any
+    damping: float
+    #: ``dim F_0``: the rows of the parameter as the matrix ``G``
+    rows: int
 
-    (``Q_B [(Q_Bᵀ G) / (s_B + λ)]`` for ``[B]``), computed in the eigenvectors' precision and
-    returned in ``matrix``'s dtype.
-    """
-    values = [s for s, _ in eigs]
-    vectors = [q for _, q in eigs]
-    spectrum = values[0][:, None] * (values[1][None, :] if len(eigs) == 2 else 1)
-    rotated = kron_matmul([q.mT for q in vectors], matrix.to(vectors[0].dtype))
-    return kron_matmul(vectors, rotated / (spectrum + damping)).to(matrix.dtype)
+    @classmethod
+    def build(
+        cls, curvature: Sequence[torch.Tensor], damping: float, options: InverseOptions
+    ) -> "KroneckerInverse":
+        value = cls.compute(curvature, damping, options)
+        return cls(options.kind, value, damping, curvature[0].shape[0])
+
+    @staticmethod
+    def compute(curvature, damping: float, options: InverseOptions):
+        """The ``value`` of :meth:`build`, without the wrapper (what the optimizers cache)."""
+        if options.kind == "eigh":
+            return kron_eigh(curvature)
+        if options.kind == "trace_norm_eigh":
+            return trace_norm_eigh(curvature, options.low_rank, options.max_rank)
+        build = trace_norm_solvers if options.reused else trace_norm_cholesky
+        return build(curvature, damping, options.low_rank, options.max_rank)
+
+    @staticmethod
+    def empty(curvature, options: InverseOptions):
+        """Uninitialised tensors of :meth:`compute`'s structure (to receive a broadcast)."""
+        if options.kind == "eigh":
+            return [(f.new_empty(f.shape[0]), torch.empty_like(f)) for f in curvature]
+        if options.kind == "trace_norm_eigh":  # full decompositions: no Woodbury when spread
+            return [
+                (f.new_empty(d := f.shape[0]), f.new_empty(d, _kept(d, options))) for f in curvature
+            ]
+        return [torch.empty_like(f) for f in curvature]
+
+    @property
+    def solve(self):
+        """``(solvers, matrix) ↦`` the damped solve of a trace-norm ``value``."""
+        return kron_cholesky_solve if self.kind == "cholesky" else kron_solve
+
+    def apply_one(self, grad):
+        matrix = grad.reshape(self.rows, -1)
+        if self.kind == "eigh":
+            direction = exact_damped_solve(self.value, matrix, self.damping)
+        elif self.kind == "trace_norm_eigh":
+            direction = kron_solve(eigh_solvers(self.value, self.damping), matrix)
+        else:
+            direction = self.solve(self.value, matrix)
+        return direction.reshape(grad.shape)
+
+
+def _kept(dim: int, options: InverseOptions) -> int:
+    """The eigenvectors ``trace_norm_eigh`` keeps of a factor of size ``dim`` (no Gram root)."""
+    return options.max_rank if capped(dim, options.max_rank) else dim

@@ -58,12 +58,9 @@ def stepping_scaler() -> torch.amp.GradScaler | None:
 
 
 def loss_scale(optimizer) -> LossScale:
-    """The loss scale of the running ``optimizer.step()``: :data:`NONE` outside a
-    ``GradScaler`` step."""
-    found_inf = getattr(optimizer, "found_inf", None)
-    if found_inf is None:
-        return NONE
-    if bool(found_inf.sum() > 0):
+    """The loss scale of the running ``optimizer.step()`` under ``GradScaler.step`` (which set
+    ``optimizer.found_inf``; outside one the optimizers use :data:`NONE` without calling this)."""
+    if bool(optimizer.found_inf.sum() > 0):
         return LossScale(overflow=True)
     grad_scale = getattr(optimizer, "grad_scale", None)
     if grad_scale is not None:

@@ -10,8 +10,10 @@ Per parameter, with damping ``λ`` and weight decay ``δ`` (BackPACK paper, Dang
 
 Each line is one stage of :mod:`curvopt.optim.stages` (weight decay, curvature EMA,
 preconditioning, trust region, momentum, learning rate), run in that order on every param
-group; this module plans around them (which parameters take part, the curvature read where
-due, the quadratic model of adaptive damping).
+group, less those that are the identity under the group's options (``Chain.for_group``: no
+weight decay, EMA, trust region or momentum stage where they are off); this module plans
+around them (which parameters take part, the curvature read where due, in use at once, the
+quadratic model of adaptive damping).
 
 The trust region is on by default (``kl_clip=1e-3``, kfac-pytorch's default): ``lr² gᵀd``
 is the step's squared length in the damped curvature, ``sᵀ(C + λ'I)s`` (twice the curvature term of
@@ -198,8 +200,10 @@ class NewtonOptimizer(CurvatureOptimizer):
             item = ParamStep(update, self._grad(param), state, *curvature)
             if due or self._lacks_curvature(group, param):
                 item.fresh = self._read_curvature(update, group, attr, extension)
+                if item.fresh is not None:  # in use from this step on (the EMA stage averages)
+                    item.curvature, item.curvature_step = item.fresh, step.step
             step.params.append(item)
-        for stage in self._stages:
+        for stage in self._stages.for_group(group):
             stage(step)
         predicted = self._predicted(step) if with_model else 0.0
         return [item.update for item in step.params], predicted

@@ -25,9 +25,15 @@ from collections.abc import Sequence
 
 import torch
 
-from curvopt.optim.kronecker import Factors, capped, promoted, trace_norm_shifts
-from curvopt.optim.linalg import psd_eigh
-from curvopt.optim.low_rank import LowRankInverse, usable_root
+from curvopt.engine.psd import psd_eigh
+from curvopt.optim.factor_inverse import (
+    Factors,
+    LowRankInverse,
+    capped,
+    promoted,
+    trace_norm_shifts,
+    usable_root,
+)
 
 Decomposition = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -36,7 +42,7 @@ def trace_norm_eigh(
     factors: Factors, low_rank: bool = True, max_rank: int | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``[(s_B, Q_B), (s_A, Q_A)]`` (``[(s_B, Q_B)]`` for a bias), see the module doc: through
-    the Gram root where ``low_rank`` and it is cheaper (``low_rank.usable_root``), else
+    the Gram root where ``low_rank`` and it is cheaper (``factor_inverse.usable_root``), else
     ``psd_eigh``, in float32 for bfloat16/float16 factors; ``Q`` keeps the top ``max_rank``
     eigenvectors of a factor wider than ``2 · max_rank`` (``kronecker.capped``), all
     otherwise."""

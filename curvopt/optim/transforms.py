@@ -1,16 +1,14 @@
-"""Small pure transforms shared by the optimizers; none modifies its inputs.
+"""Small pure transforms of the stages and ``VarianceAdaptedSGD``; none modifies its inputs.
+(The trust region's ``kl_clip_factor`` lives with its stage, ``stages.trust_region``.)
 
 * :func:`ema` -- exponential moving average of curvature (tensors or factor lists; low-rank
   factors keep their Gram roots, stacked).
 * :func:`add_weight_decay` -- ``g + δ θ``.
 * :func:`momentum` -- heavy-ball buffer ``v ← μ v + d``.
-* :func:`kl_clip_factor` -- ``ν = min(1, sqrt(κ / (lr² Σ g·d)))``, the KL/norm clip of a step.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
 from typing import Union
 
 import torch
@@ -58,25 +56,3 @@ def momentum(buffer: torch.Tensor | None, direction: torch.Tensor, mu: float) ->
     if buffer is None or mu == 0:
         return direction
     return buffer.mul(mu).add_(direction)
-
-
-def kl_clip_factor(
-    grads: Iterable[torch.Tensor], directions: Iterable[torch.Tensor], lr: float, kl_clip: float
-) -> float:
-    """``ν = min(1, sqrt(κ / (lr² Σ g·d)))`` over all pairs ``(g, d)`` of a group.
-
-    ``lr² Σ g·d`` is the squared step length ``lr² dᵀ C d`` measured in the (damped) curvature
-    ``C`` when ``d = C⁻¹ g``, a proxy for the KL divergence of the step; scaling the step by ``ν``
-    keeps it at most ``κ``. Returns 1 when ``Σ g·d ≤ 0``, or ``lr == 0``.
-    """
-    products = [
-        (g * d).sum(dtype=torch.promote_types(d.dtype, torch.float32))
-        for g, d in zip(grads, directions)
-    ]
-    if not products:
-        return 1.0
-    # one host sync for the whole group
-    total = float(sum(p.to(products[0].device) for p in products)) * lr**2
-    if not total > 0:
-        return 1.0
-    return min(1.0, math.sqrt(kl_clip / total))

@@ -4,12 +4,15 @@ A step of one param group is planned as a :class:`GroupStep` holding one :class:
 per parameter that takes part. Stages run on it in increasing ``order``, each transforming
 the update in the making, as optax's transforms do::
 
-    g = ∇L + δθ                      10  weight_decay.AddWeightDecay
-    C ← β C + (1 − β) C_new          20  curvature_ema.AverageCurvature
+    g = ∇L + δθ                      10  weight_decay.AddWeightDecay       (not for δ = 0)
+    C ← β C + (1 − β) C_new          20  curvature_ema.AverageCurvature    (not for β = 0)
     d = (C + (λ + δ) I)⁻¹ g          30  precondition.Precondition
-    d ← ν d                          40  trust_region.ScaleByTrustRegion   (kl_clip)
-    v = μ v + d                      50  momentum.TraceMomentum
+    d ← ν d                          40  trust_region.ScaleByTrustRegion   (not for κ = None)
+    v = μ v + d                      50  momentum.TraceMomentum            (not for μ = 0)
     Δ = lr · v                       60  learning_rate.ScaleByLearningRate
+
+A stage that is the identity under a group's options (its ``identity_at``, in parentheses
+above) is not in that group's chain (:meth:`Chain.for_group`): a default KFAC step runs three.
 
 State is explicit: a stage reads the parameter's state before the step from
 ``ParamStep.state`` (never modified) and writes what it keeps into ``update.state`` (the new
@@ -39,10 +42,12 @@ class ParamStep:
     grad: torch.Tensor
     #: the parameter's state before the step (read only)
     state: dict[str, Any]
-    #: the curvature ``C`` in use (None: none, the fallback applies) and the step it is from
+    #: the curvature ``C`` in use (None: none, the fallback applies) and the step it is from:
+    #: the one read at this step where one was (``fresh``), else the stored one
     curvature: Any = None
     curvature_step: int | None = None
-    #: curvature read at this step, not yet averaged into ``curvature`` (None: none read)
+    #: the curvature read at this step (None: none read), which the EMA stage averages with
+    #: the stored one (``state["curvature"]``)
     fresh: Any = None
     #: the update being transformed: ``d``, then ``ν d``, then ``v``
     direction: torch.Tensor | None = None
@@ -65,6 +70,9 @@ class Stage:
 
     #: where the stage runs in the chain (increasing)
     order: ClassVar[float]
+    #: ``(option, value)``: the stage changes no number (bit for bit) in a param group whose
+    #: ``option`` is ``value``, so that group's chain leaves it out (:meth:`Chain.for_group`)
+    identity_at: ClassVar[tuple[str, Any] | None] = None
 
     def __call__(self, step: GroupStep) -> None:
         raise NotImplementedError
@@ -90,6 +98,15 @@ class Chain:
 
     def __iter__(self):
         return iter(self.stages)
+
+    def for_group(self, group: dict[str, Any]) -> tuple[Stage, ...]:
+        """The stages that change the step of ``group``: all but those that are the identity
+        under its options (``Stage.identity_at``: e.g. no momentum stage for ``momentum=0``)."""
+        return tuple(
+            s
+            for s in self.stages
+            if s.identity_at is None or group[s.identity_at[0]] != s.identity_at[1]
+        )
 
     def with_stage(self, stage: Stage) -> "Chain":
         """This chain with ``stage`` inserted at its ``order`` (taken: ``ValueError``)."""

@@ -9,6 +9,7 @@ from curvopt.optim.transforms import momentum
 
 class TraceMomentum(Stage):
     order = 50
+    identity_at = ("momentum", 0)
 
     def __call__(self, step: GroupStep) -> None:
         mu = step.group["momentum"]

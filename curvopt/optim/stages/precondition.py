@@ -7,8 +7,9 @@ Under ``torch.distributed`` the derived quantities that are due (``_derived``) a
 computed each on one rank and broadcast (``DistributedCurvature.spread``), then put into the
 state ``_direction`` reads, where ``cached`` finds them current.
 
-The optimizers' ``_direction`` applies their curvature type's ``optim.inverses.DampedInverse``,
-which ``curvopt.linalg``'s ``inverse`` operators apply too.
+The optimizers' ``_direction`` applies their curvature type's ``DampedInverse``
+(``optim.inverses``; ``optim.kronecker.KroneckerInverse``), which ``curvopt.linalg``'s
+``inverse`` operators apply too.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from curvopt.optim.cache import cached
+from curvopt.optim.plan import cached
 from curvopt.optim.distributed import Job, inversion_cost
 from curvopt.optim.stages.base import GroupStep, Stage
 

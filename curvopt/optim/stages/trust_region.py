@@ -1,23 +1,50 @@
-"""``d ← ν d`` with ``ν = min(1, sqrt(κ / (lr² Σ gᵀd)))`` over the group (``kl_clip`` κ; off
-for ``None``): the step's length in the damped curvature is at most ``κ``."""
+"""``d ← ν d`` with ``ν = min(1, sqrt(κ / (lr² Σ gᵀd)))`` over the group (``kl_clip`` κ; no
+stage for ``None``): the step's length in the damped curvature is at most ``κ``."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
+import torch
+
 from curvopt.optim.stages.base import GroupStep, Stage
-from curvopt.optim.transforms import kl_clip_factor
 
 
 class ScaleByTrustRegion(Stage):
     order = 40
+    identity_at = ("kl_clip", None)
 
     def __call__(self, step: GroupStep) -> None:
-        kl_clip = step.group["kl_clip"]
-        if kl_clip is None:
-            return
         items = step.params
         nu = kl_clip_factor(
-            [i.grad for i in items], [i.direction for i in items], step.group["lr"], kl_clip
+            [i.grad for i in items],
+            [i.direction for i in items],
+            step.group["lr"],
+            step.group["kl_clip"],
         )
         if nu != 1.0:
             for item in items:
                 item.direction = item.direction * nu
+
+
+def kl_clip_factor(
+    grads: Iterable[torch.Tensor], directions: Iterable[torch.Tensor], lr: float, kl_clip: float
+) -> float:
+    """``ν = min(1, sqrt(κ / (lr² Σ g·d)))`` over all pairs ``(g, d)`` of a group.
+
+    ``lr² Σ g·d`` is the squared step length ``lr² dᵀ C d`` measured in the (damped) curvature
+    ``C`` when ``d = C⁻¹ g``, a proxy for the KL divergence of the step; scaling the step by ``ν``
+    keeps it at most ``κ``. Returns 1 when ``Σ g·d ≤ 0``, or ``lr == 0``.
+    """
+    products = [
+        (g * d).sum(dtype=torch.promote_types(d.dtype, torch.float32))
+        for g, d in zip(grads, directions)
+    ]
+    if not products:
+        return 1.0
+    # one host sync for the whole group
+    total = float(sum(p.to(products[0].device) for p in products)) * lr**2
+    if not total > 0:
+        return 1.0
+    return min(1.0, math.sqrt(kl_clip / total))

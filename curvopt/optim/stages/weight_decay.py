@@ -8,6 +8,7 @@ from curvopt.optim.transforms import add_weight_decay
 
 class AddWeightDecay(Stage):
     order = 10
+    identity_at = ("weight_decay", 0)
 
     def __call__(self, step: GroupStep) -> None:
         weight_decay = step.group["weight_decay"]

@@ -1,27 +1,131 @@
-"""Low-rank damped inverses ``(F + c I)⁻¹ = (I − Vᵀ V) / c`` (:class:`LowRankInverse`).
+"""The damped inverse ``(F + c I)⁻¹`` of one Kronecker factor: its shift ``c`` (the trace-norm
+split, :func:`trace_norm_shifts`), its working precision (:func:`promoted`), and its two forms:
 
-Two sources of ``V`` (``[k, d]``, orthogonal rows, the directions of ``F``'s ``k`` kept
-eigenvalues):
+* dense, through the Cholesky factorisation (:func:`cholesky_factor`, :func:`cholesky_inverse`,
+  :func:`cholesky_solve_right`), retried in float64 where the input's precision fails;
+* low rank, ``(I − Vᵀ V) / c`` (:class:`LowRankInverse`; ``V [k, d]`` with orthogonal rows, the
+  directions of ``F``'s ``k`` kept eigenvalues), from a Gram root ``F = UᵀU`` with ``r < d``
+  rows (Woodbury, :meth:`LowRankInverse.of`: exact at the numerical rank of ``U``, the case of
+  a layer wider than its batch), or from eigenpairs of ``F`` (:meth:`LowRankInverse.from_eigh`:
+  an approximation when only the top ``k`` are kept, ``max_rank``).
 
-* a Gram root ``F = UᵀU`` with ``r < d`` rows (Woodbury, :meth:`LowRankInverse.of`): exact at
-  the numerical rank of ``U``, the case of a layer wider than its batch;
-* eigenpairs ``(s_i, q_i)`` of ``F`` (:meth:`LowRankInverse.from_eigh`): exact when they are all
-  its nonzero ones, an approximation when only the top ``k`` are kept (``max_rank``): the other
-  directions see the damping ``c`` only.
-
-Applying one to ``m`` vectors costs ``4 m d k`` flops against ``2 m d²`` for a dense inverse
-(:func:`application_flops`); the Kronecker solves (``optim.kronecker``) and the factored step
-(``optim.gradient_factors``) take either form.
+Applying a low-rank one to ``m`` vectors costs ``4 m d k`` flops against ``2 m d²`` for a dense
+inverse (:func:`application_flops`); the Kronecker solves (``optim.kronecker``) and the
+factored step (``optim.gradient_factors``) take either form.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from curvopt.engine.psd import psd_eigh, working_dtype
 from curvopt.engine.reductions import gram_root
-from curvopt.optim.linalg import psd_eigh
+from curvopt.engine.values import rescaled
+
+#: the Kronecker factors of one parameter, in the API order ``[B, A]`` (``[B]`` for a bias)
+Factors = Sequence[torch.Tensor]
+
+
+def trace_norm_shifts(means: Sequence[torch.Tensor], damping: float) -> list:
+    """The damping added to each factor, from their mean eigenvalues ``tr F / dim F``:
+    ``[√λ/π, π√λ]`` for ``[B, A]`` (``π = sqrt(mean_A / mean_B)``, 1 unless both are
+    positive); ``[λ]`` for ``[B]``.
+
+    Each shift is ``√λ`` times its factor's mean eigenvalue over the geometric mean of both, so
+    their product is ``λ``."""
+    if len(means) == 1:
+        return [damping]
+    pi = trace_norm_ratio(*means)
+    root = damping**0.5
+    return [root / pi, pi * root]
+
+
+def trace_norm_ratio(mean_b: torch.Tensor, mean_a: torch.Tensor) -> torch.Tensor:
+    """``sqrt(mean_a / mean_b)``, 1 unless both are positive."""
+    usable = (mean_a > 0) & (mean_b > 0)
+    ratio = torch.where(usable, mean_a / torch.where(usable, mean_b, 1), 1)
+    return ratio.sqrt()
+
+
+def add_diagonal(matrix: torch.Tensor, shift) -> torch.Tensor:
+    """``M + shift · I`` as a new tensor (one copy; no identity matrix is formed)."""
+    result = matrix.clone()
+    result.diagonal().add_(shift)
+    return result
+
+
+def capped(dim: int, max_rank: int | None) -> bool:
+    """Whether ``max_rank`` caps a factor of size ``dim``: ``dim > 2 k``, where the rank-``k``
+    form costs fewer flops to apply than the dense inverse (``4 m d k < 2 m d²``)."""
+    return max_rank is not None and dim > 2 * max_rank
+
+
+def promoted(factor: torch.Tensor) -> torch.Tensor:
+    """``factor`` in ``working_dtype`` (float32 for bfloat16/float16), keeping its Gram root."""
+    dtype = working_dtype(factor.dtype)
+    return factor if dtype == factor.dtype else rescaled(factor, 1.0, dtype)
+
+
+def _cholesky(
+    matrix: torch.Tensor, in_float64: Callable[[], torch.Tensor] | None = None
+) -> torch.Tensor:
+    """``L`` of ``M``, in float64 when the input's precision fails (raises if that fails);
+    ``in_float64()`` gives ``M`` computed in float64 for the retry (default: ``M`` cast)."""
+    factor, info = torch.linalg.cholesky_ex(matrix)
+    if bool((info != 0).any()) and matrix.dtype != torch.float64:
+        exact = matrix.to(torch.float64) if in_float64 is None else in_float64()
+        factor, info = torch.linalg.cholesky_ex(exact)
+    if bool((info != 0).any()):
+        raise torch.linalg.LinAlgError(
+            f"cholesky: the {tuple(matrix.shape)} matrix is not positive definite, even in "
+            "float64; increase the damping so that curvature + damping is positive definite. "
+            "If its entries exploded (the steps diverged), keep the optimizer's trust region "
+            "on (kl_clip, default 1e-3; kl_clip=None is the unclipped update) or lower lr"
+        )
+    return factor
+
+
+def cholesky_factor(
+    matrix: torch.Tensor, in_float64: Callable[[], torch.Tensor] | None = None
+) -> torch.Tensor:
+    """The lower-triangular ``L`` with ``M = L Lᵀ`` for a symmetric positive definite ``[d, d]``.
+
+    Factorised in :func:`working_dtype` (``M`` in bfloat16/float16 is promoted to float32, and
+    ``L`` returned in float32). If the factorization fails in that precision (a near-singular
+    ``M`` in float32), it is retried in float64 (on ``in_float64()`` if given: ``M`` recomputed
+    from float64 inputs, else ``M`` cast) and ``L`` cast back. Raises
+    ``torch.linalg.LinAlgError`` when ``M`` is not positive definite even in float64.
+    """
+    dtype = working_dtype(matrix.dtype)
+    return _cholesky(matrix.to(dtype), in_float64).to(dtype)
+
+
+def cholesky_solve_right(matrix: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``X M⁻¹ = X L⁻ᵀ L⁻¹`` for ``X`` of shape ``[m, d]`` and ``L = cholesky_factor(M)``.
+
+    Two triangular solves (``2 m d²`` flops, as many as ``X @ M⁻¹``), no inverse formed.
+    """
+    return torch.linalg.solve_triangular(
+        factor,
+        torch.linalg.solve_triangular(factor.mT, matrix, upper=True, left=False),
+        upper=False,
+        left=False,
+    )
+
+
+def cholesky_inverse(matrix: torch.Tensor) -> torch.Tensor:
+    """``M⁻¹ = L⁻ᵀ L⁻¹`` for a symmetric positive definite ``M`` of shape ``[d, d]``.
+
+    As :func:`cholesky_factor` (float32 at least), a failed factorization is retried in float64
+    (the inverse is computed there and cast back); ``torch.linalg.LinAlgError`` if ``M`` is not
+    positive definite even then.
+    """
+    dtype = working_dtype(matrix.dtype)
+    return torch.cholesky_inverse(_cholesky(matrix.to(dtype))).to(dtype)
 
 
 @dataclass(frozen=True)
