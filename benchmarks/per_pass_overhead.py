@@ -155,13 +155,23 @@ def write(label, batch, rounds, repeats, results):
         "results": results,
     }
     path.write_text(json.dumps(runs, indent=1) + "\n")
+    render()
+
+
+def render():
+    """``per_pass_overhead.md`` from the runs kept in ``per_pass_overhead.json``."""
+    runs = json.loads((RESULTS / "per_pass_overhead.json").read_text())
     labels = list(runs)
+    batch = runs[labels[0]]["batch"]
     lines = [
         "# Fixed per-pass overhead: logreg (784 -> 10), batch "
         f"{batch}, float32, one thread",
         "",
         "µs a pass beyond the plain forward + backward: median over rounds of the mean of "
-        "`repeats` passes, curvopt and plain interleaved (`benchmarks/per_pass_overhead.py`).",
+        "`repeats` passes, curvopt and plain interleaved (`benchmarks/per_pass_overhead.py`),",
+        "in process CPU time. The machine (2 cores) was shared with three other jobs (load 2-4):",
+        "runs minutes apart differ by up to 1.5x, so only the paired columns (the two versions",
+        "alternated run by run) compare the versions.",
         "",
     ]
     for lab in labels:
