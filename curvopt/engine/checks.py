@@ -28,7 +28,7 @@ from curvopt.engine.projected import PROJECTED_FACTOR, draw_probes, project, pro
 from curvopt.engine.reducer import reduce_in_chunks
 from curvopt.engine.reductions import probe_columns
 from curvopt.engine.results import name_of
-from curvopt.engine.tolerance import dense, max_abs, mismatch, roundoff
+from curvopt.engine.tolerance import dense, max_abs, mismatch, mismatches, roundoff
 from curvopt.errors import UnsupportedModuleError
 
 
@@ -165,15 +165,19 @@ class Checks:
 
     def check_materialised(self, batch_grads) -> None:
         """Spot check of ``sum_n g_n == grad`` on evenly spread entries of materialised
-        per-sample gradients (``batch_grads``: ``id(p) -> (p, [N, *p.shape])``)."""
+        per-sample gradients (``batch_grads``: ``id(p) -> (p, [N, *p.shape])``), all
+        parameters' comparisons read at once."""
+        checked = []  # (p, probed per-sample gradients, probed sum, probed grad, key)
         for key, (p, grad) in self.param_grads.items():
             if key not in batch_grads:
                 continue
             per_sample = batch_grads[key][1]
             batch = probe_columns(per_sample.reshape(per_sample.shape[0], -1))  # 0-dim p: [N, 1]
             grad = probe_columns(dense(grad).reshape(1, -1))[0]
-            total = batch.sum(0)
-            if mismatch(total, grad, 64, self.compute_eps.get(key, 0.0)):
+            checked.append((p, batch, batch.sum(0), grad, key))
+        pairs = [(total, grad, self.compute_eps.get(k, 0.0)) for _, _, total, grad, k in checked]
+        for (p, batch, total, grad, _), wrong in zip(checked, mismatches(pairs, 64)):
+            if wrong:
                 self.suspects.append((p, total, grad, batch.abs().sum(0)))
 
     def check_suspects(self) -> None:

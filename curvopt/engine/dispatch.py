@@ -40,6 +40,10 @@ class Dispatch:
     ``collect.collect.backward_pass``)."""
 
     def backward_pass(self, outer: Optional[int] = None):
+        if not STATE.armed and STATE.open is not None:  # the usual case: one open block
+            found = STATE.open.backward_pass(outer)
+            if found is not None:
+                return found
         active = [STATE.open] + [ref() for ref in reversed(STATE.armed)]
         passes = [c.backward_pass(outer) for c in active if c is not None]
         passes = [p for p in passes if p is not None]

@@ -95,9 +95,9 @@ class Plan:
     """What holds for every graph of one structure: ``calls`` (``(token, output index, output
     shapes)`` in walk order), ``broadcasts`` (positions of the broadcast calls in ``calls``),
     ``layouts`` (``((root shape, elementwise), found)``, the row layouts ``rows`` verified:
-    ``found`` is ``(row_dims, sample map, positions of the transposed calls)``, or None where no
-    map passed), ``sums_checked`` (the per-sample sums of a curvature-only pass were
-    checked on a pass of this structure, ``checks``)."""
+    ``found`` is ``(row_dims, sample map, positions of the transposed calls, the
+    ``rows.RowLayout``)``, or None where no map passed), ``sums_checked`` (the per-sample sums
+    of a curvature-only pass were checked on a pass of this structure, ``checks``)."""
 
     key: Hashable
     calls: Tuple = ()

@@ -43,13 +43,22 @@ class Participation:
         if skip is None and self.scope is not None and key not in self.scope:
             skip = self.untouched[key] = True
         if skip is None:
-            accumulator = grad_accumulator(p)
+            accumulator = self._accumulator(p)
             try:
                 skip = not will_engine_execute_node(accumulator) and self._reaches(accumulator)
             except RuntimeError:  # p is an input of torch.autograd.grad
                 skip = True
             self.untouched[key] = skip
         return skip
+
+    def _accumulator(self, p):
+        """``p``'s ``AccumulateGrad`` node: as a walk of this pass met it, else made from ``p``
+        (``grad_accumulator``, a view of ``p``: the same node)."""
+        for walk in self.walks:
+            node = walk.accumulators.get(id(p))
+            if node is not None:
+                return node
+        return grad_accumulator(p)
 
     def _reaches(self, node) -> bool:
         """Whether ``node`` lies upstream of the autograd node running now: in the walk of an

@@ -184,8 +184,9 @@ def establish(
             for record in ambiguous:
                 record.transposed = True
             found = _verified(source, shape, calls, batched, walk, n, elementwise)
-        if found is not None:
-            found = (*found, tuple(i for i, r in enumerate(records) if r.transposed))
+        if found is not None:  # the layout itself kept too: a fact of the structure
+            transposed = tuple(i for i, r in enumerate(records) if r.transposed)
+            found = (*found, transposed, RowLayout(found[1], n, found[0]))
         add_layout(walk, shape, elementwise, found)
     if found is None:
         raise UnsupportedModuleError(
@@ -196,7 +197,7 @@ def establish(
             "unusual order. Keep samples independent and give the loss [N, C, ...] (K-dim), or "
             "rows flattened from [N, T, C] or [T, N, C]"
         )
-    return RowLayout(found[1], n, found[0])
+    return found[3]
 
 
 def _row_dims(shape, elementwise):

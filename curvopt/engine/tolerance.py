@@ -5,6 +5,8 @@ than its parameters: ``checks.Checks.note_precision``)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -24,20 +26,39 @@ def mismatch(a, b, factor: float, floor: float = 0.0) -> bool:
     Non-finite values: where ``b`` is finite everywhere, a non-finite ``a`` (or a difference
     that overflows) is a mismatch, never a pass; where ``b`` itself is not finite there is
     nothing to verify against (the gradient is visibly broken) and it is not one."""
-    if not a.numel():
-        return False
-    eps = roundoff(a, b, floor=floor)
-    if b.dtype != a.dtype:
-        b = b.to(a.dtype)
-    gap = (a - b).abs_().max()  # one fresh difference, its abs in place
-    if not bool(gap.isfinite()):  # NaN or inf in a or b, or an overflow
+    return mismatches([(a, b, floor)], factor)[0]
+
+
+def mismatches(pairs, factor: float) -> list:
+    """``mismatch(a, b, factor, floor)`` of every ``(a, b, floor)`` in ``pairs``, the
+    comparisons of all pairs on one device read in one sync."""
+    found = [False] * len(pairs)
+    live: dict = {}  # device -> [(position, a, b in a's dtype, eps)]
+    for i, (a, b, floor) in enumerate(pairs):
+        if a.numel():
+            eps = roundoff(a, b, floor=floor)
+            b = b if b.dtype == a.dtype else b.to(a.dtype)
+            live.setdefault(a.device, []).append((i, a, b, eps))
+    for entries in live.values():
+        # per pair, one fresh difference (its abs in place) and b's extremes
+        read = torch.stack(
+            [v for _, a, b, _ in entries for v in ((a - b).abs_().max(), *torch.aminmax(b))]
+        ).tolist()
+        for k, (i, a, b, eps) in enumerate(entries):
+            gap, low, high = read[3 * k : 3 * k + 3]
+            found[i] = _beyond(a, b, gap, max(-low, high), factor * eps)
+    return found
+
+
+def _beyond(a, b, gap: float, top: float, bound: float) -> bool:
+    """``mismatch``'s decision from ``gap = max |a - b|`` and ``top = max |b|``."""
+    if not math.isfinite(gap):  # NaN or inf in a or b, or an overflow
         return bool(b.isfinite().all())
-    bound = factor * eps
     # max(|a|, |b|) >= max |b| (and rounding is monotone): within the bound at max |b|, a sum
-    # that is right reads one tensor fewer, with one sync; only otherwise is max |a| read
-    if bool(gap <= bound * max_abs(b)):
+    # that is right reads one tensor fewer; only otherwise is max |a| read
+    if gap <= bound * top:
         return False
-    return bool(gap > bound * max_abs(a, b))
+    return gap > bound * float(max_abs(a, b))
 
 
 def max_abs(*tensors) -> torch.Tensor:

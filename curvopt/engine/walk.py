@@ -60,8 +60,9 @@ class Walk:
     nodes that take output ``nr`` of ``node`` as their ``j``-th input (``j`` None: a re-run
     checkpoint taking its re-run output); ``edges[node]``: the edges (``graph_plan.edges_of``)
     of every node walked past; ``batchable``: columns may be propagated batched; ``foreign``:
-    parameters it reaches that no extended module owns; ``reentrant``: a checkpoint it could
-    not walk through;
+    parameters it reaches that no extended module owns; ``accumulators``: the
+    ``AccumulateGrad`` node of every leaf it reaches, by ``id``; ``reentrant``: a checkpoint it
+    could not walk through;
     ``key``: the structure's key (None: indexes by data); ``plan``: the structure's plan.
 
     A reentrant checkpoint is walked through where curvopt re-ran its segment, and re-run on
@@ -82,6 +83,7 @@ class Walk:
         self.head: Dict[object, tuple] = {}  # ``between``'s nodes (the loss's own)
         self.batchable = True
         self.foreign: list = []
+        self.accumulators: Dict[int, object] = {}  # id(leaf): its ``AccumulateGrad`` node
         self.reentrant = False
         self.checkpoints: list = []  # the re-run checkpoints walked through
         # a checkpoint curvopt re-ran was met, here or by ``within`` (``checkpointing``)
@@ -110,6 +112,7 @@ class Walk:
             edges[node] = nexts
             if kind == ACCUMULATE_GRAD:
                 leaf = node.variable
+                self.accumulators[id(leaf)] = node
                 if isinstance(leaf, torch.nn.Parameter) and not getattr(
                     leaf, "_curvopt_checked", 0
                 ):
