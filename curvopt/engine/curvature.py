@@ -10,7 +10,8 @@ works: residual adds, functional ops, attention, reused modules.
 
 ``EKFAC`` (eigenvalue-corrected curvature): the factors of its fresh bases are made here, with
 the other Kronecker factors, and held in the result buffer; ``S`` is computed from each call's
-inputs and output gradients in the module hooks that follow (``reducer``).
+inputs and output gradients in the module hooks that follow (``reducer``). Factors from a
+sub-batch (``KFAC(samples=K)``): the propagated columns and inputs of the first ``K`` samples.
 
 That nothing outside the extended losses feeds the gradients (a term of the objective whose
 curvature this would miss) is checked on every pass without propagating anything: hooks on the
@@ -26,7 +27,7 @@ from functools import partial
 import torch
 
 from curvopt.engine.compress import find_cut, squeeze
-from curvopt.engine.diagonals import diag_from_columns, diagonals, module_call
+from curvopt.engine.diagonals import _narrow, diag_from_columns, diagonals, module_call
 from curvopt.errors import UnsupportedKroneckerError, UnsupportedLossError, module_error
 from curvopt.extensions.quantity import Producer
 from curvopt.engine.hessian import residuals
@@ -81,6 +82,7 @@ class CurvaturePass:
                 "Gauss-Newton matrix is not positive semi-definite; curvopt cannot factor it"
             )
         self.scale = math.sqrt(self.weight)
+        self._sub_batch_roots = {}  # K -> the root of the output side's scale (``samples=K``)
 
     def check(self, walk) -> None:
         """The loss's target and the calls of ``walk`` (``walk.Walk`` of its input) are
@@ -248,7 +250,8 @@ class CurvaturePass:
                         continue
                     approx = ext.options["kfac_approx"]
                     try:
-                        factors = kron_factors(call, columns, name, p, approx, n)
+                        sub, cols, k = self._sub_batch(call, columns, n, ext)
+                        factors = kron_factors(sub, cols, name, p, approx, k)
                     except UnsupportedKroneckerError as error:
                         self.results.skip(p, ext.attr, error, record)
                         if self.skip_diagonal and not basis:
@@ -262,3 +265,34 @@ class CurvaturePass:
                         self.results.add_basis(contribution)
                     else:
                         yield contribution
+
+    def _sub_batch(self, call, columns, n, ext):
+        """``(call, columns, n)`` of the first ``K`` samples for an extension with
+        ``samples=K < n`` (the columns times the root of :meth:`_sub_batch_root`, so that the
+        output-side factor, and its ``gram_root``, carry the scale); as given otherwise."""
+        k = ext.options.get("samples")
+        if k is None or k >= n:
+            return call, columns, n
+        if k not in self._sub_batch_roots:
+            self._sub_batch_roots[k] = self._sub_batch_root(k)
+        root = self._sub_batch_roots[k]
+        cols = _narrow(columns, 0, k, dim=1 + call.batch_dim)
+        if isinstance(cols, torch.Tensor):
+            return call.slice(0, k), cols * root, k
+        return call.slice(0, k), tuple(None if c is None else c * root for c in cols), k
+
+    def _sub_batch_root(self, k: int) -> float:
+        """``sqrt(c)``, ``c`` the scale that makes the output side of the first ``k`` samples'
+        factors estimate the whole batch's: ``N / k`` for ``reduction="sum"``, ``D / D_k``
+        for ``"mean"`` (``D`` the loss's divisor, ``D_k`` that of the rows of the first ``k``
+        samples, ``rows.RowLayout.first``: the sub-batch's own mean); 0 where those rows
+        hold no term of the loss (all ignored)."""
+        module, output, target = self.loss.module, self.loss.output.detach(), self.loss.target
+        if module.reduction == "sum":
+            return math.sqrt(self.layout.samples / k)
+        rule = loss_rule_for(module)
+        try:
+            part = rule.divisor(module, *self.layout.first(k, output, target))
+        except ValueError:  # no term of the loss in those rows: their columns vanish
+            return 0.0
+        return math.sqrt(rule.divisor(module, output, target) / part) if part else 0.0

@@ -75,6 +75,20 @@ class RowLayout:
         m = m.reshape(1, m.shape[0], *rows, *([1] * (columns.dim() - 1 - self.row_dims)))
         return (columns.unsqueeze(1) * m).flatten(0, 1)
 
+    def first(self, k: int, *tensors):
+        """``tensors`` (the loss input and its target, rows along their first ``row_dims``)
+        restricted to the rows of the first ``k`` samples, the rows flattened; one whose leading
+        dims are not the rows (a broadcast target) as it is."""
+        keep = self.sample < k
+        dims = self.row_dims
+
+        def rows(t):
+            if not isinstance(t, torch.Tensor) or t.shape[:dims].numel() != keep.numel():
+                return t
+            return t.flatten(0, dims - 1)[keep.to(t.device)]
+
+        return tuple(rows(t) for t in tensors)
+
 
 def batch_sizes(calls) -> Dict[object, int]:
     """Samples seen by each module call (along its rule's batch dim of its first output)."""

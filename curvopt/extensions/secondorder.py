@@ -15,6 +15,29 @@ from curvopt.extensions.quantity import Combine, Kind, Producer, Quantity, decla
 
 class _Curvature(Extension):
     source = "exact"
+    #: whether ``samples=K`` (curvature from the first ``K`` samples of the batch) exists: the
+    #: Kronecker factors only (``KFAC``, ``KFLR``, ``KFACEmpirical``, ``EKFAC``'s bases)
+    sub_batch = False
+
+    def __init__(self, samples=None, **options):
+        name = type(self).__name__
+        if samples is not None and not self.sub_batch:
+            raise ValueError(
+                f"{name}: samples= (curvature from a sub-batch) exists for the Kronecker factors "
+                "only (KFAC, KFLR, KFACEmpirical, EKFAC's bases); drop it for this quantity "
+                "(optim: curvature_samples=None, or curvature='kfac'/'kflr')"
+            )
+        if samples is not None and (
+            not isinstance(samples, int) or isinstance(samples, bool) or samples < 1
+        ):
+            raise ValueError(
+                f"{name}: samples must be a positive int (the factors from the first K samples "
+                f"of each batch) or None (the whole batch), got {samples!r} (optim: "
+                "curvature_samples)"
+            )
+        if samples is not None:  # kept out of the options otherwise: the same key as before
+            options["samples"] = samples
+        super().__init__(**options)
 
 
 class _MonteCarlo(_Curvature):
@@ -83,27 +106,35 @@ class KFLR(_Curvature):
     (sequences, conv locations) ``kfac_approx="expand"`` treats positions like samples
     (``A`` averages over samples and positions, ``B`` sums over them) and ``"reduce"`` sums
     ``V`` and averages ``x`` over positions first (Eschenhagen et al., 2023).
+
+    ``samples=K`` (``None``: the whole batch): the factors of the first ``K`` samples of the
+    batch alone, with the output side scaled to estimate the whole batch's (``N/K`` for
+    ``reduction="sum"``, the sub-batch's own mean for ``"mean"``; see docs/conventions.md).
     """
 
     quantity = Quantity("kflr", Kind.FACTORS, Combine.FACTORS, Producer.KRONECKER)
     #: ``collect(skip_unsupported="diagonal")`` writes this instead where there are no factors
     fallback = declare(Quantity("kflr_diagonal", Kind.SUMMED, Combine.ADD, Producer.GGN_DIAGONAL))
+    sub_batch = True
 
-    def __init__(self, kfac_approx: str = "expand"):
+    def __init__(self, kfac_approx: str = "expand", samples=None):
         _check_approx(type(self).__name__, kfac_approx)
-        super().__init__(kfac_approx=kfac_approx)
+        super().__init__(kfac_approx=kfac_approx, samples=samples)
 
 
 class KFAC(_MonteCarlo):
-    """``p.kfac``: as :class:`KFLR` with ``mc_samples`` sampled columns instead of exact ones."""
+    """``p.kfac``: as :class:`KFLR` with ``mc_samples`` sampled columns instead of exact ones
+    (``samples=K``: as for :class:`KFLR`; the draw is still made for every row, so that the
+    first ``K`` samples get the targets a whole-batch ``KFAC`` of the same seed draws)."""
 
     quantity = Quantity("kfac", Kind.FACTORS, Combine.FACTORS, Producer.KRONECKER)
     #: ``collect(skip_unsupported="diagonal")`` writes this instead where there are no factors
     fallback = declare(Quantity("kfac_diagonal", Kind.SUMMED, Combine.ADD, Producer.GGN_DIAGONAL))
+    sub_batch = True
 
-    def __init__(self, mc_samples: int = 1, kfac_approx: str = "expand"):
+    def __init__(self, mc_samples: int = 1, kfac_approx: str = "expand", samples=None):
         _check_approx(type(self).__name__, kfac_approx)
-        super().__init__(mc_samples=mc_samples, kfac_approx=kfac_approx)
+        super().__init__(mc_samples=mc_samples, kfac_approx=kfac_approx, samples=samples)
 
 
 class KFACEmpirical(_Curvature):
@@ -112,6 +143,7 @@ class KFACEmpirical(_Curvature):
     factors of the empirical Fisher ``EF = c sum_n vec(g_n) vec(g_n)^T`` (``c`` the loss's
     divisor: 1 for "sum", ``N`` or the kept rows for "mean"; on the GGN's scale). With one
     sample and no weight sharing, ``kron(*p.kfac_empirical)`` is the EF block exactly.
+    ``samples=K``: as for :class:`KFLR`.
     """
 
     source = "empirical"
@@ -120,10 +152,11 @@ class KFACEmpirical(_Curvature):
     fallback = declare(
         Quantity("kfac_empirical_diagonal", Kind.SUMMED, Combine.ADD, Producer.GGN_DIAGONAL)
     )
+    sub_batch = True
 
-    def __init__(self, kfac_approx: str = "expand"):
+    def __init__(self, kfac_approx: str = "expand", samples=None):
         _check_approx(type(self).__name__, kfac_approx)
-        super().__init__(kfac_approx=kfac_approx)
+        super().__init__(kfac_approx=kfac_approx, samples=samples)
 
 
 class KFRA(_Curvature):
@@ -195,9 +228,13 @@ class EKFAC(_MonteCarlo):
     other parameters rotate their per-sample gradients. Micro-batches combine (``S`` adds,
     each pass with its own ``c``, as ``diag_ggn`` and ``kfac``'s ``B`` add) only where the
     bases were supplied; fresh bases of two passes differ and raise.
+
+    ``samples=K``: the fresh bases from the factors of the first ``K`` samples (as
+    :class:`KFAC`'s ``samples``); ``S`` is still that of the whole batch.
     """
 
     quantity = Quantity("ekfac", Kind.EIGEN_CORRECTED, Combine.SAME_BASIS, Producer.EIGEN_CORRECTED)
+    sub_batch = True
 
     def __init__(
         self,
@@ -206,6 +243,7 @@ class EKFAC(_MonteCarlo):
         kfac_approx: str = "expand",
         bases=None,
         reduction=None,
+        samples=None,
     ):
         if factors not in ("kfac", "kflr"):
             raise ValueError(f"EKFAC: factors must be 'kfac' or 'kflr', got {factors!r}")
@@ -218,6 +256,7 @@ class EKFAC(_MonteCarlo):
             kfac_approx=kfac_approx,
             bases=_supplied(bases),
             reduction=reduction,
+            samples=samples,
         )
         self.source = "mc" if factors == "kfac" else "exact"
 

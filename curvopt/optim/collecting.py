@@ -39,6 +39,8 @@ class Collecting:
         self._collection = Collection(_weak(self._armed_requests))
         if mode == "auto" and self._distributed is None:
             self._collection.arm()
+        if any(group.get("curvature_samples") for group in self.param_groups):
+            self._requests()  # an extension without sub-batches raises now, not in a backward
 
     def _armed_requests(self) -> tuple[list, list[tuple[torch.Tensor, str]], dict[str, Any]]:
         return (*self._requests(), self._collect_options())
@@ -59,6 +61,8 @@ class Collecting:
         users: list[tuple[dict[str, Any], str]] = []
         for group, group_state in zip(self.param_groups, self._group_state):
             for attr, options in self._needs(group, group_state):
+                if group.get("curvature_samples") is not None:
+                    options = {**options, "samples": group["curvature_samples"]}
                 wanted = extensions.extension(attr, **options)
                 if made.setdefault(attr, wanted).key() != wanted.key():
                     raise ValueError(

@@ -128,6 +128,9 @@ class NewtonOptions(CurvatureOptions):
     curvature_interval: int = option(1, number(1, integer=True))
     kl_clip: float | None = option(1e-3, optional(number()))
     fallback: str | None = option(None, choice(None, "sgd"))
+    #: ``K``: Kronecker factors from the first ``K`` samples of each batch (``extensions.KFAC(
+    #: samples=K)``; ``None``: the whole batch); curvatures without sub-batches raise
+    curvature_samples: int | None = option(None, optional(number(1, integer=True)))
 
 
 def constructor(
