@@ -13,7 +13,9 @@ with one change:
   eigendecompositions every 100 steps, the trace-norm damping applied in their eigenbases;
 * ``eigh_rank256``: as ``eigh`` with ``max_rank=256`` (factors wider than 512: fc1's ``A``
   (3136) and ``B`` (1024), conv2's ``A`` (800) keep their top 256 eigenpairs);
-* ``reduce_eigh_rank256``: all three.
+* ``reduce_eigh_rank256``: all three;
+* ``sub32``: ``curvature_samples=32``: the factors from the first 32 samples of each batch of
+  128 (the loader shuffles; docs/optim.md, Approximations).
 
 Steps: :func:`experiments.ttr.protocol.train_to_targets` on real Fashion-MNIST (the training
 split less the validation hold-out, the first 2,000 test images), evaluated every 25 steps,
@@ -23,7 +25,14 @@ one thread, median of ``--rounds`` blocks of 100 steps (the lcm of the intervals
 warm-up round. EKFAC's step is also profiled by phase (``experiments.step_profile``) and its
 fc1 rotations timed on their own (:func:`rotation_floor`), for its floor.
 
-Writes ``benchmarks/results/kfac_variants.json`` and ``.md`` (``--out``).
+Writes ``benchmarks/results/kfac_variants.json`` and ``.md`` (``--out``). One variant alone:
+
+    OMP_NUM_THREADS=1 python -m benchmarks.kfac_variants --variants sub32 --others adam \
+        kfac_expand --merge
+
+trains ``--variants`` only, times them beside ``--others`` (cost only: ``adam``, ``ekfac``,
+``kfac_expand``; EKFAC's profile and floor only with ``ekfac``), and with ``--merge`` adds the
+runs, costs and command to the results files under ``"added"`` instead of replacing them.
 
 ``--part ekfac`` does the same for EKFAC's ``practical`` setting (lr 0.01, damping 0.1, basis
 every 10 steps, momentum 0.9, ``kl_clip`` 1e-3) and its one-sided variant
@@ -38,6 +47,7 @@ import datetime
 import json
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -63,6 +73,7 @@ VARIANTS: dict[str, dict] = {
     "eigh": EIGH,
     "eigh_rank256": {**EIGH, "max_rank": 256},
     "reduce_eigh_rank256": {**EIGH, "max_rank": 256, "kfac_approx": "reduce"},
+    "sub32": {"curvature_samples": 32},
 }
 #: beside the variants in the cost rounds: the reference and EKFAC (for its floor)
 OTHERS = {
@@ -79,13 +90,17 @@ def variant(options: dict, optimizer: str = "kfac") -> Setting:
     return Setting(optimizer, 0.01, 0.1, "practical", tuple(options.items()), batch_size=128)
 
 
+#: what ``--others`` may time beside the variants (cost only)
+COST_ONLY = {**OTHERS, "kfac_expand": variant({})}
+
+
 #: part -> (its optimizer, its variants, what else its cost rounds time, its output)
 PARTS = {
     "kfac": ("kfac", VARIANTS, OTHERS, "benchmarks/results/kfac_variants"),
     "ekfac": (
         "ekfac",
         EKFAC_VARIANTS,
-        {"adam": OTHERS["adam"], "kfac_expand": variant({})},
+        {"adam": OTHERS["adam"], "kfac_expand": COST_ONLY["kfac_expand"]},
         "benchmarks/results/ekfac_variants",
     ),
 }
@@ -141,16 +156,52 @@ def _table(result: dict, others) -> str:
     return "\n".join(lines)
 
 
+def _write(out: Path, optimizer: str, args, result: dict, table: str, command: str, floor: bool):
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    notes = (
+        f"EKFAC (`practical`) step by phase, ms: {json.dumps(result['ekfac_profile_ms'])}\n\n"
+        f"EKFAC's dense work on fc1, ms: {json.dumps(result['ekfac_fc1_floor_ms'])}\n"
+        if floor
+        else ""
+    )
+    out.with_suffix(".md").write_text(
+        f"# {optimizer.upper()} variants on {PROBLEM} ({result['date']}, one thread)\n\n"
+        f"Command: `{command}` (max steps {args.max_steps}, {args.rounds} cost rounds)\n\n"
+        f"{table}\n\n{notes}"
+    )
+
+
+def _merge(out: Path, result: dict, table: str, command: str):
+    """Add ``result`` to the results files at ``out`` (JSON: under ``"added"``; Markdown: a
+    section with the command and the table of this run, its ratios from its own rounds)."""
+    path = out.with_suffix(".json")
+    known = json.loads(path.read_text()) if path.exists() else {}
+    known.setdefault("added", []).append({"command": command, **result})
+    path.write_text(json.dumps(known, indent=1))
+    md = out.with_suffix(".md")
+    before = md.read_text() if md.exists() else ""
+    md.write_text(
+        f"{before.rstrip()}\n\n## Added {result['date']}: {', '.join(result['runs'])}\n\n"
+        f"Command: `{command}` (its own interleaved cost rounds: compare its ratios, not "
+        f"the milliseconds of the table above)\n\n{table}\n"
+    )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--max-steps", type=int, default=600)
     p.add_argument("--rounds", type=int, default=3, help="cost rounds (after one warm-up)")
     p.add_argument("--part", choices=list(PARTS), default="kfac")
     p.add_argument("--variants", nargs="+", help="a subset of the part's variants")
+    p.add_argument(
+        "--others", nargs="+", choices=list(COST_ONLY), help="cost only (default: the part's)"
+    )
+    p.add_argument("--merge", action="store_true", help="add to the results files, under 'added'")
     p.add_argument("--out", default=None, help="output path without suffix (default: the part's)")
     p.add_argument("--data-root", default=None)
     args = p.parse_args(argv)
     optimizer, variants, others, out = PARTS[args.part]
+    others = {name: COST_ONLY[name] for name in args.others} if args.others else others
     names = args.variants or list(variants)
     print(set_threads(1), flush=True)
     data = load_dataset(get_problem(PROBLEM).dataset, args.data_root)
@@ -173,25 +224,21 @@ def main(argv=None) -> int:
     result["cost"] = measure_costs(
         PROBLEM, {**settings, **others}, splits, rounds=args.rounds, warmup=1
     )
-    if args.part == "kfac":
+    floor = args.part == "kfac" and "ekfac" in others
+    if floor:
         ekfac = RunConfig(PROBLEM, "ekfac", 0.01, damping=0.1, preset="practical")
         result["ekfac_profile_ms"] = profile(ekfac, steps=21)
         result["ekfac_fc1_floor_ms"] = rotation_floor()
     out = Path(args.out or out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     table = _table(result, others)
-    floor = (
-        f"EKFAC (`practical`) step by phase, ms: {json.dumps(result['ekfac_profile_ms'])}\n\n"
-        f"EKFAC's dense work on fc1, ms: {json.dumps(result['ekfac_fc1_floor_ms'])}\n"
-        if args.part == "kfac"
-        else ""
+    command = "OMP_NUM_THREADS=1 python -m benchmarks.kfac_variants " + " ".join(
+        argv if argv is not None else sys.argv[1:]
     )
-    out.with_suffix(".md").write_text(
-        f"# {optimizer.upper()} variants on {PROBLEM} ({result['date']}, one thread)\n\n"
-        f"Command: `OMP_NUM_THREADS=1 python -m benchmarks.kfac_variants --part {args.part}`"
-        f" (max steps {args.max_steps}, {args.rounds} cost rounds)\n\n{table}\n\n{floor}"
-    )
+    if args.merge:
+        _merge(out, result, table, command)
+    else:
+        _write(out, optimizer, args, result, table, command, floor)
     print(table)
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
     return 0

@@ -297,3 +297,26 @@ def test_kfac_family_options_reach_the_collection(make):
     curvopt.extend(copy.deepcopy(loss))(net(x), y).backward()
     opt.step()
     assert all(torch.isfinite(p).all() for p in net.parameters())
+
+
+class _Mixing(nn.Module):
+    """Samples mixed between the layers (``h - h.mean(0)``): no row layout exists."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(5, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.first(x)
+        return self.second(h - h.mean(0))
+
+
+def test_the_row_layout_probes_still_run():
+    model, x, y, loss = (
+        _Mixing().to(DT),
+        torch.randn(N, 5, dtype=DT),
+        torch.randint(0, 3, (N,)),
+        nn.CrossEntropyLoss(),
+    )
+    with pytest.raises(curvopt.errors.UnsupportedModuleError, match="which of the 6 samples"):
+        _collect(model, loss, x, y, ext.KFAC(samples=2))
