@@ -14,8 +14,9 @@ with one change:
 * ``eigh_rank256``: as ``eigh`` with ``max_rank=256`` (factors wider than 512: fc1's ``A``
   (3136) and ``B`` (1024), conv2's ``A`` (800) keep their top 256 eigenpairs);
 * ``reduce_eigh_rank256``: all three;
-* ``sub32``: ``curvature_samples=32``: the factors from the first 32 samples of each batch of
-  128 (the loader shuffles; docs/optim.md, Approximations).
+* ``sub32``, ``sub16``: ``curvature_samples=32`` (16): the factors from the first 32 (16)
+  samples of each batch of 128 (the loader shuffles; docs/optim.md, Approximations);
+  ``reduce_eigh_rank256_sub32``: with the three above.
 
 Steps: :func:`experiments.ttr.protocol.train_to_targets` on real Fashion-MNIST (the training
 split less the validation hold-out, the first 2,000 test images), evaluated every 25 steps,
@@ -74,6 +75,13 @@ VARIANTS: dict[str, dict] = {
     "eigh_rank256": {**EIGH, "max_rank": 256},
     "reduce_eigh_rank256": {**EIGH, "max_rank": 256, "kfac_approx": "reduce"},
     "sub32": {"curvature_samples": 32},
+    "sub16": {"curvature_samples": 16},
+    "reduce_eigh_rank256_sub32": {
+        **EIGH,
+        "max_rank": 256,
+        "kfac_approx": "reduce",
+        "curvature_samples": 32,
+    },
 }
 #: beside the variants in the cost rounds: the reference and EKFAC (for its floor)
 OTHERS = {
