@@ -320,3 +320,54 @@ def test_the_row_layout_probes_still_run():
     )
     with pytest.raises(curvopt.errors.UnsupportedModuleError, match="which of the 6 samples"):
         _collect(model, loss, x, y, ext.KFAC(samples=2))
+
+
+class _SequenceFirst(nn.Module):
+    """``[T, N, I]`` inputs, rows ``[T N, C]``: the loss rows of sample ``n`` are ``r % N``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 5)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))).reshape(-1, 5)
+
+
+def _layouts(case):
+    """``(model, extend options, X, y, loss, the first k samples of (X, y))``."""
+    torch.manual_seed(2)
+    if case == "sequence_first":
+        x, y = torch.randn(3, N, 3, dtype=DT), torch.randint(0, 5, (3, N))
+        y[0, 0] = -100
+        loss = nn.CrossEntropyLoss(ignore_index=-100)
+        return (
+            _SequenceFirst().to(DT),
+            {"sequence_first": True},
+            x,
+            y.reshape(-1),
+            loss,
+            lambda k: (x[:, :k], y[:, :k].reshape(-1)),
+        )
+    if case == "k_dim":  # [N, C, T] logits, [N, T] targets
+        x, y = torch.randn(N, 2, 6, dtype=DT), torch.randint(0, 4, (N, 6))
+        y[0, :2] = -100
+        loss = nn.CrossEntropyLoss(ignore_index=-100)
+        return nn.Conv1d(2, 4, 3, padding=1).to(DT), {}, x, y, loss, lambda k: (x[:k], y[:k])
+    x, y = torch.randn(N, 3, dtype=DT), torch.randn(N, 2, 4, dtype=DT)  # MSE, K outputs
+    model = nn.Sequential(nn.Linear(3, 8), nn.Unflatten(1, (2, 4))).to(DT)
+    return model, {}, x, y, nn.MSELoss(), lambda k: (x[:k], y[:k])
+
+
+@pytest.mark.parametrize("case", ["sequence_first", "k_dim", "mse"])
+def test_row_layouts_and_losses(case):
+    model, options, x, y, loss, first = _layouts(case)
+    results = []
+    for inputs, target, exts in ((x, y, ext.KFLR(samples=2)), (*first(2), ext.KFLR())):
+        net = curvopt.extend(copy.deepcopy(model), **options)
+        lossfunc = curvopt.extend(copy.deepcopy(loss))
+        with curvopt.collect(exts):
+            lossfunc(net(inputs), target).backward()
+        results.append([list(p.kflr) for p in net.parameters()])
+    for got, want in zip(*results):
+        for a, b in zip(got, want):
+            assert_close(a, b, case)
