@@ -226,18 +226,41 @@ def test_batch_sizes_are_compared_in_time_and_pruned_within_their_own(
 
     def costs(problem, settings, splits, rounds, warmup, log):
         measured.append({k: (s.lr, s.batch_size) for k, s in settings.items()})
-        per_step = {"128": 1.0, "512": cost_512}
-        return {"entries": {k: {"per_step_s": per_step[k]} for k in settings}}
+        per_step = {128: 1.0, 512: cost_512}
+        return {"entries": {k: {"per_step_s": per_step[s.batch_size]} for k, s in settings.items()}}
 
     monkeypatch.setattr(protocol, "train_to_targets", fake)
     monkeypatch.setattr(protocol, "measure_costs", costs)
     grid = tuple(Setting("adam", lr, batch_size=b) for b in (128, 512) for lr in (0.1, 0.2))
     entry = tune_and_run("mnist_logreg", grid, TtrProblem((0.5,), 100), splits, 2, log=len)
     assert [c[3] for c in calls[:4]] == [None, 150, None, 60]  # pruned by its own batch size
-    assert measured == [{"128": (0.2, 128), "512": (0.2, 512)}]
+    assert measured == [{"1": (0.2, 128), "3": (0.2, 512)}]
     assert entry["batch_winners"] == {"128": 1, "512": 3}
-    assert entry["batch_costs"] == {"128": 1.0, "512": cost_512}
+    assert entry["candidate_costs"] == {"1": 1.0, "3": cost_512}
     assert entry["runs"][0]["batch_size"] == winner and calls[-1] == (0.2, winner, 1, None)
+
+
+@pytest.mark.parametrize("cost_of_second, winner", [(0.5, 1), (2.0, 0)])
+def test_settings_tied_in_steps_are_compared_in_cost(splits, monkeypatch, cost_of_second, winner):
+    """Two settings of one batch size reach every target in the same steps: the cheaper step
+    wins (the first in the grid where it is not cheaper); a slower setting is no candidate."""
+    steps = {0.1: 100, 0.2: 100, 0.3: 150}
+    measured = []
+
+    def fake(setting, problem, spec, splits, seed, prune_at=None):
+        return _fake_run(setting, steps[setting.lr])
+
+    def costs(problem, settings, splits, rounds, warmup, log):
+        measured.append(sorted(settings))
+        per_step = {0.1: 1.0, 0.2: cost_of_second, 0.3: 0.1}
+        return {"entries": {k: {"per_step_s": per_step[s.lr]} for k, s in settings.items()}}
+
+    monkeypatch.setattr(protocol, "train_to_targets", fake)
+    monkeypatch.setattr(protocol, "measure_costs", costs)
+    grid = tuple(Setting("adam", lr, batch_size=128) for lr in (0.1, 0.2, 0.3))
+    entry = tune_and_run("mnist_logreg", grid, TtrProblem((0.5,), 200), splits, 1, log=len)
+    assert measured == [["0", "1"]]
+    assert entry["winner"] == winner and entry["batch_winners"] == {"128": 0}
 
 
 def test_vit_shapes_parameters_and_a_few_adam_steps():

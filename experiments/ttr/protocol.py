@@ -14,12 +14,14 @@ Protocol, the same for every optimizer:
    size and mean the same amount of *data* at every batch size (:meth:`TtrProblem.at_batch`).
 3. Tuning: every setting of the committed grid (:mod:`.grids`, 4 per optimizer at each batch
    size) trains with seed 0. At each batch size the best is the one with the fewest steps to
-   the highest target; ties go to fewer steps to the next lower target, and so on; then the
-   first in the grid. Not reached counts as infinitely many steps. A tuning run that has taken
-   as many steps as the best one of its batch size so far needed for the highest target,
-   without reaching it, cannot win and stops there (status ``pruned``). Across batch sizes,
-   the winners are compared in time: steps × their cost per step, measured interleaved
-   (:func:`experiments.ttr.cost.measure_costs`) right after the tuning.
+   the highest target; ties go to fewer steps to the next lower target, and so on. Not reached
+   counts as infinitely many steps. A tuning run that has taken as many steps as the best one
+   of its batch size so far needed for the highest target, without reaching it, cannot win and
+   stops there (status ``pruned``). The best of each batch size, and every run tied with it
+   (the same steps to every target), are the candidates; where more than one reached the
+   highest target they are compared in time: steps × their cost per step, measured
+   interleaved (:func:`experiments.ttr.cost.measure_costs`) right after the tuning; then the
+   first in the grid.
 4. The winner runs seeds 1 and 2 (seed 0 is its tuning run).
 
 Runs are deterministic per seed, so a resumed protocol (:func:`reusable_runs`) takes the runs of
@@ -286,14 +288,19 @@ def tune_and_run(
         tuning.append(run(setting, 0, prune_at))
         if own is None or _key(tuning[-1], spec.targets) < _key(tuning[own], spec.targets):
             best_of[setting.batch_size] = len(tuning) - 1
-    batch_costs = _batch_costs(problem, tuning, best_of, spec, splits, cost_rounds, log)
+    candidates = [
+        i
+        for i, (setting, r) in enumerate(zip(settings, tuning))
+        if _key(r, spec.targets) == _key(tuning[best_of[setting.batch_size]], spec.targets)
+    ]
+    costs = _candidate_costs(problem, tuning, candidates, spec, splits, cost_rounds, log)
 
     def in_time(i: int) -> tuple:
-        """Steps × the batch size's cost (a winner whose cost failed cannot win)."""
-        cost = batch_costs.get(str(tuning[i].batch_size), math.inf) if batch_costs else 1.0
+        """Steps × the candidate's cost (a candidate whose cost failed cannot win)."""
+        cost = costs.get(str(i), math.inf) if costs else 1.0
         return (_key(tuning[i], spec.targets, cost) if cost < math.inf else (math.inf,), i)
 
-    best = min(best_of.values(), key=in_time)
+    best = min(candidates, key=in_time)
     winner = Setting.from_dict(tuning[best].setting)
     runs = [tuning[best]]
     for seed in range(1, seeds):
@@ -304,7 +311,7 @@ def tune_and_run(
         "spec": asdict(spec),
         "tuning": [asdict(r) for r in tuning],
         "batch_winners": {str(tuning[i].batch_size): i for i in best_of.values()},
-        "batch_costs": batch_costs,
+        "candidate_costs": costs,
         "winner": best,
         "runs": [asdict(r) for r in runs],
         "reused_runs": len(reused),
@@ -314,14 +321,14 @@ def tune_and_run(
     return entry
 
 
-def _batch_costs(problem, tuning, best_of, spec, splits, rounds, log) -> dict[str, float]:
-    """Cost per step (CPU seconds) of each batch size's winner, measured interleaved, when more
-    than one batch size's winner reached the highest target (else nothing to compare)."""
-    reached = [i for i in best_of.values() if tuning[i].status == "reached"]
+def _candidate_costs(problem, tuning, candidates, spec, splits, rounds, log) -> dict[str, float]:
+    """Cost per step (CPU seconds) of each candidate (by its index in ``tuning``), measured
+    interleaved, when more than one reached the highest target (else nothing to compare)."""
+    reached = [i for i in candidates if tuning[i].status == "reached"]
     if len(reached) < 2 or not spec.targets:
         return {}
-    winners = {str(tuning[i].batch_size): Setting.from_dict(tuning[i].setting) for i in reached}
-    measured = measure_costs(problem, winners, splits, rounds=rounds, warmup=1, log=log)
+    settings = {str(i): Setting.from_dict(tuning[i].setting) for i in reached}
+    measured = measure_costs(problem, settings, splits, rounds=rounds, warmup=1, log=log)
     return {
         name: e["per_step_s"]
         for name, e in measured["entries"].items()
