@@ -93,8 +93,8 @@ evaluated off the clock every 25 steps. Every optimizer tries its committed sett
 batch size; fmnist_2c2d: 4 at 128, 2 at 512 for some) with seed 0 (each run stops at the
 highest target); per batch size the one
 with the fewest steps to the highest target (ties: to the lower ones) wins, across batch sizes
-and among settings still tied the one with the least steps x interleaved cost per step; it runs the other seeds (fmnist_vit:
-0.84 and 0.86 within 1,500, fixed from Adam's calibration). Writes one JSON per problem and
+and among settings still tied the one with the least steps x interleaved cost per step; it
+runs the other seeds (fmnist_vit: 0.84 and 0.86 within 1,500, fixed from Adam's calibration). Writes one JSON per problem and
 optimizer into --json, after each, so an interrupted grid keeps what it did; then the summary
 with the costs of an earlier ttr_cost where they match the winners.
 
