@@ -91,12 +91,12 @@ Time to result: steps until a fixed test accuracy (mnist_logreg 0.92 within 1,00
 fmnist_2c2d 0.88 and 0.90 within 1,500; steps at batch 128, the same data at other batch sizes),
 evaluated off the clock every 25 steps. Every optimizer tries its committed settings (4 at each
 batch size; fmnist_2c2d: 4 at 128, 2 at 512 for some) with seed 0 (each run stops at the
-highest target); per batch size the one
-with the fewest steps to the highest target (ties: to the lower ones) wins, across batch sizes
-and among settings still tied the one with the least steps x interleaved cost per step; it
-runs the other seeds (fmnist_vit: 0.84 and 0.86 within 1,500, fixed from Adam's calibration). Writes one JSON per problem and
-optimizer into --json, after each, so an interrupted grid keeps what it did; then the summary
-with the costs of an earlier ttr_cost where they match the winners.
+highest target); per batch size the one with the fewest steps to the highest target (ties: to
+the lower ones) wins, across batch sizes and among settings still tied the one with the least
+steps x interleaved cost per step; it runs the other seeds (fmnist_vit: 0.84 and 0.86 within
+1,500, fixed from Adam's calibration). Writes one JSON per problem and optimizer into --json,
+after each, so an interrupted grid keeps what it did; then the summary with the costs of an
+earlier ttr_cost where they match the winners.
 
 examples:
   OMP_NUM_THREADS=1 nice python -m experiments ttr --problems mnist_logreg
