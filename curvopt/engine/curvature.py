@@ -42,16 +42,15 @@ from curvopt.engine.propagate import loss_gradient, through_cut, to_calls
 from curvopt.engine.rows import establish
 
 #: bound on the elements of propagated columns held at once (all module outputs together):
-#: a memory budget (32 MB in float32); chunks are exact, and for the diagonals they cost no
-#: time (autograd's batched products gain little from more columns at once on large layers)
+#: a memory budget (32 MB in float32); chunks are exact, and they cost no time (autograd's
+#: batched products gain little from more columns at once on large layers; a call's input-side
+#: Kronecker factor is computed once per pass, ``kron_pass``: 2C2D's KFLR 915 ms a pass at this
+#: budget, 990 ms at 4x, interleaved in one process on a busy machine; 228 against 286 MB)
 _COLUMN_BUDGET = 1 << 23
 #: the same for the columns of a loss row that compress together at a language model's head
 #: (``compress``): more than the head's width of them are needed at once (64 MB in float32),
 #: and below the cut they are at most that width per row again
 _CUT_BUDGET = 1 << 24
-#: Kronecker factors alone take chunks this many times larger: each chunk recomputes its calls'
-#: input-side factors (2C2D's KFLR: 484 ms a pass at 4x, 830 ms at 1x; 288 against 224 MB)
-_FACTOR_CHUNKS = 4
 
 
 #: the producers made from each call's Kronecker factors (``EKFAC``'s: of its fresh bases)
@@ -196,8 +195,7 @@ class CurvaturePass:
             cut = find_cut(self.walk, calls, self.loss.output, bool(diag_exts))
             if cut is not None and self._propagate_cut(rule, calls, cut, diag_exts, kron_exts):
                 return
-        budget = _COLUMN_BUDGET * (1 if diag_exts else _FACTOR_CHUNKS)
-        for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls, 0, budget)):
+        for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
             outs = to_calls(self.loss.output, calls, cols, self.batched, self.walk)
             self._contribute(calls, outs, diag_exts, kron_exts)
 
