@@ -10,6 +10,8 @@ import curvopt.engine.diagonals
 import curvopt.engine.reducer
 from curvopt.engine import propagate
 from curvopt import extensions as ext
+from curvopt.layers.conv import ConvRule
+from curvopt.layers.linear import LinearRule
 from tests.conftest import (
     assert_close,
     extended_copy,
@@ -155,3 +157,44 @@ def test_propagated_columns_stay_within_the_budget(monkeypatch):
     assert seen == [2, 2, 2, 2]  # 4 row probes, then the loss's 4 columns, two at a time
     for name, p in model.named_parameters():
         assert_close(p.diag_ggn_exact, per_sample[name].sum(0), name)
+
+
+
+def _counting(monkeypatch, rule, method, seen):
+    """Patch ``rule.method`` to note the module of every call it gets in ``seen``."""
+    plain = getattr(rule, method)
+
+    def counting(self, call, *args):
+        seen.append(call.module)
+        return plain(self, call, *args)
+
+    monkeypatch.setattr(rule, method, counting)
+
+
+@pytest.mark.parametrize("samples", [None, 3])
+def test_input_side_factors_once_per_pass_whatever_the_chunks(monkeypatch, samples, seed):
+    """Each call's input-side Kronecker factor does not depend on the columns: it is computed
+    once per pass, from all columns in one chunk to one column per chunk (its output side once
+    per chunk), and the factors are the same with every budget (also from a sub-batch)."""
+    plain = _cnn()
+    x, y = torch.randn(5, 2, 6, 6, dtype=DT), torch.randint(0, 3, (5,))
+    quantity = ext.KFLR() if samples is None else ext.KFLR(samples=samples)
+    results = {}
+    for budget in [1, 10**9]:
+        monkeypatch.setattr(curvopt.engine.curvature, "_COLUMN_BUDGET", budget)
+        inputs, outputs = [], []
+        for rule in (ConvRule, LinearRule):
+            _counting(monkeypatch, rule, "kron_input_factor", inputs)
+            _counting(monkeypatch, rule, "kron_output_factor", outputs)
+        model = extended_copy(plain)
+        run_second_order(model, curvopt.extend(nn.CrossEntropyLoss()), x, y, quantity)
+        monkeypatch.undo()
+        weights = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+        assert sorted(map(id, inputs)) == sorted(map(id, weights)), budget  # once each
+        chunks = len(outputs) / (2 * len(weights))  # weight and bias
+        assert chunks == (3 if budget == 1 else 1), budget  # CrossEntropy: 3 classes
+        results[budget] = {k: list(p.kflr) for k, p in model.named_parameters()}
+    for key, factors in results[1].items():
+        assert len(factors) == len(results[10**9][key])
+        for f, e in zip(factors, results[10**9][key]):
+            assert_close(f, e, key)

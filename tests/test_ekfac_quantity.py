@@ -260,7 +260,7 @@ def test_supplied_bases_give_s_in_that_basis_without_any_factors(name, reduction
     def no_factors(*args, **kwargs):
         raise AssertionError("supplied bases need no Kronecker factors")
 
-    monkeypatch.setattr("curvopt.engine.curvature.kron_factors", no_factors)
+    monkeypatch.setattr("curvopt.engine.kron_pass.kron_factors", no_factors)
     _collect(model, lossfunc, layout, x, y, ext.EKFAC(bases=bases))
     scale = _divisor(reduction, y)
     for k, p in model.named_parameters():

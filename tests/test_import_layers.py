@@ -80,6 +80,7 @@ LAYERS = [
         "diagonals",
         "hessian",
         "kfra",
+        "kron_pass",
     },
     {
         "reducer",

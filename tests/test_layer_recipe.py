@@ -14,7 +14,7 @@ from torch import nn
 import curvopt
 from curvopt import extensions as ext
 from curvopt.layers import LayerRule, register, rule_for
-from curvopt.layers.kron import linear_like
+from curvopt.layers.kron import input_factor, output_factor
 
 
 class ToyLinear(nn.Module):
@@ -46,12 +46,13 @@ class ToyLinearRule(LayerRule):
         x, g = _canonical(call, call.grad_out.shape[0])
         return g.sum(1) if name == "bias" else torch.einsum("nto,nti->noi", g, x)
 
-    def kron_factors(self, call, columns, name, approx, n):
+    def kron_output_factor(self, call, columns, name, approx, n):
         if name == "bias":
             return None  # one-dimensional: the exact block
-        x = call.input.reshape(n, -1, call.input.shape[-1])
-        v = columns.reshape(columns.shape[0], n, -1, columns.shape[-1])
-        return linear_like(x, v, approx)
+        return output_factor(columns.reshape(columns.shape[0], n, -1, columns.shape[-1]), approx)
+
+    def kron_input_factor(self, call, name, approx, n):
+        return input_factor(call.input.reshape(n, -1, call.input.shape[-1]), approx)
 
 
 def _mlp():

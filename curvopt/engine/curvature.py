@@ -10,8 +10,9 @@ works: residual adds, functional ops, attention, reused modules.
 
 ``EKFAC`` (eigenvalue-corrected curvature): the factors of its fresh bases are made here, with
 the other Kronecker factors, and held in the result buffer; ``S`` is computed from each call's
-inputs and output gradients in the module hooks that follow (``reducer``). Factors from a
-sub-batch (``KFAC(samples=K)``): the propagated columns and inputs of the first ``K`` samples.
+inputs and output gradients in the module hooks that follow (``reducer``). The Kronecker
+factors from each chunk of columns: ``kron_pass`` (the input side once per pass; from a
+sub-batch, ``KFAC(samples=K)``: the propagated columns and inputs of the first ``K`` samples).
 
 That nothing outside the extended losses feeds the gradients (a term of the objective whose
 curvature this would miss) is checked on every pass without propagating anything: hooks on the
@@ -27,31 +28,29 @@ from functools import partial
 import torch
 
 from curvopt.engine.compress import find_cut, squeeze
-from curvopt.engine.diagonals import _narrow, diag_from_columns, diagonals, module_call
-from curvopt.errors import UnsupportedKroneckerError, UnsupportedLossError, module_error
+from curvopt.engine.diagonals import diagonals
+from curvopt.errors import UnsupportedLossError, module_error
 from curvopt.extensions.quantity import Producer
 from curvopt.engine.hessian import residuals
 from curvopt.engine.kfra import kfra
 from curvopt.engine.loss_context import LossContext
 from curvopt.layers import rule_for
-from curvopt.layers.kron import kron_factors, output_factor_index
 from curvopt.losses import loss_rule_for
+from curvopt.engine.kron_pass import FactorStream
 from curvopt.engine.params import trainable
 from curvopt.engine.propagate import loss_gradient, through_cut, to_calls
-from curvopt.engine.results import Factors, Term
 from curvopt.engine.rows import establish
 
 #: bound on the elements of propagated columns held at once (all module outputs together):
-#: a memory budget (32 MB in float32); chunks are exact, and for the diagonals they cost no
-#: time (autograd's batched products gain little from more columns at once on large layers)
+#: a memory budget (32 MB in float32); chunks are exact, and they cost no time (autograd's
+#: batched products gain little from more columns at once on large layers; a call's input-side
+#: Kronecker factor is computed once per pass, ``kron_pass``: 2C2D's KFLR 915 ms a pass at this
+#: budget, 990 ms at 4x, interleaved in one process on a busy machine; 228 against 286 MB)
 _COLUMN_BUDGET = 1 << 23
 #: the same for the columns of a loss row that compress together at a language model's head
 #: (``compress``): more than the head's width of them are needed at once (64 MB in float32),
 #: and below the cut they are at most that width per row again
 _CUT_BUDGET = 1 << 24
-#: Kronecker factors alone take chunks this many times larger: each chunk recomputes its calls'
-#: input-side factors (2C2D's KFLR: 484 ms a pass at 4x, 830 ms at 1x; 288 against 224 MB)
-_FACTOR_CHUNKS = 4
 
 
 #: the producers made from each call's Kronecker factors (``EKFAC``'s: of its fresh bases)
@@ -82,7 +81,6 @@ class CurvaturePass:
                 "Gauss-Newton matrix is not positive semi-definite; curvopt cannot factor it"
             )
         self.scale = math.sqrt(self.weight)
-        self._sub_batch_roots = {}  # K -> the root of the output side's scale (``samples=K``)
 
     def check(self, walk) -> None:
         """The loss's target and the calls of ``walk`` (``walk.Walk`` of its input) are
@@ -102,6 +100,7 @@ class CurvaturePass:
         calls, self.batched = walk.calls, walk.batchable
         self.walk = walk
         self.layout = establish(output, output.shape, calls, self.batched, walk, rule.elementwise)
+        self.factors = FactorStream(self.results, self.loss, self.layout, self.skip_diagonal)
         groups = defaultdict(list)
         for ext in self.exts:
             if ext.quantity.producer is Producer.EIGEN_CORRECTED:
@@ -196,8 +195,7 @@ class CurvaturePass:
             cut = find_cut(self.walk, calls, self.loss.output, bool(diag_exts))
             if cut is not None and self._propagate_cut(rule, calls, cut, diag_exts, kron_exts):
                 return
-        budget = _COLUMN_BUDGET * (1 if diag_exts else _FACTOR_CHUNKS)
-        for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls, 0, budget)):
+        for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
             outs = to_calls(self.loss.output, calls, cols, self.batched, self.walk)
             self._contribute(calls, outs, diag_exts, kron_exts)
 
@@ -234,65 +232,4 @@ class CurvaturePass:
         if diag_exts:
             self.results.add(diagonals(calls, outs, diag_exts))
         if kron_exts:
-            self.results.add(self._factors(calls, outs, kron_exts))
-
-    def _factors(self, calls, outs, kron_exts):
-        """The ``Factors`` of ``kron_exts`` of every call, one at a time (a parameter without a
-        factorisation: skipped, or its diagonal ``Term``; ``EKFAC``'s fresh bases: noted)."""
-        for record in calls:
-            call, columns, n = module_call(record, outs[record])
-            if call is None:
-                continue
-            for name, p in trainable(record.module):
-                for ext in kron_exts:
-                    basis = ext.quantity.producer is Producer.EIGEN_CORRECTED
-                    if basis and ext.supplied(p) is not None:
-                        continue
-                    approx = ext.options["kfac_approx"]
-                    try:
-                        sub, cols, k = self._sub_batch(call, columns, n, ext)
-                        factors = kron_factors(sub, cols, name, p, approx, k)
-                    except UnsupportedKroneckerError as error:
-                        self.results.skip(p, ext.attr, error, record)
-                        if self.skip_diagonal and not basis:
-                            rule = rule_for(call.module)
-                            d = diag_from_columns(rule, call, columns, name, False, n)
-                            yield Term(p, ext.fallback.attr, d)
-                        continue
-                    index = output_factor_index(call.module, name)
-                    contribution = Factors(p, ext.attr, record, factors, index)
-                    if basis:  # EKFAC's fresh basis: S follows in the module hooks (reducer)
-                        self.results.add_basis(contribution)
-                    else:
-                        yield contribution
-
-    def _sub_batch(self, call, columns, n, ext):
-        """``(call, columns, n)`` of the first ``K`` samples for an extension with
-        ``samples=K < n`` (the columns times the root of :meth:`_sub_batch_root`, so that the
-        output-side factor, and its ``gram_root``, carry the scale); as given otherwise."""
-        k = ext.options.get("samples")
-        if k is None or k >= n:
-            return call, columns, n
-        if k not in self._sub_batch_roots:
-            self._sub_batch_roots[k] = self._sub_batch_root(k)
-        root = self._sub_batch_roots[k]
-        cols = _narrow(columns, 0, k, dim=1 + call.batch_dim)
-        if isinstance(cols, torch.Tensor):
-            return call.slice(0, k), cols * root, k
-        return call.slice(0, k), tuple(None if c is None else c * root for c in cols), k
-
-    def _sub_batch_root(self, k: int) -> float:
-        """``sqrt(c)``, ``c`` the scale that makes the output side of the first ``k`` samples'
-        factors estimate the whole batch's: ``N / k`` for ``reduction="sum"``, ``D / D_k``
-        for ``"mean"`` (``D`` the loss's divisor, ``D_k`` that of the rows of the first ``k``
-        samples, ``rows.RowLayout.first``: the sub-batch's own mean); 0 where those rows
-        hold no term of the loss (all ignored)."""
-        module, output, target = self.loss.module, self.loss.output.detach(), self.loss.target
-        if module.reduction == "sum":
-            return math.sqrt(self.layout.samples / k)
-        rule = loss_rule_for(module)
-        try:
-            part = rule.divisor(module, *self.layout.first(k, output, target))
-        except ValueError:  # no term of the loss in those rows: their columns vanish
-            return 0.0
-        return math.sqrt(rule.divisor(module, output, target) / part) if part else 0.0
+            self.factors.add(calls, outs, kron_exts)

@@ -120,6 +120,13 @@ class ResultBuffer:
             self.put(c.p, c.attr, None)
         _add_use(uses, c)
 
+    def has_factors(self, p, attr: str, record, basis: bool) -> bool:
+        """Whether ``record``'s factors of ``p.<attr>`` (``EKFAC``'s fresh basis: ``basis``)
+        are already here (from an earlier chunk of columns or loss): a further contribution
+        needs its output side alone."""
+        uses = (self.basis_uses if basis else self.kron_uses).get((id(p), attr), ())
+        return record in uses
+
     def add_basis(self, c: Factors) -> None:
         """The factors of one call for ``p``'s fresh ``EKFAC`` basis (never written)."""
         _add_use(self.basis_uses.setdefault((id(c.p), c.attr), {}), c)

@@ -237,7 +237,7 @@ class ConvRule(ConvRuleBase):
         left, right = self._operands(call)
         return left.mT.reshape(-1, left.shape[1]), right.mT.reshape(-1, right.shape[1])
 
-    def kron_factors(self, call, columns, name, approx, n):
+    def kron_output_factor(self, call, columns, name, approx, n):
         module = call.module
         if name != "weight":
             return None  # the exact block of the bias (layers.kron)
@@ -248,10 +248,13 @@ class ConvRule(ConvRuleBase):
                 "skip it with curvopt.collect(..., skip_unsupported=True)"
             )
             raise UnsupportedKroneckerError(str(module_error(module, reason)))
-        patches = unfold_conv_input(module, call.input, positions_first=True)  # [N, L, k C_in]
         v = columns.reshape(columns.shape[0] * n, columns.shape[2], -1)  # [K N, C_out, L]
-        a = kernel_major_to_channel_major(input_factor(patches, approx), module.in_channels)
-        return [output_factor_channels_first(v, approx), a]
+        return output_factor_channels_first(v, approx)
+
+    def kron_input_factor(self, call, name, approx, n):
+        module = call.module
+        patches = unfold_conv_input(module, call.input, positions_first=True)  # [N, L, k C_in]
+        return kernel_major_to_channel_major(input_factor(patches, approx), module.in_channels)
 
     def has_weighted_squares(self, module):
         return module.groups == 1

@@ -87,23 +87,26 @@ class EmbeddingRule(LayerRule):
         projected = (u.to(g.dtype)[idx] * (g @ v.to(g.dtype))).sum(0)
         return projected, torch.linalg.vector_norm(g, dim=1).sum()
 
-    def kron_factors(self, call, columns, name, approx, n):
-        module = call.module
-        idx = call.input.reshape(n, -1)
+    def kron_output_factor(self, call, columns, name, approx, n):
         dim = columns.shape[-1]
         if approx == "reduce":
+            return gram(columns.reshape(columns.shape[0], n, -1, dim).sum(2).flatten(0, 1))
+        return gram(columns.reshape(-1, dim))
+
+    def kron_input_factor(self, call, name, approx, n):
+        module = call.module
+        weight, idx = module.weight, call.input.reshape(n, -1)
+        if approx == "reduce":
             # the lookup is a Linear on one-hot tokens: xbar_n = token frequencies of sample n
-            counts = columns.new_zeros(n, module.num_embeddings)
-            counts.scatter_add_(1, idx, columns.new_ones(idx.shape))
+            counts = weight.new_zeros(n, module.num_embeddings)
+            counts.scatter_add_(1, idx, weight.new_ones(idx.shape))
             if module.padding_idx is not None:
                 counts[:, module.padding_idx] = 0
-            xbar = counts / idx.shape[1]
-            v = columns.reshape(columns.shape[0], n, -1, dim).sum(2)
-            return [gram(xbar, 1 / n), gram(v.flatten(0, 1))]
-        counts = torch.bincount(idx.flatten(), minlength=module.num_embeddings).to(columns.dtype)
+            return gram(counts / idx.shape[1], 1 / n)
+        counts = torch.bincount(idx.flatten(), minlength=module.num_embeddings).to(weight.dtype)
         if module.padding_idx is not None:
             counts[module.padding_idx] = 0
-        return [torch.diag(counts / idx.numel()), gram(columns.reshape(-1, dim))]
+        return torch.diag(counts / idx.numel())
 
     def gradient_rows(self, call, name):
         """``G = onehot(idx)ᵀ g``: ``(one-hot tokens [R, V], gradients [R, D])``, padding

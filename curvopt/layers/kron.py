@@ -1,10 +1,11 @@
 """Kronecker factors of a parameter's GGN block from columns ``V`` propagated to the layer output.
 
-``kron(*factors)`` is indexed like ``p.flatten()``. Each layer rule gives its own factors
-(:meth:`LayerRule.kron_factors`) with the functions below, which work on one canonical
-weight-sharing format: inputs ``x [N, P, I]`` and columns ``V [K, N, P, O]``, ``P`` the
-positions that share the weight (sequence positions, conv locations), and give
-``[B (O x O), A (I x I)]``:
+``kron(*factors)`` is indexed like ``p.flatten()``. Each layer rule gives its own factors, the
+output side from each chunk of columns (:meth:`LayerRule.kron_output_factor`, summed over the
+chunks) and the input side once per pass (:meth:`LayerRule.kron_input_factor`: it does not
+depend on the columns), with the functions below, which work on one canonical weight-sharing
+format: inputs ``x [N, P, I]`` and columns ``V [K, N, P, O]``, ``P`` the positions that share
+the weight (sequence positions, conv locations), and give ``[B (O x O), A (I x I)]``:
 
 * "expand": ``B = sum_{k,n,p} v v^T``, ``A = mean_{n,p} x x^T``;
 * "reduce": ``B = sum_{k,n} (sum_p v)(sum_p v)^T``, ``A = mean_n xbar xbar^T``,
@@ -48,18 +49,18 @@ def output_factor_channels_first(v, approx):
     return gram(v.sum(2)) if approx == "reduce" else block_gram(v)
 
 
-def linear_like(x, v, approx):
-    """``[B, A]`` from inputs ``x [N, P, I]`` and columns ``v [K, N, P, O]``."""
-    return [output_factor(v, approx), input_factor(x, approx)]
-
-
-def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int):
-    """Kronecker factors of ``p`` (see module docstring) for one call."""
+def kron_factors(
+    call, columns, name: str, p: torch.Tensor, approx: str, n: int, input_side: bool = True
+):
+    """Kronecker factors of ``p`` (see module docstring) for one call from one chunk of
+    columns; without ``input_side`` (a further chunk: the input side is the first chunk's)
+    ``None`` stands in the list where the input-side factor would be."""
     module = call.module
     rule = rule_for(module)
-    own = rule.kron_factors(call, columns, name, approx, n)
+    own = rule.kron_output_factor(call, columns, name, approx, n)
     if own is not None:
-        return own
+        a = rule.kron_input_factor(call, name, approx, n) if input_side else None
+        return [own, a] if rule.output_factor_index(name) == 0 else [a, own]
     if p.dim() == 1:
         grads = rule.batch_grad(call.expand(columns), name)
         return [gram(grads)]

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from curvopt.layers.eigenbasis import eigen_moment
-from curvopt.layers.kron import linear_like
+from curvopt.layers.kron import input_factor, output_factor
 from curvopt.layers.registry import LayerRule, register
 from curvopt.engine.reductions import sum_of_squares
 
@@ -50,11 +50,15 @@ def _projected(left, right, u, v):
     return projected, torch.linalg.vector_norm(left, dim=1) @ torch.linalg.vector_norm(right, dim=1)
 
 
-def canonical(call, columns, n: int):
-    """Inputs ``x [N, T, I]`` and columns ``v [K, N, T, O]`` in the canonical weight-sharing
-    format of ``layers.kron``, the middle dims flattened into ``T``."""
-    x = call.input.reshape(n, -1, call.input.shape[-1])
-    return x, columns.reshape(columns.shape[0], n, -1, columns.shape[-1])
+def canonical_input(call, n: int):
+    """Inputs ``x [N, T, I]`` in the canonical weight-sharing format of ``layers.kron``, the
+    middle dims flattened into ``T``."""
+    return call.input.reshape(n, -1, call.input.shape[-1])
+
+
+def canonical_columns(columns, n: int):
+    """Columns ``v [K, N, T, O]`` in the canonical format (as :func:`canonical_input`)."""
+    return columns.reshape(columns.shape[0], n, -1, columns.shape[-1])
 
 
 @register(nn.Linear)
@@ -121,10 +125,13 @@ class LinearRule(LayerRule):
         """``sum_r (g_rᵀ u)(x_rᵀ v)`` over the rows ``r`` (samples and positions)."""
         return None if name == "bias" else _projected(call.grad_out, call.input, u, v)
 
-    def kron_factors(self, call, columns, name, approx, n):
+    def kron_output_factor(self, call, columns, name, approx, n):
         if name != "weight":
             return None  # the exact block of the bias (layers.kron)
-        return linear_like(*canonical(call, columns, n), approx)
+        return output_factor(canonical_columns(columns, n), approx)
+
+    def kron_input_factor(self, call, name, approx, n):
+        return input_factor(canonical_input(call, n), approx)
 
     def gradient_rows(self, call, name):
         """The weight's ``G = gᵀ x``: ``(g [R, O], x [R, I])``."""

@@ -240,7 +240,7 @@ class RecurrentRule(LayerRule):
             None if c is None else c.transpose(1, 2),
         ]
 
-    def kron_factors(self, call, columns, name, approx, n):
+    def kron_output_factor(self, call, columns, name, approx, n):
         raise UnsupportedKroneckerError(
             str(
                 module_error(

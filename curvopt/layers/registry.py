@@ -182,15 +182,25 @@ class LayerRule:
     #: and linear in its own leaf weight), so that ``DiagHessian`` needs no look inside it
     curvature_free: bool = False
 
-    def kron_factors(
+    def kron_output_factor(
         self, call, columns, name: str, approx: str, n: int
-    ) -> Optional[List[torch.Tensor]]:
-        """Kronecker factors of ``name`` (``kron(*factors)`` indexed like ``vec(p)``) from
-        columns ``[K, *out]`` at the output (``n`` samples, ``approx`` "expand" or "reduce"),
-        built with ``layers.kron``'s functions on the canonical weight-sharing format (inputs
-        ``[N, P, I]``, columns ``[K, N, P, O]``, ``P`` positions sharing the weight), or
-        ``None``: the exact block of a one-dimensional parameter, any other is unsupported."""
+    ) -> Optional[torch.Tensor]:
+        """The output-side Kronecker factor of ``name`` (the one built from the columns, at
+        :meth:`output_factor_index`) from one chunk of columns ``[K, *out]`` at the output
+        (``n`` samples, ``approx`` "expand" or "reduce"; summed over the chunks), built with
+        ``layers.kron``'s functions on the canonical weight-sharing format (inputs ``[N, P, I]``,
+        columns ``[K, N, P, O]``, ``P`` positions sharing the weight), or ``None``: the exact
+        block of a one-dimensional parameter, any other is unsupported. Raises
+        ``UnsupportedKroneckerError`` where the parameter has no factorisation."""
         return None
+
+    def kron_input_factor(self, call, name: str, approx: str, n: int) -> torch.Tensor:
+        """The input-side factor of ``name`` (it does not depend on the columns: computed once
+        per pass), for a parameter whose :meth:`kron_output_factor` gives one."""
+        raise NotImplementedError(
+            f"{type(self).__name__} gives an output-side Kronecker factor of {name!r} but no "
+            "kron_input_factor; implement both (docs/architecture.md, the LayerRule table)"
+        )
 
     def eigen_correction(self, call, name: str, bases) -> torch.Tensor:
         """``Σ_n (Q_0ᵀ G_n Q_1)²`` (``[dim Q_0, ·]``, see ``layers.kron``) of ``name``'s
@@ -209,7 +219,8 @@ class LayerRule:
         return total
 
     def output_factor_index(self, name: str) -> int:
-        """Position, in :meth:`kron_factors`' list, of the factor built from the columns."""
+        """Position of the output-side factor (:meth:`kron_output_factor`) in the list of
+        factors (``[B, A]`` or ``[A, B]``)."""
         return 0
 
     #: optional, ``gradient_rows(call, name)``: ``(left [R, d_0], right [R, d])`` with

@@ -43,7 +43,7 @@ class ReparametrizedRule(GenericRule):
             )
         return None
 
-    def kron_factors(self, call, columns, name, approx, n):
+    def kron_output_factor(self, call, columns, name, approx, n):
         if call.module.get_parameter(name).dim() == 1 or isinstance(columns, tuple):
             return None  # the exact block (layers.kron), or its single-output error
         raise module_error(

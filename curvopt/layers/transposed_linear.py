@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 
 from curvopt.layers.eigenbasis import eigen_moment
-from curvopt.layers.kron import linear_like
-from curvopt.layers.linear import LinearRule, _flat, _projected, canonical
+from curvopt.layers.linear import LinearRule, _flat, _projected
 from curvopt.layers.registry import register_name
 
 
@@ -69,11 +68,7 @@ class TransposedLinearRule(LinearRule):
         """``sum_r (x_rᵀ u)(g_rᵀ v)``: the input side indexes the weight's rows."""
         return None if name == "bias" else _projected(call.input, call.grad_out, u, v)
 
-    def kron_factors(self, call, columns, name, approx, n):
-        if name == "bias":
-            return None  # the exact block of a one-dimensional parameter (layers.kron)
-        output_factor, input_factor = linear_like(*canonical(call, columns, n), approx)
-        return [input_factor, output_factor]
+    # kron_output_factor and kron_input_factor: Linear's, the input side first in the list
 
     def gradient_rows(self, call, name):
         """The weight's ``G = xᵀ g`` (``[nx, nf]``): ``(x [R, nx], g [R, nf])``."""

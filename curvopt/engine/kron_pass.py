@@ -1,0 +1,101 @@
+"""Kronecker factors from the columns propagated in one loss's curvature pass (``curvature``).
+
+Each chunk of columns that reaches a call gives the output side of its factors (summed into
+the result buffer over chunks and losses); the input side, which does not depend on the
+columns, is computed once, with the call's first contribution (``layers.kron.kron_factors``,
+``input_side=``). ``KFAC(samples=K)``: the factors of the first ``K`` samples, the columns
+scaled so that the output side estimates the whole batch's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from curvopt.engine.diagonals import _narrow, diag_from_columns, module_call
+from curvopt.engine.params import trainable
+from curvopt.engine.results import Factors, Term
+from curvopt.errors import UnsupportedKroneckerError
+from curvopt.extensions.quantity import Producer
+from curvopt.layers import rule_for
+from curvopt.layers.kron import kron_factors, output_factor_index
+from curvopt.losses import loss_rule_for
+
+
+class FactorStream:
+    """The Kronecker contributions of one loss (``loss``, its rows laid out by ``layout``) into
+    ``results``; ``skip_diagonal``: an unsupported parameter gets its GGN diagonal instead."""
+
+    def __init__(self, results, loss, layout, skip_diagonal: bool):
+        self.results = results
+        self.loss = loss
+        self.layout = layout
+        self.skip_diagonal = skip_diagonal
+        self._sub_batch_roots = {}  # K -> the root of the output side's scale (``samples=K``)
+
+    def add(self, calls, outs, exts) -> None:
+        """The factors of ``exts`` from one chunk of columns ``outs`` at every call."""
+        self.results.add(self._factors(calls, outs, exts))
+
+    def _factors(self, calls, outs, kron_exts):
+        """The ``Factors`` of ``kron_exts`` of every call, one at a time (a parameter without a
+        factorisation: skipped, or its diagonal ``Term``; ``EKFAC``'s fresh bases: noted)."""
+        for record in calls:
+            call, columns, n = module_call(record, outs[record])
+            if call is None:
+                continue
+            for name, p in trainable(record.module):
+                for ext in kron_exts:
+                    basis = ext.quantity.producer is Producer.EIGEN_CORRECTED
+                    if basis and ext.supplied(p) is not None:
+                        continue
+                    approx = ext.options["kfac_approx"]
+                    first = not self.results.has_factors(p, ext.attr, record, basis)
+                    try:
+                        sub, cols, k = self._sub_batch(call, columns, n, ext)
+                        factors = kron_factors(sub, cols, name, p, approx, k, input_side=first)
+                    except UnsupportedKroneckerError as error:
+                        self.results.skip(p, ext.attr, error, record)
+                        if self.skip_diagonal and not basis:
+                            rule = rule_for(call.module)
+                            d = diag_from_columns(rule, call, columns, name, False, n)
+                            yield Term(p, ext.fallback.attr, d)
+                        continue
+                    index = output_factor_index(call.module, name)
+                    contribution = Factors(p, ext.attr, record, factors, index)
+                    if basis:  # EKFAC's fresh basis: S follows in the module hooks (reducer)
+                        self.results.add_basis(contribution)
+                    else:
+                        yield contribution
+
+    def _sub_batch(self, call, columns, n, ext):
+        """``(call, columns, n)`` of the first ``K`` samples for an extension with
+        ``samples=K < n`` (the columns times the root of :meth:`_sub_batch_root`, so that the
+        output-side factor, and its ``gram_root``, carry the scale); as given otherwise."""
+        k = ext.options.get("samples")
+        if k is None or k >= n:
+            return call, columns, n
+        if k not in self._sub_batch_roots:
+            self._sub_batch_roots[k] = self._sub_batch_root(k)
+        root = self._sub_batch_roots[k]
+        cols = _narrow(columns, 0, k, dim=1 + call.batch_dim)
+        if isinstance(cols, torch.Tensor):
+            return call.slice(0, k), cols * root, k
+        return call.slice(0, k), tuple(None if c is None else c * root for c in cols), k
+
+    def _sub_batch_root(self, k: int) -> float:
+        """``sqrt(c)``, ``c`` the scale that makes the output side of the first ``k`` samples'
+        factors estimate the whole batch's: ``N / k`` for ``reduction="sum"``, ``D / D_k``
+        for ``"mean"`` (``D`` the loss's divisor, ``D_k`` that of the rows of the first ``k``
+        samples, ``rows.RowLayout.first``: the sub-batch's own mean); 0 where those rows
+        hold no term of the loss (all ignored)."""
+        module, output, target = self.loss.module, self.loss.output.detach(), self.loss.target
+        if module.reduction == "sum":
+            return math.sqrt(self.layout.samples / k)
+        rule = loss_rule_for(module)
+        try:
+            part = rule.divisor(module, *self.layout.first(k, output, target))
+        except ValueError:  # no term of the loss in those rows: their columns vanish
+            return 0.0
+        return math.sqrt(rule.divisor(module, output, target) / part) if part else 0.0
