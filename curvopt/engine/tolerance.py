@@ -40,14 +40,20 @@ def mismatches(pairs, factor: float) -> list:
             b = b if b.dtype == a.dtype else b.to(a.dtype)
             live.setdefault(a.device, []).append((i, a, b, eps))
     for entries in live.values():
-        # per pair, one fresh difference (its abs in place) and b's extremes
-        read = torch.stack(
-            [v for _, a, b, _ in entries for v in ((a - b).abs_().max(), *torch.aminmax(b))]
-        ).tolist()
+        # per pair, one fresh difference and b's largest magnitude: one foreach call each for
+        # all pairs (the exact max |x|, as an inf-norm), read in one sync
+        refs = [b for _, _, b, _ in entries]
+        gaps = torch._foreach_sub([a for _, a, _, _ in entries], refs)
+        read = torch.stack([*_max_abs_each(gaps), *_max_abs_each(refs)]).tolist()
+        tops = read[len(entries) :]
         for k, (i, a, b, eps) in enumerate(entries):
-            gap, low, high = read[3 * k : 3 * k + 3]
-            found[i] = _beyond(a, b, gap, max(-low, high), factor * eps)
+            found[i] = _beyond(a, b, read[k], tops[k], factor * eps)
     return found
+
+
+def _max_abs_each(tensors) -> list:
+    """``max |x|`` of each of ``tensors`` (0-dim, NaN where ``x`` has one), in one call."""
+    return torch._foreach_norm(tensors, math.inf)
 
 
 def _beyond(a, b, gap: float, top: float, bound: float) -> bool:

@@ -68,6 +68,10 @@ class Producer(enum.Enum):
         1,
     )
 
+    #: members are singletons compared by identity: the identity hash (a C slot) rather than
+    #: ``Enum``'s ``hash(self._name_)``, a Python call in each of a pass's dict lookups
+    __hash__ = object.__hash__
+
     @property
     def order(self) -> int:
         return self.value[1]
