@@ -14,7 +14,7 @@ import torch
 import curvopt
 from curvopt import extensions as ext
 from curvopt.engine.checks import Checks
-from curvopt.engine.tolerance import mismatch, roundoff
+from curvopt.engine.tolerance import mismatch, mismatches, roundoff
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers.linear import LinearRule
 
@@ -96,6 +96,29 @@ def test_mismatch_decides_as_the_reference(dtypes):
             assert mismatch(a, b, factor, floor) is expected, (a, b, factor, floor)
             decisions.add(expected)
     assert decisions == {True, False}
+
+
+def test_mismatches_of_many_pairs_decide_each_as_the_reference():
+    """All the pairs at once (one foreach step per stage over the pairs of every dtype, read
+    together): each pair's decision is its own reference's, in every order of the pairs (a value
+    read into another pair's slot would change some decision)."""
+    dtypes = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+    pairs = [
+        (a.to(dtypes[k % 4]), b.to(dtypes[(k // 4) % 4]), (0.0, 1e-3)[k % 2])
+        for k, (a, b) in enumerate(_pairs())
+    ]
+    gen = torch.Generator().manual_seed(2)
+    for k in range(40):  # just outside the bound, at scales far apart
+        a = torch.randn(1 + k % 7, dtype=torch.float64, generator=gen) * 10.0 ** (k % 9 - 4)
+        b = a.clone()
+        b[0] += 64 * torch.finfo(torch.float64).eps * a.abs().max() * (1.5 if k % 2 else 0.5)
+        pairs.append((a, b, 0.0))
+    expected = [reference(a, b, 64.0, floor) for a, b, floor in pairs]
+    assert any(expected) and not all(expected)
+    for _ in range(5):
+        order = torch.randperm(len(pairs), generator=gen).tolist()
+        found = mismatches([pairs[i] for i in order], 64.0)
+        assert found == [expected[i] for i in order]
 
 
 def test_non_finite_sums_of_a_finite_gradient_are_mismatches():

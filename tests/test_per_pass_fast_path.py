@@ -152,3 +152,29 @@ def test_a_changed_graph_raises_after_cached_passes(extension, change, match):
     with pytest.raises(UnsupportedModuleError, match=match):
         _pass(model, lossfunc, x, y, extension, penalty=0.1 if change == "penalty" else 0.0)
     assert not hasattr(model.a.weight, extension.attr)
+
+
+@pytest.mark.parametrize(
+    "extension", [ext.BatchGrad, ext.BatchL2Grad, ext.SumGradSquared, ext.Variance]
+)
+def test_a_replayed_first_order_pass_still_sees_a_term_from_outside_the_loss(extension):
+    """A penalty on a parameter (gradient that no module call saw) on a pass of a structure
+    cached and checked twice: the sum check of that pass raises, and nothing is written; the
+    next clean pass writes what the first pass wrote."""
+    model, lossfunc, x, y = _setup()
+    first = _pass(model, lossfunc, x, y, extension)
+    _pass(model, lossfunc, x, y, extension)
+    _forget(model, extension.attr)
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    with pytest.raises(UnsupportedModuleError, match="receives gradient from outside"):
+        with curvopt.collect(extension()):
+            (lossfunc(out, y) + 1e-3 * model.a.weight.square().sum()).backward()
+    assert not hasattr(model.a.weight, extension.attr)
+    again = _pass(model, lossfunc, x, y, extension)
+    for name in first:
+        assert torch.equal(_flat(first[name]), _flat(again[name])), name
+
+
+def _flat(value):
+    return value if isinstance(value, torch.Tensor) else torch.cat([f.flatten() for f in value])

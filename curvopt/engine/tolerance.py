@@ -40,20 +40,24 @@ def mismatches(pairs, factor: float) -> list:
             b = b if b.dtype == a.dtype else b.to(a.dtype)
             live.setdefault(a.device, []).append((i, a, b, eps))
     for entries in live.values():
-        # per pair, one fresh difference and b's largest magnitude: one foreach call each for
-        # all pairs (the exact max |x|, as an inf-norm), read in one sync
+        # per pair, one fresh difference and b's largest magnitude, each step one foreach call
+        # for all pairs (``|x|`` exact, so ``max |x|`` is), read at once
         refs = [b for _, _, b, _ in entries]
         gaps = torch._foreach_sub([a for _, a, _, _ in entries], refs)
-        read = torch.stack([*_max_abs_each(gaps), *_max_abs_each(refs)]).tolist()
+        torch._foreach_abs_(gaps)
+        read = _read([*torch._foreach_max(gaps), *torch._foreach_max(torch._foreach_abs(refs))])
         tops = read[len(entries) :]
         for k, (i, a, b, eps) in enumerate(entries):
             found[i] = _beyond(a, b, read[k], tops[k], factor * eps)
     return found
 
 
-def _max_abs_each(tensors) -> list:
-    """``max |x|`` of each of ``tensors`` (0-dim, NaN where ``x`` has one), in one call."""
-    return torch._foreach_norm(tensors, math.inf)
+def _read(scalars) -> list:
+    """The values of 0-dim tensors on one device: on a CPU each read directly (no sync to
+    save), elsewhere stacked and read in one sync."""
+    if scalars[0].device.type == "cpu":
+        return [float(v) for v in scalars]
+    return torch.stack(scalars).tolist()
 
 
 def _beyond(a, b, gap: float, top: float, bound: float) -> bool:
