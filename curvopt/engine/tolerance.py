@@ -40,24 +40,14 @@ def mismatches(pairs, factor: float) -> list:
             b = b if b.dtype == a.dtype else b.to(a.dtype)
             live.setdefault(a.device, []).append((i, a, b, eps))
     for entries in live.values():
-        # per pair, one fresh difference and b's largest magnitude, each step one foreach call
-        # for all pairs (``|x|`` exact, so ``max |x|`` is), read at once
-        refs = [b for _, _, b, _ in entries]
-        gaps = torch._foreach_sub([a for _, a, _, _ in entries], refs)
-        torch._foreach_abs_(gaps)
-        read = _read([*torch._foreach_max(gaps), *torch._foreach_max(torch._foreach_abs(refs))])
-        tops = read[len(entries) :]
+        # per pair, one fresh difference (its abs in place) and b's extremes
+        read = torch.stack(
+            [v for _, a, b, _ in entries for v in ((a - b).abs_().max(), *torch.aminmax(b))]
+        ).tolist()
         for k, (i, a, b, eps) in enumerate(entries):
-            found[i] = _beyond(a, b, read[k], tops[k], factor * eps)
+            gap, low, high = read[3 * k : 3 * k + 3]
+            found[i] = _beyond(a, b, gap, max(-low, high), factor * eps)
     return found
-
-
-def _read(scalars) -> list:
-    """The values of 0-dim tensors on one device: on a CPU each read directly (no sync to
-    save), elsewhere stacked and read in one sync."""
-    if scalars[0].device.type == "cpu":
-        return [float(v) for v in scalars]
-    return torch.stack(scalars).tolist()
 
 
 def _beyond(a, b, gap: float, top: float, bound: float) -> bool:
