@@ -213,6 +213,8 @@ class Checks:
 
     def check_complete(self, results, attrs) -> None:
         """Every parameter that received a gradient gets every requested curvature attribute."""
+        if not attrs:  # first order only
+            return
         for p, _ in self.param_grads.values():
             missing = results.missing(p, attrs)
             if missing:

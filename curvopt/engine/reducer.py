@@ -69,6 +69,12 @@ class FirstOrderReducer:
         for ext in extensions:
             if ext.order == 1 or ext in self.corrected:
                 self.first.setdefault(ext.quantity.producer, []).append(ext.attr)
+        first = self.first
+        #: what the reductions want, fixed for the pass (no producer lookup per parameter)
+        self.want_l2 = Producer.SQUARED_NORMS in first
+        self.want_sgs = Producer.SUM_OF_SQUARES in first or Producer.MOMENTS in first
+        self.want_moments = Producer.MOMENTS in first
+        self.reduces = any(producer in first for producer in _REDUCED)
         self.results, self.checks = results, checks
         self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
         #: (p, sum_n g_n**2, rule, call, name) whose moments take ``sum_n g_n`` from ``p``'s
@@ -127,9 +133,7 @@ class FirstOrderReducer:
         checked against ``p``'s whole gradient (checking them too); else the projected or full
         sum of ``add_total``. A projected sum leaves ``MOMENTS``' ``sum_n g_n`` to ``p``'s
         gradient of the pass, which the check proves equal to it (``finish``)."""
-        first = self.first
-        want_l2 = Producer.SQUARED_NORMS in first
-        want_sgs = Producer.SUM_OF_SQUARES in first or Producer.MOMENTS in first
+        want_l2, want_sgs = self.want_l2, self.want_sgs
         l2 = rule.batch_l2(call, name) if want_l2 else None
         sgs = rule.sum_grad_squared(call, name) if want_sgs else None
         missing = {"l2": want_l2 and l2 is None, "sgs": want_sgs and sgs is None}
@@ -141,14 +145,13 @@ class FirstOrderReducer:
         else:
             total = None
         total = self.add_total(p, rule, call, name, total)
-        if total is None and Producer.MOMENTS in first:
+        if total is None and self.want_moments:
             self.moments_from_grad.append((p, sgs, rule, call, name))
         self._store(p, l2, sgs, total)
 
     def finish(self) -> None:
         """The materialised per-sample gradients and their reductions, into the buffer (and
         the moments whose ``sum_n g_n`` is ``p``'s gradient of the pass, checked equal)."""
-        first = self.first
         for p, sgs, rule, call, name in self.moments_from_grad:
             if self.checks.has_grad(p):
                 total = self.checks.pass_grad(p).to(sgs.dtype, copy=True)
@@ -161,11 +164,10 @@ class FirstOrderReducer:
         self.moments_from_grad.clear()
         for p, batch in self.batch_grads.values():
             self._put_all(p, Producer.PER_SAMPLE_GRADIENTS, batch)
-            if any(producer in first for producer in _REDUCED):
-                l2 = squared_norms(batch) if Producer.SQUARED_NORMS in first else None
-                want_sgs = Producer.SUM_OF_SQUARES in first or Producer.MOMENTS in first
-                sgs = sum_of_squares(batch) if want_sgs else None
-                total = batch.sum(0) if Producer.MOMENTS in first else None
+            if self.reduces:
+                l2 = squared_norms(batch) if self.want_l2 else None
+                sgs = sum_of_squares(batch) if self.want_sgs else None
+                total = batch.sum(0) if self.want_moments else None
                 self._store(p, l2, sgs, total)
             self._correct(p, lambda bases, batch=batch: eigen_moment_of(batch, bases))
 
