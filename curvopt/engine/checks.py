@@ -31,6 +31,10 @@ from curvopt.engine.results import name_of
 from curvopt.engine.tolerance import dense, max_abs, mismatch, mismatches, roundoff
 from curvopt.errors import UnsupportedModuleError
 
+#: the spot check of materialised per-sample gradients reads ``_SPANS`` evenly spread runs of
+#: ``_WIDTH`` entries of a parameter with more entries than that (``reductions.probe_columns``)
+_SPANS, _WIDTH = 16, 256
+
 
 class _Total:
     """One parameter's sums of this pass: full ``sum_n g_n`` and/or projected through
@@ -165,16 +169,18 @@ class Checks:
 
     def check_materialised(self, batch_grads) -> None:
         """Spot check of ``sum_n g_n == grad`` on evenly spread entries of materialised
-        per-sample gradients (``batch_grads``: ``id(p) -> (p, [N, *p.shape])``), all
-        parameters' comparisons read at once."""
+        per-sample gradients (``batch_grads``: ``id(p) -> (p, [N, *p.shape])``; every entry of
+        a parameter with at most ``_SPANS * _WIDTH``), all parameters' comparisons read at
+        once."""
         checked = []  # (p, probed per-sample gradients, probed sum, probed grad, key)
         for key, (p, grad) in self.param_grads.items():
             if key not in batch_grads:
                 continue
-            per_sample = batch_grads[key][1]
-            batch = probe_columns(per_sample.reshape(per_sample.shape[0], -1))  # 0-dim p: [N, 1]
-            grad = probe_columns(dense(grad).reshape(1, -1))[0]
-            checked.append((p, batch, batch.sum(0), grad, key))
+            batch, grad = batch_grads[key][1], dense(grad)
+            if grad.numel() > _SPANS * _WIDTH:  # a large parameter: spread runs of entries
+                batch = probe_columns(batch.reshape(batch.shape[0], -1), _SPANS, _WIDTH)
+                grad = probe_columns(grad.reshape(1, -1), _SPANS, _WIDTH)[0]
+            checked.append((p, batch, batch.sum(0), grad, key))  # else all entries, as shaped
         pairs = [(total, grad, self.compute_eps.get(k, 0.0)) for _, _, total, grad, k in checked]
         for (p, batch, total, grad, _), wrong in zip(checked, mismatches(pairs, 64)):
             if wrong:
