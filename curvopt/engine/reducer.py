@@ -50,10 +50,6 @@ def reduce_in_chunks(rule, call, name, shape, want):
     }
 
 
-#: first-order producers computed from the per-sample gradients without keeping them
-_REDUCED = (Producer.SQUARED_NORMS, Producer.SUM_OF_SQUARES, Producer.MOMENTS)
-
-
 class FirstOrderReducer:
     """The first-order producers of one pass: per-sample gradients ``g_n`` of every module call
     and their reductions, put into the result buffer for each attribute a producer writes
@@ -74,7 +70,8 @@ class FirstOrderReducer:
         self.want_l2 = Producer.SQUARED_NORMS in first
         self.want_sgs = Producer.SUM_OF_SQUARES in first or Producer.MOMENTS in first
         self.want_moments = Producer.MOMENTS in first
-        self.reduces = any(producer in first for producer in _REDUCED)
+        #: a producer computed from the per-sample gradients without keeping them
+        self.reduces = self.want_l2 or self.want_sgs
         self.results, self.checks = results, checks
         self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
         #: (p, sum_n g_n**2, rule, call, name) whose moments take ``sum_n g_n`` from ``p``'s
