@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python -m benchmarks.per_pass_overhead [--rounds 15] [--repeats 200]
     OMP_NUM_THREADS=1 python -m benchmarks.per_pass_overhead --profile [--quantity KFAC]
+    python -m benchmarks.per_pass_overhead --calls --repeats 50
 
 DeepOBS MNIST logistic regression (784 -> 10, ``experiments.overhead.problems``), batch 8,
 float32, one thread: the arithmetic is a few µs (but for the 784 x 784 input factor of KFAC and
@@ -18,7 +19,8 @@ warm-up pass first (the structure's plan is made and cached, as in training). Wr
 each run keeps the other labels' rows).
 
 ``--profile`` runs cProfile over ``repeats`` passes of one quantity (``--quantity``, all of
-them without) and prints the cumulative and own time per pass by curvopt module.
+them without) and prints the cumulative and own time per pass by curvopt module; ``--calls``
+counts the Python and torch operator calls a pass under cProfile (5 warm-up passes first).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ SECOND_ORDER = ("DiagGGNExact", "DiagGGNMC", "KFAC", "KFLR")
 GOALS = {**{q: 50.0 for q in FIRST_ORDER}, **{q: 100.0 for q in SECOND_ORDER}}
 RESULTS = pathlib.Path(__file__).parent / "results"
 COMMAND = "OMP_NUM_THREADS=1 python -m benchmarks.per_pass_overhead"
+#: the sections below this line of ``per_pass_overhead.md`` (paired runs, call counts) are
+#: written by hand and kept when the table above is rendered again
+KEPT = "<!-- sections below are kept when the table is rendered -->"
 
 
 def setup(batch: int):
@@ -105,17 +110,7 @@ def measure(quantities, batch, rounds, repeats):
 
 def profile(quantities, batch, repeats):
     """Per pass, µs by curvopt module: cumulative (entered from outside it) and own time."""
-    _, with_quantity = setup(batch)
-    for q in quantities:
-        step = with_quantity(q)
-        for _ in range(3):
-            step()
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(repeats):
-            step()
-        profiler.disable()
-        stats = pstats.Stats(profiler).stats
+    for q, stats in _profiled(quantities, batch, repeats, warm=3):
         own = collections.Counter()
         functions = collections.Counter()
         for (path, _line, name), (_, _, tottime, cumtime, _) in stats.items():
@@ -131,6 +126,32 @@ def profile(quantities, batch, repeats):
         print("cumulative time of curvopt functions (µs a pass)")
         for fn, t in functions.most_common(30):
             print(f"  {1e6 * t / repeats:8.1f}  {fn}")
+
+
+def calls(quantities, batch, repeats):
+    """Per pass, the Python function calls and the torch operator calls (builtins whose name
+    names torch or Tensor) under cProfile, whole pass: deterministic, unlike the times."""
+    for q, stats in _profiled(quantities, batch, repeats, warm=5):
+        total = sum(v[1] for v in stats.values())
+        ops = sum(
+            v[1] for k, v in stats.items() if k[0] == "~" and ("torch" in k[2] or "Tensor" in k[2])
+        )
+        print(f"{q}: {total / repeats:.0f} calls, {ops / repeats:.0f} torch operator calls a pass")
+
+
+def _profiled(quantities, batch, repeats, warm):
+    """``(quantity, pstats' stats of repeats passes after warm ones)`` for each quantity."""
+    _, with_quantity = setup(batch)
+    for q in quantities:
+        step = with_quantity(q)
+        for _ in range(warm):
+            step()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(repeats):
+            step()
+        profiler.disable()
+        yield q, pstats.Stats(profiler).stats
 
 
 def _module(path: str) -> str:
@@ -188,7 +209,10 @@ def render():
             for lab in labels
         ]
         lines.append(f"| {q} | ≤ {GOALS[q]:.0f} | " + " | ".join(cells) + " |")
-    (RESULTS / "per_pass_overhead.md").write_text("\n".join(lines) + "\n")
+    path = RESULTS / "per_pass_overhead.md"
+    old = path.read_text() if path.exists() else ""
+    kept = old[old.index(KEPT) :] if KEPT in old else ""
+    path.write_text("\n".join(lines) + "\n" + ("\n" + kept if kept else ""))
     print("\n".join(lines))
 
 
@@ -200,11 +224,15 @@ def main(argv=None):
     parser.add_argument("--quantity", choices=(*FIRST_ORDER, *SECOND_ORDER), action="append")
     parser.add_argument("--label", default="after")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--calls", action="store_true", help="calls a pass (cProfile counts)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     quantities = tuple(args.quantity or (*FIRST_ORDER, *SECOND_ORDER))
     if args.profile:
         profile(quantities, args.batch, args.repeats)
+        return
+    if args.calls:
+        calls(quantities, args.batch, args.repeats)
         return
     results = measure(quantities, args.batch, args.rounds, args.repeats)
     if args.quantity:  # a partial run prints, the results file keeps full runs only
