@@ -99,9 +99,10 @@ def test_mismatch_decides_as_the_reference(dtypes):
 
 
 def test_mismatches_of_many_pairs_decide_each_as_the_reference():
-    """All the pairs at once (one foreach step per stage over the pairs of every dtype, read
-    together): each pair's decision is its own reference's, in every order of the pairs (a value
-    read into another pair's slot would change some decision)."""
+    """All the pairs at once (pairs of every dtype, their values read together, as the spot
+    check of materialised per-sample gradients does): each pair's decision is its own
+    reference's, in every order of the pairs (a value read into another pair's slot would
+    change some decision: checked by swapping the slots)."""
     dtypes = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
     pairs = [
         (a.to(dtypes[k % 4]), b.to(dtypes[(k // 4) % 4]), (0.0, 1e-3)[k % 2])
