@@ -132,16 +132,17 @@ def reproduces(matrix: torch.Tensor, factors: Factors) -> bool:
     """Whether ``matrix`` (``[d_0, d_1]``) is ``leftᵀ right``:
     ``|G v − leftᵀ(right v)| ≤ 64 eps |left|ᵀ(|right| |v|)`` for a random ``v`` (rounding of both
     sides of an ``R``-term sum, with a margin)."""
-    a, b = factors[1], factors[0]
-    if a.shape[1] != matrix.shape[1] or b.shape[1] != matrix.shape[0] or len(a) != len(b):
+    left, right = factors
+    rows, columns = matrix.shape
+    if right.shape[1] != columns or left.shape[1] != rows or len(left) != len(right):
         return False
     dtype = torch.promote_types(matrix.dtype, torch.float32)
     generator = torch.Generator(device=matrix.device).manual_seed(0)
     v = torch.randn(matrix.shape[1], generator=generator, device=matrix.device, dtype=dtype)
-    a, b = a.to(dtype), b.to(dtype)
-    error = (matrix.to(dtype) @ v - b.mT @ (a @ v)).abs()
+    left, right = left.to(dtype), right.to(dtype)
+    error = (matrix.to(dtype) @ v - left.mT @ (right @ v)).abs()
     eps = max(torch.finfo(t.dtype).eps for t in (matrix, *factors))
-    bound = 64 * eps * (b.abs().mT @ (a.abs() @ v.abs()))
+    bound = 64 * eps * (left.abs().mT @ (right.abs() @ v.abs()))
     return bool((error <= bound).all())
 
 
