@@ -22,7 +22,15 @@ SETTINGS = {
     "wc02": Setting("kfac", 0.02, 0.1, "practical", (), "warmup_cosine", 128),
     "wc01": Setting("kfac", 0.01, 0.1, "practical", (), "warmup_cosine", 128),
     "wc04": Setting("kfac", 0.04, 0.1, "practical", (), "warmup_cosine", 128),
-    "eigh_wc02": Setting("kfac", 0.02, 0.1, "practical", (("kronecker_damping", "trace_norm_eigh"), ("inverse_interval", 100)), "warmup_cosine", 128),
+    "eigh_wc02": Setting(
+        "kfac",
+        0.02,
+        0.1,
+        "practical",
+        (("kronecker_damping", "trace_norm_eigh"), ("inverse_interval", 100)),
+        "warmup_cosine",
+        128,
+    ),
 }
 for name in sys.argv[1:]:
     run = train_to_targets(SETTINGS[name], problem, spec, splits, 0, 300)
