@@ -1,7 +1,7 @@
 """Per-pass time of 2C2D's ``KFLR`` at multiples of the column budget
 (``curvature._COLUMN_BUDGET``), interleaved round by round in one process.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/kflr_column_budget.py [--rounds 16]
+    OMP_NUM_THREADS=1 python -m benchmarks.kflr_column_budget [--rounds 16]
 
 Each call's input-side Kronecker factor is computed once per pass (``engine.kron_pass``), so
 larger chunks of columns should buy no time; the budget then sets the peak memory alone

@@ -14,9 +14,10 @@ passes (forward, ``CrossEntropyLoss``, backward) and ``repeats`` passes of the s
 waits for a core does not count);
 the overhead is median(curvopt) - median(plain) over the rounds. The plain pass runs on an
 un-extended copy of the model (``extend``'s forward hooks are part of curvopt's cost). A
-warm-up pass first (the structure's plan is made and cached, as in training). Writes
-``benchmarks/results/per_pass_overhead.{md,json}`` under ``--label`` (``before``/``after``:
-each run keeps the other labels' rows).
+warm-up pass first (the structure's plan is made and cached, as in training). Prints the
+overhead of each quantity; with ``--label`` (e.g. ``before``/``after``) it writes the run into
+``benchmarks/results/per_pass_overhead.{md,json}`` under that label (each run keeps the other
+labels' rows).
 
 ``--profile`` runs cProfile over ``repeats`` passes of one quantity (``--quantity``, all of
 them without) and prints the cumulative and own time per pass by curvopt module; ``--calls``
@@ -222,7 +223,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--quantity", choices=(*FIRST_ORDER, *SECOND_ORDER), action="append")
-    parser.add_argument("--label", default="after")
+    parser.add_argument("--label", help="record the run under this label in the results files")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--calls", action="store_true", help="calls a pass (cProfile counts)")
     args = parser.parse_args(argv)
@@ -235,7 +236,7 @@ def main(argv=None):
         calls(quantities, args.batch, args.repeats)
         return
     results = measure(quantities, args.batch, args.rounds, args.repeats)
-    if args.quantity:  # a partial run prints, the results file keeps full runs only
+    if args.label is None or args.quantity:  # the results file keeps labelled full runs only
         for q, r in results.items():
             print(f"{q}: {r['overhead_us']:.0f} µs (plain {r['plain_us']:.0f} µs)")
         return
