@@ -40,10 +40,10 @@ def diag_from_columns(rule, call: Call, columns, name: str, batched: bool, n: in
     for first in range(0, n, samples):
         last = min(n, first + samples)
         sub = call if (first, last) == (0, n) else call.slice(first, last)
-        sub_columns = _narrow(columns, first, last, dim=1 + call.batch_dim)
+        sub_columns = narrow(columns, first, last, dim=1 + call.batch_dim)
         totals = None
         for start in range(0, k, step):
-            chunk = _narrow(sub_columns, start, min(k, start + step))
+            chunk = narrow(sub_columns, start, min(k, start + step))
             grads = rule.column_grads(sub, chunk, name)  # [n, k, *p]; may alias the columns
             squares = _squares_per_sample(grads) if batched else sum_of_squares(grads, dims=2)
             totals = squares if totals is None else totals.add_(squares)
@@ -69,7 +69,7 @@ def _first(columns) -> torch.Tensor:
     )
 
 
-def _narrow(columns, start: int, stop: int, dim: int = 0):
+def narrow(columns, start: int, stop: int, dim: int = 0):
     if isinstance(columns, torch.Tensor):
         return columns.narrow(dim, start, stop - start)
     return tuple(None if c is None else c.narrow(dim, start, stop - start) for c in columns)

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from curvopt.engine.diagonals import _narrow, diag_from_columns, module_call
+from curvopt.engine.diagonals import diag_from_columns, module_call, narrow
 from curvopt.engine.params import trainable
 from curvopt.engine.results import Factors, Term
 from curvopt.errors import UnsupportedKroneckerError
@@ -79,7 +79,7 @@ class FactorStream:
         if k not in self._sub_batch_roots:
             self._sub_batch_roots[k] = self._sub_batch_root(k)
         root = self._sub_batch_roots[k]
-        cols = _narrow(columns, 0, k, dim=1 + call.batch_dim)
+        cols = narrow(columns, 0, k, dim=1 + call.batch_dim)
         if isinstance(cols, torch.Tensor):
             return call.slice(0, k), cols * root, k
         return call.slice(0, k), tuple(None if c is None else c * root for c in cols), k
