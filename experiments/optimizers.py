@@ -14,6 +14,10 @@ Presets (curvature optimizers only; see docs/optim.md for the reasoning):
 * ``practical``: amortised curvature and inverses (every 10 steps), an exponential average of
   the curvature (0.95), heavy-ball momentum 0.9 and KL clipping (1e-3), as kfac-pytorch and
   K-FAC JAX configure K-FAC for speed.
+* ``schedule_free`` (``KFAC``; the optimizer ``sf_kfac`` of the time-to-result grids):
+  ``practical``'s amortisation and trust region with schedule-free averaging (β 0.9) in place of
+  momentum (``curvopt.optim.stages.schedule_free``); it is evaluated at its average
+  (``opt.eval()``), and runs with a warm-up and no decay, as schedule-free AdamW.
 
 The peers from other packages (``soap``, ``psgd_kron``, ``sf_adamw``) are built by
 :mod:`experiments.peers`.
@@ -44,10 +48,11 @@ OPTIMIZERS: dict[str, tuple[str | None, dict]] = {
     "kflr": ("KFAC", {"curvature": "kflr"}),
     "kfra": ("KFAC", {"curvature": "kfra"}),
     "ekfac": ("EKFAC", {"curvature": "kfac"}),
+    "sf_kfac": ("KFAC", {"curvature": "kfac"}),  # with the schedule_free preset
     "vsgd": ("VarianceAdaptedSGD", {}),
     **{name: (None, {}) for name in PEERS},
 }
-DAMPED = {"diagggn", "diagggn_mc", "kfac", "kflr", "kfra", "ekfac"}
+DAMPED = {"diagggn", "diagggn_mc", "kfac", "kflr", "kfra", "ekfac", "sf_kfac"}
 
 #: Keywords a run fixes itself (not settable as options).
 FIXED_KEYWORDS = {"self", "params", "lr", "damping", "curvature", "weight_decay", "process_group"}
@@ -64,6 +69,9 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "KFAC": {**_AMORTISED, "inverse_interval": 10},
         # eigenvalues corrected every step (no EMA): only the basis is amortised
         "EKFAC": {"basis_interval": 10, "momentum": 0.9, "kl_clip": 1e-3},
+    },
+    "schedule_free": {
+        "KFAC": {**_AMORTISED, "inverse_interval": 10, "momentum": 0.0, "schedule_free": 0.9},
     },
 }
 

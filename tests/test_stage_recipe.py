@@ -69,6 +69,7 @@ def test_the_stage_runs_at_its_place_in_the_chain():
         "TraceMomentum",
         "HalveUpdate",
         "ScaleByLearningRate",
+        "ScheduleFree",
     ]
     assert "HalveUpdate" not in [type(s).__name__ for s in stages.NEWTON]  # a new value
 

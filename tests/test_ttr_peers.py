@@ -157,6 +157,42 @@ def test_every_grid_has_its_settings_at_every_batch_size():
     assert {s.schedule for s in GRIDS["fmnist_2c2d"]["sf_adamw"]} == {"warmup"}
 
 
+def test_schedule_free_kfac_is_evaluated_at_its_average(splits, monkeypatch):
+    """``sf_kfac`` (KFAC's ``schedule_free`` preset) is evaluated at ``x = (y − (1 − β) z) / β``
+    of its last training point ``y``, and trains as without evaluations."""
+    setting = GRIDS["fmnist_vit"]["sf_kfac"][0]
+    setting = replace(setting, options=(("kl_clip", 0.1),), batch_size=None)
+    spec = TtrProblem(targets=(1.01,), max_steps=6, eval_every=1, eval_size=200)
+    trained: list = []  # (optimizer, the parameters y after each step)
+    seen: list = []
+    original_sums, original_step = protocol.split_sums, protocol.timed_step
+
+    def step(net, lossfunc, opt, collects, x, y, clock):
+        out = original_step(net, lossfunc, opt, collects, x, y, clock)
+        trained.append((opt, [p.detach().clone() for p in net.parameters()]))
+        return out
+
+    def sums(model, *args):
+        seen.append([p.detach().clone() for p in model.parameters()])
+        return original_sums(model, *args)
+
+    monkeypatch.setattr(protocol, "timed_step", step)
+    monkeypatch.setattr(protocol, "split_sums", sums)
+    every = train_to_targets(setting, "mnist_logreg", spec, splits, seed=0)
+    opt, ys = trained[-1]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert opt.param_groups[0]["schedule_free"] == 0.9 and opt.param_groups[0]["momentum"] == 0
+    for got, y, p in zip(seen[-1], ys, params):
+        z = opt.state[p]["schedule_free"]["z"]
+        torch.testing.assert_close(got, (y - 0.1 * z) / 0.9, rtol=1e-5, atol=1e-6)
+        assert (got - y).abs().max() > 1e-4  # the evaluation did switch to x
+    final = ys
+    trained.clear()
+    sparse = train_to_targets(setting, "mnist_logreg", TtrProblem((1.01,), 6, 6, 200), splits, 0)
+    assert all(torch.equal(a, b) for a, b in zip(trained[-1][1], final))
+    assert sparse.curve[-1][2] == every.curve[-1][2]
+
+
 @pytest.mark.parametrize("optimizer", ["adam", "sf_adamw", "kfac"])
 def test_the_batch_512_settings_of_2c2d_train_a_few_steps(splits, optimizer):
     pytest.importorskip("schedulefree")

@@ -42,6 +42,7 @@ class EKFACOptions(NewtonOptions):
     max_basis_dim: int | None = option(None, optional(number(1, integer=True)))
 
     def relations(self) -> None:
+        super().relations()
         if self.curvature_ema != 0:
             raise ValueError(
                 "EKFAC does not support curvature_ema: S is recomputed in the current basis "

@@ -42,6 +42,7 @@ class KFACOptions(NewtonOptions):
     kfac_approx: str = option("expand", choice(*KFAC_APPROX))
 
     def relations(self) -> None:
+        super().relations()
         if self.max_rank is not None and self.kronecker_damping == "exact":
             raise ValueError(
                 "KFAC: max_rank caps the trace-norm inverses; it does not exist for "

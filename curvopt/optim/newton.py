@@ -32,7 +32,8 @@ closure's loss over ``LOSS_GROWTH`` (1000) times the first one warns. A finite l
 grows without a closure is not seen by the optimizer.
 
 Opt-in, per param group: ``curvature_interval`` (read ``C`` every k steps, reuse it between),
-``curvature_ema`` (``C ← β C + (1 − β) C_new``), ``momentum``, adaptive damping
+``curvature_ema`` (``C ← β C + (1 − β) C_new``), ``momentum``, ``schedule_free`` (β: the
+schedule-free average of the steps, evaluated after ``opt.eval()``), adaptive damping
 (:class:`~curvopt.optim.damping.LevenbergMarquardt`) and ``fallback='sgd'``.
 
 Under ``torch.distributed`` (see :mod:`curvopt.optim.distributed`) the curvature is averaged over
@@ -54,7 +55,14 @@ from curvopt.engine import values
 from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, ParamUpdate
 from curvopt.optim.plan import number
 from curvopt.optim.damping import as_damping, reduction_ratio
-from curvopt.optim.stages import NEWTON, Chain, GroupStep, ParamStep
+from curvopt.optim.stages import (
+    NEWTON,
+    Chain,
+    GroupStep,
+    ParamStep,
+    Preconditioner,
+    schedule_free,
+)
 
 
 @dataclass
@@ -113,6 +121,11 @@ class NewtonOptimizer(CurvatureOptimizer):
     def step(self, closure=None):
         """As :meth:`CurvatureOptimizer.step`; with a closure, warns (``RuntimeWarning``) when
         its loss exceeds ``LOSS_GROWTH`` times the first closure loss of this optimizer."""
+        if self.__dict__.get("_evaluating"):
+            raise RuntimeError(
+                f"{type(self).__name__}: step() after opt.eval(), while the parameters hold the "
+                "schedule-free average; call opt.train() first"
+            )
         loss = super().step(closure)
         if loss is not None:
             value = number(loss)
@@ -127,6 +140,23 @@ class NewtonOptimizer(CurvatureOptimizer):
                     stacklevel=2,
                 )
         return loss
+
+    # ----------------------------------------------------------------- schedule-free
+    def eval(self) -> None:
+        """Put the average ``x`` into the parameters of the groups with ``schedule_free``
+        (:mod:`~curvopt.optim.stages.schedule_free`), to evaluate; the others stay."""
+        if not self.__dict__.get("_evaluating"):
+            self._swap(schedule_free.average)
+            self._evaluating = True
+
+    def train(self) -> None:
+        """Put the training point ``y`` back into the parameters after :meth:`eval`."""
+        if self.__dict__.get("_evaluating"):
+            self._swap(schedule_free.gradient_point)
+            self._evaluating = False
+
+    def _swap(self, to: Callable) -> None:
+        schedule_free.swap(self.param_groups, self.state, to)
 
     # ----------------------------------------------------------------- subclass hooks
     def _extension(self, group: dict[str, Any]) -> ExtensionSpec:
@@ -186,7 +216,8 @@ class NewtonOptimizer(CurvatureOptimizer):
     def _plan_group(self, group, group_state, with_model):
         """The group's :class:`~curvopt.optim.stages.GroupStep` (curvature read where due)
         through the chain of stages, and the decrease the quadratic model predicts."""
-        step = GroupStep(self, group, group_state["step"], self._total_damping(group, group_state))
+        damping = self._total_damping(group, group_state)
+        step = GroupStep(self._preconditioner(), group, group_state["step"], damping)
         attr, _ = self._extension(group)
         extension = extensions.writer(attr).__name__
         due = self._curvature_due(group, group_state)
@@ -207,6 +238,12 @@ class NewtonOptimizer(CurvatureOptimizer):
             stage(step)
         predicted = self._predicted(step) if with_model else 0.0
         return [item.update for item in step.params], predicted
+
+    def _preconditioner(self) -> Preconditioner:
+        """The stages' narrow view of this optimizer (``stages.base.Preconditioner``)."""
+        return Preconditioner(
+            self._direction, self._fallback_direction, self._derived, self._distributed
+        )
 
     def _total_damping(self, group, group_state) -> float:
         """``λ + δ``: the damping of this step plus the weight decay."""

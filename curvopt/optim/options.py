@@ -76,6 +76,12 @@ def _damping(name: str, value) -> None:
     as_damping(value)
 
 
+def _interpolation(name: str, value) -> None:
+    check_number(name, value, 0.0, 1.0, open_high=True)
+    if value == 0:  # y = z: the average x could not be recovered from the parameters
+        raise ValueError(f"{name} must be > 0 (and < 1), got {value!r}")
+
+
 def option(default: Any = dataclasses.MISSING, check: Check | None = None, keyword: bool = True):
     """A field of an options class: its default (none: required), its check, and whether it
     is a constructor keyword (``keyword=False``: fixed at its default, e.g. EKFAC's
@@ -131,6 +137,16 @@ class NewtonOptions(CurvatureOptions):
     #: ``K``: Kronecker factors from the first ``K`` samples of each batch (``extensions.KFAC(
     #: samples=K)``; ``None``: the whole batch); curvatures without sub-batches raise
     curvature_samples: int | None = option(None, optional(number(1, integer=True)))
+    #: ``β``: schedule-free averaging (``stages.schedule_free``; evaluate after ``opt.eval()``)
+    schedule_free: float | None = option(None, optional(_interpolation))
+
+    def relations(self) -> None:
+        if self.schedule_free is not None and as_damping(self.damping).adaptive:
+            raise ValueError(
+                "schedule_free does not combine with adaptive (Levenberg-Marquardt) damping, "
+                "whose quadratic model predicts the Newton step, not the averaged one; use a "
+                "constant or scheduled damping, or schedule_free=None"
+            )
 
 
 def constructor(

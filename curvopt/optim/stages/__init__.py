@@ -5,11 +5,12 @@ with a :class:`Stage` subclass (its ``order`` places it) and its instance in :da
 for one optimizer, ``stages=NEWTON.with_stage(MyStage())``.
 """
 
-from curvopt.optim.stages.base import Chain, GroupStep, ParamStep, Stage
+from curvopt.optim.stages.base import Chain, GroupStep, ParamStep, Preconditioner, Stage
 from curvopt.optim.stages.curvature_ema import AverageCurvature
 from curvopt.optim.stages.learning_rate import ScaleByLearningRate
 from curvopt.optim.stages.momentum import TraceMomentum
 from curvopt.optim.stages.precondition import Precondition
+from curvopt.optim.stages.schedule_free import ScheduleFree
 from curvopt.optim.stages.trust_region import ScaleByTrustRegion
 from curvopt.optim.stages.weight_decay import AddWeightDecay
 
@@ -22,6 +23,7 @@ NEWTON = Chain(
         ScaleByTrustRegion(),
         TraceMomentum(),
         ScaleByLearningRate(),
+        ScheduleFree(),
     )
 )
 
@@ -33,8 +35,10 @@ __all__ = [
     "GroupStep",
     "ParamStep",
     "Precondition",
+    "Preconditioner",
     "ScaleByLearningRate",
     "ScaleByTrustRegion",
+    "ScheduleFree",
     "Stage",
     "TraceMomentum",
 ]

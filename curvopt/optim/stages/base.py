@@ -10,6 +10,7 @@ the update in the making, as optax's transforms do::
     d ← ν d                          40  trust_region.ScaleByTrustRegion   (not for κ = None)
     v = μ v + d                      50  momentum.TraceMomentum            (not for μ = 0)
     Δ = lr · v                       60  learning_rate.ScaleByLearningRate
+    Δ ← schedule-free Δ              70  schedule_free.ScheduleFree        (not for β = None)
 
 A stage that is the identity under a group's options (its ``identity_at``, in parentheses
 above) is not in that group's chain (:meth:`Chain.for_group`): a default KFAC step runs three.
@@ -25,7 +26,7 @@ constructor argument ``stages=`` replaces it for one optimizer (``NEWTON.with_st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -53,11 +54,26 @@ class ParamStep:
     direction: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class Preconditioner:
+    """What the preconditioning stage asks of the optimizer, and no more: the damped direction
+    ``d = (C + (λ + δ) I)⁻¹ g`` of a parameter with curvature (``direction``) and of one
+    without (``fallback``), each with the cache entries its state keeps; the cached quantity
+    ``direction`` derives from a curvature (``derived(curvature, group, damping,
+    curvature_step)``: an inverse or eigendecomposition, or None), which is computed ahead and
+    spread over the ranks by ``distributed`` (a ``DistributedCurvature``; None: one process)."""
+
+    direction: Callable[[ParamStep, "GroupStep"], tuple[torch.Tensor, dict[str, Any]]]
+    fallback: Callable[[ParamStep, "GroupStep"], tuple[torch.Tensor, dict[str, Any]]]
+    derived: Callable[[Any, dict[str, Any], float, int], Any]
+    distributed: Any = None
+
+
 @dataclass
 class GroupStep:
     """The step of one param group: its ``ParamStep``s and what every stage may read."""
 
-    optimizer: Any  # the NewtonOptimizer (its hooks: _direction(item, step), _derived, ...)
+    preconditioner: Preconditioner
     group: dict[str, Any]
     #: the group's step count and damping ``λ + δ`` (weight decay included)
     step: int

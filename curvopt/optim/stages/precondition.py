@@ -1,5 +1,5 @@
-"""``d = (C + (λ + δ) I)⁻¹ g`` through the optimizer's hooks: ``_direction`` for a parameter
-with curvature ``C`` (diagonal, Kronecker, eigen-corrected), ``_fallback_direction`` for one
+"""``d = (C + (λ + δ) I)⁻¹ g`` through the group's ``Preconditioner``: its ``direction`` for a
+parameter with curvature ``C`` (diagonal, Kronecker, eigen-corrected), its ``fallback`` for one
 without. The new state holds ``C`` and the step it is from, and the cached derived quantity
 (inverse, eigendecomposition) that ``_direction`` returns.
 
@@ -26,16 +26,16 @@ class Precondition(Stage):
     order = 30
 
     def __call__(self, step: GroupStep) -> None:
-        optimizer = step.optimizer
-        if optimizer._distributed is not None:
+        preconditioner = step.preconditioner
+        if preconditioner.distributed is not None:
             _spread_derived(step)
         for item in step.params:
             update = item.update
             if item.curvature is None:
-                item.direction, update.state = optimizer._fallback_direction(item, step)
+                item.direction, update.state = preconditioner.fallback(item, step)
                 continue
             try:
-                item.direction, update.state = optimizer._direction(item, step)
+                item.direction, update.state = preconditioner.direction(item, step)
             except torch.linalg.LinAlgError as error:
                 raise torch.linalg.LinAlgError(f"{update.description}: {error}") from None
             update.state.update(curvature=item.curvature, curvature_step=item.curvature_step)
@@ -43,11 +43,13 @@ class Precondition(Stage):
 
 def _spread_derived(step: GroupStep) -> None:
     """Compute the due derived quantities on their ranks and put them into the items' state."""
-    optimizer, due = step.optimizer, []  # (item, Derived)
+    preconditioner, due = step.preconditioner, []  # (item, Derived)
     for item in step.params:
         if item.curvature is None:
             continue
-        derived = optimizer._derived(item.curvature, step.group, step.damping, item.curvature_step)
+        derived = preconditioner.derived(
+            item.curvature, step.group, step.damping, item.curvature_step
+        )
         if derived is None:
             continue
         old = item.state.get(derived.name)
@@ -57,7 +59,7 @@ def _spread_derived(step: GroupStep) -> None:
         Job(item.update.description, d.compute, d.empty, inversion_cost(item.curvature))
         for item, d in due
     ]
-    values = optimizer._distributed.spread(jobs)
+    values = preconditioner.distributed.spread(jobs)
     for (item, derived), value in zip(due, values):
         entry = {"value": value, "key": derived.key, "step": step.step}
         item.state = {**item.state, derived.name: entry}
