@@ -25,6 +25,8 @@ DT = torch.float64
 
 OPTIMIZERS = {
     "KFAC": lambda p: KFAC(p, lr=0.1, damping=0.1, curvature="kflr"),
+    # the Hugging Face Trainer calls opt.train() before every step (schedule-free's API)
+    "KFAC-schedule-free": lambda p: KFAC(p, 0.1, 0.1, "kflr", schedule_free=0.9),
     "EKFAC": lambda p: EKFAC(p, 0.1, 0.1, "kflr"),
     "DiagGGNNewton": lambda p: DiagGGNNewton(p, lr=0.1, damping=0.1, curvature="exact"),
     "VarianceAdaptedSGD": lambda p: VarianceAdaptedSGD(p, lr=0.1),

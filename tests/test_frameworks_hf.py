@@ -235,3 +235,48 @@ def test_trainer_with_compute_loss_func(name, loss, tmp_path):
     scale = want.abs().max()
     assert float((parameters(model) - want).abs().max() / scale) <= 1e-12
     assert not torch.equal(want, parameters(_gpt2()))
+
+
+def test_trainer_evaluates_schedule_free_kfac_at_its_average(tmp_path):
+    """With evaluations during training the Trainer calls ``opt.eval()`` before each and
+    ``opt.train()`` before each step: the evaluations see schedule-free's average ``x`` and
+    the training continues from ``y``, as in a loop that makes the same calls."""
+    setting = SETTINGS["one_batch"]
+    name = "KFAC-schedule-free"
+    seen = []
+
+    class Record(transformers.TrainerCallback):
+        def on_evaluate(self, args, state, control, model=None, **kwargs):
+            seen.append(parameters(model.model))
+
+    module = _WithLoss(setting)
+    opt = OPTIMIZERS[name](module.parameters())
+    data = [{"x": x, "labels": label} for X, y in micro_batches(setting) for x, label in zip(X, y)]
+    args = _arguments(setting, tmp_path, setting.sizes[0])
+    args.eval_strategy, args.eval_steps, args.per_device_eval_batch_size = "steps", 1, 8
+    trainer = transformers.Trainer(
+        model=module,
+        args=args,
+        train_dataset=data,
+        eval_dataset=data[:8],
+        optimizers=(opt, _constant(opt)),
+        callbacks=[Record()],
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    model, lossfunc = make_model(setting), make_loss()
+    ref = OPTIMIZERS[name](model.parameters())
+    averages = []
+    for X, y in micro_batches(setting):
+        ref.train()
+        ref.zero_grad()
+        lossfunc(model(X), y).backward()
+        ref.step()
+        ref.eval()
+        averages.append(parameters(model))
+    assert len(seen) == len(averages) == setting.steps
+    for got, want in zip(seen, averages):
+        assert_same(got, want, setting)
+    ref.train()
+    assert not torch.allclose(parameters(model), averages[-1])  # x and y differ

@@ -47,10 +47,10 @@ class ScheduleFree(Stage):
             lr_max = max(lr, 0.0 if kept is None else kept["lr_max"])
             weight_sum = lr_max**2 + (0.0 if kept is None else kept["weight_sum"])
             c = lr_max**2 / weight_sum if weight_sum > 0 else 0.0
-            u = update.delta
-            update.delta = c * (y - z) + (1 - beta * (1 - c)) * u
+            u = update.delta  # checked finite; Δ is, by the plan's check of θ − Δ
+            # three passes over the parameter's size (a memory-bound step: fc1 of 2C2D is 3.2M)
+            update.delta = torch.sub(y, z).mul_(c).add_(u, alpha=1 - beta * (1 - c))
             update.state[KEY] = {"z": z - u, "weight_sum": weight_sum, "lr_max": lr_max}
-            update.checks.append(("schedule-free update", update.delta))
 
 
 def average(param: torch.Tensor, state: dict[str, Any], beta: float) -> torch.Tensor:

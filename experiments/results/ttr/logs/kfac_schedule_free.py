@@ -60,6 +60,28 @@ SETTINGS.update(
         for beta in (0.95, 0.8)
     }
 )
+SETTINGS.update(  # no curvature EMA: the factors of one batch, of low rank (Woodbury inverses)
+    {
+        "sf1_clip1_ema0": Setting(
+            "kfac",
+            1.0,
+            0.1,
+            "practical",
+            (*SF, ("kl_clip", 1.0), ("curvature_ema", 0.0)),
+            "warmup",
+            128,
+        ),
+        "sf1_clip1_ema0_whole": Setting(
+            "kfac",
+            1.0,
+            0.1,
+            "practical",
+            (*SF[1:], ("kl_clip", 1.0), ("curvature_ema", 0.0)),
+            "warmup",
+            128,
+        ),
+    }
+)
 if problem == "fmnist_vit":  # the raw tokens take the diagonal step; the whole batch's factors
     SETTINGS = {
         name: replace(s, options=(("fallback", "diagonal"), *s.options[1:]))
