@@ -39,6 +39,7 @@ OPTIMIZER_TITLES = {
     "soap": "SOAP",
     "psgd_kron": "PSGD-Kron",
     "sf_adamw": "schedule-free AdamW",
+    "sf_kfac": "schedule-free KFAC",
 }
 #: fixed colour per optimizer, so that the same method has the same colour in every figure
 OPTIMIZER_COLORS = {
@@ -54,6 +55,7 @@ OPTIMIZER_COLORS = {
     "soap": "tab:cyan",
     "psgd_kron": "darkgoldenrod",
     "sf_adamw": "darkslateblue",
+    "sf_kfac": "black",
 }
 OPTIMIZER_ORDER = list(OPTIMIZER_TITLES)
 PROBLEM_ORDER = list(PROBLEM_TITLES)
