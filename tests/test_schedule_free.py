@@ -2,6 +2,8 @@
 ``curvopt.optim.stages.schedule_free``), in float64, against Defazio et al. 2024's Algorithm 1
 written out with its three sequences, and against ``schedulefree.SGDScheduleFree``."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -213,3 +215,32 @@ def test_the_stage_is_left_out_without_schedule_free():
     assert "ScheduleFree" not in names
     group = KFAC(_mlp().parameters(), 0.1, 0.1, schedule_free=0.9).param_groups[0]
     assert type(stages.NEWTON.for_group(group)[-1]).__name__ == "ScheduleFree"
+
+
+def test_a_checkpoint_taken_in_eval_mode_resumes_at_the_training_point():
+    """As the Hugging Face Trainer saves after an evaluation: the model holds ``x`` and the
+    optimizer's state says so (group state ``"averaged"``), so ``train()`` after loading puts
+    ``y`` back and the run continues as the uninterrupted one (to rounding: ``x`` and back;
+    the exact curvature: no Monte-Carlo draws, which the reseeding model would change)."""
+    whole = _train(MAKERS["KFAC-kflr-eigh"], _mlp(), 5, schedule_free=0.9)
+    model = _mlp()
+    first = _train(MAKERS["KFAC-kflr-eigh"], model, 3, schedule_free=0.9)
+    first.eval()
+    weights, saved = copy.deepcopy(model.state_dict()), copy.deepcopy(first.state_dict())
+    resumed = _mlp(seed=1)
+    resumed.load_state_dict(weights)
+    again = MAKERS["KFAC-kflr-eigh"](resumed.parameters(), schedule_free=0.9)
+    again.load_state_dict(saved)
+    with pytest.raises(RuntimeError, match=r"call opt.train\(\) first"):
+        again.step()
+    again.train()
+    X, y = _data(resumed)
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    for _ in range(2):
+        again.train()  # as the Trainer calls it before every step: no swap when training
+        again.zero_grad()
+        lossfunc(resumed(X), y).backward()
+        again.step()
+    for p, q in zip(whole.param_groups[0]["params"], resumed.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-13)
+    assert copy.deepcopy(again)._group_state[0].get("averaged") is False

@@ -32,9 +32,9 @@ closure's loss over ``LOSS_GROWTH`` (1000) times the first one warns. A finite l
 grows without a closure is not seen by the optimizer.
 
 Opt-in, per param group: ``curvature_interval`` (read ``C`` every k steps, reuse it between),
-``curvature_ema`` (``C ← β C + (1 − β) C_new``), ``momentum``, ``schedule_free`` (β: the
-schedule-free average of the steps, evaluated after ``opt.eval()``), adaptive damping
-(:class:`~curvopt.optim.damping.LevenbergMarquardt`) and ``fallback='sgd'``.
+``curvature_ema`` (``C ← β C + (1 − β) C_new``), ``momentum``, ``schedule_free`` (β; evaluate
+after ``opt.eval()``), adaptive damping (:class:`~curvopt.optim.damping.LevenbergMarquardt`)
+and ``fallback='sgd'``.
 
 Under ``torch.distributed`` (see :mod:`curvopt.optim.distributed`) the curvature is averaged over
 the ranks when it is read, and the derived quantities that are due (:meth:`_derived`: inverses,
@@ -121,7 +121,7 @@ class NewtonOptimizer(CurvatureOptimizer):
     def step(self, closure=None):
         """As :meth:`CurvatureOptimizer.step`; with a closure, warns (``RuntimeWarning``) when
         its loss exceeds ``LOSS_GROWTH`` times the first closure loss of this optimizer."""
-        if self.__dict__.get("_evaluating"):
+        if any(group_state.get("averaged") for group_state in self._group_state):
             raise RuntimeError(
                 f"{type(self).__name__}: step() after opt.eval(), while the parameters hold the "
                 "schedule-free average; call opt.train() first"
@@ -144,19 +144,20 @@ class NewtonOptimizer(CurvatureOptimizer):
     # ----------------------------------------------------------------- schedule-free
     def eval(self) -> None:
         """Put the average ``x`` into the parameters of the groups with ``schedule_free``
-        (:mod:`~curvopt.optim.stages.schedule_free`), to evaluate; the others stay."""
-        if not self.__dict__.get("_evaluating"):
-            self._swap(schedule_free.average)
-            self._evaluating = True
+        (:mod:`~curvopt.optim.stages.schedule_free`), to evaluate; the others stay. Which
+        groups hold ``x`` is group state (``"averaged"``), saved with ``state_dict``."""
+        self._swap(True, schedule_free.average)
 
     def train(self) -> None:
         """Put the training point ``y`` back into the parameters after :meth:`eval`."""
-        if self.__dict__.get("_evaluating"):
-            self._swap(schedule_free.gradient_point)
-            self._evaluating = False
+        self._swap(False, schedule_free.gradient_point)
 
-    def _swap(self, to: Callable) -> None:
-        schedule_free.swap(self.param_groups, self.state, to)
+    def _swap(self, averaged: bool, to: Callable) -> None:
+        for group, group_state in zip(self.param_groups, self._group_state):
+            beta, now = group["schedule_free"], group_state.get("averaged", False)
+            if beta is not None and now != averaged:
+                schedule_free.swap(group, self.state, to)
+                group_state["averaged"] = averaged
 
     # ----------------------------------------------------------------- subclass hooks
     def _extension(self, group: dict[str, Any]) -> ExtensionSpec:

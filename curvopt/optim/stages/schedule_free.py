@@ -67,10 +67,8 @@ def gradient_point(average: torch.Tensor, state: dict[str, Any], beta: float) ->
 
 
 @torch.no_grad()
-def swap(param_groups, state, to: Callable) -> None:
-    """Replace every parameter ``p`` of the groups with ``schedule_free`` by ``to(p, its state,
-    β)`` (:func:`average` or :func:`gradient_point`), in place."""
-    for group in param_groups:
-        if group["schedule_free"] is not None:
-            for p in group["params"]:
-                p.copy_(to(p, state.get(p, {}), group["schedule_free"]))
+def swap(group: dict[str, Any], state, to: Callable) -> None:
+    """Replace every parameter ``p`` of the param group (with ``schedule_free`` β) by ``to(p,
+    its state, β)`` (:func:`average` or :func:`gradient_point`), in place."""
+    for p in group["params"]:
+        p.copy_(to(p, state.get(p, {}), group["schedule_free"]))
