@@ -1,7 +1,7 @@
 """``d = (C + (λ + δ) I)⁻¹ g`` through the group's ``Preconditioner``: its ``direction`` for a
 parameter with curvature ``C`` (diagonal, Kronecker, eigen-corrected), its ``fallback`` for one
 without. The new state holds ``C`` and the step it is from, and the cached derived quantity
-(inverse, eigendecomposition) that ``_direction`` returns.
+(inverse, eigendecomposition) that ``direction`` returns.
 
 Under ``torch.distributed`` the derived quantities that are due (``_derived``) are first
 computed each on one rank and broadcast (``DistributedCurvature.spread``), then put into the
