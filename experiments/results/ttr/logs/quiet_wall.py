@@ -1,8 +1,9 @@
 """The winners' seeds run again, one at a time, at one thread, on an otherwise idle machine:
 the wall-clock to the highest target that the protocol's own runs could not give (they ran
-beside other jobs). Each run must take the steps of its recorded run (the steps are
-deterministic per seed); the machine's load is recorded beside each run: the steal share of
-/proc/stat (CPU taken by the host's other tenants) and the 1-minute load average.
+beside other jobs). Each run is checked against the steps of its recorded run (the steps are
+deterministic per seed, code version and CPU model); the machine's load is recorded beside
+each run: the steal share of /proc/stat (CPU taken by the host's other tenants) and the 1-minute
+load average.
 
 usage (in experiments/results/ttr, CURVOPT_DATA set):
   python logs/quiet_wall.py fmnist_2c2d:sf_kfac fmnist_2c2d:adam ... > logs/quiet_wall.log
@@ -14,12 +15,12 @@ import os
 import sys
 import time
 from dataclasses import asdict
-from statistics import median
 
 import torch
 
 from experiments.data import load_dataset, make_splits
 from experiments.problems import get_problem
+from experiments.ttr.report import median_steps
 from experiments.ttr.protocol import GRIDS, TTR_PROBLEMS, line, target_key, train_to_targets
 
 OUT = "logs/quiet_wall.json"
@@ -55,9 +56,6 @@ for item in sys.argv[1:]:
         same = run.steps_to == recorded["steps_to"]
         seeds.append(
             {
-                "seed": run.seed,
-                "steps_to": run.steps_to,
-                "seconds_to": run.seconds_to,
                 "same_steps_as_recorded": same,
                 "recorded_seconds_to": recorded["seconds_to"],
                 "run": asdict(run),
@@ -69,12 +67,10 @@ for item in sys.argv[1:]:
         )
         print(line(problem, run), f"same steps: {same}", f"steal {seeds[-1]['steal_share']:.3f}")
         print(f"  process wall {wall:.1f} s, cpu {cpu:.1f} s", flush=True)
-    times = [s["seconds_to"][top] for s in seeds]
-    mid = median(float("inf") if t is None else t for t in times)
     results.setdefault(problem, {})[opt] = {
         "setting": entry["tuning"][index]["setting"],
         "target": spec.targets[-1],
-        "median_seconds_to_target": None if mid == float("inf") else mid,
+        "median_seconds_to_target": median_steps([s["run"]["seconds_to"][top] for s in seeds]),
         "seeds": seeds,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -6,17 +6,12 @@ cost per step) beside it; the most steal any run saw.
 usage (in experiments/results/ttr): python logs/quiet_wall_table.py > quiet_wall.md"""
 
 import json
-from statistics import median
 
-INF = float("inf")
+from experiments.ttr.protocol import target_key
+from experiments.ttr.report import median_steps
+
 wall = json.load(open("logs/quiet_wall.json"))
 costs = json.load(open("cost.json"))["problems"]
-
-
-def mid(values):
-    """Median with an unreached target (None) counted as infinitely late; None if it is."""
-    m = median(INF if v is None else v for v in values)
-    return None if m == INF else m
 
 
 def cell(value, fmt):
@@ -32,17 +27,18 @@ print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for problem, entries in wall.items():
     rows = {}
     for opt, entry in entries.items():
-        key = f"{entry['target']:g}"
-        steps = [s["steps_to"][key] for s in entry["seeds"]]
+        key = target_key(entry["target"])
+        runs = [s["run"] for s in entry["seeds"]]
+        steps = [r["steps_to"][key] for r in runs]
         cost = costs[problem]["entries"][opt]["per_step_s"]
-        steps_mid = mid(steps)
+        steps_mid = median_steps(steps)
         rows[opt] = {
             "target": entry["target"],
             "steps": steps,
             "same": all(s["same_steps_as_recorded"] for s in entry["seeds"]),
             "steps_mid": steps_mid,
-            "wall": [s["seconds_to"][key] for s in entry["seeds"]],
-            "wall_mid": mid(s["seconds_to"][key] for s in entry["seeds"]),
+            "wall": [r["seconds_to"][key] for r in runs],
+            "wall_mid": entry["median_seconds_to_target"],
             "est": None if steps_mid is None else steps_mid * cost,
             "steal": max(s["steal_share"] for s in entry["seeds"]),
         }
