@@ -4,7 +4,10 @@ Each chunk of columns that reaches a call gives the output side of its factors (
 the result buffer over chunks and losses); the input side, which does not depend on the
 columns, is computed once, with the call's first contribution (``layers.kron.kron_factors``,
 ``input_side=``). ``KFAC(samples=K)``: the factors of the first ``K`` samples, the columns
-scaled so that the output side estimates the whole batch's.
+scaled so that the output side estimates the whole batch's; a parameter without a
+factorisation (``skip_unsupported="diagonal"``) gets the GGN diagonal of those same scaled
+columns, ``c sum_{n<K} sum_k (J_n^T v_nk)**2``, an estimate of the whole batch's at the same
+scale ``c``.
 """
 
 from __future__ import annotations
@@ -52,14 +55,14 @@ class FactorStream:
                         continue
                     approx = ext.options["kfac_approx"]
                     first = not self.results.has_factors(p, ext.attr, record, basis)
+                    sub, cols, k = self._sub_batch(call, columns, n, ext)
                     try:
-                        sub, cols, k = self._sub_batch(call, columns, n, ext)
                         factors = kron_factors(sub, cols, name, p, approx, k, input_side=first)
                     except UnsupportedKroneckerError as error:
                         self.results.skip(p, ext.attr, error, record)
-                        if self.skip_diagonal and not basis:
+                        if self.skip_diagonal and not basis:  # of the same (sub-)batch
                             rule = rule_for(call.module)
-                            d = diag_from_columns(rule, call, columns, name, False, n)
+                            d = diag_from_columns(rule, sub, cols, name, False, k)
                             yield Term(p, ext.fallback.attr, d)
                         continue
                     index = output_factor_index(call.module, name)

@@ -54,6 +54,8 @@ def _grad(outputs, edges, columns, batched: bool):
             torch.autograd.grad(outputs, edges, list(column), retain_graph=True, allow_unused=True)
             for column in zip(*columns)
         ]
+    if len(per_column) == 1:  # one column (Monte-Carlo): no copy where its layout is stack's
+        return [None if part is None else part.unsqueeze(0).contiguous() for part in per_column[0]]
     return [None if parts[0] is None else torch.stack(parts) for parts in zip(*per_column)]
 
 

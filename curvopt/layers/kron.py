@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from curvopt.errors import UnsupportedKroneckerError, module_error
+from curvopt.errors import UnsupportedKroneckerError
 from curvopt.layers.registry import rule_for
 from curvopt.engine.reductions import block_gram, gram
 
@@ -64,11 +64,11 @@ def kron_factors(
     if p.dim() == 1:
         grads = rule.batch_grad(call.expand(columns), name)
         return [gram(grads)]
-    if isinstance(columns, tuple):
-        raise module_error(module, "Kronecker factors need a module with a single output")
+    several = " (a module with several outputs, e.g. MultiheadAttention)"
     raise UnsupportedKroneckerError(
         f"curvopt has no Kronecker factorisation for parameter {name!r} of module "
-        f"{module._curvopt_path!r} ({type(module).__name__}); supported: Linear, Conv1d/2d/3d "
+        f"{module._curvopt_path!r} ({type(module).__name__})"
+        f"{several if isinstance(columns, tuple) else ''}; supported: Linear, Conv1d/2d/3d "
         "(groups=1), Embedding weights, Hugging Face Conv1D and all one-dimensional parameters. "
         "Use a diagonal quantity (DiagGGNExact/DiagGGNMC) for this model, or skip such "
         "parameters explicitly with curvopt.collect(..., skip_unsupported=True) (optim.KFAC: "

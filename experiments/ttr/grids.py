@@ -22,8 +22,10 @@ Choice of the 4 settings:
   decay), but with a warm-up; so 4 learning rates (a factor 2 apart), each with the ``warmup``
   schedule (linear warm-up over the same 5 % of the cap as the baselines', then constant);
 * schedule-free KFAC (``sf_kfac``, on FMNIST 2C2D and the ViT): KFAC's ``schedule_free``
-  preset, lr 0.3 and 1 by ``kl_clip`` 0.1 and 1, with the ``warmup`` schedule; on 2C2D with
-  ``curvature_samples=16``, on the ViT with ``fallback="diagonal"``. Unlike the other grids it
+  preset, lr 0.3 and 1 by ``kl_clip`` 0.1 and 1, with the ``warmup`` schedule and
+  ``curvature_samples=16``, on the ViT with ``fallback="diagonal"`` (whose diagonal is the
+  sub-batch's too since 12-02; before, the ViT's grid ran on whole-batch curvature, because
+  the diagonal was the whole batch's whatever ``curvature_samples``). Unlike the other grids it
   was set after an exploration at seed 0 (``results/ttr/logs/kfac_schedule_free.log``: 15
   settings on 2C2D, 6 on the ViT), so it had more tuning than the others.
 """
@@ -224,6 +226,6 @@ GRIDS: dict[str, dict[str, tuple[Setting, ...]]] = {
         "soap": _first_order("soap", (1e-3, 3e-3, 3e-3, 6e-3)),
         "psgd_kron": _first_order("psgd_kron", (3e-4, 1e-3, 1e-3, 3e-3)),
         "sf_adamw": _schedule_free((5e-4, 1e-3, 2e-3, 4e-3)),
-        "sf_kfac": _schedule_free_kfac(DIAG),
+        "sf_kfac": _schedule_free_kfac({**DIAG, **SUB16}),
     },
 }
