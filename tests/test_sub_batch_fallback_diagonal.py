@@ -141,3 +141,31 @@ def test_optimizer_with_a_sub_batch_and_the_diagonal_fallback_steps():
         if name in ("cls", "pos"):
             want = before[name] - lr * grads[name] / (q.kflr_diagonal + damping)
             assert_close(p.detach(), want, name)
+
+
+@pytest.mark.parametrize("samples", [None, 8])
+@pytest.mark.parametrize("model_name", ["vit", "seq_first"])
+def test_kfac_with_the_diagonal_fallback_trains_attention_models(model_name, samples):
+    """The README's KFAC settings with ``fallback="diagonal"`` on the zoo's models built on
+    ``nn.MultiheadAttention`` (the ViT's raised before the attention's weights could be
+    skipped), with and without a sub-batch: the training loss falls by 5 % in 40 steps of
+    batch 16."""
+    problem = zoo.ZOO[model_name](dtype=torch.float32)
+    model, lossfunc = curvopt.extend(problem.model), curvopt.extend(problem.lossfunc)
+    X, y = problem.make_batch(64, 0)
+    opt = curvopt.optim.KFAC(
+        model.parameters(), lr=0.05, damping=1e-3, fallback="diagonal", curvature_samples=samples
+    )
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        first = problem.loss_of(model, X, y, lossfunc).item()
+    bd = problem.batch_dim  # 1 for the sequence-first encoder
+    for _ in range(40):
+        index = torch.randint(0, X.shape[bd], (16,), generator=generator)
+        opt.zero_grad()
+        batch = X.index_select(bd, index), y.index_select(bd, index)
+        problem.loss_of(model, *batch, lossfunc).backward()
+        opt.step()
+    with torch.no_grad():
+        last = problem.loss_of(model, X, y, lossfunc).item()
+    assert last < 0.95 * first, (first, last)
