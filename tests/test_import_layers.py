@@ -89,6 +89,7 @@ LAYERS = [
         "flow",
         "participation",
         "pass_guards",
+        "sites",
         "curvature",
         "accumulate",
         "backward",

@@ -27,6 +27,7 @@ from curvopt.engine.pass_guards import autocast_off, check_reduction, missing_lo
 from curvopt.engine.pass_guards import one_batch_size
 from curvopt.engine.reducer import FirstOrderReducer
 from curvopt.engine.results import ResultBuffer
+from curvopt.engine.sites import ParameterSites
 from curvopt.engine.rows import establish
 from curvopt.engine.torch_internals import current_autograd_node, current_graph_task_id
 from curvopt.engine.torch_internals import queue_callback
@@ -67,6 +68,7 @@ class BackwardPass:
         self.ignored = False  # the pass accumulates into no parameter it reaches
         self.checkpointed = False  # a reentrant checkpoint was re-run (``checkpointing``)
         self.running = True  # until the engine's callback at the end of the pass
+        self.sites = ParameterSites(self.reducer, self.handles, self._active, self._abort)
         queue_callback(self._finish)
 
     # ---------------------------------------------------------------- hooks
@@ -227,8 +229,10 @@ class BackwardPass:
             return
         self.batch_size = one_batch_size(call, self.batch_size)
         materialise = self.reducer.keeps_per_sample or self._reused(module, params)
+        read_later = self.sites.claim(rule, call, params, materialise, self.walks)
         for name, p in params:
-            self.reducer.add(p, rule, call, name, materialise)
+            if id(p) not in read_later:
+                self.reducer.add(p, rule, call, name, materialise)
 
     def _reused(self, module, params) -> bool:
         """Whether ``module`` is called several times in this pass or shares a parameter with
@@ -268,6 +272,7 @@ class BackwardPass:
         if self.failed:
             return
         try:
+            self.sites.check_read(self.checks)
             self.checks.check_seen()
             self.checks.check_materialised(self.reducer.batch_grads)
             self.checks.check_suspects()

@@ -93,17 +93,20 @@ def read_down(root, expand) -> Tuple[Dict[object, tuple], Dict[object, int]]:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What holds for every graph of one structure: ``calls`` (``(token, output index, output
-    shapes)`` in walk order), ``broadcasts`` (positions of the broadcast calls in ``calls``),
-    ``layouts`` (``((root shape, elementwise), found)``, the row layouts ``rows`` verified:
-    ``found`` is ``(row_dims, sample map, positions of the transposed calls, the
-    ``rows.RowLayout``)``, or None where no map passed), ``sums_checked`` (the per-sample sums
-    of a curvature-only pass were checked on a pass of this structure, ``checks``)."""
+        shapes)`` in walk order), ``broadcasts`` (positions of the broadcast calls in ``calls``),
+        ``layouts`` (``((root shape, elementwise), found)``, the row layouts ``rows`` verified:
+        ``found`` is ``(row_dims, sample map, positions of the transposed calls, the
+        ``rows.RowLayout``)``, or None where no map passed), ``sums_checked`` (the per-sample sums
+        of a curvature-only pass were checked on a pass of this structure, ``checks``), ``sites``
+    (``((module token, parameter name), matched)``: whether a raw parameter's per-sample gradients
+    read at its site matched its module's rule, ``sites``)."""
 
     key: Hashable
     calls: Tuple = ()
     broadcasts: Tuple[int, ...] = ()
     layouts: Tuple = ()
     sums_checked: bool = False
+    sites: Tuple = ()
 
 
 def plan_of(key: Hashable, make: Callable[[], Plan]) -> Plan:
@@ -124,6 +127,14 @@ def add_layout(walk, shape, elementwise: bool, found) -> None:
         return
     plan = _PLANS.get(walk.plan.key, walk.plan)
     walk.plan = dataclasses.replace(plan, layouts=(*plan.layouts, entry))
+    _store(walk.plan)
+
+
+def add_site(walk, param_key, matched: bool) -> None:
+    """Keep in ``walk``'s plan whether the site reading of the parameter ``param_key`` matched
+    its module's rule (``sites``)."""
+    plan = _PLANS.get(walk.plan.key, walk.plan)
+    walk.plan = dataclasses.replace(plan, sites=(*plan.sites, (param_key, matched)))
     _store(walk.plan)
 
 

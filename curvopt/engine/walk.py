@@ -205,6 +205,19 @@ class Walk:
         return tuple(found)
 
     # ------------------------------------------------------------ read off the walk
+    def parameter_site(self, p, samples: int):
+        """The ``broadcast.Broadcast`` where leaf ``p``'s per-sample gradients can be read: its
+        only use in the graph is an add or an expand (through shape-only ops) that broadcasts
+        it along the leading dim alone, of size ``samples``; or None. Along that dim alone:
+        ``p`` has the per-sample shape then, so the dim that its values repeat along is the
+        batch (a bias added over ``[L, N, E]`` with ``L == N``, as inside attention, would
+        otherwise pass for one broadcast over samples)."""
+        node = self.accumulators.get(id(p)) if self.broadcasting else None
+        site = None if node is None else find(node, 0, p.shape, self.consumers)
+        if site is None or site.samples != samples or site.reduced:
+            return None
+        return site
+
     @property
     def users(self) -> Dict[object, list]:
         """``users[node]``: the nodes of the walk that take an output of ``node``."""

@@ -35,6 +35,8 @@ _STOCHASTIC = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDro
 
 
 class GenericRule(LayerRule):
+    reruns_module = True
+
     def check(self, module):
         for sub_name, sub in module.named_modules():
             where = f" (submodule {sub_name!r})" if sub_name else ""

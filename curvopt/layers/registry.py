@@ -126,6 +126,10 @@ class LayerRule:
     #: whether the module acts on every position of its leading dims alike (Linear, LayerNorm,
     #: Embedding), so that the batch may be its dim 1 in a sequence-first model
     positionwise: bool = False
+    #: whether the rule re-runs the module sample by sample (the generic fallback): a raw
+    #: parameter of the module that meets the batch by an add or expand is then read off the
+    #: graph instead, in first order (``layers.parameter``)
+    reruns_module: bool = False
 
     def batch_dim(self, module: nn.Module) -> int:
         """Dimension of the inputs/outputs that indexes samples."""
