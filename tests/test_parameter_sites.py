@@ -150,3 +150,24 @@ def test_a_wrong_site_reading_is_never_used(monkeypatch):
     original = Broadcast.per_sample
     monkeypatch.setattr(Broadcast, "per_sample", lambda self, c: 2 * original(self, c))
     assert _check("sites", "mean", 3, monkeypatch) == ["_Tokens"]
+
+
+def test_a_pass_is_freed_when_it_ends(monkeypatch):
+    """Nothing of a pass's site bookkeeping refers back to the pass: with the garbage collector
+    off, the next pass of a plain linear model reuses its ``grad_batch`` buffer, as it does
+    when the pass object is freed at once."""
+    import gc
+
+    model = curvopt.extend(nn.Linear(4, 3).to(DT))
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    x, y = torch.randn(5, 4, dtype=DT), torch.arange(5) % 3
+    pointers = []
+    gc.disable()
+    try:
+        for _ in range(3):
+            with curvopt.collect(ext.BatchGrad()):
+                lossfunc(model(x), y).backward()
+            pointers.append(model.weight.grad_batch.data_ptr())
+    finally:
+        gc.enable()
+    assert pointers[1] == pointers[2], pointers

@@ -68,7 +68,7 @@ class BackwardPass:
         self.ignored = False  # the pass accumulates into no parameter it reaches
         self.checkpointed = False  # a reentrant checkpoint was re-run (``checkpointing``)
         self.running = True  # until the engine's callback at the end of the pass
-        self.sites = ParameterSites(self.reducer, self.handles, self._active, self._abort)
+        self.sites = ParameterSites(self.reducer, self.handles, self.walks)
         queue_callback(self._finish)
 
     # ---------------------------------------------------------------- hooks
@@ -229,9 +229,9 @@ class BackwardPass:
             return
         self.batch_size = one_batch_size(call, self.batch_size)
         materialise = self.reducer.keeps_per_sample or self._reused(module, params)
-        read_later = self.sites.claim(rule, call, params, materialise, self.walks)
+        at_sites = self.sites.claim(rule, call, params, materialise, self._active, self._abort)
         for name, p in params:
-            if id(p) not in read_later:
+            if id(p) not in at_sites:
                 self.reducer.add(p, rule, call, name, materialise)
 
     def _reused(self, module, params) -> bool:

@@ -32,17 +32,19 @@ from curvopt.layers.parameter import PARAMETER
 
 class ParameterSites:
     """The parameters of one pass read at their sites: hooks registered into ``handles``
-    (removed with the pass's), results into ``reducer``; ``active()`` says whether the pass
-    still computes, ``abort()`` ends it on an error."""
+    (removed with the pass's), results into ``reducer``, sites found by the pass's ``walks``.
+    The pass's ``active()`` (whether it still computes) and ``abort()`` (ends it on an error)
+    live in the hooks only, which go with the pass's handles: nothing here refers back to the
+    pass, so that it is freed when it ends, not by the garbage collector."""
 
-    def __init__(self, reducer, handles, active, abort):
-        self.reducer, self.handles, self.active, self.abort = reducer, handles, active, abort
+    def __init__(self, reducer, handles, walks):
+        self.reducer, self.handles, self.walks = reducer, handles, walks
         self.pending: dict = {}  # id(p): p, hooked and not read yet
 
-    def claim(self, rule, call, params, materialise: bool, walks) -> set:
+    def claim(self, rule, call, params, materialise: bool, active, abort) -> set:
         """The ids of the ``(name, p)`` in ``params`` read at a site (hooked now): the raw
         parameters of a module its rule would re-run (``rule.reruns_module``), batch first,
-        whose site one of the pass's ``walks`` finds and whose structure's plan says that
+        whose site one of the pass's walks finds and whose structure's plan says that
         the site's reading matched the rule. On a structure's first pass the rule computes
         them as before and the site's reading is compared with it: its verdict goes into
         the plan (``graph_plan.add_site``), which a data-indexed graph does not have."""
@@ -53,7 +55,7 @@ class ParameterSites:
             walk, site = next(
                 (
                     (w, s)
-                    for w in walks
+                    for w in self.walks
                     if w.plan is not None and (s := w.parameter_site(p, call.batch_size))
                 ),
                 (None, None),
@@ -68,7 +70,13 @@ class ParameterSites:
             check = (walk, key, rule, call) if matched is None else None  # the first pass
 
             def read(grad_outputs, p=p, name=name, site=site, check=check):
-                self._read(p, name, call.module, site, grad_outputs[0], materialise, check)
+                if not active() or grad_outputs[0] is None:
+                    return
+                try:
+                    self._read(p, name, call.module, site, grad_outputs[0], materialise, check)
+                except BaseException:
+                    abort()
+                    raise
 
             self.handles.append(site.edge.node.register_prehook(read))
             if matched:
@@ -79,20 +87,14 @@ class ParameterSites:
     def _read(self, p, name, module, site, grad, materialise: bool, check) -> None:
         """``g_n = site.per_sample(grad)`` as ``[N, *p.shape]``: into the reducer, or (a
         structure's first pass, ``check = (walk, key, rule, call)``) compared with the rule's."""
-        if not self.active() or grad is None:
-            return
-        try:
-            with autocast_off():
-                g = site.per_sample(grad[None])[0].reshape(site.samples, *p.shape).to(p.dtype)
-                if check is not None:
-                    walk, key, rule, call = check
-                    add_site(walk, key, not mismatch(g, rule.batch_grad(call, name), 64))
-                    return
-                del self.pending[id(p)]
-                self.reducer.add(p, PARAMETER, Call(module, (), {}, g), name, materialise)
-        except BaseException:
-            self.abort()
-            raise
+        with autocast_off():
+            g = site.per_sample(grad[None])[0].reshape(site.samples, *p.shape).to(p.dtype)
+            if check is not None:
+                walk, key, rule, call = check
+                add_site(walk, key, not mismatch(g, rule.batch_grad(call, name), 64))
+                return
+            del self.pending[id(p)]
+            self.reducer.add(p, PARAMETER, Call(module, (), {}, g), name, materialise)
 
     def check_read(self, checks) -> None:
         """Every hooked parameter that received a gradient (``checks``) was read."""
