@@ -9,6 +9,7 @@ used in two places, or not through an add or expand, still takes the generic rul
 """
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -156,8 +157,6 @@ def test_a_pass_is_freed_when_it_ends(monkeypatch):
     """Nothing of a pass's site bookkeeping refers back to the pass: with the garbage collector
     off, the next pass of a plain linear model reuses its ``grad_batch`` buffer, as it does
     when the pass object is freed at once."""
-    import gc
-
     model = curvopt.extend(nn.Linear(4, 3).to(DT))
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
     x, y = torch.randn(5, 4, dtype=DT), torch.arange(5) % 3
