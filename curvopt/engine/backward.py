@@ -160,7 +160,7 @@ class BackwardPass:
             if broadcast is not None:
 
                 def keep(grad_outputs, broadcast=broadcast):
-                    broadcast.grad = broadcast.per_sample(grad_outputs[0][None])[0]
+                    broadcast.grad = broadcast.sample_grads(grad_outputs[0])
 
                 self.handles.append(broadcast.edge.node.register_prehook(keep))
 

@@ -50,6 +50,10 @@ class Broadcast:
             columns = columns.sum(tuple(1 + d for d in self.reduced), keepdim=True)
         return columns.reshape(columns.shape[0], self.samples, *self.per_sample_shape)
 
+    def sample_grads(self, grad: torch.Tensor) -> torch.Tensor:
+        """``[N, *b] -> [N, *per_sample_shape]``: the gradient at the op's output, by sample."""
+        return self.per_sample(grad[None])[0]
+
     def repeat(self, x):
         """An input of the call repeated along the batch (``x [*s] -> [N, *s]`` or ``[1, *s]
         -> [N, *s]``); non-tensors unchanged."""

@@ -85,10 +85,10 @@ class ParameterSites:
         return found
 
     def _read(self, p, name, module, site, grad, materialise: bool, check) -> None:
-        """``g_n = site.per_sample(grad)`` as ``[N, *p.shape]``: into the reducer, or (a
+        """``g_n = site.sample_grads(grad)`` as ``[N, *p.shape]``: into the reducer, or (a
         structure's first pass, ``check = (walk, key, rule, call)``) compared with the rule's."""
         with autocast_off():
-            g = site.per_sample(grad[None])[0].reshape(site.samples, *p.shape).to(p.dtype)
+            g = site.sample_grads(grad).reshape(site.samples, *p.shape).to(p.dtype)
             if check is not None:
                 walk, key, rule, call = check
                 add_site(walk, key, not mismatch(g, rule.batch_grad(call, name), 64))
