@@ -257,7 +257,8 @@ def test_frozen_head_gpt_kflr_is_exact_from_compressed_columns(tied_linear, redu
     # the propagations below the head's input: those from its [R, d] view
     below = [k for root, k in counted if not isinstance(root, torch.Tensor)]
     _compressed(below, vocab)
-    assert sum(below) < sum(k for root, k in counted if isinstance(root, torch.Tensor))
+    # from the loss input: the V columns with all rows at once (not V per slot)
+    assert max(k for root, k in counted if isinstance(root, torch.Tensor)) <= vocab
 
 
 @pytest.mark.parametrize("kind", ["DiagGGNExact", "BatchDiagGGNExact"])
@@ -322,35 +323,62 @@ class _Slots:
         self.slot = torch.arange(rows) % 2
 
 
-def _packed(rows=4, k=5, width=3, seed=0):
-    """Columns ``[k * 2, rows, width]`` at ``h`` for two slots (each row's ``k`` columns at
-    its own position) and the loss columns ``[k * 2, rows, 7]`` they came from."""
-    gen = torch.Generator().manual_seed(seed)
-    per_row = torch.randn(k, rows, width, generator=gen, dtype=torch.float64)
-    own = (torch.arange(rows)[None, :] % 2 == torch.arange(2)[:, None]).double()  # [2, R]
-    at_h = (per_row[:, None] * own[None, :, :, None]).flatten(0, 1)
-    loss = torch.randn(2 * k, rows, 7, generator=gen, dtype=torch.float64)
-    return per_row, at_h, loss
+class _Cut:
+    """A ``compress.Cut`` stand-in: ``h`` of shape ``[rows, width]``."""
+
+    def __init__(self, rows, width):
+        self.shape = (rows, width)
 
 
-def test_squeeze_keeps_each_rows_gram_with_width_columns():
-    per_row, at_h, loss = _packed()
-    short = compress.squeeze(at_h, loss, loss, _Slots(4), 0, 2)
-    assert short.shape == (3 * 2, 4, 3)
-    c = short.reshape(3, 2, 4, 3)
-    for r in range(4):
-        assert bool((c[:, 1 - r % 2, r] == 0).all())  # a row stays in its slot
-        gram = c[:, r % 2, r].T @ c[:, r % 2, r]
-        torch.testing.assert_close(gram, per_row[:, r].T @ per_row[:, r], rtol=1e-12, atol=1e-14)
+def test_row_factors_keep_each_rows_gram_with_width_columns():
+    """Chunk by chunk as in one, each row's ``F_rᵀ F_r`` is the Gram of all its columns; the
+    packed columns hold ``F_r`` at row ``r``'s position in its own slot's columns alone."""
+    rows, width, k = 4, 3, 7
+    gen = torch.Generator().manual_seed(0)
+    at_h = torch.randn(k, rows, width, generator=gen, dtype=torch.float64)
+    chunked, whole = compress.RowFactors(_Cut(rows, width), rows), None
+    for part in (at_h[:2], at_h[2:5], at_h[5:]):
+        chunked.add(part)
+    whole = compress.RowFactors(_Cut(rows, width), rows)
+    whole.add(at_h)
+    for factors in (chunked, whole):
+        short = factors.columns(_Slots(rows), 0, 2, torch.float64)
+        assert short.shape == (width * 2, rows, width)
+        c = short.reshape(width, 2, rows, width)
+        for r in range(rows):
+            assert bool((c[:, 1 - r % 2, r] == 0).all())  # a row stays in its slot
+            gram = c[:, r % 2, r].T @ c[:, r % 2, r]
+            expected = at_h[:, r].T @ at_h[:, r]
+            torch.testing.assert_close(gram, expected, rtol=1e-12, atol=1e-14)
+    one_slot = whole.columns(_Slots(rows), 1, 2, torch.float32)  # slot 1 alone, cast
+    assert one_slot.dtype == torch.float32 and one_slot.shape == (width, rows, width)
+    assert bool((one_slot[:, 0::2] == 0).all()) and bool((one_slot[:, 1::2] != 0).any())
 
 
-def test_squeeze_refuses_what_it_cannot_compress_exactly():
-    per_row, at_h, loss = _packed()
+def test_row_probes_tell_every_pair_of_rows_apart():
+    root = torch.randn(12, 5, dtype=torch.float64)
+    probes, sets = compress.row_probes(root)
+    assert probes.shape == (sets.shape[0], 12, 5) and probes.dtype == torch.float64
+    assert bool((probes[~sets] == 0).all()) and bool((probes[sets] != 0).all())
+    for r in range(12):
+        for q in range(12):
+            assert r == q or bool((sets[:, r] & ~sets[:, q]).any())
+    again, _ = compress.row_probes(root)
+    assert torch.equal(probes, again)  # a private, seeded generator
+
+
+def test_row_local_refuses_a_leak_or_changed_head_columns():
+    root = torch.randn(6, 5, dtype=torch.float64)
+    probes, sets = compress.row_probes(root)
+    weight = torch.randn(5, 3, dtype=torch.float64)
+    at_h = probes @ weight  # a position-wise head's backward: row r to position r
+    assert compress.row_local(probes, sets, probes, at_h)
+    mixed = at_h.roll(1, dims=1)  # row r's columns at position r + 1
+    assert not compress.row_local(probes, sets, probes, mixed)
     leaked = at_h.clone()
-    leaked[0, 1] += 1e-3  # column of slot 0 at row 1 (slot 1): not position-wise
-    assert compress.squeeze(leaked, loss, loss, _Slots(4), 0, 2) is None
-    other = loss.clone()
-    other[0, 0, 0] += 1.0  # the head's output is not the loss input unchanged
-    assert compress.squeeze(at_h, other, loss, _Slots(4), 0, 2) is None
-    _, narrow, loss = _packed(k=3, width=3)  # no more columns per row than the width
-    assert compress.squeeze(narrow, loss[:6], loss[:6], _Slots(4), 0, 2) is None
+    leaked[:, 0] += 1e-9 * at_h[:, 1]  # a trace of row 1 at position 0
+    assert not compress.row_local(probes, sets, probes, leaked)
+    changed = probes.clone()
+    changed[0, 0, 0] += 1.0  # the head's output is not the loss input unchanged
+    assert not compress.row_local(probes, sets, changed, at_h)
+    assert not compress.row_local(probes, sets, probes, None)

@@ -22,7 +22,7 @@ from curvopt.optim.kronecker import (
     trace_norm_pi,
     trace_norm_solvers,
 )
-from curvopt.engine.reductions import gram, gram_add_, gram_root
+from curvopt.engine.reductions import gram, gram_add_, gram_root, nonzero_rows
 
 DT = torch.float64
 
@@ -43,6 +43,22 @@ def test_gram_matches_matmul_and_root_reproduces_it(rows, dim):
         torch.testing.assert_close(root.T @ root, product)
     else:
         assert root is None
+
+
+def test_nonzero_rows_drop_only_rows_that_add_nothing_to_the_gram():
+    """Columns packed by slot are zero at most rows: those go (the Gram unchanged, and its
+    root now shorter than the width); a mostly nonzero matrix and an all-zero one keep a root."""
+    x = torch.randn(40, 20, dtype=DT, generator=gen(3))
+    x[::3] = 0  # a third zero: not worth a copy
+    assert nonzero_rows(x) is x
+    x[1::3] = 0
+    x[4, 7] = 1e-100  # a zeroed row but for one small entry: kept
+    kept = nonzero_rows(x)
+    assert kept.shape == (14, 20)
+    torch.testing.assert_close(gram(kept), x.T @ x)
+    torch.testing.assert_close(gram_root(gram(kept)).T @ gram_root(gram(kept)), x.T @ x)
+    none = nonzero_rows(torch.zeros(6, 4, dtype=DT))
+    assert none.shape == (1, 4) and not none.any()
 
 
 def test_gram_add_stacks_roots_while_they_stay_low_rank():

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from curvopt import extensions as ext
-from experiments.overhead import cli
+from experiments.overhead import cli, report
 from experiments.overhead.backends import Unsupported, backpack_options
 from experiments.overhead.cases import PLAIN
 from experiments.overhead.problems import PROBLEMS
@@ -46,6 +46,27 @@ def test_backpack_column_is_the_median_per_round_ratio_and_has_a_geometric_mean(
     assert f"{math.sqrt(1.0 * 0.25):.2f} (2 cells)" in lines[-1]
     without = markdown_table(results, {"p": {"plain_ms": 1.0}}, ["curvopt"])
     assert "BackPACK" not in without and "geometric mean" not in without
+
+
+def test_a_cell_of_another_quantity_is_marked_and_left_out_of_the_mean(monkeypatch):
+    """A competitor computing another quantity under the same name: its ratio is shown with
+    ``≠``, explained below the table, and not averaged."""
+    plain = [1.0, 1.0]
+    results = [
+        result("plain", PLAIN, plain, plain),
+        result("curvopt", "KFAC", [1.0, 1.0], plain),  # / curvlinops: 0.5
+        result("curvlinops", "KFAC", [2.0, 2.0], plain),
+        result("curvopt", "KFLR", [8.0, 8.0], plain),  # / curvlinops: 4, another quantity
+        result("curvlinops", "KFLR", [2.0, 2.0], plain),
+    ]
+    monkeypatch.setattr(report, "DIFFERENT_DEFINITIONS", {("p", "KFLR", "curvlinops"): "why"})
+    table = markdown_table(results, {"p": {"plain_ms": 1.0}}, ["curvopt", "curvlinops"])
+    lines = table.splitlines()
+    assert "| 4.00 ≠ |" in next(line for line in lines if "| KFLR |" in line)
+    assert "| 0.50 |" in next(line for line in lines if "| KFAC |" in line)
+    mean = next(line for line in lines if line.startswith("| geometric mean |"))
+    assert "0.50 (1 cells)" in mean
+    assert lines[-1] == "≠ (p, KFLR, curvlinops): why"
 
 
 def test_geometric_mean():

@@ -11,7 +11,7 @@ from curvopt import extensions as ext
 from curvopt import linalg
 from experiments.overhead.backends import BACKENDS, Instance, freeze_all_but_linear, probe_vector
 from experiments.overhead.cases import QUANTITIES
-from experiments.overhead.problems import PROBLEMS
+from experiments.overhead.problems import PROBLEMS, TokenLogits
 from experiments.overhead.timing import build_steps
 from fixtures import zoo
 
@@ -85,3 +85,50 @@ def test_gpt_kfac_compares_on_the_linear_parameters():
     )
     assert [(r.quantity, r.backend) for r in failed] == [("KFAC", "curvlinops")]
     assert failed[0].error.startswith("n/a: KFACLinearOperator")
+
+
+def test_gpt_kflr_is_not_curvlinops_type2_below_the_attention():
+    """Why the GPT's KFLR cell is marked ``≠`` (``cases.DIFFERENT_DEFINITIONS``): curvlinops'
+    type-2 KFAC backpropagates the c-th loss-Hessian column of all rows together, so where
+    attention mixes positions (qkv) it pairs the columns of different rows. On the layers
+    above the attention the two are the same matrices; on qkv they differ, and curvlinops'
+    own Monte-Carlo KFAC (whose cross-row terms vanish in expectation) approaches curvopt's
+    KFLR, not its type-2 (float64)."""
+    torch.manual_seed(0)
+    model = curvopt.extend(TokenLogits(zoo.GPT(vocab=32, d=16, heads=2, t_max=6)).double())
+    freeze_all_but_linear(model)
+    lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())
+    X, y = torch.randint(32, (3, 6)), torch.randint(32, (18,))
+    with curvopt.collect(ext.KFLR()):
+        lossfunc(model(X), y).backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def theirs(**options):
+        op = curvlinops.KFACLinearOperator(
+            model, lossfunc, params, [(X, y)], check_deterministic=False, **options
+        )
+        op.compute_kronecker_factors()
+        return {
+            n: torch.kron(op._gradient_covariances[n], op._input_covariances[n])
+            for n in op._input_covariances
+        }
+
+    type2 = theirs(fisher_type="type-2")
+    sampled = theirs(fisher_type="mc", mc_samples=1000, seed=1)
+    block = model.model.block
+    layers = {
+        "attn.qkv": block.attn.qkv,
+        "attn.proj": block.attn.proj,
+        "fc": block.fc,
+        "out": block.out,
+    }
+    relative = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    for name, layer in layers.items():
+        mine = torch.kron(*layer.weight.kflr)
+        differs = relative(type2[f"model.block.{name}"], mine)
+        if name == "attn.qkv":
+            assert differs > 0.3
+            assert relative(sampled[f"model.block.{name}"], mine) < 0.1
+            assert relative(sampled[f"model.block.{name}"], type2[f"model.block.{name}"]) > 0.3
+        else:
+            assert differs < 1e-12, name

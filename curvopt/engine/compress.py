@@ -5,27 +5,29 @@ The exact square root of a cross-entropy row's Hessian has ``V`` columns. When t
 ``h [.., d]`` with ``d < V``, the columns of row ``r`` pulled back to ``h`` live at position
 ``r`` of ``h`` alone, and everything below ``h`` depends on them only through their Gram
 ``M_r = Σ_k c_rk c_rkᵀ`` (``d × d``): every diagonal and Kronecker factor below is a sum over
-columns of squares of linear maps of them. So the ``K`` columns of each row can be replaced
-at ``h`` by the ``min(K, d)`` rows of ``R_r`` from ``C_r = Q_r R_r`` (QR of the ``K × d``
-matrix of the row's columns: ``R_rᵀ R_r = M_r``, without squaring ``C_r`` as a Gram would),
-before they enter the layers below (attention mixes positions: ``T·V`` columns per sample
-become ``T·d``). The head itself gets the uncompressed columns (its factors need them).
+columns of squares of linear maps of them. So the columns go to ``h`` with all rows at once
+(``V`` columns ``[V, R, V]``, not ``V`` per slot of ``rows.RowLayout``: above ``h`` no row
+reaches another), each row's ``K × d`` matrix there is replaced by the ``min(K, d)`` rows of
+its R factor (:class:`RowFactors`: ``F_rᵀ F_r = M_r``, without squaring as a Gram would), and
+only those, packed by slot again, enter the layers below (attention mixes positions: ``T·V``
+columns per sample become ``T·d``). The head itself gets the uncompressed columns, packed by
+slot (its factors need them).
 
 A head whose parameters all need no gradient (a frozen or tied output layer with only the
 layers below trained) is no recorded call: it is found in the graph instead, as ``h Wᵀ (+ b)``
 (``F.linear`` or a matmul by the weight) reached from the loss input through shape ops alone,
 with ``h`` its ``[R, d]`` operand.
 
-Checked, never assumed (:func:`find_cut`, :func:`squeeze`): the head is the one module call the
-loss input reaches first, declared position-wise by its rule, or that frozen product; its input
-``h`` has the loss's rows as positions; every other module call reaches the loss only through
-``h`` (else ``h`` would not hold all their curvature); no parameter of the head is used below
-``h`` where diagonals are asked (their cross terms pair the columns of both uses one to one);
-the columns at the head's output are the loss's columns unchanged (the rows of ``z`` are the
-head's positions in order); and on every chunk the columns at ``h`` vanish exactly outside
-their own row's slot. Where any fails, the columns go on uncompressed. Reentrant checkpoints
-below ``h`` are crossed in stages from ``h`` as from the loss (``propagate.backpropagate``);
-one above it (met before ``h``) leaves the columns as they are.
+Checked, never assumed (:func:`find_cut`, :func:`row_local`): the head is the one module call
+the loss input reaches first, declared position-wise by its rule, or that frozen product; its
+input ``h`` has the loss's rows as positions; every other module call reaches the loss only
+through ``h`` (else ``h`` would not hold all their curvature); no parameter of the head is
+used below ``h`` where diagonals are asked (their cross terms pair the columns of both uses
+one to one); and on every pass, before any column is propagated, random probe columns
+(:func:`row_probes`) arrive at the head's output unchanged and at ``h`` on their own rows
+alone. Where any fails, the columns go on uncompressed. Reentrant checkpoints below ``h`` are
+crossed in stages from ``h`` as from the loss (``propagate.backpropagate``); one above it
+(met before ``h``) leaves the columns as they are.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from curvopt.engine.checkpointing import reach
 from curvopt.engine.params import trainable
+from curvopt.engine.rows import probe_sets
 from curvopt.engine.torch_internals import (
     FROZEN_PRODUCTS,
     NO_BATCHING_RULE,
@@ -152,33 +155,65 @@ def _last_call(walk, calls, root):
     return first
 
 
-def squeeze(at_h, top_out, columns, layout, first: int, stop: int) -> Optional[torch.Tensor]:
-    """``[min(k, d) * s, *h]``: the columns ``at_h`` (``[k * s, *h]`` for the ``k`` loss
-    columns of slots ``first:stop``, packed as ``rows.RowLayout.pack`` packs ``columns``
-    ``[k * s, R, V]``) re-factored per row (module doc); ``None`` if a check fails (``top_out``:
-    the columns at the head's output)."""
-    slots, rows, width = stop - first, columns.shape[1], at_h.shape[-1]
-    k = at_h.shape[0] // slots
-    if (
-        k <= width
-        or top_out is None
-        or top_out.numel() != columns.numel()
-        or not torch.equal(top_out.reshape(columns.shape), columns)
-    ):
-        return None
-    c = at_h.reshape(k, slots, rows, width)
-    if layout.slot is None:
-        own = torch.ones(1, rows, dtype=torch.bool, device=c.device)
-    else:
-        slot = layout.slot.to(c.device)
-        own = slot[None, :] == torch.arange(first, stop, device=c.device)[:, None]
-    if bool((c[:, ~own] != 0).any()):
-        return None  # a row's columns outside its own position: not position-wise
-    s, r = own.nonzero(as_tuple=True)
-    per_row = c[:, s, r].transpose(0, 1)  # [rows in use, k, d]
-    if per_row.dtype not in (torch.float32, torch.float64):  # no QR in half precision
-        per_row = per_row.float()
-    factor = torch.linalg.qr(per_row, mode="r").R  # [rows in use, d, d]
-    out = c.new_zeros(factor.shape[1], slots, rows, width)
-    out[:, s, r] = factor.transpose(0, 1).to(c.dtype)
-    return out.reshape(-1, *at_h.shape[1:])
+class RowFactors:
+    """Per loss row ``r`` of ``rows``, an upper triangular ``F_r`` (``[m, d]``, ``m ≤ d``) with
+    ``F_rᵀ F_r = Σ_k c_rk c_rkᵀ`` over the columns ``c_rk`` at ``h`` added so far: the R factor
+    of the QR decomposition of the row's ``K × d`` column matrix, updated chunk by chunk
+    (``F ← R([F; C])``, exact: ``[F; C]ᵀ[F; C] = FᵀF + CᵀC``), never squared into a Gram (so
+    float32 loses nothing to squaring). QR in float32 for half-precision columns."""
+
+    def __init__(self, cut: Cut, rows: int):
+        self.shape, self.rows = cut.shape, rows
+        self.factor: Optional[torch.Tensor] = None  # [rows, m, d]
+
+    def add(self, at_h: torch.Tensor) -> None:
+        """Fold in the columns ``at_h`` (``[k, *h]``, all rows at once: row ``r`` at ``h``'s
+        position ``r``)."""
+        c = at_h.reshape(at_h.shape[0], self.rows, -1).transpose(0, 1)  # [rows, k, d]
+        if c.dtype not in (torch.float32, torch.float64):
+            c = c.float()
+        if self.factor is not None:
+            c = torch.cat([self.factor, c], 1)
+        self.factor = torch.linalg.qr(c, mode="r").R
+
+    def columns(self, layout, first: int, stop: int, dtype) -> torch.Tensor:
+        """``[m · (stop - first), *h]``: for each slot ``s`` of ``first:stop`` of
+        ``rows.RowLayout`` ``layout`` and each ``j < m``, the column holding ``F_r[j]`` at the
+        position of every row ``r`` of slot ``s`` (rows of distinct samples, as the loss's
+        columns were packed) and zeros elsewhere."""
+        f = self.factor
+        out = f.new_zeros(f.shape[1], stop - first, self.rows, f.shape[2])
+        if layout.slot is None:
+            out[:, 0] = f.transpose(0, 1)
+        else:
+            slot = layout.slot.to(f.device)
+            s, r = (slot[None, :] == torch.arange(first, stop, device=f.device)[:, None]).nonzero(
+                as_tuple=True
+            )
+            out[:, s, r] = f[r].transpose(0, 1)
+        return out.to(dtype).reshape(-1, *self.shape)
+
+
+def row_probes(root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(columns [k, R, V], sets [k, R] bool)``: probe columns for the loss input ``root``
+    ``[R, V]``, column ``j`` random (a private generator, seeded) on the rows of set ``j`` and
+    zero elsewhere; the sets are ``rows.probe_sets``' codes over rows, so that for any two rows
+    ``r != r'`` some column holds ``r`` and not ``r'``."""
+    gen = torch.Generator(device=root.device).manual_seed(0)
+    sets = probe_sets(root.shape[0]).to(root.device).T  # [k, R]
+    noise = torch.randn(root.shape, generator=gen, dtype=root.dtype, device=root.device)
+    return noise * sets[:, :, None].to(root.dtype), sets
+
+
+def row_local(probes, sets, at_head_output, at_h) -> bool:
+    """Whether the probe columns (``row_probes``) arrive at the head's output unchanged and
+    at ``h`` (``[k, *h]``) on their own rows alone: the map from the loss input to ``h`` is
+    position-wise with ``h``'s positions the loss's rows in order (the backward is linear and
+    the same for every column, so random probes check it almost surely). Then the loss's
+    columns can go to ``h`` with all rows at once and be re-factored per row there."""
+    if at_head_output is None or at_h is None or at_head_output.numel() != probes.numel():
+        return False
+    if not torch.equal(at_head_output.reshape(probes.shape), probes):
+        return False
+    outside = ~sets[:, :, None]
+    return not bool((at_h.reshape(*sets.shape, -1) != 0).logical_and(outside).any())

@@ -27,7 +27,7 @@ from functools import partial
 
 import torch
 
-from curvopt.engine.compress import find_cut, squeeze
+from curvopt.engine.compress import RowFactors, find_cut, row_local, row_probes
 from curvopt.engine.diagonals import diagonals
 from curvopt.errors import UnsupportedLossError, module_error
 from curvopt.extensions.quantity import Producer
@@ -38,7 +38,7 @@ from curvopt.layers import rule_for
 from curvopt.losses import loss_rule_for
 from curvopt.engine.kron_pass import FactorStream
 from curvopt.engine.params import trainable
-from curvopt.engine.propagate import loss_gradient, through_cut, to_calls
+from curvopt.engine.propagate import loss_gradient, to_calls
 from curvopt.engine.rows import establish
 
 #: bound on the elements of propagated columns held at once (all module outputs together):
@@ -162,20 +162,20 @@ class CurvaturePass:
     def _exact(self, rule, per_chunk: int, slot_chunk: int):
         """``(columns, first, stop)``: the exact factor's columns, ``per_chunk`` of them per
         row for the slots ``first:stop`` (at most ``slot_chunk``), packed by slot."""
-        module, output, target = self.loss.module, self.loss.output.detach(), self.loss.target
-        total, slots = rule.num_columns(module, output), self.layout.num_slots
-        for start in range(0, total, per_chunk):
-            cols = rule.sqrt_hessian(
-                module,
-                output,
-                target,
-                columns=range(start, min(total, start + per_chunk)),
-                check=False,
-            )
-            cols = cols * self.scale
-            for first in range(0, slots, slot_chunk):
-                stop = min(slots, first + slot_chunk)
+        for cols in self._exact_rows(rule, per_chunk):
+            for first in range(0, self.layout.num_slots, slot_chunk):
+                stop = min(self.layout.num_slots, first + slot_chunk)
                 yield self.layout.pack(cols, first, stop), first, stop
+
+    def _exact_rows(self, rule, per_chunk: int):
+        """The exact factor's (scaled) columns ``[k, R, *F]``, ``per_chunk`` per row, every row
+        in each (not packed)."""
+        module, output, target = self.loss.module, self.loss.output.detach(), self.loss.target
+        total = rule.num_columns(module, output)
+        for start in range(0, total, per_chunk):
+            columns = range(start, min(total, start + per_chunk))
+            cols = rule.sqrt_hessian(module, output, target, columns=columns, check=False)
+            yield cols * self.scale
 
     def _chunk_size(self, calls, extra: int = 0, budget: int = 0) -> int:
         """Columns per chunk so that all propagated columns fit in ``budget`` elements
@@ -212,20 +212,38 @@ class CurvaturePass:
         )
 
     def _propagate_cut(self, rule, calls, cut, diag_exts, kron_exts) -> bool:
-        """The exact columns in two stages around ``cut`` (``compress``), all of a row's
-        columns in one chunk where the budget allows, so that they compress together; nothing
-        (``False``) where a chunk's columns per row would not exceed the cut's width."""
-        chunk = self._chunk_size(cut.above(calls), cut.numel, _CUT_BUDGET)
-        per_chunk = min(rule.num_columns(self.loss.module, self.loss.output), chunk)
-        if per_chunk <= cut.width:
+        """The exact columns in two stages around ``cut`` (``compress``): to the head and ``h``
+        with all rows at once (the graph above ``h`` is position-wise: checked first on probe
+        columns, ``compress.row_local``), re-factored per row at ``h`` (``RowFactors``), then
+        ``d`` per row and slot below. Nothing (``False``) where the check fails or a row has
+        no more columns than ``h``'s width."""
+        root, layout = self.loss.output, self.layout
+        above, below = cut.above(calls), cut.below(calls)
+        batched = self.batched or cut.batchable
+        if rule.num_columns(self.loss.module, root) <= cut.width:
             return False
-        chunk_below = self._chunk_size(cut.below(calls), cut.numel - self.loss.output.numel())
-        for cols, first, stop in self._exact(rule, per_chunk, max(1, chunk // per_chunk)):
-            refactor = partial(squeeze, columns=cols, layout=self.layout, first=first, stop=stop)
-            for outs in through_cut(
-                self.loss.output, calls, cols, self.batched, cut, refactor, chunk_below, self.walk
-            ):
-                self._contribute(calls, outs, diag_exts, kron_exts)
+        probes, sets = row_probes(root.detach())
+        outs, (at_h,) = to_calls(root, above, probes, batched, self.walk, [cut.edge])
+        if not row_local(probes, sets, cut.head_output(outs, probes), at_h):
+            return False
+        factors = RowFactors(cut, root.shape[0])
+        for cols in self._exact_rows(rule, self._chunk_size(above, cut.numel, _CUT_BUDGET)):
+            outs, (at_h,) = to_calls(root, above, cols, batched, self.walk, [cut.edge])
+            factors.add(at_h)
+            if above:  # the head's own quantities: from its columns packed by slot, as without
+                head = cut.head_output(outs, cols)
+                k, per_slot = head.shape[0], head[0].numel()
+                step = max(1, _COLUMN_BUDGET // (k * per_slot))
+                for first in range(0, layout.num_slots, step):
+                    stop = min(layout.num_slots, first + step)
+                    packed = layout.pack(head.reshape(k, root.shape[0], -1), first, stop)
+                    outs = {cut.top: [packed.reshape(-1, *head.shape[1:])]}
+                    self._contribute(above, outs, diag_exts, kron_exts)
+        step = max(1, self._chunk_size(below, cut.numel - root.numel()) // factors.factor.shape[1])
+        for first in range(0, layout.num_slots, step):
+            short = factors.columns(layout, first, min(layout.num_slots, first + step), root.dtype)
+            outs = to_calls(cut.root, below, short, self.batched, self.walk)
+            self._contribute(below, outs, diag_exts, kron_exts)
         return True
 
     def _contribute(self, calls, outs, diag_exts, kron_exts) -> None:

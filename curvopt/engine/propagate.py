@@ -88,34 +88,6 @@ def to_calls(root, calls, columns: torch.Tensor, batched: bool, walk, extra=()):
     return (outs, found[len(found) - len(extra) :]) if extra else outs
 
 
-def through_cut(
-    root, calls, columns: torch.Tensor, batched: bool, cut, refactor, chunk: int, walk=None
-):
-    """``to_calls`` in two stages around ``cut`` (``compress.Cut``: the input ``h`` of the
-    head, which every other call reaches the loss through): from ``root`` to the head's
-    outputs (where it is a call) and ``h``; then from ``h`` to the other calls, with the
-    columns there replaced by ``refactor(at_h, columns at the head's output)`` (the same
-    ``J^T``-products below ``h``; ``None``: the columns as they are), in chunks of ``chunk``
-    columns. Yields ``outs`` dicts over all ``calls``, ``None`` for the calls each stage does
-    not reach. The first stage is batched where its own part of the graph allows
-    (``cut.batchable``); ``walk``: as for ``backpropagate``."""
-    empty = {record: [None] * len(record.out_shapes) for record in calls}
-    outs, (at_h,) = to_calls(
-        root, cut.above(calls), columns, batched or cut.batchable, walk, [cut.edge]
-    )
-    yield {**empty, **outs}
-    below = cut.below(calls)
-    if at_h is None or not below:
-        return
-    short = refactor(at_h, cut.head_output(outs, columns))
-    short = at_h if short is None else short
-    for start in range(0, short.shape[0], chunk):
-        yield {
-            **empty,
-            **to_calls(cut.root, below, short[start : start + chunk], batched, walk),
-        }
-
-
 def loss_gradient(loss, weight: float) -> torch.Tensor:
     """``weight * d loss / d input`` of an extended loss call (a ``LossRecord``); a bf16/fp16
     input in float32, as autocast runs the losses (curvopt computes with autocast off)."""

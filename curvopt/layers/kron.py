@@ -27,7 +27,7 @@ import torch
 
 from curvopt.errors import UnsupportedKroneckerError
 from curvopt.layers.registry import rule_for
-from curvopt.engine.reductions import block_gram, gram
+from curvopt.engine.reductions import block_gram, gram, nonzero_rows
 
 
 def input_factor(x, approx):
@@ -39,8 +39,11 @@ def input_factor(x, approx):
 
 
 def output_factor(v, approx):
-    """``B`` from columns ``v [K, N, P, O]``."""
-    return gram(v.sum(2).flatten(0, 1) if approx == "reduce" else v.flatten(0, 2))
+    """``B`` from columns ``v [K, N, P, O]``. Rows zero everywhere are dropped first: columns
+    packed by slot (``engine.rows``) are zero at the positions of the other slots until a
+    layer mixes positions (the position-wise layers between a language model's head and its
+    attention), so there the product runs over ``1/P`` of the rows."""
+    return gram(nonzero_rows(v.sum(2).flatten(0, 1) if approx == "reduce" else v.flatten(0, 2)))
 
 
 def output_factor_channels_first(v, approx):

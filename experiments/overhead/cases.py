@@ -136,3 +136,16 @@ CURVLINOPS_CASES: list[tuple[str, str]] = [
     ("gpt", "KFLR_linear"),
     ("gpt", "GGN_matvec"),
 ]
+
+#: cells where a competitor computes another quantity under the same name: its time is
+#: reported, the head-to-head ratio is marked ``≠`` and left out of the geometric mean
+DIFFERENT_DEFINITIONS: dict[tuple[str, str, str], str] = {
+    ("gpt", "KFLR_linear", "curvlinops"): (
+        "curvlinops' type-2 KFAC backpropagates the c-th column of every row's loss-Hessian "
+        "root together (V backward passes), which pairs the columns of different rows "
+        "wherever attention mixes positions; curvopt's KFLR is the exact per-row sum, the "
+        "expectation of KFAC under sampled targets (T·min(V, d) columns per sample). The two "
+        "agree on the layers above the attention (proj, fc, out) and differ on qkv "
+        "(tests/test_overhead_curvlinops.py)"
+    ),
+}

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .cases import PLAIN, QUANTITIES, TARGETS
+from .cases import DIFFERENT_DEFINITIONS, PLAIN, QUANTITIES, TARGETS
 from .floors import Calibration, Floor, extra_ms
 from .memory import MemoryResult
 from .memory import ratio as memory_ratio
@@ -117,8 +117,9 @@ def markdown_table(
             ]
             for b in versus:
                 ratio = head_to_head(index.get((problem, q, "curvopt")), index.get((problem, q, b)))
-                cells.append("" if ratio is None else f"{ratio:.2f}")
-                if ratio is not None:
+                differs = (problem, q, b) in DIFFERENT_DEFINITIONS
+                cells.append("" if ratio is None else f"{ratio:.2f}" + " ≠" * differs)
+                if ratio is not None and not differs:
                     compared[b].append(ratio)
             if floors is not None:
                 cells += _floor_cells(
@@ -134,6 +135,13 @@ def markdown_table(
         blanks = " | ".join([""] * len(backends))
         after = "".join(f" {c} |" for c in blank_floors)
         lines.append(f"| geometric mean | | {blanks} | " + " | ".join(means) + f" |{after} |")
+    notes = [
+        f"≠ ({problem}, {QUANTITIES[q].label}, {COMPETITORS[b]}): {why}"
+        for (problem, q, b), why in DIFFERENT_DEFINITIONS.items()
+        if b in versus and problem in infos and (problem, q, b) in index
+    ]
+    if notes:
+        lines += ["", "≠: not the same quantity, so not in the geometric mean.", *notes]
     return "\n".join(lines)
 
 
