@@ -113,6 +113,7 @@ class CurvaturePass:
             groups[key].append(ext)
         for (source, mc_samples), exts in groups.items():
             self._propagate(rule, calls, exts, source, mc_samples)
+        self.factors.finish()
         hessian_exts = [e for e in self.exts if e.quantity.producer is Producer.HESSIAN_DIAGONAL]
         kfra_exts = [e for e in self.exts if e.quantity.producer is Producer.KFRA]
         if not (hessian_exts or kfra_exts):
@@ -196,8 +197,10 @@ class CurvaturePass:
             if cut is not None and self._propagate_cut(rule, calls, cut, diag_exts, kron_exts):
                 return
         for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
+            # (no name holds a chunk's propagated columns while the next one's are made)
             outs = to_calls(self.loss.output, calls, cols, self.batched, self.walk)
             self._contribute(calls, outs, diag_exts, kron_exts)
+            del outs, cols
 
     def _narrower(self, rule, calls) -> bool:
         """Whether a position-wise call's input is narrower than the loss's exact columns per
@@ -244,6 +247,7 @@ class CurvaturePass:
             short = factors.columns(layout, first, min(layout.num_slots, first + step), root.dtype)
             outs = to_calls(cut.root, below, short, self.batched, self.walk)
             self._contribute(below, outs, diag_exts, kron_exts)
+            del outs, short
         return True
 
     def _contribute(self, calls, outs, diag_exts, kron_exts) -> None:

@@ -2,17 +2,18 @@
 
 Each chunk of columns that reaches a call gives the output side of its factors (summed into
 the result buffer over chunks and losses); the input side, which does not depend on the
-columns, is computed once, with the call's first contribution (``layers.kron.kron_factors``,
-``input_side=``). ``KFAC(samples=K)``: the factors of the first ``K`` samples, the columns
-scaled so that the output side estimates the whole batch's; a parameter without a
-factorisation (``skip_unsupported="diagonal"``) gets the GGN diagonal of those same scaled
-columns, ``c sum_{n<K} sum_k (J_n^T v_nk)**2``, an estimate of the whole batch's at the same
-scale ``c``.
-"""
+columns, is computed once, after the last chunk (:meth:`FactorStream.finish`: no propagated
+columns are held then, and no chunk is propagated while the large input-side factors are).
+``KFAC(samples=K)``: the factors of the first ``K`` samples, the columns scaled so that the
+output side estimates the whole batch's; a parameter without a factorisation
+(``skip_unsupported="diagonal"``) gets the GGN diagonal of those same scaled columns,
+``c sum_{n<K} sum_k (J_n^T v_nk)**2``, an estimate of the whole batch's at the same scale
+``c``."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -36,6 +37,9 @@ class FactorStream:
         self.layout = layout
         self.skip_diagonal = skip_diagonal
         self._sub_batch_roots = {}  # K -> the root of the output side's scale (``samples=K``)
+        #: the input sides still to compute: (the call without its output gradient, name,
+        #: approx, n, the factors the result buffer holds, the input side's index)
+        self._inputs: list = []
 
     def add(self, calls, outs, exts) -> None:
         """The factors of ``exts`` from one chunk of columns ``outs`` at every call."""
@@ -57,7 +61,7 @@ class FactorStream:
                     first = not self.results.has_factors(p, ext.attr, record, basis)
                     sub, cols, k = self._sub_batch(call, columns, n, ext)
                     try:
-                        factors = kron_factors(sub, cols, name, p, approx, k, input_side=first)
+                        factors = kron_factors(sub, cols, name, p, approx, k, input_side=False)
                     except UnsupportedKroneckerError as error:
                         self.results.skip(p, ext.attr, error, record)
                         if self.skip_diagonal and not basis:  # of the same (sub-)batch
@@ -66,11 +70,21 @@ class FactorStream:
                             yield Term(p, ext.fallback.attr, d)
                         continue
                     index = output_factor_index(call.module, name)
+                    if first and len(factors) == 2:  # the input side: from ``finish``
+                        inputs = replace(sub, grad_out=None, cache={})  # not the columns
+                        self._inputs.append((inputs, name, approx, k, factors, 1 - index))
                     contribution = Factors(p, ext.attr, record, factors, index)
                     if basis:  # EKFAC's fresh basis: S follows in the module hooks (reducer)
                         self.results.add_basis(contribution)
                     else:
                         yield contribution
+
+    def finish(self) -> None:
+        """The input side of every call's first contribution (it holds ``None`` there until
+        now; the result buffer holds that same list)."""
+        inputs, self._inputs = self._inputs, []
+        for call, name, approx, n, factors, index in inputs:
+            factors[index] = rule_for(call.module).kron_input_factor(call, name, approx, n)
 
     def _sub_batch(self, call, columns, n, ext):
         """``(call, columns, n)`` of the first ``K`` samples for an extension with

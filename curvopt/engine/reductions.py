@@ -59,13 +59,13 @@ _GRAM_BLOCKED = 512
 _GRAM_BLOCKS = 4
 
 
-def gram(rows: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+def gram(rows: torch.Tensor, scale: float = 1.0, root: bool = True) -> torch.Tensor:
     """``scale · rowsᵀ rows`` (``[M, D] -> [D, D]``, symmetric positive semi-definite).
 
     Wide and tall products (``D ≥ 512``, ``M ≥ D``) compute only the upper block triangle of a
     4 x 4 block split and mirror it (10/16 of the flops of one matmul, a stand-in for BLAS
-    ``syrk``). When ``M < D`` the product has rank at most ``M`` and carries its root: see
-    :func:`gram_root`.
+    ``syrk``). When ``M < D`` the product has rank at most ``M`` and carries its root (see
+    :func:`gram_root`), unless ``root`` is False (one term of a sum of more than ``D`` rows).
     """
     dim = rows.shape[1]
     if dim >= _GRAM_BLOCKED and rows.shape[0] >= dim:
@@ -77,7 +77,7 @@ def gram(rows: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
             product[hi:, lo:hi] = block[:, hi - lo :].T
         return product.mul_(scale) if scale != 1 else product
     product = torch.addmm(rows.new_zeros(()), rows.T, rows, beta=0, alpha=scale)
-    if rows.shape[0] < dim:
+    if root and rows.shape[0] < dim:
         product.gram_root = rows * scale**0.5
     return product
 

@@ -12,13 +12,14 @@ the output, ``sum_l r_nol X_nil^2``.
 
 from __future__ import annotations
 
+import math
 
 import torch
 from torch import nn
 
 from curvopt.errors import UnsupportedKroneckerError, module_error
 from curvopt.layers.eigenbasis import eigen_moment
-from curvopt.layers.kron import input_factor, output_factor_channels_first
+from curvopt.layers.kron import input_factor_by_samples, output_factor_channels_first
 from curvopt.layers.registry import LayerRule, register
 from curvopt.engine.calls import Call
 from curvopt.layers.unfold import (
@@ -253,8 +254,15 @@ class ConvRule(ConvRuleBase):
 
     def kron_input_factor(self, call, name, approx, n):
         module = call.module
-        patches = unfold_conv_input(module, call.input, positions_first=True)  # [N, L, k C_in]
-        return kernel_major_to_channel_major(input_factor(patches, approx), module.in_channels)
+        x = call.input
+
+        def patches(start, stop):  # [stop - start, L, k C_in]
+            return unfold_conv_input(module, x[start:stop], positions_first=True)
+
+        features = module.in_channels * math.prod(module.kernel_size)
+        positions = x[0].numel() // module.in_channels // math.prod(module.stride)  # about
+        factor = input_factor_by_samples(patches, x.shape[0], positions, features, approx)
+        return kernel_major_to_channel_major(factor, module.in_channels)
 
     def has_weighted_squares(self, module):
         return module.groups == 1

@@ -29,6 +29,10 @@ from curvopt.errors import UnsupportedKroneckerError
 from curvopt.layers.registry import rule_for
 from curvopt.engine.reductions import block_gram, gram, nonzero_rows
 
+#: elements of the inputs ``x [n, P, I]`` that :func:`input_factor_by_samples` holds at once
+#: (16 MB in float32: the unfolded patches of a convolution are ``prod(kernel)`` times its input)
+_INPUT_BUDGET = 1 << 22
+
 
 def input_factor(x, approx):
     """``A`` from inputs ``x [N, P, I]``: mean over samples and positions of ``x xᵀ``
@@ -36,6 +40,32 @@ def input_factor(x, approx):
     if approx == "reduce":
         return gram(x.mean(1), 1 / x.shape[0])
     return gram(x.flatten(0, 1), 1 / x.shape[:2].numel())
+
+
+def input_factor_by_samples(inputs_of, n: int, positions: int, features: int, approx: str):
+    """:func:`input_factor` of the inputs ``x [n, P, I]`` of ``n`` samples, made by
+    ``inputs_of(start, stop)`` (``[stop - start, P, I]``) for chunks of samples that hold at
+    most ``_INPUT_BUDGET`` elements (``positions`` ``P``, an estimate, times ``features``
+    ``I`` each): ``A = sum_chunks scale · x_cᵀ x_c`` with the whole batch's scale, the same
+    matrix up to the order of the sums, without the whole batch's inputs at once (a
+    convolution's unfolded patches). Not chunked where the batch has fewer rows than ``I``:
+    that factor carries its root (``reductions.gram_root``), the chunks' would not add up."""
+    rows = n if approx == "reduce" else n * positions
+    step = max(1, _INPUT_BUDGET // max(1, positions * features))
+    if step >= n or rows < features:
+        return input_factor(inputs_of(0, n), approx)
+    total = None
+    for start in range(0, n, step):  # (no name holds a chunk while the next one is made)
+        part = _scaled_gram(inputs_of(start, min(n, start + step)), n, approx)
+        total = part if total is None else total.add_(part)
+    return total
+
+
+def _scaled_gram(x, n: int, approx: str):
+    """One chunk's term of :func:`input_factor_by_samples` (``n``: the whole batch's)."""
+    if approx == "reduce":
+        return gram(x.mean(1), 1 / n, root=False)
+    return gram(x.flatten(0, 1), 1 / (n * x.shape[1]), root=False)
 
 
 def output_factor(v, approx):

@@ -200,7 +200,8 @@ class LayerRule:
 
     def kron_input_factor(self, call, name: str, approx: str, n: int) -> torch.Tensor:
         """The input-side factor of ``name`` (it does not depend on the columns: computed once
-        per pass), for a parameter whose :meth:`kron_output_factor` gives one."""
+        per pass, from the call's inputs: its ``grad_out`` is ``None``), for a parameter whose
+        :meth:`kron_output_factor` gives one."""
         raise NotImplementedError(
             f"{type(self).__name__} gives an output-side Kronecker factor of {name!r} but no "
             "kron_input_factor; implement both (docs/architecture.md, the LayerRule table)"
