@@ -1,7 +1,8 @@
-"""Per-pass time of 2C2D's ``KFLR`` at multiples of the column budget
-(``curvature._COLUMN_BUDGET``), interleaved round by round in one process.
+"""Per-pass time of 2C2D's ``KFLR`` (``--quantity``, ``--problem``: another one) at
+multiples of the column budget (``curvature._COLUMN_BUDGET``), interleaved round by round in
+one process.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.kflr_column_budget [--rounds 16]
+    OMP_NUM_THREADS=1 python -m benchmarks.kflr_column_budget [--rounds 16] [--quantity Q]
 
 Each call's input-side Kronecker factor is computed once per pass (``engine.kron_pass``), so
 larger chunks of columns should buy no time; the budget then sets the peak memory alone
@@ -23,25 +24,28 @@ import curvopt.engine.curvature as curvature
 from curvopt import extensions as ext
 from experiments.overhead.problems import PROBLEMS
 
-MULTIPLES = (1, 2, 4)
+MULTIPLES = (0.25, 0.5, 1, 2, 4)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=16)
+    parser.add_argument("--quantity", default="KFLR", help="a second-order extension's name")
+    parser.add_argument("--problem", default="2c2d", choices=sorted(PROBLEMS))
     args = parser.parse_args()
+    extension = getattr(ext, args.quantity)
     torch.set_num_threads(1)
-    model, x, y, lossfunc = PROBLEMS["2c2d"].build()
+    model, x, y, lossfunc = PROBLEMS[args.problem].build()
     model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
     budget = curvature._COLUMN_BUDGET
 
     def step(multiple):
         model.zero_grad()
-        curvature._COLUMN_BUDGET = budget * multiple
+        curvature._COLUMN_BUDGET = int(budget * multiple)
         loss = lossfunc(model(x), y)
         start = time.perf_counter()
         if multiple:
-            with curvopt.collect(ext.KFLR()):
+            with curvopt.collect(extension()):
                 loss.backward()
         else:
             loss.backward()
@@ -55,7 +59,7 @@ def main() -> None:
         for case in cases if r % 2 else cases[::-1]:
             times[case].append(step(case))
     curvature._COLUMN_BUDGET = budget
-    print("| budget | KFLR backward (ms, median) |")
+    print(f"| budget | {args.quantity} backward (ms, median) |")
     print("|---|---|")
     for case in cases:
         label = "plain backward" if case == 0 else f"{case}x"
