@@ -73,7 +73,7 @@ class CrossEntropyLossRule(LossRule):
                 f"{tuple(output.shape)}, got {tuple(target.shape)}."
             )
         low, high = torch.aminmax(target)
-        if low >= 0 and high < output.shape[1]:  # one sync in the usual case
+        if low.item() >= 0 and high.item() < output.shape[1]:  # the usual case: two reads
             return
         bad = ((target < 0) | (target >= output.shape[1])) & (target != loss_module.ignore_index)
         if bad.any():
@@ -113,11 +113,11 @@ class CrossEntropyLossRule(LossRule):
             kept = labels != loss_module.ignore_index
             if loss_module.weight is None and eps == 0:  # the usual case: 1 where kept
                 alpha = kept.to(output.dtype)
-                count = alpha.sum()
+                count = alpha.sum().item()
             else:
                 weight_y = torch.where(kept, weight[labels.where(kept, 0)], 0)
                 alpha = (1 - eps) * weight_y + eps * weight.mean() * kept
-                count = weight_y.sum()
+                count = weight_y.sum().item()
             if loss_module.reduction == "mean" and count == 0:
                 raise ValueError(
                     "CrossEntropyLoss(reduction='mean'): every target is ignore_index or has "
@@ -133,12 +133,17 @@ class CrossEntropyLossRule(LossRule):
         batch, num_classes = output.shape[:2]
         probs = output.softmax(1).reshape(batch, num_classes, -1)  # [N, C, D]
         beta = self._beta(loss_module, output, target)  # [N, D]
-        cs, ds = ks // probs.shape[2], ks % probs.shape[2]
-        one_hot = F.one_hot(cs, num_classes).to(output)[:, None, :]  # [k, 1, C]
         if probs.shape[2] == 1:  # one position: the columns are the factor
             p = probs[:, :, 0]
-            coeff = (beta * p)[:, cs].sqrt_().T  # [k, N]
-            return (coeff[..., None] * (one_hot - p)).reshape(len(ks), *output.shape)
+            root = (beta * p).sqrt_()  # [N, C]
+            if len(ks) == num_classes:  # every column, in order (the usual case)
+                coeff, one_hot = root.T, torch.eye(num_classes, dtype=p.dtype, device=p.device)
+            else:
+                coeff, one_hot = root[:, ks].T, F.one_hot(ks, num_classes).to(output)
+            # [k, N] · ([k, 1, C] - [N, C])
+            return (coeff[..., None] * (one_hot[:, None, :] - p)).reshape(len(ks), *output.shape)
+        cs, ds = ks // probs.shape[2], ks % probs.shape[2]
+        one_hot = F.one_hot(cs, num_classes).to(output)[:, None, :]  # [k, 1, C]
         coeff = (beta[:, ds] * probs[:, cs, ds]).sqrt().T  # [k, N]
         columns = coeff[..., None] * (one_hot - probs[:, :, ds].permute(2, 0, 1))  # [k, N, C]
         factor = output.new_zeros(len(ks), *probs.shape)

@@ -1,0 +1,130 @@
+"""Where curvopt's fixed per-pass cost goes on logreg at batch 8, in µs of real time a pass
+(not cProfile's inflated counts), beside the cost of one small torch operator: the floor
+under the checks that run on every pass.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.per_pass_parts [--quantity BatchGrad] [--repeats 1000]
+
+The pass is ``benchmarks.per_pass_overhead``'s (DeepOBS MNIST logistic regression, float32,
+one thread, its plan made by warm-up passes). Each part is an engine function wrapped with
+``time.perf_counter`` for the run (the wrapper adds about 1 µs a call); parts nest (the loss
+hook holds the walk), so they do not add up, and a part's time includes its torch operators.
+The plain pass (forward, loss, backward of an un-extended copy) and the pass with the quantity
+run ``repeats`` times each, one after the other, in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import importlib
+import time
+
+import torch
+
+from benchmarks.per_pass_overhead import FIRST_ORDER, SECOND_ORDER, setup
+
+#: (label, module, attribute path) of the timed parts, in the order a pass reaches them
+PARTS = (
+    ("a new BackwardPass", "curvopt.engine.backward", "BackwardPass.__init__"),
+    ("loss hook", "curvopt.engine.dispatch", "on_loss"),
+    ("  the walk of the graph", "curvopt.engine.walk", "Walk.__init__"),
+    ("  participation", "curvopt.engine.participation", "Participation.skips_all"),
+    ("  row layout (first order)", "curvopt.engine.backward", "BackwardPass._check_layout"),
+    ("  the loss and modules checked", "curvopt.engine.curvature", "CurvaturePass.check"),
+    ("  curvature pass", "curvopt.engine.curvature", "CurvaturePass.run"),
+    ("    row layout", "curvopt.engine.curvature", "establish"),
+    ("    columns propagated", "curvopt.engine.curvature", "to_calls"),
+    ("    the loss's exact columns", "curvopt.losses.base", "LossRule.sqrt_hessian"),
+    ("    the loss's sampled columns", "curvopt.losses.base", "LossRule.sqrt_hessian_mc"),
+    ("    contributions made and collected", "curvopt.engine.results", "ResultBuffer.add"),
+    ("    Kronecker output sides", "curvopt.engine.kron_pass", "FactorStream.add"),
+    ("    Kronecker input sides", "curvopt.engine.kron_pass", "FactorStream.finish"),
+    ("  flow check's hooks placed", "curvopt.engine.flow", "FlowCheck.watch"),
+    ("module hooks", "curvopt.engine.dispatch", "_on_module"),
+    ("  first-order reducer", "curvopt.engine.reducer", "FirstOrderReducer.add"),
+    ("parameter hooks: sum checks", "curvopt.engine.checks", "Checks.parameter_grad"),
+    ("end of pass", "curvopt.engine.backward", "BackwardPass._finish"),
+    ("  spot check of per-sample gradients", "curvopt.engine.checks", "Checks.check_materialised"),
+    ("  results written", "curvopt.engine.results", "ResultBuffer.write"),
+)
+
+
+def _timed(totals, label, module, path):
+    """Wrap ``module.path`` so that its calls add their time to ``totals[label]``."""
+    owner = importlib.import_module(module)
+    *outer, name = path.split(".")
+    for part in outer:
+        owner = getattr(owner, part)
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            totals[label] += time.perf_counter() - start
+
+    setattr(owner, name, wrapper)
+    return owner, name, original
+
+
+def _per_call_us(fn, repeats):
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return 1e6 * (time.perf_counter() - start) / repeats
+
+
+def operator_floor(repeats: int) -> dict:
+    """µs of one small torch operator and of one read of two values to the host."""
+    a, b = torch.randn(10), torch.randn(10)
+    pair = torch.randn(2)
+    for fn in (lambda: torch.add(a, b), pair.tolist):
+        fn()
+    return {
+        "one operator on 10 entries (torch.add)": _per_call_us(lambda: torch.add(a, b), repeats),
+        "one read of 2 values (tolist)": _per_call_us(pair.tolist, repeats),
+    }
+
+
+def parts(quantity: str, batch: int, repeats: int) -> tuple[float, float, dict]:
+    """``(pass µs, plain µs, {part: µs a pass})`` of ``quantity``."""
+    plain, with_quantity = setup(batch)
+    run = with_quantity(quantity)
+    totals: collections.Counter = collections.Counter()
+    wrapped = [_timed(totals, *part) for part in PARTS]
+    try:
+        for _ in range(20):
+            run()
+            plain()
+        totals.clear()
+        passed = _per_call_us(run, repeats)
+        seen = dict(totals)
+        plain_us = _per_call_us(plain, repeats)
+    finally:
+        for owner, name, original in reversed(wrapped):
+            setattr(owner, name, original)
+    return passed, plain_us, {label: 1e6 * seen.get(label, 0.0) / repeats for label, *_ in PARTS}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=1000)
+    parser.add_argument("--quantity", choices=(*FIRST_ORDER, *SECOND_ORDER), action="append")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    for label, us in operator_floor(10 * args.repeats).items():
+        print(f"{us:7.1f} µs  {label}")
+    for quantity in args.quantity or ("BatchGrad", "KFAC"):
+        passed, plain_us, timed = parts(quantity, args.batch, args.repeats)
+        print(f"\n{quantity}: {passed:.0f} µs a pass, plain {plain_us:.0f} µs")
+        for label, us in timed.items():
+            if us:
+                print(f"{us:7.1f} µs  {label}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""``benchmarks.per_pass_parts`` times the engine functions it names, and puts them back."""
+
+from __future__ import annotations
+
+import importlib
+
+from benchmarks import per_pass_parts
+
+
+def _resolve(module, path):
+    owner = importlib.import_module(module)
+    for part in path.split("."):
+        owner = getattr(owner, part)
+    return owner
+
+
+def test_every_part_names_an_engine_function_and_is_restored():
+    before = {label: _resolve(module, path) for label, module, path in per_pass_parts.PARTS}
+    passed, plain, timed = per_pass_parts.parts("BatchGrad", batch=2, repeats=3)
+    assert passed > 0 and plain > 0
+    for label in ("loss hook", "module hooks", "end of pass", "  first-order reducer"):
+        assert timed[label] > 0, label
+    assert timed["  curvature pass"] == 0  # first order only
+    for label, module, path in per_pass_parts.PARTS:
+        assert _resolve(module, path) is before[label], label
