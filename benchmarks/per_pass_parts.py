@@ -41,6 +41,7 @@ PARTS = (
     ("    Kronecker output sides", "curvopt.engine.kron_pass", "FactorStream.add"),
     ("    Kronecker input sides", "curvopt.engine.kron_pass", "FactorStream.finish"),
     ("  flow check's hooks placed", "curvopt.engine.flow", "FlowCheck.watch"),
+    ("    its region searched", "curvopt.engine.flow", "FlowCheck._region"),
     ("module hooks", "curvopt.engine.dispatch", "_on_module"),
     ("  first-order reducer", "curvopt.engine.reducer", "FirstOrderReducer.add"),
     ("parameter hooks: sum checks", "curvopt.engine.checks", "Checks.parameter_grad"),
