@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 import curvopt
 from curvopt import extensions as ext
 from curvopt.engine import compress, propagate
+from curvopt.engine import rows as rows_module
 from fixtures import zoo
 
 N, T, D = 3, 4, 8
@@ -316,11 +317,9 @@ def test_not_compressed_kflr_with_a_skip_is_exact(counted):
     assert below == []
 
 
-class _Slots:
-    """A ``rows.RowLayout`` stand-in: rows ``r`` in slot ``r % 2`` (two slots)."""
-
-    def __init__(self, rows):
-        self.slot = torch.arange(rows) % 2
+def _two_slots(rows):
+    """A ``rows.RowLayout`` of two rows per sample: row ``r`` in slot ``r % 2``."""
+    return rows_module.RowLayout(torch.arange(rows) // 2, rows // 2)
 
 
 class _Cut:
@@ -342,7 +341,7 @@ def test_row_factors_keep_each_rows_gram_with_width_columns():
     whole = compress.RowFactors(_Cut(rows, width), rows)
     whole.add(at_h)
     for factors in (chunked, whole):
-        short = factors.columns(_Slots(rows), 0, 2, torch.float64)
+        short = factors.columns(_two_slots(rows), 0, 2, torch.float64)
         assert short.shape == (width * 2, rows, width)
         c = short.reshape(width, 2, rows, width)
         for r in range(rows):
@@ -350,7 +349,7 @@ def test_row_factors_keep_each_rows_gram_with_width_columns():
             gram = c[:, r % 2, r].T @ c[:, r % 2, r]
             expected = at_h[:, r].T @ at_h[:, r]
             torch.testing.assert_close(gram, expected, rtol=1e-12, atol=1e-14)
-    one_slot = whole.columns(_Slots(rows), 1, 2, torch.float32)  # slot 1 alone, cast
+    one_slot = whole.columns(_two_slots(rows), 1, 2, torch.float32)  # slot 1 alone, cast
     assert one_slot.dtype == torch.float32 and one_slot.shape == (width, rows, width)
     assert bool((one_slot[:, 0::2] == 0).all()) and bool((one_slot[:, 1::2] != 0).any())
 

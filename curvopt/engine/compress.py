@@ -186,10 +186,7 @@ class RowFactors:
         if layout.slot is None:
             out[:, 0] = f.transpose(0, 1)
         else:
-            slot = layout.slot.to(f.device)
-            s, r = (slot[None, :] == torch.arange(first, stop, device=f.device)[:, None]).nonzero(
-                as_tuple=True
-            )
+            s, r = layout.masks(first, stop, torch.bool, f.device).nonzero(as_tuple=True)
             out[:, s, r] = f[r].transpose(0, 1)
         return out.to(dtype).reshape(-1, *self.shape)
 
