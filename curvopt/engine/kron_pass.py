@@ -61,7 +61,7 @@ class FactorStream:
                     first = not self.results.has_factors(p, ext.attr, record, basis)
                     sub, cols, k = self._sub_batch(call, columns, n, ext)
                     try:
-                        factors = kron_factors(sub, cols, name, p, approx, k, input_side=False)
+                        factors = kron_factors(sub, cols, name, p, approx, k)
                     except UnsupportedKroneckerError as error:
                         self.results.skip(p, ext.attr, error, record)
                         if self.skip_diagonal and not basis:  # of the same (sub-)batch

@@ -82,18 +82,16 @@ def output_factor_channels_first(v, approx):
     return gram(v.sum(2)) if approx == "reduce" else block_gram(v)
 
 
-def kron_factors(
-    call, columns, name: str, p: torch.Tensor, approx: str, n: int, input_side: bool = True
-):
+def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int):
     """Kronecker factors of ``p`` (see module docstring) for one call from one chunk of
-    columns; without ``input_side`` (a further chunk: the input side is the first chunk's)
-    ``None`` stands in the list where the input-side factor would be."""
+    columns: the output side, with ``None`` where the input-side factor goes (it does not
+    depend on the columns: the caller makes it once, :meth:`LayerRule.kron_input_factor`), or
+    ``[B]`` for a one-dimensional parameter."""
     module = call.module
     rule = rule_for(module)
     own = rule.kron_output_factor(call, columns, name, approx, n)
     if own is not None:
-        a = rule.kron_input_factor(call, name, approx, n) if input_side else None
-        return [own, a] if rule.output_factor_index(name) == 0 else [a, own]
+        return [own, None] if rule.output_factor_index(name) == 0 else [None, own]
     if p.dim() == 1:
         grads = rule.batch_grad(call.expand(columns), name)
         return [gram(grads)]
