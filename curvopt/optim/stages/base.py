@@ -50,8 +50,26 @@ class ParamStep:
     #: the curvature read at this step (None: none read), which the EMA stage averages with
     #: the stored one (``state["curvature"]``)
     fresh: Any = None
-    #: the update being transformed: ``d``, then ``ν d``, then ``v``
+    #: the update being transformed: ``d``, then ``ν d``, then ``v`` (consumed by the lr stage,
+    #: which may scale it in place into ``update.delta``)
     direction: torch.Tensor | None = None
+    #: the tensor this step made and nothing else holds (not the gradient, the parameter, a
+    #: tensor a state keeps): a stage may change it in place while it is still the one being
+    #: transformed (``direction``; from the lr stage on ``update.delta``). A stage that keeps
+    #: that tensor in a state sets ``own = None`` (as the momentum stage does)
+    own: torch.Tensor | None = None
+
+    def owns(self, tensor: torch.Tensor | None) -> bool:
+        """Whether ``tensor`` is the step's own (:attr:`own`): a stage may change it in place."""
+        return tensor is not None and tensor is self.own
+
+    def scaled(self, factor: float) -> torch.Tensor:
+        """``factor · direction``: in place where the step owns the direction (one pass, no
+        new tensor of the parameter's size), else a new tensor, which the step then owns."""
+        if self.owns(self.direction):
+            return self.direction.mul_(factor)
+        self.own = self.direction * factor
+        return self.own
 
 
 @dataclass(frozen=True)

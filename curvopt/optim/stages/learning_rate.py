@@ -11,5 +11,5 @@ class ScaleByLearningRate(Stage):
     def __call__(self, step: GroupStep) -> None:
         lr = step.group["lr"]
         for item in step.params:
-            item.update.delta = lr * item.direction
+            item.update.delta = item.scaled(lr)
             item.update.checks.append(("update", item.update.delta))

@@ -19,4 +19,5 @@ class TraceMomentum(Stage):
                 if velocity is item.grad:  # the gradient itself (fallback 'sgd'): kept, so copied
                     velocity = velocity.clone()
                 item.update.state["momentum"] = velocity
+                item.own = None  # the state keeps it
             item.direction = velocity

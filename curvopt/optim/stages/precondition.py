@@ -39,6 +39,18 @@ class Precondition(Stage):
             except torch.linalg.LinAlgError as error:
                 raise torch.linalg.LinAlgError(f"{update.description}: {error}") from None
             update.state.update(curvature=item.curvature, curvature_step=item.curvature_step)
+        for item in step.params:
+            aliased = _aliases(item.direction, item.grad, item.update.param)
+            item.own = None if aliased else item.direction
+
+
+def _aliases(direction: torch.Tensor, grad: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether ``direction`` shares memory with the gradient in use, ``param.grad`` or the
+    parameter (the fallback ``'sgd'`` returns the gradient itself): then no stage may change
+    it in place."""
+    others = (grad, param.grad, param)
+    memory = direction.untyped_storage().data_ptr()
+    return any(t is not None and t.untyped_storage().data_ptr() == memory for t in others)
 
 
 def _spread_derived(step: GroupStep) -> None:

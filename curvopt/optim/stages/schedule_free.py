@@ -47,10 +47,14 @@ class ScheduleFree(Stage):
             lr_max = max(lr, 0.0 if kept is None else kept["lr_max"])
             weight_sum = lr_max**2 + (0.0 if kept is None else kept["weight_sum"])
             c = lr_max**2 / weight_sum if weight_sum > 0 else 0.0
-            u = update.delta  # checked finite; Δ is, by the plan's check of θ − Δ
-            # three passes over the parameter's size (a memory-bound step: fc1 of 2C2D is 3.2M)
-            update.delta = torch.sub(y, z).mul_(c).add_(u, alpha=1 - beta * (1 - c))
+            u = update.delta  # a non-finite u makes Δ non-finite: the plan's check of Δ
             update.state[KEY] = {"z": z - u, "weight_sum": weight_sum, "lr_max": lr_max}
+            if kept is not None:  # else c = 1 and y = z: Δ = u
+                # k u + c y − c z: three passes over the parameter's size (a memory-bound step:
+                # fc1 of 2C2D is 3.2M), on u itself where the step owns it
+                k = 1 - beta * (1 - c)
+                start = u.mul_(k) if item.owns(u) else u * k
+                update.delta = item.own = start.add_(y, alpha=c).sub_(z, alpha=c)
 
 
 def average(param: torch.Tensor, state: dict[str, Any], beta: float) -> torch.Tensor:
