@@ -136,7 +136,8 @@ def test_schedule_free_is_evaluated_at_its_average_without_changing_the_training
 
 def test_every_grid_has_its_settings_at_every_batch_size():
     """4 settings at each batch size (fmnist_2c2d: at 128; at 512 only Adam, schedule-free
-    AdamW and KFAC, with 2: a setting of batch 128 and the same with twice its lr)."""
+    AdamW, KFAC and schedule-free KFAC, with 2: a setting of batch 128 and the same with twice
+    its lr)."""
     for problem, grids in GRIDS.items():
         for optimizer, settings in grids.items():
             by_batch = {b: [s for s in settings if s.batch_size == b] for b in BATCH_SIZES}
@@ -148,7 +149,7 @@ def test_every_grid_has_its_settings_at_every_batch_size():
             assert len(points[128]) == 4
             if problem != "fmnist_2c2d":
                 assert points[512] == points[128]
-            elif optimizer in ("adam", "sf_adamw", "kfac"):
+            elif optimizer in ("adam", "sf_adamw", "kfac", "sf_kfac"):
                 (a, *rest), (b, *same) = points[512]
                 assert (a, *rest) in points[128] and b == 2 * a and same == rest
             else:
