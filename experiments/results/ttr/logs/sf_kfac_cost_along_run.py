@@ -5,13 +5,17 @@ Why schedule-free KFAC's idle-machine runs cost more per step than its interleav
 
     python experiments/results/ttr/logs/sf_kfac_cost_along_run.py windows STEPS OPT ...
     python experiments/results/ttr/logs/sf_kfac_cost_along_run.py fixed_vs_fresh
+    python experiments/results/ttr/logs/sf_kfac_cost_along_run.py old_vs_young OLD BLOCKS
 
 ``windows``: each 2C2D winner (``sf_kfac``, ``sf_adamw``, ...) trains STEPS steps from its
 start on fresh batches (its base lr, no schedule: the cost does not depend on it); the mean
 milliseconds of each 20-step window. ``fixed_vs_fresh``: schedule-free KFAC after 60 steps,
 then 40-step windows alternating between fresh batches and the 10 fixed batches of the
 interleaved cost (``experiments.ttr.cost.fixed_batches``): the mean, the median plain step and
-the median curvature step of each window. Output: sf_kfac_cost_along_run.log.
+the median curvature step of each window. ``old_vs_young``: two schedule-free KFAC
+optimizers in one process, one trained OLD steps first, then 10-step blocks of each alternating
+on the same fresh batches, BLOCKS each: the machine's drift is common to both, the difference
+is the cost of the old one's later steps. Output: sf_kfac_cost_along_run.log.
 """
 
 import statistics
@@ -68,6 +72,20 @@ if sys.argv[1] == "windows":
         times = [step(*next(fresh)) for _ in range(steps)]
         windows = [1e3 * statistics.mean(times[k : k + 20]) for k in range(0, steps, 20)]
         print(name, "ms per step, 20-step windows:", " ".join(f"{w:.0f}" for w in windows))
+elif sys.argv[1] == "old_vs_young":
+    old_steps, blocks = int(sys.argv[2]), int(sys.argv[3])
+    old, fresh = trainer("sf_kfac", 0)
+    young, _ = trainer("sf_kfac", 0)
+    for _ in range(old_steps):
+        old(*next(fresh))
+    for k in range(blocks):
+        block = [next(fresh) for _ in range(10)]
+        t_old = sum(old(*b) for b in block) / 10
+        t_young = sum(young(*b) for b in block) / 10
+        print(
+            f"block {k}: old (steps {old_steps + 10 * k}-{old_steps + 10 * k + 9}) "
+            f"{1e3 * t_old:.0f} ms, young (steps {10 * k}-{10 * k + 9}) {1e3 * t_young:.0f} ms"
+        )
 else:
     step, fresh = trainer("sf_kfac", 1)
     fixed = fixed_batches(splits, 128, 10, prep)
