@@ -126,13 +126,14 @@ def _schedule_free(lrs: tuple[float, ...], **batch_sizes):
     return _grid("sf_adamw", *((lr, None, None, {}, "warmup") for lr in lrs), **batch_sizes)
 
 
-def _schedule_free_kfac(options: dict, **batch_sizes):
-    """KFAC's ``schedule_free`` preset (damping 0.1, as ``practical``): lr 0.3 and 1 with the
-    trust region ``kl_clip`` 0.1 and 1, each with the ``warmup`` schedule."""
+def _schedule_free_kfac(options: dict, lrs=(0.3, 1.0), clips=(0.1, 1.0), **batch_sizes):
+    """KFAC's ``schedule_free`` preset (damping 0.1, as ``practical``): each lr (default 0.3
+    and 1) with each trust region ``kl_clip`` (default 0.1 and 1), with the ``warmup``
+    schedule."""
     points = [
         (lr, 0.1, "schedule_free", {**options, "kl_clip": clip}, "warmup")
-        for clip in (0.1, 1.0)
-        for lr in (0.3, 1.0)
+        for clip in clips
+        for lr in lrs
     ]
     return _grid("sf_kfac", *points, **batch_sizes)
 
@@ -215,11 +216,7 @@ GRIDS: dict[str, dict[str, tuple[Setting, ...]]] = {
         "sf_adamw": _schedule_free((1e-3, 2e-3, 4e-3, 8e-3), **B128)
         + _schedule_free((8e-3, 1.6e-2), **B512),
         "sf_kfac": _schedule_free_kfac(SUB16, **B128)
-        + _grid(
-            "sf_kfac",
-            *((lr, 0.1, "schedule_free", {**SUB16, "kl_clip": 1.0}, "warmup") for lr in (1.0, 2.0)),
-            **B512,
-        ),
+        + _schedule_free_kfac(SUB16, lrs=(1.0, 2.0), clips=(1.0,), **B512),
     },
     "fmnist_vit": {
         "adam": _first_order("adam", (5e-4, 1e-3, 1e-3, 2e-3)),

@@ -3,7 +3,7 @@ Exploration, 2026-12-03 (after the grid): cheaper curvature for the 2C2D winner 
 KFAC at the time (lr 1, kl_clip 1, curvature of 16 samples; ``winner``: the committed one). Each
 variant changes one thing of it: the curvature and inverses every 20 steps instead of 10
 (``int20``), KFAC-reduce factors for the convolutions (``reduce``), the curvature of 8 samples
-(``sub8``), or two of them. Run from the repository root with ``PYTHONPATH=. OMP_NUM_THREADS=1``:
+(``sub8``). Run from the repository root with ``PYTHONPATH=. OMP_NUM_THREADS=1``:
 
     python experiments/results/ttr/logs/sf_kfac_cheaper.py steps NAME SEED   # steps to 0.90
     python experiments/results/ttr/logs/sf_kfac_cheaper.py cost ROUNDS WARMUP NAME ...
@@ -47,8 +47,6 @@ CHANGES = {
     "int20": {"curvature_interval": 20, "inverse_interval": 20},
     "reduce": {"kfac_approx": "reduce"},
     "sub8": {"curvature_samples": 8},
-    "int20_reduce": {"curvature_interval": 20, "inverse_interval": 20, "kfac_approx": "reduce"},
-    "int20_sub8": {"curvature_interval": 20, "inverse_interval": 20, "curvature_samples": 8},
 }
 VARIANTS = {
     name: replace(BASE, options=tuple({**dict(BASE.options), **change}.items()))
