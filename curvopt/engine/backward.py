@@ -1,8 +1,8 @@
 """The hook router of one backward pass inside ``collect``: results written when it finishes.
 
 Results are buffered and written as attributes by a callback the autograd engine runs at the
-end of the pass, so an exception in the middle leaves no half-written attribute (a reused
-result buffer is taken off its parameter while it is being overwritten, see ``buffers``).
+end of the pass, so an exception in the middle leaves no half-written attribute (a value
+being replaced is taken off its parameter first: ``buffers``, ``Accumulator.release``).
 
 ``BackwardPass`` routes the hooks to the first-order reducer (``reducer``), the curvature
 (``curvature``), the sum checks (``checks``), the flow check (``flow``: on every pass, a term
@@ -111,6 +111,7 @@ class BackwardPass:
         if not self.second_order_exts:
             self._check_layout(record, upstream)
             return True
+        self.accumulator.release(self.taking.among(upstream.calls), self.second_order_exts)
         cpass = CurvaturePass(
             self.results, self.second_order_exts, record, grad, self.skip_diagonal
         )
@@ -208,8 +209,7 @@ class BackwardPass:
             if not self.loss_seen:
                 raise missing_loss(self.second_order_exts)
             if not (self.checkpointed and current_graph_task_id() != self.task):
-                # (a call inside a checkpoint runs in torch's nested backward: checked at the
-                # checkpoint's node by the flow hooks instead)
+                # (inside a checkpoint, torch's nested backward: the flow hooks check its node)
                 self.flow.check_unreached(record, grads)
         elif not self.first:
             return

@@ -82,6 +82,10 @@ class Participation:
             found = self.parameters[key] = params, [(n, p) for n, p in params if not self.skips(p)]
         return found
 
+    def among(self, calls) -> list:
+        """The ``(name, p)`` of the module calls ``calls`` whose gradient this pass accumulates."""
+        return [found for record in calls for found in self.of(record.module)[1]]
+
     def skips_all(self, modules) -> bool:
         """The pass accumulates into none of the trainable parameters of ``modules`` (and there
         is one)."""
