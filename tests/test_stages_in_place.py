@@ -115,13 +115,13 @@ def test_a_direction_that_is_the_gradient_is_not_changed_in_place(schedule_free)
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_the_trust_region_factor_against_the_sum_of_products(dtype):
-    """``ν = min(1, sqrt(κ / (lr² Σ g·d)))``: the products in the parameters' dtype, summed in
-    at least float32, also for a transposed (non-contiguous) gradient."""
+    """``ν = min(1, sqrt(κ / (lr² Σ g·d)))``: the products and their sum in at least float32
+    (exact products for bfloat16), also for a transposed (non-contiguous) gradient."""
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(7, 4, generator=g).t(), torch.randn(3, generator=g)]
     directions = [2 * grads[0] + 0.1, 3 * grads[1]]
     grads, directions = [t.to(dtype) for t in grads], [t.to(dtype) for t in directions]
-    total = sum((a * b).double().sum() for a, b in zip(grads, directions))
+    total = sum((a.double() * b.double()).sum() for a, b in zip(grads, directions))
     lr, kl_clip = 0.3, 1e-3
     expected = min(1.0, (kl_clip / (lr**2 * float(total))) ** 0.5)
     assert expected < 1.0  # the clip is active: the test sees the product

@@ -241,15 +241,14 @@ def _passes(source, shape, calls, batched, walk, sample, n, row_dims) -> bool:
         return True
     gen = torch.Generator(device=sample.device).manual_seed(0)
     dtype = next(iter(calls)).dtype
-    noise = torch.randn(shape, generator=gen, dtype=dtype, device=sample.device)
     sets = probe_sets(n).to(sample.device).T  # [k, N]
     for first in range(0, len(sets), _PROBES_PER_CALL):
         keep = sets[first : first + _PROBES_PER_CALL]  # samples that may be nonzero in each
-        probes = [
-            noise * side[sample].reshape(*shape[:row_dims], *([1] * (len(shape) - row_dims)))
-            for side in keep.to(dtype)
-        ]
-        if _leaks(to_calls(source, calls, torch.stack(probes), batched, walk), keep, n):
+        # noise [k, *shape], zeroed off each probe's samples in place (no copies beside it)
+        masks = keep.to(dtype)[:, sample].reshape(len(keep), *shape[:row_dims])
+        probes = torch.randn((len(keep), *shape), generator=gen, dtype=dtype, device=gen.device)
+        probes.mul_(masks.reshape(*masks.shape, *([1] * (len(shape) - row_dims))))
+        if _leaks(to_calls(source, calls, probes, batched, walk), keep, n):
             return False
     return True
 
