@@ -31,6 +31,7 @@ PARTS = (
     ("  the walk of the graph", "curvopt.engine.walk", "Walk.__init__"),
     ("  participation", "curvopt.engine.participation", "Participation.skips_all"),
     ("  row layout (first order)", "curvopt.engine.backward", "BackwardPass._check_layout"),
+    ("  earlier values released", "curvopt.engine.accumulate", "Accumulator.release"),
     ("  the loss and modules checked", "curvopt.engine.curvature", "CurvaturePass.check"),
     ("  curvature pass", "curvopt.engine.curvature", "CurvaturePass.run"),
     ("    row layout", "curvopt.engine.curvature", "establish"),
