@@ -246,7 +246,7 @@ def _passes(source, shape, calls, batched, walk, sample, n, row_dims) -> bool:
         keep = sets[first : first + _PROBES_PER_CALL]  # samples that may be nonzero in each
         # noise [k, *shape], zeroed off each probe's samples in place (no copies beside it)
         masks = keep.to(dtype)[:, sample].reshape(len(keep), *shape[:row_dims])
-        probes = torch.randn((len(keep), *shape), generator=gen, dtype=dtype, device=gen.device)
+        probes = torch.randn((len(keep), *shape), generator=gen, dtype=dtype, device=sample.device)
         probes.mul_(masks.reshape(*masks.shape, *([1] * (len(shape) - row_dims))))
         if _leaks(to_calls(source, calls, probes, batched, walk), keep, n):
             return False
