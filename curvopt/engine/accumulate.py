@@ -46,8 +46,9 @@ class Accumulator:
         ``collect``, which this pass replaces. Released when the pass reaches its loss, before
         it computes its own, it is not held beside it (a Kronecker factor of a 3136-wide layer
         is 39 MB); a pass that fails then leaves no value rather than a stale one."""
+        attrs = [e.attr for e in extensions]
         for _, p in params:
-            for attr in (e.attr for e in extensions):
+            for attr in attrs:
                 if (id(p), attr) not in self.written and attr in p.__dict__:
                     delattr(p, attr)
 
