@@ -2,9 +2,19 @@
 
 ``torch.linalg.vector_norm(x, dim=0)`` and ``(x * x).sum(0)`` are slow or allocate a copy of
 ``x`` for tensors of 100+ MB on a CPU; accumulating row by row reads ``x`` once.
+
+Gram products ``UᵀU`` of ``M < D`` rows carry their root ``U`` (:func:`gram`, :func:`gram_root`),
+and :class:`GramFactor` is such a product kept as its root alone: the curvature average of
+factors narrower than their layer (``optim.transforms.ema``), with no ``D × D`` matrix formed,
+stored or read. The optimizer inverts it by Woodbury from the root (``optim.factor_inverse``:
+for ``M ≤ D/2`` that form is always the cheaper one); where a dense matrix is needed after all
+(eigendecompositions, the exact Kronecker damping, a rank cap, the quadratic model),
+:func:`dense` forms ``UᵀU`` (``2 M D²`` flops). It is exact: the same matrix in another form.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -120,3 +130,62 @@ def gram_add_(matrix: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         if stacked.shape[0] < matrix.shape[0]:
             matrix.gram_root = stacked
     return matrix
+
+
+@dataclass(frozen=True)
+class GramFactor:
+    """``F = rootᵀ root`` of size ``d = root.shape[1]``; read like a factor for its shape,
+    dtype, device and Gram root (:func:`gram_root` reads :attr:`gram_root`)."""
+
+    root: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        dim = self.root.shape[1]
+        return torch.Size((dim, dim))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.root.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.root.device
+
+    @property
+    def gram_root(self) -> torch.Tensor:
+        return self.root
+
+    def to(self, dtype: torch.dtype) -> "GramFactor":
+        return self if dtype == self.root.dtype else GramFactor(self.root.to(dtype))
+
+
+def keeps_root_only(rows: int, dim: int) -> bool:
+    """Whether a Gram root of ``rows`` rows stands for a factor of size ``dim`` on its own:
+    ``rows ≤ dim / 2``, where its Woodbury inverse is the cheaper one whatever the other side
+    (``optim.factor_inverse.woodbury_cheaper``: ``4 d r² + 4 m d k < d³ + 2 m d²``)."""
+    return 2 * rows <= dim
+
+
+def dense(factor) -> torch.Tensor:
+    """``factor`` as a dense matrix: a :class:`GramFactor`'s ``UᵀU`` (carrying ``U`` as its Gram
+    root, :func:`gram`), any other factor itself."""
+    return gram(factor.root) if isinstance(factor, GramFactor) else factor
+
+
+def diagonal(factor) -> torch.Tensor:
+    """``diag F`` (``[d]``): ``Σ_r U_r²`` of a :class:`GramFactor`, the diagonal of a matrix."""
+    if isinstance(factor, GramFactor):
+        return factor.root.square().sum(0)
+    return torch.diagonal(factor)
+
+
+def empty_like(factor, *shape: int) -> torch.Tensor:
+    """An uninitialised tensor of ``factor``'s dtype and device, of ``shape`` (default
+    ``[d, d]``)."""
+    size = shape or tuple(factor.shape)
+    return torch.empty(size, dtype=factor.dtype, device=factor.device)
+
+
+# averaged factors live in optimizer state: loadable with torch.load(weights_only=True)
+torch.serialization.add_safe_globals([GramFactor])

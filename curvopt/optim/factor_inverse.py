@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from curvopt.engine.psd import psd_eigh, working_dtype
-from curvopt.engine.reductions import gram_root
+from curvopt.engine.reductions import GramFactor, dense, gram_root
 from curvopt.engine.values import rescaled
 
 #: the Kronecker factors of one parameter, in the API order ``[B, A]`` (``[B]`` for a bias)
@@ -64,10 +64,13 @@ def capped(dim: int, max_rank: int | None) -> bool:
     return max_rank is not None and dim > 2 * max_rank
 
 
-def promoted(factor: torch.Tensor) -> torch.Tensor:
-    """``factor`` in ``working_dtype`` (float32 for bfloat16/float16), keeping its Gram root."""
+def promoted(factor):
+    """``factor`` in ``working_dtype`` (float32 for bfloat16/float16), keeping its Gram root
+    (a :class:`~curvopt.optim.gram_factor.GramFactor`: its root in that dtype)."""
     dtype = working_dtype(factor.dtype)
-    return factor if dtype == factor.dtype else rescaled(factor, 1.0, dtype)
+    if dtype == factor.dtype:
+        return factor
+    return factor.to(dtype) if isinstance(factor, GramFactor) else rescaled(factor, 1.0, dtype)
 
 
 def _cholesky(
@@ -219,17 +222,20 @@ def woodbury_cheaper(dim: int, rows: int, rank: int, others: int) -> bool:
     return woodbury < dim**3 + application_flops(dim, others)
 
 
-def usable_root(factor: torch.Tensor, others: int, stored: torch.dtype | None = None):
+def usable_root(factor, others: int, stored: torch.dtype | None = None):
     """The factor's Gram root ``U [r, d]`` (``reductions.gram_root``) when the Woodbury form
     can be cheaper than the dense inverse (:func:`woodbury_cheaper` at a rank of 1: whether
     it is depends on the numerical rank, known once it is set up) and ``U`` still reproduces
     the factor (checked on the all-ones vector against the rounding bound
     ``√eps · |U|ᵀ|U| 1``: a factor changed in place after the pass falls back to the dense
-    form). ``U`` comes in ``factor``'s dtype (both promoted to ``working_dtype`` by the
-    caller); the bound uses the precision the factor was ``stored`` in (default: its dtype)."""
+    form; a :class:`~curvopt.optim.gram_factor.GramFactor` is its root). ``U`` comes in
+    ``factor``'s dtype (both promoted to ``working_dtype`` by the caller); the bound uses the
+    precision the factor was ``stored`` in (default: its dtype)."""
     root = gram_root(factor)
     if root is None or not woodbury_cheaper(factor.shape[0], root.shape[0], 1, others):
         return None
+    if isinstance(factor, GramFactor):
+        return root
     magnitude = root.abs().mT @ root.abs().sum(1)
     error = (factor.sum(1) - root.mT @ root.sum(1)).abs()
     eps = torch.finfo(root.dtype if stored is None else stored).eps
@@ -249,7 +255,7 @@ def woodbury(root: torch.Tensor, shift, others: int, max_rank: int | None):
 def capped_inverse(factor: torch.Tensor, shift, max_rank: int) -> LowRankInverse:
     """``(F_k + c I)⁻¹`` from the top ``max_rank`` eigenpairs of ``F`` (``psd_eigh``), ``F_k`` the
     best rank-``k`` approximation of ``F``: an approximation unless ``rank F ≤ k``."""
-    values, vectors = psd_eigh(factor)
+    values, vectors = psd_eigh(dense(factor))
     kept = min(max_rank, values.shape[0])
     return LowRankInverse.from_eigh(values[-kept:], vectors[:, -kept:], shift)
 

@@ -9,6 +9,7 @@ import weakref
 import torch
 
 from curvopt import extensions
+from curvopt.engine.reductions import dense
 from curvopt.optim.fallback import fallback_diagonal
 from curvopt.optim.gradient_factors import FactorCapture, factored_cheaper, reproduces
 from curvopt.optim.kron_exact import kron_quadratic
@@ -226,7 +227,7 @@ class KFAC(NewtonOptimizer):
         return None if capture is None else capture.factors(param)
 
     def _quadratic(self, curvature, step):
-        return kron_quadratic(curvature, as_matrix(step, curvature))
+        return kron_quadratic([dense(f) for f in curvature], as_matrix(step, curvature))
 
 
 #: optimizer -> its FactorCapture (kept outside the optimizer, which stays picklable)

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from curvopt.engine.reductions import dense, diagonal, empty_like
 from curvopt.optim.inverses import DampedInverse
 from curvopt.optim.kron_exact import exact_damped_solve, kron_eigh
 from curvopt.optim.factor_inverse import (
@@ -75,19 +76,20 @@ def trace_norm_pi(factors: Factors) -> torch.Tensor:
     """
     if len(factors) == 1:
         return torch.ones((), dtype=factors[0].dtype, device=factors[0].device)
-    return trace_norm_ratio(*(torch.diagonal(f).mean() for f in factors))
+    return trace_norm_ratio(*(diagonal(f).mean() for f in factors))
 
 
 def trace_norm_damped(factors: Factors, damping: float) -> list[torch.Tensor]:
     """``[B + √λ/π I, A + π√λ I]`` for ``[B, A]``; ``[B + λ I]`` for ``[B]``."""
     return [
-        add_diagonal(f, shift) for f, shift in zip(factors, _trace_norm_shifts(factors, damping))
+        add_diagonal(dense(f), shift)
+        for f, shift in zip(factors, _trace_norm_shifts(factors, damping))
     ]
 
 
 def _trace_norm_shifts(factors: Factors, damping: float) -> list:
     """The damping added to each factor (:func:`trace_norm_shifts` of their mean diagonals)."""
-    return trace_norm_shifts([torch.diagonal(f).mean() for f in factors], damping)
+    return trace_norm_shifts([diagonal(f).mean() for f in factors], damping)
 
 
 def trace_norm_inverse(factors: Factors, damping: float) -> list[torch.Tensor]:
@@ -123,8 +125,8 @@ def trace_norm_solvers(
     return _trace_norm_solvers(factors, damping, low_rank, max_rank, cholesky_inverse)
 
 
-def _trace_norm_solvers(factors, damping, low_rank, max_rank, dense) -> list:
-    """Per damped factor: ``dense(F + c I)`` or a :class:`LowRankInverse` (see the callers)."""
+def _trace_norm_solvers(factors, damping, low_rank, max_rank, inverse) -> list:
+    """Per damped factor: ``inverse(F + c I)`` or a :class:`LowRankInverse` (see the callers)."""
     stored = [f.dtype for f in factors]
     factors = [promoted(f) for f in factors]
     shifts = _trace_norm_shifts(factors, damping)
@@ -138,11 +140,13 @@ def _trace_norm_solvers(factors, damping, low_rank, max_rank, dense) -> list:
             solver = None if root is None else woodbury(root, shift, others, max_rank)
             if solver is None and usable and capped(factor.shape[0], max_rank):
                 solver = capped_inverse(factor, shift, max_rank)
-            solvers.append(dense(add_diagonal(factor, shift)) if solver is None else solver)
+            if solver is None:
+                solver = inverse(add_diagonal(dense(factor), shift))
+            solvers.append(solver)
         except torch.linalg.LinAlgError as error:
             raise torch.linalg.LinAlgError(
                 f"{_FACTOR_NAMES[len(factors)][index]} {tuple(factor.shape)} (trace "
-                f"{float(factor.trace()):.3g}, damping shift {float(shift):.3g}"
+                f"{float(diagonal(factor).sum()):.3g}, damping shift {float(shift):.3g}"
                 f"{', Woodbury form' if root is not None else ''}): {error}"
             ) from None
     return solvers
@@ -238,7 +242,7 @@ class KroneckerInverse(DampedInverse):
     def compute(curvature, damping: float, options: InverseOptions):
         """The ``value`` of :meth:`build`, without the wrapper (what the optimizers cache)."""
         if options.kind == "eigh":
-            return kron_eigh(curvature)
+            return kron_eigh([dense(f) for f in curvature])
         if options.kind == "trace_norm_eigh":
             return trace_norm_eigh(curvature, options.low_rank, options.max_rank)
         build = trace_norm_solvers if options.reused else trace_norm_cholesky
@@ -248,12 +252,13 @@ class KroneckerInverse(DampedInverse):
     def empty(curvature, options: InverseOptions):
         """Uninitialised tensors of :meth:`compute`'s structure (to receive a broadcast)."""
         if options.kind == "eigh":
-            return [(f.new_empty(f.shape[0]), torch.empty_like(f)) for f in curvature]
+            return [(empty_like(f, f.shape[0]), empty_like(f)) for f in curvature]
         if options.kind == "trace_norm_eigh":  # full decompositions: no Woodbury when spread
             return [
-                (f.new_empty(d := f.shape[0]), f.new_empty(d, _kept(d, options))) for f in curvature
+                (empty_like(f, d := f.shape[0]), empty_like(f, d, _kept(d, options)))
+                for f in curvature
             ]
-        return [torch.empty_like(f) for f in curvature]
+        return [empty_like(f) for f in curvature]
 
     @property
     def solve(self):

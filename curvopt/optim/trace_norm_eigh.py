@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from curvopt.engine.psd import psd_eigh
+from curvopt.engine.reductions import dense
 from curvopt.optim.factor_inverse import (
     Factors,
     LowRankInverse,
@@ -53,7 +54,7 @@ def trace_norm_eigh(
         factor = promoted(stored)  # bfloat16/float16 in float32, keeping the Gram root
         root = usable_root(factor, others, stored.dtype) if low_rank else None
         if root is None:
-            values, vectors = psd_eigh(factor)
+            values, vectors = psd_eigh(dense(factor))
         else:
             values, vectors = _root_eigh(root)
         if capped(factor.shape[0], max_rank):

@@ -2,7 +2,7 @@
 (The trust region's ``kl_clip_factor`` lives with its stage, ``stages.trust_region``.)
 
 * :func:`ema` -- exponential moving average of curvature (tensors or factor lists; low-rank
-  factors keep their Gram roots, stacked).
+  factors keep their Gram roots, stacked, and while narrow enough only them: ``GramFactor``).
 * :func:`add_weight_decay` -- ``g + δ θ``.
 * :func:`momentum` -- heavy-ball buffer ``v ← μ v + d``.
 """
@@ -13,7 +13,7 @@ from typing import Union
 
 import torch
 
-from curvopt.engine.reductions import gram_root
+from curvopt.engine.reductions import GramFactor, dense, gram_root, keeps_root_only
 
 Curvature = Union[torch.Tensor, list[torch.Tensor]]
 
@@ -30,17 +30,24 @@ def ema(average: Curvature | None, new: Curvature, decay: float) -> Curvature:
     return [_ema_factor(a, n, decay) for a, n in zip(average, new)]
 
 
-def _ema_factor(average: torch.Tensor, new: torch.Tensor, decay: float) -> torch.Tensor:
+def _ema_factor(average, new: torch.Tensor, decay: float):
     """``β F̄ + (1 − β) F`` of one Kronecker factor. When both carry Gram roots
     (``F̄ = ŪᵀŪ``, ``F = UᵀU``, see ``reductions.gram_root``) the average is the Gram of the
-    stacked, weighted roots ``[√β Ū; √(1−β) U]``, kept while it has fewer rows than the factor's
-    size, so that the optimizer can still invert it by Woodbury where that is cheaper."""
-    result = torch.lerp(new, average, decay)
+    stacked, weighted roots ``[√β Ū; √(1−β) U]``: with at most half as many rows as the factor's
+    size it is that root alone (a :class:`~curvopt.optim.gram_factor.GramFactor`, no dense
+    average formed); with fewer rows than the size, the dense average carries it, so that the
+    optimizer can still invert it by Woodbury where that is cheaper."""
     roots = gram_root(average), gram_root(new)
+    stacked = None
     if roots[0] is not None and roots[1] is not None:
-        rows = roots[0].shape[0] + roots[1].shape[0]
-        if rows < result.shape[0]:
-            result.gram_root = torch.cat([roots[0] * decay**0.5, roots[1] * (1 - decay) ** 0.5])
+        rows, dim = roots[0].shape[0] + roots[1].shape[0], new.shape[0]
+        if rows < dim:
+            stacked = torch.cat([roots[0] * decay**0.5, roots[1] * (1 - decay) ** 0.5])
+            if keeps_root_only(rows, dim):
+                return GramFactor(stacked)
+    result = torch.lerp(dense(new), dense(average), decay)
+    if stacked is not None:
+        result.gram_root = stacked
     return result
 
 

@@ -22,9 +22,11 @@ steps, which fall in the warm-up.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
+from typing import Callable, ContextManager
 
 import torch
 
@@ -67,10 +69,16 @@ def measure_costs(
     warmup: int = 1,
     min_block: int = MIN_BLOCK,
     log=print,
+    contexts: dict[str, Callable[[], ContextManager]] | None = None,
+    built: dict | None = None,
 ) -> dict:
     """``{"block": L, "sequence": [name per block, in order], "entries": {name: {"setting",
     "batch_size", "compile", "period", "per_step_s" (CPU), "per_step_wall_s", "rounds_cpu_s",
-    "rounds_wall_s", "failed"}}}``; the costs are medians over ``rounds`` of the block means."""
+    "rounds_wall_s", "failed"}}}``; the costs are medians over ``rounds`` of the block means.
+
+    ``contexts[name]()`` (optional) is entered around each of that entry's blocks (an A/B of
+    one code path: the same setting under two names); ``built`` (optional) receives each
+    entry's ``(model, lossfunc, optimizer, collects)``, to be inspected after the rounds."""
     if rounds < 1 or warmup < 0:
         raise ValueError("rounds must be >= 1 and warmup >= 0")
     prob = get_problem(problem)
@@ -86,6 +94,8 @@ def measure_costs(
         opt, collects = make_optimizer(cfg, prob, model, lossfunc)
         entries[name] = (model, lossfunc, opt, collects)
         sizes[name] = cfg.batch_size
+    if built is not None:
+        built.update(entries)
     prep = prob.preprocess(False)
     fixed = {b: fixed_batches(splits, b, block, prep) for b in set(sizes.values())}
     names = list(settings)
@@ -98,12 +108,13 @@ def measure_costs(
             if name in failed:
                 continue
             model, lossfunc, opt, collects = entries[name]
-            wall, cpu = clock(), time.process_time()
-            for i, (x, y) in enumerate(fixed[sizes[name]]):
-                if timed_step(model, lossfunc, opt, collects, x, y, clock).diverged:
-                    failed[name] = f"diverged at step {i} of round {r} (fixed batches)"
-                    break
-            wall, cpu = clock() - wall, time.process_time() - cpu
+            with (contexts or {}).get(name, contextlib.nullcontext)():
+                wall, cpu = clock(), time.process_time()
+                for i, (x, y) in enumerate(fixed[sizes[name]]):
+                    if timed_step(model, lossfunc, opt, collects, x, y, clock).diverged:
+                        failed[name] = f"diverged at step {i} of round {r} (fixed batches)"
+                        break
+                wall, cpu = clock() - wall, time.process_time() - cpu
             sequence.append(name)
             if r >= warmup and name not in failed:
                 samples[name].append((wall / block, cpu / block))

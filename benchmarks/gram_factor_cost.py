@@ -1,0 +1,160 @@
+"""Curvature averages kept as their Gram roots (``reductions.GramFactor``) against dense
+averages, on FMNIST 2C2D: cost per step, the phases of a curvature step and the memory of the
+averaged curvature, in one process.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.gram_factor_cost [--rounds 15] [--warmup 10]
+
+Entries: the 2C2D time-to-result winners of ``experiments/results/ttr/cost.json``: schedule-free
+AdamW (the reference), schedule-free KFAC and KFAC ``practical``, each KFAC one twice: as the
+code is (``root``: an average of rooted factors is its root alone while the stack has at most
+half the factor's rows) and with every average dense (``dense``: ``transforms.keeps_root_only``
+answering no while that entry steps, the code before this change). Cost:
+:func:`experiments.ttr.cost.measure_costs` (blocks of 10 steps on fixed training batches, round
+robin, CPU time at one thread, median of ``--rounds`` blocks after ``--warmup`` rounds); then the
+bytes of every parameter's ``state["curvature"]`` of each entry (after ``warmup + rounds`` blocks);
+then :func:`experiments.step_profile.profile` of schedule-free KFAC (``--profile-steps`` steps on
+one random batch) in both forms: median forward / backward / step of its curvature steps and of
+the others. Writes ``benchmarks/results/gram_factor.json`` and ``.md`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+import curvopt.optim.transforms
+from curvopt.engine.reductions import GramFactor
+from experiments.commands import set_threads
+from experiments.data import load_dataset, make_splits
+from experiments.problems import get_problem
+from experiments.step_profile import profile
+from experiments.ttr.cost import measure_costs
+from experiments.ttr.grids import Setting
+
+PROBLEM = "fmnist_2c2d"
+COSTS = Path("experiments/results/ttr/cost.json")
+#: the winners measured, the reference first
+ENTRIES = ("sf_adamw", "sf_kfac", "kfac")
+#: the winners whose averages take either form
+KRONECKER = ("sf_kfac", "kfac")
+
+
+@contextlib.contextmanager
+def dense_averages():
+    """Every curvature average dense, as before ``GramFactor`` (the EMA never keeps a root
+    alone)."""
+    transforms = curvopt.optim.transforms
+    original = transforms.keeps_root_only
+    transforms.keeps_root_only = lambda rows, dim: False
+    try:
+        yield
+    finally:
+        transforms.keeps_root_only = original
+
+
+def curvature_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of the averaged curvature in ``opt``'s state (a ``GramFactor``: its root)."""
+    total = 0
+    for state in opt.state.values():
+        for factor in state.get("curvature") or []:
+            tensor = factor.root if isinstance(factor, GramFactor) else factor
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--profile-steps", type=int, default=101)
+    parser.add_argument("--out", default="benchmarks/results/gram_factor")
+    args = parser.parse_args(argv)
+    set_threads(1)
+    winners = json.loads(COSTS.read_text())["problems"][PROBLEM]["entries"]
+    settings = {name: Setting.from_dict(winners[name]["setting"]) for name in ENTRIES}
+    for name in KRONECKER:
+        settings[f"{name}_dense"] = settings[name]
+    contexts = {f"{name}_dense": dense_averages for name in KRONECKER}
+    splits = make_splits(load_dataset(get_problem(PROBLEM).dataset), eval_size=1)
+    built: dict = {}
+    costs = measure_costs(
+        PROBLEM, settings, splits, args.rounds, args.warmup, contexts=contexts, built=built
+    )
+    reference = costs["entries"]["sf_adamw"]["per_step_s"]
+    rows = {}
+    for name, entry in costs["entries"].items():
+        rows[name] = {
+            "setting": settings[name].label,
+            "ms_per_step": 1e3 * entry["per_step_s"],
+            "x_sf_adamw": entry["per_step_s"] / reference,
+            "curvature_mb": curvature_bytes(built[name][2]) / 2**20,
+            "rounds_ms": [1e3 * t for t in entry["rounds_cpu_s"]],
+        }
+    config = settings["sf_kfac"].config(PROBLEM, 0)
+    profiles = {"root": profile(config, args.profile_steps)}
+    with dense_averages():
+        profiles["dense"] = profile(config, args.profile_steps)
+    result = {
+        "meta": {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "command": "python -m benchmarks.gram_factor_cost " + " ".join(sys.argv[1:]),
+            "rounds": args.rounds,
+            "warmup": args.warmup,
+            "block": costs["block"],
+        },
+        "costs": rows,
+        "sf_kfac_profile": profiles,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".md").write_text(report(result))
+    print(report(result))
+
+
+def report(result: dict) -> str:
+    meta = result["meta"]
+    lines = [
+        "# Curvature averages as Gram roots (`GramFactor`) against dense averages, FMNIST 2C2D",
+        "",
+        f"`OMP_NUM_THREADS=1 {meta['command']}` ({meta['date']}, torch {meta['torch']}): blocks "
+        f"of {meta['block']} steps on fixed training batches, interleaved, CPU time at one "
+        f"thread, median of {meta['rounds']} blocks after {meta['warmup']} warm-up rounds; the "
+        "averaged curvature's memory after all of them.",
+        "",
+        "| entry | setting | ms/step | × sf_adamw | averaged curvature (MB) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, row in result["costs"].items():
+        lines.append(
+            f"| {name} | {row['setting']} | {row['ms_per_step']:.1f} | "
+            f"{row['x_sf_adamw']:.3f} | {row['curvature_mb']:.1f} |"
+        )
+    lines += [
+        "",
+        "Schedule-free KFAC's phases (`experiments.step_profile.profile`, one random batch, "
+        "medians, ms):",
+        "",
+        "| averages | steps | forward | backward | step |",
+        "|---|---|---|---|---|",
+    ]
+    for form, phases in result["sf_kfac_profile"].items():
+        for kind, p in phases.items():
+            lines.append(
+                f"| {form} | {kind} ({p['n']}) | {p['forward_ms']:.1f} | "
+                f"{p['backward_ms']:.1f} | {p['step_ms']:.1f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
