@@ -13,8 +13,11 @@ answering no while that entry steps, the code before this change). Cost:
 robin, CPU time at one thread, median of ``--rounds`` blocks after ``--warmup`` rounds); then the
 bytes of every parameter's ``state["curvature"]`` of each entry (after ``warmup + rounds`` blocks);
 then :func:`experiments.step_profile.profile` of schedule-free KFAC (``--profile-steps`` steps on
-one random batch) in both forms: median forward / backward / step of its curvature steps and of
-the others. Writes ``benchmarks/results/gram_factor.json`` and ``.md`` (``--out``).
+one random batch) in both forms, and of schedule-free AdamW: median forward / backward / step of
+the curvature steps and of the others; then the setup of fc1's damped input factor (3136 wide)
+from a Gram root of ``r`` rows, :meth:`LowRankInverse.of` (Woodbury: ``U Uᵀ``, its ``r × r``
+eigendecomposition, the basis), against the dense ``cholesky_inverse``, median of 3.
+Writes ``benchmarks/results/gram_factor.json`` and ``.md`` (``--out``).
 """
 
 from __future__ import annotations
@@ -24,13 +27,16 @@ import contextlib
 import datetime
 import json
 import platform
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 import curvopt.optim.transforms
-from curvopt.engine.reductions import GramFactor
+from curvopt.engine.reductions import GramFactor, gram
+from curvopt.optim.factor_inverse import LowRankInverse, add_diagonal, cholesky_inverse
 from experiments.commands import set_threads
 from experiments.data import load_dataset, make_splits
 from experiments.problems import get_problem
@@ -69,6 +75,34 @@ def curvature_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
+#: fc1's input width, and the root rows timed (its average gains 16 or 128 rows a curvature step)
+WIDTH, ROWS = 3136, (128, 512, 1024, 1568)
+
+
+def woodbury_setup_ms(width: int = WIDTH, rows=ROWS, shift: float = 0.03) -> dict:
+    """``{r: {"woodbury_ms", "dense_ms"}}``: ``LowRankInverse.of`` from ``r`` rows of ReLU
+    features against ``cholesky_inverse`` of the damped dense factor, medians of 3."""
+
+    def median_ms(fn) -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - start))
+        return statistics.median(times)
+
+    features = torch.randn(max(rows), width, generator=torch.Generator().manual_seed(0)).relu()
+    out = {}
+    for r in rows:
+        root = features[:r] / r**0.5
+        dense = gram(root)
+        out[r] = {
+            "woodbury_ms": median_ms(lambda root=root: LowRankInverse.of(root, shift)),
+            "dense_ms": median_ms(lambda dense=dense: cholesky_inverse(add_diagonal(dense, shift))),
+        }
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
@@ -101,6 +135,7 @@ def main(argv=None) -> None:
     profiles = {"root": profile(config, args.profile_steps)}
     with dense_averages():
         profiles["dense"] = profile(config, args.profile_steps)
+    profiles["sf_adamw"] = profile(settings["sf_adamw"].config(PROBLEM, 0), args.profile_steps)
     result = {
         "meta": {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -113,6 +148,7 @@ def main(argv=None) -> None:
         },
         "costs": rows,
         "sf_kfac_profile": profiles,
+        "woodbury_setup": woodbury_setup_ms(),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -141,8 +177,8 @@ def report(result: dict) -> str:
         )
     lines += [
         "",
-        "Schedule-free KFAC's phases (`experiments.step_profile.profile`, one random batch, "
-        "medians, ms):",
+        "Schedule-free KFAC's phases with either form of the averages, and schedule-free "
+        "AdamW's (`experiments.step_profile.profile`, one random batch, medians, ms):",
         "",
         "| averages | steps | forward | backward | step |",
         "|---|---|---|---|---|",
@@ -153,6 +189,15 @@ def report(result: dict) -> str:
                 f"| {form} | {kind} ({p['n']}) | {p['forward_ms']:.1f} | "
                 f"{p['backward_ms']:.1f} | {p['step_ms']:.1f} |"
             )
+    lines += [
+        "",
+        f"The setup of a damped {WIDTH}-wide factor from a Gram root of r rows (median of 3, ms):",
+        "",
+        "| r | Woodbury (`LowRankInverse.of`) | dense (`cholesky_inverse`) |",
+        "|---|---|---|",
+    ]
+    for r, t in result["woodbury_setup"].items():
+        lines.append(f"| {r} | {t['woodbury_ms']:.0f} | {t['dense_ms']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
