@@ -66,7 +66,7 @@ def capped(dim: int, max_rank: int | None) -> bool:
 
 def promoted(factor):
     """``factor`` in ``working_dtype`` (float32 for bfloat16/float16), keeping its Gram root
-    (a :class:`~curvopt.optim.gram_factor.GramFactor`: its root in that dtype)."""
+    (a :class:`~curvopt.engine.reductions.GramFactor`: its root in that dtype)."""
     dtype = working_dtype(factor.dtype)
     if dtype == factor.dtype:
         return factor
@@ -228,7 +228,7 @@ def usable_root(factor, others: int, stored: torch.dtype | None = None):
     it is depends on the numerical rank, known once it is set up) and ``U`` still reproduces
     the factor (checked on the all-ones vector against the rounding bound
     ``√eps · |U|ᵀ|U| 1``: a factor changed in place after the pass falls back to the dense
-    form; a :class:`~curvopt.optim.gram_factor.GramFactor` is its root). ``U`` comes in
+    form; a :class:`~curvopt.engine.reductions.GramFactor` is its root). ``U`` comes in
     ``factor``'s dtype (both promoted to ``working_dtype`` by the caller); the bound uses the
     precision the factor was ``stored`` in (default: its dtype)."""
     root = gram_root(factor)

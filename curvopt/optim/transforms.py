@@ -34,7 +34,7 @@ def _ema_factor(average, new: torch.Tensor, decay: float):
     """``β F̄ + (1 − β) F`` of one Kronecker factor. When both carry Gram roots
     (``F̄ = ŪᵀŪ``, ``F = UᵀU``, see ``reductions.gram_root``) the average is the Gram of the
     stacked, weighted roots ``[√β Ū; √(1−β) U]``: with at most half as many rows as the factor's
-    size it is that root alone (a :class:`~curvopt.optim.gram_factor.GramFactor`, no dense
+    size it is that root alone (a :class:`~curvopt.engine.reductions.GramFactor`, no dense
     average formed); with fewer rows than the size, the dense average carries it, so that the
     optimizer can still invert it by Woodbury where that is cheaper."""
     roots = gram_root(average), gram_root(new)
