@@ -85,9 +85,14 @@ def test_curvature_on_a_compiled_model_raises_and_runs_on_the_uncompiled_module(
             torch.testing.assert_close(f, g, rtol=1e-12, atol=1e-15)
 
 
-def test_first_order_optimizer_trains_a_compiled_model_as_the_eager_one():
+@pytest.mark.parametrize("alive", [0, 2])
+def test_first_order_optimizer_trains_a_compiled_model_as_the_eager_one(alive):
     """``VarianceAdaptedSGD`` (armed, no block) on a compiled model: the eager steps; KFAC's
-    step on it raises in the backward pass."""
+    step on it raises in the backward pass. Also with ``alive`` armed optimizers of other
+    models in the process (a comparison in one notebook): the forward hook that asks them
+    whether they need the loss once failed under dynamo with a ``TypeError``."""
+    torch._dynamo.reset()  # traced afresh, whatever earlier tests compiled
+    others = [KFAC(curvopt.extend(_plain()).parameters(), 0.1, 0.1) for _ in range(alive)]
     plain = _plain()
     runs = []
     for compiled in (False, True):
@@ -109,3 +114,4 @@ def test_first_order_optimizer_trains_a_compiled_model_as_the_eager_one():
     with pytest.raises(UnsupportedModuleError, match="torch.compile"):
         lossfunc(call(X), y).backward()
     assert armed.collect().extensions  # it was armed for KFAC
+    assert all(other.collect().extensions for other in others)  # and they were, all along

@@ -68,9 +68,12 @@ class Watched(torch.Tensor):
             return torch.Tensor.__repr__(self.as_subclass(torch.Tensor))
 
 
+@torch.compiler.disable
 def wants_loss(model: nn.Module) -> bool:
     """Whether the open collection, or an armed one whose parameters ``model`` holds, computes
-    a second-order quantity (needs the loss)."""
+    a second-order quantity (needs the loss). Run eagerly under ``torch.compile`` (a graph
+    break in the forward hook): dynamo traced the armed collections' weak references as their
+    referents and failed with a ``TypeError`` once two were alive."""
     block = STATE.open
     if block is not None and any(ext.order == 2 for ext in block.extensions):
         return True

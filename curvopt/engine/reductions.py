@@ -156,8 +156,10 @@ class GramFactor:
     def gram_root(self) -> torch.Tensor:
         return self.root
 
-    def to(self, dtype: torch.dtype) -> "GramFactor":
-        return self if dtype == self.root.dtype else GramFactor(self.root.to(dtype))
+    def to(self, *args, **kwargs) -> "GramFactor":
+        """As ``Tensor.to`` (dtype, device), on the root; ``self`` where nothing changes."""
+        root = self.root.to(*args, **kwargs)
+        return self if root is self.root else GramFactor(root)
 
 
 def keeps_root_only(rows: int, dim: int) -> bool:

@@ -42,6 +42,7 @@ from curvopt.optim.plan import (
     number,
     regularizer_change,
 )
+from curvopt.optim.state_placement import placed
 
 __all__ = ["CurvatureOptimizer", "ExtensionSpec"]
 
@@ -267,6 +268,8 @@ class CurvatureOptimizer(Collecting, Optimizer):
                 "'group_state' for every param group)"
             )
         super().load_state_dict(state_dict)
+        for param, state in self.state.items():
+            self.state[param] = placed(state, param)
         self._group_state = copy.deepcopy(group_state)
         self._consumed = {}
 

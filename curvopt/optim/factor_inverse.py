@@ -186,6 +186,10 @@ class LowRankInverse:
         values = values.to(vectors.dtype).clamp(min=0)
         return cls((vectors * (values / (values + shift)).sqrt()).mT, shift)
 
+    def to(self, *args, **kwargs) -> "LowRankInverse":
+        """As ``Tensor.to`` (dtype, device), on ``V`` and ``c``."""
+        return LowRankInverse(self.basis.to(*args, **kwargs), self.shift.to(*args, **kwargs))
+
     @property
     def rank(self) -> int:
         """``k``, the number of rows of ``V``."""
