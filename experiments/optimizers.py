@@ -15,8 +15,8 @@ Presets (curvature optimizers only; see docs/optim.md for the reasoning):
   the curvature (0.95), heavy-ball momentum 0.9 and KL clipping (1e-3), as kfac-pytorch and
   K-FAC JAX configure K-FAC for speed.
 * ``schedule_free`` (``KFAC``; the optimizer ``sf_kfac`` of the time-to-result grids):
-  ``practical``'s EMA and trust region, the curvature and inverses every 20 steps, and
-  schedule-free averaging (β 0.9) in place of momentum (``curvopt.optim.stages.schedule_free``);
+  ``practical``'s amortisation and trust region with schedule-free averaging (β 0.9) in place of
+  momentum (``curvopt.optim.stages.schedule_free``);
   it is evaluated at its average (``opt.eval()``), and runs with a warm-up and no decay, as
   schedule-free AdamW.
 
@@ -61,9 +61,6 @@ FIXED_KEYWORDS = {"self", "params", "lr", "damping", "curvature", "weight_decay"
 #: the paper's update: no trust region (the constructors' default is ``kl_clip=1e-3``)
 _PAPER = {"kl_clip": None}
 _AMORTISED = {"curvature_interval": 10, "curvature_ema": 0.95, "momentum": 0.9, "kl_clip": 1e-3}
-#: the curvature and inverses every 20 steps (``practical``: 10): chosen 2026-12-05 from 7
-#: variants of the 2C2D winner at seed 0 (``results/ttr/logs/sf_kfac_intervals.log``)
-_SCHEDULE_FREE_INTERVALS = {**_AMORTISED, "curvature_interval": 20, "inverse_interval": 20}
 
 #: preset -> class name -> options (a class missing from a preset gets no options)
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
@@ -75,7 +72,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "EKFAC": {"basis_interval": 10, "momentum": 0.9, "kl_clip": 1e-3},
     },
     "schedule_free": {
-        "KFAC": {**_SCHEDULE_FREE_INTERVALS, "momentum": 0.0, "schedule_free": 0.9},
+        "KFAC": {**_AMORTISED, "inverse_interval": 10, "momentum": 0.0, "schedule_free": 0.9},
     },
 }
 
