@@ -6,8 +6,9 @@ averaged curvature, in one process.
 
 Entries: the 2C2D time-to-result winners of ``experiments/results/ttr/cost.json``: schedule-free
 AdamW (the reference), schedule-free KFAC and KFAC ``practical``, each KFAC one twice: as the
-code is (``root``: an average of rooted factors is its root alone while the stack has at most
-half the factor's rows) and with every average dense (``dense``: ``transforms.keeps_root_only``
+code is (``root``: an average of rooted factors is its root alone while its Woodbury inverse is
+the cheaper one, ``factor_inverse.root_alone``; at most half the factor's rows when the results
+were taken) and with every average dense (``dense``: ``transforms.root_alone``
 answering no while that entry steps, the code before this change). Cost:
 :func:`experiments.ttr.cost.measure_costs` (blocks of 10 steps on fixed training batches, round
 robin, CPU time at one thread, median of ``--rounds`` blocks after ``--warmup`` rounds); then the
@@ -57,12 +58,12 @@ def dense_averages():
     """Every curvature average dense, as before ``GramFactor`` (the EMA never keeps a root
     alone)."""
     transforms = curvopt.optim.transforms
-    original = transforms.keeps_root_only
-    transforms.keeps_root_only = lambda rows, dim: False
+    original = transforms.root_alone
+    transforms.root_alone = lambda rows, dim: False
     try:
         yield
     finally:
-        transforms.keeps_root_only = original
+        transforms.root_alone = original
 
 
 def curvature_bytes(opt: torch.optim.Optimizer) -> int:

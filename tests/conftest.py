@@ -24,6 +24,7 @@ from torch.func import functional_call, grad, vmap
 
 import curvopt
 from curvopt import extensions as ext
+from curvopt.optim import factor_inverse
 
 torch.set_num_threads(1)
 
@@ -246,6 +247,14 @@ def check_against_loop(
 def seed():
     torch.manual_seed(0)
     return 0
+
+
+@pytest.fixture
+def woodbury_at_any_size(monkeypatch):
+    """The Woodbury form wherever its products alone are cheaper (``EIGH_COST`` 0): for tests
+    of its numerics on factors so small that counting the ``r × r`` eigendecomposition would
+    pick the dense inverse."""
+    monkeypatch.setattr(factor_inverse, "EIGH_COST", 0)
 
 
 # ------------------------------------------------------------------------------ second order

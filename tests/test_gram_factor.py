@@ -42,10 +42,11 @@ def test_gram_factor_reads_like_its_dense_matrix():
 
 
 @pytest.mark.parametrize("decay", [0.5, 0.95])
-def test_ema_keeps_the_root_alone_up_to_half_the_size_then_dense(decay):
-    """Rows 4, 8, ..., 40 for a size of 30: the root alone up to 15 rows, the dense average
-    carrying its root up to 29, the dense average without a root from 30; always the dense
-    float64 average."""
+def test_ema_keeps_the_root_alone_while_woodbury_is_cheaper_then_dense(decay):
+    """Rows 4, 8, ..., 40 for a size of 30: the root alone while Woodbury is the cheaper inverse
+    whatever the other side (at most 15 rows and ``4 d r² + 20 r³ < d³``: 4 and 8 rows), the
+    dense average carrying its root up to 29, the dense average without a root from 30; always
+    the dense float64 average."""
     averages, reference = None, None
     for step in range(10):
         new = _rooted(4, 30, step)
@@ -54,7 +55,8 @@ def test_ema_keeps_the_root_alone_up_to_half_the_size_then_dense(decay):
         reference = new if reference is None else decay * reference + (1 - decay) * new
         rows = 4 * (step + 1)
         torch.testing.assert_close(dense(average), reference)
-        assert isinstance(average, GramFactor) == (1 < step + 1 and rows <= 15), step
+        alone = rows <= 15 and 4 * 30 * rows**2 + 20 * rows**3 < 30**3
+        assert isinstance(average, GramFactor) == (1 < step + 1 and alone), step
         root = gram_root(average)
         assert (root is not None) == (rows < 30)
         if root is not None:
@@ -103,7 +105,7 @@ def _train(options, root_only, monkeypatch, steps=6):
     """Parameters and the first layer's averaged input factor after ``steps`` KFAC steps (KFLR,
     β = 0.8, batches of 3: the 30-wide input factor's average has 3, 6, ... rows)."""
     if not root_only:
-        monkeypatch.setattr(curvopt.optim.transforms, "keeps_root_only", lambda rows, dim: False)
+        monkeypatch.setattr(curvopt.optim.transforms, "root_alone", lambda rows, dim: False)
     model, lossfunc = _mlp()
     kwargs = {"lr": 0.3, "damping": 0.05, "curvature": "kflr", "curvature_ema": 0.8}
     kwargs["kl_clip"] = None

@@ -23,6 +23,8 @@ from curvopt.optim.kronecker import (
     trace_norm_solvers,
 )
 from curvopt.engine.reductions import gram, gram_add_, gram_root, nonzero_rows
+from curvopt.optim import factor_inverse
+from curvopt.optim.factor_inverse import root_alone, woodbury_cheaper
 
 DT = torch.float64
 
@@ -215,7 +217,8 @@ def test_curvature_ema_keeps_the_woodbury_form_while_the_stacked_roots_stay_low_
         rows, dim, others = 4 * (step + 1), 30, 40  # the input factor of the first layer
         root = gram_root(opt.state[first]["curvature"][1])
         assert (root is not None) == (rows < dim)
-        woodbury_flops = 4 * dim * rows**2 + 4 * others * dim * rows  # rank = rows here
+        # rank = rows here; the r x r eigendecomposition counted as 20 r^3 (EIGH_COST)
+        woodbury_flops = 4 * dim * rows**2 + 20 * rows**3 + 4 * others * dim * rows
         cheaper = woodbury_flops < dim**3 + 2 * others * dim**2
         woodbury = isinstance(opt.state[first]["cholesky"]["value"][1], LowRankInverse)
         assert woodbury == (rows < dim and cheaper), step
@@ -266,6 +269,7 @@ def _stacked_ema_factors():
     return [_rooted(b_root), _rooted(a_root)]
 
 
+@pytest.mark.usefixtures("woodbury_at_any_size")
 @pytest.mark.parametrize("solve", ["matmul", "cholesky"])
 def test_woodbury_of_stacked_rank_deficient_roots_is_exact_and_compressed(solve):
     """Both forms (dense inverses and matrix products, Cholesky factors and triangular solves)
@@ -344,6 +348,7 @@ def test_float32_woodbury_with_a_shift_below_the_rounding_of_the_gram_recomputes
     assert float((result - expected).norm() / expected.norm()) < 1e-4
 
 
+@pytest.mark.usefixtures("woodbury_at_any_size")
 def test_curvature_ema_over_one_batch_keeps_woodbury_at_the_batch_rank():
     """Training on one repeated batch of 4 (kflr, β = 0.9): ``A`` of the first layer (30 wide)
     is an average of identical Grams, its stacked root grows by 4 rows per step while the
@@ -381,3 +386,22 @@ def test_curvature_ema_over_one_batch_keeps_woodbury_at_the_batch_rank():
         assert gram_root(opt.state[first]["curvature"][1]).shape[0] == 4 * (step + 1)
         woodbury = opt.state[first]["cholesky"]["value"][1]
         assert isinstance(woodbury, LowRankInverse) and woodbury.rank == 4
+
+
+def test_the_woodbury_cost_model_counts_the_r_by_r_eigendecomposition():
+    """``4 d r² + 20 r³`` (the Gram of the root, ``V``, and the eigendecomposition counted as
+    ``EIGH_COST = 20`` times ``r³``) plus the application, against ``d³`` (``20 d³`` where the
+    dense form is an eigendecomposition too) plus the dense application; the numbers are 2C2D's
+    fc1 (``A`` 3136 wide, ``B`` 1024)."""
+    assert factor_inverse.EIGH_COST == 20
+    assert woodbury_cheaper(3136, 512, 512, 1024)
+    # 4 d r² + 4 m d k = 30.8 + 20.1 G flops against 30.8 + 20.1 G: Woodbury without the eigh
+    # term; its 1,568² eigendecomposition (77 G) makes the dense inverse the cheaper one
+    assert not woodbury_cheaper(3136, 1568, 1568, 1024)
+    assert woodbury_cheaper(100, 40, 40, 1, dense_eigh=True)  # 20 d³ on the dense side
+    assert not woodbury_cheaper(100, 40, 40, 1)  # 4 d r² + 20 r³ = 1.9 M > d³ = 1 M
+    # the root alone: at most d / 2 rows and 4 d r² + 20 r³ < d³
+    assert root_alone(979, 3136) and not root_alone(980, 3136)
+    assert root_alone(319, 1024) and not root_alone(320, 1024)
+    assert root_alone(9, 30) and not root_alone(10, 30) and not root_alone(16, 30)
+    assert not root_alone(17, 33)  # over half the size, whatever the flops

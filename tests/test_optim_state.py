@@ -38,14 +38,15 @@ CACHED = {"cholesky": "inverse", "woodbury": "inverse", "eigh": "eigh"}
 
 def _problem(seed=0):
     torch.manual_seed(seed)
-    model = curvopt.extend(nn.Sequential(nn.Linear(20, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT))
+    model = curvopt.extend(nn.Sequential(nn.Linear(40, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT))
     return model, curvopt.extend(nn.CrossEntropyLoss())
 
 
 def _closure(opt, model, lossfunc, step):
-    """A batch of 8 < width 20 (so ``A`` is low-rank), different at every step."""
+    """A batch of 8 < width 40 (so ``A`` is low-rank, and Woodbury its cheaper inverse), different
+    at every step."""
     generator = torch.Generator().manual_seed(100 + step)
-    x = torch.randn(8, 20, dtype=DT, generator=generator)
+    x = torch.randn(8, 40, dtype=DT, generator=generator)
     y = torch.randint(0, 3, (8,), generator=generator)
 
     def closure():

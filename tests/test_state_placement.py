@@ -19,7 +19,7 @@ from curvopt.optim import KFAC
 from curvopt.optim.factor_inverse import LowRankInverse
 from curvopt.optim.state_placement import placed
 
-#: input width 40 above the batch of 8: Woodbury inverses and root-only averages for ``A``; the
+#: input width 120 above the batch of 8: Woodbury inverses and root-only averages for ``A``; the
 #: exact curvature (KFLR), so that the float32 and float64 runs draw no Monte-Carlo labels
 OPTIONS = dict(
     lr=0.1,
@@ -33,7 +33,7 @@ OPTIONS = dict(
 
 def _model(dtype):
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(40, 30), nn.ReLU(), nn.Linear(30, 3)).to(dtype)
+    net = nn.Sequential(nn.Linear(120, 30), nn.ReLU(), nn.Linear(30, 3)).to(dtype)
     return curvopt.extend(net)
 
 
@@ -42,7 +42,7 @@ def _train(net, opt, steps, seed):
     generator = torch.Generator().manual_seed(seed)
     dtype = next(net.parameters()).dtype
     for _ in range(steps):
-        x = torch.randn(8, 40, generator=generator, dtype=torch.float64).to(dtype)
+        x = torch.randn(8, 120, generator=generator, dtype=torch.float64).to(dtype)
         y = torch.randint(0, 3, (8,), generator=generator)
         opt.zero_grad()
         loss = lossfunc(net(x), y)

@@ -162,13 +162,6 @@ class GramFactor:
         return self if root is self.root else GramFactor(root)
 
 
-def keeps_root_only(rows: int, dim: int) -> bool:
-    """Whether a Gram root of ``rows`` rows stands for a factor of size ``dim`` on its own:
-    ``rows ≤ dim / 2``, where its Woodbury inverse is the cheaper one whatever the other side
-    (``optim.factor_inverse.woodbury_cheaper``: ``4 d r² + 4 m d k < d³ + 2 m d²``)."""
-    return 2 * rows <= dim
-
-
 def dense(factor) -> torch.Tensor:
     """``factor`` as a dense matrix: a :class:`GramFactor`'s ``UᵀU`` (carrying ``U`` as its Gram
     root, :func:`gram`), any other factor itself."""

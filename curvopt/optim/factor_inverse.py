@@ -218,17 +218,35 @@ def solver_flops(solver, dim: int, columns: int) -> int:
     )
 
 
-def woodbury_cheaper(dim: int, rows: int, rank: int, others: int) -> bool:
+#: an ``n × n`` symmetric eigendecomposition costs about ``EIGH_COST · n³`` in the units where the
+#: dense inverse of a factor of size ``d`` costs ``d³``: fitted to the setups of a 3136-wide
+#: factor on CPU (``benchmarks/results/gram_factor.md``: from 1,024 and 1,568 rows Woodbury took
+#: 710 and 1,953 ms against 568-670 ms dense, which gives 21 and 18)
+EIGH_COST = 20
+
+
+def woodbury_cheaper(dim: int, rows: int, rank: int, others: int, dense_eigh: bool = False) -> bool:
     """Whether the Woodbury form of a root of ``rows`` rows and (numerical or capped) ``rank``
-    costs fewer flops than the dense inverse for ``others`` right-hand sides: setup ``4 d r²``
-    plus its application against ``d³`` plus the dense one (:func:`application_flops`)."""
-    woodbury = 4 * dim * rows * rows + application_flops(dim, others, rank)
-    return woodbury < dim**3 + application_flops(dim, others)
+    costs fewer flops than the dense form for ``others`` right-hand sides: setup ``4 d r²`` (the
+    Gram ``U Uᵀ`` and ``V``) plus ``EIGH_COST · r³`` (its eigendecomposition) plus its
+    application, against the dense setup (``d³``, or ``EIGH_COST · d³`` for an eigendecomposition:
+    ``dense_eigh``) plus the dense application (:func:`application_flops`)."""
+    woodbury = 4 * dim * rows * rows + EIGH_COST * rows**3 + application_flops(dim, others, rank)
+    dense_setup = (EIGH_COST if dense_eigh else 1) * dim**3
+    return woodbury < dense_setup + application_flops(dim, others)
 
 
-def usable_root(factor, others: int, stored: torch.dtype | None = None):
+def root_alone(rows: int, dim: int) -> bool:
+    """Whether a Gram root of ``rows`` rows stands for a factor of size ``dim`` on its own (an
+    average kept as a :class:`~curvopt.engine.reductions.GramFactor`): where its Woodbury form is
+    the cheaper one whatever the other side, ``rows ≤ dim / 2`` (``4 m d k ≤ 2 m d²``) and
+    ``4 d r² + EIGH_COST · r³ < d³`` (:func:`woodbury_cheaper`)."""
+    return 2 * rows <= dim and woodbury_cheaper(dim, rows, rows, 0)
+
+
+def usable_root(factor, others: int, stored: torch.dtype | None = None, dense_eigh: bool = False):
     """The factor's Gram root ``U [r, d]`` (``reductions.gram_root``) when the Woodbury form
-    can be cheaper than the dense inverse (:func:`woodbury_cheaper` at a rank of 1: whether
+    can be cheaper than the dense form (:func:`woodbury_cheaper` at a rank of 1: whether
     it is depends on the numerical rank, known once it is set up) and ``U`` still reproduces
     the factor (checked on the all-ones vector against the rounding bound
     ``√eps · |U|ᵀ|U| 1``: a factor changed in place after the pass falls back to the dense
@@ -236,7 +254,8 @@ def usable_root(factor, others: int, stored: torch.dtype | None = None):
     ``factor``'s dtype (both promoted to ``working_dtype`` by the caller); the bound uses the
     precision the factor was ``stored`` in (default: its dtype)."""
     root = gram_root(factor)
-    if root is None or not woodbury_cheaper(factor.shape[0], root.shape[0], 1, others):
+    dim = factor.shape[0]
+    if root is None or not woodbury_cheaper(dim, root.shape[0], 1, others, dense_eigh):
         return None
     if isinstance(factor, GramFactor):
         return root

@@ -52,7 +52,7 @@ def trace_norm_eigh(
     for index, stored in enumerate(factors):
         others = sizes[1 - index] if len(factors) == 2 else 1
         factor = promoted(stored)  # bfloat16/float16 in float32, keeping the Gram root
-        root = usable_root(factor, others, stored.dtype) if low_rank else None
+        root = usable_root(factor, others, stored.dtype, dense_eigh=True) if low_rank else None
         if root is None:
             values, vectors = psd_eigh(dense(factor))
         else:

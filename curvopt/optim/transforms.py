@@ -13,7 +13,8 @@ from typing import Union
 
 import torch
 
-from curvopt.engine.reductions import GramFactor, dense, gram_root, keeps_root_only
+from curvopt.engine.reductions import GramFactor, dense, gram_root
+from curvopt.optim.factor_inverse import root_alone
 
 Curvature = Union[torch.Tensor, list[torch.Tensor]]
 
@@ -33,17 +34,19 @@ def ema(average: Curvature | None, new: Curvature, decay: float) -> Curvature:
 def _ema_factor(average, new: torch.Tensor, decay: float):
     """``β F̄ + (1 − β) F`` of one Kronecker factor. When both carry Gram roots
     (``F̄ = ŪᵀŪ``, ``F = UᵀU``, see ``reductions.gram_root``) the average is the Gram of the
-    stacked, weighted roots ``[√β Ū; √(1−β) U]``: with at most half as many rows as the factor's
-    size it is that root alone (a :class:`~curvopt.engine.reductions.GramFactor`, no dense
-    average formed); with fewer rows than the size, the dense average carries it, so that the
-    optimizer can still invert it by Woodbury where that is cheaper."""
+    stacked, weighted roots ``[√β Ū; √(1−β) U]``: while its Woodbury inverse is the cheaper one
+    whatever the other side (``factor_inverse.root_alone``: at most half as many rows as the
+    factor's size, and its eigendecomposition cheaper than the dense inverse) it is that root
+    alone (a :class:`~curvopt.engine.reductions.GramFactor`, no dense average formed); with fewer
+    rows than the size, the dense average carries it, so that the optimizer can still invert it
+    by Woodbury where that is cheaper."""
     roots = gram_root(average), gram_root(new)
     stacked = None
     if roots[0] is not None and roots[1] is not None:
         rows, dim = roots[0].shape[0] + roots[1].shape[0], new.shape[0]
         if rows < dim:
             stacked = torch.cat([roots[0] * decay**0.5, roots[1] * (1 - decay) ** 0.5])
-            if keeps_root_only(rows, dim):
+            if root_alone(rows, dim):
                 return GramFactor(stacked)
     result = torch.lerp(dense(new), dense(average), decay)
     if stacked is not None:
