@@ -187,8 +187,9 @@ class LowRankInverse:
         return cls((vectors * (values / (values + shift)).sqrt()).mT, shift)
 
     def to(self, *args, **kwargs) -> "LowRankInverse":
-        """As ``Tensor.to`` (dtype, device), on ``V`` and ``c``."""
-        return LowRankInverse(self.basis.to(*args, **kwargs), self.shift.to(*args, **kwargs))
+        """As ``Tensor.to`` (dtype, device), on ``V`` and ``c``; ``self`` where nothing changes."""
+        basis, shift = self.basis.to(*args, **kwargs), self.shift.to(*args, **kwargs)
+        return self if basis is self.basis and shift is self.shift else LowRankInverse(basis, shift)
 
     @property
     def rank(self) -> int:
