@@ -4,7 +4,7 @@ schedule-free averaging (`schedule_free=0.9`, momentum 0, the `warmup` schedule 
 AdamW) at several learning rates, with the curvature of 16 samples (`curvature_samples=16`);
 each run pruned at 300 steps. Run from the repository root: `PYTHONPATH=. OMP_NUM_THREADS=1 nice
 -n 10 python experiments/results/ttr/logs/kfac_schedule_free.py NAME ...`; its output is
-kfac_schedule_free.log (the JSONs it wrote to /tmp/explore were not kept)."""
+kfac_schedule_free.log (the JSONs it wrote to explore were not kept)."""
 
 import json
 import sys
@@ -90,4 +90,4 @@ if problem == "fmnist_vit":  # the raw tokens take the diagonal step; the whole 
 for name in names:
     run = train_to_targets(SETTINGS[name], problem, spec, splits, 0, prune)
     print(name, line(problem, run), flush=True)
-    json.dump(asdict(run), open(f"/tmp/explore/{name}.json", "w"))
+    json.dump(asdict(run), open(f"explore/{name}.json", "w"))

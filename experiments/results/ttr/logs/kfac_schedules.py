@@ -4,7 +4,7 @@ warm-up + cosine schedule at three learning rates and with the eigenbasis dampin
 pruned at 300 steps (the whole-batch practical setting reaches 0.90 at 300). Run from the
 repository root: `PYTHONPATH=. OMP_NUM_THREADS=1 nice -n 10 python
 experiments/results/ttr/logs/kfac_schedules.py wc02 wc01 wc04 eigh_wc02`; its output is
-kfac_schedules.log (the JSONs it wrote to /tmp/explore were not kept)."""
+kfac_schedules.log (the JSONs it wrote to explore were not kept)."""
 import json
 import sys
 from dataclasses import asdict
@@ -35,4 +35,4 @@ SETTINGS = {
 for name in sys.argv[1:]:
     run = train_to_targets(SETTINGS[name], problem, spec, splits, 0, 300)
     print(name, line(problem, run), flush=True)
-    json.dump(asdict(run), open(f"/tmp/explore/{name}.json", "w"))
+    json.dump(asdict(run), open(f"explore/{name}.json", "w"))
