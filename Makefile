@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 EXTRAS := $(VENV)/.extras
 
-.PHONY: install reference run ttr test bench data lint clean
+.PHONY: install reference run ttr test bench data lint docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,8 +58,17 @@ bench: $(STAMP)  ## overhead benchmarks (pytest-benchmark) and the ratio table
 data: $(STAMP)  ## fetch the real data sets that can be fetched here
 	$(PY) -m experiments fetch_data
 
+DOCS := $(VENV)/.docs
+
+$(DOCS): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[docs]"
+	touch $(DOCS)
+
+docs: $(DOCS)  ## the documentation site (offline, warnings as errors) into docs/_build/html
+	OMP_NUM_THREADS=1 $(PY) -m sphinx -b html -W --keep-going docs docs/_build/html
+
 lint: $(STAMP)
 	$(PY) -m ruff check curvopt tests experiments benchmarks fixtures paper_figs
 
 clean:
-	rm -rf $(VENV) .pytest_cache .benchmarks
+	rm -rf $(VENV) .pytest_cache .benchmarks docs/_build docs/auto_examples
