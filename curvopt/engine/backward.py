@@ -67,6 +67,7 @@ class BackwardPass:
         self.searched = False  # the graph upstream was searched for broadcast calls
         self.ignored = False  # the pass accumulates into no parameter it reaches
         self.checkpointed = False  # a reentrant checkpoint was re-run (``checkpointing``)
+        self.coupled = False  # curvature through a module mixing samples (``curvature``)
         self.running = True  # until the engine's callback at the end of the pass
         self.sites = ParameterSites(self.reducer, self.handles, self.walks)
         queue_callback(self._finish)
@@ -75,10 +76,8 @@ class BackwardPass:
     def on_loss(self, record, grad) -> bool:
         """The gradient reached an extended loss: check it, then compute all curvature. False
         where the pass is ignored (the loss's record stays for another pass)."""
-        if self.failed:
-            return True
-        if self.ignored:
-            return False
+        if self.failed or self.ignored:
+            return self.failed
         segments: list = []
         try:
             with autocast_off():
@@ -115,7 +114,8 @@ class BackwardPass:
         cpass = CurvaturePass(
             self.results, self.second_order_exts, record, grad, self.skip_diagonal
         )
-        cpass.check(upstream)
+        cpass.check(upstream, per_sample=bool(self.first))
+        self.coupled = self.coupled or cpass.coupled  # BatchNorm's hook: checked there
         self.watch_broadcasts(upstream.calls)
         cpass.run(upstream)
         self.batch_size = self.batch_size or cpass.layout.samples
@@ -197,7 +197,7 @@ class BackwardPass:
 
     def _on_module(self, record, grads) -> None:
         module = record.module
-        if not self.searched and not self.loss_seen and self.first:
+        if not (self.searched or self.loss_seen) and self.first:
             self._watch_upstream(record)
         if record.broadcast is not None:
             grads = (record.broadcast.grad,)  # per sample, read downstream of the broadcast
@@ -214,7 +214,7 @@ class BackwardPass:
         elif not self.first:
             return
         rule = rule_for(module)
-        reason = rule.check(module)
+        reason = None if self.coupled and not self.first else rule.check(module)
         if reason is not None:
             raise module_error(module, reason)
         grad_out = grads[0] if len(grads) == 1 else grads

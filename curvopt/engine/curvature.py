@@ -28,7 +28,7 @@ from functools import partial
 import torch
 
 from curvopt.engine.compress import RowFactors, find_cut, row_local, row_probes
-from curvopt.engine.diagonals import diagonals
+from curvopt.engine.diagonals import coupled_estimate, diagonals
 from curvopt.errors import UnsupportedLossError, module_error
 from curvopt.extensions.quantity import Producer
 from curvopt.engine.hessian import residuals
@@ -39,7 +39,7 @@ from curvopt.losses import loss_rule_for
 from curvopt.engine.kron_pass import FactorStream
 from curvopt.engine.params import trainable
 from curvopt.engine.propagate import loss_gradient, to_calls
-from curvopt.engine.rows import establish
+from curvopt.engine.rows import establish, mixes, mixing
 
 #: bound on the elements of propagated columns held at once (all module outputs together):
 #: a memory budget (32 MB in float32); chunks are exact, and they cost no time (autograd's
@@ -52,6 +52,14 @@ _COLUMN_BUDGET = 1 << 23
 #: and below the cut they are at most that width per row again
 _CUT_BUDGET = 1 << 24
 
+
+#: a quantity a pass through a module that mixes samples cannot give (``diagonals``: coupled)
+_COUPLED = (
+    "it normalises with statistics of the whole batch (BatchNorm in training mode), which "
+    "couples the samples, so {} is not defined there (per-sample) or would cost N^2 "
+    "propagations (exact). Use a Monte-Carlo curvature (DiagGGNMC, KFAC; optim.KFAC("
+    "curvature='kfac'), DiagGGNNewton(curvature='mc')) or call model.eval()"
+)
 
 #: the producers made from each call's Kronecker factors (``EKFAC``'s: of its fresh bases)
 _FACTORED = (Producer.KRONECKER, Producer.EIGEN_CORRECTED)
@@ -82,13 +90,21 @@ class CurvaturePass:
             )
         self.scale = math.sqrt(self.weight)
 
-    def check(self, walk) -> None:
+    def check(self, walk, per_sample: bool = False) -> None:
         """The loss's target and the calls of ``walk`` (``walk.Walk`` of its input) are
-        supported."""
+        supported; ``coupled`` where a call mixes samples, whose rule's reason is raised
+        where the pass also wants ``per_sample`` (first-order) quantities."""
         module, output, target = self.loss.module, self.loss.output, self.loss.target
         loss_rule_for(module).check(module, output.detach(), target)
+        mixer = mixing(walk.calls)
+        self.coupled = mixer is not None  # the Monte-Carlo columns propagate through the batch
+        if self.coupled and per_sample:
+            raise module_error(mixer.module, rule_for(mixer.module).check(mixer.module))
+        for ext in self.exts if self.coupled else ():
+            if not coupled_estimate(ext):
+                raise module_error(mixer.module, _COUPLED.format(type(ext).__name__))
         for record in walk.calls:
-            reason = rule_for(record.module).check(record.module)
+            reason = None if mixes(record.module) else rule_for(record.module).check(record.module)
             if reason is not None:
                 raise module_error(record.module, reason)
 
@@ -99,8 +115,12 @@ class CurvaturePass:
         rule = loss_rule_for(self.loss.module)
         calls, self.batched = walk.calls, walk.batchable
         self.walk = walk
-        self.layout = establish(output, output.shape, calls, self.batched, walk, rule.elementwise)
-        self.factors = FactorStream(self.results, self.loss, self.layout, self.skip_diagonal)
+        self.layout = establish(
+            output, output.shape, calls, self.batched, walk, rule.elementwise, coupled=self.coupled
+        )
+        self.factors = FactorStream(
+            self.results, self.loss, self.layout, self.skip_diagonal, self.coupled
+        )
         groups = defaultdict(list)
         for ext in self.exts:
             if ext.quantity.producer is Producer.EIGEN_CORRECTED:
@@ -252,6 +272,6 @@ class CurvaturePass:
 
     def _contribute(self, calls, outs, diag_exts, kron_exts) -> None:
         if diag_exts:
-            self.results.add(diagonals(calls, outs, diag_exts))
+            self.results.add(diagonals(calls, outs, diag_exts, coupled=self.coupled))
         if kron_exts:
             self.factors.add(calls, outs, kron_exts)

@@ -16,6 +16,8 @@ from curvopt.engine.params import owned, trainable
 from curvopt.engine.calls import Call
 from curvopt.engine.reductions import sum_of_squares
 from curvopt.engine.results import Term
+from curvopt.engine.rows import mixes
+from curvopt.extensions.quantity import Producer
 
 #: bound on the elements of per-(column, sample) parameter gradients held at once
 _GRAD_BUDGET = 1 << 24
@@ -86,12 +88,38 @@ def module_call(record, outs):
     return call, columns, n
 
 
-def diagonals(calls, outs, exts, sign: float = 1.0):
+def coupled_estimate(ext) -> bool:
+    """Whether ``ext`` is defined, and estimated without bias, by a pass whose Monte-Carlo
+    columns propagate through a module that mixes samples (``coupled``): a summed GGN
+    diagonal or Kronecker factors, from sampled targets."""
+    producers = (Producer.GGN_DIAGONAL, Producer.KRONECKER)
+    return ext.source == "mc" and ext.quantity.producer in producers and not ext.quantity.per_sample
+
+
+def batch_column_grads(call, columns, name: str, n: int) -> torch.Tensor:
+    """``[K, *p]``: ``sum_n J_n^T v_nk`` for every column ``k``, the gradient of ``v_k^T f``
+    for the whole batch (``coupled``: the columns at the output hold every sample's share);
+    summed over chunks of samples, never sliced where the module mixes samples."""
+    rule = rule_for(call.module)
+    numel = dict(owned(call.module))[name].numel() * _first(columns).shape[0]
+    samples = n if mixes(call.module) else max(1, min(n, _GRAD_BUDGET // max(1, numel)))
+    total = None
+    for first in range(0, n, samples):
+        last = min(n, first + samples)
+        sub = call if (first, last) == (0, n) else call.slice(first, last)
+        part = rule.column_grads(sub, narrow(columns, first, last, dim=1 + call.batch_dim), name)
+        total = part.sum(0) if total is None else total.add_(part.sum(0))
+    return total
+
+
+def diagonals(calls, outs, exts, sign: float = 1.0, coupled: bool = False):
     """``Term``s ``sign * sum_k (J^T v_k)**2`` (summed or per sample) for every parameter, one
     at a time (each is added to the result buffer before the next is computed).
 
     A parameter reached through several calls (a reused module, tied weights) gets the squares
-    of its summed per-(column, sample) gradients, not the sum of per-call squares.
+    of its summed per-(column, sample) gradients, not the sum of per-call squares. ``coupled``
+    (the columns went through a module that mixes samples): ``sum_k (sum_n J_n^T v_nk)**2``,
+    the squares of the columns' batch gradients (``batch_column_grads``), summed only.
     """
     uses = defaultdict(list)
     for record in calls:
@@ -102,6 +130,10 @@ def diagonals(calls, outs, exts, sign: float = 1.0):
             uses[id(p)].append((p, name, call, columns, n))
     for entries in uses.values():
         p = entries[0][0]
+        if coupled:  # the square of the batch gradient of each column, summed over columns
+            total = sum(batch_column_grads(c, v, name, n) for _, name, c, v, n in entries)
+            yield from (Term(p, ext.attr, total.square().sum(0)) for ext in exts)
+            continue
         for ext in exts:
             batched = ext.quantity.per_sample
             if len(entries) == 1:

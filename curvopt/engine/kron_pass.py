@@ -8,7 +8,11 @@ columns are held then, and no chunk is propagated while the large input-side fac
 output side estimates the whole batch's; a parameter without a factorisation
 (``skip_unsupported="diagonal"``) gets the GGN diagonal of those same scaled columns,
 ``c sum_{n<K} sum_k (J_n^T v_nk)**2``, an estimate of the whole batch's at the same scale
-``c``."""
+``c``. A ``coupled`` pass (columns through a module mixing samples, ``curvature``): a
+one-dimensional parameter's block is ``sum_k gbar_k gbar_k^T`` and the fallback diagonal
+``sum_k gbar_k**2``, ``gbar_k = sum_n J_n^T v_nk`` the batch gradient of column ``k`` (whole
+batch, ``samples=K`` or not), unbiased for the exact block; the output side of a factored
+weight is unchanged, ``sum_{k,rows} v v^T``, unbiased for its coupled definition."""
 
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ from dataclasses import replace
 
 import torch
 
-from curvopt.engine.diagonals import diag_from_columns, module_call, narrow
+from curvopt.engine.diagonals import batch_column_grads, diag_from_columns, module_call, narrow
+from curvopt.engine.reductions import gram
 from curvopt.engine.params import trainable
 from curvopt.engine.results import Factors, Term
 from curvopt.errors import UnsupportedKroneckerError
@@ -31,8 +36,9 @@ class FactorStream:
     """The Kronecker contributions of one loss (``loss``, its rows laid out by ``layout``) into
     ``results``; ``skip_diagonal``: an unsupported parameter gets its GGN diagonal instead."""
 
-    def __init__(self, results, loss, layout, skip_diagonal: bool):
+    def __init__(self, results, loss, layout, skip_diagonal: bool, coupled: bool = False):
         self.results = results
+        self.coupled = coupled  # the columns went through a module mixing samples (``diagonals``)
         self.loss = loss
         self.layout = layout
         self.skip_diagonal = skip_diagonal
@@ -61,12 +67,18 @@ class FactorStream:
                     first = not self.results.has_factors(p, ext.attr, record, basis)
                     sub, cols, k = self._sub_batch(call, columns, n, ext)
                     try:
-                        factors = kron_factors(sub, cols, name, p, approx, k)
+                        if self.coupled and p.dim() == 1:  # the whole batch's block, unbiased
+                            factors = [gram(batch_column_grads(call, columns, name, n))]
+                        else:
+                            factors = kron_factors(sub, cols, name, p, approx, k)
                     except UnsupportedKroneckerError as error:
                         self.results.skip(p, ext.attr, error, record)
                         if self.skip_diagonal and not basis:  # of the same (sub-)batch
                             rule = rule_for(call.module)
-                            d = diag_from_columns(rule, sub, cols, name, False, k)
+                            if self.coupled:
+                                d = batch_column_grads(call, columns, name, n).square().sum(0)
+                            else:
+                                d = diag_from_columns(rule, sub, cols, name, False, k)
                             yield Term(p, ext.fallback.attr, d)
                         continue
                     index = output_factor_index(call.module, name)

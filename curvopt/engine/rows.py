@@ -98,13 +98,10 @@ def batch_sizes(calls) -> Dict[object, int]:
 def model_batch(calls) -> Optional[int]:
     """The batch size all module calls agree on; raises naming a module that disagrees."""
     sizes = batch_sizes(calls)
-    if not sizes:
-        return None
-    if len(set(sizes.values())) == 1:
-        return next(iter(sizes.values()))
-    records = sorted(sizes, key=lambda r: r.seq)
-    first = records[0]
-    for record in records[1:]:
+    if not sizes or len(set(sizes.values())) == 1:
+        return next(iter(sizes.values()), None)
+    first, *records = sorted(sizes, key=lambda r: r.seq)
+    for record in records:
         if sizes[record] != sizes[first]:
             raise module_error(
                 record.module,
@@ -112,11 +109,10 @@ def model_batch(calls) -> Optional[int]:
                 f"{first.module._curvopt_path!r} saw {sizes[first]}; every layer with parameters "
                 "must keep the batch dimension intact (a sequence-first model: extend the loss "
                 "too, so that curvopt can find the batch, declare curvopt.extend(model, "
-                "sequence_first=True), or use batch_first=True; a parameter "
-                "broadcast over the batch, such as position "
-                "embeddings looked up with a shared arange(T) or a class token: index or expand "
-                "it per sample, e.g. pos_emb(torch.arange(T).expand(N, T)), inside a module that "
-                "receives the batch)",
+                "sequence_first=True), or use batch_first=True; a parameter broadcast over the "
+                "batch, such as position embeddings looked up with a shared arange(T) or a class "
+                "token: index or expand it per sample, e.g. pos_emb(torch.arange(T).expand(N, "
+                "T)), inside a module that receives the batch)",
             )
     return sizes[first]
 
@@ -170,6 +166,7 @@ def establish(
     walk,
     elementwise: bool = False,
     required: bool = True,
+    coupled: bool = False,
 ) -> Optional[RowLayout]:
     """The verified layout of the rows of ``source`` (a tensor or gradient edge of ``shape``)
     over the samples of ``calls`` (of ``walk``, a ``walk.Walk`` from ``source``, whose
@@ -177,8 +174,15 @@ def establish(
 
     Rows are dim 0; where the Hessian is ``elementwise`` (independent entries, so dim 1 holds
     independent units too) also the pairs of dims 0 and 1 (a sequence-first ``[T, N, D]``).
-    Not ``required`` (a check only): ``None`` when the shapes suggest no map at all.
+    Not ``required`` (a check only): ``None`` when the shapes suggest no map at all. A call
+    mixing samples (``mixing``) raises its rule's reason, but in a ``coupled`` pass (nothing
+    per sample, ``curvature``) the shapes' map is taken unverified.
     """
+    mixer = mixing(calls)
+    if mixer is not None and not coupled:  # rows map onto no one sample
+        raise module_error(mixer.module, rule_for(mixer.module).check(mixer.module))
+    if mixer is not None:
+        return _shaped(shape, calls)
     wanted = (tuple(shape), elementwise)  # ``(found,)`` where a layout was looked for before
     known = () if walk.plan is None else [f for k, f in walk.plan.layouts if k == wanted][:1]
     records = list(calls)
@@ -212,6 +216,23 @@ def establish(
             "rows flattened from [N, T, C] or [T, N, C]"
         )
     return found[3]
+
+
+def mixes(module) -> bool:
+    """Whether the rule of ``module`` says it ``mixes_samples`` (batch statistics)."""
+    return bool(getattr(rule_for(module), "mixes_samples", lambda module: False)(module))
+
+
+def mixing(calls):
+    """The first call whose module :func:`mixes` samples, or None."""
+    return next((record for record in calls if mixes(record.module)), None)
+
+
+def _shaped(shape, calls) -> RowLayout:
+    """The map of rows onto samples the shapes suggest (a coupled pass's, unverified)."""
+    align(calls)
+    n, rows = model_batch(calls), torch.arange(shape[0], device=next(iter(calls)).device)
+    return RowLayout((rows // max(1, shape[0] // n)).clamp_max(n - 1), n)
 
 
 def _row_dims(shape, elementwise):

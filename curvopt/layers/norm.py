@@ -10,8 +10,12 @@ dims of the output that the parameters do not index.
   mode, or ``track_running_stats=False``) or the running ones (eval mode). In training mode the
   running statistics are only updated, not used, so samples stay independent; the rule never
   re-runs the module (that would update them again).
-  ``BatchNorm`` in training mode normalises with batch statistics, which mixes samples: per-sample
-  gradients do not exist and an error says so.
+* ``BatchNorm`` in training mode (or ``track_running_stats=False``) normalises with the batch's
+  statistics, which mixes samples (``mixes_samples``): per-sample gradients do not exist and
+  ``check`` says so. The rule still gives each sample's term of the batch gradient for a given
+  output gradient, ``x_hat`` from the batch's statistics (``w`` and ``b`` act after the
+  normalisation, so these terms sum to the exact gradient): the coupled Monte-Carlo curvature
+  (``engine.curvature``) sums them over the batch before squaring.
 """
 
 from __future__ import annotations
@@ -89,14 +93,32 @@ def _running_normalized(module, x):
 class BatchNormRule(_AffineNormRule):
     curvature_free = True  # eval mode: an affine map of the input
 
+    def mixes_samples(self, module) -> bool:
+        """Whether the module normalises with statistics of the whole batch (training mode, or
+        ``track_running_stats=False``): its output for one sample depends on all of them."""
+        return module.training or module.running_mean is None
+
     def check(self, module):
-        if module.training or module.running_mean is None:
+        if self.mixes_samples(module):
             return (
                 "BatchNorm normalises with statistics of the whole batch (training mode or "
                 "track_running_stats=False), which mixes samples, so per-sample quantities do not "
-                "exist; call model.eval() (running statistics), or use GroupNorm/LayerNorm"
+                "exist there. Call model.eval() (running statistics), use GroupNorm/LayerNorm, or "
+                "use a Monte-Carlo curvature, which is defined with batch statistics "
+                "(DiagGGNMC, KFAC; optim.KFAC(curvature='kfac'), DiagGGNNewton(curvature='mc'))"
             )
         return None
 
     def normalized(self, module, x):
+        if self.mixes_samples(module):  # the batch's own statistics, as the forward used them
+            dims = [d for d in range(x.dim()) if d != 1]
+            var, mean = torch.var_mean(x, dim=dims, keepdim=True, correction=0)
+            return (x - mean) * torch.rsqrt(var + module.eps)
         return _running_normalized(module, x)
+
+    def grad_sum(self, call, name):
+        """With batch statistics: ``sum_n`` of the rows' terms on the whole call at once (a
+        slice of the batch would have other statistics)."""
+        if not self.mixes_samples(call.module):
+            return None
+        return self.batch_grad(call, name).sum(0)

@@ -1,0 +1,102 @@
+"""A ResNet with ``BatchNorm2d`` in training mode trains with ``KFAC`` (Monte-Carlo, the
+default) and ``DiagGGNNewton(curvature="mc")``, only the optimizer line changed from SGD; so
+does an MLP with ``BatchNorm1d``, with ``MSELoss`` and both reductions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import curvopt
+
+DT = torch.float64
+STEPS = 30
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+def resnet():
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        Block(8), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+    )  # fmt: skip
+
+
+def mlp():
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.BatchNorm1d(16),
+        nn.ReLU(), nn.Linear(16, 3),
+    )  # fmt: skip
+
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1),
+    "kfac": lambda params: curvopt.optim.KFAC(params, lr=0.1, damping=1e-2),
+    "diag": lambda params: curvopt.optim.DiagGGNNewton(
+        params, lr=0.1, damping=1e-2, curvature="mc"
+    ),
+}
+
+
+def _train(model, make, X, y, loss_fn):
+    torch.manual_seed(1)
+    model = curvopt.extend(model.to(DT)).train()
+    opt = make(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        batch = slice(16 * (step % 4), 16 * (step % 4 + 1))  # four mini-batches of 16
+        opt.zero_grad()
+        loss = loss_fn(model(X[batch]), y[batch])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert model.training
+    return losses
+
+
+@pytest.mark.parametrize("name", ["kfac", "diag"])
+def test_resnet_with_batchnorm_in_training_mode_trains(name):
+    torch.manual_seed(0)
+    X = torch.randn(64, 3, 8, 8, dtype=DT)
+    y = (X.mean((2, 3)) @ torch.randn(3, 4, dtype=DT)).argmax(1)  # learnable labels
+    torch.manual_seed(0)
+    baseline = _train(resnet(), OPTIMIZERS["sgd"], X, y, F.cross_entropy)
+    torch.manual_seed(0)
+    losses = _train(resnet(), OPTIMIZERS[name], X, y, F.cross_entropy)
+    assert all(map(torch.isfinite, torch.tensor(losses)))
+    first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4  # one epoch each
+    assert last < 0.6 * first, losses
+    assert last < sum(baseline[-4:]) / 4, (losses, baseline)  # and beats SGD at the same lr
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", ["kfac", "diag"])
+def test_mlp_with_batchnorm1d_regression_trains(name, reduction):
+    torch.manual_seed(0)
+    X = torch.randn(64, 6, dtype=DT)
+    y = torch.sin(X[:, :3]) + 0.1 * torch.randn(64, 3, dtype=DT)
+    lr = 0.1 if reduction == "mean" else 0.1 / 16
+    make = OPTIMIZERS[name]
+    torch.manual_seed(0)
+
+    def make_lr(params):
+        opt = make(params)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        return opt
+
+    losses = _train(mlp(), make_lr, X, y, lambda o, t: F.mse_loss(o, t, reduction=reduction))
+    first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
+    assert last < 0.6 * first, losses
