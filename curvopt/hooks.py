@@ -18,7 +18,13 @@ from curvopt.layers import rule_for
 from curvopt.engine.params import note_extended, owned, owned_parameters
 from curvopt.engine.recognize import returned_loss, watch
 from curvopt.engine.functional import hook_loss, wants_loss, watch_outputs
-from curvopt.engine.records import Record, anchor, output_tensors
+from curvopt.engine.records import (
+    Record,
+    anchor,
+    note_random_state,
+    output_tensors,
+    take_random_state,
+)
 from curvopt.engine.state import STATE
 
 __all__ = ["extend", "is_extended", "Record"]
@@ -28,7 +34,18 @@ _RETURNS_LOSS = "_curvopt_returned_loss_hooked"
 _SEQUENCE_FIRST = "_curvopt_sequence_first"
 
 
+def _random_state_hook(module, args, kwargs):
+    """Before the forward of a module whose rule re-runs it: the generator state it draws from,
+    where it draws (``LayerRule.draws_random``)."""
+    if STATE.suspended or not torch.is_grad_enabled() or not rule_for(module).draws_random(module):
+        return
+    first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
+    if first is not None:
+        note_random_state(module, first.device)
+
+
 def _module_forward_hook(module, args, kwargs, output):
+    random = take_random_state(module)
     if STATE.suspended or not torch.is_grad_enabled():
         return
     if not any(p.requires_grad for _, p in owned(module)):
@@ -39,7 +56,7 @@ def _module_forward_hook(module, args, kwargs, output):
     rule = rule_for(module)
     anchors = [anchor(outputs[0], (*args, *kwargs.values()))] if len(outputs) == 1 else outputs
     record = Record(
-        module, args, kwargs, outputs, rule.batch_dim(module), rule.positionwise, anchors
+        module, args, kwargs, outputs, rule.batch_dim(module), rule.positionwise, anchors, random
     )
     if rule.positionwise and getattr(module, _SEQUENCE_FIRST, False) and outputs[0].dim() >= 3:
         record.transposed = True  # declared: extend(model, sequence_first=True)
@@ -69,10 +86,12 @@ def _returned_loss_hook(module, args, kwargs, output):
         watch_outputs(output, loss)
 
 
-def _hook(module: nn.Module, path: str, fn) -> None:
+def _hook(module: nn.Module, path: str, fn, before=None) -> None:
     module._curvopt_path = path or type(module).__name__
     if getattr(module, _HOOKED, False):
         return
+    if before is not None:
+        module.register_forward_pre_hook(before, with_kwargs=True)
     module.register_forward_hook(fn, with_kwargs=True)
     setattr(module, _HOOKED, True)
 
@@ -93,7 +112,12 @@ def _install(module: nn.Module, path: str, sequence_first: bool) -> None:
         if not hasattr(module, "_curvopt_live"):
             module._curvopt_live = 0
         note_extended(module)
-        _hook(module, path, _module_forward_hook)
+        _hook(
+            module,
+            path,
+            _module_forward_hook,
+            _random_state_hook if rule.replays_random_forward else None,
+        )
     if rule.owns_children:
         return
     for name, child in module.named_children():

@@ -84,7 +84,7 @@ EXAMPLES = {
     nn.MultiheadAttention: (
         lambda: First(nn.MultiheadAttention(4, 2, batch_first=True), self_attention=True),
         (3, 2, 4),
-        None,
+        (1, 1, 4),
         None,
     ),
     nn.PReLU: (lambda: nn.PReLU(1, init=0.3), (3, 4), None, None),

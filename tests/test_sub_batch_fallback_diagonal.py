@@ -1,8 +1,8 @@
 """The diagonal that stands in for missing Kronecker factors (``skip_unsupported="diagonal"``,
 ``optim.KFAC(fallback="diagonal")``), with and without a sub-batch, float64.
 
-On the zoo ViT (raw class and position tokens owned by the model itself, ``nn.MultiheadAttention``
-with two outputs): the parameters without a factorisation get, with ``KFLR(samples=K)``, the exact
+On the zoo ViT (raw class and position tokens owned by the model itself): the parameters without
+a factorisation get, with ``KFLR(samples=K)``, the exact
 GGN diagonal of the first ``K`` samples at the factors' scale (``N/K`` for ``reduction="sum"``,
 the sub-batch's own mean for ``"mean"``), checked against the dense GGN of ``tests/reference.py``
 on ``X[:K]``; without ``samples`` (or ``K >= N``), the whole batch's, bit for bit.
@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from conftest import assert_close
 from reference import ggn
+from attention_twin import twin_names, with_twins
 
 import curvopt
 from curvopt import extensions as ext
@@ -22,8 +23,8 @@ from curvopt.errors import UnsupportedKroneckerError
 from fixtures import zoo
 
 N = 6
-#: the ViT's parameters without Kronecker factors: raw tokens, the attention's projections
-UNFACTORED = {"cls", "pos", "attn.in_proj_weight", "attn.out_proj.weight"}
+#: the ViT's parameters without Kronecker factors: the raw tokens
+UNFACTORED = {"cls", "pos"}
 
 
 def _collect(problem, x, y, extension, skip="diagonal"):
@@ -95,23 +96,22 @@ class _Attender(nn.Module):
         return self.head(self.attn(h, h, h)[0].mean(1))
 
 
-def test_a_module_with_several_outputs_has_no_factors_but_can_be_skipped():
-    """``nn.MultiheadAttention``: its projection weights have no Kronecker factorisation.
-    Without ``skip_unsupported`` that is the skippable error naming the parameter; with it,
-    they get the diagonal (the dense GGN's), its biases and the Linear layers their factors."""
+def test_a_module_with_several_outputs_gets_its_factors_and_nothing_is_skipped():
+    """``nn.MultiheadAttention`` with its two outputs: every parameter gets its factors, those
+    of the twin with ``nn.Linear`` projections (``tests/attention_twin.py``), and
+    ``skip_unsupported`` has nothing to skip."""
     torch.manual_seed(0)
     net, x, y = _Attender().double(), torch.randn(N, 4, 3, dtype=torch.float64), torch.arange(N) % 3
     problem = zoo.Problem(net, nn.CrossEntropyLoss(), None, None, None, 0)
-    with pytest.raises(UnsupportedKroneckerError, match="'in_proj_weight' .* several outputs"):
-        _collect(problem, x, y, ext.KFLR(), skip=False)
     model = _collect(problem, x, y, ext.KFLR())
-    blocks, _ = ggn(net, nn.CrossEntropyLoss(), x, y)
-    unfactored = {"attn.in_proj_weight", "attn.out_proj.weight"}
+    twin = _collect(zoo.Problem(with_twins(net), nn.CrossEntropyLoss(), None, None, None, 0), x,
+                    y, ext.KFLR())
+    names = twin_names(net)
+    expected = {names.get(k, k): p.kflr for k, p in twin.named_parameters()}
     for name, p in model.named_parameters():
-        assert hasattr(p, "kflr_diagonal") == (name in unfactored), name
-        assert hasattr(p, "kflr") == (name not in unfactored), name
-        if name in unfactored:
-            assert_close(p.kflr_diagonal, torch.diagonal(blocks[name]).reshape(p.shape), name)
+        assert not hasattr(p, "kflr_diagonal"), name
+        for got, want in zip(p.kflr, expected[name]):
+            assert_close(got, want, name)
 
 
 def test_optimizer_with_a_sub_batch_and_the_diagonal_fallback_steps():

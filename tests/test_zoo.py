@@ -14,6 +14,7 @@ import copy
 import pytest
 import reference
 import torch
+from attention_twin import twin_names, with_twins
 from conftest import (
     ALL_ATTRS,
     DT,
@@ -65,9 +66,9 @@ UNSUPPORTED = {
     **{(m, "KFRA"): UnsupportedModuleError for m in MODELS if m != "mlp"},
     # DiagHessian: LayerNorm and attention are ops whose curvature it does not account for
     **{(m, q): UnsupportedModuleError for m in ("gpt", "bert", "vit", "seq_first") for q in _HESS},
-    # Kronecker factors: MultiheadAttention's 2-D in_proj_weight and the ViT's class token /
-    # positions (parameters of no Kronecker-factored layer)
-    **{(m, q): UnsupportedModuleError for m in ("vit", "seq_first") for q in _KRON},
+    # Kronecker factors: the ViT's class token / positions (parameters of no Kronecker-factored
+    # layer)
+    **{("vit", q): UnsupportedModuleError for q in _KRON},
     # a parameter used outside its module (h @ tok.weight.T) is rejected by every quantity
     **{("gpt_functional", q): UnsupportedModuleError for q in _ALL},
 }
@@ -92,7 +93,17 @@ def _reference(kind, name, reduction, *args):
     if key not in _CACHE:
         problem, X, y = _problem(name, reduction)
         fn = getattr(reference, kind)
-        _CACHE[key] = fn(problem.model, problem.loss_on, X, y, problem.batch_dim, *args)
+        if kind == "kronecker":  # attention as its twin with nn.Linear projections
+            twin = with_twins(problem.model)
+            layers = fn(twin, problem.loss_on, X, y, problem.batch_dim, *args)
+            renamed = twin_names(problem.model)
+            weights = {id(p): renamed.get(k, k) for k, p in twin.named_parameters()}
+            _CACHE[key] = [
+                (weights[id(twin.get_submodule(layer).weight)], twin.get_submodule(layer), ba)
+                for layer, ba in layers.items()
+            ]
+        else:
+            _CACHE[key] = fn(problem.model, problem.loss_on, X, y, problem.batch_dim, *args)
     return _CACHE[key]
 
 
@@ -147,14 +158,10 @@ def _kronecker_expected(name, reduction, approx, model):
     Embedding weights, the exact GGN block ``[G]`` for every 1-D parameter (biases, norms)."""
     layers = _reference("kronecker", name, reduction, approx)
     blocks, _ = _reference("ggn", name, reduction)
-    names = {id(p): pname for pname, p in trainable(model).items()}
     uses = {}  # weight -> [(input side, factors in the weight's dim order)] in forward order
-    for layer, (b, a) in layers.items():
-        module = model.get_submodule(layer)
+    for weight, module, (b, a) in layers:
         embedding = isinstance(module, torch.nn.Embedding)
-        uses.setdefault(names[id(module.weight)], []).append(
-            (0, [a, b]) if embedding else (1, [b, a])
-        )
+        uses.setdefault(weight, []).append((0, [a, b]) if embedding else (1, [b, a]))
     expected = {}
     for pname, terms in uses.items():
         expected[pname] = terms[0][1] if len(terms) == 1 else _nearest_kronecker(terms)

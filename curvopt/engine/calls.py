@@ -4,7 +4,7 @@ per-module rule works on (``layers``), made from a ``records.Record`` by ``Recor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -16,6 +16,12 @@ class Call:
 
     ``args``/``kwargs`` are the inputs of the call, ``grad_out`` is ``dL/d output`` (a tuple
     when the module returned several tensors), ``batch_dim`` the dimension indexing samples.
+    ``random`` is the generator state the module's forward drew from (``records.RandomState``,
+    kept only for a module whose rule re-runs a random forward: attention dropout), and
+    ``origin`` how this call derives from the recorded one: ``None`` (it is that call),
+    ``("slice", parent, start, stop)`` (:meth:`slice`) or ``("expand", parent, columns)``
+    (:meth:`expand`), so that a rule which must re-run the whole batch (to draw the same
+    random numbers) can find it.
     """
 
     module: nn.Module
@@ -24,6 +30,8 @@ class Call:
     grad_out: Union[torch.Tensor, Tuple[torch.Tensor, ...], None] = None
     batch_dim: int = 0
     cache: Dict[str, Any] = field(default_factory=dict)
+    random: Any = None
+    origin: Optional[tuple] = None
 
     @property
     def input(self) -> torch.Tensor:
@@ -62,6 +70,8 @@ class Call:
             {k: self._map_batched(cut, v) for k, v in self.kwargs.items()},
             self._map_batched(cut, self.grad_out),
             self.batch_dim,
+            random=self.random,
+            origin=("slice", self, start, stop),
         )
 
     def expand(self, columns) -> "Call":
@@ -89,4 +99,6 @@ class Call:
             {a: self._map_batched(rep, b) for a, b in self.kwargs.items()},
             grad,
             bd,
+            random=self.random,
+            origin=("expand", self, columns),
         )

@@ -9,9 +9,10 @@ rule works on. A record is data: it calls nothing above it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -55,6 +56,51 @@ def anchor(t: torch.Tensor, inputs=()) -> torch.Tensor:
     return base
 
 
+class RandomState:
+    """The state of the generator that a module's forward is about to draw from (the default
+    generator of ``device``'s type), so that a rule can re-run the forward with the same random
+    numbers: the dropout masks drawn in the forward are part of the function."""
+
+    __slots__ = ("device", "state")
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.state = _generators(device).get_rng_state(*_index(device))
+
+    @contextlib.contextmanager
+    def replay(self):
+        """Within the block the generator draws what it drew from this state; the state the
+        block found is restored at its end."""
+        devices = [] if self.device.type == "cpu" else [self.device]
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            _generators(self.device).set_rng_state(self.state, *_index(self.device))
+            yield
+
+
+def _generators(device: torch.device):
+    """The module with ``get_rng_state``/``set_rng_state`` for ``device``'s default generator."""
+    return torch if device.type == "cpu" else torch.get_device_module(device.type)
+
+
+def _index(device: torch.device) -> tuple:
+    return () if device.type == "cpu" else (device,)
+
+
+#: the generator state each module's current forward started from (``note_random_state``),
+#: until its forward hook moves it into the call's record (``take_random_state``)
+_DRAWN: "weakref.WeakKeyDictionary[nn.Module, RandomState]" = weakref.WeakKeyDictionary()
+
+
+def note_random_state(module: nn.Module, device: torch.device) -> None:
+    """Keep the generator state ``module``'s forward is about to draw from."""
+    _DRAWN[module] = RandomState(device)
+
+
+def take_random_state(module: nn.Module) -> Optional[RandomState]:
+    """The state :func:`note_random_state` kept for ``module``'s forward that just ended."""
+    return _DRAWN.pop(module, None)
+
+
 def _count_call(module, delta: int) -> None:
     """``module._curvopt_live += delta`` (its calls awaiting their gradients), past
     ``nn.Module.__setattr__``, which stores a plain int the same way at ten times the cost."""
@@ -88,10 +134,22 @@ class Record:
         "positionwise",
         "transposed",
         "outer",
+        "random",
     )
 
-    def __init__(self, module, args, kwargs, outputs, batch_dim, positionwise=False, anchors=None):
+    def __init__(
+        self,
+        module,
+        args,
+        kwargs,
+        outputs,
+        batch_dim,
+        positionwise=False,
+        anchors=None,
+        random: Optional[RandomState] = None,
+    ):
         self.args = None  # set last: ``release`` must work on a half-built record
+        self.random = random  # the generator state of a random forward its rule re-runs
         self.module, self.kwargs = module, kwargs
         self.out_shapes = tuple(t.shape for t in outputs)
         self.batch_dim = batch_dim
@@ -141,7 +199,7 @@ class Record:
         if self.transposed:
             args = tuple(self.batch_first(x) for x in args)
             kwargs = {k: self.batch_first(v) for k, v in kwargs.items()}
-        return Call(self.module, args, kwargs, grad_out, self.batch_dim)
+        return Call(self.module, args, kwargs, grad_out, self.batch_dim, random=self.random)
 
     def at_parameter_precision(self, value):
         """``value`` (tensors, nested in tuples, lists, dicts) as the rules take it: when the

@@ -92,9 +92,9 @@ def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int)
     own = rule.kron_output_factor(call, columns, name, approx, n)
     if own is not None:
         return [own, None] if rule.output_factor_index(name) == 0 else [None, own]
-    if p.dim() == 1:
+    if rule.vector_parameter(name, p):
         grads = rule.batch_grad(call.expand(columns), name)
-        return [gram(grads)]
+        return [gram(grads.flatten(1))]
     several = " (a module with several outputs, e.g. MultiheadAttention)"
     raise UnsupportedKroneckerError(
         f"curvopt has no Kronecker factorisation for parameter {name!r} of module "

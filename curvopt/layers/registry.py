@@ -130,6 +130,10 @@ class LayerRule:
     #: parameter of the module that meets the batch by an add or expand is then read off the
     #: graph instead, in first order (``layers.parameter``)
     reruns_module: bool = False
+    #: whether the rule re-runs a forward of the module that may draw random numbers
+    #: (attention dropout): the forward then keeps the generator state it starts from where
+    #: :meth:`draws_random` says it draws, as ``call.random``, to replay it
+    replays_random_forward: bool = False
 
     def batch_dim(self, module: nn.Module) -> int:
         """Dimension of the inputs/outputs that indexes samples."""
@@ -138,6 +142,16 @@ class LayerRule:
     def output_batch_dims(self, module: nn.Module, count: int) -> List[int]:
         """The dim indexing samples in each of the module's ``count`` tensor outputs."""
         return [self.batch_dim(module)] * count
+
+    def draws_random(self, module: nn.Module) -> bool:
+        """Whether the module's forward draws random numbers now (read before each forward of a
+        rule with :attr:`replays_random_forward`)."""
+        return False
+
+    def vector_parameter(self, name: str, p: torch.Tensor) -> bool:
+        """Whether ``name`` gets the exact curvature block ``[B]`` in Kronecker form, as a
+        one-dimensional parameter does (``layers.kron.kron_factors``)."""
+        return p.dim() == 1
 
     def check(self, module: nn.Module) -> Optional[str]:
         """Why per-sample quantities of ``module`` cannot be computed, or ``None`` if they can."""
