@@ -99,7 +99,7 @@ def _additive(mask, scores, n, heads):
 def with_twins(model: nn.Module) -> nn.Module:
     """A copy of ``model`` with every ``nn.MultiheadAttention`` replaced by its twin."""
     model = copy.deepcopy(model)
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.MultiheadAttention):
                 setattr(module, child_name, TwinAttention(child))

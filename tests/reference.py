@@ -6,6 +6,10 @@ They work on a *plain* model (before ``curvopt.extend``) and an :class:`fixtures
 * :func:`per_sample_grads`: ``g_n = J_nᵀ ∂L/∂out_n`` by ``vmap`` over samples of a ``vjp`` of the
   single-sample forward, with the cotangent ``∂L/∂out`` of the loss *as computed on the whole
   batch* (so ``reduction="mean"`` carries the loss's own ``1/(number of counted rows)``).
+* :func:`per_sample_grads_replayed`: ``g_n`` by one eager backward of sample ``n``'s loss per
+  sample, each after a forward of the whole batch from the same generator state (a model that
+  draws random numbers in training mode: the same dropout masks; ``torch.func``'s transforms
+  draw others).
 * :func:`ggn` / :func:`hessian`: the helpers of ``conftest`` (``jacrev`` + loss Hessian w.r.t.
   the output; ``torch.func.hessian`` w.r.t. shared / per-sample parameter copies).
 * :func:`kronecker`: KFLR factors from their definitions (Eschenhagen et al., 2023) with the GGN
@@ -34,6 +38,24 @@ def per_sample_grads(plain: nn.Module, loss_on, X, y, bd: int = 0) -> Dict[str, 
         return pullback(g.unsqueeze(bd))[0]
 
     return vmap(one, in_dims=(bd, bd))(X, cotangent)
+
+
+def per_sample_grads_replayed(plain: nn.Module, losses_of, state) -> Dict[str, torch.Tensor]:
+    """``name -> [N, *p.shape]``: the gradients of ``losses_of(plain)[n]`` (the ``[N]`` losses
+    of the samples, each as it enters the loss: ``1/N`` for a mean) w.r.t. the trainable
+    parameters, every forward started from the generator state ``state``."""
+    params = trainable(plain)
+    rows = []
+    with torch.random.fork_rng(devices=[]):
+        n = None
+        while n is None or len(rows) < n:
+            torch.set_rng_state(state)
+            losses = losses_of(plain)
+            n = losses.shape[0]
+            grads = torch.autograd.grad(losses[len(rows)], list(params.values()), allow_unused=True)
+            rows.append([torch.zeros_like(p) if g is None else g
+                         for g, p in zip(grads, params.values())])
+    return {k: torch.stack([row[i] for row in rows]) for i, k in enumerate(params)}
 
 
 def first_order(plain, loss_on, X, y, bd=0) -> Dict[str, Dict[str, torch.Tensor]]:

@@ -1,6 +1,6 @@
 """``nn.MultiheadAttention`` as a first-class layer (``curvopt.layers.attention``), in float64.
 
-* per-sample gradients against ``torch.func.jacrev`` of the per-sample losses of the batch
+* per-sample gradients against an eager backward of each sample's loss through the batch
   function, with the forward's generator state replayed (attention dropout in training mode:
   the same masks);
 * Kronecker factors (KFLR "expand"/"reduce", EKFAC) against those of the twin with
@@ -16,12 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, jacrev
 
 import curvopt
 from curvopt import extensions as ext
 from attention_twin import twin_names, with_twins
-from reference import ggn
+from reference import ggn, per_sample_grads_replayed
 
 DT = torch.float64
 N, L, S, E, HEADS = 3, 4, 5, 6, 2
@@ -50,7 +49,8 @@ class Attend(nn.Module):
         span = key.shape[1 if self.batch_first else 0]
         kwargs = {}
         if "key_padding" in self.masks:
-            kwargs["key_padding_mask"] = torch.arange(span).expand(N, span) >= span - 1 - torch.arange(N)[:, None] % 2
+            last = span - 1 - torch.arange(N)[:, None] % 2  # samples keep different keys
+            kwargs["key_padding_mask"] = torch.arange(span).expand(N, span) >= last
         if "causal" in self.masks:
             kwargs["attn_mask"] = torch.ones(L, span, dtype=torch.bool).triu(1)
             kwargs["is_causal"] = span == L
@@ -108,17 +108,13 @@ def _collected(plain, x, memory, y, reduction, *extensions):
 
 
 def _per_sample_reference(plain, x, memory, y, reduction, state):
-    """``g_n`` from ``jacrev`` of the per-sample losses of the batch function, the forward's
-    random numbers replayed."""
-    params = {k: p.detach() for k, p in plain.named_parameters()}
+    """``g_n`` by an eager backward per sample, the forward's random numbers replayed."""
     scale = 1 / N if reduction == "mean" else 1.0
 
-    def losses(p):
-        return F.cross_entropy(functional_call(plain, p, (x, memory)), y, reduction="none") * scale
+    def losses(net):
+        return F.cross_entropy(net(x, memory), y, reduction="none") * scale
 
-    with torch.random.fork_rng(devices=[]):
-        torch.set_rng_state(state)
-        return jacrev(losses)(params)
+    return per_sample_grads_replayed(plain, losses, state)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -179,7 +175,8 @@ def test_ekfac_corrects_its_bases_with_the_per_sample_gradients(name, reduction)
         torch.testing.assert_close(s_, c * rotated.square().sum(0).reshape(s_.shape),
                                    rtol=1e-9, atol=1e-13)
         for basis, factor in zip(bases, p.kfac):
-            torch.testing.assert_close(basis.T @ factor @ basis, torch.diag(torch.linalg.eigvalsh(factor)), rtol=1e-7, atol=1e-9)
+            spectrum = torch.diag(torch.linalg.eigvalsh(factor))
+            torch.testing.assert_close(basis.T @ factor @ basis, spectrum, rtol=1e-7, atol=1e-9)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

@@ -19,7 +19,6 @@ from attention_twin import twin_names, with_twins
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.errors import UnsupportedKroneckerError
 from fixtures import zoo
 
 N = 6
