@@ -31,7 +31,7 @@ from curvopt import extensions
 
 from curvopt.engine import values
 from curvopt.optim import distributed
-from curvopt.optim.collecting import Collecting, ExtensionSpec
+from curvopt.optim.collecting import Collecting, ExtensionSpec, quiet_skips
 from curvopt.optim.loss_scale import NONE, LossScale, loss_scale
 from curvopt.optim.options import CurvatureOptions, constructor
 from curvopt.optim.plan import (
@@ -199,7 +199,11 @@ class CurvatureOptimizer(Collecting, Optimizer):
         """
         try:
             if closure is None:
-                self._collection.check(type(self).__name__)
+                if not self._collection.skipped:
+                    self._collection.check(type(self).__name__)
+                else:  # a Kronecker optimizer announces them once itself
+                    with quiet_skips():
+                        self._collection.check(type(self).__name__)
             # GradScaler.step sets found_inf: outside one there is no loss scale to divide out
             scale = NONE if getattr(self, "found_inf", None) is None else loss_scale(self)
             if scale.overflow:  # as GradScaler skips torch.optim optimizers
@@ -209,6 +213,7 @@ class CurvatureOptimizer(Collecting, Optimizer):
         finally:
             self._loss_scale = NONE
             self._collection.reset()
+            self._block = None
 
     def _step(self, closure):
         loss = None

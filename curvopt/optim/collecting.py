@@ -9,6 +9,7 @@ group, scoped to the group's parameters (``_requests``); the optimizer provides
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -20,6 +21,9 @@ from curvopt.engine.collection import Collection
 
 #: an extension to collect: ``(attr, options)`` for ``curvopt.extensions.extension``
 ExtensionSpec = tuple[str, dict[str, Any]]
+
+#: the start of the warning ``curvopt.collect(skip_unsupported=...)`` gives at every pass
+_SKIP_WARNING = r"curvopt\.collect\(skip_unsupported=True\) wrote no Kronecker factors"
 
 
 class Collecting:
@@ -86,16 +90,24 @@ class Collecting:
             return contextlib.nullcontext()
         if self._collection.armed:  # it collects without a block: one that adds nothing
             self._collection.window()
-            return self._collection
+            return QuietBlock(self._collection)
         context = collect(*exts, **self._collect_options())
+        self._block = context  # its parameters without factors (``skipped``), until the step
         if self._distributed is None:
-            return context
+            return QuietBlock(context)
         sampled = any(getattr(ext, "source", None) == "mc" for ext in exts)
         return self._distributed.collecting(context, targets, sampled)
 
     def _collect_options(self) -> dict[str, Any]:
         """Keyword options of the ``curvopt.collect`` that :meth:`collect` opens."""
         return {}
+
+    def _skipped(self) -> set[str]:
+        """The names of the parameters the passes since the last step left without Kronecker
+        factors (``collect(skip_unsupported=...)``): the armed collection's and those of
+        the block :meth:`collect` opened."""
+        block = self.__dict__.get("_block")
+        return set(self._collection.skipped) | set(getattr(block, "skipped", None) or ())
 
 
 def _weak(method: Callable[[], Any]) -> Callable[[], Any]:
@@ -108,3 +120,43 @@ def _weak(method: Callable[[], Any]) -> Callable[[], Any]:
         return None if bound is None else bound()
 
     return call
+
+
+def skip_options(param_groups, diagonal: bool) -> dict[str, Any]:
+    """The ``curvopt.collect`` options for the groups' ``fallback`` (``optim.fallback``): skip
+    the parameters without Kronecker factors where a group has one; with ``diagonal``
+    (``KFAC``: the engine writes their diagonal) ``"diagonal"`` where a group asks for it."""
+    fallbacks = {g["fallback"] for g in param_groups}
+    if diagonal and "diagonal" in fallbacks:
+        return {"skip_unsupported": "diagonal"}
+    return {"skip_unsupported": fallbacks != {None}}
+
+
+@contextlib.contextmanager
+def quiet_skips():
+    """A block in which the collection's warning about skipped parameters is silenced (the
+    optimizer announces them once instead, ``optim.fallback.announce``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SKIP_WARNING)
+        yield
+
+
+class QuietBlock:
+    """``context`` (a ``curvopt.collect`` block or an armed collection) whose exit does not
+    warn about skipped parameters (:func:`quiet_skips`); its attributes are ``context``'s."""
+
+    def __init__(self, context):
+        self._context = context
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
+
+    def __enter__(self):
+        self._context.__enter__()
+        return self._context
+
+    def __exit__(self, *exc):
+        if not self._context.skipped:
+            return self._context.__exit__(*exc)
+        with quiet_skips():
+            return self._context.__exit__(*exc)

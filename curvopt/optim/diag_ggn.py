@@ -29,7 +29,10 @@ class DiagGGNNewton(NewtonOptimizer):
         params: parameters or param groups, as for ``torch.optim.SGD``.
         lr: learning rate ``≥ 0``.
         damping: ``λ``: a number ``≥ 0``, a callable of the step count, or a damping strategy
-            (:class:`ConstantDamping`, :class:`ScheduledDamping`, :class:`LevenbergMarquardt`).
+            (:class:`ConstantDamping`, :class:`ScheduledDamping`, :class:`LevenbergMarquardt`);
+            ``1e-3`` by default, as ``KFAC``'s and ``EKFAC``'s: small against the diagonal of
+            a trained network, while the trust region (``kl_clip=1e-3``) bounds the long steps
+            it allows along entries of small curvature.
         curvature: ``"mc"`` (``DiagGGNMC``, ``p.diag_ggn_mc``) or ``"exact"``
             (``DiagGGNExact``, ``p.diag_ggn_exact``).
         weight_decay: ``δ ≥ 0`` (added to the gradient and to the damping).

@@ -20,21 +20,35 @@ from dataclasses import dataclass
 
 from curvopt.optim.eigen_corrected import as_rows, eigen_corrected_quadratic
 from curvopt.engine import values
+from curvopt.optim.collecting import skip_options
 from curvopt.optim.inverses import EigenCorrectedInverse
 from curvopt.optim.newton import NewtonOptimizer
 from curvopt.optim.one_sided import is_one_sided, kept, next_bases, supplied
-from curvopt.optim.options import KFAC_APPROX, NewtonOptions, choice, number, option, optional
+from curvopt.optim.options import (
+    KFAC_APPROX,
+    KRONECKER_FALLBACKS,
+    NewtonOptions,
+    choice,
+    number,
+    option,
+    optional,
+)
 
 #: the factors' curvatures, by the attribute their extension writes
 _FACTORS = ("kfac", "kflr")
 
+#: a parameter's state key: it has no Kronecker factors (``fallback='diagonal'``: identity basis)
+_NO_FACTORS = "no_factors"
+
 
 @dataclass(frozen=True)
 class EKFACOptions(NewtonOptions):
-    """:class:`NewtonOptions` with the factors' curvatures, the loss reduction and the basis
-    interval; ``curvature_ema`` is fixed at 0 (not a constructor keyword)."""
+    """:class:`NewtonOptions` with the factors' curvatures, ``fallback='diagonal'`` (the
+    default), the loss reduction and the basis interval; ``curvature_ema`` is fixed at 0 (not a
+    constructor keyword)."""
 
     curvature: str = option("kfac", choice(*_FACTORS))
+    fallback: str | None = option("diagonal", choice(*KRONECKER_FALLBACKS))
     curvature_ema: float = option(0.0, number(0.0, 1.0, open_high=True), keyword=False)
     reduction: str | None = option(None, optional(choice("mean", "sum")))
     basis_interval: int = option(1, number(1, integer=True))
@@ -81,7 +95,9 @@ class EKFAC(NewtonOptimizer):
     Args:
         params: parameters or param groups, as for ``torch.optim.SGD``.
         lr: learning rate ``≥ 0``.
-        damping: ``λ``: a number ``≥ 0``, a callable of the step count, or a damping strategy.
+        damping: ``λ``: a number ``≥ 0``, a callable of the step count, or a damping strategy;
+            ``1e-3`` by default (kfac-pytorch's default; the trust region ``kl_clip`` bounds
+            the steps so small a damping makes), so ``EKFAC(params, lr=0.1)`` trains.
         curvature: the factors giving the basis: ``"kfac"`` (MC-sampled) or ``"kflr"``.
         weight_decay: ``δ ≥ 0`` (added to the gradient and to the damping).
         reduction: ``None`` (default: the scale ``c`` of ``S`` follows the loss's reduction),
@@ -95,7 +111,14 @@ class EKFAC(NewtonOptimizer):
             wider than ``m`` keeps the identity basis (SOAP-style, :mod:`curvopt.optim.one_sided`;
             its factor is never eigendecomposed), the other side's basis comes from the factors
             of a basis step and is used from the next step on.
-        momentum, curvature_interval, kl_clip, fallback: see :class:`~curvopt.optim.KFAC`
+        fallback: for parameters without Kronecker factors (a ViT's class token and position
+            embeddings, a weight used non-linearly): ``"diagonal"`` (default: ``S`` in the
+            identity basis, ``D Σ_n g_n²``, the diagonal of the empirical Fisher on the GGN's
+            scale, so the step is ``g / (S + λ + δ)``; on the step that finds the parameter
+            without factors, the plain gradient), ``"sgd"`` (the plain gradient) or ``None``
+            (raise, naming them); see :mod:`curvopt.optim.fallback`. The first step that
+            preconditions such parameters warns once, naming them.
+        momentum, curvature_interval, kl_clip: see :class:`~curvopt.optim.KFAC`
             and :mod:`curvopt.optim.newton`. ``curvature_ema`` is not supported (``S`` of an
             old basis cannot be averaged with one of a new basis).
     """
@@ -105,6 +128,11 @@ class EKFAC(NewtonOptimizer):
     Options = EKFACOptions
 
     # ----------------------------------------------------------------- what to collect
+    def _collect_options(self):
+        # the diagonal of a parameter without factors is its S in the identity basis, which the
+        # EKFAC extension itself gives from the next pass on (``_supplied``): skipping suffices
+        return skip_options(self.param_groups, diagonal=False)
+
     def _extension(self, group):
         options = {"factors": group["curvature"], "mc_samples": group["mc_samples"]}
         options["kfac_approx"] = group["kfac_approx"]
@@ -116,10 +144,13 @@ class EKFAC(NewtonOptimizer):
     def _supplied(self, param):
         """The bases the next pass uses for ``param``: its current ones, or ``None`` (fresh)
         on its group's basis steps and before it has any; for a one-sided parameter always
-        supplied (``one_sided.supplied``)."""
+        supplied (``one_sided.supplied``); ``[]`` (the identity) for one without Kronecker
+        factors under ``fallback='diagonal'``."""
         state = self.state.get(param, {})
         for group, group_state in zip(self.param_groups, self._group_state):
             if any(p is param for p in group["params"]):
+                if state.get(_NO_FACTORS) and group["fallback"] == "diagonal":
+                    return []
                 if is_one_sided(param, group["max_basis_dim"]):
                     return supplied(param, state.get("bases_next"))
                 old = state.get("curvature")
@@ -161,13 +192,30 @@ class EKFAC(NewtonOptimizer):
         update.state["bases_next"] = pending
         return curvature
 
+    def _fallback_available(self, update, group):
+        """``fallback='diagonal'``: for a parameter the passes left without factors (named in
+        the collection's ``skipped``) or one known to have none."""
+        if group["fallback"] != "diagonal" or self.state.get(update.param, {}).get(_NO_FACTORS):
+            return super()._fallback_available(update, group)
+        name = getattr(update.param, "_curvopt_path", None)
+        return name is not None and name in self._skipped()
+
     # ----------------------------------------------------------------- the step
     def _direction(self, item, step):
         inverse = EigenCorrectedInverse.build(item.curvature, step.damping)
+        kept = {_NO_FACTORS: True} if item.state.get(_NO_FACTORS) else {}
         if not is_one_sided(item.update.param, step.group["max_basis_dim"]):
-            return inverse.apply_one(item.grad), {}
+            return inverse.apply_one(item.grad), kept
         pending = item.update.state.get("bases_next", item.state.get("bases_next"))
-        return inverse.apply_one(item.grad), {"bases_next": pending}
+        return inverse.apply_one(item.grad), {**kept, "bases_next": pending}
+
+    def _fallback_direction(self, item, step):
+        """``fallback='diagonal'``: the plain gradient on the step that finds the parameter
+        without factors, which is then marked (``_NO_FACTORS``) so that the next passes give
+        its ``S`` in the identity basis (``_supplied``); ``'sgd'``: the plain gradient."""
+        if step.group["fallback"] != "diagonal":
+            return super()._fallback_direction(item, step)
+        return item.grad, {_NO_FACTORS: True}
 
     def _quadratic(self, curvature, step):
         correction, bases = curvature[0], curvature[1:]

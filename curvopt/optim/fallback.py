@@ -1,22 +1,47 @@
-"""``fallback='diagonal'`` of ``optim.KFAC``: parameters without Kronecker factors.
+"""``fallback`` of the Kronecker optimizers ``KFAC`` and ``EKFAC``: parameters without a
+Kronecker factorisation.
 
-A ViT's class token and position embeddings (raw 3-D parameters) and recurrent weights have
-no Kronecker factorisation. ``optim.KFAC(..., fallback='diagonal')`` collects with
-``curvopt.collect(..., skip_unsupported="diagonal")``, which writes for such a parameter the
-diagonal ``c`` of the same curvature instead (``p.kfac_diagonal``: the Monte-Carlo GGN diagonal
-from the sampled columns KFAC propagates anyway; ``p.kflr_diagonal``: the exact one), and steps
-it by the damped diagonal Newton direction ``d = g / (c + λ + δ)`` of ``DiagGGNNewton``, with
-the same ``λ`` as the Kronecker blocks: the same scale as every other parameter's step.
-Between curvature updates (``curvature_interval > 1``) the last diagonal is reused.
+A ViT's class token and position embeddings (raw parameters), recurrent weights, or a weight
+used non-linearly have no Kronecker factorisation. With a ``fallback`` the optimizers collect
+with ``curvopt.collect(..., skip_unsupported=...)``, which leaves such parameters out of the
+factors instead of raising, and step them as the ``fallback`` says:
 
-Alternatives measured on two tiny ViTs (issue 21): ``fallback='sgd'`` (``d = g``, no extra
-work; the diagonal costs one more pass of the columns through the owning module) trains about
-as well there; an Adam-style ``d = g / (√v̂ + ε)`` stalled or diverged at KFAC's learning rates
-(its step per entry ignores the curvature scale) and was dropped.
+* ``"diagonal"`` (the default): the damped diagonal Newton step ``d = g / (c + λ + δ)`` of
+  ``DiagGGNNewton``, ``c`` the diagonal of the optimizer's own curvature, with the same ``λ``
+  as the Kronecker blocks: the same scale as every other parameter's step.
+
+  - ``KFAC``: ``skip_unsupported="diagonal"`` writes ``p.kfac_diagonal`` (the Monte-Carlo GGN
+    diagonal from the sampled columns KFAC propagates anyway) or ``p.kflr_diagonal`` (the exact
+    one), :func:`fallback_diagonal`.
+  - ``EKFAC``: its own eigenvalue correction in the identity basis (``EKFAC(bases=[])``):
+    ``c = vec S = D Σ_n g_n²``, the diagonal of the empirical Fisher on the GGN's scale, whose
+    diagonal in the Kronecker eigenbasis EKFAC takes for every other parameter. The pass that
+    finds the parameter without factors has chosen its bases already, so on that one step it
+    takes the plain gradient (as ``"sgd"``); from the next pass on ``S`` is collected for it.
+
+  Between curvature updates (``curvature_interval > 1``) the last diagonal is reused.
+* ``"sgd"``: the plain (weight-decayed) gradient, ``d = g``; no extra work.
+* ``None``: raise (the backward pass's ``UnsupportedKroneckerError`` names the parameter and
+  its module's path).
+
+Why ``"diagonal"`` by default: with ``lr`` and ``damping`` chosen for Kronecker steps
+(``(C + λ)⁻¹ g``, up to ``1/λ = 1000`` times ``g`` where the curvature is small) the plain
+gradient is on another scale, far smaller, so such a parameter would barely train; the
+diagonal step is on the blocks' scale at the cost of one more pass of the columns through the
+owning module (``KFAC``) or of the parameter's own per-sample gradients (``EKFAC``), for these
+parameters alone. On two tiny ViTs (issue 21) ``"sgd"`` trained about as well; an Adam-style
+``d = g / (√v̂ + ε)`` stalled or diverged at KFAC's learning rates (its step per entry
+ignores the curvature scale) and was dropped.
+
+Announced once: the first step that preconditions a parameter by its fallback warns, naming
+the parameters (each optimizer names a parameter once, :func:`announce`); the collection's
+own warning at every step is silenced while the optimizer collects
+(``collecting.quiet_skips``). The collection options are ``collecting.skip_options``.
 """
 
 from __future__ import annotations
 
+import warnings
 
 from curvopt.engine import values
 from curvopt.optim.diagonal import diag_precondition
@@ -36,3 +61,32 @@ def fallback_diagonal(optimizer, update, grad, state, writer, damping):
         diagonal = optimizer._read(update, name, writer.__name__, None)
     update.checks.append((f"`{name}`", diagonal))
     return diag_precondition(grad, diagonal, damping), {"fallback_diagonal": diagonal}
+
+
+def has_diagonal(param, state, writer) -> bool:
+    """Whether ``param`` has the diagonal :func:`fallback_diagonal` reads: written by this
+    pass (the engine skipped it for want of factors) or kept from an earlier one."""
+    declared = getattr(writer, "fallback", None)  # KFRA declares none
+    fresh = declared is not None and values.read(param, declared.attr) is not None
+    return fresh or "fallback_diagonal" in state
+
+
+def announce(owner: str, pending: dict[str, str], announced: set[str], stacklevel=3) -> None:
+    """Warn once about the parameters ``pending`` (name -> its fallback) that an optimizer
+    ``owner`` stepped by their fallback, less those it ``announced`` already (updated)."""
+    pending = {name: f for name, f in pending.items() if name not in announced}
+    for fallback in sorted(set(pending.values())):
+        names = sorted(n for n, f in pending.items() if f == fallback)
+        announced.update(names)
+        how = {
+            "diagonal": "by their diagonal curvature (fallback='diagonal', the default; see "
+            "curvopt.optim.fallback)",
+            "sgd": "by their plain gradient (fallback='sgd')",
+        }[fallback]
+        warnings.warn(
+            f"{owner}: parameters {names} have no Kronecker factorisation, so they are "
+            f"preconditioned {how}. Pass fallback='sgd' or 'diagonal' to choose, or "
+            "fallback=None to raise instead.",
+            UserWarning,
+            stacklevel=stacklevel,
+        )

@@ -10,7 +10,8 @@ import torch
 
 from curvopt import extensions
 from curvopt.engine.reductions import dense
-from curvopt.optim.fallback import fallback_diagonal
+from curvopt.optim.collecting import skip_options
+from curvopt.optim.fallback import fallback_diagonal, has_diagonal
 from curvopt.optim.gradient_factors import FactorCapture, factored_cheaper, reproduces
 from curvopt.optim.kron_exact import kron_quadratic
 from curvopt.optim.kronecker import InverseOptions, KroneckerInverse, as_matrix
@@ -19,6 +20,7 @@ from curvopt.optim.plan import cached
 from curvopt.optim.trace_norm_eigh import eigh_solvers
 from curvopt.optim.options import (
     KFAC_APPROX,
+    KRONECKER_FALLBACKS,
     NewtonOptions,
     choice,
     number,
@@ -32,11 +34,11 @@ _CURVATURES = ("kfac", "kflr", "kfra")
 
 @dataclass(frozen=True)
 class KFACOptions(NewtonOptions):
-    """:class:`NewtonOptions` with KFAC's curvatures, ``fallback='diagonal'``, and the
-    options of its inverses."""
+    """:class:`NewtonOptions` with KFAC's curvatures, ``fallback='diagonal'`` (the default),
+    and the options of its inverses."""
 
     curvature: str = option("kfac", choice(*_CURVATURES))
-    fallback: str | None = option(None, choice(None, "sgd", "diagonal"))
+    fallback: str | None = option("diagonal", choice(*KRONECKER_FALLBACKS))
     kronecker_damping: str = option("trace_norm", choice("trace_norm", "trace_norm_eigh", "exact"))
     inverse_interval: int = option(1, number(1, integer=True))
     max_rank: int | None = option(None, optional(number(1, integer=True)))
@@ -66,7 +68,9 @@ class KFAC(NewtonOptimizer):
     Args:
         params: parameters or param groups, as for ``torch.optim.SGD``.
         lr: learning rate ``≥ 0``.
-        damping: ``λ``: a number ``≥ 0``, a callable of the step count, or a damping strategy.
+        damping: ``λ``: a number ``≥ 0``, a callable of the step count, or a damping strategy;
+            ``1e-3`` by default (kfac-pytorch's default; the trust region ``kl_clip`` bounds
+            the steps so small a damping makes), so ``KFAC(params, lr=0.1)`` trains.
         curvature: ``"kfac"`` (MC-sampled), ``"kflr"`` (exact loss Hessian) or ``"kfra"``.
         weight_decay: ``δ ≥ 0`` (added to the gradient and to the damping).
         kronecker_damping: ``"trace_norm"`` (default): ``(B + √λ/π I)⁻¹ G (A + π√λ I)⁻¹`` with
@@ -95,10 +99,13 @@ class KFAC(NewtonOptimizer):
             divergence it causes) is at most ``κ``; it makes small dampings such as ``1e-3``
             train.
         fallback: for parameters without Kronecker factors (a ViT's class token and position
-            embeddings): ``None`` (default: raise, naming them), ``"sgd"`` (the plain gradient)
-            or ``"diagonal"`` (the damped diagonal Newton step with the diagonal of the same
-            curvature, :mod:`curvopt.optim.fallback`); with either, the backward pass skips
-            their Kronecker factors (``collect(skip_unsupported=True / "diagonal")``).
+            embeddings, a weight used non-linearly): ``"diagonal"`` (default: the damped
+            diagonal Newton step with the diagonal of the same curvature, ``p.kfac_diagonal``
+            or ``p.kflr_diagonal``, on the scale of the Kronecker steps), ``"sgd"`` (the plain
+            gradient) or ``None`` (raise, naming them); see :mod:`curvopt.optim.fallback`. With
+            either of the first two the backward pass skips their Kronecker factors
+            (``collect(skip_unsupported="diagonal" / True)``), and the first step that
+            preconditions such parameters warns once, naming them.
         momentum, curvature_ema, curvature_interval: see
             :mod:`curvopt.optim.newton` (all off by default).
         process_group: under ``torch.distributed``: ``None`` (the default group if initialized
@@ -109,10 +116,15 @@ class KFAC(NewtonOptimizer):
     Options = KFACOptions
 
     def _collect_options(self):
-        fallbacks = {g["fallback"] for g in self.param_groups}
-        if "diagonal" in fallbacks:
-            return {"skip_unsupported": "diagonal"}
-        return {"skip_unsupported": fallbacks != {None}}
+        # KFRA declares no diagonal for parameters without factors: those only skip
+        diagonal = any(g["curvature"] != "kfra" for g in self.param_groups)
+        return skip_options(self.param_groups, diagonal)
+
+    def _fallback_available(self, update, group):
+        if group["fallback"] != "diagonal":
+            return super()._fallback_available(update, group)
+        writer = extensions.writer(self._extension(group)[0])
+        return has_diagonal(update.param, self.state.get(update.param, {}), writer)
 
     def _fallback_direction(self, item, step):
         if step.group["fallback"] != "diagonal":

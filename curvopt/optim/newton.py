@@ -34,7 +34,8 @@ grows without a closure is not seen by the optimizer.
 Opt-in, per param group: ``curvature_interval`` (read ``C`` every k steps, reuse it between),
 ``curvature_ema`` (``C ← β C + (1 − β) C_new``), ``momentum``, ``schedule_free`` (β; evaluate
 after ``opt.eval()``), adaptive damping (:class:`~curvopt.optim.damping.LevenbergMarquardt`)
-and ``fallback='sgd'``.
+and ``fallback='sgd'``; for the Kronecker optimizers ``fallback='diagonal'`` is the default
+(:mod:`curvopt.optim.fallback`: parameters without Kronecker factors, announced once).
 
 Under ``torch.distributed`` (see :mod:`curvopt.optim.distributed`) the curvature is averaged over
 the ranks when it is read, and the derived quantities that are due (:meth:`_derived`: inverses,
@@ -126,7 +127,13 @@ class NewtonOptimizer(CurvatureOptimizer):
                 f"{type(self).__name__}: step() after opt.eval(), while the parameters hold the "
                 "schedule-free average; call opt.train() first"
             )
+        self._fell_back: dict[str, str] = {}  # name -> fallback, of the step being planned
         loss = super().step(closure)
+        if self._fell_back:
+            from curvopt.optim.fallback import announce  # off the path of the other steps
+
+            announced = self.__dict__.setdefault("_announced", set())
+            announce(type(self).__name__, self._fell_back, announced)
         if loss is not None:
             value = number(loss)
             first = self.__dict__.setdefault("_first_loss", value)
@@ -185,6 +192,11 @@ class NewtonOptimizer(CurvatureOptimizer):
         itself (``fallback='sgd'``)."""
         return item.grad, {}
 
+    def _fallback_available(self, update: ParamUpdate, group: dict[str, Any]) -> bool:
+        """Whether the group's ``fallback`` can step ``update``'s parameter, which has no
+        curvature after the pass (default: yes); where not, reading it raises, naming it."""
+        return True
+
     def _derived(
         self, curvature: Any, group: dict[str, Any], damping: float, curvature_step: int
     ) -> Derived | None:
@@ -207,8 +219,12 @@ class NewtonOptimizer(CurvatureOptimizer):
         return []
 
     def _lacks_curvature(self, group, param) -> bool:
-        """No stored curvature and no fallback: must be read at the next step, due or not."""
-        return group["fallback"] is None and "curvature" not in self.state.get(param, {})
+        """No stored curvature and no fallback that steps it without one (``"sgd"``, or a
+        ``"diagonal"`` already kept): must be read at the next step, due or not."""
+        state, fallback = self.state.get(param, {}), group["fallback"]
+        if "curvature" in state or fallback == "sgd":
+            return False
+        return fallback is None or "fallback_diagonal" not in state
 
     def _damping(self, group, group_state):
         strategy = as_damping(group["damping"])
@@ -234,6 +250,9 @@ class NewtonOptimizer(CurvatureOptimizer):
                 item.fresh = self._read_curvature(update, group, attr, extension)
                 if item.fresh is not None:  # in use from this step on (the EMA stage averages)
                     item.curvature, item.curvature_step = item.fresh, step.step
+                elif item.curvature is None:  # stepped by the fallback: announced once
+                    name = getattr(param, "_curvopt_path", None) or update.description
+                    self.__dict__.setdefault("_fell_back", {})[name] = group["fallback"]
             step.params.append(item)
         for stage in self._stages.for_group(group):
             stage(step)
@@ -254,7 +273,11 @@ class NewtonOptimizer(CurvatureOptimizer):
     def _read_curvature(self, update: ParamUpdate, group, attr: str, extension: str):
         """``param.<attr>`` unscaled, checked and recorded in ``update`` (None: missing, with
         fallback), as the plain tensor or list the state keeps."""
-        raw = self._read(update, attr, extension, group["fallback"])
+        fallback = group["fallback"]
+        missing = values.read(update.param, attr) is None
+        if fallback is not None and missing and not self._fallback_available(update, group):
+            fallback = None  # not one the fallback covers: raise, naming it
+        raw = self._read(update, attr, extension, fallback)
         if raw is None:
             return None
         try:

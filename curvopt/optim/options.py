@@ -71,6 +71,15 @@ def optional(check: Check) -> Check:
 #: how Kronecker factors treat positions that share a weight (``extensions.KFAC(kfac_approx=)``)
 KFAC_APPROX = ("expand", "reduce")
 
+#: ``λ`` when none is given: kfac-pytorch's default, small against the curvature of a trained
+#: network, so the steps stay close to Newton's; the trust region (``kl_clip=1e-3``, also
+#: kfac-pytorch's default) bounds the steps that so small a damping would make too long
+DEFAULT_DAMPING = 1e-3
+
+#: ``fallback`` of the Kronecker optimizers (``KFAC``, ``EKFAC``): what a parameter without a
+#: Kronecker factorisation gets (:mod:`curvopt.optim.fallback`); ``None`` raises
+KRONECKER_FALLBACKS = (None, "sgd", "diagonal")
+
 
 def _damping(name: str, value) -> None:
     as_damping(value)
@@ -126,7 +135,7 @@ class NewtonOptions(CurvatureOptions):
 
     POSITIONAL: ClassVar[tuple[str, ...]] = ("lr", "damping", "curvature", "weight_decay")
 
-    damping: Any = option(check=_damping)
+    damping: Any = option(DEFAULT_DAMPING, _damping)
     curvature: str = option()  # each optimizer declares its default and choices
     mc_samples: int = option(1, number(1, integer=True))
     momentum: float = option(0.0, number(0.0, 1.0, open_high=True))
