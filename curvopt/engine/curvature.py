@@ -14,6 +14,22 @@ inputs and output gradients in the module hooks that follow (``reducer``). The K
 factors from each chunk of columns: ``kron_pass`` (the input side once per pass; from a
 sub-batch, ``KFAC(samples=K)``: the propagated columns and inputs of the first ``K`` samples).
 
+Coupled passes (a module that mixes samples, BatchNorm with batch statistics: ``rows.mixes``):
+the curvature is that of the loss as computed, ``G = Jᵀ H J`` with ``J`` the Jacobian of the
+whole batch's outputs, which couples samples. The Monte-Carlo columns ``s`` (``E[s sᵀ] = H``,
+independent across samples) propagate through the coupled graph as they are, giving
+``J^T s``; so ``ĝ_k = J_θᵀ s_k``, the batch gradient of the sampled loss, has
+``E[ĝ ĝᵀ] = G`` and the diagonal is ``Σ_k ĝ_k²`` (``diagonals.batch_column_grads``; not a sum
+of per-sample squares, which is biased when samples couple), a one-dimensional parameter's
+block ``Σ_k ĝ_k ĝ_kᵀ`` (``kron_pass``), both unbiased; a weight's output side
+``Σ_{k,rows} v vᵀ`` is unbiased for its coupled definition ``Σ_{n,p} J_npᵀ H J_np`` (``J_np``:
+of all outputs w.r.t. the layer output at sample ``n``, position ``p``). The variance is that
+of ``M = mc_samples`` draws: ``Var[ĝ_i²]/M = (2 G_ii² + κ_i)/M``, ``κ_i = 0`` for Gaussian
+columns (``MSELoss``); one draw's relative standard deviation measured 1.3 (median) to 2.3
+(max) for cross-entropy (``tests/test_batchnorm_expectation.py``). Exact, per-sample and
+``EKFAC`` quantities raise, naming the module (exact: ``N²`` propagations; per sample: not
+defined).
+
 That nothing outside the extended losses feeds the gradients (a term of the objective whose
 curvature this would miss) is checked on every pass without propagating anything: hooks on the
 graph's nodes compare the gradient each receives with what its consumers sent (``checks``).
