@@ -8,8 +8,10 @@ Inputs are split into samples along ``batch_dim`` for every tensor argument whos
 equals ``N``; others (masks, shared tensors) are passed whole; rules for known modules name
 them instead (:meth:`GenericRule.sample_inputs`). Modules with several tensor outputs get the
 gradient of each (outputs that depend on other outputs are handled, see
-:meth:`GenericRule._external_gradients`). Stochastic modules in training mode (dropout) cannot
-be re-run identically, so they are rejected; so are modules ``vmap`` cannot run.
+:meth:`GenericRule._external_gradients`). A module in training mode is re-run with the dropout
+masks its forward drew (``layers.random_replay``: the forward replayed on the whole batch from
+the generator state it started from, each mask split into the samples'); alpha dropout and
+modules ``vmap`` cannot run are rejected.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from curvopt.errors import UnsupportedModuleError
+from curvopt.layers.random_replay import (
+    DrawnMasks,
+    MaskShapes,
+    ReplayedMasks,
+    ReplayError,
+    per_sample,
+)
 from curvopt.layers.registry import LayerRule, register, register_fallback
 from curvopt.engine.params import owned_parameters
 from curvopt.engine.records import output_tensors
@@ -31,19 +40,23 @@ from curvopt.engine.state import STATE
 #: elements of per-sample gradients held at once when only reduced quantities are wanted
 _CHUNK_ELEMENTS = 1 << 21
 
-_STOCHASTIC = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
+_ALPHA = (nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 class GenericRule(LayerRule):
     reruns_module = True
+    replays_random_forward = True
+
+    def draws_random(self, module):
+        return module.training
 
     def check(self, module):
         for sub_name, sub in module.named_modules():
             where = f" (submodule {sub_name!r})" if sub_name else ""
-            if isinstance(sub, _STOCHASTIC) and sub.training and sub.p > 0:
+            if isinstance(sub, _ALPHA) and sub.training and sub.p > 0:
                 return (
-                    f"it contains dropout in training mode{where}, which cannot be re-run "
-                    "sample by sample; call .eval() on it or move the dropout outside the module"
+                    f"it contains alpha dropout in training mode{where}, which is not a mask "
+                    "curvopt can replay sample by sample; call .eval() on it or use nn.Dropout"
                 )
             if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
                 return f"it contains BatchNorm in training mode{where}, which mixes samples"
@@ -161,6 +174,7 @@ class GenericRule(LayerRule):
         const = [None if d is not None else x for x, d in zip(leaves, dims)]
         sample_leaves = [x for x, d in zip(leaves, dims) if d is not None]
         sample_dims = [d for d in dims if d is not None]
+        masks = self._masks(call, samples)
         out_dims = self.output_dims(call, len(grad_out))
         used = [i for i, g in enumerate(grad_out) if g is not None]
         grads = [grad_out[i] for i in used]
@@ -171,13 +185,14 @@ class GenericRule(LayerRule):
             grads = [g.narrow(d, start, length) for g, d in zip(grads, grad_dims)]
         picked = used if positions is None else [positions[i] for i in used]
 
-        def one_sample(sample, cotangents):
+        def one_sample(sample, cotangents, sample_masks):
             it = iter(zip(sample, sample_dims))
             full = [c if d is None else _unsqueeze(*next(it)) for d, c in zip(dims, const)]
             args, kwargs = tree_unflatten(full, spec)
 
             def forward(p):
-                outs = output_tensors(self.rerun(module, p, args, kwargs))
+                with ReplayedMasks(sample_masks):
+                    outs = output_tensors(self.rerun(module, p, args, kwargs))
                 if positions is None and len(outs) != len(grad_out):
                     raise _OutputMismatch
                 return tuple(outs[i] for i in picked)
@@ -187,7 +202,15 @@ class GenericRule(LayerRule):
 
         with STATE.suspend(), torch.enable_grad():
             try:
-                return vmap(one_sample, in_dims=(sample_dims, grad_dims))(sample_leaves, grads)
+                return vmap(one_sample, in_dims=(sample_dims, grad_dims, 0))(
+                    sample_leaves, grads, masks
+                )
+            except ReplayError as error:
+                raise UnsupportedModuleError(
+                    f"curvopt cannot re-run module {_path(module)!r} ({type(module).__name__}) "
+                    f"with the random numbers of its forward: {error}. Call .eval() on its "
+                    "random submodules or register a rule for it with curvopt.layers.register."
+                ) from error
             except (RuntimeError, NotImplementedError, ValueError) as error:
                 raise UnsupportedModuleError(
                     f"curvopt cannot compute per-sample quantities for module {_path(module)!r} "
@@ -195,6 +218,36 @@ class GenericRule(LayerRule):
                     f"by sample with torch.func.vmap failed ({type(error).__name__}: {error}); "
                     "register a rule for it with curvopt.layers.register"
                 ) from error
+
+    def _masks(self, call, samples=None) -> List[torch.Tensor]:
+        """The dropout multipliers ``[n, *s]`` of the call's samples (``samples``: a range of
+        them), in the order the module draws them (``layers.random_replay``); none in eval
+        mode."""
+        if not call.module.training:
+            return []
+        root, index = _recorded(call)
+        if "generic_masks" not in root.cache:
+            root.cache["generic_masks"] = self._drawn_masks(root)
+        index = index if samples is None else index[samples[0] : samples[1]]
+        return [m.index_select(0, index.to(m.device)) for m in root.cache["generic_masks"]]
+
+    def _drawn_masks(self, root) -> List[torch.Tensor]:
+        """Steps 1 and 2 of ``layers.random_replay`` for the recorded call ``root``."""
+        module = root.module
+        if root.random is None:
+            return []  # a forward curvopt did not see: a draw in the re-run raises
+        with STATE.suspend(), torch.no_grad(), root.random.replay(), DrawnMasks() as drawn:
+            module(*root.args, **root.kwargs)
+        if not drawn.masks:
+            return []
+        params = dict(owned_parameters(module, self.owns_children))
+        args, kwargs, dims = self.sample_inputs(root)
+        leaves, spec = tree_flatten((args, kwargs))
+        first = [x if d is None else x.narrow(d, 0, 1) for x, d in zip(leaves, dims)]
+        args, kwargs = tree_unflatten(first, spec)
+        with STATE.suspend(), torch.no_grad(), MaskShapes() as shapes:
+            self.rerun(module, params, args, kwargs)
+        return per_sample(drawn.masks, shapes.shapes, root.batch_size, _path(module))
 
     def _grad_positions(self, call, count: int, outs=None) -> List[int]:
         """Indices of the tensor outputs that required grad in the recorded call (the hooks
@@ -272,6 +325,23 @@ class _OutputMismatch(Exception):
 
 def _path(module) -> str:
     return getattr(module, "_curvopt_path", type(module).__name__)
+
+
+def _recorded(call):
+    """``(root, index)``: the recorded call ``call`` derives from (``Call.origin``) and, for each
+    of ``call``'s samples, the sample of ``root`` it is (an expanded call's pseudo-sample
+    ``k N + n`` is sample ``n``)."""
+    if call.origin is None:
+        return call, torch.arange(call.batch_size)
+    kind, parent, *rest = call.origin
+    root, index = _recorded(parent)
+    if kind == "slice":
+        return root, index[rest[0] : rest[1]]
+    columns = rest[0]
+    k = (columns if isinstance(columns, torch.Tensor) else next(
+        c for c in columns if c is not None
+    )).shape[0]
+    return root, index.repeat(k)
 
 
 def _unsqueeze(x, dim):
