@@ -9,6 +9,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import (
     DT,
     assert_close,
@@ -655,21 +656,30 @@ def test_generic_only_second_output_used(seed):
     _run_case(_LSTMCellLoop(2, "c"), _x(3, 3), "sum", vmap=False)
 
 
-def test_dropout_in_generic_module_is_rejected(seed):
+def test_dropout_in_generic_module_uses_the_forwards_mask(seed):
+    """The generic rule re-runs ``x * scale`` with the mask the forward drew: ``g_n`` is
+    ``2 y_n * m_n * x_n`` for the output ``y = m * x * scale`` (``m`` the scaled mask)."""
+
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.scale = nn.Parameter(torch.ones(3))
+            self.scale = nn.Parameter(torch.ones(3) + torch.arange(3.0) / 10)
             self.drop = nn.Dropout(0.5)
 
         def forward(self, x):
             return self.drop(x * self.scale)
 
     model = extended_copy(Net().to(DT)).train()
-    loss = model(_x(3)).pow(2).sum()
-    with pytest.raises(UnsupportedModuleError, match="dropout"):
-        with curvopt.collect(ext.BatchGrad()):
-            loss.backward()
+    x = _x(3)
+    state = torch.get_rng_state()
+    out = model(x)
+    with curvopt.collect(ext.BatchGrad()):
+        out.pow(2).sum().backward()
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(state)
+        mask = F.dropout(torch.ones_like(x), 0.5, True)
+    assert 0 < int((mask == 0).sum()) < mask.numel()
+    assert_close(model.scale.grad_batch, 2 * out.detach() * mask * x, "scale")
 
 
 class _PerSampleMaskAttention(nn.Module):

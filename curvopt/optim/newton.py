@@ -56,6 +56,7 @@ from curvopt.engine import values
 from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, ParamUpdate
 from curvopt.optim.plan import number
 from curvopt.optim.damping import as_damping, reduction_ratio
+from curvopt.optim.fallback import announce
 from curvopt.optim.stages import (
     NEWTON,
     Chain,
@@ -130,8 +131,6 @@ class NewtonOptimizer(CurvatureOptimizer):
         self._fell_back: dict[str, str] = {}  # name -> fallback, of the step being planned
         loss = super().step(closure)
         if self._fell_back:
-            from curvopt.optim.fallback import announce  # off the path of the other steps
-
             announced = self.__dict__.setdefault("_announced", set())
             announce(type(self).__name__, self._fell_back, announced)
         if loss is not None:
