@@ -20,13 +20,14 @@ install: $(STAMP)
 # The test and comparison extras, without replacing the CPU torch: BackPACK 1.7.1, Opacus 1.6.0
 # and curvlinops 3.0.1 (the overhead comparisons, references in the tests), laplace-torch 0.3
 # with its ASDL (the laplace backend's tests), heavyball 3.2.1 (SOAP, PSGD-Kron in the
-# time-to-result benchmark), and the "frameworks" extra (Lightning, accelerate, schedule-free).
+# time-to-result benchmark), the "frameworks" extra (Lightning, accelerate, schedule-free) and
+# the "docs" extra (Sphinx, for the test that builds the documentation site).
 # Their pure-python dependencies come from the "reference" and "frameworks" extras, the
 # libraries themselves without dependencies: BackPACK and laplace-torch declare torchvision,
 # which would bring a CUDA build of torch; no import needs it. The Opacus wheel also installs
 # top-level "benchmarks" and "examples" folders that are not part of the library: removed.
 $(EXTRAS): $(STAMP)
-	$(PY) -m pip install --quiet -e ".[dev,experiments,reference,frameworks]"
+	$(PY) -m pip install --quiet -e ".[dev,experiments,reference,frameworks,docs]"
 	$(PY) -m pip install --quiet --no-deps backpack-for-pytorch==1.7.1 opacus==1.6.0 \
 	    curvlinops-for-pytorch==3.0.1 laplace-torch==0.3 asdfghjkl==0.1a4 heavyball==3.2.1
 	SP=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
