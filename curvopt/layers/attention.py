@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -95,12 +95,12 @@ class MultiheadAttentionRule(LayerRule):
     def batch_grad(self, call, name, out=None):
         root, start, stop, columns = _resolve(call)
         if columns is None:
-            grads = root.cache.get("attention_grads")
-            if grads is None:
-                grads = root.cache["attention_grads"] = self._grads(root, None)
+            grads = root.cache.setdefault("attention_grads", {})
+            if name not in grads:
+                grads[name] = self._grad(root, name, None)
             result = grads[name][start:stop]
         else:  # pseudo-samples k * n + i of an expanded call
-            result = self._grads(root, _embedded(root, columns, start, stop))[name]
+            result = self._grad(root, name, _embedded(root, columns, start, stop))
             result = result[:, start:stop].flatten(0, 1)
         return result if out is None else out.copy_(result)
 
@@ -108,23 +108,15 @@ class MultiheadAttentionRule(LayerRule):
         root, start, stop, given = _resolve(call)
         if given is not None:
             return super().column_grads(call, columns, name)
-        grads = self._grads(root, _embedded(root, columns, start, stop))[name]
+        grads = self._grad(root, name, _embedded(root, columns, start, stop))
         return grads[:, start:stop].transpose(0, 1)
 
-    def _grads(self, root, columns) -> Dict[str, torch.Tensor]:
-        """Every parameter's per-sample gradients ``[N, *p.shape]`` (``[K, N, *p.shape]`` for
+    def _grad(self, root, name, columns) -> torch.Tensor:
+        """The per-sample gradients ``[N, *p.shape]`` of ``name`` (``[K, N, *p.shape]`` for
         ``columns [K, *out]``) from its rows."""
-        module = root.module
-        result = {}
-        for name, p in module.named_parameters():
-            if not p.requires_grad:
-                continue
-            g, x = self._rows(root, name, columns)
-            summed = g.sum(-2)
-            result[name] = (summed if x is None else g.transpose(-1, -2) @ x).reshape(
-                *g.shape[:-2], *p.shape
-            )
-        return result
+        g, x = self._rows(root, name, columns)
+        shape = root.module.get_parameter(name).shape
+        return (g.sum(-2) if x is None else g.transpose(-1, -2) @ x).reshape(*g.shape[:-2], *shape)
 
     # ------------------------------------------------------------------ Kronecker factors
     def kron_output_factor(self, call, columns, name, approx, n):
@@ -371,7 +363,17 @@ def _replayed(root):
 def _pulled(root, core: _Core, columns):
     """``(g_q, g_k, g_v [*K, L|S, N, E], g_bias_k, g_bias_v [*K, N, 1, E] or None)``: the
     core's vector-Jacobian product with the output gradient (or ``columns [K, *out]``)
-    at ``y``, taken through ``out_proj`` to ``o``."""
+    at ``y``, taken through ``out_proj`` to ``o`` (the last one kept: every parameter of the
+    call reads the same columns)."""
+    last = root.cache.get("attention_pulled")
+    if last is not None and last[0] is columns:
+        return last[1]
+    pulled = _vjp(root, core, columns)
+    root.cache["attention_pulled"] = (columns, pulled)
+    return pulled
+
+
+def _vjp(root, core: _Core, columns):
     module = root.module
     batched = columns is not None
     given = columns if batched else root.grad_out
