@@ -41,6 +41,25 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
     ``p.kflr_diagonal`` (``p.shape``, from the same propagated columns: the Monte-Carlo GGN
     diagonal for ``KFAC``, the exact one for ``KFLR``). Without the opt-in such a parameter
     raises, naming it and this option.
+
+    Args:
+        *extensions: instances of :mod:`curvopt.extensions` (``BatchGrad()``, ``KFAC()``, ...),
+            at most one per attribute.
+        skip_unsupported: ``False`` (raise), ``True`` (leave such parameters out) or
+            ``"diagonal"`` (their diagonal instead of factors).
+
+    Returns:
+        The context manager; ``skipped`` lists the parameters left out (name -> reason).
+
+    Raises:
+        ExtensionConflictError: two extensions write one attribute with different settings.
+
+    Example::
+
+        loss = lossfunc(model(X), y)
+        with curvopt.collect(ext.BatchGrad(), ext.KFAC()):
+            loss.backward()
+        model[0].weight.grad_batch, model[0].weight.kfac  # [N, *shape], [B, A]
     """
 
     def __init__(self, *extensions: Extension, skip_unsupported=False):

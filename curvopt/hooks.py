@@ -145,6 +145,22 @@ def extend(
     with a fixed batch dim (``MultiheadAttention(batch_first=False)``, a convolution) or a
     broadcast position embedding anchors the batch; a model made of positionwise layers only
     has nothing to tell ``[T, N]`` from ``[N, T]``, and is read batch-first unless declared.
+
+    Args:
+        module: a model, any submodule, or a loss module.
+        name: the path the error messages give the module (default: its attribute path).
+        sequence_first: the position-wise layers see ``[T, N, ...]``.
+
+    Returns:
+        ``module`` itself, hooked.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+
+    Example::
+
+        model = curvopt.extend(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)))
+        lossfunc = curvopt.extend(nn.CrossEntropyLoss())
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"curvopt.extend expects a torch.nn.Module, got {type(module).__name__}")

@@ -67,9 +67,30 @@ def verify(
     (``model(**X)``, Hugging Face style; tensors with ``N`` entries along ``batch_dim`` are split
     into samples, others shared). ``output`` picks the tensor ``loss_of`` takes from the model's
     output (default: the output itself, or the ``.logits`` of a ``ModelOutput``; a name or a
-    callable otherwise, see :mod:`curvopt.engine.inputs`). Raises :class:`VerificationError` when an
-    error exceeds ``rtol`` (default: ``1e-6`` in float64, ``1e-3`` otherwise). Parameters and
-    ``.grad`` are left as they were; the checked attributes are written as by ``collect``.
+    callable otherwise, see :mod:`curvopt.engine.inputs`). Parameters and ``.grad`` are left
+    as they were; the checked attributes are written as by ``collect``.
+
+    Args:
+        model: the extended model.
+        loss_of: ``(output, y) -> loss``, through an extended loss module.
+        X: one small batch (tensor, tuple or dict of inputs).
+        y: its targets.
+        extensions: the quantities to check, e.g. ``[ext.BatchGrad(), ext.DiagGGNExact()]``.
+        batch_dim: the dim of ``X``, the output and ``y`` that indexes samples.
+        rtol: the largest relative error accepted.
+        output: which tensor of the model's output ``loss_of`` takes.
+
+    Returns:
+        ``{parameter name: {attribute: relative error}}``.
+
+    Raises:
+        VerificationError: an error exceeds ``rtol`` (default ``1e-6`` in float64, ``1e-3``
+            otherwise).
+
+    Example::
+
+        lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+        errors = curvopt.verify(model, lossfunc, X[:4], y[:4], [ext.BatchGrad()])
     """
     params = {k: p for k, p in model.named_parameters() if p.requires_grad}
     grads = {k: p.grad for k, p in params.items()}

@@ -76,10 +76,9 @@ def curved_nodes(root: torch.Tensor, walk) -> List[Tuple[object, Optional[torch.
                 )
             if not rule_for(module).curvature_free:
                 raise _error(
-                    f"module {module._curvopt_path!r} ({type(module).__name__}) is not known to "
-                    "be linear in its input (its layer rule does not declare curvature_free), "
-                    "so the curvature inside it is unknown; if its output is linear in its "
-                    "input, register a LayerRule for it with curvature_free = True"
+                    f"module {module._curvopt_path!r} ({type(module).__name__}) is curved in its "
+                    "input (or not known to be linear: its rule does not declare "
+                    "curvature_free), and the second derivatives inside it are not implemented"
                 )
             x = record.args[0]
             return [x.grad_fn] if isinstance(x, torch.Tensor) else []
