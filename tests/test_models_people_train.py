@@ -270,8 +270,9 @@ def test_model_trains_with_only_the_optimizer_line_changed(name, optimizer):
         names = [n for n in trained if "lora_" in n]
         assert len(names) == 2 and all(trained[n].abs().sum() > 0 for n in names)
         frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-        assert frozen and all(torch.equal(dict(model.named_parameters())[n], before[n])
-                              for n in frozen)
+        assert frozen and all(
+            torch.equal(dict(model.named_parameters())[n], before[n]) for n in frozen
+        )
 
 
 def _fresh(name):
