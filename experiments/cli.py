@@ -8,6 +8,7 @@ from textwrap import fill
 from .commands import SHARED_MACHINE, HelpFormatter
 from .compare.cli import COMPARE
 from .fetch_data import FETCH_DATA
+from .models_cost import MODELS_COST
 from .overhead.cli import OVERHEAD
 from .reproduce.cli import REPRODUCE
 from .step_profile import STEP_PROFILE
@@ -15,7 +16,18 @@ from .train_cli import GRID, RUN
 from .ttr.cli import TTR, TTR_COST
 
 #: in the order ``--help`` lists them: the main job first
-COMMANDS = (REPRODUCE, FETCH_DATA, RUN, GRID, TTR, TTR_COST, OVERHEAD, STEP_PROFILE, COMPARE)
+COMMANDS = (
+    REPRODUCE,
+    FETCH_DATA,
+    RUN,
+    GRID,
+    TTR,
+    TTR_COST,
+    OVERHEAD,
+    STEP_PROFILE,
+    COMPARE,
+    MODELS_COST,
+)
 
 DESCRIPTION = f"""\
 The experiments of curvopt. Start with the main job, python -m experiments reproduce (what
