@@ -1,8 +1,11 @@
 """BatchNorm in training mode: what is not defined (per-sample quantities) or would cost ``N²``
 propagations (exact curvature) raises a clear error naming the module, before anything is
-written; the Monte-Carlo quantities go through (``test_batchnorm_expectation``: their values)."""
+written; the Monte-Carlo quantities go through (``test_batchnorm_expectation``: their values;
+``test_ekfac_coupled``: EKFAC's, whose bases from exact factors raise)."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import pytest
 import torch
@@ -41,18 +44,23 @@ REFUSED = [
     ext.KFLR,
     ext.KFRA,
     ext.KFACEmpirical,
-    ext.EKFAC,
+    partial(ext.EKFAC, factors="kflr"),  # bases from exact factors
 ]
 
 
-@pytest.mark.parametrize("extension", REFUSED, ids=lambda e: e.__name__)
-def test_exact_and_per_sample_quantities_raise_naming_the_module(extension):
+def _name(make) -> str:
+    return getattr(make, "__name__", None) or f"{make.func.__name__}-{make.keywords['factors']}"
+
+
+@pytest.mark.parametrize("make", REFUSED, ids=_name)
+def test_exact_and_per_sample_quantities_raise_naming_the_module(make):
     model = curvopt.extend(_model())
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
     X, y = _data()
     loss = lossfunc(model(X), y)
+    extension = make()
     with pytest.raises(UnsupportedModuleError) as info:
-        with curvopt.collect(extension(), ext.DiagGGNMC()):
+        with curvopt.collect(extension, ext.DiagGGNMC()):
             loss.backward()
     message = str(info.value)
     assert "'1' (BatchNorm2d)" in message and "statistics of the whole batch" in message
@@ -86,12 +94,12 @@ def test_running_statistics_stay_exact_and_batch_statistics_are_coupled(build):
     assert model[1].weight.kfac[0].shape == (3, 3)
 
 
-@pytest.mark.parametrize("name", ["EKFAC", "DiagGGNNewton-exact", "KFAC-kflr"])
-def test_optimizers_of_exact_or_per_sample_curvature_raise(name):
+@pytest.mark.parametrize("name", ["EKFAC-kflr", "DiagGGNNewton-exact", "KFAC-kflr"])
+def test_optimizers_of_exact_curvature_raise(name):
     model = curvopt.extend(_model())
     X, y = _data()
-    if name == "EKFAC":
-        opt = curvopt.optim.EKFAC(model.parameters(), lr=0.1, damping=1e-2)
+    if name == "EKFAC-kflr":
+        opt = curvopt.optim.EKFAC(model.parameters(), lr=0.1, damping=1e-2, curvature="kflr")
     elif name == "KFAC-kflr":
         opt = curvopt.optim.KFAC(model.parameters(), lr=0.1, damping=1e-2, curvature="kflr")
     else:

@@ -1,5 +1,6 @@
 """A ResNet with ``BatchNorm2d`` in training mode trains with ``KFAC`` (Monte-Carlo, the
-default) and ``DiagGGNNewton(curvature="mc")``, only the optimizer line changed from SGD; so
+default), ``EKFAC`` (its bases from those factors, ``S`` from the sampled columns' batch
+gradients) and ``DiagGGNNewton(curvature="mc")``, only the optimizer line changed from SGD; so
 does an MLP with ``BatchNorm1d``, with ``MSELoss`` and both reductions."""
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def mlp():
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1),
     "kfac": lambda params: curvopt.optim.KFAC(params, lr=0.1, damping=1e-2),
+    "ekfac": lambda params: curvopt.optim.EKFAC(params, lr=0.1, damping=1e-2),
     "diag": lambda params: curvopt.optim.DiagGGNNewton(
         params, lr=0.1, damping=1e-2, curvature="mc"
     ),
@@ -66,7 +68,7 @@ def _train(model, make, X, y, loss_fn):
     return losses
 
 
-@pytest.mark.parametrize("name", ["kfac", "diag"])
+@pytest.mark.parametrize("name", ["kfac", "ekfac", "diag"])
 def test_resnet_with_batchnorm_in_training_mode_trains(name):
     torch.manual_seed(0)
     X = torch.randn(64, 3, 8, 8, dtype=DT)
@@ -82,7 +84,7 @@ def test_resnet_with_batchnorm_in_training_mode_trains(name):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("name", ["kfac", "diag"])
+@pytest.mark.parametrize("name", ["kfac", "ekfac", "diag"])
 def test_mlp_with_batchnorm1d_regression_trains(name, reduction):
     torch.manual_seed(0)
     X = torch.randn(64, 6, dtype=DT)

@@ -114,10 +114,14 @@ class BackwardPass:
         cpass = CurvaturePass(
             self.results, self.second_order_exts, record, grad, self.skip_diagonal
         )
-        cpass.check(upstream, per_sample=bool(self.first))
+        cpass.check(upstream, per_sample=self.reducer.per_sample)
+        if cpass.coupled:  # EKFAC's S from the columns (``reducer``)
+            self.reducer.couple()
         self.coupled = self.coupled or cpass.coupled  # BatchNorm's hook: checked there
         self.watch_broadcasts(upstream.calls)
         cpass.run(upstream)
+        if cpass.coupled:
+            self.reducer.correct_columns(cpass.factors.eigen_columns())
         self.batch_size = self.batch_size or cpass.layout.samples
         self.checks.note_walk(upstream)
         self.flow.watch(upstream, current_autograd_node(), self._active, self._abort)

@@ -26,9 +26,11 @@ block ``Σ_k ĝ_k ĝ_kᵀ`` (``kron_pass``), both unbiased; a weight's output si
 of all outputs w.r.t. the layer output at sample ``n``, position ``p``). The variance is that
 of ``M = mc_samples`` draws: ``Var[ĝ_i²]/M = (2 G_ii² + κ_i)/M``, ``κ_i = 0`` for Gaussian
 columns (``MSELoss``); one draw's relative standard deviation measured 1.3 (median) to 2.3
-(max) for cross-entropy (``tests/test_batchnorm_expectation.py``). Exact, per-sample and
-``EKFAC`` quantities raise, naming the module (exact: ``N²`` propagations; per sample: not
-defined).
+(max) for cross-entropy (``tests/test_batchnorm_expectation.py``). ``EKFAC``: the bases from
+those factors, ``S = Σ_k (Q_0ᵀ Ĝ_k Q_1)²`` from the same ``ĝ_k`` (``kron_pass`` keeps them,
+``reducer`` rotates them: unbiased for ``diag(Qᵀ G Q)``, not the empirical Fisher's diagonal of
+an uncoupled pass), so its columns propagate with supplied bases too. Exact and per-sample
+quantities raise, naming the module (exact: ``N²`` propagations; per sample: not defined).
 
 That nothing outside the extended losses feeds the gradients (a term of the objective whose
 curvature this would miss) is checked on every pass without propagating anything: hooks on the
@@ -73,8 +75,9 @@ _CUT_BUDGET = 1 << 24
 _COUPLED = (
     "it normalises with statistics of the whole batch (BatchNorm in training mode), which "
     "couples the samples, so {} is not defined there (per-sample) or would cost N^2 "
-    "propagations (exact). Use a Monte-Carlo curvature (DiagGGNMC, KFAC; optim.KFAC("
-    "curvature='kfac'), DiagGGNNewton(curvature='mc')) or call model.eval()"
+    "propagations (exact). Use a Monte-Carlo curvature (DiagGGNMC, KFAC, EKFAC(factors="
+    "'kfac'); optim.KFAC(curvature='kfac'), optim.EKFAC(curvature='kfac'), "
+    "DiagGGNNewton(curvature='mc')) or call model.eval()"
 )
 
 #: the producers made from each call's Kronecker factors (``EKFAC``'s: of its fresh bases)
@@ -141,7 +144,7 @@ class CurvaturePass:
         for ext in self.exts:
             if ext.quantity.producer is Producer.EIGEN_CORRECTED:
                 self._note_reduction(ext, rule)
-                if not _fresh_bases(ext, calls):
+                if not (self.coupled or _fresh_bases(ext, calls)):
                     continue  # every basis supplied: S from the module hooks alone
             elif ext.quantity.producer is Producer.KFRA:
                 continue

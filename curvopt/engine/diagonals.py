@@ -91,8 +91,9 @@ def module_call(record, outs):
 def coupled_estimate(ext) -> bool:
     """Whether ``ext`` is defined, and estimated without bias, by a pass whose Monte-Carlo
     columns propagate through a module that mixes samples (``coupled``): a summed GGN
-    diagonal or Kronecker factors, from sampled targets."""
-    producers = (Producer.GGN_DIAGONAL, Producer.KRONECKER)
+    diagonal, Kronecker factors or ``EKFAC``'s ``[S, *bases]`` (``S`` from the columns' batch
+    gradients, ``curvature``), from sampled targets."""
+    producers = (Producer.GGN_DIAGONAL, Producer.KRONECKER, Producer.EIGEN_CORRECTED)
     return ext.source == "mc" and ext.quantity.producer in producers and not ext.quantity.per_sample
 
 

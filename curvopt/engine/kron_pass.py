@@ -8,16 +8,20 @@ columns are held then, and no chunk is propagated while the large input-side fac
 output side estimates the whole batch's; a parameter without a factorisation
 (``skip_unsupported="diagonal"``) gets the GGN diagonal of those same scaled columns,
 ``c sum_{n<K} sum_k (J_n^T v_nk)**2``, an estimate of the whole batch's at the same scale
-``c``. A ``coupled`` pass (columns through a module mixing samples, ``curvature``): a
-one-dimensional parameter's block is ``sum_k gbar_k gbar_k^T`` and the fallback diagonal
-``sum_k gbar_k**2``, ``gbar_k = sum_n J_n^T v_nk`` the batch gradient of column ``k`` (whole
-batch, ``samples=K`` or not), unbiased for the exact block; the output side of a factored
-weight is unchanged, ``sum_{k,rows} v v^T``, unbiased for its coupled definition."""
+``c`` (``EKFAC``'s extension too: the diagonal of the columns its bases come from). A
+``coupled`` pass (columns through a module mixing samples, ``curvature``): a one-dimensional
+parameter's block is ``sum_k gbar_k gbar_k^T`` and the fallback diagonal ``sum_k gbar_k**2``,
+``gbar_k = sum_n J_n^T v_nk`` the batch gradient of column ``k`` (whole batch, ``samples=K`` or
+not), unbiased for the exact block; the output side of a factored weight is unchanged,
+``sum_{k,rows} v v^T``, unbiased for its coupled definition; ``EKFAC``'s ``gbar_k`` (summed over
+the calls using the parameter, supplied bases or fresh) are kept for its ``S``
+(:meth:`FactorStream.eigen_columns`, rotated by ``reducer``)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import cache, partial
 
 import torch
 
@@ -46,10 +50,28 @@ class FactorStream:
         #: the input sides still to compute: (the call without its output gradient, name,
         #: approx, n, the factors the result buffer holds, the input side's index)
         self._inputs: list = []
+        #: ``coupled``: (id(p), attr) -> (p, the ``EKFAC`` extension, {chunk: ``[K, *p]``})
+        self._columns: dict = {}
+        self._chunks = 0  # the chunks of columns added so far
 
     def add(self, calls, outs, exts) -> None:
         """The factors of ``exts`` from one chunk of columns ``outs`` at every call."""
         self.results.add(self._factors(calls, outs, exts))
+        self._chunks += 1
+
+    def eigen_columns(self):
+        """``coupled``: ``(p, ext, gbar)`` for every parameter of an ``EKFAC`` extension
+        ``ext``, ``gbar [K, *p]`` the batch gradients of all its columns (every chunk's)."""
+        for p, ext, chunks in self._columns.values():
+            yield p, ext, torch.cat(list(chunks.values()))
+
+    def _keep_columns(self, p, ext, grads) -> None:
+        """One call's batch gradients ``grads`` of this chunk's columns for ``p``'s ``EKFAC``
+        ``S``, summed with those of the other calls using ``p`` (never in place: a factor's
+        ``gram`` root may hold them)."""
+        chunks = self._columns.setdefault((id(p), ext.attr), (p, ext, {}))[2]
+        old = chunks.get(self._chunks)
+        chunks[self._chunks] = grads if old is None else old + grads
 
     def _factors(self, calls, outs, kron_exts):
         """The ``Factors`` of ``kron_exts`` of every call, one at a time (a parameter without a
@@ -59,8 +81,12 @@ class FactorStream:
             if call is None:
                 continue
             for name, p in trainable(record.module):
+                # ``coupled``: the batch gradients of the columns, made once where wanted
+                column_grads = cache(partial(batch_column_grads, call, columns, name, n))
                 for ext in kron_exts:
                     basis = ext.quantity.producer is Producer.EIGEN_CORRECTED
+                    if basis and self.coupled:  # its S: from these (``reducer``)
+                        self._keep_columns(p, ext, column_grads())
                     if basis and ext.supplied(p) is not None:
                         continue
                     approx = ext.options["kfac_approx"]
@@ -68,15 +94,15 @@ class FactorStream:
                     sub, cols, k = self._sub_batch(call, columns, n, ext)
                     try:
                         if self.coupled and p.dim() == 1:  # the whole batch's block, unbiased
-                            factors = [gram(batch_column_grads(call, columns, name, n))]
+                            factors = [gram(column_grads())]
                         else:
                             factors = kron_factors(sub, cols, name, p, approx, k)
                     except UnsupportedKroneckerError as error:
                         self.results.skip(p, ext.attr, error, record)
-                        if self.skip_diagonal and not basis:  # of the same (sub-)batch
+                        if self.skip_diagonal:  # of the same (sub-)batch
                             rule = rule_for(call.module)
                             if self.coupled:
-                                d = batch_column_grads(call, columns, name, n).square().sum(0)
+                                d = column_grads().square().sum(0)
                             else:
                                 d = diag_from_columns(rule, sub, cols, name, False, k)
                             yield Term(p, ext.fallback.attr, d)

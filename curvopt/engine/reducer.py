@@ -8,7 +8,21 @@ each call's from its rule (``LayerRule.eigen_correction``), a parameter used by 
 from its materialised per-sample gradients; ``c = D``, the divisor of the pass's loss
 (``results.divisor``: ``N`` for one term per sample, the counted rows of a flattened sequence
 loss, ``N K`` for ``MSELoss("mean")`` with ``K`` outputs, 1 for ``"sum"``), so that ``S`` is on
-the GGN's scale."""
+the GGN's scale.
+
+In a coupled pass (a module mixing samples, BatchNorm in training mode: ``curvature``) there
+are no per-sample gradients; ``S`` is then the Monte-Carlo estimate
+``S = Σ_k (Q_0ᵀ Ĝ_k Q_1)²`` (:meth:`FirstOrderReducer.correct_columns`), ``Ĝ_k`` the batch
+gradient of the sampled column ``k`` (``ĝ_k = J_θᵀ s_k``, ``diagonals.batch_column_grads``,
+the coupled diagonal's, as a ``[dim Q_0, ·]`` matrix), scale 1: the columns carry the loss's
+``1/D`` and its factor ``w`` already, and ``E[s_k s_kᵀ] = H`` (``mc_samples`` columns each
+``1/√M``) makes ``E[Σ_k ĝ_k ĝ_kᵀ] = G``, so ``E[S] = diag(Qᵀ G Q)`` for bases ``Q`` fixed
+(supplied; fresh bases come from the same columns, as the uncoupled ones come from the same
+batch). It differs from the uncoupled ``S``, ``diag(Qᵀ EF Q)`` of the empirical Fisher at the
+observed targets, which equals ``diag(Qᵀ G Q)`` only in expectation over targets drawn from the
+model: the coupled ``S`` estimates the GGN's diagonal in the basis, the targets not used. Its
+variance is that of the coupled diagonal (``curvature``), entry by entry in the basis: one
+column's relative standard deviation about ``√2`` for Gaussian columns."""
 
 from __future__ import annotations
 
@@ -81,6 +95,27 @@ class FirstOrderReducer:
     @property
     def keeps_per_sample(self) -> bool:
         return Producer.PER_SAMPLE_GRADIENTS in self.first
+
+    @property
+    def per_sample(self) -> bool:
+        """Whether a producer needs per-sample gradients in any pass (``EKFAC``'s not in a
+        coupled one, :meth:`couple`)."""
+        return any(producer is not Producer.EIGEN_CORRECTED for producer in self.first)
+
+    def couple(self) -> None:
+        """The pass is coupled (``curvature``): ``EKFAC``'s ``S`` comes from the loss hook's
+        columns (:meth:`correct_columns`), not from the module hooks' per-sample gradients,
+        which do not exist."""
+        self.first.pop(Producer.EIGEN_CORRECTED, None)
+
+    def correct_columns(self, columns) -> None:
+        """A coupled pass's ``p.ekfac = [Σ_k (Q_0ᵀ Ĝ_k Q_1)², *bases]`` from ``columns``,
+        ``(p, ext, ĝ [K, *p.shape])`` (``kron_pass.FactorStream.eigen_columns``), unscaled:
+        unbiased for ``diag(Qᵀ G Q)`` (the module docstring)."""
+        for p, ext, grads in columns:
+            bases = self._bases(ext, p)
+            if bases is not None:
+                self.results.put(p, ext.attr, [eigen_moment_of(grads, bases), *bases])
 
     def add(self, p, rule, call, name, materialise: bool) -> None:
         """One call's contribution for ``p``: added into ``[N, *p.shape]`` (``materialise``: the

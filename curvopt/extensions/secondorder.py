@@ -234,6 +234,9 @@ class EKFAC(_MonteCarlo):
     """
 
     quantity = Quantity("ekfac", Kind.EIGEN_CORRECTED, Combine.SAME_BASIS, Producer.EIGEN_CORRECTED)
+    #: ``collect(skip_unsupported="diagonal")`` writes this instead where there are no factors:
+    #: the GGN diagonal of the columns its bases come from (as ``kfac_diagonal``/``kflr_diagonal``)
+    fallback = declare(Quantity("ekfac_diagonal", Kind.SUMMED, Combine.ADD, Producer.GGN_DIAGONAL))
     sub_batch = True
 
     def __init__(
