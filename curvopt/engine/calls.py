@@ -16,6 +16,8 @@ class Call:
 
     ``args``/``kwargs`` are the inputs of the call, ``grad_out`` is ``dL/d output`` (a tuple
     when the module returned several tensors), ``batch_dim`` the dimension indexing samples.
+    ``shared`` is a cache that lives as long as the recorded call (``records.Record``): what a
+    rule computes from the inputs alone, for every ``Call`` made of that record.
     ``random`` is the generator state the module's forward drew from (``records.RandomState``,
     kept only for a module whose rule re-runs a random forward: attention dropout), and
     ``origin`` how this call derives from the recorded one: ``None`` (it is that call),
@@ -32,6 +34,7 @@ class Call:
     cache: Dict[str, Any] = field(default_factory=dict)
     random: Any = None
     origin: Optional[tuple] = None
+    shared: Optional[dict] = None
 
     @property
     def input(self) -> torch.Tensor:
@@ -72,6 +75,7 @@ class Call:
             self.batch_dim,
             random=self.random,
             origin=("slice", self, start, stop),
+            shared=self.shared,
         )
 
     def expand(self, columns) -> "Call":
@@ -101,4 +105,5 @@ class Call:
             bd,
             random=self.random,
             origin=("expand", self, columns),
+            shared=self.shared,
         )

@@ -135,6 +135,7 @@ class Record:
         "transposed",
         "outer",
         "random",
+        "shared",
     )
 
     def __init__(
@@ -150,6 +151,7 @@ class Record:
     ):
         self.args = None  # set last: ``release`` must work on a half-built record
         self.random = random  # the generator state of a random forward its rule re-runs
+        self.shared = None  # what rules compute from the inputs alone (``Call.shared``)
         self.module, self.kwargs = module, kwargs
         self.out_shapes = tuple(t.shape for t in outputs)
         self.batch_dim = batch_dim
@@ -199,7 +201,17 @@ class Record:
         if self.transposed:
             args = tuple(self.batch_first(x) for x in args)
             kwargs = {k: self.batch_first(v) for k, v in kwargs.items()}
-        return Call(self.module, args, kwargs, grad_out, self.batch_dim, random=self.random)
+        if self.shared is None:
+            self.shared = {}
+        return Call(
+            self.module,
+            args,
+            kwargs,
+            grad_out,
+            self.batch_dim,
+            random=self.random,
+            shared=self.shared,
+        )
 
     def at_parameter_precision(self, value):
         """``value`` (tensors, nested in tuples, lists, dicts) as the rules take it: when the
@@ -213,7 +225,7 @@ class Record:
     def release(self):
         """Drop the inputs; the module has one call fewer awaiting its gradient."""
         if getattr(self, "args", None) is not None:
-            self.args = self.kwargs = None
+            self.args = self.kwargs = self.shared = None
             _count_call(self.module, -1)
 
     def __del__(self):

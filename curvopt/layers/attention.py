@@ -251,10 +251,12 @@ def _bound(call) -> dict:
 
 
 def _core(root) -> _Core:
-    """The call's attention core, re-run once (cached on the recorded call)."""
-    if "attention_core" not in root.cache:
-        root.cache["attention_core"] = _rerun(root)
-    return root.cache["attention_core"]
+    """The call's attention core, re-run once for the recorded call (``Call.shared``: every
+    ``Call`` the passes make of it reads the same)."""
+    cache = root.cache if root.shared is None else root.shared
+    if "attention_core" not in cache:
+        cache["attention_core"] = _rerun(root)
+    return cache["attention_core"]
 
 
 def _rerun(root) -> _Core:

@@ -226,10 +226,11 @@ class GenericRule(LayerRule):
         if not call.module.training:
             return []
         root, index = _recorded(call)
-        if "generic_masks" not in root.cache:
-            root.cache["generic_masks"] = self._drawn_masks(root)
+        cache = root.cache if root.shared is None else root.shared  # one draw per forward
+        if "generic_masks" not in cache:
+            cache["generic_masks"] = self._drawn_masks(root)
         index = index if samples is None else index[samples[0] : samples[1]]
-        return [m.index_select(0, index.to(m.device)) for m in root.cache["generic_masks"]]
+        return [m.index_select(0, index.to(m.device)) for m in cache["generic_masks"]]
 
     def _drawn_masks(self, root) -> List[torch.Tensor]:
         """Steps 1 and 2 of ``layers.random_replay`` for the recorded call ``root``."""
