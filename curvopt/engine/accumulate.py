@@ -9,7 +9,10 @@ How is each quantity's declared ``combine`` (``extensions.Combine``):
 * ``MOMENTS`` (``variance``): the pass hands ``(sum g^2, sum g)``, which add; the value is
   ``sum g^2 / N - (sum g / N)^2`` over all ``N`` samples so far;
 * ``FACTORS`` (``values.KroneckerFactors``): the output-side factor adds, the input-side
-  factor (a mean over samples) is averaged with weights ``N_i``;
+  factor (a mean over samples) is averaged with weights ``N_i``; for a weight used by several
+  calls, each call's factors so (``KroneckerFactors.sidewise``), and the value is the nearest
+  Kronecker product of the combined calls' sum, that of one batch of all samples (the product
+  of each pass's sum would not add); passes using the weight in other calls raise;
 * ``RAISES`` (KFRA's recursively averaged factors): a second pass raises;
 * ``SAME_BASIS`` (``ekfac = [S, *bases]``): ``S`` adds (each pass scaled by its own ``c``, so
   that it is that of the summed objective, as the GGN is) where both passes used the very same

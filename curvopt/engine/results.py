@@ -9,8 +9,9 @@ results as contributions; the buffer is the one place that collects them:
   module call. The output-side factor sums over column chunks and losses of that call; several
   calls using ``p`` (a reused module, a weight tied across modules, two losses on different
   inputs) are combined when the pass ends into the nearest Kronecker product of their sum
-  (``layers.kron.nearest_kronecker``); a quantity declared ``Combine.RAISES`` (KFRA, whose
-  recursion is for chains) raises instead.
+  (``values.KroneckerFactors.of_uses``, which keeps each call's factors, so that the passes
+  combine use by use); a quantity declared ``Combine.RAISES`` (KFRA, whose recursion is for
+  chains) raises instead.
 * the Kronecker factors of a parameter's fresh ``EKFAC`` basis (:meth:`ResultBuffer.add_basis`),
   collected like :class:`Factors` but never written: :meth:`ResultBuffer.basis` gives their
   eigenvectors to the reducer, which computes ``S`` in the module hooks (the loss hook, where
@@ -30,7 +31,6 @@ import torch
 
 from curvopt.errors import UnsupportedLossError, module_error
 from curvopt.extensions.quantity import Combine, quantity
-from curvopt.layers.kron import nearest_kronecker
 from curvopt.engine.psd import psd_eigh
 from curvopt.engine.reductions import gram_add_
 from curvopt.engine.values import KroneckerFactors, typed
@@ -54,14 +54,19 @@ def name_of(p) -> str:
     return getattr(p, "_curvopt_path", f"of shape {tuple(p.shape)}")
 
 
-def _combined(uses) -> Tuple[int, list]:
-    """The output-factor index and the factors of the calls ``uses`` (``record -> (factors,
-    out_index)``) together: one call's own, several calls' nearest Kronecker product."""
-    terms = [uses[r] for r in sorted(uses, key=lambda r: r.seq)]  # forward order
-    factors = [t[0] for t in terms]
-    if len(factors) > 1:
-        return terms[0][1], nearest_kronecker(factors, 1 - terms[0][1])
-    return terms[0][1], factors[0]
+def _combined(uses) -> KroneckerFactors:
+    """The factors of the calls ``uses`` (``record -> (factors, out_index)``) together
+    (``KroneckerFactors.of_uses``), each call named by its module's path, and ``#k`` for its
+    ``k``-th call of the pass (``k > 1``)."""
+    named, seen = {}, {}
+    for record in sorted(uses, key=lambda r: r.seq):  # forward order
+        path = record.module._curvopt_path
+        seen[path] = seen.get(path, 0) + 1
+        factors, out_index = uses[record]
+        named[path if seen[path] == 1 else f"{path}#{seen[path]}"] = KroneckerFactors(
+            factors, out_index
+        )
+    return KroneckerFactors.of_uses(named)
 
 
 def _add_use(uses: dict, c: Factors) -> bool:
@@ -139,7 +144,7 @@ class ResultBuffer:
             uses = self.basis_uses.get(key)
             if not uses:
                 return None
-            factors = _combined(uses)[1]
+            factors = _combined(uses)
             for index, factor in enumerate(factors):
                 if not bool(factor.isfinite().all()):
                     raise FloatingPointError(
@@ -188,8 +193,7 @@ class ResultBuffer:
         """Combine with the earlier passes (``n`` samples in this one) and set every pending
         attribute, except on the parameters ``untouched`` (``id(p) -> True``) by this pass."""
         for key, uses in self.kron_uses.items():
-            output_index, factors = _combined(uses)
-            self.pending[key] = (self.pending[key][0], KroneckerFactors(factors, output_index))
+            self.pending[key] = (self.pending[key][0], _combined(uses))
         if self.skip_into is not None:
             self.skip_into.update(self.skipped.values())
         for (key, attr), (p, value) in self.pending.items():

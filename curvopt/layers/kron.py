@@ -110,35 +110,3 @@ def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int)
 def output_factor_index(module, name: str) -> int:
     """Position of the output-side factor ``B`` (the one built from the columns) in the list."""
     return rule_for(module).output_factor_index(name)
-
-
-def nearest_kronecker(terms, input_side: int):
-    """Factors ``[F0, F1]`` whose ``kron`` is nearest in Frobenius norm to
-    ``sum_i kron(F0_i, F1_i)``: the factors of a weight used by several calls (a reused module,
-    a weight tied across modules), each use's cross terms with the others ignored, as KFAC
-    ignores them between positions (Van Loan & Pitsianis, 1993).
-
-    Rearranged (``kron(B, A) -> vec(B) vec(A)^T``) the sum is ``U V^T`` with ``U = [vec F0_i]``,
-    ``V = [vec F1_i]``, and its best rank-one term comes from the SVD of the ``m x m`` matrix
-    ``R_U R_V^T`` of their QR factors. The Gram matrices of PSD factors are entrywise positive,
-    so the leading singular vectors are too and both factors are PSD. The scale is split so that
-    the factor at ``input_side`` has the mean trace of the uses' factors there. One-dimensional
-    parameters (``[B]`` per use) add exactly.
-    """
-    if len(terms[0]) == 1:
-        return [sum(t[0] for t in terms)]
-    u = torch.stack([t[0].flatten() for t in terms], 1)
-    v = torch.stack([t[1].flatten() for t in terms], 1)
-    qu, ru = torch.linalg.qr(u)
-    qv, rv = torch.linalg.qr(v)
-    left, values, right = torch.linalg.svd(ru @ rv.T)
-    f0 = (qu @ left[:, 0]).reshape(terms[0][0].shape)
-    f1 = (qv @ right[0]).reshape(terms[0][1].shape)
-    if torch.trace(f0) < 0:
-        f0, f1 = -f0, -f1
-    factors = [f0, f1 * values[0]]
-    wanted = sum(torch.trace(t[input_side]) for t in terms) / len(terms)
-    ratio = wanted / torch.trace(factors[input_side])
-    factors[input_side] = factors[input_side] * ratio
-    factors[1 - input_side] = factors[1 - input_side] / ratio
-    return factors

@@ -4,11 +4,16 @@ applies.
 Per parameter the block is ``B ⊗ A`` (``[B]`` for one-dimensional parameters), indexed like
 ``vec(p)``. Over batches the output-side factor (built from the loss-Hessian columns, which
 carry the reduction's scale) is summed with the weights of :mod:`curvopt.linalg.base`; the
-input-side factor is a mean over inputs, so it is averaged with weights ``R_b / R``. With one
-batch the factors are those ``collect`` writes.
+input-side factor is a mean over inputs, so it is averaged with weights ``R_b / R``. A weight
+used by several calls (an embedding tied to the output layer) is combined so call by call, and
+its block is the nearest Kronecker product of the combined calls' sum
+(``values.KroneckerFactors.sidewise``), that of one batch of all of ``data``. With one batch the
+factors are those ``collect`` writes.
 """
 
 from __future__ import annotations
+
+import operator
 
 from curvopt import extensions
 from curvopt.linalg.base import BlockDiagonal, CurvatureOperator
@@ -26,7 +31,7 @@ def _kron_block(rows: int, apply):
 
 
 def _add(first, second):
-    return first.replaced([a + b for a, b in zip(first, second)])
+    return first.sidewise(second, operator.add, operator.add)
 
 
 def _rows(factors) -> int:
