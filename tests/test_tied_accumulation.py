@@ -1,5 +1,6 @@
 """A weight tied across modules (a language model's embedding and output layer) combines over
-micro-batches, an optimizer's window and ``linalg``'s batches like one batch, exactly.
+micro-batches, an optimizer's window and ``linalg``'s batches (``KFAC``, and ``EKFAC``, whose
+bases are ``KFAC``'s eigenvectors) like one batch, exactly.
 
 Its Kronecker factors are the nearest Kronecker product of its uses' sum, which does not add
 over batches; each use's factors are kept (``values.KroneckerFactors.uses``), combined use by
@@ -180,3 +181,18 @@ def test_passes_using_a_weight_in_other_calls_raise():
         model.times = 3
         with pytest.raises(AccumulationError, match="layer#3"):
             lossfunc(model(x), y).backward()
+
+
+@pytest.mark.parametrize("build", MODELS)
+def test_linalg_ekfac_over_two_batches_is_one_batch(build):
+    """``linalg.EKFAC``'s bases are the eigenvectors of ``linalg.KFAC``'s factors over all of
+    ``data`` (the tied weight's: those of the nearest Kronecker product of the combined uses)."""
+    model, lossfunc, make_batch, _ = MODELS[build]()
+    model, lossfunc = curvopt.extend(Flat(model)), curvopt.extend(lossfunc)
+    (x1, y1), (x2, y2), (x, y) = _halves(make_batch)
+    rows = [(x1, y1.reshape(-1)), (x2, y2.reshape(-1))]
+    one = linalg.EKFAC(model, lossfunc, [(x, y.reshape(-1))], curvature="kflr")
+    two = linalg.EKFAC(model, lossfunc, rows, curvature="kflr")
+    v = np.random.default_rng(0).standard_normal((one.shape[0], 3))
+    want = one.matmat(v)
+    assert np.linalg.norm(two.matmat(v) - want) <= TOL * np.linalg.norm(want)
