@@ -107,16 +107,18 @@ def test_micro_batches_give_one_batch_factors(build, attr, approx):
         _assert_same_factors(got[name], want[name])
 
 
+@pytest.mark.parametrize("curvature", ["kflr", "kfac"])
 @pytest.mark.parametrize("build", MODELS)
-def test_an_accumulated_kflr_step_is_the_one_batch_step(build):
+def test_an_accumulated_step_is_the_one_batch_step(build, curvature):
     model, lossfunc, make_batch, loss_on = MODELS[build]()
     curvopt.extend(lossfunc)
     first, second, whole = _halves(make_batch)
     steps = []
     for batches, weight in (([whole], 1.0), ([first, second], 0.5)):
         copied = curvopt.extend(copy.deepcopy(model))
-        opt = optim.KFAC(copied.parameters(), lr=0.1, damping=1e-2, curvature="kflr")
+        opt = optim.KFAC(copied.parameters(), lr=0.1, damping=1e-2, curvature=curvature)
         opt.zero_grad()
+        torch.manual_seed(3)
         for x, y in batches:
             (weight * loss_on(copied(x), y)).backward()
         opt.step()
