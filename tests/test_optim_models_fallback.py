@@ -4,8 +4,8 @@ with their defaults (issue 51, items 4-6), float64:
 * ``damping`` defaults to ``1e-3`` (``KFAC(params, lr=0.1)`` constructs and steps as
   ``damping=1e-3``), positional use unchanged;
 * ``EKFAC``'s ``fallback="sgd"`` steps such a parameter by ``lr · g`` while the others step as
-  EKFAC; ``fallback="diagonal"`` by ``g / (S + λ)``, ``S = D Σ_n g_n²`` its eigenvalue
-  correction in the identity basis (``KFAC``'s by the GGN diagonal, as ``DiagGGNNewton``);
+  EKFAC; ``fallback="diagonal"`` (``KFAC``'s and ``EKFAC``'s) by ``g / (c + λ)``, ``c`` the GGN
+  diagonal of the columns the factors come from, from the first step on, as ``DiagGGNNewton``;
 * ``fallback="diagonal"`` is the default, announced by one warning naming the parameters;
   ``fallback=None`` raises, naming the module;
 * a ViT (patch embedding, class token, position embedding, ``nn.TransformerEncoder``) trains
@@ -20,7 +20,6 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.func import functional_call, grad, vmap
 
 import curvopt
 from curvopt.errors import UnsupportedKroneckerError
@@ -100,19 +99,6 @@ def test_damping_defaults_to_1e_3(optimizer):
 
 
 # ------------------------------------------------------------------------- fallbacks (item 5)
-def _per_sample_grads(model, batch):
-    """``g_n`` of the mean loss (``∇l_n / N``) for every parameter, by ``torch.func`` (on a
-    plain copy of ``model``: curvopt's hooks are not for ``torch.func``'s transforms)."""
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    model = _net(extend=False)
-
-    def loss(p, x, y):
-        out = functional_call(model, p, (x.unsqueeze(0),))
-        return nn.functional.cross_entropy(out, y.unsqueeze(0)) / N
-
-    return vmap(grad(loss), in_dims=(None, 0, 0))(params, *batch)
-
-
 def _twin_without(name):
     """The model of :func:`_net` with its parameter ``name`` frozen: its optimizer never sees
     it."""
@@ -125,8 +111,9 @@ def test_ekfac_fallback_sgd_steps_the_gradient_and_the_others_as_ekfac():
     model = _net()
     twin = _twin_without("mix.w")
     make = lambda ps: EKFAC(ps, 0.1, 1e-2, "kflr", fallback="sgd", kl_clip=None)  # noqa: E731
-    opt, twin_opt = _quiet(lambda: make(model.parameters())), make(
-        [p for p in twin.parameters() if p.requires_grad]
+    opt, twin_opt = (
+        _quiet(lambda: make(model.parameters())),
+        make([p for p in twin.parameters() if p.requires_grad]),
     )
     before = model.mix.w.detach().clone()
     _quiet(lambda: _step(model, opt, _batch(1)))
@@ -142,26 +129,50 @@ def test_ekfac_fallback_sgd_steps_the_gradient_and_the_others_as_ekfac():
     assert torch.equal(model.mix.w.detach(), before - 0.1 * model.mix.w.grad)
 
 
-def test_ekfac_fallback_diagonal_is_the_eigenvalue_correction_in_the_identity_basis():
-    """The step that finds ``mix.w`` without factors takes its plain gradient; the next ones
-    ``g / (S + λ)`` with ``S = D Σ_n g_n²`` (``D = N``, the mean's divisor) of this pass."""
+def _exact_diagonal(model, batch, name):
+    """The exact GGN diagonal of parameter ``name`` at ``model``'s parameters, from a twin (a
+    backward pass of ``model`` would join its optimizer's window)."""
+    twin = _net()
+    twin.load_state_dict(model.state_dict())
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    with curvopt.collect(curvopt.extensions.DiagGGNExact()):
+        lossfunc(twin(batch[0]), batch[1]).backward()
+    return twin.get_parameter(name).diag_ggn_exact
+
+
+@pytest.mark.parametrize("optimizer", [KFAC, EKFAC])
+def test_fallback_diagonal_is_the_diag_ggn_newton_step_at_every_step(optimizer):
+    """``curvature="kflr"``: ``mix.w`` steps by ``g / (diag(G) + λ)`` with the exact GGN
+    diagonal of the pass (``p.kflr_diagonal``, ``p.ekfac_diagonal``), from the first step on,
+    while the other parameters step by their Kronecker curvature."""
     model = _net()
     lr, damping = 0.1, 1e-2
-    opt = EKFAC(model.parameters(), lr, damping, fallback="diagonal", kl_clip=None)
-    batch = _batch(1)
-    before = model.mix.w.detach().clone()
-    _quiet(lambda: _step(model, opt, batch))
-    torch.testing.assert_close(model.mix.w.detach(), before - lr * model.mix.w.grad)
-    for seed in (2, 3):
+    opt = _quiet(lambda: optimizer(model.parameters(), lr, damping, "kflr", kl_clip=None))
+    for seed in (1, 2, 3):
         batch = _batch(seed)
-        g_n = _per_sample_grads(model, batch)["mix.w"]
-        S = N * (g_n**2).sum(0)
+        diag = _exact_diagonal(model, batch, "mix.w")
         before = model.mix.w.detach().clone()
-        _quiet(lambda: _step(model, opt, batch))
-        torch.testing.assert_close(g_n.sum(0), model.mix.w.grad, rtol=1e-12, atol=1e-14)
-        expected = before - lr * model.mix.w.grad / (S + damping)
+        _quiet(lambda batch=batch: _step(model, opt, batch))
+        expected = before - lr * model.mix.w.grad / (diag + damping)
         torch.testing.assert_close(model.mix.w.detach(), expected, rtol=1e-12, atol=1e-14)
-    assert torch.equal(opt.state[model.mix.w]["curvature"][0].reshape(4, 4), S)
+    written = getattr(model.mix.w, "kflr_diagonal" if optimizer is KFAC else "ekfac_diagonal")
+    assert torch.equal(opt.state[model.mix.w]["fallback_diagonal"], written)
+
+
+@pytest.mark.parametrize("optimizer", [KFAC, EKFAC])
+def test_monte_carlo_fallback_diagonal_is_diag_ggn_newton_mc_on_the_same_draw(optimizer):
+    """The default ``curvature="kfac"``: the Monte-Carlo GGN diagonal of the sampled columns
+    the factors come from, ``DiagGGNNewton(curvature="mc")``'s step on the same draw (the
+    first step: after it the other parameters differ)."""
+    model, other = _net(), _net()
+    opt = _quiet(lambda: optimizer(model.parameters(), 0.1, 1e-2, kl_clip=None))
+    diag = DiagGGNNewton(other.parameters(), 0.1, 1e-2, "mc", kl_clip=None)
+    torch.manual_seed(5)
+    _quiet(lambda: _step(model, opt, _batch(1)))
+    torch.manual_seed(5)
+    _step(other, diag, _batch(1))
+    torch.testing.assert_close(model.mix.w, other.mix.w, rtol=1e-12, atol=1e-14)
+    assert not torch.equal(model.mix.w, _net().mix.w)
 
 
 def test_kfac_fallback_diagonal_is_the_diag_ggn_newton_step():

@@ -231,6 +231,14 @@ class EKFAC(_MonteCarlo):
 
     ``samples=K``: the fresh bases from the factors of the first ``K`` samples (as
     :class:`KFAC`'s ``samples``); ``S`` is still that of the whole batch.
+
+    A module that mixes samples (BatchNorm in training mode) leaves no per-sample gradients:
+    there ``S = Σ_k (Q_0ᵀ Ĝ_k Q_1)²`` with ``Ĝ_k`` the batch gradient of the ``k``-th of the
+    ``mc_samples`` sampled columns (the columns the bases come from, supplied bases or fresh),
+    unscaled, so that ``E[S] = diag(Qᵀ G Q)`` for fixed bases: the GGN's diagonal in the basis,
+    not the empirical Fisher's (``engine.reducer``); ``factors="kflr"`` raises there.
+    ``collect(skip_unsupported="diagonal")`` writes ``p.ekfac_diagonal`` for a parameter without
+    factors: the GGN diagonal of the same columns (Monte-Carlo, or exact for ``"kflr"``).
     """
 
     quantity = Quantity("ekfac", Kind.EIGEN_CORRECTED, Combine.SAME_BASIS, Producer.EIGEN_CORRECTED)

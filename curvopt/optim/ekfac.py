@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from curvopt.optim.eigen_corrected import as_rows, eigen_corrected_quadratic
 from curvopt.engine import values
-from curvopt.optim.collecting import skip_options
+from curvopt.optim.fallback import DiagonalFallback
 from curvopt.optim.inverses import EigenCorrectedInverse
 from curvopt.optim.newton import NewtonOptimizer
 from curvopt.optim.one_sided import is_one_sided, kept, next_bases, supplied
@@ -36,9 +36,6 @@ from curvopt.optim.options import (
 
 #: the factors' curvatures, by the attribute their extension writes
 _FACTORS = ("kfac", "kflr")
-
-#: a parameter's state key: it has no Kronecker factors (``fallback='diagonal'``: identity basis)
-_NO_FACTORS = "no_factors"
 
 
 @dataclass(frozen=True)
@@ -70,7 +67,7 @@ class EKFACOptions(NewtonOptions):
             )
 
 
-class EKFAC(NewtonOptimizer):
+class EKFAC(DiagonalFallback, NewtonOptimizer):
     """``θ ← θ − lr · (Q diag(S) Qᵀ + (λ + δ) I)⁻¹ (∇L + δ θ)``, ``Q`` the eigenbasis of the
     Kronecker factors ``p.<curvature>``, ``S`` the corrected eigenvalues.
 
@@ -85,6 +82,9 @@ class EKFAC(NewtonOptimizer):
     parameter: with weight sharing (convolutions, sequences) ``G_n`` is
     the per-sample gradient summed over the shared positions, so ``S`` is the diagonal of the
     *per-sample* empirical Fisher in the basis (the basis itself is KFAC's approximation).
+    With BatchNorm in training mode (per-sample gradients do not exist) ``S`` is the unbiased
+    Monte-Carlo estimate of ``diag(Qᵀ G Q)`` from the sampled columns' batch gradients
+    (``curvature="kfac"`` only; see ``curvopt.extensions.EKFAC``).
 
     Cost of ``S`` per curvature step (extension ``EKFAC``): a dense layer without weight
     sharing rotates its inputs and output gradients (``N (out² + in²)`` flops) and never forms
@@ -112,12 +112,13 @@ class EKFAC(NewtonOptimizer):
             its factor is never eigendecomposed), the other side's basis comes from the factors
             of a basis step and is used from the next step on.
         fallback: for parameters without Kronecker factors (a ViT's class token and position
-            embeddings, a weight used non-linearly): ``"diagonal"`` (default: ``S`` in the
-            identity basis, ``D Σ_n g_n²``, the diagonal of the empirical Fisher on the GGN's
-            scale, so the step is ``g / (S + λ + δ)``; on the step that finds the parameter
-            without factors, the plain gradient), ``"sgd"`` (the plain gradient) or ``None``
-            (raise, naming them); see :mod:`curvopt.optim.fallback`. The first step that
-            preconditions such parameters warns once, naming them.
+            embeddings, a weight used non-linearly): ``"diagonal"`` (default: the damped
+            diagonal Newton step ``g / (c + λ + δ)`` with ``c`` the GGN diagonal of the
+            columns the bases come from, ``p.ekfac_diagonal``: Monte-Carlo for
+            ``curvature="kfac"``, exact for ``"kflr"``; ``KFAC``'s and ``DiagGGNNewton``'s step,
+            from the first step on), ``"sgd"`` (the plain gradient) or ``None`` (raise, naming
+            them); see :mod:`curvopt.optim.fallback`. The first step that preconditions such
+            parameters warns once, naming them.
         momentum, curvature_interval, kl_clip: see :class:`~curvopt.optim.KFAC`
             and :mod:`curvopt.optim.newton`. ``curvature_ema`` is not supported (``S`` of an
             old basis cannot be averaged with one of a new basis).
@@ -128,11 +129,6 @@ class EKFAC(NewtonOptimizer):
     Options = EKFACOptions
 
     # ----------------------------------------------------------------- what to collect
-    def _collect_options(self):
-        # the diagonal of a parameter without factors is its S in the identity basis, which the
-        # EKFAC extension itself gives from the next pass on (``_supplied``): skipping suffices
-        return skip_options(self.param_groups, diagonal=False)
-
     def _extension(self, group):
         options = {"factors": group["curvature"], "mc_samples": group["mc_samples"]}
         options["kfac_approx"] = group["kfac_approx"]
@@ -143,14 +139,12 @@ class EKFAC(NewtonOptimizer):
 
     def _supplied(self, param):
         """The bases the next pass uses for ``param``: its current ones, or ``None`` (fresh)
-        on its group's basis steps and before it has any; for a one-sided parameter always
-        supplied (``one_sided.supplied``); ``[]`` (the identity) for one without Kronecker
-        factors under ``fallback='diagonal'``."""
+        on its group's basis steps and before it has any (a parameter without Kronecker
+        factors: always, so that the pass writes its fallback diagonal); for a one-sided
+        parameter always supplied (``one_sided.supplied``)."""
         state = self.state.get(param, {})
         for group, group_state in zip(self.param_groups, self._group_state):
             if any(p is param for p in group["params"]):
-                if state.get(_NO_FACTORS) and group["fallback"] == "diagonal":
-                    return []
                 if is_one_sided(param, group["max_basis_dim"]):
                     return supplied(param, state.get("bases_next"))
                 old = state.get("curvature")
@@ -192,30 +186,13 @@ class EKFAC(NewtonOptimizer):
         update.state["bases_next"] = pending
         return curvature
 
-    def _fallback_available(self, update, group):
-        """``fallback='diagonal'``: for a parameter the passes left without factors (named in
-        the collection's ``skipped``) or one known to have none."""
-        if group["fallback"] != "diagonal" or self.state.get(update.param, {}).get(_NO_FACTORS):
-            return super()._fallback_available(update, group)
-        name = getattr(update.param, "_curvopt_path", None)
-        return name is not None and name in self._skipped()
-
     # ----------------------------------------------------------------- the step
     def _direction(self, item, step):
         inverse = EigenCorrectedInverse.build(item.curvature, step.damping)
-        kept = {_NO_FACTORS: True} if item.state.get(_NO_FACTORS) else {}
         if not is_one_sided(item.update.param, step.group["max_basis_dim"]):
-            return inverse.apply_one(item.grad), kept
+            return inverse.apply_one(item.grad), {}
         pending = item.update.state.get("bases_next", item.state.get("bases_next"))
-        return inverse.apply_one(item.grad), {**kept, "bases_next": pending}
-
-    def _fallback_direction(self, item, step):
-        """``fallback='diagonal'``: the plain gradient on the step that finds the parameter
-        without factors, which is then marked (``_NO_FACTORS``) so that the next passes give
-        its ``S`` in the identity basis (``_supplied``); ``'sgd'``: the plain gradient."""
-        if step.group["fallback"] != "diagonal":
-            return super()._fallback_direction(item, step)
-        return item.grad, {_NO_FACTORS: True}
+        return inverse.apply_one(item.grad), {"bases_next": pending}
 
     def _quadratic(self, curvature, step):
         correction, bases = curvature[0], curvature[1:]

@@ -8,16 +8,13 @@ factors instead of raising, and step them as the ``fallback`` says:
 
 * ``"diagonal"`` (the default): the damped diagonal Newton step ``d = g / (c + λ + δ)`` of
   ``DiagGGNNewton``, ``c`` the diagonal of the optimizer's own curvature, with the same ``λ``
-  as the Kronecker blocks: the same scale as every other parameter's step.
-
-  - ``KFAC``: ``skip_unsupported="diagonal"`` writes ``p.kfac_diagonal`` (the Monte-Carlo GGN
-    diagonal from the sampled columns KFAC propagates anyway) or ``p.kflr_diagonal`` (the exact
-    one), :func:`fallback_diagonal`.
-  - ``EKFAC``: its own eigenvalue correction in the identity basis (``EKFAC(bases=[])``):
-    ``c = vec S = D Σ_n g_n²``, the diagonal of the empirical Fisher on the GGN's scale, whose
-    diagonal in the Kronecker eigenbasis EKFAC takes for every other parameter. The pass that
-    finds the parameter without factors has chosen its bases already, so on that one step it
-    takes the plain gradient (as ``"sgd"``); from the next pass on ``S`` is collected for it.
+  as the Kronecker blocks: the same scale as every other parameter's step, from the first
+  step on. ``skip_unsupported="diagonal"`` writes it, the diagonal the extension declares as
+  its ``fallback`` (:class:`DiagonalFallback`, :func:`fallback_diagonal`), from the columns
+  the optimizer propagates anyway: ``p.kfac_diagonal`` (Monte-Carlo) or ``p.kflr_diagonal``
+  (exact) for ``KFAC``, ``p.ekfac_diagonal`` for ``EKFAC`` (that of the factors its bases come
+  from: ``curvature="kfac"`` Monte-Carlo, ``"kflr"`` exact), so that ``EKFAC``'s fallback step
+  is ``KFAC``'s and ``DiagGGNNewton``'s. ``KFRA`` declares none: its parameters only skip.
 
   Between curvature updates (``curvature_interval > 1``) the last diagonal is reused.
 * ``"sgd"``: the plain (weight-decayed) gradient, ``d = g``; no extra work.
@@ -28,10 +25,9 @@ Why ``"diagonal"`` by default: with ``lr`` and ``damping`` chosen for Kronecker 
 (``(C + λ)⁻¹ g``, up to ``1/λ = 1000`` times ``g`` where the curvature is small) the plain
 gradient is on another scale, far smaller, so such a parameter would barely train; the
 diagonal step is on the blocks' scale at the cost of one more pass of the columns through the
-owning module (``KFAC``) or of the parameter's own per-sample gradients (``EKFAC``), for these
-parameters alone. On two tiny ViTs (issue 21) ``"sgd"`` trained about as well; an Adam-style
-``d = g / (√v̂ + ε)`` stalled or diverged at KFAC's learning rates (its step per entry
-ignores the curvature scale) and was dropped.
+owning module, for these parameters alone. On two tiny ViTs (issue 21) ``"sgd"`` trained about
+as well; an Adam-style ``d = g / (√v̂ + ε)`` stalled or diverged at KFAC's learning rates (its
+step per entry ignores the curvature scale) and was dropped.
 
 Announced once: the first step that preconditions a parameter by its fallback warns, naming
 the parameters (each optimizer names a parameter once, :func:`announce`); the collection's
@@ -43,8 +39,38 @@ from __future__ import annotations
 
 import warnings
 
+from curvopt import extensions
 from curvopt.engine import values
+from curvopt.optim.collecting import skip_options
 from curvopt.optim.diagonal import diag_precondition
+
+
+class DiagonalFallback:
+    """``fallback='diagonal'`` of a Kronecker optimizer (a ``NewtonOptimizer`` subclass: this
+    class first in its bases): the collection writes the diagonal the extension of each group
+    declares (``writer.fallback``) for the parameters without factors, and the step
+    preconditions them by it (:func:`fallback_diagonal`); other fallbacks as the optimizer's
+    base class has them."""
+
+    def _collect_options(self):
+        # an extension without a declared diagonal (KFRA) skips its parameters only
+        diagonal = any(
+            getattr(extensions.writer(self._extension(g)[0]), "fallback", None) is not None
+            for g in self.param_groups
+        )
+        return skip_options(self.param_groups, diagonal)
+
+    def _fallback_available(self, update, group):
+        if group["fallback"] != "diagonal":
+            return super()._fallback_available(update, group)
+        writer = extensions.writer(self._extension(group)[0])
+        return has_diagonal(update.param, self.state.get(update.param, {}), writer)
+
+    def _fallback_direction(self, item, step):
+        if step.group["fallback"] != "diagonal":
+            return super()._fallback_direction(item, step)
+        writer = extensions.writer(self._extension(step.group)[0])
+        return fallback_diagonal(self, item.update, item.grad, item.state, writer, step.damping)
 
 
 def fallback_diagonal(optimizer, update, grad, state, writer, damping):
