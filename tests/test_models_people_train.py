@@ -21,10 +21,6 @@ ones (float32, seed 0, one thread), so a model that does not learn fails: measur
 (KFAC, EKFAC, DiagGGNNewton) ResNet 0.32, -, 0.37; encoders 0.42-0.44, 0.28-0.30, 0.31;
 nn.Transformer 0.62-0.64 (40 steps); ViT < 0.01; LoRA 0.61, 0.60, 0.59 (40 steps). AdamW at
 ``lr=1e-2`` on the same batches: 0.41, 0.25-0.27, 0.73 (30 steps), 0.01, 0.67.
-
-EKFAC on BatchNorm in training mode raises ``UnsupportedModuleError`` today (its eigenvalue
-correction needs per-sample gradients, which BatchNorm's batch statistics do not define): that
-case is a strict ``xfail``, so it flips when it is implemented.
 """
 
 from __future__ import annotations
@@ -38,7 +34,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import curvopt
-from curvopt.errors import UnsupportedModuleError
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' deprecations
 
@@ -229,22 +224,7 @@ def train(name, optimizer):
     return losses, model
 
 
-CASES = [
-    pytest.param(
-        name,
-        opt,
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=UnsupportedModuleError,
-            reason="EKFAC on BatchNorm in training mode raises (its eigenvalue correction "
-            "needs per-sample gradients); flips when implemented",
-        ),
-    )
-    if (name, opt) == ("resnet", "EKFAC")
-    else (name, opt)
-    for name in MODELS
-    for opt in ("KFAC", "EKFAC", "DiagGGNNewton")
-]
+CASES = [(name, opt) for name in MODELS for opt in ("KFAC", "EKFAC", "DiagGGNNewton")]
 
 
 @pytest.mark.parametrize("name, optimizer", CASES)

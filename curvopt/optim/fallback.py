@@ -41,24 +41,15 @@ import warnings
 
 from curvopt import extensions
 from curvopt.engine import values
-from curvopt.optim.collecting import skip_options
 from curvopt.optim.diagonal import diag_precondition
 
 
 class DiagonalFallback:
     """``fallback='diagonal'`` of a Kronecker optimizer (a ``NewtonOptimizer`` subclass: this
     class first in its bases): the collection writes the diagonal the extension of each group
-    declares (``writer.fallback``) for the parameters without factors, and the step
-    preconditions them by it (:func:`fallback_diagonal`); other fallbacks as the optimizer's
-    base class has them."""
-
-    def _collect_options(self):
-        # an extension without a declared diagonal (KFRA) skips its parameters only
-        diagonal = any(
-            getattr(extensions.writer(self._extension(g)[0]), "fallback", None) is not None
-            for g in self.param_groups
-        )
-        return skip_options(self.param_groups, diagonal)
+    declares (``writer.fallback``) for the parameters without factors
+    (``NewtonOptimizer._collect_options``), and the step preconditions them by it
+    (:func:`fallback_diagonal`); other fallbacks as the optimizer's base class has them."""
 
     def _fallback_available(self, update, group):
         if group["fallback"] != "diagonal":

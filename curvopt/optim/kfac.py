@@ -8,10 +8,8 @@ import weakref
 
 import torch
 
-from curvopt import extensions
 from curvopt.engine.reductions import dense
-from curvopt.optim.collecting import skip_options
-from curvopt.optim.fallback import fallback_diagonal, has_diagonal
+from curvopt.optim.fallback import DiagonalFallback
 from curvopt.optim.gradient_factors import FactorCapture, factored_cheaper, reproduces
 from curvopt.optim.kron_exact import kron_quadratic
 from curvopt.optim.kronecker import InverseOptions, KroneckerInverse, as_matrix
@@ -59,7 +57,7 @@ class KFACOptions(NewtonOptions):
             )
 
 
-class KFAC(NewtonOptimizer):
+class KFAC(DiagonalFallback, NewtonOptimizer):
     """``θ ← θ − lr · (B ⊗ A + (λ + δ) I)⁻¹ (∇L + δ θ)`` with factors ``p.<curvature>``.
 
     The gradient of a weight ``[out, in, *k]`` is handled as ``G = grad.reshape(out, -1)``;
@@ -114,23 +112,6 @@ class KFAC(NewtonOptimizer):
     """
 
     Options = KFACOptions
-
-    def _collect_options(self):
-        # KFRA declares no diagonal for parameters without factors: those only skip
-        diagonal = any(g["curvature"] != "kfra" for g in self.param_groups)
-        return skip_options(self.param_groups, diagonal)
-
-    def _fallback_available(self, update, group):
-        if group["fallback"] != "diagonal":
-            return super()._fallback_available(update, group)
-        writer = extensions.writer(self._extension(group)[0])
-        return has_diagonal(update.param, self.state.get(update.param, {}), writer)
-
-    def _fallback_direction(self, item, step):
-        if step.group["fallback"] != "diagonal":
-            return super()._fallback_direction(item, step)
-        writer = extensions.writer(self._extension(step.group)[0])
-        return fallback_diagonal(self, item.update, item.grad, item.state, writer, step.damping)
 
     def _extension(self, group):
         options = {"mc_samples": group["mc_samples"]}

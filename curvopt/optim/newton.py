@@ -55,6 +55,7 @@ from curvopt import extensions
 from curvopt.engine import values
 from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, ParamUpdate
 from curvopt.optim.plan import number
+from curvopt.optim.collecting import skip_options
 from curvopt.optim.damping import as_damping, reduction_ratio
 from curvopt.optim.fallback import announce
 from curvopt.optim.stages import (
@@ -170,6 +171,16 @@ class NewtonOptimizer(CurvatureOptimizer):
         """The extension giving the curvature of ``group``: ``(the attribute it writes,
         options)``."""
         raise NotImplementedError
+
+    def _collect_options(self) -> dict[str, Any]:
+        """The collection skips the parameters without Kronecker factors where a group has a
+        ``fallback``, writing their diagonal where the group's extension declares one
+        (``writer.fallback``; KFRA's does not) and the group asks for ``"diagonal"``."""
+        diagonal = any(
+            getattr(extensions.writer(self._extension(g)[0]), "fallback", None) is not None
+            for g in self.param_groups
+        )
+        return skip_options(self.param_groups, diagonal)
 
     def _check_curvature(self, curvature: Any, param: torch.Tensor) -> None:
         """Raise ``ValueError`` if ``curvature`` does not fit ``param``."""
