@@ -38,8 +38,9 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
     weights): they get no ``kfac``/``kflr`` attribute, their names are listed in
     ``self.skipped`` (name -> reason) and a warning names them. ``skip_unsupported="diagonal"``
     writes for them the diagonal of the same curvature instead, ``p.kfac_diagonal`` /
-    ``p.kflr_diagonal`` (``p.shape``, from the same propagated columns: the Monte-Carlo GGN
-    diagonal for ``KFAC``, the exact one for ``KFLR``). Without the opt-in such a parameter
+    ``p.kflr_diagonal`` / ``p.ekfac_diagonal`` (``p.shape``, from the same propagated columns:
+    the Monte-Carlo GGN diagonal for ``KFAC``, the exact one for ``KFLR``, that of the columns
+    ``EKFAC``'s bases come from). Without the opt-in such a parameter
     raises, naming it and this option.
 
     Args:

@@ -14,7 +14,7 @@ inputs and output gradients in the module hooks that follow (``reducer``). The K
 factors from each chunk of columns: ``kron_pass`` (the input side once per pass; from a
 sub-batch, ``KFAC(samples=K)``: the propagated columns and inputs of the first ``K`` samples).
 
-Coupled passes (a module that mixes samples, BatchNorm with batch statistics: ``rows.mixes``):
+Coupled passes (a module that mixes samples, BatchNorm with batch statistics: ``layers.mixes``):
 the curvature is that of the loss as computed, ``G = Jᵀ H J`` with ``J`` the Jacobian of the
 whole batch's outputs, which couples samples. The Monte-Carlo columns ``s`` (``E[s sᵀ] = H``,
 independent across samples) propagate through the coupled graph as they are, giving
@@ -52,12 +52,12 @@ from curvopt.extensions.quantity import Producer
 from curvopt.engine.hessian import residuals
 from curvopt.engine.kfra import kfra
 from curvopt.engine.loss_context import LossContext
-from curvopt.layers import rule_for
+from curvopt.layers import mixes, mixing, rule_for
 from curvopt.losses import loss_rule_for
 from curvopt.engine.kron_pass import FactorStream
 from curvopt.engine.params import trainable
 from curvopt.engine.propagate import loss_gradient, to_calls
-from curvopt.engine.rows import establish, mixes, mixing
+from curvopt.engine.rows import establish
 
 #: bound on the elements of propagated columns held at once (all module outputs together):
 #: a memory budget (32 MB in float32); chunks are exact, and they cost no time (autograd's

@@ -11,12 +11,11 @@ from collections import defaultdict
 
 import torch
 
-from curvopt.layers import rule_for
+from curvopt.layers import mixes, rule_for
 from curvopt.engine.params import owned, trainable
 from curvopt.engine.calls import Call
 from curvopt.engine.reductions import sum_of_squares
 from curvopt.engine.results import Term
-from curvopt.engine.rows import mixes
 from curvopt.extensions.quantity import Producer
 
 #: bound on the elements of per-(column, sample) parameter gradients held at once

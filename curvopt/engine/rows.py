@@ -35,7 +35,7 @@ import torch
 
 from curvopt.errors import UnsupportedModuleError, module_error
 from curvopt.engine.graph_plan import add_layout
-from curvopt.layers import rule_for
+from curvopt.layers import mixing, rule_for
 from curvopt.engine.propagate import to_calls
 
 #: probe columns per propagation: the probes' memory
@@ -216,16 +216,6 @@ def establish(
             "rows flattened from [N, T, C] or [T, N, C]"
         )
     return found[3]
-
-
-def mixes(module) -> bool:
-    """Whether the rule of ``module`` says it ``mixes_samples`` (batch statistics)."""
-    return bool(getattr(rule_for(module), "mixes_samples", lambda module: False)(module))
-
-
-def mixing(calls):
-    """The first call whose module :func:`mixes` samples, or None."""
-    return next((record for record in calls if mixes(record.module)), None)
 
 
 def _shaped(shape, calls) -> RowLayout:

@@ -8,9 +8,9 @@ module that defines a ``LayerRule`` subclass decorated with ``@register(TheModul
 import importlib
 import pkgutil
 
-from curvopt.layers.registry import LayerRule, register, register_name, rule_for
+from curvopt.layers.registry import LayerRule, mixes, mixing, register, register_name, rule_for
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["LayerRule", "register", "register_name", "rule_for"]
+__all__ = ["LayerRule", "mixes", "mixing", "register", "register_name", "rule_for"]

@@ -105,7 +105,8 @@ class BatchNormRule(_AffineNormRule):
                 "track_running_stats=False), which mixes samples, so per-sample quantities do not "
                 "exist there. Call model.eval() (running statistics), use GroupNorm/LayerNorm, or "
                 "use a Monte-Carlo curvature, which is defined with batch statistics "
-                "(DiagGGNMC, KFAC; optim.KFAC(curvature='kfac'), DiagGGNNewton(curvature='mc'))"
+                "(DiagGGNMC, KFAC, EKFAC; optim.KFAC, optim.EKFAC with curvature='kfac', "
+                "DiagGGNNewton(curvature='mc'))"
             )
         return None
 

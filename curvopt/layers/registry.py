@@ -106,6 +106,17 @@ def rule_for(module: nn.Module) -> "LayerRule":
     return _FALLBACK[0]
 
 
+def mixes(module: nn.Module) -> bool:
+    """Whether ``module``'s rule says it mixes samples (:meth:`LayerRule.mixes_samples`)."""
+    return rule_for(module).mixes_samples(module)
+
+
+def mixing(calls):
+    """The first of ``calls`` (module calls: anything with a ``module``) whose module
+    :func:`mixes` samples, or None."""
+    return next((call for call in calls if mixes(call.module)), None)
+
+
 class LayerRule:
     """Per-module rule for first-order quantities.
 
@@ -142,6 +153,11 @@ class LayerRule:
     def output_batch_dims(self, module: nn.Module, count: int) -> List[int]:
         """The dim indexing samples in each of the module's ``count`` tensor outputs."""
         return [self.batch_dim(module)] * count
+
+    def mixes_samples(self, module: nn.Module) -> bool:
+        """Whether the module's output for one sample depends on the others (batch statistics):
+        a pass through it is coupled (``engine.curvature``), with no per-sample quantities."""
+        return False
 
     def draws_random(self, module: nn.Module) -> bool:
         """Whether the module's forward draws random numbers now (read before each forward of a
