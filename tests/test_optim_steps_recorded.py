@@ -1,8 +1,11 @@
 """Every optimizer and preset takes the steps it took when ``tests/data/optim_steps.pt`` was
 recorded (re-recorded after the cached inverses and the compressed Woodbury basis, which moved three
 cases by rounding: 1e-16 in float64, 6e-8 in float32; after the factored step of dense layers,
-which moved the float32 case by 6e-8; and on an Intel Xeon, whose BLAS rounds 16 cases
-differently from the AMD EPYC that recorded them before, by at most 1.1e-16).
+which moved the float32 case by 6e-8; on an Intel Xeon, whose BLAS rounds 16 cases
+differently from the AMD EPYC that recorded them before, by at most 1.1e-16; and on another Xeon
+of the same model name, whose BLAS rounds two cases differently, by 3e-8 in float32 and 3e-17:
+the machine is named by the processor's family, model and stepping too, and the file holds the
+steps of the code before that change, which the code after it takes bit for bit).
 
 Each case trains a small model for a few steps on changing batches and keeps the parameters
 after every step. On the machine (torch build, CPU capability and model) that recorded the file
@@ -207,13 +210,17 @@ def trajectory(name: str) -> torch.Tensor:
 
 
 def _cpu_model() -> str:
-    """The processor's model name (the same torch build rounds differently on other CPUs)."""
+    """The processor's model name, family, model and stepping (the same torch build rounds
+    differently on other CPUs, also on two sold under one model name)."""
     cpuinfo = pathlib.Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor()
+    if not cpuinfo.exists():
+        return platform.processor()
+    fields = {}
+    for line in cpuinfo.read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    numbers = ", ".join(f"{k} {fields.get(k, '?')}" for k in ("cpu family", "model", "stepping"))
+    return f"{fields.get('model name', platform.processor())} ({numbers})"
 
 
 def _machine() -> str:
