@@ -49,7 +49,18 @@ ttr: $(EXTRAS)  ## time-to-result benchmark (hours on one core), cost per step, 
 	OMP_NUM_THREADS=1 $(PY) -m experiments ttr_cost --from experiments/results/ttr
 	$(PY) -m paper_figs ttr experiments/results/ttr experiments/results/ttr
 
-test: $(EXTRAS)  ## the unit tests (with the extras, so that no comparison is skipped)
+# Debian's chromium, for the documentation site's headless-browser test (which skips without it):
+# installed with apt-get where the machine has it and make runs as root.
+BROWSER := $(VENV)/.browser
+$(BROWSER): $(STAMP)
+	@if ! command -v chromium >/dev/null; then \
+	    if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	        apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1 || \
+	        { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium; }; \
+	    else echo "chromium is not installed: the headless-browser test skips"; fi; fi
+	touch $(BROWSER)
+
+test: $(EXTRAS) $(BROWSER)  ## the unit tests (with the extras, so that no comparison is skipped)
 	OMP_NUM_THREADS=2 $(PY) -m pytest tests
 
 bench: $(STAMP)  ## overhead benchmarks (pytest-benchmark) and the ratio table
