@@ -57,13 +57,63 @@ def _check_approx(name, kfac_approx):
 
 
 class DiagGGNExact(_Curvature):
-    """``p.diag_ggn_exact``: ``diag(G)`` for ``p`` (shape of ``p``)."""
+    """Exact diagonal of the generalized Gauss-Newton matrix: ``p.diag_ggn_exact``, ``p.shape``.
+
+    ``G = Σ_n J_nᵀ H_n J_n`` (``J_n`` the Jacobian of the model output of sample ``n``
+    w.r.t. the parameters, ``H_n`` the Hessian of the loss w.r.t. that output); the
+    attribute is the entries of ``diag(G)`` belonging to ``p``, reshaped like ``p``.
+    Scaling: ``G`` is that of the loss as computed, so with ``reduction="mean"`` it carries the
+    loss's ``1/D`` (``D = N`` for an ``[N, C]`` cross-entropy input; see
+    ``docs/conventions.md``) and is the average over samples; with ``"sum"`` it is the sum.
+    Micro-batches add.
+
+    Takes no arguments.
+
+    Raises:
+        MissingLossError: the backward pass did not come from a loss curvopt can read
+            (an extended loss module or a supported functional loss).
+
+    Example:
+        >>> import torch, curvopt
+        >>> from curvopt import extensions as ext
+        >>> _ = torch.manual_seed(0)
+        >>> model = curvopt.extend(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+        >>> lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())  # reduction="mean"
+        >>> X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+        >>> with curvopt.collect(ext.DiagGGNExact(), ext.BatchDiagGGNExact()):
+        ...     lossfunc(model(X), y).backward()
+        >>> w = model[0].weight
+        >>> w.diag_ggn_exact.shape
+        torch.Size([2, 3])
+        >>> torch.allclose(w.diag_ggn_exact_batch.sum(0), w.diag_ggn_exact)
+        True
+    """
 
     quantity = Quantity("diag_ggn_exact", Kind.SUMMED, Combine.ADD, Producer.GGN_DIAGONAL)
 
 
 class BatchDiagGGNExact(_Curvature):
-    """``p.diag_ggn_exact_batch``: per-sample terms ``diag(J_n^T H_n J_n)``, ``[N, *p.shape]``."""
+    """Per-sample terms of the exact GGN diagonal: ``p.diag_ggn_exact_batch``, ``[N, *p.shape]``.
+
+    Row ``n`` is ``diag(J_nᵀ H_n J_n)`` for ``p``, sample ``n``'s term of ``diag(G)``; the
+    rows sum to :class:`DiagGGNExact`'s ``p.diag_ggn_exact``, and carry the same ``1/D`` under
+    ``reduction="mean"``. Not defined where a module mixes samples (BatchNorm in training
+    mode): raises there. Micro-batches concatenate.
+
+    Takes no arguments.
+
+    Example:
+        >>> import torch, curvopt
+        >>> from curvopt import extensions as ext
+        >>> _ = torch.manual_seed(0)
+        >>> model = curvopt.extend(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+        >>> lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())  # reduction="mean"
+        >>> X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+        >>> with curvopt.collect(ext.BatchDiagGGNExact()):
+        ...     lossfunc(model(X), y).backward()
+        >>> model[0].weight.diag_ggn_exact_batch.shape
+        torch.Size([4, 2, 3])
+    """
 
     quantity = Quantity(
         "diag_ggn_exact_batch", Kind.PER_SAMPLE, Combine.CONCATENATE, Producer.GGN_DIAGONAL
@@ -71,13 +121,66 @@ class BatchDiagGGNExact(_Curvature):
 
 
 class DiagGGNMC(_MonteCarlo):
-    """``p.diag_ggn_mc``: unbiased Monte-Carlo estimate of ``diag(G)`` (shape of ``p``)."""
+    """Monte-Carlo estimate of the GGN diagonal: ``p.diag_ggn_mc``, shape ``p.shape``.
+
+    ``H_n`` is replaced by ``(1/M) Σ_m s_nm s_nmᵀ`` with ``s_nm`` the gradient of the loss
+    w.r.t. the output at a target drawn from the model's predictive distribution, so that
+    ``E[s sᵀ] = H_n`` and ``E[diag_ggn_mc] = diag(G)`` (unbiased); one column per draw
+    instead of the ``C`` columns of the exact square root. Scaling: ``G`` is that of the loss as computed, so with ``reduction="mean"`` it carries the
+    loss's ``1/D`` (``D = N`` for an ``[N, C]`` cross-entropy input; see
+    ``docs/conventions.md``) and is the average over samples; with ``"sum"`` it is the sum.
+
+    Args:
+        mc_samples: the number ``M ≥ 1`` of targets drawn per loss row from the model's
+            predictive distribution (torch's global generator: ``torch.manual_seed`` makes
+            the draw reproducible); the estimate averages over them. Default 1.
+
+    Raises:
+        ValueError: ``mc_samples`` is not a positive int.
+
+    Example:
+        >>> import torch, curvopt
+        >>> from curvopt import extensions as ext
+        >>> _ = torch.manual_seed(0)
+        >>> model = curvopt.extend(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+        >>> lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())  # reduction="mean"
+        >>> X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+        >>> with curvopt.collect(ext.DiagGGNMC(mc_samples=2)):
+        ...     lossfunc(model(X), y).backward()
+        >>> model[0].weight.diag_ggn_mc.shape
+        torch.Size([2, 3])
+    """
 
     quantity = Quantity("diag_ggn_mc", Kind.SUMMED, Combine.ADD, Producer.GGN_DIAGONAL)
 
 
 class BatchDiagGGNMC(_MonteCarlo):
-    """``p.diag_ggn_mc_batch``: per-sample terms of ``diag_ggn_mc``, ``[N, *p.shape]``."""
+    """Per-sample terms of the Monte-Carlo GGN diagonal: ``p.diag_ggn_mc_batch``, ``[N, *p.shape]``.
+
+    Row ``n`` is sample ``n``'s term of :class:`DiagGGNMC`'s estimate; the rows sum to
+    ``p.diag_ggn_mc`` of the same draw, and carry the same ``1/D`` under
+    ``reduction="mean"``. Not defined where a module mixes samples (raises there).
+
+    Args:
+        mc_samples: the number ``M ≥ 1`` of targets drawn per loss row from the model's
+            predictive distribution (torch's global generator: ``torch.manual_seed`` makes
+            the draw reproducible); the estimate averages over them. Default 1.
+
+    Raises:
+        ValueError: ``mc_samples`` is not a positive int.
+
+    Example:
+        >>> import torch, curvopt
+        >>> from curvopt import extensions as ext
+        >>> _ = torch.manual_seed(0)
+        >>> model = curvopt.extend(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+        >>> lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())  # reduction="mean"
+        >>> X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+        >>> with curvopt.collect(ext.BatchDiagGGNMC()):
+        ...     lossfunc(model(X), y).backward()
+        >>> model[0].weight.diag_ggn_mc_batch.shape
+        torch.Size([4, 2, 3])
+    """
 
     quantity = Quantity(
         "diag_ggn_mc_batch", Kind.PER_SAMPLE, Combine.CONCATENATE, Producer.GGN_DIAGONAL
@@ -85,13 +188,63 @@ class BatchDiagGGNMC(_MonteCarlo):
 
 
 class DiagHessian(_Curvature):
-    """``p.diag_h``: ``diag(H)``, the GGN diagonal plus the curvature of nonlinearities."""
+    """Exact diagonal of the Hessian of the loss: ``p.diag_h``, shape ``p.shape``.
+
+    ``diag(H)`` for ``p``: the GGN diagonal plus the terms of the second derivatives of
+    curved nonlinearities (``tanh``, ``sigmoid``, ...), exact. Scaling: ``G`` is that of the loss as computed, so with ``reduction="mean"`` it carries the
+    loss's ``1/D`` (``D = N`` for an ``[N, C]`` cross-entropy input; see
+    ``docs/conventions.md``) and is the average over samples; with ``"sum"`` it is the sum.
+    Micro-batches add.
+
+    Takes no arguments.
+
+    Raises:
+        UnsupportedModuleError: a module whose second derivatives curvopt does not know.
+
+    Example:
+        >>> import torch, curvopt
+        >>> from curvopt import extensions as ext
+        >>> _ = torch.manual_seed(0)
+        >>> model = curvopt.extend(
+        ...     torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+        ... )
+        >>> lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())
+        >>> X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+        >>> with curvopt.collect(ext.DiagHessian(), ext.DiagGGNExact()):
+        ...     lossfunc(model(X), y).backward()
+        >>> model[0].weight.diag_h.shape
+        torch.Size([4, 3])
+        >>> torch.allclose(model[2].weight.diag_h, model[2].weight.diag_ggn_exact)  # last layer
+        True
+    """
 
     quantity = Quantity("diag_h", Kind.SUMMED, Combine.ADD, Producer.HESSIAN_DIAGONAL)
 
 
 class BatchDiagHessian(_Curvature):
-    """``p.diag_h_batch``: per-sample terms of ``diag_h``, ``[N, *p.shape]``."""
+    """Per-sample terms of the Hessian diagonal: ``p.diag_h_batch``, ``[N, *p.shape]``.
+
+    Row ``n`` is sample ``n``'s term of :class:`DiagHessian`'s ``diag(H)``; the rows sum to
+    ``p.diag_h`` and carry the same ``1/D`` under ``reduction="mean"``. Not defined where a
+    module mixes samples (raises there).
+
+    Takes no arguments.
+
+    Example:
+        >>> import torch, curvopt
+        >>> from curvopt import extensions as ext
+        >>> _ = torch.manual_seed(0)
+        >>> model = curvopt.extend(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+        >>> lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())  # reduction="mean"
+        >>> X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+        >>> with curvopt.collect(ext.BatchDiagHessian(), ext.DiagHessian()):
+        ...     lossfunc(model(X), y).backward()
+        >>> w = model[0].weight
+        >>> w.diag_h_batch.shape
+        torch.Size([4, 2, 3])
+        >>> torch.allclose(w.diag_h_batch.sum(0), w.diag_h)
+        True
+    """
 
     quantity = Quantity(
         "diag_h_batch", Kind.PER_SAMPLE, Combine.CONCATENATE, Producer.HESSIAN_DIAGONAL
@@ -99,17 +252,49 @@ class BatchDiagHessian(_Curvature):
 
 
 class KFLR(_Curvature):
-    """``p.kflr``: Kronecker factors ``[B, A]`` (weights) or ``[B]`` (biases) of the GGN block.
+    """Kronecker factors of the GGN from the exact loss-Hessian square root: ``p.kflr``.
 
-    ``B = sum_{n,k} V_nk V_nk^T`` (output side, exact loss-Hessian square root ``V`` propagated
-    to the layer output), ``A = mean_n x_n x_n^T`` (input side). For inputs with extra positions
-    (sequences, conv locations) ``kfac_approx="expand"`` treats positions like samples
-    (``A`` averages over samples and positions, ``B`` sums over them) and ``"reduce"`` sums
-    ``V`` and averages ``x`` over positions first (Eschenhagen et al., 2023).
+    ``p.kflr`` is ``[B, A]`` for a weight of shape ``[out, in, *kernel]`` and ``[B]`` for a
+    bias, so that ``torch.kron(*p.kflr)`` approximates the block of ``G`` for ``vec(p)``
+    (and is indexed like it). ``B = Σ_{n,k} V_nk V_nkᵀ`` (``out x out``, output side: the
+    exact square root ``H_n = Σ_k s_nk s_nkᵀ`` propagated to the layer's output, ``V``), and
+    ``A = mean_n x_n x_nᵀ`` (``in·prod(kernel)`` square, input side: the layer's inputs,
+    unfolded for convolutions). ``B`` carries the loss's scale (``1/D`` under
+    ``reduction="mean"``), ``A`` is a mean. With one sample and no weight sharing,
+    ``kron(*p.kflr)`` is the GGN block exactly. (``nn.Embedding`` and Hugging Face's
+    ``Conv1D`` list the input side first; the value's ``output_index`` says which.)
+    Micro-batches combine: ``B`` adds, ``A`` averages weighted by batch size.
 
-    ``samples=K`` (``None``: the whole batch): the factors of the first ``K`` samples of the
-    batch alone, with the output side scaled to estimate the whole batch's (``N/K`` for
-    ``reduction="sum"``, the sub-batch's own mean for ``"mean"``; see docs/conventions.md).
+    Args:
+        kfac_approx: ``"expand"`` (default) or ``"reduce"`` (Eschenhagen et al., 2023): for
+            weights shared over positions (sequences, convolution locations), ``"expand"``
+            treats positions like samples (``A`` averages over samples and positions, ``B``
+            sums over them), ``"reduce"`` sums the output side and averages the inputs over
+            positions first.
+        samples: ``None`` (default: the whole batch) or ``K ≥ 1``: the factors of the first
+            ``K`` samples of the batch alone, the output side ``B`` scaled to estimate the
+            whole batch's (``N/K`` for ``reduction="sum"``, the sub-batch's own mean for
+            ``"mean"``).
+
+    Raises:
+        ValueError: ``kfac_approx`` is not ``"expand"``/``"reduce"``, or ``samples`` is not
+            ``None`` or a positive int.
+
+    Example:
+        >>> import torch, curvopt
+        >>> from curvopt import extensions as ext
+        >>> _ = torch.manual_seed(0)
+        >>> model = curvopt.extend(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+        >>> lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())  # reduction="mean"
+        >>> X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+        >>> with curvopt.collect(ext.KFLR()):
+        ...     lossfunc(model(X), y).backward()
+        >>> [tuple(f.shape) for f in model[0].weight.kflr]  # [B, A]
+        [(2, 2), (3, 3)]
+        >>> [tuple(f.shape) for f in model[0].bias.kflr]  # [B]
+        [(2, 2)]
+        >>> torch.kron(*model[0].weight.kflr).shape  # the block of G for vec(weight)
+        torch.Size([6, 6])
     """
 
     quantity = Quantity("kflr", Kind.FACTORS, Combine.FACTORS, Producer.KRONECKER)
@@ -123,9 +308,47 @@ class KFLR(_Curvature):
 
 
 class KFAC(_MonteCarlo):
-    """``p.kfac``: as :class:`KFLR` with ``mc_samples`` sampled columns instead of exact ones
-    (``samples=K``: as for :class:`KFLR`; the draw is still made for every row, so that the
-    first ``K`` samples get the targets a whole-batch ``KFAC`` of the same seed draws)."""
+    """Kronecker factors of the GGN from sampled targets: ``p.kfac`` (Martens & Grosse, 2015).
+
+    As :class:`KFLR` (``[B, A]`` for a weight, ``[B]`` for a bias, ``torch.kron(*p.kfac)``
+    approximating the block of ``G`` for ``vec(p)``), with the output side built from
+    ``mc_samples`` columns of gradients at targets drawn from the model's predictive
+    distribution instead of the exact loss-Hessian square root: ``E[B]`` is :class:`KFLR`'s
+    ``B``. Same scaling (``1/D`` on ``B`` under ``reduction="mean"``). With ``samples=K`` the
+    draw is still made for every row, so that the first ``K`` samples get the targets a
+    whole-batch ``KFAC`` of the same seed draws.
+
+    Args:
+        mc_samples: the number ``M ≥ 1`` of targets drawn per loss row from the model's
+            predictive distribution (torch's global generator: ``torch.manual_seed`` makes
+            the draw reproducible); the estimate averages over them. Default 1.
+        kfac_approx: ``"expand"`` (default) or ``"reduce"`` (Eschenhagen et al., 2023): for
+            weights shared over positions (sequences, convolution locations), ``"expand"``
+            treats positions like samples (``A`` averages over samples and positions, ``B``
+            sums over them), ``"reduce"`` sums the output side and averages the inputs over
+            positions first.
+        samples: ``None`` (default: the whole batch) or ``K ≥ 1``: the factors of the first
+            ``K`` samples of the batch alone, the output side ``B`` scaled to estimate the
+            whole batch's (``N/K`` for ``reduction="sum"``, the sub-batch's own mean for
+            ``"mean"``).
+
+    Raises:
+        ValueError: ``mc_samples`` is not a positive int, ``kfac_approx`` is not
+            ``"expand"``/``"reduce"``, or ``samples`` is not ``None`` or a positive int.
+
+    Example:
+        >>> import torch, curvopt
+        >>> from curvopt import extensions as ext
+        >>> _ = torch.manual_seed(0)
+        >>> model = curvopt.extend(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+        >>> lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())  # reduction="mean"
+        >>> X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+        >>> with curvopt.collect(ext.KFAC(mc_samples=1)):
+        ...     lossfunc(model(X), y).backward()
+        >>> B, A = model[0].weight.kfac
+        >>> B.shape, A.shape
+        (torch.Size([2, 2]), torch.Size([3, 3]))
+    """
 
     quantity = Quantity("kfac", Kind.FACTORS, Combine.FACTORS, Producer.KRONECKER)
     #: ``collect(skip_unsupported="diagonal")`` writes this instead where there are no factors
@@ -138,12 +361,41 @@ class KFAC(_MonteCarlo):
 
 
 class KFACEmpirical(_Curvature):
-    """``p.kfac_empirical``: as :class:`KFLR` with one column, the gradient of the loss w.r.t.
-    its input at the observed targets, in place of the loss-Hessian square root: Kronecker
-    factors of the empirical Fisher ``EF = c sum_n vec(g_n) vec(g_n)^T`` (``c`` the loss's
-    divisor: 1 for "sum", ``N`` or the kept rows for "mean"; on the GGN's scale). With one
-    sample and no weight sharing, ``kron(*p.kfac_empirical)`` is the EF block exactly.
-    ``samples=K``: as for :class:`KFLR`.
+    """Kronecker factors of the empirical Fisher: ``p.kfac_empirical``.
+
+    As :class:`KFLR`, with one column, the gradient of the loss w.r.t. its input at the
+    observed targets times ``√c``, in place of the loss-Hessian square root:
+    ``torch.kron(*p.kfac_empirical)`` approximates the block of the empirical Fisher
+    ``EF = c Σ_n vec(g_n) vec(g_n)ᵀ`` (``c`` the loss's divisor: 1 for ``"sum"``, ``N``, the
+    kept rows of a flattened sequence, or ``N·K`` for ``MSELoss`` for ``"mean"``), which is on
+    the GGN's scale. With one sample and no weight sharing it is that block exactly.
+
+    Args:
+        kfac_approx: ``"expand"`` (default) or ``"reduce"`` (Eschenhagen et al., 2023): for
+            weights shared over positions (sequences, convolution locations), ``"expand"``
+            treats positions like samples (``A`` averages over samples and positions, ``B``
+            sums over them), ``"reduce"`` sums the output side and averages the inputs over
+            positions first.
+        samples: ``None`` (default: the whole batch) or ``K ≥ 1``: the factors of the first
+            ``K`` samples of the batch alone, the output side ``B`` scaled to estimate the
+            whole batch's (``N/K`` for ``reduction="sum"``, the sub-batch's own mean for
+            ``"mean"``).
+
+    Raises:
+        ValueError: ``kfac_approx`` is not ``"expand"``/``"reduce"``, or ``samples`` is not
+            ``None`` or a positive int.
+
+    Example:
+        >>> import torch, curvopt
+        >>> from curvopt import extensions as ext
+        >>> _ = torch.manual_seed(0)
+        >>> model = curvopt.extend(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+        >>> lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())  # reduction="mean"
+        >>> X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+        >>> with curvopt.collect(ext.KFACEmpirical()):
+        ...     lossfunc(model(X), y).backward()
+        >>> [tuple(f.shape) for f in model[0].weight.kfac_empirical]
+        [(2, 2), (3, 3)]
     """
 
     source = "empirical"
@@ -160,10 +412,34 @@ class KFACEmpirical(_Curvature):
 
 
 class KFRA(_Curvature):
-    """``p.kfra``: Kronecker factors with the batch-averaged GGN propagated recursively
-    (Botev et al., 2017): ``B_l = (W_{l+1}^T B_{l+1} W_{l+1}) * mean_n d_n d_n^T`` with
-    ``d_n`` the activation derivative. Feed-forward chains of ``Linear`` layers and elementwise
-    activations only.
+    """Kronecker factors with recursively propagated curvature: ``p.kfra`` (Botev et al., 2017).
+
+    As :class:`KFLR` (``[B, A]`` for a weight, ``[B]`` for a bias), with the output side
+    ``B`` the batch-averaged GGN propagated backwards layer by layer,
+    ``B_l = (W_{l+1}ᵀ B_{l+1} W_{l+1}) ⊙ mean_n d_n d_nᵀ`` (``d_n`` the activation
+    derivative), instead of per-sample columns. Same scaling (``1/D`` under
+    ``reduction="mean"``). Feed-forward chains of ``Linear`` layers and element-wise
+    activations only. Several backward passes in one ``collect`` do not combine: the
+    second raises ``AccumulationError``.
+
+    Takes no arguments.
+
+    Raises:
+        UnsupportedModuleError: a module outside such a chain.
+
+    Example:
+        >>> import torch, curvopt
+        >>> from curvopt import extensions as ext
+        >>> _ = torch.manual_seed(0)
+        >>> model = curvopt.extend(
+        ...     torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        ... )
+        >>> lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())
+        >>> X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+        >>> with curvopt.collect(ext.KFRA()):
+        ...     lossfunc(model(X), y).backward()
+        >>> [tuple(f.shape) for f in model[0].weight.kfra]
+        [(4, 4), (3, 3)]
     """
 
     quantity = Quantity("kfra", Kind.FACTORS, Combine.RAISES, Producer.KFRA)
@@ -197,48 +473,70 @@ def _supplied(bases):
 
 
 class EKFAC(_MonteCarlo):
-    """``p.ekfac = [S, Q_0, Q_1]`` (``[S, Q_0]`` for one-dimensional parameters): the second
-    moment of the per-sample gradients in the eigenbasis of the Kronecker factors (George et
-    al., 2018), ``S = c · Σ_n (Q_0ᵀ G_n Q_1)²`` (element-wise square, ``[dim Q_0, dim Q_1]``).
+    """Eigenvalue-corrected Kronecker curvature: ``p.ekfac = [S, Q_0, Q_1]`` (George et al., 2018).
 
-    ``G_n`` is ``g_n`` (the gradient of the loss as computed, restricted to sample ``n``)
-    reshaped to ``[p.shape[0], -1]`` (``[p.shape[0], 1]`` for one-dimensional ``p``); ``c = D``,
-    the divisor of a loss with ``reduction="mean"`` (``N`` for one term per sample, the counted
-    rows of a flattened sequence loss, ``N K`` for ``MSELoss`` on ``K`` outputs), 1 for
-    ``"sum"``, read from the loss, divided by the factor ``w`` the loss enters the backward
-    pass with (so that ``S`` is linear in ``w``, as the GGN is), so that ``vec S = diag(Qᵀ EF
-    Q)`` for the empirical Fisher on the GGN's scale (``E[S] = diag(Qᵀ G Q)`` under targets
-    drawn from the model). ``Q_0, Q_1`` are
-    the eigenvectors (``psd_eigh``) of this pass's Kronecker factors, in ``p``'s dim order
-    (``[Q_B, Q_A]`` for ``Linear``/conv weights, ``[Q_A, Q_B]`` for ``Embedding``):
-    ``factors="kfac"`` (``mc_samples`` sampled columns) or ``"kflr"`` (exact), with
-    ``kfac_approx`` as for :class:`KFAC`.
+    ``Q_0, Q_1`` are the eigenvectors (``psd_eigh``) of this pass's Kronecker factors, in
+    ``p``'s dim order: ``[S, Q_B, Q_A]`` for ``Linear``/conv weights, ``[S, Q_A, Q_B]`` for
+    ``Embedding``, ``[S, Q_B]`` for one-dimensional parameters. ``S`` (``[dim Q_0, dim Q_1]``,
+    ``[dim Q_0, 1]`` for one-dimensional ``p``) is the second moment of the per-sample
+    gradients in that eigenbasis::
 
-    ``bases``: a dict ``{param: [Q_0, Q_1]}`` or a callable ``param -> [Q_0, Q_1]`` (``None``
-    for fresh bases) supplies the bases of those parameters: no factors are computed for them,
-    only ``S`` in the given basis (any orthogonal matrices of the right sizes; ``[]`` is the
-    identity, ``S`` then ``[1, numel]``), and ``p.ekfac`` holds the supplied tensors.
-    ``reduction`` (``"mean"``/``"sum"``, optional): the one the caller expects; a loss with
-    another raises.
+        S = c · Σ_n (Q_0ᵀ G_n Q_1)²        (element-wise square)
 
-    Costs: a dense layer without weight sharing never forms a per-sample gradient,
-    ``S = c (b̃²)ᵀ (ã²)`` with ``ã = a Q_1``, ``b̃ = b Q_0`` the rotated inputs and output
-    gradients; with ``P`` shared positions (sequences, conv locations) the per-sample rotated
-    gradients ``b̃_nᵀ ã_n`` are formed in chunks of samples (``N P (O² + I² + O I)`` flops);
-    other parameters rotate their per-sample gradients. Micro-batches combine (``S`` adds,
-    each pass with its own ``c``, as ``diag_ggn`` and ``kfac``'s ``B`` add) only where the
-    bases were supplied; fresh bases of two passes differ and raise.
+    with ``G_n`` the per-sample gradient ``g_n`` (of the loss as computed) reshaped to
+    ``[p.shape[0], -1]``, and ``c = D`` the divisor of a loss with ``reduction="mean"`` (``N``
+    for one term per sample, the counted rows of a flattened sequence loss, ``N·K`` for
+    ``MSELoss`` on ``K`` outputs), ``c = 1`` for ``"sum"``, divided by the factor the loss
+    enters the backward pass with (so ``S`` is linear in it, as the GGN is). Then
+    ``vec S = diag(Qᵀ EF Q)`` for the empirical Fisher ``EF = c Σ_n vec(g_n) vec(g_n)ᵀ`` on the
+    GGN's scale, and ``E[S] = diag(Qᵀ G Q)`` under targets drawn from the model.
 
-    ``samples=K``: the fresh bases from the factors of the first ``K`` samples (as
-    :class:`KFAC`'s ``samples``); ``S`` is still that of the whole batch.
+    A dense layer without weight sharing never forms a per-sample gradient
+    (``S = c (b̃²)ᵀ (ã²)`` from the rotated inputs ``ã = a Q_1`` and output gradients
+    ``b̃ = b Q_0``); with shared positions (sequences, conv locations) the rotated per-sample
+    gradients are formed in chunks of samples. Micro-batches combine (``S`` adds) only where
+    the bases were supplied; fresh bases of two passes differ and raise.
 
     A module that mixes samples (BatchNorm in training mode) leaves no per-sample gradients:
     there ``S = Σ_k (Q_0ᵀ Ĝ_k Q_1)²`` with ``Ĝ_k`` the batch gradient of the ``k``-th of the
-    ``mc_samples`` sampled columns (the columns the bases come from, supplied bases or fresh),
-    unscaled, so that ``E[S] = diag(Qᵀ G Q)`` for fixed bases: the GGN's diagonal in the basis,
-    not the empirical Fisher's (``engine.reducer``); ``factors="kflr"`` raises there.
-    ``collect(skip_unsupported="diagonal")`` writes ``p.ekfac_diagonal`` for a parameter without
-    factors: the GGN diagonal of the same columns (Monte-Carlo, or exact for ``"kflr"``).
+    ``mc_samples`` sampled columns, so that ``E[S] = diag(Qᵀ G Q)`` for fixed bases (the GGN's
+    diagonal in the basis, not the empirical Fisher's); ``factors="kflr"`` raises there.
+    ``collect(skip_unsupported="diagonal")`` writes ``p.ekfac_diagonal`` for a parameter
+    without factors: the GGN diagonal of the same columns (Monte-Carlo, or exact for
+    ``"kflr"``).
+
+    Args:
+        mc_samples: sampled columns of the factors for ``factors="kfac"`` (default 1).
+        factors: ``"kfac"`` (default: Monte-Carlo factors, :class:`KFAC`) or ``"kflr"``
+            (exact, :class:`KFLR`): the factors whose eigenvectors are the bases.
+        kfac_approx: ``"expand"`` (default) or ``"reduce"``, as for :class:`KFAC`.
+        bases: ``None`` (default: fresh bases), a dict ``{param: [Q_0, Q_1]}`` or a callable
+            ``param -> [Q_0, Q_1]`` (``None`` for fresh bases): for those parameters no
+            factors are computed, only ``S`` in the given orthogonal bases (``[]`` is the
+            identity, ``S`` then ``[1, numel]``), and ``p.ekfac`` holds the supplied tensors.
+        reduction: ``None`` (default) or the ``"mean"``/``"sum"`` the caller expects; a loss
+            with another reduction raises.
+        samples: ``None`` (default) or ``K``: fresh bases from the factors of the first ``K``
+            samples (as :class:`KFAC`'s ``samples``); ``S`` is still that of the whole batch.
+
+    Raises:
+        ValueError: an unknown ``factors``, ``reduction`` or ``kfac_approx``, or an invalid
+            ``mc_samples``/``samples``.
+        TypeError: ``bases`` is neither ``None``, a dict of tensor lists nor a callable.
+
+    Example:
+        >>> import torch, curvopt
+        >>> from curvopt import extensions as ext
+        >>> _ = torch.manual_seed(0)
+        >>> model = curvopt.extend(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+        >>> lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())
+        >>> X, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+        >>> with curvopt.collect(ext.EKFAC()):
+        ...     lossfunc(model(X), y).backward()
+        >>> [tuple(t.shape) for t in model[0].weight.ekfac]  # [S, Q_B, Q_A]
+        [(2, 3), (2, 2), (3, 3)]
+        >>> [tuple(t.shape) for t in model[0].bias.ekfac]  # [S, Q_B]
+        [(2, 1), (2, 2)]
     """
 
     quantity = Quantity("ekfac", Kind.EIGEN_CORRECTED, Combine.SAME_BASIS, Producer.EIGEN_CORRECTED)
