@@ -8,12 +8,28 @@ from curvopt.extensions.quantity import Quantity, declare
 
 
 class Extension:
-    """A quantity written as ``p.<attr>`` on every parameter that requires grad.
+    """Base class of a quantity written as ``p.<attr>`` on every parameter that requires grad.
 
-    A subclass declares it once, ``quantity = Quantity(attr, kind, combine, producer)``; ``attr``
-    and ``order`` (1 for quantities built from per-sample gradients, 2 for curvature, which
-    needs the loss to be an extended loss module) follow from it. ``options`` are the
-    constructor arguments; two extensions writing the same attribute must agree on them.
+    A subclass declares it once, ``quantity = Quantity(attr, kind, combine, producer)``;
+    ``attr`` and ``order`` (1 for quantities built from per-sample gradients, 2 for
+    curvature, which needs a loss curvopt can read) follow from it. ``options`` are the
+    constructor arguments; two extensions writing the same attribute in one ``collect`` must
+    agree on them (``key()``), else ``collect`` raises ``ExtensionConflictError``.
+
+    Args:
+        **options: the quantity's settings (``mc_samples``, ``kfac_approx``, ...), kept in
+            ``self.options`` and shown by ``repr``.
+
+    Raises:
+        TypeError: (when subclassing) ``quantity`` is not a :class:`Quantity`, or ``attr`` is
+            set without a declaration.
+
+    Example:
+        >>> from curvopt import extensions as ext
+        >>> ext.KFAC(mc_samples=2)
+        KFAC(mc_samples=2, kfac_approx='expand')
+        >>> ext.KFAC.attr, ext.KFAC.order, ext.BatchGrad.order
+        ('kfac', 2, 1)
     """
 
     quantity: ClassVar[Quantity]
@@ -56,8 +72,24 @@ _WRITERS: Dict[str, Type[Extension]] = {}
 
 
 def writer(attr: str) -> Type[Extension]:
-    """The extension class that writes ``p.<attr>``: the one lookup by name that ``optim``,
-    ``linalg`` and ``experiments`` use (``"kfac"``, ``"diag_ggn_mc"``, ``"grad_batch"``, ...)."""
+    """The extension class that writes ``p.<attr>``.
+
+    The one lookup by attribute name that ``optim``, ``linalg`` and ``experiments`` use.
+
+    Args:
+        attr: the attribute name (``"kfac"``, ``"diag_ggn_mc"``, ``"grad_batch"``, ...).
+
+    Returns:
+        The :class:`Extension` subclass that declared ``attr`` first (the shipped one).
+
+    Raises:
+        KeyError: no extension writes ``p.<attr>`` (the message lists the known ones).
+
+    Example:
+        >>> from curvopt import extensions as ext
+        >>> ext.writer("grad_batch") is ext.BatchGrad
+        True
+    """
     try:
         return _WRITERS[attr]
     except KeyError:
@@ -67,8 +99,27 @@ def writer(attr: str) -> Type[Extension]:
 
 
 def extension(attr: str, mc_samples: int = 1, **options: Any) -> Extension:
-    """The extension writing ``p.<attr>``, built with ``options``; a Monte-Carlo one (``source``
-    ``"mc"``) also gets ``mc_samples``, which the others do not take."""
+    """An instance of the extension writing ``p.<attr>``, built with ``options``.
+
+    Args:
+        attr: the attribute name, as for :func:`writer`.
+        mc_samples: passed on only to a Monte-Carlo extension (``source == "mc"``:
+            ``DiagGGNMC``, ``BatchDiagGGNMC``, ``KFAC``); the others do not take it.
+        **options: the extension's other constructor arguments.
+
+    Returns:
+        The :class:`Extension` instance.
+
+    Raises:
+        KeyError: no extension writes ``p.<attr>``.
+
+    Example:
+        >>> from curvopt import extensions as ext
+        >>> ext.extension("diag_ggn_mc", mc_samples=2)
+        DiagGGNMC(mc_samples=2)
+        >>> ext.extension("diag_ggn_exact", mc_samples=2)
+        DiagGGNExact()
+    """
     cls = writer(attr)
     if cls.source == "mc":
         options["mc_samples"] = mc_samples

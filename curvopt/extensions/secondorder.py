@@ -126,9 +126,10 @@ class DiagGGNMC(_MonteCarlo):
     ``H_n`` is replaced by ``(1/M) Σ_m s_nm s_nmᵀ`` with ``s_nm`` the gradient of the loss
     w.r.t. the output at a target drawn from the model's predictive distribution, so that
     ``E[s sᵀ] = H_n`` and ``E[diag_ggn_mc] = diag(G)`` (unbiased); one column per draw
-    instead of the ``C`` columns of the exact square root. Scaling: ``G`` is that of the loss as computed, so with ``reduction="mean"`` it carries the
-    loss's ``1/D`` (``D = N`` for an ``[N, C]`` cross-entropy input; see
-    ``docs/conventions.md``) and is the average over samples; with ``"sum"`` it is the sum.
+    instead of the ``C`` columns of the exact square root. Scaling: ``G`` is that of the loss
+    as computed, so with ``reduction="mean"`` it carries the loss's ``1/D`` (``D = N`` for an
+    ``[N, C]`` cross-entropy input; see ``docs/conventions.md``) and is the average over
+    samples; with ``"sum"`` it is the sum.
 
     Args:
         mc_samples: the number ``M ≥ 1`` of targets drawn per loss row from the model's
@@ -191,9 +192,10 @@ class DiagHessian(_Curvature):
     """Exact diagonal of the Hessian of the loss: ``p.diag_h``, shape ``p.shape``.
 
     ``diag(H)`` for ``p``: the GGN diagonal plus the terms of the second derivatives of
-    curved nonlinearities (``tanh``, ``sigmoid``, ...), exact. Scaling: ``G`` is that of the loss as computed, so with ``reduction="mean"`` it carries the
-    loss's ``1/D`` (``D = N`` for an ``[N, C]`` cross-entropy input; see
-    ``docs/conventions.md``) and is the average over samples; with ``"sum"`` it is the sum.
+    curved nonlinearities (``tanh``, ``sigmoid``, ...), exact. Scaling: ``H`` is that of the
+    loss as computed, so with ``reduction="mean"`` it carries the loss's ``1/D`` (``D = N``
+    for an ``[N, C]`` cross-entropy input; see ``docs/conventions.md``) and is the average
+    over samples; with ``"sum"`` it is the sum.
     Micro-batches add.
 
     Takes no arguments.
