@@ -109,6 +109,40 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
         process_group: under ``torch.distributed``: ``None`` (the default group if initialized
             with several ranks), a ``ProcessGroup``, a ``DistributedCurvature``, or ``False``
             (rank-local); see :mod:`curvopt.optim.distributed`.
+        curvature_samples: ``None`` (default: the whole batch) or ``K``: the Kronecker
+            factors from the first ``K`` samples of each batch (as
+            ``curvopt.extensions.KFAC(samples=K)``), their output side scaled to estimate the
+            whole batch's.
+        schedule_free: ``None`` (default) or ``β ∈ (0, 1)``: schedule-free averaging; the
+            parameters hold the point where the gradient is taken, ``opt.eval()`` and
+            ``opt.train()`` switch them to the average and back (a ``step()`` in between
+            raises). Does not combine with adaptive damping.
+        collection: ``"auto"`` (default: collect what the next step needs on every backward
+            pass that reaches the optimizer's parameters) or ``"explicit"`` (only inside
+            ``opt.collect()`` or ``opt.step(closure)``).
+        stages: ``None`` (default: the chain ``curvopt.optim.stages.NEWTON``) or a
+            ``curvopt.optim.stages.Chain`` that replaces it.
+
+    Raises:
+        ValueError: (at construction) an invalid hyper-parameter: negative ``lr`` or
+            ``damping``, an unknown ``curvature``, options that do not fit together.
+        FloatingPointError: (at ``step``) a gradient, curvature, update or resulting
+            parameter is not finite; nothing is changed.
+
+    Example:
+        >>> import torch, curvopt
+        >>> _ = torch.manual_seed(0)
+        >>> model = curvopt.extend(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+        >>> lossfunc = torch.nn.CrossEntropyLoss()  # extended or not
+        >>> X, y = torch.randn(16, 3), torch.randint(0, 2, (16,))
+        >>> opt = curvopt.optim.KFAC(model.parameters(), lr=0.1, damping=1e-3)
+        >>> before = lossfunc(model(X), y).item()
+        >>> for _ in range(5):
+        ...     opt.zero_grad()
+        ...     lossfunc(model(X), y).backward()  # the optimizer collects what it needs
+        ...     opt.step()
+        >>> lossfunc(model(X), y).item() < before
+        True
     """
 
     Options = KFACOptions

@@ -46,10 +46,34 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
 
     Args:
         params: parameters or param groups, as for ``torch.optim.SGD``.
-        lr: learning rate ``≥ 0``; SVAG shrinks the steps, so it takes a larger ``lr`` than
-            SGD (a small CNN on sklearn's 8x8 digits: ``lr=1`` with ``momentum=0.9``).
+        lr: learning rate ``≥ 0``; SVAG shrinks the steps, so it usually takes a larger
+            ``lr`` than SGD.
         momentum: ``β ∈ [0, 1)``.
         weight_decay: ``δ ≥ 0`` (added to the gradient; it has no variance).
+        collection: ``"auto"`` (default: collect what the next step needs on every backward
+            pass that reaches the optimizer's parameters) or ``"explicit"`` (only inside
+            ``opt.collect()`` or ``opt.step(closure)``).
+
+    Raises:
+        ValueError: (at construction) negative ``lr`` or ``weight_decay``, or ``momentum``
+            outside ``[0, 1)``.
+        RuntimeError: (at ``step``) ``p.grad`` was changed other than by a rescaling
+            between the backward pass and the step, so that its variance is unknown.
+
+    Example:
+        >>> import torch, curvopt
+        >>> _ = torch.manual_seed(0)
+        >>> model = curvopt.extend(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+        >>> lossfunc = torch.nn.CrossEntropyLoss()  # extended or not
+        >>> X, y = torch.randn(16, 3), torch.randint(0, 2, (16,))
+        >>> opt = curvopt.optim.VarianceAdaptedSGD(model.parameters(), lr=0.1)
+        >>> before = lossfunc(model(X), y).item()
+        >>> for _ in range(5):
+        ...     opt.zero_grad()
+        ...     lossfunc(model(X), y).backward()  # the optimizer collects what it needs
+        ...     opt.step()
+        >>> lossfunc(model(X), y).item() < before
+        True
     """
 
     Options = VarianceAdaptedOptions
