@@ -27,7 +27,22 @@ def _check_nonnegative(name: str, value: float) -> None:
 
 
 class ConstantDamping:
-    """``λ_t = damping`` for every step ``t``."""
+    """The constant damping ``λ_t = damping`` for every step ``t``.
+
+    What a number passed as ``damping=`` to an optimizer becomes (:func:`as_damping`).
+
+    Args:
+        damping: ``λ ≥ 0``, finite.
+
+    Raises:
+        ValueError: ``damping`` is negative or not finite.
+
+    Example:
+        >>> from curvopt.optim import ConstantDamping
+        >>> strategy = ConstantDamping(1e-3)
+        >>> strategy.value(strategy.init(), step=10)
+        0.001
+    """
 
     adaptive = False
 
@@ -49,10 +64,24 @@ class ConstantDamping:
 
 
 class ScheduledDamping:
-    """``λ_t = schedule(t)``: any callable of the step count ``t = 0, 1, ...``.
+    """A damping schedule ``λ_t = schedule(t)`` of the step count ``t = 0, 1, ...``.
 
-    The returned value is checked to be finite and ``>= 0`` at every step. To save the
-    optimizer with ``torch.save``, use a picklable callable (a module-level function, not a lambda).
+    What a callable passed as ``damping=`` to an optimizer becomes (:func:`as_damping`). The
+    returned value is checked to be finite and ``>= 0`` at every step. To save the optimizer
+    with ``torch.save``, use a picklable callable (a module-level function, not a lambda).
+
+    Args:
+        schedule: a callable ``int -> float``.
+
+    Raises:
+        TypeError: ``schedule`` is not callable.
+        ValueError: (at a step) ``schedule(t)`` is negative or not finite.
+
+    Example:
+        >>> from curvopt.optim import ScheduledDamping
+        >>> strategy = ScheduledDamping(lambda t: 1.0 / (t + 1))
+        >>> strategy.value(strategy.init(), step=3)
+        0.25
     """
 
     adaptive = False
@@ -82,10 +111,31 @@ class LevenbergMarquardt:
 
     ``ρ = (L(θ + s) − L(θ)) / (q(s) − q(0))`` compares the actual change of the loss with the
     change predicted by the quadratic model ``q`` (see :func:`reduction_ratio`). Every
-    ``interval`` steps: ``λ ← min(ω λ, max_damping)`` if ``ρ < 1/4`` (model too optimistic),
-    ``λ ← max(λ / ω, min_damping)`` if ``ρ > 3/4`` (model trustworthy), else unchanged; an
-    undefined ``ρ`` (NaN) leaves ``λ`` unchanged. ``omega`` defaults to ``(20/19)**interval``
-    (Martens & Grosse use ``ω = (19/20)^{-T_1}``).
+    ``interval`` steps (Martens & Grosse 2015, Sec. 6.5): ``λ ← min(ω λ, max_damping)`` if
+    ``ρ < 1/4`` (model too optimistic), ``λ ← max(λ / ω, min_damping)`` if ``ρ > 3/4`` (model
+    trustworthy), else unchanged; an undefined ``ρ`` (NaN) leaves ``λ`` unchanged. The
+    optimizer measures ``ρ`` from the loss of a closure, so ``opt.step(closure)`` is needed.
+
+    Args:
+        damping: the initial ``λ``, with ``min_damping <= damping <= max_damping``.
+        omega: the factor ``ω > 1``; default ``(20/19)**interval`` (Martens & Grosse use
+            ``ω = (19/20)^{-T_1}``).
+        interval: measure ``ρ`` and adapt every ``interval ≥ 1`` steps (default 5).
+        min_damping: lower bound of ``λ`` (default ``1e-8``).
+        max_damping: upper bound of ``λ`` (default ``1e8``).
+
+    Raises:
+        ValueError: a negative or non-finite bound or damping, ``interval < 1``,
+            ``omega <= 1``, or ``damping`` outside ``[min_damping, max_damping]``.
+
+    Example:
+        >>> from curvopt.optim import LevenbergMarquardt
+        >>> strategy = LevenbergMarquardt(1.0, omega=2.0, interval=1)
+        >>> state = strategy.update(strategy.init(), rho=0.1)  # the model was too optimistic
+        >>> strategy.value(state, step=1)
+        2.0
+        >>> strategy.value(strategy.update(state, rho=0.9), step=2)
+        1.0
     """
 
     adaptive = True
@@ -146,9 +196,22 @@ DampingStrategy = Union[ConstantDamping, ScheduledDamping, LevenbergMarquardt]
 
 
 def as_damping(damping) -> DampingStrategy:
-    """A strategy from a number (constant), a callable of the step (schedule) or a strategy.
+    """The damping strategy of an optimizer's ``damping=`` argument.
 
-    Raises ``ValueError`` for anything else, and for negative or non-finite numbers.
+    Args:
+        damping: a number (``≥ 0``: :class:`ConstantDamping`), a callable of the step count
+            (:class:`ScheduledDamping`) or a strategy (returned as it is).
+
+    Returns:
+        A :class:`ConstantDamping`, :class:`ScheduledDamping` or :class:`LevenbergMarquardt`.
+
+    Raises:
+        ValueError: anything else, or a negative or non-finite number.
+
+    Example:
+        >>> from curvopt.optim import as_damping
+        >>> as_damping(1e-3)
+        ConstantDamping(0.001)
     """
     if isinstance(damping, (ConstantDamping, ScheduledDamping, LevenbergMarquardt)):
         return damping
@@ -163,12 +226,25 @@ def as_damping(damping) -> DampingStrategy:
 
 
 def reduction_ratio(actual: float, predicted: float) -> float:
-    """``ρ = actual / predicted``: actual over predicted change of the loss.
+    """The reduction ratio ``ρ = actual / predicted`` of the loss's actual and predicted change.
 
     Both are changes ``f(θ + s) − f(θ)``; a good step has both negative and ``ρ ≈ 1``.
-    Returns NaN (undefined: leave the damping alone) when the model predicts no decrease
-    (``predicted >= 0`` or not finite), and ``-inf`` (a failed step) when the actual change is
-    not finite.
+
+    Args:
+        actual: the change of the loss the step made.
+        predicted: the change the quadratic model predicted.
+
+    Returns:
+        ``ρ``; NaN (undefined: leave the damping alone) when the model predicts no decrease
+        (``predicted >= 0`` or not finite), and ``-inf`` (a failed step) when the actual change
+        is not finite.
+
+    Example:
+        >>> from curvopt.optim import reduction_ratio
+        >>> reduction_ratio(-0.5, -1.0)
+        0.5
+        >>> reduction_ratio(-0.5, 0.0)
+        nan
     """
     if not math.isfinite(predicted) or predicted >= 0:
         return math.nan

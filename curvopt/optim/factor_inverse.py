@@ -95,22 +95,54 @@ def _cholesky(
 def cholesky_factor(
     matrix: torch.Tensor, in_float64: Callable[[], torch.Tensor] | None = None
 ) -> torch.Tensor:
-    """The lower-triangular ``L`` with ``M = L Lᵀ`` for a symmetric positive definite ``[d, d]``.
+    """The lower-triangular Cholesky factor ``L`` with ``M = L Lᵀ``.
 
-    Factorised in :func:`working_dtype` (``M`` in bfloat16/float16 is promoted to float32, and
-    ``L`` returned in float32). If the factorization fails in that precision (a near-singular
+    Factorised in ``working_dtype`` (``M`` in bfloat16/float16 is promoted to float32, and
+    ``L`` returned in float32). If the factorisation fails in that precision (a near-singular
     ``M`` in float32), it is retried in float64 (on ``in_float64()`` if given: ``M`` recomputed
-    from float64 inputs, else ``M`` cast) and ``L`` cast back. Raises
-    ``torch.linalg.LinAlgError`` when ``M`` is not positive definite even in float64.
+    from float64 inputs, else ``M`` cast) and ``L`` cast back.
+
+    Args:
+        matrix: ``M``, symmetric positive definite, ``[d, d]``.
+        in_float64: optional callable returning ``M`` computed in float64, for the retry.
+
+    Returns:
+        ``L``, ``[d, d]``.
+
+    Raises:
+        torch.linalg.LinAlgError: ``M`` is not positive definite even in float64.
+
+    Example:
+        >>> import torch
+        >>> from curvopt.optim import cholesky_factor
+        >>> M = torch.tensor([[4.0, 2.0], [2.0, 2.0]])
+        >>> L = cholesky_factor(M)
+        >>> torch.allclose(L @ L.T, M)
+        True
     """
     dtype = working_dtype(matrix.dtype)
     return _cholesky(matrix.to(dtype), in_float64).to(dtype)
 
 
 def cholesky_solve_right(matrix: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """``X M⁻¹ = X L⁻ᵀ L⁻¹`` for ``X`` of shape ``[m, d]`` and ``L = cholesky_factor(M)``.
+    """The right solve ``X M⁻¹ = X L⁻ᵀ L⁻¹`` from a Cholesky factor, no inverse formed.
 
-    Two triangular solves (``2 m d²`` flops, as many as ``X @ M⁻¹``), no inverse formed.
+    Two triangular solves (``2 m d²`` flops, as many as ``X @ M⁻¹``).
+
+    Args:
+        matrix: ``X``, ``[m, d]``.
+        factor: ``L = cholesky_factor(M)``, ``[d, d]``.
+
+    Returns:
+        ``X M⁻¹``, ``[m, d]``.
+
+    Example:
+        >>> import torch
+        >>> from curvopt.optim import cholesky_factor, cholesky_solve_right
+        >>> M = torch.tensor([[4.0, 2.0], [2.0, 2.0]])
+        >>> X = torch.tensor([[1.0, 0.0]])
+        >>> torch.allclose(cholesky_solve_right(X, cholesky_factor(M)), X @ torch.linalg.inv(M))
+        True
     """
     return torch.linalg.solve_triangular(
         factor,
@@ -121,11 +153,25 @@ def cholesky_solve_right(matrix: torch.Tensor, factor: torch.Tensor) -> torch.Te
 
 
 def cholesky_inverse(matrix: torch.Tensor) -> torch.Tensor:
-    """``M⁻¹ = L⁻ᵀ L⁻¹`` for a symmetric positive definite ``M`` of shape ``[d, d]``.
+    """The inverse ``M⁻¹ = L⁻ᵀ L⁻¹`` of a symmetric positive definite matrix, by Cholesky.
 
-    As :func:`cholesky_factor` (float32 at least), a failed factorization is retried in float64
-    (the inverse is computed there and cast back); ``torch.linalg.LinAlgError`` if ``M`` is not
-    positive definite even then.
+    As :func:`cholesky_factor` (float32 at least), a failed factorisation is retried in float64
+    (the inverse is computed there and cast back).
+
+    Args:
+        matrix: ``M``, ``[d, d]``.
+
+    Returns:
+        ``M⁻¹``, ``[d, d]``.
+
+    Raises:
+        torch.linalg.LinAlgError: ``M`` is not positive definite even in float64.
+
+    Example:
+        >>> import torch
+        >>> from curvopt.optim import cholesky_inverse
+        >>> cholesky_inverse(torch.tensor([[2.0, 0.0], [0.0, 4.0]])).diagonal()
+        tensor([0.5000, 0.2500])
     """
     dtype = working_dtype(matrix.dtype)
     return torch.cholesky_inverse(_cholesky(matrix.to(dtype))).to(dtype)
@@ -133,15 +179,30 @@ def cholesky_inverse(matrix: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LowRankInverse:
-    """``(UᵀU + c I)⁻¹ = (I − Vᵀ V) / c`` for a factor ``F = UᵀU`` of size ``d`` with a root
-    ``U [r, d]``, ``r < d``, and a shift ``c > 0`` (Woodbury): with ``U Uᵀ = Q diag(s) Qᵀ``,
-    ``Uᵀ (c I_r + U Uᵀ)⁻¹ U = Vᵀ V`` for ``V = diag(s + c)^(-1/2) Qᵀ U`` (``[k, d]``, computed
-    once; its rows are orthogonal, the directions of ``F``'s nonzero eigenvalues).
+    """The damped inverse of a low-rank factor by Woodbury: ``(UᵀU + c I)⁻¹ = (I − Vᵀ V) / c``.
 
-    Applying it to ``m`` vectors costs ``4 m d k`` flops (two matrix products, no solve)
-    instead of the ``2 m d²`` of a product with the dense inverse, and setting it up
-    ``4 d r² + O(r³)`` instead of ``d³``. ``k ≤ r`` is the numerical rank of ``U`` (exact
-    compression, :meth:`of`), or a cap on it (an approximation).
+    For a factor ``F = UᵀU`` of size ``d`` with a root ``U [r, d]``, ``r < d``, and a shift
+    ``c > 0``: with ``U Uᵀ = Q diag(s) Qᵀ``, ``Uᵀ (c I_r + U Uᵀ)⁻¹ U = Vᵀ V`` for
+    ``V = diag(s + c)^(-1/2) Qᵀ U`` (``[k, d]``, computed once; its rows are orthogonal, the
+    directions of ``F``'s nonzero eigenvalues). Applying it to ``m`` vectors costs ``4 m d k``
+    flops (two matrix products, no solve) instead of the ``2 m d²`` of a product with the dense
+    inverse, and setting it up ``4 d r² + O(r³)`` instead of ``d³``. ``k ≤ r`` is the numerical
+    rank of ``U`` (exact compression, :meth:`of`), or a cap on it (an approximation). Build it
+    with :meth:`of` or :meth:`from_eigh`.
+
+    Args:
+        basis: ``V``, ``[k, d]``.
+        shift: ``c``, a scalar tensor.
+
+    Example:
+        >>> import torch
+        >>> from curvopt.optim import LowRankInverse
+        >>> U = torch.tensor([[1.0, 0.0, 0.0]], dtype=torch.float64)  # F = diag(1, 0, 0)
+        >>> inverse = LowRankInverse.of(U, shift=1.0)
+        >>> inverse.rank
+        1
+        >>> inverse.solve_left(torch.eye(3, dtype=torch.float64)).diagonal()
+        tensor([0.5000, 1.0000, 1.0000], dtype=torch.float64)
     """
 
     basis: torch.Tensor

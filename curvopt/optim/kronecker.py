@@ -54,9 +54,23 @@ from curvopt.optim.trace_norm_eigh import eigh_solvers, trace_norm_eigh
 
 
 def as_matrix(grad: torch.Tensor, factors: Factors) -> torch.Tensor:
-    """``grad`` (any shape) as the ``[dim B, dim A]`` (or ``[dim B, 1]``) matrix ``G``.
+    """A gradient as the matrix ``G`` the Kronecker factors act on.
 
-    Raises ``ValueError`` when the factor sizes do not multiply to ``grad.numel()``.
+    Args:
+        grad: the gradient (any shape, e.g. ``[out, in, *kernel]``).
+        factors: ``[B, A]`` or ``[B]``.
+
+    Returns:
+        ``grad.reshape(dim B, -1)``: ``[dim B, dim A]`` (``[dim B, 1]`` for ``[B]``).
+
+    Raises:
+        ValueError: the factor sizes do not multiply to ``grad.numel()``.
+
+    Example:
+        >>> import torch
+        >>> from curvopt.optim import as_matrix
+        >>> as_matrix(torch.zeros(4, 2, 3, 3), [torch.eye(4), torch.eye(18)]).shape
+        torch.Size([4, 18])
     """
     sizes = [f.shape[0] for f in factors]
     expected = sizes[0] * (sizes[1] if len(sizes) == 2 else 1)
@@ -70,9 +84,24 @@ def as_matrix(grad: torch.Tensor, factors: Factors) -> torch.Tensor:
 
 
 def trace_norm_pi(factors: Factors) -> torch.Tensor:
-    """``π = sqrt((tr A / dim A) / (tr B / dim B))`` for ``[B, A]``; 1 for ``[B]``.
+    """The trace-norm ratio ``π = sqrt((tr A / dim A) / (tr B / dim B))`` of ``[B, A]``.
 
-    Also 1 when a trace is not positive (a zero factor), so that the damping stays ``λ I``.
+    Martens & Grosse (2015, Sec. 6.3): the damping ``λ`` is split as ``π√λ`` on the input side
+    ``A`` and ``√λ/π`` on the output side ``B``.
+
+    Args:
+        factors: ``[B, A]``, or ``[B]`` (then ``π = 1``).
+
+    Returns:
+        ``π``, a scalar tensor; also 1 when a trace is not positive (a zero factor), so that
+        the damping stays ``λ I``.
+
+    Example:
+        >>> import torch
+        >>> from curvopt import optim
+        >>> B, A = 2 * torch.eye(2), 8 * torch.eye(3)  # tr B / 2 = 2, tr A / 3 = 8: π = 2
+        >>> optim.trace_norm_pi([B, A])
+        tensor(2.)
     """
     if len(factors) == 1:
         return torch.ones((), dtype=factors[0].dtype, device=factors[0].device)
@@ -80,7 +109,22 @@ def trace_norm_pi(factors: Factors) -> torch.Tensor:
 
 
 def trace_norm_damped(factors: Factors, damping: float) -> list[torch.Tensor]:
-    """``[B + √λ/π I, A + π√λ I]`` for ``[B, A]``; ``[B + λ I]`` for ``[B]``."""
+    """The trace-norm damped factors ``[B + √λ/π I, A + π√λ I]`` (``[B + λ I]`` for ``[B]``).
+
+    Args:
+        factors: ``[B, A]`` or ``[B]``.
+        damping: ``λ ≥ 0``.
+
+    Returns:
+        The damped factors, dense.
+
+    Example:
+        >>> import torch
+        >>> from curvopt import optim
+        >>> B, A = 2 * torch.eye(2), 8 * torch.eye(3)  # tr B / 2 = 2, tr A / 3 = 8: π = 2
+        >>> [f.diagonal().tolist() for f in optim.trace_norm_damped([B, A], damping=4.0)]
+        [[3.0, 3.0], [12.0, 12.0, 12.0]]
+    """
     return [
         add_diagonal(dense(f), shift)
         for f, shift in zip(factors, _trace_norm_shifts(factors, damping))
@@ -93,35 +137,101 @@ def _trace_norm_shifts(factors: Factors, damping: float) -> list:
 
 
 def trace_norm_inverse(factors: Factors, damping: float) -> list[torch.Tensor]:
-    """Inverses of :func:`trace_norm_damped` (Cholesky, float64 retry); apply with
-    :func:`kron_exact.kron_matmul`."""
+    """The inverses of :func:`trace_norm_damped`'s factors (Cholesky, float64 retry).
+
+    Apply them with :func:`kron_matmul`: ``(B' ⊗ A')⁻¹ vec(G) = vec(B'⁻¹ G A'⁻¹)``.
+
+    Args:
+        factors: ``[B, A]`` or ``[B]``.
+        damping: ``λ ≥ 0``.
+
+    Returns:
+        ``[(B + √λ/π I)⁻¹, (A + π√λ I)⁻¹]`` (``[(B + λ I)⁻¹]``).
+
+    Raises:
+        torch.linalg.LinAlgError: a damped factor is not positive definite even in float64.
+
+    Example:
+        >>> import torch
+        >>> from curvopt import optim
+        >>> B, A = 2 * torch.eye(2), 8 * torch.eye(3)  # tr B / 2 = 2, tr A / 3 = 8: π = 2
+        >>> inverses = optim.trace_norm_inverse([B, A], damping=4.0)
+        >>> torch.allclose(inverses[0], torch.eye(2) / 3)
+        True
+        >>> torch.allclose(inverses[1], torch.eye(3) / 12)
+        True
+    """
     return [cholesky_inverse(f) for f in trace_norm_damped(factors, damping)]
 
 
 def trace_norm_cholesky(
     factors: Factors, damping: float, low_rank: bool = True, max_rank: int | None = None
 ) -> list[torch.Tensor | LowRankInverse]:
-    """Per factor of :func:`trace_norm_damped`: its Cholesky factor ``L`` (float64 retry, see
-    ``cholesky_factor``), or, with ``low_rank`` and a positive shift, a :class:`LowRankInverse`
-    (rank capped at ``max_rank``, an approximation; default exact) where the factor carries a
-    Gram root that makes that cheaper (a batch smaller than the layer's width). Apply with
-    :func:`kron_cholesky_solve`.
+    """Per trace-norm damped factor its Cholesky factor, or a Woodbury inverse where cheaper.
 
-    Factors in bfloat16/float16 are factorised in float32 (``working_dtype``). A factor that
-    cannot be factorised raises ``torch.linalg.LinAlgError`` naming it (output-side ``B`` or
-    input-side ``A``, its size, trace and shift)."""
+    Per factor of :func:`trace_norm_damped`: its Cholesky factor ``L``
+    (:func:`cholesky_factor`, float64 retry), or, with ``low_rank`` and a positive shift, a
+    :class:`LowRankInverse` where the factor carries a Gram root that makes that cheaper (a
+    batch smaller than the layer's width). Factors in bfloat16/float16 are factorised in
+    float32. Apply the result with :func:`kron_cholesky_solve`.
+
+    Args:
+        factors: ``[B, A]`` or ``[B]``.
+        damping: ``λ ≥ 0``.
+        low_rank: allow the Woodbury form (default ``True``).
+        max_rank: ``None`` (default, exact) or ``k``: cap the rank of the Woodbury and
+            eigenpair forms at ``k`` (an approximation).
+
+    Returns:
+        One entry per factor: a lower-triangular ``L`` or a :class:`LowRankInverse`.
+
+    Raises:
+        torch.linalg.LinAlgError: a factor cannot be factorised; the message names it
+            (output-side ``B`` or input-side ``A``, its size, trace and shift).
+
+    Example:
+        >>> import torch
+        >>> from curvopt import optim
+        >>> B, A = 2 * torch.eye(2), 8 * torch.eye(3)  # tr B / 2 = 2, tr A / 3 = 8: π = 2
+        >>> G = torch.ones(2, 3)
+        >>> solvers = optim.trace_norm_cholesky([B, A], damping=4.0)
+        >>> torch.allclose(optim.kron_cholesky_solve(solvers, G), G / 36)  # 1 / (3 * 12)
+        True
+    """
     return _trace_norm_solvers(factors, damping, low_rank, max_rank, cholesky_factor)
 
 
 def trace_norm_solvers(
     factors: Factors, damping: float, low_rank: bool = True, max_rank: int | None = None
 ) -> list[torch.Tensor | LowRankInverse]:
-    """As :func:`trace_norm_cholesky`, with the dense inverse ``(F + c I)⁻¹`` (``cholesky_inverse``)
-    in place of ``L``: what ``KFAC`` caches. Apply with :func:`kron_solve`.
+    """As :func:`trace_norm_cholesky`, with the dense inverse ``(F + c I)⁻¹`` in place of ``L``.
 
-    A product with the inverse costs the flops of two triangular solves but runs about twice
-    as fast (one matrix product; 1024 x 3136 right-hand sides, one thread: 61 ms against
-    102-140 ms), and forming it from ``L`` costs ``2d³/3`` once per inversion."""
+    What ``KFAC`` caches when an inverse is applied again (``inverse_interval`` or
+    ``curvature_interval`` above 1): a product with the inverse has the flops of two triangular
+    solves but is one matrix product, and forming it from ``L`` costs ``2d³/3`` once per
+    inversion. Apply the result with :func:`kron_solve`.
+
+    Args:
+        factors: ``[B, A]`` or ``[B]``.
+        damping: ``λ ≥ 0``.
+        low_rank: allow the Woodbury form (default ``True``).
+        max_rank: ``None`` (default, exact) or a rank cap ``k`` (an approximation).
+
+    Returns:
+        One entry per factor: a dense inverse or a :class:`LowRankInverse`.
+
+    Raises:
+        torch.linalg.LinAlgError: a factor cannot be factorised (named in the message).
+
+    Example:
+        >>> import torch
+        >>> from curvopt import optim
+        >>> B, A = 2 * torch.eye(2), 8 * torch.eye(3)  # tr B / 2 = 2, tr A / 3 = 8: π = 2
+        >>> G = torch.ones(2, 3)
+        >>> solvers = optim.trace_norm_solvers([B, A], damping=4.0)
+        >>> torch.allclose(optim.kron_solve(solvers, G), G / 36)
+        True
+    """
     return _trace_norm_solvers(factors, damping, low_rank, max_rank, cholesky_inverse)
 
 
@@ -160,18 +270,53 @@ _FACTOR_NAMES = {
 
 
 def kron_cholesky_solve(solvers: Sequence, matrix: torch.Tensor) -> torch.Tensor:
-    """``(B ⊗ A)⁻¹ vec(G)`` as the matrix ``B⁻¹ G A⁻¹`` (``B⁻¹ G`` for ``[B]``), from the
-    entries of :func:`trace_norm_cholesky`: Cholesky factors ``L`` (``B = L_B L_Bᵀ``) solved by
-    triangular solves (``2 dim_B² dim_A + 2 dim_B dim_A²`` flops), or :class:`LowRankInverse`
-    applied by Woodbury. Solved in the solvers' precision; the result has ``matrix``'s dtype.
+    """The Kronecker solve ``(B ⊗ A)⁻¹ vec(G)`` as the matrix ``B⁻¹ G A⁻¹`` from Cholesky factors.
+
+    From the entries of :func:`trace_norm_cholesky`: Cholesky factors ``L`` (``B = L_B L_Bᵀ``)
+    solved by triangular solves (``2 dim_B² dim_A + 2 dim_B dim_A²`` flops), or
+    :class:`LowRankInverse` applied by Woodbury.
+
+    Args:
+        solvers: one entry per factor, from :func:`trace_norm_cholesky`.
+        matrix: ``G``, ``[dim B, dim A]`` (``[dim B, k]`` for ``[B]``).
+
+    Returns:
+        ``B⁻¹ G A⁻¹`` (``B⁻¹ G``), solved in the solvers' precision, in ``matrix``'s dtype.
+
+    Example:
+        >>> import torch
+        >>> from curvopt import optim
+        >>> B, A = 2 * torch.eye(2), 8 * torch.eye(3)  # tr B / 2 = 2, tr A / 3 = 8: π = 2
+        >>> solvers = optim.trace_norm_cholesky([B, A], damping=0.0)
+        >>> G = torch.full((2, 3), 16.0)
+        >>> torch.allclose(optim.kron_cholesky_solve(solvers, G), torch.ones(2, 3))
+        True
     """
     return _kron_apply(solvers, matrix, torch.cholesky_solve, cholesky_solve_right)
 
 
 def kron_solve(solvers: Sequence, matrix: torch.Tensor) -> torch.Tensor:
-    """``B⁻¹ G A⁻¹`` (``B⁻¹ G`` for ``[B]``) from the entries of :func:`trace_norm_solvers`:
-    dense inverses applied by matrix products, or :class:`LowRankInverse` by Woodbury. In the
-    solvers' precision; the result has ``matrix``'s dtype."""
+    """The Kronecker solve ``B⁻¹ G A⁻¹`` (``B⁻¹ G`` for ``[B]``) from dense inverses.
+
+    From the entries of :func:`trace_norm_solvers`: dense inverses applied by matrix products,
+    or :class:`LowRankInverse` by Woodbury.
+
+    Args:
+        solvers: one entry per factor, from :func:`trace_norm_solvers`.
+        matrix: ``G``, ``[dim B, dim A]`` (``[dim B, k]`` for ``[B]``).
+
+    Returns:
+        ``B⁻¹ G A⁻¹``, in the solvers' precision, returned in ``matrix``'s dtype.
+
+    Example:
+        >>> import torch
+        >>> from curvopt import optim
+        >>> B, A = 2 * torch.eye(2), 8 * torch.eye(3)  # tr B / 2 = 2, tr A / 3 = 8: π = 2
+        >>> solvers = optim.trace_norm_solvers([B, A], damping=0.0)
+        >>> G = torch.full((2, 3), 16.0)
+        >>> torch.allclose(optim.kron_solve(solvers, G), torch.ones(2, 3))
+        True
+    """
     return _kron_apply(solvers, matrix, lambda m, f: f @ m, lambda m, f: m @ f)
 
 

@@ -42,12 +42,30 @@ def cached(
     interval: int,
     compute: Callable[[], Any],
 ) -> CacheEntry:
-    """The entry to use at ``step``: ``entry`` itself, or a new one holding ``compute()``.
+    """The cache entry to use at ``step``: ``entry`` itself, or a new one holding ``compute()``.
 
     ``compute`` runs when there is no entry, or when the inputs changed (``key`` differs from
     ``entry["key"]``) and at least ``interval`` steps passed since ``entry["step"]``. So with
     ``interval = m`` an inverse is recomputed at most every ``m`` steps, and never while its
     inputs (e.g. curvature version, damping) stay the same. ``entry`` is not modified.
+
+    Args:
+        entry: the previous entry ``{"value", "key", "step"}``, or ``None``.
+        key: what the value depends on (compared with ``!=``).
+        step: the current step count.
+        interval: the least number of steps between two computations.
+        compute: a callable returning the new value.
+
+    Returns:
+        The entry (a dict with ``"value"``, ``"key"`` and ``"step"``).
+
+    Example:
+        >>> from curvopt.optim import cached
+        >>> entry = cached(None, key="a", step=0, interval=2, compute=lambda: 1)
+        >>> cached(entry, key="b", step=1, interval=2, compute=lambda: 2)["value"]  # too early
+        1
+        >>> cached(entry, key="b", step=2, interval=2, compute=lambda: 2)["value"]
+        2
     """
     if entry is None or (entry["key"] != key and step - entry["step"] >= interval):
         return {"value": compute(), "key": key, "step": step}

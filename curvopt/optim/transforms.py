@@ -20,9 +20,23 @@ Curvature = Union[torch.Tensor, list[torch.Tensor]]
 
 
 def ema(average: Curvature | None, new: Curvature, decay: float) -> Curvature:
-    """``β · average + (1 − β) · new`` (element-wise, also over factor lists).
+    """The exponential moving average ``β · average + (1 − β) · new`` of a curvature.
 
-    With no previous average (``None``) or ``β = 0`` it is ``new`` itself.
+    Element-wise, also over Kronecker factor lists (factors that carry Gram roots keep them).
+
+    Args:
+        average: the previous average, or ``None`` (none yet).
+        new: the new curvature: a tensor or a list of factors.
+        decay: ``β ∈ [0, 1)``.
+
+    Returns:
+        The average; ``new`` itself when ``average`` is ``None`` or ``β = 0``.
+
+    Example:
+        >>> import torch
+        >>> from curvopt.optim import ema
+        >>> ema(torch.tensor([1.0]), torch.tensor([3.0]), decay=0.75)
+        tensor([1.5000])
     """
     if average is None or decay == 0:
         return new
@@ -55,14 +69,46 @@ def _ema_factor(average, new: torch.Tensor, decay: float):
 
 
 def add_weight_decay(grad: torch.Tensor, param: torch.Tensor, weight_decay: float) -> torch.Tensor:
-    """``g + δ θ``: the gradient of ``L + δ/2 ‖θ‖²``."""
+    """The gradient with weight decay ``g + δ θ``: the gradient of ``L + δ/2 ‖θ‖²``.
+
+    Args:
+        grad: ``g``.
+        param: ``θ``, of ``grad``'s shape.
+        weight_decay: ``δ``.
+
+    Returns:
+        ``g + δ θ`` (``grad`` itself when ``δ = 0``); the inputs are not modified.
+
+    Example:
+        >>> import torch
+        >>> from curvopt.optim import add_weight_decay
+        >>> add_weight_decay(torch.tensor([1.0]), torch.tensor([2.0]), 0.5)
+        tensor([2.])
+    """
     if weight_decay == 0:
         return grad
     return grad.add(param, alpha=weight_decay)
 
 
 def momentum(buffer: torch.Tensor | None, direction: torch.Tensor, mu: float) -> torch.Tensor:
-    """``v ← μ v + d`` with ``v = 0`` before the first step (so the first ``v`` is ``d``)."""
+    """The heavy-ball buffer ``v ← μ v + d``, with ``v = 0`` before the first step.
+
+    Args:
+        buffer: ``v``, or ``None`` before the first step.
+        direction: ``d``.
+        mu: ``μ``.
+
+    Returns:
+        The new ``v`` (``d`` itself when ``buffer`` is ``None`` or ``μ = 0``; otherwise
+        a new tensor).
+
+    Example:
+        >>> import torch
+        >>> from curvopt.optim import momentum
+        >>> v = momentum(None, torch.tensor([1.0]), 0.9)
+        >>> momentum(v.clone(), torch.tensor([1.0]), 0.9)
+        tensor([1.9000])
+    """
     if buffer is None or mu == 0:
         return direction
     return buffer.mul(mu).add_(direction)
