@@ -74,6 +74,26 @@ class CurvatureOptimizer(Collecting, Optimizer):
             loss.backward()
             return loss
         opt.step(closure)            # runs the closure inside opt.collect(); returns the loss
+
+    Args:
+        params: parameters or param groups, as for ``torch.optim.SGD``.
+        defaults: the hyper-parameters of every param group (from ``Options``).
+        process_group: under ``torch.distributed`` (optimizers that support it): ``None``
+            (the default group if initialized with several ranks), a ``ProcessGroup``, a
+            ``DistributedCurvature``, or ``False`` (rank-local).
+        collection: ``"auto"`` (default) or ``"explicit"``, as above.
+
+    Raises:
+        ValueError: invalid hyper-parameters of a param group, or an unknown ``collection``.
+
+    Example:
+        >>> import torch, curvopt
+        >>> model = curvopt.extend(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+        >>> opt = curvopt.optim.VarianceAdaptedSGD(model.parameters(), lr=0.1)
+        >>> isinstance(opt, curvopt.optim.CurvatureOptimizer)
+        True
+        >>> isinstance(opt, torch.optim.Optimizer)
+        True
     """
 
     #: whether averaging the collected quantities over ranks gives the right step (opt-in)

@@ -91,6 +91,32 @@ class NewtonOptimizer(CurvatureOptimizer):
     collect), :meth:`_direction` (``(C + λ I)⁻¹ g``) and :meth:`_quadratic` (``sᵀ C s``), and
     may check the curvature's shape in :meth:`_check_curvature` and declare a cached inverse
     in :meth:`_derived`.
+
+    Per parameter the step is ``θ ← θ − lr · v`` with ``g = ∇L + δ θ``,
+    ``d = (C + (λ + δ) I)⁻¹ g``, the trust-region factor ``ν`` (``kl_clip``) and
+    ``v = μ v + ν d`` (see the module docstring).
+
+    Args:
+        params: parameters or param groups, as for ``torch.optim.SGD``.
+        defaults: the hyper-parameters of every param group (from ``Options``).
+        process_group: under ``torch.distributed``: ``None``, a ``ProcessGroup``, a
+            ``DistributedCurvature`` or ``False``, as for :class:`CurvatureOptimizer`.
+        collection: ``"auto"`` (default) or ``"explicit"``, as for
+            :class:`CurvatureOptimizer`.
+        stages: ``None`` (default: the class's chain, ``curvopt.optim.stages.NEWTON``) or a
+            ``curvopt.optim.stages.Chain`` that replaces it.
+
+    Raises:
+        TypeError: ``stages`` is not a ``Chain``.
+
+    Example:
+        >>> import torch, curvopt
+        >>> model = curvopt.extend(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+        >>> opt = curvopt.optim.KFAC(model.parameters(), lr=0.1)
+        >>> isinstance(opt, curvopt.optim.NewtonOptimizer)
+        True
+        >>> opt.damping()  # the damping the next step of param group 0 uses
+        0.001
     """
 
     _distributable = True
