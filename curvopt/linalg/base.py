@@ -105,9 +105,44 @@ class BlockDiagonal(ParameterOperator):
 
 
 class CurvatureOperator(ParameterOperator):
-    """A curvature of ``lossfunc(model(inputs), targets)`` over ``data`` (see module doc).
+    """Base class of the curvature operators: a symmetric ``(P, P)`` ``LinearOperator`` over data.
 
-    Subclasses implement :meth:`_batch_matmat` or override :meth:`_apply`.
+    ``P`` counts the entries of the trainable parameters, ordered as ``model.parameters()``,
+    each ``vec(p)`` row-major; numpy in, numpy out (``op @ v``, ``op.matmat``,
+    ``op.to_dense()``), computed in torch with the model's dtype and device. Over batches ``b``
+    with ``R_b`` loss rows the matrix is ``C = (1/R) Σ_b R_b C_b`` for ``reduction="mean"`` (as
+    if ``data`` were one batch, ``R = Σ_b R_b``) and ``C = Σ_b C_b`` for ``"sum"``. Subclasses
+    implement ``_batch_matmat`` or override ``_apply``. Parameters and ``.grad`` are never
+    changed.
+
+    Args:
+        model: the model, extended by ``curvopt.extend`` (its trainable parameters, in
+            ``model.parameters()`` order, give ``P``).
+        lossfunc: the loss module, extended, with ``reduction="mean"`` or ``"sum"``.
+        data: a re-iterable of ``(input, target)`` batches (a list, a ``DataLoader``); inputs
+            may be tensors, tuples or dicts (``model(**inputs)``).
+        output: ``None`` (default: the model's output, or the ``.logits`` of a ``ModelOutput``)
+            or a callable picking the tensor the loss takes from the model's output.
+
+    Raises:
+        MissingLossError: ``lossfunc`` is not extended.
+        UnsupportedLossError: a loss curvopt does not support.
+        ValueError: the model is not extended, has no trainable parameter, or ``data`` is
+            empty.
+
+    Example:
+        >>> import numpy as np, torch, curvopt
+        >>> from curvopt import linalg
+        >>> _ = torch.manual_seed(0)
+        >>> model = curvopt.extend(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+        >>> lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())
+        >>> data = [
+        ...     (torch.randn(4, 3), torch.tensor([0, 1, 1, 0])),
+        ...     (torch.randn(2, 3), torch.tensor([1, 0])),
+        ... ]
+        >>> G = linalg.GGN(model, lossfunc, data)
+        >>> isinstance(G, linalg.CurvatureOperator), G.shape  # P = 2 * 3 + 2
+        (True, (8, 8))
     """
 
     def __init__(self, model: nn.Module, lossfunc: nn.Module, data: Iterable[Batch], output=None):

@@ -65,15 +65,86 @@ class _PerSample(_OutputCurvature):
 
 
 class GGN(_OutputCurvature):
-    """Exact generalized Gauss-Newton matrix ``G = Σ_b Jᵀ ∇²_f L_b J`` (weighted over batches)."""
+    """The exact generalized Gauss-Newton matrix ``G`` of the loss on all of ``data``, ``(P, P)``.
+
+    ``G = Σ_b w_b J_bᵀ (∇²_f L_b) J_b``, ``J_b`` the Jacobian of the loss input ``f`` of batch
+    ``b`` w.r.t. the parameters, ``L_b`` the batch's loss as the loss module computes it (so
+    with ``reduction="mean"`` it carries ``1/D``), batches weighted as in
+    :class:`CurvatureOperator`. Matrix-vector products by forward mode where every op supports
+    it, else reverse over reverse; the matrix is the same.
+
+    Args:
+        model: the model, extended by ``curvopt.extend`` (its trainable parameters, in
+            ``model.parameters()`` order, give ``P``).
+        lossfunc: the loss module, extended, with ``reduction="mean"`` or ``"sum"``.
+        data: a re-iterable of ``(input, target)`` batches (a list, a ``DataLoader``); inputs
+            may be tensors, tuples or dicts (``model(**inputs)``).
+        output: ``None`` (default: the model's output, or the ``.logits`` of a ``ModelOutput``)
+            or a callable picking the tensor the loss takes from the model's output.
+
+    Raises:
+        MissingLossError: ``lossfunc`` is not extended.
+        UnsupportedLossError: a loss curvopt does not support.
+        ValueError: the model is not extended, has no trainable parameter, or ``data`` is
+            empty.
+
+    Example:
+        >>> import numpy as np, torch, curvopt
+        >>> from curvopt import linalg
+        >>> _ = torch.manual_seed(0)
+        >>> model = curvopt.extend(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+        >>> lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())
+        >>> data = [
+        ...     (torch.randn(4, 3), torch.tensor([0, 1, 1, 0])),
+        ...     (torch.randn(2, 3), torch.tensor([1, 0])),
+        ... ]
+        >>> G = linalg.GGN(model, lossfunc, data)
+        >>> (G @ np.ones(8)).shape
+        (8,)
+        >>> np.allclose(G.to_dense(), G.to_dense().T)
+        True
+    """
 
     def output_operator(self, targets):
         return loss_hessian(self.loss(targets))
 
 
 class EmpiricalFisher(_PerSample):
-    """``(1/R) Σ_r ∇ℓ_r ∇ℓ_rᵀ`` ("mean") or ``Σ_r ∇ℓ_r ∇ℓ_rᵀ`` ("sum"), ``ℓ_r`` the loss of
-    sample ``r`` at its data target."""
+    """The empirical Fisher on all of ``data``, on the GGN's scale, ``(P, P)``.
+
+    ``(1/N) Σ_n ∇ℓ_n ∇ℓ_nᵀ`` for ``reduction="mean"`` (``N`` all samples, ``ℓ_n`` the loss of
+    sample ``n`` at its data target) and ``Σ_n ∇ℓ_n ∇ℓ_nᵀ`` for ``"sum"``.
+
+    Args:
+        model: the model, extended by ``curvopt.extend`` (its trainable parameters, in
+            ``model.parameters()`` order, give ``P``).
+        lossfunc: the loss module, extended, with ``reduction="mean"`` or ``"sum"``.
+        data: a re-iterable of ``(input, target)`` batches (a list, a ``DataLoader``); inputs
+            may be tensors, tuples or dicts (``model(**inputs)``).
+        output: ``None`` (default: the model's output, or the ``.logits`` of a ``ModelOutput``)
+            or a callable picking the tensor the loss takes from the model's output.
+
+    Raises:
+        MissingLossError: ``lossfunc`` is not extended.
+        UnsupportedLossError: a loss curvopt does not support.
+        UnsupportedModuleError: a module that mixes samples (BatchNorm in training mode).
+        ValueError: the model is not extended, has no trainable parameter, or ``data`` is
+            empty.
+
+    Example:
+        >>> import numpy as np, torch, curvopt
+        >>> from curvopt import linalg
+        >>> _ = torch.manual_seed(0)
+        >>> model = curvopt.extend(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+        >>> lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())
+        >>> data = [
+        ...     (torch.randn(4, 3), torch.tensor([0, 1, 1, 0])),
+        ...     (torch.randn(2, 3), torch.tensor([1, 0])),
+        ... ]
+        >>> EF = linalg.EmpiricalFisher(model, lossfunc, data)
+        >>> bool(np.linalg.eigvalsh(EF.to_dense()).min() > -1e-6)  # positive semi-definite
+        True
+    """
 
     def output_operator(self, targets):
         def operator(output):
@@ -86,11 +157,44 @@ class EmpiricalFisher(_PerSample):
 
 
 class FisherMC(_PerSample):
-    """Monte-Carlo Fisher: the empirical Fisher at ``mc_samples`` targets per sample drawn from
-    the model's predictive distribution (as ``DiagGGNMC``/``KFAC`` draw them); ``E = G``.
+    """The Monte-Carlo Fisher on all of ``data``: ``E[FisherMC] = G``, ``(P, P)``.
 
-    The draws are fixed by ``seed`` (the same matrix on every product); the global RNG state
-    is left untouched.
+    The empirical Fisher at ``mc_samples`` targets per sample drawn from the model's predictive
+    distribution (as ``DiagGGNMC``/``KFAC`` draw them), scaled like ``G``, so that its
+    expectation is the GGN. The draws are fixed by ``seed`` (the same matrix on every product);
+    the global RNG state is left untouched.
+
+    Args:
+        model: the model, extended by ``curvopt.extend`` (its trainable parameters, in
+            ``model.parameters()`` order, give ``P``).
+        lossfunc: the loss module, extended, with ``reduction="mean"`` or ``"sum"``.
+        data: a re-iterable of ``(input, target)`` batches (a list, a ``DataLoader``); inputs
+            may be tensors, tuples or dicts (``model(**inputs)``).
+        mc_samples: targets drawn per sample (default 1).
+        seed: the seed of the draws (default 0).
+        output: ``None`` (default: the model's output, or the ``.logits`` of a ``ModelOutput``)
+            or a callable picking the tensor the loss takes from the model's output.
+
+    Raises:
+        MissingLossError: ``lossfunc`` is not extended.
+        UnsupportedLossError: a loss curvopt does not support.
+        UnsupportedModuleError: a module that mixes samples (BatchNorm in training mode).
+        ValueError: ``mc_samples`` is not a positive int, the model is not extended, has no
+            trainable parameter, or ``data`` is empty.
+
+    Example:
+        >>> import numpy as np, torch, curvopt
+        >>> from curvopt import linalg
+        >>> _ = torch.manual_seed(0)
+        >>> model = curvopt.extend(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+        >>> lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())
+        >>> data = [
+        ...     (torch.randn(4, 3), torch.tensor([0, 1, 1, 0])),
+        ...     (torch.randn(2, 3), torch.tensor([1, 0])),
+        ... ]
+        >>> F = linalg.FisherMC(model, lossfunc, data, mc_samples=1, seed=0)
+        >>> np.allclose(F @ np.ones(8), F @ np.ones(8))  # the same draws on every product
+        True
     """
 
     def __init__(self, model, lossfunc, data, mc_samples: int = 1, seed: int = 0, output=None):
@@ -115,7 +219,41 @@ class FisherMC(_PerSample):
 
 
 class Hessian(CurvatureOperator):
-    """Hessian ``∇²_θ L`` of the loss on all of ``data`` (double backward per batch)."""
+    """The Hessian ``∇²_θ L`` of the loss on all of ``data``, ``(P, P)``.
+
+    Including the curvature of the network itself (unlike :class:`GGN`); batches weighted as
+    in :class:`CurvatureOperator`. Products by double backward per batch.
+
+    Args:
+        model: the model, extended by ``curvopt.extend`` (its trainable parameters, in
+            ``model.parameters()`` order, give ``P``).
+        lossfunc: the loss module, extended, with ``reduction="mean"`` or ``"sum"``.
+        data: a re-iterable of ``(input, target)`` batches (a list, a ``DataLoader``); inputs
+            may be tensors, tuples or dicts (``model(**inputs)``).
+        output: ``None`` (default: the model's output, or the ``.logits`` of a ``ModelOutput``)
+            or a callable picking the tensor the loss takes from the model's output.
+
+    Raises:
+        MissingLossError: ``lossfunc`` is not extended.
+        UnsupportedLossError: a loss curvopt does not support.
+        ValueError: the model is not extended, has no trainable parameter, or ``data`` is
+            empty.
+
+    Example:
+        >>> import numpy as np, torch, curvopt
+        >>> from curvopt import linalg
+        >>> _ = torch.manual_seed(0)
+        >>> model = curvopt.extend(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+        >>> lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())
+        >>> data = [
+        ...     (torch.randn(4, 3), torch.tensor([0, 1, 1, 0])),
+        ...     (torch.randn(2, 3), torch.tensor([1, 0])),
+        ... ]
+        >>> H = linalg.Hessian(model, lossfunc, data)
+        >>> G = linalg.GGN(model, lossfunc, data)
+        >>> np.allclose(H.to_dense(), G.to_dense(), atol=1e-6)  # a linear model: H = G
+        True
+    """
 
     def _batch_matmat(self, inputs, targets, vectors):
         forward = model_function(self.model, self.names, inputs, self.output)

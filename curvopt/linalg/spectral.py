@@ -19,7 +19,22 @@ from scipy.sparse.linalg import LinearOperator, eigsh
 
 @dataclass(frozen=True)
 class Estimate:
-    """A Monte-Carlo estimate: ``value``, its ``std_error`` (same shape) and the probe count."""
+    """A Monte-Carlo estimate with its standard error, as the Hutchinson estimators return it.
+
+    Args:
+        value: the estimate (a float, or an array for a diagonal).
+        std_error: ``std(samples) / sqrt(m)`` (sample standard deviation over the ``m``
+            probes), of ``value``'s shape.
+        num_samples: ``m``, the number of probes.
+
+    Example:
+        >>> import numpy as np
+        >>> from scipy.sparse.linalg import aslinearoperator
+        >>> from curvopt import linalg
+        >>> op = aslinearoperator(np.diag([1.0, 2.0, 3.0]))  # or linalg.GGN(...), ...
+        >>> linalg.hutchinson_trace(op, num_samples=4)  # exact for a diagonal operator
+        Estimate(value=6.0, std_error=0.0, num_samples=4)
+    """
 
     value: np.ndarray | float
     std_error: np.ndarray | float
@@ -29,10 +44,31 @@ class Estimate:
 def top_eigenpairs(
     op: LinearOperator, k: int = 1, which: str = "LA", tol: float = 0.0, seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(values [k], vectors [P, k])``, values sorted from largest to smallest.
+    """The ``k`` extreme eigenpairs of a symmetric operator, by Lanczos (``scipy``'s ``eigsh``).
 
-    ``which``: ``"LA"`` largest algebraic (default), ``"SA"`` smallest, ``"LM"`` largest
-    magnitude. ``k < P`` is required (use ``np.linalg.eigh(op.to_dense())`` for all of them).
+    Args:
+        op: a symmetric ``(P, P)`` ``LinearOperator`` (any ``curvopt.linalg`` operator).
+        k: the number of eigenpairs, ``1 <= k < P`` (for all of them use
+            ``np.linalg.eigh(op.to_dense())``).
+        which: ``"LA"`` largest algebraic (default), ``"SA"`` smallest, ``"LM"`` largest
+            magnitude.
+        tol: the relative accuracy of ``eigsh`` (default 0: machine precision).
+        seed: the seed of the start vector (default 0).
+
+    Returns:
+        ``(values [k], vectors [P, k])``, values sorted from largest to smallest.
+
+    Raises:
+        ValueError: ``k`` is not in ``[1, P)``.
+
+    Example:
+        >>> import numpy as np
+        >>> from scipy.sparse.linalg import aslinearoperator
+        >>> from curvopt import linalg
+        >>> op = aslinearoperator(np.diag([1.0, 2.0, 3.0]))  # or linalg.GGN(...), ...
+        >>> values, vectors = linalg.top_eigenpairs(op, k=2)
+        >>> values.round(6), vectors.shape
+        (array([3., 2.]), (3, 2))
     """
     size = op.shape[0]
     if not 1 <= k < size:
@@ -53,7 +89,29 @@ def _probes(op: LinearOperator, num_samples: int, seed: int) -> np.ndarray:
 
 
 def hutchinson_trace(op: LinearOperator, num_samples: int = 32, seed: int = 0) -> Estimate:
-    """Unbiased ``tr C`` from ``num_samples`` Rademacher probes (one ``matmat``)."""
+    """Hutchinson's unbiased trace estimate ``tr C ≈ (1/m) Σ_i z_iᵀ C z_i``, Rademacher ``z_i``.
+
+    One ``matmat`` with all ``m`` probes.
+
+    Args:
+        op: a symmetric ``(P, P)`` ``LinearOperator``.
+        num_samples: ``m ≥ 2`` probes (default 32).
+        seed: the seed of the probes (default 0).
+
+    Returns:
+        An :class:`Estimate` with a float ``value`` and ``std_error``.
+
+    Raises:
+        ValueError: ``num_samples < 2`` (no standard error).
+
+    Example:
+        >>> import numpy as np
+        >>> from scipy.sparse.linalg import aslinearoperator
+        >>> from curvopt import linalg
+        >>> op = aslinearoperator(np.diag([1.0, 2.0, 3.0]))  # or linalg.GGN(...), ...
+        >>> linalg.hutchinson_trace(op, num_samples=8).value
+        6.0
+    """
     products = _probes(op, num_samples, seed)
     samples = products.sum(0)
     return Estimate(
@@ -62,6 +120,28 @@ def hutchinson_trace(op: LinearOperator, num_samples: int = 32, seed: int = 0) -
 
 
 def hutchinson_diagonal(op: LinearOperator, num_samples: int = 32, seed: int = 0) -> Estimate:
-    """Unbiased ``diag C`` (``[P]``) from ``num_samples`` Rademacher probes, element-wise errors."""
+    """Hutchinson's unbiased diagonal estimate ``diag C ≈ (1/m) Σ_i z_i ⊙ C z_i``.
+
+    Rademacher probes ``z_i``, one ``matmat``; standard errors element-wise.
+
+    Args:
+        op: a symmetric ``(P, P)`` ``LinearOperator``.
+        num_samples: ``m ≥ 2`` probes (default 32).
+        seed: the seed of the probes (default 0).
+
+    Returns:
+        An :class:`Estimate` with ``value`` and ``std_error`` of shape ``[P]``.
+
+    Raises:
+        ValueError: ``num_samples < 2``.
+
+    Example:
+        >>> import numpy as np
+        >>> from scipy.sparse.linalg import aslinearoperator
+        >>> from curvopt import linalg
+        >>> op = aslinearoperator(np.diag([1.0, 2.0, 3.0]))  # or linalg.GGN(...), ...
+        >>> linalg.hutchinson_diagonal(op, num_samples=8).value
+        array([1., 2., 3.])
+    """
     products = _probes(op, num_samples, seed)
     return Estimate(products.mean(1), products.std(1, ddof=1) / np.sqrt(num_samples), num_samples)
