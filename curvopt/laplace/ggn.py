@@ -18,8 +18,45 @@ from curvopt.laplace.interface import CurvoptInterface
 
 
 class CurvoptGGN(CurvoptInterface, GGNInterface):
-    """The generalized Gauss-Newton matrix (``stochastic=True``: its Monte-Carlo Fisher with
-    ``num_samples`` sampled targets) as laplace's curvature."""
+    """The generalized Gauss-Newton matrix as laplace-torch's curvature (``backend=CurvoptGGN``).
+
+    ``G = Σ_n J_nᵀ H_n J_n`` of laplace's summed loss (``J_n`` the Jacobian of the model output
+    of sample ``n`` w.r.t. the parameters, ``H_n`` the loss Hessian w.r.t. that output), times
+    ``factor``; with ``stochastic=True`` its Monte-Carlo Fisher from ``num_samples`` targets
+    drawn from the model's predictive distribution (``E = G``). ``diag`` is ``DiagGGNExact``
+    (``DiagGGNMC``), ``kron`` ``KFLR`` (``KFAC``) factors, ``full`` laplace's ``Jᵀ H J`` from the
+    Jacobians (curvopt's per-sample gradients of each output).
+
+    Args:
+        model: the model (laplace passes it; ``curvopt.extend`` is applied to it here).
+        likelihood: ``"classification"`` (loss ``CrossEntropyLoss(reduction="sum")``, logits
+            ``[..., C]`` flattened to rows) or ``"regression"`` (``MSELoss(reduction="sum")``,
+            ``factor = 1/2``).
+        last_layer: curvature of the last layer only, on the model's (constant) features.
+        subnetwork_indices: ``None`` or the indices (into the flattened parameters) of a
+            subnetwork to restrict every vector to.
+        dict_key_x: the key of the input in dict (Hugging Face) batches (default
+            ``"input_ids"``).
+        dict_key_y: the key of the targets in dict batches (default ``"labels"``).
+        stochastic: the Monte-Carlo Fisher instead of the exact GGN (default ``False``).
+        num_samples: targets drawn per sample when ``stochastic`` (default 1).
+        kfac_approx: ``"expand"`` (default) or ``"reduce"``: how ``kron`` treats positions that
+            share a weight (sequences, conv locations; Eschenhagen et al., 2023).
+
+    Raises:
+        ValueError: ``kfac_approx`` is not ``"expand"`` or ``"reduce"``.
+
+    Example::
+
+        from laplace import Laplace
+        from curvopt.laplace import CurvoptGGN
+
+        la = Laplace(model, "classification", subset_of_weights="all",
+                     hessian_structure="kron", backend=CurvoptGGN)
+        la.fit(train_loader)                       # KronLaplace from curvopt's KFLR factors
+        la.optimize_prior_precision()
+        probs = la(X_test, pred_type="glm")
+    """
 
     def __init__(
         self,

@@ -27,10 +27,38 @@ from curvopt.layers.kron import output_factor_index
 
 
 class CurvoptInterface(CurvatureInterface):
-    """Model, loss and parameters as laplace sets them; curvature from ``curvopt.collect``.
+    """What both curvopt backends of laplace-torch share: model, loss and one collected pass.
 
-    ``kfac_approx`` (``"expand"`` or ``"reduce"``): how ``kron`` treats positions that share a
-    weight (sequences, conv locations; Eschenhagen et al., 2023).
+    Model, loss and parameters as laplace sets them (``laplace.curvature.CurvatureInterface``);
+    curvature from ``curvopt.collect``, returned times laplace's ``factor`` with the loss.
+    Vectors are over ``self.params`` (all trainable parameters, or the last layer's), each
+    ``vec(p)`` row-major. Kronecker factors are in ``p``'s dim order, the input side rescaled by
+    ``M / N`` (``M`` the batch, ``N`` the data set) so that laplace's sum over batches is right.
+    Use a subclass: :class:`~curvopt.laplace.CurvoptGGN` or :class:`~curvopt.laplace.CurvoptEF`.
+
+    Args:
+        model: the model (laplace passes it; ``curvopt.extend`` is applied to it here).
+        likelihood: ``"classification"`` (loss ``CrossEntropyLoss(reduction="sum")``, logits
+            ``[..., C]`` flattened to rows) or ``"regression"`` (``MSELoss(reduction="sum")``,
+            ``factor = 1/2``).
+        last_layer: curvature of the last layer only, on the model's (constant) features.
+        subnetwork_indices: ``None`` or the indices (into the flattened parameters) of a
+            subnetwork to restrict every vector to.
+        dict_key_x: the key of the input in dict (Hugging Face) batches (default
+            ``"input_ids"``).
+        dict_key_y: the key of the targets in dict batches (default ``"labels"``).
+        kfac_approx: ``"expand"`` (default) or ``"reduce"``: how ``kron`` treats positions that
+            share a weight (sequences, conv locations; Eschenhagen et al., 2023).
+
+    Raises:
+        ValueError: ``kfac_approx`` is not ``"expand"`` or ``"reduce"``.
+
+    Example::
+
+        from laplace import Laplace
+        from curvopt.laplace import CurvoptEF, CurvoptGGN, CurvoptInterface
+
+        issubclass(CurvoptGGN, CurvoptInterface) and issubclass(CurvoptEF, CurvoptInterface)  # True
     """
 
     def __init__(
