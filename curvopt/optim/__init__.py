@@ -1,8 +1,8 @@
 """Curvature optimizers and the damping-and-inversion layer they share.
 
 Optimizers (``torch.optim.Optimizer`` subclasses): :class:`DiagGGNNewton`, :class:`KFAC`,
-:class:`EKFAC`, :class:`VarianceAdaptedSGD`. The layer (pure tensor functions, usable on their
-own):
+:class:`EKFAC`, :class:`EigenAdam`, :class:`VarianceAdaptedSGD`. The layer (pure tensor
+functions, usable on their own):
 
 * damping strategies: :class:`ConstantDamping`, :class:`ScheduledDamping`,
   :class:`LevenbergMarquardt`, :func:`as_damping`, :func:`reduction_ratio`;
@@ -32,6 +32,7 @@ from curvopt.optim.distributed import DistributedCurvature
 from curvopt.optim.diagonal import diag_precondition, diag_quadratic
 from curvopt.optim.kfac import KFAC
 from curvopt.optim.ekfac import EKFAC
+from curvopt.optim.eigen_adam import EigenAdam
 from curvopt.engine.psd import psd_eigh
 from curvopt.optim.kron_exact import exact_damped_solve, kron_eigh, kron_matmul, kron_quadratic
 from curvopt.optim.factor_inverse import (
@@ -63,6 +64,7 @@ __all__ = [
     "CurvatureOptimizer",
     "DiagGGNNewton",
     "DistributedCurvature",
+    "EigenAdam",
     "LevenbergMarquardt",
     "LowRankInverse",
     "NewtonOptimizer",

@@ -99,6 +99,7 @@ def announce(owner: str, pending: dict[str, str], announced: set[str], stackleve
             "diagonal": "by their diagonal curvature (fallback='diagonal', the default; see "
             "curvopt.optim.fallback)",
             "sgd": "by their plain gradient (fallback='sgd')",
+            "adam": "by Adam in the identity basis (fallback='adam', EigenAdam's default)",
         }[fallback]
         warnings.warn(
             f"{owner}: parameters {names} have no Kronecker factorisation, so they are "

@@ -7,6 +7,9 @@ for one optimizer, ``stages=NEWTON.with_stage(MyStage())``.
 
 from curvopt.optim.stages.base import Chain, GroupStep, ParamStep, Preconditioner, Stage
 from curvopt.optim.stages.curvature_ema import AverageCurvature
+from curvopt.optim.stages.decoupled_weight_decay import DecoupledWeightDecay
+from curvopt.optim.stages.eigenbasis import RefreshEigenbasis
+from curvopt.optim.stages.eigenbasis_adam import EigenbasisAdam
 from curvopt.optim.stages.learning_rate import ScaleByLearningRate
 from curvopt.optim.stages.momentum import TraceMomentum
 from curvopt.optim.stages.precondition import Precondition
@@ -27,15 +30,31 @@ NEWTON = Chain(
     )
 )
 
+#: ``EigenAdam``'s step: Adam in the eigenbasis of the averaged Kronecker factors
+EIGEN_ADAM = Chain(
+    (
+        AverageCurvature(),
+        RefreshEigenbasis(),
+        EigenbasisAdam(),
+        DecoupledWeightDecay(),
+        ScaleByLearningRate(),
+        ScheduleFree(),
+    )
+)
+
 __all__ = [
+    "EIGEN_ADAM",
     "NEWTON",
     "AddWeightDecay",
     "AverageCurvature",
     "Chain",
+    "DecoupledWeightDecay",
+    "EigenbasisAdam",
     "GroupStep",
     "ParamStep",
     "Precondition",
     "Preconditioner",
+    "RefreshEigenbasis",
     "ScaleByLearningRate",
     "ScaleByTrustRegion",
     "ScheduleFree",
