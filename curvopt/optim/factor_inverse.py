@@ -281,9 +281,8 @@ def solver_flops(solver, dim: int, columns: int) -> int:
 
 
 #: an ``n × n`` symmetric eigendecomposition costs about ``EIGH_COST · n³`` in the units where the
-#: dense inverse of a factor of size ``d`` costs ``d³``: fitted to the setups of a 3136-wide
-#: factor on CPU (``benchmarks/results/gram_factor.md``: from 1,024 and 1,568 rows Woodbury took
-#: 710 and 1,953 ms against 568-670 ms dense, which gives 21 and 18)
+#: dense inverse of a factor of size ``d`` costs ``d³``: fitted on CPU to a 3136-wide factor
+#: (``benchmarks/results/gram_factor.md`` has the measurements)
 EIGH_COST = 20
 
 

@@ -25,9 +25,8 @@ Why ``"diagonal"`` by default: with ``lr`` and ``damping`` chosen for Kronecker 
 (``(C + λ)⁻¹ g``, up to ``1/λ = 1000`` times ``g`` where the curvature is small) the plain
 gradient is on another scale, far smaller, so such a parameter would barely train; the
 diagonal step is on the blocks' scale at the cost of one more pass of the columns through the
-owning module, for these parameters alone. On two tiny ViTs (issue 21) ``"sgd"`` trained about
-as well; an Adam-style ``d = g / (√v̂ + ε)`` stalled or diverged at KFAC's learning rates (its
-step per entry ignores the curvature scale) and was dropped.
+owning module, for these parameters alone. An Adam-style ``d = g / (√v̂ + ε)`` is not offered:
+its step per entry ignores the curvature scale, so it does not fit KFAC's learning rates.
 
 Announced once: the first step that preconditions a parameter by its fallback warns, naming
 the parameters (each optimizer names a parameter once, :func:`announce`); the collection's

@@ -162,8 +162,9 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
         as_matrix(param, curvature)
 
     def _inverse_options(self, group) -> InverseOptions:
-        # a product with a dense inverse runs ~2x faster than two triangular solves, and forming
-        # the inverse costs ~2x the Cholesky factorisation: worth it when it is applied again
+        # a product with a dense inverse is one matrix product where triangular solves are two,
+        # and forming the inverse costs about as much again as the Cholesky factorisation:
+        # worth it when it is applied again
         reused = max(group["inverse_interval"], group["curvature_interval"]) > 1
         # Woodbury needs each rank's own roots: off when inverses are spread over ranks
         low_rank = self._distributed is None

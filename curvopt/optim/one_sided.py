@@ -8,10 +8,10 @@ basis ``Q_i`` on each side narrower than ``m`` (the eigenvectors of that side's 
 ``S = c Σ_n (Q_0ᵀ G_n Q_1)²``: exactly the diagonal of the empirical Fisher in that basis, as
 for two-sided EKFAC. What it gives up is the rotation of the wide side: on FMNIST 2C2D's fc1
 (``3136 → 1024``, ``m = 1024``) ``S`` is diagonal over the 3136 inputs, as Adam's is, and the
-3136² input factor is never eigendecomposed (2.1 s, one thread), and the step skips three
+3136² input factor is never eigendecomposed, and the step skips three
 quarters of its dense rotations (``1024 / (1024 + 3136)`` of them are left). The pass that
 computes ``S`` is handed the identity as a tensor (the engine's fast moment of a dense layer
-takes two bases), so it still multiplies the inputs by it (``N d²`` flops, 1.3 GFLOP on fc1).
+takes two bases), so it still multiplies the inputs by it (``N d²`` flops).
 
 The basis is found from the factors of a basis step and used from the next step on (the
 supplied basis of a pass must be known before it); the first step uses the identity on both

@@ -105,8 +105,8 @@ def describe(param_groups, group: dict[str, Any], index: int, param: torch.Tenso
 
 def _size(tensor: torch.Tensor) -> torch.Tensor:
     """``‖t‖∞ = max(−min t, max t)`` in float64 (inf or NaN for non-finite entries; 0 for no
-    entries): one pass of ``aminmax`` (exact; 25x faster than ``vector_norm`` with a float64
-    ``dtype``, which converts every entry: 22 against 0.8 ms for a 1024 x 3136 weight)."""
+    entries): one pass of ``aminmax`` (exact, and cheaper than ``vector_norm`` with a float64
+    ``dtype``, which converts every entry)."""
     if tensor.numel() == 0:
         return torch.zeros((), dtype=torch.float64, device=tensor.device)
     low, high = torch.aminmax(tensor.detach())
