@@ -37,9 +37,6 @@ NO_ARGUMENTS = {
 #: ``curvopt/optim/distributed/``); expected to fail until they get ``Args:`` and an example
 PENDING = {
     "curvopt.VerificationError": "curvopt/verify.py",
-    "curvopt.optim.psd_eigh": "curvopt/engine/psd.py",
-    "curvopt.optim.kl_clip_factor": "curvopt/optim/stages/trust_region.py",
-    "curvopt.optim.DistributedCurvature": "curvopt/optim/distributed/__init__.py",
 }
 
 #: a single ``>>>`` example may take this long (they are meant to run in about a second)

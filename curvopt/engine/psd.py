@@ -25,11 +25,25 @@ def psd_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``Q`` is orthogonal ``[d, d]``; both in :func:`working_dtype`.
 
     Zero rows (a zero diagonal entry of a PSD matrix: an input feature that is always 0, such
-    as MNIST's border pixels) are deflated exactly: their unit vectors with eigenvalue 0 come
-    first, then the eigenpairs of the remaining block. LAPACK's solver returned NaN without
-    raising, and failed to converge in float64, on MNIST logreg's input factor (784 x 784, 286
-    zero rows); a non-finite float32 result is also recomputed in float64 and cast back.
-    Raises ``torch.linalg.LinAlgError`` for a non-finite ``M``.
+    as an image's border pixels) are deflated exactly: their unit vectors with eigenvalue 0
+    come first, then the eigenpairs of the remaining block (LAPACK's solver can return NaN
+    without raising on such matrices); a non-finite float32 result is recomputed in float64
+    and cast back.
+
+    Args:
+        matrix: the symmetric PSD ``M``, ``[d, d]``.
+
+    Returns:
+        ``(s [d], Q [d, d])``, ascending eigenvalues.
+
+    Raises:
+        torch.linalg.LinAlgError: ``M`` has non-finite entries.
+
+    Example:
+        >>> import torch
+        >>> s, q = psd_eigh(torch.tensor([[2.0, 0.0], [0.0, 0.0]]))
+        >>> s
+        tensor([0., 2.])
     """
     dtype = working_dtype(matrix.dtype)
     matrix = matrix.to(dtype)

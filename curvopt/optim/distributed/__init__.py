@@ -50,6 +50,16 @@ class DistributedCurvature:
         bucket_cap_mb: largest all-reduce buffer of curvature (as DDP's ``bucket_cap_mb``).
 
     ``stats`` (:class:`CommStats`) counts the bytes and calls of its collectives.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialized.
+        ValueError: ``bucket_cap_mb`` is not positive.
+
+    Example::
+
+        torch.distributed.init_process_group("gloo")  # under torchrun
+        opt = curvopt.optim.KFAC(model.parameters(), lr=0.05,
+                                 process_group=DistributedCurvature(bucket_cap_mb=50))
     """
 
     def __init__(self, process_group=None, *, bucket_cap_mb: float = 25.0):

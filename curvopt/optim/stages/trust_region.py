@@ -35,7 +35,21 @@ def kl_clip_factor(
 
     ``lr² Σ g·d`` is the squared step length ``lr² dᵀ C d`` measured in the (damped) curvature
     ``C`` when ``d = C⁻¹ g``, a proxy for the KL divergence of the step; scaling the step by ``ν``
-    keeps it at most ``κ``. Returns 1 when ``Σ g·d ≤ 0``, or ``lr == 0``.
+    keeps it at most ``κ``.
+
+    Args:
+        grads: the group's gradients ``g``.
+        directions: the preconditioned directions ``d``, shaped as the gradients.
+        lr: the learning rate.
+        kl_clip: the bound ``κ``.
+
+    Returns:
+        ``ν`` (a float), 1 when ``Σ g·d ≤ 0`` or ``lr == 0``.
+
+    Example:
+        >>> import torch
+        >>> kl_clip_factor([torch.ones(4)], [torch.ones(4)], lr=1.0, kl_clip=1.0)
+        0.5
     """
     products = [_dot(g, d) for g, d in zip(grads, directions)]
     if not products:
