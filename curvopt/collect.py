@@ -36,7 +36,8 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
     ``skip_unsupported=True`` opts in to leaving out the parameters that have no Kronecker
     factorisation (a ViT's class token and position embeddings, raw 3-D parameters, recurrent
     weights): they get no ``kfac``/``kflr`` attribute, their names are listed in
-    ``self.skipped`` (name -> reason) and a warning names them. ``skip_unsupported="diagonal"``
+    ``self.skipped`` (name -> the one-sentence cause, shared by the parameters it holds for)
+    and a warning names each cause once, with its parameters. ``skip_unsupported="diagonal"``
     writes for them the diagonal of the same curvature instead, ``p.kfac_diagonal`` /
     ``p.kflr_diagonal`` / ``p.ekfac_diagonal`` (``p.shape``, from the same propagated columns:
     the Monte-Carlo GGN diagonal for ``KFAC``, the exact one for ``KFLR``, that of the columns
@@ -50,7 +51,7 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
             ``"diagonal"`` (their diagonal instead of factors).
 
     Returns:
-        The context manager; ``skipped`` lists the parameters left out (name -> reason).
+        The context manager; ``skipped`` lists the parameters left out (name -> cause).
 
     Raises:
         ExtensionConflictError: two extensions write one attribute with different settings.
@@ -88,7 +89,8 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
                 f"skip_unsupported must be False, True or 'diagonal', got {skip_unsupported!r}"
             )
         self.skip_unsupported = skip_unsupported
-        #: parameters left out under ``skip_unsupported``: name -> why
+        #: parameters left out under ``skip_unsupported``: name -> why (the short cause, the same
+        #: string for every parameter with that cause)
         self.skipped: Dict[str, str] = {}
 
     def __enter__(self):
@@ -112,11 +114,12 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
         return False
 
     def _warn_skipped(self) -> None:
+        """One warning naming each cause once, with the parameters it left out."""
         if self.skipped:
             warnings.warn(
                 "curvopt.collect(skip_unsupported=True) wrote no Kronecker factors for "
-                f"{sorted(self.skipped)} (no Kronecker factorisation for them); "
-                "optim.KFAC(..., fallback='diagonal') preconditions them by their diagonal",
+                f"{skipped_by_cause(self.skipped)}. optim.KFAC(..., fallback='diagonal') "
+                "preconditions them by their diagonal; see docs/support.md#no-kronecker-factors.",
                 stacklevel=3,
             )
 
@@ -154,6 +157,17 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
             self._pass = self._new_pass(task)
             self._nested = set()
         return self._pass
+
+
+def skipped_by_cause(skipped: Dict[str, str]) -> str:
+    """``skipped`` (parameter name -> cause) as ``'a', 'b' (cause); 'c' (other cause)``: each
+    cause once, after its parameters, in the order of their names."""
+    names: Dict[str, list] = {}
+    for name in sorted(skipped):
+        names.setdefault(skipped[name], []).append(name)
+    return "; ".join(
+        f"{', '.join(repr(n) for n in group)} ({cause})" for cause, group in names.items()
+    )
 
 
 def refresh() -> None:

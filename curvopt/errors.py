@@ -1,8 +1,9 @@
 """Exceptions raised by curvopt.
 
-Every error names what is wrong (the module and its path in the model, the loss, the option)
-and how to fix it. They derive from the built-in exception a user would expect, so
-``except ValueError`` / ``except NotImplementedError`` keep working.
+Every error says in two sentences what is wrong (the module and its path in the model, the loss,
+the option) and how to fix it; the details are in ``docs/support.md`` ("Errors and their
+fixes"), which the messages link to. They derive from the built-in exception a user would
+expect, so ``except ValueError`` / ``except NotImplementedError`` keep working.
 """
 
 
@@ -16,7 +17,12 @@ class UnsupportedModuleError(CurvoptError, NotImplementedError):
 
 class UnsupportedKroneckerError(UnsupportedModuleError):
     """A parameter without a Kronecker factorisation (``collect(skip_unsupported=True)`` skips
-    these)."""
+    these). ``cause``: the one-sentence reason, without the parameter's name or path, that
+    ``collect(...).skipped`` lists (the whole message where none was given)."""
+
+    def __init__(self, message: str = "", cause: str = ""):
+        super().__init__(message)
+        self.cause = cause or message
 
 
 class UnsupportedLossError(CurvoptError, ValueError):
@@ -36,10 +42,47 @@ class GraphReuseError(CurvoptError, RuntimeError):
 
 
 def module_error(module, reason: str) -> UnsupportedModuleError:
-    """``UnsupportedModuleError`` naming ``module`` by its path in the model and its type."""
+    """``UnsupportedModuleError`` naming ``module`` by its path in the model and its type;
+    ``reason``: what is wrong, then the fix (two sentences, see the module doc)."""
+    return UnsupportedModuleError(f"{_module_prefix(module)}: {reason}")
+
+
+#: the reason of every module that normalises with the batch's statistics (BatchNorm in training
+#: mode), whatever asked for a quantity it has not: the same message from every entry point
+BATCH_STATISTICS = (
+    "it normalises with statistics of the whole batch, which mixes samples. Call model.eval() "
+    "(running statistics) or use a Monte-Carlo curvature (DiagGGNMC, KFAC); see "
+    "docs/support.md#batchnorm-in-training-mode."
+)
+
+#: the fix of every parameter without Kronecker factors (``kronecker_error``)
+NO_KRONECKER_FIX = (
+    "Use a diagonal quantity, collect(..., skip_unsupported=True) or "
+    "optim.KFAC(fallback='diagonal'); see docs/support.md#no-kronecker-factors"
+)
+
+
+def kronecker_error(module, what: str, cause: str) -> UnsupportedKroneckerError:
+    """``UnsupportedKroneckerError`` for ``what`` (a parameter of ``module``, named) without
+    Kronecker factors; ``cause``: why, in words that hold for every parameter with that cause
+    (no name, no path: ``collect(...).skipped`` groups the parameters by it)."""
+    return UnsupportedKroneckerError(
+        f"{_module_prefix(module)}: {what} has no Kronecker factorisation ({cause}). "
+        f"{NO_KRONECKER_FIX}.",
+        cause=f"{type(module).__name__}: {cause}",
+    )
+
+
+def _module_prefix(module) -> str:
     path = getattr(module, "_curvopt_path", type(module).__name__)
-    return UnsupportedModuleError(
-        f"curvopt cannot compute this for module {path!r} ({type(module).__name__}): {reason}"
+    return f"curvopt cannot compute this for module {path!r} ({type(module).__name__})"
+
+
+def reduction_none_error(loss_name: str) -> UnsupportedLossError:
+    """The error of a loss with ``reduction="none"``, wherever curvopt meets it."""
+    return UnsupportedLossError(
+        f"{loss_name}(reduction='none') returns per-sample losses, which have no single scale "
+        "or Hessian. Use reduction='mean' or reduction='sum'; see docs/support.md#losses."
     )
 
 

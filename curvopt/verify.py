@@ -122,9 +122,9 @@ def _compare(params, wanted, ref, rtol, X):
     if failed:
         raise VerificationError(
             "curvopt's quantities differ from the torch.func reference (per-sample re-runs of "
-            "the model): " + "; ".join(failed) + ". The model probably mixes samples, uses a "
-            "parameter outside its module, or has a layout curvopt cannot see; do not trust "
-            "these quantities for it"
+            "the model): " + "; ".join(failed) + ". Do not trust them for this model, which "
+            "likely mixes samples or uses a parameter outside its module; see "
+            "docs/support.md#when-to-run-curvoptverify."
         )
     return errors
 
@@ -138,11 +138,10 @@ def _second_derivatives(f: Callable, q: torch.Tensor) -> torch.Tensor:
         if "derivative" not in str(error) and "forward AD" not in str(error):
             raise
         raise UnsupportedModuleError(
-            "curvopt.verify: the torch.func reference of diag_h needs the second derivative of "
-            f"every op of the model, which torch does not implement for one of them ({error}). "
-            "curvopt's DiagHessian takes piecewise-linear ops (hardsigmoid, relu6, hardtanh) "
-            "as of zero curvature; to verify it, write such an op from clamp, e.g. "
-            "hardsigmoid(x) = (x + 3).clamp(0, 6) / 6, in the model you pass to verify"
+            "curvopt.verify: torch has no second derivative of an op of the model for the "
+            f"torch.func reference of diag_h ({str(error).strip().splitlines()[0][:120]}). "
+            "Write such a piecewise-linear op from clamp in the model you pass to verify, "
+            "hardsigmoid(x) = (x + 3).clamp(0, 6) / 6; see docs/support.md#diaghessian."
         ) from error
 
 

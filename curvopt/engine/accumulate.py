@@ -77,9 +77,9 @@ def _factors(attr, old: KroneckerFactors, new: KroneckerFactors, n_old, n_new):
 
 def _raises(attr, *_):
     raise AccumulationError(
-        f"p.{attr} of two backward passes in one collect do not combine (KFRA's factors "
-        "average curvature over each pass's own batch inside the recursion); run one backward "
-        "pass per collect, or use KFLR/KFAC, whose factors accumulate"
+        f"p.{attr} of two backward passes in one collect do not combine (KFRA's recursion "
+        "averages over each pass's own batch). Run one backward pass per collect or use "
+        "KFLR/KFAC; see docs/support.md#several-backward-passes."
     )
 
 
@@ -87,8 +87,9 @@ def _same_basis(attr, old, new, *_):
     if len(old) != len(new) or any(a is not b for a, b in zip(old[1:], new[1:])):
         raise AccumulationError(
             f"p.{attr} of two backward passes in one collect are in different eigenbases (each "
-            "pass's fresh bases are its own factors'), so their S do not add; supply the bases, "
-            "curvopt.extensions.EKFAC(bases={param: [Q_0, Q_1]}), or run one pass per collect"
+            "pass's own factors'), so their S do not add. Supply the bases, "
+            "EKFAC(bases={param: [Q_0, Q_1]}), or run one pass per collect; see "
+            "docs/support.md#several-backward-passes."
         )
     return new.replaced([old.eigenvalues + new.eigenvalues, *new.bases])
 

@@ -99,9 +99,8 @@ class BackwardPass:
             raise UnsupportedModuleError(
                 f"curvopt: the input of the extended loss {type(record.module).__name__} "
                 f"depends on parameters (one of shape {tuple(upstream.foreign[0].shape)}) "
-                "of modules that were not extended, "
-                "so curvopt cannot compute anything for them; extend the model too: "
-                "model = curvopt.extend(model)"
+                "of modules that were not extended. Extend the model too: "
+                "model = curvopt.extend(model); see docs/support.md#modules-that-are-not-extended."
             )
         if self.taking.skips_all(r.module for r in upstream.calls):
             self.ignored = True

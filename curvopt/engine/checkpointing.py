@@ -63,9 +63,10 @@ class Segment:
         if drew:
             raise UnsupportedModuleError(
                 f"curvopt: the segment {self._curvopt_path} of torch.utils.checkpoint(..., "
-                "use_reentrant=True, preserve_rng_state=False) draws random numbers (dropout), so "
-                "its recomputation differs from the forward and curvopt cannot reproduce the "
-                "forward's graph; use preserve_rng_state=True (the default) or use_reentrant=False"
+                "use_reentrant=True, preserve_rng_state=False) draws random numbers, so its "
+                "recomputation differs from the forward. Use preserve_rng_state=True (the "
+                "default) or use_reentrant=False; see "
+                "docs/support.md#checkpointing-and-compiled-graphs."
             )
         self.outputs = outputs
         node.metadata[_METADATA] = self
@@ -179,11 +180,10 @@ class _Region:
                 names = ", ".join(b._curvopt_path for b in self.barriers)
                 raise UnsupportedModuleError(
                     f"curvopt cannot propagate curvature around the reentrant checkpoint(s) "
-                    f"{names}: a tensor computed upstream of the checkpoint reaches the loss both "
-                    "through it and around it (a residual x + checkpoint(f, x), or an input "
-                    "passed to several checkpointed blocks), and torch's reentrant checkpoint "
-                    "refuses torch.autograd.grad; move that use inside the checkpointed "
-                    "function, or use torch.utils.checkpoint(..., use_reentrant=False)"
+                    f"{names}: a tensor reaches the loss both through and around it "
+                    "(x + checkpoint(f, x)). Move that use inside the checkpointed function or "
+                    "use use_reentrant=False; see "
+                    "docs/support.md#checkpointing-and-compiled-graphs."
                 )
 
 

@@ -209,9 +209,9 @@ class Checks:
             if key not in self.seen:
                 raise UnsupportedModuleError(
                     f"curvopt: parameter {name_of(p)!r} received a gradient, but its module was "
-                    "never called in this pass (the parameter is used functionally, e.g. "
-                    "F.linear(h, layer.weight)); curvopt sees parameters only through their "
-                    "module's forward: call the module instead"
+                    "never called in this pass (a functional use, F.linear(h, layer.weight)). "
+                    "Call the module instead; see "
+                    "docs/support.md#gradient-from-other-terms."
                 )
         for key in list(self.totals):
             if key in self.param_grads:
@@ -226,9 +226,10 @@ class Checks:
             if missing:
                 raise UnsupportedModuleError(
                     f"curvopt: parameter {name_of(p)!r} received "
-                    f"a gradient but no {', '.join(sorted(missing))}: the columns of the "
-                    "extended loss do not reach its module's output (the parameter's gradient "
-                    "comes from another term of the objective)"
+                    f"a gradient but no {', '.join(sorted(missing))}: its gradient comes from "
+                    "a term of the objective that is not an extended loss. Backpropagate only "
+                    "sums of extended losses inside collect; see "
+                    "docs/support.md#gradient-from-other-terms."
                 )
 
     def clear(self) -> None:
@@ -239,18 +240,15 @@ def _raise_wrong_sum(p, gap) -> None:
     """The error for per-sample results of ``p`` that do not sum to its gradient (``gap``)."""
     if not bool(gap.isfinite().all()):  # mismatch lets these through only for a finite grad
         raise UnsupportedModuleError(
-            f"curvopt: the per-sample results for parameter {name_of(p)!r} are not finite "
-            "(NaN or inf) where its gradient is: the layer rule of the module that owns it "
-            "went wrong on this input. Leave the parameter out (requires_grad=False) and "
-            "report the module and input shapes as a curvopt bug"
+            f"curvopt: the per-sample results for parameter {name_of(p)!r} are not finite where "
+            "its gradient is, so the rule of its module failed on this input. Report the "
+            "module and input shapes as a curvopt bug (meanwhile: requires_grad=False for it)."
         )
     raise UnsupportedModuleError(
         f"curvopt: parameter {name_of(p)!r} receives gradient from outside the module "
-        "that owns it (used functionally, e.g. a tied output layer "
-        "'h @ embedding.weight.T', or a penalty on the parameter added to the loss); "
-        "per-sample quantities and curvature cannot see that use. Use the parameter "
-        "only through its module (e.g. an nn.Linear sharing the weight) and keep "
-        "penalties on parameters out of the backward pass inside collect"
+        "that owns it (a tied head h @ emb.weight.T, or a penalty on it added to the loss). "
+        "Use it only through its module and keep penalties on parameters out of the backward "
+        "pass inside collect; see docs/support.md#gradient-from-other-terms."
     )
 
 

@@ -94,16 +94,16 @@ class Collection(collect):
         if self.stood_aside == "optimizer":
             raise ExtensionConflictError(
                 f"{owner}: another curvopt optimizer created later on the same parameters "
-                "collected the same quantities since this optimizer's last step, so this step "
-                "would read that optimizer's values; give each parameter one curvopt optimizer "
-                "(free the old one), or create them with collection='explicit'"
+                "collected the same quantities since this optimizer's last step. Give each "
+                "parameter one curvopt optimizer (free the old one), or create them with "
+                "collection='explicit'; see docs/support.md#several-backward-passes."
             )
         if self.stood_aside == "block" and self._accumulator.written:
             raise AccumulationError(
                 f"{owner}: between two steps some backward passes ran inside a curvopt.collect "
-                "block computing the quantities this optimizer needs and some outside it; the "
-                "block's values do not include the other passes. Run all of them inside the "
-                "block, or none (the optimizer collects on its own)"
+                "block computing this optimizer's quantities and some outside it. Run all of "
+                "them inside the block, or none (the optimizer collects on its own); see "
+                "docs/support.md#several-backward-passes."
             )
 
     def __enter__(self):

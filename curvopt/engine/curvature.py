@@ -47,7 +47,7 @@ import torch
 
 from curvopt.engine.compress import RowFactors, find_cut, row_local, row_probes
 from curvopt.engine.diagonals import coupled_estimate, diagonals
-from curvopt.errors import UnsupportedLossError, module_error
+from curvopt.errors import BATCH_STATISTICS, UnsupportedLossError, module_error
 from curvopt.extensions.quantity import Producer
 from curvopt.engine.hessian import residuals
 from curvopt.engine.kfra import kfra
@@ -71,14 +71,10 @@ _COLUMN_BUDGET = 1 << 23
 _CUT_BUDGET = 1 << 24
 
 
-#: a quantity a pass through a module that mixes samples cannot give (``diagonals``: coupled)
-_COUPLED = (
-    "it normalises with statistics of the whole batch (BatchNorm in training mode), which "
-    "couples the samples, so {} is not defined there (per-sample) or would cost N^2 "
-    "propagations (exact). Use a Monte-Carlo curvature (DiagGGNMC, KFAC, EKFAC(factors="
-    "'kfac'); optim.KFAC(curvature='kfac'), optim.EKFAC(curvature='kfac'), "
-    "DiagGGNNewton(curvature='mc')) or call model.eval()"
-)
+#: a quantity a pass through a module that mixes samples cannot give (``diagonals``: coupled):
+#: its rule's reason, as for the per-sample quantities (one message whatever was asked for)
+def _coupled(module) -> str:
+    return rule_for(module).check(module) or BATCH_STATISTICS
 
 #: the producers made from each call's Kronecker factors (``EKFAC``'s: of its fresh bases)
 _FACTORED = (Producer.KRONECKER, Producer.EIGEN_CORRECTED)
@@ -105,7 +101,8 @@ class CurvaturePass:
         if self.weight < 0:
             raise UnsupportedLossError(
                 "the loss enters the backward pass with a negative factor, so its "
-                "Gauss-Newton matrix is not positive semi-definite; curvopt cannot factor it"
+                "Gauss-Newton matrix is not positive semi-definite. Backpropagate the loss "
+                "scaled by a nonnegative factor."
             )
         self.scale = math.sqrt(self.weight)
 
@@ -118,10 +115,10 @@ class CurvaturePass:
         mixer = mixing(walk.calls)
         self.coupled = mixer is not None  # the Monte-Carlo columns propagate through the batch
         if self.coupled and per_sample:
-            raise module_error(mixer.module, rule_for(mixer.module).check(mixer.module))
+            raise module_error(mixer.module, _coupled(mixer.module))
         for ext in self.exts if self.coupled else ():
             if not coupled_estimate(ext):
-                raise module_error(mixer.module, _COUPLED.format(type(ext).__name__))
+                raise module_error(mixer.module, _coupled(mixer.module))
         for record in walk.calls:
             reason = None if mixes(record.module) else rule_for(record.module).check(record.module)
             if reason is not None:
@@ -177,8 +174,8 @@ class CurvaturePass:
         if expected is not None and expected != actual:
             raise UnsupportedLossError(
                 f"{ext!r} expects a loss with reduction={expected!r}, but "
-                f"{type(self.loss.module).__name__} has reduction={actual!r}; make them agree "
-                "(optim.EKFAC: its reduction= argument, or leave it None to take the loss's)"
+                f"{type(self.loss.module).__name__} has reduction={actual!r}. Make them agree "
+                "(optim.EKFAC: its reduction= argument, or None to take the loss's)."
             )
 
     def columns(self, rule, source: str, mc_samples: int, chunk: int):

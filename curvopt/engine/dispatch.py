@@ -70,10 +70,10 @@ def _on_module(record, grads) -> None:
     if record.args is None:
         if STATE.collecting is not None:
             raise GraphReuseError(
-                f"curvopt: a second backward pass through the graph of module "
-                f"{record.module._curvopt_path!r} inside collect; each backward pass inside "
-                "collect needs its own forward pass (retain_graph=True is not enough, "
-                "the module inputs were released after the first pass)"
+                f"curvopt: a second backward pass inside collect through the graph of module "
+                f"{record.module._curvopt_path!r}, whose inputs the first pass released. Run a "
+                "forward pass for each backward pass inside collect (retain_graph=True is not "
+                "enough); see docs/support.md#several-backward-passes."
             )
         return
     used = True  # False: a pass that leaves this call alone, for another pass to use

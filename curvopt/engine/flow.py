@@ -22,11 +22,10 @@ from curvopt.engine.tolerance import dense, mismatch
 from curvopt.engine.torch_internals import ACCUMULATE_GRAD, current_graph_task_id
 from curvopt.errors import UnsupportedModuleError, module_error
 
+#: the fix of every gradient that does not come from the extended losses alone
 _OUTSIDE = (
-    "the backpropagated objective has other terms (a regulariser on activations, a loss that "
-    "is not extended, a term of the parameters), whose curvature curvopt would miss; "
-    "backpropagate only sums of extended losses inside collect, or add the other terms' "
-    "curvature yourself"
+    "Backpropagate only sums of extended losses inside collect; see "
+    "docs/support.md#gradient-from-other-terms."
 )
 
 
@@ -120,8 +119,8 @@ class FlowCheck:
         if record not in self.reached and any(g is not None and bool(g.any()) for g in grads):
             raise module_error(
                 record.module,
-                f"its output gradient does not come from the extended loss(es) "
-                f"alone (none of them depends on it): {_OUTSIDE}",
+                "its output gradient does not come from the extended loss(es) alone (none of "
+                f"them depends on it). {_OUTSIDE}",
             )
 
     def release(self) -> None:
@@ -148,16 +147,15 @@ def _flow_error(node, module) -> Exception:
     if type(node).__name__ == ACCUMULATE_GRAD:
         return UnsupportedModuleError(
             f"curvopt: parameter {name_of(node.variable)!r} receives gradient from outside the "
-            "module that owns it and the extended loss(es) (a penalty on the parameter added "
-            f"to the loss, or a use outside its module): {_OUTSIDE}"
+            "module that owns it and the extended loss(es) (a penalty on it, or a use outside "
+            f"its module). {_OUTSIDE}"
         )
     if module is not None:
         return module_error(
             module,
-            f"its output gradient does not come from the extended loss(es) alone: {_OUTSIDE}",
+            f"its output gradient does not come from the extended loss(es) alone. {_OUTSIDE}",
         )
     return UnsupportedModuleError(
-        f"curvopt: the gradient of an intermediate result between the model's modules and the "
-        f"extended loss(es) (autograd node {type(node).__name__}) does not come from the "
-        f"extended loss(es) alone: {_OUTSIDE}"
+        f"curvopt: the gradient of an intermediate result (autograd node {type(node).__name__}) "
+        f"does not come from the extended loss(es) alone. {_OUTSIDE}"
     )

@@ -49,9 +49,8 @@ from curvopt.engine.walk import Walk
 
 def _error(what: str) -> UnsupportedModuleError:
     return UnsupportedModuleError(
-        f"DiagHessian: {what}. curvopt handles Linear/Conv/Embedding/BatchNorm(eval)/PReLU layers, "
-        f"piecewise-linear ops and the elementwise nonlinearities "
-        f"{', '.join(sorted(k[:-9] for k in SECOND_DERIVATIVES))}; use DiagGGNExact for this model"
+        f"DiagHessian: {what}. Use DiagGGNExact for this model; see docs/support.md#diaghessian "
+        "for the layers and ops DiagHessian supports."
     )
 
 
@@ -72,13 +71,12 @@ def curved_nodes(root: torch.Tensor, walk) -> List[Tuple[object, Optional[torch.
                 raise _error(
                     f"module {module._curvopt_path!r} ({type(module).__name__}) has the "
                     f"reparametrized parameter {how}, whose weight is nonlinear in the "
-                    "originals, and the curvature of that is not implemented"
+                    "originals"
                 )
             if not rule_for(module).curvature_free:
                 raise _error(
                     f"module {module._curvopt_path!r} ({type(module).__name__}) is curved in its "
-                    "input (or not known to be linear: its rule does not declare "
-                    "curvature_free), and the second derivatives inside it are not implemented"
+                    "input, or its rule does not declare curvature_free"
                 )
             x = record.args[0]
             return [x.grad_fn] if isinstance(x, torch.Tensor) else []

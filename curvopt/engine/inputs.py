@@ -44,8 +44,8 @@ def select(out, output: Selector = None) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(
             f"curvopt: cannot find the tensor {output!r} in the model output "
-            f"({type(out).__name__}); pass output='<attribute or key>' or a callable "
-            "output=lambda out: ... returning the tensor the loss is computed on"
+            f"({type(out).__name__}). Pass output='<attribute or key>' or a callable returning "
+            "the tensor the loss is computed on, output=lambda out: out.logits."
         )
     return value
 

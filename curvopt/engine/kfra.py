@@ -26,8 +26,9 @@ from curvopt.engine.results import Factors
 from curvopt.engine.torch_internals import ACCUMULATE_GRAD
 
 
-def _reject(record, reason):
-    return module_error(record.module, f"KFRA: {reason}")
+def _reject(record, reason, fix="Use KFLR or KFAC"):
+    """The error for ``record``'s module: ``reason`` (what breaks the chain), then ``fix``."""
+    return module_error(record.module, f"KFRA: {reason}. {fix}; see docs/support.md#kfra.")
 
 
 def _check_link(record, nxt, walk) -> None:
@@ -42,8 +43,7 @@ def _check_link(record, nxt, walk) -> None:
             raise _reject(
                 nxt,
                 "its input is not computed from the previous Linear layer's output alone (a "
-                "residual or skip connection, or a parameter used outside a layer); the KFRA "
-                "recursion is defined for feed-forward chains only; use KFLR or KFAC",
+                "residual or skip connection, or a parameter used outside a layer)",
             )
         return walk.next_nodes(node)
 
@@ -72,18 +72,18 @@ def _chain(calls, walk):
         if reparametrization(module) is not None:
             raise _reject(
                 record,
-                f"its parameter {reparametrization(module)} is reparametrized: the layer's "
-                "weight is not a parameter with Kronecker factors; use a diagonal quantity",
+                f"its parameter {reparametrization(module)} is reparametrized, so the layer's "
+                "weight has no Kronecker factors",
+                "Use a diagonal quantity",
             )
         if rule_for(module).kfra_weight(module) is None:
             raise _reject(
                 record,
-                "the recursion propagates dense (features x features) matrices and is "
-                "implemented for feed-forward chains of Linear layers and elementwise "
-                "activations only (conv feature maps would not fit in memory); use KFAC or KFLR",
+                "it is implemented for feed-forward chains of Linear layers and elementwise "
+                "activations only",
             )
         if record.args[0].dim() != 2:
-            raise _reject(record, "inputs with extra (sequence) dims are not supported; use KFLR")
+            raise _reject(record, "inputs with extra (sequence) dims are not supported", "Use KFLR")
         if module in seen:
             raise _reject(record, "a module used several times breaks the layer chain")
         seen.add(module)

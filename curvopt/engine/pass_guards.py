@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from curvopt.errors import MissingLossError, UnsupportedLossError, module_error
+from curvopt.errors import MissingLossError, module_error, reduction_none_error
 
 _NO_OP = contextlib.nullcontext()
 
@@ -31,15 +31,10 @@ def missing_loss(exts) -> MissingLossError:
     loss record's: the loss backpropagated is none curvopt reads."""
     names = ", ".join(repr(e) for e in exts)
     return MissingLossError(
-        f"{names} need(s) the loss, and curvopt could not read the loss that was "
-        "backpropagated; compute it with an extended loss module, e.g. "
-        "lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss()) (with the Trainer, "
-        "compute_loss_func=), or functionally from the outputs of the extended "
-        "model called inside the collect block (or, for an optimizer, after it was "
-        "made): F.cross_entropy, F.nll_loss after F.log_softmax over the classes, "
-        "F.mse_loss, F.binary_cross_entropy_with_logits, reduction 'mean' or 'sum' "
-        "(a loss the model returns itself, e.g. a Hugging Face model's labels=, "
-        "also without label_smoothing), summed and scaled by constants"
+        f"{names} need(s) the loss, but curvopt could not read the loss that was "
+        "backpropagated. Compute it with lossfunc = curvopt.extend(nn.CrossEntropyLoss()) "
+        "(Trainer: compute_loss_func=) or F.cross_entropy on the extended model's output; see "
+        "docs/support.md#missing-extended-loss."
     )
 
 
@@ -49,24 +44,20 @@ def one_batch_size(call, seen: Optional[int]) -> int:
     n = call.batch_size
     if seen is None or n == seen:
         return n
-    raise module_error(
+    raise batch_mismatch(call, n, seen)
+
+
+def batch_mismatch(call, n: int, seen: int) -> Exception:
+    """The error for a module call that sees ``n`` samples where the others saw ``seen``, be
+    the batch found without the loss (``one_batch_size``) or from it (``rows.model_batch``)."""
+    return module_error(
         call.module,
-        f"it sees {n} samples along dim {call.batch_dim} while other modules saw "
-        f"{seen}; per-sample quantities need the batch dimension kept intact "
-        "(do not fold other dims into it before a layer with parameters; sequence-first "
-        "models: extend the loss module too, so that curvopt can find the batch, declare "
-        "curvopt.extend(model, sequence_first=True), or use batch_first=True; a module "
-        "called without the batch whose output is added to every sample, such as "
-        "position embeddings of a shared arange(T): "
-        "extend the loss module too, curvopt.extend(lossfunc), so that curvopt can "
-        "follow the broadcast, or index them per sample, "
-        "pos_emb(torch.arange(T).expand(N, T)))",
+        f"it sees {n} samples on dim {call.batch_dim} but other modules saw {seen}. Keep the "
+        "batch dim intact (do not fold it; sequence-first models: extend the loss, or "
+        "curvopt.extend(model, sequence_first=True)); see docs/support.md#the-batch-dimension.",
     )
 
 
 def check_reduction(loss_module) -> None:
     if getattr(loss_module, "reduction", None) == "none":
-        raise UnsupportedLossError(
-            f"{type(loss_module).__name__}(reduction='none') returns per-sample losses, whose "
-            "scaling curvopt cannot know; use reduction='mean' or 'sum'"
-        )
+        raise reduction_none_error(type(loss_module).__name__)

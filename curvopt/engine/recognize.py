@@ -130,11 +130,10 @@ _NLL = {NLL_LOSS, NLL_LOSS_2D}
 _TERMS = _NLL | {MSE_LOSS, BCE_WITH_LOGITS}
 
 NO_HESSIAN = (
-    "DiagHessian: the model computes F.cross_entropy (or F.nll_loss after F.log_softmax) "
-    "itself, so curvopt sees the loss only from the log-probabilities, whose curvature belongs "
-    "to the loss; compute the loss from the logits with an extended loss module, lossfunc = "
-    "curvopt.extend(torch.nn.CrossEntropyLoss()) (Hugging Face Trainer: compute_loss_func=), "
-    "or use DiagGGNExact"
+    "DiagHessian: the model computes F.cross_entropy itself, so curvopt sees the loss only from "
+    "the log-probabilities. Compute the loss from the logits with lossfunc = "
+    "curvopt.extend(nn.CrossEntropyLoss()), or use DiagGGNExact; see "
+    "docs/support.md#missing-extended-loss."
 )
 
 

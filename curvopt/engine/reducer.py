@@ -225,8 +225,8 @@ class FirstOrderReducer:
         if bases is None and (id(p), ext.attr) not in self.results.skipped:
             raise UnsupportedModuleError(
                 f"curvopt: parameter {name_of(p)!r} received a gradient but no Kronecker "
-                "factors for its EKFAC basis: the columns of the extended loss do not reach its "
-                "module's output; supply its bases, EKFAC(bases={param: [Q_0, Q_1]})"
+                "factors for its EKFAC basis (the extended loss does not reach its module's "
+                "output). Supply its bases, EKFAC(bases={param: [Q_0, Q_1]})."
             )
         return bases
 
@@ -260,7 +260,7 @@ def _checked(p, bases):
         ]
         raise ValueError(
             f"EKFAC: the bases supplied for parameter {name_of(p)!r} (shape {tuple(p.shape)}) "
-            f"are {shapes}; expected square matrices of sizes {sizes} (or a prefix of them)"
+            f"are {shapes}. Supply square matrices of sizes {sizes} (or a prefix of them)."
         )
     return bases
 

@@ -119,7 +119,8 @@ class ResultBuffer:
             raise module_error(
                 c.record.module,
                 "KFRA: a module used several times in one backward pass (or a weight tied "
-                "across modules) breaks the layer chain; use KFLR or KFAC",
+                "across modules) breaks the layer chain. Use KFLR or KFAC; see "
+                "docs/support.md#kfra.",
             )
         if not uses:
             self.put(c.p, c.attr, None)
@@ -150,7 +151,7 @@ class ResultBuffer:
                     raise FloatingPointError(
                         f"EKFAC: the Kronecker factor {index} of parameter {name_of(p)!r} is not "
                         "finite (its inputs or output gradients overflowed), so it has no "
-                        "eigenbasis; check the loss and the learning rate, or the input scale"
+                        "eigenbasis. Check the loss, the learning rate and the input scale."
                     )
             self.bases[key] = [psd_eigh(f)[1] for f in factors]
         return self.bases[key]
@@ -163,9 +164,10 @@ class ResultBuffer:
         if self.loss is not None and self.loss is not record:
             raise UnsupportedLossError(
                 f"EKFAC: one backward pass runs through two extended losses "
-                f"({type(self.loss.module).__name__}, {type(record.module).__name__}), so the "
-                "per-sample gradients mix two loss scalings and S has no single scale; "
-                "backpropagate each loss in its own pass, or add them into one loss module"
+                f"({type(self.loss.module).__name__}, {type(record.module).__name__}), whose "
+                "scalings mix in the per-sample gradients. Backpropagate each loss in its own "
+                "pass, or add them into one loss module; see "
+                "docs/support.md#several-backward-passes."
             )
         self.loss, self.divisor = record, (divisor / weight if weight else 0.0)
 
@@ -179,10 +181,10 @@ class ResultBuffer:
             raise module_error(
                 record.module,
                 f"parameter {name_of(p)!r} has no Kronecker factorisation and is used by several "
-                "module calls in this pass, so its diagonal fallback would miss the cross terms "
-                "between the calls; use DiagGGNExact/DiagGGNMC for it",
+                "module calls in this pass, so its diagonal fallback would miss the cross terms. "
+                "Use DiagGGNExact or DiagGGNMC for it; see docs/support.md#no-kronecker-factors.",
             )
-        self.skipped[(id(p), attr)] = (name_of(p), str(error))
+        self.skipped[(id(p), attr)] = (name_of(p), getattr(error, "cause", None) or str(error))
 
     def missing(self, p, attrs) -> list:
         """Those of ``attrs`` that ``p`` gets neither a value for nor a reason to skip."""

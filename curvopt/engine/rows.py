@@ -34,6 +34,7 @@ from typing import Dict, List, Optional
 import torch
 
 from curvopt.errors import UnsupportedModuleError, module_error
+from curvopt.engine.pass_guards import batch_mismatch
 from curvopt.engine.graph_plan import add_layout
 from curvopt.layers import mixing, rule_for
 from curvopt.engine.propagate import to_calls
@@ -103,17 +104,7 @@ def model_batch(calls) -> Optional[int]:
     first, *records = sorted(sizes, key=lambda r: r.seq)
     for record in records:
         if sizes[record] != sizes[first]:
-            raise module_error(
-                record.module,
-                f"it sees {sizes[record]} samples along dim {record.batch_dim} while module "
-                f"{first.module._curvopt_path!r} saw {sizes[first]}; every layer with parameters "
-                "must keep the batch dimension intact (a sequence-first model: extend the loss "
-                "too, so that curvopt can find the batch, declare curvopt.extend(model, "
-                "sequence_first=True), or use batch_first=True; a parameter broadcast over the "
-                "batch, such as position embeddings looked up with a shared arange(T) or a class "
-                "token: index or expand it per sample, e.g. pos_emb(torch.arange(T).expand(N, "
-                "T)), inside a module that receives the batch)",
-            )
+            raise batch_mismatch(record, sizes[record], sizes[first])
     return sizes[first]
 
 
@@ -208,12 +199,10 @@ def establish(
         add_layout(walk, shape, elementwise, found)
     if found is None:
         raise UnsupportedModuleError(
-            f"curvopt cannot tell which of the {shape[0]} rows of the loss input belong to which "
-            f"of the {n} samples of the model (each row must depend on exactly one sample of every "
-            "layer with parameters): an op between the layers mixes samples (batch norm in "
-            "training mode, statistics over the batch), or the loss input is laid out in an "
-            "unusual order. Keep samples independent and give the loss [N, C, ...] (K-dim), or "
-            "rows flattened from [N, T, C] or [T, N, C]"
+            f"curvopt cannot tell which of the {shape[0]} loss rows belong to which of the {n} "
+            "samples: an op between the layers mixes samples, or the rows are in an unusual "
+            "order. Keep samples independent and give the loss [N, C, ...] or rows of "
+            "[N, T, C] or [T, N, C]; see docs/support.md#loss-rows-and-samples."
         )
     return found[3]
 

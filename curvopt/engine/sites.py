@@ -103,5 +103,5 @@ class ParameterSites:
                 raise UnsupportedModuleError(
                     f"curvopt: parameter {name_of(p)!r} received a gradient, but the add or "
                     "expand where its per-sample gradients were to be read never ran in this "
-                    "pass; report the model as a curvopt bug"
+                    "pass. Report the model as a curvopt bug."
                 )

@@ -74,17 +74,18 @@ def _check(collecting, task: int, module) -> None:
     name = type(module).__name__
     if not collecting.ran(task):
         raise UnsupportedModuleError(
-            f"curvopt.collect: a backward pass inside the block ran through the module {name}, "
-            "which has trainable parameters, but through no module or loss extended with "
-            "curvopt.extend, so nothing is written; extend the model and the loss: model = "
-            "curvopt.extend(model), lossfunc = curvopt.extend(nn.CrossEntropyLoss()) (or "
-            "another supported loss)"
+            f"curvopt.collect: a backward pass inside the block ran through module {name}, "
+            "which has trainable parameters, but through nothing extended. Extend the model "
+            "and the loss, model = curvopt.extend(model), lossfunc = "
+            "curvopt.extend(nn.CrossEntropyLoss()); see "
+            "docs/support.md#modules-that-are-not-extended."
         )
     if module not in _WARNED:
         _WARNED.add(module)
         warnings.warn(
             f"curvopt.collect: module {name} took part in a backward pass with trainable "
-            "parameters but is not extended (only a part of the model was passed to "
-            "curvopt.extend), so its parameters get no quantities; extend the whole model",
+            "parameters but is not extended, so its parameters get no quantities. Pass the "
+            "whole model to curvopt.extend (extend the whole model); see "
+            "docs/support.md#modules-that-are-not-extended.",
             stacklevel=2,
         )

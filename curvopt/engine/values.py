@@ -104,10 +104,9 @@ class KroneckerFactors(list):
         if calls != others:
             raise AccumulationError(
                 f"the Kronecker factors of a weight used by the calls {calls} do not combine "
-                f"with those of the calls {others}: a weight used by several calls has the "
-                "nearest Kronecker product of its uses' sum, which combines exactly only use by "
-                "use; use it in the same calls in every backward pass (micro-batch, batch) "
-                "combined, or run one pass per collect"
+                f"with those of the calls {others} (a nearest Kronecker product combines only use "
+                "by use). Use it in the same calls in every backward pass combined, or run one "
+                "pass per collect; see docs/support.md#several-backward-passes."
             )
         return KroneckerFactors.of_uses(
             {name: use.sidewise(other.uses[name], output, input) for name, use in self.uses.items()}

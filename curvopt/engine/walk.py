@@ -48,8 +48,9 @@ from curvopt.errors import UnsupportedModuleError
 
 _COMPILED = (
     "curvopt cannot propagate curvature through a graph compiled by torch.compile (its backward "
-    "is one fused op); compute curvature on the uncompiled model (for a compiled module m, use "
-    "m._orig_mod) — first-order quantities do work with torch.compile"
+    "is one fused op). Compute curvature on the uncompiled model, m._orig_mod of a compiled "
+    "module m (first-order quantities work compiled); see "
+    "docs/support.md#checkpointing-and-compiled-graphs."
 )
 
 

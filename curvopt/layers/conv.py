@@ -17,7 +17,7 @@ import math
 import torch
 from torch import nn
 
-from curvopt.errors import UnsupportedKroneckerError, module_error
+from curvopt.errors import kronecker_error
 from curvopt.layers.eigenbasis import eigen_moment
 from curvopt.layers.kron import input_factor_by_samples, output_factor_channels_first
 from curvopt.layers.registry import LayerRule, register
@@ -243,12 +243,8 @@ class ConvRule(ConvRuleBase):
         if name != "weight":
             return None  # the exact block of the bias (layers.kron)
         if module.groups != 1:
-            reason = (
-                f"groups={module.groups}: each group has its own input factor, so the weight's "
-                "GGN block is not one Kronecker product; use a diagonal quantity instead, or "
-                "skip it with curvopt.collect(..., skip_unsupported=True)"
-            )
-            raise UnsupportedKroneckerError(str(module_error(module, reason)))
+            cause = f"groups={module.groups} gives each group its own input factor"
+            raise kronecker_error(module, "its weight", cause)
         v = columns.reshape(columns.shape[0] * n, columns.shape[2], -1)  # [K N, C_out, L]
         return output_factor_channels_first(v, approx)
 

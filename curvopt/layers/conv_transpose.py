@@ -19,7 +19,8 @@ class ConvTransposeRule(ConvRuleBase):
     def check(self, module):
         if module.padding_mode != "zeros":
             return (
-                f"padding_mode={module.padding_mode!r} is not supported for transposed convolutions"
+                f"padding_mode={module.padding_mode!r} is not supported for transposed "
+                "convolutions. Use padding_mode='zeros'."
             )
         return None
 

@@ -51,7 +51,7 @@ class EmbeddingRule(LayerRule):
         if module.scale_grad_by_freq:
             return (
                 "scale_grad_by_freq=True scales gradients by batch-wide token counts, so "
-                "per-sample gradients are not defined; construct the Embedding without it"
+                "per-sample gradients are not defined. Construct the Embedding without it."
             )
         return None
 

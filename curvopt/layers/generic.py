@@ -55,11 +55,15 @@ class GenericRule(LayerRule):
             where = f" (submodule {sub_name!r})" if sub_name else ""
             if isinstance(sub, _ALPHA) and sub.training and sub.p > 0:
                 return (
-                    f"it contains alpha dropout in training mode{where}, which is not a mask "
-                    "curvopt can replay sample by sample; call .eval() on it or use nn.Dropout"
+                    f"it contains alpha dropout in training mode{where}, which curvopt cannot "
+                    "replay sample by sample. Call .eval() on it or use nn.Dropout; see "
+                    "docs/support.md#dropout-and-random-numbers."
                 )
             if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.training:
-                return f"it contains BatchNorm in training mode{where}, which mixes samples"
+                return (
+                    f"it contains BatchNorm in training mode{where}, which mixes samples. "
+                    "Call .eval() on it; see docs/support.md#batchnorm-in-training-mode."
+                )
             if (
                 isinstance(sub, nn.modules.instancenorm._InstanceNorm)
                 and sub.training
@@ -67,9 +71,8 @@ class GenericRule(LayerRule):
             ):
                 return (
                     f"it contains InstanceNorm with track_running_stats=True in training "
-                    f"mode{where}, whose running statistics re-running the module sample by "
-                    "sample would update again; call .eval() on it, set "
-                    "track_running_stats=False, or call it outside this module"
+                    f"mode{where}, whose running statistics a re-run sample by sample would "
+                    "update again. Call .eval() on it or set track_running_stats=False."
                 )
         return None
 
@@ -208,15 +211,17 @@ class GenericRule(LayerRule):
             except ReplayError as error:
                 raise UnsupportedModuleError(
                     f"curvopt cannot re-run module {_path(module)!r} ({type(module).__name__}) "
-                    f"with the random numbers of its forward: {error}. Call .eval() on its "
-                    "random submodules or register a rule for it with curvopt.layers.register."
+                    f"with the random numbers of its forward ({error}). Call .eval() on its "
+                    "random submodules or register a rule for it with curvopt.layers.register; "
+                    "see docs/support.md#dropout-and-random-numbers."
                 ) from error
             except (RuntimeError, NotImplementedError, ValueError) as error:
                 raise UnsupportedModuleError(
                     f"curvopt cannot compute per-sample quantities for module {_path(module)!r} "
-                    f"({type(module).__name__}): it has no dedicated rule and re-running it sample "
-                    f"by sample with torch.func.vmap failed ({type(error).__name__}: {error}); "
-                    "register a rule for it with curvopt.layers.register"
+                    f"({type(module).__name__}): it has no rule of its own, and re-running it "
+                    f"sample by sample with torch.func.vmap failed ({_first_line(error)}). "
+                    "Register a rule for it with curvopt.layers.register; see "
+                    "docs/support.md#modules-without-a-rule."
                 ) from error
 
     def _masks(self, call, samples=None) -> List[torch.Tensor]:
@@ -259,7 +264,8 @@ class GenericRule(LayerRule):
             raise UnsupportedModuleError(
                 f"curvopt cannot match the {count} output gradients of module "
                 f"{_path(call.module)!r} ({type(call.module).__name__}) to its {len(outs)} tensor "
-                "outputs when re-running it; register a rule for it with curvopt.layers.register"
+                "outputs when re-running it. Register a rule for it with curvopt.layers.register; "
+                "see docs/support.md#modules-without-a-rule."
             )
         return positions
 
@@ -326,6 +332,16 @@ class _OutputMismatch(Exception):
 
 def _path(module) -> str:
     return getattr(module, "_curvopt_path", type(module).__name__)
+
+
+def _first_line(error: Exception, limit: int = 120) -> str:
+    """``Type: message`` of ``error``, its first line and at most ``limit`` characters of it
+    (the whole error is chained: ``raise ... from error``)."""
+    text = str(error).strip().splitlines()
+    first = text[0] if text else ""
+    if len(first) > limit:
+        first = first[: limit - 3].rstrip() + "..."
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 def _recorded(call):

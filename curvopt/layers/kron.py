@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from curvopt.errors import UnsupportedKroneckerError
+from curvopt.errors import kronecker_error
 from curvopt.layers.registry import rule_for
 from curvopt.engine.reductions import block_gram, gram, nonzero_rows
 
@@ -95,16 +95,11 @@ def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int)
     if rule.vector_parameter(name, p):
         grads = rule.batch_grad(call.expand(columns), name)
         return [gram(grads.flatten(1))]
-    several = " (a module with several outputs, e.g. MultiheadAttention)"
-    raise UnsupportedKroneckerError(
-        f"curvopt has no Kronecker factorisation for parameter {name!r} of module "
-        f"{module._curvopt_path!r} ({type(module).__name__})"
-        f"{several if isinstance(columns, tuple) else ''}; supported: Linear, Conv1d/2d/3d "
-        "(groups=1), Embedding weights, Hugging Face Conv1D and all one-dimensional parameters. "
-        "Use a diagonal quantity (DiagGGNExact/DiagGGNMC) for this model, or skip such "
-        "parameters explicitly with curvopt.collect(..., skip_unsupported=True) (optim.KFAC: "
-        "fallback='diagonal' or 'sgd')"
-    )
+    if isinstance(columns, tuple):
+        cause = "curvopt factors no parameter of a module with several outputs"
+    else:
+        cause = "curvopt factors only Linear, Conv, Embedding and Conv1D weights and 1-D parameters"
+    raise kronecker_error(module, f"parameter {name!r}", cause)
 
 
 def output_factor_index(module, name: str) -> int:

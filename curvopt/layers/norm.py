@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from curvopt.errors import BATCH_STATISTICS
 from curvopt.layers.registry import LayerRule, register
 
 
@@ -100,14 +101,7 @@ class BatchNormRule(_AffineNormRule):
 
     def check(self, module):
         if self.mixes_samples(module):
-            return (
-                "BatchNorm normalises with statistics of the whole batch (training mode or "
-                "track_running_stats=False), which mixes samples, so per-sample quantities do not "
-                "exist there. Call model.eval() (running statistics), use GroupNorm/LayerNorm, or "
-                "use a Monte-Carlo curvature, which is defined with batch statistics "
-                "(DiagGGNMC, KFAC, EKFAC; optim.KFAC, optim.EKFAC with curvature='kfac', "
-                "DiagGGNNewton(curvature='mc'))"
-            )
+            return BATCH_STATISTICS
         return None
 
     def normalized(self, module, x):

@@ -20,7 +20,7 @@ from typing import Dict, List
 import torch
 from torch import nn
 
-from curvopt.errors import UnsupportedKroneckerError, module_error
+from curvopt.errors import kronecker_error, module_error
 from curvopt.layers.registry import LayerRule, register
 from curvopt.engine.reductions import squared_norms, sum_of_squares
 from curvopt.engine.state import STATE
@@ -90,11 +90,11 @@ class RecurrentRule(LayerRule):
 
     def check(self, module):
         if getattr(module, "proj_size", 0) > 0:
-            return "LSTM with proj_size > 0 is not supported; use proj_size=0"
+            return "LSTM with proj_size > 0 is not supported. Use proj_size=0."
         if module.training and module.dropout > 0 and module.num_layers > 1:
             return (
                 "dropout between recurrent layers in training mode cannot be re-run "
-                "identically; call .eval() or set dropout=0"
+                "identically. Call .eval() on the layer or set dropout=0."
             )
         return None
 
@@ -106,11 +106,11 @@ class RecurrentRule(LayerRule):
         if not isinstance(x, torch.Tensor):
             raise module_error(
                 module,
-                "packed sequences are not supported; pass a padded tensor (and mask the "
-                "loss) instead",
+                "packed sequences are not supported. Pass a padded tensor (and mask the loss) "
+                "instead.",
             )
         if x.dim() != 3:
-            raise module_error(module, "unbatched (2-D) input: add a batch dimension")
+            raise module_error(module, "its input is unbatched (2-D). Add a batch dimension.")
         hx = call.args[1] if len(call.args) > 1 else call.kwargs.get("hx")
         x = x.detach()
         if module.batch_first is False:
@@ -241,13 +241,6 @@ class RecurrentRule(LayerRule):
         ]
 
     def kron_output_factor(self, call, columns, name, approx, n):
-        raise UnsupportedKroneckerError(
-            str(
-                module_error(
-                    call.module,
-                    f"recurrent layers have no Kronecker factorisation of {name!r} in curvopt; use "
-                    "a diagonal quantity, or skip them with curvopt.collect(..., "
-                    "skip_unsupported=True) (optim.KFAC: fallback='diagonal' or 'sgd')",
-                )
-            )
+        raise kronecker_error(
+            call.module, f"parameter {name!r}", "curvopt has none for recurrent layers"
         )

@@ -37,9 +37,8 @@ class ReparametrizedRule(GenericRule):
         if any(type(f).__name__ in _SPECTRAL for f in functions):
             return (
                 f"its reparametrized parameter {reparametrization(module)} is a spectral norm, "
-                "whose power iteration updates buffers on every forward in training mode, so it "
-                "cannot be re-run sample by sample; call .eval() on the module for the pass "
-                "(the power iteration stops)"
+                "whose power iteration in training mode cannot be re-run sample by sample. "
+                "Call .eval() on the module for the pass (the power iteration stops)."
             )
         return None
 
@@ -49,9 +48,9 @@ class ReparametrizedRule(GenericRule):
         raise module_error(
             call.module,
             f"parameter {name!r} is an original of the reparametrized parameter "
-            f"{reparametrization(call.module)}, and the layer's weight is not linear in it, so "
-            "its GGN block has no Kronecker factors; use a diagonal quantity "
-            "(DiagGGNExact/DiagGGNMC), or remove the parametrization",
+            f"{reparametrization(call.module)}, in which the weight is not linear, so it has no "
+            "Kronecker factors. Use a diagonal quantity (DiagGGNExact, DiagGGNMC) or remove the "
+            "parametrization; see docs/support.md#no-kronecker-factors.",
         )
 
 

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from curvopt.errors import UnsupportedLossError
+from curvopt.errors import UnsupportedLossError, reduction_none_error
 
 _RULES = {}
 
@@ -44,8 +44,9 @@ def loss_rule_for(loss_module):
             raise UnsupportedLossError(
                 f"curvopt cannot compute curvature for the loss {loss_cls.__name__}"
                 + (f" (it overrides {base.__name__}.forward)" if base is not None else "")
-                + f". Use one of: {supported}; or add a rule: a curvopt.losses.LossRule subclass "
-                f"decorated with @curvopt.losses.register_loss_rule({loss_cls.__name__})."
+                + f". Use one of {supported}, or add a curvopt.losses.LossRule subclass decorated "
+                f"with @curvopt.losses.register_loss_rule({loss_cls.__name__}); see "
+                "docs/support.md#losses."
             )
         rule = _RULES[base]
     rule.check_options(loss_module)
@@ -81,13 +82,10 @@ class LossRule(ABC):
         """Reject module options the math cannot honour (independent of the data)."""
         name = type(loss_module).__name__
         if loss_module.reduction == "none":
-            raise UnsupportedLossError(
-                f"{name}(reduction='none') returns per-element losses, which have no single "
-                f"Hessian; use reduction='mean' or reduction='sum'."
-            )
+            raise reduction_none_error(name)
         if loss_module.reduction not in ("mean", "sum"):
             raise UnsupportedLossError(
-                f"{name} has unknown reduction={loss_module.reduction!r}; use 'mean' or 'sum'."
+                f"{name} has unknown reduction={loss_module.reduction!r}. Use 'mean' or 'sum'."
             )
 
     def check(self, loss_module, output, target):
