@@ -7,6 +7,9 @@
   scratch folder, from which the files are taken by their md5 sums into ``ROOT/mnist/``.
 * Fashion-MNIST: Debian's ``dataset-fashion-mnist`` (installed with apt-get when run as root,
   unless ``--no-apt``), copied into ``ROOT/fashion-mnist/`` after an md5 check.
+* the fortunes corpus (``fortunes_gpt``, :mod:`experiments.workloads`): Debian's ``fortunes``
+  (installed with apt-get when run as root, unless ``--no-apt``), its 41 corpus files copied
+  into ``ROOT/fortunes/`` after an md5 check.
 * CIFAR-10/100: not obtainable here. An official archive placed in ``ROOT`` is checked and
   unpacked; already unpacked pickles are checked.
 """
@@ -26,6 +29,7 @@ from pathlib import Path
 
 from .commands import Command
 from .data import DEBIAN_FMNIST, default_root
+from .workloads import DEBIAN_FORTUNES, FORTUNES_MD5, FORTUNES_PACKAGE
 
 #: md5 of the uncompressed IDX files (LeCun's MNIST).
 MNIST_MD5 = {
@@ -163,6 +167,37 @@ def fetch_fmnist(root: Path, apt: bool) -> str:
     return f"{how} {DEBIAN_FMNIST} into {dest} (md5 ok)"
 
 
+def _fortunes_ok(folder: Path) -> bool:
+    return all((folder / n).is_file() and md5(folder / n) == d for n, d in FORTUNES_MD5.items())
+
+
+def fetch_fortunes(root: Path, apt: bool) -> str:
+    """Copy the corpus files of Debian's fortunes into ``root/fortunes`` (installing the
+    package if allowed), each checked against :data:`experiments.workloads.FORTUNES_MD5`."""
+    dest = root / "fortunes"
+    if _fortunes_ok(dest):
+        return f"present in {dest} (md5 ok)"
+    installed = all((DEBIAN_FORTUNES / n).is_file() for n in FORTUNES_MD5)
+    if not installed:
+        if not (apt and os.geteuid() == 0 and shutil.which("apt-get")):
+            return (
+                f"MISSING: install Debian's {FORTUNES_PACKAGE} (apt-get install "
+                f"{FORTUNES_PACKAGE}, as root) and run this again"
+            )
+        _apt_install(FORTUNES_PACKAGE)
+    if not _fortunes_ok(DEBIAN_FORTUNES):
+        bad = [n for n, d in FORTUNES_MD5.items() if md5(DEBIAN_FORTUNES / n) != d]
+        raise FetchError(
+            f"fortunes: {', '.join(bad)} in {DEBIAN_FORTUNES} have unexpected md5 sums (the "
+            "corpus is Debian 12's fortunes 1:1.99.1-7.3)"
+        )
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in FORTUNES_MD5:
+        shutil.copyfile(DEBIAN_FORTUNES / name, dest / name)
+    how = "installed Debian package and copied" if not installed else "copied"
+    return f"{how} {len(FORTUNES_MD5)} files of {DEBIAN_FORTUNES} into {dest} (md5 ok)"
+
+
 def _check_cifar(title: str, folder: Path, sums: dict[str, str]) -> None:
     bad = [n for n, digest in sums.items() if md5(folder / n) != digest]
     if bad:
@@ -200,6 +235,8 @@ they can be had here; a data set already in place is only checked.
                  downloads it; the files are taken by their md5 sums into ROOT/mnist/)
   Fashion-MNIST  Debian's dataset-fashion-mnist (installed with apt-get when run as root,
                  unless --no-apt), copied into ROOT/fashion-mnist/ after an md5 check
+  fortunes       Debian's fortunes (the same way), its 41 corpus files copied into
+                 ROOT/fortunes/ after an md5 check (the fortunes_gpt workload's text)
   CIFAR-10/100   not obtainable here: place the official archive (cifar-10-python.tar.gz,
                  cifar-100-python.tar.gz) in ROOT and it is checked and unpacked
 
@@ -216,7 +253,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-apt",
         dest="apt",
         action="store_false",
-        help="never run apt-get (Fashion-MNIST then must be installed already)",
+        help="never run apt-get (Fashion-MNIST and fortunes then must be installed already)",
     )
 
 
@@ -226,6 +263,7 @@ def execute(args: argparse.Namespace) -> int:
     steps = {
         "MNIST": lambda: fetch_mnist(root),
         "Fashion-MNIST": lambda: fetch_fmnist(root, args.apt),
+        "fortunes": lambda: fetch_fortunes(root, args.apt),
         "CIFAR-10": lambda: fetch_cifar(root, "CIFAR-10"),
         "CIFAR-100": lambda: fetch_cifar(root, "CIFAR-100"),
     }
@@ -242,7 +280,8 @@ def execute(args: argparse.Namespace) -> int:
 
 FETCH_DATA = Command(
     "fetch_data",
-    "put MNIST and Fashion-MNIST into the data root (CIFAR: check archives placed by hand)",
+    "put MNIST, Fashion-MNIST and the fortunes corpus into the data root (CIFAR: check "
+    "archives placed by hand)",
     DESCRIPTION,
     add_arguments,
     execute,

@@ -20,8 +20,8 @@ Presets (curvature optimizers only; see docs/optim.md for the reasoning):
   it is evaluated at its average (``opt.eval()``), and runs with a warm-up and no decay, as
   schedule-free AdamW.
 
-The peers from other packages (``soap``, ``psgd_kron``, ``sf_adamw``) are built by
-:mod:`experiments.peers`.
+The peers from other packages (``soap``, ``psgd_kron``, ``sf_adamw``, ``muon_adamw``,
+``klsoap``) and torch's Muon with AdamW (``muon``) are built by :mod:`experiments.peers`.
 """
 
 from __future__ import annotations
@@ -102,7 +102,9 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
 
 def allowed_options(name: str) -> list[str]:
     """The constructor keywords of optimizer ``name`` that may be set as options."""
-    params = inspect.signature(optimizer_class(name).__init__).parameters
+    params = set(inspect.signature(optimizer_class(name).__init__).parameters)
+    if name == "muon":  # Muon's keywords, and the AdamW part's lr (experiments.peers)
+        params.add("adamw_lr_ratio")
     return sorted(k for k in params if k not in FIXED_KEYWORDS and k not in OPTIMIZERS[name][1])
 
 
@@ -168,6 +170,8 @@ def make_optimizer(
     cls = optimizer_class(cfg.optimizer)
     kwargs = {**fixed, **resolve_options(cfg.optimizer, cfg.preset, cfg.options)}
     if cfg.optimizer in PEERS:
+        if cfg.optimizer == "muon":
+            kwargs["model"] = model
         return build_peer(cfg.optimizer, groups, cfg.lr, **kwargs), False
     if cls_name is None:
         return cls(groups, lr=cfg.lr, **kwargs), False

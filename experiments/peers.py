@@ -5,7 +5,21 @@
 * ``psgd_kron``: heavyball's ``PSGDKron`` (a Kronecker-factored preconditioner fitted by PSGD);
 * ``sf_adamw``: ``schedulefree.AdamWScheduleFree``. Its parameters hold the interpolation
   ``y`` while training; they must be switched to the averaged weights ``x`` for evaluation
-  (``opt.eval()``) and back (``opt.train()``): :func:`averaged_weights`.
+  (``opt.eval()``) and back (``opt.train()``): :func:`averaged_weights`;
+* ``muon_adamw``: heavyball's ``MuonAdamW`` (Muon's orthogonalised Nesterov momentum on every
+  parameter of 2 or more dimensions, conv filters flattened, AdamW on the rest; one lr for
+  both), heavyball's defaults otherwise;
+* ``klsoap``: heavyball's ``KLSOAP`` (SOAP with KL-Shampoo's two-sided factor update),
+  heavyball's defaults otherwise;
+* ``muon``: ``torch.optim.Muon`` with ``torch.optim.AdamW``, as torch's documentation
+  prescribes: Muon takes 2-D parameters of hidden layers only, so it gets the weight of every
+  ``nn.Linear`` but the model's last (the output layer: logits or reconstruction); AdamW gets
+  the rest (biases, norms, embeddings, conv filters, raw tokens, the output layer), at
+  ``adamw_lr_ratio`` (default 0.1) times Muon's lr, so that the grid's lr and schedule move
+  both. Muon's defaults otherwise (momentum 0.95, Nesterov, 5 Newton-Schulz steps, the
+  "original" lr adjustment ``sqrt(max(1, A / B))``), AdamW's too (betas 0.9, 0.999); weight
+  decay the problem's (0 here) for both, not their defaults (0.1 and 0.01), as for every
+  optimizer of the benchmark. One object (:class:`MuonWithAdamW`) steps and zeroes both.
 
 heavyball and schedulefree are optional: they are imported when a peer is built, and a missing
 one raises ``ImportError`` naming the install line.
@@ -37,6 +51,9 @@ PEERS: dict[str, tuple[str, str, str]] = {
     "soap": ("heavyball", "SOAP", "pip install heavyball==3.2.1"),
     "psgd_kron": ("heavyball", "PSGDKron", "pip install heavyball==3.2.1"),
     "sf_adamw": ("schedulefree", "AdamWScheduleFree", "pip install schedulefree==1.4.1"),
+    "muon_adamw": ("heavyball", "MuonAdamW", "pip install heavyball==3.2.1"),
+    "klsoap": ("heavyball", "KLSOAP", "pip install heavyball==3.2.1"),
+    "muon": ("torch.optim", "Muon", "torch >= 2.9"),
 }
 #: tried in order: heavyball's own mode, then inductor's default (PSGD-Kron's matmul templates
 #: of max-autotune fail on the CPU build of torch 2.13), then eager
@@ -76,10 +93,21 @@ def peer_class(name: str) -> type[torch.optim.Optimizer]:
     return getattr(module, cls_name)
 
 
-def build_peer(name: str, groups: list[dict], lr: float, **options: Any) -> torch.optim.Optimizer:
+def build_peer(
+    name: str,
+    groups: list[dict],
+    lr: float,
+    model: torch.nn.Module | None = None,
+    **options: Any,
+) -> torch.optim.Optimizer:
     """The peer ``name`` on the param groups ``groups``, ready to step (schedule-free in its
-    training mode; heavyball's under the first compile mode that works)."""
+    training mode; heavyball's under the first compile mode that works). ``muon`` needs the
+    ``model`` (which parameters are hidden layers' weights)."""
     cls = peer_class(name)
+    if name == "muon":
+        if model is None:
+            raise ValueError("muon needs the model: which weights are hidden nn.Linear weights")
+        return MuonWithAdamW(model, groups, lr, **options)
     if PEERS[name][0] != "heavyball":
         opt = cls(groups, lr=lr, **options)
         if hasattr(opt, "train"):
@@ -148,6 +176,78 @@ def _probe(cls, groups: list[dict], lr: float, options: dict) -> CompileInfo:
             continue
         return CompileInfo(True, mode, time.perf_counter() - start, failures)
     return CompileInfo(False, None, time.perf_counter() - start, failures)
+
+
+def hidden_linear_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The weights of every ``nn.Linear`` of ``model`` but its last (in module order): the
+    parameters torch's Muon documentation gives Muon."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return [m.weight for m in linears[:-1] if m.weight.ndim == 2]
+
+
+class MuonWithAdamW:
+    """``torch.optim.Muon`` on the hidden ``nn.Linear`` weights and ``torch.optim.AdamW`` on
+    every other parameter of ``groups``, as one optimizer: ``param_groups`` (Muon's, then
+    AdamW's; each keeps its group's ``weight_decay``), ``step``, ``zero_grad``,
+    ``state_dict``. The AdamW groups' lr is ``adamw_lr_ratio * lr``; a schedule that scales
+    every group's lr by one factor scales both."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        groups: list[dict],
+        lr: float,
+        adamw_lr_ratio: float = 0.1,
+        **muon_options: Any,
+    ):
+        hidden = {id(p) for p in hidden_linear_weights(model)}
+        muon_groups, adamw_groups = [], []
+        for g in groups:
+            rest = {k: v for k, v in g.items() if k != "params"}
+            mine = [p for p in g["params"] if id(p) in hidden]
+            others = [p for p in g["params"] if id(p) not in hidden]
+            if mine:
+                muon_groups.append({**rest, "params": mine})
+            if others:
+                adamw_groups.append({**rest, "params": others, "lr": adamw_lr_ratio * lr})
+        if not muon_groups:
+            raise ValueError("muon: the model has no hidden nn.Linear weight for Muon")
+        self.muon = torch.optim.Muon(muon_groups, lr=lr, **muon_options)
+        self.adamw = (
+            torch.optim.AdamW(adamw_groups, lr=adamw_lr_ratio * lr) if adamw_groups else None
+        )
+        self.optimizers = [o for o in (self.muon, self.adamw) if o is not None]
+        self.defaults = {"lr": lr, "adamw_lr_ratio": adamw_lr_ratio, **muon_options}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for o in self.optimizers for p, s in o.state.items()}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for o in self.optimizers:
+            o.step()
+        return loss
+
+    def state_dict(self) -> dict:
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw and self.adamw.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.muon.load_state_dict(state["muon"])
+        if self.adamw is not None:
+            self.adamw.load_state_dict(state["adamw"])
 
 
 @contextlib.contextmanager

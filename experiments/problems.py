@@ -285,7 +285,12 @@ PROBLEMS: dict[str, Problem] = {
 
 
 def get_problem(name: str) -> Problem:
+    """The problem ``name``: the DeepOBS problems and the ViT (:data:`PROBLEMS`), or the
+    time-to-result benchmark's own workloads (:data:`experiments.workloads.WORKLOADS`)."""
+    from .workloads import WORKLOADS
+
     try:
-        return PROBLEMS[name]
+        return PROBLEMS.get(name) or WORKLOADS[name]
     except KeyError:
-        raise ValueError(f"unknown problem {name!r}; choose from {', '.join(PROBLEMS)}") from None
+        known = ", ".join([*PROBLEMS, *WORKLOADS])
+        raise ValueError(f"unknown problem {name!r}; choose from {known}") from None

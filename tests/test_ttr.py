@@ -142,8 +142,10 @@ def test_committed_grids_give_every_optimizer_at_least_4_settings_and_baselines_
     for grids in protocol.GRIDS.values():
         for optimizer, settings in grids.items():
             assert len(settings) >= 4 and {s.optimizer for s in settings} == {optimizer}
+        assert "adam" in grids  # momentum SGD is left out of issue 53's workloads
         for baseline in ("momentum", "adam"):
-            assert {s.schedule for s in grids[baseline]} == {"constant", "warmup_cosine"}
+            if baseline in grids:
+                assert {s.schedule for s in grids[baseline]} == {"constant", "warmup_cosine"}
 
 
 def test_cost_blocks_alternate_round_robin_and_amortise_the_curvature_interval(splits, monkeypatch):

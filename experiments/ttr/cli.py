@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,8 +34,14 @@ from .report import (
 
 DEFAULT_DIR = "experiments/results/ttr"
 OPTIMIZERS = list(dict.fromkeys(name for grids in GRIDS.values() for name in grids))
-#: ``--quick``: a few steps, for tests and a smoke run
+#: every batch size of a grid (the workloads' own besides BATCH_SIZES)
+ALL_BATCH_SIZES = sorted(
+    {s.batch_size for grids in GRIDS.values() for g in grids.values() for s in g} | set(BATCH_SIZES)
+)
+#: ``--quick``: a few steps, for tests and a smoke run (one seed; results into
+#: :data:`QUICK_DIR` unless ``--json`` is given)
 QUICK = {"max_steps": 20, "eval_every": 5, "eval_size": 256}
+QUICK_DIR = Path(tempfile.gettempdir()) / "curvopt_ttr_quick"
 
 
 def _machine() -> str:
@@ -71,8 +78,11 @@ def _add_data(p) -> None:
 
 
 def _splits(problem: str, eval_size: int, args):
-    data = load_dataset(get_problem(problem).dataset, args.data_root, args.synthetic)
-    return make_splits(data, eval_size=eval_size, device=resolve_device(args.device))
+    prob, device = get_problem(problem), resolve_device(args.device)
+    if hasattr(prob, "splits"):  # a workload of experiments.workloads: its own data
+        return prob.splits(args.data_root, args.synthetic, eval_size, device)
+    data = load_dataset(prob.dataset, args.data_root, args.synthetic)
+    return make_splits(data, eval_size=eval_size, device=device)
 
 
 def _guarded(run):
@@ -118,13 +128,15 @@ def add_ttr_arguments(p) -> None:
     p.add_argument(
         "--optimizers", nargs="+", choices=OPTIMIZERS, default=OPTIMIZERS, help="optimizers to tune"
     )
-    p.add_argument("--seeds", type=at_least(1), default=SEEDS, help="seeds of the winner")
+    p.add_argument(
+        "--seeds", type=at_least(1), default=None, help=f"seeds of the winner ({SEEDS}; --quick: 1)"
+    )
     p.add_argument(
         "--batch-sizes",
         nargs="+",
         type=at_least(1),
-        choices=BATCH_SIZES,
-        default=list(BATCH_SIZES),
+        choices=ALL_BATCH_SIZES,
+        default=list(ALL_BATCH_SIZES),
         help="tune at these batch sizes of the grid only",
     )
     p.add_argument(
@@ -146,9 +158,13 @@ def add_ttr_arguments(p) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="a smoke run: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()),
+        help="a smoke run: "
+        + ", ".join(f"{k} {v}" for k, v in QUICK.items())
+        + f", 1 seed, into {QUICK_DIR} unless --json is given",
     )
-    p.add_argument("--json", default=DEFAULT_DIR, metavar="DIR", help="folder of the JSON files")
+    p.add_argument(
+        "--json", default=None, metavar="DIR", help=f"folder of the JSON files ({DEFAULT_DIR})"
+    )
     _add_data(p)
 
 
@@ -169,15 +185,16 @@ def _grid(problem: str, optimizer: str, args) -> tuple:
             f"{problem} {optimizer}: --settings {max(chosen)} is past its grid of {len(grid)} "
             f"settings (0 to {len(grid) - 1})"
         )
-    out = tuple(grid[i] for i in chosen if grid[i].batch_size in args.batch_sizes)
-    if not out:
-        raise ValueError(f"{problem} {optimizer}: no setting of its grid at these batch sizes")
-    return out
+    return tuple(grid[i] for i in chosen if grid[i].batch_size in args.batch_sizes)
 
 
 @_guarded
 def execute_ttr(args) -> int:
     set_threads(args.threads)
+    if args.seeds is None:
+        args.seeds = 1 if args.quick else SEEDS
+    if args.json is None:
+        args.json = str(QUICK_DIR) if args.quick else DEFAULT_DIR
     for problem in args.problems:
         spec = _spec(problem, args)
         if not spec.targets and set(args.optimizers) != {CALIBRATION_OPTIMIZER}:
@@ -191,6 +208,9 @@ def execute_ttr(args) -> int:
                 _log(f"{problem}: no grid for {optimizer}, skipped")
                 continue
             grid = _grid(problem, optimizer, args)
+            if not grid:
+                _log(f"{problem} {optimizer}: no setting of its grid at these batch sizes, skipped")
+                continue
             path = entry_path(args.json, problem, optimizer, not spec.targets)
             old = json.loads(path.read_text()) if args.resume and path.is_file() else None
             done = reusable_runs(old, problem, spec)

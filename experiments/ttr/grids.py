@@ -33,6 +33,25 @@ Choice of the 4 settings:
   (``results/ttr/logs/kfac_schedule_free.log``: 15 settings on 2C2D, 6 on the ViT;
   ``sf_kfac_intervals.log``: 7 variants of the 2C2D winner, 1 of the ViT's), so it had more
   tuning than the others.
+
+The peers of issue 53, on FMNIST 2C2D, the ViT and the two workloads of
+:mod:`experiments.workloads`, fixed before any of their runs, each as the baselines (two
+constant learning rates, two with warm-up + cosine):
+
+* ``muon`` (``torch.optim.Muon`` on the hidden ``nn.Linear`` weights, AdamW on the rest at 0.1×
+  the lr; :mod:`experiments.peers`): around torch's documented example lr 0.02: 0.01, 0.02
+  constant, 0.02 and 0.05 with warm-up + cosine (AdamW at 1e-3 to 5e-3, the range of Adam's
+  grids);
+* ``muon_adamw`` (heavyball, one lr for its Muon and AdamW parts): 5e-3, 1e-2 constant, 1e-2
+  and 2e-2 with warm-up + cosine (heavyball's default 2.5e-3 is made for its AdamW part; the
+  orthogonalised update of a ``d``-wide layer has entries of about ``1/sqrt(d)``);
+* ``klsoap`` (heavyball): SOAP's grid, around heavyball's default 3e-3.
+
+The two workloads (``fortunes_gpt`` at batch 32, ``mnist_autoencoder`` at batch 128; their
+batch size is not tuned yet: :data:`WORKLOAD_BATCH`) get Adam, schedule-free AdamW, SOAP,
+PSGD-Kron, the three peers above, KFAC and schedule-free KFAC, with the grids of FMNIST 2C2D's
+batch 128 (schedule-free KFAC: the ViT's, curvature and inverses every 10 steps); momentum SGD
+is left out. Adam's grid there was fixed before the calibration of their targets.
 """
 
 from __future__ import annotations
@@ -157,6 +176,39 @@ EVERY_20 = {"curvature_interval": 20, "inverse_interval": 20}
 DIAG = {"fallback": "diagonal"}
 #: FMNIST 2C2D's grids at batch 128; batch 512 has its own (see the module doc)
 B128, B512 = {"batch_sizes": (128,)}, {"batch_sizes": (512,)}
+#: the workloads' own batch sizes, the only ones tuned there so far
+WORKLOAD_BATCH = {"fortunes_gpt": 32, "mnist_autoencoder": 128}
+
+
+def _peers_53(**batch_sizes) -> dict[str, tuple[Setting, ...]]:
+    """The grids of issue 53's peers (see the module doc)."""
+    return {
+        "muon": _first_order("muon", (0.01, 0.02, 0.02, 0.05), **batch_sizes),
+        "muon_adamw": _first_order("muon_adamw", (5e-3, 1e-2, 1e-2, 2e-2), **batch_sizes),
+        "klsoap": _first_order("klsoap", (1e-3, 3e-3, 3e-3, 6e-3), **batch_sizes),
+    }
+
+
+def _workload(problem: str) -> dict[str, tuple[Setting, ...]]:
+    """A workload's grids at its own batch size (see the module doc)."""
+    b = {"batch_sizes": (WORKLOAD_BATCH[problem],)}
+    return {
+        "adam": _first_order("adam", (1e-3, 2e-3, 2e-3, 4e-3), **b),
+        "sf_adamw": _schedule_free((1e-3, 2e-3, 4e-3, 8e-3), **b),
+        "soap": _first_order("soap", (1e-3, 3e-3, 3e-3, 6e-3), **b),
+        "psgd_kron": _first_order("psgd_kron", (3e-4, 1e-3, 1e-3, 3e-3), **b),
+        **_peers_53(**b),
+        "kfac": _grid(
+            "kfac",
+            (0.1, 0.1, None, PAPER_KL),
+            (0.05, 1e-3, None, README_KL),
+            (0.01, 0.1, "practical"),
+            (0.01, 0.1, "practical", SUB16),
+            **b,
+        ),
+        "sf_kfac": _schedule_free_kfac(SUB16, **b),
+    }
+
 
 #: The tuning grids: problem -> optimizer -> settings (see the module doc).
 GRIDS: dict[str, dict[str, tuple[Setting, ...]]] = {
@@ -223,6 +275,7 @@ GRIDS: dict[str, dict[str, tuple[Setting, ...]]] = {
         + _schedule_free((8e-3, 1.6e-2), **B512),
         "sf_kfac": _schedule_free_kfac({**SUB16, **EVERY_20}, **B128)
         + _schedule_free_kfac({**SUB16, **EVERY_20}, lrs=(1.0, 2.0), clips=(1.0,), **B512),
+        **_peers_53(**B128),
     },
     "fmnist_vit": {
         "adam": _first_order("adam", (5e-4, 1e-3, 1e-3, 2e-3)),
@@ -238,5 +291,8 @@ GRIDS: dict[str, dict[str, tuple[Setting, ...]]] = {
         "psgd_kron": _first_order("psgd_kron", (3e-4, 1e-3, 1e-3, 3e-3)),
         "sf_adamw": _schedule_free((5e-4, 1e-3, 2e-3, 4e-3)),
         "sf_kfac": _schedule_free_kfac({**DIAG, **SUB16}),
+        **_peers_53(),
     },
+    "fortunes_gpt": _workload("fortunes_gpt"),
+    "mnist_autoencoder": _workload("mnist_autoencoder"),
 }

@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..files import atomic_write, finite
-from ..problems import PROBLEMS
+from ..problems import get_problem
 from .grids import Setting
 from .protocol import target_key
 
@@ -76,7 +76,10 @@ def batch_size(problem: str, setting: Setting) -> int | None:
     """The setting's batch size, else the problem's (``None`` for an unknown problem)."""
     if setting.batch_size is not None:
         return setting.batch_size
-    return PROBLEMS[problem].batch_size if problem in PROBLEMS else None
+    try:
+        return get_problem(problem).batch_size
+    except ValueError:
+        return None
 
 
 def _same(problem: str, a: Setting, b: Setting) -> bool:
