@@ -138,6 +138,9 @@ def test_the_models_shapes_and_the_metrics():
     assert [m.in_features for m in linears] == [784, 1000, 500, 250, 30, 250, 500, 1000]
     assert [m.out_features for m in linears][3] == 30 and linears[-1].out_features == 784
     assert sum(isinstance(m, nn.Sigmoid) for m in model) == 6  # not after the code nor output
+    # Martens's sparse initialisation: 15 nonzero incoming weights per unit, biases 0
+    for m in linears:
+        assert ((m.weight != 0).sum(1) == 15).all() and not m.bias.any()
     x = torch.randint(0, 256, (5, 1, 28, 28), dtype=torch.uint8)
     split = workloads.Split(x, x.flatten(1).float() / 255)
     err = workloads.squared_error_per_image(model, ae.loss(), split, 2, ae.preprocess())
