@@ -108,10 +108,17 @@ steps x interleaved cost per step; it runs the other seeds (fmnist_vit: 0.84 and
 after each, so an interrupted grid keeps what it did; then the summary with the costs of an
 earlier ttr_cost where they match the winners.
 
+Two workloads measure a loss, lower is better: fortunes_gpt (a character GPT on Debian's
+fortunes, bits per character on held-out fortunes, batch 32) and mnist_autoencoder (the deep
+autoencoder, squared reconstruction error per test image, batch 128); cap 2,000 steps, targets
+from Adam's calibration at 1,000 (experiments/workloads.py). --quick: a smoke run (a few steps of
+every setting, one seed, a tiny evaluation) into a scratch folder.
+
 examples:
   OMP_NUM_THREADS=1 nice python -m experiments ttr --problems mnist_logreg
   OMP_NUM_THREADS=1 nice python -m experiments ttr --problems fmnist_2c2d --optimizers adam kfac
   OMP_NUM_THREADS=1 nice python -m experiments ttr --problems fmnist_2c2d --optimizers adam --resume
+  python -m experiments ttr --quick --problems fortunes_gpt mnist_autoencoder   # smoke run
   python -m experiments ttr_cost --from experiments/results/ttr      # cost per step, the table
   python -m paper_figs ttr experiments/results/ttr experiments/results/ttr   # the figure
 """
