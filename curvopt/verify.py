@@ -46,7 +46,21 @@ def _checked(ext: Extension) -> bool:
 
 
 class VerificationError(CurvoptError, AssertionError):
-    """curvopt's numbers for a model differ from the ``torch.func`` reference."""
+    """curvopt's numbers for a model differ from the ``torch.func`` reference.
+
+    Raised by :func:`verify`; its message lists each parameter and attribute whose relative
+    error exceeds the tolerance.
+
+    Args:
+        *args: the message, as for any exception.
+
+    Example::
+
+        try:
+            curvopt.verify(model, lossfunc, X[:4], y[:4], [ext.BatchGrad()])
+        except curvopt.VerificationError as error:
+            print(error)  # which parameters and attributes differ, and by how much
+    """
 
 
 def verify(

@@ -32,12 +32,6 @@ NO_ARGUMENTS = {
     "KFRA",
 }
 
-#: public objects whose docstrings live outside the files documented with the others
-#: (``curvopt/verify.py``, ``curvopt/engine/psd.py``, ``curvopt/optim/stages/``,
-#: ``curvopt/optim/distributed/``); expected to fail until they get ``Args:`` and an example
-PENDING = {
-    "curvopt.VerificationError": "curvopt/verify.py",
-}
 
 #: a single ``>>>`` example may take this long (they are meant to run in about a second)
 EXAMPLE_SECONDS = 5.0
@@ -70,9 +64,6 @@ def _docstring(obj) -> str:
 
 
 def _case(name: str, obj):
-    if name in PENDING:
-        reason = f"docstring in {PENDING[name]}, documented separately"
-        return pytest.param(name, obj, id=name, marks=pytest.mark.xfail(reason=reason))
     return pytest.param(name, obj, id=name)
 
 
