@@ -73,6 +73,18 @@ def kronecker_error(module, what: str, cause: str) -> UnsupportedKroneckerError:
     )
 
 
+def batch_mismatch(module, batch_dim: int, n: int, seen: int) -> UnsupportedModuleError:
+    """The error for a module call that sees ``n`` samples on ``batch_dim`` where the others
+    saw ``seen``, be the batch found without the loss (``engine.pass_guards``) or from it
+    (``engine.rows``)."""
+    return module_error(
+        module,
+        f"it sees {n} samples on dim {batch_dim} but other modules saw {seen}. Keep the "
+        "batch dim intact (do not fold it; sequence-first models: extend the loss, or "
+        "curvopt.extend(model, sequence_first=True)); see docs/support.md#the-batch-dimension.",
+    )
+
+
 def _module_prefix(module) -> str:
     path = getattr(module, "_curvopt_path", type(module).__name__)
     return f"curvopt cannot compute this for module {path!r} ({type(module).__name__})"

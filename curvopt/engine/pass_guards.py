@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from curvopt.errors import MissingLossError, module_error, reduction_none_error
+from curvopt.errors import MissingLossError, batch_mismatch, reduction_none_error
 
 _NO_OP = contextlib.nullcontext()
 
@@ -44,18 +44,7 @@ def one_batch_size(call, seen: Optional[int]) -> int:
     n = call.batch_size
     if seen is None or n == seen:
         return n
-    raise batch_mismatch(call, n, seen)
-
-
-def batch_mismatch(call, n: int, seen: int) -> Exception:
-    """The error for a module call that sees ``n`` samples where the others saw ``seen``, be
-    the batch found without the loss (``one_batch_size``) or from it (``rows.model_batch``)."""
-    return module_error(
-        call.module,
-        f"it sees {n} samples on dim {call.batch_dim} but other modules saw {seen}. Keep the "
-        "batch dim intact (do not fold it; sequence-first models: extend the loss, or "
-        "curvopt.extend(model, sequence_first=True)); see docs/support.md#the-batch-dimension.",
-    )
+    raise batch_mismatch(call.module, call.batch_dim, n, seen)
 
 
 def check_reduction(loss_module) -> None:

@@ -33,8 +33,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from curvopt.errors import UnsupportedModuleError, module_error
-from curvopt.engine.pass_guards import batch_mismatch
+from curvopt.errors import UnsupportedModuleError, batch_mismatch, module_error
 from curvopt.engine.graph_plan import add_layout
 from curvopt.layers import mixing, rule_for
 from curvopt.engine.propagate import to_calls
@@ -104,7 +103,7 @@ def model_batch(calls) -> Optional[int]:
     first, *records = sorted(sizes, key=lambda r: r.seq)
     for record in records:
         if sizes[record] != sizes[first]:
-            raise batch_mismatch(record, sizes[record], sizes[first])
+            raise batch_mismatch(record.module, record.batch_dim, sizes[record], sizes[first])
     return sizes[first]
 
 
