@@ -60,10 +60,9 @@ from curvopt.engine.propagate import loss_gradient, to_calls
 from curvopt.engine.rows import establish
 
 #: bound on the elements of propagated columns held at once (all module outputs together):
-#: a memory budget (32 MB in float32); chunks are exact, and they cost no time (autograd's
-#: batched products gain little from more columns at once on large layers; a call's input-side
-#: Kronecker factor is computed once per pass, ``kron_pass``: 2C2D's KFLR 915 ms a pass at this
-#: budget, 990 ms at 4x, interleaved in one process on a busy machine; 228 against 286 MB)
+#: a memory budget (32 MB in float32); chunks are exact, and they cost little time: autograd's
+#: batched products gain little from more columns at once on large layers, and a call's
+#: input-side Kronecker factor is computed once per pass whatever the chunks (``kron_pass``)
 _COLUMN_BUDGET = 1 << 23
 #: the same for the columns of a loss row that compress together at a language model's head
 #: (``compress``): more than the head's width of them are needed at once (64 MB in float32),
