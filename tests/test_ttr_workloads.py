@@ -231,3 +231,21 @@ def test_quick_ttr_on_a_new_workload(problem, eager, tmp_path, monkeypatch):
         curve = entry["runs"][0]["curve"]
         assert [s for s, _, _ in curve] == [0, 2, 4] and all(v > 0 for _, _, v in curve)
         assert entry["spec"]["lower_is_better"] is True
+
+
+def test_klsoap_runs_eager_on_the_cpu_without_trying_to_compile(monkeypatch):
+    pytest.importorskip("heavyball")
+
+    def no_probe(*args):
+        raise AssertionError("KLSOAP was compiled on the CPU")
+
+    monkeypatch.setattr(peers, "_probe", no_probe)
+    w = nn.Parameter(torch.randn(6, 4))
+    opt = peers.build_peer("klsoap", [{"params": [w]}], lr=1e-3)
+    info = peers.compile_info(opt)
+    assert info["compiled"] is False and set(info["failures"]) == set(peers.COMPILE_MODES)
+    before = w.detach().clone()
+    for _ in range(2):  # SOAP's first step only sets up its bases
+        w.grad = torch.randn(6, 4)
+        opt.step()
+    assert not torch.equal(w, before)
