@@ -4,6 +4,7 @@ on a small generated text, the models, the metrics, ``ttr --quick`` on both work
 peer built and stepped on a tiny model."""
 
 import hashlib
+import importlib.util
 import json
 import math
 
@@ -213,24 +214,31 @@ def test_torch_muon_gets_the_hidden_linear_weights_and_adamw_the_rest():
 
 
 @pytest.mark.parametrize("problem", WORKLOADS)
-def test_quick_ttr_on_a_new_workload(problem, eager, tmp_path, monkeypatch):
+def test_quick_ttr_on_a_new_workload(problem, tmp_path):
     """``ttr --quick`` on synthetic data: Adam (its calibration where the targets are not fixed
-    yet) and torch's Muon, 4 steps of each setting, one seed."""
+    yet), torch's Muon and heavyball's MuonAdamW (eager: a smoke run compiles nothing), 4 steps
+    of the first setting, one seed."""
     if not TTR_PROBLEMS[problem].targets:
         optimizers = ["adam"]
     else:
         optimizers = ["adam", "muon"]
+        if importlib.util.find_spec("heavyball") is not None:
+            optimizers.append("muon_adamw")
     args = ["ttr", "--quick", "--synthetic", "--problems", problem, "--json", str(tmp_path)]
     args += ["--max-steps", "4", "--eval-every", "2", "--eval-size", "16", "--settings", "0"]
     assert main(args + ["--optimizers", *optimizers]) == 0
     for optimizer in optimizers:
-        files = list(tmp_path.glob(f"{problem}_{optimizer}*.json"))
-        assert len(files) == 1
-        entry = json.loads(files[0].read_text())
+        files = [tmp_path / f"{problem}_{optimizer}{end}.json" for end in ("", "_calibration")]
+        assert sum(f.is_file() for f in files) == 1
+        entry = json.loads(next(f for f in files if f.is_file()).read_text())
         assert len(entry["runs"]) == 1 and entry["runs"][0]["steps"] == 4
         curve = entry["runs"][0]["curve"]
         assert [s for s, _, _ in curve] == [0, 2, 4] and all(v > 0 for _, _, v in curve)
         assert entry["spec"]["lower_is_better"] is True
+        if optimizer == "muon_adamw":
+            info = entry["runs"][0]["compile"]
+            assert info["compiled"] is False and info["failures"] == {}
+    assert peers.COMPILE_MODES  # restored after the smoke run
 
 
 def test_klsoap_runs_eager_on_the_cpu_without_trying_to_compile(monkeypatch):

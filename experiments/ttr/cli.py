@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .. import peers
 from ..commands import Command, add_threads, at_least, command_line, set_threads
 from ..data import DataMissingError, load_dataset, make_splits
 from ..distributed import resolve_device
@@ -167,7 +168,7 @@ def add_ttr_arguments(p) -> None:
         action="store_true",
         help="a smoke run: "
         + ", ".join(f"{k} {v}" for k, v in QUICK.items())
-        + f", 1 seed, into {QUICK_DIR} unless --json is given",
+        + f", 1 seed, heavyball eager, into {QUICK_DIR} unless --json is given",
     )
     p.add_argument(
         "--json", default=None, metavar="DIR", help=f"folder of the JSON files ({DEFAULT_DIR})"
@@ -202,6 +203,17 @@ def execute_ttr(args) -> int:
         args.seeds = 1 if args.quick else SEEDS
     if args.json is None:
         args.json = str(QUICK_DIR) if args.quick else DEFAULT_DIR
+    if not args.quick:
+        return _run_ttr(args)
+    compile_modes = peers.COMPILE_MODES
+    peers.COMPILE_MODES = ()  # a smoke run: heavyball eager (its compilation takes minutes)
+    try:
+        return _run_ttr(args)
+    finally:
+        peers.COMPILE_MODES = compile_modes
+
+
+def _run_ttr(args) -> int:
     for problem in args.problems:
         spec = _spec(problem, args)
         if not spec.targets and set(args.optimizers) != {CALIBRATION_OPTIMIZER}:
