@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .peers import PEERS, build_peer, peer_class
-from .problems import Problem
+from .problem import Problem
 
 
 class SetupError(RuntimeError):

@@ -73,7 +73,7 @@ from .data import (
     load_dataset,
     make_splits,
 )
-from .problems import EncoderBlock, Problem
+from .problem import EncoderBlock, Problem
 
 # --- the fortunes corpus -------------------------------------------------------------------------
 
@@ -249,7 +249,7 @@ def text_splits(
 
 
 class CausalEncoderBlock(EncoderBlock):
-    """:class:`experiments.problems.EncoderBlock` with causal attention."""
+    """:class:`experiments.problem.EncoderBlock` with causal attention."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.ln1(x)
