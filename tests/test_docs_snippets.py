@@ -2,7 +2,7 @@
 
 Each block of ``docs/*.md`` runs in a fresh namespace after :data:`PREAMBLE` (the small
 extended model, loss and batch the pages write ``model``, ``lossfunc``, ``X``, ``y`` and
-``loader`` for), in a scratch folder. Two kinds are not run here, each for its reason:
+``loader`` for, and DP-SGD's ``C`` and ``sigma``), in a scratch folder. Two kinds are not run here, each for its reason:
 
 * the framework loops (Lightning, the Hugging Face Trainer, accelerate): their code lines are
   those of a README block that ``tests/test_frameworks_*.py`` runs inside its framework
@@ -32,6 +32,7 @@ model = curvopt.extend(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)
 lossfunc = curvopt.extend(nn.CrossEntropyLoss())
 X, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
 loader = [(X[:8], y[:8]), (X[8:], y[8:])]
+C, sigma = 1.0, 0.5  # DP-SGD's clipping norm and noise multiplier, as the prose names them
 """
 
 #: first line of a framework loop -> the test that runs the README's copy in the framework
