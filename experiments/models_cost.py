@@ -24,7 +24,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -36,7 +35,7 @@ import curvopt
 
 from .commands import Command, add_threads, at_least, command_line, relative, set_threads
 from .evaluation import Clock
-from .timing import PHASES, timed_step
+from .timing import PHASES, interleaved, timed_step
 
 BATCH = 32
 DEFAULT_DIR = "experiments/results/models_cost"
@@ -134,60 +133,38 @@ def measure(model_name, optimizers, rounds=7, warmup=1, block=10, log=print) -> 
             model = curvopt.extend(model)
         model.train()
         entries[name] = (model, OPTIMIZERS[name](model.parameters()))
-    samples = {n: [] for n in optimizers}
     phases = {n: {k: [] for k in PHASES} for n in optimizers}
-    failed, sequence = {}, []
-    for r in range(warmup + rounds):
-        k = r % len(optimizers)
-        for name in optimizers[k:] + optimizers[:k]:
-            if name in failed:
-                continue
-            model, opt = entries[name]
-            wall, cpu = clock(), time.process_time()
-            for i, (x, y) in enumerate(batches):
-                # collects=False: curvopt's optimizers collect on their own, as in users' loops
-                step = timed_step(model, F.cross_entropy, opt, False, x, y, clock)
-                if step.diverged:
-                    failed[name] = f"diverged at step {i} of round {r}"
-                    break
-                if r >= warmup:
-                    for k in PHASES:
-                        phases[name][k].append(step.times[k])
-            wall, cpu = clock() - wall, time.process_time() - cpu
-            sequence.append(name)
-            if r >= warmup and name not in failed:
-                samples[name].append((wall / block, cpu / block))
-        if r >= warmup:
-            log(
-                f"{model_name} round {r - warmup + 1}/{rounds} (ms/step, wall/cpu): "
-                + ", ".join(
-                    f"{n} {1e3 * samples[n][-1][0]:.1f}/{1e3 * samples[n][-1][1]:.1f}"
-                    for n in optimizers
-                    if samples[n]
-                ),
-                flush=True,
-            )
 
-    def median(n, j):
-        return None if n in failed else statistics.median(t[j] for t in samples[n])
+    def run_block(name, r):
+        model, opt = entries[name]
+        for i, (x, y) in enumerate(batches):
+            # collects=False: curvopt's optimizers collect on their own, as in users' loops
+            step = timed_step(model, F.cross_entropy, opt, False, x, y, clock)
+            if step.diverged:
+                return f"diverged at step {i} of round {r}"
+            if r >= warmup:
+                for k in PHASES:
+                    phases[name][k].append(step.times[k])
+        return None
 
+    measured = interleaved(optimizers, run_block, block, rounds, warmup, clock, model_name, log)
     return {
         "block": block,
         "rounds": rounds,
         "warmup": warmup,
-        "sequence": sequence,
+        "sequence": measured.sequence,
         "parameters": sum(p.numel() for p in entries[optimizers[0]][0].parameters()),
         "entries": {
             n: {
-                "per_step_s": median(n, 1),
-                "per_step_wall_s": median(n, 0),
+                "per_step_s": measured.median(n, 1),
+                "per_step_wall_s": measured.median(n, 0),
                 "phases_ms": {
                     k[:-2]: 1e3 * statistics.median(phases[n][k]) if phases[n][k] else None
                     for k in PHASES
                 },
-                "rounds_cpu_s": [t[1] for t in samples[n]],
-                "rounds_wall_s": [t[0] for t in samples[n]],
-                "failed": failed.get(n),
+                "rounds_cpu_s": [t[1] for t in measured.samples[n]],
+                "rounds_wall_s": [t[0] for t in measured.samples[n]],
+                "failed": measured.failed.get(n),
             }
             for n in optimizers
         },

@@ -9,13 +9,19 @@
 * ``backward_s``: ``loss.backward()``, inside ``opt.collect()`` for curvopt's optimizers (so it
   includes the curvature work);
 * ``step_s``: ``opt.step()`` (for curvopt's optimizers: inverses and the preconditioned update).
+
+:func:`interleaved` is the one scheme by which cost per step is measured (``ttr.cost``,
+``models_cost``): blocks of steps on the same batches, round-robin between the entries.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import statistics
+import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 
@@ -89,3 +95,65 @@ def timed_step(
         return Step(loss, logits, True, times)
     times["step_s"] = clock() - t3
     return Step(loss, logits, False, times)
+
+
+@dataclass
+class Rounds:
+    """What :func:`interleaved` measured: per entry the ``(wall, cpu)`` seconds per step of each
+    counted block (``samples``), why an entry stopped (``failed``), the order blocks ran in."""
+
+    samples: dict[str, list[tuple[float, float]]]
+    failed: dict[str, str]
+    sequence: list[str]
+
+    def median(self, name: str, which: int) -> float | None:
+        """The median seconds per step of ``name`` (``which``: 0 wall-clock, 1 CPU time), or
+        ``None`` where it failed."""
+        if name in self.failed:
+            return None
+        return statistics.median(t[which] for t in self.samples[name])
+
+
+def interleaved(
+    names: list[str],
+    run_block: Callable[[str, int], str | None],
+    block: int,
+    rounds: int,
+    warmup: int,
+    clock: Callable[[], float],
+    label: str,
+    log: Callable[[str], object],
+    context: Callable[[str], ContextManager] = lambda name: contextlib.nullcontext(),
+) -> Rounds:
+    """``warmup + rounds`` rounds in which every entry of ``names`` runs one block of ``block``
+    steps (``run_block(name, round)``: ``None``, or why the entry failed, which stops it), the
+    first entry rotating each round so that no entry always follows the same one; a block is
+    timed by ``clock`` and by CPU time inside ``context(name)``; the counted rounds are logged
+    after ``label``."""
+    samples: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+    failed: dict[str, str] = {}
+    sequence: list[str] = []
+    for r in range(warmup + rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            if name in failed:
+                continue
+            with context(name):
+                wall, cpu = clock(), time.process_time()
+                why = run_block(name, r)
+                wall, cpu = clock() - wall, time.process_time() - cpu
+            if why is not None:
+                failed[name] = why
+            sequence.append(name)
+            if r >= warmup and name not in failed:
+                samples[name].append((wall / block, cpu / block))
+        if r >= warmup:
+            log(
+                f"{label} round {r - warmup + 1}/{rounds} (ms/step, wall/cpu): "
+                + ", ".join(
+                    f"{n} {1e3 * samples[n][-1][0]:.1f}/{1e3 * samples[n][-1][1]:.1f}"
+                    for n in names
+                    if samples[n]
+                )
+            )
+    return Rounds(samples, failed, sequence)

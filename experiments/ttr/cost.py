@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import statistics
-import time
 from typing import Callable, ContextManager
 
 import torch
@@ -35,7 +33,7 @@ from ..evaluation import Clock
 from ..optimizers import make_optimizer, resolve_options
 from ..peers import compile_info
 from ..problems import get_problem
-from ..timing import timed_step
+from ..timing import interleaved, timed_step
 from .grids import Setting
 
 PERIOD_OPTIONS = ("curvature_interval", "inverse_interval", "basis_interval")
@@ -98,55 +96,36 @@ def measure_costs(
         built.update(entries)
     prep = prob.preprocess(False)
     fixed = {b: fixed_batches(splits, b, block, prep) for b in set(sizes.values())}
+    def run_block(name: str, r: int) -> str | None:
+        model, lossfunc, opt, collects = entries[name]
+        for i, (x, y) in enumerate(fixed[sizes[name]]):
+            if timed_step(model, lossfunc, opt, collects, x, y, clock).diverged:
+                return f"diverged at step {i} of round {r} (fixed batches)"
+        return None
+
+    def context(name: str) -> ContextManager:
+        return (contexts or {}).get(name, contextlib.nullcontext)()
+
     names = list(settings)
-    samples: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
-    failed: dict[str, str] = {}
-    sequence = []
-    for r in range(warmup + rounds):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            if name in failed:
-                continue
-            model, lossfunc, opt, collects = entries[name]
-            with (contexts or {}).get(name, contextlib.nullcontext)():
-                wall, cpu = clock(), time.process_time()
-                for i, (x, y) in enumerate(fixed[sizes[name]]):
-                    if timed_step(model, lossfunc, opt, collects, x, y, clock).diverged:
-                        failed[name] = f"diverged at step {i} of round {r} (fixed batches)"
-                        break
-                wall, cpu = clock() - wall, time.process_time() - cpu
-            sequence.append(name)
-            if r >= warmup and name not in failed:
-                samples[name].append((wall / block, cpu / block))
-        if r >= warmup:
-            log(
-                f"{problem} cost round {r - warmup + 1}/{rounds} (ms/step, wall/cpu): "
-                + ", ".join(
-                    f"{n} {1e3 * samples[n][-1][0]:.1f}/{1e3 * samples[n][-1][1]:.1f}"
-                    for n in names
-                    if samples[n]
-                )
-            )
-
-    def median(n: str, j: int) -> float | None:
-        return None if n in failed else statistics.median(t[j] for t in samples[n])
-
+    measured = interleaved(
+        names, run_block, block, rounds, warmup, clock, f"{problem} cost", log, context
+    )
     return {
         "block": block,
         "rounds": rounds,
         "warmup": warmup,
-        "sequence": sequence,
+        "sequence": measured.sequence,
         "entries": {
             n: {
                 "setting": settings[n].as_dict(),
                 "batch_size": sizes[n],
                 "compile": compile_info(entries[n][2]),
                 "period": period(settings[n]),
-                "per_step_s": median(n, 1),
-                "per_step_wall_s": median(n, 0),
-                "rounds_wall_s": [t[0] for t in samples[n]],
-                "rounds_cpu_s": [t[1] for t in samples[n]],
-                "failed": failed.get(n),
+                "per_step_s": measured.median(n, 1),
+                "per_step_wall_s": measured.median(n, 0),
+                "rounds_wall_s": [t[0] for t in measured.samples[n]],
+                "rounds_cpu_s": [t[1] for t in measured.samples[n]],
+                "failed": measured.failed.get(n),
             }
             for n in names
         },
