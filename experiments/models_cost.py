@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import curvopt
+from fixtures import zoo
 
 from .commands import Command, add_threads, at_least, command_line, relative, set_threads
 from .evaluation import Clock
@@ -62,24 +63,8 @@ class EncoderClassifier(nn.Module):
         return self.head(self.enc(h).mean(1))
 
 
-class Block(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c)
-
-    def forward(self, x):
-        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
-
-
-def resnet(c=16, blocks=3, classes=10):
-    return nn.Sequential(
-        nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(),
-        *(Block(c) for _ in range(blocks)),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, classes),
-    )  # fmt: skip
+def resnet():
+    return zoo.resnet(width=16, blocks=3, classes=10)
 
 
 def _labels(gen):

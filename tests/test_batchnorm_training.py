@@ -11,28 +11,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import curvopt
+from fixtures import zoo
 
 DT = torch.float64
 STEPS = 30
 
 
-class Block(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c)
-
-    def forward(self, x):
-        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
-
-
 def resnet():
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-        Block(8), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
-    )  # fmt: skip
+    return zoo.resnet(width=8, blocks=1)
 
 
 def mlp():
