@@ -68,7 +68,6 @@ class _Core:
     x_k: torch.Tensor
     x_v: torch.Tensor
     sharing: str
-    n: int
 
 
 @register(nn.MultiheadAttention)
@@ -354,7 +353,7 @@ def _rerun(root) -> _Core:
             is_causal=inputs["is_causal"],
         )
     batch_first = (q_in.transpose(0, 1), k_in.transpose(0, 1), v_in.transpose(0, 1))
-    return _Core(tuple(leaves), (o, weights), *batch_first, sharing, n)
+    return _Core(tuple(leaves), (o, weights), *batch_first, sharing)
 
 
 def _replayed(root):
@@ -400,10 +399,9 @@ def _vjp(root, core: _Core, columns):
         allow_unused=True,
         is_grads_batched=batched,
     )
+    columns_dims = cotangents[0].shape[:lead]  # [K] for columns, () for the gradient
     grads = [
-        torch.zeros((*given[0].shape[:lead], *leaf.shape), dtype=leaf.dtype, device=leaf.device)
-        if g is None
-        else g
+        leaf.new_zeros((*columns_dims, *leaf.shape)) if g is None else g
         for g, leaf in zip(grads, core.leaves)
     ]
     if len(grads) == 3:
