@@ -20,6 +20,11 @@ Presets (curvature optimizers only; see docs/optim.md for the reasoning):
   it is evaluated at its average (``opt.eval()``), and runs with a warm-up and no decay, as
   schedule-free AdamW.
 
+``eigen_adam`` (``curvopt.optim.EigenAdam``: Adam's moments in the eigenbasis of KFAC's
+Monte-Carlo Kronecker factors, SOAP-like) takes Adam's learning rates and no damping: it is not
+in :data:`DAMPED` and no preset applies to it; its options (``basis_interval``, ``betas``, ...)
+are explicit.
+
 The peers from other packages (``soap``, ``psgd_kron``, ``sf_adamw``, ``muon_adamw``,
 ``klsoap``) and torch's Muon with AdamW (``muon``) are built by :mod:`experiments.peers`.
 """
@@ -50,6 +55,8 @@ OPTIMIZERS: dict[str, tuple[str | None, dict]] = {
     "kfra": ("KFAC", {"curvature": "kfra"}),
     "ekfac": ("EKFAC", {"curvature": "kfac"}),
     "sf_kfac": ("KFAC", {"curvature": "kfac"}),  # with the schedule_free preset
+    # Adam in the eigenbasis of KFAC's (Monte-Carlo) factors; no damping, no preset
+    "eigen_adam": ("EigenAdam", {"curvature": "kfac"}),
     "vsgd": ("VarianceAdaptedSGD", {}),
     **{name: (None, {}) for name in PEERS},
 }

@@ -257,3 +257,89 @@ def test_klsoap_runs_eager_on_the_cpu_without_trying_to_compile(monkeypatch):
         w.grad = torch.randn(6, 4)
         opt.step()
     assert not torch.equal(w, before)
+
+
+def test_eigen_adams_grid_is_adams_doubled_at_each_problems_batch_size():
+    """``eigen_adam``: 4 settings around Adam's winner (2e-3, 4e-3 constant, 4e-3, 8e-3 with
+    warm-up + cosine), the basis every 10 steps, no damping, at the problem's batch size."""
+    for problem in (*WORKLOADS, "fmnist_2c2d"):
+        grid = GRIDS[problem]["eigen_adam"]
+        assert [(s.lr, s.schedule) for s in grid] == [
+            (2e-3, "constant"),
+            (4e-3, "constant"),
+            (4e-3, "warmup_cosine"),
+            (8e-3, "warmup_cosine"),
+        ]
+        assert {s.batch_size for s in grid} == {get_problem(problem).batch_size}
+        assert all(s.damping is None and s.preset is None for s in grid)
+        assert all(dict(s.options) == {"basis_interval": 10} for s in grid)
+    assert "basis_interval" in allowed_options("eigen_adam")
+
+
+def test_the_autoencoders_kfac_grids_are_the_per_sample_ones_over_784():
+    """Damping and ``kl_clip`` (the ``practical`` preset's where the setting does not set it)
+    divided by the 784 pixels the autoencoder's loss averages over; the GPT keeps the values
+    set for per-sample averages."""
+    from experiments.optimizers import resolve_options
+
+    for name in ("kfac", "sf_kfac"):
+        scaled, plain = GRIDS["mnist_autoencoder"][name], GRIDS["fortunes_gpt"][name]
+        assert len(scaled) == len(plain) == 4
+        for s, p in zip(scaled, plain):
+            assert (s.lr, s.preset, s.schedule) == (p.lr, p.preset, p.schedule)
+            assert s.damping == pytest.approx(p.damping / 784)
+            clip = resolve_options(name, s.preset, s.options)["kl_clip"]
+            plain_clip = resolve_options(name, p.preset, p.options)["kl_clip"]
+            if plain_clip is None:
+                assert clip is None
+            else:
+                assert clip == pytest.approx(plain_clip / 784)
+            others = {k: v for k, v in s.options if k != "kl_clip"}
+            assert others == {k: v for k, v in p.options if k != "kl_clip"}
+
+
+def test_kfac_with_damping_and_kl_clip_over_the_terms_steps_as_on_the_per_sample_loss():
+    """The rule behind the autoencoder's grids: KFAC (trace-norm damping, trust region,
+    momentum) on a loss averaged over ``P`` terms per sample with ``λ / P`` and ``κ / P`` takes
+    the steps it takes on the summed loss with ``λ N`` and ``κ N``, i.e. on the per-sample loss
+    with ``λ`` and ``κ`` (float64, exact factors)."""
+    import copy
+
+    import curvopt
+    import curvopt.optim
+
+    n, p, lam, kappa = 8, 6, 0.05, 1e-4
+    torch.manual_seed(0)
+    x, y = torch.randn(n, 5, dtype=torch.float64), torch.rand(n, p, dtype=torch.float64)
+    init = nn.Sequential(nn.Linear(5, 7), nn.Sigmoid(), nn.Linear(7, p)).double()
+
+    def train(reduction: str, damping: float, clip: float) -> list[torch.Tensor]:
+        model = curvopt.extend(copy.deepcopy(init))
+        lossfunc = curvopt.extend(nn.BCEWithLogitsLoss(reduction=reduction))
+        opt = curvopt.optim.KFAC(
+            model.parameters(), 0.5, damping, curvature="kflr", kl_clip=clip, momentum=0.9
+        )
+        for _ in range(3):
+            opt.zero_grad()
+            lossfunc(model(x), y).backward()
+            opt.step()
+        return [q.detach().clone() for q in model.parameters()]
+
+    per_term = train("mean", lam / p, kappa / p)
+    summed = train("sum", lam * n, kappa * n)
+    for a, b in zip(per_term, summed):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    assert not all(torch.equal(a, b) for a, b in zip(per_term, train("mean", lam, kappa)))
+
+
+@pytest.mark.parametrize("problem", WORKLOADS)
+def test_eigen_adam_takes_a_step_of_each_setting_on_a_workload(problem, tmp_path):
+    """``ttr --quick`` of ``eigen_adam``'s whole grid on synthetic data, 1 step each."""
+    args = ["ttr", "--quick", "--synthetic", "--problems", problem, "--json", str(tmp_path)]
+    args += ["--max-steps", "1", "--eval-every", "1", "--eval-size", "8"]
+    assert main(args + ["--optimizers", "eigen_adam"]) == 0
+    entry = json.loads((tmp_path / f"{problem}_eigen_adam.json").read_text())
+    assert len(entry["tuning"]) == 4
+    for run in entry["tuning"]:
+        assert run["steps"] == 1 and run["status"] == "capped"
+        assert all(math.isfinite(v) and v > 0 for _, _, v in run["curve"])
