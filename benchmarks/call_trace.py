@@ -7,7 +7,7 @@ Runs a KFAC pass (or ``--quantity``'s) on a plain two-layer MLP, after one warm-
 the structure's plan is cached; ``--first`` traces the first pass instead), and traces with
 ``sys.setprofile`` every call made while ``BackwardPass.on_loss`` runs. A call *passes the loss
 on* when curvopt code calls into an engine module of the propagation or engine layer
-(``curvopt/engine/``, not the foundation's data modules ``FOUNDATION``) that has no frame
+(the folders ``PASS_FOLDERS``, not the modules ``FOUNDATION`` every step reads) that has no frame
 running: a callback into a module still running (a search's ``expand``, a generator expression
 passed down) does not leave it, and a hook that torch runs is not a call of curvopt's. Prints the
 sequence of modules those calls enter (consecutive repeats merged), how often each module is
@@ -33,36 +33,22 @@ from torch import nn
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.engine.backward import BackwardPass
+from curvopt.loop.backward import BackwardPass
 from curvopt.optim import KFAC
 
 PACKAGE = pathlib.Path(curvopt.__file__).parent
-ENGINE = PACKAGE / "engine"
-#: the engine's data modules (layer 0), which every layer reads: not a step of the pass
-FOUNDATION = {
-    "buffers",
-    "calls",
-    "errors",
-    "graph_plan",
-    "inputs",
-    "params",
-    "psd",
-    "records",
-    "reductions",
-    "second_derivatives",
-    "state",
-    "tolerance",
-    "torch_internals",
-    "torch_rerun",
-    "values",
-}
+#: the folders of one pass (``curvopt/__init__.py``'s layers 4 to 7); ``autograd`` and ``core``
+#: below them are data every layer reads: not a step of the pass
+PASS_FOLDERS = {"graph", "engine", "guards", "loop"}
+#: the modules of those folders that every step reads: the one graph search, the tolerance
+FOUNDATION = {"graph_plan", "tolerance", "__init__"}
 
 
 def _engine_module(code) -> str | None:
     path = pathlib.Path(code.co_filename)
-    if path.parent != ENGINE or path.stem in FOUNDATION or path.stem == "__init__":
+    if path.parent.parent != PACKAGE or path.parent.name not in PASS_FOLDERS:
         return None
-    return path.stem
+    return None if path.stem in FOUNDATION else path.stem
 
 
 class Tracer:

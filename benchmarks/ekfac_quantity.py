@@ -21,7 +21,7 @@ from torch import nn
 
 from curvopt.layers import rule_for
 from curvopt.layers.eigenbasis import eigen_moment_of
-from curvopt.engine.calls import Call
+from curvopt.core.calls import Call
 
 
 def _timed(fn, rounds):

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 import curvopt.optim.transforms
-from curvopt.engine.reductions import GramFactor, gram
+from curvopt.core.reductions import GramFactor, gram
 from curvopt.optim.factor_inverse import LowRankInverse, add_diagonal, cholesky_inverse
 from experiments.commands import set_threads
 from experiments.data import load_dataset, make_splits

@@ -26,11 +26,11 @@ from benchmarks.per_pass_overhead import FIRST_ORDER, SECOND_ORDER, setup
 
 #: (label, module, attribute path) of the timed parts, in the order a pass reaches them
 PARTS = (
-    ("a new BackwardPass", "curvopt.engine.backward", "BackwardPass.__init__"),
-    ("loss hook", "curvopt.engine.dispatch", "on_loss"),
-    ("  the walk of the graph", "curvopt.engine.walk", "Walk.__init__"),
-    ("  participation", "curvopt.engine.participation", "Participation.skips_all"),
-    ("  row layout (first order)", "curvopt.engine.backward", "BackwardPass._check_layout"),
+    ("a new BackwardPass", "curvopt.loop.backward", "BackwardPass.__init__"),
+    ("loss hook", "curvopt.loop.dispatch", "on_loss"),
+    ("  the walk of the graph", "curvopt.graph.walk", "Walk.__init__"),
+    ("  participation", "curvopt.guards.participation", "Participation.skips_all"),
+    ("  row layout (first order)", "curvopt.loop.backward", "BackwardPass._check_layout"),
     ("  earlier values released", "curvopt.engine.accumulate", "Accumulator.release"),
     ("  the loss and modules checked", "curvopt.engine.curvature", "CurvaturePass.check"),
     ("  curvature pass", "curvopt.engine.curvature", "CurvaturePass.run"),
@@ -41,13 +41,13 @@ PARTS = (
     ("    contributions made and collected", "curvopt.engine.results", "ResultBuffer.add"),
     ("    Kronecker output sides", "curvopt.engine.kron_pass", "FactorStream.add"),
     ("    Kronecker input sides", "curvopt.engine.kron_pass", "FactorStream.finish"),
-    ("  flow check's hooks placed", "curvopt.engine.flow", "FlowCheck.watch"),
-    ("    its region searched", "curvopt.engine.flow", "FlowCheck._region"),
-    ("module hooks", "curvopt.engine.dispatch", "_on_module"),
+    ("  flow check's hooks placed", "curvopt.guards.flow", "FlowCheck.watch"),
+    ("    its region searched", "curvopt.guards.flow", "FlowCheck._region"),
+    ("module hooks", "curvopt.loop.dispatch", "_on_module"),
     ("  first-order reducer", "curvopt.engine.reducer", "FirstOrderReducer.add"),
-    ("parameter hooks: sum checks", "curvopt.engine.checks", "Checks.parameter_grad"),
-    ("end of pass", "curvopt.engine.backward", "BackwardPass._finish"),
-    ("  spot check of per-sample gradients", "curvopt.engine.checks", "Checks.check_materialised"),
+    ("parameter hooks: sum checks", "curvopt.guards.checks", "Checks.parameter_grad"),
+    ("end of pass", "curvopt.loop.backward", "BackwardPass._finish"),
+    ("  spot check of per-sample gradients", "curvopt.guards.checks", "Checks.check_materialised"),
     ("  results written", "curvopt.engine.results", "ResultBuffer.write"),
 )
 

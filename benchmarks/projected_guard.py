@@ -31,13 +31,13 @@ import torch.nn.functional as F
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.engine.projected import PROJECTED_FACTOR, draw_probes, project, projection_pays
-from curvopt.engine.tolerance import mismatch
+from curvopt.guards.projected import PROJECTED_FACTOR, draw_probes, project, projection_pays
+from curvopt.guards.tolerance import mismatch
 from curvopt.layers.conv import ConvRule
 from curvopt.layers.embedding import EmbeddingRule
 from curvopt.layers.linear import LinearRule
 from curvopt.layers.registry import LayerRule, rule_for
-from curvopt.engine.calls import Call
+from curvopt.core.calls import Call
 from curvopt.layers.transposed_linear import TransposedLinearRule
 from experiments.problems import cifar10_3c3d, fmnist_2c2d
 

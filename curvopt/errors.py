@@ -75,7 +75,7 @@ def kronecker_error(module, what: str, cause: str) -> UnsupportedKroneckerError:
 
 def batch_mismatch(module, batch_dim: int, n: int, seen: int) -> UnsupportedModuleError:
     """The error for a module call that sees ``n`` samples on ``batch_dim`` where the others
-    saw ``seen``, be the batch found without the loss (``engine.pass_guards``) or from it
+    saw ``seen``, be the batch found without the loss (``guards.pass_guards``) or from it
     (``engine.rows``)."""
     return module_error(
         module,

@@ -13,8 +13,8 @@ import torch
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.engine.checks import Checks
-from curvopt.engine.tolerance import mismatch, mismatches, roundoff
+from curvopt.guards.checks import Checks
+from curvopt.guards.tolerance import mismatch, mismatches, roundoff
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers.linear import LinearRule
 

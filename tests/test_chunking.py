@@ -8,7 +8,7 @@ from torch import nn
 import curvopt.engine.curvature
 import curvopt.engine.diagonals
 import curvopt.engine.reducer
-from curvopt.engine import propagate
+from curvopt.graph import propagate
 from curvopt import extensions as ext
 from curvopt.layers.conv import ConvRule
 from curvopt.layers.linear import LinearRule

@@ -14,7 +14,8 @@ from torch.utils.checkpoint import checkpoint
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.engine import compress, propagate
+from curvopt.engine import compress
+from curvopt.graph import propagate
 from curvopt.engine import rows as rows_module
 from fixtures import zoo
 

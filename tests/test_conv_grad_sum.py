@@ -13,7 +13,7 @@ import curvopt.layers.conv
 from curvopt import extensions as ext
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers.registry import rule_for
-from curvopt.engine.calls import Call
+from curvopt.core.calls import Call
 
 
 class _TransposeWithOutputSize(nn.Module):

@@ -17,8 +17,8 @@ import curvopt
 from curvopt import extensions as ext
 from curvopt.errors import AccumulationError, ExtensionConflictError
 from curvopt.optim import EKFAC, KFAC, DiagGGNNewton, VarianceAdaptedSGD
-from curvopt.engine.psd import psd_eigh
-from curvopt.engine.state import STATE
+from curvopt.core.psd import psd_eigh
+from curvopt.core.state import STATE
 
 DT = torch.float64
 N = 12
@@ -347,7 +347,7 @@ def test_a_freed_optimizer_disarms_and_the_model_costs_like_the_plain_one():
 def test_an_optimizer_on_another_model_does_no_work_in_this_ones_backward(monkeypatch):
     """An armed optimizer whose modules have no call awaiting a gradient (another model, or
     one not yet garbage-collected) takes no part: one graph walk, that of the open block."""
-    from curvopt.engine import walk as walk_module
+    from curvopt.graph import walk as walk_module
 
     walks = []
     walk = walk_module.Walk._walk
@@ -366,7 +366,7 @@ def test_an_optimizer_on_another_model_does_no_work_in_this_ones_backward(monkey
 def test_levenberg_marquardt_measures_the_loss_without_collecting(monkeypatch):
     """The closure's second call (the loss after the step) computes no curvature: one
     curvature walk per step, and the explicit loop's steps."""
-    from curvopt.engine import walk as walk_module
+    from curvopt.graph import walk as walk_module
     from curvopt.optim import LevenbergMarquardt
 
     def run(**kw):

@@ -18,7 +18,7 @@ from curvopt import extensions as ext
 from fixtures import zoo
 from curvopt.errors import AccumulationError, UnsupportedKroneckerError, UnsupportedLossError
 from curvopt.layers.linear import LinearRule
-from curvopt.engine.psd import psd_eigh
+from curvopt.core.psd import psd_eigh
 from conftest import Conv1D
 
 DT = torch.float64

@@ -15,7 +15,7 @@ from curvopt.engine.loss_context import LossContext
 ROOT = pathlib.Path(curvopt.__file__).parent
 
 
-@pytest.mark.parametrize("path", ["engine/records.py", "hooks.py", "engine/recognize.py"])
+@pytest.mark.parametrize("path", ["core/records.py", "frontend/hooks.py", "entry/recognize.py"])
 def test_no_reach_for_the_pass_through_the_global_state(path):
     assert "backward_pass(" not in (ROOT / path).read_text()
 
@@ -27,7 +27,7 @@ def test_only_dispatch_asks_for_the_pass():
         if "DISPATCH.backward_pass(" in p.read_text()
         or "collecting.backward_pass(" in p.read_text()
     }
-    assert askers == {"engine/dispatch.py"}
+    assert askers == {"loop/dispatch.py"}
 
 
 def test_hessian_and_kfra_take_the_loss_context():

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import curvopt
-from curvopt.engine import params
+from curvopt.core import params
 
 
 class _Tied(nn.Module):

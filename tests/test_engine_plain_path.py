@@ -16,10 +16,10 @@ MAX_COMEBACKS = 8
 
 def test_a_plain_mlp_step_runs_no_special_case():
     found = call_trace.files_of_a_step()
-    assert "engine/walk.py" in found and "engine/curvature.py" in found  # the trace saw the pass
-    assert "engine/broadcast.py" not in found
+    assert "graph/walk.py" in found and "engine/curvature.py" in found  # the trace saw the pass
+    assert "graph/broadcast.py" not in found
     assert "engine/compress.py" not in found
-    assert "engine/checkpointing.py" not in found
+    assert "graph/checkpointing.py" not in found
 
 
 @pytest.mark.parametrize(

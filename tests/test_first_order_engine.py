@@ -67,7 +67,7 @@ def _live(model):
 
 
 def _record_objects():
-    from curvopt.hooks import Record
+    from curvopt.frontend.hooks import Record
 
     gc.collect()  # released records hold no tensors; count those still holding inputs
     return sum(isinstance(o, Record) and o.args is not None for o in gc.get_objects())

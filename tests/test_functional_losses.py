@@ -1,4 +1,4 @@
-"""A loss the extended model computes and returns itself (``curvopt.engine.recognize``): each
+"""A loss the extended model computes and returns itself (``curvopt.entry.recognize``): each
 functional loss gives the quantities of its extended loss module (float64, to roundoff: the
 cross-entropy is read from the log-probabilities), on an MLP and a sequence model with
 flattened logits, both reductions; Hugging Face's own ``labels=`` loss through an optimizer

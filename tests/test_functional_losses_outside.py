@@ -1,5 +1,5 @@
 """Second order with a loss computed functionally after the model's forward, without an extended
-loss module (``curvopt.engine.functional``): ``F.cross_entropy(model(X), y)`` (weight,
+loss module (``curvopt.entry.functional``): ``F.cross_entropy(model(X), y)`` (weight,
 ignore_index, label smoothing, K-dim and flattened rows, a temperature and a slice between),
 a loss module that was not extended, ``F.nll_loss`` after ``F.log_softmax``, ``F.mse_loss``,
 ``F.binary_cross_entropy_with_logits`` (weight, pos_weight).

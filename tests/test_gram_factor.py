@@ -16,7 +16,7 @@ from torch import nn
 
 import curvopt
 import curvopt.optim.transforms
-from curvopt.engine.reductions import GramFactor, dense, diagonal, gram, gram_root
+from curvopt.core.reductions import GramFactor, dense, diagonal, gram, gram_root
 from curvopt.optim import KFAC, LevenbergMarquardt
 from curvopt.optim.transforms import ema
 

@@ -21,8 +21,9 @@ from torch.utils.checkpoint import checkpoint
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.engine import graph_plan, rows
-from curvopt.engine import walk as walk_module
+from curvopt.graph import graph_plan
+from curvopt.engine import rows
+from curvopt.graph import walk as walk_module
 from fixtures import zoo
 
 N = 5
@@ -124,7 +125,7 @@ def test_no_other_module_reads_next_functions():
         if re.search(r"\.next_functions\b", path.read_text()) and path.name not in allowed
     }
     assert not readers, readers
-    text = (root / "engine" / "graph_plan.py").read_text()
+    text = (root / "graph" / "graph_plan.py").read_text()
     assert text.count(".next_functions") == 1  # ``edges_of``, the one read
 
 

@@ -12,6 +12,7 @@ its own layer or the layers below it (``docs/architecture.md``).
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -46,59 +47,23 @@ NO_LOCAL_IMPORTS = (
 #: calls that load code by file path or change where imports look
 BY_PATH = {"spec_from_file_location", "SourceFileLoader", "run_path", "exec_module"}
 
-#: core layers, bottom up (docs/architecture.md); a module may import its layer or lower ones
-LAYERS = [
-    {
-        "errors",
-        "state",
-        "records",
-        "calls",
-        "params",
-        "reductions",
-        "buffers",
-        "extensions",
-        "inputs",
-        "torch_internals",
-        "torch_rerun",
-        "tolerance",
-        "graph_plan",
-        "second_derivatives",
-        "psd",
-        "values",
-    },
-    {"layers", "losses"},
-    {
-        "broadcast",
-        "checkpointing",
-        "compress",
-        "walk",
-        "loss_context",
-        "propagate",
-        "pooling",
-        "rows",
-        "results",
-        "diagonals",
-        "hessian",
-        "kfra",
-        "kron_pass",
-    },
-    {
-        "reducer",
-        "projected",
-        "checks",
-        "flow",
-        "participation",
-        "pass_guards",
-        "sites",
-        "curvature",
-        "accumulate",
-        "backward",
-        "dispatch",
-    },
-    {"recognize", "functional", "hooks", "unextended", "collect", "collection", "verify"},
-    {"optim", "linalg"},
-    {"laplace"},
-]
+
+def _read_layers():
+    """The layers ``curvopt/__init__.py``'s docstring states: ``N. ``a``, ``b``: job`` lines,
+    bottom up."""
+    doc = ast.get_docstring(ast.parse((ROOT / "curvopt" / "__init__.py").read_text()))
+    layers = []
+    for line in doc.splitlines():
+        match = re.match(r"(\d+)\. ((?:``\w+``(?:, )?)+):", line)
+        if match:
+            assert int(match[1]) == len(layers), f"layer {match[1]} out of order"
+            layers.append(set(re.findall(r"``(\w+)``", match[2])))
+    return layers
+
+
+#: the library's folders and top-level modules, bottom up (``curvopt/__init__.py``); a part may
+#: import its layer or lower ones
+LAYERS = _read_layers()
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -251,66 +216,62 @@ def test_nothing_loads_a_module_by_path():
     assert not found, found
 
 
+def _part(module: str):
+    """The folder (or top-level module) of ``curvopt`` that ``module`` is in, or None."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "curvopt" and len(parts) > 1 else None
+
+
 def _layer(module: str):
-    parts = module.split(".")[1:]
-    if parts[:1] == ["engine"]:
-        parts = parts[1:]  # the engine's modules keep their layers inside its package
-    part = parts[0] if parts else None
     for level, members in enumerate(LAYERS):
-        if part in members:
+        if _part(module) in members:
             return level
     return None
 
 
-def test_core_layers_point_down(graph):
+def test_the_layers_point_down(graph):
     for name, targets in graph.items():
-        if not name.startswith("curvopt.") or _layer(name) is None:
+        if _layer(name) is None:
             continue
         for target, _ in targets:
-            if target.startswith("curvopt.") and _layer(target) is not None:
+            if _layer(target) is not None:
                 assert _layer(target) <= _layer(name), (
                     f"{name} (layer {_layer(name)}) imports {target} (layer {_layer(target)})"
                 )
 
 
-def test_every_core_module_has_a_layer():
-    missing = [
-        f"{package}.{path.stem}"
-        for package in ("curvopt", "curvopt.engine")
-        for path in (ROOT / package.replace(".", "/")).glob("*.py")
-        if path.stem != "__init__" and _layer(f"{package}.{path.stem}") is None
-    ]
-    dirs = [
-        p.name
-        for p in (ROOT / "curvopt").iterdir()
-        if p.is_dir()
-        and p.name != "engine"
-        and (p / "__init__.py").exists()
-        and _layer(f"curvopt.{p.name}") is None
-    ]
-    assert not missing + dirs, missing + dirs
+def test_no_two_folders_import_each_other(graph):
+    """At folder level the imports form no circle (within one layer too)."""
+    edges = {}
+    for name, targets in graph.items():
+        for target, _ in targets:
+            if None not in (_part(name), _part(target)) and _part(name) != _part(target):
+                edges.setdefault(_part(name), set()).add(_part(target))
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(edges.get(node, ())):
+            assert state.get(nxt) != "open", "folders import in a circle: " + " -> ".join(
+                path + [node, nxt]
+            )
+            if nxt not in state:
+                visit(nxt, path + [node])
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [])
 
 
-#: what the top level of ``curvopt`` holds: the public API; the engine has its own package
-PUBLIC_TOP_LEVEL = {
-    "collect",
-    "errors",
-    "extensions",
-    "hooks",
-    "laplace",
-    "layers",
-    "linalg",
-    "losses",
-    "optim",
-    "verify",
-    "engine",
-}
-
-
-def test_the_top_level_holds_the_public_api_only():
-    top = {
+def test_every_part_has_a_layer():
+    parts = {
         p.stem if p.suffix == ".py" else p.name
         for p in (ROOT / "curvopt").iterdir()
         if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()
     }
-    assert top == PUBLIC_TOP_LEVEL, sorted(top ^ PUBLIC_TOP_LEVEL)
+    stated = set().union(*LAYERS)
+    assert parts == stated, (
+        f"in curvopt but not in its layers: {sorted(parts - stated)}; "
+        f"in its layers but not in curvopt: {sorted(stated - parts)}"
+    )

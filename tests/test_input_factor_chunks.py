@@ -19,7 +19,7 @@ from torch import nn
 import curvopt
 import curvopt.engine.curvature
 from curvopt import extensions as ext
-from curvopt.engine.reductions import gram_root
+from curvopt.core.reductions import gram_root
 from curvopt.layers import kron
 from curvopt.layers.conv import ConvRule
 
@@ -88,7 +88,7 @@ def _unfold_factor(conv, x, approx):
 def test_conv_input_factor_in_chunks_matches_unfold(options, approx, monkeypatch):
     conv = nn.Conv2d(3, 4, 3, **options).to(DT)
     x = torch.randn(9, 3, 8, 7, dtype=DT, generator=gen(2))
-    call = curvopt.engine.calls.Call(conv, (x,), {})
+    call = curvopt.core.calls.Call(conv, (x,), {})
     whole = ConvRule().kron_input_factor(call, "weight", approx, 9)
     monkeypatch.setattr(kron, "_INPUT_BUDGET", 3 * 9 * 56 * 2)  # about 2 samples' patches
     chunked = ConvRule().kron_input_factor(call, "weight", approx, 9)

@@ -22,7 +22,7 @@ from curvopt.optim.kronecker import (
     trace_norm_pi,
     trace_norm_solvers,
 )
-from curvopt.engine.reductions import gram, gram_add_, gram_root, nonzero_rows
+from curvopt.core.reductions import gram, gram_add_, gram_root, nonzero_rows
 from curvopt.optim import factor_inverse
 from curvopt.optim.factor_inverse import root_alone, woodbury_cheaper
 

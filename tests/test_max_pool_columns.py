@@ -1,5 +1,5 @@
 """Exact curvature through max pooling with the columns crossing it all at once, scattered at
-the pooling's saved indices (``torch_internals.max_pool_transpose``, ``engine/pooling.py``):
+the pooling's saved indices (``torch_internals.max_pool_transpose``, ``graph/pooling.py``):
 DiagGGNExact / BatchDiagGGNExact / KFLR / DiagHessian equal torch.func references in float64
 for every pooling configuration (kernel, stride, padding, dilation, ``ceil_mode``, overlapping
 windows, 1-D, 2-D, 3-D, poolings in parallel), and the pooling's own backward never runs for
@@ -15,7 +15,8 @@ from torch import nn
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.engine import pooling, torch_internals
+from curvopt.graph import pooling
+from curvopt.autograd import torch_internals
 
 DT = torch.float64
 N, CLASSES = 3, 4

@@ -13,7 +13,8 @@ from torch import nn
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.engine import participation, rows
+from curvopt.guards import participation
+from curvopt.engine import rows
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers.linear import LinearRule
 from curvopt.layers.registry import LayerRule

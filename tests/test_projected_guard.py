@@ -24,21 +24,21 @@ from torch import nn
 from torch.func import functional_call, grad
 
 import curvopt
-import curvopt.engine.checks
+import curvopt.guards.checks
 from curvopt import extensions as ext
-from curvopt.engine.checks import Checks
-from curvopt.engine.projected import PROBES, draw_probes
+from curvopt.guards.checks import Checks
+from curvopt.guards.projected import PROBES, draw_probes
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers import rule_for
 from curvopt.layers.linear import LinearRule
-from curvopt.engine.calls import Call
-from curvopt.engine.records import Record
+from curvopt.core.calls import Call
+from curvopt.core.records import Record
 
 
 @pytest.fixture(autouse=True)
 def always_projected(monkeypatch):
     """The small layers here are checked through probes too (by cost, in full)."""
-    monkeypatch.setattr(curvopt.engine.checks, "projection_pays", lambda p: True)
+    monkeypatch.setattr(curvopt.guards.checks, "projection_pays", lambda p: True)
 
 
 # ------------------------------------------------------------------ the rules, against brute force

@@ -1,5 +1,5 @@
 """``torch.utils.checkpoint(..., use_reentrant=True)`` (issue 21, item 2): curvature through the
-segments curvopt re-runs (``curvopt.engine.checkpointing``), in float64, equal to the same
+segments curvopt re-runs (``curvopt.graph.checkpointing``), in float64, equal to the same
 model without checkpoints (curvopt) and to torch.func references; the cases it cannot do raise
 naming the fix, with nothing written.
 
@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import curvopt
-from curvopt.engine import checkpointing
+from curvopt.graph import checkpointing
 from curvopt import extensions as ext
 from curvopt.errors import UnsupportedModuleError
 

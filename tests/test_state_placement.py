@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import curvopt
-from curvopt.engine.reductions import GramFactor
+from curvopt.core.reductions import GramFactor
 from curvopt.optim import KFAC
 from curvopt.optim.factor_inverse import LowRankInverse
 from curvopt.optim.state_placement import placed

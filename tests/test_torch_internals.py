@@ -1,5 +1,5 @@
 """Every autograd node name and private accessor curvopt relies on still exists in the installed
-torch (``curvopt/engine/torch_internals.py``): the names are node classes of torch and the
+torch (``curvopt/autograd/torch_internals.py``): the names are node classes of torch and the
 nodes that small graphs create; the accessors answer as documented inside and outside a backward
 pass."""
 
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from curvopt.engine import second_derivatives, torch_rerun
-from curvopt.engine import torch_internals as ti
+from curvopt.autograd import second_derivatives, torch_rerun
+from curvopt.autograd import torch_internals as ti
 
 #: the tables of node names generated from torch's derivatives (``torch._C._functions``)
 GENERATED = {

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 import curvopt
 from curvopt import extensions as ext
 from curvopt.errors import UnsupportedModuleError
-from curvopt.engine.records import token
+from curvopt.core.records import token
 
 N = 6
 CE = nn.CrossEntropyLoss()

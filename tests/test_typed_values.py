@@ -1,4 +1,4 @@
-"""Typed values (``curvopt.engine.values``): what the optimizers read instead of names and
+"""Typed values (``curvopt.core.values``): what the optimizers read instead of names and
 positions.
 
 Under ``torch.amp.GradScaler`` with a scale that changes every step and ``curvature_ema``, the
@@ -19,7 +19,7 @@ import curvopt
 from curvopt import extensions as ext
 from curvopt.optim import EKFAC, KFAC, DiagGGNNewton
 from curvopt.optim.distributed.common import leaves, rebuild
-from curvopt.engine.values import EigenCorrected, KroneckerFactors, unscaled
+from curvopt.core.values import EigenCorrected, KroneckerFactors, unscaled
 from conftest import scaled_step
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from curvopt.layers.unfold import kernel_major_to_channel_major, unfold, unfold_conv_input
-from curvopt.engine.reductions import gram
+from curvopt.core.reductions import gram
 
 DT = torch.float64
 

@@ -1,12 +1,17 @@
-"""The engine behind ``extend``/``collect``: what one backward pass does, in layers
-(``docs/architecture.md``). Nothing here is public API; this package imports nothing itself, so
-that each module is imported only by name.
+"""What one backward pass computes (layer 5), given the module calls and the loss.
 
-* foundation: ``state``, ``records``, ``params``, ``reductions``, ``buffers``, ``inputs``,
-  ``torch_internals``, ``psd``, ``values`` (the typed values the seam hands consumers);
-* propagation: ``graph_plan``, ``propagate``, ``checkpointing``, ``compress``, ``broadcast``,
-  ``rows``, ``results``, ``diagonals``, ``hessian``, ``kfra``;
-* one pass: ``reducer``, ``checks``, ``curvature``, ``accumulate``, ``backward``;
-* collection: ``recognize`` (a loss the model returns), ``functional`` (a loss computed from
-  the model's outputs), ``unextended``, ``collection``.
+* ``rows``: which loss rows belong to which sample; the probe-verified packing of columns;
+* ``compress``: a language model head's exact columns re-factored at its narrower input;
+* ``curvature``: ``CurvaturePass``: the loss's square-root columns, packed, propagated in
+  chunks within a memory budget, turned into every module's contributions;
+* ``kron_pass``: ``FactorStream``: Kronecker factors from each chunk of columns;
+* ``diagonals``: columns to curvature diagonals through the layer rules;
+* ``hessian``: the residual terms of curved nonlinearities (``DiagHessian``);
+* ``kfra``: the KFRA recursion;
+* ``loss_context``: what ``hessian`` and ``kfra`` read of one loss;
+* ``reducer``: ``FirstOrderReducer``: per-sample gradients and their reductions, chunked;
+* ``results``: the result buffer of one pass, written only when the pass finishes;
+* ``accumulate``: several passes in one ``collect``, by each quantity's combine rule.
+
+This package imports nothing itself: each module is imported by name.
 """

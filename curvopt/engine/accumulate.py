@@ -29,7 +29,7 @@ import torch
 
 from curvopt.errors import AccumulationError
 from curvopt.extensions.quantity import Combine, quantity
-from curvopt.engine.values import KroneckerFactors
+from curvopt.core.values import KroneckerFactors
 
 
 class Accumulator:

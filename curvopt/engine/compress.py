@@ -38,10 +38,10 @@ from typing import Optional
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from curvopt.engine.checkpointing import reach
-from curvopt.engine.params import trainable
+from curvopt.graph.checkpointing import reach
+from curvopt.core.params import trainable
 from curvopt.engine.rows import probe_sets
-from curvopt.engine.torch_internals import (
+from curvopt.autograd.torch_internals import (
     FROZEN_PRODUCTS,
     NO_BATCHING_RULE,
     SHAPE_OPS,

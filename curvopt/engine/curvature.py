@@ -55,8 +55,8 @@ from curvopt.engine.loss_context import LossContext
 from curvopt.layers import mixes, mixing, rule_for
 from curvopt.losses import loss_rule_for
 from curvopt.engine.kron_pass import FactorStream
-from curvopt.engine.params import trainable
-from curvopt.engine.propagate import loss_gradient, to_calls
+from curvopt.core.params import trainable
+from curvopt.graph.propagate import loss_gradient, to_calls
 from curvopt.engine.rows import establish
 
 #: bound on the elements of propagated columns held at once (all module outputs together):
@@ -74,6 +74,7 @@ _CUT_BUDGET = 1 << 24
 #: its rule's reason, as for the per-sample quantities (one message whatever was asked for)
 def _coupled(module) -> str:
     return rule_for(module).check(module) or BATCH_STATISTICS
+
 
 #: the producers made from each call's Kronecker factors (``EKFAC``'s: of its fresh bases)
 _FACTORED = (Producer.KRONECKER, Producer.EIGEN_CORRECTED)

@@ -12,9 +12,9 @@ from collections import defaultdict
 import torch
 
 from curvopt.layers import mixes, rule_for
-from curvopt.engine.params import owned, trainable
-from curvopt.engine.calls import Call
-from curvopt.engine.reductions import sum_of_squares
+from curvopt.core.params import owned, trainable
+from curvopt.core.calls import Call
+from curvopt.core.reductions import sum_of_squares
 from curvopt.engine.results import Term
 from curvopt.extensions.quantity import Producer
 

@@ -27,15 +27,15 @@ from torch.autograd.graph import GradientEdge
 from curvopt.errors import UnsupportedModuleError
 from curvopt.engine.diagonals import diagonals
 from curvopt.layers.registry import reparametrization, rule_for
-from curvopt.engine.graph_plan import search
-from curvopt.engine.params import owned
-from curvopt.engine.propagate import backpropagate, to_calls
-from curvopt.engine.records import records_on
+from curvopt.graph.graph_plan import search
+from curvopt.core.params import owned
+from curvopt.graph.propagate import backpropagate, to_calls
+from curvopt.core.records import records_on
 from curvopt.engine.results import Term
 from curvopt.engine.rows import establish
-from curvopt.engine.second_derivatives import SECOND_DERIVATIVES
-from curvopt.engine.state import STATE
-from curvopt.engine.torch_internals import (
+from curvopt.autograd.second_derivatives import SECOND_DERIVATIVES
+from curvopt.core.state import STATE
+from curvopt.autograd.torch_internals import (
     ACCUMULATE_GRAD,
     BILINEAR_OPS,
     DIVISION,
@@ -44,7 +44,7 @@ from curvopt.engine.torch_internals import (
     backward_with_graph,
     ones_of_input,
 )
-from curvopt.engine.walk import Walk
+from curvopt.graph.walk import Walk
 
 
 def _error(what: str) -> UnsupportedModuleError:

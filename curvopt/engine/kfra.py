@@ -18,12 +18,12 @@ from __future__ import annotations
 import torch
 from curvopt.errors import module_error
 from curvopt.layers.registry import reparametrization, rule_for
-from curvopt.engine.graph_plan import search
-from curvopt.engine.params import trainable
-from curvopt.engine.propagate import backpropagate
-from curvopt.engine.records import records_on
+from curvopt.graph.graph_plan import search
+from curvopt.core.params import trainable
+from curvopt.graph.propagate import backpropagate
+from curvopt.core.records import records_on
 from curvopt.engine.results import Factors
-from curvopt.engine.torch_internals import ACCUMULATE_GRAD
+from curvopt.autograd.torch_internals import ACCUMULATE_GRAD
 
 
 def _reject(record, reason, fix="Use KFLR or KFAC"):

@@ -26,8 +26,8 @@ from functools import cache, partial
 import torch
 
 from curvopt.engine.diagonals import batch_column_grads, diag_from_columns, module_call, narrow
-from curvopt.engine.reductions import gram
-from curvopt.engine.params import trainable
+from curvopt.core.reductions import gram
+from curvopt.core.params import trainable
 from curvopt.engine.results import Factors, Term
 from curvopt.errors import UnsupportedKroneckerError
 from curvopt.extensions.quantity import Producer

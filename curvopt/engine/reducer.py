@@ -30,11 +30,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from curvopt.engine.buffers import empty_result
+from curvopt.core.buffers import empty_result
 from curvopt.errors import UnsupportedModuleError
 from curvopt.extensions.quantity import Producer
 from curvopt.layers.eigenbasis import eigen_moment_of
-from curvopt.engine.reductions import squared_norms, sum_of_squares
+from curvopt.core.reductions import squared_norms, sum_of_squares
 from curvopt.engine.results import name_of
 
 #: elements per chunk when per-sample gradients are materialised only to be reduced

@@ -31,9 +31,9 @@ import torch
 
 from curvopt.errors import UnsupportedLossError, module_error
 from curvopt.extensions.quantity import Combine, quantity
-from curvopt.engine.psd import psd_eigh
-from curvopt.engine.reductions import gram_add_
-from curvopt.engine.values import KroneckerFactors, typed
+from curvopt.core.psd import psd_eigh
+from curvopt.core.reductions import gram_add_
+from curvopt.core.values import KroneckerFactors, typed
 
 
 class Term(NamedTuple):

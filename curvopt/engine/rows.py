@@ -34,9 +34,9 @@ from typing import Dict, List, Optional
 import torch
 
 from curvopt.errors import UnsupportedModuleError, batch_mismatch, module_error
-from curvopt.engine.graph_plan import add_layout
+from curvopt.graph.graph_plan import add_layout
 from curvopt.layers import mixing, rule_for
-from curvopt.engine.propagate import to_calls
+from curvopt.graph.propagate import to_calls
 
 #: probe columns per propagation: the probes' memory
 _PROBES_PER_CALL = 2

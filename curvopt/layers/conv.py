@@ -21,7 +21,7 @@ from curvopt.errors import kronecker_error
 from curvopt.layers.eigenbasis import eigen_moment
 from curvopt.layers.kron import input_factor_by_samples, output_factor_channels_first
 from curvopt.layers.registry import LayerRule, register
-from curvopt.engine.calls import Call
+from curvopt.core.calls import Call
 from curvopt.layers.unfold import (
     kernel_major_to_channel_major,
     padded_conv_input,

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from curvopt.layers.registry import LayerRule, register
-from curvopt.engine.reductions import gram
+from curvopt.core.reductions import gram
 
 
 def _rows(call):

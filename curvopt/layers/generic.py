@@ -32,10 +32,10 @@ from curvopt.layers.random_replay import (
     per_sample,
 )
 from curvopt.layers.registry import LayerRule, register, register_fallback
-from curvopt.engine.params import owned_parameters
-from curvopt.engine.records import output_tensors
-from curvopt.engine.reductions import squared_norms, sum_of_squares
-from curvopt.engine.state import STATE
+from curvopt.core.params import owned_parameters
+from curvopt.core.records import output_tensors
+from curvopt.core.reductions import squared_norms, sum_of_squares
+from curvopt.core.state import STATE
 
 #: elements of per-sample gradients held at once when only reduced quantities are wanted
 _CHUNK_ELEMENTS = 1 << 21
@@ -355,9 +355,9 @@ def _recorded(call):
     if kind == "slice":
         return root, index[rest[0] : rest[1]]
     columns = rest[0]
-    k = (columns if isinstance(columns, torch.Tensor) else next(
-        c for c in columns if c is not None
-    )).shape[0]
+    k = (
+        columns if isinstance(columns, torch.Tensor) else next(c for c in columns if c is not None)
+    ).shape[0]
     return root, index.repeat(k)
 
 

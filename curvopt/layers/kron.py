@@ -27,7 +27,7 @@ import torch
 
 from curvopt.errors import kronecker_error
 from curvopt.layers.registry import rule_for
-from curvopt.engine.reductions import block_gram, gram, nonzero_rows
+from curvopt.core.reductions import block_gram, gram, nonzero_rows
 
 #: elements of the inputs ``x [n, P, I]`` that :func:`input_factor_by_samples` holds at once
 #: (16 MB in float32: the unfolded patches of a convolution are ``prod(kernel)`` times its input)

@@ -21,7 +21,7 @@ from torch import nn
 from curvopt.layers.eigenbasis import eigen_moment
 from curvopt.layers.kron import input_factor, output_factor
 from curvopt.layers.registry import LayerRule, register
-from curvopt.engine.reductions import sum_of_squares
+from curvopt.core.reductions import sum_of_squares
 
 
 def _flat(call):

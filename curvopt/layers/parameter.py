@@ -3,7 +3,7 @@ gradient (``Call.grad_out``, ``[N, *p.shape]``).
 
 A module's own parameter used in its forward only through an add or an expand over the batch
 (a ViT's ``cls.expand(N, -1, -1)``, ``h + pos``) has its per-sample gradients at that op's
-output, reduced over the dims it was broadcast along (``engine.broadcast``); the engine reads
+output, reduced over the dims it was broadcast along (``graph.broadcast``); the engine reads
 them there and hands them to this rule instead of re-running the module sample by sample
 (``generic``). Not registered for any module type: the engine picks it per parameter.
 """
@@ -11,7 +11,7 @@ them there and hands them to this rule instead of re-running the module sample b
 from __future__ import annotations
 
 from curvopt.layers.registry import LayerRule
-from curvopt.engine.reductions import squared_norms, sum_of_squares
+from curvopt.core.reductions import squared_norms, sum_of_squares
 
 
 class ParameterRule(LayerRule):

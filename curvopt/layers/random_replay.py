@@ -55,8 +55,13 @@ def _dropout_args(args, kwargs):
 
 def _attention_args(args, kwargs):
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    defaults = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
-                "enable_gqa": False}
+    defaults = {
+        "attn_mask": None,
+        "dropout_p": 0.0,
+        "is_causal": False,
+        "scale": None,
+        "enable_gqa": False,
+    }
     return {**defaults, **dict(zip(names, args)), **kwargs}
 
 
@@ -73,8 +78,10 @@ def _attention_weights(a) -> torch.Tensor:
         scores = scores.masked_fill(~keep, float("-inf"))
     mask = a["attn_mask"]
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else (
-            scores + mask
+        scores = (
+            scores.masked_fill(~mask, float("-inf"))
+            if mask.dtype == torch.bool
+            else (scores + mask)
         )
     return scores.softmax(-1)
 
@@ -95,8 +102,8 @@ def _heads_values(a) -> torch.Tensor:
     value, e, heads = a["value"], a["embed_dim_to_check"], a["num_heads"]
     if value.dim() != 3 or a["static_v"] is not None:
         raise ReplayError("attention dropout of unbatched inputs or static_v is not replayed")
-    weight = a["v_proj_weight"] if a["use_separate_proj_weight"] else a["in_proj_weight"][2 * e:]
-    bias = None if a["in_proj_bias"] is None else a["in_proj_bias"][2 * e:]
+    weight = a["v_proj_weight"] if a["use_separate_proj_weight"] else a["in_proj_weight"][2 * e :]
+    bias = None if a["in_proj_bias"] is None else a["in_proj_bias"][2 * e :]
     v = F.linear(value, weight, bias)
     n = v.shape[1]
     if a["bias_v"] is not None:
@@ -147,8 +154,9 @@ class _DropoutMode(TorchFunctionMode):
             if a["dropout_p"] > 0:
                 weights = _attention_weights(a)
                 m = self.multiplier(
-                    self._next(), weights, lambda: F.dropout(torch.ones_like(weights),
-                                                             a["dropout_p"], True)
+                    self._next(),
+                    weights,
+                    lambda: F.dropout(torch.ones_like(weights), a["dropout_p"], True),
                 )
                 return _attend(a, weights * m)
         if func is F.multi_head_attention_forward:
@@ -209,8 +217,9 @@ class ReplayedMasks(_DropoutMode):
         return self.masks[index]
 
 
-def per_sample(masks: Sequence[torch.Tensor], shapes: Sequence[torch.Size], n: int,
-               path: str) -> List[torch.Tensor]:
+def per_sample(
+    masks: Sequence[torch.Tensor], shapes: Sequence[torch.Size], n: int, path: str
+) -> List[torch.Tensor]:
     """Step 2: each batch multiplier ``[*, N s_d, *]`` as ``[N, *s]`` (``shapes``: what one
     sample's forward sees), the batch split off the one dim where the shapes differ."""
     if len(masks) != len(shapes):

@@ -22,8 +22,8 @@ from torch import nn
 
 from curvopt.errors import kronecker_error, module_error
 from curvopt.layers.registry import LayerRule, register
-from curvopt.engine.reductions import squared_norms, sum_of_squares
-from curvopt.engine.state import STATE
+from curvopt.core.reductions import squared_norms, sum_of_squares
+from curvopt.core.state import STATE
 
 #: elements of per-(pseudo-)sample gradients held at once
 _CHUNK_ELEMENTS = 1 << 22

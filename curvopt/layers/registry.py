@@ -120,7 +120,7 @@ def mixing(calls):
 class LayerRule:
     """Per-module rule for first-order quantities.
 
-    Every method receives a :class:`curvopt.engine.calls.Call`: the module, the positional
+    Every method receives a :class:`curvopt.core.calls.Call`: the module, the positional
     and keyword inputs it was called with (``call.args``, ``call.kwargs``) and the gradient of
     the loss w.r.t. its output (``call.grad_out``; a tuple for modules with several outputs),
     and the parameter name (``"weight"``, ``"bias"``, ...). Per-sample results have the batch

@@ -28,9 +28,9 @@ from torch.func import functional_call, grad, jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules.batchnorm import _NormBase
 
-from curvopt.engine import inputs as io
+from curvopt.core import inputs as io
 from curvopt.errors import UnsupportedModuleError, module_error
-from curvopt.engine.state import STATE
+from curvopt.core.state import STATE
 
 Tensors = Sequence[torch.Tensor]
 
@@ -75,7 +75,7 @@ def _raised_inside_checkpoint(error: BaseException) -> bool:
 
 
 def model_function(model: nn.Module, names: Sequence[str], inputs, output=None) -> Callable:
-    """``θ ↦ model(inputs)`` (the tensor ``output`` selects, :mod:`curvopt.engine.inputs`) with the
+    """``θ ↦ model(inputs)`` (the tensor ``output`` selects, :mod:`curvopt.core.inputs`) with the
     parameters ``names`` replaced by ``θ`` (a tuple)."""
     for module in model.modules():
         if isinstance(module, _NormBase) and module.training and module.track_running_stats:

@@ -11,7 +11,7 @@ has the same share of counted rows).
 
 Inputs may be a tensor, a tuple or a dict (``model(**inputs)``, Hugging Face style), and
 ``output=`` picks the tensor of the model's output the loss takes (default: the output, or the
-``.logits`` of a ``ModelOutput``); see :mod:`curvopt.engine.inputs`. The loss must take that tensor
+``.logits`` of a ``ModelOutput``); see :mod:`curvopt.core.inputs`. The loss must take that tensor
 as it is (e.g. a language model's logits flattened by ``output=lambda o: o.logits.flatten(0, 1)``).
 """
 
@@ -24,9 +24,9 @@ import torch
 from scipy.sparse.linalg import LinearOperator
 from torch import nn
 
-from curvopt.engine import inputs as io
+from curvopt.core import inputs as io
 from curvopt.errors import MissingLossError
-from curvopt.hooks import is_extended
+from curvopt.core.params import is_extended
 from curvopt.losses import loss_rule_for
 
 Batch = tuple[torch.Tensor, torch.Tensor]

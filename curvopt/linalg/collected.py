@@ -13,12 +13,12 @@ from collections.abc import Iterator
 
 import torch
 
-from curvopt.engine import inputs as io
-from curvopt.collect import collect
+from curvopt.core import inputs as io
+from curvopt.frontend.collect import collect
 from curvopt.errors import UnsupportedModuleError
 from curvopt.extensions.base import Extension
 from curvopt.linalg.base import CurvatureOperator
-from curvopt.engine.values import read
+from curvopt.core.values import read
 
 _MISSING = object()
 

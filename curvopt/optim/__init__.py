@@ -33,7 +33,7 @@ from curvopt.optim.diagonal import diag_precondition, diag_quadratic
 from curvopt.optim.kfac import KFAC
 from curvopt.optim.ekfac import EKFAC
 from curvopt.optim.eigen_adam import EigenAdam
-from curvopt.engine.psd import psd_eigh
+from curvopt.core.psd import psd_eigh
 from curvopt.optim.kron_exact import exact_damped_solve, kron_eigh, kron_matmul, kron_quadratic
 from curvopt.optim.factor_inverse import (
     LowRankInverse,

@@ -7,7 +7,7 @@ state untouched. Per-parameter state is replaced, never modified in place, so a
 
 With ``torch.amp.GradScaler`` (``scaler.step(opt)``, also after ``scaler.unscale_(opt)`` and
 gradient clipping) the quantities and ``p.grad`` are divided by the loss scale where they carry
-it (:mod:`curvopt.optim.loss_scale`, ``curvopt.engine.values.unscaled``), so the steps are those
+it (:mod:`curvopt.optim.loss_scale`, ``curvopt.core.values.unscaled``), so the steps are those
 without scaling; ``p.grad`` itself is left as it is. A step whose gradients overflowed
 (``inf`` or NaN, as the scaler found) is skipped, as ``torch.optim`` optimizers are skipped by
 the scaler.
@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from curvopt import extensions
 
-from curvopt.engine import values
+from curvopt.core import values
 from curvopt.optim import distributed
 from curvopt.optim.collecting import Collecting, ExtensionSpec, quiet_skips
 from curvopt.optim.loss_scale import NONE, LossScale, loss_scale
@@ -152,7 +152,7 @@ class CurvatureOptimizer(Collecting, Optimizer):
         return stale and _all_zero(param.grad)
 
     def _read(self, update: ParamUpdate, attr: str, extension: str, fallback: str | None) -> Any:
-        """``update.param.<attr>`` as its typed value (``curvopt.engine.values``), averaged over the
+        """``update.param.<attr>`` as its typed value (``curvopt.core.values``), averaged over the
         ranks and unscaled, or ``None`` when it is missing and a ``fallback`` is set; the object
         read is recorded in ``update.consumed``.
 

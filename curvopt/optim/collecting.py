@@ -16,8 +16,8 @@ from typing import Any, Callable
 import torch
 
 from curvopt import extensions
-from curvopt.collect import collect
-from curvopt.engine.collection import Collection
+from curvopt.frontend.collect import collect
+from curvopt.frontend.collection import Collection
 
 #: an extension to collect: ``(attr, options)`` for ``curvopt.extensions.extension``
 ExtensionSpec = tuple[str, dict[str, Any]]
@@ -31,7 +31,7 @@ class Collecting:
 
     # ----------------------------------------------------------------- the armed collection
     # ``collection="auto"`` (default): the optimizer owns a
-    # ``curvopt.engine.collection.Collection``, armed from construction, that collects
+    # ``curvopt.frontend.collection.Collection``, armed from construction, that collects
     # ``_requests()`` on every backward pass reaching its parameters; the window it combines ends at
     # ``step()`` and ``zero_grad()``.
     # ``"explicit"`` (and under ``torch.distributed``): only ``opt.collect()`` and

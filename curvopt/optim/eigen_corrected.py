@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from curvopt.layers.eigenbasis import as_rows, rotate
-from curvopt.engine.psd import psd_eigh
+from curvopt.core.psd import psd_eigh
 
 __all__ = [
     "as_rows",

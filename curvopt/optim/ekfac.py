@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from curvopt.optim.eigen_corrected import as_rows, eigen_corrected_quadratic
-from curvopt.engine import values
+from curvopt.core import values
 from curvopt.optim.fallback import DiagonalFallback
 from curvopt.optim.inverses import EigenCorrectedInverse
 from curvopt.optim.newton import NewtonOptimizer

@@ -22,9 +22,9 @@ from typing import Callable
 
 import torch
 
-from curvopt.engine.psd import psd_eigh, working_dtype
-from curvopt.engine.reductions import GramFactor, dense, gram_root
-from curvopt.engine.values import rescaled
+from curvopt.core.psd import psd_eigh, working_dtype
+from curvopt.core.reductions import GramFactor, dense, gram_root
+from curvopt.core.values import rescaled
 
 #: the Kronecker factors of one parameter, in the API order ``[B, A]`` (``[B]`` for a bias)
 Factors = Sequence[torch.Tensor]
@@ -66,7 +66,7 @@ def capped(dim: int, max_rank: int | None) -> bool:
 
 def promoted(factor):
     """``factor`` in ``working_dtype`` (float32 for bfloat16/float16), keeping its Gram root
-    (a :class:`~curvopt.engine.reductions.GramFactor`: its root in that dtype)."""
+    (a :class:`~curvopt.core.reductions.GramFactor`: its root in that dtype)."""
     dtype = working_dtype(factor.dtype)
     if dtype == factor.dtype:
         return factor
@@ -299,7 +299,7 @@ def woodbury_cheaper(dim: int, rows: int, rank: int, others: int, dense_eigh: bo
 
 def root_alone(rows: int, dim: int) -> bool:
     """Whether a Gram root of ``rows`` rows stands for a factor of size ``dim`` on its own (an
-    average kept as a :class:`~curvopt.engine.reductions.GramFactor`): where its Woodbury form is
+    average kept as a :class:`~curvopt.core.reductions.GramFactor`): where its Woodbury form is
     the cheaper one whatever the other side, ``rows ≤ dim / 2`` (``4 m d k ≤ 2 m d²``) and
     ``4 d r² + EIGH_COST · r³ < d³`` (:func:`woodbury_cheaper`)."""
     return 2 * rows <= dim and woodbury_cheaper(dim, rows, rows, 0)
@@ -311,7 +311,7 @@ def usable_root(factor, others: int, stored: torch.dtype | None = None, dense_ei
     it is depends on the numerical rank, known once it is set up) and ``U`` still reproduces
     the factor (checked on the all-ones vector against the rounding bound
     ``√eps · |U|ᵀ|U| 1``: a factor changed in place after the pass falls back to the dense
-    form; a :class:`~curvopt.engine.reductions.GramFactor` is its root). ``U`` comes in
+    form; a :class:`~curvopt.core.reductions.GramFactor` is its root). ``U`` comes in
     ``factor``'s dtype (both promoted to ``working_dtype`` by the caller); the bound uses the
     precision the factor was ``stored`` in (default: its dtype)."""
     root = gram_root(factor)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import warnings
 
 from curvopt import extensions
-from curvopt.engine import values
+from curvopt.core import values
 from curvopt.optim.diagonal import diag_precondition
 
 

@@ -30,9 +30,9 @@ import torch
 
 from curvopt.layers import rule_for
 from curvopt.optim.factor_inverse import solver_flops
-from curvopt.engine.params import owners
-from curvopt.engine.records import Call
-from curvopt.engine.state import STATE
+from curvopt.core.params import owners
+from curvopt.core.records import Call
+from curvopt.core.state import STATE
 
 Factors = Tuple[torch.Tensor, torch.Tensor]
 

@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from curvopt.engine.reductions import dense
+from curvopt.core.reductions import dense
 from curvopt.optim.fallback import DiagonalFallback
 from curvopt.optim.gradient_factors import FactorCapture, factored_cheaper, reproduces
 from curvopt.optim.kron_exact import kron_quadratic

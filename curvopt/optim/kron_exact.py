@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from curvopt.engine.psd import psd_eigh
+from curvopt.core.psd import psd_eigh
 from curvopt.optim.factor_inverse import Factors
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from curvopt.engine.reductions import dense, diagonal, empty_like
+from curvopt.core.reductions import dense, diagonal, empty_like
 from curvopt.optim.inverses import DampedInverse
 from curvopt.optim.kron_exact import exact_damped_solve, kron_eigh
 from curvopt.optim.factor_inverse import (

@@ -52,7 +52,7 @@ import torch
 
 from curvopt import extensions
 
-from curvopt.engine import values
+from curvopt.core import values
 from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, ParamUpdate
 from curvopt.optim.plan import number
 from curvopt.optim.collecting import skip_options

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from curvopt.engine.psd import psd_eigh, working_dtype
+from curvopt.core.psd import psd_eigh, working_dtype
 
 #: per side the basis to supply at the next pass: an eigenbasis, or None (the identity)
 Pending = Sequence[torch.Tensor | None]

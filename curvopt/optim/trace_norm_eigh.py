@@ -25,8 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
-from curvopt.engine.psd import psd_eigh
-from curvopt.engine.reductions import dense
+from curvopt.core.psd import psd_eigh
+from curvopt.core.reductions import dense
 from curvopt.optim.factor_inverse import (
     Factors,
     LowRankInverse,

@@ -13,7 +13,7 @@ from typing import Union
 
 import torch
 
-from curvopt.engine.reductions import GramFactor, dense, gram_root
+from curvopt.core.reductions import GramFactor, dense, gram_root
 from curvopt.optim.factor_inverse import root_alone
 
 Curvature = Union[torch.Tensor, list[torch.Tensor]]
@@ -51,7 +51,7 @@ def _ema_factor(average, new: torch.Tensor, decay: float):
     stacked, weighted roots ``[√β Ū; √(1−β) U]``: while its Woodbury inverse is the cheaper one
     whatever the other side (``factor_inverse.root_alone``: at most half as many rows as the
     factor's size, and its eigendecomposition cheaper than the dense inverse) it is that root
-    alone (a :class:`~curvopt.engine.reductions.GramFactor`, no dense average formed); with fewer
+    alone (a :class:`~curvopt.core.reductions.GramFactor`, no dense average formed); with fewer
     rows than the size, the dense average carries it, so that the optimizer can still invert it
     by Woodbury where that is cheaper."""
     roots = gram_root(average), gram_root(new)

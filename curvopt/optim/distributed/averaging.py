@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from curvopt.engine import values
+from curvopt.core import values
 
 from curvopt.optim.distributed.common import CommStats, by_kind, control, leaves, nbytes, rebuild
 

@@ -48,7 +48,7 @@ def leaves(tree) -> list[torch.Tensor]:
 
 def rebuild(tree, new_leaves):
     """``tree``'s structure (tensors in nested lists/tuples) filled with ``new_leaves``; a list
-    keeps its type and attributes (a typed value's sides, ``curvopt.engine.values``)."""
+    keeps its type and attributes (a typed value's sides, ``curvopt.core.values``)."""
     if isinstance(tree, torch.Tensor):
         return next(new_leaves)
     items = [rebuild(item, new_leaves) for item in tree]

@@ -4,7 +4,7 @@
 A weight's gradient is the matrix ``G = grad.reshape(dim B, -1)`` (``[dim B, 1]`` for a
 parameter with the one factor ``[B]``), its factors ``[B, A]`` (``[dim B]²``, ``[dim A]²``).
 On a basis step the stage takes the eigenvectors of each factor, ``B = Q_B diag(s_B) Q_Bᵀ``,
-``A = Q_A diag(s_A) Q_Aᵀ`` (:func:`~curvopt.engine.psd.psd_eigh`), and keeps them as the
+``A = Q_A diag(s_A) Q_Aᵀ`` (:func:`~curvopt.core.psd.psd_eigh`), and keeps them as the
 parameter's basis ``[Q_B, Q_A]`` until the next one; a side wider than ``max_basis_dim`` keeps
 the identity (``None``: its factor is never decomposed, SOAP's one-sided preconditioning).
 
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from curvopt.engine.psd import psd_eigh
-from curvopt.engine.reductions import dense
+from curvopt.core.psd import psd_eigh
+from curvopt.core.reductions import dense
 from curvopt.optim.stages.base import GroupStep, Stage
 
 #: per side an orthogonal ``[d, d]`` basis, or ``None`` (the identity)

@@ -30,10 +30,10 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from curvopt.errors import UnsupportedModuleError
-from curvopt.engine.graph_plan import edges_of, forget_stages, search, stages_of
-from curvopt.engine.records import records_on
-from curvopt.engine.torch_internals import ACCUMULATE_GRAD
-from curvopt.engine.torch_rerun import rerun_checkpoint
+from curvopt.graph.graph_plan import edges_of, forget_stages, search, stages_of
+from curvopt.core.records import records_on
+from curvopt.autograd.torch_internals import ACCUMULATE_GRAD
+from curvopt.autograd.torch_rerun import rerun_checkpoint
 
 #: key of the autograd-node metadata holding a checkpoint node's live ``Segment``
 _METADATA = "curvopt_segment"

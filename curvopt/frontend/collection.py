@@ -13,13 +13,13 @@ import weakref
 from typing import Callable, Optional, Tuple
 
 from curvopt.engine.accumulate import Accumulator
-from curvopt.engine.backward import BackwardPass
-from curvopt.collect import collect, forget, refresh
+from curvopt.loop.backward import BackwardPass
+from curvopt.frontend.collect import collect, forget, refresh
 from curvopt.errors import AccumulationError, ExtensionConflictError
 from curvopt.extensions.base import Extension
 from curvopt.extensions.quantity import Combine, quantity
-from curvopt.engine.params import holders
-from curvopt.engine.state import STATE
+from curvopt.core.params import holders
+from curvopt.core.state import STATE
 
 
 class Collection(collect):

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from curvopt.engine.graph_plan import reaches
-from curvopt.engine.params import trainable
-from curvopt.engine.torch_internals import (
+from curvopt.graph.graph_plan import reaches
+from curvopt.core.params import trainable
+from curvopt.autograd.torch_internals import (
     current_autograd_node,
     grad_accumulator,
     will_engine_execute_node,

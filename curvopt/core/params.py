@@ -24,6 +24,8 @@ EXTENDED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 #: ``id(p) -> (weak reference to p, [weak references to the extended modules holding p at
 #: extend, in order])``, an entry dropped when ``p`` is freed
 _HOLDERS: Dict[int, tuple] = {}
+#: the attribute ``extend`` sets on a module (or loss) it hooked
+HOOKED = "_curvopt_hooked"
 
 
 def _held_below(module: nn.Module) -> Set[int]:
@@ -115,3 +117,11 @@ def holders(params) -> List[nn.Module]:
             if module is not None and any(q is p for _, q in owned(module)):
                 found.setdefault(id(module), module)
     return list(found.values())
+
+
+def is_extended(obj) -> bool:
+    """Whether ``extend`` hooked ``obj``: a module (or loss) itself, or a parameter of an
+    extended module."""
+    if isinstance(obj, nn.Parameter):
+        return getattr(obj, "_curvopt_checked", False)
+    return getattr(obj, HOOKED, False)

@@ -20,12 +20,12 @@ use the site; the sum check cannot tell the two apart, both sum to ``p.grad``.
 
 from __future__ import annotations
 
-from curvopt.engine.calls import Call
-from curvopt.engine.graph_plan import add_site
-from curvopt.engine.pass_guards import autocast_off
-from curvopt.engine.records import token
+from curvopt.core.calls import Call
+from curvopt.graph.graph_plan import add_site
+from curvopt.guards.pass_guards import autocast_off
+from curvopt.core.records import token
 from curvopt.engine.results import name_of
-from curvopt.engine.tolerance import mismatch
+from curvopt.guards.tolerance import mismatch
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers.parameter import PARAMETER
 

@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from curvopt.errors import UnsupportedModuleError
-from curvopt.hooks import is_extended
-from curvopt.engine.params import EXTENDED
-from curvopt.engine.state import STATE
-from curvopt.engine.torch_internals import (
+from curvopt.core.params import is_extended
+from curvopt.core.params import EXTENDED
+from curvopt.core.state import STATE
+from curvopt.autograd.torch_internals import (
     current_graph_task_id,
     grad_accumulator,
     queue_callback,

@@ -18,7 +18,13 @@ from typing import Optional
 import torch
 from torch.autograd.graph import GradientEdge
 
-from curvopt.engine.torch_internals import ADD, BROADCASTING_OPS, SHAPE_OPS, add_alpha, input_shape
+from curvopt.autograd.torch_internals import (
+    ADD,
+    BROADCASTING_OPS,
+    SHAPE_OPS,
+    add_alpha,
+    input_shape,
+)
 
 
 class Broadcast:

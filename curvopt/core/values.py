@@ -28,7 +28,7 @@ import torch
 
 from curvopt.errors import AccumulationError
 from curvopt.extensions.quantity import Kind, Quantity
-from curvopt.engine.reductions import gram_root
+from curvopt.core.reductions import gram_root
 
 
 def rescaled(factor: torch.Tensor, scale: float, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from curvopt.engine.torch_internals import storage_use_count
+from curvopt.autograd.torch_internals import storage_use_count
 
 
 def _references(tensor: torch.Tensor):

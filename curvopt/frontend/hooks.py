@@ -13,23 +13,22 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from curvopt.engine.dispatch import module_hook, parameter_hook
+from curvopt.loop.dispatch import module_hook, parameter_hook
 from curvopt.layers import rule_for
-from curvopt.engine.params import note_extended, owned, owned_parameters
-from curvopt.engine.recognize import returned_loss, watch
-from curvopt.engine.functional import hook_loss, wants_loss, watch_outputs
-from curvopt.engine.records import (
+from curvopt.core.params import HOOKED, is_extended, note_extended, owned, owned_parameters
+from curvopt.entry.recognize import returned_loss, watch
+from curvopt.entry.functional import hook_loss, wants_loss, watch_outputs
+from curvopt.core.records import (
     Record,
     anchor,
     note_random_state,
     output_tensors,
     take_random_state,
 )
-from curvopt.engine.state import STATE
+from curvopt.core.state import STATE
 
 __all__ = ["extend", "is_extended", "Record"]
 
-_HOOKED = "_curvopt_hooked"
 _RETURNS_LOSS = "_curvopt_returned_loss_hooked"
 _SEQUENCE_FIRST = "_curvopt_sequence_first"
 
@@ -88,12 +87,12 @@ def _returned_loss_hook(module, args, kwargs, output):
 
 def _hook(module: nn.Module, path: str, fn, before=None) -> None:
     module._curvopt_path = path or type(module).__name__
-    if getattr(module, _HOOKED, False):
+    if getattr(module, HOOKED, False):
         return
     if before is not None:
         module.register_forward_pre_hook(before, with_kwargs=True)
     module.register_forward_hook(fn, with_kwargs=True)
-    setattr(module, _HOOKED, True)
+    setattr(module, HOOKED, True)
 
 
 def _install(module: nn.Module, path: str, sequence_first: bool) -> None:
@@ -122,14 +121,6 @@ def _install(module: nn.Module, path: str, sequence_first: bool) -> None:
         return
     for name, child in module.named_children():
         _install(child, f"{path}.{name}" if path else name, sequence_first)
-
-
-def is_extended(obj) -> bool:
-    """Whether ``extend`` hooked ``obj``: a module (or loss) itself, or a parameter of an
-    extended module."""
-    if isinstance(obj, nn.Parameter):
-        return getattr(obj, "_curvopt_checked", False)
-    return getattr(obj, _HOOKED, False)
 
 
 def extend(

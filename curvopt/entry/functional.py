@@ -21,7 +21,7 @@ flatten ``[N, T, C]``), found on the input's node; a ``DiagHessian`` of it raise
 (``recognize``'s reason: the log-softmax's curvature is the loss's). Any other loss (one
 written out by hand, ``F.nll_loss`` on other log-probabilities, ``reduction="none"``) is not
 read: second order raises ``MissingLossError`` naming how to pass it. A loss computed inside
-an extended loss module is that module's (``curvopt.hooks``): its functional record is
+an extended loss module is that module's (``curvopt.frontend.hooks``): its functional record is
 dropped there.
 """
 
@@ -36,12 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn import _reduction
 
-from curvopt.engine.dispatch import loss_hook, on_loss
-from curvopt.engine.records import LossRecord, mark_extended_loss, output_tensors
-from curvopt.engine.recognize import NO_HESSIAN
-from curvopt.engine.state import STATE
-from curvopt.engine.graph_plan import edges_of
-from curvopt.engine.torch_internals import LOG_SOFTMAX, ROW_VIEWS, saved
+from curvopt.loop.dispatch import loss_hook, on_loss
+from curvopt.core.records import LossRecord, mark_extended_loss, output_tensors
+from curvopt.entry.recognize import NO_HESSIAN
+from curvopt.core.state import STATE
+from curvopt.graph.graph_plan import edges_of
+from curvopt.autograd.torch_internals import LOG_SOFTMAX, ROW_VIEWS, saved
 
 _RECORD_HANDLE = "_curvopt_functional_record"
 

@@ -18,20 +18,20 @@ from typing import Dict, Optional
 
 import torch
 
-from curvopt.engine.checks import Checks
+from curvopt.guards.checks import Checks
 from curvopt.engine.curvature import CurvaturePass
-from curvopt.engine.flow import FlowCheck
-from curvopt.engine.params import tied
-from curvopt.engine.participation import Participation
-from curvopt.engine.pass_guards import autocast_off, check_reduction, missing_loss
-from curvopt.engine.pass_guards import one_batch_size
+from curvopt.guards.flow import FlowCheck
+from curvopt.core.params import tied
+from curvopt.guards.participation import Participation
+from curvopt.guards.pass_guards import autocast_off, check_reduction, missing_loss
+from curvopt.guards.pass_guards import one_batch_size
 from curvopt.engine.reducer import FirstOrderReducer
 from curvopt.engine.results import ResultBuffer
-from curvopt.engine.sites import ParameterSites
+from curvopt.guards.sites import ParameterSites
 from curvopt.engine.rows import establish
-from curvopt.engine.torch_internals import current_autograd_node, current_graph_task_id
-from curvopt.engine.torch_internals import queue_callback
-from curvopt.engine.walk import Walk
+from curvopt.autograd.torch_internals import current_autograd_node, current_graph_task_id
+from curvopt.autograd.torch_internals import queue_callback
+from curvopt.graph.walk import Walk
 from curvopt.errors import UnsupportedLossError, UnsupportedModuleError, module_error
 from curvopt.layers import rule_for
 from curvopt.losses import loss_rule_for

@@ -23,12 +23,12 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from curvopt.engine.graph_plan import mark_sums_checked
-from curvopt.engine.projected import PROJECTED_FACTOR, draw_probes, project, projection_pays
+from curvopt.graph.graph_plan import mark_sums_checked
+from curvopt.guards.projected import PROJECTED_FACTOR, draw_probes, project, projection_pays
 from curvopt.engine.reducer import reduce_in_chunks
-from curvopt.engine.reductions import probe_columns
+from curvopt.core.reductions import probe_columns
 from curvopt.engine.results import name_of
-from curvopt.engine.tolerance import dense, max_abs, mismatch, mismatches, roundoff
+from curvopt.guards.tolerance import dense, max_abs, mismatch, mismatches, roundoff
 from curvopt.errors import UnsupportedModuleError
 
 #: the spot check of materialised per-sample gradients reads ``_SPANS`` evenly spread runs of

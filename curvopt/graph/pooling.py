@@ -26,9 +26,9 @@ from typing import List, Optional
 import torch
 from torch.autograd.graph import GradientEdge
 
-from curvopt.engine.checkpointing import reach
-from curvopt.engine.graph_plan import search
-from curvopt.engine.torch_internals import MAX_POOL, NO_BATCHING_RULE, max_pool_transpose
+from curvopt.graph.checkpointing import reach
+from curvopt.graph.graph_plan import search
+from curvopt.autograd.torch_internals import MAX_POOL, NO_BATCHING_RULE, max_pool_transpose
 
 
 class _Stage:

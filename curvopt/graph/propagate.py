@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from curvopt.engine.pooling import across_pools, pool_stages
-from curvopt.engine.checkpointing import through
-from curvopt.engine.state import STATE
+from curvopt.graph.pooling import across_pools, pool_stages
+from curvopt.graph.checkpointing import through
+from curvopt.core.state import STATE
 
 
 def backpropagate(outputs, edges, columns: torch.Tensor, batched: bool, walk):

@@ -32,11 +32,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch.autograd.graph import GradientEdge
 
-from curvopt.engine.broadcast import find
-from curvopt.engine.checkpointing import Segment, adopt, segment_on
-from curvopt.engine.graph_plan import Plan, edges_of, plan_of, search, upstream
-from curvopt.engine.records import records_on, token
-from curvopt.engine.torch_internals import (
+from curvopt.graph.broadcast import find
+from curvopt.graph.checkpointing import Segment, adopt, segment_on
+from curvopt.graph.graph_plan import Plan, edges_of, plan_of, search, upstream
+from curvopt.core.records import records_on, token
+from curvopt.autograd.torch_internals import (
     ACCUMULATE_GRAD,
     BROADCASTING_OPS,
     COMPILED,

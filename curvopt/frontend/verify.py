@@ -26,12 +26,12 @@ from typing import Callable, Dict, Sequence
 import torch
 from torch.func import functional_call, hessian, jacrev
 
-from curvopt.engine import inputs as io
-from curvopt.collect import collect
+from curvopt.core import inputs as io
+from curvopt.frontend.collect import collect
 from curvopt.errors import CurvoptError, UnsupportedModuleError
 from curvopt.extensions.base import Extension
 from curvopt.extensions.quantity import Producer
-from curvopt.engine.state import STATE
+from curvopt.core.state import STATE
 
 _DIAGONALS = (Producer.GGN_DIAGONAL, Producer.HESSIAN_DIAGONAL)
 
@@ -81,7 +81,7 @@ def verify(
     (``model(**X)``, Hugging Face style; tensors with ``N`` entries along ``batch_dim`` are split
     into samples, others shared). ``output`` picks the tensor ``loss_of`` takes from the model's
     output (default: the output itself, or the ``.logits`` of a ``ModelOutput``; a name or a
-    callable otherwise, see :mod:`curvopt.engine.inputs`). Parameters and ``.grad`` are left
+    callable otherwise, see :mod:`curvopt.core.inputs`). Parameters and ``.grad`` are left
     as they were; the checked attributes are written as by ``collect``.
 
     Args:

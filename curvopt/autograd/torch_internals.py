@@ -128,7 +128,7 @@ DATA_INDEXING = {
 }
 #: ``torch.utils.checkpoint(use_reentrant=True)``: the segment's graph exists only while this
 #: node runs (recomputed inside it), and it refuses ``torch.autograd.grad``; curvopt re-runs
-#: the segment itself for curvature (``rerun_checkpoint``, ``curvopt.engine.checkpointing``)
+#: the segment itself for curvature (``rerun_checkpoint``, ``curvopt.graph.checkpointing``)
 REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 #: backward nodes of graphs compiled by ``torch.compile``, whose ops columns cannot pass
 COMPILED = {"CompiledFunctionBackward", "CompiledFunction"}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from curvopt.engine.state import STATE
+from curvopt.core.state import STATE
 from curvopt.errors import GraphReuseError
 
 

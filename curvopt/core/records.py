@@ -17,9 +17,9 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from curvopt.engine.calls import Call
-from curvopt.engine.state import STATE
-from curvopt.engine.torch_internals import current_graph_task_id
+from curvopt.core.calls import Call
+from curvopt.core.state import STATE
+from curvopt.autograd.torch_internals import current_graph_task_id
 
 #: key of the autograd-node metadata listing the module calls whose output the node produced
 _METADATA = "curvopt"
@@ -118,7 +118,7 @@ class Record:
     ``out_shapes`` are the shapes of the outputs that require grad, ``batch_dim`` the dim of
     the first of them that indexes samples (as the module's rule defines it). ``broadcast`` is
     set by the backward pass for a call without a batch dim whose output is broadcast over the
-    batch (``curvopt.engine.broadcast``).
+    batch (``curvopt.graph.broadcast``).
     """
 
     __slots__ = (

@@ -15,14 +15,14 @@ from __future__ import annotations
 import warnings
 from typing import Dict, Optional, Tuple
 
-from curvopt.engine import unextended
+from curvopt.guards import unextended
 from curvopt.engine.accumulate import Accumulator
-from curvopt.engine.backward import BackwardPass
-from curvopt.engine.dispatch import DISPATCH
+from curvopt.loop.backward import BackwardPass
+from curvopt.loop.dispatch import DISPATCH
 from curvopt.errors import ExtensionConflictError
 from curvopt.extensions.base import Extension
-from curvopt.engine.state import STATE
-from curvopt.engine.torch_internals import current_graph_task_id
+from curvopt.core.state import STATE
+from curvopt.autograd.torch_internals import current_graph_task_id
 
 
 class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...):``)

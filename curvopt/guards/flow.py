@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable, Dict, Tuple
 
-from curvopt.engine.graph_plan import search
+from curvopt.graph.graph_plan import search
 from curvopt.engine.results import name_of
-from curvopt.engine.tolerance import dense, mismatch
-from curvopt.engine.torch_internals import ACCUMULATE_GRAD, current_graph_task_id
+from curvopt.guards.tolerance import dense, mismatch
+from curvopt.autograd.torch_internals import ACCUMULATE_GRAD, current_graph_task_id
 from curvopt.errors import UnsupportedModuleError, module_error
 
 #: the fix of every gradient that does not come from the extended losses alone

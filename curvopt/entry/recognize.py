@@ -41,10 +41,10 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from curvopt.engine.dispatch import on_loss
-from curvopt.engine.graph_plan import read_down
-from curvopt.engine.records import LossRecord, is_extended_loss, records_on
-from curvopt.engine.torch_internals import (
+from curvopt.loop.dispatch import on_loss
+from curvopt.graph.graph_plan import read_down
+from curvopt.core.records import LossRecord, is_extended_loss, records_on
+from curvopt.autograd.torch_internals import (
     BCE_WITH_LOGITS,
     LOG_SOFTMAX,
     LOSS_COMBINATIONS,

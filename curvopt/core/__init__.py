@@ -1,0 +1,21 @@
+"""The data one backward pass hands around (layer 2); it calls nothing above it.
+
+* ``records``: ``Record`` (a module call's inputs, left on its output's autograd node by the
+  forward hook), ``LossRecord``, ``RandomState`` (the generator state a random forward started
+  from, for the rules that re-run it), plan tokens of modules;
+* ``calls``: ``Call``, a record completed by its output gradient: what every layer rule takes
+  (``origin``: how a sliced or expanded call derives from the recorded one; ``shared``: a cache
+  as long-lived as the record);
+* ``params``: which extended module owns which parameter (weakly), and whether ``extend``
+  hooked a module or parameter;
+* ``reductions``: Gram products carrying their roots, ``GramFactor``, chunked sums;
+* ``values``: the typed values ``collect`` writes, the seam to the optimizers
+  (``KroneckerFactors`` with its ``uses``, ``EigenCorrected``, ``read``, ``unscaled``);
+* ``buffers``: recycled ``grad_batch`` storage; ``psd``: ``psd_eigh``;
+* ``inputs``: tensor / tuple / dict model inputs and ``ModelOutput`` selection;
+* ``state``: what the hooks find the active collections through (set only while a ``collect``
+  block is open or a collection armed) and the switch that silences them while curvopt itself
+  runs autograd.
+
+This package imports nothing itself: each module is imported by name.
+"""

@@ -1,0 +1,9 @@
+"""What users call (layer 9); ``curvopt`` re-exports it.
+
+* ``hooks``: ``extend``: the forward hooks that leave records for backward;
+* ``collect``: the ``collect`` block and the passes it makes of a backward pass;
+* ``collection``: ``Collection``: the persistent collection an optimizer owns and arms;
+* ``verify``: every quantity against brute force on the user's own model.
+
+This package imports nothing itself: each module is imported by name.
+"""
