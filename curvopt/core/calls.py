@@ -3,8 +3,9 @@ per-module rule works on (``layers``), made from a ``records.Record`` by ``Recor
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -23,7 +24,10 @@ class Call:
     ``origin`` how this call derives from the recorded one: ``None`` (it is that call),
     ``("slice", parent, start, stop)`` (:meth:`slice`) or ``("expand", parent, columns)``
     (:meth:`expand`), so that a rule which must re-run the whole batch (to draw the same
-    random numbers) can find it.
+    random numbers) can find it. ``quiet()`` is the context in which a rule re-runs the module
+    or differentiates through it with curvopt's own hooks silenced: the pass gives it to the
+    calls it makes (``records.Record.call``); a call made by hand, outside a pass, has nothing
+    to silence.
     """
 
     module: nn.Module
@@ -35,6 +39,7 @@ class Call:
     random: Any = None
     origin: Optional[tuple] = None
     shared: Optional[dict] = None
+    quiet: Callable[[], ContextManager] = contextlib.nullcontext
 
     @property
     def input(self) -> torch.Tensor:
@@ -76,6 +81,7 @@ class Call:
             random=self.random,
             origin=("slice", self, start, stop),
             shared=self.shared,
+            quiet=self.quiet,
         )
 
     def expand(self, columns) -> "Call":
@@ -106,4 +112,5 @@ class Call:
             random=self.random,
             origin=("expand", self, columns),
             shared=self.shared,
+            quiet=self.quiet,
         )

@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from curvopt.graph.graph_plan import mark_sums_checked
+from curvopt.guards.observer import Ending, LossEvent, ModuleEvent, PassGuard
 from curvopt.guards.projected import PROJECTED_FACTOR, draw_probes, project, projection_pays
 from curvopt.engine.reducer import reduce_in_chunks
 from curvopt.core.reductions import probe_columns
@@ -51,8 +52,11 @@ class _Total:
         self.magnitude: Optional[torch.Tensor] = None
 
 
-class Checks:
-    """What the checks of one pass have seen so far."""
+class Checks(PassGuard):
+    """The sum checks of one pass, and what they have seen so far: the walks of its losses
+    (``loss``), the calls' precision and parameters (``module``), each parameter's gradient
+    (``parameter``); at ``finish`` every parameter seen, every sum right, every curvature
+    attribute written, and then the structures marked checked."""
 
     def __init__(self):
         self.totals: Dict[int, _Total] = {}  # id(p): its sums of this pass
@@ -64,6 +68,26 @@ class Checks:
         self.compute_eps: Dict[int, float] = {}  # id(p): roundoff of autocast calls using p
         self.structures: list = []  # keys of the extended losses' graphs (``walk.Walk``)
         self.sums = False  # whether curvature-only passes check their per-sample sums
+
+    def loss(self, event: LossEvent) -> None:
+        self.note_walk(event.walk)
+
+    def module(self, event: ModuleEvent) -> None:
+        self.note_precision(event.record, event.params)
+        self.seen.update(id(p) for _, p in event.params)
+
+    def parameter(self, p, grad) -> None:
+        self.parameter_grad(p, grad)
+
+    def finish(self, ending: Ending) -> None:
+        self.check_seen()
+        self.check_materialised(ending.batch_grads)
+        self.check_suspects()
+        self.check_complete(ending.results, ending.attrs)
+        self.mark_checked()
+
+    def release(self) -> None:
+        self.clear()
 
     def note_precision(self, record, params) -> None:
         """A call computed in a lower precision than its parameters (autocast) makes ``p.grad``

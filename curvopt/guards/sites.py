@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from curvopt.core.calls import Call
 from curvopt.graph.graph_plan import add_site
+from curvopt.guards.observer import Ending, PassGuard
 from curvopt.guards.pass_guards import autocast_off
 from curvopt.core.records import token
 from curvopt.engine.results import name_of
@@ -30,15 +31,15 @@ from curvopt.errors import UnsupportedModuleError
 from curvopt.layers.parameter import PARAMETER
 
 
-class ParameterSites:
+class ParameterSites(PassGuard):
     """The parameters of one pass read at their sites: hooks registered into ``handles``
     (removed with the pass's), results into ``reducer``, sites found by the pass's ``walks``.
     The pass's ``active()`` (whether it still computes) and ``abort()`` (ends it on an error)
     live in the hooks only, which go with the pass's handles: nothing here refers back to the
     pass, so that it is freed when it ends, not by the garbage collector."""
 
-    def __init__(self, reducer, handles, walks):
-        self.reducer, self.handles, self.walks = reducer, handles, walks
+    def __init__(self, reducer, checks, handles, walks):
+        self.reducer, self.checks, self.handles, self.walks = reducer, checks, handles, walks
         self.pending: dict = {}  # id(p): p, hooked and not read yet
 
     def claim(self, rule, call, params, materialise: bool, active, abort) -> set:
@@ -96,10 +97,10 @@ class ParameterSites:
             del self.pending[id(p)]
             self.reducer.add(p, PARAMETER, Call(module, (), {}, g), name, materialise)
 
-    def check_read(self, checks) -> None:
+    def finish(self, ending: Ending) -> None:
         """Every hooked parameter that received a gradient (``checks``) was read."""
         for p in self.pending.values():
-            if checks.has_grad(p):
+            if self.checks.has_grad(p):
                 raise UnsupportedModuleError(
                     f"curvopt: parameter {name_of(p)!r} received a gradient, but the add or "
                     "expand where its per-sample gradients were to be read never ran in this "

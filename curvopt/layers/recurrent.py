@@ -23,7 +23,6 @@ from torch import nn
 from curvopt.errors import kronecker_error, module_error
 from curvopt.layers.registry import LayerRule, register
 from curvopt.core.reductions import squared_norms, sum_of_squares
-from curvopt.core.state import STATE
 
 #: elements of per-(pseudo-)sample gradients held at once
 _CHUNK_ELEMENTS = 1 << 22
@@ -140,15 +139,17 @@ class RecurrentRule(LayerRule):
         ]
 
     # ------------------------------------------------------------------ per-sample gradients
-    def _per_sample(self, module, x, h0, c0, grads) -> Dict[str, torch.Tensor]:
-        """``name -> [N, *p.shape]`` for the batch-first inputs and output gradients."""
+    def _per_sample(self, call, x, h0, c0, grads) -> Dict[str, torch.Tensor]:
+        """``name -> [N, *p.shape]`` of ``call``'s module for the batch-first inputs and output
+        gradients (re-run with curvopt's hooks silenced, ``call.quiet``)."""
+        module = call.module
         n = x.shape[0]
         copies = {
             name: p.detach().expand(n, *p.shape).requires_grad_()
             for name, p in module.named_parameters()
             if p.requires_grad
         }
-        with STATE.suspend(), torch.enable_grad():
+        with call.quiet(), torch.enable_grad():
             outs = unrolled(module, x, h0, c0, copies)
             pairs = [(o, g) for o, g in zip(outs, grads) if o is not None and g is not None]
             found = torch.autograd.grad(
@@ -166,7 +167,7 @@ class RecurrentRule(LayerRule):
         if "recurrent" not in call.cache:
             x, h0, c0 = self._inputs(call)
             call.cache["recurrent"] = self._per_sample(
-                call.module, x, h0, c0, self._grads(call, call.grad_out)
+                call, x, h0, c0, self._grads(call, call.grad_out)
             )
         return call.cache["recurrent"]
 
@@ -212,7 +213,7 @@ class RecurrentRule(LayerRule):
                 return None if t is None else t.unsqueeze(0).expand(kk, *t.shape).flatten(0, 1)
 
             chunk = [None if c is None else c[start:stop].flatten(0, 1) for c in cols]
-            grads = self._per_sample(module, rep(x), rep(h0), rep(c0), chunk)
+            grads = self._per_sample(call, rep(x), rep(h0), rep(c0), chunk)
             for name, g in grads.items():
                 g = g.view(kk, n, *g.shape[1:])
                 if squared:

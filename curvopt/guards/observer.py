@@ -1,0 +1,79 @@
+"""The guards as observers of one backward pass.
+
+A pass (``loop.backward.BackwardPass``) has four events, and a guard attaches to those it
+checks by overriding their methods of :class:`PassGuard` (the others do nothing):
+
+* ``loss``: an extended loss's curvature was computed (``LossEvent``: the walk of its input, the
+  node of its output, and the pass's ``active()``/``abort()`` for hooks that outlive the event);
+* ``module``: a module call's output gradient arrived (``ModuleEvent``: the call's record, its
+  output gradients, the ``(name, p)`` this pass accumulates into, whether the curvature's flow
+  is checked at it);
+* ``parameter``: a parameter's whole gradient of the pass arrived;
+* ``finish``: the pass ends without an error (``Ending``: the result buffer, the curvature
+  attributes asked, the materialised per-sample gradients); the last chance to raise.
+
+``release`` runs once the pass has ended, finished or failed. The pass calls its guards in the
+order it attached them, at every event; a guard raises to fail the pass (nothing is written
+then) and never writes a result itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class LossEvent:
+    """An extended loss's curvature was computed: ``walk`` (``graph.walk.Walk`` of its input),
+    ``node`` (its output's autograd node), ``active()`` (whether the pass still computes) and
+    ``abort()`` (ends the pass on an error), for hooks a guard leaves on the graph."""
+
+    walk: object
+    node: object
+    active: Callable[[], bool]
+    abort: Callable[[], None]
+
+
+@dataclass(frozen=True)
+class ModuleEvent:
+    """A module call's output gradients ``grads`` (batch first) arrived: ``record`` the call's
+    ``core.records.Record``, ``params`` the ``(name, p)`` of its module this pass accumulates
+    into; ``curvature``: the pass computes curvature and this call's gradient belongs to its own
+    autograd task (inside a re-run checkpoint, torch's nested backward is checked at the
+    checkpoint's node instead)."""
+
+    record: object
+    grads: tuple
+    params: list
+    curvature: bool
+
+
+@dataclass(frozen=True)
+class Ending:
+    """What a pass that ends without an error hands its guards: the ``results`` buffer
+    (``engine.results.ResultBuffer``), the curvature attributes ``attrs`` it was asked for, and
+    ``batch_grads`` (``id(p) -> (p, [N, *p.shape])``, the materialised per-sample gradients)."""
+
+    results: object
+    attrs: set
+    batch_grads: dict
+
+
+class PassGuard:
+    """A check of one backward pass, attached to the events it observes."""
+
+    def loss(self, event: LossEvent) -> None:
+        """An extended loss's curvature was computed."""
+
+    def module(self, event: ModuleEvent) -> None:
+        """A module call's output gradient arrived."""
+
+    def parameter(self, p, grad) -> None:
+        """``p``'s whole gradient of this pass arrived."""
+
+    def finish(self, ending: Ending) -> None:
+        """The pass ends without an error so far: raise to fail it."""
+
+    def release(self) -> None:
+        """The pass ended (finished or failed): drop hooks and references."""
