@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from curvopt.optim import KFAC, DiagGGNNewton, LevenbergMarquardt, VarianceAdaptedSGD
-from curvopt.optim.plan import ParamUpdate, check_finite
+from curvopt.optim.base import check_finite
+from curvopt.optim.plan import ParamUpdate
 
 DT = torch.float64
 torch.set_num_threads(1)

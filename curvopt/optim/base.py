@@ -1,4 +1,9 @@
-"""The base class of curvopt's optimizers: collecting, stepping, checking, saving.
+"""The base class of curvopt's optimizers: collecting, reading, stepping, checking, saving.
+
+What a step needs is collected by the optimizer itself: the extensions come from its
+``_needs(group, group_state)``, per param group, scoped to the group's parameters
+(``_requests``); with ``collection="auto"`` an armed ``curvopt.frontend.collection.Collection``
+collects them on every backward pass, ``opt.collect()`` opens a ``curvopt.collect`` block.
 
 A step is planned for every parameter first and applied only when the whole plan is valid, so
 an error (missing or non-finite quantity, failed inversion) leaves parameters and optimizer
@@ -19,8 +24,11 @@ quantities it collects across ranks and spreads its inversions over them through
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any, Callable, ClassVar
 
@@ -30,24 +38,27 @@ from torch.optim import Optimizer
 from curvopt import extensions
 
 from curvopt.core import values
+from curvopt.frontend.collect import collect
+from curvopt.frontend.collection import Collection
 from curvopt.optim import distributed
-from curvopt.optim.collecting import Collecting, ExtensionSpec, quiet_skips
 from curvopt.optim.loss_scale import NONE, LossScale, loss_scale
 from curvopt.optim.options import CurvatureOptions, constructor
-from curvopt.optim.plan import (
-    REMEDY,
-    ParamUpdate,
-    check_finite,
-    describe,
-    number,
-    regularizer_change,
-)
+from curvopt.optim.plan import ParamUpdate
 from curvopt.optim.state_placement import placed
 
-__all__ = ["CurvatureOptimizer", "ExtensionSpec"]
+__all__ = ["CurvatureOptimizer", "ExtensionSpec", "ParamUpdate"]
+
+#: an extension to collect: ``(attr, options)`` for ``curvopt.extensions.extension``
+ExtensionSpec = tuple[str, dict[str, Any]]
+
+#: what to change when a step is not finite (the error's last sentence)
+REMEDY = "Check the loss, and lower the learning rate (lr)"
+
+#: the start of the warning ``curvopt.collect(skip_unsupported=...)`` gives at every pass
+_SKIP_WARNING = r"curvopt\.collect\(skip_unsupported=True\) wrote no Kronecker factors"
 
 
-class CurvatureOptimizer(Collecting, Optimizer):
+class CurvatureOptimizer(Optimizer):
     """A ``torch.optim.Optimizer`` that reads quantities computed by ``curvopt.collect``.
 
     Subclasses declare their hyper-parameters as ``Options`` (a :mod:`curvopt.optim.options`
@@ -136,10 +147,100 @@ class CurvatureOptimizer(Collecting, Optimizer):
         super().add_param_group(param_group)
         self._group_state.append({"step": 0, "damping": {}})
 
+    # ----------------------------------------------------------------- the armed collection
+    # ``collection="auto"`` (default): the optimizer owns a
+    # ``curvopt.frontend.collection.Collection``, armed from construction, that collects
+    # ``_requests()`` on every backward pass reaching its parameters; the window it combines ends at
+    # ``step()`` and ``zero_grad()``.
+    # ``"explicit"`` (and under ``torch.distributed``): only ``opt.collect()`` and
+    # ``opt.step(closure)`` collect, as ``curvopt.collect`` blocks.
+    def _arm(self, mode: str) -> None:
+        if mode not in ("auto", "explicit"):
+            raise ValueError(f"collection must be 'auto' or 'explicit', got {mode!r}")
+        self._collection_mode = mode
+        self._collection = Collection(_weak(self._armed_requests))
+        if mode == "auto" and self._distributed is None:
+            self._collection.arm()
+        if any(group.get("curvature_samples") for group in self.param_groups):
+            self._requests()  # an extension without sub-batches raises now, not in a backward
+
+    def _armed_requests(self) -> tuple[list, list[tuple[torch.Tensor, str]], dict[str, Any]]:
+        return (*self._requests(), self._collect_options())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As in ``torch.optim``; the armed collection starts a new window too."""
+        super().zero_grad(set_to_none)
+        self._collection.reset()
+
+    # ----------------------------------------------------------------- collecting
+    def _needs(self, group: dict[str, Any], group_state: dict[str, Any]) -> list[ExtensionSpec]:
+        """The extensions ``group`` needs for its next step."""
+        raise NotImplementedError
+
+    def _requests(self) -> tuple[list, list[tuple[torch.Tensor, str]]]:
+        """The extensions the next step needs, and the ``(param, attr)`` pairs they write."""
+        made: dict[str, extensions.Extension] = {}
+        users: list[tuple[dict[str, Any], str]] = []
+        for group, group_state in zip(self.param_groups, self._group_state):
+            for attr, options in self._needs(group, group_state):
+                if group.get("curvature_samples") is not None:
+                    options = {**options, "samples": group["curvature_samples"]}
+                wanted = extensions.extension(attr, **options)
+                if made.setdefault(attr, wanted).key() != wanted.key():
+                    raise ValueError(
+                        f"param groups need {made[attr]} and {wanted}, with different options; "
+                        "use the same options in all groups"
+                    )
+                users.append((group, attr))
+        targets = [(p, attr) for group, attr in users for p in group["params"] if p.requires_grad]
+        return list(made.values()), targets
+
+    def collect(self):
+        """``curvopt.collect(...)`` with the extensions the next ``step()`` needs.
+
+        A null context when the next step needs none (e.g. between curvature updates). Under
+        ``torch.distributed`` the collected quantities are then averaged over the ranks. With
+        the collection armed (the default) a block that adds nothing: the optimizer collects
+        on every backward pass anyway.
+        """
+        exts, targets = self._requests()
+        if not exts:
+            return contextlib.nullcontext()
+        if self._collection.armed:  # it collects without a block: one that adds nothing
+            self._collection.window()
+            return QuietBlock(self._collection)
+        context = collect(*exts, **self._collect_options())
+        self._block = context  # its parameters without factors (``skipped``), until the step
+        if self._distributed is None:
+            return QuietBlock(context)
+        sampled = any(getattr(ext, "source", None) == "mc" for ext in exts)
+        return self._distributed.collecting(context, targets, sampled)
+
+    def _collect_options(self) -> dict[str, Any]:
+        """Keyword options of the ``curvopt.collect`` that :meth:`collect` opens."""
+        return {}
+
+    def _skipped(self) -> set[str]:
+        """The names of the parameters the passes since the last step left without Kronecker
+        factors (``collect(skip_unsupported=...)``): the armed collection's and those of
+        the block :meth:`collect` opened."""
+        block = self.__dict__.get("_block")
+        return set(self._collection.skipped) | set(getattr(block, "skipped", None) or ())
+
     # ----------------------------------------------------------------- reading quantities
     def _describe(self, group: dict[str, Any], index: int, param: torch.Tensor) -> str:
         """``parameter 'name' (shape ...)``, or its position over all groups (as in state_dict)."""
-        return describe(self.param_groups, group, index, param)
+        names = group.get("param_names")
+        if names:
+            where = repr(names[index])
+        else:
+            offset = 0
+            for other in self.param_groups:
+                if other is group:
+                    break
+                offset += len(other["params"])
+            where = f"#{offset + index}"
+        return f"parameter {where} (shape {tuple(param.shape)})"
 
     def _unused(self, param: torch.Tensor, attrs: Sequence[str]) -> bool:
         """Whether ``param`` took no part in this step: ``grad`` is None, or all zero (after
@@ -319,3 +420,112 @@ def _all_zero(tensor: torch.Tensor) -> bool:
         return True
     low, high = torch.aminmax(tensor)
     return bool((low == 0) & (high == 0))
+
+
+def _weak(method: Callable[[], Any]) -> Callable[[], Any]:
+    """``method()`` through a weak reference (None once its object is gone), so that the
+    armed collection does not keep its optimizer alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call():
+        bound = ref()
+        return None if bound is None else bound()
+
+    return call
+
+
+def skip_options(param_groups, diagonal: bool) -> dict[str, Any]:
+    """The ``curvopt.collect`` options for the groups' ``fallback`` (``optim.fallback``): skip
+    the parameters without Kronecker factors where a group has one; with ``diagonal``
+    (``KFAC``: the engine writes their diagonal) ``"diagonal"`` where a group asks for it."""
+    fallbacks = {g["fallback"] for g in param_groups}
+    if diagonal and "diagonal" in fallbacks:
+        return {"skip_unsupported": "diagonal"}
+    return {"skip_unsupported": fallbacks != {None}}
+
+
+@contextlib.contextmanager
+def quiet_skips():
+    """A block in which the collection's warning about skipped parameters is silenced (the
+    optimizer announces them once instead, ``optim.fallback.announce``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SKIP_WARNING)
+        yield
+
+
+class QuietBlock:
+    """``context`` (a ``curvopt.collect`` block or an armed collection) whose exit does not
+    warn about skipped parameters (:func:`quiet_skips`); its attributes are ``context``'s."""
+
+    def __init__(self, context):
+        self._context = context
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
+
+    def __enter__(self):
+        self._context.__enter__()
+        return self._context
+
+    def __exit__(self, *exc):
+        if not self._context.skipped:
+            return self._context.__exit__(*exc)
+        with quiet_skips():
+            return self._context.__exit__(*exc)
+
+
+def number(loss) -> float:
+    """A loss (tensor or number) as a Python float."""
+    return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+
+
+def regularizer_change(param_groups, plans) -> float:
+    """``Σ δ/2 (‖θ − Δ‖² − ‖θ‖²)``: the change of the weight-decay term by the step."""
+    change = 0.0
+    for group, (updates, _) in zip(param_groups, plans):
+        if group["weight_decay"] == 0:
+            continue
+        for u in updates:
+            change += 0.5 * group["weight_decay"] * float((u.delta * (u.delta - 2 * u.param)).sum())
+    return change
+
+
+def _size(tensor: torch.Tensor) -> torch.Tensor:
+    """``‖t‖∞ = max(−min t, max t)`` in float64 (inf or NaN for non-finite entries; 0 for no
+    entries): one pass of ``aminmax`` (exact, and cheaper than ``vector_norm`` with a float64
+    ``dtype``, which converts every entry)."""
+    if tensor.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=tensor.device)
+    low, high = torch.aminmax(tensor.detach())
+    return torch.maximum(-low, high).to(torch.float64)
+
+
+def check_finite(updates: list[ParamUpdate], owner: str = "", remedy: str = REMEDY) -> None:
+    """Raise ``FloatingPointError`` unless every checked tensor, and every parameter after
+    its update ``θ − Δ``, is finite (``‖θ‖∞ + ‖Δ‖∞ ≤ max`` of the dtype: no overflow)."""
+    checks = [(u, what, t) for u in updates for what, t in u.checks]
+    moved = [u for u in updates if u.delta is not None]
+    if not checks and not moved:
+        return
+    device = (checks[0][2] if checks else moved[0].param).device
+    # one read per tensor and one host sync: a finite sum means finite entries (a NaN or
+    # inf entry makes the sum NaN or inf); only a non-finite sum (or overflow) is looked into
+    sums = [t.sum().to(device) for _, _, t in checks]
+    sizes = [_size(u.param) + _size(u.delta) - torch.finfo(u.param.dtype).max for u in moved]
+    fine = torch.stack(sums).isfinite().all() if sums else torch.tensor(True, device=device)
+    if sizes:
+        fine = fine & (torch.stack([size.to(device) for size in sizes]) <= 0).all()
+    if bool(fine):
+        return
+    after = [(u, "parameter after the step", (u.param - u.delta).to(u.param.dtype)) for u in moved]
+    for update, what, tensor in checks + after:
+        if not bool(tensor.isfinite().all()):
+            cause = (
+                " (the loss exploded, or the backward pass overflowed)"
+                if what == "gradient"
+                else ""
+            )
+            raise FloatingPointError(
+                f"{owner}the {what} of {update.description} is not finite{cause}; no "
+                f"parameter was updated. {remedy}."
+            )

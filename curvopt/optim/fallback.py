@@ -31,7 +31,7 @@ its step per entry ignores the curvature scale, so it does not fit KFAC's learni
 Announced once: the first step that preconditions a parameter by its fallback warns, naming
 the parameters (each optimizer names a parameter once, :func:`announce`); the collection's
 own warning at every step is silenced while the optimizer collects
-(``collecting.quiet_skips``). The collection options are ``collecting.skip_options``.
+(``base.quiet_skips``). The collection options are ``base.skip_options``.
 """
 
 from __future__ import annotations

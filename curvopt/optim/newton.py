@@ -53,11 +53,10 @@ import torch
 from curvopt import extensions
 
 from curvopt.core import values
-from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, ParamUpdate
-from curvopt.optim.plan import number
-from curvopt.optim.collecting import skip_options
+from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, number, skip_options
 from curvopt.optim.damping import as_damping, reduction_ratio
 from curvopt.optim.fallback import announce
+from curvopt.optim.plan import ParamUpdate
 from curvopt.optim.stages import (
     NEWTON,
     Chain,

@@ -8,8 +8,9 @@ from typing import ClassVar
 
 import torch
 
-from curvopt.optim.base import CurvatureOptimizer, ParamUpdate
+from curvopt.optim.base import CurvatureOptimizer
 from curvopt.optim.options import CurvatureOptions, number, option
+from curvopt.optim.plan import ParamUpdate
 from curvopt.optim.transforms import add_weight_decay
 
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from curvopt.optim.base import ParamUpdate
+from curvopt.optim.plan import ParamUpdate
 
 
 @dataclass
