@@ -6,19 +6,27 @@ Measured as ``benchmarks.call_trace --files`` measures it (``sys.settrace`` over
 files of ``curvopt/optim/`` with a line run. The stages that are the identity under the
 defaults (weight decay, momentum, curvature EMA) are not run, nor the code of options the
 step does not use (loss scaling without a ``GradScaler``, the exact and eigenbasis dampings,
-the transforms of the stages left out); turning an option on brings its stage back.
+the transforms of the stages left out); turning an option on brings its stage back. Where such
+code shares a module with code the step runs (the exact damping in ``optim/kronecker.py``, the
+eigenbasis form of the trace-norm damping in ``optim/trace_norm.py``), none of its lines run.
 """
+
+import inspect
+import pathlib
 
 import pytest
 import torch
 from test_stage_recipe import _train
 
 from benchmarks import call_trace
-from curvopt.optim import EKFAC, KFAC, DiagGGNNewton, stages
+from curvopt.optim import EKFAC, KFAC, DiagGGNNewton, kronecker, stages, trace_norm
 
-#: the files of ``curvopt/optim/`` a default KFAC step runs: base, collecting, newton, kfac,
-#: plan, damping, kronecker, factor_inverse, gradient_factors; the chain's stages/base and its
-#: three stages (precondition, trust region, learning rate). Was 21.
+#: the files of ``curvopt/optim/`` a default KFAC step runs: base (collecting included), newton,
+#: kfac, plan, damping, the damped inverse (kronecker: the block; trace_norm: its damping;
+#: factor_inverse: one damped factor), gradient_factors; the chain's stages/base and its three
+#: stages (precondition, trust region, learning rate). Was 21; 13 since issue 31 (then with
+#: collecting apart from base, and the trace-norm damping split over kronecker and
+#: factor_inverse).
 MAX_OPTIM_FILES = 13
 
 #: files the default step must not enter: stages that are the identity, options not in use
@@ -28,12 +36,27 @@ NOT_ON_THE_DEFAULT_PATH = {
     "optim/stages/curvature_ema.py",
     "optim/transforms.py",
     "optim/loss_scale.py",
-    "optim/trace_norm_eigh.py",
-    "optim/kron_exact.py",
     "optim/inverses.py",
     "optim/fallback.py",
     "optim/stages/schedule_free.py",
 }
+
+#: functions the default step must not run, in files it runs: the exact damping and the
+#: eigenbasis form of the trace-norm damping
+NOT_RUN_BY_THE_DEFAULT_STEP = (
+    kronecker.kron_eigh,
+    kronecker.exact_damped_solve,
+    trace_norm.trace_norm_eigh,
+    trace_norm._root_eigh,
+    trace_norm.eigh_solvers,
+)
+
+
+def _lines(function) -> tuple[str, set[int]]:
+    """The file of ``function`` (as ``files_of_a_step`` names it) and the lines of its body."""
+    path = pathlib.Path(inspect.getsourcefile(function)).relative_to(call_trace.PACKAGE)
+    source, first = inspect.getsourcelines(function)
+    return path.as_posix(), set(range(first + 1, first + len(source)))
 
 
 def test_a_default_kfac_step_reads_at_most_13_optim_files():
@@ -42,6 +65,25 @@ def test_a_default_kfac_step_reads_at_most_13_optim_files():
     files = call_trace.optim_files(found)
     assert len(files) <= MAX_OPTIM_FILES, files
     assert not NOT_ON_THE_DEFAULT_PATH & set(files), sorted(NOT_ON_THE_DEFAULT_PATH & set(files))
+    for function in NOT_RUN_BY_THE_DEFAULT_STEP:
+        path, body = _lines(function)
+        assert path in found, path  # the file is on the path: the check says something
+        assert not body & found[path], (function.__name__, sorted(body & found[path]))
+
+
+@pytest.mark.parametrize(
+    "damping, functions",
+    [
+        ("exact", NOT_RUN_BY_THE_DEFAULT_STEP[:2]),
+        ("trace_norm_eigh", NOT_RUN_BY_THE_DEFAULT_STEP[2:]),
+    ],
+)
+def test_the_dampings_left_out_run_when_chosen(damping, functions):
+    """The check above can fail: with ``kronecker_damping`` chosen, its functions run."""
+    found = call_trace.files_of_a_step(kronecker_damping=damping)
+    for function in functions:
+        path, body = _lines(function)
+        assert body & found.get(path, set()), function.__name__
 
 
 def test_an_option_that_changes_the_step_brings_its_stage_back():

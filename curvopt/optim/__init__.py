@@ -34,7 +34,6 @@ from curvopt.optim.kfac import KFAC
 from curvopt.optim.ekfac import EKFAC
 from curvopt.optim.eigen_adam import EigenAdam
 from curvopt.core.psd import psd_eigh
-from curvopt.optim.kron_exact import exact_damped_solve, kron_eigh, kron_matmul, kron_quadratic
 from curvopt.optim.factor_inverse import (
     LowRankInverse,
     cholesky_factor,
@@ -43,6 +42,12 @@ from curvopt.optim.factor_inverse import (
 )
 from curvopt.optim.kronecker import (
     as_matrix,
+    exact_damped_solve,
+    kron_eigh,
+    kron_matmul,
+    kron_quadratic,
+)
+from curvopt.optim.trace_norm import (
     kron_cholesky_solve,
     kron_solve,
     trace_norm_cholesky,

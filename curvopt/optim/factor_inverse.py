@@ -1,5 +1,5 @@
-"""The damped inverse ``(F + c I)⁻¹`` of one Kronecker factor: its shift ``c`` (the trace-norm
-split, :func:`trace_norm_shifts`), its working precision (:func:`promoted`), and its two forms:
+"""The damped inverse ``(F + c I)⁻¹`` of one Kronecker factor at a given shift ``c`` (which
+``optim.trace_norm`` chooses): its working precision (:func:`promoted`), and its two forms:
 
 * dense, through the Cholesky factorisation (:func:`cholesky_factor`, :func:`cholesky_inverse`,
   :func:`cholesky_solve_right`), retried in float64 where the input's precision fails;
@@ -10,13 +10,13 @@ split, :func:`trace_norm_shifts`), its working precision (:func:`promoted`), and
   an approximation when only the top ``k`` are kept, ``max_rank``).
 
 Applying a low-rank one to ``m`` vectors costs ``4 m d k`` flops against ``2 m d²`` for a dense
-inverse (:func:`application_flops`); the Kronecker solves (``optim.kronecker``) and the
-factored step (``optim.gradient_factors``) take either form.
+inverse (:func:`application_flops`); which form is cheaper for a factor is decided here too
+(:func:`woodbury_cheaper`, :func:`usable_root`). The Kronecker solves (``optim.trace_norm``)
+and the factored step (``optim.gradient_factors``) take either form.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,30 +25,6 @@ import torch
 from curvopt.core.psd import psd_eigh, working_dtype
 from curvopt.core.reductions import GramFactor, dense, gram_root
 from curvopt.core.values import rescaled
-
-#: the Kronecker factors of one parameter, in the API order ``[B, A]`` (``[B]`` for a bias)
-Factors = Sequence[torch.Tensor]
-
-
-def trace_norm_shifts(means: Sequence[torch.Tensor], damping: float) -> list:
-    """The damping added to each factor, from their mean eigenvalues ``tr F / dim F``:
-    ``[√λ/π, π√λ]`` for ``[B, A]`` (``π = sqrt(mean_A / mean_B)``, 1 unless both are
-    positive); ``[λ]`` for ``[B]``.
-
-    Each shift is ``√λ`` times its factor's mean eigenvalue over the geometric mean of both, so
-    their product is ``λ``."""
-    if len(means) == 1:
-        return [damping]
-    pi = trace_norm_ratio(*means)
-    root = damping**0.5
-    return [root / pi, pi * root]
-
-
-def trace_norm_ratio(mean_b: torch.Tensor, mean_a: torch.Tensor) -> torch.Tensor:
-    """``sqrt(mean_a / mean_b)``, 1 unless both are positive."""
-    usable = (mean_a > 0) & (mean_b > 0)
-    ratio = torch.where(usable, mean_a / torch.where(usable, mean_b, 1), 1)
-    return ratio.sqrt()
 
 
 def add_diagonal(matrix: torch.Tensor, shift) -> torch.Tensor:
@@ -273,8 +249,8 @@ def application_flops(dim: int, columns: int, rank: int | None = None) -> int:
 
 
 def solver_flops(solver, dim: int, columns: int) -> int:
-    """:func:`application_flops` of one entry of :func:`trace_norm_solvers` /
-    :func:`trace_norm_cholesky` (a dense matrix or a :class:`LowRankInverse`)."""
+    """:func:`application_flops` of one entry of ``trace_norm.trace_norm_solvers`` /
+    ``trace_norm.trace_norm_cholesky`` (a dense matrix or a :class:`LowRankInverse`)."""
     return application_flops(
         dim, columns, solver.rank if isinstance(solver, LowRankInverse) else None
     )

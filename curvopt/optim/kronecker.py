@@ -1,25 +1,19 @@
-"""The damped inverse of a Kronecker block ``C = B ⊗ A``, :class:`KroneckerInverse` (the
-``DampedInverse`` that ``KFAC`` and ``curvopt.linalg`` apply), in one file: how it is built
-(:class:`InverseOptions`), the trace-norm damping and its solves.
+"""The Kronecker block ``C = B ⊗ A`` of one parameter: its products and its damped inverse
+:class:`KroneckerInverse` (the ``DampedInverse`` that ``KFAC`` and ``curvopt.linalg`` apply),
+built as :class:`InverseOptions` say.
 
 Factors come as a list in the API order: ``[B, A]`` for a weight of shape ``[out, in, *k]``
 (``B``: ``[out, out]``, output side; ``A``: ``[in·k, in·k]``, input side) or ``[B]`` for a bias.
 A gradient is handled as the matrix ``G = grad.reshape(out, -1)`` of shape ``[out, in·k]``
-(``[out, 1]`` for a bias), so that with row-major ``vec`` ``(B ⊗ A) vec(G) = vec(B G Aᵀ)``,
-and ``B ⊗ A`` is never formed. Three ways to damp by ``λ``:
+(``[out, 1]`` for a bias, :func:`as_matrix`), so that with row-major ``vec``
+``(B ⊗ A) vec(G) = vec(B G Aᵀ)`` (:func:`kron_matmul`, :func:`kron_quadratic`), and ``B ⊗ A``
+is never formed. Three ways to damp by ``λ`` (``kronecker_damping``):
 
-* trace-norm (:func:`trace_norm_inverse`): ``(B + √λ/π I)⁻¹ ⊗ (A + π√λ I)⁻¹`` with
-  ``π = sqrt((tr A / dim A) / (tr B / dim B))`` (Martens & Grosse 2015, Sec. 6.3: each factor
-  is damped in proportion to its own scale, the input side ``A`` gets ``π√λ``); what the
-  optimizer applies: per damped factor (``optim.factor_inverse``) its Cholesky factor solved
-  by triangular solves (:func:`trace_norm_cholesky` + :func:`kron_cholesky_solve`), or, when
-  it is reused, its inverse applied by matrix products (:func:`trace_norm_solvers` +
-  :func:`kron_solve`, twice as fast); a factor ``F = UᵀU`` with a root of ``r < d`` rows (a
-  batch smaller than the layer's width, see ``reductions.gram_root``) is inverted by Woodbury
-  instead (:class:`LowRankInverse`);
-* the same split in the factors' eigenbases (``optim.trace_norm_eigh``);
-* exact (``optim.kron_exact``): ``(B ⊗ A + λ I)⁻¹`` from the eigendecompositions of both
-  factors.
+* ``"trace_norm"``: ``(B + √λ/π I)⁻¹ ⊗ (A + π√λ I)⁻¹``, each factor damped in proportion to its
+  own scale (``optim.trace_norm``, each damped factor inverted by ``optim.factor_inverse``);
+* ``"trace_norm_eigh"``: the same split in the factors' eigenbases (``optim.trace_norm``);
+* ``"exact"``: ``(B ⊗ A + λ I)⁻¹`` from the eigendecompositions of both factors
+  (:func:`kron_eigh`, :func:`exact_damped_solve`, here).
 
 A single factor ``[B]`` is damped plainly: ``(B + λ I)⁻¹``.
 """
@@ -32,25 +26,19 @@ from typing import Any
 
 import torch
 
-from curvopt.core.reductions import dense, diagonal, empty_like
+from curvopt.core.psd import psd_eigh
+from curvopt.core.reductions import dense, empty_like
+from curvopt.optim.factor_inverse import capped
 from curvopt.optim.inverses import DampedInverse
-from curvopt.optim.kron_exact import exact_damped_solve, kron_eigh
-from curvopt.optim.factor_inverse import (
+from curvopt.optim.trace_norm import (
     Factors,
-    LowRankInverse,
-    add_diagonal,
-    capped,
-    capped_inverse,
-    cholesky_factor,
-    cholesky_inverse,
-    cholesky_solve_right,
-    promoted,
-    trace_norm_ratio,
-    trace_norm_shifts,
-    usable_root,
-    woodbury,
+    eigh_solvers,
+    kron_cholesky_solve,
+    kron_solve,
+    trace_norm_cholesky,
+    trace_norm_eigh,
+    trace_norm_solvers,
 )
-from curvopt.optim.trace_norm_eigh import eigh_solvers, trace_norm_eigh
 
 
 def as_matrix(grad: torch.Tensor, factors: Factors) -> torch.Tensor:
@@ -83,260 +71,113 @@ def as_matrix(grad: torch.Tensor, factors: Factors) -> torch.Tensor:
     return grad.reshape(sizes[0], -1)
 
 
-def trace_norm_pi(factors: Factors) -> torch.Tensor:
-    """The trace-norm ratio ``π = sqrt((tr A / dim A) / (tr B / dim B))`` of ``[B, A]``.
+def kron_matmul(factors: Factors, matrix: torch.Tensor) -> torch.Tensor:
+    """The Kronecker product ``(B ⊗ A) vec(G)``, as the matrix ``B G Aᵀ`` (``B G`` for ``[B]``).
 
-    Martens & Grosse (2015, Sec. 6.3): the damping ``λ`` is split as ``π√λ`` on the input side
-    ``A`` and ``√λ/π`` on the output side ``B``.
+    ``B ⊗ A`` is never formed; with row-major ``vec`` the result is indexed like ``vec(G)``.
 
     Args:
-        factors: ``[B, A]``, or ``[B]`` (then ``π = 1``).
+        factors: ``[B, A]`` (``B`` ``[m, m]``, ``A`` ``[n, n]``) or ``[B]``.
+        matrix: ``G``, ``[m, n]`` (``[m, k]`` for ``[B]``).
 
     Returns:
-        ``π``, a scalar tensor; also 1 when a trace is not positive (a zero factor), so that
-        the damping stays ``λ I``.
+        ``B G Aᵀ``, ``[m, n]``.
 
     Example:
         >>> import torch
         >>> from curvopt import optim
-        >>> B, A = 2 * torch.eye(2), 8 * torch.eye(3)  # tr B / 2 = 2, tr A / 3 = 8: π = 2
-        >>> optim.trace_norm_pi([B, A])
-        tensor(2.)
-    """
-    if len(factors) == 1:
-        return torch.ones((), dtype=factors[0].dtype, device=factors[0].device)
-    return trace_norm_ratio(*(diagonal(f).mean() for f in factors))
-
-
-def trace_norm_damped(factors: Factors, damping: float) -> list[torch.Tensor]:
-    """The trace-norm damped factors ``[B + √λ/π I, A + π√λ I]`` (``[B + λ I]`` for ``[B]``).
-
-    Args:
-        factors: ``[B, A]`` or ``[B]``.
-        damping: ``λ ≥ 0``.
-
-    Returns:
-        The damped factors, dense.
-
-    Example:
-        >>> import torch
-        >>> from curvopt import optim
-        >>> B, A = 2 * torch.eye(2), 8 * torch.eye(3)  # tr B / 2 = 2, tr A / 3 = 8: π = 2
-        >>> [f.diagonal().tolist() for f in optim.trace_norm_damped([B, A], damping=4.0)]
-        [[3.0, 3.0], [12.0, 12.0, 12.0]]
-    """
-    return [
-        add_diagonal(dense(f), shift)
-        for f, shift in zip(factors, _trace_norm_shifts(factors, damping))
-    ]
-
-
-def _trace_norm_shifts(factors: Factors, damping: float) -> list:
-    """The damping added to each factor (:func:`trace_norm_shifts` of their mean diagonals)."""
-    return trace_norm_shifts([diagonal(f).mean() for f in factors], damping)
-
-
-def trace_norm_inverse(factors: Factors, damping: float) -> list[torch.Tensor]:
-    """The inverses of :func:`trace_norm_damped`'s factors (Cholesky, float64 retry).
-
-    Apply them with :func:`kron_matmul`: ``(B' ⊗ A')⁻¹ vec(G) = vec(B'⁻¹ G A'⁻¹)``.
-
-    Args:
-        factors: ``[B, A]`` or ``[B]``.
-        damping: ``λ ≥ 0``.
-
-    Returns:
-        ``[(B + √λ/π I)⁻¹, (A + π√λ I)⁻¹]`` (``[(B + λ I)⁻¹]``).
-
-    Raises:
-        torch.linalg.LinAlgError: a damped factor is not positive definite even in float64.
-
-    Example:
-        >>> import torch
-        >>> from curvopt import optim
-        >>> B, A = 2 * torch.eye(2), 8 * torch.eye(3)  # tr B / 2 = 2, tr A / 3 = 8: π = 2
-        >>> inverses = optim.trace_norm_inverse([B, A], damping=4.0)
-        >>> torch.allclose(inverses[0], torch.eye(2) / 3)
-        True
-        >>> torch.allclose(inverses[1], torch.eye(3) / 12)
-        True
-    """
-    return [cholesky_inverse(f) for f in trace_norm_damped(factors, damping)]
-
-
-def trace_norm_cholesky(
-    factors: Factors, damping: float, low_rank: bool = True, max_rank: int | None = None
-) -> list[torch.Tensor | LowRankInverse]:
-    """Per trace-norm damped factor its Cholesky factor, or a Woodbury inverse where cheaper.
-
-    Per factor of :func:`trace_norm_damped`: its Cholesky factor ``L``
-    (:func:`cholesky_factor`, float64 retry), or, with ``low_rank`` and a positive shift, a
-    :class:`LowRankInverse` where the factor carries a Gram root that makes that cheaper (a
-    batch smaller than the layer's width). Factors in bfloat16/float16 are factorised in
-    float32. Apply the result with :func:`kron_cholesky_solve`.
-
-    Args:
-        factors: ``[B, A]`` or ``[B]``.
-        damping: ``λ ≥ 0``.
-        low_rank: allow the Woodbury form (default ``True``).
-        max_rank: ``None`` (default, exact) or ``k``: cap the rank of the Woodbury and
-            eigenpair forms at ``k`` (an approximation).
-
-    Returns:
-        One entry per factor: a lower-triangular ``L`` or a :class:`LowRankInverse`.
-
-    Raises:
-        torch.linalg.LinAlgError: a factor cannot be factorised; the message names it
-            (output-side ``B`` or input-side ``A``, its size, trace and shift).
-
-    Example:
-        >>> import torch
-        >>> from curvopt import optim
-        >>> B, A = 2 * torch.eye(2), 8 * torch.eye(3)  # tr B / 2 = 2, tr A / 3 = 8: π = 2
+        >>> B, A = torch.diag(torch.tensor([2.0, 4.0])), torch.eye(3)
         >>> G = torch.ones(2, 3)
-        >>> solvers = optim.trace_norm_cholesky([B, A], damping=4.0)
-        >>> torch.allclose(optim.kron_cholesky_solve(solvers, G), G / 36)  # 1 / (3 * 12)
+        >>> optim.kron_matmul([B, A], G)
+        tensor([[2., 2., 2.],
+                [4., 4., 4.]])
+        >>> torch.allclose(torch.kron(B, A) @ G.flatten(), optim.kron_matmul([B, A], G).flatten())
         True
     """
-    return _trace_norm_solvers(factors, damping, low_rank, max_rank, cholesky_factor)
+    result = factors[0] @ matrix
+    if len(factors) == 2:
+        result = result @ factors[1].mT
+    return result
 
 
-def trace_norm_solvers(
-    factors: Factors, damping: float, low_rank: bool = True, max_rank: int | None = None
-) -> list[torch.Tensor | LowRankInverse]:
-    """As :func:`trace_norm_cholesky`, with the dense inverse ``(F + c I)⁻¹`` in place of ``L``.
-
-    What ``KFAC`` caches when an inverse is applied again (``inverse_interval`` or
-    ``curvature_interval`` above 1): a product with the inverse has the flops of two triangular
-    solves but is one matrix product, and forming it from ``L`` costs ``2d³/3`` once per
-    inversion. Apply the result with :func:`kron_solve`.
+def kron_quadratic(factors: Factors, matrix: torch.Tensor) -> torch.Tensor:
+    """The quadratic form ``vec(S)ᵀ (B ⊗ A) vec(S) = Σ S ⊙ (B S Aᵀ)``.
 
     Args:
-        factors: ``[B, A]`` or ``[B]``.
-        damping: ``λ ≥ 0``.
-        low_rank: allow the Woodbury form (default ``True``).
-        max_rank: ``None`` (default, exact) or a rank cap ``k`` (an approximation).
+        factors: ``[B, A]`` or ``[B]``, as for :func:`kron_matmul`.
+        matrix: ``S``, ``[dim B, dim A]``.
 
     Returns:
-        One entry per factor: a dense inverse or a :class:`LowRankInverse`.
-
-    Raises:
-        torch.linalg.LinAlgError: a factor cannot be factorised (named in the message).
+        A scalar tensor.
 
     Example:
         >>> import torch
         >>> from curvopt import optim
-        >>> B, A = 2 * torch.eye(2), 8 * torch.eye(3)  # tr B / 2 = 2, tr A / 3 = 8: π = 2
+        >>> B, A = torch.diag(torch.tensor([2.0, 4.0])), torch.eye(3)
         >>> G = torch.ones(2, 3)
-        >>> solvers = optim.trace_norm_solvers([B, A], damping=4.0)
-        >>> torch.allclose(optim.kron_solve(solvers, G), G / 36)
-        True
+        >>> optim.kron_quadratic([B, A], G)
+        tensor(18.)
     """
-    return _trace_norm_solvers(factors, damping, low_rank, max_rank, cholesky_inverse)
+    return (matrix * kron_matmul(factors, matrix)).sum()
 
 
-def _trace_norm_solvers(factors, damping, low_rank, max_rank, inverse) -> list:
-    """Per damped factor: ``inverse(F + c I)`` or a :class:`LowRankInverse` (see the callers)."""
-    stored = [f.dtype for f in factors]
-    factors = [promoted(f) for f in factors]
-    shifts = _trace_norm_shifts(factors, damping)
-    sizes = [f.shape[0] for f in factors]
-    solvers = []
-    for index, (factor, shift) in enumerate(zip(factors, shifts)):
-        others = sizes[1 - index] if len(factors) == 2 else 1
-        usable = low_rank and damping > 0
-        root = usable_root(factor, others, stored[index]) if usable else None
-        try:
-            solver = None if root is None else woodbury(root, shift, others, max_rank)
-            if solver is None and usable and capped(factor.shape[0], max_rank):
-                solver = capped_inverse(factor, shift, max_rank)
-            if solver is None:
-                solver = inverse(add_diagonal(dense(factor), shift))
-            solvers.append(solver)
-        except torch.linalg.LinAlgError as error:
-            raise torch.linalg.LinAlgError(
-                f"{_FACTOR_NAMES[len(factors)][index]} {tuple(factor.shape)} (trace "
-                f"{float(diagonal(factor).sum()):.3g}, damping shift {float(shift):.3g}"
-                f"{', Woodbury form' if root is not None else ''}): {error}"
-            ) from None
-    return solvers
+def kron_eigh(factors: Factors) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The eigendecompositions ``[(s_B, Q_B), (s_A, Q_A)]`` of PSD Kronecker factors.
 
-
-#: the factors' names by list length, as in the API order ``[B, A]`` / ``[B]``
-_FACTOR_NAMES = {
-    1: ["Kronecker factor B (bias)"],
-    2: ["output-side Kronecker factor B", "input-side Kronecker factor A"],
-}
-
-
-def kron_cholesky_solve(solvers: Sequence, matrix: torch.Tensor) -> torch.Tensor:
-    """The Kronecker solve ``(B ⊗ A)⁻¹ vec(G)`` as the matrix ``B⁻¹ G A⁻¹`` from Cholesky factors.
-
-    From the entries of :func:`trace_norm_cholesky`: Cholesky factors ``L`` (``B = L_B L_Bᵀ``)
-    solved by triangular solves (``2 dim_B² dim_A + 2 dim_B dim_A²`` flops), or
-    :class:`LowRankInverse` applied by Woodbury.
+    Each is :func:`psd_eigh`'s: eigenvalues clipped at 0, orthogonal ``Q``, ``F = Q diag(s) Qᵀ``.
 
     Args:
-        solvers: one entry per factor, from :func:`trace_norm_cholesky`.
-        matrix: ``G``, ``[dim B, dim A]`` (``[dim B, k]`` for ``[B]``).
+        factors: ``[B, A]`` or ``[B]``, symmetric PSD.
 
     Returns:
-        ``B⁻¹ G A⁻¹`` (``B⁻¹ G``), solved in the solvers' precision, in ``matrix``'s dtype.
+        One ``(s, Q)`` per factor (``s`` ``[d]``, ``Q`` ``[d, d]``).
 
     Example:
         >>> import torch
         >>> from curvopt import optim
-        >>> B, A = 2 * torch.eye(2), 8 * torch.eye(3)  # tr B / 2 = 2, tr A / 3 = 8: π = 2
-        >>> solvers = optim.trace_norm_cholesky([B, A], damping=0.0)
-        >>> G = torch.full((2, 3), 16.0)
-        >>> torch.allclose(optim.kron_cholesky_solve(solvers, G), torch.ones(2, 3))
-        True
+        >>> B, A = torch.diag(torch.tensor([2.0, 4.0])), torch.eye(3)
+        >>> G = torch.ones(2, 3)
+        >>> [s.tolist() for s, _ in optim.kron_eigh([B, A])]
+        [[2.0, 4.0], [1.0, 1.0, 1.0]]
     """
-    return _kron_apply(solvers, matrix, torch.cholesky_solve, cholesky_solve_right)
+    return [psd_eigh(f) for f in factors]
 
 
-def kron_solve(solvers: Sequence, matrix: torch.Tensor) -> torch.Tensor:
-    """The Kronecker solve ``B⁻¹ G A⁻¹`` (``B⁻¹ G`` for ``[B]``) from dense inverses.
+def exact_damped_solve(
+    eigs: Sequence[tuple[torch.Tensor, torch.Tensor]], matrix: torch.Tensor, damping: float
+) -> torch.Tensor:
+    """The exactly damped Kronecker solve ``(B ⊗ A + λ I)⁻¹ vec(G)``, as a matrix.
 
-    From the entries of :func:`trace_norm_solvers`: dense inverses applied by matrix products,
-    or :class:`LowRankInverse` by Woodbury.
+    From ``eigs = kron_eigh([B, A])``::
+
+        Q_B [(Q_Bᵀ G Q_A) / (s_B s_Aᵀ + λ)] Q_Aᵀ
+
+    (``Q_B [(Q_Bᵀ G) / (s_B + λ)]`` for ``[B]``): what ``KFAC(kronecker_damping="exact")``
+    applies.
 
     Args:
-        solvers: one entry per factor, from :func:`trace_norm_solvers`.
-        matrix: ``G``, ``[dim B, dim A]`` (``[dim B, k]`` for ``[B]``).
+        eigs: the eigendecompositions of the factors (:func:`kron_eigh`).
+        matrix: ``G``, ``[dim B, dim A]``.
+        damping: ``λ``.
 
     Returns:
-        ``B⁻¹ G A⁻¹``, in the solvers' precision, returned in ``matrix``'s dtype.
+        The solution as a ``[dim B, dim A]`` matrix, computed in the eigenvectors' precision and
+        returned in ``matrix``'s dtype.
 
     Example:
         >>> import torch
         >>> from curvopt import optim
-        >>> B, A = 2 * torch.eye(2), 8 * torch.eye(3)  # tr B / 2 = 2, tr A / 3 = 8: π = 2
-        >>> solvers = optim.trace_norm_solvers([B, A], damping=0.0)
-        >>> G = torch.full((2, 3), 16.0)
-        >>> torch.allclose(optim.kron_solve(solvers, G), torch.ones(2, 3))
-        True
+        >>> B, A = torch.diag(torch.tensor([2.0, 4.0])), torch.eye(3)
+        >>> G = torch.ones(2, 3)
+        >>> optim.exact_damped_solve(optim.kron_eigh([B, A]), G, damping=2.0)
+        tensor([[0.2500, 0.2500, 0.2500],
+                [0.1667, 0.1667, 0.1667]])
     """
-    return _kron_apply(solvers, matrix, lambda m, f: f @ m, lambda m, f: m @ f)
-
-
-def _kron_apply(solvers, matrix, dense_left, dense_right) -> torch.Tensor:
-    """``B⁻¹ G A⁻¹`` with dense entries applied as ``dense_left(G, ·)`` / ``dense_right(G, ·)``
-    and :class:`LowRankInverse` entries by Woodbury."""
-    dtype = matrix.dtype
-    left = solvers[0]
-    matrix = matrix.to(left.basis.dtype if isinstance(left, LowRankInverse) else left.dtype)
-    if isinstance(left, LowRankInverse):
-        result = left.solve_left(matrix)
-    else:
-        result = dense_left(matrix, left)
-    if len(solvers) == 2:
-        right = solvers[1]
-        if isinstance(right, LowRankInverse):
-            result = right.solve_right(result)
-        else:
-            result = dense_right(result, right)
-    return result.to(dtype)
+    values = [s for s, _ in eigs]
+    vectors = [q for _, q in eigs]
+    spectrum = values[0][:, None] * (values[1][None, :] if len(eigs) == 2 else 1)
+    rotated = kron_matmul([q.mT for q in vectors], matrix.to(vectors[0].dtype))
+    return kron_matmul(vectors, rotated / (spectrum + damping)).to(matrix.dtype)
 
 
 @dataclass(frozen=True)
