@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import weakref
 
 import torch
 
@@ -145,6 +144,9 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
     """
 
     Options = KFACOptions
+    #: the calls of the dense layers, for the factored step (``gradient_factors``): made at
+    #: the first :meth:`collect`, never pickled (``Optimizer.__getstate__`` keeps the state only)
+    _capture = None
 
     def _extension(self, group):
         options = {"mc_samples": group["mc_samples"]}
@@ -223,9 +225,9 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
     def collect(self):
         """As :meth:`CurvatureOptimizer.collect`; also watches the dense layers whose steps
         may be applied in factored form from the next forward on (``gradient_factors``)."""
-        if self not in _CAPTURES:
+        if self._capture is None:
             params = [p for g in self.param_groups for p in g["params"]]
-            _CAPTURES[self] = FactorCapture(self, params)
+            self._capture = FactorCapture(self, params)
         return super().collect()
 
     def step(self, closure=None):
@@ -233,14 +235,15 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
         try:
             return super().step(closure)
         finally:
-            if self in _CAPTURES:
-                _CAPTURES[self].clear()
+            capture = self._capture
+            if capture is not None:
+                capture.clear()
 
     def _factored_direction(self, apply, solvers, matrix, param):
         """:func:`_factored` from the rows of ``param``'s gradient captured in the pass
         (``gradient_factors``), or None; their forming is skipped where their known count
         already says that it is not cheaper."""
-        capture = _CAPTURES.get(self)
+        capture = self._capture
         if capture is None or len(solvers) != 2:
             return None
         rows = capture.row_count(param)
@@ -250,15 +253,12 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
 
     def _gradient_factors(self, param):
         """The rows of ``param``'s gradient captured in the pass, or None (``gradient_factors``)."""
-        capture = _CAPTURES.get(self)
+        capture = self._capture
         return None if capture is None else capture.factors(param)
 
     def _quadratic(self, curvature, step):
         return kron_quadratic([dense(f) for f in curvature], as_matrix(step, curvature))
 
-
-#: optimizer -> its FactorCapture (kept outside the optimizer, which stays picklable)
-_CAPTURES: "weakref.WeakKeyDictionary[KFAC, FactorCapture]" = weakref.WeakKeyDictionary()
 
 
 def _factored(apply, solvers, matrix, factors):
