@@ -1,9 +1,13 @@
 """What one backward pass computes (layer 5), given the module calls and the loss.
 
 * ``rows``: which loss rows belong to which sample; the probe-verified packing of columns;
-* ``compress``: a language model head's exact columns re-factored at its narrower input;
-* ``curvature``: ``CurvaturePass``: the loss's square-root columns, packed, propagated in
-  chunks within a memory budget, turned into every module's contributions;
+* ``compress``: a language model head's exact columns re-factored at its narrower input
+  (``HeadCut``, a strategy);
+* ``strategies``: how one group's columns are propagated, chosen from the walk (``Direct``, or
+  ``compress.HeadCut``), the choice kept in the structure's plan;
+* ``curvature``: ``CurvaturePass``: the loss's square-root columns (``LossColumns``), packed,
+  in chunks within a memory budget, propagated by the group's strategy, turned into every
+  module's contributions;
 * ``kron_pass``: ``FactorStream``: Kronecker factors from each chunk of columns;
 * ``diagonals``: columns to curvature diagonals through the layer rules;
 * ``hessian``: the residual terms of curved nonlinearities (``DiagHessian``);

@@ -11,7 +11,10 @@ reaches another), each row's ``K × d`` matrix there is replaced by the ``min(K,
 its R factor (:class:`RowFactors`: ``F_rᵀ F_r = M_r``, without squaring as a Gram would), and
 only those, packed by slot again, enter the layers below (attention mixes positions: ``T·V``
 columns per sample become ``T·d``). The head itself gets the uncompressed columns, packed by
-slot (its factors need them).
+slot (its factors need them). :class:`HeadCut` is this way of propagating, one of the
+strategies of ``strategies`` (chosen there, from the walk): given the loss's columns
+(``curvature.LossColumns``) and a ``contribute(calls, outs)`` callback, it makes the two stages
+and hands each chunk's columns back, as ``strategies.Direct`` does for the plain way.
 
 A head whose parameters all need no gradient (a frozen or tied output layer with only the
 layers below trained) is no recorded call: it is found in the graph instead, as ``h Wᵀ (+ b)``
@@ -25,9 +28,13 @@ through ``h`` (else ``h`` would not hold all their curvature); no parameter of t
 used below ``h`` where diagonals are asked (their cross terms pair the columns of both uses
 one to one); and on every pass, before any column is propagated, random probe columns
 (:func:`row_probes`) arrive at the head's output unchanged and at ``h`` on their own rows
-alone. Where any fails, the columns go on uncompressed. Reentrant checkpoints below ``h`` are
-crossed in stages from ``h`` as from the loss (``propagate.backpropagate``); one above it
-(met before ``h``) leaves the columns as they are.
+alone. Where any fails, the columns go on uncompressed. ``find_cut`` runs on every pass of a
+structure where it found a cut (binding it to the pass's nodes, every condition checked
+again); a structure where it found none is remembered in its plan (``strategies``) and takes
+the uncompressed way, exact whatever the graph, without a search.
+
+Reentrant checkpoints below ``h`` are crossed in stages from ``h`` as from the loss
+(``propagate.backpropagate``); one above it (met before ``h``) leaves the columns as they are.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from curvopt.graph.checkpointing import reach
+from curvopt.graph.propagate import to_calls
 from curvopt.core.params import trainable
 from curvopt.engine.rows import probe_sets
 from curvopt.autograd.torch_internals import (
@@ -47,6 +55,11 @@ from curvopt.autograd.torch_internals import (
     SHAPE_OPS,
     input_shape,
 )
+
+#: bound on the elements held at once by the columns of a loss row that compress together at
+#: the head (:class:`HeadCut`): more than the head's width of them are needed at once (64 MB in
+#: float32), and below the cut they are at most that width per row again
+_CUT_BUDGET = 1 << 24
 
 
 class Cut:
@@ -214,3 +227,63 @@ def row_local(probes, sets, at_head_output, at_h) -> bool:
         return False
     outside = ~sets[:, :, None]
     return not bool((at_h.reshape(*sets.shape, -1) != 0).logical_and(outside).any())
+
+
+class HeadCut:
+    """The exact columns in two stages around ``cut`` (a strategy, ``strategies``): to the head
+    and ``h`` with all rows at once, re-factored per row at ``h`` (:class:`RowFactors`), then
+    ``d`` per row and slot below. First, on every pass, probe columns check that the graph
+    above ``h`` is row-local (:func:`row_probes`, :func:`row_local`); where it is not, the
+    columns go the ``fallback`` way (``strategies.Direct``) instead."""
+
+    def __init__(self, cut: Cut, calls, batched: bool, walk, fallback):
+        self.cut, self.walk, self.fallback = cut, walk, fallback
+        self.above, self.below = cut.above(calls), cut.below(calls)
+        self.batched = batched  # below h
+        self.batched_above = batched or cut.batchable
+
+    def propagate(self, columns, contribute) -> None:
+        """``columns`` (``curvature.LossColumns``, exact) to every call, each chunk's given to
+        ``contribute(calls, outs)``: the head's packed by slot, as without the cut."""
+        if not self._row_local(columns.root):
+            self.fallback.propagate(columns, contribute)
+            return
+        factors = self._above_h(columns, contribute)
+        self._below_h(columns, factors, contribute)
+
+    def _row_local(self, root) -> bool:
+        """Whether the probe columns go to the head's output unchanged and to ``h`` on their own
+        rows alone (checked on every pass, before any column is propagated)."""
+        cut, above = self.cut, self.above
+        probes, sets = row_probes(root.detach())
+        outs, (at_h,) = to_calls(root, above, probes, self.batched_above, self.walk, [cut.edge])
+        return row_local(probes, sets, cut.head_output(outs, probes), at_h)
+
+    def _above_h(self, columns, contribute) -> RowFactors:
+        """The exact columns to ``h`` with all rows at once, folded into each row's factor; the
+        head's own quantities from its columns packed by slot."""
+        cut, above, root, layout = self.cut, self.above, columns.root, columns.layout
+        factors = RowFactors(cut, root.shape[0])
+        for cols in columns.rows(columns.fit(above, cut.numel, _CUT_BUDGET)):
+            outs, (at_h,) = to_calls(root, above, cols, self.batched_above, self.walk, [cut.edge])
+            factors.add(at_h)
+            if above:  # the head's own quantities: from its columns packed by slot, as without
+                head = cut.head_output(outs, cols)
+                k, per_slot = head.shape[0], head[0].numel()
+                step = max(1, columns.budget // (k * per_slot))
+                for first in range(0, layout.num_slots, step):
+                    stop = min(layout.num_slots, first + step)
+                    packed = layout.pack(head.reshape(k, root.shape[0], -1), first, stop)
+                    outs = {cut.top: [packed.reshape(-1, *head.shape[1:])]}
+                    contribute(above, outs)
+        return factors
+
+    def _below_h(self, columns, factors: RowFactors, contribute) -> None:
+        """Each row's factor rows, packed by slot, from ``h`` to the calls below it."""
+        cut, below, root, layout = self.cut, self.below, columns.root, columns.layout
+        step = max(1, columns.fit(below, cut.numel - root.numel()) // factors.factor.shape[1])
+        for first in range(0, layout.num_slots, step):
+            short = factors.columns(layout, first, min(layout.num_slots, first + step), root.dtype)
+            outs = to_calls(cut.root, below, short, self.batched, self.walk)
+            contribute(below, outs)
+            del outs, short

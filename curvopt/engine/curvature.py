@@ -8,6 +8,14 @@ columns to the output of every extended module (``propagate``), giving ``V = J_y
 and each module turns ``V`` and its saved input into diagonals or Kronecker factors. Any graph
 works: residual adds, functional ops, attention, reused modules.
 
+:meth:`CurvaturePass.run` reads top to bottom: the row layout; the extensions grouped by the
+source of their columns; per group, the loss's columns (:class:`LossColumns`: the square-root
+factor in chunks within the memory budget ``_COLUMN_BUDGET``), the group's strategy
+(``strategies.choose``, from the walk: ``strategies.Direct``, or ``compress.HeadCut`` at a
+language model's head) propagating them, and each chunk's propagated columns contributed
+(``diagonals``, ``kron_pass``) through the callback the strategy is given; then the input-side
+factors, and the producers that walk on from the loss (``hessian``, ``kfra``).
+
 ``EKFAC`` (eigenvalue-corrected curvature): the factors of its fresh bases are made here, with
 the other Kronecker factors, and held in the result buffer; ``S`` is computed from each call's
 inputs and output gradients in the module hooks that follow (``reducer``). The Kronecker
@@ -45,7 +53,6 @@ from functools import partial
 
 import torch
 
-from curvopt.engine.compress import RowFactors, find_cut, row_local, row_probes
 from curvopt.engine.diagonals import coupled_estimate, diagonals
 from curvopt.errors import BATCH_STATISTICS, UnsupportedLossError, module_error
 from curvopt.extensions.quantity import Producer
@@ -56,18 +63,16 @@ from curvopt.layers import mixes, mixing, rule_for
 from curvopt.losses import loss_rule_for
 from curvopt.engine.kron_pass import FactorStream
 from curvopt.core.params import trainable
-from curvopt.graph.propagate import loss_gradient, to_calls
+from curvopt.graph.propagate import loss_gradient
 from curvopt.engine.rows import establish
+from curvopt.engine.strategies import choose
 
 #: bound on the elements of propagated columns held at once (all module outputs together):
 #: a memory budget (32 MB in float32); chunks are exact, and they cost little time: autograd's
 #: batched products gain little from more columns at once on large layers, and a call's
-#: input-side Kronecker factor is computed once per pass whatever the chunks (``kron_pass``)
+#: input-side Kronecker factor is computed once per pass whatever the chunks (``kron_pass``);
+#: read on every pass (``LossColumns.fit``); the head's cut has its own (``compress``)
 _COLUMN_BUDGET = 1 << 23
-#: the same for the columns of a loss row that compress together at a language model's head
-#: (``compress``): more than the head's width of them are needed at once (64 MB in float32),
-#: and below the cut they are at most that width per row again
-_CUT_BUDGET = 1 << 24
 
 
 #: a quantity a pass through a module that mixes samples cannot give (``diagonals``: coupled):
@@ -154,7 +159,8 @@ class CurvaturePass:
         kfra_exts = [e for e in self.exts if e.quantity.producer is Producer.KFRA]
         if not (hessian_exts or kfra_exts):
             return
-        context = LossContext(output, walk, self.batched, partial(self.columns, rule, "exact", 0))
+        exact = LossColumns(self.loss, rule, self.scale, self.layout, "exact", 0)
+        context = LossContext(output, walk, self.batched, exact.packed)
         if hessian_exts:
             if self.loss.no_hessian is not None:
                 raise UnsupportedLossError(self.loss.no_hessian)
@@ -178,43 +184,83 @@ class CurvaturePass:
                 "(optim.EKFAC: its reduction= argument, or None to take the loss's)."
             )
 
-    def columns(self, rule, source: str, mc_samples: int, chunk: int):
+    def _propagate(self, rule, calls, exts, source, mc_samples) -> None:
+        """One group's columns (``exts``, one ``source``): made, propagated by the group's
+        strategy (``strategies.choose``), turned into contributions."""
+        kron_exts = [e for e in exts if e.quantity.producer in _FACTORED]
+        diag_exts = [e for e in exts if e not in kron_exts]
+        columns = LossColumns(self.loss, rule, self.scale, self.layout, source, mc_samples)
+        strategy = choose(self.walk, calls, columns, self.batched, bool(diag_exts))
+        contribute = partial(self._contribute, diag_exts=diag_exts, kron_exts=kron_exts)
+        strategy.propagate(columns, contribute)
+
+    def _contribute(self, calls, outs, diag_exts, kron_exts) -> None:
+        """The contributions of one chunk's columns ``outs`` at the outputs of ``calls``."""
+        if diag_exts:
+            self.results.add(diagonals(calls, outs, diag_exts, coupled=self.coupled))
+        if kron_exts:
+            self.factors.add(calls, outs, kron_exts)
+
+
+class LossColumns:
+    """The (scaled) square-root factor of one loss's Hessian from ``source`` (``"exact"``,
+    ``"mc"`` with ``mc_samples`` draws, ``"empirical"``), in chunks, and how many of its
+    columns fit the memory budget at once. ``root``: the loss input the columns start from;
+    ``layout``: the pass's ``rows.RowLayout``."""
+
+    def __init__(self, loss, rule, scale: float, layout, source: str, mc_samples: int):
+        self.loss, self.rule, self.scale, self.layout = loss, rule, scale, layout
+        self.source, self.mc_samples = source, mc_samples
+        self.root = loss.output
+
+    @property
+    def budget(self) -> int:
+        """Elements of propagated columns held at once (``_COLUMN_BUDGET``)."""
+        return _COLUMN_BUDGET
+
+    def per_row(self) -> int:
+        """The exact factor's columns per row."""
+        return self.rule.num_columns(self.loss.module, self.loss.output)
+
+    def packed(self, chunk: int):
         """Chunks ``[k, *output.shape]`` of the (scaled) square-root factor, rows packed by
         slot for the exact factor (Monte-Carlo rows are independent draws: no packing; the
         empirical column, ``sqrt(c)`` times the loss gradient with ``c`` the reduction's
         divisor, holds every row: propagated, it sums each sample's rows)."""
-        module, output, target = self.loss.module, self.loss.output.detach(), self.loss.target
-        if source == "mc":
-            yield rule.sqrt_hessian_mc(module, output, target, mc_samples, check=False) * self.scale
+        rule, loss = self.rule, self.loss
+        module, output, target = loss.module, loss.output.detach(), loss.target
+        if self.source == "mc":
+            cols = rule.sqrt_hessian_mc(module, output, target, self.mc_samples, check=False)
+            yield cols * self.scale
             return
-        if source == "empirical":
+        if self.source == "empirical":
             divisor = rule.divisor(module, output, target)
-            yield loss_gradient(self.loss, self.scale * math.sqrt(divisor)).unsqueeze(0)
+            yield loss_gradient(loss, self.scale * math.sqrt(divisor)).unsqueeze(0)
             return
         slots = self.layout.num_slots
         per_chunk = max(1, chunk // slots)
-        for cols, _, _ in self._exact(rule, per_chunk, min(slots, max(1, chunk))):
+        for cols, _, _ in self._exact(per_chunk, min(slots, max(1, chunk))):
             yield cols
 
-    def _exact(self, rule, per_chunk: int, slot_chunk: int):
+    def _exact(self, per_chunk: int, slot_chunk: int):
         """``(columns, first, stop)``: the exact factor's columns, ``per_chunk`` of them per
         row for the slots ``first:stop`` (at most ``slot_chunk``), packed by slot."""
-        for cols in self._exact_rows(rule, per_chunk):
+        for cols in self.rows(per_chunk):
             for first in range(0, self.layout.num_slots, slot_chunk):
                 stop = min(self.layout.num_slots, first + slot_chunk)
                 yield self.layout.pack(cols, first, stop), first, stop
 
-    def _exact_rows(self, rule, per_chunk: int):
+    def rows(self, per_chunk: int):
         """The exact factor's (scaled) columns ``[k, R, *F]``, ``per_chunk`` per row, every row
         in each (not packed)."""
         module, output, target = self.loss.module, self.loss.output.detach(), self.loss.target
-        total = rule.num_columns(module, output)
+        total = self.rule.num_columns(module, output)
         for start in range(0, total, per_chunk):
             columns = range(start, min(total, start + per_chunk))
-            cols = rule.sqrt_hessian(module, output, target, columns=columns, check=False)
+            cols = self.rule.sqrt_hessian(module, output, target, columns=columns, check=False)
             yield cols * self.scale
 
-    def _chunk_size(self, calls, extra: int = 0, budget: int = 0) -> int:
+    def fit(self, calls, extra: int = 0, budget: int = 0) -> int:
         """Columns per chunk so that all propagated columns fit in ``budget`` elements
         (``_COLUMN_BUDGET`` by default; with ``extra`` elements per column besides the loss
         input and the calls' outputs)."""
@@ -224,70 +270,3 @@ class CurvaturePass:
             + sum(record.out_numel[index] for record, edges in calls.items() for index, _ in edges)
         )
         return max(1, (budget or _COLUMN_BUDGET) // per_column)
-
-    def _propagate(self, rule, calls, exts, source, mc_samples) -> None:
-        kron_exts = [e for e in exts if e.quantity.producer in _FACTORED]
-        diag_exts = [e for e in exts if e not in kron_exts]
-        if source == "exact" and self.layout.row_dims == 1 and self._narrower(rule, calls):
-            cut = find_cut(self.walk, calls, self.loss.output, bool(diag_exts))
-            if cut is not None and self._propagate_cut(rule, calls, cut, diag_exts, kron_exts):
-                return
-        for cols in self.columns(rule, source, mc_samples, self._chunk_size(calls)):
-            # (no name holds a chunk's propagated columns while the next one's are made)
-            outs = to_calls(self.loss.output, calls, cols, self.batched, self.walk)
-            self._contribute(calls, outs, diag_exts, kron_exts)
-            del outs, cols
-
-    def _narrower(self, rule, calls) -> bool:
-        """Whether a position-wise call's input is narrower than the loss's exact columns per
-        row: only there can columns be compressed (``compress``; the cut is such an input)."""
-        total = rule.num_columns(self.loss.module, self.loss.output)
-        return any(
-            record.positionwise
-            and record.args
-            and isinstance(record.args[0], torch.Tensor)
-            and record.args[0].shape[-1] < total
-            for record in calls
-        )
-
-    def _propagate_cut(self, rule, calls, cut, diag_exts, kron_exts) -> bool:
-        """The exact columns in two stages around ``cut`` (``compress``): to the head and ``h``
-        with all rows at once (the graph above ``h`` is position-wise: checked first on probe
-        columns, ``compress.row_local``), re-factored per row at ``h`` (``RowFactors``), then
-        ``d`` per row and slot below. Nothing (``False``) where the check fails or a row has
-        no more columns than ``h``'s width."""
-        root, layout = self.loss.output, self.layout
-        above, below = cut.above(calls), cut.below(calls)
-        batched = self.batched or cut.batchable
-        if rule.num_columns(self.loss.module, root) <= cut.width:
-            return False
-        probes, sets = row_probes(root.detach())
-        outs, (at_h,) = to_calls(root, above, probes, batched, self.walk, [cut.edge])
-        if not row_local(probes, sets, cut.head_output(outs, probes), at_h):
-            return False
-        factors = RowFactors(cut, root.shape[0])
-        for cols in self._exact_rows(rule, self._chunk_size(above, cut.numel, _CUT_BUDGET)):
-            outs, (at_h,) = to_calls(root, above, cols, batched, self.walk, [cut.edge])
-            factors.add(at_h)
-            if above:  # the head's own quantities: from its columns packed by slot, as without
-                head = cut.head_output(outs, cols)
-                k, per_slot = head.shape[0], head[0].numel()
-                step = max(1, _COLUMN_BUDGET // (k * per_slot))
-                for first in range(0, layout.num_slots, step):
-                    stop = min(layout.num_slots, first + step)
-                    packed = layout.pack(head.reshape(k, root.shape[0], -1), first, stop)
-                    outs = {cut.top: [packed.reshape(-1, *head.shape[1:])]}
-                    self._contribute(above, outs, diag_exts, kron_exts)
-        step = max(1, self._chunk_size(below, cut.numel - root.numel()) // factors.factor.shape[1])
-        for first in range(0, layout.num_slots, step):
-            short = factors.columns(layout, first, min(layout.num_slots, first + step), root.dtype)
-            outs = to_calls(cut.root, below, short, self.batched, self.walk)
-            self._contribute(below, outs, diag_exts, kron_exts)
-            del outs, short
-        return True
-
-    def _contribute(self, calls, outs, diag_exts, kron_exts) -> None:
-        if diag_exts:
-            self.results.add(diagonals(calls, outs, diag_exts, coupled=self.coupled))
-        if kron_exts:
-            self.factors.add(calls, outs, kron_exts)

@@ -9,6 +9,11 @@ broadcast, ``dL_n/db = reduce(dL_n/du)`` over the broadcast dims (likewise for
 through shape-only ops (unsqueeze, view, reshape); the engine then reads its per-sample
 gradients (and propagated columns) at the add's output and treats the call as ``N`` calls on
 the inputs repeated along a new leading batch dim.
+
+Where the choice is made: the walk looks for broadcast calls only where it met a broadcasting
+op (``walk.Walk.broadcasting``) and binds them on the pass's records (``Record.broadcast``,
+their positions in the structure's key and plan); ``propagate.to_calls``, the records and the
+backward pass's module hooks read the binding, nothing searches the graph again.
 """
 
 from __future__ import annotations

@@ -8,15 +8,18 @@ KFRA's traversals, a returned loss's graph read at the forward) is a call of it 
 A fresh forward makes fresh nodes, so what holds for the graph's *structure* is kept apart:
 :class:`Plan`, frozen, holds the structure facts (the calls in order, which of them are
 broadcast, the verified row layouts with the calls found transposed, whether the per-sample
-sums were checked), one per structure, in ``_PLANS``, keyed by the walk's canonical form
+sums were checked, whether the loss's exact columns are compressed at a language model's head),
+one per structure, in ``_PLANS``, keyed by the walk's canonical form
 (``walk.Walk.key``). The checkpoint stages from a root node (``checkpointing``) are kept in
-``_STAGES`` while the live re-run segments stay the same. Both caches live here, and nowhere
-else.
+``_STAGES`` while the live re-run segments stay the same, the max-pool stages from a root to the
+edges asked (``pooling``) in ``_POOL_STAGES`` while the walk of their pass lives. These caches
+live here, and nowhere else.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections import OrderedDict, defaultdict
 from typing import Callable, Dict, Hashable, Iterable, Tuple
 
@@ -25,6 +28,9 @@ _PLANS: "OrderedDict[Hashable, Plan]" = OrderedDict()
 _PLANS_SIZE = 256
 #: root node -> the checkpoint stages from it, while no live segment changes (``checkpointing``)
 _STAGES: Dict[object, list] = {}
+#: walk -> {(root node, output nr, edges asked): the max-pool stages or None} (``pooling``): they
+#: hold the nodes of the walk's pass, and go with it
+_POOL_STAGES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def edges_of(node) -> tuple:
@@ -99,7 +105,10 @@ class Plan:
     ``rows.RowLayout``)``, or None where no map passed), ``sums_checked`` (the per-sample sums
     of a curvature-only pass were checked on a pass of this structure, ``checks``), ``sites``
     (``((module token, parameter name), matched)``: whether a raw parameter's per-sample
-    gradients read at its site matched its module's rule, ``sites``)."""
+    gradients read at its site matched its module's rule, ``sites``), ``cuts`` (``((loss input
+    shape, exact columns per row, diagonals asked), found)``: whether ``compress.find_cut`` found
+    a head to compress the exact columns at, ``strategies``; a cut found is bound and checked
+    again on every pass, none found is not looked for again)."""
 
     key: Hashable
     calls: Tuple = ()
@@ -107,6 +116,7 @@ class Plan:
     layouts: Tuple = ()
     sums_checked: bool = False
     sites: Tuple = ()
+    cuts: Tuple = ()
 
 
 def plan_of(key: Hashable, make: Callable[[], Plan]) -> Plan:
@@ -138,6 +148,16 @@ def add_site(walk, param_key, matched: bool) -> None:
     _store(walk.plan)
 
 
+def add_cut(walk, key, found: bool) -> None:
+    """Keep in ``walk``'s plan whether a cut was found for the columns described by ``key``
+    (``strategies``)."""
+    if walk.plan is None:
+        return
+    plan = _PLANS.get(walk.plan.key, walk.plan)
+    walk.plan = dataclasses.replace(plan, cuts=(*plan.cuts, (key, found)))
+    _store(walk.plan)
+
+
 def mark_sums_checked(key: Hashable) -> None:
     """A pass of the structure ``key`` (a ``Walk.key``) had its per-sample sums checked
     (``checks``)."""
@@ -159,6 +179,18 @@ def stages_of(start, make: Callable[[], list]) -> list:
     if stages is None:
         stages = _STAGES[start] = make()
     return stages
+
+
+def pool_stages_of(walk, key: Hashable, make: Callable[[], object]):
+    """The max-pool stages ``key`` (a root and the edges asked) of ``walk``'s graph, made by
+    ``make`` once per walk (``pooling``): every chunk of columns from the same root to the same
+    edges crosses the same stages."""
+    held = _POOL_STAGES.get(walk)
+    if held is None:
+        held = _POOL_STAGES[walk] = {}
+    if key not in held:
+        held[key] = make()
+    return held[key]
 
 
 def forget_stages() -> None:

@@ -17,6 +17,12 @@ regions that reach it).
 where a stage would make autograd run a pooling node (an edge asked for, or a pooling met, lies
 upstream of a pooling that the same region meets: a path around it), or where another node of
 the graph has no batching rule. The graph is read as the loss's walk read it.
+
+Where the choice is made: ``propagate.backpropagate`` asks for the stages where the walk found
+a node without a batching rule (``walk.Walk.batchable`` false) and more than one column goes;
+they (or ``None``) are made once per walk, root and edges asked (``graph_plan.pool_stages_of``)
+and reused by every chunk of columns that takes the same way, so a pass searches its graph for
+them once, not once per chunk.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from curvopt.graph.checkpointing import reach
-from curvopt.graph.graph_plan import search
+from curvopt.graph.graph_plan import pool_stages_of, search
 from curvopt.autograd.torch_internals import MAX_POOL, NO_BATCHING_RULE, max_pool_transpose
 
 
@@ -46,14 +52,20 @@ class _Stage:
 
 def pool_stages(root, edges, walk) -> Optional[List[_Stage]]:
     """The stages from ``root`` (a tensor or edge) to ``edges`` across the max-pool nodes of
-    ``walk`` (``graph_plan.Walk``), each after every stage that feeds it; ``None`` where there
-    is no pooling to cross or the stages would not be exact and batched (module doc)."""
-    pools = {node for node in walk.edges if type(node).__name__ in MAX_POOL}
-    if not pools or any(
-        type(node).__name__ in NO_BATCHING_RULE and node not in pools for node in walk.edges
-    ):
-        return None
+    ``walk`` (``walk.Walk``), each after every stage that feeds it; ``None`` where there is no
+    pooling to cross or the stages would not be exact and batched (module doc). Made once per
+    walk, root and edges (``graph_plan.pool_stages_of``)."""
     node = root.grad_fn if isinstance(root, torch.Tensor) else root.node
+    key = (node, root.output_nr, tuple(edges))
+    return pool_stages_of(walk, key, lambda: _stages(node, edges, walk))
+
+
+def _stages(node, edges, walk) -> Optional[List[_Stage]]:
+    """:func:`pool_stages` from the root node ``node``, made."""
+    pools = {n for n in walk.edges if type(n).__name__ in MAX_POOL}
+    others = (n for n in walk.edges if n not in pools)
+    if not pools or any(type(n).__name__ in NO_BATCHING_RULE for n in others):
+        return None
     stages = {None: _Stage(None, None, [node], walk.next_of, pools)}
     feeders, todo = {}, [None]
     while todo:

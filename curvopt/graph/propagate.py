@@ -6,6 +6,15 @@ outputs of every extended module call upstream, for many columns at once
 (``is_grads_batched``, i.e. ``vmap`` over the backward graph) where every backward op has a
 batching rule, in batched stages across max pooling (``pooling``) where the walk of the graph
 is given, one column at a time otherwise.
+
+The special ways across the graph are chosen from the walk, not found again per chunk:
+reentrant checkpoints where the walk re-ran one (``walk.Walk.segmented``; their stages are kept
+per root while the segments live, ``checkpointing``), max pooling where the columns cannot go
+batched (the walk met a node without a batching rule, ``walk.Walk.batchable``; the stages made
+once per walk, root and edges, ``pooling.pool_stages``), broadcast calls where the walk bound
+them on their records (``Record.broadcast``, ``broadcast``: the columns read at the
+broadcasting op's output, by sample). Which columns go, and in what chunks, is the engine's
+(``engine.strategies``).
 """
 
 from __future__ import annotations
