@@ -85,9 +85,10 @@ def _mean_us(fn, repeats):
     return 1e6 * (time.process_time() - start) / repeats
 
 
-def measure(quantities, batch, rounds, repeats):
-    """``{quantity: {plain_us, curvopt_us, overhead_us}}``, rounds interleaved."""
-    plain, with_quantity = setup(batch)
+def measure(quantities, batch, rounds, repeats, make=None):
+    """``{quantity: {plain_us, curvopt_us, overhead_us}}``, rounds interleaved; ``make(batch)``
+    gives ``(plain pass, curvopt pass of a quantity)`` (``setup``, logreg, by default)."""
+    plain, with_quantity = (make or setup)(batch)
     steps = {q: with_quantity(q) for q in quantities}
     for step in (plain, *steps.values()):  # warm-up: plans cached, buffers allocated
         for _ in range(3):
@@ -109,14 +110,16 @@ def measure(quantities, batch, rounds, repeats):
     }
 
 
-def profile(quantities, batch, repeats):
+def profile(quantities, batch, repeats, make=None):
     """Per pass, µs by curvopt module: cumulative (entered from outside it) and own time."""
-    for q, stats in _profiled(quantities, batch, repeats, warm=3):
+    for q, stats in _profiled(quantities, batch, repeats, warm=3, make=make):
         own = collections.Counter()
         functions = collections.Counter()
+        own_functions = collections.Counter()
         for (path, _line, name), (_, _, tottime, cumtime, _) in stats.items():
             module = _module(path)
             own[module] += tottime
+            own_functions[f"{module}:{name}"] += tottime
             if module.startswith("curvopt"):
                 functions[f"{module}:{name}"] = cumtime
         total = sum(own.values())
@@ -126,6 +129,9 @@ def profile(quantities, batch, repeats):
             print(f"  {1e6 * t / repeats:8.1f}  {module}")
         print("cumulative time of curvopt functions (µs a pass)")
         for fn, t in functions.most_common(30):
+            print(f"  {1e6 * t / repeats:8.1f}  {fn}")
+        print("own time of functions (µs a pass)")
+        for fn, t in own_functions.most_common(30):
             print(f"  {1e6 * t / repeats:8.1f}  {fn}")
 
 
@@ -140,9 +146,9 @@ def calls(quantities, batch, repeats):
         print(f"{q}: {total / repeats:.0f} calls, {ops / repeats:.0f} torch operator calls a pass")
 
 
-def _profiled(quantities, batch, repeats, warm):
+def _profiled(quantities, batch, repeats, warm, make=None):
     """``(quantity, pstats' stats of repeats passes after warm ones)`` for each quantity."""
-    _, with_quantity = setup(batch)
+    _, with_quantity = (make or setup)(batch)
     for q in quantities:
         step = with_quantity(q)
         for _ in range(warm):

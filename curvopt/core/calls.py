@@ -84,6 +84,32 @@ class Call:
             quiet=self.quiet,
         )
 
+    def expanded_grad(self, columns):
+        """The output gradient of :meth:`expand`'s call: ``columns`` ``[K, *out]`` (a tuple
+        for several outputs) merged into the batch dim, ``K * N`` pseudo-samples."""
+        bd = self.batch_dim
+
+        def merge(v):
+            return None if v is None else v.movedim(0, bd).flatten(bd, bd + 1)
+
+        return tuple(merge(v) for v in columns) if isinstance(columns, tuple) else merge(columns)
+
+    def without_grad(self) -> "Call":
+        """The same call without its output gradient, with a cache of its own (what reads
+        the inputs alone: the input side of Kronecker factors, ``kron_pass``)."""
+        return Call(
+            self.module,
+            self.args,
+            self.kwargs,
+            None,
+            self.batch_dim,
+            cache={},
+            random=self.random,
+            origin=self.origin,
+            shared=self.shared,
+            quiet=self.quiet,
+        )
+
     def expand(self, columns) -> "Call":
         """The call seen by ``K`` columns as ``K * N`` pseudo-samples (index ``k * N + n``).
 
@@ -99,15 +125,11 @@ class Call:
             shape = list(x.shape)
             return x.unsqueeze(bd).expand(*shape[:bd], k, *shape[bd:]).flatten(bd, bd + 1)
 
-        def merge(v):
-            return None if v is None else v.movedim(0, bd).flatten(bd, bd + 1)
-
-        grad = tuple(merge(v) for v in columns) if isinstance(columns, tuple) else merge(columns)
         return Call(
             self.module,
             self._map_batched(rep, self.args),
             {a: self._map_batched(rep, b) for a, b in self.kwargs.items()},
-            grad,
+            self.expanded_grad(columns),
             bd,
             random=self.random,
             origin=("expand", self, columns),

@@ -57,11 +57,11 @@ def nonzero_rows(rows: torch.Tensor) -> torch.Tensor:
     whose squares underflow); ``rows`` itself otherwise. Never empty (one zero row stands for
     none, so that the product keeps a root). Found by row norms (one fast pass;
     ``ne(0).any(1)`` costs 20x more)."""
-    keep = torch.linalg.vector_norm(rows, dim=1) != 0
-    kept = int(keep.sum())
+    norms = torch.linalg.vector_norm(rows, dim=1)
+    kept = int(torch.count_nonzero(norms))  # the rows whose norm is != 0 (NaN included)
     if 2 * kept > rows.shape[0]:
         return rows
-    return rows[keep] if kept else rows[:1]
+    return rows[norms != 0] if kept else rows[:1]
 
 
 #: Gram products at least this wide (and at least as tall) are computed by symmetric blocks

@@ -20,7 +20,6 @@ the calls using the parameter, supplied bases or fresh) are kept for its ``S``
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from functools import cache, partial
 
 import torch
@@ -82,7 +81,12 @@ class FactorStream:
                 continue
             for name, p in trainable(record.module):
                 # ``coupled``: the batch gradients of the columns, made once where wanted
-                column_grads = cache(partial(batch_column_grads, call, columns, name, n))
+                # (every use is in a coupled pass)
+                column_grads = (
+                    cache(partial(batch_column_grads, call, columns, name, n))
+                    if self.coupled
+                    else None
+                )
                 for ext in kron_exts:
                     basis = ext.quantity.producer is Producer.EIGEN_CORRECTED
                     if basis and self.coupled:  # its S: from these (``reducer``)
@@ -109,7 +113,7 @@ class FactorStream:
                         continue
                     index = output_factor_index(call.module, name)
                     if first and len(factors) == 2:  # the input side: from ``finish``
-                        inputs = replace(sub, grad_out=None, cache={})  # not the columns
+                        inputs = sub.without_grad()  # not the columns
                         self._inputs.append((inputs, name, approx, k, factors, 1 - index))
                     contribution = Factors(p, ext.attr, record, factors, index)
                     if basis:  # EKFAC's fresh basis: S follows in the module hooks (reducer)

@@ -86,6 +86,8 @@ class FirstOrderReducer:
         self.want_moments = Producer.MOMENTS in first
         #: a producer computed from the per-sample gradients without keeping them
         self.reduces = self.want_l2 or self.want_sgs
+        #: the attributes of the per-sample gradients (``None``: not kept); ``couple`` leaves it
+        self._kept = first.get(Producer.PER_SAMPLE_GRADIENTS)
         self.results, self.checks = results, checks
         self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
         #: (p, sum_n g_n**2, rule, call, name) whose moments take ``sum_n g_n`` from ``p``'s
@@ -94,7 +96,7 @@ class FirstOrderReducer:
 
     @property
     def keeps_per_sample(self) -> bool:
-        return Producer.PER_SAMPLE_GRADIENTS in self.first
+        return self._kept is not None
 
     @property
     def per_sample(self) -> bool:
@@ -147,17 +149,18 @@ class FirstOrderReducer:
         return total
 
     def _accumulate(self, p, rule, call, name) -> None:
-        shape = (call.batch_size, *p.shape)
+        found = self.batch_grads.get(id(p))
+        if found is not None:
+            found[1].add_(rule.batch_grad(call, name))
+            return
         like = call.first_grad
-        if id(p) not in self.batch_grads:
-            kept = self.first.get(Producer.PER_SAMPLE_GRADIENTS)
-            if kept:
-                buffer = empty_result(p, kept[0], shape, like)
-            else:
-                buffer = torch.empty(shape, dtype=like.dtype, device=like.device)
-            self.batch_grads[id(p)] = (p, rule.batch_grad(call, name, out=buffer))
+        shape = (like.shape[call.batch_dim], *p.shape)  # (``call.batch_size``)
+        kept = self._kept
+        if kept:
+            buffer = empty_result(p, kept[0], shape, like)
         else:
-            self.batch_grads[id(p)][1].add_(rule.batch_grad(call, name))
+            buffer = torch.empty(shape, dtype=like.dtype, device=like.device)
+        self.batch_grads[id(p)] = (p, rule.batch_grad(call, name, out=buffer))
 
     def _reduce(self, p, rule, call, name) -> None:
         """Reduced quantities of a parameter used once, via fast paths where the rule has them.

@@ -14,8 +14,21 @@ def roundoff(*tensors, floor: float = 0.0) -> float:
     """Unit roundoff of the least precise floating dtype among ``tensors``, at least ``floor``."""
     eps = floor
     for t in tensors:
-        if t is not None and t.is_floating_point():
-            eps = max(eps, torch.finfo(t.dtype).eps)
+        if t is not None:
+            own = _EPS.get(t.dtype) or _eps(t.dtype)
+            if own is not _NONE:
+                eps = max(eps, own)
+    return eps
+
+
+#: ``torch.finfo(dtype).eps`` by dtype (``_NONE`` for a dtype that is not floating), read once
+#: each: ``finfo`` is a Python call
+_EPS: dict = {}
+_NONE = object()
+
+
+def _eps(dtype):
+    eps = _EPS[dtype] = torch.finfo(dtype).eps if dtype.is_floating_point else _NONE
     return eps
 
 
@@ -37,17 +50,57 @@ def mismatches(pairs, factor: float) -> list:
     for i, (a, b, floor) in enumerate(pairs):
         if a.numel():
             eps = roundoff(a, b, floor=floor)
-            b = b if b.dtype == a.dtype else b.to(a.dtype)
+            if b.dtype != a.dtype:
+                b = b.to(a.dtype)
             live.setdefault(a.device, []).append((i, a, b, eps))
     for entries in live.values():
-        # per pair, one fresh difference (its abs in place) and b's extremes
-        read = torch.stack(
-            [v for _, a, b, _ in entries for v in ((a - b).abs_().max(), *torch.aminmax(b))]
-        ).tolist()
-        for k, (i, a, b, eps) in enumerate(entries):
-            gap, low, high = read[3 * k : 3 * k + 3]
+        for (i, a, b, eps), (gap, low, high) in zip(entries, _extremes(entries)):
             found[i] = _beyond(a, b, gap, max(-low, high), factor * eps)
     return found
+
+
+#: from this many pairs on a device, those of one shape and dtype are stacked
+_STACKED = 4
+
+
+def _extremes(entries) -> list:
+    """``(max |a - b|, min b, max b)`` of every pair of ``entries`` (``(i, a, b, eps)``, on one
+    device), read in one sync: per pair one fresh difference (its abs in place) and ``b``'s
+    extremes; pairs of one shape and dtype (both sides) stacked, so that each stage is one
+    operator for all of them (the same differences, and exact extremes)."""
+    groups: dict = {}  # (shape, dtype) or a lone pair's position -> positions in entries
+    if len(entries) < _STACKED:
+        groups = {k: [k] for k in range(len(entries))}
+    for k, (_, a, b, _) in enumerate(entries if len(entries) >= _STACKED else ()):
+        key = (a.shape, a.dtype) if a.shape == b.shape else k
+        groups.setdefault(key, []).append(k)
+    parts, at = [], [None] * len(entries)  # at[k]: where pair k's three values are read
+    offset, alone = 0, []
+    for members in groups.values():
+        if len(members) < 2:
+            alone += members
+            continue
+        m = len(members)
+        a = torch.stack([entries[k][1] for k in members]).reshape(m, -1)
+        b = torch.stack([entries[k][2] for k in members]).reshape(m, -1)
+        parts += [(a - b).abs_().amax(1), *torch.aminmax(b, dim=1)]
+        for j, k in enumerate(members):
+            at[k] = (offset + j, offset + m + j, offset + 2 * m + j)
+        offset += 3 * m
+    if alone:
+        parts.append(
+            torch.stack(
+                [
+                    v
+                    for _, a, b, _ in (entries[k] for k in alone)
+                    for v in ((a - b).abs_().max(), *torch.aminmax(b))
+                ]
+            )
+        )
+        for j, k in enumerate(alone):
+            at[k] = (offset + 3 * j, offset + 3 * j + 1, offset + 3 * j + 2)
+    read = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+    return [(read[g], read[lo], read[hi]) for g, lo, hi in at]
 
 
 def _beyond(a, b, gap: float, top: float, bound: float) -> bool:

@@ -93,7 +93,7 @@ def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int)
     if own is not None:
         return [own, None] if rule.output_factor_index(name) == 0 else [None, own]
     if rule.vector_parameter(name, p):
-        grads = rule.batch_grad(call.expand(columns), name)
+        grads = rule.expanded_batch_grad(call, columns, name)
         return [gram(grads.flatten(1))]
     if isinstance(columns, tuple):
         cause = "curvopt factors no parameter of a module with several outputs"

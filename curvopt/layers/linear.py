@@ -31,6 +31,11 @@ def _flat(call):
     return x.reshape(n, -1, x.shape[-1]), g.reshape(n, -1, g.shape[-1])
 
 
+def _bias_grad(g, out=None):
+    """The bias's ``g_n = sum_t g_nt`` (``[N, O]``) of the output gradient ``g [N, *, O]``."""
+    return torch.sum(g.reshape(g.shape[0], -1, g.shape[-1]), 1, out=out)
+
+
 def _rows(call):
     """``x [N, I]`` and ``g [N, O]`` when every sample has one position (``T = 1``), else
     ``None``."""
@@ -67,12 +72,21 @@ class LinearRule(LayerRule):
     curvature_free = True
 
     def batch_grad(self, call, name, out=None):
-        x, g = _flat(call)
         if name == "bias":
-            return torch.sum(g, 1, out=out)
+            return _bias_grad(call.grad_out, out)
+        x, g = call.input, call.grad_out
+        if x.dim() == 2:  # one position a sample: x [N, I], g [N, O], as _flat's [N, 1, *]
+            return torch.mul(g.unsqueeze(2), x.unsqueeze(1), out=out)
+        x, g = _flat(call)
         if x.shape[1] == 1:
             return torch.mul(g.transpose(1, 2), x, out=out)
         return torch.bmm(g.transpose(1, 2), x, out=out)
+
+    def expanded_batch_grad(self, call, columns, name):
+        """The bias's from the merged columns alone (its gradient reads no input)."""
+        if name == "bias":
+            return _bias_grad(call.expanded_grad(columns))
+        return super().expanded_batch_grad(call, columns, name)
 
     def batch_l2(self, call, name):
         rows = _rows(call)

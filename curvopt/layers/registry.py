@@ -191,8 +191,14 @@ class LayerRule:
 
         Default: the columns as ``K * N`` pseudo-samples through :meth:`batch_grad`.
         """
-        grads = self.batch_grad(call.expand(columns), name)
+        grads = self.expanded_batch_grad(call, columns, name)
         return grads.view(-1, call.batch_size, *grads.shape[1:]).transpose(0, 1)
+
+    def expanded_batch_grad(self, call, columns, name: str) -> torch.Tensor:
+        """``[K * N, *p.shape]`` (index ``k * N + n``): :meth:`batch_grad` of the call seen by
+        the columns ``v`` (``[K, *out]``) as ``K * N`` pseudo-samples (``Call.expand``). A rule
+        whose gradient of a parameter reads no input may skip repeating the inputs."""
+        return self.batch_grad(call.expand(columns), name)
 
     def column_diag(self, call, columns, name: str, batched: bool) -> Optional[torch.Tensor]:
         """``sum_k (J_n^T v_nk)**2`` per sample (``batched``) or summed, without materialising

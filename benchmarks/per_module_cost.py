@@ -1,0 +1,208 @@
+"""curvopt's cost per module in the launch-bound regime: a deep narrow MLP at batch 8.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.per_module_cost [--rounds 15] [--repeats 50]
+    OMP_NUM_THREADS=1 python -m benchmarks.per_module_cost --profile --quantity KFAC
+    OMP_NUM_THREADS=1 python -m benchmarks.per_module_cost --label before
+
+32 x (``Linear(16, 16)``, ``ReLU``) and a final ``Linear(16, 10)`` (33 ``Linear`` modules),
+``CrossEntropyLoss``, batch 8, float32, one thread. Every operator here is a few µs, so a pass
+costs what Python spends per module: the regime of a GPU, where kernels are launched and not
+waited for. The timing is ``benchmarks.per_pass_overhead``'s (rounds of ``repeats`` passes,
+curvopt and plain interleaved, process CPU time, medians over rounds; the plain pass on an
+un-extended copy), and the figure is µs per module:
+``(median curvopt pass - median plain pass) / 33``.
+
+The quantities: ``BatchGrad`` and ``KFAC`` (the ``collect(ext.KFAC())`` pass) and ``step``:
+one ``curvopt.optim.KFAC`` step (``zero_grad``, forward, backward inside ``opt.collect()``,
+``opt.step()``) against one ``torch.optim.SGD`` step on an un-extended copy. ``--profile``
+prints the cProfile breakdown by curvopt module (``per_pass_overhead.profile``); ``--label``
+writes the run into ``benchmarks/results/per_module_cost.{md,json}`` (other labels kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch import nn
+
+import curvopt
+from benchmarks import per_pass_overhead as ppo
+from curvopt import extensions as ext
+
+DEPTH, WIDTH, CLASSES = 32, 16, 10
+MODULES = DEPTH + 1  # the Linear modules
+QUANTITIES = ("BatchGrad", "KFAC", "step")
+#: µs per module (issue 54); the comparisons the issue quotes, µs per module
+GOALS = {"BatchGrad": 60.0, "KFAC": 120.0}
+OTHERS = {"BatchGrad": "BackPACK 116, Opacus 84, torch.func 78", "KFAC": "BackPACK 176"}
+RESULTS = ppo.RESULTS
+COMMAND = "OMP_NUM_THREADS=1 python -m benchmarks.per_module_cost"
+
+
+def build(batch: int, seed: int = 0):
+    """``(model, X, y, lossfunc)``: the deep narrow MLP and a random batch, from ``seed``."""
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(DEPTH):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(WIDTH, CLASSES))
+    gen = torch.Generator().manual_seed(seed + 1)
+    X = torch.randn(batch, WIDTH, generator=gen)
+    y = torch.randint(CLASSES, (batch,), generator=gen)
+    return model, X, y, nn.CrossEntropyLoss()
+
+
+def setup(batch: int):
+    """``(plain pass, curvopt pass of a quantity)`` as ``per_pass_overhead.setup``; the
+    quantity ``step`` pairs a ``curvopt.optim.KFAC`` step with an SGD step instead."""
+    bare, bare_X, bare_y, bare_loss = build(batch)
+    model, X, y, lossfunc = build(batch)
+    curvopt.extend(model)
+    curvopt.extend(lossfunc)
+
+    def plain():
+        bare.zero_grad(set_to_none=True)
+        bare_loss(bare(bare_X), bare_y).backward()
+
+    def with_quantity(name):
+        if name == "step":
+            return _kfac_step(model, X, y, lossfunc)
+        extension = getattr(ext, name)
+
+        def run():
+            model.zero_grad(set_to_none=True)
+            loss = lossfunc(model(X), y)
+            with curvopt.collect(extension()):
+                loss.backward()
+
+        return run
+
+    return plain, with_quantity
+
+
+def _kfac_step(model, X, y, lossfunc):
+    opt = curvopt.optim.KFAC(model.parameters(), lr=1e-3, damping=1e-2)
+
+    def run():
+        opt.zero_grad(set_to_none=True)
+        loss = lossfunc(model(X), y)
+        with opt.collect():
+            loss.backward()
+        opt.step()
+
+    return run
+
+
+def sgd_setup(batch: int):
+    """``(SGD step on an un-extended copy, curvopt.optim.KFAC step)`` for ``measure``."""
+    bare, bare_X, bare_y, bare_loss = build(batch)
+    model, X, y, lossfunc = build(batch)
+    curvopt.extend(model)
+    curvopt.extend(lossfunc)
+    sgd = torch.optim.SGD(bare.parameters(), lr=1e-3)
+
+    def plain():
+        sgd.zero_grad(set_to_none=True)
+        bare_loss(bare(bare_X), bare_y).backward()
+        sgd.step()
+
+    return plain, lambda name: _kfac_step(model, X, y, lossfunc)
+
+
+def measure(quantities, batch, rounds, repeats):
+    """``{quantity: {plain_us, curvopt_us, overhead_us, per_module_us}}``."""
+    passes = [q for q in quantities if q != "step"]
+    results = ppo.measure(passes, batch, rounds, repeats, make=setup) if passes else {}
+    if "step" in quantities:
+        results.update(ppo.measure(["step"], batch, rounds, repeats, make=sgd_setup))
+    for r in results.values():
+        r["per_module_us"] = r["overhead_us"] / MODULES
+    return {q: results[q] for q in quantities}
+
+
+def write(label, batch, rounds, repeats, results):
+    path = RESULTS / "per_module_cost.json"
+    runs = json.loads(path.read_text()) if path.exists() else {}
+    runs[label] = {
+        "command": f"{COMMAND} --label {label}",
+        "batch": batch,
+        "rounds": rounds,
+        "repeats": repeats,
+        "threads": torch.get_num_threads(),
+        "results": results,
+    }
+    path.write_text(json.dumps(runs, indent=1) + "\n")
+    render()
+
+
+def render():
+    """``per_module_cost.md`` from the runs kept in ``per_module_cost.json``; the text below
+    ``per_pass_overhead.KEPT`` is kept."""
+    runs = json.loads((RESULTS / "per_module_cost.json").read_text())
+    labels = list(runs)
+    lines = [
+        f"# Cost per module: {DEPTH} x (Linear({WIDTH}, {WIDTH}), ReLU) + Linear({WIDTH}, "
+        f"{CLASSES}), batch 8, float32, one thread",
+        "",
+        f"µs per Linear module ({MODULES} of them) beyond the plain pass: (median curvopt pass "
+        "- median plain pass) / 33, medians over rounds of the mean of `repeats` passes, "
+        "curvopt and plain interleaved, in process CPU time (`benchmarks/per_module_cost.py`). "
+        "`step`: a `curvopt.optim.KFAC` step against a `torch.optim.SGD` step. In brackets: "
+        "µs of the whole pass (curvopt / plain).",
+        "",
+    ]
+    for lab in labels:
+        run = runs[lab]
+        lines.append(f"* {lab}: `{run['command']}` ({run['rounds']} rounds x {run['repeats']})")
+    lines += ["", "| quantity | goal | others | " + " | ".join(labels) + " |"]
+    lines.append("|---|---|---|" + "---|" * len(labels))
+    for q in QUANTITIES:
+        cells = []
+        for lab in labels:
+            r = runs[lab]["results"].get(q)
+            cells.append(
+                f"{r['per_module_us']:.0f} ({r['curvopt_us']:.0f} / {r['plain_us']:.0f})"
+                if r
+                else ""
+            )
+        goal = f"≤ {GOALS[q]:.0f}" if q in GOALS else ""
+        lines.append(f"| {q} | {goal} | {OTHERS.get(q, '')} | " + " | ".join(cells) + " |")
+    path = RESULTS / "per_module_cost.md"
+    old = path.read_text() if path.exists() else ""
+    kept = old[old.index(ppo.KEPT) :] if ppo.KEPT in old else ""
+    path.write_text("\n".join(lines) + "\n" + ("\n" + kept if kept else ""))
+    print("\n".join(lines))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--quantity", choices=QUANTITIES, action="append")
+    parser.add_argument("--label", help="record the run under this label in the results files")
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    quantities = tuple(args.quantity or QUANTITIES)
+    if args.profile:
+        passes = [q for q in quantities if q != "step"]
+        if passes:
+            ppo.profile(passes, args.batch, args.repeats, make=setup)
+        if "step" in quantities:
+            ppo.profile(["step"], args.batch, args.repeats, make=sgd_setup)
+        return
+    results = measure(quantities, args.batch, args.rounds, args.repeats)
+    for q, r in results.items():
+        print(
+            f"{q}: {r['per_module_us']:.1f} µs per module ({r['curvopt_us']:.0f} µs a pass, "
+            f"plain {r['plain_us']:.0f} µs)"
+        )
+    if args.label is not None and not args.quantity:  # labelled full runs only
+        write(args.label, args.batch, args.rounds, args.repeats, results)
+
+
+if __name__ == "__main__":
+    main()
