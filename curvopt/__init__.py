@@ -20,11 +20,12 @@ its own layer or the layers below, and no two folders import each other
 
 from curvopt import errors, extensions, linalg, optim
 from curvopt.frontend.collect import collect
-from curvopt.frontend.hooks import extend
+from curvopt.frontend.hooks import extend, unextend
 from curvopt.frontend.verify import VerificationError, verify
 
 __all__ = [
     "extend",
+    "unextend",
     "collect",
     "verify",
     "VerificationError",

@@ -85,8 +85,23 @@ def batch_mismatch(module, batch_dim: int, n: int, seen: int) -> UnsupportedModu
     )
 
 
+def _type_name(module) -> str:
+    return type(module).__name__
+
+
+#: how an error names a module: by its path in the model, which ``curvopt.core.extended`` keeps
+#: (a layer above this one, which it cannot import: that module installs its lookup here when
+#: it is imported, :func:`name_modules_by`); by its type's name until then
+_PATH_OF = [_type_name]
+
+
+def name_modules_by(path_of) -> None:
+    """Name modules in errors by ``path_of(module)`` (``curvopt.core.extended.module_path``)."""
+    _PATH_OF[0] = path_of
+
+
 def _module_prefix(module) -> str:
-    path = getattr(module, "_curvopt_path", type(module).__name__)
+    path = _PATH_OF[0](module)
     return f"curvopt cannot compute this for module {path!r} ({type(module).__name__})"
 
 

@@ -1,9 +1,9 @@
 """The modules of a parameter come from the parameter (``params``): ``owners`` and ``tied``
 ask the modules ``extend`` found holding it, not every extended model in the process, and a
-freed parameter leaves no entry behind."""
+freed parameter leaves no entry behind. There is no list of every extended model to scan: what
+``extend`` installed is kept per object (``curvopt.core.extended``)."""
 
 import gc
-import weakref
 
 import torch
 from torch import nn
@@ -21,10 +21,9 @@ class _Tied(nn.Module):
         self.mid = nn.Linear(4, 4)
 
 
-def test_owners_and_tied_read_the_parameters_not_the_extended_models(monkeypatch):
+def test_owners_and_tied_read_the_parameters_not_the_extended_models():
     model = curvopt.extend(_Tied())
     other = curvopt.extend(nn.Linear(4, 4))  # another model in the process
-    monkeypatch.setattr(params, "EXTENDED", weakref.WeakSet())  # no scan can find anything
     found = params.owners(list(model.parameters()))
     assert found[id(model.mid.weight)] == (model.mid, "weight")
     assert found[id(model.mid.bias)] == (model.mid, "bias")
@@ -48,3 +47,13 @@ def test_a_freed_parameter_leaves_no_entry():
     del layer
     gc.collect()
     assert key not in params._HOLDERS
+
+
+def test_unextend_takes_the_modules_off_their_parameters():
+    model = curvopt.extend(_Tied())
+    curvopt.unextend(model.head)  # the tied weight stays the embedding's
+    assert params.owners([model.emb.weight])[id(model.emb.weight)] == (model.emb, "weight")
+    assert not params.tied(model.emb.weight)
+    curvopt.unextend(model)
+    assert params.owners(list(model.parameters())) == {}
+    assert all(id(p) not in params._HOLDERS for p in model.parameters())

@@ -23,6 +23,7 @@ from torch import nn
 
 import curvopt
 from curvopt import extensions as ext
+from curvopt.core.extended import is_extended, live_calls, module_path
 from curvopt.errors import ExtensionConflictError, GraphReuseError, UnsupportedModuleError
 from curvopt.extensions.base import Extension
 from curvopt.layers import conv, embedding, generic, linear, norm
@@ -59,11 +60,11 @@ def _data(n=3, seed=1):
 
 
 def _modules_with_records(model):
-    return [m for m in model.modules() if hasattr(m, "_curvopt_live")]
+    return [m for m in model.modules() if is_extended(m)]
 
 
 def _live(model):
-    return {m._curvopt_path: m._curvopt_live for m in _modules_with_records(model)}
+    return {module_path(m): live_calls(m) for m in _modules_with_records(model)}
 
 
 def _record_objects():

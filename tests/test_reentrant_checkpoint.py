@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import curvopt
+from curvopt.core.extended import live_calls
 from curvopt.graph import checkpointing
 from curvopt import extensions as ext
 from curvopt.errors import UnsupportedModuleError
@@ -139,7 +140,7 @@ def _same(checked, plain_extended, attrs):
 def _no_live_state(model):
     assert not checkpointing.live()
     for m in model.modules():
-        assert getattr(m, "_curvopt_live", 0) == 0, m
+        assert live_calls(m) == 0, m
 
 
 EXACT = (ext.DiagGGNExact, ext.BatchDiagGGNExact, ext.KFLR, ext.BatchGrad)

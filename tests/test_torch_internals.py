@@ -215,6 +215,21 @@ def test_grad_accumulator():
     assert ti.grad_accumulator(p) is node  # one node per leaf
 
 
+def test_drop_empty_tensor_hooks():
+    p = torch.nn.Parameter(torch.randn(3))
+    calls = []
+    handle = p.register_hook(lambda g: calls.append("removed"))
+    handle.remove()
+    ti.drop_empty_tensor_hooks(p)
+    assert p._backward_hooks is None  # as on a tensor never hooked
+    (2 * p).sum().backward()
+    assert calls == [] and torch.equal(p.grad, torch.full((3,), 2.0))
+    p.register_hook(lambda g: calls.append("new"))  # hooking again works
+    ti.drop_empty_tensor_hooks(p)  # a tensor that still has hooks keeps them
+    (2 * p).sum().backward()
+    assert calls == ["new"]
+
+
 def test_storage_use_count():
     t = torch.empty(3)
     before = ti.storage_use_count(t.untyped_storage())

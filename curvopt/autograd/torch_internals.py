@@ -38,6 +38,14 @@ def queue_callback(fn: Callable[[], None]) -> None:
     Variable._execution_engine.queue_callback(fn)
 
 
+def drop_empty_tensor_hooks(t: torch.Tensor) -> None:
+    """Once the last hook of ``t`` is removed, take its hook dispatcher off too: autograd still
+    calls into the empty ``t._backward_hooks`` dict on every backward; ``None``, which a tensor
+    never hooked has, clears it (the assignment resets the tensor's hooks in C++)."""
+    if t._backward_hooks is not None and not t._backward_hooks:
+        t._backward_hooks = None
+
+
 def storage_use_count(storage) -> int:
     """References held to the ``StorageImpl`` of an untyped storage."""
     return torch._C._storage_Use_Count(storage._cdata)

@@ -6,8 +6,10 @@
 * ``calls``: ``Call``, a record completed by its output gradient: what every layer rule takes
   (``origin``: how a sliced or expanded call derives from the recorded one; ``shared``: a cache
   as long-lived as the record);
-* ``params``: which extended module owns which parameter (weakly), and whether ``extend``
-  hooked a module or parameter;
+* ``extended``: what ``extend`` installed, beside the user's objects rather than on them (weakly,
+  by identity): per module its path, options, live calls and hook handles, per parameter its
+  path and hook handle; whether ``extend`` hooked a module or parameter;
+* ``params``: which extended module owns which parameter (weakly);
 * ``reductions``: Gram products carrying their roots, ``GramFactor``, chunked sums;
 * ``values``: the typed values ``collect`` writes, the seam to the optimizers
   (``KroneckerFactors`` with its ``uses``, ``EigenCorrected``, ``read``, ``unscaled``);

@@ -38,9 +38,9 @@ def _calibrate():
     """The references of a tensor only a parameter's ``__dict__`` holds, inspected through the
     same call depth as :func:`reusable_attribute` uses (the counts depend on the Python and torch
     versions, so they are measured rather than hard-coded)."""
-    param = torch.nn.Parameter(torch.empty(1))
-    param.__dict__["_curvopt_probe"] = torch.empty(1)
-    old = param.__dict__.get("_curvopt_probe")
+    param = torch.nn.Parameter(torch.empty(1))  # a throwaway of its own, never a user's
+    param.__dict__["probe"] = torch.empty(1)
+    old = param.__dict__.get("probe")
     return _probe(old)
 
 

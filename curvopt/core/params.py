@@ -8,7 +8,9 @@ also use it directly, the per-sample sums miss that use and the backward pass ra
 The modules of a parameter come from the parameter itself: ``extend`` notes, weakly, every
 module it finds holding it (``note_extended``), and ``owners``/``tied`` ask those that still
 own it, never every extended model in the process (weights tied after ``extend`` are seen once
-``extend`` runs again).
+``extend`` runs again); ``unextend`` takes a module off them (``forget``). Whether a module's
+rule owns its children's parameters is read from ``extended``, the registry of what ``extend``
+installed.
 """
 
 from __future__ import annotations
@@ -18,14 +20,11 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from torch import nn
 
-#: every module with parameters that ``extend`` hooked (``unextended``: whether a module is
-#: extended; ``collection``: the modules of an optimizer's parameters)
-EXTENDED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+from curvopt.core.extended import owns_children
+
 #: ``id(p) -> (weak reference to p, [weak references to the extended modules holding p at
 #: extend, in order])``, an entry dropped when ``p`` is freed
 _HOLDERS: Dict[int, tuple] = {}
-#: the attribute ``extend`` sets on a module (or loss) it hooked
-HOOKED = "_curvopt_hooked"
 
 
 def _held_below(module: nn.Module) -> Set[int]:
@@ -55,9 +54,11 @@ def owned_parameters(module: nn.Module, owns_children: bool) -> Dict[str, nn.Par
     return dict(_direct(module))
 
 
-def owned(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
-    """``(name, parameter)`` pairs the module's rule handles, looked up now (not at extend)."""
-    if module._curvopt_owns_children:
+def owned(module: nn.Module, whole: Optional[bool] = None) -> List[Tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` pairs the module's rule handles, looked up now (not at extend);
+    ``whole``: whether the rule owns the children's parameters too (default: as ``extend``
+    found it)."""
+    if owns_children(module) if whole is None else whole:
         return list(module.named_parameters())
     return _direct(module)
 
@@ -67,8 +68,7 @@ def trainable(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
 
 
 def note_extended(module: nn.Module) -> None:
-    """``extend`` hooked ``module``: it is extended, and a holder of its parameters."""
-    EXTENDED.add(module)
+    """``extend`` hooked ``module``: a holder of its parameters."""
     for _, p in owned(module):
         holders = _holders(p)
         if holders is None:
@@ -77,6 +77,16 @@ def note_extended(module: nn.Module) -> None:
             _HOLDERS[key] = (weakref.ref(p, lambda _, key=key: _HOLDERS.pop(key, None)), holders)
         if not any(ref() is module for ref in holders):
             holders.append(weakref.ref(module))
+
+
+def forget(modules) -> None:
+    """``unextend`` took the hooks off ``modules``: they hold no parameter for curvopt any
+    more."""
+    gone = {id(m) for m in modules}
+    for key, (_, refs) in list(_HOLDERS.items()):
+        refs[:] = [r for r in refs if r() is not None and id(r()) not in gone]
+        if not refs:
+            _HOLDERS.pop(key, None)
 
 
 def _holders(p) -> Optional[list]:
@@ -117,11 +127,3 @@ def holders(params) -> List[nn.Module]:
             if module is not None and any(q is p for _, q in owned(module)):
                 found.setdefault(id(module), module)
     return list(found.values())
-
-
-def is_extended(obj) -> bool:
-    """Whether ``extend`` hooked ``obj``: a module (or loss) itself, or a parameter of an
-    extended module."""
-    if isinstance(obj, nn.Parameter):
-        return getattr(obj, "_curvopt_checked", False)
-    return getattr(obj, HOOKED, False)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from curvopt.core.calls import Call
+from curvopt.core.extended import ModuleEntry, entry_for
 from curvopt.core.state import STATE
 from curvopt.autograd.torch_internals import current_graph_task_id
 
@@ -101,12 +102,6 @@ def take_random_state(module: nn.Module) -> Optional[RandomState]:
     return _DRAWN.pop(module, None)
 
 
-def _count_call(module, delta: int) -> None:
-    """``module._curvopt_live += delta`` (its calls awaiting their gradients), past
-    ``nn.Module.__setattr__``, which stores a plain int the same way at ten times the cost."""
-    object.__setattr__(module, "_curvopt_live", module._curvopt_live + delta)
-
-
 def records_on(node) -> List[Tuple["Record", int, int]]:
     """``(record, output index, node output nr)`` of the live module calls ``node`` produced."""
     return [e for e in node.metadata.get(_METADATA, ()) if e[0].args is not None]
@@ -136,6 +131,7 @@ class Record:
         "outer",
         "random",
         "shared",
+        "extended",
     )
 
     def __init__(
@@ -148,8 +144,12 @@ class Record:
         positionwise=False,
         anchors=None,
         random: Optional[RandomState] = None,
+        extended: Optional[ModuleEntry] = None,
     ):
         self.args = None  # set last: ``release`` must work on a half-built record
+        #: the module's entry in ``extended`` (its calls awaiting their gradients are counted
+        #: there), as the forward hook had it: still counted down after ``unextend``
+        self.extended = entry_for(module) if extended is None else extended
         self.random = random  # the generator state of a random forward its rule re-runs
         self.shared = None  # what rules compute from the inputs alone (``Call.shared``)
         self.module, self.kwargs = module, kwargs
@@ -166,7 +166,7 @@ class Record:
         if STATE.collecting is not None:
             task = current_graph_task_id()
             self.outer = None if task < 0 else task
-        _count_call(module, 1)
+        self.extended.live += 1
         self.args = args
         for index, t in enumerate(outputs if anchors is None else anchors):
             if t.grad_fn is not None:
@@ -226,7 +226,7 @@ class Record:
         """Drop the inputs; the module has one call fewer awaiting its gradient."""
         if getattr(self, "args", None) is not None:
             self.args = self.kwargs = self.shared = None
-            _count_call(self.module, -1)
+            self.extended.live -= 1
 
     def __del__(self):
         try:

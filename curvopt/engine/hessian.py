@@ -28,6 +28,7 @@ from curvopt.errors import UnsupportedModuleError
 from curvopt.engine.diagonals import diagonals
 from curvopt.layers.registry import reparametrization, rule_for
 from curvopt.graph.graph_plan import search
+from curvopt.core.extended import module_path
 from curvopt.core.params import owned
 from curvopt.graph.propagate import backpropagate, to_calls
 from curvopt.core.records import records_on
@@ -69,13 +70,13 @@ def curved_nodes(root: torch.Tensor, walk) -> List[Tuple[object, Optional[torch.
             how = reparametrization(module)
             if how is not None:
                 raise _error(
-                    f"module {module._curvopt_path!r} ({type(module).__name__}) has the "
+                    f"module {module_path(module)!r} ({type(module).__name__}) has the "
                     f"reparametrized parameter {how}, whose weight is nonlinear in the "
                     "originals"
                 )
             if not rule_for(module).curvature_free:
                 raise _error(
-                    f"module {module._curvopt_path!r} ({type(module).__name__}) is curved in its "
+                    f"module {module_path(module)!r} ({type(module).__name__}) is curved in its "
                     "input, or its rule does not declare curvature_free"
                 )
             x = record.args[0]
@@ -190,7 +191,7 @@ def _reject_shared(calls) -> None:
         for name, p in owned(record.module):
             if id(p) in seen:
                 raise _error(
-                    f"parameter {name!r} of module {record.module._curvopt_path!r} is used by "
+                    f"parameter {name!r} of module {module_path(record.module)!r} is used by "
                     "several calls (a reused module or tied weights), whose cross second "
                     "derivatives are not implemented"
                 )

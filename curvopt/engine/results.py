@@ -31,6 +31,7 @@ import torch
 
 from curvopt.errors import UnsupportedLossError, module_error
 from curvopt.extensions.quantity import Combine, quantity
+from curvopt.core.extended import module_path, path_of
 from curvopt.core.psd import psd_eigh
 from curvopt.core.reductions import gram_add_
 from curvopt.core.values import KroneckerFactors, typed
@@ -51,7 +52,7 @@ class Factors(NamedTuple):
 
 
 def name_of(p) -> str:
-    return getattr(p, "_curvopt_path", f"of shape {tuple(p.shape)}")
+    return path_of(p, f"of shape {tuple(p.shape)}")
 
 
 def _combined(uses) -> KroneckerFactors:
@@ -60,7 +61,7 @@ def _combined(uses) -> KroneckerFactors:
     ``k``-th call of the pass (``k > 1``)."""
     named, seen = {}, {}
     for record in sorted(uses, key=lambda r: r.seq):  # forward order
-        path = record.module._curvopt_path
+        path = module_path(record.module)
         seen[path] = seen.get(path, 0) + 1
         factors, out_index = uses[record]
         named[path if seen[path] == 1 else f"{path}#{seen[path]}"] = KroneckerFactors(

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn import _reduction
 
+from curvopt.core.extended import set_path
 from curvopt.loop.dispatch import loss_hook, on_loss
 from curvopt.core.records import LossRecord, mark_extended_loss, output_tensors
 from curvopt.entry.recognize import NO_HESSIAN
@@ -43,7 +44,9 @@ from curvopt.core.state import STATE
 from curvopt.graph.graph_plan import edges_of
 from curvopt.autograd.torch_internals import LOG_SOFTMAX, ROW_VIEWS, saved
 
-_RECORD_HANDLE = "_curvopt_functional_record"
+#: key of the autograd-node metadata of a functional loss's result holding the handle of its
+#: hook (:func:`_record`): on the node, which lives as long as the graph, not on the tensor
+_RECORD_HANDLE = "curvopt_functional_record"
 
 
 class Watched(torch.Tensor):
@@ -104,7 +107,8 @@ def hook_loss(module: nn.Module, args, kwargs, output: torch.Tensor) -> None:
     """Hook ``output``, the result of the loss ``module`` on ``args``/``kwargs``, as an extended
     loss: its record receives ``d total / d output`` in the backward pass. A functional record
     made for the same output inside the module's forward is dropped: the module's own is kept."""
-    handle = getattr(output, _RECORD_HANDLE, None)
+    node = output.grad_fn
+    handle = None if node is None else node.metadata.pop(_RECORD_HANDLE, None)
     if handle is not None:
         handle.remove()
     record = LossRecord(module, args, kwargs)
@@ -132,12 +136,12 @@ def _record(func, loss, args, kwargs, result) -> None:
         if found is None:
             return  # not read: the pass raises MissingLossError
         module, inputs, no_hessian = found
-        module._curvopt_path = f"F.{func.__name__}"
+        set_path(module, f"F.{func.__name__}")
         on_loss(LossRecord(module, inputs, {}, no_hessian), grad)
 
     handle = result.register_hook(on_grad)
     mark_extended_loss(result)
-    setattr(result, _RECORD_HANDLE, handle)
+    result.grad_fn.metadata[_RECORD_HANDLE] = handle
 
 
 def _reduction_of(call: Dict) -> Optional[str]:

@@ -18,6 +18,7 @@ from curvopt.frontend.collect import collect, forget, refresh
 from curvopt.errors import AccumulationError, ExtensionConflictError
 from curvopt.extensions.base import Extension
 from curvopt.extensions.quantity import Combine, quantity
+from curvopt.core.extended import live_calls
 from curvopt.core.params import holders
 from curvopt.core.state import STATE
 
@@ -158,7 +159,7 @@ class Collection(collect):
 
     def _new_pass(self, task: int):
         exts, wanted, scope, options = self.window()
-        if not exts or not any(m._curvopt_live for m in self._owners[1]):
+        if not exts or not any(live_calls(m) for m in self._owners[1]):
             return None  # nothing to collect, or no call of its modules awaits its gradient
         if self._accumulator.written and all(p.grad is None for p in self._params):
             self._accumulator = Accumulator()  # zero_grad() on the model: p.grad starts anew

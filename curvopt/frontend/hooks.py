@@ -1,12 +1,20 @@
-"""``extend``: forward hooks that leave, on each output's autograd node, what backward needs.
+"""``extend``: forward hooks that leave, on each output's autograd node, what backward needs;
+``unextend``: the same hooks taken off again.
 
 Outside ``collect`` a hook only keeps references to inputs that autograd already saved for
 the weight gradient, and drops them as soon as the gradient passes the module; nothing is
 computed. Hooks are installed on every module that owns parameters (and on losses).
+
+Nothing is written onto the user's modules or parameters: what ``extend`` installed (paths,
+options, hook handles) is kept in ``curvopt.core.extended``, weakly, and ``unextend`` removes
+the hooks through their handles. A copy of an extended module (``copy.deepcopy``, pickling)
+carries copies of the hooks but no entry: they do nothing (the copy is a plain module), and
+``extend`` or ``unextend`` of the copy removes them (:func:`_drop_copied`).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -15,7 +23,9 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from curvopt.loop.dispatch import module_hook, parameter_hook
 from curvopt.layers import rule_for
-from curvopt.core.params import HOOKED, is_extended, note_extended, owned, owned_parameters
+from curvopt.core.extended import ModuleEntry, drop, entry_for, entry_of, is_extended
+from curvopt.core.extended import module_entry
+from curvopt.core.params import forget, holders, note_extended, owned, owned_parameters
 from curvopt.entry.recognize import returned_loss, watch
 from curvopt.entry.functional import hook_loss, wants_loss, watch_outputs
 from curvopt.core.records import (
@@ -26,11 +36,9 @@ from curvopt.core.records import (
     take_random_state,
 )
 from curvopt.core.state import STATE
+from curvopt.autograd.torch_internals import drop_empty_tensor_hooks
 
-__all__ = ["extend", "is_extended", "Record"]
-
-_RETURNS_LOSS = "_curvopt_returned_loss_hooked"
-_SEQUENCE_FIRST = "_curvopt_sequence_first"
+__all__ = ["extend", "unextend", "is_extended", "Record"]
 
 
 def _random_state_hook(module, args, kwargs):
@@ -43,11 +51,13 @@ def _random_state_hook(module, args, kwargs):
         note_random_state(module, first.device)
 
 
-def _module_forward_hook(module, args, kwargs, output):
+def _module_forward_hook(entry: ModuleEntry, module, args, kwargs, output):
+    """After a forward of an extended module (``entry``: its entry, bound at ``extend``; a hook
+    copied with the module onto a copy, whose entry is not this one, does nothing)."""
     random = take_random_state(module)
-    if STATE.suspended or not torch.is_grad_enabled():
+    if STATE.suspended or not torch.is_grad_enabled() or module_entry(module) is not entry:
         return
-    if not any(p.requires_grad for _, p in owned(module)):
+    if not any(p.requires_grad for _, p in owned(module, entry.owns_children)):
         return
     outputs = [t for t in output_tensors(output) if t.requires_grad]
     if not outputs:
@@ -55,9 +65,17 @@ def _module_forward_hook(module, args, kwargs, output):
     rule = rule_for(module)
     anchors = [anchor(outputs[0], (*args, *kwargs.values()))] if len(outputs) == 1 else outputs
     record = Record(
-        module, args, kwargs, outputs, rule.batch_dim(module), rule.positionwise, anchors, random
+        module,
+        args,
+        kwargs,
+        outputs,
+        rule.batch_dim(module),
+        rule.positionwise,
+        anchors,
+        random,
+        entry,
     )
-    if rule.positionwise and getattr(module, _SEQUENCE_FIRST, False) and outputs[0].dim() >= 3:
+    if rule.positionwise and entry.sequence_first and outputs[0].dim() >= 3:
         record.transposed = True  # declared: extend(model, sequence_first=True)
     if len(anchors) == 1:
         anchors[0].register_hook(module_hook(record))
@@ -68,7 +86,9 @@ def _module_forward_hook(module, args, kwargs, output):
 def _loss_forward_hook(module, args, kwargs, output):
     if STATE.suspended or not torch.is_grad_enabled() or not output.requires_grad:
         return
-    hook_loss(module, args, kwargs, output)
+    entry = module_entry(module)
+    if entry is not None and entry.hooks:  # not a copy of an extended loss
+        hook_loss(module, args, kwargs, output)
 
 
 def _returned_loss_hook(module, args, kwargs, output):
@@ -78,6 +98,9 @@ def _returned_loss_hook(module, args, kwargs, output):
     (``functional``)."""
     if STATE.suspended or STATE.collecting is None or not torch.is_grad_enabled():
         return
+    entry = module_entry(module)
+    if entry is None or entry.watcher is None:
+        return  # a copy of an extended model
     loss = returned_loss(output)
     if loss is not None:
         watch(loss)
@@ -85,38 +108,59 @@ def _returned_loss_hook(module, args, kwargs, output):
         watch_outputs(output, loss)
 
 
+#: the hooks ``extend`` registers on modules, by which copied ones are recognised
+_HOOKS = (_random_state_hook, _module_forward_hook, _loss_forward_hook, _returned_loss_hook)
+
+
+def _drop_copied(module: nn.Module) -> None:
+    """Remove from ``module`` the hooks of curvopt it carries but did not get from ``extend``:
+    those copied with it from an extended module (``copy.deepcopy``, pickling)."""
+    entry = entry_of(module)
+    own = set() if entry is None else {h.id for h in (*entry.hooks, entry.watcher) if h}
+    for hooks, extra in (
+        (
+            module._forward_hooks,
+            (module._forward_hooks_with_kwargs, module._forward_hooks_always_called),
+        ),
+        (module._forward_pre_hooks, (module._forward_pre_hooks_with_kwargs,)),
+    ):
+        for key, hook in list(hooks.items()):
+            if key not in own and getattr(hook, "func", hook) in _HOOKS:
+                del hooks[key]
+                for d in extra:
+                    d.pop(key, None)
+
+
 def _hook(module: nn.Module, path: str, fn, before=None) -> None:
-    module._curvopt_path = path or type(module).__name__
-    if getattr(module, HOOKED, False):
+    """Hook ``module``'s forward with ``fn`` (and ``before`` its forward) unless hooked; its
+    path is ``path`` from now on."""
+    entry = entry_for(module)
+    entry.path = path or type(module).__name__
+    if entry.hooks:
         return
+    _drop_copied(module)
     if before is not None:
-        module.register_forward_pre_hook(before, with_kwargs=True)
-    module.register_forward_hook(fn, with_kwargs=True)
-    setattr(module, HOOKED, True)
+        entry.hooks.append(module.register_forward_pre_hook(before, with_kwargs=True))
+    entry.hooks.append(module.register_forward_hook(fn, with_kwargs=True))
 
 
 def _install(module: nn.Module, path: str, sequence_first: bool) -> None:
+    _drop_copied(module)
     rule = rule_for(module)
-    if sequence_first:
-        setattr(module, _SEQUENCE_FIRST, True)
     params = owned_parameters(module, rule.owns_children)
     for name, p in params.items():
-        if p.requires_grad and not getattr(p, "_curvopt_checked", False):
-            p.register_hook(parameter_hook(p))
-            p._curvopt_checked = True
-        if not hasattr(p, "_curvopt_path"):
-            p._curvopt_path = f"{path}.{name}" if path else name
+        entry = entry_for(p)
+        if p.requires_grad and entry.handle is None:
+            entry.handle = p.register_hook(parameter_hook(p))
+        if entry.path is None:
+            entry.path = f"{path}.{name}" if path else name
     if params:
-        module._curvopt_owns_children = rule.owns_children
-        if not hasattr(module, "_curvopt_live"):
-            module._curvopt_live = 0
+        entry = entry_for(module)
+        entry.owns_children = rule.owns_children
+        entry.sequence_first = entry.sequence_first or sequence_first
         note_extended(module)
-        _hook(
-            module,
-            path,
-            _module_forward_hook,
-            _random_state_hook if rule.replays_random_forward else None,
-        )
+        before = _random_state_hook if rule.replays_random_forward else None
+        _hook(module, path, functools.partial(_module_forward_hook, entry), before)
     if rule.owns_children:
         return
     for name, child in module.named_children():
@@ -129,7 +173,9 @@ def extend(
     """Install curvopt's hooks on ``module`` (a model, any submodule, or a loss) and return it.
 
     Idempotent. An extended model computes exactly what the plain model computes; the hooks only
-    act inside :func:`curvopt.collect`.
+    act inside :func:`curvopt.collect`. Nothing is set on ``module`` or its parameters besides
+    the hooks, and :func:`unextend` removes those. A copy of an extended model
+    (``copy.deepcopy``, pickling) is not extended: extend the copy.
 
     ``sequence_first=True`` declares that the positionwise layers (``Linear``, ``Embedding``,
     norms) see ``[T, N, ...]``: their batch is dim 1. curvopt finds that by itself where a layer
@@ -160,7 +206,55 @@ def extend(
         return module
     reached = is_extended(module)  # hooked as a part of a model extended before
     _install(module, name or "", sequence_first)
-    if not (reached or getattr(module, _RETURNS_LOSS, False)):
-        module.register_forward_hook(_returned_loss_hook, with_kwargs=True)
-        setattr(module, _RETURNS_LOSS, True)
+    entry = entry_of(module)
+    if not (reached or (entry is not None and entry.watcher is not None)):
+        entry = entry_for(module)
+        _drop_copied(module)
+        entry.watcher = module.register_forward_hook(_returned_loss_hook, with_kwargs=True)
+    return module
+
+
+def unextend(module: nn.Module) -> nn.Module:
+    """Remove every hook :func:`extend` installed on ``module`` and return it.
+
+    Takes the hooks off ``module`` (a model, any submodule, or a loss), off all its submodules
+    (those extended on their own too) and off their parameters, and forgets them: the model is
+    again the plain model, as if never extended, and ``extend`` may hook it again. A parameter
+    that a module outside ``module`` still holds as extended (a weight tied to a module that is
+    not unextended) keeps its hook. Calls made before ``unextend`` whose gradients have not
+    arrived yet keep what their forward left. A module that is not extended is returned as it
+    is (but for the inert hooks a copy of an extended module carries, which go too).
+
+    Args:
+        module: a model, any submodule, or a loss module that :func:`extend` hooked.
+
+    Returns:
+        ``module`` itself, without curvopt's hooks.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+
+    Example::
+
+        model = curvopt.extend(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)))
+        ...  # collect per-sample gradients, train with curvopt.optim
+        model = curvopt.unextend(model)  # a plain model again: no hook left on it
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"curvopt.unextend expects a torch.nn.Module, got {type(module).__name__}")
+    modules = list(module.modules())
+    for sub in modules:
+        entry = drop(sub)
+        for handle in () if entry is None else (*entry.hooks, entry.watcher):
+            if handle is not None:
+                handle.remove()
+        _drop_copied(sub)
+    forget(modules)
+    for p in module.parameters():
+        if holders([p]):
+            continue  # held by an extended module outside ``module`` (tied weights)
+        entry = drop(p)
+        if entry is not None and entry.handle is not None:
+            entry.handle.remove()
+            drop_empty_tensor_hooks(p)
     return module

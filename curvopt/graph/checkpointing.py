@@ -31,6 +31,7 @@ from torch.autograd.graph import GradientEdge
 
 from curvopt.errors import UnsupportedModuleError
 from curvopt.graph.graph_plan import edges_of, forget_stages, search, stages_of
+from curvopt.core.extended import module_path, set_path
 from curvopt.core.records import records_on
 from curvopt.autograd.torch_internals import ACCUMULATE_GRAD
 from curvopt.autograd.torch_rerun import rerun_checkpoint
@@ -47,22 +48,24 @@ def _name(fn) -> str:
     owner = getattr(fn, "__self__", None)
     if isinstance(fn, torch.nn.Module) or isinstance(owner, torch.nn.Module):
         module = fn if isinstance(fn, torch.nn.Module) else owner
-        path = getattr(module, "_curvopt_path", type(module).__name__)
+        path = module_path(module)
         return path if module is fn else f"{path}.{fn.__name__}"
     return getattr(fn, "__qualname__", type(fn).__name__)
 
 
 class Segment:
     """A reentrant checkpoint's segment, re-run with grad: ``outputs[i]`` stands for the node's
-    output ``i``. Named like a module in errors (``module``, ``_curvopt_path``)."""
+    output ``i``. Named like a module in errors: it is its own ``module``, and its ``path`` is
+    given to ``curvopt.core.extended`` (:func:`~curvopt.core.extended.set_path`)."""
 
     def __init__(self, node):
         self.node = node
-        self._curvopt_path = f"checkpoint({_name(node.run_function)})"
+        self.path = f"checkpoint({_name(node.run_function)})"
+        set_path(self, self.path)
         outputs, drew = rerun_checkpoint(node)
         if drew:
             raise UnsupportedModuleError(
-                f"curvopt: the segment {self._curvopt_path} of torch.utils.checkpoint(..., "
+                f"curvopt: the segment {self.path} of torch.utils.checkpoint(..., "
                 "use_reentrant=True, preserve_rng_state=False) draws random numbers, so its "
                 "recomputation differs from the forward. Use preserve_rng_state=True (the "
                 "default) or use_reentrant=False; see "
@@ -177,7 +180,7 @@ class _Region:
             self._above = search(starts, lambda node: [fn for fn, _ in _next(node)])
         for node in nodes:
             if node in self._above:
-                names = ", ".join(b._curvopt_path for b in self.barriers)
+                names = ", ".join(b.path for b in self.barriers)
                 raise UnsupportedModuleError(
                     f"curvopt cannot propagate curvature around the reentrant checkpoint(s) "
                     f"{names}: a tensor reaches the loss both through and around it "

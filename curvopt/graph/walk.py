@@ -35,6 +35,7 @@ from torch.autograd.graph import GradientEdge
 from curvopt.graph.broadcast import find
 from curvopt.graph.checkpointing import Segment, adopt, segment_on
 from curvopt.graph.graph_plan import Plan, edges_of, plan_of, search, upstream
+from curvopt.core.extended import is_extended
 from curvopt.core.records import records_on, token
 from curvopt.autograd.torch_internals import (
     ACCUMULATE_GRAD,
@@ -114,9 +115,7 @@ class Walk:
             if kind == ACCUMULATE_GRAD:
                 leaf = node.variable
                 self.accumulators[id(leaf)] = node
-                if isinstance(leaf, torch.nn.Parameter) and not getattr(
-                    leaf, "_curvopt_checked", 0
-                ):
+                if isinstance(leaf, torch.nn.Parameter) and not is_extended(leaf):
                     self.foreign.append(leaf)
             elif kind in NO_BATCHING_RULE:
                 self.batchable = False

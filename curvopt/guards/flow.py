@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable, Dict, Tuple
 
+from curvopt.core.extended import is_extended
 from curvopt.graph.graph_plan import search
 from curvopt.engine.results import name_of
 from curvopt.guards.tolerance import dense, mismatch
@@ -136,9 +137,7 @@ class FlowCheck:
 
 def _extended_leaf(node) -> bool:
     """``node`` accumulates into a parameter of an extended module."""
-    return type(node).__name__ == ACCUMULATE_GRAD and getattr(
-        node.variable, "_curvopt_checked", False
-    )
+    return type(node).__name__ == ACCUMULATE_GRAD and is_extended(node.variable)
 
 
 def _flow_error(node, module) -> Exception:

@@ -24,8 +24,7 @@ import torch
 from torch import nn
 
 from curvopt.errors import UnsupportedModuleError
-from curvopt.core.params import is_extended
-from curvopt.core.params import EXTENDED
+from curvopt.core.extended import is_extended
 from curvopt.core.state import STATE
 from curvopt.autograd.torch_internals import (
     current_graph_task_id,
@@ -46,7 +45,7 @@ def watch():
 def _forward(module, inputs, output) -> None:
     if STATE.suspended or STATE.open is None or not torch.is_grad_enabled():
         return
-    if module in EXTENDED or not isinstance(output, torch.Tensor) or not output.requires_grad:
+    if is_extended(module) or not isinstance(output, torch.Tensor) or not output.requires_grad:
         return
     # a child of a module whose rule owns it (MultiheadAttention's out_proj) is extended with it
     params = [p for p in module.parameters(recurse=False) if p.requires_grad and not is_extended(p)]

@@ -32,6 +32,7 @@ from curvopt.layers.random_replay import (
     per_sample,
 )
 from curvopt.layers.registry import LayerRule, register, register_fallback
+from curvopt.core.extended import module_path
 from curvopt.core.params import owned_parameters
 from curvopt.core.records import output_tensors
 from curvopt.core.reductions import squared_norms, sum_of_squares
@@ -331,7 +332,7 @@ class _OutputMismatch(Exception):
 
 
 def _path(module) -> str:
-    return getattr(module, "_curvopt_path", type(module).__name__)
+    return module_path(module)
 
 
 def _first_line(error: Exception, limit: int = 120) -> str:

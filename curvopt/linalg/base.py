@@ -26,7 +26,7 @@ from torch import nn
 
 from curvopt.core import inputs as io
 from curvopt.errors import MissingLossError
-from curvopt.core.params import is_extended
+from curvopt.core.extended import is_extended
 from curvopt.losses import loss_rule_for
 
 Batch = tuple[torch.Tensor, torch.Tensor]

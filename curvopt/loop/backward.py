@@ -32,6 +32,7 @@ from curvopt.engine.rows import establish
 from curvopt.autograd.torch_internals import current_autograd_node, current_graph_task_id
 from curvopt.autograd.torch_internals import queue_callback
 from curvopt.graph.walk import Walk
+from curvopt.core.extended import live_calls
 from curvopt.errors import UnsupportedLossError, UnsupportedModuleError, module_error
 from curvopt.layers import rule_for
 from curvopt.losses import loss_rule_for
@@ -243,7 +244,7 @@ class BackwardPass:
         gradients): its per-sample gradients are summed before they are reduced."""
         key = id(module)
         if key not in self.reused:
-            self.reused[key] = module._curvopt_live > 1 or any(tied(p) for _, p in params)
+            self.reused[key] = live_calls(module) > 1 or any(tied(p) for _, p in params)
         return self.reused[key]
 
     def on_parameter_grad(self, p, grad: torch.Tensor) -> None:

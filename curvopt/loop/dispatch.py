@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from curvopt.core.extended import module_path
 from curvopt.core.state import STATE
 from curvopt.errors import GraphReuseError
 
@@ -71,7 +72,7 @@ def _on_module(record, grads) -> None:
         if STATE.collecting is not None:
             raise GraphReuseError(
                 f"curvopt: a second backward pass inside collect through the graph of module "
-                f"{record.module._curvopt_path!r}, whose inputs the first pass released. Run a "
+                f"{module_path(record.module)!r}, whose inputs the first pass released. Run a "
                 "forward pass for each backward pass inside collect (retain_graph=True is not "
                 "enough); see docs/support.md#several-backward-passes."
             )

@@ -53,6 +53,7 @@ import torch
 from curvopt import extensions
 
 from curvopt.core import values
+from curvopt.core.extended import path_of
 from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, number, skip_options
 from curvopt.optim.damping import as_damping, reduction_ratio
 from curvopt.optim.fallback import announce
@@ -286,7 +287,7 @@ class NewtonOptimizer(CurvatureOptimizer):
                 if item.fresh is not None:  # in use from this step on (the EMA stage averages)
                     item.curvature, item.curvature_step = item.fresh, step.step
                 elif item.curvature is None:  # stepped by the fallback: announced once
-                    name = getattr(param, "_curvopt_path", None) or update.description
+                    name = path_of(param) or update.description
                     self.__dict__.setdefault("_fell_back", {})[name] = group["fallback"]
             step.params.append(item)
         for stage in self._stages.for_group(group):

@@ -1,0 +1,157 @@
+"""What ``extend`` installed, kept beside the user's objects and never written onto them.
+
+``extend`` sets no attribute on a module or a parameter. Per module it hooked (a module with
+parameters, a loss, or a model whose returned loss it watches) a :class:`ModuleEntry` here holds
+the path the error messages give it, whether its rule owns its children's parameters,
+``sequence_first``, how many of its calls await their gradients (``live``) and the handles of
+the hooks it registered; per parameter a :class:`ParameterEntry` holds its path and the handle of
+its tensor hook. ``unextend`` removes the hooks through those handles and drops the entries.
+
+The tables are keyed weakly by identity: ``id(obj)`` with a weak reference that drops the entry
+when ``obj`` is freed (a tensor's ``==`` is elementwise and a module may define its own, so
+nothing is compared by ``==``). An entry holds no reference to its object (a hook handle refers
+to its hook dict weakly), so an extended model is freed as a plain one is.
+
+Objects of curvopt's own that errors name like modules (a reentrant checkpoint's segment, the
+loss module made for a functional loss) get a path only (:func:`set_path`): they are not extended.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from curvopt import errors
+
+
+class ModuleEntry:
+    """What ``extend`` keeps of a module (or loss) it hooked."""
+
+    __slots__ = ("path", "owns_children", "sequence_first", "live", "hooks", "watcher")
+
+    def __init__(self):
+        self.path: Optional[str] = None  # the module's path in the model, for error messages
+        self.owns_children = False  # its rule handles its children's parameters
+        self.sequence_first = False  # declared: extend(model, sequence_first=True)
+        self.live = 0  # its calls awaiting their gradients (``records.Record``)
+        self.hooks: List = []  # handles of its forward (pre-)hooks: it is extended when any
+        self.watcher = None  # handle of the hook reading the loss a model returns
+
+
+class ParameterEntry:
+    """What ``extend`` keeps of a parameter of a module it hooked."""
+
+    __slots__ = ("path", "handle")
+
+    def __init__(self):
+        self.path: Optional[str] = None  # its path in the model, for error messages
+        self.handle = None  # its tensor hook's handle (None: it did not require grad)
+
+
+class _Table:
+    """``obj -> entry``, keyed by ``id(obj)`` with a weak reference to ``obj``: the entry is
+    dropped when ``obj`` is freed; a later object with the same id finds nothing."""
+
+    def __init__(self):
+        self._data: Dict[int, Tuple[weakref.ref, object]] = {}
+
+    def get(self, obj):
+        found = self._data.get(id(obj))
+        return found[1] if found is not None and found[0]() is obj else None
+
+    def add(self, obj, entry) -> None:
+        key, data = id(obj), self._data
+
+        def gone(ref, key=key) -> None:
+            if key in data and data[key][0] is ref:
+                del data[key]
+
+        data[key] = (weakref.ref(obj, gone), entry)
+
+    def pop(self, obj):
+        entry = self.get(obj)
+        if entry is not None:
+            del self._data[id(obj)]
+        return entry
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+_MODULES = _Table()
+_PARAMETERS = _Table()
+
+
+def _table(obj) -> _Table:
+    # not ``nn.Parameter``: its metaclass makes ``isinstance`` four times slower
+    return _PARAMETERS if isinstance(obj, torch.Tensor) else _MODULES
+
+
+def entry_of(obj):
+    """The entry of ``obj`` (a module, loss or parameter), or None."""
+    return _table(obj).get(obj)
+
+
+def module_entry(module: nn.Module) -> Optional[ModuleEntry]:
+    """The entry of ``module`` (a module or loss), or None: :func:`entry_of` for the hooks."""
+    return _MODULES.get(module)
+
+
+def entry_for(obj):
+    """The entry of ``obj``, made (empty) if it has none."""
+    table = _table(obj)
+    entry = table.get(obj)
+    if entry is None:
+        entry = ParameterEntry() if table is _PARAMETERS else ModuleEntry()
+        table.add(obj, entry)
+    return entry
+
+
+def drop(obj):
+    """Remove ``obj``'s entry (returned, or None); its hooks stay: the caller removes them."""
+    return _table(obj).pop(obj)
+
+
+def set_path(obj, path: str) -> None:
+    """Give ``obj`` the path errors name it by (curvopt's own stand-ins for a module: a
+    checkpoint's segment, the loss module of a functional loss). It is not extended."""
+    entry_for(obj).path = path
+
+
+def path_of(obj, default: Optional[str] = None) -> Optional[str]:
+    """The path ``extend`` (or :func:`set_path`) gave ``obj``, else ``default``."""
+    entry = _table(obj).get(obj)
+    path = None if entry is None else entry.path
+    return default if path is None else path
+
+
+def module_path(module) -> str:
+    """The path of ``module`` in its model as error messages give it, else its type's name."""
+    return path_of(module, type(module).__name__)
+
+
+def is_extended(obj) -> bool:
+    """Whether ``extend`` hooked ``obj``: a module (or loss) itself, or a parameter of an
+    extended module (a tensor hook on it)."""
+    entry = _table(obj).get(obj)
+    if entry is None:
+        return False
+    return entry.handle is not None if isinstance(entry, ParameterEntry) else bool(entry.hooks)
+
+
+def owns_children(module: nn.Module) -> bool:
+    """Whether the rule ``extend`` found for ``module`` handles its children's parameters."""
+    entry = _MODULES.get(module)
+    return entry is not None and entry.owns_children
+
+
+def live_calls(module: nn.Module) -> int:
+    """The calls of ``module`` whose inputs await their gradients."""
+    entry = _MODULES.get(module)
+    return 0 if entry is None else entry.live
+
+
+errors.name_modules_by(module_path)
