@@ -211,6 +211,7 @@ class Record:
             self.batch_dim,
             random=self.random,
             shared=self.shared,
+            quiet=STATE.suspend,
         )
 
     def at_parameter_precision(self, value):

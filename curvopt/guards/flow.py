@@ -22,6 +22,7 @@ from curvopt.engine.results import name_of
 from curvopt.guards.tolerance import dense, mismatch
 from curvopt.autograd.torch_internals import ACCUMULATE_GRAD, current_graph_task_id
 from curvopt.errors import UnsupportedModuleError, module_error
+from curvopt.guards.observer import LossEvent, ModuleEvent, PassGuard
 
 #: the fix of every gradient that does not come from the extended losses alone
 _OUTSIDE = (
@@ -30,8 +31,9 @@ _OUTSIDE = (
 )
 
 
-class FlowCheck:
-    """The flow check of one pass (autograd task ``task``)."""
+class FlowCheck(PassGuard):
+    """The flow check of one pass (autograd task ``task``): hooks on each extended loss's graph
+    at its ``loss`` event, the unreached calls at each ``module`` event."""
 
     def __init__(self, task: int):
         self.task = task
@@ -114,6 +116,13 @@ class FlowCheck:
                 bad = total.shape != grad.shape or mismatch(total, grad, 256)
             if bad:
                 raise _flow_error(node, self.modules.get(node))
+
+    def loss(self, event: LossEvent) -> None:
+        self.watch(event.walk, event.node, event.active, event.abort)
+
+    def module(self, event: ModuleEvent) -> None:
+        if event.curvature:
+            self.check_unreached(event.record, event.grads)
 
     def check_unreached(self, record, grads) -> None:
         """A module call that no extended loss reaches gets no gradient."""

@@ -77,3 +77,19 @@ class PassGuard:
 
     def release(self) -> None:
         """The pass ended (finished or failed): drop hooks and references."""
+
+
+class Observers:
+    """The guards of one pass, in order, as each event's observers: the bound methods of the
+    guards that attach to it (a guard's method that is :class:`PassGuard`'s own is not called)."""
+
+    def __init__(self, guards):
+        def attached(event: str) -> list:
+            default = getattr(PassGuard, event)
+            return [getattr(g, event) for g in guards if getattr(type(g), event) is not default]
+
+        self.loss = attached("loss")
+        self.module = attached("module")
+        self.parameter = attached("parameter")
+        self.finish = attached("finish")
+        self.release = attached("release")

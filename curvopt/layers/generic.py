@@ -36,7 +36,6 @@ from curvopt.core.extended import module_path
 from curvopt.core.params import owned_parameters
 from curvopt.core.records import output_tensors
 from curvopt.core.reductions import squared_norms, sum_of_squares
-from curvopt.core.state import STATE
 
 #: elements of per-sample gradients held at once when only reduced quantities are wanted
 _CHUNK_ELEMENTS = 1 << 21
@@ -204,7 +203,7 @@ class GenericRule(LayerRule):
             _, pullback = vjp(forward, params)
             return pullback(tuple(c.unsqueeze(d) for c, d in zip(cotangents, grad_dims)))[0]
 
-        with STATE.suspend(), torch.enable_grad():
+        with call.quiet(), torch.enable_grad():
             try:
                 return vmap(one_sample, in_dims=(sample_dims, grad_dims, 0))(
                     sample_leaves, grads, masks
@@ -243,7 +242,7 @@ class GenericRule(LayerRule):
         module = root.module
         if root.random is None:
             return []  # a forward curvopt did not see: a draw in the re-run raises
-        with STATE.suspend(), torch.no_grad(), root.random.replay(), DrawnMasks() as drawn:
+        with root.quiet(), torch.no_grad(), root.random.replay(), DrawnMasks() as drawn:
             module(*root.args, **root.kwargs)
         if not drawn.masks:
             return []
@@ -252,7 +251,7 @@ class GenericRule(LayerRule):
         leaves, spec = tree_flatten((args, kwargs))
         first = [x if d is None else x.narrow(d, 0, 1) for x, d in zip(leaves, dims)]
         args, kwargs = tree_unflatten(first, spec)
-        with STATE.suspend(), torch.no_grad(), MaskShapes() as shapes:
+        with root.quiet(), torch.no_grad(), MaskShapes() as shapes:
             self.rerun(module, params, args, kwargs)
         return per_sample(drawn.masks, shapes.shapes, root.batch_size, _path(module))
 
@@ -286,7 +285,7 @@ class GenericRule(LayerRule):
         all_outs = self._eager_outputs(call)
         positions = self._grad_positions(call, count, all_outs)
         outs = [all_outs[i] for i in positions]
-        with STATE.suspend(), torch.enable_grad():
+        with call.quiet(), torch.enable_grad():
 
             def pull(i, j, cotangent):
                 return torch.autograd.grad(
@@ -323,7 +322,7 @@ class GenericRule(LayerRule):
 
         leaves, spec = tree_flatten((call.args, call.kwargs))
         args, kwargs = tree_unflatten([prep(x) for x in leaves], spec)
-        with STATE.suspend(), torch.enable_grad():
+        with call.quiet(), torch.enable_grad():
             return output_tensors(call.module(*args, **kwargs))
 
 

@@ -1,26 +1,38 @@
-"""The hook router of one backward pass inside ``collect``: results written when it finishes.
+"""One backward pass inside ``collect``, as a small event loop: results written when it ends.
 
 Results are buffered and written as attributes by a callback the autograd engine runs at the
 end of the pass, so an exception in the middle leaves no half-written attribute (a value
 being replaced is taken off its parameter first: ``buffers``, ``Accumulator.release``).
 
-``BackwardPass`` routes the hooks to the first-order reducer (``reducer``), the curvature
-(``curvature``), the sum checks (``checks``), the flow check (``flow``: on every pass, a term
-whose weight is zero on one pass may not be on the next), the guards (``pass_guards``) and
-the result buffer that all of them contribute to (``results``); which parameters take part is
-``participation``'s: a pass that accumulates into none of the parameters it reaches is ignored
-altogether (its module inputs stay, so a retained graph can still be backpropagated).
+``BackwardPass`` handles four events, each a hook of the autograd engine: an extended loss's
+gradient (``on_loss``), a module call's output gradient (``on_module``), a parameter's whole
+gradient (``on_parameter_grad``) and the end of the pass (``_finish``). It hands the work to the
+engine: the first-order reducer (``engine.reducer``), the curvature (``engine.curvature``) and
+the result buffer all of them contribute to (``engine.results``). The guards observe the events
+(``guards.observer``): the flow check (``guards.flow``: on every pass, a term whose weight is
+zero on one pass may not be on the next), the parameters read at their sites
+(``guards.sites``) and the sum checks (``guards.checks``), in that order; the preconditions of
+an event (``guards.pass_guards``) are checked where it starts. Which parameters take part is
+``guards.participation``'s: a pass that accumulates into none of the parameters it reaches is
+ignored altogether (its module inputs stay, so a retained graph can still be backpropagated).
+
+Where a pass stands is one ``Phase``: waiting for its first hook, first order without an
+extended loss, collecting after a loss's hook, ignored, failed, or done (the engine's callback
+ran).
 """
 
 from __future__ import annotations
 
+import enum
 from typing import Dict, Optional
 
 import torch
 
 from curvopt.guards.checks import Checks
+from curvopt.guards.observer import Ending, LossEvent, ModuleEvent, Observers
 from curvopt.engine.curvature import CurvaturePass
 from curvopt.guards.flow import FlowCheck
+from curvopt.core.extended import live_calls
 from curvopt.core.params import tied
 from curvopt.guards.participation import Participation
 from curvopt.guards.pass_guards import autocast_off, check_reduction, missing_loss
@@ -32,15 +44,26 @@ from curvopt.engine.rows import establish
 from curvopt.autograd.torch_internals import current_autograd_node, current_graph_task_id
 from curvopt.autograd.torch_internals import queue_callback
 from curvopt.graph.walk import Walk
-from curvopt.core.extended import live_calls
 from curvopt.errors import UnsupportedLossError, UnsupportedModuleError, module_error
 from curvopt.layers import rule_for
 from curvopt.losses import loss_rule_for
 
 
+class Phase(enum.Enum):
+    """Where one backward pass stands."""
+
+    WAITING = "no extended loss or module hook has run yet"
+    WITHOUT_LOSS = "first order: module hooks run, no extended loss's has"
+    COLLECTING = "an extended loss's hook ran: its curvature is computed"
+    IGNORED = "it accumulates into none of the parameters it reaches: nothing is done"
+    FAILED = "an exception was raised: nothing will be written"
+    DONE = "the engine's callback at the end of the pass ran"
+
+
 class BackwardPass:
-    """One pass's hook router: ``on_loss`` (the extended loss's hook), ``on_module`` (every
-    extended module's), ``on_parameter_grad`` (every parameter's), ``_finish`` (the end)."""
+    """One pass's event loop: ``on_loss`` (the extended loss's hook), ``on_module`` (every
+    extended module's), ``on_parameter_grad`` (every parameter's), ``_finish`` (the end); the
+    guards observe each (``guards``, in order)."""
 
     def __init__(
         self, extensions, task: int, accumulator, skipped=None, diagonal=False, scope=None
@@ -53,7 +76,7 @@ class BackwardPass:
         self.extensions = extensions
         self.accumulator = accumulator
         self.second_order_exts = [ext for ext in extensions if ext.order == 2]
-        self.loss_seen = False
+        self.phase = Phase.WAITING
         self.batch_size: Optional[int] = None
         self.reused: Dict[int, bool] = {}
         self.checks = Checks()
@@ -63,22 +86,25 @@ class BackwardPass:
         self.upstream: list = []  # module calls upstream of the extended losses
         self.walks: list = []  # the graph walks of this pass (``walk.Walk``)
         self.taking = Participation(scope, self.walks)  # the parameters it accumulates into
-        self.flow = FlowCheck(task)
-        self.failed = False
-        self.searched = False  # the graph upstream was searched for broadcast calls
-        self.ignored = False  # the pass accumulates into no parameter it reaches
-        self.checkpointed = False  # a reentrant checkpoint was re-run (``checkpointing``)
-        self.coupled = False  # curvature through a module mixing samples (``curvature``)
-        self.running = True  # until the engine's callback at the end of the pass
-        self.sites = ParameterSites(self.reducer, self.handles, self.walks)
+        self.sites = ParameterSites(self.reducer, self.checks, self.handles, self.walks)
+        self.guards = Observers((FlowCheck(task), self.sites, self.checks))  # in this order
+        # what the losses' walks found: a reentrant checkpoint re-run (``checkpointing``),
+        # curvature through a module mixing samples (``curvature``)
+        self.checkpointed = False
+        self.coupled = False
         queue_callback(self._finish)
+
+    @property
+    def running(self) -> bool:
+        """Until the engine's callback at the end of the pass."""
+        return self.phase is not Phase.DONE
 
     # ---------------------------------------------------------------- hooks
     def on_loss(self, record, grad) -> bool:
         """The gradient reached an extended loss: check it, then compute all curvature. False
         where the pass is ignored (the loss's record stays for another pass)."""
-        if self.failed or self.ignored:
-            return self.failed
+        if self.phase in (Phase.FAILED, Phase.IGNORED):
+            return self.phase is Phase.FAILED
         segments: list = []
         try:
             with autocast_off():
@@ -104,9 +130,9 @@ class BackwardPass:
                 "model = curvopt.extend(model); see docs/support.md#modules-that-are-not-extended."
             )
         if self.taking.skips_all(r.module for r in upstream.calls):
-            self.ignored = True
+            self.phase = Phase.IGNORED
             return False
-        self.loss_seen = True
+        self.phase = Phase.COLLECTING
         if not self.second_order_exts:
             self._check_layout(record, upstream)
             return True
@@ -123,13 +149,14 @@ class BackwardPass:
         if cpass.coupled:
             self.reducer.correct_columns(cpass.factors.eigen_columns())
         self.batch_size = self.batch_size or cpass.layout.samples
-        self.checks.note_walk(upstream)
-        self.flow.watch(upstream, current_autograd_node(), self._active, self._abort)
+        event = LossEvent(upstream, current_autograd_node(), self._active, self._abort)
+        for observe in self.guards.loss:
+            observe(event)
         self.checkpointed = self.checkpointed or bool(segments)
         return True
 
     def _active(self) -> bool:
-        return not (self.failed or self.ignored)
+        return self.phase not in (Phase.FAILED, Phase.IGNORED)
 
     def _check_layout(self, record, upstream) -> None:
         """First order under an extended loss: the loss rows map onto the model's samples
@@ -173,7 +200,7 @@ class BackwardPass:
         """First order without an extended loss (Hugging Face's ``labels=`` loss): at the first
         module hook, find the broadcast calls upstream of the node now running (the one that
         produced ``record``'s output), whose per-sample gradients still exist downstream."""
-        self.searched = True
+        self.phase = Phase.WITHOUT_LOSS
         node = current_autograd_node()
         if node is None:
             return
@@ -187,9 +214,9 @@ class BackwardPass:
     def on_module(self, record, grads) -> bool:
         """One module call's output gradient. False where the pass leaves the call alone (it
         accumulates into none of its parameters): its record stays for another pass."""
-        if self.failed:
+        if self.phase is Phase.FAILED:
             return True
-        if self.ignored or self.taking.skips_all((record.module,)):
+        if self.phase is Phase.IGNORED or self.taking.skips_all((record.module,)):
             return False
         try:
             with autocast_off():
@@ -201,7 +228,7 @@ class BackwardPass:
 
     def _on_module(self, record, grads) -> None:
         module = record.module
-        if not (self.searched or self.loss_seen) and self.first:
+        if self.phase is Phase.WAITING and self.first:
             self._watch_upstream(record)
         if record.broadcast is not None:
             grads = (record.broadcast.grad,)  # per sample, read downstream of the broadcast
@@ -210,22 +237,22 @@ class BackwardPass:
             zeros = torch.zeros(record.out_shapes[0], dtype=record.dtype, device=record.device)
             grads = (zeros, *grads[1:])
         if self.second_order_exts:
-            if not self.loss_seen:
+            if self.phase is not Phase.COLLECTING:
                 raise missing_loss(self.second_order_exts)
-            if not (self.checkpointed and current_graph_task_id() != self.task):
-                # (inside a checkpoint, torch's nested backward: the flow hooks check its node)
-                self.flow.check_unreached(record, grads)
         elif not self.first:
             return
+        params = self.taking.of(module)[1]
+        # (inside a checkpoint, torch's nested backward: the flow hooks check its node)
+        nested = self.checkpointed and current_graph_task_id() != self.task
+        event = ModuleEvent(record, grads, params, bool(self.second_order_exts) and not nested)
+        for observe in self.guards.module:
+            observe(event)
         rule = rule_for(module)
         reason = None if self.coupled and not self.first else rule.check(module)
         if reason is not None:
             raise module_error(module, reason)
         grad_out = grads[0] if len(grads) == 1 else grads
         call = record.call(grad_out)
-        params = self.taking.of(module)[1]
-        self.checks.note_precision(record, params)
-        self.checks.seen.update(id(p) for _, p in params)
         if not self.first:
             if self.checks.sums:
                 for name, p in params:
@@ -251,48 +278,51 @@ class BackwardPass:
         """``p``'s whole gradient of this pass. Its hook normally runs after those of all the
         module calls using ``p`` (a module whose outputs depend on each other is the
         exception), so the sum of per-sample gradients is checked at whichever comes last."""
-        if self.failed or self.ignored or not (self.first or self.second_order_exts):
+        if not self._active() or not (self.first or self.second_order_exts):
             return
         if self.taking.skips(p):
             return
         try:
             with autocast_off():  # the sum check computes (projected sums: matmuls)
-                self.checks.parameter_grad(p, grad)
+                for observe in self.guards.parameter:
+                    observe(p, grad)
         except BaseException:
             self._abort()
             raise
 
     # ---------------------------------------------------------------- end of pass
     def _finish(self) -> None:
-        self.running = False
+        failed = self.phase is Phase.FAILED
+        self.phase = Phase.DONE
         with autocast_off():
-            self._finish_pass()
+            self._finish_pass(failed)
 
-    def _finish_pass(self) -> None:
+    def _finish_pass(self, failed: bool) -> None:
         for handle in self.handles:
             handle.remove()
         self.walks.clear()
-        self.flow.release()
-        if self.failed:
+        if failed:
             return
+        ending = Ending(
+            self.results, {e.attr for e in self.second_order_exts}, self.reducer.batch_grads
+        )
         try:
-            self.sites.check_read(self.checks)
-            self.checks.check_seen()
-            self.checks.check_materialised(self.reducer.batch_grads)
-            self.checks.check_suspects()
-            self.checks.check_complete(self.results, {e.attr for e in self.second_order_exts})
+            for observe in self.guards.finish:
+                observe(ending)
         except BaseException:
             self._abort()
             raise
-        self.checks.mark_checked()
         self.reducer.finish()
         self.results.write(self.accumulator, self.batch_size or 0, self.taking.untouched)
         self.reducer.batch_grads.clear()
+        for release in self.guards.release:
+            release()
 
     def _abort(self) -> None:
         """Forget everything written so far; the pass writes nothing. The calls whose hooks will
         not run now drop their inputs (an exception's traceback may keep the graph alive)."""
-        self.failed = True
+        if self.phase is not Phase.DONE:  # (an error of the end's checks: the pass is over)
+            self.phase = Phase.FAILED
         for record in self.upstream:
             record.release()
         for handle in self.handles:
@@ -300,5 +330,5 @@ class BackwardPass:
         self.walks.clear()
         self.reducer.batch_grads.clear()
         self.results.clear()
-        self.checks.clear()
-        self.flow.release()
+        for release in self.guards.release:
+            release()
