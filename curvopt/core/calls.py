@@ -90,7 +90,9 @@ class Call:
         bd = self.batch_dim
 
         def merge(v):
-            return None if v is None else v.movedim(0, bd).flatten(bd, bd + 1)
+            if v is None:
+                return None
+            return (v if bd == 0 else v.movedim(0, bd)).flatten(bd, bd + 1)
 
         return tuple(merge(v) for v in columns) if isinstance(columns, tuple) else merge(columns)
 
@@ -136,3 +138,13 @@ class Call:
             shared=self.shared,
             quiet=self.quiet,
         )
+
+
+def output_tensors(output) -> List[torch.Tensor]:
+    """The tensors of a module output, as the forward hooks see them, nested tuples flattened
+    (``nn.LSTM``: ``(output, (h_n, c_n))``)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in output_tensors(item)]
+    return []

@@ -89,5 +89,9 @@ class Participation:
     def skips_all(self, modules) -> bool:
         """The pass accumulates into none of the trainable parameters of ``modules`` (and there
         is one)."""
-        found = [self.of(m) for m in modules]
-        return any(params for params, _ in found) and not any(taking for _, taking in found)
+        any_params = any_taking = False
+        for module in modules:  # every module looked up (``of`` is remembered), as it runs now
+            params, taking = self.of(module)
+            any_params = any_params or bool(params)
+            any_taking = any_taking or bool(taking)
+        return any_params and not any_taking
