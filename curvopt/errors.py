@@ -100,8 +100,14 @@ def name_modules_by(path_of) -> None:
     _PATH_OF[0] = path_of
 
 
+def module_name(module) -> str:
+    """How errors name ``module``: its path in the model ``extend`` was called on (its type's
+    name for a module ``extend`` did not reach)."""
+    return _PATH_OF[0](module)
+
+
 def _module_prefix(module) -> str:
-    path = _PATH_OF[0](module)
+    path = module_name(module)
     return f"curvopt cannot compute this for module {path!r} ({type(module).__name__})"
 
 

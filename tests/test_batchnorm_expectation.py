@@ -178,7 +178,9 @@ def _within(samples, exact, what, scale):
     return float((se / scale).max())
 
 
-CASES = [(kind, loss, r) for kind in ("mlp", "cnn") for loss in ("ce", "mse") for r in ("mean", "sum")]
+CASES = [
+    (kind, loss, r) for kind in ("mlp", "cnn") for loss in ("ce", "mse") for r in ("mean", "sum")
+]
 
 
 @pytest.mark.parametrize("kind,loss,reduction", CASES)

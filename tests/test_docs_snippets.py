@@ -2,7 +2,8 @@
 
 Each block of ``docs/*.md`` runs in a fresh namespace after :data:`PREAMBLE` (the small
 extended model, loss and batch the pages write ``model``, ``lossfunc``, ``X``, ``y`` and
-``loader`` for, and DP-SGD's ``C`` and ``sigma``), in a scratch folder. Two kinds are not run here, each for its reason:
+``loader`` for, and DP-SGD's ``C`` and ``sigma``), in a scratch folder. Two kinds are not run
+here, each for its reason:
 
 * the framework loops (Lightning, the Hugging Face Trainer, accelerate): their code lines are
   those of a README block that ``tests/test_frameworks_*.py`` runs inside its framework

@@ -275,3 +275,20 @@ def test_every_part_has_a_layer():
         f"in curvopt but not in its layers: {sorted(parts - stated)}; "
         f"in its layers but not in curvopt: {sorted(stated - parts)}"
     )
+
+
+#: what the per-module math (``layers``, ``losses``) may read of the core: the call it is
+#: given, the reductions, which parameters a module owns; nothing that knows of hooks or passes
+#: (``core.state``, ``core.records``, ``core.extended``)
+RULES_READ_OF_CORE = {"curvopt.core.calls", "curvopt.core.reductions", "curvopt.core.params"}
+
+
+def test_layer_rules_know_nothing_of_hooks_or_passes(graph):
+    bad = sorted(
+        f"{name} imports {target}"
+        for name, targets in graph.items()
+        if _part(name) in ("layers", "losses")
+        for target, _ in targets
+        if _part(target) == "core" and target not in RULES_READ_OF_CORE
+    )
+    assert not bad, bad

@@ -20,7 +20,6 @@ from torch import nn
 from curvopt.core.calls import Call
 from curvopt.core.extended import ModuleEntry, entry_for
 from curvopt.core.state import STATE
-from curvopt.autograd.torch_internals import current_graph_task_id
 
 #: key of the autograd-node metadata listing the module calls whose output the node produced
 _METADATA = "curvopt"
@@ -145,6 +144,7 @@ class Record:
         anchors=None,
         random: Optional[RandomState] = None,
         extended: Optional[ModuleEntry] = None,
+        outer: Optional[int] = None,
     ):
         self.args = None  # set last: ``release`` must work on a half-built record
         #: the module's entry in ``extended`` (its calls awaiting their gradients are counted
@@ -162,10 +162,7 @@ class Record:
         self.transposed = False  # the batch is dim 1 of a positionwise call (sequence-first)
         #: the backward pass that runs this call's forward (a reentrant checkpoint recomputing
         #: its segment), whose state its gradient belongs to; None for an ordinary forward
-        self.outer = None
-        if STATE.collecting is not None:
-            task = current_graph_task_id()
-            self.outer = None if task < 0 else task
+        self.outer = outer
         self.extended.live += 1
         self.args = args
         for index, t in enumerate(outputs if anchors is None else anchors):
@@ -302,13 +299,3 @@ def _cast(value, compute: torch.dtype, accumulate: torch.dtype):
     if isinstance(value, dict):
         return {k: _cast(v, compute, accumulate) for k, v in value.items()}
     return value
-
-
-def output_tensors(output) -> List[torch.Tensor]:
-    """The tensors of a module output, as the forward hooks see them, nested tuples flattened
-    (``nn.LSTM``: ``(output, (h_n, c_n))``)."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for item in output for t in output_tensors(item)]
-    return []

@@ -38,7 +38,8 @@ from torch.nn import _reduction
 
 from curvopt.core.extended import set_path
 from curvopt.loop.dispatch import loss_hook, on_loss
-from curvopt.core.records import LossRecord, mark_extended_loss, output_tensors
+from curvopt.core.calls import output_tensors
+from curvopt.core.records import LossRecord, mark_extended_loss
 from curvopt.entry.recognize import NO_HESSIAN
 from curvopt.core.state import STATE
 from curvopt.graph.graph_plan import edges_of

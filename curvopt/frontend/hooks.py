@@ -32,11 +32,11 @@ from curvopt.core.records import (
     Record,
     anchor,
     note_random_state,
-    output_tensors,
     take_random_state,
 )
+from curvopt.core.calls import output_tensors
 from curvopt.core.state import STATE
-from curvopt.autograd.torch_internals import drop_empty_tensor_hooks
+from curvopt.autograd.torch_internals import current_graph_task_id, drop_empty_tensor_hooks
 
 __all__ = ["extend", "unextend", "is_extended", "Record"]
 
@@ -74,6 +74,7 @@ def _module_forward_hook(entry: ModuleEntry, module, args, kwargs, output):
         anchors,
         random,
         entry,
+        _outer_task(),
     )
     if rule.positionwise and entry.sequence_first and outputs[0].dim() >= 3:
         record.transposed = True  # declared: extend(model, sequence_first=True)
@@ -81,6 +82,15 @@ def _module_forward_hook(entry: ModuleEntry, module, args, kwargs, output):
         anchors[0].register_hook(module_hook(record))
     else:
         register_multi_grad_hook(anchors, module_hook(record, several=True), mode="all")
+
+
+def _outer_task():
+    """The backward pass that runs this forward, while a collection is active: a reentrant
+    checkpoint recomputing its segment inside a pass (``Record.outer``); None otherwise."""
+    if STATE.collecting is None:
+        return None
+    task = current_graph_task_id()
+    return None if task < 0 else task
 
 
 def _loss_forward_hook(module, args, kwargs, output):

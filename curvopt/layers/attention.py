@@ -45,8 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from curvopt.core.extended import module_path
-from curvopt.errors import UnsupportedModuleError
+from curvopt.errors import UnsupportedModuleError, module_name
 from curvopt.layers.eigenbasis import eigen_moment, eigen_moment_of
 from curvopt.layers.kron import input_factor, output_factor
 from curvopt.layers.registry import LayerRule, register
@@ -263,7 +262,7 @@ def _rerun(root) -> _Core:
     module = root.module
     inputs = _bound(root)
     query, key, value = inputs["query"], inputs["key"], inputs["value"]
-    path = module_path(module)
+    path = module_name(module)
     if query.dim() != 3:
         raise UnsupportedModuleError(
             f"curvopt needs batched inputs for module {path!r} (MultiheadAttention), got a "

@@ -23,7 +23,7 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from curvopt.errors import UnsupportedModuleError
+from curvopt.errors import UnsupportedModuleError, module_name
 from curvopt.layers.random_replay import (
     DrawnMasks,
     MaskShapes,
@@ -32,9 +32,8 @@ from curvopt.layers.random_replay import (
     per_sample,
 )
 from curvopt.layers.registry import LayerRule, register, register_fallback
-from curvopt.core.extended import module_path
 from curvopt.core.params import owned_parameters
-from curvopt.core.records import output_tensors
+from curvopt.core.calls import output_tensors
 from curvopt.core.reductions import squared_norms, sum_of_squares
 
 #: elements of per-sample gradients held at once when only reduced quantities are wanted
@@ -210,15 +209,17 @@ class GenericRule(LayerRule):
                 )
             except ReplayError as error:
                 raise UnsupportedModuleError(
-                    f"curvopt cannot re-run module {_path(module)!r} ({type(module).__name__}) "
+                    f"curvopt cannot re-run module {module_name(module)!r} "
+                    f"({type(module).__name__}) "
                     f"with the random numbers of its forward ({error}). Call .eval() on its "
                     "random submodules or register a rule for it with curvopt.layers.register; "
                     "see docs/support.md#dropout-and-random-numbers."
                 ) from error
             except (RuntimeError, NotImplementedError, ValueError) as error:
                 raise UnsupportedModuleError(
-                    f"curvopt cannot compute per-sample quantities for module {_path(module)!r} "
-                    f"({type(module).__name__}): it has no rule of its own, and re-running it "
+                    "curvopt cannot compute per-sample quantities for module "
+                    f"{module_name(module)!r} ({type(module).__name__}): it has no rule of its "
+                    "own, and re-running it "
                     f"sample by sample with torch.func.vmap failed ({_first_line(error)}). "
                     "Register a rule for it with curvopt.layers.register; see "
                     "docs/support.md#modules-without-a-rule."
@@ -253,7 +254,7 @@ class GenericRule(LayerRule):
         args, kwargs = tree_unflatten(first, spec)
         with root.quiet(), torch.no_grad(), MaskShapes() as shapes:
             self.rerun(module, params, args, kwargs)
-        return per_sample(drawn.masks, shapes.shapes, root.batch_size, _path(module))
+        return per_sample(drawn.masks, shapes.shapes, root.batch_size, module_name(module))
 
     def _grad_positions(self, call, count: int, outs=None) -> List[int]:
         """Indices of the tensor outputs that required grad in the recorded call (the hooks
@@ -263,9 +264,9 @@ class GenericRule(LayerRule):
         if len(positions) != count:
             raise UnsupportedModuleError(
                 f"curvopt cannot match the {count} output gradients of module "
-                f"{_path(call.module)!r} ({type(call.module).__name__}) to its {len(outs)} tensor "
-                "outputs when re-running it. Register a rule for it with curvopt.layers.register; "
-                "see docs/support.md#modules-without-a-rule."
+                f"{module_name(call.module)!r} ({type(call.module).__name__}) to its "
+                f"{len(outs)} tensor outputs when re-running it. Register a rule for it with "
+                "curvopt.layers.register; see docs/support.md#modules-without-a-rule."
             )
         return positions
 
@@ -328,10 +329,6 @@ class GenericRule(LayerRule):
 
 class _OutputMismatch(Exception):
     """The re-run module has more tensor outputs than gradients arrived for."""
-
-
-def _path(module) -> str:
-    return module_path(module)
 
 
 def _first_line(error: Exception, limit: int = 120) -> str:

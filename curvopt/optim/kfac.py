@@ -260,7 +260,6 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
         return kron_quadratic([dense(f) for f in curvature], as_matrix(step, curvature))
 
 
-
 def _factored(apply, solvers, matrix, factors):
     """``(F_0⁻¹ leftᵀ)(F_1⁻¹ rightᵀ)ᵀ`` where that is cheaper and ``factors = (left, right)``
     give ``matrix = leftᵀ right`` (``gradient_factors``), else None."""

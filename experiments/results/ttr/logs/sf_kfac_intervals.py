@@ -9,7 +9,8 @@ interval 20 (``vit_int20``) against 10 (``vit``). Pruned at 250 steps (2C2D) and
 The options are spelled out, so the variants mean the same whatever the ``schedule_free``
 preset says. Run from the repository root:
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python experiments/results/ttr/logs/sf_kfac_intervals.py NAME SEED
+    PYTHONPATH=. OMP_NUM_THREADS=1 \
+        python experiments/results/ttr/logs/sf_kfac_intervals.py NAME SEED
 
 Its output is sf_kfac_intervals.log.
 """
