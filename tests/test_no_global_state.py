@@ -44,6 +44,8 @@ ALLOWED = {
     "guards/projected.py": {"_GENERATORS"},
     # weak: the modules warned about once
     "guards/unextended.py": {"_WARNED"},
+    # torch.finfo(dtype).eps per dtype, read once a dtype: a constant of torch, memoised
+    "guards/tolerance.py": {"_EPS"},
     # how errors name a module (its path): the lookup of the extended registry, set once when
     # ``core.extended`` is imported (errors, below the core, cannot import it)
     "errors.py": {"_PATH_OF"},
