@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python -m benchmarks.per_module_cost [--rounds 15] [--repeats 50]
     OMP_NUM_THREADS=1 python -m benchmarks.per_module_cost --profile --quantity KFAC
     OMP_NUM_THREADS=1 python -m benchmarks.per_module_cost --label before
+    OMP_NUM_THREADS=1 python -m benchmarks.per_module_cost --no-gc   # the collector's share
 
 32 x (``Linear(16, 16)``, ``ReLU``) and a final ``Linear(16, 10)`` (33 ``Linear`` modules),
 ``CrossEntropyLoss``, batch 8, float32, one thread. Every operator here is a few µs, so a pass
@@ -16,12 +17,15 @@ The quantities: ``BatchGrad`` and ``KFAC`` (the ``collect(ext.KFAC())`` pass) an
 one ``curvopt.optim.KFAC`` step (``zero_grad``, forward, backward inside ``opt.collect()``,
 ``opt.step()``) against one ``torch.optim.SGD`` step on an un-extended copy. ``--profile``
 prints the cProfile breakdown by curvopt module (``per_pass_overhead.profile``); ``--label``
-writes the run into ``benchmarks/results/per_module_cost.{md,json}`` (other labels kept).
+writes the run into ``benchmarks/results/per_module_cost.{md,json}`` (other labels kept);
+``--no-gc`` runs with Python's garbage collector disabled (``gc.disable()``), which shows what
+its collections, triggered by the objects a pass keeps alive, cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 
 import torch
@@ -184,8 +188,11 @@ def main(argv=None):
     parser.add_argument("--quantity", choices=QUANTITIES, action="append")
     parser.add_argument("--label", help="record the run under this label in the results files")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--no-gc", action="store_true", help="gc.disable() for the run")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.no_gc:
+        gc.disable()
     quantities = tuple(args.quantity or QUANTITIES)
     if args.profile:
         passes = [q for q in quantities if q != "step"]
@@ -200,7 +207,7 @@ def main(argv=None):
             f"{q}: {r['per_module_us']:.1f} µs per module ({r['curvopt_us']:.0f} µs a pass, "
             f"plain {r['plain_us']:.0f} µs)"
         )
-    if args.label is not None and not args.quantity:  # labelled full runs only
+    if args.label is not None and not (args.quantity or args.no_gc):  # full runs only
         write(args.label, args.batch, args.rounds, args.repeats, results)
 
 
