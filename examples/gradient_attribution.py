@@ -133,7 +133,7 @@ def train_with_checkpoints(X, y, epochs: int, lr: float, batch_size: int, seed: 
             opt.zero_grad()
             nn.functional.cross_entropy(model(X[idx]), y[idx]).backward()
             opt.step()
-        checkpoints.append((copy.deepcopy(model), lr))
+        checkpoints.append((curvopt.extend(copy.deepcopy(model)), lr))  # a copy is plain
     return model, checkpoints
 
 

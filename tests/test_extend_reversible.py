@@ -220,16 +220,18 @@ def test_a_tied_weight_keeps_its_hook_while_another_extended_module_holds_it():
 
 
 def test_an_extended_model_is_freed_and_leaves_no_entry():
-    gc.collect()
-    modules, params = len(extended._MODULES), len(extended._PARAMETERS)
     model = curvopt.extend(_plain())
     x, y = _data()
     _batch_grads(model, curvopt.extend(nn.CrossEntropyLoss()), x, y)
+    keys = {id(m) for m in model.modules()} | {id(p) for p in model.parameters()}
+    tables = (extended._MODULES, extended._PARAMETERS)
+    assert all(keys & set(table._data) for table in tables)  # the model has entries
     ref = weakref.ref(model)
     del model
     gc.collect()
     assert ref() is None
-    assert (len(extended._MODULES), len(extended._PARAMETERS)) == (modules, params)
+    for table in tables:  # (other objects, made since, may reuse an id: a live entry)
+        assert all(obj() is not None for obj, _ in table._data.values())
 
 
 def _copies(model):
