@@ -292,3 +292,19 @@ def test_layer_rules_know_nothing_of_hooks_or_passes(graph):
         if _part(target) == "core" and target not in RULES_READ_OF_CORE
     )
     assert not bad, bad
+
+
+#: the folders whose ``__init__`` docstring is their map, naming each of their modules
+MAPPED = ("autograd", "core", "graph", "engine", "guards", "loop", "entry", "frontend")
+
+
+@pytest.mark.parametrize("folder", MAPPED)
+def test_every_folder_map_names_its_modules(folder):
+    path = ROOT / "curvopt" / folder
+    doc = ast.get_docstring(ast.parse((path / "__init__.py").read_text())) or ""
+    unnamed = [
+        p.stem
+        for p in sorted(path.glob("*.py"))
+        if p.stem != "__init__" and f"``{p.stem}``" not in doc
+    ]
+    assert not unnamed, f"curvopt/{folder}/__init__.py does not name {unnamed}"

@@ -1,5 +1,7 @@
 """The checks that turn a wrong number into an exception (layer 6).
 
+* ``observer``: ``PassGuard``, what a guard of one pass observes: its loss, module, parameter
+  and finish events (``loop.backward`` calls them);
 * ``pass_guards``: autocast off, reduced losses, an extended loss where curvature is asked,
   one batch size;
 * ``participation``: which parameters a pass accumulates into;
