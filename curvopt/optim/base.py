@@ -278,9 +278,10 @@ class CurvatureOptimizer(Optimizer):
             )
         if value is self._consumed.get(param, {}).get(attr):
             raise RuntimeError(
-                f"{description}: `{attr}` is the same object a previous step already used; "
-                "run the backward pass inside `with opt.collect():` (or use "
-                "`opt.step(closure)`) before every step"
+                f"{description}: `{attr}` is the same object a previous step already used, so "
+                "the last backward pass did not collect it. Run the backward pass of the "
+                "extended model (curvopt.extend; not undone by curvopt.unextend) inside "
+                "`with opt.collect():` (or use `opt.step(closure)`) before every step"
             )
         update.consumed[attr] = value
         if self._distributed is not None:
