@@ -1,4 +1,4 @@
-"""The recipe "add a layer type" of docs/architecture.md, followed with a toy layer: a module
+"""The recipe "add a layer type" of docs/extending.md, followed with a toy layer: a module
 and its rule, defined in this one file and registered through the public registry, give
 BatchGrad, DiagGGNExact (and its per-sample terms), KFLR (both weight-sharing approximations)
 and DiagHessian that match the dense references, with no edit anywhere in curvopt."""

@@ -1,4 +1,4 @@
-"""The recipe "add a quantity" of docs/architecture.md, followed with toy quantities declared in
+"""The recipe "add a quantity" of docs/extending.md, followed with toy quantities declared in
 this file and made by existing producers: a per-sample squared gradient norm (first order) and
 a per-sample GGN diagonal under a new name (second order). Each works through ``collect``,
 combines across micro-batches as its declaration says, is checked by ``verify``; and a quantity

@@ -1,4 +1,4 @@
-"""The recipe "add an optimizer stage" of ``docs/architecture.md``, followed with a toy stage.
+"""The recipe "add an optimizer stage" of ``docs/extending.md``, followed with a toy stage.
 
 A stage is one ``Stage`` subclass with an ``order`` and ``__call__(step)``; the chain of stages
 is a value (``stages.Chain``): an optimizer class declares it (``stages = ...``, in curvopt

@@ -240,7 +240,7 @@ class LayerRule:
         :meth:`kron_output_factor` gives one."""
         raise NotImplementedError(
             f"{type(self).__name__} gives an output-side Kronecker factor of {name!r} but no "
-            "kron_input_factor; implement both (docs/architecture.md, the LayerRule table)"
+            "kron_input_factor; implement both (docs/extending.md, the LayerRule table)"
         )
 
     def eigen_correction(self, call, name: str, bases) -> torch.Tensor:
