@@ -128,16 +128,7 @@ def measure(quantities, batch, rounds, repeats):
 
 def write(label, batch, rounds, repeats, results):
     path = RESULTS / "per_module_cost.json"
-    runs = json.loads(path.read_text()) if path.exists() else {}
-    runs[label] = {
-        "command": f"{COMMAND} --label {label}",
-        "batch": batch,
-        "rounds": rounds,
-        "repeats": repeats,
-        "threads": torch.get_num_threads(),
-        "results": results,
-    }
-    path.write_text(json.dumps(runs, indent=1) + "\n")
+    ppo.keep_run(path, COMMAND, label, batch, rounds, repeats, results)
     render()
 
 

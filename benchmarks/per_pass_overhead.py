@@ -170,12 +170,12 @@ def _module(path: str) -> str:
     return "other" if path.startswith("/") else path
 
 
-def write(label, batch, rounds, repeats, results):
+def keep_run(path, command, label, batch, rounds, repeats, results) -> None:
+    """Record one labelled run in the JSON file ``path`` (the other labels' runs are kept)."""
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "per_pass_overhead.json"
     runs = json.loads(path.read_text()) if path.exists() else {}
     runs[label] = {
-        "command": f"{COMMAND} --label {label}",
+        "command": f"{command} --label {label}",
         "batch": batch,
         "rounds": rounds,
         "repeats": repeats,
@@ -183,6 +183,10 @@ def write(label, batch, rounds, repeats, results):
         "results": results,
     }
     path.write_text(json.dumps(runs, indent=1) + "\n")
+
+
+def write(label, batch, rounds, repeats, results):
+    keep_run(RESULTS / "per_pass_overhead.json", COMMAND, label, batch, rounds, repeats, results)
     render()
 
 
