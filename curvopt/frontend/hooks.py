@@ -108,9 +108,6 @@ def _returned_loss_hook(module, args, kwargs, output):
     (``functional``)."""
     if STATE.suspended or STATE.collecting is None or not torch.is_grad_enabled():
         return
-    entry = module_entry(module)
-    if entry is None or entry.watcher is None:
-        return  # a copy of an extended model
     loss = returned_loss(output)
     if loss is not None:
         watch(loss)
