@@ -45,9 +45,9 @@ from curvopt.core.state import STATE
 from curvopt.graph.graph_plan import edges_of
 from curvopt.autograd.torch_internals import LOG_SOFTMAX, ROW_VIEWS, saved
 
-#: key of the autograd-node metadata of a functional loss's result holding the handle of its
-#: hook (:func:`_record`): on the node, which lives as long as the graph, not on the tensor
-_RECORD_HANDLE = "curvopt_functional_record"
+#: key, in the ``__dict__`` of a functional loss's result, of the handle of its hook
+#: (:func:`_record`): the loss tensor curvopt's own call returned, kept with it as its hook is
+_RECORD_HANDLE = "_curvopt_functional_record"
 
 
 class Watched(torch.Tensor):
@@ -108,8 +108,7 @@ def hook_loss(module: nn.Module, args, kwargs, output: torch.Tensor) -> None:
     """Hook ``output``, the result of the loss ``module`` on ``args``/``kwargs``, as an extended
     loss: its record receives ``d total / d output`` in the backward pass. A functional record
     made for the same output inside the module's forward is dropped: the module's own is kept."""
-    node = output.grad_fn
-    handle = None if node is None else node.metadata.pop(_RECORD_HANDLE, None)
+    handle = output.__dict__.pop(_RECORD_HANDLE, None)
     if handle is not None:
         handle.remove()
     record = LossRecord(module, args, kwargs)
@@ -142,7 +141,7 @@ def _record(func, loss, args, kwargs, result) -> None:
 
     handle = result.register_hook(on_grad)
     mark_extended_loss(result)
-    result.grad_fn.metadata[_RECORD_HANDLE] = handle
+    result.__dict__[_RECORD_HANDLE] = handle  # on the loss tensor: it lives as long as its hook
 
 
 def _reduction_of(call: Dict) -> Optional[str]:
