@@ -344,6 +344,36 @@ def test_a_freed_optimizer_disarms_and_the_model_costs_like_the_plain_one():
     assert STATE.collecting is None and not STATE.armed
 
 
+def test_a_collection_freed_while_the_hooks_read_the_armed_ones_hides_no_other():
+    """The garbage collector can free an optimizer's collection (left in a reference cycle)
+    at any allocation, also while a forward hook loops over the armed collections: the newer
+    ones are still read, so the functional loss of this optimizer's pass is watched."""
+    from curvopt.frontend.collection import Collection
+
+    gc.collect()
+    freed = Collection(lambda: None)
+    freed.arm()
+    freed.cycle = freed  # freed only by the garbage collector
+    del freed
+    collector = Collection(lambda: gc.collect() and None)  # its window runs the collector
+    collector.arm()
+    try:
+        model = curvopt.extend(_mlp())
+        opt = OPTIMIZERS["diag_ggn"](model.parameters())
+        X, y = _data(0)
+        armed = len(STATE.armed)
+        torch.nn.functional.cross_entropy(model(X), y).backward()
+        assert len(STATE.armed) == armed - 1  # the cycle went during the forward
+        opt.step()
+    finally:
+        collector.disarm()
+    twin = curvopt.extend(_mlp())
+    twin_opt = OPTIMIZERS["diag_ggn"](twin.parameters())
+    torch.nn.functional.cross_entropy(twin(X), y).backward()
+    twin_opt.step()
+    assert torch.equal(_params(model), _params(twin))
+
+
 def test_an_optimizer_on_another_model_does_no_work_in_this_ones_backward(monkeypatch):
     """An armed optimizer whose modules have no call awaiting a gradient (another model, or
     one not yet garbage-collected) takes no part: one graph walk, that of the open block."""

@@ -6,7 +6,6 @@ float32 outputs under autocast, so the plain loop casts them too; on CPU acceler
 ``mixed_precision="fp16"`` with neither autocast nor a GradScaler, so the plain loop runs float32
 there, ``dropin_loop.on_cpu``)."""
 
-import gc
 import warnings
 
 import pytest
@@ -34,7 +33,6 @@ PRECISION = {"64": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
 def _train(name, setting, functional=False):
-    gc.collect()  # earlier tests' optimizers, freed but in cycles, would stay armed meanwhile
     AcceleratorState._reset_state(True)  # one Accelerator per test, each with its own options
     GradientState._reset_state()
     accelerator = accelerate.Accelerator(

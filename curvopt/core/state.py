@@ -4,7 +4,9 @@
 only while a ``collect`` block is open or a collection is armed, so that without either an
 extended model costs what the plain model costs. ``open`` is the open ``collect`` block;
 ``armed`` holds weak references to the persistent collections that optimizers own (oldest
-first), so an optimizer that is freed disarms its collection.
+first), so an optimizer that is freed disarms its collection. It is a tuple, replaced and never
+changed in place: the weak references' callbacks run whenever the garbage collector frees a
+collection, also in the middle of a loop over ``armed``, which must not lose its place.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ class _State:
     def __init__(self):
         self.collecting = None  # the dispatcher while a collect is open or armed, else None
         self.open = None  # the open curvopt.collect block, if any
-        self.armed: list = []  # weakref.ref to each armed collection, oldest first
+        self.armed: tuple = ()  # weakref.ref to each armed collection, oldest first
         self.suspended = 0  # >0 while curvopt itself re-runs modules or propagates curvature
 
     @contextlib.contextmanager

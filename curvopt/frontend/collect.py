@@ -175,8 +175,15 @@ def refresh() -> None:
     STATE.collecting = DISPATCH if STATE.open is not None or STATE.armed else None
 
 
+def alive() -> tuple:
+    """``STATE.armed`` without the references whose collection is gone (their callback, run
+    by the garbage collector during another change of ``STATE.armed``, may have come too
+    early to remove them)."""
+    return tuple(ref for ref in STATE.armed if ref() is not None)
+
+
 def forget(ref) -> None:
-    """Disarm the collection behind ``ref`` (also its weakref callback: its owner is gone)."""
-    if ref in STATE.armed:
-        STATE.armed.remove(ref)
+    """Disarm the collection behind ``ref`` (also its weakref callback: its owner is gone).
+    ``STATE.armed`` is replaced, not changed in place (see ``core.state``)."""
+    STATE.armed = tuple(r for r in alive() if r is not ref)
     refresh()

@@ -14,7 +14,7 @@ from typing import Callable, Optional, Tuple
 
 from curvopt.engine.accumulate import Accumulator
 from curvopt.loop.backward import BackwardPass
-from curvopt.frontend.collect import collect, forget, refresh
+from curvopt.frontend.collect import alive, collect, forget, refresh
 from curvopt.errors import AccumulationError, ExtensionConflictError
 from curvopt.extensions.base import Extension
 from curvopt.extensions.quantity import Combine, quantity
@@ -56,7 +56,7 @@ class Collection(collect):
     def arm(self) -> None:
         if self._ref is None:
             self._ref = weakref.ref(self, forget)
-            STATE.armed.append(self._ref)
+            STATE.armed = (*alive(), self._ref)
             refresh()
 
     def disarm(self) -> None:
@@ -68,15 +68,17 @@ class Collection(collect):
     def paused(self):
         """Disarmed inside the block (re-armed in its place after): a backward pass that only
         measures a loss (Levenberg-Marquardt's second closure call) collects nothing."""
-        index = STATE.armed.index(self._ref) if self._ref in STATE.armed else None
+        armed = STATE.armed
+        index = next((i for i, ref in enumerate(armed) if ref is self._ref), None)
         if index is not None:
-            STATE.armed.pop(index)
+            STATE.armed = armed[:index] + armed[index + 1 :]
             refresh()
         try:
             yield
         finally:
             if index is not None:
-                STATE.armed.insert(min(index, len(STATE.armed)), self._ref)
+                armed = STATE.armed
+                STATE.armed = armed[:index] + (self._ref,) + armed[index:]
                 refresh()
 
     def reset(self) -> None:
