@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import curvopt
-from curvopt.core import params
+from curvopt.core import extended, params
 
 
 class _Tied(nn.Module):
@@ -41,12 +41,14 @@ def test_a_parameter_that_a_module_no_longer_owns_is_not_its():
 
 
 def test_a_freed_parameter_leaves_no_entry():
+    gc.collect()
+    before = len(extended._PARAMETERS)
     layer = curvopt.extend(nn.Linear(3, 2))
-    key = id(layer.weight)
-    assert key in params._HOLDERS
+    assert len(extended._PARAMETERS) == before + 2
+    assert [ref() for ref in extended.entry_of(layer.weight).holders] == [layer]
     del layer
     gc.collect()
-    assert key not in params._HOLDERS
+    assert len(extended._PARAMETERS) == before
 
 
 def test_unextend_takes_the_modules_off_their_parameters():
@@ -56,4 +58,4 @@ def test_unextend_takes_the_modules_off_their_parameters():
     assert not params.tied(model.emb.weight)
     curvopt.unextend(model)
     assert params.owners(list(model.parameters())) == {}
-    assert all(id(p) not in params._HOLDERS for p in model.parameters())
+    assert all(extended.entry_of(p) is None for p in model.parameters())

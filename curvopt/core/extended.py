@@ -4,8 +4,8 @@
 parameters, a loss, or a model whose returned loss it watches) a :class:`ModuleEntry` here holds
 the path the error messages give it, whether its rule owns its children's parameters,
 ``sequence_first``, how many of its calls await their gradients (``live``) and the handles of
-the hooks it registered; per parameter a :class:`ParameterEntry` holds its path and the handle of
-its tensor hook. ``unextend`` removes the hooks through those handles and drops the entries.
+the hooks it registered; per parameter a :class:`ParameterEntry` holds its path, the handle of
+its tensor hook and the modules ``extend`` found holding it (``curvopt.core.params``). ``unextend`` removes the hooks through those handles and drops the entries.
 
 The tables are keyed weakly by identity: ``id(obj)`` with a weak reference that drops the entry
 when ``obj`` is freed (a tensor's ``==`` is elementwise and a module may define its own, so
@@ -44,11 +44,13 @@ class ModuleEntry:
 class ParameterEntry:
     """What ``extend`` keeps of a parameter of a module it hooked."""
 
-    __slots__ = ("path", "handle")
+    __slots__ = ("path", "handle", "holders")
 
     def __init__(self):
         self.path: Optional[str] = None  # its path in the model, for error messages
         self.handle = None  # its tensor hook's handle (None: it did not require grad)
+        #: weak references to the extended modules found holding it, in order (``params``)
+        self.holders: List[weakref.ref] = []
 
 
 class _Table:

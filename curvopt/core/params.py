@@ -6,11 +6,11 @@ reaches it through the child's call, so the child's rule accounts for it. Should
 also use it directly, the per-sample sums miss that use and the backward pass raises.
 
 The modules of a parameter come from the parameter itself: ``extend`` notes, weakly, every
-module it finds holding it (``note_extended``), and ``owners``/``tied`` ask those that still
-own it, never every extended model in the process (weights tied after ``extend`` are seen once
+module it finds holding it (``note_extended``, in the parameter's entry of ``extended``, the
+registry of what ``extend`` installed), and ``owners``/``tied`` ask those that still own it,
+never every extended model in the process (weights tied after ``extend`` are seen once
 ``extend`` runs again); ``unextend`` takes a module off them (``forget``). Whether a module's
-rule owns its children's parameters is read from ``extended``, the registry of what ``extend``
-installed.
+rule owns its children's parameters is read from ``extended`` too.
 """
 
 from __future__ import annotations
@@ -20,12 +20,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from torch import nn
 
-from curvopt.core.extended import owns_children
-
-#: ``id(p) -> (weak reference to p, [weak references to the extended modules holding p at
-#: extend, in order])``, an entry dropped when ``p`` is freed
-_HOLDERS: Dict[int, tuple] = {}
-
+from curvopt.core.extended import ParameterEntry, entry_for, entry_of, owns_children
 
 def _held_below(module: nn.Module) -> Set[int]:
     """ids of the parameters held by ``module``'s descendants (empty for a leaf module)."""
@@ -70,11 +65,7 @@ def trainable(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
 def note_extended(module: nn.Module) -> None:
     """``extend`` hooked ``module``: a holder of its parameters."""
     for _, p in owned(module):
-        holders = _holders(p)
-        if holders is None:
-            key = id(p)
-            holders = []
-            _HOLDERS[key] = (weakref.ref(p, lambda _, key=key: _HOLDERS.pop(key, None)), holders)
+        holders = entry_for(p).holders
         if not any(ref() is module for ref in holders):
             holders.append(weakref.ref(module))
 
@@ -83,22 +74,21 @@ def forget(modules) -> None:
     """``unextend`` took the hooks off ``modules``: they hold no parameter for curvopt any
     more."""
     gone = {id(m) for m in modules}
-    for key, (_, refs) in list(_HOLDERS.items()):
-        refs[:] = [r for r in refs if r() is not None and id(r()) not in gone]
-        if not refs:
-            _HOLDERS.pop(key, None)
+    for p in {id(p): p for m in modules for p in m.parameters()}.values():
+        holders = _holders(p)
+        holders[:] = [r for r in holders if r() is not None and id(r()) not in gone]
 
 
-def _holders(p) -> Optional[list]:
-    """The weak references to the modules ``extend`` found holding ``p``, or None."""
-    entry = _HOLDERS.get(id(p))
-    return entry[1] if entry is not None and entry[0]() is p else None
+def _holders(p) -> list:
+    """The weak references to the modules ``extend`` found holding ``p`` (empty: none)."""
+    entry = entry_of(p)
+    return entry.holders if isinstance(entry, ParameterEntry) else []
 
 
 def tied(p: nn.Parameter) -> bool:
     """Whether more than one extended module owns ``p`` (weight tying), of the modules
     ``extend`` found holding it."""
-    holders = (ref() for ref in _holders(p) or ())
+    holders = (ref() for ref in _holders(p))
     return sum(m is not None and any(q is p for _, q in owned(m)) for m in holders) > 1
 
 
@@ -108,7 +98,7 @@ def owners(params) -> Dict[int, Tuple[nn.Module, str]]:
     still owns it."""
     found: Dict[int, Tuple[nn.Module, str]] = {}
     for p in params:
-        for ref in _holders(p) or ():
+        for ref in _holders(p):
             module = ref()
             name = None if module is None else next((n for n, q in owned(module) if q is p), None)
             if name is not None:
@@ -122,7 +112,7 @@ def holders(params) -> List[nn.Module]:
     them), each once."""
     found: Dict[int, nn.Module] = {}
     for p in params:
-        for ref in _holders(p) or ():
+        for ref in _holders(p):
             module = ref()
             if module is not None and any(q is p for _, q in owned(module)):
                 found.setdefault(id(module), module)
