@@ -33,7 +33,6 @@ from torch import nn
 
 import curvopt
 from benchmarks import per_pass_overhead as ppo
-from curvopt import extensions as ext
 
 DEPTH, WIDTH, CLASSES = 32, 16, 10
 MODULES = DEPTH + 1  # the Linear modules
@@ -59,60 +58,31 @@ def build(batch: int, seed: int = 0):
 
 
 def setup(batch: int):
-    """``(plain pass, curvopt pass of a quantity)`` as ``per_pass_overhead.setup``; the
-    quantity ``step`` pairs a ``curvopt.optim.KFAC`` step with an SGD step instead."""
-    bare, bare_X, bare_y, bare_loss = build(batch)
-    model, X, y, lossfunc = build(batch)
-    curvopt.extend(model)
-    curvopt.extend(lossfunc)
-
-    def plain():
-        bare.zero_grad(set_to_none=True)
-        bare_loss(bare(bare_X), bare_y).backward()
-
-    def with_quantity(name):
-        if name == "step":
-            return _kfac_step(model, X, y, lossfunc)
-        extension = getattr(ext, name)
-
-        def run():
-            model.zero_grad(set_to_none=True)
-            loss = lossfunc(model(X), y)
-            with curvopt.collect(extension()):
-                loss.backward()
-
-        return run
-
-    return plain, with_quantity
-
-
-def _kfac_step(model, X, y, lossfunc):
-    opt = curvopt.optim.KFAC(model.parameters(), lr=1e-3, damping=1e-2)
-
-    def run():
-        opt.zero_grad(set_to_none=True)
-        loss = lossfunc(model(X), y)
-        with opt.collect():
-            loss.backward()
-        opt.step()
-
-    return run
+    """``(plain pass, curvopt pass of a quantity)`` on the MLP (``per_pass_overhead.paired``)."""
+    return ppo.paired(lambda: build(batch))
 
 
 def sgd_setup(batch: int):
-    """``(SGD step on an un-extended copy, curvopt.optim.KFAC step)`` for ``measure``."""
+    """``(SGD step on an un-extended copy, curvopt.optim.KFAC step)`` for ``measure``: one
+    ``zero_grad``, forward, backward inside ``opt.collect()`` and step each."""
     bare, bare_X, bare_y, bare_loss = build(batch)
-    model, X, y, lossfunc = build(batch)
-    curvopt.extend(model)
-    curvopt.extend(lossfunc)
+    model, X, y, lossfunc = ppo.extended(lambda: build(batch))
     sgd = torch.optim.SGD(bare.parameters(), lr=1e-3)
+    opt = curvopt.optim.KFAC(model.parameters(), lr=1e-3, damping=1e-2)
 
     def plain():
         sgd.zero_grad(set_to_none=True)
         bare_loss(bare(bare_X), bare_y).backward()
         sgd.step()
 
-    return plain, lambda name: _kfac_step(model, X, y, lossfunc)
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = lossfunc(model(X), y)
+        with opt.collect():
+            loss.backward()
+        opt.step()
+
+    return plain, lambda name: step
 
 
 def measure(quantities, batch, rounds, repeats):

@@ -51,14 +51,18 @@ COMMAND = "OMP_NUM_THREADS=1 python -m benchmarks.per_pass_overhead"
 KEPT = "<!-- sections below are kept when the table is rendered -->"
 
 
-def setup(batch: int):
-    """``(plain pass, curvopt pass of a quantity)`` on logreg at ``batch``: the plain pass on
-    an un-extended copy (as ``experiments.overhead``'s baseline), curvopt's on an extended one."""
-    problem = PROBLEMS["logreg"].resized(batch)
-    bare, bare_X, bare_y, bare_loss = problem.build()
-    model, X, y, lossfunc = problem.build()
-    curvopt.extend(model)
-    curvopt.extend(lossfunc)
+def extended(build):
+    """``build()``'s ``(model, X, y, lossfunc)`` with the model and the loss extended."""
+    model, X, y, lossfunc = build()
+    return curvopt.extend(model), X, y, curvopt.extend(lossfunc)
+
+
+def paired(build):
+    """``(plain pass, curvopt pass of a quantity)`` on two models from ``build()`` (``(model,
+    X, y, lossfunc)``, the same at each call): the plain pass on an un-extended one (as
+    ``experiments.overhead``'s baseline), curvopt's on an extended one."""
+    bare, bare_X, bare_y, bare_loss = build()
+    model, X, y, lossfunc = extended(build)
 
     def plain():
         bare.zero_grad(set_to_none=True)
@@ -76,6 +80,11 @@ def setup(batch: int):
         return run
 
     return plain, with_quantity
+
+
+def setup(batch: int):
+    """:func:`paired` on logreg at ``batch``."""
+    return paired(PROBLEMS["logreg"].resized(batch).build)
 
 
 def _mean_us(fn, repeats):
@@ -196,8 +205,7 @@ def render():
     labels = list(runs)
     batch = runs[labels[0]]["batch"]
     lines = [
-        "# Fixed per-pass overhead: logreg (784 -> 10), batch "
-        f"{batch}, float32, one thread",
+        f"# Fixed per-pass overhead: logreg (784 -> 10), batch {batch}, float32, one thread",
         "",
         "µs a pass beyond the plain forward + backward: median over rounds of the mean of "
         "`repeats` passes, curvopt and plain interleaved (`benchmarks/per_pass_overhead.py`),",
