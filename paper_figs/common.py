@@ -25,6 +25,13 @@ PROBLEM_TITLES = {
     "fmnist_vit": "Fashion-MNIST ViT",
     "cifar10_3c3d": "CIFAR-10 3C3D",
     "cifar100_allcnnc": "CIFAR-100 All-CNN-C",
+    "fortunes_gpt": "fortunes char-level GPT",
+    "mnist_autoencoder": "MNIST autoencoder",
+}
+#: the metric of a problem whose metric is not the test accuracy (lower is better for these)
+PROBLEM_METRICS = {
+    "fortunes_gpt": "validation bits/char",
+    "mnist_autoencoder": "test squared error",
 }
 OPTIMIZER_TITLES = {
     "momentum": "Momentum",
@@ -40,6 +47,10 @@ OPTIMIZER_TITLES = {
     "psgd_kron": "PSGD-Kron",
     "sf_adamw": "schedule-free AdamW",
     "sf_kfac": "schedule-free KFAC",
+    "muon": "Muon (torch) + AdamW",
+    "muon_adamw": "MuonAdamW (heavyball)",
+    "klsoap": "KL-SOAP",
+    "eigen_adam": "EigenAdam",
 }
 #: fixed colour per optimizer, so that the same method has the same colour in every figure
 OPTIMIZER_COLORS = {
@@ -56,6 +67,10 @@ OPTIMIZER_COLORS = {
     "psgd_kron": "darkgoldenrod",
     "sf_adamw": "darkslateblue",
     "sf_kfac": "black",
+    "muon": "tab:green",
+    "muon_adamw": "yellowgreen",
+    "klsoap": "teal",
+    "eigen_adam": "tab:brown",
 }
 OPTIMIZER_ORDER = list(OPTIMIZER_TITLES)
 PROBLEM_ORDER = list(PROBLEM_TITLES)
@@ -63,6 +78,10 @@ PROBLEM_ORDER = list(PROBLEM_TITLES)
 
 def problem_title(name: str) -> str:
     return PROBLEM_TITLES.get(name, name)
+
+
+def problem_metric(name: str) -> str:
+    return PROBLEM_METRICS.get(name, "test accuracy")
 
 
 def optimizer_title(name: str) -> str:

@@ -1,10 +1,11 @@
 """Time-to-result figure from a ``python -m experiments ttr`` results folder.
 
-``ttr.png``: one row per problem, two panels: test accuracy against optimizer steps, and against
-estimated seconds (steps x the interleaved CPU cost per step of ``ttr_cost``, from
-``summary.json``). One line per optimizer: its winning setting's seed-0 run (the lowest seed
-with a curve; each run stops at the highest target); dots on the dotted target lines: every
-seed's steps (or estimated seconds) to that target. One line per optimizer (about 5 a panel).
+``ttr.png``: one row per problem, two panels: the problem's metric (test accuracy, or a loss
+for the language model and the autoencoder) against optimizer steps, and against estimated
+seconds (steps x the interleaved CPU cost per step of ``ttr_cost``, from ``summary.json``).
+One line per optimizer: its winning setting's seed-0 run (the lowest seed with a curve; each
+run stops at the highest target); dots on the dotted target lines: every seed's steps (or
+estimated seconds) to that target. One line per optimizer (about 5 a panel).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .common import new_figure, optimizer_color, optimizer_title, ordered_keys, problem_title, save
+from .common import new_figure, optimizer_color, optimizer_title, ordered_keys, problem_metric
+from .common import problem_title, save
 
 SUMMARY = "summary.json"
 SKIP = {SUMMARY, "cost.json"}
@@ -72,13 +74,15 @@ def ttr_figure(entries: list[dict], summary: dict):
                     ax.plot(xs, [t] * len(xs), "o", color=color, ms=4, alpha=0.8)
             for t in targets:
                 ax.axhline(t, color="black", ls=":", lw=1)
-            ax.set_ylim(targets[0] - 0.1, min(1.0, targets[-1] + 0.03))
+            lower = own[0]["spec"].get("lower_is_better", False)
+            ax.set_ylim(*_window(targets, lower))
+            metric = problem_metric(problem)
             ax.set_xlabel(axis if j == 0 else "estimated seconds (steps × CPU cost/step)")
-            ax.set_ylabel("test accuracy")
-            ax.set_title(f"{problem_title(problem)}: test accuracy vs {axis}", fontsize=9)
+            ax.set_ylabel(metric)
+            ax.set_title(f"{problem_title(problem)}: {metric} vs {axis}", fontsize=9)
             ax.grid(alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7, loc="lower right")
+                ax.legend(fontsize=7, loc="upper right" if lower else "lower right")
     meta = summary.get("meta", {})
     fig.suptitle(
         ("SYNTHETIC DATA - " if meta.get("synthetic") else "")
@@ -87,6 +91,16 @@ def ttr_figure(entries: list[dict], summary: dict):
         fontsize=8,
     )
     return fig
+
+
+def _window(targets, lower_is_better: bool) -> tuple[float, float]:
+    """The y range around the targets (ordered in the metric's direction): an accuracy's from
+    0.1 below the first to just above the last (at most 1); a loss's from just below the
+    lowest to a quarter of the lowest above the highest, so that the approach shows."""
+    if not lower_is_better:
+        return targets[0] - 0.1, min(1.0, targets[-1] + 0.03)
+    low, high = min(targets), max(targets)
+    return low * 0.97, high + 0.25 * low
 
 
 def plot_ttr(results_dir: str | Path, out_dir: str | Path) -> list[Path]:

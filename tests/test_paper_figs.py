@@ -505,6 +505,39 @@ def test_runs_of_different_budgets_are_never_mixed(tmp_path):
     ]
 
 
+def test_ttr_figure_of_a_loss_workload_shows_its_metric_around_its_targets():
+    """A problem whose metric is a loss (lower is better, targets descending) gets its metric's
+    name on the y axis and a y range that holds both targets and the curve's approach."""
+    from paper_figs import ttr
+
+    entries = [
+        {
+            "problem": "fortunes_gpt",
+            "optimizer": opt,
+            "spec": {"targets": [2.98, 2.83], "lower_is_better": True},
+            "runs": [
+                {
+                    "seed": 0,
+                    "steps_to": {"2.98": 75, "2.83": 100},
+                    "curve": [[25 * k, 0.0, 3.4 - 0.15 * k] for k in range(5)],
+                }
+            ],
+        }
+        for opt in ("adam", "muon", "eigen_adam")
+    ]
+    table = [
+        {"problem": "fortunes_gpt", "optimizer": e["optimizer"], "cost_per_step_s": 0.1}
+        for e in entries
+    ]
+    fig = ttr.ttr_figure(entries, {"table": table, "meta": {"threads": 1}})
+    for ax in fig.axes:
+        assert ax.get_ylabel() == "validation bits/char"
+        low, high = ax.get_ylim()
+        assert low < 2.83 < 2.98 < 3.4 < high
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert labels == ["Adam", "Muon (torch) + AdamW", "EigenAdam"]
+
+
 def test_ttr_figure_one_line_per_optimizer_in_each_panel():
     """5 optimizers x 3 seeds on 2 problems: 2 panels per problem (steps, estimated seconds),
     one line per optimizer (its seed-0 run), the seconds axis scaled by the cost per step."""
