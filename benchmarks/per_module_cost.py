@@ -134,11 +134,7 @@ def render():
             )
         goal = f"≤ {GOALS[q]:.0f}" if q in GOALS else ""
         lines.append(f"| {q} | {goal} | {OTHERS.get(q, '')} | " + " | ".join(cells) + " |")
-    path = RESULTS / "per_module_cost.md"
-    old = path.read_text() if path.exists() else ""
-    kept = old[old.index(ppo.KEPT) :] if ppo.KEPT in old else ""
-    path.write_text("\n".join(lines) + "\n" + ("\n" + kept if kept else ""))
-    print("\n".join(lines))
+    ppo.write_table(RESULTS / "per_module_cost.md", lines)
 
 
 def main(argv=None):

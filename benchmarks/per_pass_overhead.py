@@ -228,7 +228,12 @@ def render():
             for lab in labels
         ]
         lines.append(f"| {q} | ≤ {GOALS[q]:.0f} | " + " | ".join(cells) + " |")
-    path = RESULTS / "per_pass_overhead.md"
+    write_table(RESULTS / "per_pass_overhead.md", lines)
+
+
+def write_table(path, lines) -> None:
+    """Write ``lines`` (a rendered table) to ``path``, keeping what stands below :data:`KEPT`
+    there, and print them."""
     old = path.read_text() if path.exists() else ""
     kept = old[old.index(KEPT) :] if KEPT in old else ""
     path.write_text("\n".join(lines) + "\n" + ("\n" + kept if kept else ""))
