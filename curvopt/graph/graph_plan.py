@@ -11,15 +11,13 @@ broadcast, the verified row layouts with the calls found transposed, whether the
 sums were checked, whether the loss's exact columns are compressed at a language model's head),
 one per structure, in ``_PLANS``, keyed by the walk's canonical form
 (``walk.Walk.key``). The checkpoint stages from a root node (``checkpointing``) are kept in
-``_STAGES`` while the live re-run segments stay the same, the max-pool stages from a root to the
-edges asked (``pooling``) in ``_POOL_STAGES`` while the walk of their pass lives. These caches
-live here, and nowhere else.
+``_STAGES`` while the live re-run segments stay the same. (The max-pool stages from a root to
+the edges asked, ``pooling``, are the walk's own: ``walk.Walk.pool_stages``.)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections import OrderedDict, defaultdict
 from typing import Callable, Dict, Hashable, Iterable, Tuple
 
@@ -28,9 +26,6 @@ _PLANS: "OrderedDict[Hashable, Plan]" = OrderedDict()
 _PLANS_SIZE = 256
 #: root node -> the checkpoint stages from it, while no live segment changes (``checkpointing``)
 _STAGES: Dict[object, list] = {}
-#: walk -> {(root node, output nr, edges asked): the max-pool stages or None} (``pooling``): they
-#: hold the nodes of the walk's pass, and go with it
-_POOL_STAGES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def edges_of(node) -> tuple:
@@ -179,18 +174,6 @@ def stages_of(start, make: Callable[[], list]) -> list:
     if stages is None:
         stages = _STAGES[start] = make()
     return stages
-
-
-def pool_stages_of(walk, key: Hashable, make: Callable[[], object]):
-    """The max-pool stages ``key`` (a root and the edges asked) of ``walk``'s graph, made by
-    ``make`` once per walk (``pooling``): every chunk of columns from the same root to the same
-    edges crosses the same stages."""
-    held = _POOL_STAGES.get(walk)
-    if held is None:
-        held = _POOL_STAGES[walk] = {}
-    if key not in held:
-        held[key] = make()
-    return held[key]
 
 
 def forget_stages() -> None:

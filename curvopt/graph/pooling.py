@@ -20,7 +20,7 @@ the graph has no batching rule. The graph is read as the loss's walk read it.
 
 Where the choice is made: ``propagate.backpropagate`` asks for the stages where the walk found
 a node without a batching rule (``walk.Walk.batchable`` false) and more than one column goes;
-they (or ``None``) are made once per walk, root and edges asked (``graph_plan.pool_stages_of``)
+they (or ``None``) are made once per walk, root and edges asked (``walk.Walk.pool_stages``)
 and reused by every chunk of columns that takes the same way, so a pass searches its graph for
 them once, not once per chunk.
 """
@@ -33,7 +33,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from curvopt.graph.checkpointing import reach
-from curvopt.graph.graph_plan import pool_stages_of, search
+from curvopt.graph.graph_plan import search
 from curvopt.autograd.torch_internals import MAX_POOL, NO_BATCHING_RULE, max_pool_transpose
 
 
@@ -54,10 +54,12 @@ def pool_stages(root, edges, walk) -> Optional[List[_Stage]]:
     """The stages from ``root`` (a tensor or edge) to ``edges`` across the max-pool nodes of
     ``walk`` (``walk.Walk``), each after every stage that feeds it; ``None`` where there is no
     pooling to cross or the stages would not be exact and batched (module doc). Made once per
-    walk, root and edges (``graph_plan.pool_stages_of``)."""
+    walk, root and edges (kept in ``walk.pool_stages``)."""
     node = root.grad_fn if isinstance(root, torch.Tensor) else root.node
     key = (node, root.output_nr, tuple(edges))
-    return pool_stages_of(walk, key, lambda: _stages(node, edges, walk))
+    if key not in walk.pool_stages:
+        walk.pool_stages[key] = _stages(node, edges, walk)
+    return walk.pool_stages[key]
 
 
 def _stages(node, edges, walk) -> Optional[List[_Stage]]:

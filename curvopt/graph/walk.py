@@ -92,6 +92,8 @@ class Walk:
         self.segmented = within is not None and within.segmented
         self.broadcasting = False  # a broadcasting op was met (``broadcast``)
         self.by_data = False  # an op that picks entries by data was met
+        #: ``(root node, output nr, edges asked) -> max-pool stages or None`` (``pooling``)
+        self.pool_stages: dict = {}
         self._users = None
         self._walk(start, recompute, within)
 
