@@ -99,7 +99,7 @@ def find_cut(walk, calls, root: torch.Tensor, diagonals: bool) -> Optional[Cut]:
     cut = _frozen_head(walk, root) or _recorded_head(walk, calls, root)
     if cut is None:
         return None
-    nodes, barriers, entries = reach([root.grad_fn], {cut.edge.node}, walk.next_of)
+    nodes, barriers, entries = reach([root.grad_fn], {cut.edge.node}, walk.next_of, walk.segment_of)
     if barriers or entries != {(cut.edge.node, cut.edge.output_nr)}:
         return None  # a checkpoint above h, or h's node entered through another output too
     below = cut.below(calls)
@@ -162,7 +162,9 @@ def _last_call(walk, calls, root):
     outputs = {(e.node, e.output_nr): record for record, edges in calls.items() for _, e in edges}
     first = outputs.get((root.grad_fn, root.output_nr))
     if first is None:
-        _, _, entries = reach([root.grad_fn], {node for node, _ in outputs}, walk.next_of)
+        _, _, entries = reach(
+            [root.grad_fn], {node for node, _ in outputs}, walk.next_of, walk.segment_of
+        )
         met = {outputs.get(edge) for edge in entries}
         first = met.pop() if len(met) == 1 else None
     return first

@@ -18,8 +18,10 @@ would make autograd run the checkpoint node: that raises, naming the fix.
 
 While segments are live (from the loss hook to the end of its curvature work), the re-run graphs
 hold the activations of every segment at once, as the model without checkpointing does. The
-regions, and the releases, read the graph as the loss's walk read it (``walk.Walk``,
-``adopt``): no node's edges are read twice.
+segments that one loss's walk re-ran belong to that walk (:class:`Segments`, shared by the walks
+within it): the regions, and the releases, read the graph as those walks read it
+(:meth:`Segments.adopt`), so no node's edges are read twice, and the stages from a root are kept
+there while no segment is re-run or released.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from curvopt.errors import UnsupportedModuleError
-from curvopt.graph.graph_plan import edges_of, forget_stages, search, stages_of
+from curvopt.graph.graph_plan import edges_of, search
 from curvopt.core.extended import module_path, set_path
 from curvopt.core.records import records_on
 from curvopt.autograd.torch_internals import ACCUMULATE_GRAD
@@ -38,10 +40,33 @@ from curvopt.autograd.torch_rerun import rerun_checkpoint
 
 #: key of the autograd-node metadata holding a checkpoint node's live ``Segment``
 _METADATA = "curvopt_segment"
-_LIVE: set = set()  # the live segments
-#: ``node -> next_functions`` as the walk that re-ran the live segments read them
-#: (``walk.Walk``, ``adopt``): the stages and releases read the graph from it
-_EDGES: Dict[object, tuple] = {}
+
+
+class Segments:
+    """The live segments one loss's walk re-ran (``walk.Walk.segments``, shared by the walks
+    within it), from the loss hook until each is released: ``live``; ``edges``, the graph as
+    those walks read it (``node -> next_functions``), which the stages and releases read;
+    ``stages``, the regions from each root node (:func:`through`), kept while no segment is
+    re-run or released."""
+
+    def __init__(self):
+        self.live: set = set()
+        self.edges: Dict[object, tuple] = {}
+        self.stages: Dict[object, list] = {}
+
+    def on(self, node) -> Optional["Segment"]:
+        """The live segment of a reentrant checkpoint's node, if one was re-run."""
+        return node.metadata.get(_METADATA) if self.live else None
+
+    def next_of(self, node) -> tuple:
+        """The edges of ``node`` as the walks read them."""
+        nexts = self.edges.get(node)
+        return edges_of(node) if nexts is None else nexts
+
+    def adopt(self, edges: Dict[object, tuple]) -> None:
+        """The graph as a walk read it (``node -> next_functions``), while segments are live."""
+        if self.live:
+            self.edges.update(edges)
 
 
 def _name(fn) -> str:
@@ -56,10 +81,12 @@ def _name(fn) -> str:
 class Segment:
     """A reentrant checkpoint's segment, re-run with grad: ``outputs[i]`` stands for the node's
     output ``i``. Named like a module in errors: it is its own ``module``, and its ``path`` is
-    given to ``curvopt.core.extended`` (:func:`~curvopt.core.extended.set_path`)."""
+    given to ``curvopt.core.extended`` (:func:`~curvopt.core.extended.set_path`). It is live in
+    ``owner`` (the walk's :class:`Segments`) until :meth:`release`."""
 
-    def __init__(self, node):
+    def __init__(self, node, owner: Segments):
         self.node = node
+        self.owner = owner
         self.path = f"checkpoint({_name(node.run_function)})"
         set_path(self, self.path)
         outputs, drew = rerun_checkpoint(node)
@@ -73,8 +100,8 @@ class Segment:
             )
         self.outputs = outputs
         node.metadata[_METADATA] = self
-        _LIVE.add(self)
-        forget_stages()
+        owner.live.add(self)
+        owner.stages.clear()
 
     @property
     def module(self):
@@ -96,56 +123,36 @@ class Segment:
         """Drop the re-run graph and the inputs of the module calls made by the re-run."""
         if self.node.metadata.get(_METADATA) is self:
             del self.node.metadata[_METADATA]
-        _LIVE.discard(self)
-        forget_stages()
+        owner = self.owner
+        owner.live.discard(self)
+        owner.stages.clear()
         inputs = {id(t.grad_fn) for t in self.node.saved_tensors if t.grad_fn is not None}
 
         def release(node) -> list:
             if id(node) in inputs:
                 return []
-            if type(node).__name__ == ACCUMULATE_GRAD or segment_on(node) is not None:
+            if type(node).__name__ == ACCUMULATE_GRAD or owner.on(node) is not None:
                 return []
             for record, _, _ in records_on(node):
                 record.release()
-            return [fn for fn, _ in _next(node)]
+            return [fn for fn, _ in owner.next_of(node)]
 
         search([self.outputs[i].grad_fn for i in self._differentiable()], release)
         self.outputs = ()
-        if not _LIVE:
-            _EDGES.clear()
+        if not owner.live:
+            owner.edges.clear()
 
 
-def adopt(edges: Dict[object, tuple]) -> None:
-    """The graph as a walk read it (``node -> next_functions``), while segments are live."""
-    if _LIVE:
-        _EDGES.update(edges)
-
-
-def _next(node) -> tuple:
-    nexts = _EDGES.get(node)
-    return edges_of(node) if nexts is None else nexts
-
-
-def segment_on(node) -> Optional[Segment]:
-    """The live segment of a reentrant checkpoint's node, if curvopt re-ran it."""
-    return node.metadata.get(_METADATA) if _LIVE else None
-
-
-def live() -> bool:
-    """Whether any segment is live (else columns take the plain path)."""
-    return bool(_LIVE)
-
-
-def reach(starts, stop=frozenset(), nexts=None):
+def reach(starts, stop, nexts, segment_of):
     """``(nodes, barriers, entries)``: the nodes autograd reaches from ``starts`` without
     passing a live checkpoint node (the ``barriers``, segments, in order met) or a node of
     ``stop`` (``entries``: the edges ``(node, output_nr)`` by which the stop nodes are entered).
-    ``nexts(node)``: its edges as a walk read them (default: as the live segments' walk)."""
-    nexts = _next if nexts is None else nexts
+    ``nexts(node)``: its edges as a walk read them; ``segment_of(node)``: its live segment or
+    None (``walk.Walk.segment_of``, :meth:`Segments.on`)."""
     barriers, entries = [], {(node, None) for node in starts if node in stop}
 
     def expand(node) -> list:
-        barrier = segment_on(node)
+        barrier = segment_of(node)
         if barrier is not None:
             barriers.append(barrier)
             return []
@@ -158,26 +165,28 @@ def reach(starts, stop=frozenset(), nexts=None):
         return on
 
     read = search([node for node in starts if node not in stop], expand)
-    nodes = {node for node in read if segment_on(node) is None}
+    nodes = {node for node in read if segment_of(node) is None}
     return nodes, barriers, entries
 
 
 class _Region:
     """What autograd reaches from ``starts`` without passing a live checkpoint node: ``nodes``,
     and the ``barriers`` (segments) it meets. ``segment`` is the one whose re-run starts it
-    (``None`` for the root)."""
+    (``None`` for the root); ``segments``: the live segments."""
 
-    def __init__(self, segment, starts):
+    def __init__(self, segment, starts, segments: Segments):
         self.segment = segment
-        self.nodes, self.barriers, _ = reach(starts)
+        self.segments = segments
+        self.nodes, self.barriers, _ = reach(starts, frozenset(), segments.next_of, segments.on)
         self._above: Optional[set] = None
 
     def reject_bypass(self, nodes) -> None:
         """Raise if a node asked for lies upstream of a checkpoint this region meets (autograd
         would run the checkpoint to reach it)."""
         if self._above is None:
-            starts = [fn for b in self.barriers for fn, _ in _next(b.node)]
-            self._above = search(starts, lambda node: [fn for fn, _ in _next(node)])
+            nexts = self.segments.next_of
+            starts = [fn for b in self.barriers for fn, _ in nexts(b.node)]
+            self._above = search(starts, lambda node: [fn for fn, _ in nexts(node)])
         for node in nodes:
             if node in self._above:
                 names = ", ".join(b.path for b in self.barriers)
@@ -190,21 +199,26 @@ class _Region:
                 )
 
 
-def _plan(start) -> List[_Region]:
+def _plan(start, segments: Segments) -> List[_Region]:
     """The regions from ``start`` (a node), each after every region that feeds it (kept in
-    ``graph_plan``'s cache of stages while the live segments stay the same)."""
-    return stages_of(start, lambda: _regions(start))
+    ``segments.stages`` while the live segments stay the same)."""
+    stages = segments.stages.get(start)
+    if stages is None:
+        stages = segments.stages[start] = _regions(start, segments)
+    return stages
 
 
-def _regions(start) -> List[_Region]:
-    regions = {start: _Region(None, [start])}  # the root's region, then one per segment met
+def _regions(start, segments: Segments) -> List[_Region]:
+    # the root's region, then one per segment met
+    regions = {start: _Region(None, [start], segments)}
     feeders: Dict[object, int] = {}
 
     def expand(key) -> list:
         for b in regions[key].barriers:
             feeders[b] = feeders.get(b, 0) + 1
             if b not in regions:
-                regions[b] = _Region(b, [b.outputs[i].grad_fn for i in b._differentiable()])
+                starts = [b.outputs[i].grad_fn for i in b._differentiable()]
+                regions[b] = _Region(b, starts, segments)
         return regions[key].barriers
 
     search([start], expand)
@@ -219,21 +233,21 @@ def _regions(start) -> List[_Region]:
     return order
 
 
-def through(grad, root, edges, columns: torch.Tensor, batched: bool):
+def through(grad, root, edges, columns: torch.Tensor, batched: bool, segments: Segments):
     """``grad(outputs, inputs, columns, batched)`` (autograd's ``J^T`` from a list of roots to a
     list of edges, ``[k, *edge]`` each or ``None``) from ``root`` (a tensor or edge, columns
-    ``[k, *root]``) to ``edges``, across the live segments, in stages."""
+    ``[k, *root]``) to ``edges``, across the live ``segments``, in stages."""
     if isinstance(root, torch.Tensor):
         start, nr = root.grad_fn, root.output_nr
     else:
         start, nr = root.node, root.output_nr
     pending: Dict[Segment, list] = {}
-    first = segment_on(start)
+    first = segments.on(start)
     if first is not None:  # the root is a checkpoint's output: its columns are the segment's
         pending[first] = [None] * len(first.outputs)
         pending[first][nr] = columns
     result = [None] * len(edges)
-    for region in _plan(start):
+    for region in _plan(start, segments):
         if region.segment is None:
             if first is not None:
                 continue
@@ -260,7 +274,7 @@ def through(grad, root, edges, columns: torch.Tensor, batched: bool):
                 old = got[e.output_nr]
                 got[e.output_nr] = v if old is None else old + v
     for j, e in enumerate(edges):  # an edge into a checkpoint: all that arrived there
-        b = segment_on(e.node)
+        b = segments.on(e.node)
         if b is not None:
             result[j] = pending.get(b, [None] * (e.output_nr + 1))[e.output_nr]
     return result

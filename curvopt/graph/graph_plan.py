@@ -10,9 +10,8 @@ A fresh forward makes fresh nodes, so what holds for the graph's *structure* is 
 broadcast, the verified row layouts with the calls found transposed, whether the per-sample
 sums were checked, whether the loss's exact columns are compressed at a language model's head),
 one per structure, in ``_PLANS``, keyed by the walk's canonical form
-(``walk.Walk.key``). The checkpoint stages from a root node (``checkpointing``) are kept in
-``_STAGES`` while the live re-run segments stay the same. (The max-pool stages from a root to
-the edges asked, ``pooling``, are the walk's own: ``walk.Walk.pool_stages``.)
+(``walk.Walk.key``). (The stages of a pass, across re-run checkpoints or max pooling, are its
+walk's own: ``walk.Walk.segments``, ``walk.Walk.pool_stages``.)
 """
 
 from __future__ import annotations
@@ -24,8 +23,6 @@ from typing import Callable, Dict, Hashable, Iterable, Tuple
 #: the plans of the graph structures seen, most recent last
 _PLANS: "OrderedDict[Hashable, Plan]" = OrderedDict()
 _PLANS_SIZE = 256
-#: root node -> the checkpoint stages from it, while no live segment changes (``checkpointing``)
-_STAGES: Dict[object, list] = {}
 
 
 def edges_of(node) -> tuple:
@@ -165,17 +162,3 @@ def _store(plan: Plan) -> None:
     _PLANS.move_to_end(plan.key)
     if len(_PLANS) > _PLANS_SIZE:
         _PLANS.popitem(last=False)
-
-
-def stages_of(start, make: Callable[[], list]) -> list:
-    """The checkpoint stages from the node ``start``, made by ``make`` once while the live
-    segments stay the same (``forget_stages``)."""
-    stages = _STAGES.get(start)
-    if stages is None:
-        stages = _STAGES[start] = make()
-    return stages
-
-
-def forget_stages() -> None:
-    """A segment was re-run or released: the stages change."""
-    _STAGES.clear()

@@ -45,7 +45,7 @@ class _Stage:
 
     def __init__(self, pool, start, starts, nexts, pools):
         self.pool, self.start = pool, start
-        self.nodes, _, entries = reach(starts, pools, nexts)
+        self.nodes, _, entries = reach(starts, pools, nexts, _no_segment)
         self.meets = sorted({node for node, _ in entries}, key=id)
         self.wanted: List[int] = []
 
@@ -95,6 +95,11 @@ def _stages(node, edges, walk) -> Optional[List[_Stage]]:
         if _upstream(stage.meets, walk.next_of).intersection(asked):
             return None  # a path around a pooling: autograd would run it
     return order
+
+
+def _no_segment(node) -> None:
+    """Max-pool stages are taken where no checkpoint was re-run (``propagate``)."""
+    return None
 
 
 def _upstream(pools, nexts) -> set:

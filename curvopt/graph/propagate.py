@@ -36,7 +36,7 @@ def backpropagate(outputs, edges, columns: torch.Tensor, batched: bool, walk):
     pooling, batched in stages where the walk allows it (``pooling``).
     """
     if walk.segmented:
-        return through(_grad, outputs, edges, columns, batched)
+        return through(_grad, outputs, edges, columns, batched, walk.segments)
     if not batched and columns.shape[0] > 1:
         stages = pool_stages(outputs, edges, walk)
         if stages is not None:

@@ -33,7 +33,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from curvopt.graph.broadcast import find
-from curvopt.graph.checkpointing import Segment, adopt, segment_on
+from curvopt.graph.checkpointing import Segment, Segments
 from curvopt.graph.graph_plan import Plan, edges_of, plan_of, search, upstream
 from curvopt.core.extended import is_extended
 from curvopt.core.records import records_on, token
@@ -90,6 +90,8 @@ class Walk:
         self.checkpoints: list = []  # the re-run checkpoints walked through
         # a checkpoint curvopt re-ran was met, here or by ``within`` (``checkpointing``)
         self.segmented = within is not None and within.segmented
+        #: the segments re-run by this walk or ``within``, shared with it (``checkpointing``)
+        self.segments: Optional[Segments] = None if within is None else within.segments
         self.broadcasting = False  # a broadcasting op was met (``broadcast``)
         self.by_data = False  # an op that picks entries by data was met
         #: ``(root node, output nr, edges asked) -> max-pool stages or None`` (``pooling``)
@@ -145,7 +147,7 @@ class Walk:
 
         search([start], expand)
         if self.checkpoints:
-            adopt(self.edges)
+            self.segments.adopt(self.edges)
         broadcasts = self._broadcasts() if self.broadcasting else ()
         if self.by_data:
             self.key, self.plan = None, None
@@ -156,9 +158,11 @@ class Walk:
     def _checkpoint(self, node, kind, recompute, key, found) -> list:
         """A reentrant checkpoint's node: walked on through its re-run (made here where asked),
         else a stop (nothing upstream can be reached by columns)."""
-        segment = segment_on(node)
+        segment = None if self.segments is None else self.segments.on(node)
         if segment is None and recompute is not None:
-            segment = Segment(node)
+            if self.segments is None:
+                self.segments = Segments()
+            segment = Segment(node, self.segments)
             recompute.append(segment)
         if segment is None:
             self.reentrant = True
@@ -251,7 +255,7 @@ class Walk:
 
     def segment_of(self, node):
         """The live ``checkpointing.Segment`` of a checkpoint's node the walk re-ran, or None."""
-        return segment_on(node) if self.segmented else None
+        return self.segments.on(node) if self.segmented else None
 
     def next_nodes(self, node) -> list:
         """The nodes ``node`` passes gradient to as the walk went on: through a live segment's
