@@ -177,3 +177,28 @@ def test_rows_that_are_not_cheaper_are_formed_once_not_at_every_step(monkeypatch
         opt.step()
     assert calls["conv"] == 1
     assert calls["linear"] >= 3  # Linear(300, 40) at R = 4: factored at every step
+
+
+def test_the_capture_taps_the_engines_records_and_registers_no_hook():
+    """The calls come from the records ``extend``'s hooks make (``ModuleEntry.taps``): no
+    hook is added to the model, the rows give the weight's gradient, and the tap goes with the
+    optimizer."""
+    import gc
+
+    from curvopt.core.extended import module_entry
+
+    model, lossfunc = _problem()
+    hooks = [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
+    opt = KFAC(model.parameters(), lr=0.1, damping=0.3)
+    generator = torch.Generator().manual_seed(0)
+    X, y = _mlp_inputs(generator, 4), torch.randint(0, 5, (4,), generator=generator)
+    with opt.collect():
+        lossfunc(model(X), y).backward()
+    assert [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()] == hooks
+    entry = module_entry(model[0])
+    assert entry.taps == [opt._capture]
+    left, right = opt._capture.factors(model[0].weight)
+    torch.testing.assert_close(left.mT @ right, model[0].weight.grad, rtol=1e-12, atol=1e-14)
+    del opt
+    gc.collect()
+    assert entry.taps == []

@@ -31,7 +31,7 @@ from curvopt import errors
 class ModuleEntry:
     """What ``extend`` keeps of a module (or loss) it hooked."""
 
-    __slots__ = ("path", "owns_children", "sequence_first", "live", "hooks", "watcher")
+    __slots__ = ("path", "owns_children", "sequence_first", "live", "hooks", "watcher", "taps")
 
     def __init__(self):
         self.path: Optional[str] = None  # the module's path in the model, for error messages
@@ -40,6 +40,10 @@ class ModuleEntry:
         self.live = 0  # its calls awaiting their gradients (``records.Record``)
         self.hooks: List = []  # handles of its forward (pre-)hooks: it is extended when any
         self.watcher = None  # handle of the hook reading the loss a model returns
+        #: consumers of its calls beside the backward passes (``optim.gradient_factors``): the
+        #: forward hook hands each new ``Record`` to ``tap.called(record)``, its gradient hook
+        #: the output gradients to ``tap.differentiated(record, grads)``
+        self.taps: List = []
 
 
 class ParameterEntry:

@@ -78,6 +78,8 @@ def _module_forward_hook(entry: ModuleEntry, module, args, kwargs, output):
     )
     if rule.positionwise and entry.sequence_first and outputs[0].dim() >= 3:
         record.transposed = True  # declared: extend(model, sequence_first=True)
+    for tap in entry.taps:
+        tap.called(record)
     if len(anchors) == 1:
         anchors[0].register_hook(module_hook(record))
     else:

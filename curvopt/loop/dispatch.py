@@ -68,6 +68,8 @@ def _on_module(record, grads) -> None:
     if STATE.suspended:
         return
     grads = tuple(record.shaped(i, g) for i, g in enumerate(grads))
+    for tap in record.extended.taps:
+        tap.differentiated(record, grads)
     if record.args is None:
         if STATE.collecting is not None:
             raise GraphReuseError(

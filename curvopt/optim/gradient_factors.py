@@ -14,11 +14,13 @@ rank.
 
 :class:`FactorCapture` keeps the calls (inputs and output gradients) of the modules owning the
 optimizer's parameters from the forward to the step (references to tensors autograd holds
-anyway, plus the output gradients). They are used only where they give the gradient the step
-preconditions: :func:`reproduces` checks ``G v = leftᵀ(right v)`` on a random probe ``v`` to its
-rounding bound, so weight decay, loss scaling, accumulation over passes the capture missed, or
-a use of the weight outside the layer's call make the step take the dense product instead.
-Both are exact; only their cost differs.
+anyway, plus the output gradients). It registers no hook of its own: it is a tap on the calls
+``extend``'s hooks record (``ModuleEntry.taps`` in ``curvopt.core.extended``), handed each
+call's record at its forward and its output gradient when that arrives. The calls are used
+only where they give the gradient the step preconditions: :func:`reproduces` checks
+``G v = leftᵀ(right v)`` on a random probe ``v`` to its rounding bound, so weight decay, loss
+scaling, accumulation over passes the capture missed, or a use of the weight outside the
+layer's call make the step take the dense product instead. Both are exact; only their cost differs.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ import torch
 
 from curvopt.layers import rule_for
 from curvopt.optim.factor_inverse import solver_flops
+from curvopt.core.extended import module_entry
 from curvopt.core.params import owners
 from curvopt.core.records import Call
-from curvopt.core.state import STATE
 
 Factors = Tuple[torch.Tensor, torch.Tensor]
 
@@ -43,13 +45,14 @@ def _detached(value):
 
 class FactorCapture:
     """The calls of the modules owning ``params`` whose rules give gradient rows, since
-    :meth:`clear`; the forward hooks are removed when ``owner`` is collected."""
+    :meth:`clear`; a tap on those modules' records until ``owner`` is collected."""
 
     def __init__(self, owner, params):
         self.calls: dict[int, list] = {}  # id(module) -> [[Call, grad_out or None] per call]
         self.sources: dict[int, tuple] = {}  # id(p) -> (module, name, rule)
         self.counts: dict[int, tuple] = {}  # id(p) -> (its calls' output shapes, rows R)
-        watched, owning = set(), owners(params)
+        self._entries: dict[int, list] = {}  # Record.seq -> its [Call, grad_out] in ``calls``
+        tapped, owning = set(), owners(params)
         for p in params:
             if id(p) not in owning or p.dim() < 2:
                 continue
@@ -58,30 +61,30 @@ class FactorCapture:
             if rule.gradient_rows is None:
                 continue
             self.sources[id(p)] = (module, name, rule)
-            if id(module) not in watched:
-                watched.add(id(module))
-                handle = module.register_forward_hook(self._forward, with_kwargs=True)
-                weakref.finalize(owner, handle.remove)
+            entry = module_entry(module)
+            if id(module) not in tapped and entry is not None:
+                tapped.add(id(module))
+                entry.taps.append(self)
+                weakref.finalize(owner, entry.taps.remove, self)
 
-    def _forward(self, module, args, kwargs, output) -> None:
-        """Keep the inputs of a call of the model's own forward, and its output gradient from
-        its backward; the calls curvopt makes itself (a module re-run under ``vmap`` for
-        per-sample gradients, with batched inputs that must not leak out of it) are not the
-        layer's uses."""
-        if STATE.suspended or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
+    def called(self, record) -> None:
+        """A forward of a tapped module (with grad, not curvopt's own re-run: a module re-run
+        under ``vmap`` for per-sample gradients has batched inputs that must not leak out):
+        keep its inputs until its output gradient arrives."""
+        if len(record.out_shapes) != 1:
             return
-        if not output.requires_grad:
-            return
-        args = tuple(_detached(a) for a in args)
-        kwargs = {k: _detached(v) for k, v in kwargs.items()}
-        entry = [Call(module, args, kwargs), None]
-        self.calls.setdefault(id(module), []).append(entry)
+        args = tuple(_detached(a) for a in record.args)
+        kwargs = {k: _detached(v) for k, v in record.kwargs.items()}
+        entry = [Call(record.module, args, kwargs), None]
+        self.calls.setdefault(id(record.module), []).append(entry)
+        self._entries[record.seq] = entry
 
-        def keep(grad, entry=entry):
-            if not STATE.suspended:  # not curvopt's own (batched) propagation of columns
-                entry[1] = grad.detach()
-
-        output.register_hook(keep)
+    def differentiated(self, record, grads) -> None:
+        """The output gradient of a call kept by :meth:`called` (not of curvopt's own
+        propagation of columns, during which the records' hooks are silent)."""
+        entry = self._entries.get(record.seq)
+        if entry is not None and grads[0] is not None:
+            entry[1] = grads[0].detach()
 
     def _calls(self, param: torch.Tensor) -> Optional[list]:
         """``param``'s calls since :meth:`clear`, or None (none, or one without its gradient)."""
@@ -122,6 +125,7 @@ class FactorCapture:
 
     def clear(self) -> None:
         self.calls.clear()
+        self._entries.clear()
 
 
 def _shapes(calls) -> tuple:
