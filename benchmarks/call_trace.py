@@ -41,7 +41,7 @@ PACKAGE = pathlib.Path(curvopt.__file__).parent
 #: below them are data every layer reads: not a step of the pass
 PASS_FOLDERS = {"graph", "engine", "guards", "loop"}
 #: the modules of those folders that every step reads: the one graph search, the tolerance
-FOUNDATION = {"graph_plan", "tolerance", "__init__"}
+FOUNDATION = {"search", "tolerance", "__init__"}
 
 
 def _engine_module(code) -> str | None:

@@ -1,4 +1,5 @@
-"""The graph of a pass is walked once, and its structure's plan is cached once (``graph_plan``).
+"""The graph of a pass is walked once (``graph.search``), and its structure's plan is cached once
+(``core.plans``).
 
 * one walk of the graph per extended loss per pass, whatever is requested (first order, GGN
   diagonals, Kronecker factors, the Hessian diagonal, through a reentrant checkpoint), and no
@@ -21,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.graph import graph_plan
+from curvopt.core import plans
 from curvopt.engine import rows
 from curvopt.graph import walk as walk_module
 from fixtures import zoo
@@ -116,29 +117,29 @@ def test_one_walk_without_an_extended_loss(walks):
 
 
 def test_no_other_module_reads_next_functions():
-    """Reading the graph is ``graph_plan``'s (``edges_of``; torch's own accessors aside)."""
+    """Reading the graph is ``graph.search``'s (``edges_of``; torch's own accessors aside)."""
     root = pathlib.Path(curvopt.__file__).parent
-    allowed = {"graph_plan.py", "torch_internals.py"}
+    allowed = {"search.py", "torch_internals.py"}
     readers = {
         path.name
         for path in root.rglob("*.py")
         if re.search(r"\.next_functions\b", path.read_text()) and path.name not in allowed
     }
     assert not readers, readers
-    text = (root / "graph" / "graph_plan.py").read_text()
+    text = (root / "graph" / "search.py").read_text()
     assert text.count(".next_functions") == 1  # ``edges_of``, the one read
 
 
 def test_every_graph_walk_is_the_one_search():
     """No module of curvopt walks nodes with a stack of its own: every traversal of the
-    autograd graph is ``graph_plan.search`` with its own ``expand``."""
+    autograd graph is ``graph.search.search`` with its own ``expand``."""
     root = pathlib.Path(curvopt.__file__).parent
     walkers = {
         path.name
         for path in root.rglob("*.py")
         if re.search(r"while stack|stack\.pop\(\)|\.popleft\(\)", path.read_text())
     }
-    assert walkers == {"graph_plan.py"}, walkers
+    assert walkers == {"search.py"}, walkers
 
 
 def test_plan_is_frozen_and_made_once(walks, probed):
@@ -147,7 +148,7 @@ def test_plan_is_frozen_and_made_once(walks, probed):
         _pass(model, lossfunc, [ext.DiagGGNExact()], seed)
     assert len(probed) == 1  # the row layout is verified on the first pass only
     (key,) = {walk.key for walk in walks}
-    plan = graph_plan._PLANS[key]
+    plan = plans._PLANS[key]
     assert all(walk.plan is plan for walk in walks[1:])  # the later passes bind it as it is
     assert plan.layouts and plan.sums_checked
     assert [shapes for _, _, shapes in plan.calls] == [((N, 2),), ((N, 4),), ((N, 4),)]

@@ -36,8 +36,6 @@ ALLOWED = {
     "extensions/quantity.py": {"_DECLARED"},
     "layers/registry.py": {"_RULES", "_NAMED", "_FALLBACK", "_REPARAMETRIZED"},
     "losses/base.py": {"_RULES"},
-    # facts of a graph structure that outlive the pass that found them (bounded, recent kept)
-    "graph/graph_plan.py": {"_PLANS"},
     # the sum check's own random streams, so that the user's stay untouched
     "guards/projected.py": {"_GENERATORS"},
     # weak: the modules warned about once

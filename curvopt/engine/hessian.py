@@ -27,7 +27,7 @@ from torch.autograd.graph import GradientEdge
 from curvopt.errors import UnsupportedModuleError
 from curvopt.engine.diagonals import diagonals
 from curvopt.layers.registry import reparametrization, rule_for
-from curvopt.graph.graph_plan import search
+from curvopt.graph.search import search
 from curvopt.core.extended import module_path
 from curvopt.core.params import owned
 from curvopt.graph.propagate import backpropagate, to_calls

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from curvopt.errors import module_error
 from curvopt.layers.registry import reparametrization, rule_for
-from curvopt.graph.graph_plan import search
+from curvopt.graph.search import search
 from curvopt.core.params import trainable
 from curvopt.graph.propagate import backpropagate
 from curvopt.core.records import records_on

@@ -20,7 +20,7 @@ be 12 and 6), propagated two at a time (the probes' memory is that of two column
 ``N``), catch any row that depends on a sample other than its own:
 functional batch norm or ``h - h.mean(0)`` between layers, a sequence-first model read as
 batch-first, layers that disagree on the batch. Verified layouts are kept in the plan of the
-graph's structure (``graph_plan.Plan.layouts``, with the calls found transposed), so the probes
+graph's structure (``core.plans.Plan.layouts``, with the calls found transposed), so the probes
 run once per model and input shape; graphs that index by data (``logits[mask]``) have no plan
 and are probed on every pass.
 """
@@ -34,7 +34,7 @@ from typing import Dict, List, Optional
 import torch
 
 from curvopt.errors import UnsupportedModuleError, batch_mismatch, module_error
-from curvopt.graph.graph_plan import add_layout
+from curvopt.core.plans import add_layout
 from curvopt.layers import mixing, rule_for
 from curvopt.graph.propagate import to_calls
 

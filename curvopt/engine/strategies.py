@@ -15,7 +15,7 @@ the columns at every call's outputs, as often as its chunks need:
 :func:`choose` picks the strategy once per group and pass, from the walk: a cut is looked for
 (``compress.find_cut``) only for the exact columns of a loss with one row dimension where some
 position-wise call's input is narrower than a row's columns; whether one was found is kept in
-the walk's plan (``graph_plan.Plan.cuts``, by the loss input's shape, the columns per row and
+the walk's plan (``core.plans.Plan.cuts``, by the loss input's shape, the columns per row and
 whether diagonals are asked). A structure where none was found is not searched again (the
 direct path is exact whatever the graph); one where a cut was found has it found again, on this
 pass's nodes, with every condition of ``find_cut`` checked again, and ``HeadCut`` probes the
@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from curvopt.engine.compress import HeadCut, find_cut
-from curvopt.graph.graph_plan import add_cut
+from curvopt.core.plans import add_cut
 from curvopt.graph.propagate import to_calls
 
 

@@ -42,7 +42,7 @@ from curvopt.core.calls import output_tensors
 from curvopt.core.records import LossRecord, mark_extended_loss
 from curvopt.entry.recognize import NO_HESSIAN
 from curvopt.core.state import STATE
-from curvopt.graph.graph_plan import edges_of
+from curvopt.graph.search import edges_of
 from curvopt.autograd.torch_internals import LOG_SOFTMAX, ROW_VIEWS, saved
 
 #: key, in the ``__dict__`` of a functional loss's result, of the handle of its hook

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from curvopt.loop.dispatch import on_loss
-from curvopt.graph.graph_plan import read_down
+from curvopt.graph.search import read_down
 from curvopt.core.records import LossRecord, is_extended_loss, records_on
 from curvopt.autograd.torch_internals import (
     BCE_WITH_LOGITS,

@@ -1,7 +1,7 @@
 """The autograd graph upstream of a loss, and propagation through it (layer 4).
 
-* ``graph_plan``: the one graph search (``search``) and the one read of a node's edges
-  (``edges_of``) every traversal uses; the frozen ``Plan`` of each graph structure;
+* ``search``: the one graph search (``search``) and the one read of a node's edges
+  (``edges_of``) every traversal uses;
 * ``walk``: ``Walk``, the one walk of the graph upstream of a loss: the module calls, their
   consumers, the checkpoints it re-ran, the leaves' ``AccumulateGrad`` nodes;
 * ``propagate``: ``J^T`` of many columns at once from a root to the module outputs;

@@ -32,7 +32,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from curvopt.errors import UnsupportedModuleError
-from curvopt.graph.graph_plan import edges_of, search
+from curvopt.graph.search import edges_of, search
 from curvopt.core.extended import module_path, set_path
 from curvopt.core.records import records_on
 from curvopt.autograd.torch_internals import ACCUMULATE_GRAD

@@ -33,7 +33,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from curvopt.graph.checkpointing import reach
-from curvopt.graph.graph_plan import search
+from curvopt.graph.search import search
 from curvopt.autograd.torch_internals import MAX_POOL, NO_BATCHING_RULE, max_pool_transpose
 
 

@@ -1,5 +1,5 @@
 """Columns through the autograd graph: ``J^T`` to the module calls upstream (which calls
-lie upstream is ``graph_plan``'s walk).
+lie upstream is ``walk``'s).
 
 PyTorch's autograd applies the transposed Jacobian from a tensor (or gradient edge) to the
 outputs of every extended module call upstream, for many columns at once

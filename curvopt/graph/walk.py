@@ -1,4 +1,4 @@
-"""The autograd graph of one pass upstream of a root, walked once (``graph_plan.search``).
+"""The autograd graph of one pass upstream of a root, walked once (``search.search``).
 
 :class:`Walk` reads the graph upstream of a root (an extended loss's input) depth-first, every
 node's edges once, and collects what the pass needs from it: the extended-module calls whose
@@ -18,7 +18,7 @@ The structure's key is the walk's canonical form: each node's type and, for each
 passes gradient to, that node's discovery number in the walk and the output it takes (so two
 graphs with the same node types but other edges differ; the walk is deterministic, so the form
 gives the graph back), the calls named by ``records.token`` (never by ``id``, which fresh
-models in a sweep reuse) and their output shapes; its plan is ``graph_plan.plan_of(key)``. A
+models in a sweep reuse) and their output shapes; its plan is ``core.plans.plan_of(key)``. A
 graph that picks entries by data (``logits[mask]``) has no key: what holds for one batch need
 not for the next. Each pass binds its plan to its own nodes and records (``Record.broadcast``,
 ``Record.transposed``).
@@ -34,7 +34,8 @@ from torch.autograd.graph import GradientEdge
 
 from curvopt.graph.broadcast import find
 from curvopt.graph.checkpointing import Segment, Segments
-from curvopt.graph.graph_plan import Plan, edges_of, plan_of, search, upstream
+from curvopt.core.plans import Plan, plan_of
+from curvopt.graph.search import edges_of, search, upstream
 from curvopt.core.extended import is_extended
 from curvopt.core.records import records_on, token
 from curvopt.autograd.torch_internals import (
@@ -60,7 +61,7 @@ class Walk:
 
     ``calls[record] = [(output index, edge)]``; ``consumers[(node, nr)] = [(consumer, j)]``: the
     nodes that take output ``nr`` of ``node`` as their ``j``-th input (``j`` None: a re-run
-    checkpoint taking its re-run output); ``edges[node]``: the edges (``graph_plan.edges_of``)
+    checkpoint taking its re-run output); ``edges[node]``: the edges (``search.edges_of``)
     of every node walked past; ``batchable``: columns may be propagated batched; ``foreign``:
     parameters it reaches that no extended module owns; ``accumulators``: the
     ``AccumulateGrad`` node of every leaf it reaches, by ``id``; ``reentrant``: a checkpoint it
@@ -247,7 +248,7 @@ class Walk:
         return any(n in outputs for n in search(starts, lambda n: users.get(n, ())))
 
     def next_of(self, node) -> tuple:
-        """The edges of ``node`` (``graph_plan.edges_of``), as read by the walk."""
+        """The edges of ``node`` (``search.edges_of``), as read by the walk."""
         nexts = self.edges.get(node)
         if nexts is None:
             nexts = self.head.get(node)

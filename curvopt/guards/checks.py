@@ -8,7 +8,7 @@
   (that the gradient enters through the extended losses alone is ``flow``'s check).
 
 The per-sample sums of a curvature-only pass are checked on the first pass of each graph
-structure (its ``graph_plan.Plan.sums_checked``): with the flow checked on every pass, what a
+structure (its ``core.plans.Plan.sums_checked``): with the flow checked on every pass, what a
 sum check adds (a parameter used again inside the losses' graph, a rule that disagrees with
 autograd) is a property of the structure.
 
@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from curvopt.graph.graph_plan import mark_sums_checked
+from curvopt.core.plans import mark_sums_checked
 from curvopt.guards.observer import Ending, LossEvent, ModuleEvent, PassGuard
 from curvopt.guards.projected import PROJECTED_FACTOR, draw_probes, project, projection_pays
 from curvopt.engine.reducer import reduce_in_chunks

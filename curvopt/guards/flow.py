@@ -17,7 +17,7 @@ from collections import defaultdict
 from typing import Callable, Dict, Tuple
 
 from curvopt.core.extended import is_extended
-from curvopt.graph.graph_plan import search
+from curvopt.graph.search import search
 from curvopt.engine.results import name_of
 from curvopt.guards.tolerance import dense, mismatch
 from curvopt.autograd.torch_internals import ACCUMULATE_GRAD, current_graph_task_id

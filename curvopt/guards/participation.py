@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from curvopt.graph.graph_plan import reaches
+from curvopt.graph.search import reaches
 from curvopt.core.params import trainable
 from curvopt.autograd.torch_internals import (
     current_autograd_node,

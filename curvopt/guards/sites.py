@@ -21,7 +21,7 @@ use the site; the sum check cannot tell the two apart, both sum to ``p.grad``.
 from __future__ import annotations
 
 from curvopt.core.calls import Call
-from curvopt.graph.graph_plan import add_site
+from curvopt.core.plans import add_site
 from curvopt.guards.observer import Ending, PassGuard
 from curvopt.guards.pass_guards import autocast_off
 from curvopt.core.records import token
@@ -48,7 +48,7 @@ class ParameterSites(PassGuard):
         whose site one of the pass's walks finds and whose structure's plan says that
         the site's reading matched the rule. On a structure's first pass the rule computes
         them as before and the site's reading is compared with it: its verdict goes into
-        the plan (``graph_plan.add_site``), which a data-indexed graph does not have."""
+        the plan (``core.plans.add_site``), which a data-indexed graph does not have."""
         if not rule.reruns_module or call.batch_dim != 0:
             return set()
         found = set()

@@ -1,0 +1,98 @@
+"""What holds for every graph of one structure, kept across passes: the plan cache.
+
+A fresh forward makes fresh autograd nodes, so what holds for the graph's *structure* is kept
+apart from any graph: :class:`Plan`, frozen, holds the structure facts (the calls in order,
+which of them are broadcast, the verified row layouts with the calls found transposed, whether
+the per-sample sums were checked, the site readings that matched, whether the loss's exact
+columns are compressed at a language model's head), one per structure, keyed by the walk's
+canonical form (``graph.walk.Walk.key``), the most recent 256 kept. The functions that add a
+fact take the walk whose ``plan`` they extend (and replace). (What a pass finds of its own
+graph, the stages across re-run checkpoints or max pooling, is its walk's:
+``Walk.segments``, ``Walk.pool_stages``.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import Callable, Hashable, Tuple
+
+#: the plans of the graph structures seen, most recent last
+_PLANS: "OrderedDict[Hashable, Plan]" = OrderedDict()
+_PLANS_SIZE = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What holds for every graph of one structure: ``calls`` (``(token, output index, output
+    shapes)`` in walk order), ``broadcasts`` (positions of the broadcast calls in ``calls``),
+    ``layouts`` (``((root shape, elementwise), found)``, the row layouts ``rows`` verified:
+    ``found`` is ``(row_dims, sample map, positions of the transposed calls, the
+    ``rows.RowLayout``)``, or None where no map passed), ``sums_checked`` (the per-sample sums
+    of a curvature-only pass were checked on a pass of this structure, ``checks``), ``sites``
+    (``((module token, parameter name), matched)``: whether a raw parameter's per-sample
+    gradients read at its site matched its module's rule, ``sites``), ``cuts`` (``((loss input
+    shape, exact columns per row, diagonals asked), found)``: whether ``compress.find_cut`` found
+    a head to compress the exact columns at, ``strategies``; a cut found is bound and checked
+    again on every pass, none found is not looked for again)."""
+
+    key: Hashable
+    calls: Tuple = ()
+    broadcasts: Tuple[int, ...] = ()
+    layouts: Tuple = ()
+    sums_checked: bool = False
+    sites: Tuple = ()
+    cuts: Tuple = ()
+
+
+def plan_of(key: Hashable, make: Callable[[], Plan]) -> Plan:
+    """The cached plan of the structure ``key`` (made by ``make`` on its first pass)."""
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = make()
+        _store(plan)
+    else:
+        _PLANS.move_to_end(key)
+    return plan
+
+
+def add_layout(walk, shape, elementwise: bool, found) -> None:
+    """Keep a row layout ``rows`` verified (or found none) in ``walk``'s plan."""
+    entry = ((tuple(shape), elementwise), found)
+    if walk.plan is None:
+        return
+    plan = _PLANS.get(walk.plan.key, walk.plan)
+    walk.plan = dataclasses.replace(plan, layouts=(*plan.layouts, entry))
+    _store(walk.plan)
+
+
+def add_site(walk, param_key, matched: bool) -> None:
+    """Keep in ``walk``'s plan whether the site reading of the parameter ``param_key`` matched
+    its module's rule (``sites``)."""
+    plan = _PLANS.get(walk.plan.key, walk.plan)
+    walk.plan = dataclasses.replace(plan, sites=(*plan.sites, (param_key, matched)))
+    _store(walk.plan)
+
+
+def add_cut(walk, key, found: bool) -> None:
+    """Keep in ``walk``'s plan whether a cut was found for the columns described by ``key``
+    (``strategies``)."""
+    if walk.plan is None:
+        return
+    plan = _PLANS.get(walk.plan.key, walk.plan)
+    walk.plan = dataclasses.replace(plan, cuts=(*plan.cuts, (key, found)))
+    _store(walk.plan)
+
+
+def mark_sums_checked(key: Hashable) -> None:
+    """A pass of the structure ``key`` (a ``Walk.key``) had its per-sample sums checked
+    (``checks``)."""
+    plan = _PLANS.get(key)
+    _store(dataclasses.replace(plan or Plan(key), sums_checked=True))
+
+
+def _store(plan: Plan) -> None:
+    _PLANS[plan.key] = plan
+    _PLANS.move_to_end(plan.key)
+    if len(_PLANS) > _PLANS_SIZE:
+        _PLANS.popitem(last=False)
