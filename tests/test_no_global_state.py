@@ -36,12 +36,8 @@ ALLOWED = {
     "extensions/quantity.py": {"_DECLARED"},
     "layers/registry.py": {"_RULES", "_NAMED", "_FALLBACK", "_REPARAMETRIZED"},
     "losses/base.py": {"_RULES"},
-    # the sum check's own random streams, so that the user's stay untouched
-    "guards/projected.py": {"_GENERATORS"},
     # weak: the modules warned about once
     "guards/unextended.py": {"_WARNED"},
-    # torch.finfo(dtype).eps per dtype, read once a dtype: a constant of torch, memoised
-    "guards/tolerance.py": {"_EPS"},
     # how errors name a module (its path): the lookup of the extended registry, set once when
     # ``core.extended`` is imported (errors, below the core, cannot import it)
     "errors.py": {"_PATH_OF"},

@@ -132,7 +132,7 @@ def test_projected_sum_is_the_projected_weight_gradient(case, seed):
         [grad(one)(params, x[i : i + 1], g[i : i + 1])["weight"] for i in range(x.shape[0])]
     )
     assert torch.allclose(per_sample.sum(0), expected_sum)
-    u, v = draw_probes(weight)
+    u, v = draw_probes(weight, torch.Generator().manual_seed(0))
     assert u.shape == (weight.shape[0], PROBES) and v.shape == (weight[0].numel(), PROBES)
     projected, magnitude = rule_for(module).projected_sum(Call(module, (x,), {}, g), "weight", u, v)
     reference = torch.stack(
@@ -152,13 +152,18 @@ def test_projected_sum_is_the_projected_weight_gradient(case, seed):
 
 
 def test_probes_are_gaussian_and_leave_the_users_stream_alone():
-    """Fresh probes per draw, standard normal, from the checks' own generator."""
-    p = torch.zeros(300, 200, dtype=DT)
+    """Standard normal probes from the pass's own generator (seeded by its autograd task):
+    fresh per parameter and per pass, the same for all calls of one parameter in a pass."""
+    p, q = torch.zeros(300, 200, dtype=DT), torch.zeros(300, 200, dtype=DT)
     state = torch.get_rng_state()
-    u1, v1 = draw_probes(p)
-    u2, _ = draw_probes(p)
+    checks, later = Checks(task=7), Checks(task=8)
+    u1, v1 = checks.probes(p)
+    assert checks.probes(p)[0] is u1  # one draw per parameter and pass
+    u2, _ = checks.probes(q)
+    u3, _ = later.probes(p)
     assert torch.equal(torch.get_rng_state(), state)
-    assert not torch.equal(u1, u2)
+    assert not torch.equal(u1, u2) and not torch.equal(u1, u3)
+    assert torch.equal(Checks(task=7).probes(p)[0], u1)  # a pass's probes are its task's
     both = torch.cat([u1.flatten(), v1.flatten()])
     assert abs(float(both.mean())) < 0.1 and abs(float(both.std()) - 1) < 0.05
 

@@ -25,7 +25,8 @@ import torch
 
 from curvopt.core.plans import mark_sums_checked
 from curvopt.guards.observer import Ending, LossEvent, ModuleEvent, PassGuard
-from curvopt.guards.projected import PROJECTED_FACTOR, draw_probes, project, projection_pays
+from curvopt.guards.projected import PROBE_SEED, PROJECTED_FACTOR, draw_probes, project
+from curvopt.guards.projected import projection_pays
 from curvopt.engine.reducer import reduce_in_chunks
 from curvopt.core.reductions import probe_columns
 from curvopt.engine.results import name_of
@@ -58,7 +59,11 @@ class Checks(PassGuard):
     (``parameter``); at ``finish`` every parameter seen, every sum right, every curvature
     attribute written, and then the structures marked checked."""
 
-    def __init__(self):
+    def __init__(self, task: int = 0):
+        #: the probes' generators of this pass, per device, seeded by its autograd ``task``:
+        #: fresh probes on every pass, and none of the user's random streams drawn from
+        self.task = task
+        self.generators: Dict[torch.device, torch.Generator] = {}
         self.totals: Dict[int, _Total] = {}  # id(p): its sums of this pass
         self.param_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, grad
         self.seen: set = set()  # ids of parameters whose module call was processed
@@ -120,7 +125,11 @@ class Checks(PassGuard):
         """The probes of ``p``'s projected check in this pass (the same for all its calls)."""
         entry = self.totals.setdefault(id(p), _Total())
         if entry.probes is None:
-            entry.probes = draw_probes(p)
+            gen = self.generators.get(p.device)
+            if gen is None:
+                gen = torch.Generator(device=p.device).manual_seed(PROBE_SEED + self.task)
+                self.generators[p.device] = gen
+            entry.probes = draw_probes(p, gen)
         return entry.probes
 
     def add_total(self, p, use, total) -> None:

@@ -20,7 +20,7 @@ to nearly zero keeps its bound. A wrong sum, ``E = sum_n g_n - grad != 0``, is m
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Tuple
 
 import torch
 
@@ -28,15 +28,14 @@ import torch
 PROBES = 8
 #: the projected sums' rounding bound, ``factor * eps * sum_r |b_r| |a_r|``
 PROJECTED_FACTOR = 64
-#: the checks' own random streams (per device), so that the probes leave the user's untouched
-_GENERATORS: Dict[torch.device, torch.Generator] = {}
+#: the seed of a pass's probes, offset by its autograd task (``checks.Checks.probes``)
+PROBE_SEED = 0x5EED
 
 
-def draw_probes(p) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Gaussian ``u [p.shape[0], K]`` and ``v [p[0].numel(), K]`` for the projected check."""
-    gen = _GENERATORS.get(p.device)
-    if gen is None:
-        gen = _GENERATORS[p.device] = torch.Generator(device=p.device).manual_seed(0x5EED)
+def draw_probes(p, gen: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gaussian ``u [p.shape[0], K]`` and ``v [p[0].numel(), K]`` for the projected check,
+    drawn from the checks' own generator ``gen`` (on ``p``'s device), so that the probes leave
+    the user's random streams untouched."""
     dtype = p.dtype if p.is_floating_point() else torch.get_default_dtype()
     u, v = (
         torch.randn(size, PROBES, generator=gen, device=p.device, dtype=dtype)

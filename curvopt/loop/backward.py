@@ -79,7 +79,7 @@ class BackwardPass:
         self.phase = Phase.WAITING
         self.batch_size: Optional[int] = None
         self.reused: Dict[int, bool] = {}
-        self.checks = Checks()
+        self.checks = Checks(task)
         self.reducer = FirstOrderReducer(extensions, self.results, self.checks)
         self.first = self.reducer.first  # first-order producer -> the attributes it writes
         self.handles: list = []  # hooks on autograd nodes, removed when the pass ends
