@@ -80,9 +80,9 @@ class Walk:
         start = root.grad_fn if isinstance(root, torch.Tensor) else root
         self.root = start
         self.calls: Dict[object, List[Tuple[int, GradientEdge]]] = defaultdict(list)
-        #: ``(node, nr) -> [(consumer, j)]``
-        self.consumers: Dict[Tuple[object, int], list] = defaultdict(list)
         self.edges: Dict[object, tuple] = {}
+        #: a re-run checkpoint's node -> the re-run outputs it takes, ``(node, nr)`` each
+        self.reruns: Dict[object, list] = {}
         self.head: Dict[object, tuple] = {}  # ``between``'s nodes (the loss's own)
         self.batchable = True
         self.foreign: list = []
@@ -97,6 +97,7 @@ class Walk:
         self.by_data = False  # an op that picks entries by data was met
         #: ``(root node, output nr, edges asked) -> max-pool stages or None`` (``pooling``)
         self.pool_stages: dict = {}
+        self._consumers: Optional[Dict[Tuple[object, int], list]] = None
         self._users = None
         self._walk(start, recompute, within)
 
@@ -104,7 +105,7 @@ class Walk:
         # the key, flat: per node walked, its type, its number of edges, each edge as the
         # discovery number of its node (-1 for none) and the output it takes, its calls
         key, found = [], {start: 0}
-        calls, consumers, edges = self.calls, self.consumers, self.edges
+        calls, edges = self.calls, self.edges
 
         def expand(node) -> list:
             nonlocal key
@@ -130,11 +131,10 @@ class Walk:
                 self.broadcasting = True
             key += (kind, len(nexts))
             on = []
-            for j, (fn, nr) in enumerate(nexts):
+            for fn, nr in nexts:
                 if fn is None:
                     key += (-1, nr)
                 else:
-                    consumers[(fn, nr)].append((node, j))
                     on.append(fn)
                     key += (found.setdefault(fn, len(found)), nr)
             entries = records_on(node)
@@ -179,9 +179,8 @@ class Walk:
         key.extend((kind, len(nexts)))
         if nexts:
             self.checkpoints.append(node)
+        self.reruns[node] = nexts
         for fn, nr in nexts:
-            # the checkpoint node takes the re-run output (no input index of its own)
-            self.consumers[(fn, nr)].append((node, None))
             key.extend((found.setdefault(fn, len(found)), nr))
         key.append(())
         return [fn for fn, _ in nexts]
@@ -226,12 +225,34 @@ class Walk:
         return site
 
     @property
+    def consumers(self) -> Dict[Tuple[object, int], list]:
+        """``consumers[(node, nr)] = [(consumer, j)]``: the nodes of the walk that take output
+        ``nr`` of ``node`` as their ``j``-th input (``j`` None: a re-run checkpoint taking its
+        re-run output), in the walk's order; read off its edges when first asked (a broadcast,
+        a parameter's site, the flow check's region)."""
+        if self._consumers is None:
+            consumers: Dict[Tuple[object, int], list] = defaultdict(list)
+            for node, nexts in self.edges.items():
+                rerun = self.reruns.get(node)
+                if rerun is not None:
+                    for fn, nr in rerun:
+                        consumers[(fn, nr)].append((node, None))
+                    continue
+                for j, (fn, nr) in enumerate(nexts):
+                    if fn is not None:
+                        consumers[(fn, nr)].append((node, j))
+            self._consumers = consumers
+        return self._consumers
+
+    @property
     def users(self) -> Dict[object, list]:
         """``users[node]``: the nodes of the walk that take an output of ``node``."""
         if self._users is None:
             users = defaultdict(list)
-            for (node, _), consumers in self.consumers.items():
-                users[node].extend(c for c, _ in consumers)
+            for node, nexts in self.edges.items():
+                for fn, _ in self.reruns.get(node, nexts):
+                    if fn is not None:
+                        users[fn].append(node)
             self._users = users
         return self._users
 

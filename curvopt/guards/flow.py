@@ -20,7 +20,8 @@ from curvopt.core.extended import is_extended
 from curvopt.graph.search import search
 from curvopt.engine.results import name_of
 from curvopt.guards.tolerance import dense, mismatch
-from curvopt.autograd.torch_internals import ACCUMULATE_GRAD, current_graph_task_id
+from curvopt.autograd.torch_internals import ACCUMULATE_GRAD, current_autograd_node
+from curvopt.autograd.torch_internals import current_graph_task_id
 from curvopt.errors import UnsupportedModuleError, module_error
 from curvopt.guards.observer import LossEvent, ModuleEvent, PassGuard
 
@@ -39,37 +40,42 @@ class FlowCheck(PassGuard):
         self.task = task
         self.reached: set = set()  # module calls upstream of the extended losses
         self.watched: set = set()  # autograd nodes whose incoming gradient is checked
-        self.senders: set = set()  # autograd nodes whose outgoing gradient is recorded
+        self.senders: dict = {}  # autograd node whose outgoing gradient is recorded -> its edges
         self.sent: Dict[Tuple[object, int], list] = defaultdict(list)  # (node, nr): gradients
         self.modules: dict = {}  # autograd node -> the module whose call's output it produced
-        self.handles: list = []  # the hooks on the nodes
+        self.active: Callable[[], bool] = lambda: False  # the pass's, from its first loss
+        self.abort: Callable[[], None] = lambda: None
 
     def watch(self, walk, loss_node, active: Callable[[], bool], abort: Callable[[], None]):
         """Hooks on the graph upstream of one extended loss (``walk``: of its input;
         ``loss_node``: its output's node), registered after the curvature's own backward ran
-        through the graph; they act while ``active()`` and call ``abort()`` before raising
-        (held by the hooks only, which ``release`` removes)."""
+        through the graph; they act while ``active()`` (in this pass's autograd task, until
+        :meth:`release`) and call ``abort()`` before raising. Every node gets the same two
+        hooks, which find the node they run for as the engine's current node: no closure and
+        no handle per node (their garbage would be collected on every pass); after the pass
+        they stay on the graph, inert, until it is freed."""
+        self.active, self.abort = active, abort
         check, send = self._region(walk, loss_node)
+        on_sent, on_arrival = self._on_sent, self._on_arrival
         for node in send:
-            nexts = walk.next_of(node)
-
-            def record_sent(grad_inputs, _grad_outputs, nexts=nexts):
-                if current_graph_task_id() == self.task and active():
-                    self.record_sent(nexts, grad_inputs)
-
-            self.handles.append(node.register_hook(record_sent))
+            self.senders[node] = walk.next_of(node)
+            node.register_hook(on_sent)
         for node in check:
+            node.register_prehook(on_arrival)
 
-            def check_flow(grad_outputs, node=node):
-                if current_graph_task_id() != self.task or not active():
-                    return
-                try:
-                    self.check_flow(node, grad_outputs)
-                except BaseException:
-                    abort()
-                    raise
+    def _on_sent(self, grad_inputs, _grad_outputs) -> None:
+        if current_graph_task_id() == self.task and self.active():
+            node = current_autograd_node()
+            self.record_sent(self.senders[node], grad_inputs)
 
-            self.handles.append(node.register_prehook(check_flow))
+    def _on_arrival(self, grad_outputs) -> None:
+        if current_graph_task_id() != self.task or not self.active():
+            return
+        try:
+            self.check_flow(current_autograd_node(), grad_outputs)
+        except BaseException:
+            self.abort()
+            raise
 
     def _region(self, walk, loss_node):
         """The nodes newly to check (``check_flow`` before they run) and newly to record
@@ -89,7 +95,6 @@ class FlowCheck(PassGuard):
         self.watched.update(check)
         inside = walk.between(loss_node)
         send = [n for n in (*region, *inside) if n not in self.senders]
-        self.senders.update(send)
         return check, send
 
     def record_sent(self, nexts, grads) -> None:
@@ -134,10 +139,10 @@ class FlowCheck(PassGuard):
             )
 
     def release(self) -> None:
-        """Remove the hooks; drop the references to the graph's nodes and gradients."""
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
+        """The pass is over: the hooks left on the graph do nothing from now on; drop the
+        references to the graph's nodes and gradients."""
+        self.task = None
+        self.active, self.abort = lambda: False, lambda: None
         self.sent.clear()
         self.watched.clear()
         self.senders.clear()
