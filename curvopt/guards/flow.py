@@ -143,6 +143,7 @@ class FlowCheck(PassGuard):
         references to the graph's nodes and gradients."""
         self.task = None
         self.active, self.abort = lambda: False, lambda: None
+        self.reached.clear()
         self.sent.clear()
         self.watched.clear()
         self.senders.clear()
