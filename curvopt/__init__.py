@@ -6,7 +6,7 @@ its own layer or the layers below, and no two folders import each other
 
 0. ``errors``, ``extensions``: the exceptions and their shared texts; each quantity's declaration
 1. ``autograd``: what curvopt reads of torch's autograd internals, checked against torch
-2. ``core``: the data a pass hands around: records, calls, parameters, reductions, values
+2. ``core``: the data a pass hands around: records, calls, parameters, reductions, values, plans
 3. ``layers``, ``losses``: per-module math, one rule per layer family and per loss
 4. ``graph``: the autograd graph upstream of a loss: its walk, checkpoints, pools, propagation
 5. ``engine``: what a pass computes: rows, curvature, factors, diagonals, results, buffers
