@@ -55,12 +55,14 @@ OPTIMIZERS: dict[str, tuple[str | None, dict]] = {
     "kfra": ("KFAC", {"curvature": "kfra"}),
     "ekfac": ("EKFAC", {"curvature": "kfac"}),
     "sf_kfac": ("KFAC", {"curvature": "kfac"}),  # with the schedule_free preset
+    # KFAC's direction orthogonalised (Newton-Schulz, as Muon) before the learning rate
+    "kfac_ns": ("KFAC", {"curvature": "kfac", "orthogonalize": True}),
     # Adam in the eigenbasis of KFAC's (Monte-Carlo) factors; no damping, no preset
     "eigen_adam": ("EigenAdam", {"curvature": "kfac"}),
     "vsgd": ("VarianceAdaptedSGD", {}),
     **{name: (None, {}) for name in PEERS},
 }
-DAMPED = {"diagggn", "diagggn_mc", "kfac", "kflr", "kfra", "ekfac", "sf_kfac"}
+DAMPED = {"diagggn", "diagggn_mc", "kfac", "kflr", "kfra", "ekfac", "sf_kfac", "kfac_ns"}
 
 #: Keywords a run fixes itself (not settable as options).
 FIXED_KEYWORDS = {"self", "params", "lr", "damping", "curvature", "weight_decay", "process_group"}

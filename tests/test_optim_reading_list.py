@@ -139,9 +139,9 @@ def test_the_stages_left_out_are_exactly_the_identity(name, curvature_interval):
 
 def test_a_group_chain_is_chosen_from_its_options():
     group = {"weight_decay": 0.0, "curvature_ema": 0, "kl_clip": None, "momentum": 0.0}
-    group["schedule_free"] = None
+    group.update(schedule_free=None, orthogonalize=False)
     names = [type(s).__name__ for s in stages.NEWTON.for_group(group)]
     assert names == ["Precondition", "ScaleByLearningRate"]
     group = {"weight_decay": 1e-4, "curvature_ema": 0.9, "kl_clip": 1e-3, "momentum": 0.5}
-    group["schedule_free"] = 0.9
+    group.update(schedule_free=0.9, orthogonalize=True)
     assert stages.NEWTON.for_group(group) == tuple(stages.NEWTON)

@@ -68,6 +68,7 @@ def test_the_stage_runs_at_its_place_in_the_chain():
         "ScaleByTrustRegion",
         "TraceMomentum",
         "HalveUpdate",
+        "Orthogonalize",
         "ScaleByLearningRate",
         "ScheduleFree",
     ]

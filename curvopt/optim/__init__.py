@@ -14,7 +14,8 @@ functions, usable on their own):
   :func:`trace_norm_cholesky`, :func:`kron_cholesky_solve`, :func:`trace_norm_solvers`,
   :func:`kron_solve`, :class:`LowRankInverse`,
   :func:`kron_eigh`, :func:`exact_damped_solve`;
-* transforms: :func:`ema`, :func:`add_weight_decay`, :func:`momentum`, :func:`kl_clip_factor`.
+* transforms: :func:`ema`, :func:`add_weight_decay`, :func:`momentum`, :func:`orthogonalized`,
+  :func:`kl_clip_factor`.
 
 See ``docs/optim.md``.
 """
@@ -59,7 +60,7 @@ from curvopt.optim.trace_norm import (
 from curvopt.optim.newton import NewtonOptimizer
 from curvopt.optim.plan import cached
 from curvopt.optim.stages.trust_region import kl_clip_factor
-from curvopt.optim.transforms import add_weight_decay, ema, momentum
+from curvopt.optim.transforms import add_weight_decay, ema, momentum, orthogonalized
 from curvopt.optim.variance import VarianceAdaptedSGD
 
 __all__ = [
@@ -93,6 +94,7 @@ __all__ = [
     "kron_matmul",
     "kron_quadratic",
     "momentum",
+    "orthogonalized",
     "psd_eigh",
     "reduction_ratio",
     "trace_norm_cholesky",

@@ -63,6 +63,12 @@ def choice(*choices) -> Check:
     return lambda name, value: check_choice(name, value, choices)
 
 
+def flag(name: str, value) -> None:
+    """Raise ``ValueError`` unless ``value`` is ``True`` or ``False``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 def optional(check: Check) -> Check:
     """``check``, or nothing for ``None``."""
     return lambda name, value: None if value is None else check(name, value)
@@ -148,6 +154,8 @@ class NewtonOptions(CurvatureOptions):
     curvature_samples: int | None = option(None, optional(number(1, integer=True)))
     #: ``β``: schedule-free averaging (``stages.schedule_free``; evaluate after ``opt.eval()``)
     schedule_free: float | None = option(None, optional(_interpolation))
+    #: each matrix-shaped update replaced by its polar factor (``stages.orthogonalize``, Muon's)
+    orthogonalize: bool = option(False, flag)
 
     def relations(self) -> None:
         if self.schedule_free is not None and as_damping(self.damping).adaptive:

@@ -53,6 +53,14 @@ PSGD-Kron, the three peers above, KFAC and schedule-free KFAC, with the grids of
 batch 128 (schedule-free KFAC: the ViT's, curvature and inverses every 10 steps); momentum SGD
 is left out. Adam's grid there was fixed before the calibration of their targets.
 
+``kfac_ns`` (``KFAC(orthogonalize=True)``: KFAC's direction replaced by its polar factor by
+Newton-Schulz, as Muon's, before the lr), on the two workloads: KFAC's ``practical`` setting
+with 16 samples' curvature, and Muon's learning rates (:func:`_kfac_newton_schulz`), whose
+step length is the lr's alike. Fixed after an exploration on the GPT at seed 0 with this
+setting and lr 0.01, 0.02 and 0.05 constant (``results/ttr/logs/kfac_newton_schulz.py``), so
+its grid saw those three runs first; on the autoencoder the damping and ``kl_clip`` are
+divided by 784 as KFAC's (below).
+
 ``eigen_adam`` (``curvopt.optim.EigenAdam``: Adam's moments in the eigenbasis of KFAC's
 factors, refreshed every 10 steps), on the two workloads and on FMNIST 2C2D (batch 128), fixed
 before any of its runs: it takes Adam's learning rates and schedules, so its grid is Adam's
@@ -242,6 +250,17 @@ def _peers_53(**batch_sizes) -> dict[str, tuple[Setting, ...]]:
     }
 
 
+def _kfac_newton_schulz(lrs=(0.01, 0.02, 0.02, 0.05), **batch_sizes) -> tuple[Setting, ...]:
+    """``kfac_ns``: KFAC's ``practical`` setting with the 16 samples' curvature (its winner on
+    the workloads' 2C2D-sized grids) and ``orthogonalize=True``; the orthogonalised step's
+    length is the lr's, as Muon's, so its grid is Muon's: 0.01 and 0.02 constant, 0.02 and 0.05
+    with warm-up + cosine."""
+    a, b, c, d = lrs
+    points = [(lr, 0.1, "practical", SUB16) for lr in (a, b)]
+    points += [(lr, 0.1, "practical", SUB16, WC) for lr in (c, d)]
+    return _grid("kfac_ns", *points, **batch_sizes)
+
+
 def _workload(problem: str) -> dict[str, tuple[Setting, ...]]:
     """A workload's grids at its own batch size (see the module doc); the autoencoder's KFAC
     grids scaled to its loss's per-pixel average (:func:`_per_pixel`)."""
@@ -262,9 +281,10 @@ def _workload(problem: str) -> dict[str, tuple[Setting, ...]]:
         ),
         "sf_kfac": _schedule_free_kfac(SUB16, **b),
         "eigen_adam": _eigen_adam(**b),
+        "kfac_ns": _kfac_newton_schulz(**b),
     }
     if problem == "mnist_autoencoder":
-        for name in ("kfac", "sf_kfac"):
+        for name in ("kfac", "sf_kfac", "kfac_ns"):
             grids[name] = _per_pixel(grids[name], AUTOENCODER_PIXELS)
     return grids
 

@@ -12,6 +12,7 @@ from curvopt.optim.stages.eigenbasis import RefreshEigenbasis
 from curvopt.optim.stages.eigenbasis_adam import EigenbasisAdam
 from curvopt.optim.stages.learning_rate import ScaleByLearningRate
 from curvopt.optim.stages.momentum import TraceMomentum
+from curvopt.optim.stages.orthogonalize import Orthogonalize
 from curvopt.optim.stages.precondition import Precondition
 from curvopt.optim.stages.schedule_free import ScheduleFree
 from curvopt.optim.stages.trust_region import ScaleByTrustRegion
@@ -25,6 +26,7 @@ NEWTON = Chain(
         Precondition(),
         ScaleByTrustRegion(),
         TraceMomentum(),
+        Orthogonalize(),
         ScaleByLearningRate(),
         ScheduleFree(),
     )
@@ -45,6 +47,7 @@ EIGEN_ADAM = Chain(
 __all__ = [
     "EIGEN_ADAM",
     "NEWTON",
+    "Orthogonalize",
     "AddWeightDecay",
     "AverageCurvature",
     "Chain",

@@ -9,6 +9,7 @@ the update in the making, as optax's transforms do::
     d = (C + (λ + δ) I)⁻¹ g          30  precondition.Precondition
     d ← ν d                          40  trust_region.ScaleByTrustRegion   (not for κ = None)
     v = μ v + d                      50  momentum.TraceMomentum            (not for μ = 0)
+    v ← √max(1, m/n) polar(v)        57  orthogonalize.Orthogonalize       (not for False)
     Δ = lr · v                       60  learning_rate.ScaleByLearningRate
     Δ ← schedule-free Δ              70  schedule_free.ScheduleFree        (not for β = None)
 
