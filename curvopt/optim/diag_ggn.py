@@ -54,6 +54,9 @@ class DiagGGNNewton(NewtonOptimizer):
             parameters hold the point where the gradient is taken, ``opt.eval()`` and
             ``opt.train()`` switch them to the average and back (a ``step()`` in between
             raises). Does not combine with adaptive damping.
+        orthogonalize: ``True``: each matrix-shaped update (after momentum) replaced by its
+            polar factor, by Newton–Schulz, as Muon's (``stages.orthogonalize``); take Muon's
+            learning rates then. ``False`` by default.
         collection: ``"auto"`` (default: collect what the next step needs on every backward
             pass that reaches the optimizer's parameters) or ``"explicit"`` (only inside
             ``opt.collect()`` or ``opt.step(closure)``).

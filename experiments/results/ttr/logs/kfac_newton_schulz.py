@@ -1,6 +1,8 @@
 """
-Exploration (not a grid's run): issue 53's lever "Kronecker preconditioning followed by an
-orthogonalised step" on the GPT. KFAC's `practical` winner setting on the GPT (16 samples'
+Exploration (not a grid's run), before ``KFAC(orthogonalize=True)`` existed: issue 53's lever
+"Kronecker preconditioning followed by an orthogonalised step" on the GPT, as a stage of its
+own here (the library's option computes the same map, ``tests/test_orthogonalize.py``; its
+output is kfac_newton_schulz.log). It fixed the grid of ``kfac_ns``. KFAC's `practical` winner setting on the GPT (16 samples'
 curvature) with one more stage after momentum: each matrix-shaped direction D (weights as
 [out, -1]) is replaced by its orthogonal polar factor, approximated by 5 quintic Newton-Schulz
 iterations (Jordan et al. 2024's coefficients 3.4445, -4.7750, 2.0315, on D / ||D||_F),
