@@ -51,6 +51,7 @@ OPTIMIZER_TITLES = {
     "muon_adamw": "MuonAdamW (heavyball)",
     "klsoap": "KL-SOAP",
     "eigen_adam": "EigenAdam",
+    "kfac_ns": "KFAC + Newton-Schulz",
 }
 #: fixed colour per optimizer, so that the same method has the same colour in every figure
 OPTIMIZER_COLORS = {
@@ -71,6 +72,7 @@ OPTIMIZER_COLORS = {
     "muon_adamw": "yellowgreen",
     "klsoap": "teal",
     "eigen_adam": "tab:brown",
+    "kfac_ns": "magenta",
 }
 OPTIMIZER_ORDER = list(OPTIMIZER_TITLES)
 PROBLEM_ORDER = list(PROBLEM_TITLES)
