@@ -22,6 +22,7 @@ from torch import nn
 
 from curvopt.core.extended import ParameterEntry, entry_for, entry_of, owns_children
 
+
 def _held_below(module: nn.Module) -> Set[int]:
     """ids of the parameters held by ``module``'s descendants (empty for a leaf module)."""
     return {

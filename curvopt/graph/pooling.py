@@ -43,9 +43,9 @@ class _Stage:
     ``starts`` without passing a pooling, the poolings it ``meets``, and the indices of the
     asked edges in it (``wanted``)."""
 
-    def __init__(self, pool, start, starts, nexts, pools):
+    def __init__(self, pool, start, starts, walk, pools):
         self.pool, self.start = pool, start
-        self.nodes, _, entries = reach(starts, pools, nexts, _no_segment)
+        self.nodes, _, entries = reach(starts, pools, walk.next_of, walk.segment_of)
         self.meets = sorted({node for node, _ in entries}, key=id)
         self.wanted: List[int] = []
 
@@ -68,7 +68,7 @@ def _stages(node, edges, walk) -> Optional[List[_Stage]]:
     others = (n for n in walk.edges if n not in pools)
     if not pools or any(type(n).__name__ in NO_BATCHING_RULE for n in others):
         return None
-    stages = {None: _Stage(None, None, [node], walk.next_of, pools)}
+    stages = {None: _Stage(None, None, [node], walk, pools)}
     feeders, todo = {}, [None]
     while todo:
         for pool in stages[todo.pop()].meets:
@@ -76,7 +76,7 @@ def _stages(node, edges, walk) -> Optional[List[_Stage]]:
             if pool not in stages:
                 start = walk.next_of(pool)[0]
                 starts = [start[0]] if start[0] is not None else []
-                stages[pool] = _Stage(pool, start, starts, walk.next_of, pools)
+                stages[pool] = _Stage(pool, start, starts, walk, pools)
                 todo.append(pool)
     order, ready = [], [None]
     while ready:  # Kahn: a pooling's stage once every stage meeting it is placed
@@ -95,11 +95,6 @@ def _stages(node, edges, walk) -> Optional[List[_Stage]]:
         if _upstream(stage.meets, walk.next_of).intersection(asked):
             return None  # a path around a pooling: autograd would run it
     return order
-
-
-def _no_segment(node) -> None:
-    """Max-pool stages are taken where no checkpoint was re-run (``propagate``)."""
-    return None
 
 
 def _upstream(pools, nexts) -> set:

@@ -168,10 +168,18 @@ def _grid(optimizer: str, *points: tuple, batch_sizes=BATCH_SIZES) -> tuple[Sett
     return tuple(replace(s, batch_size=b) for b in batch_sizes for s in out)
 
 
-def _first_order(optimizer: str, lrs: tuple[float, float, float, float], **batch_sizes):
-    """Two constant learning rates, two with warm-up and cosine decay."""
-    a, b, c, d = lrs
-    points = (a,), (b,), (c, None, None, {}, WC), (d, None, None, {}, WC)
+def _first_order(
+    optimizer: str,
+    lrs: tuple[float, float, float, float],
+    damping=None,
+    preset=None,
+    options=None,
+    **batch_sizes,
+):
+    """Two constant learning rates, two with warm-up and cosine decay (each with ``damping``,
+    ``preset`` and ``options``, for a curvature optimizer taking a first-order grid)."""
+    fixed = (damping, preset, options or {})
+    points = [(lr, *fixed) for lr in lrs[:2]] + [(lr, *fixed, WC) for lr in lrs[2:]]
     return _grid(optimizer, *points, **batch_sizes)
 
 
@@ -255,10 +263,7 @@ def _kfac_newton_schulz(lrs=(0.01, 0.02, 0.02, 0.05), **batch_sizes) -> tuple[Se
     the workloads' 2C2D-sized grids) and ``orthogonalize=True``; the orthogonalised step's
     length is the lr's, as Muon's, so its grid is Muon's: 0.01 and 0.02 constant, 0.02 and 0.05
     with warm-up + cosine."""
-    a, b, c, d = lrs
-    points = [(lr, 0.1, "practical", SUB16) for lr in (a, b)]
-    points += [(lr, 0.1, "practical", SUB16, WC) for lr in (c, d)]
-    return _grid("kfac_ns", *points, **batch_sizes)
+    return _first_order("kfac_ns", lrs, 0.1, "practical", SUB16, **batch_sizes)
 
 
 def _workload(problem: str) -> dict[str, tuple[Setting, ...]]:
