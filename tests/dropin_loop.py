@@ -28,6 +28,8 @@ OPTIMIZERS = {
     # the Hugging Face Trainer calls opt.train() before every step (schedule-free's API)
     "KFAC-schedule-free": lambda p: KFAC(p, 0.1, 0.1, "kflr", schedule_free=0.9),
     "EKFAC": lambda p: EKFAC(p, 0.1, 0.1, "kflr"),
+    # Muon's orthogonalised steps after KFAC's, with momentum
+    "KFAC-orthogonalize": lambda p: KFAC(p, 0.05, 0.1, "kflr", momentum=0.9, orthogonalize=True),
     "DiagGGNNewton": lambda p: DiagGGNNewton(p, lr=0.1, damping=0.1, curvature="exact"),
     "VarianceAdaptedSGD": lambda p: VarianceAdaptedSGD(p, lr=0.1),
 }
