@@ -59,7 +59,9 @@ with 16 samples' curvature, and Muon's learning rates (:func:`_kfac_newton_schul
 step length is the lr's alike. Fixed after an exploration on the GPT at seed 0 with this
 setting and lr 0.01, 0.02 and 0.05 constant (``results/ttr/logs/kfac_newton_schulz.py``), so
 its grid saw those three runs first; on the autoencoder the damping and ``kl_clip`` are
-divided by 784 as KFAC's (below).
+divided by 784 as KFAC's (below). On FMNIST 2C2D (batch 128) and the ViT (with
+``fallback="diagonal"`` for the raw tokens, as ``sf_kfac``'s) the same grid, added before any
+run there.
 
 ``eigen_adam`` (``curvopt.optim.EigenAdam``: Adam's moments in the eigenbasis of KFAC's
 factors, refreshed every 10 steps), on the two workloads and on FMNIST 2C2D (batch 128), fixed
@@ -258,12 +260,14 @@ def _peers_53(**batch_sizes) -> dict[str, tuple[Setting, ...]]:
     }
 
 
-def _kfac_newton_schulz(lrs=(0.01, 0.02, 0.02, 0.05), **batch_sizes) -> tuple[Setting, ...]:
+def _kfac_newton_schulz(
+    lrs=(0.01, 0.02, 0.02, 0.05), options=SUB16, **batch_sizes
+) -> tuple[Setting, ...]:
     """``kfac_ns``: KFAC's ``practical`` setting with the 16 samples' curvature (its winner on
-    the workloads' 2C2D-sized grids) and ``orthogonalize=True``; the orthogonalised step's
-    length is the lr's, as Muon's, so its grid is Muon's: 0.01 and 0.02 constant, 0.02 and 0.05
-    with warm-up + cosine."""
-    return _first_order("kfac_ns", lrs, 0.1, "practical", SUB16, **batch_sizes)
+    the workloads' 2C2D-sized grids; ``options``) and ``orthogonalize=True``; the
+    orthogonalised step's length is the lr's, as Muon's, so its grid is Muon's: 0.01 and 0.02
+    constant, 0.02 and 0.05 with warm-up + cosine."""
+    return _first_order("kfac_ns", lrs, 0.1, "practical", options, **batch_sizes)
 
 
 def _workload(problem: str) -> dict[str, tuple[Setting, ...]]:
@@ -361,6 +365,7 @@ GRIDS: dict[str, dict[str, tuple[Setting, ...]]] = {
         + _schedule_free_kfac({**SUB16, **EVERY_20}, lrs=(1.0, 2.0), clips=(1.0,), **B512),
         **_peers_53(**B128),
         "eigen_adam": _eigen_adam(**B128),
+        "kfac_ns": _kfac_newton_schulz(**B128),
     },
     "fmnist_vit": {
         "adam": _first_order("adam", (5e-4, 1e-3, 1e-3, 2e-3)),
@@ -377,6 +382,7 @@ GRIDS: dict[str, dict[str, tuple[Setting, ...]]] = {
         "sf_adamw": _schedule_free((5e-4, 1e-3, 2e-3, 4e-3)),
         "sf_kfac": _schedule_free_kfac({**DIAG, **SUB16}),
         **_peers_53(),
+        "kfac_ns": _kfac_newton_schulz(options={**DIAG, **SUB16}),
     },
     "fortunes_gpt": _workload("fortunes_gpt"),
     "mnist_autoencoder": _workload("mnist_autoencoder"),
