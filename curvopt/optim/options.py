@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from numbers import Real
 from typing import Any, Callable, ClassVar
 
+import torch
+
 from curvopt.optim.damping import as_damping
 
 Check = Callable[[str, Any], None]
@@ -67,6 +69,25 @@ def flag(name: str, value) -> None:
     """Raise ``ValueError`` unless ``value`` is ``True`` or ``False``."""
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+#: the dtypes Newton–Schulz may compute in (``orthogonalize_dtype``), by name
+NEWTON_SCHULZ_DTYPES = {
+    name: getattr(torch, name) for name in ("bfloat16", "float16", "float32", "float64")
+}
+
+
+def newton_schulz_dtype(value) -> torch.dtype | None:
+    """``orthogonalize_dtype``'s dtype: ``None``, one of :data:`NEWTON_SCHULZ_DTYPES` or its
+    name (``"bfloat16"``, as in a config file)."""
+    if value is None or value in NEWTON_SCHULZ_DTYPES.values():
+        return value
+    if isinstance(value, str) and value in NEWTON_SCHULZ_DTYPES:
+        return NEWTON_SCHULZ_DTYPES[value]
+    raise ValueError(
+        f"orthogonalize_dtype must be None or one of {list(NEWTON_SCHULZ_DTYPES)} (as a "
+        f"torch.dtype or its name), got {value!r}"
+    )
 
 
 def optional(check: Check) -> Check:
@@ -156,6 +177,9 @@ class NewtonOptions(CurvatureOptions):
     schedule_free: float | None = option(None, optional(_interpolation))
     #: each matrix-shaped update replaced by its polar factor (``stages.orthogonalize``, Muon's)
     orthogonalize: bool = option(False, flag)
+    #: the dtype its Newton–Schulz iterations compute in (``None``: the update's; Muon's is
+    #: ``torch.bfloat16``)
+    orthogonalize_dtype: Any = option(None, lambda name, value: newton_schulz_dtype(value))
 
     def relations(self) -> None:
         if self.schedule_free is not None and as_damping(self.damping).adaptive:
