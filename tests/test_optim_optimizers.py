@@ -635,6 +635,50 @@ def test_finite_check_tolerates_overflowing_sums_and_names_the_bad_tensor():
         check_finite([update, bad])
 
 
+def _moved(param, delta, description="parameter 'w'", checks=()):
+    return ParamUpdate(param, description, delta=delta, checks=list(checks))
+
+
+@pytest.mark.parametrize(
+    "param, delta, bad",
+    [
+        (torch.ones(3), torch.ones(3), False),
+        (torch.ones(3), torch.tensor([1.0, math.nan, 0.0]), True),
+        (torch.tensor([3.0e38, 0.0]), torch.tensor([-3.0e38, 0.0]), True),  # |θ| + |Δ| > max
+        (torch.tensor([3.0e38, 0.0]), torch.tensor([0.0, 3.0e38]), False),  # apart: in range
+        (torch.full((2,), 3e38, dtype=torch.bfloat16), torch.full((2,), -3e38).bfloat16(), True),
+        (torch.ones(2, dtype=torch.bfloat16), torch.full((2,), 3e38, dtype=torch.bfloat16), False),
+        (torch.ones(2, dtype=DT), torch.full((2,), 1e300, dtype=DT), False),
+        (torch.zeros(0, 3), torch.zeros(0, 3), False),  # no entries
+    ],
+)
+def test_finite_check_of_a_step_reads_each_dtype_range(param, delta, bad):
+    """``θ − Δ`` must stay finite in ``θ``'s dtype: ``‖θ‖∞ + ‖Δ‖∞ ≤ max`` passes without a
+    look at the entries, a step beyond it is looked at and raises only if ``θ − Δ`` is not
+    finite; beside other parameters of other dtypes and sizes (one foreach norm per list)."""
+    others = [_moved(torch.ones(4, dtype=DT), torch.ones(4, dtype=DT), "parameter 'o'")]
+    others.append(_moved(torch.zeros(0), torch.zeros(0), "parameter 'e'"))
+    updates = [*others, _moved(param, delta)]
+    if bad:
+        with pytest.raises(FloatingPointError, match=r"parameter 'w'"):
+            check_finite(updates)
+    else:
+        check_finite(updates)
+
+
+def test_finite_check_reads_sparse_and_empty_checked_tensors():
+    """A sparse gradient (``nn.Embedding(sparse=True)``) and one without entries are checked
+    beside dense ones: a NaN among the sparse values raises, naming its tensor."""
+    p = torch.zeros(3)
+    sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (3,))
+    fine = ParamUpdate(p, "parameter 'w'", checks=[("gradient", sparse), ("gradient", p[:0])])
+    check_finite([fine])
+    nan = torch.sparse_coo_tensor([[1]], [math.nan], (3,))
+    bad = ParamUpdate(p, "parameter 's'", checks=[("gradient", nan)])
+    with pytest.raises(FloatingPointError, match=r"gradient of parameter 's'"):
+        check_finite([fine, bad])
+
+
 def test_momentum_of_a_fallback_parameter_does_not_alias_its_gradient():
     p = nn.Parameter(torch.ones(3, dtype=DT))
     opt = manual(

@@ -491,14 +491,43 @@ def regularizer_change(param_groups, plans) -> float:
     return change
 
 
-def _size(tensor: torch.Tensor) -> torch.Tensor:
-    """``‖t‖∞ = max(−min t, max t)`` in float64 (inf or NaN for non-finite entries; 0 for no
-    entries): one pass of ``aminmax`` (exact, and cheaper than ``vector_norm`` with a float64
-    ``dtype``, which converts every entry)."""
-    if tensor.numel() == 0:
-        return torch.zeros((), dtype=torch.float64, device=tensor.device)
-    low, high = torch.aminmax(tensor.detach())
-    return torch.maximum(-low, high).to(torch.float64)
+def _within_range(checks: list[torch.Tensor], params, deltas) -> bool:
+    """A sufficient condition for every tensor of ``checks`` to be finite and every ``θ − Δ``
+    (``params``, ``deltas``: the moved parameters and their steps) to stay finite in ``θ``'s
+    dtype: finite Euclidean norms, and ``‖θ‖₂ + ‖Δ‖₂ ≤ max`` of the dtype (the sum in float64;
+    ``‖·‖∞ ≤ ‖·‖₂``). A NaN or inf entry makes a norm NaN or inf; a norm that overflows
+    where the entries do not only sends the caller to its exact look. One foreach norm per
+    list (a fused kernel on a GPU, vectorised on a CPU), read in one host sync."""
+    fine = []
+    for device, members in _by_device(checks).items():
+        sparse = [_entries(t) for t in members if t.is_sparse]  # foreach takes dense tensors
+        fine.append(_norms([t for t in members if not t.is_sparse] + sparse).isfinite().all())
+    for device in _by_device(params):
+        chosen = [(p, d) for p, d in zip(params, deltas) if p.device == device]
+        sizes = _norms([p for p, _ in chosen]) + _norms([d for _, d in chosen])
+        top = [torch.finfo(p.dtype).max for p, _ in chosen]
+        fine.append((sizes <= torch.tensor(top, dtype=torch.float64, device=device)).all())
+    target = fine[0].device if fine else None
+    return bool(torch.stack([f.to(target) for f in fine]).all()) if fine else True
+
+
+def _entries(tensor: torch.Tensor) -> torch.Tensor:
+    """The stored entries of a sparse tensor (``nn.Embedding(sparse=True)``'s gradient), else
+    the tensor."""
+    return tensor.coalesce().values() if tensor.is_sparse else tensor
+
+
+def _by_device(tensors) -> dict[torch.device, list[torch.Tensor]]:
+    out: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.device, []).append(t)
+    return out
+
+
+def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``[‖t‖₂ for t in tensors]`` (one device) as a float64 vector, in one foreach norm."""
+    norms = torch._foreach_norm([t.detach() for t in tensors], 2)
+    return torch.stack(norms).to(torch.float64)
 
 
 def check_finite(updates: list[ParamUpdate], owner: str = "", remedy: str = REMEDY) -> None:
@@ -508,19 +537,13 @@ def check_finite(updates: list[ParamUpdate], owner: str = "", remedy: str = REME
     moved = [u for u in updates if u.delta is not None]
     if not checks and not moved:
         return
-    device = (checks[0][2] if checks else moved[0].param).device
-    # one read per tensor and one host sync: a finite sum means finite entries (a NaN or
-    # inf entry makes the sum NaN or inf); only a non-finite sum (or overflow) is looked into
-    sums = [t.sum().to(device) for _, _, t in checks]
-    sizes = [_size(u.param) + _size(u.delta) - torch.finfo(u.param.dtype).max for u in moved]
-    fine = torch.stack(sums).isfinite().all() if sums else torch.tensor(True, device=device)
-    if sizes:
-        fine = fine & (torch.stack([size.to(device) for size in sizes]) <= 0).all()
-    if bool(fine):
+    # one read per tensor and one host sync; only a non-finite norm (or overflow) is looked into
+    params, deltas = [u.param for u in moved], [u.delta for u in moved]
+    if _within_range([t for _, _, t in checks], params, deltas):
         return
     after = [(u, "parameter after the step", (u.param - u.delta).to(u.param.dtype)) for u in moved]
     for update, what, tensor in checks + after:
-        if not bool(tensor.isfinite().all()):
+        if not bool(_entries(tensor).isfinite().all()):
             cause = (
                 " (the loss exploded, or the backward pass overflowed)"
                 if what == "gradient"
