@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from curvopt.optim import KFAC, DiagGGNNewton, LevenbergMarquardt, VarianceAdaptedSGD
-from curvopt.optim.base import check_finite
+from curvopt.optim.base import _all_zero, check_finite
 from curvopt.optim.plan import ParamUpdate
 
 DT = torch.float64
@@ -677,6 +677,23 @@ def test_finite_check_reads_sparse_and_empty_checked_tensors():
     bad = ParamUpdate(p, "parameter 's'", checks=[("gradient", nan)])
     with pytest.raises(FloatingPointError, match=r"gradient of parameter 's'"):
         check_finite([fine, bad])
+
+
+def test_all_zero_tests_each_gradient_exactly():
+    """The zero-gradient test of unused parameters (one foreach norm for all): entries of
+    1e-30 in float32 (whose squares underflow to 0) are not zero, nor is a NaN or an inf; a
+    tensor without entries and a sparse one without nonzero values are."""
+    tensors = [
+        torch.zeros(3),
+        torch.full((4,), 1e-30),
+        torch.tensor([0.0, math.nan]),
+        torch.tensor([-math.inf, 0.0], dtype=DT),
+        torch.zeros(0, 2),
+        torch.sparse_coo_tensor([[1]], [0.0], (3,)),
+        torch.zeros(2, 2, dtype=torch.bfloat16),
+    ]
+    assert _all_zero(tensors) == [True, False, False, False, True, True, True]
+    assert _all_zero([]) == []
 
 
 def test_momentum_of_a_fallback_parameter_does_not_alias_its_gradient():

@@ -242,15 +242,21 @@ class CurvatureOptimizer(Optimizer):
             where = f"#{offset + index}"
         return f"parameter {where} (shape {tuple(param.shape)})"
 
-    def _unused(self, param: torch.Tensor, attrs: Sequence[str]) -> bool:
-        """Whether ``param`` took no part in this step: ``grad`` is None, or all zero (after
-        ``zero_grad(set_to_none=False)``) while its ``attrs`` are still those a previous step
-        used. As in ``torch.optim``, such a parameter is left unchanged (zero step)."""
-        if param.grad is None:
-            return True
-        used = self._consumed.get(param, {})
-        stale = bool(used) and all(values.read(param, a) is used.get(a) for a in attrs)
-        return stale and _all_zero(param.grad)
+    def _unused(self, params: Sequence[torch.Tensor], attrs: Sequence[str]) -> set[int]:
+        """The ids of ``params`` that took no part in this step: ``grad`` is None, or all zero
+        (after ``zero_grad(set_to_none=False)``) while its ``attrs`` are still those a previous
+        step used. As in ``torch.optim``, such a parameter is left unchanged (zero step). The
+        gradients in question are tested together (:func:`_all_zero`)."""
+        unused, stale = set(), []
+        for param in params:
+            if param.grad is None:
+                unused.add(id(param))
+                continue
+            used = self._consumed.get(param, {})
+            if used and all(values.read(param, a) is used.get(a) for a in attrs):
+                stale.append(param)
+        zero = _all_zero([p.grad for p in stale])
+        return unused | {id(p) for p, z in zip(stale, zero) if z}
 
     def _read(self, update: ParamUpdate, attr: str, extension: str, fallback: str | None) -> Any:
         """``update.param.<attr>`` as its typed value (``curvopt.core.values``), averaged over the
@@ -414,13 +420,20 @@ class CurvatureOptimizer(Optimizer):
         self._arm(mode)
 
 
-def _all_zero(tensor: torch.Tensor) -> bool:
-    """Whether every entry is 0 (NaN is not): ``min = max = 0``, one pass of ``aminmax``
-    (cheaper than ``any()`` on a float tensor)."""
-    if tensor.numel() == 0:
-        return True
-    low, high = torch.aminmax(tensor)
-    return bool((low == 0) & (high == 0))
+def _all_zero(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """Whether every entry of each of ``tensors`` is 0 (NaN is not): ``‖t‖₁ = 0``, a sum of
+    absolute values that neither cancels nor underflows (squares would); one foreach norm per
+    device, read in one host sync per device (a sparse tensor through its stored entries)."""
+    entries = [_entries(t) for t in tensors]
+    groups = _by_device(entries)
+    norms = [
+        torch.stack(torch._foreach_norm([entries[i] for i in at], 1)) for at in groups.values()
+    ]
+    read = torch.cat([(n == 0).cpu() for n in norms]).tolist() if norms else []
+    out = [False] * len(entries)
+    for i, zero in zip((i for at in groups.values() for i in at), read):
+        out[i] = zero
+    return out
 
 
 def _weak(method: Callable[[], Any]) -> Callable[[], Any]:
@@ -499,13 +512,11 @@ def _within_range(checks: list[torch.Tensor], params, deltas) -> bool:
     where the entries do not only sends the caller to its exact look. One foreach norm per
     list (a fused kernel on a GPU, vectorised on a CPU), read in one host sync."""
     fine = []
-    for device, members in _by_device(checks).items():
-        sparse = [_entries(t) for t in members if t.is_sparse]  # foreach takes dense tensors
-        fine.append(_norms([t for t in members if not t.is_sparse] + sparse).isfinite().all())
-    for device in _by_device(params):
-        chosen = [(p, d) for p, d in zip(params, deltas) if p.device == device]
-        sizes = _norms([p for p, _ in chosen]) + _norms([d for _, d in chosen])
-        top = [torch.finfo(p.dtype).max for p, _ in chosen]
+    for at in _by_device(checks).values():  # a sparse tensor through its stored entries
+        fine.append(_norms([_entries(checks[i]) for i in at]).isfinite().all())
+    for device, at in _by_device(params).items():
+        sizes = _norms([params[i] for i in at]) + _norms([deltas[i] for i in at])
+        top = [torch.finfo(params[i].dtype).max for i in at]
         fine.append((sizes <= torch.tensor(top, dtype=torch.float64, device=device)).all())
     target = fine[0].device if fine else None
     return bool(torch.stack([f.to(target) for f in fine]).all()) if fine else True
@@ -517,10 +528,11 @@ def _entries(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.coalesce().values() if tensor.is_sparse else tensor
 
 
-def _by_device(tensors) -> dict[torch.device, list[torch.Tensor]]:
-    out: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        out.setdefault(t.device, []).append(t)
+def _by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]:
+    """The positions of ``tensors`` on each of their devices."""
+    out: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        out.setdefault(t.device, []).append(i)
     return out
 
 

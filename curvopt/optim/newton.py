@@ -274,8 +274,9 @@ class NewtonOptimizer(CurvatureOptimizer):
         attr, _ = self._extension(group)
         extension = extensions.writer(attr).__name__
         due = self._curvature_due(group, group_state)
+        unused = self._unused(group["params"], (attr,))
         for index, param in enumerate(group["params"]):
-            if self._unused(param, (attr,)):
+            if id(param) in unused:
                 continue
             state = self.state.get(param, {})
             update = ParamUpdate(param, self._describe(group, index, param))

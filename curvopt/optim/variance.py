@@ -107,8 +107,9 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
     def _plan_group(self, group, group_state, with_model):
         beta = group["momentum"]
         updates = []
+        unused = self._unused(group["params"], ("variance", "batch_l2"))
         for index, param in enumerate(group["params"]):
-            if self._unused(param, ("variance", "batch_l2")):
+            if id(param) in unused:
                 continue
             state = self.state.get(param, {})
             update = ParamUpdate(param, self._describe(group, index, param))
