@@ -15,8 +15,10 @@ un-extended copy), and the figure is µs per module:
 
 The quantities: ``BatchGrad`` and ``KFAC`` (the ``collect(ext.KFAC())`` pass) and ``step``:
 one ``curvopt.optim.KFAC`` step (``zero_grad``, forward, backward inside ``opt.collect()``,
-``opt.step()``) against one ``torch.optim.SGD`` step on an un-extended copy. ``--profile``
-prints the cProfile breakdown by curvopt module (``per_pass_overhead.profile``); ``--label``
+``opt.step()``) against one ``torch.optim.SGD`` step on an un-extended copy; ``step_every_10``
+the same with the curvature and inverses every 10 steps (``curvature_interval=10``,
+``inverse_interval=10``, the amortised regime of training runs), averaged over its steps.
+``--profile`` prints the cProfile breakdown by curvopt module (``per_pass_overhead.profile``); ``--label``
 writes the run into ``benchmarks/results/per_module_cost.{md,json}`` (other labels kept);
 ``--no-gc`` runs with Python's garbage collector disabled (``gc.disable()``), which shows what
 its collections, triggered by the objects a pass keeps alive, cost.
@@ -36,7 +38,9 @@ from benchmarks import per_pass_overhead as ppo
 
 DEPTH, WIDTH, CLASSES = 32, 16, 10
 MODULES = DEPTH + 1  # the Linear modules
-QUANTITIES = ("BatchGrad", "KFAC", "step")
+QUANTITIES = ("BatchGrad", "KFAC", "step", "step_every_10")
+#: the optimizer steps among the quantities: name -> the KFAC's curvature and inverse interval
+STEPS = {"step": 1, "step_every_10": 10}
 #: µs per module (issue 54); the comparisons the issue quotes, µs per module
 GOALS = {"BatchGrad": 60.0, "KFAC": 120.0}
 OTHERS = {"BatchGrad": "BackPACK 116, Opacus 84, torch.func 78", "KFAC": "BackPACK 176"}
@@ -66,31 +70,37 @@ def sgd_setup(batch: int):
     """``(SGD step on an un-extended copy, curvopt.optim.KFAC step)`` for ``measure``: one
     ``zero_grad``, forward, backward inside ``opt.collect()`` and step each."""
     bare, bare_X, bare_y, bare_loss = build(batch)
-    model, X, y, lossfunc = ppo.extended(lambda: build(batch))
     sgd = torch.optim.SGD(bare.parameters(), lr=1e-3)
-    opt = curvopt.optim.KFAC(model.parameters(), lr=1e-3, damping=1e-2)
 
     def plain():
         sgd.zero_grad(set_to_none=True)
         bare_loss(bare(bare_X), bare_y).backward()
         sgd.step()
 
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = lossfunc(model(X), y)
-        with opt.collect():
-            loss.backward()
-        opt.step()
+    def curvopt_step(name: str):
+        model, X, y, lossfunc = ppo.extended(lambda: build(batch))
+        every = {"curvature_interval": STEPS[name], "inverse_interval": STEPS[name]}
+        opt = curvopt.optim.KFAC(model.parameters(), lr=1e-3, damping=1e-2, **every)
 
-    return plain, lambda name: step
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = lossfunc(model(X), y)
+            with opt.collect():
+                loss.backward()
+            opt.step()
+
+        return step
+
+    return plain, curvopt_step
 
 
 def measure(quantities, batch, rounds, repeats):
     """``{quantity: {plain_us, curvopt_us, overhead_us, per_module_us}}``."""
-    passes = [q for q in quantities if q != "step"]
+    passes = [q for q in quantities if q not in STEPS]
+    steps = [q for q in quantities if q in STEPS]
     results = ppo.measure(passes, batch, rounds, repeats, make=setup) if passes else {}
-    if "step" in quantities:
-        results.update(ppo.measure(["step"], batch, rounds, repeats, make=sgd_setup))
+    if steps:
+        results.update(ppo.measure(steps, batch, rounds, repeats, make=sgd_setup))
     for r in results.values():
         r["per_module_us"] = r["overhead_us"] / MODULES
     return {q: results[q] for q in quantities}
@@ -114,7 +124,8 @@ def render():
         f"µs per Linear module ({MODULES} of them) beyond the plain pass: (median curvopt pass "
         "- median plain pass) / 33, medians over rounds of the mean of `repeats` passes, "
         "curvopt and plain interleaved, in process CPU time (`benchmarks/per_module_cost.py`). "
-        "`step`: a `curvopt.optim.KFAC` step against a `torch.optim.SGD` step. In brackets: "
+        "`step`: a `curvopt.optim.KFAC` step against a `torch.optim.SGD` step; "
+        "`step_every_10`: the same with the curvature and inverses every 10 steps. In brackets: "
         "µs of the whole pass (curvopt / plain).",
         "",
     ]
@@ -152,11 +163,12 @@ def main(argv=None):
         gc.disable()
     quantities = tuple(args.quantity or QUANTITIES)
     if args.profile:
-        passes = [q for q in quantities if q != "step"]
+        passes = [q for q in quantities if q not in STEPS]
+        steps = [q for q in quantities if q in STEPS]
         if passes:
             ppo.profile(passes, args.batch, args.repeats, make=setup)
-        if "step" in quantities:
-            ppo.profile(["step"], args.batch, args.repeats, make=sgd_setup)
+        if steps:
+            ppo.profile(steps, args.batch, args.repeats, make=sgd_setup)
         return
     results = measure(quantities, args.batch, args.rounds, args.repeats)
     for q, r in results.items():
