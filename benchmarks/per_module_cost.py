@@ -18,9 +18,9 @@ one ``curvopt.optim.KFAC`` step (``zero_grad``, forward, backward inside ``opt.c
 ``opt.step()``) against one ``torch.optim.SGD`` step on an un-extended copy; ``step_every_10``
 the same with the curvature and inverses every 10 steps (``curvature_interval=10``,
 ``inverse_interval=10``, the amortised regime of training runs), averaged over its steps.
-``--profile`` prints the cProfile breakdown by curvopt module (``per_pass_overhead.profile``); ``--label``
-writes the run into ``benchmarks/results/per_module_cost.{md,json}`` (other labels kept);
-``--no-gc`` runs with Python's garbage collector disabled (``gc.disable()``), which shows what
+``--profile`` prints the cProfile breakdown by curvopt module (``per_pass_overhead.profile``);
+``--label`` writes the run into ``benchmarks/results/per_module_cost.{md,json}`` (other labels
+kept); ``--no-gc`` runs with Python's garbage collector disabled (``gc.disable()``), which shows what
 its collections, triggered by the objects a pass keeps alive, cost.
 """
 
