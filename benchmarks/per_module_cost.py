@@ -20,8 +20,8 @@ the same with the curvature and inverses every 10 steps (``curvature_interval=10
 ``inverse_interval=10``, the amortised regime of training runs), averaged over its steps.
 ``--profile`` prints the cProfile breakdown by curvopt module (``per_pass_overhead.profile``);
 ``--label`` writes the run into ``benchmarks/results/per_module_cost.{md,json}`` (other labels
-kept); ``--no-gc`` runs with Python's garbage collector disabled (``gc.disable()``), which shows what
-its collections, triggered by the objects a pass keeps alive, cost.
+kept); ``--no-gc`` runs with Python's garbage collector disabled (``gc.disable()``), which shows
+what its collections, triggered by the objects a pass keeps alive, cost.
 """
 
 from __future__ import annotations
