@@ -227,9 +227,39 @@ def test_summary_multiplies_median_steps_by_cost_and_divides_by_adam():
     assert momentum["steps"] == {"0.9": 70} and momentum["cost_per_step_s"] is None
     assert momentum["est_ratio_to_adam"] is None
     assert momentum["wall_ratio_to_adam"] == pytest.approx(7.0 / 11.0)
+    assert adam["best_peer"] == "adam" and adam["est_ratio_to_best_peer"] == 1.0
+    assert momentum["est_ratio_to_best_peer"] is None
     table = markdown_table([adam, momentum])
-    assert "| p | adam lr 0.1 | - | 0.9 | 110 | 100, 120, 110 | 10.0 / 20.0 | 1.1 | 1.00 |" in table
-    assert "| 50, -, 70 | - | - | - | 7.0 | 0.64 |" in table
+    row = "| p | adam lr 0.1 | - | 0.9 | 110 | 100, 120, 110 | 10.0 / 20.0 | 1.1 | 1.00 |"
+    assert row + " 1.00 (adam) | 11.0 | 1.00 |" in table
+    assert "| 50, -, 70 | - | - | - | - | 7.0 | 0.64 |" in table
+
+
+def test_the_best_peer_is_the_fastest_optimizer_curvopt_does_not_provide():
+    """A curvopt optimizer faster than every peer is not the best peer; each row's estimate is
+    divided by the fastest peer's (here schedule-free AdamW, faster than Adam)."""
+    names = ("adam", "sf_adamw", "kfac", "sf_kfac")
+    entries = [_entry(name, [100]) for name in names]
+    seconds = {"adam": 0.02, "sf_adamw": 0.01, "kfac": 0.03, "sf_kfac": 0.005}
+    costs = {
+        "problems": {
+            "p": {
+                "entries": {
+                    n: {
+                        "setting": Setting(n, 0.1).as_dict(),
+                        "per_step_s": seconds[n],
+                        "per_step_wall_s": seconds[n],
+                    }
+                    for n in names
+                }
+            }
+        }
+    }
+    rows = {r["optimizer"]: r for r in summarize(entries, costs)}
+    assert {r["best_peer"] for r in rows.values()} == {"sf_adamw"}
+    ratios = {n: rows[n]["est_ratio_to_best_peer"] for n in names}
+    assert ratios == pytest.approx({"adam": 2.0, "sf_adamw": 1.0, "kfac": 3.0, "sf_kfac": 0.5})
+    assert "| 0.50 (sf_adamw) |" in markdown_table(list(rows.values()))
 
 
 def test_cli_ttr_then_ttr_cost_write_the_json_files_and_the_figure_draws(tmp_path):

@@ -23,12 +23,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..files import atomic_write, finite
+from ..optimizers import OPTIMIZERS
 from ..problems import get_problem
 from .grids import Setting
 from .protocol import target_key
 
 COST, SUMMARY, TABLE = "cost.json", "summary.json", "ttr.md"
 REFERENCE = "adam"
+#: the optimizers curvopt provides; the others (torch's and other packages') are its peers
+CURVOPT = frozenset(name for name, (cls, _) in OPTIMIZERS.items() if cls is not None)
 
 
 def entry_path(folder: str | Path, problem: str, optimizer: str, calibration=False) -> Path:
@@ -93,7 +96,8 @@ def summarize(entries: list[dict], costs: dict) -> list[dict]:
     """One row per (problem, optimizer): the winner, steps to each target (median and per
     seed), the interleaved cost per step (CPU time, and wall-clock; only where ``costs``
     measured this very setting), estimated seconds (median steps x CPU cost), the runs' own
-    wall-clock to the highest target (median over seeds), both as ratios to tuned Adam."""
+    wall-clock to the highest target (median over seeds), both as ratios to tuned Adam, and the
+    estimate as a ratio to the best peer's (:func:`best_peer`)."""
     rows = []
     for entry in entries:
         problem, optimizer = entry["problem"], entry["optimizer"]
@@ -145,7 +149,23 @@ def summarize(entries: list[dict], costs: dict) -> list[dict]:
         top = target_key(row["targets"][-1])
         row["est_ratio_to_adam"] = _ratio(row["est_s"][top], ref and ref["est_s"][top])
         row["wall_ratio_to_adam"] = _ratio(row["wall_s"], ref and ref["wall_s"])
+        best = best_peer(rows, row["problem"])
+        row["best_peer"] = best and best["optimizer"]
+        row["est_ratio_to_best_peer"] = _ratio(row["est_s"][top], best and best["est_s"][top])
     return rows
+
+
+def best_peer(rows: list[dict], problem: str) -> dict | None:
+    """The row of ``problem``'s fastest peer (not one of :data:`CURVOPT`) by estimated time to
+    the highest target, among those whose time is known."""
+    peers = [
+        r
+        for r in rows
+        if r["problem"] == problem
+        and r["optimizer"] not in CURVOPT
+        and r["est_s"][target_key(r["targets"][-1])] is not None
+    ]
+    return min(peers, key=lambda r: r["est_s"][target_key(r["targets"][-1])], default=None)
 
 
 def _compiled(runs: list[dict]) -> bool | None:
@@ -173,6 +193,12 @@ def _ratio_cell(value, ratio) -> str:
     return "-" if ratio is None else f"{ratio:.2f}"
 
 
+def _peer_cell(row: dict, key: str) -> str:
+    """The ratio to the best peer and its name (``1.41 (muon)``), ``-`` where unknown."""
+    ratio = _ratio_cell(row["est_s"][key], row.get("est_ratio_to_best_peer"))
+    return ratio if ratio == "-" else f"{ratio} ({row['best_peer']})"
+
+
 def _title(row: dict) -> str:
     """The winning setting, and for a compiling peer whether it ran compiled."""
     compiled = row.get("compiled")
@@ -181,12 +207,13 @@ def _title(row: dict) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     """The table: steps to each target (median; per seed), ms per step, estimated and measured
-    seconds to the highest target, ratios to Adam."""
+    seconds to the highest target, ratios to Adam and (estimated) to the best peer."""
     lines = [
         "| problem | optimizer (winning setting) | batch | target | steps (median) | "
         "steps per seed | ms/step (interleaved: CPU / wall) | est. s = steps × CPU cost | "
-        "ratio to Adam (est.) | wall-clock s of the runs (median) | ratio to Adam (wall) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "ratio to Adam (est.) | ratio to the best peer (est.) | "
+        "wall-clock s of the runs (median) | ratio to Adam (wall) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         for i, t in enumerate(r["targets"]):
@@ -200,6 +227,7 @@ def markdown_table(rows: list[dict]) -> str:
                 f"{_ms(cost, r['cost_per_step_wall_s'])} | "
                 f"{'-' if cost is None else _n(r['est_s'][key], '{:.1f}')} | "
                 f"{_ratio_cell(r['est_s'][key], r['est_ratio_to_adam']) if top else ''} | "
+                f"{_peer_cell(r, key) if top else ''} | "
                 f"{_n(r['wall_s'], '{:.1f}') if top else ''} | "
                 f"{_ratio_cell(r['wall_s'], r['wall_ratio_to_adam']) if top else ''} |"
             )
