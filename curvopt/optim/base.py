@@ -422,16 +422,11 @@ class CurvatureOptimizer(Optimizer):
 
 def _all_zero(tensors: Sequence[torch.Tensor]) -> list[bool]:
     """Whether every entry of each of ``tensors`` is 0 (NaN is not): ``‖t‖₁ = 0``, a sum of
-    absolute values that neither cancels nor underflows (squares would); one foreach norm per
-    device, read in one host sync per device (a sparse tensor through its stored entries)."""
-    entries = [_entries(t) for t in tensors]
-    groups = _by_device(entries)
-    norms = [
-        torch.stack(torch._foreach_norm([entries[i] for i in at], 1)) for at in groups.values()
-    ]
-    read = torch.cat([(n == 0).cpu() for n in norms]).tolist() if norms else []
-    out = [False] * len(entries)
-    for i, zero in zip((i for at in groups.values() for i in at), read):
+    absolute values that neither cancels nor underflows (squares would); read in one host
+    sync (:func:`_norms`)."""
+    positions, norms = _norms(tensors, 1)
+    out = [False] * len(tensors)
+    for i, zero in zip(positions, (norms == 0).tolist()):
         out[i] = zero
     return out
 
@@ -509,17 +504,13 @@ def _within_range(checks: list[torch.Tensor], params, deltas) -> bool:
     (``params``, ``deltas``: the moved parameters and their steps) to stay finite in ``θ``'s
     dtype: finite Euclidean norms, and ``‖θ‖₂ + ‖Δ‖₂ ≤ max`` of the dtype (the sum in float64;
     ``‖·‖∞ ≤ ‖·‖₂``). A NaN or inf entry makes a norm NaN or inf; a norm that overflows
-    where the entries do not only sends the caller to its exact look. One foreach norm per
-    list (a fused kernel on a GPU, vectorised on a CPU), read in one host sync."""
-    fine = []
-    for at in _by_device(checks).values():  # a sparse tensor through its stored entries
-        fine.append(_norms([_entries(checks[i]) for i in at]).isfinite().all())
-    for device, at in _by_device(params).items():
-        sizes = _norms([params[i] for i in at]) + _norms([deltas[i] for i in at])
-        top = [torch.finfo(params[i].dtype).max for i in at]
-        fine.append((sizes <= torch.tensor(top, dtype=torch.float64, device=device)).all())
-    target = fine[0].device if fine else None
-    return bool(torch.stack([f.to(target) for f in fine]).all()) if fine else True
+    where the entries do not only sends the caller to its exact look. Read in one host sync."""
+    _, checked = _norms(checks, 2)
+    positions, sizes = _norms(params, 2)
+    _, steps = _norms(deltas, 2)  # each on its parameter's device: the same positions
+    top = [torch.finfo(params[i].dtype).max for i in positions]
+    in_range = sizes + steps.to(sizes.device) <= torch.tensor(top, device=sizes.device)
+    return bool(checked.isfinite().all() & in_range.all().to(checked.device))
 
 
 def _entries(tensor: torch.Tensor) -> torch.Tensor:
@@ -536,10 +527,19 @@ def _by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]
     return out
 
 
-def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``[‖t‖₂ for t in tensors]`` (one device) as a float64 vector, in one foreach norm."""
-    norms = torch._foreach_norm([t.detach() for t in tensors], 2)
-    return torch.stack(norms).to(torch.float64)
+def _norms(tensors: Sequence[torch.Tensor], order: float) -> tuple[list[int], torch.Tensor]:
+    """``‖t‖`` of the given ``order`` for each of ``tensors`` (a sparse one through its stored
+    entries), as one float64 vector on the first tensor's device (CPU for none), and the
+    positions of ``tensors`` in its order: one foreach norm per device (a fused kernel on a
+    GPU, vectorised on a CPU)."""
+    groups = _by_device(tensors)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    parts = [
+        torch.stack(torch._foreach_norm([_entries(tensors[i]).detach() for i in at], order))
+        for at in groups.values()
+    ]
+    norms = torch.cat([n.to(device, torch.float64) for n in parts]) if parts else torch.zeros(0)
+    return [i for at in groups.values() for i in at], norms.to(torch.float64)
 
 
 def check_finite(updates: list[ParamUpdate], owner: str = "", remedy: str = REMEDY) -> None:
