@@ -129,12 +129,8 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
             parameters hold the point where the gradient is taken, ``opt.eval()`` and
             ``opt.train()`` switch them to the average and back (a ``step()`` in between
             raises). Does not combine with adaptive damping.
-        orthogonalize: ``True``: each matrix-shaped update (after momentum) replaced by its
-            polar factor, by Newton–Schulz, as Muon's (``stages.orthogonalize``); take Muon's
-            learning rates then. ``False`` by default.
-        orthogonalize_dtype: the dtype of those Newton–Schulz iterations: ``None`` (default:
-            the update's), a floating ``torch.dtype`` or its name; ``torch.bfloat16`` is
-            Muon's, several times faster where bfloat16 has matrix units.
+        orthogonalize, orthogonalize_dtype: Muon's orthogonalised steps; see
+            :class:`~curvopt.optim.KFAC` (off by default).
         collection: ``"auto"`` (default: collect what the next step needs on every backward
             pass that reaches the optimizer's parameters) or ``"explicit"`` (only inside
             ``opt.collect()`` or ``opt.step(closure)``).
