@@ -1,7 +1,7 @@
 """The calls that pass one loss on through the engine, from the loss hook, by module.
 
     OMP_NUM_THREADS=1 python -m benchmarks.call_trace [--quantity KFAC] [--first] [--calls]
-    OMP_NUM_THREADS=1 python -m benchmarks.call_trace --files
+    OMP_NUM_THREADS=1 python -m benchmarks.call_trace --files [--pass BatchGrad]
 
 Runs a KFAC pass (or ``--quantity``'s) on a plain two-layer MLP, after one warm-up pass (so that
 the structure's plan is cached; ``--first`` traces the first pass instead), and traces with
@@ -18,7 +18,9 @@ before. A generator resumed is not a new call.
 MLP executes (forward, backward in its collection, step; after two warm-up steps), with the
 number of their lines run (``sys.settrace``), and how many of them are the optimizer's
 (``curvopt/optim/``: the step's reading list on the optimizer side). ``--options`` passes
-keyword options to ``KFAC`` (``--options momentum=0.9 weight_decay=1e-3``).
+keyword options to ``KFAC`` (``--options momentum=0.9 weight_decay=1e-3``); ``--pass Q``
+lists the files of one ``collect(Q())`` pass instead (``--files --pass BatchGrad``: the
+reading list of per-sample gradients).
 """
 
 from __future__ import annotations
@@ -137,6 +139,33 @@ def files_of_a_step(**options) -> dict:
     coverage's, is set back after)."""
     model, lossfunc, x, y = _mlp()
     optimizer = KFAC(model.parameters(), lr=0.1, damping=1e-2, **options)
+
+    def step():
+        optimizer.zero_grad()
+        with optimizer.collect():
+            lossfunc(model(x), y).backward()
+        optimizer.step()
+
+    return _lines_run(step)
+
+
+def files_of_a_pass(quantity: str) -> dict:
+    """:func:`files_of_a_step`'s answer for one pass of ``collect(quantity())`` on the MLP
+    (forward, loss and backward: the reading list of a quantity)."""
+    model, lossfunc, x, y = _mlp()
+    factory = getattr(ext, quantity)
+
+    def one_pass():
+        model.zero_grad()
+        with curvopt.collect(factory()):
+            lossfunc(model(x), y).backward()
+
+    return _lines_run(one_pass)
+
+
+def _lines_run(run) -> dict:
+    """The lines of ``curvopt`` that the third of three calls of ``run()`` executes, by file
+    (``sys.settrace``; the first two make the structure's plan and the optimizer's state)."""
     lines: dict = collections.defaultdict(set)
 
     def local(frame, event, arg):
@@ -149,14 +178,11 @@ def files_of_a_step(**options) -> dict:
         return local if PACKAGE in path.parents else None
 
     previous = sys.gettrace()
-    for step in range(3):
-        if step == 2:
+    for call in range(3):
+        if call == 2:
             sys.settrace(start)
         try:
-            optimizer.zero_grad()
-            with optimizer.collect():
-                lossfunc(model(x), y).backward()
-            optimizer.step()
+            run()
         finally:
             sys.settrace(previous)
     return {pathlib.Path(f).relative_to(PACKAGE).as_posix(): n for f, n in sorted(lines.items())}
@@ -177,15 +203,22 @@ def main(argv=None) -> None:
     parser.add_argument("--quantity", default="KFAC", help="an extension class name")
     parser.add_argument("--first", action="store_true", help="trace the structure's first pass")
     parser.add_argument("--calls", action="store_true", help="print every call")
-    parser.add_argument("--files", action="store_true", help="the files a KFAC step runs")
+    parser.add_argument(
+        "--files", action="store_true", help="the files a KFAC step (--pass: a pass) runs"
+    )
+    parser.add_argument("--pass", dest="quantity_pass", help="with --files: this quantity's pass")
     parser.add_argument("--options", nargs="*", default=[], help="KFAC options, name=value")
     args = parser.parse_args(argv)
     if args.files:
-        found = files_of_a_step(**dict(map(_option, args.options)))
+        if args.quantity_pass:
+            found = files_of_a_pass(args.quantity_pass)
+        else:
+            found = files_of_a_step(**dict(map(_option, args.options)))
         for path, numbers in found.items():
             print(f"  {path}: {len(numbers)} lines")
         print(f"files run: {len(found)}, lines run: {sum(map(len, found.values()))}")
-        print(f"of them in curvopt/optim/: {len(optim_files(found))}")
+        if not args.quantity_pass:
+            print(f"of them in curvopt/optim/: {len(optim_files(found))}")
         return
     tracer = trace(args.quantity, args.first)
     calls = tracer.calls

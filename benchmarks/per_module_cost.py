@@ -4,6 +4,7 @@
     OMP_NUM_THREADS=1 python -m benchmarks.per_module_cost --profile --quantity KFAC
     OMP_NUM_THREADS=1 python -m benchmarks.per_module_cost --label before
     OMP_NUM_THREADS=1 python -m benchmarks.per_module_cost --no-gc   # the collector's share
+    python -m benchmarks.per_module_cost --calls --repeats 20   # Python calls a pass
 
 32 x (``Linear(16, 16)``, ``ReLU``) and a final ``Linear(16, 10)`` (33 ``Linear`` modules),
 ``CrossEntropyLoss``, batch 8, float32, one thread. Every operator here is a few µs, so a pass
@@ -13,12 +14,15 @@ curvopt and plain interleaved, process CPU time, medians over rounds; the plain 
 un-extended copy), and the figure is µs per module:
 ``(median curvopt pass - median plain pass) / 33``.
 
-The quantities: ``BatchGrad`` and ``KFAC`` (the ``collect(ext.KFAC())`` pass) and ``step``:
+The quantities: ``hooks``, the same pass with hooks that do nothing where ``extend`` puts its own
+(torch's hook machinery: the floor of any engine built on hooks); ``BatchGrad`` and ``KFAC``
+(the ``collect(ext.KFAC())`` pass) and ``step``:
 one ``curvopt.optim.KFAC`` step (``zero_grad``, forward, backward inside ``opt.collect()``,
 ``opt.step()``) against one ``torch.optim.SGD`` step on an un-extended copy; ``step_every_10``
 the same with the curvature and inverses every 10 steps (``curvature_interval=10``,
 ``inverse_interval=10``, the amortised regime of training runs), averaged over its steps.
-``--profile`` prints the cProfile breakdown by curvopt module (``per_pass_overhead.profile``);
+``--profile`` prints the cProfile breakdown by curvopt module (``per_pass_overhead.profile``),
+``--calls`` the Python and torch operator calls of a pass (``per_pass_overhead.calls``);
 ``--label`` writes the run into ``benchmarks/results/per_module_cost.{md,json}`` (other labels
 kept); ``--no-gc`` runs with Python's garbage collector disabled (``gc.disable()``), which shows
 what its collections, triggered by the objects a pass keeps alive, cost.
@@ -35,10 +39,13 @@ from torch import nn
 
 import curvopt
 from benchmarks import per_pass_overhead as ppo
+from experiments.overhead.problems import PROBLEMS
 
-DEPTH, WIDTH, CLASSES = 32, 16, 10
-MODULES = DEPTH + 1  # the Linear modules
-QUANTITIES = ("BatchGrad", "KFAC", "step", "step_every_10")
+#: ``experiments.overhead``'s problem of this benchmark (``python -m experiments overhead
+#: --problems deep_narrow`` times the peers on it)
+PROBLEM = PROBLEMS["deep_narrow"]
+MODULES = sum(isinstance(m, nn.Linear) for m in PROBLEM.make_model().modules())
+QUANTITIES = ("hooks", "BatchGrad", "KFAC", "step", "step_every_10")
 #: the optimizer steps among the quantities: name -> the KFAC's curvature and inverse interval
 STEPS = {"step": 1, "step_every_10": 10}
 #: µs per module (issue 54); the comparisons the issue quotes, µs per module
@@ -48,22 +55,52 @@ RESULTS = ppo.RESULTS
 COMMAND = "OMP_NUM_THREADS=1 python -m benchmarks.per_module_cost"
 
 
-def build(batch: int, seed: int = 0):
-    """``(model, X, y, lossfunc)``: the deep narrow MLP and a random batch, from ``seed``."""
-    torch.manual_seed(seed)
-    layers = []
-    for _ in range(DEPTH):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
-    model = nn.Sequential(*layers, nn.Linear(WIDTH, CLASSES))
-    gen = torch.Generator().manual_seed(seed + 1)
-    X = torch.randn(batch, WIDTH, generator=gen)
-    y = torch.randint(CLASSES, (batch,), generator=gen)
-    return model, X, y, nn.CrossEntropyLoss()
+def build(batch: int):
+    """``(model, X, y, lossfunc)``: the deep narrow MLP and a random batch of ``batch``."""
+    return PROBLEM.resized(batch).build()
 
 
 def setup(batch: int):
     """``(plain pass, curvopt pass of a quantity)`` on the MLP (``per_pass_overhead.paired``)."""
     return ppo.paired(lambda: build(batch))
+
+
+def with_idle_hooks(batch: int):
+    """:func:`build`'s ``(model, X, y, lossfunc)`` with hooks that do nothing where ``extend``
+    puts its own: a forward hook with keyword arguments on each ``Linear``, which hooks its
+    output's gradient, and a hook on each parameter's gradient."""
+    model, X, y, lossfunc = build(batch)
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.register_forward_hook(_hook_output, with_kwargs=True)
+    for p in model.parameters():
+        p.register_hook(_nothing)
+    return model, X, y, lossfunc
+
+
+def hooks_setup(batch: int):
+    """``(plain pass, the pass of :func:`with_idle_hooks`' model)`` for ``measure``: what
+    torch's hook machinery costs, the floor of any engine built on module hooks."""
+    plain, _ = setup(batch)
+
+    def hooked(_name: str):
+        model, X, y, lossfunc = with_idle_hooks(batch)
+
+        def run():
+            model.zero_grad(set_to_none=True)
+            lossfunc(model(X), y).backward()
+
+        return run
+
+    return plain, hooked
+
+
+def _hook_output(module, args, kwargs, output):
+    output.register_hook(_nothing)
+
+
+def _nothing(grad):
+    return None
 
 
 def sgd_setup(batch: int):
@@ -94,13 +131,19 @@ def sgd_setup(batch: int):
     return plain, curvopt_step
 
 
+def _setup_of(quantity: str):
+    """The ``setup`` that makes ``quantity``'s pass or step beside its plain one."""
+    if quantity in STEPS:
+        return sgd_setup
+    return hooks_setup if quantity == "hooks" else setup
+
+
 def measure(quantities, batch, rounds, repeats):
     """``{quantity: {plain_us, curvopt_us, overhead_us, per_module_us}}``."""
-    passes = [q for q in quantities if q not in STEPS]
-    steps = [q for q in quantities if q in STEPS]
-    results = ppo.measure(passes, batch, rounds, repeats, make=setup) if passes else {}
-    if steps:
-        results.update(ppo.measure(steps, batch, rounds, repeats, make=sgd_setup))
+    results = {}
+    for make in dict.fromkeys(map(_setup_of, quantities)):
+        same = [q for q in quantities if _setup_of(q) is make]
+        results.update(ppo.measure(same, batch, rounds, repeats, make=make))
     for r in results.values():
         r["per_module_us"] = r["overhead_us"] / MODULES
     return {q: results[q] for q in quantities}
@@ -118,12 +161,12 @@ def render():
     runs = json.loads((RESULTS / "per_module_cost.json").read_text())
     labels = list(runs)
     lines = [
-        f"# Cost per module: {DEPTH} x (Linear({WIDTH}, {WIDTH}), ReLU) + Linear({WIDTH}, "
-        f"{CLASSES}), batch 8, float32, one thread",
+        f"# Cost per module: {PROBLEM.what}, batch 8, float32, one thread",
         "",
         f"µs per Linear module ({MODULES} of them) beyond the plain pass: (median curvopt pass "
         "- median plain pass) / 33, medians over rounds of the mean of `repeats` passes, "
         "curvopt and plain interleaved, in process CPU time (`benchmarks/per_module_cost.py`). "
+        "`hooks`: the plain pass with hooks that do nothing where `extend` puts its own. "
         "`step`: a `curvopt.optim.KFAC` step against a `torch.optim.SGD` step; "
         "`step_every_10`: the same with the curvature and inverses every 10 steps. In brackets: "
         "µs of the whole pass (curvopt / plain).",
@@ -156,19 +199,17 @@ def main(argv=None):
     parser.add_argument("--quantity", choices=QUANTITIES, action="append")
     parser.add_argument("--label", help="record the run under this label in the results files")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--calls", action="store_true", help="count the calls of a pass")
     parser.add_argument("--no-gc", action="store_true", help="gc.disable() for the run")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.no_gc:
         gc.disable()
     quantities = tuple(args.quantity or QUANTITIES)
-    if args.profile:
-        passes = [q for q in quantities if q not in STEPS]
-        steps = [q for q in quantities if q in STEPS]
-        if passes:
-            ppo.profile(passes, args.batch, args.repeats, make=setup)
-        if steps:
-            ppo.profile(steps, args.batch, args.repeats, make=sgd_setup)
+    if args.profile or args.calls:
+        for make in dict.fromkeys(map(_setup_of, quantities)):
+            same = [q for q in quantities if _setup_of(q) is make]
+            (ppo.calls if args.calls else ppo.profile)(same, args.batch, args.repeats, make=make)
         return
     results = measure(quantities, args.batch, args.rounds, args.repeats)
     for q, r in results.items():

@@ -144,10 +144,10 @@ def profile(quantities, batch, repeats, make=None):
             print(f"  {1e6 * t / repeats:8.1f}  {fn}")
 
 
-def calls(quantities, batch, repeats):
+def calls(quantities, batch, repeats, make=None):
     """Per pass, the Python function calls and the torch operator calls (builtins whose name
     names torch or Tensor) under cProfile, whole pass: deterministic, unlike the times."""
-    for q, stats in _profiled(quantities, batch, repeats, warm=5):
+    for q, stats in _profiled(quantities, batch, repeats, warm=5, make=make):
         total = sum(v[1] for v in stats.values())
         ops = sum(
             v[1] for k, v in stats.items() if k[0] == "~" and ("torch" in k[2] or "Tensor" in k[2])

@@ -1,15 +1,21 @@
-"""Where curvopt's fixed per-pass cost goes on logreg at batch 8, in µs of real time a pass
-(not cProfile's inflated counts), beside the cost of one small torch operator: the floor
-under the checks that run on every pass.
+"""Where curvopt's fixed per-pass cost goes at batch 8, in µs of real time a pass (not
+cProfile's inflated counts), beside the cost of one small torch operator: the floor under the
+checks that run on every pass.
 
     OMP_NUM_THREADS=1 python -m benchmarks.per_pass_parts [--quantity BatchGrad] [--repeats 1000]
+    OMP_NUM_THREADS=1 python -m benchmarks.per_pass_parts --model deep_mlp --repeats 300
 
-The pass is ``benchmarks.per_pass_overhead``'s (DeepOBS MNIST logistic regression, float32,
-one thread, its plan made by warm-up passes). Each part is an engine function wrapped with
-``time.perf_counter`` for the run (the wrapper adds about 1 µs a call); parts nest (the loss
-hook holds the walk), so they do not add up, and a part's time includes its torch operators.
-The plain pass (forward, loss, backward of an un-extended copy) and the pass with the quantity
-run ``repeats`` times each, one after the other, in the same process.
+The pass is ``benchmarks.per_pass_overhead``'s (``--model logreg``: DeepOBS MNIST logistic
+regression) or ``benchmarks.per_module_cost``'s (``--model deep_mlp``: 33 ``Linear`` modules,
+the launch-bound regime; its parts are also given per module), float32, one thread, its plan
+made by warm-up passes. Each part is a function of curvopt wrapped with ``time.perf_counter``
+for the run (the wrapper adds about 1 µs a call; the forward hook is wrapped before the model
+is extended, as ``extend`` binds it); parts nest (the loss hook holds the walk), so they do not
+add up, and a part's time includes its torch operators. The parts named ``guard:`` are the
+guards' observers of the pass's events (``guards.observer``): their sum is what the checks
+cost beyond what the pass computes. The plain pass (forward, loss, backward of an un-extended
+copy) and the pass with the quantity run ``repeats`` times each, one after the other, in the
+same process.
 """
 
 from __future__ import annotations
@@ -22,10 +28,21 @@ import time
 
 import torch
 
-from benchmarks.per_pass_overhead import FIRST_ORDER, SECOND_ORDER, setup
+from benchmarks import per_module_cost, per_pass_overhead
+from benchmarks.per_pass_overhead import FIRST_ORDER, SECOND_ORDER
+
+#: ``--model``: its ``setup(batch)`` (``(plain pass, curvopt pass of a quantity)``) and the
+#: number of modules its parts are also given per (None: per pass only)
+MODELS = {
+    "logreg": (per_pass_overhead.setup, None),
+    "deep_mlp": (per_module_cost.setup, per_module_cost.MODULES),
+}
+#: the prefix of the parts that are a guard's observer of an event (``guards.observer``)
+GUARD = "guard: "
 
 #: (label, module, attribute path) of the timed parts, in the order a pass reaches them
 PARTS = (
+    ("forward hooks", "curvopt.frontend.hooks", "_module_forward_hook"),
     ("a new BackwardPass", "curvopt.loop.backward", "BackwardPass.__init__"),
     ("loss hook", "curvopt.loop.dispatch", "on_loss"),
     ("  the walk of the graph", "curvopt.graph.walk", "Walk.__init__"),
@@ -41,13 +58,21 @@ PARTS = (
     ("    contributions made and collected", "curvopt.engine.results", "ResultBuffer.add"),
     ("    Kronecker output sides", "curvopt.engine.kron_pass", "FactorStream.add"),
     ("    Kronecker input sides", "curvopt.engine.kron_pass", "FactorStream.finish"),
-    ("  flow check's hooks placed", "curvopt.guards.flow", "FlowCheck.watch"),
+    (f"  {GUARD}flow check's hooks placed", "curvopt.guards.flow", "FlowCheck.watch"),
     ("    its region searched", "curvopt.guards.flow", "FlowCheck._region"),
+    (f"{GUARD}flow check before a node", "curvopt.guards.flow", "FlowCheck._on_arrival"),
+    (f"{GUARD}flow check after a node", "curvopt.guards.flow", "FlowCheck._on_sent"),
     ("module hooks", "curvopt.loop.dispatch", "_on_module"),
+    ("  participation of the module", "curvopt.guards.participation", "Participation.of"),
+    (f"  {GUARD}flow check", "curvopt.guards.flow", "FlowCheck.module"),
+    (f"  {GUARD}parameters' sites", "curvopt.guards.sites", "ParameterSites.claim"),
+    (f"  {GUARD}sum checks at the module", "curvopt.guards.checks", "Checks.module"),
     ("  first-order reducer", "curvopt.engine.reducer", "FirstOrderReducer.add"),
-    ("parameter hooks: sum checks", "curvopt.guards.checks", "Checks.parameter_grad"),
+    ("parameter hooks", "curvopt.loop.backward", "BackwardPass.on_parameter_grad"),
+    (f"  {GUARD}sum checks at the parameter", "curvopt.guards.checks", "Checks.parameter"),
     ("end of pass", "curvopt.loop.backward", "BackwardPass._finish"),
-    ("  spot check of per-sample gradients", "curvopt.guards.checks", "Checks.check_materialised"),
+    (f"  {GUARD}checks at the end", "curvopt.guards.checks", "Checks.finish"),
+    ("    spot check of per-sample gradients", "curvopt.guards.checks", "Checks.check_materialised"),
     ("  results written", "curvopt.engine.results", "ResultBuffer.write"),
 )
 
@@ -91,13 +116,13 @@ def operator_floor(repeats: int) -> dict:
     }
 
 
-def parts(quantity: str, batch: int, repeats: int) -> tuple[float, float, dict]:
-    """``(pass µs, plain µs, {part: µs a pass})`` of ``quantity``."""
-    plain, with_quantity = setup(batch)
-    run = with_quantity(quantity)
+def parts(quantity: str, batch: int, repeats: int, model: str = "logreg") -> tuple:
+    """``(pass µs, plain µs, {part: µs a pass})`` of ``quantity`` on ``model`` (``MODELS``)."""
     totals: collections.Counter = collections.Counter()
     wrapped = [_timed(totals, *part) for part in PARTS]
     try:
+        plain, with_quantity = MODELS[model][0](batch)
+        run = with_quantity(quantity)
         for _ in range(20):
             run()
             plain()
@@ -113,19 +138,26 @@ def parts(quantity: str, batch: int, repeats: int) -> tuple[float, float, dict]:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=tuple(MODELS), default="logreg")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=1000)
     parser.add_argument("--quantity", choices=(*FIRST_ORDER, *SECOND_ORDER), action="append")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    modules = MODELS[args.model][1]
     for label, us in operator_floor(10 * args.repeats).items():
         print(f"{us:7.1f} µs  {label}")
     for quantity in args.quantity or ("BatchGrad", "KFAC"):
-        passed, plain_us, timed = parts(quantity, args.batch, args.repeats)
-        print(f"\n{quantity}: {passed:.0f} µs a pass, plain {plain_us:.0f} µs")
-        for label, us in timed.items():
+        passed, plain_us, timed = parts(quantity, args.batch, args.repeats, args.model)
+        guards = sum(us for label, us in timed.items() if label.strip().startswith(GUARD))
+        print(f"\n{quantity} on {args.model}: {passed:.0f} µs a pass, plain {plain_us:.0f} µs")
+        if modules:
+            print(f"(µs a pass, and per module: / {modules})")
+            print(f"{(passed - plain_us) / modules:7.1f} µs a module beyond the plain pass")
+        for label, us in (*timed.items(), ("the guards' parts, summed", guards)):
             if us:
-                print(f"{us:7.1f} µs  {label}")
+                per_module = f"  {us / modules:6.1f}" if modules else ""
+                print(f"{us:8.1f}{per_module} µs  {label}")
 
 
 if __name__ == "__main__":

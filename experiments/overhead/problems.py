@@ -15,6 +15,9 @@ independent copies of the same network (``Problem.build`` returns fresh copies e
 * ``gpt``         GPT-style decoder of ``fixtures/zoo.py`` (causal block, tied output layer),
                   next-token loss over the flattened ``[N·T, V]`` logits; N=16, T=32, d=64,
                   vocabulary 256
+* ``deep_narrow`` 32 x (``Linear(16, 16)``, ReLU) + ``Linear(16, 10)``, N=8: every operator
+                  is a few µs, so a step costs what is spent per module (the launch-bound
+                  regime of a GPU; ``benchmarks.per_module_cost``)
 
 ``problem.resized(n)`` is the same problem with batch size ``n`` (the first ``n`` samples of
 the same random stream are not guaranteed; the data is redrawn from the same seed).
@@ -56,6 +59,15 @@ def mlp() -> nn.Sequential:
     return nn.Sequential(
         nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10)
     )
+
+
+def deep_narrow(depth: int = 32, width: int = 16, classes: int = 10) -> nn.Sequential:
+    """``depth`` x (``Linear(width, width)``, ReLU) and a ``Linear(width, classes)`` head
+    (``depth + 1`` Linear modules; 8,874 parameters at the defaults)."""
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, classes))
 
 
 def small_cnn(num_classes: int = 10) -> nn.Sequential:
@@ -209,5 +221,12 @@ PROBLEMS: dict[str, Problem] = {
         Problem("logreg", "DeepOBS MNIST logreg", mnist_logreg, _images((1, 28, 28), 10), 64),
         Problem("2c2d", "DeepOBS Fashion-MNIST 2C2D", fmnist_2c2d, _images((1, 28, 28), 10), 64),
         Problem("gpt", "GPT-style decoder, T=32 d=64 V=256", gpt, _next_tokens(32, 256), 16),
+        Problem(
+            "deep_narrow",
+            "32 x (Linear(16, 16), ReLU) + Linear(16, 10)",
+            deep_narrow,
+            _images((16,), 10),
+            8,
+        ),
     )
 }
