@@ -138,11 +138,16 @@ def _setup_of(quantity: str):
     return hooks_setup if quantity == "hooks" else setup
 
 
+def _by_setup(quantities):
+    """``(setup, the quantities it makes)`` for each setup that ``quantities`` need."""
+    for make in dict.fromkeys(map(_setup_of, quantities)):
+        yield make, [q for q in quantities if _setup_of(q) is make]
+
+
 def measure(quantities, batch, rounds, repeats):
     """``{quantity: {plain_us, curvopt_us, overhead_us, per_module_us}}``."""
     results = {}
-    for make in dict.fromkeys(map(_setup_of, quantities)):
-        same = [q for q in quantities if _setup_of(q) is make]
+    for make, same in _by_setup(quantities):
         results.update(ppo.measure(same, batch, rounds, repeats, make=make))
     for r in results.values():
         r["per_module_us"] = r["overhead_us"] / MODULES
@@ -164,7 +169,7 @@ def render():
         f"# Cost per module: {PROBLEM.what}, batch 8, float32, one thread",
         "",
         f"µs per Linear module ({MODULES} of them) beyond the plain pass: (median curvopt pass "
-        "- median plain pass) / 33, medians over rounds of the mean of `repeats` passes, "
+        f"- median plain pass) / {MODULES}, medians over rounds of the mean of `repeats` passes, "
         "curvopt and plain interleaved, in process CPU time (`benchmarks/per_module_cost.py`). "
         "`hooks`: the plain pass with hooks that do nothing where `extend` puts its own. "
         "`step`: a `curvopt.optim.KFAC` step against a `torch.optim.SGD` step; "
@@ -207,8 +212,7 @@ def main(argv=None):
         gc.disable()
     quantities = tuple(args.quantity or QUANTITIES)
     if args.profile or args.calls:
-        for make in dict.fromkeys(map(_setup_of, quantities)):
-            same = [q for q in quantities if _setup_of(q) is make]
+        for make, same in _by_setup(quantities):
             (ppo.calls if args.calls else ppo.profile)(same, args.batch, args.repeats, make=make)
         return
     results = measure(quantities, args.batch, args.rounds, args.repeats)

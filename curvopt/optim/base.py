@@ -538,8 +538,11 @@ def _norms(tensors: Sequence[torch.Tensor], order: float) -> tuple[list[int], to
         torch.stack(torch._foreach_norm([_entries(tensors[i]).detach() for i in at], order))
         for at in groups.values()
     ]
-    norms = torch.cat([n.to(device, torch.float64) for n in parts]) if parts else torch.zeros(0)
-    return [i for at in groups.values() for i in at], norms.to(torch.float64)
+    if parts:
+        norms = torch.cat([n.to(device, torch.float64) for n in parts])
+    else:
+        norms = torch.zeros(0, dtype=torch.float64)
+    return [i for at in groups.values() for i in at], norms
 
 
 def check_finite(updates: list[ParamUpdate], owner: str = "", remedy: str = REMEDY) -> None:

@@ -112,6 +112,10 @@ def _damping(name: str, value) -> None:
     as_damping(value)
 
 
+def _newton_schulz_dtype(name: str, value) -> None:
+    newton_schulz_dtype(value)
+
+
 def _interpolation(name: str, value) -> None:
     check_number(name, value, 0.0, 1.0, open_high=True)
     if value == 0:  # y = z: the average x could not be recovered from the parameters
@@ -179,7 +183,7 @@ class NewtonOptions(CurvatureOptions):
     orthogonalize: bool = option(False, flag)
     #: the dtype its Newton–Schulz iterations compute in (``None``: the update's; Muon's is
     #: ``torch.bfloat16``)
-    orthogonalize_dtype: Any = option(None, lambda name, value: newton_schulz_dtype(value))
+    orthogonalize_dtype: Any = option(None, _newton_schulz_dtype)
 
     def relations(self) -> None:
         if self.schedule_free is not None and as_damping(self.damping).adaptive:
