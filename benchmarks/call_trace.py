@@ -17,7 +17,8 @@ before. A generator resumed is not a new call.
 ``--files`` lists instead the files of ``curvopt`` that one step of ``optim.KFAC`` on the same
 MLP executes (forward, backward in its collection, step; after two warm-up steps), with the
 number of their lines run (``sys.settrace``), and how many of them are the optimizer's
-(``curvopt/optim/``: the step's reading list on the optimizer side). ``--options`` passes
+(``curvopt/optim/`` and the damping-and-inversion layer it applies, ``curvopt/inversion/``: the
+step's reading list on the optimizer side). ``--options`` passes
 keyword options to ``KFAC`` (``--options momentum=0.9 weight_decay=1e-3``); ``--pass Q``
 lists the files of one ``collect(Q())`` pass instead (``--files --pass BatchGrad``: the
 reading list of per-sample gradients).
@@ -188,9 +189,14 @@ def _lines_run(run) -> dict:
     return {pathlib.Path(f).relative_to(PACKAGE).as_posix(): n for f, n in sorted(lines.items())}
 
 
+#: the folders of a step's optimizer side: the optimizers and the damping-and-inversion layer
+OPTIMIZER_SIDE = ("optim/", "inversion/")
+
+
 def optim_files(found: dict) -> list:
-    """The files of ``curvopt/optim/`` among those of :func:`files_of_a_step`."""
-    return [path for path in found if path.startswith("optim/")]
+    """The files of the optimizer side (``OPTIMIZER_SIDE``) among those of
+    :func:`files_of_a_step`."""
+    return [path for path in found if path.startswith(OPTIMIZER_SIDE)]
 
 
 def _option(text: str):
@@ -218,7 +224,7 @@ def main(argv=None) -> None:
             print(f"  {path}: {len(numbers)} lines")
         print(f"files run: {len(found)}, lines run: {sum(map(len, found.values()))}")
         if not args.quantity_pass:
-            print(f"of them in curvopt/optim/: {len(optim_files(found))}")
+            print(f"of them in curvopt/optim/, curvopt/inversion/: {len(optim_files(found))}")
         return
     tracer = trace(args.quantity, args.first)
     calls = tracer.calls

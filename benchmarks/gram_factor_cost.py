@@ -37,7 +37,7 @@ import torch
 
 import curvopt.optim.transforms
 from curvopt.core.reductions import GramFactor, gram
-from curvopt.optim.factor_inverse import LowRankInverse, add_diagonal, cholesky_inverse
+from curvopt.inversion.factor_inverse import LowRankInverse, add_diagonal, cholesky_inverse
 from experiments.commands import set_threads
 from experiments.data import load_dataset, make_splits
 from experiments.problems import get_problem

@@ -14,8 +14,9 @@ its own layer or the layers below, and no two folders import each other
 7. ``loop``: one backward pass, from the loss's hook to the written results
 8. ``entry``: where a loss enters a pass: a loss module, a returned or a functional loss
 9. ``frontend``: ``extend``, ``collect``, an optimizer's collection, ``verify``
-10. ``optim``, ``linalg``: the consumers: optimizers and curvature operators
-11. ``laplace``: Laplace approximations built on both
+10. ``inversion``: the damping-and-inversion layer: damped inverses of curvature, damping
+11. ``optim``, ``linalg``: the consumers: optimizers and curvature operators
+12. ``laplace``: Laplace approximations built on both
 """
 
 from curvopt import errors, extensions, linalg, optim

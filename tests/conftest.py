@@ -24,7 +24,7 @@ from torch.func import functional_call, grad, vmap
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.optim import factor_inverse
+from curvopt.inversion import factor_inverse
 
 torch.set_num_threads(1)
 

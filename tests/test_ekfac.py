@@ -18,7 +18,7 @@ from curvopt import extensions as ext
 from curvopt import linalg
 from curvopt.errors import MissingLossError, UnsupportedLossError
 from curvopt.optim import EKFAC
-from curvopt.optim.eigen_corrected import kron_basis
+from curvopt.inversion.eigen_corrected import kron_basis
 from experiments.config import RunConfig
 from experiments.optimizers import PRESETS, allowed_options, make_optimizer
 from experiments.problems import get_problem

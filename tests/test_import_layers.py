@@ -277,6 +277,34 @@ def test_every_part_has_a_layer():
     )
 
 
+#: the consumers of one layer that share what they need through a layer below instead of
+#: importing each other: ``linalg``'s operators apply the optimizers' damped inverses, which live
+#: in ``inversion`` beneath both
+SIBLING_CONSUMERS = ("optim", "linalg")
+
+
+def _imports_between_consumers(graph) -> list[str]:
+    return sorted(
+        f"{name} imports {target}"
+        for name, targets in graph.items()
+        for target, _ in targets
+        if {_part(name), _part(target)} == set(SIBLING_CONSUMERS)
+    )
+
+
+def test_the_consumers_import_each_other_not(graph):
+    """``linalg`` imports nothing of ``optim``, nor ``optim`` of ``linalg`` (the layer test lets
+    folders of one layer import each other one way)."""
+    assert not _imports_between_consumers(graph)
+
+
+def test_the_consumer_check_can_fail(graph):
+    """The check above names an import of ``optim`` added to ``linalg``."""
+    edited = dict(graph)
+    edited["curvopt.linalg.kronecker"] = [*graph["curvopt.linalg.kronecker"], ("curvopt.optim", 0)]
+    assert _imports_between_consumers(edited) == ["curvopt.linalg.kronecker imports curvopt.optim"]
+
+
 #: what the per-module math (``layers``, ``losses``) may read of the core: the call it is
 #: given, the reductions, which parameters a module owns; nothing that knows of hooks or passes
 #: (``core.state``, ``core.records``, ``core.extended``)
@@ -295,7 +323,7 @@ def test_layer_rules_know_nothing_of_hooks_or_passes(graph):
 
 
 #: the folders whose ``__init__`` docstring is their map, naming each of their modules
-MAPPED = ("autograd", "core", "graph", "engine", "guards", "loop", "entry", "frontend")
+MAPPED = ("autograd", "core", "graph", "engine", "guards", "loop", "entry", "frontend", "inversion")
 
 
 @pytest.mark.parametrize("folder", MAPPED)

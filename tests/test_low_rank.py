@@ -13,7 +13,7 @@ import curvopt
 import curvopt.engine.curvature
 from curvopt import extensions as ext
 from curvopt.optim import KFAC
-from curvopt.optim.trace_norm import (
+from curvopt.inversion.trace_norm import (
     kron_cholesky_solve,
     kron_solve,
     trace_norm_cholesky,
@@ -22,8 +22,8 @@ from curvopt.optim.trace_norm import (
     trace_norm_solvers,
 )
 from curvopt.core.reductions import gram, gram_add_, gram_root, nonzero_rows
-from curvopt.optim import factor_inverse
-from curvopt.optim.factor_inverse import LowRankInverse, root_alone, woodbury_cheaper
+from curvopt.inversion import factor_inverse
+from curvopt.inversion.factor_inverse import LowRankInverse, root_alone, woodbury_cheaper
 
 DT = torch.float64
 

@@ -3,12 +3,13 @@ stages out of a group's chain changes no bit of any step.
 
 Measured as ``benchmarks.call_trace --files`` measures it (``sys.settrace`` over one
 ``optim.KFAC(lr=0.1, damping=1e-2)`` step on a two-layer MLP, after two warm-up steps): the
-files of ``curvopt/optim/`` with a line run. The stages that are the identity under the
+files of ``curvopt/optim/`` and ``curvopt/inversion/`` (the damping-and-inversion layer the
+optimizers share) with a line run. The stages that are the identity under the
 defaults (weight decay, momentum, curvature EMA) are not run, nor the code of options the
 step does not use (loss scaling without a ``GradScaler``, the exact and eigenbasis dampings,
 the transforms of the stages left out); turning an option on brings its stage back. Where such
-code shares a module with code the step runs (the exact damping in ``optim/kronecker.py``, the
-eigenbasis form of the trace-norm damping in ``optim/trace_norm.py``), none of its lines run.
+code shares a module with code the step runs (the exact damping in ``inversion/kronecker.py``, the
+eigenbasis form of the trace-norm damping in ``inversion/trace_norm.py``), none of its lines run.
 """
 
 import inspect
@@ -19,14 +20,15 @@ import torch
 from test_stage_recipe import _train
 
 from benchmarks import call_trace
-from curvopt.optim import EKFAC, KFAC, DiagGGNNewton, kronecker, stages, trace_norm
+from curvopt.inversion import kronecker, trace_norm
+from curvopt.optim import EKFAC, KFAC, DiagGGNNewton, stages
 
-#: the files of ``curvopt/optim/`` a default KFAC step runs: base (collecting included), newton,
-#: kfac, plan, damping, the damped inverse (kronecker: the block; trace_norm: its damping;
-#: factor_inverse: one damped factor), gradient_factors; the chain's stages/base and its three
-#: stages (precondition, trust region, learning rate). Was 21; 13 since issue 31 (then with
-#: collecting apart from base, and the trace-norm damping split over kronecker and
-#: factor_inverse).
+#: the files of ``curvopt/optim/`` and ``curvopt/inversion/`` a default KFAC step runs: base
+#: (collecting included), newton, kfac, plan, gradient_factors; of ``inversion/``: damping, the
+#: damped inverse (kronecker: the block; trace_norm: its damping; factor_inverse: one factor);
+#: the chain's stages/base and its three stages (precondition, trust region, learning rate).
+#: Was 21; 13 since issue 31 (then with collecting apart from base, and the trace-norm damping
+#: split over kronecker and factor_inverse).
 MAX_OPTIM_FILES = 13
 
 #: files the default step must not enter: stages that are the identity, options not in use
@@ -36,7 +38,7 @@ NOT_ON_THE_DEFAULT_PATH = {
     "optim/stages/curvature_ema.py",
     "optim/transforms.py",
     "optim/loss_scale.py",
-    "optim/inverses.py",
+    "inversion/inverses.py",
     "optim/fallback.py",
     "optim/stages/schedule_free.py",
 }

@@ -15,7 +15,7 @@ from torch import nn
 import curvopt
 from curvopt import extensions as ext
 from curvopt import linalg
-from curvopt.optim.factor_inverse import LowRankInverse
+from curvopt.inversion.factor_inverse import LowRankInverse
 
 DT = torch.float64
 SCALE = 30.0

@@ -16,7 +16,7 @@ from torch import nn
 import curvopt
 from curvopt.core.reductions import GramFactor
 from curvopt.optim import KFAC
-from curvopt.optim.factor_inverse import LowRankInverse
+from curvopt.inversion.factor_inverse import LowRankInverse
 from curvopt.optim.state_placement import placed
 
 #: input width 120 above the batch of 8: Woodbury inverses and root-only averages for ``A``; the

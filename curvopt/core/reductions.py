@@ -6,7 +6,7 @@
 Gram products ``UᵀU`` of ``M < D`` rows carry their root ``U`` (:func:`gram`, :func:`gram_root`),
 and :class:`GramFactor` is such a product kept as its root alone: the curvature average of
 factors narrower than their layer (``optim.transforms.ema``), with no ``D × D`` matrix formed,
-stored or read. The optimizer inverts it by Woodbury from the root (``optim.factor_inverse``:
+stored or read. The optimizer inverts it by Woodbury from the root (``inversion.factor_inverse``:
 for ``M ≤ D/2`` that form is always the cheaper one); where a dense matrix is needed after all
 (eigendecompositions, the exact Kronecker damping, a rank cap, the quadratic model),
 :func:`dense` forms ``UᵀU`` (``2 M D²`` flops). It is exact: the same matrix in another form.

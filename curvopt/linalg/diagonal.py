@@ -7,7 +7,7 @@ import torch
 from curvopt import extensions
 from curvopt.linalg.base import BlockDiagonal, CurvatureOperator
 from curvopt.linalg.collected import collected
-from curvopt.optim.inverses import DiagonalInverse
+from curvopt.inversion.inverses import DiagonalInverse
 
 #: ``curvature=`` -> the attribute its extension writes (``curvopt.extensions.writer``)
 _CURVATURES = {"ggn_exact": "diag_ggn_exact", "ggn_mc": "diag_ggn_mc", "hessian": "diag_h"}

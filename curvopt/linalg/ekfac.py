@@ -19,8 +19,8 @@ from curvopt import extensions
 from curvopt.linalg.base import BlockDiagonal, CurvatureOperator
 from curvopt.linalg.collected import collected
 from curvopt.linalg.kronecker import KFAC
-from curvopt.optim.eigen_corrected import as_rows, eigen_corrected_matmul, kron_basis
-from curvopt.optim.inverses import EigenCorrectedInverse
+from curvopt.inversion.eigen_corrected import as_rows, eigen_corrected_matmul, kron_basis
+from curvopt.inversion.inverses import EigenCorrectedInverse
 
 
 def _block(bases, apply):

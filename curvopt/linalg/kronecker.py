@@ -18,7 +18,7 @@ import operator
 from curvopt import extensions
 from curvopt.linalg.base import BlockDiagonal, CurvatureOperator
 from curvopt.linalg.collected import collected
-from curvopt.optim.kronecker import InverseOptions, KroneckerInverse, as_matrix, kron_matmul
+from curvopt.inversion.kronecker import InverseOptions, KroneckerInverse, as_matrix, kron_matmul
 
 #: the curvatures, by the attribute their extension writes (``curvopt.extensions.writer``)
 _CURVATURES = ("kfac", "kflr", "kfra")

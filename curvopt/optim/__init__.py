@@ -1,8 +1,10 @@
 """Curvature optimizers and the damping-and-inversion layer they share.
 
 Optimizers (``torch.optim.Optimizer`` subclasses): :class:`DiagGGNNewton`, :class:`KFAC`,
-:class:`EKFAC`, :class:`EigenAdam`, :class:`VarianceAdaptedSGD`. The layer (pure tensor
-functions, usable on their own):
+:class:`EKFAC`, :class:`EigenAdam`, :class:`VarianceAdaptedSGD`. Pure tensor functions, usable
+on their own; those of the damping-and-inversion layer live in ``curvopt.inversion`` (its
+``__init__`` maps them; ``curvopt.linalg`` shares them) and are re-exported here, their public
+surface:
 
 * damping strategies: :class:`ConstantDamping`, :class:`ScheduledDamping`,
   :class:`LevenbergMarquardt`, :func:`as_damping`, :func:`reduction_ratio`;
@@ -14,41 +16,35 @@ functions, usable on their own):
   :func:`trace_norm_cholesky`, :func:`kron_cholesky_solve`, :func:`trace_norm_solvers`,
   :func:`kron_solve`, :class:`LowRankInverse`,
   :func:`kron_eigh`, :func:`exact_damped_solve`;
-* transforms: :func:`ema`, :func:`add_weight_decay`, :func:`momentum`, :func:`orthogonalized`,
-  :func:`kl_clip_factor`.
+* the stages' transforms (``optim.transforms``, ``optim.stages.trust_region``): :func:`ema`,
+  :func:`add_weight_decay`, :func:`momentum`, :func:`orthogonalized`, :func:`kl_clip_factor`.
 
 See ``docs/optim.md``.
 """
 
-from curvopt.optim.base import CurvatureOptimizer
-from curvopt.optim.damping import (
+from curvopt.core.psd import psd_eigh
+from curvopt.inversion.damping import (
     ConstantDamping,
     LevenbergMarquardt,
     ScheduledDamping,
     as_damping,
     reduction_ratio,
 )
-from curvopt.optim.diag_ggn import DiagGGNNewton
-from curvopt.optim.distributed import DistributedCurvature
-from curvopt.optim.diagonal import diag_precondition, diag_quadratic
-from curvopt.optim.kfac import KFAC
-from curvopt.optim.ekfac import EKFAC
-from curvopt.optim.eigen_adam import EigenAdam
-from curvopt.core.psd import psd_eigh
-from curvopt.optim.factor_inverse import (
+from curvopt.inversion.diagonal import diag_precondition, diag_quadratic
+from curvopt.inversion.factor_inverse import (
     LowRankInverse,
     cholesky_factor,
     cholesky_inverse,
     cholesky_solve_right,
 )
-from curvopt.optim.kronecker import (
+from curvopt.inversion.kronecker import (
     as_matrix,
     exact_damped_solve,
     kron_eigh,
     kron_matmul,
     kron_quadratic,
 )
-from curvopt.optim.trace_norm import (
+from curvopt.inversion.trace_norm import (
     kron_cholesky_solve,
     kron_solve,
     trace_norm_cholesky,
@@ -57,6 +53,12 @@ from curvopt.optim.trace_norm import (
     trace_norm_pi,
     trace_norm_solvers,
 )
+from curvopt.optim.base import CurvatureOptimizer
+from curvopt.optim.diag_ggn import DiagGGNNewton
+from curvopt.optim.distributed import DistributedCurvature
+from curvopt.optim.eigen_adam import EigenAdam
+from curvopt.optim.ekfac import EKFAC
+from curvopt.optim.kfac import KFAC
 from curvopt.optim.newton import NewtonOptimizer
 from curvopt.optim.plan import cached
 from curvopt.optim.stages.trust_region import kl_clip_factor

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from curvopt.optim.diagonal import diag_quadratic
-from curvopt.optim.inverses import DiagonalInverse
+from curvopt.inversion.diagonal import diag_quadratic
+from curvopt.inversion.inverses import DiagonalInverse
 from curvopt.optim.newton import NewtonOptimizer
 from curvopt.optim.options import NewtonOptions, choice, option
 

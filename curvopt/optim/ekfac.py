@@ -2,7 +2,7 @@
 
 George et al. (2018), "Fast Approximate Natural Gradient Descent in a Kronecker-factored
 Eigenbasis". Per parameter, with the basis ``Q = Q_B ⊗ Q_A`` of its Kronecker factors and the
-corrected eigenvalues ``S`` (:mod:`curvopt.optim.eigen_corrected`)::
+corrected eigenvalues ``S`` (:mod:`curvopt.inversion.eigen_corrected`)::
 
     d = Q [(Qᵀ g) ⊘ (vec S + λ + δ)]   = vec(Q_B [(Q_Bᵀ G Q_A) / (S + λ + δ)] Q_Aᵀ)
 
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from curvopt.optim.eigen_corrected import as_rows, eigen_corrected_quadratic
+from curvopt.inversion.eigen_corrected import as_rows, eigen_corrected_quadratic
 from curvopt.core import values
 from curvopt.optim.fallback import DiagonalFallback
-from curvopt.optim.inverses import EigenCorrectedInverse
+from curvopt.inversion.inverses import EigenCorrectedInverse
 from curvopt.optim.newton import NewtonOptimizer
 from curvopt.optim.one_sided import is_one_sided, kept, next_bases, supplied
 from curvopt.optim.options import (

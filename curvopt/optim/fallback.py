@@ -40,7 +40,7 @@ import warnings
 
 from curvopt import extensions
 from curvopt.core import values
-from curvopt.optim.diagonal import diag_precondition
+from curvopt.inversion.diagonal import diag_precondition
 
 
 class DiagonalFallback:

@@ -31,7 +31,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from curvopt.layers import rule_for
-from curvopt.optim.factor_inverse import solver_flops
+from curvopt.inversion.factor_inverse import solver_flops
 from curvopt.core.extended import module_entry
 from curvopt.core.params import owners
 from curvopt.core.records import Call

@@ -10,10 +10,10 @@ import torch
 from curvopt.core.reductions import dense
 from curvopt.optim.fallback import DiagonalFallback
 from curvopt.optim.gradient_factors import FactorCapture, factored_cheaper, reproduces
-from curvopt.optim.kronecker import InverseOptions, KroneckerInverse, as_matrix, kron_quadratic
+from curvopt.inversion.kronecker import InverseOptions, KroneckerInverse, as_matrix, kron_quadratic
 from curvopt.optim.newton import Derived, NewtonOptimizer
 from curvopt.optim.plan import cached
-from curvopt.optim.trace_norm import eigh_solvers
+from curvopt.inversion.trace_norm import eigh_solvers
 from curvopt.optim.options import (
     KFAC_APPROX,
     KRONECKER_FALLBACKS,
@@ -72,7 +72,7 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
         kronecker_damping: ``"trace_norm"`` (default): ``(B + √λ/π I)⁻¹ G (A + π√λ I)⁻¹`` with
             ``π = sqrt((tr A/dim A)/(tr B/dim B))`` (Martens & Grosse 2015, Sec. 6.3);
             ``"trace_norm_eigh"``: the same split applied in the factors' eigenbases,
-            ``(F + c I)⁻¹ = Q diag(1/(s + c)) Qᵀ`` (:mod:`curvopt.optim.trace_norm`), so a
+            ``(F + c I)⁻¹ = Q diag(1/(s + c)) Qᵀ`` (:mod:`curvopt.inversion.trace_norm`), so a
             new ``λ`` or ``π`` needs no new factorisation;
             ``"exact"``: ``(B ⊗ A + λ I)⁻¹`` through eigendecompositions of ``B`` and ``A``.
         inverse_interval: recompute the inverses (Woodbury for low-rank factors; dense ones as

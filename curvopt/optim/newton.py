@@ -33,7 +33,7 @@ grows without a closure is not seen by the optimizer.
 
 Opt-in, per param group: ``curvature_interval`` (read ``C`` every k steps, reuse it between),
 ``curvature_ema`` (``C ← β C + (1 − β) C_new``), ``momentum``, ``schedule_free`` (β; evaluate
-after ``opt.eval()``), adaptive damping (:class:`~curvopt.optim.damping.LevenbergMarquardt`)
+after ``opt.eval()``), adaptive damping (:class:`~curvopt.inversion.damping.LevenbergMarquardt`)
 and ``fallback='sgd'``; for the Kronecker optimizers ``fallback='diagonal'`` is the default
 (:mod:`curvopt.optim.fallback`: parameters without Kronecker factors, announced once).
 
@@ -55,7 +55,7 @@ from curvopt import extensions
 from curvopt.core import values
 from curvopt.core.extended import path_of
 from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, number, skip_options
-from curvopt.optim.damping import as_damping, reduction_ratio
+from curvopt.inversion.damping import as_damping, reduction_ratio
 from curvopt.optim.fallback import announce
 from curvopt.optim.plan import ParamUpdate
 from curvopt.optim.stages import (

@@ -25,7 +25,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from curvopt.optim.damping import as_damping
+from curvopt.inversion.damping import as_damping
 
 Check = Callable[[str, Any], None]
 

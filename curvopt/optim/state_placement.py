@@ -4,7 +4,7 @@
 parameter's device and, for a floating-point parameter, to its dtype; it leaves other objects
 as they were saved. curvopt's state also holds two tensor-like values, a curvature average kept
 as its Gram root (:class:`~curvopt.core.reductions.GramFactor`) and a cached Woodbury inverse
-(:class:`~curvopt.optim.factor_inverse.LowRankInverse`), beside plain tensors in the same
+(:class:`~curvopt.inversion.factor_inverse.LowRankInverse`), beside plain tensors in the same
 lists. :func:`placed` applies the same policy to them, so that a checkpoint saved on one device
 or in one precision resumes on another with every part of a factor list alike.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from curvopt.core.reductions import GramFactor
-from curvopt.optim.factor_inverse import LowRankInverse
+from curvopt.inversion.factor_inverse import LowRankInverse
 
 #: the state values that are not tensors but hold them (each has a tensor-like ``.to``)
 TENSOR_LIKE = (GramFactor, LowRankInverse)

@@ -16,7 +16,7 @@ from typing import Union
 import torch
 
 from curvopt.core.reductions import GramFactor, dense, gram_root
-from curvopt.optim.factor_inverse import root_alone
+from curvopt.inversion.factor_inverse import root_alone
 
 Curvature = Union[torch.Tensor, list[torch.Tensor]]
 

@@ -8,7 +8,7 @@ computed each on one rank and broadcast (``DistributedCurvature.spread``), then 
 state ``_direction`` reads, where ``cached`` finds them current.
 
 The optimizers' ``_direction`` applies their curvature type's ``DampedInverse``
-(``optim.inverses``; ``optim.kronecker.KroneckerInverse``), which ``curvopt.linalg``'s
+(``inversion.inverses``; ``inversion.kronecker.KroneckerInverse``), which ``curvopt.linalg``'s
 ``inverse`` operators apply too.
 """
 

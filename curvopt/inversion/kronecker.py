@@ -10,8 +10,8 @@ A gradient is handled as the matrix ``G = grad.reshape(out, -1)`` of shape ``[ou
 is never formed. Three ways to damp by ``λ`` (``kronecker_damping``):
 
 * ``"trace_norm"``: ``(B + √λ/π I)⁻¹ ⊗ (A + π√λ I)⁻¹``, each factor damped in proportion to its
-  own scale (``optim.trace_norm``, each damped factor inverted by ``optim.factor_inverse``);
-* ``"trace_norm_eigh"``: the same split in the factors' eigenbases (``optim.trace_norm``);
+  own scale (``inversion.trace_norm``, each damped factor inverted by ``factor_inverse``);
+* ``"trace_norm_eigh"``: the same split in the factors' eigenbases (``inversion.trace_norm``);
 * ``"exact"``: ``(B ⊗ A + λ I)⁻¹`` from the eigendecompositions of both factors
   (:func:`kron_eigh`, :func:`exact_damped_solve`, here).
 
@@ -28,9 +28,9 @@ import torch
 
 from curvopt.core.psd import psd_eigh
 from curvopt.core.reductions import dense, empty_like
-from curvopt.optim.factor_inverse import capped
-from curvopt.optim.inverses import DampedInverse
-from curvopt.optim.trace_norm import (
+from curvopt.inversion.factor_inverse import capped
+from curvopt.inversion.inverses import DampedInverse
+from curvopt.inversion.trace_norm import (
     Factors,
     eigh_solvers,
     kron_cholesky_solve,

@@ -1,5 +1,5 @@
 """The damped inverse ``(F + c I)⁻¹`` of one Kronecker factor at a given shift ``c`` (which
-``optim.trace_norm`` chooses): its working precision (:func:`promoted`), and its two forms:
+``inversion.trace_norm`` chooses): its working precision (:func:`promoted`), and its two forms:
 
 * dense, through the Cholesky factorisation (:func:`cholesky_factor`, :func:`cholesky_inverse`,
   :func:`cholesky_solve_right`), retried in float64 where the input's precision fails;
@@ -11,7 +11,7 @@
 
 Applying a low-rank one to ``m`` vectors costs ``4 m d k`` flops against ``2 m d²`` for a dense
 inverse (:func:`application_flops`); which form is cheaper for a factor is decided here too
-(:func:`woodbury_cheaper`, :func:`usable_root`). The Kronecker solves (``optim.trace_norm``)
+(:func:`woodbury_cheaper`, :func:`usable_root`). The Kronecker solves (``inversion.trace_norm``)
 and the factored step (``optim.gradient_factors``) take either form.
 """
 

@@ -6,7 +6,7 @@ shared by the optimizers' preconditioning (the precondition stage) and ``curvopt
 diagonal; Cholesky factors, inverses or eigendecompositions of Kronecker factors);
 ``apply(matrices)`` applies it to a batch ``[K, *p.shape]``. Here: the base class,
 :class:`DiagonalInverse` and :class:`EigenCorrectedInverse`; the Kronecker block's,
-``KroneckerInverse``, is in ``optim.kronecker`` (its trace-norm damping: ``optim.trace_norm``). The
+``KroneckerInverse``, is in ``kronecker`` (its trace-norm damping: ``trace_norm``). The
 optimizers cache the computed part in their state (``value``, plain tensors: it is saved with
 ``state_dict`` and broadcast under ``torch.distributed``) and wrap it again with the class's
 constructor. The batch is applied one matrix at a time, with the kernels of a step, so that
@@ -21,8 +21,8 @@ from typing import Sequence
 
 import torch
 
-from curvopt.optim.diagonal import diag_precondition
-from curvopt.optim.eigen_corrected import as_rows, eigen_corrected_solve
+from curvopt.inversion.diagonal import diag_precondition
+from curvopt.inversion.eigen_corrected import as_rows, eigen_corrected_solve
 
 
 class DampedInverse:

@@ -4,7 +4,7 @@ split over the factors in proportion to their scales, and the solves with the da
 For ``[B, A]`` the block ``B ⊗ A + λ I`` is replaced by ``(B + √λ/π I) ⊗ (A + π√λ I)`` with
 ``π = sqrt((tr A / dim A) / (tr B / dim B))`` (:func:`trace_norm_pi`, :func:`trace_norm_shifts`;
 the input side ``A`` gets ``π√λ``); a single factor ``[B]`` is damped plainly, ``B + λ I``. Each
-damped factor is inverted on its own (``optim.factor_inverse``), in one of three forms:
+damped factor is inverted on its own (``inversion.factor_inverse``), in one of three forms:
 
 * Cholesky factors (:func:`trace_norm_cholesky`), solved by triangular solves
   (:func:`kron_cholesky_solve`): what a default ``KFAC`` step applies;
@@ -17,7 +17,7 @@ damped factor is inverted on its own (``optim.factor_inverse``), in one of three
 
 In the first two forms a factor ``F = UᵀU`` with a root of ``r < d`` rows (a batch smaller than
 the layer's width, see ``reductions.gram_root``) is inverted by Woodbury instead
-(:class:`~curvopt.optim.factor_inverse.LowRankInverse`). An eigendecomposition is ``(s, Q)`` per
+(:class:`~curvopt.inversion.factor_inverse.LowRankInverse`). An eigendecomposition is ``(s, Q)`` per
 factor: ``s`` its eigenvalues found (ascending; a factor with a Gram root of ``r`` rows is
 decomposed through the ``r × r`` matrix ``U Uᵀ`` and has no others: the rest are 0), ``Q [d, k]``
 the eigenvectors of the last ``k`` of them. ``k < d`` gives the rank-``k`` form ``(I − VᵀV)/c``
@@ -25,7 +25,7 @@ the eigenvectors of the last ``k`` of them. ``k < d`` gives the rank-``k`` form 
 rank-``k`` approximation ``(F_k + c I)⁻¹`` under a rank cap ``max_rank = k`` (the other
 directions see the damping only; ``tr F`` is still the full one).
 
-Factors and matrices as in :mod:`curvopt.optim.kronecker`: ``G`` of shape ``[dim B, dim A]``,
+Factors and matrices as in :mod:`curvopt.inversion.kronecker`: ``G`` of shape ``[dim B, dim A]``,
 ``(B ⊗ A) vec(G) = vec(B G Aᵀ)``.
 """
 
@@ -37,7 +37,7 @@ import torch
 
 from curvopt.core.psd import psd_eigh
 from curvopt.core.reductions import dense, diagonal
-from curvopt.optim.factor_inverse import (
+from curvopt.inversion.factor_inverse import (
     LowRankInverse,
     add_diagonal,
     capped,
