@@ -33,7 +33,8 @@ class Collection(collect):
     refresh), so that ``S`` adds.
 
     ``requests() -> (extensions, [(param, attr)], collect options)``, read at the first pass
-    of each window; ``None`` when its owner is gone.
+    of each window; ``None`` when its owner is gone. ``passes`` counts the window's backward
+    passes that collected.
     """
 
     def __init__(self, requests: Callable[[], Optional[tuple]]):
@@ -48,6 +49,7 @@ class Collection(collect):
         self._warned = False  # the window's skipped parameters were warned about
         #: ``(scope, the extended modules owning its parameters)``, kept while the scope stays
         self._owners: tuple = (set(), [])
+        self.passes = 0  # the backward passes of this window that collected
 
     @property
     def armed(self) -> bool:
@@ -86,6 +88,7 @@ class Collection(collect):
         self._accumulator = Accumulator()
         self._window = self.stood_aside = None
         self._pass = self._task = None
+        self.passes = 0
         self._params = []
         self._warned = False
         self.skipped = {}
@@ -165,6 +168,7 @@ class Collection(collect):
             return None  # nothing to collect, or no call of its modules awaits its gradient
         if self._accumulator.written and all(p.grad is None for p in self._params):
             self._accumulator = Accumulator()  # zero_grad() on the model: p.grad starts anew
+            self.passes = 0
         taken, kind = self._taken(wanted)
         if kind is not None and len(taken) == len(exts):
             return _StoodAside(self, kind, scope)
@@ -172,6 +176,7 @@ class Collection(collect):
             self.stood_aside = kind if self.stood_aside != "optimizer" else self.stood_aside
         exts = [self._in_earlier_bases(e) for e in exts if e.attr not in taken]
         skipped = self.skipped if self.skip_unsupported else None
+        self.passes += 1
         return BackwardPass(
             tuple(exts),
             task,

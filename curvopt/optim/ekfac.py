@@ -16,6 +16,7 @@ so that only ``S`` is recomputed in them.
 from __future__ import annotations
 
 
+import warnings
 from dataclasses import dataclass
 
 from curvopt.inversion.eigen_corrected import as_rows, eigen_corrected_quadratic
@@ -51,6 +52,7 @@ class EKFACOptions(NewtonOptions):
     basis_interval: int = option(1, number(1, integer=True))
     kfac_approx: str = option("expand", choice(*KFAC_APPROX))
     max_basis_dim: int | None = option(None, optional(number(1, integer=True)))
+    basis_source: str = option("current", choice("current", "last_refresh"))
 
     def relations(self) -> None:
         super().relations()
@@ -107,6 +109,14 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         mc_samples: Monte-Carlo samples for ``curvature="kfac"``.
         kfac_approx: ``"expand"`` (default) or ``"reduce"``: the factors whose eigenbasis is
             used, as in ``curvopt.extensions.EKFAC``.
+        basis_source: where a basis step's bases come from. ``"current"`` (default, the
+            paper's): the factors of this step's backward pass; under gradient accumulation
+            those of its first micro-batch (``S`` is still that of all of them), so the step is
+            not one batch's, and it warns once. ``"last_refresh"``: the factors summed over the
+            window of the last basis step, used from the next step on (the first step in the
+            identity basis, ``S`` the empirical Fisher's diagonal); every micro-batch of a
+            window then has the same basis and micro-batches give one batch's step. A
+            parameter without Kronecker factors keeps the identity basis there.
         max_basis_dim: ``None`` (default: two-sided bases) or ``m``: a side of a parameter
             wider than ``m`` keeps the identity basis (SOAP-style, :mod:`curvopt.optim.one_sided`;
             its factor is never eigendecomposed), the other side's basis comes from the factors
@@ -176,24 +186,38 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         """The bases the next pass uses for ``param``: its current ones, or ``None`` (fresh)
         on its group's basis steps and before it has any (a parameter without Kronecker
         factors: always, so that the pass writes its fallback diagonal); for a one-sided
-        parameter always supplied (``one_sided.supplied``)."""
+        parameter (every one under ``basis_source="last_refresh"``) always supplied: the bases
+        of the last refresh (``one_sided.supplied``)."""
         state = self.state.get(param, {})
         for group, group_state in zip(self.param_groups, self._group_state):
             if any(p is param for p in group["params"]):
-                if is_one_sided(param, group["max_basis_dim"]):
+                if self._lagged(param, group):
                     return supplied(param, state.get("bases_next"))
-                old = state.get("curvature")
-                if old is None or self._basis_due(group, group_state["step"]):
+                if self._fresh(param, group, group_state):
                     return None
-                return list(old[1:])
+                return list(state["curvature"][1:])
         return None
 
+    def _fresh(self, param, group, group_state) -> bool:
+        """Whether the next pass computes ``param``'s bases from its own factors (a basis step,
+        or no basis yet) under ``basis_source="current"``."""
+        old = self.state.get(param, {}).get("curvature")
+        return old is None or self._basis_due(group, group_state["step"])
+
+    @staticmethod
+    def _lagged(param, group) -> bool:
+        """Whether ``param``'s bases are those of the last refresh, used from the step after it
+        (``basis_source="last_refresh"``, or a side wider than ``max_basis_dim``)."""
+        lagged = group["basis_source"] == "last_refresh"
+        return lagged or is_one_sided(param, group["max_basis_dim"])
+
     def _needs(self, group, group_state):
-        """The ``EKFAC`` extension where due; with one-sided parameters, on their basis steps
-        (and before they have a basis) also their factors, whose eigenvectors are the basis
-        of the next steps (:mod:`curvopt.optim.one_sided`)."""
+        """The ``EKFAC`` extension where due; with one-sided parameters (every one under
+        ``basis_source="last_refresh"``), on their basis steps (and before they have a basis)
+        also their factors, whose eigenvectors are the basis of the next steps
+        (:mod:`curvopt.optim.one_sided`)."""
         needs = super()._needs(group, group_state)
-        wide = [p for p in group["params"] if is_one_sided(p, group["max_basis_dim"])]
+        wide = [p for p in group["params"] if self._lagged(p, group)]
         lacking = any("bases_next" not in self.state.get(p, {}) for p in wide)
         if needs and wide and (lacking or self._basis_due(group, group_state["step"])):
             factor_options = {"mc_samples": group["mc_samples"]}
@@ -203,12 +227,15 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         return needs
 
     def _read_curvature(self, update, group, attr, extension):
-        """As in ``NewtonOptimizer``; a one-sided parameter's ``[S, *bases]`` without its
-        trailing identity sides (``one_sided.kept``), and from fresh factors its next bases
-        (kept in ``update.state`` until :meth:`_direction` returns them into the new state)."""
+        """As in ``NewtonOptimizer``; a one-sided parameter's (every one's under
+        ``basis_source="last_refresh"``) ``[S, *bases]`` without its trailing identity sides
+        (``one_sided.kept``), and from fresh factors its next bases (kept in ``update.state``
+        until :meth:`_direction` returns them into the new state)."""
         curvature = super()._read_curvature(update, group, attr, extension)
         param, max_dim = update.param, group["max_basis_dim"]
-        if curvature is None or not is_one_sided(param, max_dim):
+        if curvature is not None and not self._lagged(param, group):
+            self._warn_first_pass_basis(param, group)
+        if curvature is None or not self._lagged(param, group):
             return curvature
         pending = self.state.get(param, {}).get("bases_next")
         curvature = kept(curvature, pending)
@@ -221,10 +248,30 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         update.state["bases_next"] = pending
         return curvature
 
+    def _warn_first_pass_basis(self, param, group) -> None:
+        """Warn once where several backward passes of one window shared the bases the first
+        of them made from its own factors: ``S`` is the window's, its basis is not."""
+        passes = self._collection.passes
+        if passes < 2 or self.__dict__.get("_warned_basis"):
+            return
+        states = zip(self.param_groups, self._group_state)
+        if not self._fresh(param, group, next(s for g, s in states if g is group)):
+            return
+        self._warned_basis = True
+        warnings.warn(
+            f"EKFAC: the {passes} backward passes of this step share the eigenbasis the first "
+            "one made from its own factors (basis_source='current' refreshes it at this step), "
+            "so the step is not that of one batch of all their samples. Pass "
+            "basis_source='last_refresh' (the basis of the last refresh's summed factors, from "
+            "the next step on): micro-batches then give one batch's step.",
+            UserWarning,
+            stacklevel=5,
+        )
+
     # ----------------------------------------------------------------- the step
     def _direction(self, item, step):
         inverse = EigenCorrectedInverse.build(item.curvature, step.damping)
-        if not is_one_sided(item.update.param, step.group["max_basis_dim"]):
+        if not self._lagged(item.update.param, step.group):
             return inverse.apply_one(item.grad), {}
         pending = item.update.state.get("bases_next", item.state.get("bases_next"))
         return inverse.apply_one(item.grad), {"bases_next": pending}

@@ -15,7 +15,10 @@ takes two bases), so it still multiplies the inputs by it (``N d²`` flops).
 
 The basis is found from the factors of a basis step and used from the next step on (the
 supplied basis of a pass must be known before it); the first step uses the identity on both
-sides (``S`` then the diagonal of the empirical Fisher). Functions here are pure.
+sides (``S`` then the diagonal of the empirical Fisher). With
+``EKFAC(basis_source="last_refresh")`` every parameter runs on this schedule (``max_dim=None``:
+no side is wide): the bases of a window's passes are known before the first of them, so its
+micro-batches' ``S`` add up to one batch's. Functions here are pure.
 """
 
 from __future__ import annotations
@@ -36,9 +39,14 @@ def sides(param: torch.Tensor) -> list[int]:
     return [rows] if param.dim() == 1 else [rows, param.numel() // rows]
 
 
+def is_wider(dim: int, max_dim: int | None) -> bool:
+    """Whether a side of ``dim`` keeps the identity basis under ``max_dim`` (None: none does)."""
+    return max_dim is not None and dim > max_dim
+
+
 def is_one_sided(param: torch.Tensor, max_dim: int | None) -> bool:
     """Whether a side of ``param`` is wider than ``max_dim`` (None: none is)."""
-    return max_dim is not None and param.dim() > 0 and any(d > max_dim for d in sides(param))
+    return param.dim() > 0 and any(is_wider(d, max_dim) for d in sides(param))
 
 
 def supplied(param: torch.Tensor, pending: Pending | None) -> list[torch.Tensor]:
@@ -64,7 +72,38 @@ def kept(curvature: Sequence[torch.Tensor], pending: Pending | None) -> list[tor
     return [correction.reshape(rows, -1), *bases]
 
 
-def next_bases(factors: Sequence[torch.Tensor], max_dim: int) -> list[torch.Tensor | None]:
-    """Per side the eigenvectors of its factor (``psd_eigh``), None where wider than
-    ``max_dim`` (that factor is not decomposed)."""
-    return [None if f.shape[0] > max_dim else psd_eigh(f)[1] for f in factors]
+def next_bases(factors: Sequence[torch.Tensor], max_dim: int | None) -> list[torch.Tensor | None]:
+    """Per side the eigenvectors of its factor (:func:`settled_eigenvectors`), None where
+    wider than ``max_dim`` (that factor is not decomposed; ``None``: every side is)."""
+    return [None if is_wider(f.shape[0], max_dim) else settled_eigenvectors(f) for f in factors]
+
+
+def settled_eigenvectors(factor: torch.Tensor) -> torch.Tensor:
+    """The eigenvectors ``Q`` of a PSD factor ``F`` (``psd_eigh``), those of its null space
+    chosen by the space alone.
+
+    ``eigh`` returns any orthonormal basis ``N [d, k]`` of the null space (eigenvalues within
+    ``d ε s_max`` of 0), set by rounding: a factor summed over micro-batches and the same
+    factor of one batch, equal to rounding, get bases turned against each other there. Unlike
+    the current batch's gradients, the next steps' have components in that space, so ``S``
+    (the diagonal in the basis) would differ. Here ``N`` is replaced by ``N V``, ``V`` the
+    eigenvectors of ``Nᵀ D N`` with ``D = diag(√1, …, √d)``: the same for every basis of the
+    space (up to signs, which ``S`` and the step do not see) wherever those eigenvalues are
+    distinct.
+
+    Args:
+        factor: a symmetric PSD ``[d, d]`` matrix.
+
+    Returns:
+        ``Q [d, d]`` orthogonal, ``F = Q diag(s) Qᵀ`` with ``s`` ascending.
+    """
+    eigenvalues, vectors = psd_eigh(factor)
+    dim = eigenvalues.shape[0]
+    floor = dim * torch.finfo(eigenvalues.dtype).eps * eigenvalues[-1]
+    nullity = int((eigenvalues <= floor).sum())
+    if nullity < 2:
+        return vectors
+    null = vectors[:, :nullity]
+    weights = torch.arange(1, dim + 1, dtype=null.dtype, device=null.device).sqrt()
+    turn = torch.linalg.eigh(null.mT @ (weights[:, None] * null))[1]
+    return torch.cat([null @ turn, vectors[:, nullity:]], dim=1)

@@ -1,0 +1,160 @@
+"""EKFAC under gradient accumulation: ``basis_source="last_refresh"`` gives one batch's step.
+
+Every micro-batch of a window must rotate into the same basis for ``S`` to add. With the
+default ``basis_source="current"`` a basis step's basis comes from its first micro-batch's
+factors (a pass must know its basis before it computes ``S``), so two micro-batches take another
+step than one batch; it warns. With ``"last_refresh"`` the window's factors (which add over
+micro-batches exactly) give the basis of the next steps, and the first step is in the identity
+basis: micro-batches give one batch's step. Compared in float64 on the tiny GPT (tied head,
+LayerNorms, attention) and an MLP, both reductions, ``kflr`` and ``kfac`` (the same Monte-Carlo
+draws: the micro-batches draw in the batch's order), against one batch; and the step itself
+against a dense reference (per-sample gradients of a loop, ``torch.linalg.eigh``).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from test_optim_variants import per_sample_grads
+from torch import nn
+
+import curvopt
+from curvopt import extensions as ext
+from curvopt.optim import EKFAC
+from curvopt.optim.one_sided import settled_eigenvectors
+from fixtures import zoo
+
+DT = torch.float64
+N = 32
+STEPS = 3
+PROBLEMS = {"gpt": zoo.gpt, "mlp": zoo.mlp}
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _train(problem: str, reduction: str, micro_batches: int, **options):
+    """The parameters before and after ``STEPS`` steps of ``EKFAC(lr=0.1, damping=0.1)`` on
+    batches of ``N``, each split into ``micro_batches`` backward passes whose losses sum to the
+    batch's (``"mean"``: each divided by their number; every target counted), and the warnings
+    raised."""
+    made = PROBLEMS[problem](reduction)
+    model, lossfunc = curvopt.extend(made.model), curvopt.extend(made.lossfunc)
+    opt = EKFAC(model.parameters(), 0.1, 0.1, **options)
+    start = _flat(model)
+    torch.manual_seed(5)  # the Monte-Carlo draws of curvature="kfac"
+    bounds = torch.linspace(0, N, micro_batches + 1).long().tolist()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            X, y = made.make_batch(N, step)
+            y = y.clamp(min=0)  # every target counted: the micro-batch means average to one
+            opt.zero_grad()
+            for a, b in zip(bounds, bounds[1:]):
+                loss = made.loss_on(model(X[a:b]), y[a:b], lossfunc)
+                (loss / micro_batches if reduction == "mean" else loss).backward()
+            opt.step()
+    basis_warnings = [w for w in caught if "backward passes of this step" in str(w.message)]
+    return start, _flat(model), basis_warnings
+
+
+@pytest.mark.parametrize("curvature", ["kflr", "kfac"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("problem", list(PROBLEMS))
+def test_two_micro_batches_give_one_batchs_step(problem, reduction, curvature):
+    options = {"curvature": curvature, "basis_source": "last_refresh"}
+    start, one, _ = _train(problem, reduction, 1, **options)
+    _, two, warned = _train(problem, reduction, 2, **options)
+    moved = (one - start).norm()
+    assert moved > 1e-3  # the steps say something
+    assert (two - one).norm() <= 1e-12 * moved, float((two - one).norm() / moved)
+    assert not warned
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_micro_batches_give_one_batchs_step_between_refreshes(reduction):
+    """``basis_interval=2``: the basis of step 2 is the refresh of step 0's window."""
+    options = {"curvature": "kflr", "basis_source": "last_refresh", "basis_interval": 2}
+    start, one, _ = _train("gpt", reduction, 1, **options)
+    _, four, _ = _train("gpt", reduction, 4, **options)
+    assert (four - one).norm() <= 1e-12 * (one - start).norm()
+
+
+@pytest.mark.parametrize("problem", list(PROBLEMS))
+def test_the_current_basis_is_its_first_micro_batchs_and_warns_once(problem):
+    """The check above can fail: with ``basis_source="current"`` (the default) the basis of
+    each step is its first micro-batch's, another step than one batch's; it warns once, and a
+    single pass per step does not."""
+    start, one, warned_one = _train(problem, "sum", 1, curvature="kflr")
+    _, two, warned_two = _train(problem, "sum", 2, curvature="kflr")
+    assert (two - one).norm() > 1e-3 * (one - start).norm()
+    assert not warned_one
+    assert len(warned_two) == 1
+    assert "basis_source='last_refresh'" in str(warned_two[0].message)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_last_refresh_step_equals_dense_reference(reduction):
+    """Step ``t`` rotates into the eigenbasis of the ``kflr`` factors of step ``t − 1``'s batch
+    (at its parameters), the first step into the identity: ``S = c Σ_n (Q_Bᵀ G_n Q_A)²`` from
+    per-sample gradients of a loop, the step ``(Q diag(vec S) Qᵀ + λ I)⁻¹ g`` by a dense
+    solve."""
+    torch.manual_seed(0)
+    model = curvopt.extend(nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(DT))
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss(reduction=reduction))
+    damping = 0.05
+    opt = EKFAC(
+        model.parameters(), 1.0, damping, "kflr", basis_source="last_refresh", kl_clip=None
+    )
+    weight = model[0].weight
+    gen = torch.Generator().manual_seed(3)
+    c = 8 if reduction == "mean" else 1
+    bases = [torch.eye(5, dtype=DT), torch.eye(4, dtype=DT)]
+    for _ in range(3):
+        x = 3 * torch.randn(8, 4, generator=gen, dtype=DT)
+        y = torch.randint(0, 3, (8,), generator=gen)
+        grads = per_sample_grads(model, lossfunc, x, y, 0)  # [8, 5, 4]
+        twin = curvopt.extend(copy.deepcopy(model))
+        with curvopt.collect(ext.KFLR()):
+            lossfunc(twin(x), y).backward()
+        before = weight.detach().clone()
+        opt.zero_grad()
+        lossfunc(model(x), y).backward()
+        opt.step()
+        q_b, q_a = bases
+        rotation = torch.kron(q_b, q_a)
+        moments = c * ((q_b.T @ grads @ q_a).reshape(8, -1) ** 2).sum(0)
+        curvature = rotation @ torch.diag(moments) @ rotation.T
+        expected = torch.linalg.solve(
+            curvature + damping * torch.eye(20, dtype=DT), grads.sum(0).flatten()
+        )
+        torch.testing.assert_close((before - weight.detach()).flatten(), expected)
+        bases = [torch.linalg.eigh(f)[1] for f in twin[0].weight.kflr]  # the next steps'
+
+
+def test_settled_eigenvectors_of_a_null_space_do_not_depend_on_rounding():
+    """A factor ``XᵀX`` of rows in a 3-dimensional subspace of ``R⁶`` (a null space of 3), once
+    of the whole batch and once summed over two halves (equal to rounding): ``eigh``'s null
+    vectors turn against each other, the settled ones agree (up to sign), and both are
+    eigenvectors."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(16, 3, generator=gen, dtype=DT) @ torch.randn(3, 6, generator=gen, dtype=DT)
+    whole, halves = rows.T @ rows, rows[:8].T @ rows[:8] + rows[8:].T @ rows[8:]
+    raw = [torch.linalg.eigh(f)[1][:, :3] for f in (whole, halves)]
+    settled = [settled_eigenvectors(f) for f in (whole, halves)]
+    assert (raw[0].T @ raw[1]).abs().max() < 1 - 1e-6  # eigh's own: turned
+    alignment = (settled[0].T @ settled[1]).abs()
+    torch.testing.assert_close(alignment, torch.eye(6, dtype=DT), atol=1e-10, rtol=0)
+    for f, q in zip((whole, halves), settled):
+        torch.testing.assert_close(q.T @ q, torch.eye(6, dtype=DT))
+        rotated = q.T @ f @ q
+        torch.testing.assert_close(rotated, torch.diag(rotated.diagonal()), atol=1e-12, rtol=0)
+
+
+def test_basis_source_is_validated():
+    with pytest.raises(ValueError, match="basis_source must be one of"):
+        EKFAC(nn.Linear(2, 2).parameters(), 0.1, 0.1, basis_source="next")
