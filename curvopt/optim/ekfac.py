@@ -233,9 +233,10 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         until :meth:`_direction` returns them into the new state)."""
         curvature = super()._read_curvature(update, group, attr, extension)
         param, max_dim = update.param, group["max_basis_dim"]
-        if curvature is not None and not self._lagged(param, group):
+        if curvature is None:
+            return None
+        if not self._lagged(param, group):
             self._warn_first_pass_basis(param, group)
-        if curvature is None or not self._lagged(param, group):
             return curvature
         pending = self.state.get(param, {}).get("bases_next")
         curvature = kept(curvature, pending)
