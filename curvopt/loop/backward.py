@@ -313,7 +313,9 @@ class BackwardPass:
             self._abort()
             raise
         self.reducer.finish()
-        self.results.write(self.accumulator, self.batch_size or 0, self.taking.untouched)
+        n = self.batch_size or 0
+        written = self.results.write(self.accumulator, n, self.taking.untouched)
+        self.accumulator.leave(self.taking.left_out(written), self.extensions, n)
         self.reducer.batch_grads.clear()
         for release in self.guards.release:
             release()
