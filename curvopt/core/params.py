@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from torch import nn
 
-from curvopt.core.extended import ParameterEntry, entry_for, entry_of, is_extended
+from curvopt.core.extended import ParameterEntry, entry_for, entry_of, module_entry
 from curvopt.core.extended import owns_children
 
 
@@ -86,9 +86,11 @@ def model_parameters(model: nn.Module) -> List[nn.Parameter]:
     each once: those a backward pass through ``model`` could write for."""
     found: Dict[int, nn.Parameter] = {}
     for module in model.modules():
-        if is_extended(module):
-            for _, p in trainable(module):
-                found.setdefault(id(p), p)
+        entry = module_entry(module)
+        if entry is not None and entry.hooks:  # extended
+            for _, p in owned(module, entry.owns_children):
+                if p.requires_grad:
+                    found.setdefault(id(p), p)
     return list(found.values())
 
 

@@ -245,16 +245,17 @@ class CurvatureOptimizer(Optimizer):
     def _unused(self, params: Sequence[torch.Tensor], attrs: Sequence[str]) -> set[int]:
         """The ids of ``params`` that took no part in this step: ``grad`` is None, or all zero
         (after ``zero_grad(set_to_none=False)``) while each of its ``attrs`` is still the one a
-        previous step used, or absent (a pass that does not reach a parameter leaves no
-        Kronecker factors on it). As in ``torch.optim``, such a parameter is left unchanged
-        (zero step). The gradients in question are tested together (:func:`_all_zero`)."""
+        previous step used, or absent (the passes since did not reach it: ``collect`` leaves
+        no Kronecker factors of an earlier pass on it). As in ``torch.optim``, such a parameter
+        is left unchanged (zero step). The gradients in question are tested together
+        (:func:`_all_zero`)."""
         unused, stale = set(), []
         for param in params:
             if param.grad is None:
                 unused.add(id(param))
                 continue
             used = self._consumed.get(param, {})
-            if all(_left_unread(values.read(param, a), used.get(a)) for a in attrs):
+            if used and all(_left_unread(values.read(param, a), used.get(a)) for a in attrs):
                 stale.append(param)
         zero = _all_zero([p.grad for p in stale])
         return unused | {id(p) for p, z in zip(stale, zero) if z}
