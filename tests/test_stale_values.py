@@ -355,8 +355,9 @@ def test_expert_without_samples(seed):
 
 OPTIMIZERS = {
     "kfac": lambda params: curvopt.optim.KFAC(params, lr=0.1, damping=0.1, curvature="kflr"),
-    "diag": lambda params: curvopt.optim.DiagGGNNewton(params, lr=0.1, damping=0.1,
-                                                       curvature="exact"),
+    "diag": lambda params: curvopt.optim.DiagGGNNewton(
+        params, lr=0.1, damping=0.1, curvature="exact"
+    ),
 }
 
 

@@ -4,8 +4,9 @@
 parameters, a loss, or a model whose returned loss it watches) a :class:`ModuleEntry` here holds
 the path the error messages give it, the models it was extended as a part of, whether its rule
 owns its children's parameters, ``sequence_first``, how many of its calls await their gradients
-(``live``) and the handles of the hooks it registered; per parameter a :class:`ParameterEntry` holds its path, the handle of
-its tensor hook and the modules ``extend`` found holding it (``curvopt.core.params``).
+(``live``) and the handles of the hooks it registered; per parameter a :class:`ParameterEntry`
+holds its path, the handle of its tensor hook and the modules ``extend`` found holding it
+(``curvopt.core.params``).
 ``unextend`` removes the hooks through those handles and drops the entries.
 
 The tables are keyed weakly by identity: ``id(obj)`` with a weak reference that drops the entry

@@ -77,7 +77,7 @@ class Accumulator:
         quantities = []
         for ext in extensions:
             quantities.append((ext.quantity, ext.quantity.kind in _UNDEFINED))
-            fallback = getattr(type(ext), "fallback", None)  # the diagonal instead of factors
+            fallback = getattr(ext, "fallback", None)  # the diagonal instead of factors
             if fallback is not None:
                 quantities.append((fallback, True))
         for p, excluded in left:
