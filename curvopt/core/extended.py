@@ -58,6 +58,16 @@ class ModuleEntry:
         #: the output gradients to ``tap.differentiated(record, grads)``
         self.taps: List = []
 
+    def __getstate__(self) -> dict:
+        """Copied with a copy of its module (the module's forward hook is bound to it), whose
+        hooks do nothing: without the weak references to the models, which do not pickle."""
+        return {name: getattr(self, name) for name in self.__slots__ if name != "models"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.models = []
+        for name, value in state.items():
+            setattr(self, name, value)
+
 
 class ParameterEntry:
     """What ``extend`` keeps of a parameter of a module it hooked."""
