@@ -6,8 +6,8 @@ parameter (``torch.autograd.grad``, e.g. the input gradient of an adversarial at
 ``scope`` (an optimizer's own parameters) is left alone too.
 
 A parameter the pass does not reach at all (an unused head, a skipped branch, an expert without
-tokens) is one of the models the pass went through (``params.model_parameters``: what
-``extend`` was called on) that no module call of the pass wrote for: :meth:`Participation.left_out`
+tokens) is a parameter of a model the pass went through (what ``extend`` was called on:
+``params.model_parameters``) that the pass wrote nothing for. :meth:`Participation.left_out`
 lists those, so that no value of an earlier pass stays on them (``accumulate.Accumulator.leave``).
 """
 
