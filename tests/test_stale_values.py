@@ -395,3 +395,36 @@ def test_optimizer_steps_alternating_heads(name, set_to_none, seed):
         _step(fresh, twin, lossfunc, x, y, task)
         for (k, p), q in zip(model.named_parameters(), twin.parameters()):
             assert_close(p.detach(), q.detach(), f"step {step}: {k}")
+
+
+@pytest.mark.parametrize("name", ["diag", "vsgd"])
+def test_optimizer_window_of_micro_batches_reaching_different_heads(name, seed):
+    """One window of the armed collection, head 0 in micro-batch 1 and head 1 in micro-batch 2:
+    what the step reads is that of all ``N1 + N2`` samples (zero rows where a head was not
+    used: VarianceAdaptedSGD's variance counts them), the summed curvature added."""
+    plain = TwoHeads().to(DT)
+    model = curvopt.extend(copy.deepcopy(plain))
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss(reduction="sum"))
+    if name == "diag":
+        opt = OPTIMIZERS["diag"](model.parameters())
+    else:
+        opt = curvopt.optim.VarianceAdaptedSGD(model.parameters(), lr=0.1)
+    batches = [(0, *_batch(N1)), (1, *_batch(N2))]
+    for step in range(2):  # the second window: no value of the first stays
+        opt.zero_grad()
+        for task, x, y in batches:
+            lossfunc(model(x, task), y).backward()
+        loss = nn.CrossEntropyLoss(reduction="sum")
+        reference = copy.deepcopy(plain)  # the model as it is now, plain
+        reference.load_state_dict(model.state_dict())
+        if name == "diag":
+            blocks = [ggn_reference(reference, loss, (x, t), y)[0] for t, x, y in batches]
+            for k, p in model.named_parameters():
+                expected = sum(torch.diagonal(b[k]) for b in blocks).reshape(p.shape)
+                assert_close(p.diag_ggn_exact, expected, f"step {step}: {k}.diag_ggn_exact")
+        else:
+            grads = [per_sample_grads_loop(reference, loss, (x, t), y) for t, x, y in batches]
+            for k, p in model.named_parameters():
+                expected = reduce_reference(torch.cat([g[k] for g in grads]))["variance"]
+                assert_close(p.variance, expected, f"step {step}: {k}.variance")
+        opt.step()
