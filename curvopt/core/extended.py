@@ -2,10 +2,11 @@
 
 ``extend`` sets no attribute on a module or a parameter. Per module it hooked (a module with
 parameters, a loss, or a model whose returned loss it watches) a :class:`ModuleEntry` here holds
-the path the error messages give it, whether its rule owns its children's parameters,
-``sequence_first``, how many of its calls await their gradients (``live``) and the handles of
-the hooks it registered; per parameter a :class:`ParameterEntry` holds its path, the handle of
-its tensor hook and the modules ``extend`` found holding it (``curvopt.core.params``).
+the path the error messages give it, the models it was extended as a part of, whether its rule
+owns its children's parameters, ``sequence_first``, how many of its calls await their gradients
+(``live``) and the handles of the hooks it registered; per parameter a :class:`ParameterEntry`
+holds its path, the handle of its tensor hook and the modules ``extend`` found holding it
+(``curvopt.core.params``).
 ``unextend`` removes the hooks through those handles and drops the entries.
 
 The tables are keyed weakly by identity: ``id(obj)`` with a weak reference that drops the entry
@@ -31,10 +32,22 @@ from curvopt import errors
 class ModuleEntry:
     """What ``extend`` keeps of a module (or loss) it hooked."""
 
-    __slots__ = ("path", "owns_children", "sequence_first", "live", "hooks", "watcher", "taps")
+    __slots__ = (
+        "path",
+        "models",
+        "owns_children",
+        "sequence_first",
+        "live",
+        "hooks",
+        "watcher",
+        "taps",
+    )
 
     def __init__(self):
         self.path: Optional[str] = None  # the module's path in the model, for error messages
+        #: weak references to the modules ``extend`` was called on that hold it (its models:
+        #: ``params.model_parameters``), each once
+        self.models: List[weakref.ref] = []
         self.owns_children = False  # its rule handles its children's parameters
         self.sequence_first = False  # declared: extend(model, sequence_first=True)
         self.live = 0  # its calls awaiting their gradients (``records.Record``)
@@ -44,6 +57,16 @@ class ModuleEntry:
         #: forward hook hands each new ``Record`` to ``tap.called(record)``, its gradient hook
         #: the output gradients to ``tap.differentiated(record, grads)``
         self.taps: List = []
+
+    def __getstate__(self) -> dict:
+        """Copied with a copy of its module (the module's forward hook is bound to it), whose
+        hooks do nothing: without the weak references to the models, which do not pickle."""
+        return {name: getattr(self, name) for name in self.__slots__ if name != "models"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.models = []
+        for name, value in state.items():
+            setattr(self, name, value)
 
 
 class ParameterEntry:
@@ -153,6 +176,13 @@ def owns_children(module: nn.Module) -> bool:
     """Whether the rule ``extend`` found for ``module`` handles its children's parameters."""
     entry = _MODULES.get(module)
     return entry is not None and entry.owns_children
+
+
+def models_of(module: nn.Module) -> List[nn.Module]:
+    """The modules ``extend`` was called on that hold ``module`` (its models), alive."""
+    entry = _MODULES.get(module)
+    found = [] if entry is None else [ref() for ref in entry.models]
+    return [model for model in found if model is not None]
 
 
 def live_calls(module: nn.Module) -> int:

@@ -11,6 +11,11 @@ registry of what ``extend`` installed), and ``owners``/``tied`` ask those that s
 never every extended model in the process (weights tied after ``extend`` are seen once
 ``extend`` runs again); ``unextend`` takes a module off them (``forget``). Whether a module's
 rule owns its children's parameters is read from ``extended`` too.
+
+The parameters of a model are those of its extended modules (``model_parameters``): the ones
+a backward pass through the model writes for, or, where the pass does not reach them, leaves
+no earlier value on (``guards.participation``). ``extend`` notes, weakly, the model each module
+was extended as a part of.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from torch import nn
 
-from curvopt.core.extended import ParameterEntry, entry_for, entry_of, owns_children
+from curvopt.core.extended import ParameterEntry, entry_for, entry_of, module_entry
+from curvopt.core.extended import owns_children
 
 
 def _held_below(module: nn.Module) -> Set[int]:
@@ -63,12 +69,29 @@ def trainable(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in owned(module) if p.requires_grad]
 
 
-def note_extended(module: nn.Module) -> None:
-    """``extend`` hooked ``module``: a holder of its parameters."""
+def note_extended(module: nn.Module, model: nn.Module) -> None:
+    """``extend`` hooked ``module`` as a part of ``model``: a holder of its parameters, and a
+    module of ``model``."""
+    models = entry_for(module).models
+    if not any(ref() is model for ref in models):
+        models.append(weakref.ref(model))
     for _, p in owned(module):
         holders = entry_for(p).holders
         if not any(ref() is module for ref in holders):
             holders.append(weakref.ref(module))
+
+
+def model_parameters(model: nn.Module) -> List[nn.Parameter]:
+    """The trainable parameters of ``model``'s extended modules (``trainable``, looked up now),
+    each once: those a backward pass through ``model`` could write for."""
+    found: Dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        entry = module_entry(module)
+        if entry is not None and entry.hooks:  # extended
+            for _, p in owned(module, entry.owns_children):
+                if p.requires_grad:
+                    found.setdefault(id(p), p)
+    return list(found.values())
 
 
 def forget(modules) -> None:

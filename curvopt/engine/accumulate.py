@@ -19,6 +19,19 @@ How is each quantity's declared ``combine`` (``extensions.Combine``):
   bases (supplied ones); fresh bases differ from pass to pass, and raise. An optimizer's
   collection (``collection.Collection``) supplies to its later passes the bases its first pass
   made (``Accumulator.bases``): its micro-batches accumulate in the basis of the last refresh.
+
+A parameter of the pass's models that the pass does not reach (an unused head, a skipped
+branch: ``participation.Participation.left_out``) holds no value of an earlier ``collect``
+afterwards (:meth:`Accumulator.leave`). Its per-sample gradients are zero, and so is every
+quantity built from them or from its curvature block; it gets those zeros (``N`` rows for this
+pass), combined with the earlier passes of this ``collect`` by the rules above (an unused
+parameter's ``grad_batch`` gets zero rows; its ``variance`` counts the pass's samples).
+Kronecker factors and eigenbases are not defined without the parameter's inputs: a value of
+an earlier ``collect`` is taken off (a value of this ``collect``'s earlier passes stays, as
+zero would add to it), as is the diagonal written instead of them
+(``collect(skip_unsupported="diagonal")``). A parameter the pass leaves out on purpose
+(``backward(inputs=...)`` without it) gets nothing either: an earlier ``collect``'s value is
+taken off.
 """
 
 from __future__ import annotations
@@ -28,7 +41,7 @@ from typing import Dict, Tuple
 import torch
 
 from curvopt.errors import AccumulationError
-from curvopt.extensions.quantity import Combine, quantity
+from curvopt.extensions.quantity import Combine, Kind, Quantity, quantity
 from curvopt.core.values import KroneckerFactors
 
 
@@ -55,6 +68,26 @@ class Accumulator:
                 if (id(p), attr) not in self.written and attr in p.__dict__:
                     delattr(p, attr)
 
+    def leave(self, left, extensions, n: int) -> None:
+        """The pass (over ``n`` samples) wrote ``extensions`` for none of ``left``'s
+        ``(p, excluded)``: on each ``p``, zero where that is the value (combined with the
+        earlier passes of this ``collect``), else no value of an earlier ``collect``."""
+        if not left:
+            return
+        quantities = []
+        for ext in extensions:
+            quantities.append((ext.quantity, ext.quantity.kind in _UNDEFINED))
+            fallback = getattr(ext, "fallback", None)  # the diagonal instead of factors
+            if fallback is not None:
+                quantities.append((fallback, True))
+        for p, excluded in left:
+            for q, undefined in quantities:
+                if excluded or undefined:
+                    if (id(p), q.attr) not in self.written:
+                        p.__dict__.pop(q.attr, None)
+                else:
+                    setattr(p, q.attr, self.combine(p, q.attr, _zero(q, p, n), n))
+
     def combine(self, p, attr: str, value, n: int):
         """``value`` of this pass (over ``n`` samples) combined with the earlier passes'."""
         rule = quantity(attr).combine
@@ -68,6 +101,22 @@ class Accumulator:
             sgs, total = value
             return (sgs / n).sub_((total / n).pow(2))
         return value
+
+
+#: kinds of quantity that a parameter no pass reached has no value of
+_UNDEFINED = (Kind.FACTORS, Kind.EIGEN_CORRECTED)
+
+
+def _zero(q: Quantity, p, n: int):
+    """What a pass over ``n`` samples hands ``combine`` for ``p.<q.attr>`` where ``p``'s
+    per-sample gradients and curvature are zero: zeros of ``[n, ...]`` (per sample: the shape
+    ``q.reference`` gives, else ``[n, *p.shape]``) or ``p.shape``, ``(0, 0)`` moments."""
+    shape = p.shape
+    if q.per_sample:
+        rows = (n, *p.shape)
+        shape = rows if q.reference is None else q.reference(torch.empty(rows, device="meta")).shape
+    zero = torch.zeros(shape, dtype=p.dtype, device=p.device)
+    return (zero, zero) if q.combine is Combine.MOMENTS else zero
 
 
 def _factors(attr, old: KroneckerFactors, new: KroneckerFactors, n_old, n_new):

@@ -20,7 +20,9 @@ results as contributions; the buffer is the one place that collects them:
 
 :meth:`ResultBuffer.write` makes the pending values typed (``values``: the Kronecker factors
 knowing their output side, ``[S, *bases]``), combines them with the earlier passes of the same
-``collect`` (``accumulate``) and sets them as attributes; nothing is written before.
+``collect`` (``accumulate``) and sets them as attributes; nothing is written before. It
+returns the parameters written for: the pass leaves no earlier value on the others of its
+models (``accumulate.Accumulator.leave``).
 """
 
 from __future__ import annotations
@@ -192,19 +194,23 @@ class ResultBuffer:
         key = id(p)
         return [a for a in attrs if (key, a) not in self.pending and (key, a) not in self.skipped]
 
-    def write(self, accumulator, n: int, untouched) -> None:
+    def write(self, accumulator, n: int, untouched) -> set:
         """Combine with the earlier passes (``n`` samples in this one) and set every pending
-        attribute, except on the parameters ``untouched`` (``id(p) -> True``) by this pass."""
+        attribute, except on the parameters ``untouched`` (``id(p) -> True``) by this pass.
+        Returns the ``id``s of the parameters written for (or left out, ``skip``)."""
         for key, uses in self.kron_uses.items():
             self.pending[key] = (self.pending[key][0], _combined(uses))
         if self.skip_into is not None:
             self.skip_into.update(self.skipped.values())
+        written = {key for key, _ in self.skipped}
         for (key, attr), (p, value) in self.pending.items():
             if untouched.get(key):
                 continue
             value = accumulator.combine(p, attr, typed(quantity(attr), value), n)
             setattr(p, attr, value)
+            written.add(key)
         self.pending.clear()
+        return written
 
     def clear(self) -> None:
         """Forget everything (the pass failed)."""

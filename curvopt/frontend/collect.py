@@ -31,7 +31,10 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
     Extensions that share work (per-sample gradients, propagated curvature factors, Monte-Carlo
     samples) compute it once. Results are written as attributes when a backward pass has
     finished; a pass that raises writes nothing. Several backward passes in one block
-    (micro-batches) combine like ``p.grad`` does (see ``accumulate``).
+    (micro-batches) combine like ``p.grad`` does (see ``accumulate``). A parameter of the
+    models the pass goes through that it does not reach (an unused head, a skipped branch)
+    holds no earlier value afterwards: zeros, of the pass's ``N`` rows per sample, and no
+    Kronecker factors (docs/conventions.md, "Never a stale value").
 
     ``skip_unsupported=True`` opts in to leaving out the parameters that have no Kronecker
     factorisation (a ViT's class token and position embeddings, raw 3-D parameters, recurrent

@@ -153,7 +153,9 @@ def _hook(module: nn.Module, path: str, fn, before=None) -> None:
     entry.hooks.append(module.register_forward_hook(fn, with_kwargs=True))
 
 
-def _install(module: nn.Module, path: str, sequence_first: bool) -> None:
+def _install(module: nn.Module, path: str, sequence_first: bool, model: nn.Module) -> None:
+    """Hook ``module`` and its submodules, parts of ``model`` (the module ``extend`` was
+    called on)."""
     _drop_copied(module)
     rule = rule_for(module)
     params = owned_parameters(module, rule.owns_children)
@@ -167,13 +169,13 @@ def _install(module: nn.Module, path: str, sequence_first: bool) -> None:
         entry = entry_for(module)
         entry.owns_children = rule.owns_children
         entry.sequence_first = entry.sequence_first or sequence_first
-        note_extended(module)
+        note_extended(module, model)
         before = _random_state_hook if rule.replays_random_forward else None
         _hook(module, path, functools.partial(_module_forward_hook, entry), before)
     if rule.owns_children:
         return
     for name, child in module.named_children():
-        _install(child, f"{path}.{name}" if path else name, sequence_first)
+        _install(child, f"{path}.{name}" if path else name, sequence_first, model)
 
 
 def extend(
@@ -214,7 +216,7 @@ def extend(
         _hook(module, name or "", _loss_forward_hook)
         return module
     reached = is_extended(module)  # hooked as a part of a model extended before
-    _install(module, name or "", sequence_first)
+    _install(module, name or "", sequence_first, module)
     entry = entry_of(module)
     if not (reached or (entry is not None and entry.watcher is not None)):
         entry = entry_for(module)

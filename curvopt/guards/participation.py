@@ -4,6 +4,11 @@ Only gradient that is accumulated into ``p.grad`` counts: a pass that does not a
 parameter (``torch.autograd.grad``, e.g. the input gradient of an adversarial attack, or
 ``backward(inputs=...)`` without it) writes nothing for it, and a parameter outside the pass's
 ``scope`` (an optimizer's own parameters) is left alone too.
+
+A parameter the pass does not reach at all (an unused head, a skipped branch, an expert without
+tokens) is a parameter of a model the pass went through (what ``extend`` was called on:
+``params.model_parameters``) that the pass wrote nothing for. :meth:`Participation.left_out`
+lists those, so that no value of an earlier pass stays on them (``accumulate.Accumulator.leave``).
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from curvopt.graph.search import reaches
-from curvopt.core.params import trainable
+from curvopt.core.extended import models_of
+from curvopt.core.params import model_parameters, trainable
 from curvopt.autograd.torch_internals import (
     current_autograd_node,
     grad_accumulator,
@@ -31,6 +37,8 @@ class Participation:
         self.parameters: Dict[int, tuple] = {}  # id(module): ``of``'s answer
         #: autograd nodes outside the walks whose upstream ``_reaches`` has walked
         self.reached: dict = {}
+        #: id(model) -> model: the models of the modules whose parameters the pass takes
+        self.models: Dict[int, object] = {}
 
     def skips(self, p) -> bool:
         """Whether this pass leaves ``p.grad`` alone (``torch.autograd.grad``, ``backward(inputs=
@@ -80,7 +88,25 @@ class Participation:
         if found is None:
             params = trainable(module)
             found = self.parameters[key] = params, [(n, p) for n, p in params if not self.skips(p)]
+            if found[1]:
+                for model in models_of(module):
+                    self.models.setdefault(id(model), model)
         return found
+
+    def left_out(self, written) -> list:
+        """``(p, excluded)`` for each parameter of the models this pass went through (in its
+        ``scope``) that it did not write for (``written``: their ``id``s): ``excluded`` where
+        the pass leaves ``p.grad`` alone on purpose (``backward(inputs=...)`` without it), else
+        it did not reach ``p`` (its per-sample gradients are zero)."""
+        found: Dict[int, tuple] = {}
+        scope = self.scope
+        for model in self.models.values():
+            for p in model_parameters(model):
+                key = id(p)
+                if key in written or key in found or (scope is not None and key not in scope):
+                    continue
+                found[key] = (p, bool(self.untouched.get(key)))
+        return list(found.values())
 
     def among(self, calls) -> list:
         """The ``(name, p)`` of the module calls ``calls`` whose gradient this pass accumulates."""

@@ -15,6 +15,8 @@ zero on one pass may not be on the next), the parameters read at their sites
 an event (``guards.pass_guards``) are checked where it starts. Which parameters take part is
 ``guards.participation``'s: a pass that accumulates into none of the parameters it reaches is
 ignored altogether (its module inputs stay, so a retained graph can still be backpropagated).
+When a pass ends, the parameters of its models that it did not write for hold no earlier value
+(``Participation.left_out``, ``Accumulator.leave``).
 
 Where a pass stands is one ``Phase``: waiting for its first hook, first order without an
 extended loss, collecting after a loss's hook, ignored, failed, or done (the engine's callback
@@ -313,7 +315,9 @@ class BackwardPass:
             self._abort()
             raise
         self.reducer.finish()
-        self.results.write(self.accumulator, self.batch_size or 0, self.taking.untouched)
+        n = self.batch_size or 0
+        written = self.results.write(self.accumulator, n, self.taking.untouched)
+        self.accumulator.leave(self.taking.left_out(written), self.extensions, n)
         self.reducer.batch_grads.clear()
         for release in self.guards.release:
             release()

@@ -244,16 +244,18 @@ class CurvatureOptimizer(Optimizer):
 
     def _unused(self, params: Sequence[torch.Tensor], attrs: Sequence[str]) -> set[int]:
         """The ids of ``params`` that took no part in this step: ``grad`` is None, or all zero
-        (after ``zero_grad(set_to_none=False)``) while its ``attrs`` are still those a previous
-        step used. As in ``torch.optim``, such a parameter is left unchanged (zero step). The
-        gradients in question are tested together (:func:`_all_zero`)."""
+        (after ``zero_grad(set_to_none=False)``) while each of its ``attrs`` is still the one a
+        previous step used, or absent (the passes since did not reach it: ``collect`` leaves
+        no Kronecker factors of an earlier pass on it). As in ``torch.optim``, such a parameter
+        is left unchanged (zero step). The gradients in question are tested together
+        (:func:`_all_zero`)."""
         unused, stale = set(), []
         for param in params:
             if param.grad is None:
                 unused.add(id(param))
                 continue
             used = self._consumed.get(param, {})
-            if used and all(values.read(param, a) is used.get(a) for a in attrs):
+            if used and all(_left_unread(values.read(param, a), used.get(a)) for a in attrs):
                 stale.append(param)
         zero = _all_zero([p.grad for p in stale])
         return unused | {id(p) for p, z in zip(stale, zero) if z}
@@ -418,6 +420,12 @@ class CurvatureOptimizer(Optimizer):
         self.__dict__.setdefault("_distributed", None)
         self.__dict__.setdefault("_loss_scale", NONE)
         self._arm(mode)
+
+
+def _left_unread(value, used) -> bool:
+    """Whether ``value`` of an attribute is none of a pass since the last step: absent, or the
+    object a previous step used."""
+    return value is None or value is used
 
 
 def _all_zero(tensors: Sequence[torch.Tensor]) -> list[bool]:
