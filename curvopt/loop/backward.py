@@ -41,6 +41,7 @@ from curvopt.engine.reducer import FirstOrderReducer
 from curvopt.engine.results import ResultBuffer
 from curvopt.guards.sites import ParameterSites
 from curvopt.engine.rows import establish
+from curvopt.engine.parameter_sites import with_sites
 from curvopt.autograd.torch_internals import current_autograd_node, current_graph_task_id
 from curvopt.autograd.torch_internals import queue_callback
 from curvopt.graph.walk import Walk
@@ -173,7 +174,7 @@ class BackwardPass:
         probe = upstream.key is not None or upstream.indexes_inside
         if upstream.calls and probe and not upstream.reentrant:
             output = record.output
-            establish(
+            layout = establish(
                 output,
                 output.shape,
                 upstream.calls,
@@ -182,6 +183,8 @@ class BackwardPass:
                 elementwise,
                 required=False,
             )
+            if layout is not None:  # raw parameters' sites verified by the same probes
+                with_sites(upstream.calls, upstream, output, upstream.batchable, layout)
 
     def watch_broadcasts(self, calls) -> None:
         """Read the per-sample output gradients of broadcast calls where they still exist (and
@@ -254,9 +257,10 @@ class BackwardPass:
         grad_out = grads[0] if len(grads) == 1 else grads
         call = record.call(grad_out)
         if not self.first:
-            if self.checks.sums:
+            if self.checks.sums:  # (those read at their sites: verified by the probes)
                 for name, p in params:
-                    self.reducer.add_total(p, rule, call, name)
+                    if name not in (record.sites or ()):
+                        self.reducer.add_total(p, rule, call, name)
             return
         self.batch_size = one_batch_size(call, self.batch_size)
         materialise = self.reducer.keeps_per_sample or self._reused(module, params)
