@@ -41,7 +41,6 @@ from curvopt.engine.reducer import FirstOrderReducer
 from curvopt.engine.results import ResultBuffer
 from curvopt.guards.sites import ParameterSites
 from curvopt.engine.rows import establish
-from curvopt.engine.parameter_sites import with_sites
 from curvopt.autograd.torch_internals import current_autograd_node, current_graph_task_id
 from curvopt.autograd.torch_internals import queue_callback
 from curvopt.graph.walk import Walk
@@ -174,7 +173,7 @@ class BackwardPass:
         probe = upstream.key is not None or upstream.indexes_inside
         if upstream.calls and probe and not upstream.reentrant:
             output = record.output
-            layout = establish(
+            establish(
                 output,
                 output.shape,
                 upstream.calls,
@@ -183,8 +182,6 @@ class BackwardPass:
                 elementwise,
                 required=False,
             )
-            if layout is not None:  # raw parameters' sites verified by the same probes
-                with_sites(upstream.calls, upstream, output, upstream.batchable, layout)
 
     def watch_broadcasts(self, calls) -> None:
         """Read the per-sample output gradients of broadcast calls where they still exist (and
