@@ -27,74 +27,11 @@ import curvopt
 from curvopt import extensions as ext
 from curvopt.layers.generic import GenericRule
 from curvopt.optim import EKFAC, KFAC, DiagGGNNewton
+from fixtures.timm_like import VisionTransformer
 from reference import per_sample_grads, per_sample_grads_replayed
 
 DT = torch.float64
-N, C, D, HEADS = 6, 3, 8, 2
-
-
-class DropPath(nn.Module):
-    """timm's drop path: one keep draw per sample."""
-
-    def __init__(self, drop_prob: float):
-        super().__init__()
-        self.drop_prob = drop_prob
-
-    def forward(self, x):
-        if self.drop_prob == 0.0 or not self.training:
-            return x
-        keep = 1 - self.drop_prob
-        random_tensor = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
-        return x * random_tensor.div_(keep)
-
-
-class Block(nn.Module):
-    """Pre-norm block as timm writes it: fused ``qkv``, ``F.scaled_dot_product_attention``
-    with attention dropout, a GELU MLP with dropout, drop path on both branches."""
-
-    def __init__(self, drop_path: float, drop: float):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(D), nn.LayerNorm(D)
-        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
-        self.fc1, self.fc2 = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
-        self.drop_path, self.drop = DropPath(drop_path), nn.Dropout(drop)
-        self.attn_drop = drop
-
-    def forward(self, x):
-        n, t, _ = x.shape
-        qkv = self.qkv(self.norm1(x)).reshape(n, t, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        p = self.attn_drop if self.training else 0.0
-        h = F.scaled_dot_product_attention(q, k, v, dropout_p=p).transpose(1, 2).reshape(n, t, D)
-        x = x + self.drop_path(self.proj(h))
-        return x + self.drop_path(self.fc2(self.drop(F.gelu(self.fc1(self.norm2(x))))))
-
-
-class ViT(nn.Module):
-    """timm's layout: patch embedding, ``cls_token`` expanded and concatenated, ``pos_embed``
-    added, ``register_tokens`` after the class token (``registers`` of them), position
-    dropout, blocks, the class token's head."""
-
-    def __init__(self, registers=0, drop_path=0.2, drop=0.1, depth=2):
-        super().__init__()
-        self.patch_embed = nn.Conv2d(2, D, 2, 2)
-        self.cls_token = nn.Parameter(0.5 * torch.randn(1, 1, D))
-        self.pos_embed = nn.Parameter(0.5 * torch.randn(1, 5, D))
-        self.register_tokens = nn.Parameter(0.5 * torch.randn(1, registers, D)) if registers else None
-        self.pos_drop = nn.Dropout(drop)
-        self.blocks = nn.Sequential(
-            *[Block(drop_path * (i + 1) / depth, drop) for i in range(depth)]
-        )
-        self.norm, self.head = nn.LayerNorm(D), nn.Linear(D, C)
-
-    def forward(self, images):
-        x = self.patch_embed(images).flatten(2).transpose(1, 2)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], 1) + self.pos_embed
-        if self.register_tokens is not None:
-            tokens = self.register_tokens.expand(x.shape[0], -1, -1)
-            x = torch.cat([x[:, :1], tokens, x[:, 1:]], 1)
-        x = self.blocks(self.pos_drop(x))
-        return self.head(self.norm(x)[:, 0])
+N, C = 6, 3
 
 
 RAW = ("cls_token", "pos_embed", "register_tokens")
@@ -105,9 +42,16 @@ def _data(n=N, seed=1):
     return torch.randn(n, 2, 4, 4, generator=g, dtype=DT), torch.randint(0, C, (n,), generator=g)
 
 
-def _plain(training: bool, registers: int, **kwargs) -> nn.Module:
+def _vit(registers: int, drop_path_rate=0.2, drop_rate=0.1) -> nn.Module:
+    """``images [N, 2, 4, 4]``: 4 patches and the class token (and ``registers``), width 8."""
+    return VisionTransformer(
+        registers=registers, drop_path_rate=drop_path_rate, drop_rate=drop_rate
+    ).to(DT)
+
+
+def _plain(training: bool, registers: int) -> nn.Module:
     torch.manual_seed(0)
-    return ViT(registers, **kwargs).to(DT).train(training)
+    return _vit(registers).train(training)
 
 
 def _counted(model, monkeypatch):
@@ -202,7 +146,7 @@ class Stacked(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.vit = ViT(0, drop_path=0.0, drop=0.0)
+        self.vit = _vit(0, 0.0, 0.0)
         self.shift = nn.Parameter(torch.randn(1, C))
 
     def forward(self, images):
@@ -221,7 +165,7 @@ def test_a_site_that_is_not_the_batch_takes_the_generic_rule(monkeypatch):
         reruns.clear()
         with curvopt.collect(ext.BatchGrad(), ext.DiagGGNExact(), ext.BatchDiagGGNExact()):
             lossfunc(model(x), y).backward()
-        assert reruns and set(reruns) == {"Stacked"}  # ``shift`` alone; never ``ViT``
+        assert reruns and set(reruns) == {"Stacked"}  # ``shift`` alone; never ``VisionTransformer``
         grads = per_sample_grads(plain, lambda out, t: F.cross_entropy(out, t), x, y)
         diagonals = _dense_ggn_diagonals(plain, x, y, state)
         for name, p in model.named_parameters():
@@ -240,7 +184,7 @@ def _train(make, seed: int, steps: int = 30):
     """Losses of ``steps`` steps on one fixed batch of a ViT with drop path and dropout (the
     top module's forward runs once a step: nothing re-runs it)."""
     torch.manual_seed(seed)
-    model, lossfunc = ViT(2, drop_path=0.2, drop=0.1).to(DT).train(), nn.CrossEntropyLoss()
+    model, lossfunc = _vit(2).train(), nn.CrossEntropyLoss()
     forwards = []
     model.register_forward_pre_hook(lambda module, args: forwards.append(1))
     x, y = _data(16, seed)
