@@ -84,6 +84,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*no Kronecker factorisation")
+    warnings.filterwarnings("ignore", message="There is a performance drop")  # vmap's fallback
     for name, (make, x, y) in _models(args).items():
         cases = {
             "AdamW": _step(make, x, y, "adamw"),
