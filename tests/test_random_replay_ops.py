@@ -96,7 +96,10 @@ class Block(nn.Module):
 def _model(path: nn.Module):
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(D, D, dtype=DT), Block(path), Block(copy.deepcopy(path)), nn.Flatten(),
+        nn.Linear(D, D, dtype=DT),
+        Block(path),
+        Block(copy.deepcopy(path)),
+        nn.Flatten(),
         nn.Linear(T * D, 3, dtype=DT),
     ).train()
 

@@ -86,7 +86,9 @@ def _dense_ggn_diagonals(plain, x, y, state):
     result = {}
     for name, j in jac.items():
         flat = j.flatten(2)  # [N, C, P]
-        result[name] = torch.einsum("ncp,ncd,ndp->np", flat, hessians, flat).view(j.shape[0], *j.shape[2:])
+        result[name] = torch.einsum("ncp,ncd,ndp->np", flat, hessians, flat).view(
+            j.shape[0], *j.shape[2:]
+        )
     return result
 
 
@@ -114,8 +116,12 @@ def test_per_sample_gradients_and_ggn_diagonals_at_the_sites(training, registers
         diagonals = _dense_ggn_diagonals(plain, x, y, state)
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.grad_batch, grads[name], rtol=1e-9, atol=1e-12)
-            torch.testing.assert_close(p.diag_ggn_exact_batch, diagonals[name], rtol=1e-9, atol=1e-13)
-            torch.testing.assert_close(p.diag_ggn_exact, diagonals[name].sum(0), rtol=1e-9, atol=1e-13)
+            torch.testing.assert_close(
+                p.diag_ggn_exact_batch, diagonals[name], rtol=1e-9, atol=1e-13
+            )
+            torch.testing.assert_close(
+                p.diag_ggn_exact, diagonals[name].sum(0), rtol=1e-9, atol=1e-13
+            )
     raw = [name for name, _ in model.named_parameters() if name in RAW]
     assert len(raw) == 2 + bool(registers)
 
@@ -170,7 +176,9 @@ def test_a_site_that_is_not_the_batch_takes_the_generic_rule(monkeypatch):
         diagonals = _dense_ggn_diagonals(plain, x, y, state)
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.grad_batch, grads[name], rtol=1e-9, atol=1e-12)
-            torch.testing.assert_close(p.diag_ggn_exact_batch, diagonals[name], rtol=1e-9, atol=1e-13)
+            torch.testing.assert_close(
+                p.diag_ggn_exact_batch, diagonals[name], rtol=1e-9, atol=1e-13
+            )
 
 
 OPTIMIZERS = {

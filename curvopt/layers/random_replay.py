@@ -106,6 +106,11 @@ NOT_REPLAYED = (
 )
 
 
+def _ones(x: torch.Tensor) -> torch.Tensor:
+    """A dropout's stand-in: ones of ``x``'s shape, one element in memory."""
+    return x.new_ones(()).expand(x.shape)
+
+
 def op_name(func) -> str:
     """``torch.rand`` or ``Tensor.bernoulli_``: how a user writes the op ``func``."""
     owner = "Tensor" if getattr(func, "__objclass__", None) is not None else "torch"
@@ -254,13 +259,13 @@ class _DropoutMode(TorchFunctionMode):
                         index,
                         "multi_head_attention_forward",
                         lambda: F.dropout(torch.ones_like(w), a["dropout_p"], True),
-                        lambda: torch.ones_like(w),
+                        lambda: _ones(w),
                     ),
                 )
         return func(*args, **kwargs)
 
     def _dropout(self, name: str, x: torch.Tensor, draw) -> torch.Tensor:
-        return self.answer(self._next(), name, draw, lambda: torch.ones_like(x))
+        return self.answer(self._next(), name, draw, lambda: _ones(x))
 
     def _next(self) -> int:
         self.count += 1
@@ -306,7 +311,7 @@ class ReplayedMasks(_DropoutMode):
 
     def answer(self, index, name, draw, stand_in):
         if index >= len(self.masks):
-            raise ReplayError(f"the re-run draws more random numbers than the forward drew ({name})")
+            raise ReplayError(f"the re-run draws more than the forward drew ({name})")
         value, shape = self.masks[index], stand_in().shape
         if value.shape != shape:
             raise ReplayError(
