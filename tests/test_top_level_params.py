@@ -126,6 +126,26 @@ def test_per_sample_gradients_and_ggn_diagonals_at_the_sites(training, registers
     assert len(raw) == 2 + bool(registers)
 
 
+@pytest.mark.filterwarnings("ignore:.*no Kronecker factorisation")
+def test_the_kronecker_fallback_diagonal_at_the_sites_is_the_ggn_diagonal(monkeypatch):
+    """``KFLR`` with ``skip_unsupported="diagonal"`` (the Kronecker optimizers' fallback): the
+    raw tokens get the exact GGN diagonal of the forward's function, drop path included."""
+    plain = _plain(True, 2)
+    x, y = _data()
+    model = curvopt.extend(copy.deepcopy(plain))
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    forwards, reruns = _counted(model, monkeypatch)
+    state = torch.get_rng_state()
+    loss = lossfunc(model(x), y)
+    with curvopt.collect(ext.KFLR(), skip_unsupported="diagonal") as ctx:
+        loss.backward()
+    assert set(ctx.skipped) == set(RAW) and forwards == [1] and reruns == []
+    diagonals = _dense_ggn_diagonals(plain, x, y, state)
+    for name in RAW:
+        p = getattr(model, name)
+        torch.testing.assert_close(p.kflr_diagonal, diagonals[name].sum(0), rtol=1e-9, atol=1e-13)
+
+
 def test_the_draws_matter():
     """The training-mode check above is not vacuous: the raw parameters' per-sample gradients
     depend on the forward's draws (another generator state gives others)."""
