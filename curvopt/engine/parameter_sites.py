@@ -39,7 +39,6 @@ class SiteCall:
     positionwise = False
     batch_dim = 0
     sites = None
-    random = None
 
     def __init__(self, owner, name: str, p, site):
         self.module = RawParameter(owner.module, name, p)
