@@ -131,6 +131,7 @@ class Record:
         "random",
         "shared",
         "extended",
+        "sites",
     )
 
     def __init__(
@@ -158,6 +159,9 @@ class Record:
         self.dtype, self.device = outputs[0].dtype, outputs[0].device
         self.seq = next(_SEQUENCE)  # forward order
         self.broadcast = None
+        #: the module's raw parameters that a curvature pass reads at their sites, each a call
+        #: of its own (``engine.parameter_sites``): ``{name: that call}``, or None
+        self.sites = None
         self.positionwise = positionwise
         self.transposed = False  # the batch is dim 1 of a positionwise call (sequence-first)
         #: the backward pass that runs this call's forward (a reentrant checkpoint recomputing
@@ -223,7 +227,7 @@ class Record:
     def release(self):
         """Drop the inputs; the module has one call fewer awaiting its gradient."""
         if getattr(self, "args", None) is not None:
-            self.args = self.kwargs = self.shared = None
+            self.args = self.kwargs = self.shared = self.sites = None
             self.extended.live -= 1
 
     def __del__(self):

@@ -9,6 +9,8 @@
   in chunks within a memory budget, propagated by the group's strategy, turned into every
   module's contributions;
 * ``kron_pass``: ``FactorStream``: Kronecker factors from each chunk of columns;
+* ``parameter_sites``: raw parameters read at the add or expand where they meet the batch, as
+  calls of their own (``SiteCall``), probe-verified, instead of re-running their module;
 * ``diagonals``: columns to curvature diagonals through the layer rules;
 * ``hessian``: the residual terms of curved nonlinearities (``DiagHessian``);
 * ``kfra``: the KFRA recursion;

@@ -54,6 +54,7 @@ from functools import partial
 import torch
 
 from curvopt.engine.diagonals import coupled_estimate, diagonals
+from curvopt.engine.parameter_sites import computed, with_sites
 from curvopt.errors import BATCH_STATISTICS, UnsupportedLossError, module_error
 from curvopt.extensions.quantity import Producer
 from curvopt.engine.hessian import residuals
@@ -62,7 +63,6 @@ from curvopt.engine.loss_context import LossContext
 from curvopt.layers import mixes, mixing, rule_for
 from curvopt.losses import loss_rule_for
 from curvopt.engine.kron_pass import FactorStream
-from curvopt.core.params import trainable
 from curvopt.graph.propagate import loss_gradient
 from curvopt.engine.rows import establish
 from curvopt.engine.strategies import choose
@@ -83,12 +83,15 @@ def _coupled(module) -> str:
 
 #: the producers made from each call's Kronecker factors (``EKFAC``'s: of its fresh bases)
 _FACTORED = (Producer.KRONECKER, Producer.EIGEN_CORRECTED)
+#: the producers that walk on from the loss through the module calls themselves: a pass
+#: with one of them computes raw parameters by their modules' rules (``parameter_sites``)
+_WALKING = (Producer.HESSIAN_DIAGONAL, Producer.KFRA)
 
 
 def _fresh_bases(ext, calls) -> bool:
     """Whether the ``EKFAC`` extension ``ext`` needs this pass's factors for a parameter of
     ``calls`` (one without supplied bases)."""
-    return any(ext.supplied(p) is None for record in calls for _, p in trainable(record.module))
+    return any(ext.supplied(p) is None for record in calls for _, p in computed(record))
 
 
 class CurvaturePass:
@@ -139,6 +142,8 @@ class CurvaturePass:
         self.layout = establish(
             output, output.shape, calls, self.batched, walk, rule.elementwise, coupled=self.coupled
         )
+        if not (self.coupled or any(e.quantity.producer in _WALKING for e in self.exts)):
+            calls = with_sites(calls, walk, output, self.batched, self.layout)  # raw parameters
         self.factors = FactorStream(
             self.results, self.loss, self.layout, self.skip_diagonal, self.coupled
         )

@@ -26,7 +26,7 @@ import torch
 
 from curvopt.engine.diagonals import batch_column_grads, diag_from_columns, module_call, narrow
 from curvopt.core.reductions import gram
-from curvopt.core.params import trainable
+from curvopt.engine.parameter_sites import computed
 from curvopt.engine.results import Factors, Term
 from curvopt.errors import UnsupportedKroneckerError
 from curvopt.extensions.quantity import Producer
@@ -79,7 +79,7 @@ class FactorStream:
             call, columns, n = module_call(record, outs[record])
             if call is None:
                 continue
-            for name, p in trainable(record.module):
+            for name, p in computed(record):
                 # ``coupled``: the batch gradients of the columns, made once where wanted
                 # (every use is in a coupled pass)
                 column_grads = (

@@ -232,6 +232,15 @@ def _verified(source, shape, calls, batched, walk, n, elementwise) -> Optional[t
     return None
 
 
+def reaches_own_samples(source, shape, calls, batched, walk, layout: RowLayout) -> bool:
+    """Whether the probes (module doc) on the rows ``layout`` maps to each sample reach that
+    sample alone at the outputs of ``calls``: the check of :func:`establish` for calls added
+    after it (``engine.parameter_sites``)."""
+    return _passes(
+        source, shape, calls, batched, walk, layout.sample, layout.samples, layout.row_dims
+    )
+
+
 def _passes(source, shape, calls, batched, walk, sample, n, row_dims) -> bool:
     """Probe columns (see module doc) vanish where the map says they must; propagated
     ``_PROBES_PER_CALL`` at a time, so that the columns held at every module output stay few

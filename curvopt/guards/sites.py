@@ -15,7 +15,9 @@ attention, a bias added over ``[L, N, E]`` with ``L == N``): the site must broad
 along its leading dim alone, of the batch's size (``Walk.parameter_site``), and on the first
 pass of each graph structure the rule still computes ``p``'s per-sample gradients, which the
 site's reading must match (to the checks' tolerance) for the later passes of the structure to
-use the site; the sum check cannot tell the two apart, both sum to ``p.grad``.
+use the site; the sum check cannot tell the two apart, both sum to ``p.grad``. A curvature
+pass reads the same sites by its columns (``engine.parameter_sites``), verified by the row
+probes instead; the verdict of whichever comes first is the structure's.
 """
 
 from __future__ import annotations

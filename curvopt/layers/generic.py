@@ -208,13 +208,7 @@ class GenericRule(LayerRule):
                     sample_leaves, grads, masks
                 )
             except ReplayError as error:
-                raise UnsupportedModuleError(
-                    f"curvopt cannot re-run module {module_name(module)!r} "
-                    f"({type(module).__name__}) "
-                    f"with the random numbers of its forward ({error}). Call .eval() on its "
-                    "random submodules or register a rule for it with curvopt.layers.register; "
-                    "see docs/support.md#dropout-and-random-numbers."
-                ) from error
+                raise _not_replayed(module, error) from error
             except (RuntimeError, NotImplementedError, ValueError) as error:
                 raise UnsupportedModuleError(
                     "curvopt cannot compute per-sample quantities for module "
@@ -234,7 +228,10 @@ class GenericRule(LayerRule):
         root, index = _recorded(call)
         cache = root.cache if root.shared is None else root.shared  # one draw per forward
         if "generic_masks" not in cache:
-            cache["generic_masks"] = self._drawn_masks(root)
+            try:
+                cache["generic_masks"] = self._drawn_masks(root)
+            except ReplayError as error:
+                raise _not_replayed(call.module, error) from error
         index = index if samples is None else index[samples[0] : samples[1]]
         return [m.index_select(0, index.to(m.device)) for m in cache["generic_masks"]]
 
@@ -254,7 +251,9 @@ class GenericRule(LayerRule):
         args, kwargs = tree_unflatten(first, spec)
         with root.quiet(), torch.no_grad(), MaskShapes() as shapes:
             self.rerun(module, params, args, kwargs)
-        return per_sample(drawn.masks, shapes.shapes, root.batch_size, module_name(module))
+        return per_sample(
+            drawn.masks, shapes.shapes, root.batch_size, module_name(module), drawn.names
+        )
 
     def _grad_positions(self, call, count: int, outs=None) -> List[int]:
         """Indices of the tensor outputs that required grad in the recorded call (the hooks
@@ -329,6 +328,15 @@ class GenericRule(LayerRule):
 
 class _OutputMismatch(Exception):
     """The re-run module has more tensor outputs than gradients arrived for."""
+
+
+def _not_replayed(module, error: ReplayError) -> UnsupportedModuleError:
+    return UnsupportedModuleError(
+        f"curvopt cannot re-run module {module_name(module)!r} ({type(module).__name__}) "
+        f"with the random numbers of its forward ({error}). Call .eval() on its random "
+        "submodules or register a rule for it with curvopt.layers.register; see "
+        "docs/support.md#dropout-and-random-numbers."
+    )
 
 
 def _first_line(error: Exception, limit: int = 120) -> str:

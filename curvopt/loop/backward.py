@@ -256,9 +256,10 @@ class BackwardPass:
         grad_out = grads[0] if len(grads) == 1 else grads
         call = record.call(grad_out)
         if not self.first:
-            if self.checks.sums:
+            if self.checks.sums:  # (those read at their sites: verified by the probes)
                 for name, p in params:
-                    self.reducer.add_total(p, rule, call, name)
+                    if name not in (record.sites or ()):
+                        self.reducer.add_total(p, rule, call, name)
             return
         self.batch_size = one_batch_size(call, self.batch_size)
         materialise = self.reducer.keeps_per_sample or self._reused(module, params)
