@@ -24,7 +24,7 @@ ran).
 from __future__ import annotations
 
 import enum
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -66,9 +66,19 @@ class BackwardPass:
     guards observe each (``guards``, in order)."""
 
     def __init__(
-        self, extensions, task: int, accumulator, skipped=None, diagonal=False, scope=None
+        self,
+        extensions,
+        task: int,
+        accumulator,
+        skipped=None,
+        diagonal=False,
+        scope=None,
+        terms: Optional[Callable[[BaseException], BaseException]] = None,
     ):
         self.task = task
+        #: the errors of the pass in the terms of whom asked (``collect.terms``): an error
+        #: raised from a hook, rephrased (or the same one)
+        self.terms = terms
         #: ``collect(skip_unsupported=...)``: where to report the parameters left out (the
         #: result buffer does), and whether they get the diagonal of the curvature instead
         self.results = ResultBuffer(skipped)
@@ -109,9 +119,9 @@ class BackwardPass:
         try:
             with autocast_off():
                 return self._on_loss(record, grad, segments)
-        except BaseException:
+        except BaseException as error:
             self._abort()
-            raise
+            raise self._in_terms(error)
         finally:
             for segment in segments:  # the re-run checkpoints (``checkpointing``)
                 segment.release()
@@ -221,9 +231,9 @@ class BackwardPass:
         try:
             with autocast_off():
                 self._on_module(record, grads)
-        except BaseException:
+        except BaseException as error:
             self._abort()
-            raise
+            raise self._in_terms(error)
         return True
 
     def _on_module(self, record, grads) -> None:
@@ -286,9 +296,9 @@ class BackwardPass:
             with autocast_off():  # the sum check computes (projected sums: matmuls)
                 for observe in self.guards.parameter:
                     observe(p, grad)
-        except BaseException:
+        except BaseException as error:
             self._abort()
-            raise
+            raise self._in_terms(error)
 
     # ---------------------------------------------------------------- end of pass
     def _finish(self) -> None:
@@ -317,6 +327,15 @@ class BackwardPass:
         self.reducer.batch_grads.clear()
         for release in self.guards.release:
             release()
+
+    def _in_terms(self, error: BaseException) -> BaseException:
+        """``error`` in the terms of whom asked for this pass (``terms``): the same error, or
+        one in its place (its traceback and cause, the replaced one not shown as context)."""
+        rephrased = error if self.terms is None else self.terms(error)
+        if rephrased is not error:
+            rephrased.__cause__, rephrased.__suppress_context__ = error.__cause__, True
+            rephrased.__traceback__ = error.__traceback__
+        return rephrased
 
     def _abort(self) -> None:
         """Forget everything written so far; the pass writes nothing. The calls whose hooks will
