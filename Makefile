@@ -21,7 +21,7 @@ install: $(STAMP)
 # and curvlinops 3.0.1 (the overhead comparisons, references in the tests), laplace-torch 0.3
 # with its ASDL (the laplace backend's tests), heavyball 3.2.1 (SOAP, PSGD-Kron in the
 # time-to-result benchmark), the "frameworks" extra (Lightning, accelerate, schedule-free) and
-# the "docs" extra (Sphinx, for the test that builds the documentation site).
+# the "docs" extra (Sphinx and Furo: `make docs`, and the test that builds the site).
 # Their pure-python dependencies come from the "reference" and "frameworks" extras, the
 # libraries themselves without dependencies: BackPACK and laplace-torch declare torchvision,
 # which would bring a CUDA build of torch; no import needs it. The Opacus wheel also installs
@@ -76,13 +76,8 @@ bench: $(STAMP)  ## overhead benchmarks (pytest-benchmark) and the ratio table
 data: $(STAMP)  ## fetch the real data sets that can be fetched here
 	$(PY) -m experiments fetch_data
 
-DOCS := $(VENV)/.docs
-
-$(DOCS): $(STAMP)
-	$(PY) -m pip install --progress-bar off -e ".[docs]"
-	touch $(DOCS)
-
-docs: $(DOCS)  ## the documentation site (offline, warnings as errors) into docs/_build/html
+# The gallery runs laplace-torch and Lightning: the site needs the test extras, Sphinx among them.
+docs: $(EXTRAS)  ## the documentation site (offline, warnings as errors) into docs/_build/html
 	OMP_NUM_THREADS=1 $(PY) -m sphinx -b html -W --keep-going docs docs/_build/html
 
 lint: $(STAMP)
