@@ -45,7 +45,8 @@ per_sample = torch.stack([
     for x, t in zip(X[:N], y[:N])
 ])  # fmt: skip
 loop = per_sample.var(0, unbiased=True).sum()
-print(f"tr Σ: {tr_sigma:.5f} from Variance, {float(loop):.5f} from the loop; B_simple {b_simple:.1f}")
+print(f"tr Σ: {tr_sigma:.5f} from Variance, {float(loop):.5f} from the loop")
+print(f"B_simple at the start: {b_simple:.1f}")
 
 # %%
 # Along training, the ratio of the terms averaged over windows of 10 steps (one batch's

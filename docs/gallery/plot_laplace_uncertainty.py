@@ -9,6 +9,8 @@ laplace-torch: here the Kronecker-factored GGN of a small classifier of two inte
 moons, the prior precision fitted by the marginal likelihood.
 """
 
+import warnings
+
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
@@ -32,7 +34,9 @@ loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y), batch
 la = Laplace(model, "classification", subset_of_weights="all", hessian_structure="kron",
              backend=CurvoptGGN)  # fmt: skip
 la.fit(loader)
-la.optimize_prior_precision(method="marglik", pred_type="glm", link_approx="probit")
+with warnings.catch_warnings():  # laplace-torch reminds every classifier of its link_approx
+    warnings.simplefilter("ignore", UserWarning)
+    la.optimize_prior_precision(method="marglik", pred_type="glm", link_approx="probit")
 print(f"prior precision fitted by the marginal likelihood: {float(la.prior_precision):.3f}")
 
 # %%
