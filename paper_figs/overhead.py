@@ -217,9 +217,7 @@ def _draw_panel(ax, key, panel) -> int:
     parts = [title]
     versus = versus_backpack(cells)
     if versus is not None:
-        parts.append(
-            f"curvopt/BackPACK time: {versus[0]:.2f} (geometric mean, {versus[1]} cells)"
-        )
+        parts.append(f"curvopt/BackPACK time: {versus[0]:.2f} (geometric mean, {versus[1]} cells)")
     info = panel["source"].get("problems", {}).get(problem, {})
     if _finite(info.get("other_load_median")):
         parts.append(f"other processes used {100 * info['other_load_median']:.0f}% of the CPUs")

@@ -28,7 +28,8 @@ def _table(section: str) -> list[dict[str, str]]:
     lines = [line for line in section.splitlines() if line.startswith("|")]
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
     assert set(lines[1].replace("|", "")) <= set("-: "), lines[1]
-    return [dict(zip(header, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    return [dict(zip(header, row)) for row in cells]
 
 
 def _prose_after_table(section: str) -> str:
@@ -83,7 +84,7 @@ def test_derived_columns_agree_with_the_measured_ones(row):
 def test_the_ratios_are_the_times_of_their_rows():
     """× Adam and × best peer are est. s over Adam's and the best peer's (both rounded to 0.1 s,
     so only where the times are large enough to say)."""
-    for problem, group in GROUPS.items():
+    for group in GROUPS.values():
         for row in group.values():
             for column, base in (("× Adam", group["adam"]), ("× best peer", group["peer"])):
                 if base["est. s"] >= 10:
@@ -134,7 +135,8 @@ def test_the_swap_shows_its_two_lines():
     assert "takes two lines, `curvopt.extend(model)` and the optimizer" in " ".join(
         README[:1000].split()
     )
-    (swap,) = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "was torch.optim.SGD" in b]
+    blocks = re.findall(r"```python\n(.*?)```", README, re.S)
+    (swap,) = [b for b in blocks if "was torch.optim.SGD" in b]
     assert "curvopt.extend(model)" in swap and "curvopt.optim.KFAC(" in swap
 
 

@@ -121,7 +121,8 @@ class BackwardPass:
                 return self._on_loss(record, grad, segments)
         except BaseException as error:
             self._abort()
-            raise self._in_terms(error)
+            self._raise_in_terms(error)
+            raise
         finally:
             for segment in segments:  # the re-run checkpoints (``checkpointing``)
                 segment.release()
@@ -233,7 +234,8 @@ class BackwardPass:
                 self._on_module(record, grads)
         except BaseException as error:
             self._abort()
-            raise self._in_terms(error)
+            self._raise_in_terms(error)
+            raise
         return True
 
     def _on_module(self, record, grads) -> None:
@@ -298,7 +300,8 @@ class BackwardPass:
                     observe(p, grad)
         except BaseException as error:
             self._abort()
-            raise self._in_terms(error)
+            self._raise_in_terms(error)
+            raise
 
     # ---------------------------------------------------------------- end of pass
     def _finish(self) -> None:
@@ -328,14 +331,12 @@ class BackwardPass:
         for release in self.guards.release:
             release()
 
-    def _in_terms(self, error: BaseException) -> BaseException:
-        """``error`` in the terms of whom asked for this pass (``terms``): the same error, or
-        one in its place (its traceback and cause, the replaced one not shown as context)."""
+    def _raise_in_terms(self, error: BaseException) -> None:
+        """Raise ``error`` rephrased in the terms of whom asked for this pass (``terms``), with
+        its traceback and cause; return where it needs no rephrasing."""
         rephrased = error if self.terms is None else self.terms(error)
         if rephrased is not error:
-            rephrased.__cause__, rephrased.__suppress_context__ = error.__cause__, True
-            rephrased.__traceback__ = error.__traceback__
-        return rephrased
+            raise rephrased.with_traceback(error.__traceback__) from error.__cause__
 
     def _abort(self) -> None:
         """Forget everything written so far; the pass writes nothing. The calls whose hooks will

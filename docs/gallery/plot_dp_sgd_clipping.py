@@ -55,7 +55,7 @@ opt = torch.optim.SGD(model.parameters(), lr=0.5)
 generator = torch.Generator().manual_seed(2)
 first = norms.detach().clone()
 losses = []
-for step in range(60):
+for _ in range(60):
     batch = torch.randint(0, N, (32,), generator=generator)
     dp_gradient(X[batch], y[batch], generator)
     opt.step()
