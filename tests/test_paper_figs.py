@@ -651,3 +651,25 @@ def test_the_check_finds_a_title_past_the_edge():
     fig = common.new_figure(4, 3)
     fig.subplots(1, 1).set_title("a title far too long for a figure four inches wide " * 2)
     assert _outside_the_canvas(fig)
+
+
+def test_the_comparison_figure_fits_its_canvas_and_its_numbers_stand_out(tmp_path, monkeypatch):
+    """The figure of ``experiments compare`` (from the stored FMNIST 2C2D result): inside its
+    canvas, and each heatmap number in black on a light cell, white on a dark one."""
+    from matplotlib.colors import to_rgb
+
+    from paper_figs import compare
+
+    figures = _drawn(compare, monkeypatch)
+    results = Path(__file__).resolve().parents[1] / "experiments" / "results" / "compare"
+    assert compare.plot_compare(results, tmp_path)
+    for fig in figures:
+        assert not _outside_the_canvas(fig)
+        for ax in fig.axes[:4]:
+            for image in ax.get_images():
+                for text in ax.texts:
+                    if text.get_text() == "n/a":
+                        continue
+                    cell = image.cmap(image.norm(float(text.get_text())))
+                    light = 0.299 * cell[0] + 0.587 * cell[1] + 0.114 * cell[2] > 0.5
+                    assert to_rgb(text.get_color()) == ((0, 0, 0) if light else (1, 1, 1))
