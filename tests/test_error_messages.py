@@ -254,6 +254,15 @@ def test_an_l2_penalty_in_the_loss_suggests_weight_decay(make):
             "mc_samples must be an int >= 1, got 2.0 of type float",
         ),
         ({"lr": True}, "lr must be a finite number (float or int) >= 0.0, got True of type bool"),
+        (
+            {"lr": 0.1, "damping": "1e-3"},
+            "damping must be a number >= 0, a callable of the step count or a damping strategy "
+            "(ConstantDamping, ScheduledDamping, LevenbergMarquardt), got '1e-3' of type str",
+        ),
+        (
+            {"lr": 0.1, "damping": -1.0},
+            "damping must be a finite number (float or int) >= 0, got -1.0 of type float",
+        ),
     ],
 )
 def test_a_number_of_the_wrong_type_names_the_type_expected_and_given(options, expected):
