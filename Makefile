@@ -60,7 +60,7 @@ browser:  ## Debian's chromium for the headless-browser test (apt-get, as root)
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing Debian's chromium system-wide: apt-get install chromium"; \
 	    apt-get update && apt-get install -y --no-install-recommends chromium; \
-	else echo "chromium is missing: as root, run apt-get install chromium (or make browser)"; \
+	else echo "chromium is missing: as root, run apt-get install chromium (the test skips)"; \
 	    exit 1; fi
 
 ttr-quick: $(EXTRAS)  ## smoke run of the benchmark: a few steps per setting, 1 seed, into /tmp
