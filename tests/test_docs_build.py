@@ -54,6 +54,30 @@ def test_the_site_is_themed_and_the_gallery_has_eight_executed_examples(site):
         assert [f for f in figures if "thumb" not in f.name], f"{example.name} drew no figure"
 
 
+def _output(site: Path, example: str) -> str:
+    """The printed output of a gallery example, as its page shows it."""
+    page = (site / "auto_examples" / f"{example}.html").read_text()
+    blocks = re.findall(r"sphx-glr-script-out[^>]*>(?:<div[^>]*>)?<pre>(.*?)</pre>", page, re.S)
+    return "\n".join(re.sub(r"<[^>]+>", "", block) for block in blocks)
+
+
+def _number(text: str, before: str) -> float:
+    return float(re.search(re.escape(before) + r"\s*([-\d.e]+)", text)[1])
+
+
+def test_the_gallery_checks_agree_with_their_references(site):
+    """What the examples print against a plain reference (a loop over samples, the data's
+    second moment) agrees, in float32."""
+    assert _number(_output(site, "plot_dp_sgd_clipping"), "to the loop:") < 1e-5
+    noise = _output(site, "plot_gradient_noise_scale")
+    tr_sigma, loop = re.search(
+        r"tr Σ: ([\d.]+) from Variance, ([\d.]+) from the loop", noise
+    ).groups()
+    assert tr_sigma == loop
+    assert _number(_output(site, "plot_kronecker_factors"), "Xᵀ X / N:") < 1e-5
+    assert 0 < _number(_output(site, "plot_kronecker_factors"), "relative error of B ⊗ A:") < 1
+
+
 def test_internal_links_resolve(site):
     for page in site.rglob("*.html"):
         for href in re.findall(r'href="([^"#:]+\.html)(?:#[^"]*)?"', page.read_text()):
