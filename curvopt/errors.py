@@ -47,13 +47,33 @@ def module_error(module, reason: str) -> UnsupportedModuleError:
     return UnsupportedModuleError(f"{_module_prefix(module)}: {reason}")
 
 
+#: the fix in :data:`BATCH_STATISTICS` in the terms of ``collect``'s user (extension classes);
+#: an optimizer's user reads its own argument instead (:func:`in_optimizer_terms`)
+BATCH_STATISTICS_FIX = (
+    "Call model.eval() (running statistics) or use a Monte-Carlo curvature (DiagGGNMC, KFAC)"
+)
 #: the reason of every module that normalises with the batch's statistics (BatchNorm in training
 #: mode), whatever asked for a quantity it has not: the same message from every entry point
+#: (an optimizer's phrased in its own terms)
 BATCH_STATISTICS = (
-    "it normalises with statistics of the whole batch, which mixes samples. Call model.eval() "
-    "(running statistics) or use a Monte-Carlo curvature (DiagGGNMC, KFAC); see "
-    "docs/support.md#batchnorm-in-training-mode."
+    "it normalises with statistics of the whole batch, which mixes samples. "
+    f"{BATCH_STATISTICS_FIX}; see docs/support.md#batchnorm-in-training-mode."
 )
+
+
+def in_optimizer_terms(error: BaseException, optimizer: str, monte_carlo: str | None):
+    """``error`` as the user of the optimizer ``optimizer`` (its class name) must act on it:
+    where its fix names extension classes (:data:`BATCH_STATISTICS_FIX`), an error of the same
+    type whose fix names the optimizer's argument instead (``curvature=monte_carlo``, its
+    Monte-Carlo choice; ``None``: the optimizer has none); any other error unchanged."""
+    message = str(error)
+    if not isinstance(error, CurvoptError) or BATCH_STATISTICS_FIX not in message:
+        return error
+    fix = "Call model.eval() (running statistics)"
+    if monte_carlo is not None:
+        fix += f" or pass {optimizer}(..., curvature={monte_carlo!r}), a Monte-Carlo curvature"
+    return type(error)(message.replace(BATCH_STATISTICS_FIX, fix))
+
 
 #: the fix of every parameter without Kronecker factors (``kronecker_error``)
 NO_KRONECKER_FIX = (

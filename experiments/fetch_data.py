@@ -137,12 +137,15 @@ def fetch_mnist(root: Path) -> str:
 
 
 def _apt_install(package: str) -> None:
+    """``apt-get install package`` (after ``apt-get update`` where the package lists lack it),
+    announced and with apt's own output shown: the user sees what is installed system-wide."""
     install = ["apt-get", "install", "-y", "--no-install-recommends", package]
-    if subprocess.run(install, check=False, capture_output=True).returncode != 0:
-        subprocess.run(["apt-get", "update"], check=False, capture_output=True)
-        proc = subprocess.run(install, check=False, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise FetchError(f"apt-get install {package} failed:\n{proc.stderr[-2000:]}")
+    print(f"installing Debian's {package} system-wide: {' '.join(install)}", flush=True)
+    if subprocess.run(install, check=False).returncode != 0:
+        print("apt-get update, then again:", flush=True)
+        subprocess.run(["apt-get", "update"], check=False)
+        if subprocess.run(install, check=False).returncode != 0:
+            raise FetchError(f"apt-get install {package} failed (its output is above)")
 
 
 def fetch_fmnist(root: Path, apt: bool) -> str:

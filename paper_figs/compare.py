@@ -55,6 +55,14 @@ def _metric(layer: dict, approx: str, key: str) -> float:
     return math.nan if value is None else value
 
 
+def _ink(image, value: float) -> str:
+    """Black on a light cell of ``image``, white on a dark one (its colour's luminance)."""
+    if not math.isfinite(value):
+        return "black"
+    red, green, blue, _ = image.cmap(image.norm(value))
+    return "black" if 0.299 * red + 0.587 * green + 0.114 * blue > 0.5 else "white"
+
+
 def _heatmap(ax, fig, layers, approxs, key, title, vmin, vmax, cmap):
     grid = [[_metric(layer, a, key) for layer in layers] for a in approxs]
     image = ax.imshow(grid, vmin=vmin, vmax=vmax, cmap=cmap, aspect="auto")
@@ -63,7 +71,7 @@ def _heatmap(ax, fig, layers, approxs, key, title, vmin, vmax, cmap):
     for i, row in enumerate(grid):
         for j, value in enumerate(row):
             text = f"{value:.2f}" if math.isfinite(value) else "n/a"
-            ax.text(j, i, text, ha="center", va="center", fontsize=7)
+            ax.text(j, i, text, ha="center", va="center", fontsize=7, color=_ink(image, value))
     ax.set_title(title, fontsize=9)
     fig.colorbar(image, ax=ax, fraction=0.04)
 

@@ -18,6 +18,7 @@ import argparse
 import math
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 from .common import draw_main, load_overheads, new_figure, save
@@ -97,18 +98,13 @@ def plot_overhead(results_dir: str | Path, out_dir: str | Path) -> list[Path]:
     width, height = max(9.0, 7.5 * ncols), 1.0 + 4.6 * nrows
     fig = new_figure(width, height)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-    fig.subplots_adjust(
-        left=0.6 / width,
-        right=0.99,
-        top=1 - 1.2 / height,
-        bottom=0.55 / height,
-        wspace=0.15,
-        hspace=0.45,
-    )
+    layout = dict(left=0.6 / width, right=0.99, bottom=0.55 / height, wspace=0.15, hspace=0.45)
+    fig.subplots_adjust(**layout)  # the panels' widths, which their titles are wrapped to
     for ax in axes[len(keys) :]:
         ax.set_visible(False)
-    for ax, key in zip(axes, keys):
-        _draw_panel(ax, key, panels[key])
+    lines = max(_draw_panel(ax, key, panels[key]) for ax, key in zip(axes, keys))
+    # room above the first row for the figure's title (3 lines) and the panels' titles
+    fig.subplots_adjust(top=1 - (0.75 + _TITLE_LINE_IN * lines) / height)
     src = payloads[-1]
     threads = src.get("threads", "?")
     fig.suptitle(
@@ -139,7 +135,19 @@ def versus_backpack(cells: dict) -> tuple[float, int] | None:
     return math.exp(sum(math.log(v) for v in ratios) / len(ratios)), len(ratios)
 
 
-def _draw_panel(ax, key, panel) -> None:
+#: the height of one line of a panel's title (font size 9), inches
+_TITLE_LINE_IN = 0.17
+
+
+def _wrapped(parts: list[str], ax) -> str:
+    """``parts`` as the lines of a title that fits ``ax``'s width (font size 9: about 14
+    characters per inch), a part broken only where it is too long alone."""
+    chars = int(ax.get_position().width * ax.figure.get_figwidth() * 14)
+    return "\n".join(textwrap.fill(part, chars) for part in parts)
+
+
+def _draw_panel(ax, key, panel) -> int:
+    """Draw one problem's bars; returns the number of lines of its title."""
     problem, batch = key
     cells = panel["cells"]
     quantities = _quantity_order({q for q, _ in cells if q != PLAIN})
@@ -205,17 +213,21 @@ def _draw_panel(ax, key, panel) -> None:
     plain = panel.get("plain_ms")
     title = f"{problem}" + (f", batch size {batch}" if batch else "")
     if _finite(plain):
-        title += f"  (gradient: {plain:.1f} ms)"
+        title += f" (gradient: {plain:.1f} ms)"
+    parts = [title]
     versus = versus_backpack(cells)
     if versus is not None:
-        title += f"; curvopt/BackPACK time: {versus[0]:.2f} (geometric mean, {versus[1]} cells)"
+        parts.append(f"curvopt/BackPACK time: {versus[0]:.2f} (geometric mean, {versus[1]} cells)")
     info = panel["source"].get("problems", {}).get(problem, {})
     if _finite(info.get("other_load_median")):
-        title += f"; other processes used {100 * info['other_load_median']:.0f}% of the CPUs"
-    desc = panel["source"].get("problems", {}).get(problem, {}).get("description")
-    ax.set_title(title + (f"\n{desc}" if desc else ""), fontsize=9)
+        parts.append(f"other processes used {100 * info['other_load_median']:.0f}% of the CPUs")
+    if info.get("description"):
+        parts.append(info["description"])
+    title = _wrapped(parts, ax)
+    ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(axis="y", alpha=0.3)
+    return title.count("\n") + 1
 
 
 def main(argv=None) -> int:

@@ -164,6 +164,114 @@ def test_batchnorm_in_training_mode_gives_one_message_whatever_the_entry_point()
     assert "docs/support.md#batchnorm-in-training-mode" in message
 
 
+@pytest.mark.parametrize(
+    "make, curvature, monte_carlo",
+    [
+        (curvopt.optim.DiagGGNNewton, "exact", "mc"),
+        (curvopt.optim.KFAC, "kflr", "kfac"),
+        (curvopt.optim.EKFAC, "kflr", "kfac"),
+    ],
+)
+@pytest.mark.parametrize("collection", ["auto", "explicit"])
+def test_batchnorm_reached_from_an_optimizer_names_its_argument(
+    make, curvature, monte_carlo, collection
+):
+    """Exact curvature through BatchNorm in training mode, asked for by an optimizer (armed or
+    in ``opt.collect()``): the fix is the optimizer's ``curvature=`` argument, not an
+    extension class; the error is raised by the backward pass, as from ``collect``."""
+    model = _batchnorm_model()
+    X, y = torch.randn(5, 2, 4, 4, dtype=DT), torch.randint(0, 3, (5,))
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    opt = make(model.parameters(), lr=0.1, curvature=curvature, collection=collection)
+
+    def run():
+        loss = lossfunc(model(X), y)
+        with opt.collect():
+            loss.backward()
+
+    message = raised(UnsupportedModuleError, run)
+    name = make.__name__
+    check(message, "'block.bn'", "(BatchNorm2d)", "statistics of the whole batch", "model.eval()")
+    assert f"{name}(..., curvature={monte_carlo!r})" in message
+    assert "DiagGGNMC" not in message and "KFAC)" not in message
+    assert message.endswith("see docs/support.md#batchnorm-in-training-mode.")
+    # the same model through curvopt.collect keeps the extension classes
+    assert "(DiagGGNMC, KFAC)" in _batchnorm_message(ext.KFLR, functional=False)
+
+
+def test_batchnorm_from_an_optimizer_then_from_collect_each_in_its_terms():
+    """The optimizer's phrasing is its own: a ``collect`` block opened afterwards (the
+    optimizer disarmed by ``collection="explicit"``) names the extensions again."""
+    model = _batchnorm_model()
+    X, y = torch.randn(5, 2, 4, 4, dtype=DT), torch.randint(0, 3, (5,))
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    opt = curvopt.optim.KFAC(model.parameters(), lr=0.1, curvature="kflr")
+    message = raised(UnsupportedModuleError, lambda: lossfunc(model(X), y).backward())
+    assert "KFAC(..., curvature='kfac')" in message
+    del opt
+
+    def run():
+        with curvopt.collect(ext.KFLR()):
+            lossfunc(model(X), y).backward()
+
+    assert "(DiagGGNMC, KFAC)" in raised(UnsupportedModuleError, run)
+
+
+@pytest.mark.parametrize("make", [curvopt.optim.KFAC, curvopt.optim.DiagGGNNewton])
+def test_an_l2_penalty_in_the_loss_suggests_weight_decay(make):
+    """An L2 penalty added to the loss is refused, with the optimizer's ``weight_decay=`` as
+    the fix."""
+    torch.manual_seed(0)
+    model = curvopt.extend(nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 3)).to(DT))
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(8, 4, dtype=DT), torch.randint(0, 3, (8,))
+    opt = make(model.parameters(), lr=0.1)
+
+    def run():
+        penalty = 1e-2 * sum(p.pow(2).sum() for p in model.parameters())
+        (lossfunc(model(X), y) + penalty).backward()
+        opt.step()
+
+    message = raised(UnsupportedModuleError, run)
+    check(message, "receives gradient from outside", "weight_decay=")
+    assert "docs/support.md#gradient-from-other-terms" in message
+
+
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        (
+            {"lr": "0.05"},
+            "lr must be a finite number (float or int) >= 0.0, got '0.05' of type str",
+        ),
+        (
+            {"lr": 0.1, "momentum": 1.0},
+            "momentum must be a finite number (float or int) >= 0.0 and < 1.0, got 1.0 of "
+            "type float",
+        ),
+        (
+            {"lr": 0.1, "mc_samples": 2.0},
+            "mc_samples must be an int >= 1, got 2.0 of type float",
+        ),
+        ({"lr": True}, "lr must be a finite number (float or int) >= 0.0, got True of type bool"),
+        (
+            {"lr": 0.1, "damping": "1e-3"},
+            "damping must be a number >= 0, a callable of the step count or a damping strategy "
+            "(ConstantDamping, ScheduledDamping, LevenbergMarquardt), got '1e-3' of type str",
+        ),
+        (
+            {"lr": 0.1, "damping": -1.0},
+            "damping must be a finite number (float or int) >= 0, got -1.0 of type float",
+        ),
+    ],
+)
+def test_a_number_of_the_wrong_type_names_the_type_expected_and_given(options, expected):
+    params = [nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError) as info:
+        curvopt.optim.KFAC(params, **options)
+    assert str(info.value) == expected
+
+
 class _SequenceFirst(nn.Module):
     """Embedding and MultiheadAttention on ``[T, N]`` tokens, batch_first=False: the
     Embedding's batch dim reads as 0, the attention's as 1."""

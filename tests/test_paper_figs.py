@@ -573,3 +573,103 @@ def test_ttr_figure_one_line_per_optimizer_in_each_panel():
         assert len(labels) == (5 if k % 2 == 0 else 4) <= 6
         curves = [line for line in ax.get_lines() if len(line.get_xdata()) == 5]
         assert max(max(c.get_xdata()) for c in curves) == (100 if k % 2 == 0 else 50)
+
+
+# ------------------------------------------------------------ every figure fits its canvas
+def _outside_the_canvas(fig) -> list[str]:
+    """The edges of the canvas that what ``fig`` draws (titles, labels, ticks, annotations,
+    legends: its tight bounding box) reaches past, by more than half a point."""
+    box = fig.get_tightbbox(fig.canvas.get_renderer())  # inches
+    width, height = fig.get_size_inches()
+    slack = 0.5 / 72
+    edges = {"left": box.x0 < -slack, "bottom": box.y0 < -slack,
+             "right": box.x1 > width + slack, "top": box.y1 > height + slack}  # fmt: skip
+    return [edge for edge, out in edges.items() if out]
+
+
+def _drawn(module, monkeypatch) -> list:
+    """The figures ``module`` saves from now on."""
+    figures = []
+
+    def keep(fig, path):
+        figures.append(fig)
+        return common.save(fig, path)
+
+    monkeypatch.setattr(module, "save", keep)
+    return figures
+
+
+def _make_run_overhead(problems: tuple[str, ...]) -> dict:
+    """An overhead JSON as ``make run`` writes it: every quantity, BackPACK beside curvopt, the
+    full panel title (gradient time, versus BackPACK, the other processes' load)."""
+    results = []
+    for problem in problems:
+        results.append({"problem": problem, "quantity": "plain", "backend": "plain",
+                        "ratio_median": 1.0, "ratio_q1": 1.0, "ratio_q3": 1.0})  # fmt: skip
+        for i, quantity in enumerate(q for q in overhead.QUANTITY_LABELS):
+            for backend in ("curvopt", "backpack"):
+                ratio = 1.2 + 0.9 * i + (0.4 if backend == "backpack" else 0.0)
+                results.append({
+                    "problem": problem, "quantity": quantity, "backend": backend,
+                    "ratio_median": ratio, "ratio_q1": ratio - 0.1, "ratio_q3": ratio + 0.1,
+                    "versus_backpack": 0.8 if backend == "curvopt" else None, "error": None,
+                })  # fmt: skip
+    return {
+        "torch": "2.13.0+cpu", "threads": 2, "device": "cpu", "cpu_count": 2,
+        "load_average_at_start": 1.37, "backends": ["curvopt", "backpack"],
+        "problems": {
+            p: {"description": f"DeepOBS {p.upper()}, CIFAR-10 shapes, N=64", "batch_size": 64,
+                "plain_ms": 123.4, "other_load_median": 0.12}
+            for p in problems
+        },
+        "results": results,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("problems", [("3c3d",), ("3c3d", "2c2d", "logreg")])
+def test_the_overhead_figure_fits_its_canvas(problems, tmp_path, monkeypatch):
+    """The overhead figure of ``make run`` (one panel) and of several problems: no title, label
+    or number reaches past the canvas (the panel titles are wrapped to the panel's width)."""
+    figures = _drawn(overhead, monkeypatch)
+    source = _write(tmp_path / "o", _make_run_overhead(problems), "overhead")
+    assert _is_png(paper_figs.plot_overhead(source, tmp_path / "f")[0])
+    (fig,) = figures
+    assert not _outside_the_canvas(fig)
+    titles = "".join(ax.get_title() for ax in fig.axes)
+    assert "curvopt/BackPACK time: 0.80" in titles and "12% of the CPUs" in titles
+
+
+def test_the_curve_figures_fit_their_canvas(results, tmp_path, monkeypatch):
+    figures = _drawn(curves, monkeypatch)
+    paper_figs.plot_curves(results, tmp_path / "figs")
+    assert len(figures) == 3
+    for fig in figures:
+        assert not _outside_the_canvas(fig)
+
+
+def test_the_check_finds_a_title_past_the_edge():
+    fig = common.new_figure(4, 3)
+    fig.subplots(1, 1).set_title("a title far too long for a figure four inches wide " * 2)
+    assert _outside_the_canvas(fig)
+
+
+def test_the_comparison_figure_fits_its_canvas_and_its_numbers_stand_out(tmp_path, monkeypatch):
+    """The figure of ``experiments compare`` (from the stored FMNIST 2C2D result): inside its
+    canvas, and each heatmap number in black on a light cell, white on a dark one."""
+    from matplotlib.colors import to_rgb
+
+    from paper_figs import compare
+
+    figures = _drawn(compare, monkeypatch)
+    results = Path(__file__).resolve().parents[1] / "experiments" / "results" / "compare"
+    assert compare.plot_compare(results, tmp_path)
+    for fig in figures:
+        assert not _outside_the_canvas(fig)
+        for ax in fig.axes[:4]:
+            for image in ax.get_images():
+                for text in ax.texts:
+                    if text.get_text() == "n/a":
+                        continue
+                    cell = image.cmap(image.norm(float(text.get_text())))
+                    light = 0.299 * cell[0] + 0.587 * cell[1] + 0.114 * cell[2] > 0.5
+                    assert to_rgb(text.get_color()) == ((0, 0, 0) if light else (1, 1, 1))

@@ -13,7 +13,7 @@ optimizer's next step raises if it would read values that mix its own passes wit
 from __future__ import annotations
 
 import warnings
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 from curvopt.guards import unextended
 from curvopt.engine.accumulate import Accumulator
@@ -66,6 +66,10 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
             loss.backward()
         model[0].weight.grad_batch, model[0].weight.kfac  # [N, *shape], [B, A]
     """
+
+    #: how the errors of its passes are phrased for whom opened it: an optimizer names its
+    #: own arguments (``optim.base``, ``errors.in_optimizer_terms``); None: as raised
+    terms: Optional[Callable[[BaseException], BaseException]] = None
 
     def __init__(self, *extensions: Extension, skip_unsupported=False):
         by_attr: Dict[str, Extension] = {}
@@ -134,6 +138,7 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
             self._accumulator,
             skipped,
             diagonal=self.skip_unsupported == "diagonal",
+            terms=self.terms,
         )
 
     def ran(self, task: int) -> bool:

@@ -34,11 +34,13 @@ class Collection(collect):
 
     ``requests() -> (extensions, [(param, attr)], collect options)``, read at the first pass
     of each window; ``None`` when its owner is gone. ``passes`` counts the window's backward
-    passes that collected.
+    passes that collected. ``terms``: how its passes' errors are phrased for the owner
+    (``collect.terms``).
     """
 
-    def __init__(self, requests: Callable[[], Optional[tuple]]):
+    def __init__(self, requests: Callable[[], Optional[tuple]], terms=None):
         super().__init__()
+        self.terms = terms
         self._requests = requests
         self._window: Optional[tuple] = None  # (extensions, {(id(p), attr)}, scope, options)
         #: what took over an attribute in a pass of this window: "block" (an open collect)
@@ -184,6 +186,7 @@ class Collection(collect):
             skipped,
             diagonal=self.skip_unsupported == "diagonal",
             scope=scope,
+            terms=self.terms,
         )
 
     def _in_earlier_bases(self, ext: Extension) -> Extension:

@@ -280,8 +280,8 @@ def _raise_wrong_sum(p, gap) -> None:
     raise UnsupportedModuleError(
         f"curvopt: parameter {name_of(p)!r} receives gradient from outside the module "
         "that owns it (a tied head h @ emb.weight.T, or a penalty on it added to the loss). "
-        "Use it only through its module and keep penalties on parameters out of the backward "
-        "pass inside collect; see docs/support.md#gradient-from-other-terms."
+        "Use it only through its module, and pass an L2 penalty as the optimizer's "
+        "weight_decay=; see docs/support.md#gradient-from-other-terms."
     )
 
 

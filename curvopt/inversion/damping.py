@@ -23,7 +23,10 @@ State = dict[str, float]
 
 def _check_nonnegative(name: str, value: float) -> None:
     if not isinstance(value, Real) or not value >= 0 or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        raise ValueError(
+            f"{name} must be a finite number (float or int) >= 0, got {value!r} of type "
+            f"{type(value).__name__}"
+        )
 
 
 class ConstantDamping:
@@ -221,7 +224,8 @@ def as_damping(damping) -> DampingStrategy:
         return ScheduledDamping(damping)
     raise ValueError(
         f"damping must be a number >= 0, a callable of the step count or a damping strategy "
-        f"(ConstantDamping, ScheduledDamping, LevenbergMarquardt), got {damping!r}"
+        f"(ConstantDamping, ScheduledDamping, LevenbergMarquardt), got {damping!r} of type "
+        f"{type(damping).__name__}"
     )
 
 

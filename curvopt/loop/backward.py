@@ -26,7 +26,7 @@ ran).
 from __future__ import annotations
 
 import enum
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -68,9 +68,19 @@ class BackwardPass:
     guards observe each (``guards``, in order)."""
 
     def __init__(
-        self, extensions, task: int, accumulator, skipped=None, diagonal=False, scope=None
+        self,
+        extensions,
+        task: int,
+        accumulator,
+        skipped=None,
+        diagonal=False,
+        scope=None,
+        terms: Optional[Callable[[BaseException], BaseException]] = None,
     ):
         self.task = task
+        #: the errors of the pass in the terms of whom asked (``collect.terms``): an error
+        #: raised from a hook, rephrased (or the same one)
+        self.terms = terms
         #: ``collect(skip_unsupported=...)``: where to report the parameters left out (the
         #: result buffer does), and whether they get the diagonal of the curvature instead
         self.results = ResultBuffer(skipped)
@@ -111,8 +121,9 @@ class BackwardPass:
         try:
             with autocast_off():
                 return self._on_loss(record, grad, segments)
-        except BaseException:
+        except BaseException as error:
             self._abort()
+            self._raise_in_terms(error)
             raise
         finally:
             for segment in segments:  # the re-run checkpoints (``checkpointing``)
@@ -223,8 +234,9 @@ class BackwardPass:
         try:
             with autocast_off():
                 self._on_module(record, grads)
-        except BaseException:
+        except BaseException as error:
             self._abort()
+            self._raise_in_terms(error)
             raise
         return True
 
@@ -289,8 +301,9 @@ class BackwardPass:
             with autocast_off():  # the sum check computes (projected sums: matmuls)
                 for observe in self.guards.parameter:
                     observe(p, grad)
-        except BaseException:
+        except BaseException as error:
             self._abort()
+            self._raise_in_terms(error)
             raise
 
     # ---------------------------------------------------------------- end of pass
@@ -322,6 +335,13 @@ class BackwardPass:
         self.reducer.batch_grads.clear()
         for release in self.guards.release:
             release()
+
+    def _raise_in_terms(self, error: BaseException) -> None:
+        """Raise ``error`` rephrased in the terms of whom asked for this pass (``terms``), with
+        its traceback and cause; return where it needs no rephrasing."""
+        rephrased = error if self.terms is None else self.terms(error)
+        if rephrased is not error:
+            raise rephrased.with_traceback(error.__traceback__) from error.__cause__
 
     def _abort(self) -> None:
         """Forget everything written so far; the pass writes nothing. The calls whose hooks will

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import warnings
 import weakref
@@ -38,6 +39,7 @@ from torch.optim import Optimizer
 from curvopt import extensions
 
 from curvopt.core import values
+from curvopt.errors import in_optimizer_terms
 from curvopt.frontend.collect import collect
 from curvopt.frontend.collection import Collection
 from curvopt.optim import distributed
@@ -158,7 +160,7 @@ class CurvatureOptimizer(Optimizer):
         if mode not in ("auto", "explicit"):
             raise ValueError(f"collection must be 'auto' or 'explicit', got {mode!r}")
         self._collection_mode = mode
-        self._collection = Collection(_weak(self._armed_requests))
+        self._collection = Collection(_weak(self._armed_requests), self._terms())
         if mode == "auto" and self._distributed is None:
             self._collection.arm()
         if any(group.get("curvature_samples") for group in self.param_groups):
@@ -210,11 +212,21 @@ class CurvatureOptimizer(Optimizer):
             self._collection.window()
             return QuietBlock(self._collection)
         context = collect(*exts, **self._collect_options())
+        context.terms = self._terms()
         self._block = context  # its parameters without factors (``skipped``), until the step
         if self._distributed is None:
             return QuietBlock(context)
         sampled = any(getattr(ext, "source", None) == "mc" for ext in exts)
         return self._distributed.collecting(context, targets, sampled)
+
+    def _terms(self) -> Callable[[BaseException], BaseException]:
+        """How its collections phrase their errors: the fix by this optimizer's arguments
+        (``errors.in_optimizer_terms``; holds no reference to the optimizer)."""
+        return functools.partial(
+            in_optimizer_terms,
+            optimizer=type(self).__name__,
+            monte_carlo=self.Options.MONTE_CARLO,
+        )
 
     def _collect_options(self) -> dict[str, Any]:
         """Keyword options of the ``curvopt.collect`` that :meth:`collect` opens."""

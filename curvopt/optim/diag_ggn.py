@@ -19,6 +19,7 @@ _ATTRS = {"mc": "diag_ggn_mc", "exact": "diag_ggn_exact"}
 class DiagGGNOptions(NewtonOptions):
     """:class:`NewtonOptions` with ``curvature="mc" | "exact"``."""
 
+    MONTE_CARLO = "mc"
     curvature: str = option("mc", choice(*_ATTRS))
 
 

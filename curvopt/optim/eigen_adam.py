@@ -59,6 +59,7 @@ class EigenAdamOptions(NewtonOptions):
     basis: str = option("kronecker", choice("kronecker", "identity"))
     basis_interval: int = option(10, number(1, integer=True))
     max_basis_dim: int | None = option(None, optional(number(1, integer=True)))
+    MONTE_CARLO = "kfac"
     curvature: str = option("kfac", choice("kfac", "kflr"))
     curvature_ema: float = option(0.95, number(0.0, 1.0, open_high=True))
     kfac_approx: str = option("expand", choice(*KFAC_APPROX))

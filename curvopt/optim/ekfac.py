@@ -45,6 +45,7 @@ class EKFACOptions(NewtonOptions):
     default), the loss reduction and the basis interval; ``curvature_ema`` is fixed at 0 (not a
     constructor keyword)."""
 
+    MONTE_CARLO = "kfac"
     curvature: str = option("kfac", choice(*_FACTORS))
     fallback: str | None = option("diagonal", choice(*KRONECKER_FALLBACKS))
     curvature_ema: float = option(0.0, number(0.0, 1.0, open_high=True), keyword=False)

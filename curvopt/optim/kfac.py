@@ -33,6 +33,7 @@ class KFACOptions(NewtonOptions):
     """:class:`NewtonOptions` with KFAC's curvatures, ``fallback='diagonal'`` (the default),
     and the options of its inverses."""
 
+    MONTE_CARLO = "kfac"
     curvature: str = option("kfac", choice(*_CURVATURES))
     fallback: str | None = option("diagonal", choice(*KRONECKER_FALLBACKS))
     kronecker_damping: str = option("trace_norm", choice("trace_norm", "trace_norm_eigh", "exact"))

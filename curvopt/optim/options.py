@@ -39,14 +39,20 @@ def check_number(
     open_high: bool = False,
     integer: bool = False,
 ) -> None:
-    """Raise ``ValueError`` unless ``low <= value <= high`` (``< high`` if ``open_high``)."""
+    """Raise ``ValueError`` unless ``low <= value <= high`` (``< high`` if ``open_high``); the
+    message names the type expected and the type given (``lr="0.05"``: a str)."""
     kind = int if integer else Real
     ok = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
     ok = ok and low <= value and (value < high if open_high else value <= high)
     if not ok:
-        bound = f"< {high}" if open_high else (f"<= {high}" if high < math.inf else "")
-        what = "an int" if integer else "a finite number"
-        raise ValueError(f"{name} must be {what} >= {low} {bound}, got {value!r}".rstrip())
+        bounds = [f">= {low}"]
+        if open_high or high < math.inf:
+            bounds.append(f"< {high}" if open_high else f"<= {high}")
+        what = "an int" if integer else "a finite number (float or int)"
+        raise ValueError(
+            f"{name} must be {what} {' and '.join(bounds)}, got {value!r} of type "
+            f"{type(value).__name__}"
+        )
 
 
 def check_choice(name: str, value, choices: Sequence) -> None:
@@ -136,6 +142,8 @@ class CurvatureOptions:
 
     #: the fields the constructor takes positionally (after ``params``), in this order
     POSITIONAL: ClassVar[tuple[str, ...]] = ("lr", "weight_decay")
+    #: the Monte-Carlo ``curvature`` choice, which errors name as the fix (None: none)
+    MONTE_CARLO: ClassVar[str | None] = None
 
     lr: float = option(check=number())
     weight_decay: float = option(0.0, number())

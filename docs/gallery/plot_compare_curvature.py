@@ -33,16 +33,19 @@ P = operators["GGN (exact)"].shape[0]
 dense = {name: op @ np.eye(P) for name, op in operators.items()}
 
 # %%
-# The block of the first weight (30 x 30 entries) in each matrix, and the relative Frobenius
-# error of the whole matrix against the exact GGN.
+# The block of the first weight (30 x 30 entries) in each matrix, all on one colour scale (that
+# of the exact block, its largest entries saturated), and the relative Frobenius error of the
+# whole matrix against the exact GGN.
 block = slice(0, model[0].weight.numel())
 exact = dense["GGN (exact)"]
-fig, axes = plt.subplots(1, len(dense), figsize=(12, 3.2))
+bound = np.quantile(np.abs(exact[block, block]), 0.98)
+fig, axes = plt.subplots(1, len(dense), figsize=(12, 3.6), layout="constrained")
 for ax, (name, matrix) in zip(axes, dense.items()):
     error = np.linalg.norm(matrix - exact) / np.linalg.norm(exact)
-    ax.imshow(matrix[block, block], cmap="RdBu_r", vmin=-exact.max(), vmax=exact.max())
-    ax.set_title(f"{name}\nerror {error:.2f}")
-    ax.axis("off")
+    image = ax.imshow(matrix[block, block], cmap="RdBu_r", vmin=-bound, vmax=bound)
+    ax.set_title(f"{name}\nrelative error {error:.2f}")
+    ax.set_xticks([])
+    ax.set_yticks([])
     print(f"{name:12s} relative error {error:.3f}")
-fig.tight_layout()
+fig.colorbar(image, ax=axes, shrink=0.9, extend="both")
 plt.show()
