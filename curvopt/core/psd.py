@@ -30,8 +30,12 @@ def psd_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     without raising on such matrices); a non-finite float32 result is recomputed in float64
     and cast back.
 
+    Stacked matrices ``[G, d, d]`` (a grouped convolution's per-group factors) give
+    ``(s [G, d], Q [G, d, d])``, each as its own (one batched solve where no zero row needs
+    deflation).
+
     Args:
-        matrix: the symmetric PSD ``M``, ``[d, d]``.
+        matrix: the symmetric PSD ``M``, ``[d, d]`` (or ``[G, d, d]``).
 
     Returns:
         ``(s [d], Q [d, d])``, ascending eigenvalues.
@@ -47,6 +51,8 @@ def psd_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     dtype = working_dtype(matrix.dtype)
     matrix = matrix.to(dtype)
+    if matrix.dim() == 3:
+        return _stacked_eigh(matrix)
     if not bool(matrix.isfinite().all()):
         raise torch.linalg.LinAlgError(
             f"psd_eigh: the {tuple(matrix.shape)} matrix has non-finite entries"
@@ -73,3 +79,14 @@ def _finite_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not bool(eigenvalues.isfinite().all() & eigenvectors.isfinite().all()):
         eigenvalues, eigenvectors = (t.to(matrix.dtype) for t in torch.linalg.eigh(matrix.double()))
     return eigenvalues.clamp(min=0), eigenvectors
+
+
+def _stacked_eigh(matrices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`psd_eigh` of each of ``matrices [G, d, d]``: one batched solve where every
+    diagonal entry is nonzero and the result finite, else matrix by matrix."""
+    if bool(matrices.isfinite().all()) and bool((matrices.diagonal(dim1=-2, dim2=-1) != 0).all()):
+        values, vectors = torch.linalg.eigh(matrices)
+        if bool(values.isfinite().all() & vectors.isfinite().all()):
+            return values.clamp(min=0), vectors
+    pairs = [psd_eigh(m) for m in matrices]
+    return torch.stack([s for s, _ in pairs]), torch.stack([q for _, q in pairs])
