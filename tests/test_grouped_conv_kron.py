@@ -343,3 +343,57 @@ def test_laplace_kron_on_a_grouped_conv_raises_naming_the_module():
     with pytest.raises(UnsupportedModuleError, match=r"'0' \(Conv2d\).*hessian_structure='diag'"):
         la.fit(loader)
     assert not hasattr(model[0].weight, "kflr")
+
+
+def _twin_of(model):
+    """A copy of ``model`` with each grouped convolution written per group (:class:`PerGroup`)."""
+    layers = [PerGroup(m) if getattr(m, "groups", 1) > 1 else copy.deepcopy(m) for m in model]
+    return curvopt.extend(nn.Sequential(*layers))
+
+
+def _grouped_view(twin):
+    """The twin's parameters in the grouped model's layout (each group's slices concatenated)."""
+    flat = []
+    for layer in twin:
+        if isinstance(layer, PerGroup):
+            flat.append(torch.cat([part.weight for part in layer.convs]))
+            flat.append(torch.cat([part.bias for part in layer.convs]))
+        else:
+            flat.extend(layer.parameters())
+    return flat
+
+
+OPTIMIZERS = {
+    "kfac": ("KFAC", {}),
+    "kfac-mc-exact": ("KFAC", dict(curvature="kfac", kronecker_damping="exact")),
+    "kfac-eigh-reused": ("KFAC", dict(kronecker_damping="trace_norm_eigh", inverse_interval=2)),
+    "kfac-ema-momentum": ("KFAC", dict(curvature_ema=0.9, momentum=0.9, curvature_interval=2)),
+    "ekfac": ("EKFAC", dict(curvature="kflr")),
+    "ekfac-one-sided": ("EKFAC", dict(curvature="kflr", max_basis_dim=8)),
+    "eigen-adam": ("EigenAdam", {}),
+    "eigen-adam-one-sided": ("EigenAdam", dict(max_basis_dim=8)),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_optimizers_step_a_grouped_model_as_its_per_group_twin(name):
+    """Every step of a grouped model equals that of its per-group twin: the per-group blocks,
+    their damping (π per group), inverses, eigenbases (one-sided with ``max_basis_dim=8``: the
+    convolutions' 9-wide input sides keep the identity, their output sides and biases are
+    rotated, in both) and trust region."""
+    kind, options = OPTIMIZERS[name]
+    model, (x, y) = _depthwise_model(3), _batch(3)
+    twin = _twin_of(model)
+    lossfunc = nn.CrossEntropyLoss()
+    settings = dict(lr=0.01) if kind == "EigenAdam" else dict(lr=0.2, damping=1e-2)
+    settings |= options
+    optimizers = [getattr(curvopt.optim, kind)(net.parameters(), **settings) for net in (model, twin)]
+    for step in range(4):
+        for net, opt in zip((model, twin), optimizers):
+            torch.manual_seed(step)  # the same sampled targets in both
+            opt.zero_grad()
+            lossfunc(net(x), y).backward()
+            opt.step()
+    assert lossfunc(model(x), y).item() < lossfunc(_depthwise_model(3)(x), y).item()
+    for mine, theirs in zip(model.parameters(), _grouped_view(twin)):  # (Adam: rounding / √v)
+        torch.testing.assert_close(mine, theirs, rtol=1e-7, atol=1e-9)

@@ -43,13 +43,18 @@ def is_one_sided(param: torch.Tensor, max_dim: int | None) -> bool:
 
 def supplied(param: torch.Tensor, pending: Pending | None) -> list[torch.Tensor]:
     """The bases to supply for ``param``'s next pass: ``pending``'s with the identity for its
-    ``None`` sides, the identity on every side before there is any (the first step)."""
+    ``None`` sides, the identity on every side before there is any (the first step); beside
+    bases stacked per group (``[G, d, d]``, a grouped convolution's), each group's identity."""
     dtype = working_dtype(param.dtype)
     pending = [None] * len(sides(param)) if pending is None else pending
-    return [
-        torch.eye(d, dtype=dtype, device=param.device) if q is None else q
-        for d, q in zip(sides(param), pending)
-    ]
+    groups = next((len(q) for q in pending if q is not None and q.dim() == 3), None)
+    sizes = sides(param) if groups is None else [param.shape[0] // groups, *sides(param)[1:]]
+
+    def identity(d):
+        eye = torch.eye(d, dtype=dtype, device=param.device)
+        return eye if groups is None else eye.expand(groups, d, d).clone()
+
+    return [identity(d) if q is None else q for d, q in zip(sizes, pending)]
 
 
 def kept(curvature: Sequence[torch.Tensor], pending: Pending | None) -> list[torch.Tensor]:
@@ -60,11 +65,12 @@ def kept(curvature: Sequence[torch.Tensor], pending: Pending | None) -> list[tor
     identity = [True] * len(bases) if pending is None else [q is None for q in pending]
     while bases and identity[len(bases) - 1]:
         bases.pop()
-    rows = bases[0].shape[0] if bases else 1
-    return [correction.reshape(rows, -1), *bases]
+    rows = bases[0].shape[:-1] if bases else (1,)
+    return [correction.reshape(*rows, -1), *bases]
 
 
 def next_bases(factors: Sequence[torch.Tensor], max_dim: int) -> list[torch.Tensor | None]:
     """Per side the eigenvectors of its factor (``psd_eigh``), None where wider than
-    ``max_dim`` (that factor is not decomposed)."""
-    return [None if f.shape[0] > max_dim else psd_eigh(f)[1] for f in factors]
+    ``max_dim`` (that factor is not decomposed; factors stacked per group: where each group's
+    is)."""
+    return [None if f.shape[-1] > max_dim else psd_eigh(f)[1] for f in factors]
