@@ -397,3 +397,33 @@ def test_optimizers_step_a_grouped_model_as_its_per_group_twin(name):
     assert lossfunc(model(x), y).item() < lossfunc(_depthwise_model(3)(x), y).item()
     for mine, theirs in zip(model.parameters(), _grouped_view(twin)):  # (Adam: rounding / √v)
         torch.testing.assert_close(mine, theirs, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("case", ["depthwise2d", "grouped2d-wider-out-strided"])
+def test_linalg_ekfac_is_that_of_the_per_group_twin(case):
+    model, twin, x, y = _problem(case)
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    data = [(x[:3], y[:3]), (x[3:], y[3:])]
+    mine = linalg.EKFAC(model, lossfunc, data, curvature="kflr")
+    theirs = linalg.EKFAC(twin, lossfunc, data, curvature="kflr")
+    assert mine.bases[0][0].dim() == 3 and mine.corrections[0].dim() == 3
+    order = _twin_order(model, twin)
+    expected = theirs.to_dense()[np.ix_(order, order)]
+    np.testing.assert_allclose(mine.to_dense(), expected, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["trace_norm", "trace_norm_eigh", "exact"])
+@pytest.mark.parametrize("reused", [False, True])
+def test_kronecker_inverse_buffers_match_what_is_computed(kind, reused):
+    """Under ``torch.distributed`` a rank receives an inverse into ``KroneckerInverse.empty``'s
+    tensors: of the computed structure and shapes for stacked factors too."""
+    from curvopt.optim.kronecker import InverseOptions, KroneckerInverse
+
+    gen = torch.Generator().manual_seed(0)
+    roots = [torch.randn(3, 7, 2, generator=gen, dtype=DT), torch.randn(3, 7, 5, generator=gen, dtype=DT)]
+    factors = [r.mT @ r for r in roots]
+    options = InverseOptions(kind, reused=reused, low_rank=False)
+    computed = KroneckerInverse.compute(factors, 1e-2, options)
+    empty = KroneckerInverse.empty(factors, options)
+    shapes = lambda value: [tuple(t.shape) for t in torch.utils._pytree.tree_leaves(value)]
+    assert shapes(empty) == shapes(computed)
