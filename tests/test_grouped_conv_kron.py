@@ -144,7 +144,9 @@ def _eigen_matrix(s, bases):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("groups, c_in, c_out", [(2, 4, 6), (3, 3, 3)])
-def test_one_sample_at_one_location_gives_each_groups_exact_ggn_block(groups, c_in, c_out, reduction):
+def test_one_sample_at_one_location_gives_each_groups_exact_ggn_block(
+    groups, c_in, c_out, reduction
+):
     torch.manual_seed(1)
     conv = nn.Conv2d(c_in, c_out, 3, groups=groups).to(DT)  # 3x3 input: one output location
     model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(c_out, 3).to(DT))
@@ -168,13 +170,17 @@ def _dense_blocks(factors):
     ``kron(B, A)`` of ordinary ones."""
     if factors[0].dim() == 2:
         return factors[0] if len(factors) == 1 else torch.kron(*factors)
-    return torch.block_diag(*[_dense_blocks([f[g] for f in factors]) for g in range(len(factors[0]))])
+    return torch.block_diag(
+        *[_dense_blocks([f[g] for f in factors]) for g in range(len(factors[0]))]
+    )
 
 
 def _trace_norm_inverse(factors, damping):
     """The trace-norm damped inverse written out densely, group by group."""
     if factors[0].dim() == 3:
-        blocks = [_trace_norm_inverse([f[g] for f in factors], damping) for g in range(len(factors[0]))]
+        blocks = [
+            _trace_norm_inverse([f[g] for f in factors], damping) for g in range(len(factors[0]))
+        ]
         return torch.block_diag(*blocks)
     if len(factors) == 1:
         return torch.linalg.inv(factors[0] + damping * torch.eye(len(factors[0]), dtype=DT))
@@ -214,11 +220,10 @@ def _twin_order(model, twin):
         offsets[id(p)] = start
         start += p.numel()
     order = []
-    for p, parts in _group_params(model, twin):
+    for _, parts in _group_params(model, twin):
         order += [offsets[id(part)] + i for part in parts for i in range(part.numel())]
-    for p in model[3].parameters():
-        theirs = dict(zip(map(id, model[3].parameters()), twin[3].parameters()))[id(p)]
-        order += [offsets[id(theirs)] + i for i in range(p.numel())]
+    for theirs in twin[3].parameters():  # the head, as it is
+        order += [offsets[id(theirs)] + i for i in range(theirs.numel())]
     return np.array(order)
 
 
@@ -235,7 +240,8 @@ def _depthwise_model(seed):
 
 def _batch(seed, n=8):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 3, 4, 4, dtype=DT, generator=gen), torch.randint(0, 3, (n,), generator=gen)
+    x = torch.randn(n, 3, 4, 4, dtype=DT, generator=gen)
+    return x, torch.randint(0, 3, (n,), generator=gen)
 
 
 @pytest.mark.parametrize("kronecker_damping", ["trace_norm", "trace_norm_eigh", "exact"])
@@ -308,7 +314,9 @@ def test_a_depthwise_model_trains(optimizer, seed):
 def test_a_reused_grouped_conv_gets_each_groups_nearest_kronecker_product():
     torch.manual_seed(0)
     conv = nn.Conv2d(4, 4, 3, padding=1, groups=2).to(DT)
-    model = curvopt.extend(nn.Sequential(conv, nn.Tanh(), conv, nn.Flatten(), nn.Linear(64, 3).to(DT)))
+    model = curvopt.extend(
+        nn.Sequential(conv, nn.Tanh(), conv, nn.Flatten(), nn.Linear(64, 3).to(DT))
+    )
     twin_conv = PerGroup(conv)
     twin = curvopt.extend(
         nn.Sequential(twin_conv, nn.Tanh(), twin_conv, nn.Flatten(), copy.deepcopy(model[4]))
@@ -387,7 +395,9 @@ def test_optimizers_step_a_grouped_model_as_its_per_group_twin(name):
     lossfunc = nn.CrossEntropyLoss()
     settings = dict(lr=0.01) if kind == "EigenAdam" else dict(lr=0.2, damping=1e-2)
     settings |= options
-    optimizers = [getattr(curvopt.optim, kind)(net.parameters(), **settings) for net in (model, twin)]
+    optimizers = [
+        getattr(curvopt.optim, kind)(net.parameters(), **settings) for net in (model, twin)
+    ]
     for step in range(4):
         for net, opt in zip((model, twin), optimizers):
             torch.manual_seed(step)  # the same sampled targets in both
@@ -420,7 +430,10 @@ def test_kronecker_inverse_buffers_match_what_is_computed(kind, reused):
     from curvopt.optim.kronecker import InverseOptions, KroneckerInverse
 
     gen = torch.Generator().manual_seed(0)
-    roots = [torch.randn(3, 7, 2, generator=gen, dtype=DT), torch.randn(3, 7, 5, generator=gen, dtype=DT)]
+    roots = [
+        torch.randn(3, 7, 2, generator=gen, dtype=DT),
+        torch.randn(3, 7, 5, generator=gen, dtype=DT),
+    ]
     factors = [r.mT @ r for r in roots]
     options = InverseOptions(kind, reused=reused, low_rank=False)
     computed = KroneckerInverse.compute(factors, 1e-2, options)

@@ -261,8 +261,7 @@ def _checked(p, bases):
         groups = min(stacked)
         expected = [(groups, s, s) for s in [sizes[0] // groups, *sizes[1:]]]
     ok = len(bases) <= len(sizes) and all(
-        isinstance(q, torch.Tensor) and tuple(q.shape) == shape
-        for q, shape in zip(bases, expected)
+        isinstance(q, torch.Tensor) and tuple(q.shape) == shape for q, shape in zip(bases, expected)
     )
     if not ok:
         shapes = [
