@@ -440,3 +440,21 @@ def test_kronecker_inverse_buffers_match_what_is_computed(kind, reused):
     empty = KroneckerInverse.empty(factors, options)
     shapes = lambda value: [tuple(t.shape) for t in torch.utils._pytree.tree_leaves(value)]
     assert shapes(empty) == shapes(computed)
+
+
+@pytest.mark.parametrize("case", ["depthwise2d", "grouped1d-dilated-no-bias"])
+def test_input_factor_in_chunks_of_samples_is_the_whole_batchs(case, monkeypatch):
+    from curvopt.layers import kron
+
+    model, _, x, y = _problem(case)
+    _collect(model, x, y, ext.KFLR())
+    whole = [f.clone() for f in model[0].weight.kflr]
+    chunks = []
+    monkeypatch.setattr(kron, "_INPUT_BUDGET", 1)  # one sample per chunk
+    monkeypatch.setattr(
+        kron, "_scaled_gram", lambda *a, f=kron._scaled_gram: chunks.append(1) or f(*a)
+    )
+    _collect(model, x, y, ext.KFLR())
+    assert len(chunks) == len(x)
+    for chunked, expected in zip(model[0].weight.kflr, whole):
+        torch.testing.assert_close(chunked, expected, rtol=1e-12, atol=1e-14)

@@ -261,20 +261,24 @@ class ConvRule(ConvRuleBase):
     def kron_input_factor(self, call, name, approx, n):
         module = call.module
         x, groups = call.input, module.groups
-        channels = module.in_channels // groups
-        size = math.prod(module.kernel_size)
-
-        def patches(start, stop):  # [stop - start, L, k C_in] ([G, stop - start, L, k C_in/G])
-            rows = unfold_conv_input(module, x[start:stop], positions_first=True)
-            if groups == 1:
-                return rows
-            rows = rows.view(*rows.shape[:2], size, groups, channels).permute(3, 0, 1, 2, 4)
-            return rows.reshape(groups, *rows.shape[1:3], size * channels)
-
-        features = module.in_channels * size
+        features = module.in_channels * math.prod(module.kernel_size)
         positions = x[0].numel() // module.in_channels // math.prod(module.stride)  # about
-        factor = input_factor_by_samples(patches, x.shape[0], positions, features, approx)
-        return kernel_major_to_channel_major(factor, channels)
+        if groups == 1:
+
+            def patches(start, stop):  # [stop - start, L, k C_in]
+                return unfold_conv_input(module, x[start:stop], positions_first=True)
+
+            factor = input_factor_by_samples(patches, x.shape[0], positions, features, approx)
+            return kernel_major_to_channel_major(factor, module.in_channels)
+
+        def group_patches(start, stop):  # [G, stop - start, L, C_in/G k], channel-major
+            rows = unfold_conv_input(module, x[start:stop])  # [n, C_in k, L]
+            rows = rows.view(rows.shape[0], groups, -1, rows.shape[-1])
+            # one copy in runs of L, each group's [C_in/G k, n L] contiguous for its Gram
+            rows = rows.permute(1, 2, 0, 3).contiguous()
+            return rows.permute(0, 2, 3, 1)
+
+        return input_factor_by_samples(group_patches, x.shape[0], positions, features, approx)
 
     def has_weighted_squares(self, module):
         return module.groups == 1
