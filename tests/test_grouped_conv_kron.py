@@ -458,3 +458,23 @@ def test_input_factor_in_chunks_of_samples_is_the_whole_batchs(case, monkeypatch
     assert len(chunks) == len(x)
     for chunked, expected in zip(model[0].weight.kflr, whole):
         torch.testing.assert_close(chunked, expected, rtol=1e-12, atol=1e-14)
+
+
+def test_psd_eigh_of_stacked_factors_is_each_ones():
+    """Batched where it can be, matrix by matrix where a zero row needs deflation."""
+    from curvopt.core.psd import psd_eigh
+
+    gen = torch.Generator().manual_seed(0)
+    roots = torch.randn(4, 6, 5, generator=gen, dtype=DT)
+    roots[1, :, 2] = 0  # a zero row and column (an input always 0)
+    matrices = roots.mT @ roots
+    values, vectors = psd_eigh(matrices)
+    for g in range(4):
+        s, q = psd_eigh(matrices[g])
+        torch.testing.assert_close(values[g], s, rtol=0, atol=1e-12)
+        rebuilt = vectors[g] @ torch.diag(values[g]) @ vectors[g].T
+        torch.testing.assert_close(rebuilt, matrices[g], rtol=0, atol=1e-12)
+    assert values[1, 0] == 0 and vectors[1][2].abs().max() == 1  # the deflated unit vector
+    matrices[2, 0, 0] = float("nan")
+    with pytest.raises(torch.linalg.LinAlgError, match="non-finite"):
+        psd_eigh(matrices)

@@ -82,11 +82,22 @@ def _finite_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _stacked_eigh(matrices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`psd_eigh` of each of ``matrices [G, d, d]``: one batched solve where every
-    diagonal entry is nonzero and the result finite, else matrix by matrix."""
-    if bool(matrices.isfinite().all()) and bool((matrices.diagonal(dim1=-2, dim2=-1) != 0).all()):
-        values, vectors = torch.linalg.eigh(matrices)
-        if bool(values.isfinite().all() & vectors.isfinite().all()):
-            return values.clamp(min=0), vectors
-    pairs = [psd_eigh(m) for m in matrices]
-    return torch.stack([s for s, _ in pairs]), torch.stack([q for _, q in pairs])
+    """:func:`psd_eigh` of each of ``matrices [G, d, d]`` (finite): one batched solve for those
+    whose diagonal has no zero, matrix by matrix for the others and for any whose batched result
+    is not finite."""
+    if not bool(matrices.isfinite().all()):
+        raise torch.linalg.LinAlgError(
+            f"psd_eigh: the {tuple(matrices.shape)} matrices have non-finite entries"
+        )
+    values = matrices.new_empty(matrices.shape[:-1])
+    vectors = torch.empty_like(matrices)
+    alone = (matrices.diagonal(dim1=-2, dim2=-1) == 0).any(-1)
+    batched = (~alone).nonzero().squeeze(1)
+    if len(batched):
+        found, bases = torch.linalg.eigh(matrices[batched])
+        values[batched], vectors[batched] = found.clamp(min=0), bases
+        failed = ~(found.isfinite().all(-1) & bases.isfinite().flatten(1).all(-1))
+        alone[batched[failed]] = True
+    for g in alone.nonzero().squeeze(1).tolist():
+        values[g], vectors[g] = psd_eigh(matrices[g])
+    return values, vectors
