@@ -249,14 +249,7 @@ class ConvRule(ConvRuleBase):
         if name != "weight":
             return None  # the exact block of the bias (layers.kron), per group
         v = columns.reshape(columns.shape[0] * n, columns.shape[2], -1)  # [K N, C_out, L]
-        groups = module.groups
-        if groups == 1:
-            return output_factor_channels_first(v, approx)
-        v = v.view(v.shape[0], groups, -1, v.shape[-1])  # [K N, G, C_out/G, L]
-        if approx == "reduce":
-            summed = v.sum(-1)
-            return torch.einsum("mgc,mgd->gcd", summed, summed)
-        return torch.einsum("mgcl,mgdl->gcd", v, v)
+        return output_factor_channels_first(v, approx, module.groups)
 
     def kron_input_factor(self, call, name, approx, n):
         module = call.module

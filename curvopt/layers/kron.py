@@ -47,10 +47,10 @@ def input_factor(x, approx):
 
 def input_factor_by_samples(inputs_of, n: int, positions: int, features: int, approx: str):
     """:func:`input_factor` of the inputs ``x [n, P, I]`` of ``n`` samples, made by
-    ``inputs_of(start, stop)`` (``[stop - start, P, I]``, or ``[G, stop - start, P, I]``
-    for ``G`` groups) for chunks of samples that hold at
-    most ``_INPUT_BUDGET`` elements (``positions`` ``P``, an estimate, times ``features``
-    ``I`` each): ``A = sum_chunks scale · x_cᵀ x_c`` with the whole batch's scale, the same
+    ``inputs_of(start, stop)`` (``[stop - start, P, I]``; ``[G, stop - start, P, I]`` for ``G``
+    groups) for chunks of samples that hold at most ``_INPUT_BUDGET`` elements (``positions``
+    ``P``, an estimate, times ``features`` ``I`` each, all groups'):
+    ``A = sum_chunks scale · x_cᵀ x_c`` with the whole batch's scale, the same
     matrix up to the order of the sums, without the whole batch's inputs at once (a
     convolution's unfolded patches). Not chunked where the batch has fewer rows than ``I``:
     that factor carries its root (``reductions.gram_root``), the chunks' would not add up."""
@@ -80,10 +80,17 @@ def output_factor(v, approx):
     return gram(nonzero_rows(v.sum(2).flatten(0, 1) if approx == "reduce" else v.flatten(0, 2)))
 
 
-def output_factor_channels_first(v, approx):
+def output_factor_channels_first(v, approx, groups: int = 1):
     """:func:`output_factor` from the columns laid out ``[K N, O, P]`` (as a convolution's
-    output is), by batched products on that layout: no transposed copy."""
-    return gram(v.sum(2)) if approx == "reduce" else block_gram(v)
+    output is), by batched products on that layout: no transposed copy. With ``groups``
+    ``G > 1``: the factors ``[G, O/G, O/G]`` of each group's ``O/G`` channels."""
+    if groups == 1:
+        return gram(v.sum(2)) if approx == "reduce" else block_gram(v)
+    v = v.reshape(v.shape[0], groups, -1, v.shape[-1])  # [K N, G, O/G, P]
+    if approx == "reduce":
+        summed = v.sum(-1)
+        return torch.einsum("mgc,mgd->gcd", summed, summed)
+    return torch.einsum("mgcp,mgdp->gcd", v, v)
 
 
 def grouped_gram(rows, groups: int):
@@ -91,7 +98,7 @@ def grouped_gram(rows, groups: int):
     diagonal blocks ``[G, D/G, D/G]`` (the block-diagonal curvature of a grouped layer)."""
     if groups == 1:
         return gram(rows)
-    return gram(rows.view(rows.shape[0], groups, -1).transpose(0, 1))
+    return gram(rows.reshape(rows.shape[0], groups, -1).transpose(0, 1))
 
 
 def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int):

@@ -65,12 +65,10 @@ def unfold(
 def kernel_major_to_channel_major(factor: torch.Tensor, channels: int) -> torch.Tensor:
     """A Gram matrix ``[D, D]`` of positions-first patches (features kernel position-major)
     reordered channel-major, like ``weight.flatten(1)``; its Gram root (``reductions.gram_root``)
-    too, where it carries one. Stacked matrices ``[G, D, D]`` (one per group, ``channels`` the
-    group's) are reordered each."""
-    *lead, d = factor.shape[:-1]
+    too, where it carries one."""
+    d = factor.shape[0]
     k = d // channels
-    out = factor.view(*lead, k, channels, k, channels).transpose(-4, -3).transpose(-2, -1)
-    out = out.reshape(*lead, d, d)
+    out = factor.view(k, channels, k, channels).permute(1, 0, 3, 2).reshape(d, d)
     root = getattr(factor, "gram_root", None)
     if root is not None:
         out.gram_root = root.view(-1, k, channels).transpose(1, 2).reshape(-1, d)
