@@ -478,3 +478,24 @@ def test_psd_eigh_of_stacked_factors_is_each_ones():
     matrices[2, 0, 0] = float("nan")
     with pytest.raises(torch.linalg.LinAlgError, match="non-finite"):
         psd_eigh(matrices)
+
+
+def test_kfac_through_batchnorm_in_training_mode_is_that_of_the_per_group_twin():
+    """A pass whose columns cross a module mixing samples (``coupled``): the bias's block from
+    the batch gradients of the columns, cut to each group's diagonal block."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 6, 3, padding=1, groups=2).to(DT)
+    norm, head = nn.BatchNorm2d(6).to(DT), nn.Linear(6 * 16, 3).to(DT)
+    model = curvopt.extend(nn.Sequential(conv, norm, nn.Tanh(), nn.Flatten(), head))
+    twin = curvopt.extend(
+        nn.Sequential(
+            PerGroup(conv), copy.deepcopy(norm), nn.Tanh(), nn.Flatten(), copy.deepcopy(head)
+        )
+    )
+    x, y = torch.randn(6, 4, 4, 4, dtype=DT), torch.tensor([0, 1, 2, 0, 1, 2])
+    for net in (model, twin):
+        _collect(net, x, y, ext.KFAC(mc_samples=2))
+    for p, parts in _group_params(model, twin):
+        for index, factor in enumerate(p.kfac):
+            side = torch.stack([part.kfac[index] for part in parts])
+            torch.testing.assert_close(factor, side, rtol=1e-10, atol=1e-12)
