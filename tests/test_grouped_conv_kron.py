@@ -131,6 +131,8 @@ def test_ekfac_is_that_of_the_per_group_twin(case):
         s, *bases = p.ekfac
         for g, part in enumerate(parts):
             s_g, *bases_g = part.ekfac
+            assert s.shape == (len(parts), *s_g.shape)  # [G, out/G, in/G·k] ([G, out/G, 1])
+            assert [q.shape for q in bases] == [(len(parts), *q.shape) for q in bases_g]
             # the matrix Q diag(vec S) Qᵀ of each group: free of the eigenvectors' signs
             mine = _eigen_matrix(s[g], [q[g] for q in bases])
             theirs = _eigen_matrix(s_g, bases_g)
