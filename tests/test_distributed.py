@@ -142,6 +142,20 @@ def cnn(seed=0):
     )
 
 
+def grouped_cnn(seed=0):
+    torch.manual_seed(seed)
+    return curvopt.extend(
+        nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1, groups=2),
+            nn.Tanh(),
+            nn.Conv2d(4, 4, 3, padding=1, groups=4),
+            nn.Tanh(),
+            nn.Flatten(),
+            nn.Linear(4 * 6 * 6, 4),
+        ).to(DT)
+    )
+
+
 def batches(steps, image=False, seed=1):
     g = torch.Generator().manual_seed(seed)
     shape = (N, 2, 6, 6) if image else (N, 5)
@@ -322,6 +336,19 @@ def scenarios(R: Rank) -> dict:
         "moved": _diff(model, cnn()),
         "allreduce_calls": opt._distributed.stats.allreduce_calls,
     }
+
+    # --- a grouped (depthwise) CNN: per-group factors [G, d, d] averaged, their inverses spread
+    def make_grouped(params, **kw):
+        return KFAC(params, lr=0.2, damping=1e-2, curvature="kflr", kronecker_damping=kind, **kw)
+
+    for kind in ("trace_norm", "trace_norm_eigh"):
+        model, _ = R.train(grouped_cnn, make_grouped, images)
+        ref, _ = reference(grouped_cnn, make_grouped, images)
+        out[f"kflr_grouped_cnn_{kind}"] = {
+            "vs_single": _diff(model, ref),
+            "spread": R.spread(model),
+            "moved": _diff(model, grouped_cnn()),
+        }
 
     # --- the backward pass in curvopt.collect(...) instead of opt.collect(): still averaged
     model, _ = R.train(mlp, make_kflr, data, collect=lambda: curvopt.collect(ext.KFLR()))
@@ -553,6 +580,8 @@ TOL = 1e-6
         "diag_exact_sum",
         "kflr_trace_norm",
         "kflr_exact_cnn",
+        "kflr_grouped_cnn_trace_norm",
+        "kflr_grouped_cnn_trace_norm_eigh",
         "plain_collect",
         "process_group",
     ],

@@ -78,9 +78,9 @@ def test_an_unsupported_module_is_named_by_its_path_and_type():
 
 def test_a_parameter_without_kronecker_factors_is_named_with_the_opt_in():
     torch.manual_seed(0)
-    body = nn.Sequential(OrderedDict(conv=nn.Conv2d(2, 4, 3, groups=2)))
+    body = nn.Sequential(OrderedDict(up=nn.ConvTranspose2d(2, 4, 3)))
     model = curvopt.extend(
-        nn.Sequential(OrderedDict(body=body, flat=nn.Flatten(), head=nn.Linear(16, 2))).to(DT)
+        nn.Sequential(OrderedDict(body=body, flat=nn.Flatten(), head=nn.Linear(144, 2))).to(DT)
     )
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
 
@@ -89,7 +89,7 @@ def test_a_parameter_without_kronecker_factors_is_named_with_the_opt_in():
             lossfunc(model(torch.randn(3, 2, 4, 4, dtype=DT)), torch.tensor([0, 1, 0])).backward()
 
     message = raised(UnsupportedKroneckerError, run)
-    check(message, "'body.conv'", "(Conv2d)", "groups=2", "skip_unsupported=True")
+    check(message, "'body.up'", "(ConvTranspose2d)", "transposed", "skip_unsupported=True")
     assert "docs/support.md#no-kronecker-factors" in message
 
 
@@ -353,7 +353,7 @@ def _skipping_model():
     return curvopt.extend(
         nn.Sequential(
             OrderedDict(
-                c1=nn.Conv2d(2, 4, 3, padding=1, groups=2), c2=nn.Conv2d(4, 4, 1, groups=2),
+                c1=nn.ConvTranspose2d(2, 4, 3, padding=1), c2=nn.ConvTranspose2d(4, 4, 1),
                 scale=_Scale(), flat=nn.Flatten(), head=nn.Linear(64, 3),
             )
         ).to(DT)
@@ -371,7 +371,7 @@ def test_skipped_names_each_cause_once_with_its_parameters(skip):
             lossfunc(model(X), y).backward()
     assert set(ctx.skipped) == {"c1.weight", "c2.weight", "scale.w"}
     grouped = ctx.skipped["c1.weight"]
-    assert ctx.skipped["c2.weight"] == grouped and "groups=2" in grouped
+    assert ctx.skipped["c2.weight"] == grouped and "transposed" in grouped
     assert ctx.skipped["scale.w"] != grouped and "_Scale" in ctx.skipped["scale.w"]
     for cause in ctx.skipped.values():  # a short cause, no name or path, no fix
         assert sentences(cause) == 0 and len(cause) < 100, cause
@@ -382,7 +382,7 @@ def test_skipped_names_each_cause_once_with_its_parameters(skip):
         assert warning.count(cause) == 1, (cause, warning)
     for name in ctx.skipped:
         assert warning.count(f"'{name}'") == 1, (name, warning)
-    assert re.search(r"'c1\.weight', 'c2\.weight' \(Conv2d: groups=2", warning), warning
+    assert re.search(r"'c1\.weight', 'c2\.weight' \(ConvTranspose2d: transposed", warning), warning
     assert "fallback='diagonal'" in warning
 
 

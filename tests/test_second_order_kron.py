@@ -331,14 +331,6 @@ class _Recurrent(nn.Module):
 
 
 ERRORS = {
-    "conv-groups": (
-        lambda: nn.Sequential(
-            OrderedDict(features=nn.Sequential(OrderedDict(conv=nn.Conv2d(4, 4, 3, groups=2))))
-        ),
-        (4, 3, 3),
-        "features.conv",
-        "groups",
-    ),
     "conv-transpose": (
         lambda: nn.Sequential(OrderedDict(up=nn.ConvTranspose1d(2, 3, 3))),
         (2, 4),

@@ -30,8 +30,12 @@ def psd_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     without raising on such matrices); a non-finite float32 result is recomputed in float64
     and cast back.
 
+    Stacked matrices ``[G, d, d]`` (a grouped convolution's per-group factors) give
+    ``(s [G, d], Q [G, d, d])``, each as its own (one batched solve where no zero row needs
+    deflation).
+
     Args:
-        matrix: the symmetric PSD ``M``, ``[d, d]``.
+        matrix: the symmetric PSD ``M``, ``[d, d]`` (or ``[G, d, d]``).
 
     Returns:
         ``(s [d], Q [d, d])``, ascending eigenvalues.
@@ -47,6 +51,8 @@ def psd_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     dtype = working_dtype(matrix.dtype)
     matrix = matrix.to(dtype)
+    if matrix.dim() == 3:
+        return _stacked_eigh(matrix)
     if not bool(matrix.isfinite().all()):
         raise torch.linalg.LinAlgError(
             f"psd_eigh: the {tuple(matrix.shape)} matrix has non-finite entries"
@@ -73,3 +79,25 @@ def _finite_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not bool(eigenvalues.isfinite().all() & eigenvectors.isfinite().all()):
         eigenvalues, eigenvectors = (t.to(matrix.dtype) for t in torch.linalg.eigh(matrix.double()))
     return eigenvalues.clamp(min=0), eigenvectors
+
+
+def _stacked_eigh(matrices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`psd_eigh` of each of ``matrices [G, d, d]`` (finite): one batched solve for those
+    whose diagonal has no zero, matrix by matrix for the others and for any whose batched result
+    is not finite."""
+    if not bool(matrices.isfinite().all()):
+        raise torch.linalg.LinAlgError(
+            f"psd_eigh: the {tuple(matrices.shape)} matrices have non-finite entries"
+        )
+    values = matrices.new_empty(matrices.shape[:-1])
+    vectors = torch.empty_like(matrices)
+    alone = (matrices.diagonal(dim1=-2, dim2=-1) == 0).any(-1)
+    batched = (~alone).nonzero().squeeze(1)
+    if len(batched):
+        found, bases = torch.linalg.eigh(matrices[batched])
+        values[batched], vectors[batched] = found.clamp(min=0), bases
+        failed = ~(found.isfinite().all(-1) & bases.isfinite().flatten(1).all(-1))
+        alone[batched[failed]] = True
+    for g in alone.nonzero().squeeze(1).tolist():
+        values[g], vectors[g] = psd_eigh(matrices[g])
+    return values, vectors

@@ -76,7 +76,11 @@ def gram(rows: torch.Tensor, scale: float = 1.0, root: bool = True) -> torch.Ten
     4 x 4 block split and mirror it (10/16 of the flops of one matmul, a stand-in for BLAS
     ``syrk``). When ``M < D`` the product has rank at most ``M`` and carries its root (see
     :func:`gram_root`), unless ``root`` is False (one term of a sum of more than ``D`` rows).
+    Rows ``[G, M, D]`` give the ``G`` products ``[G, D, D]`` (the per-group factors of a grouped
+    convolution), by one batched product, without roots.
     """
+    if rows.dim() == 3:
+        return torch.baddbmm(rows.new_zeros(()), rows.mT, rows, beta=0, alpha=scale)
     dim = rows.shape[1]
     if dim >= _GRAM_BLOCKED and rows.shape[0] >= dim:
         product = rows.new_empty(dim, dim)
@@ -169,10 +173,11 @@ def dense(factor) -> torch.Tensor:
 
 
 def diagonal(factor) -> torch.Tensor:
-    """``diag F`` (``[d]``): ``Σ_r U_r²`` of a :class:`GramFactor`, the diagonal of a matrix."""
+    """``diag F`` (``[d]``): ``Σ_r U_r²`` of a :class:`GramFactor`, the diagonal of a matrix
+    (``[G, d]``: of each of the stacked factors ``[G, d, d]`` of a grouped convolution)."""
     if isinstance(factor, GramFactor):
         return factor.root.square().sum(0)
-    return torch.diagonal(factor)
+    return torch.diagonal(factor, dim1=-2, dim2=-1)
 
 
 def empty_like(factor, *shape: int) -> torch.Tensor:

@@ -131,10 +131,17 @@ def nearest_kronecker(terms, input_side: int):
     ``R_U R_V^T`` of their QR factors. The Gram matrices of PSD factors are entrywise positive,
     so the leading singular vectors are too and both factors are PSD. The scale is split so that
     the factor at ``input_side`` has the mean trace of the uses' factors there. One-dimensional
-    parameters (``[B]`` per use) add exactly.
+    parameters (``[B]`` per use) add exactly; factors stacked per group (``[G, d, d]``, a grouped
+    convolution's) give each group's nearest product.
     """
     if len(terms[0]) == 1:
         return [sum(t[0] for t in terms)]
+    if terms[0][0].dim() == 3:
+        groups = [
+            nearest_kronecker([[f[g] for f in t] for t in terms], input_side)
+            for g in range(terms[0][0].shape[0])
+        ]
+        return [torch.stack(blocks) for blocks in zip(*groups)]
     u = torch.stack([t[0].flatten() for t in terms], 1)
     v = torch.stack([t[1].flatten() for t in terms], 1)
     qu, ru = torch.linalg.qr(u)

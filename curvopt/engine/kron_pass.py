@@ -25,13 +25,12 @@ from functools import cache, partial
 import torch
 
 from curvopt.engine.diagonals import batch_column_grads, diag_from_columns, module_call, narrow
-from curvopt.core.reductions import gram
 from curvopt.engine.parameter_sites import computed
 from curvopt.engine.results import Factors, Term
 from curvopt.errors import UnsupportedKroneckerError
 from curvopt.extensions.quantity import Producer
 from curvopt.layers import rule_for
-from curvopt.layers.kron import kron_factors, output_factor_index
+from curvopt.layers.kron import grouped_gram, kron_factors, output_factor_index
 from curvopt.losses import loss_rule_for
 
 
@@ -98,7 +97,8 @@ class FactorStream:
                     sub, cols, k = self._sub_batch(call, columns, n, ext)
                     try:
                         if self.coupled and p.dim() == 1:  # the whole batch's block, unbiased
-                            factors = [gram(column_grads())]
+                            groups = rule_for(call.module).kron_groups(call.module, name)
+                            factors = [grouped_gram(column_grads(), groups)]
                         else:
                             factors = kron_factors(sub, cols, name, p, approx, k)
                     except UnsupportedKroneckerError as error:

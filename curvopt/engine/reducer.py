@@ -251,11 +251,17 @@ class FirstOrderReducer:
 
 def _checked(p, bases):
     """Supplied ``bases``: at most one orthogonal matrix per side of ``p`` as a ``[p.shape[0],
-    ·]`` matrix (``[]`` for a 0-dim ``p``), square and of that side's size."""
+    ·]`` matrix (``[]`` for a 0-dim ``p``), square and of that side's size; or stacked per
+    group, ``[G, d, d]`` each (a grouped convolution's: ``p`` as ``G`` matrices
+    ``[p.shape[0] / G, ·]``)."""
     sizes = [p.shape[0], p[0].numel()] if p.dim() > 1 else list(p.shape)
+    expected = [(s, s) for s in sizes]
+    stacked = {q.shape[0] for q in bases if isinstance(q, torch.Tensor) and q.dim() == 3}
+    if len(stacked) == 1 and sizes and sizes[0] % min(stacked) == 0:
+        groups = min(stacked)
+        expected = [(groups, s, s) for s in [sizes[0] // groups, *sizes[1:]]]
     ok = len(bases) <= len(sizes) and all(
-        isinstance(q, torch.Tensor) and q.dim() == 2 and tuple(q.shape) == (size, size)
-        for q, size in zip(bases, sizes)
+        isinstance(q, torch.Tensor) and tuple(q.shape) == shape for q, shape in zip(bases, expected)
     )
     if not ok:
         shapes = [

@@ -28,9 +28,10 @@ from curvopt.core.values import rescaled
 
 
 def add_diagonal(matrix: torch.Tensor, shift) -> torch.Tensor:
-    """``M + shift · I`` as a new tensor (one copy; no identity matrix is formed)."""
+    """``M + shift · I`` as a new tensor (one copy; no identity matrix is formed); for stacked
+    ``M [G, d, d]`` a ``shift`` of shape ``[G, 1]`` adds each group's own."""
     result = matrix.clone()
-    result.diagonal().add_(shift)
+    result.diagonal(dim1=-2, dim2=-1).add_(shift)
     return result
 
 

@@ -16,10 +16,16 @@ is never formed. Three ways to damp by ``λ`` (``kronecker_damping``):
   (:func:`kron_eigh`, :func:`exact_damped_solve`, here).
 
 A single factor ``[B]`` is damped plainly: ``(B + λ I)⁻¹``.
+
+A grouped convolution's factors are stacked per group, ``B [G, out/G, out/G]`` and
+``A [G, in/G·k, in/G·k]`` (``[B]`` for its bias), the block-diagonal ``⊕_g B_g ⊗ A_g``; its
+gradient is the matrices ``G = grad.reshape(G, out/G, -1)``, one per group, and every product,
+damping and inverse here acts on each group's block (batched over the groups).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +55,8 @@ def as_matrix(grad: torch.Tensor, factors: Factors) -> torch.Tensor:
         factors: ``[B, A]`` or ``[B]``.
 
     Returns:
-        ``grad.reshape(dim B, -1)``: ``[dim B, dim A]`` (``[dim B, 1]`` for ``[B]``).
+        ``grad.reshape(dim B, -1)``: ``[dim B, dim A]`` (``[dim B, 1]`` for ``[B]``); for
+        factors stacked per group (``[G, d, d]``), ``grad.reshape(G, dim B, -1)``.
 
     Raises:
         ValueError: the factor sizes do not multiply to ``grad.numel()``.
@@ -60,15 +67,16 @@ def as_matrix(grad: torch.Tensor, factors: Factors) -> torch.Tensor:
         >>> as_matrix(torch.zeros(4, 2, 3, 3), [torch.eye(4), torch.eye(18)]).shape
         torch.Size([4, 18])
     """
-    sizes = [f.shape[0] for f in factors]
-    expected = sizes[0] * (sizes[1] if len(sizes) == 2 else 1)
-    if len(sizes) not in (1, 2) or expected != grad.numel():
+    sizes = [f.shape[-1] for f in factors]
+    groups = {tuple(f.shape[:-2]) for f in factors}
+    expected = math.prod(factors[0].shape[:-1]) * (sizes[1] if len(sizes) == 2 else 1)
+    if len(sizes) not in (1, 2) or expected != grad.numel() or len(groups) != 1:
         raise ValueError(
-            f"Kronecker factors of sizes {sizes} do not match a parameter of shape "
-            f"{tuple(grad.shape)}: expected [B, A] with dim B * dim A == numel or [B] with "
-            "dim B == numel"
+            f"Kronecker factors of shapes {[tuple(f.shape) for f in factors]} do not match a "
+            f"parameter of shape {tuple(grad.shape)}: expected [B, A] with dim B * dim A == "
+            "numel or [B] with dim B == numel (stacked per group [G, d, d]: G times that)"
         )
-    return grad.reshape(sizes[0], -1)
+    return grad.reshape(*factors[0].shape[:-1], -1)
 
 
 def kron_matmul(factors: Factors, matrix: torch.Tensor) -> torch.Tensor:
@@ -175,7 +183,7 @@ def exact_damped_solve(
     """
     values = [s for s, _ in eigs]
     vectors = [q for _, q in eigs]
-    spectrum = values[0][:, None] * (values[1][None, :] if len(eigs) == 2 else 1)
+    spectrum = values[0][..., :, None] * (values[1][..., None, :] if len(eigs) == 2 else 1)
     rotated = kron_matmul([q.mT for q in vectors], matrix.to(vectors[0].dtype))
     return kron_matmul(vectors, rotated / (spectrum + damping)).to(matrix.dtype)
 
@@ -214,15 +222,16 @@ class KroneckerInverse(DampedInverse):
     kind: str
     value: Any
     damping: float
-    #: ``dim F_0``: the rows of the parameter as the matrix ``G``
-    rows: int
+    #: ``(dim F_0,)``: the rows of the parameter as the matrix ``G`` (``(G, dim F_0)`` for
+    #: factors stacked per group: ``G`` such matrices)
+    rows: tuple
 
     @classmethod
     def build(
         cls, curvature: Sequence[torch.Tensor], damping: float, options: InverseOptions
     ) -> "KroneckerInverse":
         value = cls.compute(curvature, damping, options)
-        return cls(options.kind, value, damping, curvature[0].shape[0])
+        return cls(options.kind, value, damping, tuple(curvature[0].shape[:-1]))
 
     @staticmethod
     def compute(curvature, damping: float, options: InverseOptions):
@@ -238,10 +247,10 @@ class KroneckerInverse(DampedInverse):
     def empty(curvature, options: InverseOptions):
         """Uninitialised tensors of :meth:`compute`'s structure (to receive a broadcast)."""
         if options.kind == "eigh":
-            return [(empty_like(f, f.shape[0]), empty_like(f)) for f in curvature]
+            return [(empty_like(f, *f.shape[:-1]), empty_like(f)) for f in curvature]
         if options.kind == "trace_norm_eigh":  # full decompositions: no Woodbury when spread
             return [
-                (empty_like(f, d := f.shape[0]), empty_like(f, d, _kept(d, options)))
+                (empty_like(f, *f.shape[:-1]), empty_like(f, *f.shape[:-1], _kept(f, options)))
                 for f in curvature
             ]
         return [empty_like(f) for f in curvature]
@@ -252,7 +261,7 @@ class KroneckerInverse(DampedInverse):
         return kron_cholesky_solve if self.kind == "cholesky" else kron_solve
 
     def apply_one(self, grad):
-        matrix = grad.reshape(self.rows, -1)
+        matrix = grad.reshape(*self.rows, -1)
         if self.kind == "eigh":
             direction = exact_damped_solve(self.value, matrix, self.damping)
         elif self.kind == "trace_norm_eigh":
@@ -262,6 +271,8 @@ class KroneckerInverse(DampedInverse):
         return direction.reshape(grad.shape)
 
 
-def _kept(dim: int, options: InverseOptions) -> int:
-    """The eigenvectors ``trace_norm_eigh`` keeps of a factor of size ``dim`` (no Gram root)."""
-    return options.max_rank if capped(dim, options.max_rank) else dim
+def _kept(factor, options: InverseOptions) -> int:
+    """The eigenvectors ``trace_norm_eigh`` keeps of a factor (no Gram root; all of stacked
+    factors ``[G, d, d]``)."""
+    dim = factor.shape[-1]
+    return options.max_rank if len(factor.shape) == 2 and capped(dim, options.max_rank) else dim

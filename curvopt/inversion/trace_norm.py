@@ -26,7 +26,10 @@ rank-``k`` approximation ``(F_k + c I)⁻¹`` under a rank cap ``max_rank = k`` 
 directions see the damping only; ``tr F`` is still the full one).
 
 Factors and matrices as in :mod:`curvopt.inversion.kronecker`: ``G`` of shape ``[dim B, dim A]``,
-``(B ⊗ A) vec(G) = vec(B G Aᵀ)``.
+``(B ⊗ A) vec(G) = vec(B G Aᵀ)``. Stacked factors ``[G, d, d]`` (a grouped convolution's,
+one block per group, ``G`` of shape ``[G, dim B, dim A]``) are damped group by group: ``π`` and
+the shifts per group (``[G]``, ``[G, 1]``), each form batched over the groups (dense only:
+no Gram root, no rank cap).
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ def trace_norm_shifts(means: Sequence[torch.Tensor], damping: float) -> list:
     if len(means) == 1:
         return [damping]
     pi = trace_norm_ratio(*means)
+    if pi.dim():  # per group: against each group's diagonal
+        pi = pi.unsqueeze(-1)
     root = damping**0.5
     return [root / pi, pi * root]
 
@@ -85,8 +90,8 @@ def trace_norm_pi(factors: Factors) -> torch.Tensor:
         factors: ``[B, A]``, or ``[B]`` (then ``π = 1``).
 
     Returns:
-        ``π``, a scalar tensor; also 1 when a trace is not positive (a zero factor), so that
-        the damping stays ``λ I``.
+        ``π``, a scalar tensor (``[G]`` for stacked factors ``[G, d, d]``: one per group); also
+        1 when a trace is not positive (a zero factor), so that the damping stays ``λ I``.
 
     Example:
         >>> import torch
@@ -97,7 +102,7 @@ def trace_norm_pi(factors: Factors) -> torch.Tensor:
     """
     if len(factors) == 1:
         return torch.ones((), dtype=factors[0].dtype, device=factors[0].device)
-    return trace_norm_ratio(*(diagonal(f).mean() for f in factors))
+    return trace_norm_ratio(*(_mean_eigenvalue(f) for f in factors))
 
 
 def trace_norm_damped(factors: Factors, damping: float) -> list[torch.Tensor]:
@@ -125,7 +130,13 @@ def trace_norm_damped(factors: Factors, damping: float) -> list[torch.Tensor]:
 
 def _trace_norm_shifts(factors: Factors, damping: float) -> list:
     """The damping added to each factor (:func:`trace_norm_shifts` of their mean diagonals)."""
-    return trace_norm_shifts([diagonal(f).mean() for f in factors], damping)
+    return trace_norm_shifts([_mean_eigenvalue(f) for f in factors], damping)
+
+
+def _mean_eigenvalue(factor) -> torch.Tensor:
+    """``tr F / dim F``: a scalar tensor, ``[G]`` for stacked factors ``[G, d, d]``."""
+    values = diagonal(factor)
+    return values.mean() if values.dim() == 1 else values.mean(-1)
 
 
 def trace_norm_inverse(factors: Factors, damping: float) -> list[torch.Tensor]:
@@ -232,11 +243,11 @@ def _trace_norm_solvers(factors, damping, low_rank, max_rank, inverse) -> list:
     stored = [f.dtype for f in factors]
     factors = [promoted(f) for f in factors]
     shifts = _trace_norm_shifts(factors, damping)
-    sizes = [f.shape[0] for f in factors]
+    sizes = [f.shape[-1] for f in factors]
     solvers = []
     for index, (factor, shift) in enumerate(zip(factors, shifts)):
         others = sizes[1 - index] if len(factors) == 2 else 1
-        usable = low_rank and damping > 0
+        usable = low_rank and damping > 0 and len(factor.shape) == 2  # (not stacked)
         root = usable_root(factor, others, stored[index]) if usable else None
         try:
             solver = None if root is None else woodbury(root, shift, others, max_rank)
@@ -248,7 +259,8 @@ def _trace_norm_solvers(factors, damping, low_rank, max_rank, inverse) -> list:
         except torch.linalg.LinAlgError as error:
             raise torch.linalg.LinAlgError(
                 f"{_FACTOR_NAMES[len(factors)][index]} {tuple(factor.shape)} (trace "
-                f"{float(diagonal(factor).sum()):.3g}, damping shift {float(shift):.3g}"
+                f"{float(diagonal(factor).sum()):.3g}, damping shift "
+                f"{float(torch.as_tensor(shift).min()):.3g}"
                 f"{', Woodbury form' if root is not None else ''}): {error}"
             ) from None
     return solvers
@@ -343,17 +355,19 @@ def trace_norm_eigh(
     ``psd_eigh``, in float32 for bfloat16/float16 factors; ``Q`` keeps the top ``max_rank``
     eigenvectors of a factor wider than ``2 · max_rank`` (``factor_inverse.capped``), all
     otherwise."""
-    sizes = [f.shape[0] for f in factors]
+    sizes = [f.shape[-1] for f in factors]
     decompositions = []
     for index, stored in enumerate(factors):
         others = sizes[1 - index] if len(factors) == 2 else 1
         factor = promoted(stored)  # bfloat16/float16 in float32, keeping the Gram root
-        root = usable_root(factor, others, stored.dtype, dense_eigh=True) if low_rank else None
+        stacked = len(factor.shape) == 3  # per group: dense, all eigenpairs
+        usable = low_rank and not stacked
+        root = usable_root(factor, others, stored.dtype, dense_eigh=True) if usable else None
         if root is None:
             values, vectors = psd_eigh(dense(factor))
         else:
             values, vectors = _root_eigh(root)
-        if capped(factor.shape[0], max_rank):
+        if not stacked and capped(factor.shape[0], max_rank):
             vectors = vectors[:, -min(max_rank, vectors.shape[1]) :]
         decompositions.append((values, vectors))
     return decompositions
@@ -377,12 +391,12 @@ def eigh_solvers(decompositions: Decomposition, damping: float) -> list:
     ``Q diag(1/(s + c)) Qᵀ`` for a square ``Q``, else the :class:`LowRankInverse` of the kept
     eigenpairs. Apply with :func:`kron_solve`. A rank-``k`` form with a shift that is not
     positive raises ``torch.linalg.LinAlgError`` (it would divide by zero)."""
-    means = [s.sum() / q.shape[0] for s, q in decompositions]
+    means = [s.sum(-1) / q.shape[-2] for s, q in decompositions]
     solvers = []
     for (values, vectors), shift in zip(decompositions, trace_norm_shifts(means, damping)):
-        dim, kept = vectors.shape
+        dim, kept = vectors.shape[-2:]
         if kept == dim:
-            solvers.append((vectors / (values + shift)) @ vectors.mT)
+            solvers.append((vectors / (values + shift).unsqueeze(-2)) @ vectors.mT)
             continue
         if not float(shift) > 0:
             raise torch.linalg.LinAlgError(

@@ -10,7 +10,8 @@ each ``vec(p)`` row-major, restricted to ``subnetwork_indices`` where given.
 Kronecker factors (``Kron``) are in ``p``'s dim order, so ``kron(F_0, F_1)`` is indexed like
 ``vec(p)``; the input-side factor (an average over the batch's ``M`` samples) is rescaled by
 ``M / N``, so that laplace's factor-wise sum over the batches of a data set of ``N`` samples
-is the output side's sum with the input side's average over all samples.
+is the output side's sum with the input side's average over all samples. A grouped
+convolution's factors (one block per group) do not fit ``Kron`` and raise, naming the module.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from laplace.utils import Kron
 
 import curvopt
 from curvopt import extensions as ext
+from curvopt.errors import module_error
 from curvopt.layers.kron import output_factor_index
 
 
@@ -193,12 +195,26 @@ class CurvoptInterface(CurvatureInterface):
             if factors is None:  # not used by the output: zero factors of laplace's shapes
                 factors = [p.new_zeros(n, n) for n in _factor_sizes(p)]
             factors = [f.detach() for f in factors]
+            if factors[0].dim() == 3:
+                raise _grouped_error(type(self).__name__, owners[id(p)][0], len(factors[0]))
             if len(factors) == 2:
                 module, name = owners[id(p)]
                 inside = 1 - output_factor_index(module, name)
                 factors[inside] = factors[inside] * scale
             kfacs.append(factors)
         return self.factor * loss, Kron(kfacs) * self.factor
+
+
+def _grouped_error(backend: str, module, groups: int):
+    """A grouped convolution's factors (one block per group, ``[G, d, d]``) have no place in
+    laplace-torch's ``Kron``, which holds one Kronecker product (or one matrix) per parameter,
+    its shapes fixed by ``Kron.init_from_model``."""
+    return module_error(
+        module,
+        f"{backend}.kron: its {groups} groups each have their own Kronecker block, and "
+        "laplace-torch's Kron holds one Kronecker product per parameter. Use "
+        "hessian_structure='diag' or 'full' for this model, or groups=1.",
+    )
 
 
 def _pop(p, attr):

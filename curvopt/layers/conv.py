@@ -4,10 +4,14 @@
 Convolution, with patches ``X_n = unfold(x_n)`` (``[C_in k, L]``) and ``G_n = dL/dy_n``
 (``[C_out, L]``), per group: ``g_n(W) = G_n X_n^T``.
 
-Second order (convolutions with ``groups=1``): Kronecker factors with the conv locations as
-the shared dim and the patches as inputs (KFC, Grosse & Martens 2016; ``groups > 1`` has no
-single Kronecker product and is rejected), and the ``DiagHessian`` residual of a curved op on
-the output, ``sum_l r_nol X_nil^2``.
+Second order: Kronecker factors with the conv locations as the shared dim and the patches as
+inputs (KFC, Grosse & Martens 2016), and the ``DiagHessian`` residual of a curved op on the
+output, ``sum_l r_nol X_nil^2`` (``groups=1``). With ``groups = G > 1`` the weight
+``[C_out, C_in/G, *k]`` is ``G`` independent convolutions (group ``g``: output channels
+``g C_out/G : (g+1) C_out/G`` from input channels ``g C_in/G : (g+1) C_in/G``), and its
+curvature is approximated block-diagonally over them: every factor is stacked per group,
+``B [G, C_out/G, C_out/G]`` from the group's output columns and ``A [G, C_in/G ∏k, C_in/G ∏k]``
+from the group's patches, the bias's ``[B]`` likewise (:meth:`ConvRule.kron_groups`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ import math
 import torch
 from torch import nn
 
-from curvopt.errors import kronecker_error
 from curvopt.layers.eigenbasis import eigen_moment
 from curvopt.layers.kron import input_factor_by_samples, output_factor_channels_first
 from curvopt.layers.registry import LayerRule, register
@@ -238,27 +241,37 @@ class ConvRule(ConvRuleBase):
         left, right = self._operands(call)
         return left.mT.reshape(-1, left.shape[1]), right.mT.reshape(-1, right.shape[1])
 
+    def kron_groups(self, module, name):
+        return module.groups
+
     def kron_output_factor(self, call, columns, name, approx, n):
         module = call.module
         if name != "weight":
-            return None  # the exact block of the bias (layers.kron)
-        if module.groups != 1:
-            cause = f"groups={module.groups} gives each group its own input factor"
-            raise kronecker_error(module, "its weight", cause)
+            return None  # the exact block of the bias (layers.kron), per group
         v = columns.reshape(columns.shape[0] * n, columns.shape[2], -1)  # [K N, C_out, L]
-        return output_factor_channels_first(v, approx)
+        return output_factor_channels_first(v, approx, module.groups)
 
     def kron_input_factor(self, call, name, approx, n):
         module = call.module
-        x = call.input
-
-        def patches(start, stop):  # [stop - start, L, k C_in]
-            return unfold_conv_input(module, x[start:stop], positions_first=True)
-
+        x, groups = call.input, module.groups
         features = module.in_channels * math.prod(module.kernel_size)
         positions = x[0].numel() // module.in_channels // math.prod(module.stride)  # about
-        factor = input_factor_by_samples(patches, x.shape[0], positions, features, approx)
-        return kernel_major_to_channel_major(factor, module.in_channels)
+        if groups == 1:
+
+            def patches(start, stop):  # [stop - start, L, k C_in]
+                return unfold_conv_input(module, x[start:stop], positions_first=True)
+
+            factor = input_factor_by_samples(patches, x.shape[0], positions, features, approx)
+            return kernel_major_to_channel_major(factor, module.in_channels)
+
+        def group_patches(start, stop):  # [G, stop - start, L, C_in/G k], channel-major
+            rows = unfold_conv_input(module, x[start:stop])  # [n, C_in k, L]
+            rows = rows.view(rows.shape[0], groups, -1, rows.shape[-1])
+            # one copy in runs of L, each group's [C_in/G k, n L] contiguous for its Gram
+            rows = rows.permute(1, 2, 0, 3).contiguous()
+            return rows.permute(0, 2, 3, 1)
+
+        return input_factor_by_samples(group_patches, x.shape[0], positions, features, approx)
 
     def has_weighted_squares(self, module):
         return module.groups == 1

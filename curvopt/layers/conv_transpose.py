@@ -9,6 +9,7 @@ import math
 
 from torch import nn
 
+from curvopt.errors import kronecker_error
 from curvopt.layers.conv import ConvRuleBase
 from curvopt.layers.registry import register
 from curvopt.layers.unfold import unfold
@@ -23,6 +24,12 @@ class ConvTransposeRule(ConvRuleBase):
                 "convolutions. Use padding_mode='zeros'."
             )
         return None
+
+    def kron_output_factor(self, call, columns, name, approx, n):
+        """None for the bias (its exact block); the weight has no Kronecker factors."""
+        if name == "bias":
+            return None
+        raise kronecker_error(call.module, "its weight", "transposed convolutions have none")
 
     def _length(self, call):
         return call.input[0, 0].numel()

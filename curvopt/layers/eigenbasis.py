@@ -22,9 +22,10 @@ CHUNK_ELEMENTS = 1 << 21
 
 def as_rows(tensor: torch.Tensor, bases, leading: int = 0) -> torch.Tensor:
     """``tensor`` (``[*lead, *p.shape]``, ``leading`` leading dims) as ``[*lead, dim Q_0, ·]``
-    matrices (``[*lead, 1, numel]`` without a basis)."""
-    rows = bases[0].shape[0] if bases else 1
-    return tensor.reshape(*tensor.shape[:leading], rows, -1)
+    matrices (``[*lead, 1, numel]`` without a basis; ``[*lead, G, dim Q_0, ·]`` for the
+    stacked bases ``[G, d, d]`` of a grouped convolution, its rows in groups)."""
+    rows = bases[0].shape[:-1] if bases else (1,)
+    return tensor.reshape(*tensor.shape[:leading], *rows, -1)
 
 
 def rotate(bases, matrix: torch.Tensor, back: bool = False) -> torch.Tensor:

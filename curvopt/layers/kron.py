@@ -15,7 +15,9 @@ The rules: ``Linear`` and Hugging Face's ``Conv1D`` (``layers.linear``,
 ``layers.transposed_linear``), ``Conv{1,2,3}d`` with unfolded patches as inputs (KFC, Grosse &
 Martens 2016; ``layers.conv``), ``Embedding`` (``layers.embedding``). A parameter whose rule
 gives none and that is one-dimensional (biases, norm scales) gets ``[B]``, the exact block
-``sum_{k,n} g_nk g_nk^T`` from the per-(sample, column) gradients; any other is unsupported.
+``sum_{k,n} g_nk g_nk^T`` from the per-(sample, column) gradients (its diagonal blocks
+``[G, d, d]`` for a rule with ``G`` groups, :func:`grouped_gram`); any other is unsupported.
+A grouped convolution's factors are stacked per group, ``[G, d, d]`` (``layers.conv``).
 
 For ``N = 1`` and one position each factorisation is exact. Every factor built from fewer
 rows than its size carries its root (``reductions.gram_root``), for low-rank inversion.
@@ -36,17 +38,19 @@ _INPUT_BUDGET = 1 << 22
 
 def input_factor(x, approx):
     """``A`` from inputs ``x [N, P, I]``: mean over samples and positions of ``x xᵀ``
-    ("expand"), or over samples of ``xbar xbarᵀ`` with ``xbar`` the mean over positions."""
+    ("expand"), or over samples of ``xbar xbarᵀ`` with ``xbar`` the mean over positions;
+    ``[G, I, I]`` from the inputs ``x [G, N, P, I]`` of ``G`` groups, one factor per group."""
     if approx == "reduce":
-        return gram(x.mean(1), 1 / x.shape[0])
-    return gram(x.flatten(0, 1), 1 / x.shape[:2].numel())
+        return gram(x.mean(-2), 1 / x.shape[-3])
+    return gram(x.flatten(-3, -2), 1 / x.shape[-3:-1].numel())
 
 
 def input_factor_by_samples(inputs_of, n: int, positions: int, features: int, approx: str):
     """:func:`input_factor` of the inputs ``x [n, P, I]`` of ``n`` samples, made by
-    ``inputs_of(start, stop)`` (``[stop - start, P, I]``) for chunks of samples that hold at
-    most ``_INPUT_BUDGET`` elements (``positions`` ``P``, an estimate, times ``features``
-    ``I`` each): ``A = sum_chunks scale · x_cᵀ x_c`` with the whole batch's scale, the same
+    ``inputs_of(start, stop)`` (``[stop - start, P, I]``; ``[G, stop - start, P, I]`` for ``G``
+    groups) for chunks of samples that hold at most ``_INPUT_BUDGET`` elements (``positions``
+    ``P``, an estimate, times ``features`` ``I`` each, all groups'):
+    ``A = sum_chunks scale · x_cᵀ x_c`` with the whole batch's scale, the same
     matrix up to the order of the sums, without the whole batch's inputs at once (a
     convolution's unfolded patches). Not chunked where the batch has fewer rows than ``I``:
     that factor carries its root (``reductions.gram_root``), the chunks' would not add up."""
@@ -64,8 +68,8 @@ def input_factor_by_samples(inputs_of, n: int, positions: int, features: int, ap
 def _scaled_gram(x, n: int, approx: str):
     """One chunk's term of :func:`input_factor_by_samples` (``n``: the whole batch's)."""
     if approx == "reduce":
-        return gram(x.mean(1), 1 / n, root=False)
-    return gram(x.flatten(0, 1), 1 / (n * x.shape[1]), root=False)
+        return gram(x.mean(-2), 1 / n, root=False)
+    return gram(x.flatten(-3, -2), 1 / (n * x.shape[-2]), root=False)
 
 
 def output_factor(v, approx):
@@ -76,10 +80,25 @@ def output_factor(v, approx):
     return gram(nonzero_rows(v.sum(2).flatten(0, 1) if approx == "reduce" else v.flatten(0, 2)))
 
 
-def output_factor_channels_first(v, approx):
+def output_factor_channels_first(v, approx, groups: int = 1):
     """:func:`output_factor` from the columns laid out ``[K N, O, P]`` (as a convolution's
-    output is), by batched products on that layout: no transposed copy."""
-    return gram(v.sum(2)) if approx == "reduce" else block_gram(v)
+    output is), by batched products on that layout: no transposed copy. With ``groups``
+    ``G > 1``: the factors ``[G, O/G, O/G]`` of each group's ``O/G`` channels."""
+    if groups == 1:
+        return gram(v.sum(2)) if approx == "reduce" else block_gram(v)
+    v = v.reshape(v.shape[0], groups, -1, v.shape[-1])  # [K N, G, O/G, P]
+    if approx == "reduce":
+        summed = v.sum(-1)
+        return torch.einsum("mgc,mgd->gcd", summed, summed)
+    return torch.einsum("mgcp,mgdp->gcd", v, v)
+
+
+def grouped_gram(rows, groups: int):
+    """``rowsᵀ rows`` for ``rows [M, D]`` (``[D, D]``), or, for ``groups`` ``G > 1``, its ``G``
+    diagonal blocks ``[G, D/G, D/G]`` (the block-diagonal curvature of a grouped layer)."""
+    if groups == 1:
+        return gram(rows)
+    return gram(rows.reshape(rows.shape[0], groups, -1).transpose(0, 1))
 
 
 def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int):
@@ -94,7 +113,7 @@ def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int)
         return [own, None] if rule.output_factor_index(name) == 0 else [None, own]
     if rule.vector_parameter(name, p):
         grads = rule.expanded_batch_grad(call, columns, name)
-        return [gram(grads.flatten(1))]
+        return [grouped_gram(grads.flatten(1), rule.kron_groups(module, name))]
     if isinstance(columns, tuple):
         cause = "curvopt factors no parameter of a module with several outputs"
     else:

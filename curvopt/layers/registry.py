@@ -259,6 +259,11 @@ class LayerRule:
             total = part if total is None else total.add_(part)
         return total
 
+    def kron_groups(self, module: nn.Module, name: str) -> int:
+        """``G``: the groups of ``name``'s entries that have separate Kronecker blocks, each
+        factor stacked ``[G, d, d]`` (a grouped convolution's); 1 (default): one block."""
+        return 1
+
     def output_factor_index(self, name: str) -> int:
         """Position of the output-side factor (:meth:`kron_output_factor`) in the list of
         factors (``[B, A]`` or ``[A, B]``)."""

@@ -24,17 +24,18 @@ from curvopt.inversion.kronecker import InverseOptions, KroneckerInverse, as_mat
 _CURVATURES = ("kfac", "kflr", "kfra")
 
 
-def _kron_block(rows: int, apply):
-    """``V [K, *p.shape] ↦ apply(V as the matrices [K, rows, ·])``, reshaped back."""
-    return lambda v: apply(v.reshape(v.shape[0], rows, -1)).reshape(v.shape)
+def _kron_block(rows: tuple, apply):
+    """``V [K, *p.shape] ↦ apply(V as the matrices [K, *rows, ·])``, reshaped back (``rows``:
+    ``(dim B,)``, or ``(G, dim B)`` for factors stacked per group)."""
+    return lambda v: apply(v.reshape(v.shape[0], *rows, -1)).reshape(v.shape)
 
 
 def _add(first, second):
     return first.sidewise(second, operator.add, operator.add)
 
 
-def _rows(factors) -> int:
-    return factors[0].shape[0]
+def _rows(factors) -> tuple:
+    return tuple(factors[0].shape[:-1])
 
 
 class KFAC(CurvatureOperator):

@@ -163,10 +163,13 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
 
     def _check_curvature(self, curvature, param):
         if not isinstance(curvature, (list, tuple)) or not all(
-            isinstance(f, torch.Tensor) and f.dim() == 2 and f.shape[0] == f.shape[1]
+            isinstance(f, torch.Tensor) and f.dim() in (2, 3) and f.shape[-2] == f.shape[-1]
             for f in curvature
         ):
-            raise ValueError(f"expected a list of square Kronecker factors, got {curvature!r}")
+            raise ValueError(
+                "expected a list of square Kronecker factors (stacked per group [G, d, d] for "
+                f"a grouped convolution), got {curvature!r}"
+            )
         as_matrix(param, curvature)
 
     def _inverse_options(self, group) -> InverseOptions:
@@ -220,7 +223,7 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
             )
             kept["eigh_inverse"] = solvers
             kind, value = "inverse", solvers["value"]
-        inverse = KroneckerInverse(kind, value, damping, matrix.shape[0])
+        inverse = KroneckerInverse(kind, value, damping, tuple(matrix.shape[:-1]))
         direction = None
         if kind != "eigh":
             direction = self._factored_direction(inverse.solve, value, matrix, item.update.param)
@@ -251,7 +254,7 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
         (``gradient_factors``), or None; their forming is skipped where their known count
         already says that it is not cheaper."""
         capture = self._capture
-        if capture is None or len(solvers) != 2:
+        if capture is None or len(solvers) != 2 or matrix.dim() != 2:  # (not per group)
             return None
         rows = capture.row_count(param)
         if rows is not None and not factored_cheaper(solvers, *matrix.shape, rows):

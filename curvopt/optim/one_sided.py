@@ -51,13 +51,18 @@ def is_one_sided(param: torch.Tensor, max_dim: int | None) -> bool:
 
 def supplied(param: torch.Tensor, pending: Pending | None) -> list[torch.Tensor]:
     """The bases to supply for ``param``'s next pass: ``pending``'s with the identity for its
-    ``None`` sides, the identity on every side before there is any (the first step)."""
+    ``None`` sides, the identity on every side before there is any (the first step); beside
+    bases stacked per group (``[G, d, d]``, a grouped convolution's), each group's identity."""
     dtype = working_dtype(param.dtype)
     pending = [None] * len(sides(param)) if pending is None else pending
-    return [
-        torch.eye(d, dtype=dtype, device=param.device) if q is None else q
-        for d, q in zip(sides(param), pending)
-    ]
+    groups = next((len(q) for q in pending if q is not None and q.dim() == 3), None)
+    sizes = sides(param) if groups is None else [param.shape[0] // groups, *sides(param)[1:]]
+
+    def identity(d):
+        eye = torch.eye(d, dtype=dtype, device=param.device)
+        return eye if groups is None else eye.expand(groups, d, d).clone()
+
+    return [identity(d) if q is None else q for d, q in zip(sizes, pending)]
 
 
 def kept(curvature: Sequence[torch.Tensor], pending: Pending | None) -> list[torch.Tensor]:
@@ -68,14 +73,17 @@ def kept(curvature: Sequence[torch.Tensor], pending: Pending | None) -> list[tor
     identity = [True] * len(bases) if pending is None else [q is None for q in pending]
     while bases and identity[len(bases) - 1]:
         bases.pop()
-    rows = bases[0].shape[0] if bases else 1
-    return [correction.reshape(rows, -1), *bases]
+    rows = bases[0].shape[:-1] if bases else (1,)
+    return [correction.reshape(*rows, -1), *bases]
 
 
 def next_bases(factors: Sequence[torch.Tensor], max_dim: int | None) -> list[torch.Tensor | None]:
     """Per side the eigenvectors of its factor (:func:`settled_eigenvectors`), None where
-    wider than ``max_dim`` (that factor is not decomposed; ``None``: every side is)."""
-    return [None if is_wider(f.shape[0], max_dim) else settled_eigenvectors(f) for f in factors]
+    wider than ``max_dim`` (that factor is not decomposed; ``None``: every side is; factors
+    stacked per group: where each group's is)."""
+    return [
+        None if is_wider(f.shape[-1], max_dim) else settled_eigenvectors(f) for f in factors
+    ]
 
 
 def settled_eigenvectors(factor: torch.Tensor) -> torch.Tensor:
@@ -89,15 +97,22 @@ def settled_eigenvectors(factor: torch.Tensor) -> torch.Tensor:
     (the diagonal in the basis) would differ. Here ``N`` is replaced by ``N V``, ``V`` the
     eigenvectors of ``Nᵀ D N`` with ``D = diag(√1, …, √d)``: the same for every basis of the
     space (up to signs, which ``S`` and the step do not see) wherever those eigenvalues are
-    distinct.
+    distinct. Factors stacked per group (``[G, d, d]``) are settled group by group.
 
     Args:
-        factor: a symmetric PSD ``[d, d]`` matrix.
+        factor: a symmetric PSD ``[d, d]`` matrix, or ``[G, d, d]`` of them.
 
     Returns:
-        ``Q [d, d]`` orthogonal, ``F = Q diag(s) Qᵀ`` with ``s`` ascending.
+        ``Q`` of the factor's shape, orthogonal, ``F = Q diag(s) Qᵀ`` with ``s`` ascending.
     """
     eigenvalues, vectors = psd_eigh(factor)
+    if factor.dim() > 2:
+        return torch.stack([_settled(s, q) for s, q in zip(eigenvalues, vectors)])
+    return _settled(eigenvalues, vectors)
+
+
+def _settled(eigenvalues: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
+    """``vectors`` with the null space's columns turned as :func:`settled_eigenvectors` says."""
     dim = eigenvalues.shape[0]
     floor = dim * torch.finfo(eigenvalues.dtype).eps * eigenvalues[-1]
     nullity = int((eigenvalues <= floor).sum())

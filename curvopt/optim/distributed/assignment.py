@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -36,7 +37,8 @@ def assign_owners(costs: Sequence[float], ranks: int) -> list[int]:
 
 
 def inversion_cost(curvature) -> float:
-    """``Σ dim³`` over Kronecker factors (``numel`` for a diagonal): cost of inverting it."""
+    """``Σ dim³`` over Kronecker factors (``G dim³`` for factors stacked per group, ``numel``
+    for a diagonal): cost of inverting it."""
     if isinstance(curvature, torch.Tensor):
         return float(curvature.numel())
-    return float(sum(f.shape[0] ** 3 for f in curvature))
+    return float(sum(math.prod(f.shape[:-1]) * f.shape[-1] ** 2 for f in curvature))

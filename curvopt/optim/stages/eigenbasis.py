@@ -2,7 +2,9 @@
 ``basis_interval`` steps, with Adam's moments carried into the new basis (``EigenAdam``).
 
 A weight's gradient is the matrix ``G = grad.reshape(dim B, -1)`` (``[dim B, 1]`` for a
-parameter with the one factor ``[B]``), its factors ``[B, A]`` (``[dim B]²``, ``[dim A]²``).
+parameter with the one factor ``[B]``), its factors ``[B, A]`` (``[dim B]²``, ``[dim A]²``);
+factors stacked per group (``[G, d, d]``, a grouped convolution's) give stacked bases, and
+``G`` is then the matrices ``grad.reshape(G, rows / G, -1)``, each rotated by its group's.
 On a basis step the stage takes the eigenvectors of each factor, ``B = Q_B diag(s_B) Q_Bᵀ``,
 ``A = Q_A diag(s_A) Q_Aᵀ`` (:func:`~curvopt.core.psd.psd_eigh`), and keeps them as the
 parameter's basis ``[Q_B, Q_A]`` until the next one; a side wider than ``max_basis_dim`` keeps
@@ -71,11 +73,12 @@ def eigenbasis(factors: Sequence[Any], max_dim: int | None = None) -> list[torch
     least), ``None`` (the identity) for a factor wider than ``max_dim``.
 
     Args:
-        factors: ``[B, A]`` or ``[B]``, square symmetric PSD (dense or ``GramFactor``).
+        factors: ``[B, A]`` or ``[B]``, square symmetric PSD (dense or ``GramFactor``;
+            or stacked per group, ``[G, d, d]``).
         max_dim: ``None`` (every side rotated) or the widest side that is.
 
     Returns:
-        ``[Q_B, Q_A]`` (``[Q_B]``), each ``[d, d]`` orthogonal or ``None``.
+        ``[Q_B, Q_A]`` (``[Q_B]``), each ``[d, d]`` orthogonal (``[G, d, d]``) or ``None``.
 
     Example:
         >>> eigenbasis([torch.diag(torch.tensor([2.0, 1.0]))])[0].abs()
@@ -83,7 +86,7 @@ def eigenbasis(factors: Sequence[Any], max_dim: int | None = None) -> list[torch
                 [1., 0.]])
     """
     return [
-        None if max_dim is not None and f.shape[0] > max_dim else psd_eigh(dense(f))[1]
+        None if max_dim is not None and f.shape[-1] > max_dim else psd_eigh(dense(f))[1]
         for f in factors
     ]
 
@@ -111,7 +114,10 @@ def rotate(bases: Bases, tensor: torch.Tensor, back: bool = False) -> torch.Tens
     kept = [q for q in bases if q is not None]
     if not kept:
         return tensor
-    matrix = tensor.to(kept[0].dtype).reshape(tensor.shape[0], -1)
+    rows = (tensor.shape[0],)
+    if kept[0].dim() == 3:  # stacked per group: the matrices [G, rows / G, ·]
+        rows = (len(kept[0]), tensor.shape[0] // len(kept[0]))
+    matrix = tensor.to(kept[0].dtype).reshape(*rows, -1)
     if bases[0] is not None:
         matrix = (bases[0] if back else bases[0].mT) @ matrix
     if len(bases) == 2 and bases[1] is not None:
