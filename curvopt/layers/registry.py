@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from typing import Callable, Dict, List, Optional, Tuple, Type
 
 import torch
@@ -44,7 +45,7 @@ from curvopt.layers.eigenbasis import CHUNK_ELEMENTS, eigen_moment_of
 _RULES: Dict[Type[nn.Module], "LayerRule"] = {}
 _NAMED: Dict[str, "LayerRule"] = {}
 #: each module type's rule once looked up (:func:`rule_for`; emptied by every registration)
-_RESOLVED: Dict[Type[nn.Module], "LayerRule"] = {}
+_RESOLVED: "weakref.WeakKeyDictionary[type, LayerRule]" = weakref.WeakKeyDictionary()
 _FALLBACK: List["LayerRule"] = []
 _REPARAMETRIZED: List["LayerRule"] = []
 
