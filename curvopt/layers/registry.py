@@ -54,8 +54,9 @@ def register(*module_types: Type[nn.Module]) -> Callable:
     """Class decorator: register one rule instance for the given module types."""
 
     def wrap(rule_cls):
+        rule = rule_cls()
         for module_type in module_types:
-            _RULES[module_type] = rule_cls()
+            _RULES[module_type] = rule
         _RESOLVED.clear()
         return rule_cls
 
@@ -69,8 +70,9 @@ def register_name(*class_names: str) -> Callable:
     the rule's :meth:`LayerRule.check` verifies the layout."""
 
     def wrap(rule_cls):
+        rule = rule_cls()
         for class_name in class_names:
-            _NAMED[class_name] = rule_cls()
+            _NAMED[class_name] = rule
         _RESOLVED.clear()
         return rule_cls
 
