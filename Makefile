@@ -21,7 +21,9 @@ install: $(STAMP)
 # and curvlinops 3.0.1 (the overhead comparisons, references in the tests), laplace-torch 0.3
 # with its ASDL (the laplace backend's tests), heavyball 3.2.1 (SOAP, PSGD-Kron in the
 # time-to-result benchmark), the "frameworks" extra (Lightning, accelerate, schedule-free) and
-# the "docs" extra (Sphinx and Furo: `make docs`, and the test that builds the site).
+# the "docs" extra (Sphinx and Furo: `make docs`, and the test that builds the site), timm
+# 1.0.31 (its models in the tests; torchvision, which it declares, is stood in for by
+# tests/timm_loader.py).
 # Their pure-python dependencies come from the "reference" and "frameworks" extras, the
 # libraries themselves without dependencies: BackPACK and laplace-torch declare torchvision,
 # which would bring a CUDA build of torch; no import needs it. The Opacus wheel also installs
@@ -29,7 +31,8 @@ install: $(STAMP)
 $(EXTRAS): $(STAMP)
 	$(PY) -m pip install --progress-bar off -e ".[dev,experiments,reference,frameworks,docs]"
 	$(PY) -m pip install --progress-bar off --no-deps backpack-for-pytorch==1.7.1 opacus==1.6.0 \
-	    curvlinops-for-pytorch==3.0.1 laplace-torch==0.3 asdfghjkl==0.1a4 heavyball==3.2.1
+	    curvlinops-for-pytorch==3.0.1 laplace-torch==0.3 asdfghjkl==0.1a4 heavyball==3.2.1 \
+	    timm==1.0.31
 	SP=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
 	    rm -rf "$$SP/benchmarks" "$$SP/examples"
 	$(PY) -c 'import torch, backpack, opacus, curvlinops, laplace, heavyball, pytorch_lightning, \

@@ -1,6 +1,8 @@
 """``torch.compile``d models: first-order quantities as on the eager model (float64, exactly),
 whether the model is extended before or after compiling, with an extended or a functional
-loss; curvature raises naming the uncompiled module, on which it works. The ``aot_eager``
+loss; curvature of a model compiled then extended as on the eager model (it runs eagerly
+there); of one extended then compiled it raises naming both ways out, and works on the
+uncompiled module. The ``aot_eager``
 backend builds the same compiled autograd nodes as inductor without a C++ build."""
 
 import copy
@@ -64,24 +66,35 @@ def test_first_order_on_a_compiled_model_is_the_eager_one(order, loss):
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-15)
 
 
-@pytest.mark.parametrize("order", ["extend_then_compile", "compile_then_extend"])
-def test_curvature_on_a_compiled_model_raises_and_runs_on_the_uncompiled_module(order):
-    plain = _plain()
-    call, owner = _compiled(plain, order)
+def _kflr(call, owner):
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
     X, y = _data()
-    with pytest.raises(UnsupportedModuleError, match="_orig_mod"):
-        with curvopt.collect(ext.KFLR()):
-            lossfunc(call(X), y).backward()
     owner.zero_grad()
-    uncompiled = call._orig_mod if order == "compile_then_extend" else owner
     with curvopt.collect(ext.KFLR()):
-        lossfunc(uncompiled(X), y).backward()
+        lossfunc(call(X), y).backward()
+    return [[f.clone() for f in p.kflr] for p in owner.parameters()]
+
+
+def test_curvature_on_a_model_compiled_then_extended_is_the_eager_one():
+    """``curvopt.extend(torch.compile(model))``: the compiled model runs eagerly where curvature
+    is collected (tests/test_compiled_models.py trains with it)."""
+    plain = _plain()
+    call, owner = _compiled(plain, "compile_then_extend")
     eager = curvopt.extend(copy.deepcopy(plain))
-    with curvopt.collect(ext.KFLR()):
-        lossfunc(eager(X), y).backward()
-    for p, q in zip(owner.parameters(), eager.parameters()):
-        for f, g in zip(p.kflr, q.kflr):
+    for got, want in zip(_kflr(call, owner), _kflr(eager, eager)):
+        for f, g in zip(got, want):
+            torch.testing.assert_close(f, g, rtol=1e-12, atol=1e-15)
+
+
+def test_curvature_on_a_model_extended_then_compiled_raises_and_runs_on_the_uncompiled_module():
+    plain = _plain()
+    call, owner = _compiled(plain, "extend_then_compile")
+    with pytest.raises(UnsupportedModuleError, match="_orig_mod") as error:
+        _kflr(call, owner)
+    assert "curvopt.extend(torch.compile(model))" in str(error.value)
+    eager = curvopt.extend(copy.deepcopy(plain))
+    for got, want in zip(_kflr(owner, owner), _kflr(eager, eager)):
+        for f, g in zip(got, want):
             torch.testing.assert_close(f, g, rtol=1e-12, atol=1e-15)
 
 

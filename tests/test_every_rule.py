@@ -23,6 +23,7 @@ from curvopt import extensions as ext
 from curvopt.errors import UnsupportedKroneckerError, UnsupportedModuleError
 from curvopt.layers import registry, rule_for
 from conftest import Conv1D
+from timm_loader import timm_or_skip
 
 
 class First(nn.Module):
@@ -81,6 +82,9 @@ EXAMPLES = {
     nn.BatchNorm3d: (lambda: _eval_norm(nn.BatchNorm3d(1)), (3, 1, 2, 1, 2), None, None),
     nn.SyncBatchNorm: (lambda: _eval_norm(nn.SyncBatchNorm(2)), (3, 2, 3), None, None),
     nn.RNNBase: (lambda: First(nn.GRU(3, 2, batch_first=True)), (3, 2, 3), None, None),
+    nn.RNN: (lambda: First(nn.RNN(3, 2, batch_first=True)), (3, 2, 3), None, None),
+    nn.LSTM: (lambda: First(nn.LSTM(3, 2, batch_first=True)), (3, 2, 3), None, None),
+    nn.GRU: (lambda: First(nn.GRU(3, 2, batch_first=True)), (3, 2, 3), None, None),
     nn.MultiheadAttention: (
         lambda: First(nn.MultiheadAttention(4, 2, batch_first=True), self_attention=True),
         (3, 2, 4),
@@ -89,6 +93,26 @@ EXAMPLES = {
     ),
     nn.PReLU: (lambda: nn.PReLU(1, init=0.3), (3, 4), None, None),
     "Conv1D": (lambda: Conv1D(3, 4), (3, 2, 4), (1, 4), None),
+    # timm's layers (registered by qualified name; timm_loader skips where timm is absent)
+    "timm.layers.linear.Linear": (lambda: timm_or_skip().layers.Linear(4, 3), (3, 4), (1, 4), None),
+    "timm.layers.norm.LayerNorm": (
+        lambda: _affine(timm_or_skip().layers.LayerNorm(3)),
+        (3, 2, 3),
+        None,
+        None,
+    ),
+    "timm.layers.norm.LayerNorm2d": (
+        lambda: _affine(timm_or_skip().layers.LayerNorm2d(3)),
+        (3, 3, 2, 2),
+        None,
+        None,
+    ),
+    "timm.layers.norm_act.BatchNormAct2d": (
+        lambda: _eval_norm(timm_or_skip().layers.BatchNormAct2d(2, act_layer=nn.SiLU)),
+        (3, 2, 2, 2),
+        None,
+        None,
+    ),
 }
 
 

@@ -10,6 +10,13 @@ options, hook handles) is kept in ``curvopt.core.extended``, weakly, and ``unext
 the hooks through their handles. A copy of an extended module (``copy.deepcopy``, pickling)
 carries copies of the hooks but no entry: they do nothing (the copy is a plain module), and
 ``extend`` or ``unextend`` of the copy removes them (:func:`_drop_copied`).
+
+A ``torch.compile``d model (``OptimizedModule``) runs its compiled graph, whose backward is one
+fused op: first-order quantities come out of it as from the eager model, curvature cannot
+pass through it (``graph.walk``). ``extend`` of the compiled model therefore makes its forward
+run the original module eagerly while a second-order collection is open or armed for its
+parameters (``functional.wants_loss``: a curvature optimizer's every step), and compiled
+otherwise (:func:`_eager_for_curvature`); ``unextend`` restores its forward.
 """
 
 from __future__ import annotations
@@ -217,12 +224,38 @@ def extend(
         return module
     reached = is_extended(module)  # hooked as a part of a model extended before
     _install(module, name or "", sequence_first, module)
+    if _compiled(module):
+        _eager_for_curvature(module)
     entry = entry_of(module)
     if not (reached or (entry is not None and entry.watcher is not None)):
         entry = entry_for(module)
         _drop_copied(module)
         entry.watcher = module.register_forward_hook(_returned_loss_hook, with_kwargs=True)
     return module
+
+
+def _compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``torch.compile`` wrapper (``OptimizedModule``; duck-typed, so
+    that curvopt does not import dynamo)."""
+    return type(module).__name__ == "OptimizedModule" and "_orig_mod" in module._modules
+
+
+def _eager_for_curvature(wrapper: nn.Module) -> None:
+    """Make the compiled ``wrapper``'s forward call its original module eagerly where a
+    second-order quantity is wanted of it (:func:`wants_loss`), its compiled forward otherwise;
+    the compiled one is kept as the new forward's ``compiled`` (for :func:`unextend`)."""
+    compiled = wrapper.forward
+    if getattr(compiled, "compiled", None) is not None:
+        return
+    original = wrapper._orig_mod
+
+    def forward(*args, **kwargs):
+        if wants_loss(wrapper):
+            return original(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    forward.compiled = compiled
+    wrapper.forward = forward
 
 
 def unextend(module: nn.Module) -> nn.Module:
@@ -253,6 +286,9 @@ def unextend(module: nn.Module) -> nn.Module:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"curvopt.unextend expects a torch.nn.Module, got {type(module).__name__}")
+    compiled = getattr(vars(module).get("forward"), "compiled", None)
+    if _compiled(module) and compiled is not None:
+        module.forward = compiled
     modules = list(module.modules())
     for sub in modules:
         entry = drop(sub)

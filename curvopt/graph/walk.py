@@ -50,9 +50,9 @@ from curvopt.errors import UnsupportedModuleError
 
 _COMPILED = (
     "curvopt cannot propagate curvature through a graph compiled by torch.compile (its backward "
-    "is one fused op). Compute curvature on the uncompiled model, m._orig_mod of a compiled "
-    "module m (first-order quantities work compiled); see "
-    "docs/support.md#checkpointing-and-compiled-graphs."
+    "is one fused op). Extend the compiled model, m = curvopt.extend(torch.compile(model)), "
+    "which runs eagerly where curvature is collected, or compute curvature on the uncompiled "
+    "m._orig_mod; see docs/conventions.md#compiled-models."
 )
 
 

@@ -2,7 +2,9 @@
 
 Every module of this package is imported here, so a new layer type is added by adding one
 module that defines a ``LayerRule`` subclass decorated with ``@register(TheModule)`` (or
-``@register_name("TheClassName")`` for another library's class).
+``@register_name("TheClassName")``, or its qualified name, for another library's class). A
+subclass that defines its own ``forward`` does not inherit its parent's rule
+(``registry.rule_for``).
 """
 
 import importlib

@@ -111,6 +111,7 @@ def _weight_grad(module, x, g, per_sample: bool) -> torch.Tensor:
 
 class ConvRuleBase(LayerRule):
     curvature_free = True
+    function_methods = ("forward", "_conv_forward")
 
     def _operands(self, call):
         """``(left [N, *, L], right [N, *, L])`` with ``g_n(W) = left_n right_n^T`` per group."""

@@ -31,7 +31,7 @@ from curvopt.layers.random_replay import (
     ReplayError,
     per_sample,
 )
-from curvopt.layers.registry import LayerRule, register, register_fallback
+from curvopt.layers.registry import LayerRule, register, register_fallback, subclass_note
 from curvopt.core.params import owned_parameters
 from curvopt.core.calls import output_tensors
 from curvopt.core.reductions import squared_norms, sum_of_squares
@@ -50,6 +50,13 @@ class GenericRule(LayerRule):
         return module.training
 
     def check(self, module):
+        """Why ``module`` cannot be re-run sample by sample, after the reason it has no rule
+        of its own where it subclasses a type with one (``registry.subclass_note``)."""
+        reason = self._unrunnable(module)
+        note = subclass_note(type(module))
+        return f"{note}; {reason}" if reason and note else reason
+
+    def _unrunnable(self, module):
         for sub_name, sub in module.named_modules():
             where = f" (submodule {sub_name!r})" if sub_name else ""
             if isinstance(sub, _ALPHA) and sub.training and sub.p > 0:
@@ -212,8 +219,9 @@ class GenericRule(LayerRule):
             except (RuntimeError, NotImplementedError, ValueError) as error:
                 raise UnsupportedModuleError(
                     "curvopt cannot compute per-sample quantities for module "
-                    f"{module_name(module)!r} ({type(module).__name__}): it has no rule of its "
-                    "own, and re-running it "
+                    f"{module_name(module)!r} ({type(module).__name__}): "
+                    f"{subclass_note(type(module)) or 'it has no rule of its own'}, and "
+                    "re-running it "
                     f"sample by sample with torch.func.vmap failed ({_first_line(error)}). "
                     "Register a rule for it with curvopt.layers.register; see "
                     "docs/support.md#modules-without-a-rule."

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from curvopt.errors import kronecker_error
-from curvopt.layers.registry import rule_for
+from curvopt.layers.registry import rule_for, subclass_note
 from curvopt.core.reductions import block_gram, gram, nonzero_rows
 
 #: elements of the inputs ``x [n, P, I]`` that :func:`input_factor_by_samples` holds at once
@@ -118,6 +118,9 @@ def kron_factors(call, columns, name: str, p: torch.Tensor, approx: str, n: int)
         cause = "curvopt factors no parameter of a module with several outputs"
     else:
         cause = "curvopt factors only Linear, Conv, Embedding and Conv1D weights and 1-D parameters"
+    note = subclass_note(type(module))
+    if note is not None:
+        cause = f"{note}, which gives no Kronecker factors of a weight"
     raise kronecker_error(module, f"parameter {name!r}", cause)
 
 

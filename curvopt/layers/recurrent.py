@@ -79,7 +79,7 @@ def unrolled(module, x, h0, c0, weights):
     return inp, torch.stack(hs, 1), torch.stack(cs, 1) if c0 is not None else None
 
 
-@register(nn.RNNBase)
+@register(nn.RNNBase, nn.RNN, nn.LSTM, nn.GRU)
 class RecurrentRule(LayerRule):
     def batch_dim(self, module):
         return 0 if module.batch_first else 1

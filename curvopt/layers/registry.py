@@ -12,13 +12,26 @@ Module types without a registered rule fall back to :class:`curvopt.layers.gener
 (``torch.func`` over single samples); so do modules whose parameters are reparametrized (weight
 norm, spectral norm, ``torch.nn.utils.parametrize``), whatever their type
 (:mod:`curvopt.layers.reparametrized`). Types of other libraries that curvopt must not import
-(Hugging Face's ``Conv1D``) are registered by class name with :func:`register_name`. Every
-module of ``curvopt.layers`` is imported by the package, so the one file is all there is to add.
+(Hugging Face's ``Conv1D``, timm's layers) are registered by class name with
+:func:`register_name`. Every module of ``curvopt.layers`` is imported by the package, so the one
+file is all there is to add.
+
+A rule covers the subclasses of its types that compute the same function: a subclass that
+defines one of the rule's :attr:`LayerRule.function_methods` (``forward``; a convolution's
+``_conv_forward`` too) anywhere below the registered type computes something else (timm's
+``BatchNormAct2d`` applies an activation after ``nn.BatchNorm2d``), and gets a rule registered
+for it (by type or name) or the generic one, with a warning naming the override
+(:func:`subclass_note`). Every rule method that computes runs guarded (:func:`_guarded`): an
+exception of torch from inside it (a shape the rule did not expect) becomes curvopt's
+``UnsupportedModuleError`` naming the module.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Type
+import functools
+import warnings
+import weakref
+from typing import Callable, Dict, List, Optional, Tuple, Type
 
 import torch
 from torch import nn
@@ -26,10 +39,13 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
+from curvopt.errors import CurvoptError, module_error
 from curvopt.layers.eigenbasis import CHUNK_ELEMENTS, eigen_moment_of
 
 _RULES: Dict[Type[nn.Module], "LayerRule"] = {}
 _NAMED: Dict[str, "LayerRule"] = {}
+#: each module type's rule once looked up (:func:`rule_for`; emptied by every registration)
+_RESOLVED: "weakref.WeakKeyDictionary[type, LayerRule]" = weakref.WeakKeyDictionary()
 _FALLBACK: List["LayerRule"] = []
 _REPARAMETRIZED: List["LayerRule"] = []
 
@@ -38,8 +54,10 @@ def register(*module_types: Type[nn.Module]) -> Callable:
     """Class decorator: register one rule instance for the given module types."""
 
     def wrap(rule_cls):
+        rule = rule_cls()
         for module_type in module_types:
-            _RULES[module_type] = rule_cls()
+            _RULES[module_type] = rule
+        _RESOLVED.clear()
         return rule_cls
 
     return wrap
@@ -47,11 +65,15 @@ def register(*module_types: Type[nn.Module]) -> Callable:
 
 def register_name(*class_names: str) -> Callable:
     """Class decorator: register one rule instance for module classes called ``class_names``
-    (whatever library defines them); the rule's :meth:`LayerRule.check` verifies the layout."""
+    (whatever library defines them): a bare name (``"Conv1D"``) matches any class of that name,
+    a qualified one (``"timm.layers.norm.LayerNorm2d"``: module and class name) only that class;
+    the rule's :meth:`LayerRule.check` verifies the layout."""
 
     def wrap(rule_cls):
+        rule = rule_cls()
         for class_name in class_names:
-            _NAMED[class_name] = rule_cls()
+            _NAMED[class_name] = rule
+        _RESOLVED.clear()
         return rule_cls
 
     return wrap
@@ -89,20 +111,84 @@ def reparametrization(module: nn.Module) -> Optional[str]:
 
 
 def rule_for(module: nn.Module) -> "LayerRule":
-    """The rule of ``module``'s exact type (subclasses included), else of its class name, else
-    the generic fallback. A match by name is remembered for the type. A module with a
+    """The rule of the nearest type in ``module``'s MRO with a registered one (by type, else by
+    qualified or bare class name) if ``module`` computes that type's function (:func:`_override`),
+    else the generic fallback (warned once per type, :func:`subclass_note`). A module with a
     :func:`reparametrization` gets the reparametrized-module rule."""
     if (module._forward_pre_hooks or "parametrizations" in module._modules) and reparametrization(
         module
     ):
         return _REPARAMETRIZED[0]
-    for klass in type(module).__mro__:
-        if klass in _RULES:
-            return _RULES[klass]
-    for klass in type(module).__mro__:
-        if klass.__name__ in _NAMED:
-            _RULES[type(module)] = _NAMED[klass.__name__]
-            return _RULES[type(module)]
+    klass = type(module)
+    if klass not in _RESOLVED:
+        _RESOLVED[klass] = _resolve(klass)
+    return _RESOLVED[klass]
+
+
+def _registered(klass: type) -> Optional["LayerRule"]:
+    """The rule registered for ``klass`` itself, by type or by name, or ``None``."""
+    if klass in _RULES:
+        return _RULES[klass]
+    qualified = f"{klass.__module__}.{klass.__qualname__}"
+    return _NAMED.get(qualified, _NAMED.get(klass.__name__))
+
+
+def _registered_base(klass: type) -> Tuple[Optional[type], Optional["LayerRule"]]:
+    """The nearest type in ``klass``'s MRO with a registered rule, and that rule."""
+    for base in klass.__mro__:
+        rule = _registered(base)
+        if rule is not None:
+            return base, rule
+    return None, None
+
+
+def _override(klass: type, base: type, rule: "LayerRule") -> Optional[Tuple[type, str]]:
+    """``(subclass, method)``: the first class of ``klass``'s MRO below ``base`` that defines
+    one of ``rule``'s :attr:`LayerRule.function_methods`, or ``None``: ``klass`` computes
+    ``base``'s function."""
+    for cls in klass.__mro__:
+        if cls is base:
+            return None
+        for method in rule.function_methods:
+            if method in vars(cls):
+                return cls, method
+    return None
+
+
+def _label(klass: type) -> str:
+    """``nn.LayerNorm`` for torch's modules, ``package.Class`` for others."""
+    if klass.__module__.startswith("torch.nn."):
+        return f"nn.{klass.__qualname__}"
+    return f"{klass.__module__.split('.')[0]}.{klass.__qualname__}"
+
+
+def subclass_note(klass: type) -> Optional[str]:
+    """Why modules of type ``klass`` do not get the rule of the registered type they subclass
+    (one clause: the subclass and the method it overrides), or ``None`` where they get it."""
+    base, rule = _registered_base(klass)
+    override = None if base is None else _override(klass, base, rule)
+    if override is None:
+        return None
+    cls, method = override
+    return (
+        f"{klass.__qualname__} subclasses {_label(base)} but computes something else in its "
+        f"{method} (defined by {cls.__qualname__}), so the generic rule (torch.func, one "
+        f"forward per sample) computes its quantities, not {_label(base)}'s"
+    )
+
+
+def _resolve(klass: type) -> "LayerRule":
+    base, rule = _registered_base(klass)
+    if base is None:
+        return _FALLBACK[0]
+    if _override(klass, base, rule) is None:
+        return rule
+    warnings.warn(
+        f"curvopt: {subclass_note(klass)}. Register a rule for "
+        f"{klass.__name__} with curvopt.layers.register where it computes the same function; "
+        "see docs/conventions.md#subclasses-of-supported-layers.",
+        stacklevel=4,
+    )
     return _FALLBACK[0]
 
 
@@ -115,6 +201,60 @@ def mixing(calls):
     """The first of ``calls`` (module calls: anything with a ``module``) whose module
     :func:`mixes` samples, or None."""
     return next((call for call in calls if mixes(call.module)), None)
+
+
+#: the methods of a rule that compute from a module call (first argument: the call, or the
+#: module): run guarded (:func:`_guarded`)
+_COMPUTING = (
+    "batch_grad",
+    "batch_l2",
+    "sum_grad_squared",
+    "column_grads",
+    "expanded_batch_grad",
+    "column_diag",
+    "grad_sum",
+    "projected_sum",
+    "kron_output_factor",
+    "kron_input_factor",
+    "eigen_correction",
+    "weighted_squares",
+)
+
+
+def _guard(rule_cls: type) -> None:
+    """Guard every computing method ``rule_cls`` defines itself (:func:`_guarded`)."""
+    for name in _COMPUTING:
+        method = vars(rule_cls).get(name)
+        if callable(method) and not getattr(method, "guarded", False):
+            setattr(rule_cls, name, _guarded(method))
+
+
+def _guarded(method: Callable) -> Callable:
+    """``method`` (a rule's, first argument a call or a module), raising torch's errors from
+    inside it (``RuntimeError``, ``IndexError``: a shape or layout the rule did not expect) as
+    ``UnsupportedModuleError`` naming the module; curvopt's own errors and running out of
+    memory pass unchanged."""
+
+    @functools.wraps(method)
+    def run(rule, subject, *args, **kwargs):
+        try:
+            return method(rule, subject, *args, **kwargs)
+        except (CurvoptError, torch.OutOfMemoryError):
+            raise
+        except (RuntimeError, IndexError) as error:
+            module = subject if isinstance(subject, nn.Module) else getattr(subject, "module", None)
+            if not isinstance(module, nn.Module):
+                raise
+            cause = (str(error).strip() or type(error).__name__).splitlines()[0]
+            raise module_error(
+                module,
+                f"its rule {type(rule).__name__} failed on this call's inputs ({cause}). "
+                "Check that the module is called as its type documents it, or register a rule "
+                "for it with curvopt.layers.register; see docs/support.md#modules-without-a-rule.",
+            ) from error
+
+    run.guarded = True
+    return run
 
 
 class LayerRule:
@@ -131,6 +271,10 @@ class LayerRule:
     materialising ``[N, *p.shape]``; returning ``None`` means "derive it from batch_grad".
     """
 
+    #: the methods of a registered module type that define the function it computes: a
+    #: subclass that defines one computes something else, and gets this rule only where it is
+    #: registered for the subclass too (:func:`rule_for`)
+    function_methods: Tuple[str, ...] = ("forward",)
     #: whether the rule also owns the parameters of the module's children
     #: (modules whose forward uses their children's parameters functionally, e.g. attention)
     owns_children: bool = False
@@ -145,6 +289,10 @@ class LayerRule:
     #: (attention dropout): the forward then keeps the generator state it starts from where
     #: :meth:`draws_random` says it draws, as ``call.random``, to replay it
     replays_random_forward: bool = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _guard(cls)
 
     def batch_dim(self, module: nn.Module) -> int:
         """Dimension of the inputs/outputs that indexes samples."""
@@ -298,3 +446,6 @@ class LayerRule:
         """KFRA factors of ``name`` from the inputs ``x [N, I]`` and the propagated output-side
         factor ``b`` (``O x O``), output side first."""
         raise NotImplementedError
+
+
+_guard(LayerRule)
