@@ -4,6 +4,11 @@ with no ``with`` block, and combines the passes of one window (until the optimiz
 ``zero_grad``) like one batch. ``collect``'s dispatcher sends each backward pass's hooks to it
 (and to the open ``collect`` block and the other armed collections; see ``collect`` for which
 one writes an attribute two of them want).
+
+A window whose step refreshes no curvature (``curvature_interval``) is a plain one: the
+collection rests (:meth:`Collection.follow`, asked at the start of each window whether its
+owner's next step collects), stays armed but takes no pass, and while every armed collection
+rests and no block is open the forward hooks do nothing (``STATE.plain``).
 """
 
 from __future__ import annotations
@@ -33,12 +38,22 @@ class Collection(collect):
     refresh), so that ``S`` adds.
 
     ``requests() -> (extensions, [(param, attr)], collect options)``, read at the first pass
-    of each window; ``None`` when its owner is gone.
+    of each window; ``None`` when its owner is gone. ``collects() -> bool``: whether the
+    owner's next step collects anything, asked when a window starts (:meth:`follow`); where
+    not, the collection rests through the window (default: it never rests).
     """
 
-    def __init__(self, requests: Callable[[], Optional[tuple]]):
+    #: armed, but taking no pass in this window: its owner's next step collects nothing
+    resting = False
+
+    def __init__(
+        self,
+        requests: Callable[[], Optional[tuple]],
+        collects: Optional[Callable[[], bool]] = None,
+    ):
         super().__init__()
         self._requests = requests
+        self._collects = collects
         self._window: Optional[tuple] = None  # (extensions, {(id(p), attr)}, scope, options)
         #: what took over an attribute in a pass of this window: "block" (an open collect)
         #: or "optimizer" (a collection armed later on the same parameters); None
@@ -55,9 +70,24 @@ class Collection(collect):
 
     def arm(self) -> None:
         if self._ref is None:
+            self.resting = not self._wanted()
             self._ref = weakref.ref(self, forget)
             STATE.armed = (*alive(), self._ref)
             refresh()
+
+    def follow(self) -> None:
+        """Rest through this window, or wake, as the owner's next step needs (``collects``)."""
+        resting = not self._wanted()
+        if resting != self.resting:
+            self.resting = resting
+            refresh()
+
+    def _wanted(self) -> bool:
+        return self._collects is None or bool(self._collects())
+
+    def backward_pass(self, outer: Optional[int] = None):
+        """As ``collect.backward_pass``; None while resting (the pass is not this one's)."""
+        return None if self.resting else super().backward_pass(outer)
 
     def disarm(self) -> None:
         if self._ref is not None:
@@ -82,13 +112,15 @@ class Collection(collect):
                 refresh()
 
     def reset(self) -> None:
-        """Start a new window: forget the passes so far (their values stay written)."""
+        """Start a new window: forget the passes so far (their values stay written), and rest
+        through it or not (:meth:`follow`)."""
         self._accumulator = Accumulator()
         self._window = self.stood_aside = None
         self._pass = self._task = None
         self._params = []
         self._warned = False
         self.skipped = {}
+        self.follow()
 
     def check(self, owner: str) -> None:
         """Raise where the values of this window are not this collection's alone (and warn
