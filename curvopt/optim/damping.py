@@ -8,6 +8,8 @@ its mutable state is a small dict created by :meth:`init` and replaced (never mu
 * :class:`ScheduledDamping` -- ``λ_t = f(t)`` for any callable ``f`` of the step count ``t``.
 * :class:`LevenbergMarquardt` -- adapts ``λ`` from the reduction ratio ``ρ`` (Martens & Grosse
   2015, Sec. 6.5): ``λ ← ω λ`` if ``ρ < 1/4``, ``λ ← λ / ω`` if ``ρ > 3/4``.
+* :class:`RelativeDamping` -- each parameter's ``λ = α · tr(C)/dim(C)``, a fraction of its
+  curvature's mean eigenvalue (the Newton optimizers' default, ``damping=None``).
 """
 
 from __future__ import annotations
@@ -192,7 +194,54 @@ class LevenbergMarquardt:
         )
 
 
-DampingStrategy = Union[ConstantDamping, ScheduledDamping, LevenbergMarquardt]
+class RelativeDamping:
+    """Each parameter's damping a fraction ``α`` of its curvature's scale:
+    ``λ = α · tr(C)/dim(C)``, the mean eigenvalue of its curvature ``C`` (``B ⊗ A``:
+    ``(tr B/dim B)(tr A/dim A)``; a diagonal: its mean; eigen-corrected: the mean of ``S``).
+
+    What ``damping=None`` (the default) of ``DiagGGNNewton``, ``KFAC`` and ``EKFAC`` becomes,
+    with ``α = relative_damping``. Multiplying the loss by ``c`` multiplies ``C`` and ``λ`` by
+    ``c``, so the step ``(C + λ I)⁻¹ g`` is the same: one default serves a loss summed over
+    samples, a per-sample mean and a mean over pixels. For ``B ⊗ A`` with the trace-norm split
+    (``kronecker_damping="trace_norm"``) each factor is damped by ``√α`` times its own mean
+    eigenvalue. The value the optimizer reports (:meth:`value`) is ``α``.
+
+    Args:
+        fraction: ``α ≥ 0``, finite.
+
+    Raises:
+        ValueError: ``fraction`` is negative or not finite.
+
+    Example:
+        >>> from curvopt.optim import RelativeDamping
+        >>> RelativeDamping(0.1).of(scale=40.0)  # the λ of a curvature with mean eigenvalue 40
+        4.0
+    """
+
+    adaptive = False
+
+    def __init__(self, fraction: float):
+        _check_nonnegative("relative_damping", fraction)
+        self.fraction = float(fraction)
+
+    def init(self) -> State:
+        return {}
+
+    def value(self, state: State, step: int) -> float:
+        return self.fraction
+
+    def update(self, state: State, rho: float) -> State:
+        return state
+
+    def of(self, scale: float) -> float:
+        """``λ = α · scale`` for a curvature whose mean eigenvalue is ``scale``."""
+        return self.fraction * scale
+
+    def __repr__(self) -> str:
+        return f"RelativeDamping({self.fraction!r})"
+
+
+DampingStrategy = Union[ConstantDamping, ScheduledDamping, LevenbergMarquardt, RelativeDamping]
 
 
 def as_damping(damping) -> DampingStrategy:
@@ -213,7 +262,7 @@ def as_damping(damping) -> DampingStrategy:
         >>> as_damping(1e-3)
         ConstantDamping(0.001)
     """
-    if isinstance(damping, (ConstantDamping, ScheduledDamping, LevenbergMarquardt)):
+    if isinstance(damping, (ConstantDamping, ScheduledDamping, LevenbergMarquardt, RelativeDamping)):
         return damping
     if isinstance(damping, Real) and not isinstance(damping, bool):
         return ConstantDamping(damping)
@@ -221,7 +270,8 @@ def as_damping(damping) -> DampingStrategy:
         return ScheduledDamping(damping)
     raise ValueError(
         f"damping must be a number >= 0, a callable of the step count or a damping strategy "
-        f"(ConstantDamping, ScheduledDamping, LevenbergMarquardt), got {damping!r}"
+        f"(ConstantDamping, ScheduledDamping, LevenbergMarquardt, RelativeDamping), got "
+        f"{damping!r}"
     )
 
 
@@ -254,4 +304,4 @@ def reduction_ratio(actual: float, predicted: float) -> float:
 
 
 # plain-data strategies may be loaded with torch.load(weights_only=True) (a schedule holds code)
-torch.serialization.add_safe_globals([ConstantDamping, LevenbergMarquardt])
+torch.serialization.add_safe_globals([ConstantDamping, LevenbergMarquardt, RelativeDamping])

@@ -48,7 +48,8 @@ class EKFACOptions(NewtonOptions):
     fallback: str | None = option("diagonal", choice(*KRONECKER_FALLBACKS))
     curvature_ema: float = option(0.0, number(0.0, 1.0, open_high=True), keyword=False)
     reduction: str | None = option(None, optional(choice("mean", "sum")))
-    basis_interval: int = option(1, number(1, integer=True))
+    #: None (default): at every curvature step (``curvature_interval``)
+    basis_interval: int | None = option(None, optional(number(1, integer=True)))
     kfac_approx: str = option("expand", choice(*KFAC_APPROX))
     max_basis_dim: int | None = option(None, optional(number(1, integer=True)))
 
@@ -59,7 +60,7 @@ class EKFACOptions(NewtonOptions):
                 "EKFAC does not support curvature_ema: S is recomputed in the current basis "
                 "at every curvature step"
             )
-        if self.basis_interval % self.curvature_interval:
+        if self.basis_interval is not None and self.basis_interval % self.curvature_interval:
             raise ValueError(
                 f"basis_interval ({self.basis_interval}) must be a multiple of "
                 f"curvature_interval ({self.curvature_interval}): the basis is refreshed "
@@ -170,7 +171,7 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         return "ekfac", {**options, "bases": self._supplied, "reduction": group["reduction"]}
 
     def _basis_due(self, group, step: int) -> bool:
-        return step % group["basis_interval"] == 0
+        return step % (group["basis_interval"] or group["curvature_interval"]) == 0
 
     def _supplied(self, param):
         """The bases the next pass uses for ``param``: its current ones, or ``None`` (fresh)
@@ -228,6 +229,10 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
             return inverse.apply_one(item.grad), {}
         pending = item.update.state.get("bases_next", item.state.get("bases_next"))
         return inverse.apply_one(item.grad), {"bases_next": pending}
+
+    def _curvature_scale(self, curvature):
+        """``tr(Q diag(S) Qᵀ)/dim``: the mean of ``S``."""
+        return curvature[0].mean()
 
     def _quadratic(self, curvature, step):
         correction, bases = curvature[0], curvature[1:]

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-
 
 import torch
 
-from curvopt.core.reductions import dense
+from curvopt.core.reductions import dense, diagonal
 from curvopt.optim.fallback import DiagonalFallback
 from curvopt.optim.gradient_factors import FactorCapture, factored_cheaper, reproduces
 from curvopt.optim.kronecker import InverseOptions, KroneckerInverse, as_matrix, kron_quadratic
@@ -261,6 +261,10 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
         """The rows of ``param``'s gradient captured in the pass, or None (``gradient_factors``)."""
         capture = self._capture
         return None if capture is None else capture.factors(param)
+
+    def _curvature_scale(self, curvature):
+        """``tr(B ⊗ A)/dim = (tr B/dim B)(tr A/dim A)``."""
+        return math.prod(diagonal(f).mean() for f in curvature)
 
     def _quadratic(self, curvature, step):
         return kron_quadratic([dense(f) for f in curvature], as_matrix(step, curvature))

@@ -44,6 +44,7 @@ eigendecompositions) are computed before the directions, each on one rank, and b
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
@@ -55,8 +56,9 @@ from curvopt import extensions
 from curvopt.core import values
 from curvopt.core.extended import path_of
 from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, number, skip_options
-from curvopt.optim.damping import as_damping, reduction_ratio
+from curvopt.optim.damping import reduction_ratio
 from curvopt.optim.fallback import announce
+from curvopt.optim.options import damping_strategy, parameter_damping
 from curvopt.optim.plan import ParamUpdate
 from curvopt.optim.stages import (
     NEWTON,
@@ -112,7 +114,7 @@ class NewtonOptimizer(CurvatureOptimizer):
     Example:
         >>> import torch, curvopt
         >>> model = curvopt.extend(torch.nn.Sequential(torch.nn.Linear(3, 2)))
-        >>> opt = curvopt.optim.KFAC(model.parameters(), lr=0.1)
+        >>> opt = curvopt.optim.KFAC(model.parameters(), lr=0.1, damping=1e-3)
         >>> isinstance(opt, curvopt.optim.NewtonOptimizer)
         True
         >>> opt.damping()  # the damping the next step of param group 0 uses
@@ -263,7 +265,7 @@ class NewtonOptimizer(CurvatureOptimizer):
         return fallback is None or "fallback_diagonal" not in state
 
     def _damping(self, group, group_state):
-        strategy = as_damping(group["damping"])
+        strategy = damping_strategy(group["damping"], group["relative_damping"])
         return strategy, group_state["damping"] or strategy.init()
 
     def _plan_group(self, group, group_state, with_model):
@@ -299,8 +301,39 @@ class NewtonOptimizer(CurvatureOptimizer):
     def _preconditioner(self) -> Preconditioner:
         """The stages' narrow view of this optimizer (``stages.base.Preconditioner``)."""
         return Preconditioner(
-            self._direction, self._fallback_direction, self._derived, self._distributed
+            self._damped_direction, self._fallback_direction, self._damped_derived, self._distributed
         )
+
+    # ----------------------------------------------------------------- relative damping
+    # ``damping=None``: each parameter's ``λ = α · tr(C)/dim(C)`` (``damping.RelativeDamping``),
+    # its curvature's scale read once per curvature (kept in its state with the step it is from)
+    def _damped_direction(self, item: ParamStep, step: GroupStep):
+        """:meth:`_direction` with the parameter's own ``λ + δ`` where the damping is relative."""
+        if step.group["damping"] is not None:
+            return self._direction(item, step)
+        scale = self._scale(item)
+        own = dataclasses.replace(step, damping=parameter_damping(step.group, scale))
+        direction, state = self._direction(item, own)
+        return direction, {**state, "curvature_scale": (item.curvature_step, scale)}
+
+    def _damped_derived(self, curvature, group, damping, curvature_step):
+        """:meth:`_derived` with the parameter's own ``λ + δ`` where the damping is relative."""
+        if group["damping"] is not None:
+            return self._derived(curvature, group, damping, curvature_step)
+        scale = float(self._curvature_scale(curvature))
+        return self._derived(curvature, group, parameter_damping(group, scale), curvature_step)
+
+    def _scale(self, item: ParamStep) -> float:
+        """``tr(C)/dim(C)`` of the curvature in use, as kept in the state where it is from the
+        same step (one host read per refresh, none on the steps between)."""
+        kept = item.state.get("curvature_scale")
+        if kept is not None and kept[0] == item.curvature_step:
+            return kept[1]
+        return float(self._curvature_scale(item.curvature))
+
+    def _curvature_scale(self, curvature: Any) -> torch.Tensor:
+        """``tr(C)/dim(C)``, the mean eigenvalue of ``curvature`` (a diagonal: its mean)."""
+        return curvature.mean()
 
     def _total_damping(self, group, group_state) -> float:
         """``λ + δ``: the damping of this step plus the weight decay."""
@@ -354,7 +387,8 @@ class NewtonOptimizer(CurvatureOptimizer):
             self._group_state[index]["damping"] = strategy.update(damping_state, rho)
 
     def damping(self, group_index: int = 0) -> float:
-        """The damping ``λ`` that the next step of param group ``group_index`` uses."""
+        """The damping ``λ`` that the next step of param group ``group_index`` uses (relative
+        damping, ``damping=None``: the fraction ``α``)."""
         group, group_state = self.param_groups[group_index], self._group_state[group_index]
         strategy, damping_state = self._damping(group, group_state)
         return strategy.value(damping_state, group_state["step"])

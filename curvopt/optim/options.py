@@ -25,7 +25,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from curvopt.optim.damping import as_damping
+from curvopt.optim.damping import RelativeDamping, as_damping
 
 Check = Callable[[str, Any], None]
 
@@ -98,10 +98,16 @@ def optional(check: Check) -> Check:
 #: how Kronecker factors treat positions that share a weight (``extensions.KFAC(kfac_approx=)``)
 KFAC_APPROX = ("expand", "reduce")
 
-#: ``λ`` when none is given: kfac-pytorch's default, small against the curvature of a trained
-#: network, so the steps stay close to Newton's; the trust region (``kl_clip=1e-3``, also
-#: kfac-pytorch's default) bounds the steps that so small a damping would make too long
-DEFAULT_DAMPING = 1e-3
+#: ``λ`` when none is given (``damping=None``): relative, ``α · tr(C)/dim(C)`` per parameter
+#: (``damping.RelativeDamping``), ``α`` this fraction of the curvature's mean eigenvalue, so
+#: the default follows the loss's scale; the trust region (``kl_clip=1e-3``, kfac-pytorch's
+#: default) bounds the steps. Chosen by ``tests/test_optim_defaults.py``'s seeds
+DEFAULT_RELATIVE_DAMPING = 0.1
+
+#: ``k`` when none is given: the curvature (and its inverses) refreshed every ``k`` steps, the
+#: steps in between plain ones that leave the engine alone (``frontend.collection``); the first
+#: step always refreshes. ``curvature_interval=1`` is the paper's update
+DEFAULT_CURVATURE_INTERVAL = 10
 
 #: ``fallback`` of the Kronecker optimizers (``KFAC``, ``EKFAC``): what a parameter without a
 #: Kronecker factorisation gets (:mod:`curvopt.optim.fallback`); ``None`` raises
@@ -109,7 +115,8 @@ KRONECKER_FALLBACKS = (None, "sgd", "diagonal")
 
 
 def _damping(name: str, value) -> None:
-    as_damping(value)
+    if value is not None:  # None: relative (``relative_damping``)
+        as_damping(value)
 
 
 def _newton_schulz_dtype(name: str, value) -> None:
@@ -166,12 +173,16 @@ class NewtonOptions(CurvatureOptions):
 
     POSITIONAL: ClassVar[tuple[str, ...]] = ("lr", "damping", "curvature", "weight_decay")
 
-    damping: Any = option(DEFAULT_DAMPING, _damping)
+    #: ``λ``: None (relative: ``relative_damping`` of each curvature's mean eigenvalue), a
+    #: number (absolute), a callable of the step count or a strategy (``optim.damping``)
+    damping: Any = option(None, _damping)
     curvature: str = option()  # each optimizer declares its default and choices
     mc_samples: int = option(1, number(1, integer=True))
     momentum: float = option(0.0, number(0.0, 1.0, open_high=True))
     curvature_ema: float = option(0.0, number(0.0, 1.0, open_high=True))
-    curvature_interval: int = option(1, number(1, integer=True))
+    curvature_interval: int = option(DEFAULT_CURVATURE_INTERVAL, number(1, integer=True))
+    #: ``α`` of ``damping=None``: each parameter's ``λ = α · tr(C)/dim(C)``
+    relative_damping: float = option(DEFAULT_RELATIVE_DAMPING, number())
     kl_clip: float | None = option(1e-3, optional(number()))
     fallback: str | None = option(None, choice(None, "sgd"))
     #: ``K``: Kronecker factors from the first ``K`` samples of each batch (``extensions.KFAC(
@@ -186,12 +197,25 @@ class NewtonOptions(CurvatureOptions):
     orthogonalize_dtype: Any = option(None, _newton_schulz_dtype)
 
     def relations(self) -> None:
-        if self.schedule_free is not None and as_damping(self.damping).adaptive:
+        strategy = damping_strategy(self.damping, self.relative_damping)
+        if self.schedule_free is not None and strategy.adaptive:
             raise ValueError(
                 "schedule_free does not combine with adaptive (Levenberg-Marquardt) damping, "
                 "whose quadratic model predicts the Newton step, not the averaged one; use a "
                 "constant or scheduled damping, or schedule_free=None"
             )
+
+
+def damping_strategy(damping, relative_damping: float) -> Any:
+    """The strategy of a param group's ``damping``: ``RelativeDamping(relative_damping)`` for
+    ``None``, else ``as_damping(damping)``."""
+    return RelativeDamping(relative_damping) if damping is None else as_damping(damping)
+
+
+def parameter_damping(group: dict[str, Any], scale: float) -> float:
+    """``λ + δ`` of one parameter of a group with relative damping (``damping=None``), whose
+    curvature's mean eigenvalue is ``scale``: ``α · scale + δ``."""
+    return RelativeDamping(group["relative_damping"]).of(scale) + group["weight_decay"]
 
 
 def constructor(
