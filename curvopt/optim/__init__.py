@@ -5,7 +5,8 @@ Optimizers (``torch.optim.Optimizer`` subclasses): :class:`DiagGGNNewton`, :clas
 functions, usable on their own):
 
 * damping strategies: :class:`ConstantDamping`, :class:`ScheduledDamping`,
-  :class:`LevenbergMarquardt`, :func:`as_damping`, :func:`reduction_ratio`;
+  :class:`LevenbergMarquardt`, :class:`RelativeDamping`, :func:`as_damping`,
+  :func:`reduction_ratio`;
 * inversion: :func:`cholesky_factor`, :func:`cholesky_solve_right`, :func:`cholesky_inverse`,
   :func:`psd_eigh`, :func:`cached`;
 * diagonal curvature: :func:`diag_precondition`, :func:`diag_quadratic`;
@@ -24,6 +25,7 @@ from curvopt.optim.base import CurvatureOptimizer
 from curvopt.optim.damping import (
     ConstantDamping,
     LevenbergMarquardt,
+    RelativeDamping,
     ScheduledDamping,
     as_damping,
     reduction_ratio,
@@ -74,6 +76,7 @@ __all__ = [
     "LevenbergMarquardt",
     "LowRankInverse",
     "NewtonOptimizer",
+    "RelativeDamping",
     "ScheduledDamping",
     "VarianceAdaptedSGD",
     "add_weight_decay",

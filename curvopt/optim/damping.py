@@ -8,8 +8,8 @@ its mutable state is a small dict created by :meth:`init` and replaced (never mu
 * :class:`ScheduledDamping` -- ``λ_t = f(t)`` for any callable ``f`` of the step count ``t``.
 * :class:`LevenbergMarquardt` -- adapts ``λ`` from the reduction ratio ``ρ`` (Martens & Grosse
   2015, Sec. 6.5): ``λ ← ω λ`` if ``ρ < 1/4``, ``λ ← λ / ω`` if ``ρ > 3/4``.
-* :class:`RelativeDamping` -- each parameter's ``λ = α · tr(C)/dim(C)``, a fraction of its
-  curvature's mean eigenvalue (the Newton optimizers' default, ``damping=None``).
+* :class:`RelativeDamping` -- ``λ = α · m``, a fraction of the curvature's mean eigenvalue
+  ``m = tr(C)/dim(C)`` over a param group (the Newton optimizers' default, ``damping=None``).
 """
 
 from __future__ import annotations
@@ -195,34 +195,43 @@ class LevenbergMarquardt:
 
 
 class RelativeDamping:
-    """Each parameter's damping a fraction ``α`` of its curvature's scale:
-    ``λ = α · tr(C)/dim(C)``, the mean eigenvalue of its curvature ``C`` (``B ⊗ A``:
-    ``(tr B/dim B)(tr A/dim A)``; a diagonal: its mean; eigen-corrected: the mean of ``S``).
+    """A damping that follows the curvature's scale: ``λ = α · m``, ``m`` the mean over a param
+    group's parameters of their curvature's mean eigenvalue ``tr(C)/dim(C)`` (``B ⊗ A``:
+    ``(tr B/dim B)(tr A/dim A)``; a diagonal: its mean; eigen-corrected: the mean of ``S``)
+    at the first refresh, kept from then on: the scale of the loss, not of a curvature that
+    collapses once the model fits its batches (the Gauss-Newton matrix of a confident
+    classifier goes to zero, and a damping that followed it would let the steps grow without
+    bound).
 
     What ``damping=None`` (the default) of ``DiagGGNNewton``, ``KFAC`` and ``EKFAC`` becomes,
     with ``α = relative_damping``. Multiplying the loss by ``c`` multiplies ``C`` and ``λ`` by
     ``c``, so the step ``(C + λ I)⁻¹ g`` is the same: one default serves a loss summed over
-    samples, a per-sample mean and a mean over pixels. For ``B ⊗ A`` with the trace-norm split
-    (``kronecker_damping="trace_norm"``) each factor is damped by ``√α`` times its own mean
-    eigenvalue. The value the optimizer reports (:meth:`value`) is ``α``.
+    samples, a per-sample mean and a mean over pixels. One ``λ`` for the group, not one per
+    parameter: a layer whose curvature is (nearly) zero or of low rank at a refresh (few
+    samples, a wide layer) is damped on the scale of the others, not by a fraction of its own
+    vanishing scale. A curvature without scale (all zero) gets ``min_damping``. The value the
+    optimizer reports (:meth:`value`) is ``α``.
 
     Args:
         fraction: ``α ≥ 0``, finite.
+        min_damping: the least ``λ`` (default ``1e-8``).
 
     Raises:
-        ValueError: ``fraction`` is negative or not finite.
+        ValueError: ``fraction`` or ``min_damping`` is negative or not finite.
 
     Example:
         >>> from curvopt.optim import RelativeDamping
-        >>> RelativeDamping(0.1).of(scale=40.0)  # the λ of a curvature with mean eigenvalue 40
+        >>> RelativeDamping(0.1).of(scale=40.0)  # λ for curvatures of mean eigenvalue 40
         4.0
     """
 
     adaptive = False
 
-    def __init__(self, fraction: float):
+    def __init__(self, fraction: float, min_damping: float = 1e-8):
         _check_nonnegative("relative_damping", fraction)
+        _check_nonnegative("min_damping", min_damping)
         self.fraction = float(fraction)
+        self.min_damping = float(min_damping)
 
     def init(self) -> State:
         return {}
@@ -234,11 +243,12 @@ class RelativeDamping:
         return state
 
     def of(self, scale: float) -> float:
-        """``λ = α · scale`` for a curvature whose mean eigenvalue is ``scale``."""
-        return self.fraction * scale
+        """``λ = max(α · scale, min_damping)`` for a curvature whose mean eigenvalue is
+        ``scale``."""
+        return max(self.fraction * scale, self.min_damping)
 
     def __repr__(self) -> str:
-        return f"RelativeDamping({self.fraction!r})"
+        return f"RelativeDamping({self.fraction!r}, min_damping={self.min_damping!r})"
 
 
 DampingStrategy = Union[ConstantDamping, ScheduledDamping, LevenbergMarquardt, RelativeDamping]

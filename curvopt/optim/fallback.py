@@ -41,7 +41,6 @@ import warnings
 from curvopt import extensions
 from curvopt.core import values
 from curvopt.optim.diagonal import diag_precondition
-from curvopt.optim.options import parameter_damping
 
 
 class DiagonalFallback:
@@ -61,17 +60,14 @@ class DiagonalFallback:
         if step.group["fallback"] != "diagonal":
             return super()._fallback_direction(item, step)
         writer = extensions.writer(self._extension(step.group)[0])
-        damping, group = step.damping, step.group
-        if group["damping"] is None:  # relative: a fraction of the diagonal's mean
-            damping = lambda diagonal: parameter_damping(group, float(diagonal.mean()))  # noqa: E731
-        return fallback_diagonal(self, item.update, item.grad, item.state, writer, damping)
+        return fallback_diagonal(self, item.update, item.grad, item.state, writer, step.damping)
 
 
 def fallback_diagonal(optimizer, update, grad, state, writer, damping):
     """``(d, new state)``: ``d = g / (c + λ)`` with ``c`` the diagonal the extension class
     ``writer`` declares for parameters without factors (``writer.fallback``, e.g.
     ``p.kfac_diagonal``) when it is fresh, else the diagonal of the last update
-    (``state["fallback_diagonal"]``); ``damping``: ``λ + δ``, or a function of ``c`` giving it."""
+    (``state["fallback_diagonal"]``)."""
     name = writer.fallback.attr
     param = update.param
     value = values.read(param, name)
@@ -80,7 +76,6 @@ def fallback_diagonal(optimizer, update, grad, state, writer, damping):
     if diagonal is None:
         diagonal = optimizer._read(update, name, writer.__name__, None)
     update.checks.append((f"`{name}`", diagonal))
-    damping = damping(diagonal) if callable(damping) else damping
     return diag_precondition(grad, diagonal, damping), {"fallback_diagonal": diagonal}
 
 

@@ -44,7 +44,6 @@ eigendecompositions) are computed before the directions, each on one rank, and b
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
@@ -58,7 +57,7 @@ from curvopt.core.extended import path_of
 from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, number, skip_options
 from curvopt.optim.damping import reduction_ratio
 from curvopt.optim.fallback import announce
-from curvopt.optim.options import damping_strategy, parameter_damping
+from curvopt.optim.options import damping_strategy, scaled_damping
 from curvopt.optim.plan import ParamUpdate
 from curvopt.optim.stages import (
     NEWTON,
@@ -293,6 +292,8 @@ class NewtonOptimizer(CurvatureOptimizer):
                     name = path_of(param) or update.description
                     self.__dict__.setdefault("_fell_back", {})[name] = group["fallback"]
             step.params.append(item)
+        if group["damping"] is None:
+            step.damping = self._relative_damping(step, group_state)
         for stage in self._stages.for_group(group):
             stage(step)
         predicted = self._predicted(step) if with_model else 0.0
@@ -301,35 +302,25 @@ class NewtonOptimizer(CurvatureOptimizer):
     def _preconditioner(self) -> Preconditioner:
         """The stages' narrow view of this optimizer (``stages.base.Preconditioner``)."""
         return Preconditioner(
-            self._damped_direction, self._fallback_direction, self._damped_derived, self._distributed
+            self._direction, self._fallback_direction, self._derived, self._distributed
         )
 
     # ----------------------------------------------------------------- relative damping
-    # ``damping=None``: each parameter's ``λ = α · tr(C)/dim(C)`` (``damping.RelativeDamping``),
-    # its curvature's scale read once per curvature (kept in its state with the step it is from)
-    def _damped_direction(self, item: ParamStep, step: GroupStep):
-        """:meth:`_direction` with the parameter's own ``λ + δ`` where the damping is relative."""
-        if step.group["damping"] is not None:
-            return self._direction(item, step)
-        scale = self._scale(item)
-        own = dataclasses.replace(step, damping=parameter_damping(step.group, scale))
-        direction, state = self._direction(item, own)
-        return direction, {**state, "curvature_scale": (item.curvature_step, scale)}
-
-    def _damped_derived(self, curvature, group, damping, curvature_step):
-        """:meth:`_derived` with the parameter's own ``λ + δ`` where the damping is relative."""
-        if group["damping"] is not None:
-            return self._derived(curvature, group, damping, curvature_step)
-        scale = float(self._curvature_scale(curvature))
-        return self._derived(curvature, group, parameter_damping(group, scale), curvature_step)
-
-    def _scale(self, item: ParamStep) -> float:
-        """``tr(C)/dim(C)`` of the curvature in use, as kept in the state where it is from the
-        same step (one host read per refresh, none on the steps between)."""
-        kept = item.state.get("curvature_scale")
-        if kept is not None and kept[0] == item.curvature_step:
-            return kept[1]
-        return float(self._curvature_scale(item.curvature))
+    def _relative_damping(self, step: GroupStep, group_state: dict[str, Any]) -> float:
+        """``λ + δ`` of a group with relative damping (``damping=None``): ``λ = α · m``, ``m``
+        the mean over the group's parameters of their curvature's mean eigenvalue
+        (:meth:`_curvature_scale`) at the first refresh that finds one above zero (one host
+        read), kept in the group state from then on: the scale of the loss, not of a
+        curvature that collapses once the batches are fit."""
+        scale = group_state.get("curvature_scale")
+        curvatures = [item.curvature for item in step.params if item.curvature is not None]
+        if scale is None and curvatures:
+            device = _device(curvatures[0])
+            scales = [self._curvature_scale(c).to(device, torch.float64) for c in curvatures]
+            found = float(torch.stack(scales).mean())
+            if found > 0:
+                scale = group_state["curvature_scale"] = found
+        return scaled_damping(step.group, scale or 0.0)
 
     def _curvature_scale(self, curvature: Any) -> torch.Tensor:
         """``tr(C)/dim(C)``, the mean eigenvalue of ``curvature`` (a diagonal: its mean)."""
@@ -392,3 +383,8 @@ class NewtonOptimizer(CurvatureOptimizer):
         group, group_state = self.param_groups[group_index], self._group_state[group_index]
         strategy, damping_state = self._damping(group, group_state)
         return strategy.value(damping_state, group_state["step"])
+
+
+def _device(curvature: Any) -> torch.device:
+    """The device of a curvature (a tensor, or a list whose first entry is one)."""
+    return (curvature if isinstance(curvature, torch.Tensor) else curvature[0]).device

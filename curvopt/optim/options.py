@@ -98,9 +98,9 @@ def optional(check: Check) -> Check:
 #: how Kronecker factors treat positions that share a weight (``extensions.KFAC(kfac_approx=)``)
 KFAC_APPROX = ("expand", "reduce")
 
-#: ``λ`` when none is given (``damping=None``): relative, ``α · tr(C)/dim(C)`` per parameter
-#: (``damping.RelativeDamping``), ``α`` this fraction of the curvature's mean eigenvalue, so
-#: the default follows the loss's scale; the trust region (``kl_clip=1e-3``, kfac-pytorch's
+#: ``α`` of the damping when none is given (``damping=None``): relative, ``λ = α · m``, ``m``
+#: the mean eigenvalue ``tr(C)/dim(C)`` of the group's curvatures (``damping.RelativeDamping``),
+#: so the default follows the loss's scale; the trust region (``kl_clip=1e-3``, kfac-pytorch's
 #: default) bounds the steps. Chosen by ``tests/test_optim_defaults.py``'s seeds
 DEFAULT_RELATIVE_DAMPING = 0.1
 
@@ -173,7 +173,7 @@ class NewtonOptions(CurvatureOptions):
 
     POSITIONAL: ClassVar[tuple[str, ...]] = ("lr", "damping", "curvature", "weight_decay")
 
-    #: ``λ``: None (relative: ``relative_damping`` of each curvature's mean eigenvalue), a
+    #: ``λ``: None (relative: ``relative_damping`` times the curvatures' mean eigenvalue), a
     #: number (absolute), a callable of the step count or a strategy (``optim.damping``)
     damping: Any = option(None, _damping)
     curvature: str = option()  # each optimizer declares its default and choices
@@ -181,7 +181,7 @@ class NewtonOptions(CurvatureOptions):
     momentum: float = option(0.0, number(0.0, 1.0, open_high=True))
     curvature_ema: float = option(0.0, number(0.0, 1.0, open_high=True))
     curvature_interval: int = option(DEFAULT_CURVATURE_INTERVAL, number(1, integer=True))
-    #: ``α`` of ``damping=None``: each parameter's ``λ = α · tr(C)/dim(C)``
+    #: ``α`` of ``damping=None``: ``λ = α · m``, ``m`` the mean of the curvatures' ``tr(C)/dim(C)``
     relative_damping: float = option(DEFAULT_RELATIVE_DAMPING, number())
     kl_clip: float | None = option(1e-3, optional(number()))
     fallback: str | None = option(None, choice(None, "sgd"))
@@ -212,9 +212,9 @@ def damping_strategy(damping, relative_damping: float) -> Any:
     return RelativeDamping(relative_damping) if damping is None else as_damping(damping)
 
 
-def parameter_damping(group: dict[str, Any], scale: float) -> float:
-    """``λ + δ`` of one parameter of a group with relative damping (``damping=None``), whose
-    curvature's mean eigenvalue is ``scale``: ``α · scale + δ``."""
+def scaled_damping(group: dict[str, Any], scale: float) -> float:
+    """``λ + δ`` of a group with relative damping (``damping=None``) whose curvature's mean
+    eigenvalue is ``scale``: ``α · scale + δ``."""
     return RelativeDamping(group["relative_damping"]).of(scale) + group["weight_decay"]
 
 
