@@ -32,8 +32,6 @@ RECORD = pathlib.Path(__file__).resolve().parent / "data" / "optim_steps.pt"
 STEPS = 5
 N = 6
 PRACTICAL = {"curvature_interval": 2, "curvature_ema": 0.95, "momentum": 0.9, "kl_clip": 1e-3}
-#: curvature at every step, as recorded (the default refreshes it every 10 steps)
-EVERY = {"curvature_interval": 1}
 
 
 def _mlp(width_in: int, dtype) -> nn.Module:
@@ -59,7 +57,7 @@ class _WithToken(nn.Module):
 CASES = {
     "diag_mc": (
         lambda: _mlp(4, torch.float64),
-        lambda p: DiagGGNNewton(p, 0.3, 0.1, kl_clip=None, **EVERY),
+        lambda p: DiagGGNNewton(p, 0.3, 0.1, kl_clip=None),
         "mean",
         0,
     ),
@@ -72,22 +70,20 @@ CASES = {
     "diag_levenberg_marquardt": (
         lambda: _mlp(4, torch.float64),
         lambda p: DiagGGNNewton(
-            p, 0.5, LevenbergMarquardt(0.1, interval=1), "exact", 0.01, kl_clip=None, **EVERY
+            p, 0.5, LevenbergMarquardt(0.1, interval=1), "exact", 0.01, kl_clip=None
         ),
         "mean",
         1,
     ),
     "diag_fallback_sgd": (
         lambda: _mlp(4, torch.float64),
-        lambda p: DiagGGNNewton(
-            p, 0.3, 0.1, mc_samples=2, fallback="sgd", kl_clip=None, **EVERY
-        ),
+        lambda p: DiagGGNNewton(p, 0.3, 0.1, mc_samples=2, fallback="sgd", kl_clip=None),
         "sum",
         0,
     ),
     "kfac_paper": (
         lambda: _mlp(4, torch.float64),
-        lambda p: KFAC(p, 0.3, 0.1, kl_clip=None, **EVERY),
+        lambda p: KFAC(p, 0.3, 0.1, kl_clip=None),
         "mean",
         0,
     ),
@@ -100,38 +96,26 @@ CASES = {
     "kflr_exact_damping": (
         lambda: _mlp(4, torch.float64),
         lambda p: KFAC(
-            p,
-            0.3,
-            0.1,
-            "kflr",
-            0.01,
-            kronecker_damping="exact",
-            inverse_interval=2,
-            kl_clip=None,
-            **EVERY,
+            p, 0.3, 0.1, "kflr", 0.01, kronecker_damping="exact", inverse_interval=2, kl_clip=None
         ),
         "sum",
         0,
     ),
     "kfra_momentum": (
         lambda: _mlp(4, torch.float64),
-        lambda p: KFAC(
-            p, 0.3, 0.1, "kfra", momentum=0.5, curvature_ema=0.5, kl_clip=None, **EVERY
-        ),
+        lambda p: KFAC(p, 0.3, 0.1, "kfra", momentum=0.5, curvature_ema=0.5, kl_clip=None),
         "mean",
         0,
     ),
     "kfac_low_rank_float32": (  # input width 24 > batch 6: Woodbury inverses
         lambda: _mlp(24, torch.float32),
-        lambda p: KFAC(p, 0.3, 0.1, "kflr", curvature_ema=0.9, kl_clip=1e-2, **EVERY),
+        lambda p: KFAC(p, 0.3, 0.1, "kflr", curvature_ema=0.9, kl_clip=1e-2),
         "mean",
         0,
     ),
     "kfac_levenberg_marquardt": (
         lambda: _mlp(4, torch.float64),
-        lambda p: KFAC(
-            p, 0.5, LevenbergMarquardt(0.1, interval=2), "kflr", 0.01, kl_clip=None, **EVERY
-        ),
+        lambda p: KFAC(p, 0.5, LevenbergMarquardt(0.1, interval=2), "kflr", 0.01, kl_clip=None),
         "mean",
         1,
     ),
@@ -151,14 +135,13 @@ CASES = {
             0.1,
             "kflr",
             kl_clip=None,
-            **EVERY,
         ),
         "mean",
         0,
     ),
     "ekfac_paper": (
         lambda: _mlp(4, torch.float64),
-        lambda p: EKFAC(p, 0.3, 0.1, kl_clip=None, **EVERY),
+        lambda p: EKFAC(p, 0.3, 0.1, kl_clip=None),
         "mean",
         0,
     ),
@@ -174,7 +157,6 @@ CASES = {
             basis_interval=2,
             momentum=0.9,
             kl_clip=1e-3,
-            **EVERY,
         ),
         "sum",
         0,

@@ -177,7 +177,7 @@ def test_closure_steps_rest_between_refreshes(monkeypatch):
     for step in range(4):
         X, y = _batch(step)
 
-        def closure():
+        def closure(X=X, y=y):
             opt.zero_grad()
             loss = lossfunc(model(X), y)
             loss.backward()

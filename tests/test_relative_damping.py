@@ -3,8 +3,9 @@ group of its curvatures' mean eigenvalues ``tr(C)/dim(C)``.
 
 In float64 against hand-formed damped inverses: the Kronecker step with the trace-norm split
 (``m`` from ``(tr B/dim B)(tr A/dim A)``), the diagonal step (``m`` from the diagonals' means),
-EKFAC's (``m`` from the means of ``S``; a twin with that absolute damping). Scale invariance: the loss
-multiplied by ``c`` gives the same steps (``kl_clip=None``), which an absolute damping does not.
+EKFAC's (``m`` from the means of ``S``; a twin with that absolute damping). Scale invariance:
+the loss multiplied by ``c`` gives the same steps (``kl_clip=None``), which an absolute damping
+does not.
 """
 
 import math
@@ -16,7 +17,11 @@ from torch import nn
 import curvopt
 from curvopt.optim import EKFAC, KFAC, DiagGGNNewton, RelativeDamping
 
-EXACT = {"KFAC": (KFAC, "kflr"), "EKFAC": (EKFAC, "kflr"), "DiagGGNNewton": (DiagGGNNewton, "exact")}
+EXACT = {
+    "KFAC": (KFAC, "kflr"),
+    "EKFAC": (EKFAC, "kflr"),
+    "DiagGGNNewton": (DiagGGNNewton, "exact"),
+}
 
 
 def _problem(seed=0, bias=True):
@@ -52,7 +57,9 @@ def _trace_norm_step(grad, factors, damping):
         return torch.linalg.solve(factors[0] + damping * eye[0], grad)
     (B, A), root = factors, math.sqrt(damping)
     pi = math.sqrt((A.trace() / len(A)) / (B.trace() / len(B)))
-    return torch.linalg.solve(B + root / pi * eye[0], grad) @ torch.linalg.inv(A + pi * root * eye[1])
+    return torch.linalg.solve(B + root / pi * eye[0], grad) @ torch.linalg.inv(
+        A + pi * root * eye[1]
+    )
 
 
 def test_the_kronecker_damping_is_the_fraction_of_the_mean_eigenvalue():

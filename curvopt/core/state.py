@@ -5,9 +5,9 @@ only while a ``collect`` block is open or a collection is armed, so that without
 extended model costs what the plain model costs. ``open`` is the open ``collect`` block;
 ``armed`` holds weak references to the persistent collections that optimizers own (oldest
 first), so an optimizer that is freed disarms its collection; one whose optimizer refreshes no
-curvature in the current window (a plain step) stays there, resting. It is a tuple, replaced and never
-changed in place: the weak references' callbacks run whenever the garbage collector frees a
-collection, also in the middle of a loop over ``armed``, which must not lose its place.
+curvature in the current window (a plain step) stays there, resting. It is a tuple, replaced
+and never changed in place: the weak references' callbacks run whenever the garbage collector
+frees a collection, also in the middle of a loop over ``armed``, which must not lose its place.
 
 ``plain`` is true while collections are armed, all of them rest and no block is open: the
 optimizers said that the passes until their next step compute nothing, so the forward hooks

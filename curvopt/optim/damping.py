@@ -272,7 +272,9 @@ def as_damping(damping) -> DampingStrategy:
         >>> as_damping(1e-3)
         ConstantDamping(0.001)
     """
-    if isinstance(damping, (ConstantDamping, ScheduledDamping, LevenbergMarquardt, RelativeDamping)):
+    if isinstance(
+        damping, (ConstantDamping, ScheduledDamping, LevenbergMarquardt, RelativeDamping)
+    ):
         return damping
     if isinstance(damping, Real) and not isinstance(damping, bool):
         return ConstantDamping(damping)

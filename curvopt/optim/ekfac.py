@@ -32,6 +32,7 @@ from curvopt.optim.options import (
     number,
     option,
     optional,
+    refresh_interval,
 )
 
 #: the factors' curvatures, by the attribute their extension writes
@@ -60,10 +61,11 @@ class EKFACOptions(NewtonOptions):
                 "EKFAC does not support curvature_ema: S is recomputed in the current basis "
                 "at every curvature step"
             )
-        if self.basis_interval is not None and self.basis_interval % self.curvature_interval:
+        interval = refresh_interval(self.curvature_interval, self.damping)
+        if self.basis_interval is not None and self.basis_interval % interval:
             raise ValueError(
                 f"basis_interval ({self.basis_interval}) must be a multiple of "
-                f"curvature_interval ({self.curvature_interval}): the basis is refreshed "
+                f"curvature_interval ({interval}): the basis is refreshed "
                 "at curvature steps"
             )
 
@@ -171,7 +173,8 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         return "ekfac", {**options, "bases": self._supplied, "reduction": group["reduction"]}
 
     def _basis_due(self, group, step: int) -> bool:
-        return step % (group["basis_interval"] or group["curvature_interval"]) == 0
+        interval = refresh_interval(group["curvature_interval"], group["damping"])
+        return step % (group["basis_interval"] or interval) == 0
 
     def _supplied(self, param):
         """The bases the next pass uses for ``param``: its current ones, or ``None`` (fresh)

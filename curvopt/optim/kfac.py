@@ -22,6 +22,7 @@ from curvopt.optim.options import (
     number,
     option,
     optional,
+    refresh_interval,
 )
 
 #: the curvatures, by the attribute their extension writes (``curvopt.extensions.writer``)
@@ -172,7 +173,8 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
         # a product with a dense inverse is one matrix product where triangular solves are two,
         # and forming the inverse costs about as much again as the Cholesky factorisation:
         # worth it when it is applied again
-        reused = max(group["inverse_interval"], group["curvature_interval"]) > 1
+        interval = refresh_interval(group["curvature_interval"], group["damping"])
+        reused = max(group["inverse_interval"], interval) > 1
         # Woodbury needs each rank's own roots: off when inverses are spread over ranks
         low_rank = self._distributed is None
         if (

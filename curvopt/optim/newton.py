@@ -57,7 +57,7 @@ from curvopt.core.extended import path_of
 from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, number, skip_options
 from curvopt.optim.damping import reduction_ratio
 from curvopt.optim.fallback import announce
-from curvopt.optim.options import damping_strategy, scaled_damping
+from curvopt.optim.options import damping_strategy, refresh_interval, scaled_damping
 from curvopt.optim.plan import ParamUpdate
 from curvopt.optim.stages import (
     NEWTON,
@@ -246,7 +246,8 @@ class NewtonOptimizer(CurvatureOptimizer):
 
     # ----------------------------------------------------------------- planning
     def _curvature_due(self, group: dict[str, Any], group_state: dict[str, Any]) -> bool:
-        return group_state["step"] % group["curvature_interval"] == 0
+        interval = refresh_interval(group["curvature_interval"], group["damping"])
+        return group_state["step"] % interval == 0
 
     def _needs(self, group, group_state) -> list[ExtensionSpec]:
         if self._curvature_due(group, group_state) or any(

@@ -102,12 +102,22 @@ KFAC_APPROX = ("expand", "reduce")
 #: the mean eigenvalue ``tr(C)/dim(C)`` of the group's curvatures (``damping.RelativeDamping``),
 #: so the default follows the loss's scale; the trust region (``kl_clip=1e-3``, kfac-pytorch's
 #: default) bounds the steps. Chosen by ``tests/test_optim_defaults.py``'s seeds
-DEFAULT_RELATIVE_DAMPING = 0.1
+DEFAULT_RELATIVE_DAMPING = 1.0
 
-#: ``k`` when none is given: the curvature (and its inverses) refreshed every ``k`` steps, the
-#: steps in between plain ones that leave the engine alone (``frontend.collection``); the first
-#: step always refreshes. ``curvature_interval=1`` is the paper's update
+#: ``k`` when none is given under the default relative damping (:func:`refresh_interval`): the
+#: curvature (and its inverses) refreshed every ``k`` steps, the steps in between plain ones
+#: that leave the engine alone (``frontend.collection``); the first step always refreshes
 DEFAULT_CURVATURE_INTERVAL = 10
+
+
+def refresh_interval(curvature_interval: int | None, damping) -> int:
+    """A group's curvature interval: ``curvature_interval`` as given, or for ``None`` (the
+    default) :data:`DEFAULT_CURVATURE_INTERVAL` under the default relative damping
+    (``damping=None``) and 1 (every step, the paper's update) with a damping given."""
+    if curvature_interval is not None:
+        return curvature_interval
+    return DEFAULT_CURVATURE_INTERVAL if damping is None else 1
+
 
 #: ``fallback`` of the Kronecker optimizers (``KFAC``, ``EKFAC``): what a parameter without a
 #: Kronecker factorisation gets (:mod:`curvopt.optim.fallback`); ``None`` raises
@@ -180,7 +190,8 @@ class NewtonOptions(CurvatureOptions):
     mc_samples: int = option(1, number(1, integer=True))
     momentum: float = option(0.0, number(0.0, 1.0, open_high=True))
     curvature_ema: float = option(0.0, number(0.0, 1.0, open_high=True))
-    curvature_interval: int = option(DEFAULT_CURVATURE_INTERVAL, number(1, integer=True))
+    #: ``k``: the curvature every ``k`` steps; None: :func:`refresh_interval`'s (10 or 1)
+    curvature_interval: int | None = option(None, optional(number(1, integer=True)))
     #: ``α`` of ``damping=None``: ``λ = α · m``, ``m`` the mean of the curvatures' ``tr(C)/dim(C)``
     relative_damping: float = option(DEFAULT_RELATIVE_DAMPING, number())
     kl_clip: float | None = option(1e-3, optional(number()))
