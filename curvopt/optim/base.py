@@ -174,7 +174,7 @@ class CurvatureOptimizer(Optimizer):
 
     def _collects(self) -> bool:
         """Whether the next step needs any extension (else its window is a plain one)."""
-        return bool(self._requests()[0])
+        return any(self._needs(g, s) for g, s in zip(self.param_groups, self._group_state))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As in ``torch.optim``; the armed collection starts a new window too."""
