@@ -229,3 +229,57 @@ def test_a_collect_block_opened_on_a_plain_step_collects():
     batch = model[0].weight.grad_batch
     assert batch.shape == (len(X), *model[0].weight.shape)
     torch.testing.assert_close(batch.sum(0), model[0].weight.grad)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_the_defaults_rest_nine_steps_in_ten_and_a_damping_given_none(name, monkeypatch):
+    """``cls(params, lr=...)``: the curvature at steps 0 and 10, plain steps between; with a
+    damping given (the paper's setting) every step collects."""
+    spy = Spy(monkeypatch)
+    for damping, collecting in ((None, {0, 10}), (1e-3, set(range(12)))):
+        gc.collect()
+        model, lossfunc = _problem()
+        opt = OPTIMIZERS[name](model.parameters(), lr=0.1, damping=damping)
+        seen = set()
+        for step in range(12):
+            opt.zero_grad()
+            X, y = _batch(step)
+            lossfunc(model(X), y).backward()
+            opt.step()
+            if spy.take() != (0, 0, 0):
+                seen.add(step)
+        assert seen == collecting, (damping, seen)
+
+
+def test_an_explicit_optimizer_keeps_the_records_its_block_needs():
+    """A resting armed optimizer on one model, an explicit one on another (forward outside its
+    block, backward inside, as documented): the hooks record while the explicit one's next
+    step collects, and its steps equal those of a twin made where nothing else is alive."""
+    gc.collect()
+    model, lossfunc = _problem()
+    resting = KFAC(model.parameters(), lr=0.1, damping=0.1, curvature_interval=5)
+    for step in range(2):
+        resting.zero_grad()
+        X, y = _batch(step)
+        lossfunc(model(X), y).backward()
+        resting.step()
+    assert STATE.plain
+    runs = []
+    for alive in (True, False):
+        if not alive:
+            del resting
+            gc.collect()
+        other, _ = _problem(seed=1)
+        opt = KFAC(other.parameters(), lr=0.1, damping=0.1, curvature_interval=2,
+                   collection="explicit")  # fmt: skip
+        for step in range(4):
+            opt.zero_grad()
+            X, y = _batch(step)
+            loss = lossfunc(other(X), y)  # before the block
+            assert STATE.plain == (alive and step % 2 == 1)
+            with opt.collect():
+                loss.backward()
+            opt.step()
+        runs.append([p.detach().clone() for p in other.parameters()])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

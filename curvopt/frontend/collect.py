@@ -172,12 +172,13 @@ def skipped_by_cause(skipped: Dict[str, str]) -> str:
 
 def refresh() -> None:
     """``STATE.collecting``: the dispatcher while a block is open or an armed collection is
-    awake (not resting, ``Collection.rest``); ``STATE.plain`` while collections are armed, all
-    resting, and no block is open."""
+    awake (not resting, ``Collection.follow``); ``STATE.plain`` while collections are armed,
+    all resting, no explicit one waits for a step that collects, and no block is open."""
     armed = [c for c in (ref() for ref in STATE.armed) if c is not None]
     awake = any(not c.resting for c in armed)
+    waiting = any(c is not None and not c.resting for c in (ref() for ref in STATE.explicit))
     STATE.collecting = DISPATCH if STATE.open is not None or awake else None
-    STATE.plain = STATE.open is None and bool(armed) and not awake
+    STATE.plain = STATE.open is None and bool(armed) and not awake and not waiting
 
 
 def alive() -> tuple:

@@ -59,6 +59,7 @@ class Collection(collect):
         #: or "optimizer" (a collection armed later on the same parameters); None
         self.stood_aside: Optional[str] = None
         self._ref: Optional[weakref.ref] = None
+        self._watched: Optional[weakref.ref] = None  # in ``STATE.explicit`` (:meth:`watch`)
         self._params: list = []  # the parameters of the window's targets
         self._warned = False  # the window's skipped parameters were warned about
         #: ``(scope, the extended modules owning its parameters)``, kept while the scope stays
@@ -73,6 +74,16 @@ class Collection(collect):
             self.resting = not self._wanted()
             self._ref = weakref.ref(self, forget)
             STATE.armed = (*alive(), self._ref)
+            refresh()
+
+    def watch(self) -> None:
+        """Not armed (an explicit optimizer's, which collects in its own blocks), but seen by
+        the hooks: while its owner's next step collects they record every forward, for the
+        block around the backward that follows (``STATE.explicit``)."""
+        if self._watched is None:
+            self.resting = not self._wanted()
+            self._watched = weakref.ref(self, _unwatch)
+            STATE.explicit = (*(r for r in STATE.explicit if r() is not None), self._watched)
             refresh()
 
     def follow(self) -> None:
@@ -224,6 +235,12 @@ class Collection(collect):
             return supplied(p) if earlier is None else earlier
 
         return type(ext)(**{**ext.options, "bases": bases})
+
+
+def _unwatch(ref) -> None:
+    """The weakref callback of an explicit optimizer's collection: its owner is gone."""
+    STATE.explicit = tuple(r for r in STATE.explicit if r is not ref and r() is not None)
+    refresh()
 
 
 class _StoodAside:

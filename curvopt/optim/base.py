@@ -166,6 +166,8 @@ class CurvatureOptimizer(Optimizer):
         self._collection = Collection(_weak(self._armed_requests), _weak(self._collects))
         if mode == "auto" and self._distributed is None:
             self._collection.arm()
+        else:  # collects in its blocks: the hooks record while its next step collects
+            self._collection.watch()
         if any(group.get("curvature_samples") for group in self.param_groups):
             self._requests()  # an extension without sub-batches raises now, not in a backward
 
