@@ -98,15 +98,18 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
     Args:
         params: parameters or param groups, as for ``torch.optim.SGD``.
         lr: learning rate ``≥ 0``.
-        damping: ``λ``: a number ``≥ 0``, a callable of the step count, or a damping strategy;
-            ``1e-3`` by default (kfac-pytorch's default; the trust region ``kl_clip`` bounds
-            the steps so small a damping makes), so ``EKFAC(params, lr=0.1)`` trains.
+        damping: ``λ``: ``None`` (default: relative, ``λ = α m``, ``α = relative_damping``,
+            ``m`` the curvatures' mean eigenvalue at the first refresh; ``RelativeDamping``),
+            or an absolute one: a number ``≥ 0``, a callable of the step count, or a damping
+            strategy; so ``EKFAC(params, lr=0.1)`` trains (with the trust region ``kl_clip``).
+        relative_damping: ``α`` of ``damping=None``, ``0.03`` by default.
         curvature: the factors giving the basis: ``"kfac"`` (MC-sampled) or ``"kflr"``.
         weight_decay: ``δ ≥ 0`` (added to the gradient and to the damping).
         reduction: ``None`` (default: the scale ``c`` of ``S`` follows the loss's reduction),
             or ``"mean"``/``"sum"``: the backward pass raises if the loss's differs.
         basis_interval: refresh the basis every ``k`` steps (a multiple of
             ``curvature_interval``); in between ``S`` is still recomputed in the old basis.
+            ``None`` (default): at every curvature step.
         mc_samples: Monte-Carlo samples for ``curvature="kfac"``.
         kfac_approx: ``"expand"`` (default) or ``"reduce"``: the factors whose eigenbasis is
             used, as in ``curvopt.extensions.EKFAC``.

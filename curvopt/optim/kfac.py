@@ -65,9 +65,11 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
     Args:
         params: parameters or param groups, as for ``torch.optim.SGD``.
         lr: learning rate ``≥ 0``.
-        damping: ``λ``: a number ``≥ 0``, a callable of the step count, or a damping strategy;
-            ``1e-3`` by default (kfac-pytorch's default; the trust region ``kl_clip`` bounds
-            the steps so small a damping makes), so ``KFAC(params, lr=0.1)`` trains.
+        damping: ``λ``: ``None`` (default: relative, ``λ = α m``, ``α = relative_damping``,
+            ``m`` the curvatures' mean eigenvalue at the first refresh; ``RelativeDamping``),
+            or an absolute one: a number ``≥ 0``, a callable of the step count, or a damping
+            strategy; so ``KFAC(params, lr=0.1)`` trains (with the trust region ``kl_clip``).
+        relative_damping: ``α`` of ``damping=None``, ``0.03`` by default.
         curvature: ``"kfac"`` (MC-sampled), ``"kflr"`` (exact loss Hessian) or ``"kfra"``.
         weight_decay: ``δ ≥ 0`` (added to the gradient and to the damping).
         kronecker_damping: ``"trace_norm"`` (default): ``(B + √λ/π I)⁻¹ G (A + π√λ I)⁻¹`` with
@@ -103,8 +105,10 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
             either of the first two the backward pass skips their Kronecker factors
             (``collect(skip_unsupported="diagonal" / True)``), and the first step that
             preconditions such parameters warns once, naming them.
-        momentum, curvature_ema, curvature_interval: see
-            :mod:`curvopt.optim.newton` (all off by default).
+        momentum, curvature_ema: see :mod:`curvopt.optim.newton` (off by default).
+        curvature_interval: the curvature (and the inverses) every ``k`` steps, plain steps
+            between (the hooks do nothing); ``None`` (default): 10 under the relative damping,
+            1 (every step) with a damping given.
         process_group: under ``torch.distributed``: ``None`` (the default group if initialized
             with several ranks), a ``ProcessGroup``, a ``DistributedCurvature``, or ``False``
             (rank-local); see :mod:`curvopt.optim.distributed`.

@@ -31,6 +31,11 @@ A step whose gradient, curvature, update or resulting parameters are not finite 
 closure's loss over ``LOSS_GROWTH`` (1000) times the first one warns. A finite loss that
 grows without a closure is not seen by the optimizer.
 
+By default (``damping=None``) the damping is relative (``λ = α m``, ``m`` the curvatures' mean
+eigenvalue at the first refresh: :class:`~curvopt.optim.damping.RelativeDamping`) and ``C`` is
+read every 10 steps (``curvature_interval=None``; 1 with a damping given), the steps between
+plain ones that leave the engine alone (``frontend.collection``).
+
 Opt-in, per param group: ``curvature_interval`` (read ``C`` every k steps, reuse it between),
 ``curvature_ema`` (``C ← β C + (1 − β) C_new``), ``momentum``, ``schedule_free`` (β; evaluate
 after ``opt.eval()``), adaptive damping (:class:`~curvopt.optim.damping.LevenbergMarquardt`)
