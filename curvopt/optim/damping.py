@@ -287,6 +287,13 @@ def as_damping(damping) -> DampingStrategy:
     )
 
 
+def damping_strategy(damping, relative_damping: float) -> DampingStrategy:
+    """The strategy of a param group's ``damping``: :class:`RelativeDamping` of
+    ``relative_damping`` for ``None`` (the Newton optimizers' default), else
+    :func:`as_damping`."""
+    return RelativeDamping(relative_damping) if damping is None else as_damping(damping)
+
+
 def reduction_ratio(actual: float, predicted: float) -> float:
     """The reduction ratio ``ρ = actual / predicted`` of the loss's actual and predicted change.
 

@@ -23,6 +23,7 @@ from curvopt.core import values
 from curvopt.optim.fallback import DiagonalFallback
 from curvopt.optim.inverses import EigenCorrectedInverse
 from curvopt.optim.newton import NewtonOptimizer
+from curvopt.optim.plan import refresh_interval
 from curvopt.optim.one_sided import is_one_sided, kept, next_bases, supplied
 from curvopt.optim.options import (
     KFAC_APPROX,
@@ -32,7 +33,6 @@ from curvopt.optim.options import (
     number,
     option,
     optional,
-    refresh_interval,
 )
 
 #: the factors' curvatures, by the attribute their extension writes

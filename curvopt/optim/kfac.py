@@ -12,7 +12,7 @@ from curvopt.optim.fallback import DiagonalFallback
 from curvopt.optim.gradient_factors import FactorCapture, factored_cheaper, reproduces
 from curvopt.optim.kronecker import InverseOptions, KroneckerInverse, as_matrix, kron_quadratic
 from curvopt.optim.newton import Derived, NewtonOptimizer
-from curvopt.optim.plan import cached
+from curvopt.optim.plan import cached, refresh_interval
 from curvopt.optim.trace_norm import eigh_solvers
 from curvopt.optim.options import (
     KFAC_APPROX,
@@ -22,7 +22,6 @@ from curvopt.optim.options import (
     number,
     option,
     optional,
-    refresh_interval,
 )
 
 #: the curvatures, by the attribute their extension writes (``curvopt.extensions.writer``)

@@ -60,10 +60,9 @@ from curvopt import extensions
 from curvopt.core import values
 from curvopt.core.extended import path_of
 from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, number, skip_options
-from curvopt.optim.damping import reduction_ratio
+from curvopt.optim.damping import RelativeDamping, damping_strategy, reduction_ratio
 from curvopt.optim.fallback import announce
-from curvopt.optim.options import damping_strategy, refresh_interval, scaled_damping
-from curvopt.optim.plan import ParamUpdate
+from curvopt.optim.plan import ParamUpdate, refresh_interval
 from curvopt.optim.stages import (
     NEWTON,
     Chain,
@@ -326,7 +325,8 @@ class NewtonOptimizer(CurvatureOptimizer):
             found = float(torch.stack(scales).mean())
             if found > 0:
                 scale = group_state["curvature_scale"] = found
-        return scaled_damping(step.group, scale or 0.0)
+        group = step.group
+        return RelativeDamping(group["relative_damping"]).of(scale or 0.0) + group["weight_decay"]
 
     def _curvature_scale(self, curvature: Any) -> torch.Tensor:
         """``tr(C)/dim(C)``, the mean eigenvalue of ``curvature`` (a diagonal: its mean)."""

@@ -25,7 +25,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from curvopt.optim.damping import RelativeDamping, as_damping
+from curvopt.optim.damping import as_damping, damping_strategy
 
 Check = Callable[[str, Any], None]
 
@@ -109,21 +109,6 @@ DEFAULT_RELATIVE_DAMPING = 0.03
 #: large ones, and at 0.03 its steps on 3C3D diverged
 DEFAULT_RELATIVE_DAMPING_DIAGONAL = 1.0
 
-#: ``k`` when none is given under the default relative damping (:func:`refresh_interval`): the
-#: curvature (and its inverses) refreshed every ``k`` steps, the steps in between plain ones
-#: that leave the engine alone (``frontend.collection``); the first step always refreshes
-DEFAULT_CURVATURE_INTERVAL = 10
-
-
-def refresh_interval(curvature_interval: int | None, damping) -> int:
-    """A group's curvature interval: ``curvature_interval`` as given, or for ``None`` (the
-    default) :data:`DEFAULT_CURVATURE_INTERVAL` under the default relative damping
-    (``damping=None``) and 1 (every step, the paper's update) with a damping given."""
-    if curvature_interval is not None:
-        return curvature_interval
-    return DEFAULT_CURVATURE_INTERVAL if damping is None else 1
-
-
 #: ``fallback`` of the Kronecker optimizers (``KFAC``, ``EKFAC``): what a parameter without a
 #: Kronecker factorisation gets (:mod:`curvopt.optim.fallback`); ``None`` raises
 KRONECKER_FALLBACKS = (None, "sgd", "diagonal")
@@ -195,7 +180,7 @@ class NewtonOptions(CurvatureOptions):
     mc_samples: int = option(1, number(1, integer=True))
     momentum: float = option(0.0, number(0.0, 1.0, open_high=True))
     curvature_ema: float = option(0.0, number(0.0, 1.0, open_high=True))
-    #: ``k``: the curvature every ``k`` steps; None: :func:`refresh_interval`'s (10 or 1)
+    #: ``k``: the curvature every ``k`` steps; None: ``plan.refresh_interval``'s (10 or 1)
     curvature_interval: int | None = option(None, optional(number(1, integer=True)))
     #: ``α`` of ``damping=None``: ``λ = α · m``, ``m`` the mean of the curvatures' ``tr(C)/dim(C)``
     relative_damping: float = option(DEFAULT_RELATIVE_DAMPING, number())
@@ -220,18 +205,6 @@ class NewtonOptions(CurvatureOptions):
                 "whose quadratic model predicts the Newton step, not the averaged one; use a "
                 "constant or scheduled damping, or schedule_free=None"
             )
-
-
-def damping_strategy(damping, relative_damping: float) -> Any:
-    """The strategy of a param group's ``damping``: ``RelativeDamping(relative_damping)`` for
-    ``None``, else ``as_damping(damping)``."""
-    return RelativeDamping(relative_damping) if damping is None else as_damping(damping)
-
-
-def scaled_damping(group: dict[str, Any], scale: float) -> float:
-    """``λ + δ`` of a group with relative damping (``damping=None``) whose curvature's mean
-    eigenvalue is ``scale``: ``α · scale + δ``."""
-    return RelativeDamping(group["relative_damping"]).of(scale) + group["weight_decay"]
 
 
 def constructor(
