@@ -148,8 +148,8 @@ def test_curvature_block_runs_and_its_claims_hold():
 
 def test_optimizer_swap_takes_the_steps_of_an_explicit_loop():
     """Pasted into a loop, the optimizer swap takes the same steps as a loop that collects
-    explicitly at the defaults."""
-    snippet = _block("curvopt.optim.KFAC(model.parameters(), lr=0.05)")
+    explicitly with the default trust region."""
+    snippet = _block("curvopt.optim.KFAC(model.parameters(), lr=0.05, damping=1e-3)")
     assert "for X, y in loader" in snippet
     torch.manual_seed(0)
     make = lambda: nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
@@ -162,7 +162,9 @@ def test_optimizer_swap_takes_the_steps_of_an_explicit_loop():
     scope = {"curvopt": curvopt, "model": model, "lossfunc": lossfunc, "loader": loader}
     torch.manual_seed(2)  # KFAC samples targets from the global generator: the same draws
     exec(snippet, scope)  # noqa: S102
-    opt = curvopt.optim.KFAC(reference.parameters(), lr=0.05, collection="explicit")
+    opt = curvopt.optim.KFAC(
+        reference.parameters(), lr=0.05, damping=1e-3, kl_clip=1e-3, collection="explicit"
+    )
     torch.manual_seed(2)
     for X, y in loader:
         opt.zero_grad()
@@ -182,7 +184,7 @@ def test_readme_python_blocks_are_all_run_somewhere():
     owners = {
         "ext.BatchL2Grad()": "test_readme.py",
         "linalg.GGN(": "test_readme.py",
-        "curvopt.optim.KFAC(model.parameters(), lr=0.05)  ": "test_readme.py",
+        "curvopt.optim.KFAC(model.parameters(), lr=0.05, damping=1e-3)  ": "test_readme.py",
         "# Lightning": "test_frameworks_lightning.py",
         "# the Hugging Face Trainer": "test_frameworks_hf.py",
         "# accelerate": "test_frameworks_accelerate.py",
