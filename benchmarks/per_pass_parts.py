@@ -72,7 +72,11 @@ PARTS = (
     (f"  {GUARD}sum checks at the parameter", "curvopt.guards.checks", "Checks.parameter"),
     ("end of pass", "curvopt.loop.backward", "BackwardPass._finish"),
     (f"  {GUARD}checks at the end", "curvopt.guards.checks", "Checks.finish"),
-    ("    spot check of per-sample gradients", "curvopt.guards.checks", "Checks.check_materialised"),
+    (
+        "    spot check of per-sample gradients",
+        "curvopt.guards.checks",
+        "Checks.check_materialised",
+    ),
     ("  results written", "curvopt.engine.results", "ResultBuffer.write"),
 )
 

@@ -80,11 +80,12 @@ def _quiet(make):
 
 # ------------------------------------------------------------------------- damping (item 6)
 @pytest.mark.parametrize("optimizer", [KFAC, EKFAC, DiagGGNNewton])
-def test_damping_defaults_to_1e_3(optimizer):
-    assert inspect.signature(optimizer).parameters["damping"].default == 1e-3
+def test_damping_defaults_to_relative(optimizer):
+    """``damping=None`` by default (relative, ``λ = α m``, ``tests/test_relative_damping.py``);
+    a damping given positionally or by keyword is the same absolute ``λ``."""
+    assert inspect.signature(optimizer).parameters["damping"].default is None
     steps = []
     for make in (
-        lambda ps: optimizer(ps, lr=0.1),
         lambda ps: optimizer(ps, lr=0.1, damping=1e-3),
         lambda ps: optimizer(ps, 0.1, 1e-3),  # positionally, as before
     ):
@@ -95,7 +96,10 @@ def test_damping_defaults_to_1e_3(optimizer):
         torch.manual_seed(2)
         _step(model, opt, _batch())
         steps.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
-    assert torch.equal(steps[0], steps[1]) and torch.equal(steps[0], steps[2])
+    assert torch.equal(steps[0], steps[1])
+    opt = optimizer([nn.Parameter(torch.zeros(2, 2))], lr=0.1)
+    assert opt.param_groups[0]["damping"] is None
+    assert opt.damping() == opt.param_groups[0]["relative_damping"]
 
 
 # ------------------------------------------------------------------------- fallbacks (item 5)

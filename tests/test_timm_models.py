@@ -48,7 +48,9 @@ def resnet10t(narrow=True):
 def mobilenetv3(narrow=True):
     timm = timm_or_skip()
     if narrow:  # mobilenetv3_small_050's constructor at a quarter of the widths
-        return timm.models.mobilenetv3._gen_mobilenet_v3("mobilenetv3_small_050", 0.25, num_classes=3)
+        return timm.models.mobilenetv3._gen_mobilenet_v3(
+            "mobilenetv3_small_050", 0.25, num_classes=3
+        )
     return timm.create_model("mobilenetv3_small_050", num_classes=3)
 
 
@@ -68,7 +70,9 @@ def vit(narrow=True):
 
 
 def convnext(narrow=True):
-    return timm_or_skip().models.convnext.ConvNeXt(depths=(1, 1, 1, 1), dims=(8, 8, 16, 16), num_classes=3)
+    return timm_or_skip().models.convnext.ConvNeXt(
+        depths=(1, 1, 1, 1), dims=(8, 8, 16, 16), num_classes=3
+    )
 
 
 MODELS = {
@@ -132,7 +136,9 @@ def test_timm_layers_get_their_rules():
     layers = timm.layers
     assert type(rule_for(layers.BatchNormAct2d(4))) is BatchNormAct2dRule
     assert type(rule_for(layers.LayerNorm2d(4))) is LayerNorm2dRule
-    assert rule_for(layers.Linear(2, 2)) is curvopt.layers.registry._NAMED["timm.layers.linear.Linear"]
+    assert (
+        rule_for(layers.Linear(2, 2)) is curvopt.layers.registry._NAMED["timm.layers.linear.Linear"]
+    )
     mobile = mobilenetv3()
     kinds = {type(rule_for(m)) for m in mobile.modules() if isinstance(m, layers.BatchNormAct2d)}
     assert kinds == {BatchNormAct2dRule}

@@ -106,7 +106,7 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
                 "curvopt.collect blocks cannot be nested; pass all extensions to one collect(...)"
             )
         STATE.open = self
-        STATE.collecting = DISPATCH
+        refresh()
         self._accumulator = Accumulator()
         self._unextended = unextended.watch()
         return self
@@ -179,8 +179,14 @@ def skipped_by_cause(skipped: Dict[str, str]) -> str:
 
 
 def refresh() -> None:
-    """``STATE.collecting``: the dispatcher while a block is open or a collection armed."""
-    STATE.collecting = DISPATCH if STATE.open is not None or STATE.armed else None
+    """``STATE.collecting``: the dispatcher while a block is open or an armed collection is
+    awake (not resting, ``Collection.follow``); ``STATE.plain`` while collections are armed,
+    all resting, no explicit one waits for a step that collects, and no block is open."""
+    armed = [c for c in (ref() for ref in STATE.armed) if c is not None]
+    awake = any(not c.resting for c in armed)
+    waiting = any(c is not None and not c.resting for c in (ref() for ref in STATE.explicit))
+    STATE.collecting = DISPATCH if STATE.open is not None or awake else None
+    STATE.plain = STATE.open is None and bool(armed) and not awake and not waiting
 
 
 def alive() -> tuple:

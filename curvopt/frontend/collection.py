@@ -4,6 +4,11 @@ with no ``with`` block, and combines the passes of one window (until the optimiz
 ``zero_grad``) like one batch. ``collect``'s dispatcher sends each backward pass's hooks to it
 (and to the open ``collect`` block and the other armed collections; see ``collect`` for which
 one writes an attribute two of them want).
+
+A window whose step refreshes no curvature (``curvature_interval``) is a plain one: the
+collection rests (:meth:`Collection.follow`, asked at the start of each window whether its
+owner's next step collects), stays armed but takes no pass, and while every armed collection
+rests and no block is open the forward hooks do nothing (``STATE.plain``).
 """
 
 from __future__ import annotations
@@ -34,19 +39,31 @@ class Collection(collect):
 
     ``requests() -> (extensions, [(param, attr)], collect options)``, read at the first pass
     of each window; ``None`` when its owner is gone. ``passes`` counts the window's backward
-    passes that collected. ``terms``: how its passes' errors are phrased for the owner
-    (``collect.terms``).
+    passes that collected. ``collects() -> bool``: whether the owner's next step collects
+    anything, asked when a window starts (:meth:`follow`); where not, the collection rests
+    through the window (default: it never rests). ``terms``: how its passes' errors are phrased
+    for the owner (``collect.terms``).
     """
 
-    def __init__(self, requests: Callable[[], Optional[tuple]], terms=None):
+    #: armed, but taking no pass in this window: its owner's next step collects nothing
+    resting = False
+
+    def __init__(
+        self,
+        requests: Callable[[], Optional[tuple]],
+        collects: Optional[Callable[[], bool]] = None,
+        terms=None,
+    ):
         super().__init__()
         self.terms = terms
         self._requests = requests
+        self._collects = collects
         self._window: Optional[tuple] = None  # (extensions, {(id(p), attr)}, scope, options)
         #: what took over an attribute in a pass of this window: "block" (an open collect)
         #: or "optimizer" (a collection armed later on the same parameters); None
         self.stood_aside: Optional[str] = None
         self._ref: Optional[weakref.ref] = None
+        self._watched: Optional[weakref.ref] = None  # in ``STATE.explicit`` (:meth:`watch`)
         self._params: list = []  # the parameters of the window's targets
         self._warned = False  # the window's skipped parameters were warned about
         #: ``(scope, the extended modules owning its parameters)``, kept while the scope stays
@@ -59,9 +76,34 @@ class Collection(collect):
 
     def arm(self) -> None:
         if self._ref is None:
+            self.resting = not self._wanted()
             self._ref = weakref.ref(self, forget)
             STATE.armed = (*alive(), self._ref)
             refresh()
+
+    def watch(self) -> None:
+        """Not armed (an explicit optimizer's, which collects in its own blocks), but seen by
+        the hooks: while its owner's next step collects they record every forward, for the
+        block around the backward that follows (``STATE.explicit``)."""
+        if self._watched is None:
+            self.resting = not self._wanted()
+            self._watched = weakref.ref(self, _unwatch)
+            STATE.explicit = (*(r for r in STATE.explicit if r() is not None), self._watched)
+            refresh()
+
+    def follow(self) -> None:
+        """Rest through this window, or wake, as the owner's next step needs (``collects``)."""
+        resting = not self._wanted()
+        if resting != self.resting:
+            self.resting = resting
+            refresh()
+
+    def _wanted(self) -> bool:
+        return self._collects is None or bool(self._collects())
+
+    def backward_pass(self, outer: Optional[int] = None):
+        """As ``collect.backward_pass``; None while resting (the pass is not this one's)."""
+        return None if self.resting else super().backward_pass(outer)
 
     def disarm(self) -> None:
         if self._ref is not None:
@@ -86,7 +128,8 @@ class Collection(collect):
                 refresh()
 
     def reset(self) -> None:
-        """Start a new window: forget the passes so far (their values stay written)."""
+        """Start a new window: forget the passes so far (their values stay written), and rest
+        through it or not (:meth:`follow`)."""
         self._accumulator = Accumulator()
         self._window = self.stood_aside = None
         self._pass = self._task = None
@@ -94,6 +137,7 @@ class Collection(collect):
         self._params = []
         self._warned = False
         self.skipped = {}
+        self.follow()
 
     def check(self, owner: str) -> None:
         """Raise where the values of this window are not this collection's alone (and warn
@@ -200,6 +244,12 @@ class Collection(collect):
             return supplied(p) if earlier is None else earlier
 
         return type(ext)(**{**ext.options, "bases": bases})
+
+
+def _unwatch(ref) -> None:
+    """The weakref callback of an explicit optimizer's collection: its owner is gone."""
+    STATE.explicit = tuple(r for r in STATE.explicit if r is not ref and r() is not None)
+    refresh()
 
 
 class _StoodAside:

@@ -8,6 +8,8 @@ its mutable state is a small dict created by :meth:`init` and replaced (never mu
 * :class:`ScheduledDamping` -- ``λ_t = f(t)`` for any callable ``f`` of the step count ``t``.
 * :class:`LevenbergMarquardt` -- adapts ``λ`` from the reduction ratio ``ρ`` (Martens & Grosse
   2015, Sec. 6.5): ``λ ← ω λ`` if ``ρ < 1/4``, ``λ ← λ / ω`` if ``ρ > 3/4``.
+* :class:`RelativeDamping` -- ``λ = α · m``, a fraction of the curvature's mean eigenvalue
+  ``m = tr(C)/dim(C)`` over a param group (the Newton optimizers' default, ``damping=None``).
 """
 
 from __future__ import annotations
@@ -195,7 +197,64 @@ class LevenbergMarquardt:
         )
 
 
-DampingStrategy = Union[ConstantDamping, ScheduledDamping, LevenbergMarquardt]
+class RelativeDamping:
+    """A damping that follows the curvature's scale: ``λ = α · m``, ``m`` the mean over a param
+    group's parameters of their curvature's mean eigenvalue ``tr(C)/dim(C)`` (``B ⊗ A``:
+    ``(tr B/dim B)(tr A/dim A)``; a diagonal: its mean; eigen-corrected: the mean of ``S``)
+    at the first refresh, kept from then on: the scale of the loss, not of a curvature that
+    collapses once the model fits its batches (the Gauss-Newton matrix of a confident
+    classifier goes to zero, and a damping that followed it would let the steps grow without
+    bound).
+
+    What ``damping=None`` (the default) of ``DiagGGNNewton``, ``KFAC`` and ``EKFAC`` becomes,
+    with ``α = relative_damping``. Multiplying the loss by ``c`` multiplies ``C`` and ``λ`` by
+    ``c``, so the step ``(C + λ I)⁻¹ g`` is the same: one default serves a loss summed over
+    samples, a per-sample mean and a mean over pixels. One ``λ`` for the group, not one per
+    parameter: a layer whose curvature is (nearly) zero or of low rank at a refresh (few
+    samples, a wide layer) is damped on the scale of the others, not by a fraction of its own
+    vanishing scale. A curvature without scale (all zero) gets ``min_damping``. The value the
+    optimizer reports (:meth:`value`) is ``α``.
+
+    Args:
+        fraction: ``α ≥ 0``, finite.
+        min_damping: the least ``λ`` (default ``1e-8``).
+
+    Raises:
+        ValueError: ``fraction`` or ``min_damping`` is negative or not finite.
+
+    Example:
+        >>> from curvopt.optim import RelativeDamping
+        >>> RelativeDamping(0.1).of(scale=40.0)  # λ for curvatures of mean eigenvalue 40
+        4.0
+    """
+
+    adaptive = False
+
+    def __init__(self, fraction: float, min_damping: float = 1e-8):
+        _check_nonnegative("relative_damping", fraction)
+        _check_nonnegative("min_damping", min_damping)
+        self.fraction = float(fraction)
+        self.min_damping = float(min_damping)
+
+    def init(self) -> State:
+        return {}
+
+    def value(self, state: State, step: int) -> float:
+        return self.fraction
+
+    def update(self, state: State, rho: float) -> State:
+        return state
+
+    def of(self, scale: float) -> float:
+        """``λ = max(α · scale, min_damping)`` for a curvature whose mean eigenvalue is
+        ``scale``."""
+        return max(self.fraction * scale, self.min_damping)
+
+    def __repr__(self) -> str:
+        return f"RelativeDamping({self.fraction!r}, min_damping={self.min_damping!r})"
+
+
+DampingStrategy = Union[ConstantDamping, ScheduledDamping, LevenbergMarquardt, RelativeDamping]
 
 
 def as_damping(damping) -> DampingStrategy:
@@ -216,7 +275,9 @@ def as_damping(damping) -> DampingStrategy:
         >>> as_damping(1e-3)
         ConstantDamping(0.001)
     """
-    if isinstance(damping, (ConstantDamping, ScheduledDamping, LevenbergMarquardt)):
+    if isinstance(
+        damping, (ConstantDamping, ScheduledDamping, LevenbergMarquardt, RelativeDamping)
+    ):
         return damping
     if isinstance(damping, Real) and not isinstance(damping, bool):
         return ConstantDamping(damping)
@@ -224,9 +285,16 @@ def as_damping(damping) -> DampingStrategy:
         return ScheduledDamping(damping)
     raise ValueError(
         f"damping must be a number >= 0, a callable of the step count or a damping strategy "
-        f"(ConstantDamping, ScheduledDamping, LevenbergMarquardt), got {damping!r} of type "
-        f"{type(damping).__name__}"
+        f"(ConstantDamping, ScheduledDamping, LevenbergMarquardt, RelativeDamping), got "
+        f"{damping!r} of type {type(damping).__name__}"
     )
+
+
+def damping_strategy(damping, relative_damping: float) -> DampingStrategy:
+    """The strategy of a param group's ``damping``: :class:`RelativeDamping` of
+    ``relative_damping`` for ``None`` (the Newton optimizers' default), else
+    :func:`as_damping`."""
+    return RelativeDamping(relative_damping) if damping is None else as_damping(damping)
 
 
 def reduction_ratio(actual: float, predicted: float) -> float:
@@ -258,4 +326,4 @@ def reduction_ratio(actual: float, predicted: float) -> float:
 
 
 # plain-data strategies may be loaded with torch.load(weights_only=True) (a schedule holds code)
-torch.serialization.add_safe_globals([ConstantDamping, LevenbergMarquardt])
+torch.serialization.add_safe_globals([ConstantDamping, LevenbergMarquardt, RelativeDamping])

@@ -44,9 +44,9 @@ class LayerNorm2dRule(_AffineNormRule):
 
     def normalized(self, module, x):
         """``x_hat [N, C, H, W]``: each position's channels normalised."""
-        return F.layer_norm(x.movedim(1, -1), module.normalized_shape, None, None, module.eps).movedim(
-            -1, 1
-        )
+        return F.layer_norm(
+            x.movedim(1, -1), module.normalized_shape, None, None, module.eps
+        ).movedim(-1, 1)
 
 
 #: torch's activations that act on each entry alone (``BatchNormAct2d``'s ``act``)

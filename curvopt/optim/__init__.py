@@ -7,7 +7,8 @@ on their own; those of the damping-and-inversion layer live in ``curvopt.inversi
 surface:
 
 * damping strategies: :class:`ConstantDamping`, :class:`ScheduledDamping`,
-  :class:`LevenbergMarquardt`, :func:`as_damping`, :func:`reduction_ratio`;
+  :class:`LevenbergMarquardt`, :class:`RelativeDamping`, :func:`as_damping`,
+  :func:`reduction_ratio`;
 * inversion: :func:`cholesky_factor`, :func:`cholesky_solve_right`, :func:`cholesky_inverse`,
   :func:`psd_eigh`, :func:`cached`;
 * diagonal curvature: :func:`diag_precondition`, :func:`diag_quadratic`;
@@ -26,6 +27,7 @@ from curvopt.core.psd import psd_eigh
 from curvopt.inversion.damping import (
     ConstantDamping,
     LevenbergMarquardt,
+    RelativeDamping,
     ScheduledDamping,
     as_damping,
     reduction_ratio,
@@ -76,6 +78,7 @@ __all__ = [
     "LevenbergMarquardt",
     "LowRankInverse",
     "NewtonOptimizer",
+    "RelativeDamping",
     "ScheduledDamping",
     "VarianceAdaptedSGD",
     "add_weight_decay",

@@ -148,6 +148,8 @@ class CurvatureOptimizer(Optimizer):
         self._validate({**self.defaults, **options})
         super().add_param_group(param_group)
         self._group_state.append({"step": 0, "damping": {}})
+        if "_collection" in self.__dict__:  # after construction: the new group may collect
+            self._collection.follow()
 
     # ----------------------------------------------------------------- the armed collection
     # ``collection="auto"`` (default): the optimizer owns a
@@ -156,18 +158,29 @@ class CurvatureOptimizer(Optimizer):
     # ``step()`` and ``zero_grad()``.
     # ``"explicit"`` (and under ``torch.distributed``): only ``opt.collect()`` and
     # ``opt.step(closure)`` collect, as ``curvopt.collect`` blocks.
+    # A window whose step collects nothing (``_requests()`` names no extension: a plain step
+    # between curvature refreshes) is known when it starts (the step counter moves at
+    # ``step()``); the collection rests through it, and the hooks do nothing.
     def _arm(self, mode: str) -> None:
         if mode not in ("auto", "explicit"):
             raise ValueError(f"collection must be 'auto' or 'explicit', got {mode!r}")
         self._collection_mode = mode
-        self._collection = Collection(_weak(self._armed_requests), self._terms())
+        self._collection = Collection(
+            _weak(self._armed_requests), _weak(self._collects), self._terms()
+        )
         if mode == "auto" and self._distributed is None:
             self._collection.arm()
+        else:  # collects in its blocks: the hooks record while its next step collects
+            self._collection.watch()
         if any(group.get("curvature_samples") for group in self.param_groups):
             self._requests()  # an extension without sub-batches raises now, not in a backward
 
     def _armed_requests(self) -> tuple[list, list[tuple[torch.Tensor, str]], dict[str, Any]]:
         return (*self._requests(), self._collect_options())
+
+    def _collects(self) -> bool:
+        """Whether the next step needs any extension (else its window is a plain one)."""
+        return any(self._needs(g, s) for g, s in zip(self.param_groups, self._group_state))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As in ``torch.optim``; the armed collection starts a new window too."""
@@ -419,6 +432,7 @@ class CurvatureOptimizer(Optimizer):
             self.state[param] = placed(state, param)
         self._group_state = copy.deepcopy(group_state)
         self._consumed = {}
+        self._collection.follow()  # the loaded step counters say whether the next step collects
 
     def __getstate__(self) -> dict[str, Any]:
         state = {**super().__getstate__(), "_group_state": self._group_state}

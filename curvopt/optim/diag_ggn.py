@@ -9,7 +9,13 @@ import torch
 from curvopt.inversion.diagonal import diag_quadratic
 from curvopt.inversion.inverses import DiagonalInverse
 from curvopt.optim.newton import NewtonOptimizer
-from curvopt.optim.options import NewtonOptions, choice, option
+from curvopt.optim.options import (
+    DEFAULT_RELATIVE_DAMPING_DIAGONAL,
+    NewtonOptions,
+    choice,
+    number,
+    option,
+)
 
 #: ``curvature=`` -> the attribute its extension writes (``curvopt.extensions.writer``)
 _ATTRS = {"mc": "diag_ggn_mc", "exact": "diag_ggn_exact"}
@@ -17,10 +23,12 @@ _ATTRS = {"mc": "diag_ggn_mc", "exact": "diag_ggn_exact"}
 
 @dataclass(frozen=True)
 class DiagGGNOptions(NewtonOptions):
-    """:class:`NewtonOptions` with ``curvature="mc" | "exact"``."""
+    """:class:`NewtonOptions` with ``curvature="mc" | "exact"`` and its own relative damping
+    (``DEFAULT_RELATIVE_DAMPING_DIAGONAL``)."""
 
     MONTE_CARLO = "mc"
     curvature: str = option("mc", choice(*_ATTRS))
+    relative_damping: float = option(DEFAULT_RELATIVE_DAMPING_DIAGONAL, number())
 
 
 class DiagGGNNewton(NewtonOptimizer):
@@ -29,11 +37,12 @@ class DiagGGNNewton(NewtonOptimizer):
     Args:
         params: parameters or param groups, as for ``torch.optim.SGD``.
         lr: learning rate ``≥ 0``.
-        damping: ``λ``: a number ``≥ 0``, a callable of the step count, or a damping strategy
-            (:class:`ConstantDamping`, :class:`ScheduledDamping`, :class:`LevenbergMarquardt`);
-            ``1e-3`` by default, as ``KFAC``'s and ``EKFAC``'s: small against the diagonal of
-            a trained network, while the trust region (``kl_clip=1e-3``) bounds the long steps
-            it allows along entries of small curvature.
+        damping: ``λ``: ``None`` (default: relative, ``λ = α m``, ``α = relative_damping``,
+            ``m`` the diagonals' mean at the first refresh; :class:`RelativeDamping`), or an
+            absolute one: a number ``≥ 0``, a callable of the step count, or a damping strategy
+            (:class:`ConstantDamping`, :class:`ScheduledDamping`, :class:`LevenbergMarquardt`).
+        relative_damping: ``α`` of ``damping=None``, ``1.0`` by default (the diagonal's mean is
+            far below its large entries).
         curvature: ``"mc"`` (``DiagGGNMC``, ``p.diag_ggn_mc``) or ``"exact"``
             (``DiagGGNExact``, ``p.diag_ggn_exact``).
         weight_decay: ``δ ≥ 0`` (added to the gradient and to the damping).
@@ -44,8 +53,9 @@ class DiagGGNNewton(NewtonOptimizer):
             divergence it causes) is at most ``κ``; it makes small dampings such as ``1e-3``
             train.
             See :mod:`curvopt.optim.newton`.
-        momentum, curvature_ema, curvature_interval, fallback: see
-            :mod:`curvopt.optim.newton` (all off by default).
+        momentum, curvature_ema, fallback: see :mod:`curvopt.optim.newton` (off by default).
+        curvature_interval: as for :class:`KFAC` (``None``: 10 under the relative damping, 1
+            with a damping given).
         process_group: under ``torch.distributed``: ``None`` (the default group if initialized
             with several ranks), a ``ProcessGroup``, a ``DistributedCurvature``, or ``False``
             (rank-local); see :mod:`curvopt.optim.distributed`.

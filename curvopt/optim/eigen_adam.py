@@ -62,9 +62,11 @@ class EigenAdamOptions(NewtonOptions):
     MONTE_CARLO = "kfac"
     curvature: str = option("kfac", choice("kfac", "kflr"))
     curvature_ema: float = option(0.95, number(0.0, 1.0, open_high=True))
+    curvature_interval: int = option(1, number(1, integer=True))
     kfac_approx: str = option("expand", choice(*KFAC_APPROX))
     fallback: str | None = option("adam", choice(None, "adam"))
     damping: float = option(0.0, choice(0.0), keyword=False)
+    relative_damping: float = option(0.0, choice(0.0), keyword=False)
     momentum: float = option(0.0, choice(0.0), keyword=False)
     kl_clip: float | None = option(None, choice(None), keyword=False)
 

@@ -24,6 +24,7 @@ from curvopt.core import values
 from curvopt.optim.fallback import DiagonalFallback
 from curvopt.inversion.inverses import EigenCorrectedInverse
 from curvopt.optim.newton import NewtonOptimizer
+from curvopt.optim.plan import refresh_interval
 from curvopt.optim.one_sided import is_one_sided, kept, next_bases, supplied
 from curvopt.optim.options import (
     KFAC_APPROX,
@@ -50,7 +51,8 @@ class EKFACOptions(NewtonOptions):
     fallback: str | None = option("diagonal", choice(*KRONECKER_FALLBACKS))
     curvature_ema: float = option(0.0, number(0.0, 1.0, open_high=True), keyword=False)
     reduction: str | None = option(None, optional(choice("mean", "sum")))
-    basis_interval: int = option(1, number(1, integer=True))
+    #: None (default): at every curvature step (``curvature_interval``)
+    basis_interval: int | None = option(None, optional(number(1, integer=True)))
     kfac_approx: str = option("expand", choice(*KFAC_APPROX))
     max_basis_dim: int | None = option(None, optional(number(1, integer=True)))
     basis_source: str = option("current", choice("current", "last_refresh"))
@@ -62,10 +64,11 @@ class EKFACOptions(NewtonOptions):
                 "EKFAC does not support curvature_ema: S is recomputed in the current basis "
                 "at every curvature step"
             )
-        if self.basis_interval % self.curvature_interval:
+        interval = refresh_interval(self.curvature_interval, self.damping)
+        if self.basis_interval is not None and self.basis_interval % interval:
             raise ValueError(
                 f"basis_interval ({self.basis_interval}) must be a multiple of "
-                f"curvature_interval ({self.curvature_interval}): the basis is refreshed "
+                f"curvature_interval ({interval}): the basis is refreshed "
                 "at curvature steps"
             )
 
@@ -98,15 +101,18 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
     Args:
         params: parameters or param groups, as for ``torch.optim.SGD``.
         lr: learning rate ``≥ 0``.
-        damping: ``λ``: a number ``≥ 0``, a callable of the step count, or a damping strategy;
-            ``1e-3`` by default (kfac-pytorch's default; the trust region ``kl_clip`` bounds
-            the steps so small a damping makes), so ``EKFAC(params, lr=0.1)`` trains.
+        damping: ``λ``: ``None`` (default: relative, ``λ = α m``, ``α = relative_damping``,
+            ``m`` the curvatures' mean eigenvalue at the first refresh; ``RelativeDamping``),
+            or an absolute one: a number ``≥ 0``, a callable of the step count, or a damping
+            strategy; so ``EKFAC(params, lr=0.1)`` trains (with the trust region ``kl_clip``).
+        relative_damping: ``α`` of ``damping=None``, ``0.03`` by default.
         curvature: the factors giving the basis: ``"kfac"`` (MC-sampled) or ``"kflr"``.
         weight_decay: ``δ ≥ 0`` (added to the gradient and to the damping).
         reduction: ``None`` (default: the scale ``c`` of ``S`` follows the loss's reduction),
             or ``"mean"``/``"sum"``: the backward pass raises if the loss's differs.
         basis_interval: refresh the basis every ``k`` steps (a multiple of
             ``curvature_interval``); in between ``S`` is still recomputed in the old basis.
+            ``None`` (default): at every curvature step.
         mc_samples: Monte-Carlo samples for ``curvature="kfac"``.
         kfac_approx: ``"expand"`` (default) or ``"reduce"``: the factors whose eigenbasis is
             used, as in ``curvopt.extensions.EKFAC``.
@@ -181,7 +187,8 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         return "ekfac", {**options, "bases": self._supplied, "reduction": group["reduction"]}
 
     def _basis_due(self, group, step: int) -> bool:
-        return step % group["basis_interval"] == 0
+        interval = refresh_interval(group["curvature_interval"], group["damping"])
+        return step % (group["basis_interval"] or interval) == 0
 
     def _supplied(self, param):
         """The bases the next pass uses for ``param``: its current ones, or ``None`` (fresh)
@@ -277,6 +284,10 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
             return inverse.apply_one(item.grad), {}
         pending = item.update.state.get("bases_next", item.state.get("bases_next"))
         return inverse.apply_one(item.grad), {"bases_next": pending}
+
+    def _curvature_scale(self, curvature):
+        """``tr(Q diag(S) Qᵀ)/dim``: the mean of ``S``."""
+        return curvature[0].mean()
 
     def _quadratic(self, curvature, step):
         correction, bases = curvature[0], curvature[1:]

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-
 
 import torch
 
-from curvopt.core.reductions import dense
+from curvopt.core.reductions import dense, diagonal
 from curvopt.optim.fallback import DiagonalFallback
 from curvopt.optim.gradient_factors import FactorCapture, factored_cheaper, reproduces
 from curvopt.inversion.kronecker import InverseOptions, KroneckerInverse, as_matrix, kron_quadratic
 from curvopt.optim.newton import Derived, NewtonOptimizer
-from curvopt.optim.plan import cached
+from curvopt.optim.plan import cached, refresh_interval
 from curvopt.inversion.trace_norm import eigh_solvers
 from curvopt.optim.options import (
     KFAC_APPROX,
@@ -65,9 +65,11 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
     Args:
         params: parameters or param groups, as for ``torch.optim.SGD``.
         lr: learning rate ``≥ 0``.
-        damping: ``λ``: a number ``≥ 0``, a callable of the step count, or a damping strategy;
-            ``1e-3`` by default (kfac-pytorch's default; the trust region ``kl_clip`` bounds
-            the steps so small a damping makes), so ``KFAC(params, lr=0.1)`` trains.
+        damping: ``λ``: ``None`` (default: relative, ``λ = α m``, ``α = relative_damping``,
+            ``m`` the curvatures' mean eigenvalue at the first refresh; ``RelativeDamping``),
+            or an absolute one: a number ``≥ 0``, a callable of the step count, or a damping
+            strategy; so ``KFAC(params, lr=0.1)`` trains (with the trust region ``kl_clip``).
+        relative_damping: ``α`` of ``damping=None``, ``0.03`` by default.
         curvature: ``"kfac"`` (MC-sampled), ``"kflr"`` (exact loss Hessian) or ``"kfra"``.
         weight_decay: ``δ ≥ 0`` (added to the gradient and to the damping).
         kronecker_damping: ``"trace_norm"`` (default): ``(B + √λ/π I)⁻¹ G (A + π√λ I)⁻¹`` with
@@ -103,8 +105,10 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
             either of the first two the backward pass skips their Kronecker factors
             (``collect(skip_unsupported="diagonal" / True)``), and the first step that
             preconditions such parameters warns once, naming them.
-        momentum, curvature_ema, curvature_interval: see
-            :mod:`curvopt.optim.newton` (all off by default).
+        momentum, curvature_ema: see :mod:`curvopt.optim.newton` (off by default).
+        curvature_interval: the curvature (and the inverses) every ``k`` steps, plain steps
+            between (the hooks do nothing); ``None`` (default): 10 under the relative damping,
+            1 (every step) with a damping given.
         process_group: under ``torch.distributed``: ``None`` (the default group if initialized
             with several ranks), a ``ProcessGroup``, a ``DistributedCurvature``, or ``False``
             (rank-local); see :mod:`curvopt.optim.distributed`.
@@ -176,7 +180,8 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
         # a product with a dense inverse is one matrix product where triangular solves are two,
         # and forming the inverse costs about as much again as the Cholesky factorisation:
         # worth it when it is applied again
-        reused = max(group["inverse_interval"], group["curvature_interval"]) > 1
+        interval = refresh_interval(group["curvature_interval"], group["damping"])
+        reused = max(group["inverse_interval"], interval) > 1
         # Woodbury needs each rank's own roots: off when inverses are spread over ranks
         low_rank = self._distributed is None
         if (
@@ -265,6 +270,10 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
         """The rows of ``param``'s gradient captured in the pass, or None (``gradient_factors``)."""
         capture = self._capture
         return None if capture is None else capture.factors(param)
+
+    def _curvature_scale(self, curvature):
+        """``tr(B ⊗ A)/dim = (tr B/dim B)(tr A/dim A)``."""
+        return math.prod(diagonal(f).mean() for f in curvature)
 
     def _quadratic(self, curvature, step):
         return kron_quadratic([dense(f) for f in curvature], as_matrix(step, curvature))

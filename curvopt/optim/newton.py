@@ -31,6 +31,11 @@ A step whose gradient, curvature, update or resulting parameters are not finite 
 closure's loss over ``LOSS_GROWTH`` (1000) times the first one warns. A finite loss that
 grows without a closure is not seen by the optimizer.
 
+By default (``damping=None``) the damping is relative (``λ = α m``, ``m`` the curvatures' mean
+eigenvalue at the first refresh: :class:`~curvopt.inversion.damping.RelativeDamping`) and ``C`` is
+read every 10 steps (``curvature_interval=None``; 1 with a damping given), the steps between
+plain ones that leave the engine alone (``frontend.collection``).
+
 Opt-in, per param group: ``curvature_interval`` (read ``C`` every k steps, reuse it between),
 ``curvature_ema`` (``C ← β C + (1 − β) C_new``), ``momentum``, ``schedule_free`` (β; evaluate
 after ``opt.eval()``), adaptive damping (:class:`~curvopt.inversion.damping.LevenbergMarquardt`)
@@ -55,9 +60,9 @@ from curvopt import extensions
 from curvopt.core import values
 from curvopt.core.extended import path_of
 from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, number, skip_options
-from curvopt.inversion.damping import as_damping, reduction_ratio
+from curvopt.inversion.damping import RelativeDamping, damping_strategy, reduction_ratio
 from curvopt.optim.fallback import announce
-from curvopt.optim.plan import ParamUpdate
+from curvopt.optim.plan import ParamUpdate, refresh_interval
 from curvopt.optim.stages import (
     NEWTON,
     Chain,
@@ -112,7 +117,7 @@ class NewtonOptimizer(CurvatureOptimizer):
     Example:
         >>> import torch, curvopt
         >>> model = curvopt.extend(torch.nn.Sequential(torch.nn.Linear(3, 2)))
-        >>> opt = curvopt.optim.KFAC(model.parameters(), lr=0.1)
+        >>> opt = curvopt.optim.KFAC(model.parameters(), lr=0.1, damping=1e-3)
         >>> isinstance(opt, curvopt.optim.NewtonOptimizer)
         True
         >>> opt.damping()  # the damping the next step of param group 0 uses
@@ -245,7 +250,8 @@ class NewtonOptimizer(CurvatureOptimizer):
 
     # ----------------------------------------------------------------- planning
     def _curvature_due(self, group: dict[str, Any], group_state: dict[str, Any]) -> bool:
-        return group_state["step"] % group["curvature_interval"] == 0
+        interval = refresh_interval(group["curvature_interval"], group["damping"])
+        return group_state["step"] % interval == 0
 
     def _needs(self, group, group_state) -> list[ExtensionSpec]:
         if self._curvature_due(group, group_state) or any(
@@ -263,7 +269,7 @@ class NewtonOptimizer(CurvatureOptimizer):
         return fallback is None or "fallback_diagonal" not in state
 
     def _damping(self, group, group_state):
-        strategy = as_damping(group["damping"])
+        strategy = damping_strategy(group["damping"], group["relative_damping"])
         return strategy, group_state["damping"] or strategy.init()
 
     def _plan_group(self, group, group_state, with_model):
@@ -291,6 +297,8 @@ class NewtonOptimizer(CurvatureOptimizer):
                     name = path_of(param) or update.description
                     self.__dict__.setdefault("_fell_back", {})[name] = group["fallback"]
             step.params.append(item)
+        if group["damping"] is None:
+            step.damping = self._relative_damping(step, group_state)
         for stage in self._stages.for_group(group):
             stage(step)
         predicted = self._predicted(step) if with_model else 0.0
@@ -301,6 +309,28 @@ class NewtonOptimizer(CurvatureOptimizer):
         return Preconditioner(
             self._direction, self._fallback_direction, self._derived, self._distributed
         )
+
+    # ----------------------------------------------------------------- relative damping
+    def _relative_damping(self, step: GroupStep, group_state: dict[str, Any]) -> float:
+        """``λ + δ`` of a group with relative damping (``damping=None``): ``λ = α · m``, ``m``
+        the mean over the group's parameters of their curvature's mean eigenvalue
+        (:meth:`_curvature_scale`) at the first refresh that finds one above zero (one host
+        read), kept in the group state from then on: the scale of the loss, not of a
+        curvature that collapses once the batches are fit."""
+        scale = group_state.get("curvature_scale")
+        curvatures = [item.curvature for item in step.params if item.curvature is not None]
+        if scale is None and curvatures:
+            device = _device(curvatures[0])
+            scales = [self._curvature_scale(c).to(device, torch.float64) for c in curvatures]
+            found = float(torch.stack(scales).mean())
+            if found > 0:
+                scale = group_state["curvature_scale"] = found
+        group = step.group
+        return RelativeDamping(group["relative_damping"]).of(scale or 0.0) + group["weight_decay"]
+
+    def _curvature_scale(self, curvature: Any) -> torch.Tensor:
+        """``tr(C)/dim(C)``, the mean eigenvalue of ``curvature`` (a diagonal: its mean)."""
+        return curvature.mean()
 
     def _total_damping(self, group, group_state) -> float:
         """``λ + δ``: the damping of this step plus the weight decay."""
@@ -354,7 +384,13 @@ class NewtonOptimizer(CurvatureOptimizer):
             self._group_state[index]["damping"] = strategy.update(damping_state, rho)
 
     def damping(self, group_index: int = 0) -> float:
-        """The damping ``λ`` that the next step of param group ``group_index`` uses."""
+        """The damping ``λ`` that the next step of param group ``group_index`` uses (relative
+        damping, ``damping=None``: the fraction ``α``)."""
         group, group_state = self.param_groups[group_index], self._group_state[group_index]
         strategy, damping_state = self._damping(group, group_state)
         return strategy.value(damping_state, group_state["step"])
+
+
+def _device(curvature: Any) -> torch.device:
+    """The device of a curvature (a tensor, or a list whose first entry is one)."""
+    return (curvature if isinstance(curvature, torch.Tensor) else curvature[0]).device

@@ -2,6 +2,8 @@
 keeps (:func:`cached`): the data a step is planned in, shared by the optimizer base
 (``optim.base``, which checks a whole plan and applies it), the stages and the optimizers.
 
+When a curvature is refreshed: :func:`refresh_interval` (``curvature_interval``'s default).
+
 A cache entry (:func:`cached`: inverses, eigendecompositions) is the plain dict
 ``{"value": ..., "key": ..., "step": int}`` so that it can live in an optimizer's ``state``
 and be saved with ``state_dict``.
@@ -14,6 +16,20 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+#: ``k`` when none is given under the default relative damping (:func:`refresh_interval`): the
+#: curvature (and its inverses) refreshed every ``k`` steps, the steps in between plain ones
+#: that leave the engine alone (``frontend.collection``); the first step always refreshes
+DEFAULT_CURVATURE_INTERVAL = 10
+
+
+def refresh_interval(curvature_interval: int | None, damping) -> int:
+    """A group's curvature interval: ``curvature_interval`` as given, or for ``None`` (the
+    default) :data:`DEFAULT_CURVATURE_INTERVAL` under the default relative damping
+    (``damping=None``) and 1 (every step, the paper's update) with a damping given."""
+    if curvature_interval is not None:
+        return curvature_interval
+    return DEFAULT_CURVATURE_INTERVAL if damping is None else 1
 
 
 @dataclass
