@@ -67,8 +67,9 @@ DAMPED = {"diagggn", "diagggn_mc", "kfac", "kflr", "kfra", "ekfac", "sf_kfac", "
 #: Keywords a run fixes itself (not settable as options).
 FIXED_KEYWORDS = {"self", "params", "lr", "damping", "curvature", "weight_decay", "process_group"}
 
-#: the paper's update: no trust region (the constructors' default is ``kl_clip=1e-3``)
-_PAPER = {"kl_clip": None}
+#: the paper's update: no trust region (the constructors' default is ``kl_clip=1e-3``), the
+#: curvature at every step (the constructors' default without a damping is every 10 steps)
+_PAPER = {"kl_clip": None, "curvature_interval": 1}
 _AMORTISED = {"curvature_interval": 10, "curvature_ema": 0.95, "momentum": 0.9, "kl_clip": 1e-3}
 
 #: preset -> class name -> options (a class missing from a preset gets no options)

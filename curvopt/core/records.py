@@ -19,6 +19,7 @@ from torch import nn
 
 from curvopt.core.calls import Call
 from curvopt.core.extended import ModuleEntry, entry_for
+from curvopt.core.params import trainable
 from curvopt.core.state import STATE
 
 #: key of the autograd-node metadata listing the module calls whose output the node produced
@@ -214,6 +215,14 @@ class Record:
             shared=self.shared,
             quiet=STATE.suspend,
         )
+
+    def computed(self) -> list:
+        """The ``(name, p)`` a curvature pass computes through this call: its module's
+        trainable parameters, less those read at their sites (:attr:`sites`)."""
+        params = trainable(self.module)
+        if not self.sites:
+            return params
+        return [(name, p) for name, p in params if name not in self.sites]
 
     def at_parameter_precision(self, value):
         """``value`` (tensors, nested in tuples, lists, dicts) as the rules take it: when the

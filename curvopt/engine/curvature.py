@@ -54,7 +54,7 @@ from functools import partial
 import torch
 
 from curvopt.engine.diagonals import coupled_estimate, diagonals
-from curvopt.engine.parameter_sites import computed, with_sites
+from curvopt.engine.parameter_sites import with_sites
 from curvopt.errors import BATCH_STATISTICS, UnsupportedLossError, module_error
 from curvopt.extensions.quantity import Producer
 from curvopt.engine.hessian import residuals
@@ -91,7 +91,7 @@ _WALKING = (Producer.HESSIAN_DIAGONAL, Producer.KFRA)
 def _fresh_bases(ext, calls) -> bool:
     """Whether the ``EKFAC`` extension ``ext`` needs this pass's factors for a parameter of
     ``calls`` (one without supplied bases)."""
-    return any(ext.supplied(p) is None for record in calls for _, p in computed(record))
+    return any(ext.supplied(p) is None for record in calls for _, p in record.computed())
 
 
 class CurvaturePass:

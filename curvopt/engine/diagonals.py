@@ -15,7 +15,6 @@ from curvopt.layers import mixes, rule_for
 from curvopt.core.params import owned
 from curvopt.core.calls import Call
 from curvopt.core.reductions import sum_of_squares
-from curvopt.engine.parameter_sites import computed
 from curvopt.engine.results import Term
 from curvopt.extensions.quantity import Producer
 
@@ -127,7 +126,7 @@ def diagonals(calls, outs, exts, sign: float = 1.0, coupled: bool = False):
         call, columns, n = module_call(record, outs[record])
         if call is None:
             continue
-        for name, p in computed(record):
+        for name, p in record.computed():
             uses[id(p)].append((p, name, call, columns, n))
     for entries in uses.values():
         p = entries[0][0]

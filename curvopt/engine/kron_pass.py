@@ -25,7 +25,6 @@ from functools import cache, partial
 import torch
 
 from curvopt.engine.diagonals import batch_column_grads, diag_from_columns, module_call, narrow
-from curvopt.engine.parameter_sites import computed
 from curvopt.engine.results import Factors, Term
 from curvopt.errors import UnsupportedKroneckerError
 from curvopt.extensions.quantity import Producer
@@ -78,7 +77,7 @@ class FactorStream:
             call, columns, n = module_call(record, outs[record])
             if call is None:
                 continue
-            for name, p in computed(record):
+            for name, p in record.computed():
                 # ``coupled``: the batch gradients of the columns, made once where wanted
                 # (every use is in a coupled pass)
                 column_grads = (

@@ -6,7 +6,7 @@ register tokens; ``layers.parameter``). A curvature pass binds each such paramet
 its own, :class:`SiteCall`, whose output is the site (``Walk.parameter_site``: the op's output,
 read by sample as a broadcast call's, ``graph.broadcast``): the columns reach it in the same
 ``propagate.to_calls`` as every call's, and ``layers.parameter.ParameterRule`` turns them into
-diagonals or factors; the module's rule computes its other parameters (:func:`computed`), and
+diagonals or factors; the module's rule computes its other parameters (``Record.computed``), and
 the module is not re-run for these.
 
 That the site's leading dim is the batch is what the shapes suggest, not what they prove (a
@@ -60,14 +60,9 @@ class SiteCall:
     def call(self, grad_out=None) -> Call:
         return Call(self.module, (), {}, grad_out, quiet=STATE.suspend)
 
-
-def computed(record):
-    """The ``(name, p)`` a pass computes through ``record``: its module's trainable parameters,
-    less those read at their sites."""
-    params = trainable(record.module)
-    if not record.sites:
-        return params
-    return [(name, p) for name, p in params if name not in record.sites]
+    def computed(self) -> list:
+        """``[(name, p)]``: the one parameter this call computes."""
+        return trainable(self.module)
 
 
 def with_sites(calls, walk, source, batched: bool, layout) -> dict:

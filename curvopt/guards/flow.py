@@ -160,10 +160,10 @@ def _flow_error(node, module) -> Exception:
     output of a call of ``module``, if not None)."""
     if type(node).__name__ == ACCUMULATE_GRAD:
         return UnsupportedModuleError(
-            f"curvopt: parameter {name_of(node.variable)!r} receives gradient from outside its "
-            "module and the extended loss(es) (a penalty on it, or a use elsewhere in the "
-            "model). Backpropagate only sums of extended losses, and pass an L2 penalty as "
-            "the optimizer's weight_decay=; see docs/support.md#gradient-from-other-terms."
+            f"curvopt: parameter {name_of(node.variable)!r} receives gradient from outside the "
+            "module that owns it and the extended loss(es) (a penalty, or a use elsewhere). "
+            "Backpropagate only sums of extended losses, and pass an L2 penalty as the "
+            "optimizer's weight_decay=; see docs/support.md#gradient-from-other-terms."
         )
     if module is not None:
         return module_error(
