@@ -44,7 +44,7 @@ GUARD = "guard: "
 PARTS = (
     ("forward hooks", "curvopt.frontend.hooks", "_module_forward_hook"),
     ("a new BackwardPass", "curvopt.loop.backward", "BackwardPass.__init__"),
-    ("loss hook", "curvopt.loop.dispatch", "on_loss"),
+    ("loss hook", "curvopt.loop.routing", "on_loss"),
     ("  the walk of the graph", "curvopt.graph.walk", "Walk.__init__"),
     ("  participation", "curvopt.guards.participation", "Participation.skips_all"),
     ("  row layout (first order)", "curvopt.loop.backward", "BackwardPass._check_layout"),
@@ -62,7 +62,7 @@ PARTS = (
     ("    its region searched", "curvopt.guards.flow", "FlowCheck._region"),
     (f"{GUARD}flow check before a node", "curvopt.guards.flow", "FlowCheck._on_arrival"),
     (f"{GUARD}flow check after a node", "curvopt.guards.flow", "FlowCheck._on_sent"),
-    ("module hooks", "curvopt.loop.dispatch", "_on_module"),
+    ("module hooks", "curvopt.loop.routing", "_on_module"),
     ("  participation of the module", "curvopt.guards.participation", "Participation.of"),
     (f"  {GUARD}flow check", "curvopt.guards.flow", "FlowCheck.module"),
     (f"  {GUARD}parameters' sites", "curvopt.guards.sites", "ParameterSites.claim"),

@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn import _reduction
 
 from curvopt.core.extended import set_path
-from curvopt.loop.dispatch import loss_hook, on_loss
+from curvopt.loop.routing import loss_hook, on_loss
 from curvopt.core.calls import output_tensors
 from curvopt.core.records import LossRecord, mark_extended_loss
 from curvopt.entry.recognize import NO_HESSIAN

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from curvopt.loop.dispatch import module_hook, parameter_hook
+from curvopt.loop.routing import module_hook, parameter_hook
 from curvopt.layers import rule_for
 from curvopt.core.extended import ModuleEntry, drop, entry_for, entry_of, is_extended
 from curvopt.core.extended import module_entry
