@@ -86,9 +86,9 @@ def _touches(source: str) -> list:
             if isinstance(node, ast.Global):
                 found.append(f"line {node.lineno}: global {', '.join(node.names)}")
             elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
-                targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [
-                    node.target
-                ]
+                targets = (
+                    node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+                )
                 for target in targets:
                     root = _root(target)
                     if target is not root and isinstance(root, ast.Name):

@@ -93,7 +93,7 @@ class BackwardPass:
         self.reused: Dict[int, bool] = {}
         self.checks = Checks(task)
         self.reducer = FirstOrderReducer(extensions, self.results, self.checks)
-        self.first = self.reducer.first  # first-order producer -> the attributes it writes
+        self.first = self.reducer.first  # first-order implementation -> the attributes it writes
         self.handles: list = []  # hooks on autograd nodes, removed when the pass ends
         self.upstream: list = []  # module calls upstream of the extended losses
         self.walks: list = []  # the graph walks of this pass (``walk.Walk``)

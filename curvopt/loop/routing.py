@@ -1,13 +1,13 @@
 """Where the gradient hooks go: to the backward pass now running of every active collection.
 This module routes hooks and chooses no computation (what a pass computes is ``engine``'s).
 
-``extend`` (``hooks``) registers the hooks made here on each module call's output (``module_hook``),
-each extended loss's output (``loss_hook``) and each parameter (``parameter_hook``); a record is
-data (``records``), and which passes its gradient goes to is decided here. While a ``collect`` block is open
-or a collection armed, ``STATE.collecting`` is :data:`ROUTER`, which hands each hook to the pass
-of every active collection (the open block first, then the armed ones, newest first;
-``collect.collect.backward_pass``: created at the pass's first hook); otherwise the hooks only
-drop what the forward kept.
+``extend`` (``hooks``) registers the hooks made here on each module call's output
+(``module_hook``), each extended loss's output (``loss_hook``) and each parameter
+(``parameter_hook``); a record is data (``records``), and which passes its gradient goes to is
+decided here. While a ``collect`` block is open or a collection armed, ``STATE.collecting`` is
+:data:`ROUTER`, which hands each hook to the pass of every active collection (the open block
+first, then the armed ones, newest first; ``collect.collect.backward_pass``: created at the
+pass's first hook); otherwise the hooks only drop what the forward kept.
 """
 
 from __future__ import annotations
