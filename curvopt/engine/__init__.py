@@ -1,5 +1,7 @@
 """What one backward pass computes (layer 5), given the module calls and the loss.
 
+* ``producers``: the producer table: for each ``Producer``, the parts of a pass that compute it
+  (the pass reads it; nothing else compares producers);
 * ``rows``: which loss rows belong to which sample; the probe-verified packing of columns;
 * ``compress``: a language model head's exact columns re-factored at its narrower input
   (``HeadCut``, a strategy);
