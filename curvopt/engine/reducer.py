@@ -34,7 +34,7 @@ from curvopt.core.buffers import empty_result
 from curvopt.errors import UnsupportedModuleError
 from curvopt.engine.producers import TABLE
 from curvopt.layers.eigenbasis import eigen_moment_of
-from curvopt.core.reductions import squared_norms, sum_of_squares
+from curvopt.core.reductions import dense_gradient, squared_norms, sum_of_squares
 from curvopt.engine.results import name_of
 
 #: elements per chunk when per-sample gradients are materialised only to be reduced
@@ -68,10 +68,13 @@ class FirstOrderReducer:
     """The first-order producers of one pass: per-sample gradients ``g_n`` of every module call
     and their reductions, put into the result buffer for each attribute a producer writes
     (``MOMENTS``: ``(sum g^2, sum g)``, turned into a variance by ``accumulate``). Each call's
-    ``sum_n g_n`` goes to the checks. ``EKFAC``'s eigen-corrected moments are made here too
-    (from the module hooks of a second-order pass)."""
+    ``sum_n g_n`` (or its projection through the pass's ``probes``, ``engine.probes``) is handed
+    to the ``observers`` (the sum checks, ``guards.checks``, which only compare: set by the
+    pass, :meth:`add_total`); each parameter's gradient of the pass comes from the pass
+    (:meth:`parameter_grad`). ``EKFAC``'s eigen-corrected moments are made here too (from the
+    module hooks of a second-order pass)."""
 
-    def __init__(self, extensions, results, checks):
+    def __init__(self, extensions, results, probes):
         #: the ``EKFAC`` extensions
         self.corrected = [e for e in extensions if TABLE[e.quantity.producer].bases]
         #: producer's implementation (``producers.TABLE``) -> the attributes it writes (from
@@ -90,10 +93,13 @@ class FirstOrderReducer:
         self.reduces = self.want_l2 or self.want_sgs
         #: the attributes of the per-sample gradients (``None``: not kept); ``couple`` leaves it
         self._kept = next((a for made, a in self.first.items() if made.reduces == ("batch",)), None)
-        self.results, self.checks = results, checks
+        self.results, self.probes = results, probes
+        #: ``observe(p, use, total, projected)`` of each sum check (``add_total``)
+        self.observers: list = []
+        self.grads: Dict[int, torch.Tensor] = {}  # id(p): p's gradient of the pass
         self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
         #: (p, sum_n g_n**2, rule, call, name) whose moments take ``sum_n g_n`` from ``p``'s
-        #: checked gradient
+        #: gradient of the pass (checked equal to it)
         self.moments_from_grad: List[tuple] = []
 
     @property
@@ -136,20 +142,31 @@ class FirstOrderReducer:
 
     def add_total(self, p, rule, call, name, total=None) -> Optional[torch.Tensor]:
         """This call's ``sum_n g_n`` for the checks, returned: ``total`` (from per-sample
-        gradients made anyway), else seen through random probes where that is cheaper
-        (``rule.projected_sum``, returning ``None``), else by the rule's ``grad_sum`` or in
-        chunks."""
-        if total is None and self.checks.projects(p):
-            projected = rule.projected_sum(call, name, *self.checks.probes(p))
+        gradients made anyway), else seen through the pass's random probes where that is
+        cheaper (``rule.projected_sum``, returning ``None``), else by the rule's ``grad_sum``
+        or in chunks. Each observer gets ``(p, (rule, call, name), total, projected)``, with
+        ``projected = (probes, [K] projected sum, magnitude)`` where the sum was projected
+        (``total`` then ``None``)."""
+        use = (rule, call, name)
+        if total is None and self.probes.projects(p):
+            probes = self.probes.of(p)
+            projected = rule.projected_sum(call, name, *probes)
             if projected is not None:
-                self.checks.add_projected(p, (rule, call, name), *projected)
+                for observe in self.observers:
+                    observe(p, use, None, (probes, *projected))
                 return None
         if total is None:
             total = rule.grad_sum(call, name)
         if total is None:
             total = reduce_in_chunks(rule, call, name, p.shape, {"grad_sum": True})["grad_sum"]
-        self.checks.add_total(p, (rule, call, name), total)
+        for observe in self.observers:
+            observe(p, use, total, None)
         return total
+
+    def parameter_grad(self, p, grad) -> None:
+        """``p``'s whole gradient of this pass (``MOMENTS``' ``sum_n g_n`` where the sum was
+        projected, :meth:`finish`)."""
+        self.grads[id(p)] = grad
 
     def _accumulate(self, p, rule, call, name) -> None:
         found = self.batch_grads.get(id(p))
@@ -191,8 +208,9 @@ class FirstOrderReducer:
         """The materialised per-sample gradients and their reductions, into the buffer (and
         the moments whose ``sum_n g_n`` is ``p``'s gradient of the pass, checked equal)."""
         for p, sgs, rule, call, name in self.moments_from_grad:
-            if self.checks.has_grad(p):
-                total = self.checks.pass_grad(p).to(sgs.dtype, copy=True)
+            grad = self.grads.get(id(p))
+            if grad is not None:
+                total = dense_gradient(grad).to(sgs.dtype, copy=True)
             else:  # no gradient accumulated (nothing checked against): the sum itself
                 total = rule.grad_sum(call, name)
                 if total is None:
@@ -208,6 +226,12 @@ class FirstOrderReducer:
                 total = batch.sum(0) if self.want_moments else None
                 self._store(p, {"l2": l2, "sgs": sgs, "total": total})
             self._correct(p, lambda bases, batch=batch: eigen_moment_of(batch, bases))
+
+    def clear(self) -> None:
+        """The pass ended: drop the per-sample gradients, gradients and probes it holds."""
+        self.batch_grads.clear()
+        self.grads.clear()
+        self.probes.clear()
 
     def _correct(self, p, moment) -> None:
         """``p.ekfac = [c · moment(bases), *bases]`` for every ``EKFAC`` extension, ``c`` the

@@ -39,6 +39,7 @@ from curvopt.core.params import tied
 from curvopt.guards.participation import Participation
 from curvopt.guards.pass_guards import autocast_off, check_reduction, missing_loss
 from curvopt.guards.pass_guards import one_batch_size
+from curvopt.engine.probes import Probes
 from curvopt.engine.reducer import FirstOrderReducer
 from curvopt.engine.results import ResultBuffer
 from curvopt.guards.sites import ParameterSites
@@ -91,8 +92,8 @@ class BackwardPass:
         self.phase = Phase.WAITING
         self.batch_size: Optional[int] = None
         self.reused: Dict[int, bool] = {}
-        self.checks = Checks(task)
-        self.reducer = FirstOrderReducer(extensions, self.results, self.checks)
+        self.checks = Checks()
+        self.reducer = FirstOrderReducer(extensions, self.results, Probes(task))
         self.first = self.reducer.first  # first-order implementation -> the attributes it writes
         self.handles: list = []  # hooks on autograd nodes, removed when the pass ends
         self.upstream: list = []  # module calls upstream of the extended losses
@@ -100,6 +101,7 @@ class BackwardPass:
         self.taking = Participation(scope, self.walks)  # the parameters it accumulates into
         self.sites = ParameterSites(self.reducer, self.checks, self.handles, self.walks)
         self.guards = Observers((FlowCheck(task), self.sites, self.checks))  # in this order
+        self.reducer.observers = self.guards.total  # each call's sum_n g_n, to the sum checks
         # what the losses' walks found: a reentrant checkpoint re-run (``checkpointing``),
         # curvature through a module mixing samples (``curvature``)
         self.checkpointed = False
@@ -298,6 +300,7 @@ class BackwardPass:
         if self.taking.skips(p):
             return
         try:
+            self.reducer.parameter_grad(p, grad)
             with autocast_off():  # the sum check computes (projected sums: matmuls)
                 for observe in self.guards.parameter:
                     observe(p, grad)
@@ -332,7 +335,7 @@ class BackwardPass:
         n = self.batch_size or 0
         written = self.results.write(self.accumulator, n, self.taking.untouched)
         self.accumulator.leave(self.taking.left_out(written), self.extensions, n)
-        self.reducer.batch_grads.clear()
+        self.reducer.clear()
         for release in self.guards.release:
             release()
 
@@ -353,7 +356,7 @@ class BackwardPass:
         for handle in self.handles:
             handle.remove()
         self.walks.clear()
-        self.reducer.batch_grads.clear()
+        self.reducer.clear()
         self.results.clear()
         for release in self.guards.release:
             release()
