@@ -65,7 +65,7 @@ PARTS = (
     ("module hooks", "curvopt.loop.routing", "_on_module"),
     ("  participation of the module", "curvopt.guards.participation", "Participation.of"),
     (f"  {GUARD}flow check", "curvopt.guards.flow", "FlowCheck.module"),
-    (f"  {GUARD}parameters' sites", "curvopt.guards.sites", "ParameterSites.claim"),
+    ("  parameters' sites", "curvopt.engine.parameter_sites", "SiteReadings.claim"),
     (f"  {GUARD}sum checks at the module", "curvopt.guards.checks", "Checks.module"),
     ("  first-order reducer", "curvopt.engine.reducer", "FirstOrderReducer.add"),
     ("parameter hooks", "curvopt.loop.backward", "BackwardPass.on_parameter_grad"),
