@@ -22,13 +22,13 @@ optimizer) and the hooks read, also a backward hook that autograd runs in a work
 its own (a CUDA device's): a context variable set in the user's thread would not reach it, so
 they stay here, set only by the collections (``frontend``), never by a pass or a layer rule.
 
-``suspended`` is not: it is a context variable (:data:`SUSPENDED`), true inside
-:meth:`_State.suspend`, which curvopt enters where it re-runs a module or differentiates
-through one itself (a pass's ``Call.quiet``, the curvature propagation, ``linalg``'s products).
-It holds in the thread (and asyncio task) that entered it and for the autograd work that thread
-runs itself (a nested ``torch.autograd.grad`` runs its hooks in the thread that called it), is
-restored on exit also when an exception leaves the block, and never silences another thread's
-pass.
+The suspend switch is not: it is a context variable, :data:`SUSPENDED` (read by the hooks as
+``SUSPENDED.get()``), true inside :meth:`_State.suspend`, which curvopt enters where it re-runs
+a module or differentiates through one itself (a pass's ``Call.quiet``, the curvature
+propagation, ``linalg``'s products). It holds in the thread (and asyncio task) that entered it
+and for the autograd work that thread runs itself (a nested ``torch.autograd.grad`` runs its
+hooks in the thread that called it), is restored on exit also when an exception leaves the
+block, and never silences another thread's pass.
 """
 
 from __future__ import annotations
@@ -47,11 +47,6 @@ class _State:
         self.armed: tuple = ()  # weakref.ref to each armed collection, oldest first
         self.explicit: tuple = ()  # weakref.ref to each explicit optimizer's collection
         self.plain = False  # armed collections, all resting, no block: the hooks do nothing
-
-    @property
-    def suspended(self) -> bool:
-        """Whether this context is inside :meth:`suspend` (:data:`SUSPENDED`)."""
-        return SUSPENDED.get()
 
     @staticmethod
     @contextlib.contextmanager

@@ -85,6 +85,8 @@ class FirstOrderReducer:
                 if TABLE[ext.quantity.producer] is made and (ext.order == 1 or made.bases):
                     self.first.setdefault(made, []).append(ext.attr)
         wanted = {reduction for made in self.first for reduction in made.reduces}
+        #: (reductions, attributes) of each producer made of reductions, in the table's order
+        self._stored = [(made.reduces, attrs) for made, attrs in self.first.items() if made.reduces]
         #: what the reductions want, fixed for the pass (no table lookup per parameter)
         self.want_l2 = "l2" in wanted
         self.want_sgs = "sgs" in wanted
@@ -265,15 +267,19 @@ class FirstOrderReducer:
         buffer, for every attribute each producer writes (copies beyond the first): each
         producer whose reductions (``Implementation.reduces``) are all there, and use
         ``made_of`` where given (``MOMENTS``' total found at the end of the pass)."""
-        for made, attrs in self.first.items():
-            needs = made.reduces
-            if not needs or (made_of is not None and made_of not in needs):
+        for needs, attrs in self._stored:
+            if made_of is not None and made_of not in needs:
                 continue
-            if any(reductions.get(name) is None for name in needs):
-                continue
-            value = reductions[needs[0]] if len(needs) == 1 else tuple(reductions[n] for n in needs)
-            for i, attr in enumerate(attrs):
-                self.results.put(p, attr, value if i == 0 else _copy(value))
+            values = []
+            for name in needs:
+                value = reductions.get(name)
+                if value is None:
+                    break
+                values.append(value)
+            else:
+                value = values[0] if len(values) == 1 else tuple(values)
+                for i, attr in enumerate(attrs):
+                    self.results.put(p, attr, value if i == 0 else _copy(value))
 
 
 def _checked(p, bases):

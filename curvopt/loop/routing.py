@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Optional
 
 from curvopt.core.extended import module_path
-from curvopt.core.state import STATE
+from curvopt.core.state import STATE, SUSPENDED
 from curvopt.errors import GraphReuseError
 
 
@@ -66,7 +66,7 @@ def module_hook(record, several: bool = False):
 
 
 def _on_module(record, grads) -> None:
-    if STATE.suspended:
+    if SUSPENDED.get():
         return
     grads = tuple(record.shaped(i, g) for i, g in enumerate(grads))
     for tap in record.extended.taps:
@@ -101,7 +101,7 @@ def loss_hook(record):
 def on_loss(record, grad) -> None:
     """The gradient ``grad`` reached the loss of ``record`` (also called by ``recognize`` for a
     loss read off the graph)."""
-    if STATE.suspended or record.args is None:
+    if SUSPENDED.get() or record.args is None:
         return
     used = True
     try:
@@ -116,7 +116,7 @@ def parameter_hook(p):
     """The gradient hook of an extended module's parameter ``p``."""
 
     def hook(grad):
-        if not STATE.suspended and STATE.collecting is not None:
+        if not SUSPENDED.get() and STATE.collecting is not None:
             ROUTER.backward_pass().on_parameter_grad(p, grad)
 
     return hook
