@@ -1,4 +1,5 @@
-"""No layer rule touches process-wide state; the suspend switch belongs to its context.
+"""No process-wide state steers a pass: no layer rule touches it, and the suspend switch and
+the plan cache belong to their context.
 
 A layer rule (``curvopt/layers/``, all but the registry its declarations fill at import)
 computes from its call and nothing else: it names no ``core.state`` switch, declares no
@@ -20,6 +21,7 @@ from torch import nn
 
 import curvopt
 from curvopt import extensions as ext
+from curvopt.core import plans
 from curvopt.core.state import STATE, SUSPENDED
 
 LAYERS = pathlib.Path(__file__).resolve().parents[1] / "curvopt" / "layers"
@@ -191,3 +193,36 @@ def test_a_suspend_in_one_thread_leaves_another_threads_pass_alone():
             ]
         )
         torch.testing.assert_close(results[k], want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_plan_cache_is_the_contexts():
+    """A structure's plan is kept in the context whose pass made it (``core.plans.PLANS``): a
+    pass in another thread starts from no plan, makes its own, right, and leaves this
+    thread's cache as it was."""
+    torch.manual_seed(1)
+    model = curvopt.extend(nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double())
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss(reduction="sum"))
+    X, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 2, (5,))
+
+    def diagonal():
+        with curvopt.collect(ext.DiagGGNExact()):
+            lossfunc(model(X), y).backward()
+        return {k: p.diag_ggn_exact.clone() for k, p in model.named_parameters()}
+
+    mine = diagonal()
+    before = dict(plans.plan_cache())
+    assert before  # this thread's pass made a plan
+    seen = {}
+
+    def worker():
+        seen["empty"] = not plans.plan_cache()
+        seen["values"] = diagonal()
+        seen["plans"] = len(plans.plan_cache())
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen["empty"] and seen["plans"] >= 1
+    assert dict(plans.plan_cache()) == before
+    for k, value in mine.items():
+        torch.testing.assert_close(seen["values"][k], value, rtol=1e-12, atol=1e-12)
