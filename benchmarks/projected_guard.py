@@ -8,7 +8,7 @@ A second table times the guard alone per weight (milliseconds, median over round
 layer's recorded input and a random output gradient: full (``grad_sum``, then
 ``tolerance.mismatch`` with the gradient) against projected (``projected_sum``, ``uᵀ grad v``
 and the comparison with its bound), and which of the two curvopt runs for that weight
-(``projected.projection_pays``).
+(``engine.probes.projection_pays``).
 
 DeepOBS 2C2D (Fashion-MNIST shapes) and 3C3D (CIFAR-10 shapes) at batch 8 and 64, float32, one
 thread. "full" runs the same code with every rule's ``projected_sum`` returning ``None``, which
@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.guards.projected import PROJECTED_FACTOR, draw_probes, project, projection_pays
+from curvopt.engine.probes import draw_probes, projection_pays
+from curvopt.guards.projected import PROJECTED_FACTOR, project
 from curvopt.guards.tolerance import mismatch
 from curvopt.layers.conv import ConvRule
 from curvopt.layers.embedding import EmbeddingRule

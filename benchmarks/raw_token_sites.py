@@ -1,13 +1,13 @@
 """First-order quantities on a ViT whose class token and position embeddings are raw parameters
-of the model: read at their add / expand (``guards.sites``) against the generic rule's re-run of
-the whole model sample by sample, as ratios to the plain forward + backward, interleaved.
+of the model: read at their add / expand (``engine.parameter_sites``) against the generic rule's
+re-run of the whole model sample by sample, as ratios to the plain forward + backward, interleaved.
 
     OMP_NUM_THREADS=1 python -m benchmarks.raw_token_sites [--rounds 9] [--repeats 5]
 
 The FMNIST ViT of the time-to-result benchmark (``experiments.problems.fmnist_vit``: 7x7
 patches, 2 blocks, width 64), batch 128, random images, float32, one thread. Each round times
 ``repeats`` passes of the plain model, then of each quantity with the sites and without them
-(``GenericRule.reruns_module`` off, the code path before ``guards.sites``), in CPU time; the
+(``GenericRule.reruns_module`` off, the code path before the sites), in CPU time; the
 medians over rounds are printed as ms and as ratios to the plain pass.
 """
 

@@ -1,5 +1,5 @@
 """Calls follow the imports: a record is data, and the gradient hooks reach the passes through
-the module that makes them (``dispatch``); ``hessian`` and ``kfra`` read one frozen
+the module that makes them (``routing``); ``hessian`` and ``kfra`` read one frozen
 ``LossContext``, not the curvature pass."""
 
 import dataclasses
@@ -20,14 +20,14 @@ def test_no_reach_for_the_pass_through_the_global_state(path):
     assert "backward_pass(" not in (ROOT / path).read_text()
 
 
-def test_only_dispatch_asks_for_the_pass():
+def test_only_routing_asks_for_the_pass():
     askers = {
         p.relative_to(ROOT).as_posix()
         for p in ROOT.rglob("*.py")
-        if "DISPATCH.backward_pass(" in p.read_text()
+        if "ROUTER.backward_pass(" in p.read_text()
         or "collecting.backward_pass(" in p.read_text()
     }
-    assert askers == {"loop/dispatch.py"}
+    assert askers == {"loop/routing.py"}
 
 
 def test_hessian_and_kfra_take_the_loss_context():

@@ -148,7 +148,7 @@ def test_plan_is_frozen_and_made_once(walks, probed):
         _pass(model, lossfunc, [ext.DiagGGNExact()], seed)
     assert len(probed) == 1  # the row layout is verified on the first pass only
     (key,) = {walk.key for walk in walks}
-    plan = plans._PLANS[key]
+    plan = plans.plan_cache()[key]
     assert all(walk.plan is plan for walk in walks[1:])  # the later passes bind it as it is
     assert plan.layouts and plan.sums_checked
     assert [shapes for _, _, shapes in plan.calls] == [((N, 2),), ((N, 4),), ((N, 4),)]

@@ -1,4 +1,4 @@
-"""Raw parameters of a module read where they meet the batch (``guards.sites``), float64.
+"""Raw parameters of a module read where they meet the batch (``engine.parameter_sites``), float64.
 
 A model that owns raw tokens (a class token expanded over the batch, position embeddings added
 to every sample, a bias added over the positions) gets its first-order quantities from the

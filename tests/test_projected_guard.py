@@ -24,10 +24,10 @@ from torch import nn
 from torch.func import functional_call, grad
 
 import curvopt
-import curvopt.guards.checks
+import curvopt.engine.probes
 from curvopt import extensions as ext
 from curvopt.guards.checks import Checks
-from curvopt.guards.projected import PROBES, draw_probes
+from curvopt.engine.probes import PROBES, Probes, draw_probes
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers import rule_for
 from curvopt.layers.linear import LinearRule
@@ -38,7 +38,7 @@ from curvopt.core.records import Record
 @pytest.fixture(autouse=True)
 def always_projected(monkeypatch):
     """The small layers here are checked through probes too (by cost, in full)."""
-    monkeypatch.setattr(curvopt.guards.checks, "projection_pays", lambda p: True)
+    monkeypatch.setattr(curvopt.engine.probes, "projection_pays", lambda p: True)
 
 
 # ------------------------------------------------------------------ the rules, against brute force
@@ -156,14 +156,14 @@ def test_probes_are_gaussian_and_leave_the_users_stream_alone():
     fresh per parameter and per pass, the same for all calls of one parameter in a pass."""
     p, q = torch.zeros(300, 200, dtype=DT), torch.zeros(300, 200, dtype=DT)
     state = torch.get_rng_state()
-    checks, later = Checks(task=7), Checks(task=8)
-    u1, v1 = checks.probes(p)
-    assert checks.probes(p)[0] is u1  # one draw per parameter and pass
-    u2, _ = checks.probes(q)
-    u3, _ = later.probes(p)
+    probes, later = Probes(task=7), Probes(task=8)
+    u1, v1 = probes.of(p)
+    assert probes.of(p)[0] is u1  # one draw per parameter and pass
+    u2, _ = probes.of(q)
+    u3, _ = later.of(p)
     assert torch.equal(torch.get_rng_state(), state)
     assert not torch.equal(u1, u2) and not torch.equal(u1, u3)
-    assert torch.equal(Checks(task=7).probes(p)[0], u1)  # a pass's probes are its task's
+    assert torch.equal(Probes(task=7).of(p)[0], u1)  # a pass's probes are its task's
     both = torch.cat([u1.flatten(), v1.flatten()])
     assert abs(float(both.mean())) < 0.1 and abs(float(both.std()) - 1) < 0.05
 
@@ -354,8 +354,9 @@ def test_a_parameter_with_projected_and_full_sums(wrong, seed):
         grad[2, 3] += 1e-6 * float(grad.abs().max())
     checks = Checks()
     checks.seen.add(id(p))
-    projected = rule.projected_sum(calls[0], "weight", *checks.probes(p))
-    checks.add_projected(p, (rule, calls[0], "weight"), *projected)
+    probes = Probes().of(p)
+    projected = rule.projected_sum(calls[0], "weight", *probes)
+    checks.add_projected(p, (rule, calls[0], "weight"), probes, *projected)
     checks.add_total(p, (rule, calls[1], "weight"), rule.grad_sum(calls[1], "weight"))
     checks.parameter_grad(p, grad)
     checks.check_seen()

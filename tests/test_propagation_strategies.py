@@ -73,7 +73,7 @@ def test_a_cut_is_found_and_probed_on_every_pass(monkeypatch):
     chosen, found, probed = _decoder_passes(11, 3, monkeypatch)
     assert chosen == [["HeadCut"]] * 3
     assert found == [1, 1, 1] and probed == [1, 1, 1]  # bound and checked again on every pass
-    cuts = [p.cuts for p in plans._PLANS.values() if p.cuts]
+    cuts = [p.cuts for p in plans.plan_cache().values() if p.cuts]
     assert (((N * T, 11), 11, True), True) in [c for plan in cuts for c in plan]
 
 

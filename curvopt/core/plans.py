@@ -5,7 +5,10 @@ apart from any graph: :class:`Plan`, frozen, holds the structure facts (the call
 which of them are broadcast, the verified row layouts with the calls found transposed, whether
 the per-sample sums were checked, the site readings that matched, whether the loss's exact
 columns are compressed at a language model's head), one per structure, keyed by the walk's
-canonical form (``graph.walk.Walk.key``), the most recent 256 kept. The functions that add a
+canonical form (``graph.walk.Walk.key``), the most recent 256 kept. The cache is the
+context's (:data:`PLANS`, a context variable: a thread's, or an asyncio task's where it made
+one), not the process's: a pass reads and extends the plans of the context its loss hook runs
+in, which on the CPU is the thread that called ``backward``. The functions that add a
 fact take the walk whose ``plan`` they extend (and replace). (What a pass finds of its own
 graph, the stages across re-run checkpoints or max pooling, is its walk's:
 ``Walk.segments``, ``Walk.pool_stages``.)
@@ -13,12 +16,16 @@ graph, the stages across re-run checkpoints or max pooling, is its walk's:
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from collections import OrderedDict
-from typing import Callable, Hashable, Tuple
+from typing import Callable, Hashable, Optional, Tuple
 
-#: the plans of the graph structures seen, most recent last
-_PLANS: "OrderedDict[Hashable, Plan]" = OrderedDict()
+#: the plans of the graph structures seen in this context, most recent last (made at its first
+#: pass, :func:`plan_cache`)
+PLANS: "contextvars.ContextVar[Optional[OrderedDict]]" = contextvars.ContextVar(
+    "curvopt_plans", default=None
+)
 _PLANS_SIZE = 256
 
 
@@ -45,14 +52,24 @@ class Plan:
     cuts: Tuple = ()
 
 
+def plan_cache() -> "OrderedDict[Hashable, Plan]":
+    """This context's plans by structure key (:data:`PLANS`), made empty on its first use."""
+    plans = PLANS.get()
+    if plans is None:
+        plans = OrderedDict()
+        PLANS.set(plans)
+    return plans
+
+
 def plan_of(key: Hashable, make: Callable[[], Plan]) -> Plan:
     """The cached plan of the structure ``key`` (made by ``make`` on its first pass)."""
-    plan = _PLANS.get(key)
+    plans = plan_cache()
+    plan = plans.get(key)
     if plan is None:
         plan = make()
         _store(plan)
     else:
-        _PLANS.move_to_end(key)
+        plans.move_to_end(key)
     return plan
 
 
@@ -61,7 +78,7 @@ def add_layout(walk, shape, elementwise: bool, found) -> None:
     entry = ((tuple(shape), elementwise), found)
     if walk.plan is None:
         return
-    plan = _PLANS.get(walk.plan.key, walk.plan)
+    plan = plan_cache().get(walk.plan.key, walk.plan)
     walk.plan = dataclasses.replace(plan, layouts=(*plan.layouts, entry))
     _store(walk.plan)
 
@@ -69,7 +86,7 @@ def add_layout(walk, shape, elementwise: bool, found) -> None:
 def add_site(walk, param_key, matched: bool) -> None:
     """Keep in ``walk``'s plan whether the site reading of the parameter ``param_key`` matched
     its module's rule (``sites``)."""
-    plan = _PLANS.get(walk.plan.key, walk.plan)
+    plan = plan_cache().get(walk.plan.key, walk.plan)
     walk.plan = dataclasses.replace(plan, sites=(*plan.sites, (param_key, matched)))
     _store(walk.plan)
 
@@ -79,7 +96,7 @@ def add_cut(walk, key, found: bool) -> None:
     (``strategies``)."""
     if walk.plan is None:
         return
-    plan = _PLANS.get(walk.plan.key, walk.plan)
+    plan = plan_cache().get(walk.plan.key, walk.plan)
     walk.plan = dataclasses.replace(plan, cuts=(*plan.cuts, (key, found)))
     _store(walk.plan)
 
@@ -87,12 +104,13 @@ def add_cut(walk, key, found: bool) -> None:
 def mark_sums_checked(key: Hashable) -> None:
     """A pass of the structure ``key`` (a ``Walk.key``) had its per-sample sums checked
     (``checks``)."""
-    plan = _PLANS.get(key)
+    plan = plan_cache().get(key)
     _store(dataclasses.replace(plan or Plan(key), sums_checked=True))
 
 
 def _store(plan: Plan) -> None:
-    _PLANS[plan.key] = plan
-    _PLANS.move_to_end(plan.key)
-    if len(_PLANS) > _PLANS_SIZE:
-        _PLANS.popitem(last=False)
+    plans = plan_cache()
+    plans[plan.key] = plan
+    plans.move_to_end(plan.key)
+    if len(plans) > _PLANS_SIZE:
+        plans.popitem(last=False)

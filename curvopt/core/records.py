@@ -2,7 +2,7 @@
 
 A forward hook creates a :class:`Record` per call and lists it in the metadata of each output's
 autograd node (:func:`records_on` reads it back), so the backward pass can find every module
-call upstream of a tensor; the gradient hook on the output (``dispatch.module_hook``) hands
+call upstream of a tensor; the gradient hook on the output (``routing.module_hook``) hands
 the record to the pass, which completes it into a :class:`Call`, the unit every per-module
 rule works on. A record is data: it calls nothing above it.
 """

@@ -172,6 +172,11 @@ def dense(factor) -> torch.Tensor:
     return gram(factor.root) if isinstance(factor, GramFactor) else factor
 
 
+def dense_gradient(grad: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient (``nn.Embedding(sparse=True)``) as the dense tensor it stands for."""
+    return grad.coalesce().to_dense() if grad.is_sparse else grad
+
+
 def diagonal(factor) -> torch.Tensor:
     """``diag F`` (``[d]``): ``Σ_r U_r²`` of a :class:`GramFactor`, the diagonal of a matrix
     (``[G, d]``: of each of the stacked factors ``[G, d, d]`` of a grouped convolution)."""

@@ -1,5 +1,7 @@
 """What one backward pass computes (layer 5), given the module calls and the loss.
 
+* ``producers``: the producer table: for each ``Producer``, the parts of a pass that compute it
+  (the pass reads it; nothing else compares producers);
 * ``rows``: which loss rows belong to which sample; the probe-verified packing of columns;
 * ``compress``: a language model head's exact columns re-factored at its narrower input
   (``HeadCut``, a strategy);
@@ -10,12 +12,15 @@
   module's contributions;
 * ``kron_pass``: ``FactorStream``: Kronecker factors from each chunk of columns;
 * ``parameter_sites``: raw parameters read at the add or expand where they meet the batch, as
-  calls of their own (``SiteCall``), probe-verified, instead of re-running their module;
+  calls of their own (``SiteCall``), probe-verified, instead of re-running their module; in
+  first order read by the gradient arriving there (``SiteReadings``);
 * ``diagonals``: columns to curvature diagonals through the layer rules;
 * ``hessian``: the residual terms of curved nonlinearities (``DiagHessian``);
 * ``kfra``: the KFRA recursion;
 * ``loss_context``: what ``hessian`` and ``kfra`` read of one loss;
-* ``reducer``: ``FirstOrderReducer``: per-sample gradients and their reductions, chunked;
+* ``reducer``: ``FirstOrderReducer``: per-sample gradients and their reductions, chunked; each
+  call's ``sum_n g_n`` handed to the sum checks;
+* ``probes``: the pass's random probes of the projected sums;
 * ``results``: the result buffer of one pass, written only when the pass finishes;
 * ``accumulate``: several passes in one ``collect``, by each quantity's combine rule.
 

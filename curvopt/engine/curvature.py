@@ -53,17 +53,15 @@ from functools import partial
 
 import torch
 
-from curvopt.engine.diagonals import coupled_estimate, diagonals
+from curvopt.engine.diagonals import diagonals
 from curvopt.engine.parameter_sites import with_sites
 from curvopt.errors import BATCH_STATISTICS, UnsupportedLossError, module_error
-from curvopt.extensions.quantity import Producer
-from curvopt.engine.hessian import residuals
-from curvopt.engine.kfra import kfra
+from curvopt.engine.producers import TABLE, coupled_estimate
 from curvopt.engine.loss_context import LossContext
 from curvopt.layers import mixes, mixing, rule_for
 from curvopt.losses import loss_rule_for
-from curvopt.engine.kron_pass import FactorStream
 from curvopt.graph.propagate import loss_gradient
+from curvopt.engine.kron_pass import FactorStream
 from curvopt.engine.rows import establish
 from curvopt.engine.strategies import choose
 
@@ -79,13 +77,6 @@ _COLUMN_BUDGET = 1 << 23
 #: its rule's reason, as for the per-sample quantities (one message whatever was asked for)
 def _coupled(module) -> str:
     return rule_for(module).check(module) or BATCH_STATISTICS
-
-
-#: the producers made from each call's Kronecker factors (``EKFAC``'s: of its fresh bases)
-_FACTORED = (Producer.KRONECKER, Producer.EIGEN_CORRECTED)
-#: the producers that walk on from the loss through the module calls themselves: a pass
-#: with one of them computes raw parameters by their modules' rules (``parameter_sites``)
-_WALKING = (Producer.HESSIAN_DIAGONAL, Producer.KFRA)
 
 
 def _fresh_bases(ext, calls) -> bool:
@@ -142,37 +133,36 @@ class CurvaturePass:
         self.layout = establish(
             output, output.shape, calls, self.batched, walk, rule.elementwise, coupled=self.coupled
         )
-        if not (self.coupled or any(e.quantity.producer in _WALKING for e in self.exts)):
+        if not (self.coupled or any(TABLE[e.quantity.producer].walks for e in self.exts)):
             calls = with_sites(calls, walk, output, self.batched, self.layout)  # raw parameters
         self.factors = FactorStream(
             self.results, self.loss, self.layout, self.skip_diagonal, self.coupled
         )
         groups = defaultdict(list)
         for ext in self.exts:
-            if ext.quantity.producer is Producer.EIGEN_CORRECTED:
+            made = TABLE[ext.quantity.producer]
+            if made.bases:
                 self._note_reduction(ext, rule)
                 if not (self.coupled or _fresh_bases(ext, calls)):
                     continue  # every basis supplied: S from the module hooks alone
-            elif ext.quantity.producer is Producer.KFRA:
+            if made.columns is None:
                 continue
             key = (ext.source, ext.options["mc_samples"] if ext.source == "mc" else 0)
             groups[key].append(ext)
         for (source, mc_samples), exts in groups.items():
             self._propagate(rule, calls, exts, source, mc_samples)
         self.factors.finish()
-        hessian_exts = [e for e in self.exts if e.quantity.producer is Producer.HESSIAN_DIAGONAL]
-        kfra_exts = [e for e in self.exts if e.quantity.producer is Producer.KFRA]
-        if not (hessian_exts or kfra_exts):
+        walking = {made: [] for made in TABLE.values() if made.after is not None}  # in order
+        for ext in self.exts:
+            if TABLE[ext.quantity.producer] in walking:
+                walking[TABLE[ext.quantity.producer]].append(ext)
+        walking = {made: exts for made, exts in walking.items() if exts}
+        if not walking:
             return
         exact = LossColumns(self.loss, rule, self.scale, self.layout, "exact", 0)
         context = LossContext(output, walk, self.batched, exact.packed)
-        if hessian_exts:
-            if self.loss.no_hessian is not None:
-                raise UnsupportedLossError(self.loss.no_hessian)
-            gradient = loss_gradient(self.loss, self.weight)
-            self.results.add(residuals(context, gradient, calls, hessian_exts))
-        if kfra_exts:
-            self.results.add(kfra(context, calls, kfra_exts))
+        for made, exts in walking.items():  # the table's: DiagHessian's residuals, then KFRA
+            self.results.add(made.after(context, self.loss, self.weight, calls, exts))
 
     def _note_reduction(self, ext, rule) -> None:
         """``EKFAC``'s scale is the divisor ``D`` of this pass's one loss (its rule's
@@ -192,7 +182,7 @@ class CurvaturePass:
     def _propagate(self, rule, calls, exts, source, mc_samples) -> None:
         """One group's columns (``exts``, one ``source``): made, propagated by the group's
         strategy (``strategies.choose``), turned into contributions."""
-        kron_exts = [e for e in exts if e.quantity.producer in _FACTORED]
+        kron_exts = [e for e in exts if TABLE[e.quantity.producer].columns == "factors"]
         diag_exts = [e for e in exts if e not in kron_exts]
         columns = LossColumns(self.loss, rule, self.scale, self.layout, source, mc_samples)
         strategy = choose(self.walk, calls, columns, self.batched, bool(diag_exts))

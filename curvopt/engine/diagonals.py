@@ -16,7 +16,6 @@ from curvopt.core.params import owned
 from curvopt.core.calls import Call
 from curvopt.core.reductions import sum_of_squares
 from curvopt.engine.results import Term
-from curvopt.extensions.quantity import Producer
 
 #: bound on the elements of per-(column, sample) parameter gradients held at once
 _GRAD_BUDGET = 1 << 24
@@ -85,15 +84,6 @@ def module_call(record, outs):
     n = _first(columns).shape[1 + call.batch_dim]
     call.grad_out = _zeros_like_sample(columns)
     return call, columns, n
-
-
-def coupled_estimate(ext) -> bool:
-    """Whether ``ext`` is defined, and estimated without bias, by a pass whose Monte-Carlo
-    columns propagate through a module that mixes samples (``coupled``): a summed GGN
-    diagonal, Kronecker factors or ``EKFAC``'s ``[S, *bases]`` (``S`` from the columns' batch
-    gradients, ``curvature``), from sampled targets."""
-    producers = (Producer.GGN_DIAGONAL, Producer.KRONECKER, Producer.EIGEN_CORRECTED)
-    return ext.source == "mc" and ext.quantity.producer in producers and not ext.quantity.per_sample
 
 
 def batch_column_grads(call, columns, name: str, n: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 from curvopt.engine.diagonals import batch_column_grads, diag_from_columns, module_call, narrow
 from curvopt.engine.results import Factors, Term
 from curvopt.errors import UnsupportedKroneckerError
-from curvopt.extensions.quantity import Producer
+from curvopt.engine.producers import TABLE
 from curvopt.layers import rule_for
 from curvopt.layers.kron import grouped_gram, kron_factors, output_factor_index
 from curvopt.losses import loss_rule_for
@@ -86,7 +86,7 @@ class FactorStream:
                     else None
                 )
                 for ext in kron_exts:
-                    basis = ext.quantity.producer is Producer.EIGEN_CORRECTED
+                    basis = TABLE[ext.quantity.producer].bases
                     if basis and self.coupled:  # its S: from these (``reducer``)
                         self._keep_columns(p, ext, column_grads())
                     if basis and ext.supplied(p) is not None:

@@ -1,4 +1,4 @@
-"""Raw parameters read at their sites in a curvature pass: calls of their own, not a re-run.
+"""Raw parameters read at their sites: calls of their own, not a re-run of their module.
 
 A module whose rule re-runs it sample by sample (``layers.generic``) may own raw parameters
 that meet the batch through one add or expand (a ViT's class token, position embeddings and
@@ -14,8 +14,18 @@ parameter expanded along a dim of the batch's size and summed over it). On a str
 pass, the probes of ``rows`` on each sample's rows must reach the site on that sample alone
 (``rows.reaches_own_samples``): then the site's ``u_n`` reaches sample ``n``'s loss alone and
 ``reduce(J_uᵀ v)_n = J_nᵀ v_n``. The verdict is kept in the structure's plan
-(``core.plans.add_site``, shared with the first-order reading of ``guards.sites``); a parameter
-whose site fails is computed by its module's rule, as before.
+(``core.plans.add_site``, shared with the first-order reading, :class:`SiteReadings`); a
+parameter whose site fails is computed by its module's rule, as before.
+
+A first-order pass reads the same sites by the gradient arriving there (:class:`SiteReadings`):
+the op's output gradient holds sample ``n``'s gradient of the parameter, reduced over the
+broadcast dims, read when the backward reaches the op, before the parameter's own gradient
+arrives, and handed to ``layers.parameter`` as a call of its own, so the sum check sees it as
+any call's. On a structure's first pass the module's rule still computes the parameter's
+per-sample gradients, which the site's reading must match (the checks' tolerance, given by the
+pass) for the later passes of the structure to use the site: the sum check cannot tell the two
+apart, both sum to ``p.grad``. The verdict of whichever pass comes first, this or the
+curvature's probes, is the structure's.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from curvopt.core.records import token
 from curvopt.core.state import STATE
 from curvopt.engine.rows import reaches_own_samples
 from curvopt.layers import rule_for
-from curvopt.layers.parameter import RawParameter
+from curvopt.layers.parameter import PARAMETER, RawParameter
 
 
 class SiteCall:
@@ -106,3 +116,65 @@ def _reruns(record) -> bool:
         and record.broadcast is None
         and not record.transposed
     )
+
+
+class SiteReadings:
+    """The raw parameters of one first-order pass read at their sites (module doc): each read
+    goes into ``reducer``; the sites are found by the pass's ``walks``; ``agrees(reading,
+    rule's)`` is the tolerance of a structure's first comparison. The pass registers the
+    readers :meth:`claim` returns as hooks (its own: whether it still computes, its abort on an
+    error); nothing here refers back to the pass. ``pending``: ``id(p) -> p``, claimed and not
+    read yet (a guard checks at the end that each one with a gradient was read)."""
+
+    def __init__(self, reducer, walks, agrees):
+        self.reducer, self.walks, self.agrees = reducer, walks, agrees
+        self.pending: dict = {}
+
+    def claim(self, rule, call, params, materialise: bool):
+        """``(ids, readers)``: the ids of the ``(name, p)`` in ``params`` read at a site, and
+        ``(node, read)`` for each site to read, ``read(grad)`` with the gradient arriving at
+        ``node``. Claimed: the raw parameters of a module its rule would re-run
+        (``rule.reruns_module``), batch first, whose site one of the pass's walks finds and
+        whose structure's plan says that the site's reading matched the rule. On a structure's
+        first pass the rule computes them as before and the site's reading is compared with
+        it: its verdict goes into the plan (``core.plans.add_site``), which a data-indexed
+        graph does not have."""
+        if not rule.reruns_module or call.batch_dim != 0:
+            return set(), []
+        found, readers = set(), []
+        for name, p in params:
+            walk, site = next(
+                (
+                    (w, s)
+                    for w in self.walks
+                    if w.plan is not None and (s := w.parameter_site(p, call.batch_size))
+                ),
+                (None, None),
+            )
+            if site is None:
+                continue
+            key = (token(call.module), name)
+            matched = dict(walk.plan.sites).get(key)
+            if matched is False:
+                continue
+            check = (walk, key, rule, call) if matched is None else None  # the first pass
+
+            def read(grad, p=p, name=name, site=site, check=check):
+                self._read(p, name, call.module, site, grad, materialise, check)
+
+            readers.append((site.edge.node, read))
+            if matched:
+                self.pending[id(p)] = p
+                found.add(id(p))
+        return found, readers
+
+    def _read(self, p, name, module, site, grad, materialise: bool, check) -> None:
+        """``g_n = site.sample_grads(grad)`` as ``[N, *p.shape]``: into the reducer, or (a
+        structure's first pass, ``check = (walk, key, rule, call)``) compared with the rule's."""
+        g = site.sample_grads(grad).reshape(site.samples, *p.shape).to(p.dtype)
+        if check is not None:
+            walk, key, rule, call = check
+            add_site(walk, key, self.agrees(g, rule.batch_grad(call, name)))
+            return
+        del self.pending[id(p)]
+        self.reducer.add(p, PARAMETER, Call(module, (), {}, g), name, materialise)

@@ -32,9 +32,9 @@ import torch
 
 from curvopt.core.buffers import empty_result
 from curvopt.errors import UnsupportedModuleError
-from curvopt.extensions.quantity import Producer
+from curvopt.engine.producers import TABLE
 from curvopt.layers.eigenbasis import eigen_moment_of
-from curvopt.core.reductions import squared_norms, sum_of_squares
+from curvopt.core.reductions import dense_gradient, squared_norms, sum_of_squares
 from curvopt.engine.results import name_of
 
 #: elements per chunk when per-sample gradients are materialised only to be reduced
@@ -68,30 +68,40 @@ class FirstOrderReducer:
     """The first-order producers of one pass: per-sample gradients ``g_n`` of every module call
     and their reductions, put into the result buffer for each attribute a producer writes
     (``MOMENTS``: ``(sum g^2, sum g)``, turned into a variance by ``accumulate``). Each call's
-    ``sum_n g_n`` goes to the checks. ``EKFAC``'s eigen-corrected moments are made here too
-    (from the module hooks of a second-order pass)."""
+    ``sum_n g_n`` (or its projection through the pass's ``probes``, ``engine.probes``) is handed
+    to the ``observers`` (the sum checks, ``guards.checks``, which only compare: set by the
+    pass, :meth:`add_total`); each parameter's gradient of the pass comes from the pass
+    (:meth:`parameter_grad`). ``EKFAC``'s eigen-corrected moments are made here too (from the
+    module hooks of a second-order pass)."""
 
-    def __init__(self, extensions, results, checks):
-        #: producer -> the attributes it writes (from each quantity's declaration)
-        self.first: Dict[Producer, list] = {}
+    def __init__(self, extensions, results, probes):
         #: the ``EKFAC`` extensions
-        self.corrected = [e for e in extensions if e.quantity.producer is Producer.EIGEN_CORRECTED]
-        for ext in extensions:
-            if ext.order == 1 or ext in self.corrected:
-                self.first.setdefault(ext.quantity.producer, []).append(ext.attr)
-        first = self.first
-        #: what the reductions want, fixed for the pass (no producer lookup per parameter)
-        self.want_l2 = Producer.SQUARED_NORMS in first
-        self.want_sgs = Producer.SUM_OF_SQUARES in first or Producer.MOMENTS in first
-        self.want_moments = Producer.MOMENTS in first
+        self.corrected = [e for e in extensions if TABLE[e.quantity.producer].bases]
+        #: producer's implementation (``producers.TABLE``) -> the attributes it writes (from
+        #: each quantity's declaration), in the table's order
+        self.first: Dict[object, list] = {}
+        for made in TABLE.values():
+            for ext in extensions:
+                if TABLE[ext.quantity.producer] is made and (ext.order == 1 or made.bases):
+                    self.first.setdefault(made, []).append(ext.attr)
+        wanted = {reduction for made in self.first for reduction in made.reduces}
+        #: (reductions, attributes) of each producer made of reductions, in the table's order
+        self._stored = [(made.reduces, attrs) for made, attrs in self.first.items() if made.reduces]
+        #: what the reductions want, fixed for the pass (no table lookup per parameter)
+        self.want_l2 = "l2" in wanted
+        self.want_sgs = "sgs" in wanted
+        self.want_moments = "total" in wanted
         #: a producer computed from the per-sample gradients without keeping them
         self.reduces = self.want_l2 or self.want_sgs
         #: the attributes of the per-sample gradients (``None``: not kept); ``couple`` leaves it
-        self._kept = first.get(Producer.PER_SAMPLE_GRADIENTS)
-        self.results, self.checks = results, checks
+        self._kept = next((a for made, a in self.first.items() if made.reduces == ("batch",)), None)
+        self.results, self.probes = results, probes
+        #: ``observe(p, use, total, projected)`` of each sum check (``add_total``)
+        self.observers: list = []
+        self.grads: Dict[int, torch.Tensor] = {}  # id(p): p's gradient of the pass
         self.batch_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, [N, *p]
         #: (p, sum_n g_n**2, rule, call, name) whose moments take ``sum_n g_n`` from ``p``'s
-        #: checked gradient
+        #: gradient of the pass (checked equal to it)
         self.moments_from_grad: List[tuple] = []
 
     @property
@@ -102,13 +112,14 @@ class FirstOrderReducer:
     def per_sample(self) -> bool:
         """Whether a producer needs per-sample gradients in any pass (``EKFAC``'s not in a
         coupled one, :meth:`couple`)."""
-        return any(producer is not Producer.EIGEN_CORRECTED for producer in self.first)
+        return any(not made.bases for made in self.first)
 
     def couple(self) -> None:
         """The pass is coupled (``curvature``): ``EKFAC``'s ``S`` comes from the loss hook's
         columns (:meth:`correct_columns`), not from the module hooks' per-sample gradients,
         which do not exist."""
-        self.first.pop(Producer.EIGEN_CORRECTED, None)
+        for made in [made for made in self.first if made.bases]:
+            del self.first[made]  # in place: the pass reads this dict (``backward``)
 
     def correct_columns(self, columns) -> None:
         """A coupled pass's ``p.ekfac = [Σ_k (Q_0ᵀ Ĝ_k Q_1)², *bases]`` from ``columns``,
@@ -133,20 +144,31 @@ class FirstOrderReducer:
 
     def add_total(self, p, rule, call, name, total=None) -> Optional[torch.Tensor]:
         """This call's ``sum_n g_n`` for the checks, returned: ``total`` (from per-sample
-        gradients made anyway), else seen through random probes where that is cheaper
-        (``rule.projected_sum``, returning ``None``), else by the rule's ``grad_sum`` or in
-        chunks."""
-        if total is None and self.checks.projects(p):
-            projected = rule.projected_sum(call, name, *self.checks.probes(p))
+        gradients made anyway), else seen through the pass's random probes where that is
+        cheaper (``rule.projected_sum``, returning ``None``), else by the rule's ``grad_sum``
+        or in chunks. Each observer gets ``(p, (rule, call, name), total, projected)``, with
+        ``projected = (probes, [K] projected sum, magnitude)`` where the sum was projected
+        (``total`` then ``None``)."""
+        use = (rule, call, name)
+        if total is None and self.probes.projects(p):
+            probes = self.probes.of(p)
+            projected = rule.projected_sum(call, name, *probes)
             if projected is not None:
-                self.checks.add_projected(p, (rule, call, name), *projected)
+                for observe in self.observers:
+                    observe(p, use, None, (probes, *projected))
                 return None
         if total is None:
             total = rule.grad_sum(call, name)
         if total is None:
             total = reduce_in_chunks(rule, call, name, p.shape, {"grad_sum": True})["grad_sum"]
-        self.checks.add_total(p, (rule, call, name), total)
+        for observe in self.observers:
+            observe(p, use, total, None)
         return total
+
+    def parameter_grad(self, p, grad) -> None:
+        """``p``'s whole gradient of this pass (``MOMENTS``' ``sum_n g_n`` where the sum was
+        projected, :meth:`finish`)."""
+        self.grads[id(p)] = grad
 
     def _accumulate(self, p, rule, call, name) -> None:
         found = self.batch_grads.get(id(p))
@@ -182,29 +204,36 @@ class FirstOrderReducer:
         total = self.add_total(p, rule, call, name, total)
         if total is None and self.want_moments:
             self.moments_from_grad.append((p, sgs, rule, call, name))
-        self._store(p, l2, sgs, total)
+        self._store(p, {"l2": l2, "sgs": sgs, "total": total})
 
     def finish(self) -> None:
         """The materialised per-sample gradients and their reductions, into the buffer (and
         the moments whose ``sum_n g_n`` is ``p``'s gradient of the pass, checked equal)."""
         for p, sgs, rule, call, name in self.moments_from_grad:
-            if self.checks.has_grad(p):
-                total = self.checks.pass_grad(p).to(sgs.dtype, copy=True)
+            grad = self.grads.get(id(p))
+            if grad is not None:
+                total = dense_gradient(grad).to(sgs.dtype, copy=True)
             else:  # no gradient accumulated (nothing checked against): the sum itself
                 total = rule.grad_sum(call, name)
                 if total is None:
                     total = reduce_in_chunks(rule, call, name, p.shape, {"grad_sum": True})
                     total = total["grad_sum"]
-            self._put_all(p, Producer.MOMENTS, (sgs, total))
+            self._store(p, {"sgs": sgs, "total": total}, made_of="total")
         self.moments_from_grad.clear()
         for p, batch in self.batch_grads.values():
-            self._put_all(p, Producer.PER_SAMPLE_GRADIENTS, batch)
+            self._store(p, {"batch": batch})
             if self.reduces:
                 l2 = squared_norms(batch) if self.want_l2 else None
                 sgs = sum_of_squares(batch) if self.want_sgs else None
                 total = batch.sum(0) if self.want_moments else None
-                self._store(p, l2, sgs, total)
+                self._store(p, {"l2": l2, "sgs": sgs, "total": total})
             self._correct(p, lambda bases, batch=batch: eigen_moment_of(batch, bases))
+
+    def clear(self) -> None:
+        """The pass ended: drop the per-sample gradients, gradients and probes it holds."""
+        self.batch_grads.clear()
+        self.grads.clear()
+        self.probes.clear()
 
     def _correct(self, p, moment) -> None:
         """``p.ekfac = [c · moment(bases), *bases]`` for every ``EKFAC`` extension, ``c`` the
@@ -233,20 +262,24 @@ class FirstOrderReducer:
             )
         return bases
 
-    def _store(self, p, l2, sgs, total) -> None:
-        """The reductions into the buffer (``MOMENTS`` only with ``total``)."""
-        for producer, value in (
-            (Producer.SQUARED_NORMS, l2),
-            (Producer.SUM_OF_SQUARES, sgs),
-            (Producer.MOMENTS, (sgs, total)),
-        ):
-            if producer is not Producer.MOMENTS or total is not None:
-                self._put_all(p, producer, value)
-
-    def _put_all(self, p, producer, value) -> None:
-        """``value`` for every attribute ``producer`` writes (copies beyond the first)."""
-        for i, attr in enumerate(self.first.get(producer, ())):
-            self.results.put(p, attr, value if i == 0 else _copy(value))
+    def _store(self, p, reductions: dict, made_of: Optional[str] = None) -> None:
+        """The values made of ``reductions`` (name -> tensor, ``None`` where not made) into the
+        buffer, for every attribute each producer writes (copies beyond the first): each
+        producer whose reductions (``Implementation.reduces``) are all there, and use
+        ``made_of`` where given (``MOMENTS``' total found at the end of the pass)."""
+        for needs, attrs in self._stored:
+            if made_of is not None and made_of not in needs:
+                continue
+            values = []
+            for name in needs:
+                value = reductions.get(name)
+                if value is None:
+                    break
+                values.append(value)
+            else:
+                value = values[0] if len(values) == 1 else tuple(values)
+                for i, attr in enumerate(attrs):
+                    self.results.put(p, attr, value if i == 0 else _copy(value))
 
 
 def _checked(p, bases):

@@ -37,11 +37,11 @@ from torch import nn
 from torch.nn import _reduction
 
 from curvopt.core.extended import set_path
-from curvopt.loop.dispatch import loss_hook, on_loss
+from curvopt.loop.routing import loss_hook, on_loss
 from curvopt.core.calls import output_tensors
 from curvopt.core.records import LossRecord, mark_extended_loss
 from curvopt.entry.recognize import NO_HESSIAN
-from curvopt.core.state import STATE
+from curvopt.core.state import STATE, SUSPENDED
 from curvopt.graph.search import edges_of
 from curvopt.autograd.torch_internals import LOG_SOFTMAX, ROW_VIEWS, saved
 
@@ -126,7 +126,7 @@ def _record(func, loss, args, kwargs, result) -> None:
     """Hook ``result``, a functional loss call's on a watched input: its record is made when
     the gradient reaches it (a call inside an extended loss module's forward, whose hook is
     dropped by :func:`hook_loss`, makes none)."""
-    if STATE.suspended or STATE.collecting is None or not isinstance(result, torch.Tensor):
+    if SUSPENDED.get() or STATE.collecting is None or not isinstance(result, torch.Tensor):
         return
     if not result.requires_grad or result.grad_fn is None:
         return

@@ -41,7 +41,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from curvopt.loop.dispatch import on_loss
+from curvopt.loop.routing import on_loss
 from curvopt.graph.search import read_down
 from curvopt.core.records import LossRecord, is_extended_loss, records_on
 from curvopt.autograd.torch_internals import (

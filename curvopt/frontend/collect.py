@@ -1,10 +1,10 @@
 """``collect(*extensions)``: the context in which backward passes write quantities, and the
 pass each collection makes of a backward pass while its block is open or it is armed
-(``collection``); the hooks reach these passes through ``dispatch``.
+(``collection``); the hooks reach these passes through ``routing``.
 
 Several collections can be active at once: the open ``collect`` block and any number of armed
-ones, each with its own passes, results and accumulation. The hooks dispatch to all of them
-(``dispatch.DISPATCH``); each writes only its own quantities. Where two would write the same
+ones, each with its own passes, results and accumulation. The hooks are routed to all of them
+(``routing.ROUTER``); each writes only its own quantities. Where two would write the same
 attribute on the same parameter, one does: the open block before the armed collections, a
 newer armed collection before an older one; the one that stood aside notes it, and its
 optimizer's next step raises if it would read values that mix its own passes with another's.
@@ -18,7 +18,7 @@ from typing import Callable, Dict, Optional, Tuple
 from curvopt.guards import unextended
 from curvopt.engine.accumulate import Accumulator
 from curvopt.loop.backward import BackwardPass
-from curvopt.loop.dispatch import DISPATCH
+from curvopt.loop.routing import ROUTER
 from curvopt.errors import ExtensionConflictError
 from curvopt.extensions.base import Extension
 from curvopt.core.state import STATE
@@ -179,13 +179,13 @@ def skipped_by_cause(skipped: Dict[str, str]) -> str:
 
 
 def refresh() -> None:
-    """``STATE.collecting``: the dispatcher while a block is open or an armed collection is
+    """``STATE.collecting``: the router while a block is open or an armed collection is
     awake (not resting, ``Collection.follow``); ``STATE.plain`` while collections are armed,
     all resting, no explicit one waits for a step that collects, and no block is open."""
     armed = [c for c in (ref() for ref in STATE.armed) if c is not None]
     awake = any(not c.resting for c in armed)
     waiting = any(c is not None and not c.resting for c in (ref() for ref in STATE.explicit))
-    STATE.collecting = DISPATCH if STATE.open is not None or awake else None
+    STATE.collecting = ROUTER if STATE.open is not None or awake else None
     STATE.plain = STATE.open is None and bool(armed) and not awake and not waiting
 
 

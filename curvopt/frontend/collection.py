@@ -1,7 +1,7 @@
 """``Collection``: the persistent collection an optimizer owns (``optim.base``), armed from
 the optimizer's construction: it collects on every backward pass that reaches its parameters,
 with no ``with`` block, and combines the passes of one window (until the optimizer's step or
-``zero_grad``) like one batch. ``collect``'s dispatcher sends each backward pass's hooks to it
+``zero_grad``) like one batch. ``collect``'s router sends each backward pass's hooks to it
 (and to the open ``collect`` block and the other armed collections; see ``collect`` for which
 one writes an attribute two of them want).
 

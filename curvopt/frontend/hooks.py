@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from curvopt.loop.dispatch import module_hook, parameter_hook
+from curvopt.loop.routing import module_hook, parameter_hook
 from curvopt.layers import rule_for
 from curvopt.core.extended import ModuleEntry, drop, entry_for, entry_of, is_extended
 from curvopt.core.extended import module_entry
@@ -44,7 +44,7 @@ from curvopt.core.records import (
     take_random_state,
 )
 from curvopt.core.calls import output_tensors
-from curvopt.core.state import STATE
+from curvopt.core.state import STATE, SUSPENDED
 from curvopt.autograd.torch_internals import current_graph_task_id, drop_empty_tensor_hooks
 
 __all__ = ["extend", "unextend", "is_extended", "Record"]
@@ -53,7 +53,7 @@ __all__ = ["extend", "unextend", "is_extended", "Record"]
 def _random_state_hook(module, args, kwargs):
     """Before the forward of a module whose rule re-runs it: the generator state it draws from,
     where it draws (``LayerRule.draws_random``)."""
-    if STATE.plain or STATE.suspended or not torch.is_grad_enabled():
+    if STATE.plain or SUSPENDED.get() or not torch.is_grad_enabled():
         return
     if not rule_for(module).draws_random(module):
         return
@@ -68,7 +68,7 @@ def _module_forward_hook(entry: ModuleEntry, module, args, kwargs, output):
     if STATE.plain:
         return
     random = take_random_state(module)
-    if STATE.suspended or not torch.is_grad_enabled() or module_entry(module) is not entry:
+    if SUSPENDED.get() or not torch.is_grad_enabled() or module_entry(module) is not entry:
         return
     if not any(p.requires_grad for _, p in owned(module, entry.owns_children)):
         return
@@ -109,7 +109,7 @@ def _outer_task():
 
 
 def _loss_forward_hook(module, args, kwargs, output):
-    if STATE.plain or STATE.suspended or not torch.is_grad_enabled() or not output.requires_grad:
+    if STATE.plain or SUSPENDED.get() or not torch.is_grad_enabled() or not output.requires_grad:
         return
     entry = module_entry(module)
     if entry is not None and entry.hooks:  # not a copy of an extended loss
@@ -121,7 +121,7 @@ def _returned_loss_hook(module, args, kwargs, output):
     ``labels=``) read from the graph (``recognize``), and, where the collection needs the loss,
     the other outputs watched for a loss computed from them after the forward
     (``functional``)."""
-    if STATE.suspended or STATE.collecting is None or not torch.is_grad_enabled():
+    if SUSPENDED.get() or STATE.collecting is None or not torch.is_grad_enabled():
         return
     loss = returned_loss(output)
     if loss is not None:

@@ -30,10 +30,8 @@ from curvopt.core import inputs as io
 from curvopt.frontend.collect import collect
 from curvopt.errors import CurvoptError, UnsupportedModuleError
 from curvopt.extensions.base import Extension
-from curvopt.extensions.quantity import Producer
+from curvopt.engine.producers import TABLE
 from curvopt.core.state import STATE
-
-_DIAGONALS = (Producer.GGN_DIAGONAL, Producer.HESSIAN_DIAGONAL)
 
 
 def _checked(ext: Extension) -> bool:
@@ -42,7 +40,7 @@ def _checked(ext: Extension) -> bool:
     q = ext.quantity
     if q.reference is not None:
         return True
-    return q.producer in _DIAGONALS and getattr(ext, "source", None) == "exact"
+    return TABLE[q.producer].reference is not None and getattr(ext, "source", None) == "exact"
 
 
 class VerificationError(CurvoptError, AssertionError):
@@ -222,7 +220,7 @@ def _reference(model, loss_of, X, y, batch_dim, params, output):
     def ref(q, k: str):
         if q.reference is not None:
             return q.reference(first()[k])
-        if q.producer is Producer.GGN_DIAGONAL:
+        if TABLE[q.producer].reference == "ggn":
             return ggn(q.per_sample)[k]
         return hess(k, q.per_sample)
 

@@ -25,12 +25,11 @@ import torch
 
 from curvopt.core.plans import mark_sums_checked
 from curvopt.guards.observer import Ending, LossEvent, ModuleEvent, PassGuard
-from curvopt.guards.projected import PROBE_SEED, PROJECTED_FACTOR, draw_probes, project
-from curvopt.guards.projected import projection_pays
+from curvopt.guards.projected import PROJECTED_FACTOR, project
 from curvopt.engine.reducer import reduce_in_chunks
-from curvopt.core.reductions import probe_columns
+from curvopt.core.reductions import dense_gradient, probe_columns
 from curvopt.engine.results import name_of
-from curvopt.guards.tolerance import dense, max_abs, mismatch, mismatches, roundoff
+from curvopt.guards.tolerance import max_abs, mismatch, mismatches, roundoff
 from curvopt.errors import UnsupportedModuleError
 
 #: the spot check of materialised per-sample gradients reads ``_SPANS`` evenly spread runs of
@@ -55,15 +54,13 @@ class _Total:
 
 class Checks(PassGuard):
     """The sum checks of one pass, and what they have seen so far: the walks of its losses
-    (``loss``), the calls' precision and parameters (``module``), each parameter's gradient
-    (``parameter``); at ``finish`` every parameter seen, every sum right, every curvature
-    attribute written, and then the structures marked checked."""
+    (``loss``), the calls' precision and parameters (``module``), each call's ``sum_n g_n`` as
+    the engine computed it (``total``), each parameter's gradient (``parameter``); at
+    ``finish`` every parameter seen, every sum right, every curvature attribute written, and
+    then the structures marked checked. They compare what the pass hands them and write no
+    result."""
 
-    def __init__(self, task: int = 0):
-        #: the probes' generators of this pass, per device, seeded by its autograd ``task``:
-        #: fresh probes on every pass, and none of the user's random streams drawn from
-        self.task = task
-        self.generators: Dict[torch.device, torch.Generator] = {}
+    def __init__(self):
         self.totals: Dict[int, _Total] = {}  # id(p): its sums of this pass
         self.param_grads: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, grad
         self.seen: set = set()  # ids of parameters whose module call was processed
@@ -83,6 +80,12 @@ class Checks(PassGuard):
 
     def parameter(self, p, grad) -> None:
         self.parameter_grad(p, grad)
+
+    def total(self, p, use, total, projected) -> None:
+        if projected is None:
+            self.add_total(p, use, total)
+        else:
+            self.add_projected(p, use, *projected)
 
     def finish(self, ending: Ending) -> None:
         self.check_seen()
@@ -117,21 +120,6 @@ class Checks(PassGuard):
                 mark_sums_checked(key)
 
     # ------------------------------------------------------------ sum_n g_n == p.grad
-    def projects(self, p) -> bool:
-        """Whether ``p``'s sum is checked through probes if its rule can (``projection_pays``)."""
-        return p.dim() > 1 and projection_pays(p)
-
-    def probes(self, p) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The probes of ``p``'s projected check in this pass (the same for all its calls)."""
-        entry = self.totals.setdefault(id(p), _Total())
-        if entry.probes is None:
-            gen = self.generators.get(p.device)
-            if gen is None:
-                gen = torch.Generator(device=p.device).manual_seed(PROBE_SEED + self.task)
-                self.generators[p.device] = gen
-            entry.probes = draw_probes(p, gen)
-        return entry.probes
-
     def add_total(self, p, use, total) -> None:
         """Add one call's ``sum_n g_n`` (``use``: its ``(rule, call, name)``)."""
         entry = self.totals.setdefault(id(p), _Total())
@@ -140,10 +128,12 @@ class Checks(PassGuard):
         entry.total = total if entry.total is None else entry.total + total
         self._check_if_due(p)
 
-    def add_projected(self, p, use, projected, magnitude) -> None:
-        """Add one call's ``sum_n g_n`` seen through ``p``'s probes (``self.probes(p)``) and
-        its magnitude ``sum_r |b_r| |a_r|`` (``LayerRule.projected_sum``)."""
-        entry = self.totals[id(p)]
+    def add_projected(self, p, use, probes, projected, magnitude) -> None:
+        """Add one call's ``sum_n g_n`` seen through the pass's ``probes`` of ``p``
+        (``engine.probes``) and its magnitude ``sum_r |b_r| |a_r|``
+        (``LayerRule.projected_sum``)."""
+        entry = self.totals.setdefault(id(p), _Total())
+        entry.probes = probes
         entry.uses.append(use)
         if entry.projected is None:
             entry.projected, entry.magnitude = projected, magnitude
@@ -171,7 +161,7 @@ class Checks(PassGuard):
 
     def pass_grad(self, p) -> torch.Tensor:
         """``p``'s whole gradient of this pass (dense)."""
-        return dense(self.param_grads[id(p)][1])
+        return dense_gradient(self.param_grads[id(p)][1])
 
     def check_sum(self, p) -> None:
         """``sum_n g_n == grad`` to the cheap bound, or else noted for the rounding bound."""
@@ -209,7 +199,7 @@ class Checks(PassGuard):
         for key, (p, grad) in self.param_grads.items():
             if key not in batch_grads:
                 continue
-            batch, grad = batch_grads[key][1], dense(grad)
+            batch, grad = batch_grads[key][1], dense_gradient(grad)
             if grad.numel() > _SPANS * _WIDTH:  # a large parameter: spread runs of entries
                 batch = probe_columns(batch.reshape(batch.shape[0], -1), _SPANS, _WIDTH)
                 grad = probe_columns(grad.reshape(1, -1), _SPANS, _WIDTH)[0]
@@ -227,7 +217,8 @@ class Checks(PassGuard):
             _raise_wrong_sum(p, (total - seen.to(total.dtype)).abs_())
         if not self.suspects:
             return
-        largest = float(max_abs(*(dense(g) for _, g in self.param_grads.values() if g.numel())))
+        grads = (dense_gradient(g) for _, g in self.param_grads.values() if g.numel())
+        largest = float(max_abs(*grads))
         for p, total, grad, magnitude in self.suspects:
             gap = (total - grad.to(total.dtype)).abs_()
             eps = roundoff(total, grad, floor=self.compute_eps.get(id(p), 0.0))

@@ -19,7 +19,8 @@ from typing import Callable, Dict, Tuple
 from curvopt.core.extended import is_extended
 from curvopt.graph.search import search
 from curvopt.engine.results import name_of
-from curvopt.guards.tolerance import dense, mismatch
+from curvopt.core.reductions import dense_gradient
+from curvopt.guards.tolerance import mismatch
 from curvopt.autograd.torch_internals import ACCUMULATE_GRAD, current_autograd_node
 from curvopt.autograd.torch_internals import current_graph_task_id
 from curvopt.errors import UnsupportedModuleError, module_error
@@ -111,13 +112,13 @@ class FlowCheck(PassGuard):
             sent = self.sent.pop((node, nr), ())
             if grad is None or (len(sent) == 1 and sent[0] is grad):
                 continue
-            grad = dense(grad)
+            grad = dense_gradient(grad)
             if not sent:
                 bad = bool(grad.any())
             else:
-                total = dense(sent[0]).to(grad.dtype)
+                total = dense_gradient(sent[0]).to(grad.dtype)
                 for other in sent[1:]:
-                    total = total + dense(other).to(grad.dtype)
+                    total = total + dense_gradient(other).to(grad.dtype)
                 bad = total.shape != grad.shape or mismatch(total, grad, 256)
             if bad:
                 raise _flow_error(node, self.modules.get(node))

@@ -8,6 +8,8 @@ checks by overriding their methods of :class:`PassGuard` (the others do nothing)
 * ``module``: a module call's output gradient arrived (``ModuleEvent``: the call's record, its
   output gradients, the ``(name, p)`` this pass accumulates into, whether the curvature's flow
   is checked at it);
+* ``total``: the engine computed one call's ``sum_n g_n`` of a parameter, in full or through
+  the pass's random probes (``engine.reducer.FirstOrderReducer.add_total``);
 * ``parameter``: a parameter's whole gradient of the pass arrived;
 * ``finish``: the pass ends without an error (``Ending``: the result buffer, the curvature
   attributes asked, the materialised per-sample gradients); the last chance to raise.
@@ -69,6 +71,11 @@ class PassGuard:
     def module(self, event: ModuleEvent) -> None:
         """A module call's output gradient arrived."""
 
+    def total(self, p, use, total, projected) -> None:
+        """One call's ``sum_n g_n`` of ``p`` (``use``: its ``(rule, call, name)``): ``total``
+        ``[*p.shape]``, or ``None`` where it was seen through probes, ``projected = ((u, v),
+        [K] projected sum, magnitude sum_r |b_r| |a_r|)`` (``None`` otherwise)."""
+
     def parameter(self, p, grad) -> None:
         """``p``'s whole gradient of this pass arrived."""
 
@@ -90,6 +97,7 @@ class Observers:
 
         self.loss = attached("loss")
         self.module = attached("module")
+        self.total = attached("total")
         self.parameter = attached("parameter")
         self.finish = attached("finish")
         self.release = attached("release")

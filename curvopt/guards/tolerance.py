@@ -119,8 +119,3 @@ def _beyond(a, b, gap: float, top: float, bound: float) -> bool:
 def max_abs(*tensors) -> torch.Tensor:
     """``max |x|`` over ``tensors`` as ``max(|min x|, |max x|)``: no full-size ``|x|``."""
     return torch.stack([v for t in tensors for v in torch.aminmax(t)]).abs_().max()
-
-
-def dense(grad: torch.Tensor) -> torch.Tensor:
-    """A sparse gradient (``nn.Embedding(sparse=True)``) as the dense tensor it stands for."""
-    return grad.coalesce().to_dense() if grad.is_sparse else grad

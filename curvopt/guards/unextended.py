@@ -12,7 +12,7 @@ end of that pass:
   others get their quantities: a warning names the module, once per module.
 
 Calls made before the block (a forward outside ``collect``, only the backward inside) are not
-seen; curvopt's own re-runs (``STATE.suspended``) are skipped.
+seen; curvopt's own re-runs (``SUSPENDED``) are skipped.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 
 from curvopt.errors import UnsupportedModuleError
 from curvopt.core.extended import is_extended
-from curvopt.core.state import STATE
+from curvopt.core.state import STATE, SUSPENDED
 from curvopt.autograd.torch_internals import (
     current_graph_task_id,
     grad_accumulator,
@@ -43,7 +43,7 @@ def watch():
 
 
 def _forward(module, inputs, output) -> None:
-    if STATE.suspended or STATE.open is None or not torch.is_grad_enabled():
+    if SUSPENDED.get() or STATE.open is None or not torch.is_grad_enabled():
         return
     if is_extended(module) or not isinstance(output, torch.Tensor) or not output.requires_grad:
         return
@@ -63,7 +63,7 @@ def _accumulates(p) -> bool:
 
 
 def _reached(collecting, module, params) -> None:
-    if STATE.suspended or not any(_accumulates(p) for p in params):
+    if SUSPENDED.get() or not any(_accumulates(p) for p in params):
         return
     task = current_graph_task_id()
     queue_callback(lambda: _check(collecting, task, module))

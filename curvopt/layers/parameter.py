@@ -7,8 +7,8 @@ that op's output ``u [N, *b]``, reduced over the dims it was broadcast along
 alone. The engine reads them there instead of re-running the module sample by sample
 (``generic``), in two ways:
 
-* first order (``guards.sites``): the reading is handed to :data:`PARAMETER` as the call's
-  output gradient, ``Call.grad_out = [N, *p.shape]``;
+* first order (``engine.parameter_sites.SiteReadings``): the reading is handed to
+  :data:`PARAMETER` as the call's output gradient, ``Call.grad_out = [N, *p.shape]``;
 * curvature (``engine.parameter_sites``): the parameter is a call of its own,
   :class:`RawParameter`, whose "output" is ``p`` at its site: the columns ``V = Jᵀ S``
   propagated there, by sample, ``[K, N, *p.shape]``, are its per-(column, sample) gradients

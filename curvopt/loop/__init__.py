@@ -1,6 +1,6 @@
 """One backward pass, from the loss's hook to the written results (layer 7).
 
-* ``dispatch``: the gradient hooks ``extend`` registers; each routes to the pass of every
+* ``routing``: the gradient hooks ``extend`` registers; each routes to the pass of every
   active collection;
 * ``backward``: ``BackwardPass``: the router of one pass's events (loss, module, parameter,
   finish) to the engine and the guards.

@@ -7,12 +7,15 @@ being replaced is taken off its parameter first: ``buffers``, ``Accumulator.rele
 ``BackwardPass`` handles four events, each a hook of the autograd engine: an extended loss's
 gradient (``on_loss``), a module call's output gradient (``on_module``), a parameter's whole
 gradient (``on_parameter_grad``) and the end of the pass (``_finish``). It hands the work to the
-engine: the first-order reducer (``engine.reducer``), the curvature (``engine.curvature``) and
-the result buffer all of them contribute to (``engine.results``). The guards observe the events
-(``guards.observer``): the flow check (``guards.flow``: on every pass, a term whose weight is
-zero on one pass may not be on the next), the parameters read at their sites
-(``guards.sites``) and the sum checks (``guards.checks``), in that order; the preconditions of
-an event (``guards.pass_guards``) are checked where it starts. Which parameters take part is
+engine: the first-order reducer (``engine.reducer``), the raw parameters read at their sites
+(``engine.parameter_sites.SiteReadings``, whose readers it hooks), the curvature
+(``engine.curvature``) and the result buffer all of them contribute to (``engine.results``).
+The guards observe the events and the values the engine hands them (``guards.observer``; each
+call's ``sum_n g_n``: the reducer's ``total`` event) and raise; they write no result: the flow
+check (``guards.flow``: on every pass, a term whose weight is zero on one pass may not be on
+the next), every site claimed read (``guards.sites``) and the sum checks (``guards.checks``), in
+that order; the preconditions of an event (``guards.pass_guards``) are checked where it
+starts. Which parameters take part is
 ``guards.participation``'s: a pass that accumulates into none of the parameters it reaches is
 ignored altogether (its module inputs stay, so a retained graph can still be backpropagated).
 When a pass ends, the parameters of its models that it did not write for hold no earlier value
@@ -39,9 +42,11 @@ from curvopt.core.params import tied
 from curvopt.guards.participation import Participation
 from curvopt.guards.pass_guards import autocast_off, check_reduction, missing_loss
 from curvopt.guards.pass_guards import one_batch_size
+from curvopt.engine.probes import Probes
 from curvopt.engine.reducer import FirstOrderReducer
 from curvopt.engine.results import ResultBuffer
-from curvopt.guards.sites import ParameterSites
+from curvopt.engine.parameter_sites import SiteReadings
+from curvopt.guards.sites import SitesRead, site_agrees
 from curvopt.engine.rows import establish
 from curvopt.autograd.torch_internals import current_autograd_node, current_graph_task_id
 from curvopt.autograd.torch_internals import queue_callback
@@ -91,15 +96,17 @@ class BackwardPass:
         self.phase = Phase.WAITING
         self.batch_size: Optional[int] = None
         self.reused: Dict[int, bool] = {}
-        self.checks = Checks(task)
-        self.reducer = FirstOrderReducer(extensions, self.results, self.checks)
-        self.first = self.reducer.first  # first-order producer -> the attributes it writes
+        self.checks = Checks()
+        self.reducer = FirstOrderReducer(extensions, self.results, Probes(task))
+        self.first = self.reducer.first  # first-order implementation -> the attributes it writes
         self.handles: list = []  # hooks on autograd nodes, removed when the pass ends
         self.upstream: list = []  # module calls upstream of the extended losses
         self.walks: list = []  # the graph walks of this pass (``walk.Walk``)
         self.taking = Participation(scope, self.walks)  # the parameters it accumulates into
-        self.sites = ParameterSites(self.reducer, self.checks, self.handles, self.walks)
-        self.guards = Observers((FlowCheck(task), self.sites, self.checks))  # in this order
+        self.sites = SiteReadings(self.reducer, self.walks, site_agrees)
+        read = SitesRead(self.sites, self.checks)
+        self.guards = Observers((FlowCheck(task), read, self.checks))  # in this order
+        self.reducer.observers = self.guards.total  # each call's sum_n g_n, to the sum checks
         # what the losses' walks found: a reentrant checkpoint re-run (``checkpointing``),
         # curvature through a module mixing samples (``curvature``)
         self.checkpointed = False
@@ -275,10 +282,29 @@ class BackwardPass:
             return
         self.batch_size = one_batch_size(call, self.batch_size)
         materialise = self.reducer.keeps_per_sample or self._reused(module, params)
-        at_sites = self.sites.claim(rule, call, params, materialise, self._active, self._abort)
+        at_sites, readers = self.sites.claim(rule, call, params, materialise)
+        for node, reader in readers:
+            self.handles.append(node.register_prehook(self._site_hook(reader)))
         for name, p in params:
             if id(p) not in at_sites:
                 self.reducer.add(p, rule, call, name, materialise)
+
+    def _site_hook(self, reader):
+        """The hook reading a raw parameter's site (``SiteReadings.claim``) while the pass
+        computes, with autocast off; an error ends the pass."""
+        active, abort = self._active, self._abort
+
+        def hook(grad_outputs):
+            if not active() or grad_outputs[0] is None:
+                return
+            try:
+                with autocast_off():
+                    reader(grad_outputs[0])
+            except BaseException:
+                abort()
+                raise
+
+        return hook
 
     def _reused(self, module, params) -> bool:
         """Whether ``module`` is called several times in this pass or shares a parameter with
@@ -298,6 +324,7 @@ class BackwardPass:
         if self.taking.skips(p):
             return
         try:
+            self.reducer.parameter_grad(p, grad)
             with autocast_off():  # the sum check computes (projected sums: matmuls)
                 for observe in self.guards.parameter:
                     observe(p, grad)
@@ -332,7 +359,7 @@ class BackwardPass:
         n = self.batch_size or 0
         written = self.results.write(self.accumulator, n, self.taking.untouched)
         self.accumulator.leave(self.taking.left_out(written), self.extensions, n)
-        self.reducer.batch_grads.clear()
+        self.reducer.clear()
         for release in self.guards.release:
             release()
 
@@ -353,7 +380,7 @@ class BackwardPass:
         for handle in self.handles:
             handle.remove()
         self.walks.clear()
-        self.reducer.batch_grads.clear()
+        self.reducer.clear()
         self.results.clear()
         for release in self.guards.release:
             release()

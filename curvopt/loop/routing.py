@@ -1,12 +1,13 @@
 """Where the gradient hooks go: to the backward pass now running of every active collection.
+This module routes hooks and chooses no computation (what a pass computes is ``engine``'s).
 
-``extend`` (``hooks``) registers the hooks made here on each module call's output (``module_hook``),
-each extended loss's output (``loss_hook``) and each parameter (``parameter_hook``); a record is
-data (``records``), and what its gradient does is decided here. While a ``collect`` block is open
-or a collection armed, ``STATE.collecting`` is :data:`DISPATCH`, which hands each hook to the pass
-of every active collection (the open block first, then the armed ones, newest first;
-``collect.collect.backward_pass``: created at the pass's first hook); otherwise the hooks only
-drop what the forward kept.
+``extend`` (``hooks``) registers the hooks made here on each module call's output
+(``module_hook``), each extended loss's output (``loss_hook``) and each parameter
+(``parameter_hook``); a record is data (``records``), and which passes its gradient goes to is
+decided here. While a ``collect`` block is open or a collection armed, ``STATE.collecting`` is
+:data:`ROUTER`, which hands each hook to the pass of every active collection (the open block
+first, then the armed ones, newest first; ``collect.collect.backward_pass``: created at the
+pass's first hook); otherwise the hooks only drop what the forward kept.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from typing import Optional
 
 from curvopt.core.extended import module_path
-from curvopt.core.state import STATE
+from curvopt.core.state import STATE, SUSPENDED
 from curvopt.errors import GraphReuseError
 
 
@@ -35,7 +36,7 @@ class _Passes:
             p.on_parameter_grad(param, grad)
 
 
-class Dispatch:
+class Router:
     """``STATE.collecting`` while a collection is open or armed: the passes of every active one
     (``outer``: the autograd task that ran the forward of the call asking, see
     ``collect.collect.backward_pass``)."""
@@ -51,7 +52,7 @@ class Dispatch:
         return passes[0] if len(passes) == 1 else _Passes(passes)
 
 
-DISPATCH = Dispatch()
+ROUTER = Router()
 
 
 def module_hook(record, several: bool = False):
@@ -65,7 +66,7 @@ def module_hook(record, several: bool = False):
 
 
 def _on_module(record, grads) -> None:
-    if STATE.suspended:
+    if SUSPENDED.get():
         return
     grads = tuple(record.shaped(i, g) for i, g in enumerate(grads))
     for tap in record.extended.taps:
@@ -82,7 +83,7 @@ def _on_module(record, grads) -> None:
     used = True  # False: a pass that leaves this call alone, for another pass to use
     try:
         if STATE.collecting is not None:
-            used = DISPATCH.backward_pass(record.outer).on_module(record, grads)
+            used = ROUTER.backward_pass(record.outer).on_module(record, grads)
     finally:
         if used:
             record.release()
@@ -100,12 +101,12 @@ def loss_hook(record):
 def on_loss(record, grad) -> None:
     """The gradient ``grad`` reached the loss of ``record`` (also called by ``recognize`` for a
     loss read off the graph)."""
-    if STATE.suspended or record.args is None:
+    if SUSPENDED.get() or record.args is None:
         return
     used = True
     try:
         if STATE.collecting is not None:
-            used = DISPATCH.backward_pass().on_loss(record, grad)
+            used = ROUTER.backward_pass().on_loss(record, grad)
     finally:
         if used:
             record.args = record.kwargs = None
@@ -115,7 +116,7 @@ def parameter_hook(p):
     """The gradient hook of an extended module's parameter ``p``."""
 
     def hook(grad):
-        if not STATE.suspended and STATE.collecting is not None:
-            DISPATCH.backward_pass().on_parameter_grad(p, grad)
+        if not SUSPENDED.get() and STATE.collecting is not None:
+            ROUTER.backward_pass().on_parameter_grad(p, grad)
 
     return hook
