@@ -7,10 +7,13 @@ corrected eigenvalues ``S`` (:mod:`curvopt.inversion.eigen_corrected`)::
     d = Q [(Qᵀ g) ⊘ (vec S + λ + δ)]   = vec(Q_B [(Q_Bᵀ G Q_A) / (S + λ + δ)] Q_Aᵀ)
 
 The curvature is the extension ``EKFAC`` (``p.ekfac = [S, *bases]``, one backward pass, no
-per-sample gradients for dense layers): on basis steps (every ``basis_interval`` steps, and
-for a parameter without a basis yet) with fresh bases, the eigenvectors of this pass's
-Kronecker factors; on the other curvature steps with the parameter's current bases supplied,
-so that only ``S`` is recomputed in them.
+per-sample gradients for dense layers). By default (``basis_source="last_refresh"``) every
+pass rotates into the bases supplied from the last basis step (every ``basis_interval``
+steps): the eigenvectors of that window's summed Kronecker factors, collected beside ``EKFAC``
+(the identity before the first), so that the micro-batches of a window share one basis and
+give one batch's step. With the paper's ``basis_source="current"`` a basis step's pass
+computes fresh bases from its own factors (under gradient accumulation: its first
+micro-batch's), and the other curvature steps supply the current ones.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ class EKFACOptions(NewtonOptions):
     basis_interval: int | None = option(None, optional(number(1, integer=True)))
     kfac_approx: str = option("expand", choice(*KFAC_APPROX))
     max_basis_dim: int | None = option(None, optional(number(1, integer=True)))
-    basis_source: str = option("current", choice("current", "last_refresh"))
+    basis_source: str = option("last_refresh", choice("current", "last_refresh"))
 
     def relations(self) -> None:
         super().relations()
@@ -116,14 +119,14 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         mc_samples: Monte-Carlo samples for ``curvature="kfac"``.
         kfac_approx: ``"expand"`` (default) or ``"reduce"``: the factors whose eigenbasis is
             used, as in ``curvopt.extensions.EKFAC``.
-        basis_source: where a basis step's bases come from. ``"current"`` (default, the
-            paper's): the factors of this step's backward pass; under gradient accumulation
-            those of its first micro-batch (``S`` is still that of all of them), so the step is
-            not one batch's, and it warns once. ``"last_refresh"``: the factors summed over the
-            window of the last basis step, used from the next step on (the first step in the
-            identity basis, ``S`` the empirical Fisher's diagonal); every micro-batch of a
-            window then has the same basis and micro-batches give one batch's step. A
-            parameter without Kronecker factors keeps the identity basis there.
+        basis_source: where a basis step's bases come from. ``"last_refresh"`` (default): the
+            factors summed over the window of the last basis step, used from the next step on
+            (the first step in the identity basis, ``S`` the empirical Fisher's diagonal);
+            every micro-batch of a window then has the same basis and micro-batches give one
+            batch's step. A parameter without Kronecker factors keeps the identity basis
+            there. ``"current"`` (the paper's): the factors of this step's backward pass;
+            under gradient accumulation those of its first micro-batch (``S`` is still that of
+            all of them), so the step is not one batch's, and it warns once.
         max_basis_dim: ``None`` (default: two-sided bases) or ``m``: a side of a parameter
             wider than ``m`` keeps the identity basis (SOAP-style, :mod:`curvopt.optim.one_sided`;
             its factor is never eigendecomposed), the other side's basis comes from the factors
@@ -250,12 +253,21 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         curvature = kept(curvature, pending)
         name = group["curvature"]
         fresh = values.read(param, name)
-        if fresh is not None and fresh is not self._consumed.get(param, {}).get(name):
+        collected = fresh is not None and fresh is not self._consumed.get(param, {}).get(name)
+        if collected and self._refreshes(param, group):
             factors = values.plain(self._read(update, name, extension, None))
             update.checks += [(f"`{name}`", f) for f in factors]
             pending = next_bases(factors, max_dim)
         update.state["bases_next"] = pending
         return curvature
+
+    def _refreshes(self, param, group) -> bool:
+        """Whether this step's window collected ``param``'s factors for its next bases (as
+        :meth:`_needs` asked): on a basis step, or before it has any; factors left on the
+        parameter by another optimizer (one whose state this one loaded) are not read."""
+        group_state = next(s for g, s in zip(self.param_groups, self._group_state) if g is group)
+        lacking = "bases_next" not in self.state.get(param, {})
+        return lacking or self._basis_due(group, group_state["step"])
 
     def _warn_first_pass_basis(self, param, group) -> None:
         """Warn once where several backward passes of one window shared the bases the first
@@ -270,8 +282,8 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         warnings.warn(
             f"EKFAC: the {passes} backward passes of this step share the eigenbasis the first "
             "one made from its own factors (basis_source='current' refreshes it at this step), "
-            "so the step is not that of one batch of all their samples. Pass "
-            "basis_source='last_refresh' (the basis of the last refresh's summed factors, from "
+            "so the step is not that of one batch of all their samples. Leave basis_source at "
+            "its default 'last_refresh' (the basis of the last refresh's summed factors, from "
             "the next step on): micro-batches then give one batch's step.",
             UserWarning,
             stacklevel=5,
