@@ -208,7 +208,9 @@ def _train(opt, model, lossfunc, x, y, steps):
 def test_state_dict_round_trip_continues_the_same_trajectory():
     """The resumed optimizer takes the saved one's steps. Both collect only inside
     ``opt.collect()``: an armed first optimizer would keep collecting its own next step's
-    factors on the shared model (drawing Monte-Carlo samples the saved run did not draw)."""
+    factors on the shared model (drawing Monte-Carlo samples the saved run did not draw). The
+    factors the first one's later basis step left on the model are not read as the resumed
+    one's: its next bases come only from the factors its own basis steps collect."""
     model, lossfunc, x, y = _problem("cnn", 32, "mean")
     model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
     options = {"basis_interval": 2, "momentum": 0.9, "kl_clip": 1e-2, "collection": "explicit"}

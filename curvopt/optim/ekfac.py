@@ -22,6 +22,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+from curvopt import extensions
 from curvopt.inversion.eigen_corrected import as_rows, eigen_corrected_quadratic
 from curvopt.core import values
 from curvopt.optim.fallback import DiagonalFallback
@@ -123,8 +124,8 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
             factors summed over the window of the last basis step, used from the next step on
             (the first step in the identity basis, ``S`` the empirical Fisher's diagonal);
             every micro-batch of a window then has the same basis and micro-batches give one
-            batch's step. A parameter without Kronecker factors keeps the identity basis
-            there. ``"current"`` (the paper's): the factors of this step's backward pass;
+            batch's step; a parameter without Kronecker factors takes its ``fallback`` step
+            (the diagonal of the factors collected beside). ``"current"`` (the paper's): the factors of this step's backward pass;
             under gradient accumulation those of its first micro-batch (``S`` is still that of
             all of them), so the step is not one batch's, and it warns once.
         max_basis_dim: ``None`` (default: two-sided bases) or ``m``: a side of a parameter
@@ -242,8 +243,11 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         ``basis_source="last_refresh"``) ``[S, *bases]`` without its trailing identity sides
         (``one_sided.kept``), and from fresh factors its next bases (kept in ``update.state``
         until :meth:`_direction` returns them into the new state)."""
-        curvature = super()._read_curvature(update, group, attr, extension)
         param, max_dim = update.param, group["max_basis_dim"]
+        if self._lagged(param, group) and self._without_factors(param, group):
+            name = group["curvature"]  # missing: stepped by the fallback (or raises)
+            return super()._read_curvature(update, group, name, extensions.writer(name).__name__)
+        curvature = super()._read_curvature(update, group, attr, extension)
         if curvature is None:
             return None
         if not self._lagged(param, group):
@@ -260,6 +264,33 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
             pending = next_bases(factors, max_dim)
         update.state["bases_next"] = pending
         return curvature
+
+    def _without_factors(self, param, group) -> bool:
+        """Whether a lagged ``param`` has no Kronecker factors: the first window (which
+        collects the factors beside ``EKFAC``) wrote ``EKFAC`` but no factors for it, and it
+        has been stepped by the ``fallback`` since (its state's ``bases_next`` None, without a
+        curvature)."""
+        state = self.state.get(param, {})
+        if "bases_next" in state:
+            return state["bases_next"] is None and "curvature" not in state
+        collected = values.read(param, self._extension(group)[0]) is not None
+        return collected and values.read(param, group["curvature"]) is None
+
+    def _fallback_writer(self, group, param):
+        """A lagged parameter's fallback diagonal is that of its factors' extension (collected
+        on basis steps, ``p.kfac_diagonal`` or ``p.kflr_diagonal``: the same columns as
+        ``p.ekfac_diagonal``); the others' that of ``EKFAC``."""
+        if self._lagged(param, group):
+            return extensions.writer(group["curvature"])
+        return super()._fallback_writer(group, param)
+
+    def _fallback_direction(self, item, step):
+        """As ``DiagonalFallback``'s; a lagged parameter also keeps ``bases_next`` None, the
+        mark of a parameter without factors (:meth:`_without_factors`)."""
+        direction, state = super()._fallback_direction(item, step)
+        if self._lagged(item.update.param, step.group):
+            state = {**state, "bases_next": None}
+        return direction, state
 
     def _refreshes(self, param, group) -> bool:
         """Whether this step's window collected ``param``'s factors for its next bases (as
@@ -282,9 +313,9 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         warnings.warn(
             f"EKFAC: the {passes} backward passes of this step share the eigenbasis the first "
             "one made from its own factors (basis_source='current' refreshes it at this step), "
-            "so the step is not that of one batch of all their samples. Leave basis_source at "
-            "its default 'last_refresh' (the basis of the last refresh's summed factors, from "
-            "the next step on): micro-batches then give one batch's step.",
+            "so the step is not that of one batch of all their samples. Pass (or leave at its "
+            "default) basis_source='last_refresh' (the basis of the last refresh's summed "
+            "factors, from the next step on): micro-batches then give one batch's step.",
             UserWarning,
             stacklevel=5,
         )
