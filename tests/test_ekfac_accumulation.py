@@ -20,6 +20,7 @@ import warnings
 
 import pytest
 import torch
+from test_optim_models_fallback import _batch, _net
 from test_optim_variants import per_sample_grads
 from torch import nn
 
@@ -191,3 +192,34 @@ def test_settled_eigenvectors_of_a_null_space_do_not_depend_on_rounding():
 def test_basis_source_is_validated():
     with pytest.raises(ValueError, match="basis_source must be one of"):
         EKFAC(nn.Linear(2, 2).parameters(), 0.1, 0.1, basis_source="next")
+
+
+@pytest.mark.parametrize("curvature", ["kflr", "kfac"])
+def test_micro_batches_give_one_batchs_step_with_a_fallback_parameter(curvature):
+    """A raw weight used non-linearly (``test_optim_models_fallback.Net``'s ``mix.w``, no
+    Kronecker factors) takes its default ``fallback="diagonal"`` step from the diagonal of the
+    factors collected beside: 3 micro-batches of 2 take one batch's steps (4 steps, the
+    defaults; ``curvature_interval=2``: refresh and plain steps)."""
+
+    def run(micro_batches):
+        model = _net()
+        opt = EKFAC(model.parameters(), lr=0.1, curvature=curvature, curvature_interval=2)
+        lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+        start = _flat(model)
+        torch.manual_seed(5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the fallback's announcement
+            for step in range(4):
+                X, y = _batch(step + 1)
+                opt.zero_grad()
+                for part in torch.arange(len(X)).chunk(micro_batches):
+                    (lossfunc(model(X[part]), y[part]) * len(part) / len(X)).backward()
+                opt.step()
+        assert "fallback_diagonal" in opt.state[model.mix.w]
+        return start, _flat(model)
+
+    start, one = run(1)
+    _, three = run(3)
+    moved = (one - start).norm()
+    assert moved > 1e-3
+    assert (three - one).norm() <= 1e-12 * moved, float((three - one).norm() / moved)
