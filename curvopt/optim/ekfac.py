@@ -190,6 +190,14 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         options["kfac_approx"] = group["kfac_approx"]
         return "ekfac", {**options, "bases": self._supplied, "reduction": group["reduction"]}
 
+    def _curvature_due(self, group, group_state) -> bool:
+        """As in ``NewtonOptimizer``; under ``basis_source="last_refresh"`` also at step 1: the
+        first basis (from step 0's factors) is put to use at once, ``S`` recomputed in it,
+        rather than the identity basis's ``S`` of step 0 held for a whole
+        ``curvature_interval``."""
+        first_basis = group["basis_source"] == "last_refresh" and group_state["step"] == 1
+        return first_basis or super()._curvature_due(group, group_state)
+
     def _basis_due(self, group, step: int) -> bool:
         interval = refresh_interval(group["curvature_interval"], group["damping"])
         return step % (group["basis_interval"] or interval) == 0
