@@ -122,7 +122,8 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
             used, as in ``curvopt.extensions.EKFAC``.
         basis_source: where a basis step's bases come from. ``"last_refresh"`` (default): the
             factors summed over the window of the last basis step, used from the next step on
-            (the first step in the identity basis, ``S`` the empirical Fisher's diagonal);
+            (the first step in the identity basis, ``S`` the empirical Fisher's diagonal; step
+            1 recomputes ``S`` in the first basis, also under a ``curvature_interval``);
             every micro-batch of a window then has the same basis and micro-batches give one
             batch's step; a parameter without Kronecker factors takes its ``fallback`` step
             (the diagonal of the factors collected beside). ``"current"`` (the paper's): the factors of this step's backward pass;
