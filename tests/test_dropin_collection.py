@@ -109,14 +109,14 @@ SPLITS = {
 }
 
 
-def _micro_run(make_model, make_opt, steps, sizes, reduction, first_step_whole=False):
+def _micro_run(make_model, make_opt, steps, sizes, reduction):
     model = curvopt.extend(make_model())
     lossfunc = curvopt.extend(nn.CrossEntropyLoss(reduction=reduction))
     opt = make_opt(model.parameters())
     for step in range(steps):
         X, y = _data(step)
         opt.zero_grad()
-        parts = [slice(0, N)] if first_step_whole and step == 0 else _split(sizes)
+        parts = _split(sizes)
         for part in parts:
             loss = lossfunc(model(X[part]), y[part])
             weight = 1 / len(parts) if reduction == "mean" else 1 / N
@@ -139,12 +139,11 @@ def test_armed_optimizer_takes_the_explicit_steps(name, model):
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_micro_batches_take_the_step_of_one_batch(name, model, split):
     """2 and 4 micro-batches (also unequal) between two steps: the steps of the whole batch.
-    EKFAC's first step is on the whole batch (a refresh step's basis comes from its first
-    micro-batch, see below), its second one in that basis from the micro-batches."""
+    EKFAC at its default ``basis_source="last_refresh"`` too: its first step in the identity
+    basis, its second in the basis of the first window's summed factors."""
     sizes, reduction = SPLITS[split]
-    ekfac = name == "ekfac"
     want = _explicit_run(MODELS[model], OPTIMIZERS[name], steps=2)
-    got = _micro_run(MODELS[model], OPTIMIZERS[name], 2, sizes, reduction, first_step_whole=ekfac)
+    got = _micro_run(MODELS[model], OPTIMIZERS[name], 2, sizes, reduction)
     _assert_same(got, want)
 
 
@@ -166,11 +165,12 @@ def test_only_the_last_micro_batch_would_differ():
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_ekfac_refresh_step_accumulates_in_the_basis_of_its_first_micro_batch(reduction):
-    """On a basis step the first micro-batch's factors give the basis; ``S`` is that of the
-    whole batch in it (fresh bases of two passes could not add)."""
+    """The paper's ``basis_source="current"``: on a basis step the first micro-batch's factors
+    give the basis; ``S`` is that of the whole batch in it (fresh bases of two passes could
+    not add)."""
     model = curvopt.extend(_mlp())
     lossfunc = curvopt.extend(nn.CrossEntropyLoss(reduction=reduction))
-    opt = EKFAC(model.parameters(), 0.2, 0.1, "kflr")
+    opt = EKFAC(model.parameters(), 0.2, 0.1, "kflr", basis_source="current")  # the paper's
     X, y = _data(0)
     sizes, weight = ([6, 6], 0.5) if reduction == "mean" else ([5, 7], 1.0)
     for part in _split(sizes):

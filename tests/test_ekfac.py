@@ -133,8 +133,15 @@ def test_step_is_the_dense_damped_newton_step_in_the_corrected_eigenbasis(name, 
     dense = _dense_empirical_fisher(model, lossfunc, x, y)
     model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
     lr, damping, weight_decay = 0.7, 0.3, 0.05
-    opt = EKFAC(
-        model.parameters(), lr, damping, "kflr", weight_decay, reduction=reduction, kl_clip=None
+    opt = EKFAC(  # the paper's update: the basis of this step's own factors
+        model.parameters(),
+        lr,
+        damping,
+        "kflr",
+        weight_decay,
+        reduction=reduction,
+        kl_clip=None,
+        basis_source="current",
     )
     _collect(model, lossfunc, x, y, ext.KFLR())
     factors = [[f.clone() for f in p.kflr] for p in model.parameters()]
@@ -157,7 +164,8 @@ def test_step_is_the_dense_damped_newton_step_in_the_corrected_eigenbasis(name, 
 def test_basis_is_refreshed_every_k_steps_and_the_eigenvalues_every_step():
     model, lossfunc, x, y = _problem("mlp", 30, "mean")
     model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
-    opt = EKFAC(model.parameters(), 0.1, 0.1, "kflr", basis_interval=3)
+    # the paper's schedule: a basis step's pass computes fresh bases from its own factors
+    opt = EKFAC(model.parameters(), 0.1, 0.1, "kflr", basis_interval=3, basis_source="current")
     history, fresh = [], []
     for step in range(7):
         batch = slice(4 * step, 4 * step + 8)
@@ -198,9 +206,14 @@ def _train(opt, model, lossfunc, x, y, steps):
 
 
 def test_state_dict_round_trip_continues_the_same_trajectory():
+    """The resumed optimizer takes the saved one's steps. Both collect only inside
+    ``opt.collect()``: an armed first optimizer would keep collecting its own next step's
+    factors on the shared model (drawing Monte-Carlo samples the saved run did not draw). The
+    factors the first one's later basis step left on the model are not read as the resumed
+    one's: its next bases come only from the factors its own basis steps collect."""
     model, lossfunc, x, y = _problem("cnn", 32, "mean")
     model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
-    options = {"basis_interval": 2, "momentum": 0.9, "kl_clip": 1e-2}
+    options = {"basis_interval": 2, "momentum": 0.9, "kl_clip": 1e-2, "collection": "explicit"}
     opt = EKFAC(model.parameters(), 0.1, 0.1, "kfac", **options)
     torch.manual_seed(0)
     _train(opt, model, lossfunc, x, y, 3)
@@ -334,7 +347,8 @@ def test_linalg_ekfac_inverse_is_the_optimizer_step():
     model, lossfunc, x, y = _problem("cnn", 8, "mean", scale=30.0)
     model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
     op = linalg.EKFAC(model, lossfunc, [(x, y)], curvature="kflr")
-    opt = EKFAC(model.parameters(), 1.0, 0.2, "kflr", kl_clip=None)
+    # linalg.EKFAC's basis is that of its data's factors: the paper's, this step's own
+    opt = EKFAC(model.parameters(), 1.0, 0.2, "kflr", kl_clip=None, basis_source="current")
     with opt.collect():
         lossfunc(model(x), y).backward()
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])

@@ -1,16 +1,18 @@
-"""EKFAC under gradient accumulation: ``basis_source="last_refresh"`` gives one batch's step.
+"""EKFAC under gradient accumulation: the default ``basis_source="last_refresh"`` gives one
+batch's step.
 
-Every micro-batch of a window must rotate into the same basis for ``S`` to add. With the
-default ``basis_source="current"`` a basis step's basis comes from its first micro-batch's
-factors (a pass must know its basis before it computes ``S``), so two micro-batches take another
-step than one batch; it warns. With ``"last_refresh"`` the window's factors (which add over
-micro-batches exactly) give the basis of the next steps, and the first step is in the identity
-basis: micro-batches give one batch's step. Compared in float64 on the tiny GPT (tied head,
-LayerNorms, attention) and an MLP, both reductions, ``kflr`` and ``kfac`` (the same Monte-Carlo
-draws: the micro-batches draw in the batch's order), against one batch; and the step itself
-against a dense reference (per-sample gradients of a loop, ``torch.linalg.eigh``).
+Every micro-batch of a window must rotate into the same basis for ``S`` to add. With
+``"last_refresh"`` (the default) the window's factors (which add over micro-batches exactly) give
+the basis of the next steps, and the first step is in the identity basis: micro-batches give one
+batch's step, at the defaults (relative damping, curvature every 10 steps, the trust region) and
+with an explicit damping, on refresh steps and between them. With the paper's
+``basis_source="current"`` a basis step's basis comes from its first micro-batch's factors (a
+pass must know its basis before it computes ``S``), so two micro-batches take another step than
+one batch; it warns. Compared in float64 on the tiny GPT (tied head, LayerNorms, attention) and
+an MLP, both reductions, ``kflr`` and ``kfac`` (the same Monte-Carlo draws: the micro-batches
+draw in the batch's order), against one batch; and the step itself against a dense reference
+(per-sample gradients of a loop, ``torch.linalg.eigh``).
 """
-
 from __future__ import annotations
 
 import copy
@@ -18,6 +20,7 @@ import warnings
 
 import pytest
 import torch
+from test_optim_models_fallback import _batch, _net
 from test_optim_variants import per_sample_grads
 from torch import nn
 
@@ -37,26 +40,28 @@ def _flat(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _train(problem: str, reduction: str, micro_batches: int, **options):
-    """The parameters before and after ``STEPS`` steps of ``EKFAC(lr=0.1, damping=0.1)`` on
-    batches of ``N``, each split into ``micro_batches`` backward passes whose losses sum to the
-    batch's (``"mean"``: each divided by their number; every target counted), and the warnings
-    raised."""
+def _train(
+    problem: str, reduction: str, micro_batches: int, steps: int = STEPS, **options
+):
+    """The parameters before and after ``steps`` steps of ``EKFAC(lr=0.1, **options)``
+    (``damping=0.1`` unless given) on batches of ``N``, each split into ``micro_batches``
+    backward passes of (nearly) equal sizes whose losses sum to the batch's (``"mean"``: each
+    weighted by its share of the batch; every target counted), and the warnings raised."""
     made = PROBLEMS[problem](reduction)
     model, lossfunc = curvopt.extend(made.model), curvopt.extend(made.lossfunc)
-    opt = EKFAC(model.parameters(), 0.1, 0.1, **options)
+    opt = EKFAC(model.parameters(), lr=0.1, **{"damping": 0.1, **options})
     start = _flat(model)
     torch.manual_seed(5)  # the Monte-Carlo draws of curvature="kfac"
     bounds = torch.linspace(0, N, micro_batches + 1).long().tolist()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(STEPS):
+        for step in range(steps):
             X, y = made.make_batch(N, step)
             y = y.clamp(min=0)  # every target counted: the micro-batch means average to one
             opt.zero_grad()
             for a, b in zip(bounds, bounds[1:]):
                 loss = made.loss_on(model(X[a:b]), y[a:b], lossfunc)
-                (loss / micro_batches if reduction == "mean" else loss).backward()
+                (loss * (b - a) / N if reduction == "mean" else loss).backward()
             opt.step()
     basis_warnings = [w for w in caught if "backward passes of this step" in str(w.message)]
     return start, _flat(model), basis_warnings
@@ -75,6 +80,34 @@ def test_two_micro_batches_give_one_batchs_step(problem, reduction, curvature):
     assert not warned
 
 
+DEFAULTS = {
+    "explicit damping": {},
+    # relative damping, curvature every 10 steps: step 0 a refresh, steps 1-3 plain ones
+    "defaults": {"damping": None},
+    "defaults, curvature every 2 steps": {"damping": None, "curvature_interval": 2},
+}
+
+
+@pytest.mark.parametrize("settings", list(DEFAULTS))
+@pytest.mark.parametrize("micro_batches", [2, 3])
+@pytest.mark.parametrize("curvature", ["kflr", "kfac"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("problem", list(PROBLEMS))
+def test_default_ekfac_micro_batches_give_one_batchs_step(
+    problem, reduction, curvature, micro_batches, settings
+):
+    """No ``basis_source``: 2 and 3 micro-batches (3: of unequal sizes) take the steps of one
+    batch over 4 steps (refresh steps, and with ``curvature_interval`` the plain steps between
+    them), without a warning."""
+    options = {"curvature": curvature, **DEFAULTS[settings]}
+    start, one, _ = _train(problem, reduction, 1, steps=4, **options)
+    _, split, warned = _train(problem, reduction, micro_batches, steps=4, **options)
+    moved = (one - start).norm()
+    assert moved > 1e-3  # the steps say something
+    assert (split - one).norm() <= 1e-12 * moved, float((split - one).norm() / moved)
+    assert not warned
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_micro_batches_give_one_batchs_step_between_refreshes(reduction):
     """``basis_interval=2``: the basis of step 2 is the refresh of step 0's window."""
@@ -86,11 +119,12 @@ def test_micro_batches_give_one_batchs_step_between_refreshes(reduction):
 
 @pytest.mark.parametrize("problem", list(PROBLEMS))
 def test_the_current_basis_is_its_first_micro_batchs_and_warns_once(problem):
-    """The check above can fail: with ``basis_source="current"`` (the default) the basis of
+    """The check above can fail: with ``basis_source="current"`` (the paper's) the basis of
     each step is its first micro-batch's, another step than one batch's; it warns once, and a
     single pass per step does not."""
-    start, one, warned_one = _train(problem, "sum", 1, curvature="kflr")
-    _, two, warned_two = _train(problem, "sum", 2, curvature="kflr")
+    options = {"curvature": "kflr", "basis_source": "current"}
+    start, one, warned_one = _train(problem, "sum", 1, **options)
+    _, two, warned_two = _train(problem, "sum", 2, **options)
     assert (two - one).norm() > 1e-3 * (one - start).norm()
     assert not warned_one
     assert len(warned_two) == 1
@@ -158,3 +192,34 @@ def test_settled_eigenvectors_of_a_null_space_do_not_depend_on_rounding():
 def test_basis_source_is_validated():
     with pytest.raises(ValueError, match="basis_source must be one of"):
         EKFAC(nn.Linear(2, 2).parameters(), 0.1, 0.1, basis_source="next")
+
+
+@pytest.mark.parametrize("curvature", ["kflr", "kfac"])
+def test_micro_batches_give_one_batchs_step_with_a_fallback_parameter(curvature):
+    """A raw weight used non-linearly (``test_optim_models_fallback.Net``'s ``mix.w``, no
+    Kronecker factors) takes its default ``fallback="diagonal"`` step from the diagonal of the
+    factors collected beside: 3 micro-batches of 2 take one batch's steps (4 steps, the
+    defaults; ``curvature_interval=2``: refresh and plain steps)."""
+
+    def run(micro_batches):
+        model = _net()
+        opt = EKFAC(model.parameters(), lr=0.1, curvature=curvature, curvature_interval=2)
+        lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+        start = _flat(model)
+        torch.manual_seed(5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the fallback's announcement
+            for step in range(4):
+                X, y = _batch(step + 1)
+                opt.zero_grad()
+                for part in torch.arange(len(X)).chunk(micro_batches):
+                    (lossfunc(model(X[part]), y[part]) * len(part) / len(X)).backward()
+                opt.step()
+        assert "fallback_diagonal" in opt.state[model.mix.w]
+        return start, _flat(model)
+
+    start, one = run(1)
+    _, three = run(3)
+    moved = (one - start).norm()
+    assert moved > 1e-3
+    assert (three - one).norm() <= 1e-12 * moved, float((three - one).norm() / moved)

@@ -288,8 +288,13 @@ def test_ekfac_step_is_the_per_group_eigen_corrected_step():
         direction = q @ ((q.T @ p.grad.flatten()) / (s.flatten() + damping))
         expected.append(p.detach() - lr * direction.reshape(p.shape))
         p.grad = None
-    opt = curvopt.optim.EKFAC(
-        model.parameters(), lr=lr, damping=damping, curvature="kflr", kl_clip=None
+    opt = curvopt.optim.EKFAC(  # the paper's update: the basis of this step's own factors
+        model.parameters(),
+        lr=lr,
+        damping=damping,
+        curvature="kflr",
+        kl_clip=None,
+        basis_source="current",
     )
     opt.zero_grad()
     lossfunc(model(x), y).backward()

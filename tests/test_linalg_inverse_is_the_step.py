@@ -36,7 +36,8 @@ CASES = {
     ),
     "ekfac": (
         lambda m, f, d: linalg.EKFAC(m, f, d, "kflr").inverse(LAMBDA),
-        lambda p: optim.EKFAC(p, 1.0, LAMBDA, "kflr", kl_clip=None),
+        # linalg.EKFAC's basis is its data's factors': the paper's update, this step's own
+        lambda p: optim.EKFAC(p, 1.0, LAMBDA, "kflr", kl_clip=None, basis_source="current"),
     ),
 }
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -144,11 +145,23 @@ def _exact_diagonal(model, batch, name):
     return twin.get_parameter(name).diag_ggn_exact
 
 
-@pytest.mark.parametrize("optimizer", [KFAC, EKFAC])
-def test_fallback_diagonal_is_the_diag_ggn_newton_step_at_every_step(optimizer):
+@pytest.mark.parametrize("basis_source", ["last_refresh", "current"])
+def test_ekfac_fallback_diagonal_is_the_diag_ggn_newton_step_at_every_step(basis_source):
+    """As below for ``EKFAC`` with either basis: the diagonal of the factors it collects
+    beside (``p.kflr_diagonal``) at its default ``basis_source="last_refresh"``, its own
+    extension's (``p.ekfac_diagonal``) with the paper's ``"current"``."""
+    written = "kflr_diagonal" if basis_source == "last_refresh" else "ekfac_diagonal"
+    _check_fallback_diagonal(partial(EKFAC, basis_source=basis_source), written)
+
+
+def test_fallback_diagonal_is_the_diag_ggn_newton_step_at_every_step():
     """``curvature="kflr"``: ``mix.w`` steps by ``g / (diag(G) + λ)`` with the exact GGN
-    diagonal of the pass (``p.kflr_diagonal``, ``p.ekfac_diagonal``), from the first step on,
-    while the other parameters step by their Kronecker curvature."""
+    diagonal of the pass (``p.kflr_diagonal``), from the first step on, while the other
+    parameters step by their Kronecker curvature."""
+    _check_fallback_diagonal(KFAC, "kflr_diagonal")
+
+
+def _check_fallback_diagonal(optimizer, written):
     model = _net()
     lr, damping = 0.1, 1e-2
     opt = _quiet(lambda: optimizer(model.parameters(), lr, damping, "kflr", kl_clip=None))
@@ -159,8 +172,7 @@ def test_fallback_diagonal_is_the_diag_ggn_newton_step_at_every_step(optimizer):
         _quiet(lambda batch=batch: _step(model, opt, batch))
         expected = before - lr * model.mix.w.grad / (diag + damping)
         torch.testing.assert_close(model.mix.w.detach(), expected, rtol=1e-12, atol=1e-14)
-    written = getattr(model.mix.w, "kflr_diagonal" if optimizer is KFAC else "ekfac_diagonal")
-    assert torch.equal(opt.state[model.mix.w]["fallback_diagonal"], written)
+    assert torch.equal(opt.state[model.mix.w]["fallback_diagonal"], getattr(model.mix.w, written))
 
 
 @pytest.mark.parametrize("optimizer", [KFAC, EKFAC])

@@ -141,7 +141,7 @@ CASES = {
     ),
     "ekfac_paper": (
         lambda: _mlp(4, torch.float64),
-        lambda p: EKFAC(p, 0.3, 0.1, kl_clip=None),
+        lambda p: EKFAC(p, 0.3, 0.1, kl_clip=None, basis_source="current"),
         "mean",
         0,
     ),
@@ -157,6 +157,7 @@ CASES = {
             basis_interval=2,
             momentum=0.9,
             kl_clip=1e-3,
+            basis_source="current",
         ),
         "sum",
         0,

@@ -95,7 +95,15 @@ def test_ekfac_reduce_step_equals_dense_reference():
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
     grads, ekfac = collected(model, lossfunc, ext.EKFAC(factors="kflr", kfac_approx="reduce"))
     _, expanded = collected(model, lossfunc, ext.EKFAC(factors="kflr"))
-    opt = EKFAC(model.parameters(), 1.0, LAMBDA, "kflr", kfac_approx="reduce", kl_clip=None)
+    opt = EKFAC(  # the paper's update: the basis of this step's own (reduce) factors
+        model.parameters(),
+        1.0,
+        LAMBDA,
+        "kflr",
+        kfac_approx="reduce",
+        kl_clip=None,
+        basis_source="current",
+    )
     steps = optimizer_step(model, lossfunc, opt)
     assert not torch.allclose(ekfac[0][0], expanded[0][0], rtol=1e-3)
     for step, grad, (s, *bases) in zip(steps, grads, ekfac):

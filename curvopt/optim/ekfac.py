@@ -7,10 +7,13 @@ corrected eigenvalues ``S`` (:mod:`curvopt.inversion.eigen_corrected`)::
     d = Q [(Qᵀ g) ⊘ (vec S + λ + δ)]   = vec(Q_B [(Q_Bᵀ G Q_A) / (S + λ + δ)] Q_Aᵀ)
 
 The curvature is the extension ``EKFAC`` (``p.ekfac = [S, *bases]``, one backward pass, no
-per-sample gradients for dense layers): on basis steps (every ``basis_interval`` steps, and
-for a parameter without a basis yet) with fresh bases, the eigenvectors of this pass's
-Kronecker factors; on the other curvature steps with the parameter's current bases supplied,
-so that only ``S`` is recomputed in them.
+per-sample gradients for dense layers). By default (``basis_source="last_refresh"``) every
+pass rotates into the bases supplied from the last basis step (every ``basis_interval``
+steps): the eigenvectors of that window's summed Kronecker factors, collected beside ``EKFAC``
+(the identity before the first), so that the micro-batches of a window share one basis and
+give one batch's step. With the paper's ``basis_source="current"`` a basis step's pass
+computes fresh bases from its own factors (under gradient accumulation: its first
+micro-batch's), and the other curvature steps supply the current ones.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+from curvopt import extensions
 from curvopt.inversion.eigen_corrected import as_rows, eigen_corrected_quadratic
 from curvopt.core import values
 from curvopt.optim.fallback import DiagonalFallback
@@ -55,7 +59,7 @@ class EKFACOptions(NewtonOptions):
     basis_interval: int | None = option(None, optional(number(1, integer=True)))
     kfac_approx: str = option("expand", choice(*KFAC_APPROX))
     max_basis_dim: int | None = option(None, optional(number(1, integer=True)))
-    basis_source: str = option("current", choice("current", "last_refresh"))
+    basis_source: str = option("last_refresh", choice("current", "last_refresh"))
 
     def relations(self) -> None:
         super().relations()
@@ -116,14 +120,15 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         mc_samples: Monte-Carlo samples for ``curvature="kfac"``.
         kfac_approx: ``"expand"`` (default) or ``"reduce"``: the factors whose eigenbasis is
             used, as in ``curvopt.extensions.EKFAC``.
-        basis_source: where a basis step's bases come from. ``"current"`` (default, the
-            paper's): the factors of this step's backward pass; under gradient accumulation
-            those of its first micro-batch (``S`` is still that of all of them), so the step is
-            not one batch's, and it warns once. ``"last_refresh"``: the factors summed over the
-            window of the last basis step, used from the next step on (the first step in the
-            identity basis, ``S`` the empirical Fisher's diagonal); every micro-batch of a
-            window then has the same basis and micro-batches give one batch's step. A
-            parameter without Kronecker factors keeps the identity basis there.
+        basis_source: where a basis step's bases come from. ``"last_refresh"`` (default): the
+            factors summed over the window of the last basis step, used from the next step on
+            (the first step in the identity basis, ``S`` the empirical Fisher's diagonal; step
+            1 recomputes ``S`` in the first basis, also under a ``curvature_interval``);
+            every micro-batch of a window then has the same basis and micro-batches give one
+            batch's step; a parameter without Kronecker factors takes its ``fallback`` step
+            (the diagonal of the factors collected beside). ``"current"`` (the paper's): the factors of this step's backward pass;
+            under gradient accumulation those of its first micro-batch (``S`` is still that of
+            all of them), so the step is not one batch's, and it warns once.
         max_basis_dim: ``None`` (default: two-sided bases) or ``m``: a side of a parameter
             wider than ``m`` keeps the identity basis (SOAP-style, :mod:`curvopt.optim.one_sided`;
             its factor is never eigendecomposed), the other side's basis comes from the factors
@@ -186,6 +191,14 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         options["kfac_approx"] = group["kfac_approx"]
         return "ekfac", {**options, "bases": self._supplied, "reduction": group["reduction"]}
 
+    def _curvature_due(self, group, group_state) -> bool:
+        """As in ``NewtonOptimizer``; under ``basis_source="last_refresh"`` also at step 1: the
+        first basis (from step 0's factors) is put to use at once, ``S`` recomputed in it,
+        rather than the identity basis's ``S`` of step 0 held for a whole
+        ``curvature_interval``."""
+        first_basis = group["basis_source"] == "last_refresh" and group_state["step"] == 1
+        return first_basis or super()._curvature_due(group, group_state)
+
     def _basis_due(self, group, step: int) -> bool:
         interval = refresh_interval(group["curvature_interval"], group["damping"])
         return step % (group["basis_interval"] or interval) == 0
@@ -239,8 +252,11 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         ``basis_source="last_refresh"``) ``[S, *bases]`` without its trailing identity sides
         (``one_sided.kept``), and from fresh factors its next bases (kept in ``update.state``
         until :meth:`_direction` returns them into the new state)."""
-        curvature = super()._read_curvature(update, group, attr, extension)
         param, max_dim = update.param, group["max_basis_dim"]
+        if self._lagged(param, group) and self._without_factors(param, group):
+            name = group["curvature"]  # missing: stepped by the fallback (or raises)
+            return super()._read_curvature(update, group, name, extensions.writer(name).__name__)
+        curvature = super()._read_curvature(update, group, attr, extension)
         if curvature is None:
             return None
         if not self._lagged(param, group):
@@ -250,12 +266,48 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         curvature = kept(curvature, pending)
         name = group["curvature"]
         fresh = values.read(param, name)
-        if fresh is not None and fresh is not self._consumed.get(param, {}).get(name):
+        collected = fresh is not None and fresh is not self._consumed.get(param, {}).get(name)
+        if collected and self._refreshes(param, group):
             factors = values.plain(self._read(update, name, extension, None))
             update.checks += [(f"`{name}`", f) for f in factors]
             pending = next_bases(factors, max_dim)
         update.state["bases_next"] = pending
         return curvature
+
+    def _without_factors(self, param, group) -> bool:
+        """Whether a lagged ``param`` has no Kronecker factors: the first window (which
+        collects the factors beside ``EKFAC``) wrote ``EKFAC`` but no factors for it, and it
+        has been stepped by the ``fallback`` since (its state's ``bases_next`` None, without a
+        curvature)."""
+        state = self.state.get(param, {})
+        if "bases_next" in state:
+            return state["bases_next"] is None and "curvature" not in state
+        collected = values.read(param, self._extension(group)[0]) is not None
+        return collected and values.read(param, group["curvature"]) is None
+
+    def _fallback_writer(self, group, param):
+        """A lagged parameter's fallback diagonal is that of its factors' extension (collected
+        on basis steps, ``p.kfac_diagonal`` or ``p.kflr_diagonal``: the same columns as
+        ``p.ekfac_diagonal``); the others' that of ``EKFAC``."""
+        if self._lagged(param, group):
+            return extensions.writer(group["curvature"])
+        return super()._fallback_writer(group, param)
+
+    def _fallback_direction(self, item, step):
+        """As ``DiagonalFallback``'s; a lagged parameter also keeps ``bases_next`` None, the
+        mark of a parameter without factors (:meth:`_without_factors`)."""
+        direction, state = super()._fallback_direction(item, step)
+        if self._lagged(item.update.param, step.group):
+            state = {**state, "bases_next": None}
+        return direction, state
+
+    def _refreshes(self, param, group) -> bool:
+        """Whether this step's window collected ``param``'s factors for its next bases (as
+        :meth:`_needs` asked): on a basis step, or before it has any; factors left on the
+        parameter by another optimizer (one whose state this one loaded) are not read."""
+        group_state = next(s for g, s in zip(self.param_groups, self._group_state) if g is group)
+        lacking = "bases_next" not in self.state.get(param, {})
+        return lacking or self._basis_due(group, group_state["step"])
 
     def _warn_first_pass_basis(self, param, group) -> None:
         """Warn once where several backward passes of one window shared the bases the first
@@ -270,9 +322,9 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         warnings.warn(
             f"EKFAC: the {passes} backward passes of this step share the eigenbasis the first "
             "one made from its own factors (basis_source='current' refreshes it at this step), "
-            "so the step is not that of one batch of all their samples. Pass "
-            "basis_source='last_refresh' (the basis of the last refresh's summed factors, from "
-            "the next step on): micro-batches then give one batch's step.",
+            "so the step is not that of one batch of all their samples. Pass (or leave at its "
+            "default) basis_source='last_refresh' (the basis of the last refresh's summed "
+            "factors, from the next step on): micro-batches then give one batch's step.",
             UserWarning,
             stacklevel=5,
         )

@@ -50,16 +50,21 @@ class DiagonalFallback:
     (``NewtonOptimizer._collect_options``), and the step preconditions them by it
     (:func:`fallback_diagonal`); other fallbacks as the optimizer's base class has them."""
 
+    def _fallback_writer(self, group, param):
+        """The extension class whose declared diagonal steps ``param`` (default: that of the
+        group's extension)."""
+        return extensions.writer(self._extension(group)[0])
+
     def _fallback_available(self, update, group):
         if group["fallback"] != "diagonal":
             return super()._fallback_available(update, group)
-        writer = extensions.writer(self._extension(group)[0])
+        writer = self._fallback_writer(group, update.param)
         return has_diagonal(update.param, self.state.get(update.param, {}), writer)
 
     def _fallback_direction(self, item, step):
         if step.group["fallback"] != "diagonal":
             return super()._fallback_direction(item, step)
-        writer = extensions.writer(self._extension(step.group)[0])
+        writer = self._fallback_writer(step.group, item.update.param)
         return fallback_diagonal(self, item.update, item.grad, item.state, writer, step.damping)
 
 
