@@ -227,8 +227,20 @@ DEFAULTS = {"KFAC": KFAC, "EKFAC": EKFAC, "DiagGGNNewton": DiagGGNNewton}
 SEEDS = range(6)
 
 
-@pytest.mark.parametrize("problem", ["fmnist_2c2d", "cifar10_3c3d"])
-@pytest.mark.parametrize("name", list(DEFAULTS))
+#: EKFAC on 2C2D eigendecomposes its 3136-wide input factor at each refresh: minutes on two
+#: cores, so it runs with ``-m slow`` (it passes there at every seed)
+_DEFAULT_CASES = [
+    pytest.param(
+        name,
+        problem,
+        marks=[pytest.mark.slow] if (name, problem) == ("EKFAC", "fmnist_2c2d") else [],
+    )
+    for name in DEFAULTS
+    for problem in ("fmnist_2c2d", "cifar10_3c3d")
+]
+
+
+@pytest.mark.parametrize("name, problem", _DEFAULT_CASES)
 def test_the_defaults_train_the_deepobs_networks_at_every_seed(name, problem):
     """At its defaults each optimizer lowers the loss on the set by 10 % within 30 steps of
     batch 16 at each of 6 seeds (the Monte-Carlo draws and the batch order)."""
