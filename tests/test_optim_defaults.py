@@ -19,7 +19,7 @@ from torch import nn
 
 import curvopt
 from curvopt.optim import EKFAC, KFAC, DiagGGNNewton
-from experiments.problems import get_problem
+from benchmarks.default_robustness import PROBLEMS, loss_ratio, steps_and_target, templated_task
 from fixtures import zoo
 
 #: an absolute damping (the curvature at every step) and the default trust region, kl_clip=1e-3
@@ -186,26 +186,9 @@ def test_a_factor_that_cannot_be_factorised_is_named(side, index):
         opt.step()
 
 
-DEEPOBS = ["mnist_logreg", "fmnist_2c2d", "cifar10_3c3d", "cifar100_allcnnc"]
-
-
-def _deepobs_task(problem: str):
-    """``(model, lossfunc, X, y)``: the DeepOBS network as the benchmarks build it, on 64 images
-    of a learnable task (one random template per class plus noise)."""
-    spec = get_problem(problem)
-    model = curvopt.extend(spec.model(0))
-    lossfunc = curvopt.extend(spec.loss())
-    generator = torch.Generator().manual_seed(1)
-    classes = model(torch.zeros(1, *spec.input_shape)).shape[-1]
-    y = torch.arange(64) % classes
-    templates = torch.randn(classes, *spec.input_shape, generator=generator)
-    X = 0.5 * torch.randn(64, *spec.input_shape, generator=generator) + templates[y]
-    return model, lossfunc, X, y
-
-
 @pytest.mark.parametrize(
     "name, problem",
-    [(name, problem) for name in OPTIMIZERS for problem in DEEPOBS] + [("EKFAC", "mnist_logreg")],
+    [(name, problem) for name in OPTIMIZERS for problem in PROBLEMS] + [("EKFAC", "mnist_logreg")],
 )
 def test_readme_settings_train_the_deepobs_networks(name, problem):
     """The four DeepOBS networks on 64 images of a learnable task: with these settings
@@ -213,10 +196,9 @@ def test_readme_settings_train_the_deepobs_networks(name, problem):
     within 40 on all but All-CNN-C), and on All-CNN-C, which neither of them moves by more than
     2 % in 40 steps, it stays finite and falls within 10."""
     torch.manual_seed(0)  # Monte-Carlo curvature
-    model, lossfunc, X, y = _deepobs_task(problem)
+    model, lossfunc, X, y = templated_task(problem)
     opt = TRAINED[name](model.parameters(), **README)
-    slow = problem == "cifar100_allcnnc"
-    steps, target = (10, 1.0) if slow else (30, 0.9)
+    steps, target = steps_and_target(problem)
     first, last = _train(opt, lambda a, b: lossfunc(model(a), b), X, y, steps=steps, batch=16)
     assert math.isfinite(last) and last < target * first, (first, last)
 
@@ -243,22 +225,10 @@ _DEFAULT_CASES = [
 @pytest.mark.parametrize("name, problem", _DEFAULT_CASES)
 def test_the_defaults_train_the_deepobs_networks_at_every_seed(name, problem):
     """At its defaults each optimizer lowers the loss on the set by 10 % within 30 steps of
-    batch 16 at each of 6 seeds (the Monte-Carlo draws and the batch order)."""
-    ratios = []
-    for seed in SEEDS:
-        torch.manual_seed(seed)  # Monte-Carlo curvature
-        model, lossfunc, X, y = _deepobs_task(problem)
-        opt = DEFAULTS[name](model.parameters(), lr=0.05)
-        order = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            first = lossfunc(model(X), y).item()
-        for _ in range(30):
-            index = torch.randint(0, len(X), (16,), generator=order)
-            opt.zero_grad()
-            lossfunc(model(X[index]), y[index]).backward()
-            opt.step()
-        with torch.no_grad():
-            ratios.append(lossfunc(model(X), y).item() / first)
+    batch 16 at each of 6 seeds (the Monte-Carlo draws and the batch order; the loop of the
+    README's swap, ``benchmarks.default_robustness.loss_ratio``)."""
+    make = lambda params: DEFAULTS[name](params, lr=0.05)  # noqa: E731
+    ratios = [loss_ratio(make, problem, seed) for seed in SEEDS]
     assert all(math.isfinite(r) and r < 0.9 for r in ratios), ratios
 
 
