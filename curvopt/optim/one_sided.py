@@ -16,8 +16,8 @@ takes two bases), so it still multiplies the inputs by it (``N d²`` flops).
 The basis is found from the factors of a basis step and used from the next step on (the
 supplied basis of a pass must be known before it); the first step uses the identity on both
 sides (``S`` then the diagonal of the empirical Fisher). With
-``EKFAC(basis_source="last_refresh")``, the default, every parameter runs on this schedule (``max_dim=None``:
-no side is wide): the bases of a window's passes are known before the first of them, so its
+``EKFAC(basis_source="last_refresh")``, the default, every parameter runs on this schedule
+(``max_dim=None``: no side is wide): the bases of a window's passes are known before the first of them, so its
 micro-batches' ``S`` add up to one batch's. Functions here are pure.
 """
 
