@@ -127,8 +127,9 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
             every micro-batch of a window then has the same basis and micro-batches give one
             batch's step; a parameter without Kronecker factors takes its ``fallback`` step
             (the diagonal of the factors collected beside). ``"current"`` (the paper's): the
-            factors of this step's backward pass; under gradient accumulation those of its first micro-batch (``S`` is still that of
-            all of them), so the step is not one batch's, and it warns once.
+            factors of this step's backward pass; under gradient accumulation those of its
+            first micro-batch (``S`` is still that of all of them), so the step is not one
+            batch's, and it warns once.
         max_basis_dim: ``None`` (default: two-sided bases) or ``m``: a side of a parameter
             wider than ``m`` keeps the identity basis (SOAP-style, :mod:`curvopt.optim.one_sided`;
             its factor is never eigendecomposed), the other side's basis comes from the factors

@@ -17,8 +17,8 @@ The basis is found from the factors of a basis step and used from the next step 
 supplied basis of a pass must be known before it); the first step uses the identity on both
 sides (``S`` then the diagonal of the empirical Fisher). With
 ``EKFAC(basis_source="last_refresh")``, the default, every parameter runs on this schedule
-(``max_dim=None``: no side is wide): the bases of a window's passes are known before the first of them, so its
-micro-batches' ``S`` add up to one batch's. Functions here are pure.
+(``max_dim=None``: no side is wide): the bases of a window's passes are known before the
+first of them, so its micro-batches' ``S`` add up to one batch's. Functions here are pure.
 """
 
 from __future__ import annotations
