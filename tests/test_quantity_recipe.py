@@ -125,14 +125,17 @@ def test_optimizers_collect_the_extensions_their_curvature_names():
         (curvopt.optim.KFAC, {"curvature": "kflr", "damping": 1}, [ext.KFLR()]),
         (curvopt.optim.KFAC, {"mc_samples": 2, "damping": 1}, [ext.KFAC(mc_samples=2)]),
         (curvopt.optim.DiagGGNNewton, {"curvature": "exact", "damping": 1}, [ext.DiagGGNExact()]),
-        (curvopt.optim.EKFAC, {"curvature": "kflr", "damping": 1}, ["EKFAC"]),
+        # the paper's basis: this step's own factors, made by the EKFAC quantity
+        (curvopt.optim.EKFAC, {"curvature": "kflr", "damping": 1, "basis_source": "current"}, []),
+        # the default, the last refresh's basis: the factors for the next one beside
+        (curvopt.optim.EKFAC, {"curvature": "kflr", "damping": 1}, [ext.KFLR()]),
         (curvopt.optim.VarianceAdaptedSGD, {}, [ext.Variance(), ext.BatchL2Grad()]),
     ]
     for cls, options, expected in cases:
         opt = cls(model.parameters(), lr=0.1, **options)
         made, targets = opt._requests()
-        if expected == ["EKFAC"]:  # in the bases the optimizer supplies between refreshes
-            expected = [ext.EKFAC(factors="kflr", bases=opt._supplied)]
+        if cls is curvopt.optim.EKFAC:  # in the bases the optimizer supplies between refreshes
+            expected = [ext.EKFAC(factors="kflr", bases=opt._supplied), *expected]
         assert [e.key() for e in made] == [e.key() for e in expected]
         assert {attr for _, attr in targets} == {e.attr for e in made}
 
