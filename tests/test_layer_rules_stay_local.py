@@ -18,6 +18,7 @@ import threading
 import pytest
 import torch
 from torch import nn
+from test_no_global_state import MUTATORS as CONTAINER_MUTATORS
 
 import curvopt
 from curvopt import extensions as ext
@@ -29,23 +30,8 @@ LAYERS = pathlib.Path(__file__).resolve().parents[1] / "curvopt" / "layers"
 #: filled by the declarations when their modules are imported (``test_no_global_state``)
 DECLARATIONS = {"registry.py", "__init__.py"}
 
-#: calls that change a container or a context variable in place
-MUTATORS = {
-    "add",
-    "append",
-    "extend",
-    "insert",
-    "pop",
-    "popitem",
-    "clear",
-    "update",
-    "setdefault",
-    "discard",
-    "remove",
-    "move_to_end",
-    "set",
-    "reset",
-}
+#: calls that change a container (``test_no_global_state``'s) or a context variable in place
+MUTATORS = CONTAINER_MUTATORS | {"set", "reset"}
 
 #: the process-wide switches of ``core.state``
 SWITCHES = {"STATE", "SUSPENDED", "_State"}

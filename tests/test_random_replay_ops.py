@@ -24,27 +24,11 @@ from torch import nn
 import curvopt
 from curvopt import extensions as ext
 from curvopt.errors import UnsupportedModuleError
+from fixtures.timm_like import DropPath
 from reference import per_sample_grads_replayed
 
 DT = torch.float64
 N, T, D = 5, 3, 4
-
-
-class DropPath(nn.Module):
-    """timm's drop path: one keep draw per sample, scaled by the keep probability."""
-
-    def __init__(self, drop_prob: float):
-        super().__init__()
-        self.drop_prob = drop_prob
-
-    def forward(self, x):
-        if self.drop_prob == 0.0 or not self.training:
-            return x
-        keep = 1 - self.drop_prob
-        shape = (x.shape[0],) + (1,) * (x.ndim - 1)
-        random_tensor = x.new_empty(shape).bernoulli_(keep)
-        random_tensor.div_(keep)
-        return x * random_tensor
 
 
 class StochasticDepth(nn.Module):
