@@ -17,8 +17,6 @@ averaged over ``repeats``.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 import warnings
 
 import torch
@@ -26,6 +24,7 @@ import torch
 import curvopt
 from curvopt.layers.generic import GenericRule
 from curvopt.optim import KFAC
+from benchmarks.raw_token_sites import interleaved_medians
 from experiments.problems import fmnist_vit
 from fixtures.timm_like import VisionTransformer
 
@@ -94,19 +93,10 @@ def main(argv=None) -> None:
                 make, x, y, "kfac", curvature_interval=10, inverse_interval=10
             ),
         }
-        times = {k: [] for k in cases}
-        for f in cases.values():
-            f()  # warm-up: plans made, probes run
-        for _ in range(args.rounds):
-            for key, f in cases.items():
-                t0 = time.process_time()
-                for _ in range(args.repeats):
-                    f()
-                times[key].append(1e3 * (time.process_time() - t0) / args.repeats)
-        base = statistics.median(times["AdamW"])
-        for key, values in times.items():
-            ms = statistics.median(values)
-            print(f"{name:20s} {key:22s} {ms:7.1f} ms  {ms / base:5.2f}x AdamW", flush=True)
+        medians = interleaved_medians(cases, args.rounds, args.repeats)
+        for key, ms in medians.items():
+            ratio = ms / medians["AdamW"]
+            print(f"{name:20s} {key:22s} {ms:7.1f} ms  {ratio:5.2f}x AdamW", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,21 @@ from experiments.problems import fmnist_vit
 QUANTITIES = ("BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance")
 
 
+def interleaved_medians(cases: dict, rounds: int, repeats: int) -> dict:
+    """``{key: median ms}`` of each of ``cases`` (callables), after one warm-up call each (plans
+    made, caches filled), timed in ``rounds`` interleaved rounds of ``repeats`` calls (CPU time)."""
+    times = {k: [] for k in cases}
+    for f in cases.values():
+        f()
+    for _ in range(rounds):
+        for key, f in cases.items():
+            t0 = time.process_time()
+            for _ in range(repeats):
+                f()
+            times[key].append(1e3 * (time.process_time() - t0) / repeats)
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=9)
@@ -59,19 +74,9 @@ def main(argv=None) -> None:
     for name in QUANTITIES:
         cases[f"{name} (sites)"] = quantity(name, True)
         cases[f"{name} (re-run)"] = quantity(name, False)
-    times = {k: [] for k in cases}
-    for f in cases.values():
-        f()  # warm-up: plans made, caches filled
-    for _ in range(args.rounds):
-        for key, f in cases.items():
-            t0 = time.process_time()
-            for _ in range(args.repeats):
-                f()
-            times[key].append(1e3 * (time.process_time() - t0) / args.repeats)
-    base = statistics.median(times["plain"])
-    for key, values in times.items():
-        ms = statistics.median(values)
-        print(f"{key:28s} {ms:7.1f} ms  {ms / base:5.2f}x plain")
+    medians = interleaved_medians(cases, args.rounds, args.repeats)
+    for key, ms in medians.items():
+        print(f"{key:28s} {ms:7.1f} ms  {ms / medians['plain']:5.2f}x plain")
 
 
 if __name__ == "__main__":
