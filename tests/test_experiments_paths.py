@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import sys
 from pathlib import Path
@@ -39,12 +40,14 @@ def test_relative_and_command_line(tmp_path, monkeypatch):
     assert line == "python -m experiments ttr --out .../B --data-root=d -v"
 
 
-def test_ttr_summary_records_no_absolute_path(tmp_path, monkeypatch):
+def test_ttr_summary_records_no_absolute_path(tmp_path, monkeypatch, capsys):
     out, data = tmp_path / "results", tmp_path / "data"
     argv = ["ttr", "--quick", "--synthetic", "--problems", "mnist_logreg", "--optimizers", "adam"]
     argv += ["--seeds", "1", "--max-steps", "5", "--json", str(out), "--data-root", str(data)]
     monkeypatch.setattr(sys, "argv", ["experiments", *argv])  # what the command line was
     assert main(argv) == 0
+    written = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("written:")]
+    assert written and not any(_MACHINE_PATH.search(ln) for ln in written), written
     for name in ("summary.json", "mnist_logreg_adam.json"):
         found = _absolute(json.loads((out / name).read_text()))
         assert not found, f"{name} records absolute paths: {found}"
@@ -58,3 +61,30 @@ def test_committed_results_record_no_absolute_path():
     for path in files:
         found = _absolute(json.loads(path.read_text()))
         assert not found, f"{path.relative_to(REPO)} records absolute paths: {found[:3]}"
+
+
+#: an absolute path of the writing machine: a root folder after a start, space, quote, ``=`` or
+#: bracket (``/work/...``, ``/tmp/...``, ``/home/...``), in any committed text file (logs too)
+_MACHINE_PATH = re.compile(r"(?:^|[\s\"'=(\[:,])/(?:work|home|tmp|Users|root|opt|usr|var|mnt)/")
+
+
+def test_committed_result_files_and_logs_hold_no_machine_path():
+    files = [p for p in sorted((REPO / "experiments" / "results").rglob("*")) if p.is_file()]
+    assert any(p.suffix == ".log" for p in files)
+    offending = []
+    for path in files:
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        hits = [m.group(0) for m in _MACHINE_PATH.finditer(text)]
+        if hits:
+            offending.append(f"{path.relative_to(REPO)}: {hits[:2]}")
+    assert not offending, offending[:5]
+
+
+def test_the_machine_path_pattern_finds_what_it_must():
+    assert _MACHINE_PATH.search("written: /work/main/results/summary.json")
+    assert _MACHINE_PATH.search('File "/tmp/wvit/curvopt/optim/kfac.py", line 3')
+    assert not _MACHINE_PATH.search("written: experiments/results/ttr/summary.json")
+    assert not _MACHINE_PATH.search("<site-packages>/torch/_inductor/lowering.py ratio 1/2")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .. import peers
-from ..commands import Command, add_threads, at_least, command_line, set_threads
+from ..commands import Command, add_threads, at_least, command_line, relative, set_threads
 from ..data import DataMissingError, load_dataset, make_splits
 from ..distributed import resolve_device
 from ..optimizers import SetupError
@@ -239,7 +239,7 @@ def _run_ttr(args) -> int:
                 entry["meta"]["earlier"] = old.get("meta")
             write_json(path, entry)
     rows, path = write_summary(args.json, _meta(args))
-    print(f"written: {path}")
+    print(f"written: {relative(path)}")
     return 0
 
 
@@ -287,7 +287,7 @@ def execute_cost(args) -> int:
         out["problems"][problem]["meta"] = _meta(args)
     write_json(Path(args.folder) / COST, out)
     rows, path = write_summary(args.folder, _meta(args))
-    print(f"written: {path}")
+    print(f"written: {relative(path)}")
     return 0
 
 
