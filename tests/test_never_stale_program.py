@@ -488,10 +488,6 @@ CHEAP = ["activation replaced", "batch size", "sequence length", "branch taken",
 
 #: cases today's engine gets wrong (independent of the change: their first pass fails alike)
 XFAIL = {
-    "requires_grad off": (
-        "a parameter frozen after a pass keeps that pass's values: guards/participation.py "
-        "lists only the trainable parameters (core/params.py: model_parameters) as left out"
-    ),
     "checkpoint on, DiagHessian": (
         "DiagHessian reads the saved tensors of the nodes inside a use_reentrant=False "
         "checkpoint (autograd/second_derivatives.py: node._saved_result) before torch's backward "
