@@ -525,3 +525,80 @@ def test_second_pass_after_a_change(name, loss):
     for name in case.unwritten:
         del expected[name]
     assert_values(model, expected, case.attrs, name)
+
+
+def test_per_sample_quantities_raise_once_batchnorm_trains():
+    """Eval mode first (per-sample quantities defined), then training mode: the second pass
+    raises as a first pass would (the batch statistics mix samples), and the second-order
+    values of the first pass are taken off (docs/conventions.md: a pass that fails leaves them
+    absent rather than stale)."""
+    torch.manual_seed(0)
+    model = curvopt.extend(mlp(nn.BatchNorm1d(5)).eval())
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    x, y = batch("ce-mean")
+    attrs = ("grad_batch", "diag_ggn_exact", "kflr")
+    collect_pass(model, lossfunc, x, y, attrs)
+    model.train()
+    with pytest.raises(curvopt.errors.UnsupportedModuleError, match="BatchNorm1d"):
+        collect_pass(model, lossfunc, x, y, attrs)
+    for name, p in model.named_parameters():
+        assert "diag_ggn_exact" not in p.__dict__ and "kflr" not in p.__dict__, name
+
+
+@pytest.mark.parametrize("loss", ["ce-mean", "ce-sum", "mse-mean"])
+def test_readme_norms_recipe_with_heads_alternating(loss):
+    """The two-head model whose heads alternate over passes of several batch sizes: after each
+    pass, the README's ``sum(p.batch_l2 for p in params).sqrt()`` gives the true per-sample
+    norms, and every quantity is this pass's (the unused head: zeros, Kronecker factors
+    absent)."""
+    torch.manual_seed(0)
+    model = curvopt.extend(TwoHeads().to(DT))
+    lossfunc = curvopt.extend(LOSSES[loss]())
+    attrs = ("grad_batch", "batch_l2", "variance", "diag_ggn_exact", "kflr", "diag_ggn_mc")
+    for task, n in ((0, 5), (1, 3), (0, 3), (1, 6)):
+        model.task = task
+        x, y = batch(loss, n=n)
+        plain = copy.deepcopy(model)
+        collect_pass(model, lossfunc, x, y, attrs)
+        expected = references(plain, loss, x, y, attrs)
+        what = f"task {task}, N={n}"
+        assert_values(model, expected, attrs, what)
+        norms = sum(p.batch_l2 for p in model.parameters()).sqrt()
+        true = sum(e["batch_l2"] for e in expected.values()).sqrt()
+        assert_close(norms, true, f"{what}: norms")
+        assert model.heads[1 - task].weight.grad is None
+
+
+@pytest.mark.parametrize("curvature", ["kflr", "kfac"])
+def test_optimizer_collection_after_changes(curvature):
+    """KFAC's collection (``opt.collect()``, and armed: the backward alone) over passes whose
+    head, batch size and mode alternate: after each backward, the factors are this pass's (a
+    fresh run's, same seed; absent on the unused head), and ``p.grad`` the loop's sum."""
+    torch.manual_seed(0)
+    model = curvopt.extend(TwoHeads().to(DT))
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    opt = curvopt.optim.KFAC(model.parameters(), lr=0.1, damping=0.1, curvature=curvature)
+    for step, (task, n, block) in enumerate(((0, 4, True), (1, 6, True), (0, 3, False))):
+        model.task = task
+        x, y = batch("ce-mean", n=n)
+        plain = copy.deepcopy(model)
+        opt.zero_grad()
+        torch.manual_seed(SEED)
+        loss = lossfunc(model(x), y)
+        if block:
+            with opt.collect():
+                loss.backward()
+        else:
+            loss.backward()
+        expected = references(plain, "ce-mean", x, y, (curvature, "grad_batch"))
+        for name, p in model.named_parameters():
+            what = f"step {step}: {name}"
+            factors = expected[name].get(curvature)
+            if factors is None:
+                assert curvature not in p.__dict__, f"{what}.{curvature} present"
+                assert p.grad is None, f"{what}.grad"
+                continue
+            for mine, theirs in zip(getattr(p, curvature), factors):
+                assert_close(mine, theirs, f"{what}.{curvature}")
+            assert_close(p.grad, expected[name]["grad_batch"].sum(0), f"{what}.grad")
+        opt.step()
