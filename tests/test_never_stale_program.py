@@ -17,7 +17,14 @@ cached for its structure is warm. The second pass is checked in float64:
 The references run on a plain deep copy of the changed model (docs/conventions.md: a deep copy
 of an extended model is a plain model), each forward from the same seed as curvopt's (dropout
 masks alike). A parameter that does not require grad holds none of the quantities; one the
-second pass does not reach holds zeros or nothing, as docs/conventions.md says.
+second pass does not reach holds zeros or nothing, as docs/conventions.md says. Each case also
+checks that its second pass's values are not its first's (else a pass that kept them would
+pass).
+
+Beside the cases: BatchNorm switched to training mode (per-sample quantities raise; the
+Monte-Carlo diagonal is unbiased for the batch-statistics GGN), the README's norms recipe with
+the heads of a two-head model alternating over batch sizes, and KFAC's collection
+(``opt.collect()`` and armed) over such passes.
 """
 
 from __future__ import annotations
@@ -53,8 +60,6 @@ EXTENSIONS = {**FIRST_ORDER, "diag_ggn_exact": ext.DiagGGNExact, "diag_h": ext.D
 ALL = tuple(EXTENSIONS)
 #: what a model whose samples mix (BatchNorm in training mode) can have: Monte-Carlo curvature
 SAMPLED = ("kfac", "diag_ggn_mc")
-#: zero where a parameter that requires grad is not reached; the others are absent there
-ZERO_WHERE_UNREACHED = (*FIRST_ORDER, "diag_ggn_exact", "diag_h", "diag_ggn_mc")
 
 LOSSES = {
     "ce-mean": lambda: nn.CrossEntropyLoss(),
@@ -402,9 +407,8 @@ def _replace(model, index, module, extend=True):
         curvopt.extend(model)
 
 
-def _new_weight(layer, shape=None):
-    shape = layer.weight.shape if shape is None else shape
-    layer.weight = nn.Parameter(torch.randn(shape, dtype=DT))
+def _new_weight(layer):
+    layer.weight = nn.Parameter(torch.randn(layer.weight.shape, dtype=DT))
 
 
 def _widen(model):
