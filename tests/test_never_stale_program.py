@@ -577,10 +577,11 @@ CHEAP = [
 #: cases today's engine gets wrong (independent of the change: their first pass fails alike)
 XFAIL = {
     "checkpoint on, DiagHessian": (
-        "DiagHessian reads the saved tensors of the nodes inside a use_reentrant=False "
-        "checkpoint (autograd/second_derivatives.py: node._saved_result) before torch's backward "
-        "does, and torch's CheckpointError ('Unpack is being triggered for a tensor that was "
-        "already unpacked once') escapes raw, on a fresh model too"
+        "DiagHessian reads the saved tensors of the curved nodes inside a use_reentrant=False "
+        "checkpoint (engine/hessian.py, through autograd/second_derivatives.py: "
+        "TanhBackward0._saved_result) before torch's backward unpacks them, and torch's "
+        "CheckpointError ('Unpack is being triggered for a tensor that was already unpacked "
+        "once') escapes raw, on a model's first pass too"
     ),
 }
 
