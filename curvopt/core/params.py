@@ -82,15 +82,15 @@ def note_extended(module: nn.Module, model: nn.Module) -> None:
 
 
 def model_parameters(model: nn.Module) -> List[nn.Parameter]:
-    """The trainable parameters of ``model``'s extended modules (``trainable``, looked up now),
-    each once: those a backward pass through ``model`` could write for."""
+    """The parameters of ``model``'s extended modules (looked up now), each once, frozen ones
+    included: those a backward pass through ``model`` could write for, or leaves no earlier
+    value on (``requires_grad`` switched off since)."""
     found: Dict[int, nn.Parameter] = {}
     for module in model.modules():
         entry = module_entry(module)
         if entry is not None and entry.hooks:  # extended
             for _, p in owned(module, entry.owns_children):
-                if p.requires_grad:
-                    found.setdefault(id(p), p)
+                found.setdefault(id(p), p)
     return list(found.values())
 
 

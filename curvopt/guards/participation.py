@@ -9,6 +9,8 @@ A parameter the pass does not reach at all (an unused head, a skipped branch, an
 tokens) is a parameter of a model the pass went through (what ``extend`` was called on:
 ``params.model_parameters``) that the pass wrote nothing for. :meth:`Participation.left_out`
 lists those, so that no value of an earlier pass stays on them (``accumulate.Accumulator.leave``).
+A frozen parameter of such a model (``requires_grad=False``) gets nothing, and is listed too, so
+that no value of a pass before it was frozen stays on it.
 """
 
 from __future__ import annotations
@@ -96,8 +98,9 @@ class Participation:
     def left_out(self, written) -> list:
         """``(p, excluded)`` for each parameter of the models this pass went through (in its
         ``scope``) that it did not write for (``written``: their ``id``s): ``excluded`` where
-        the pass leaves ``p.grad`` alone on purpose (``backward(inputs=...)`` without it), else
-        it did not reach ``p`` (its per-sample gradients are zero)."""
+        the pass leaves ``p.grad`` alone on purpose (``backward(inputs=...)`` without it, or
+        ``p`` frozen: it gets nothing), else it did not reach ``p`` (its per-sample gradients
+        are zero)."""
         found: Dict[int, tuple] = {}
         scope = self.scope
         for model in self.models.values():
@@ -105,7 +108,7 @@ class Participation:
                 key = id(p)
                 if key in written or key in found or (scope is not None and key not in scope):
                     continue
-                found[key] = (p, bool(self.untouched.get(key)))
+                found[key] = (p, not p.requires_grad or bool(self.untouched.get(key)))
         return list(found.values())
 
     def among(self, calls) -> list:
