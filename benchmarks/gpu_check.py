@@ -1,6 +1,11 @@
 """CUDA check: every quantity on the GPU equals the CPU result (float64), plus GPU timings.
 
 python benchmarks/gpu_check.py        # needs a CUDA device
+
+The timings: 3C3D at N=64 per quantity against the plain pass; then the prepared pass: on
+``deep_narrow`` (33 ``Linear(16, 16)``-sized modules, N=8: launch-bound, the cost per module)
+and 3C3D, a structure's first pass (its plan made: this context's plans emptied before each,
+``core.plans.plan_cache``) against a pass that finds its plan (the same structure again).
 """
 
 import copy
@@ -11,6 +16,8 @@ from torch import nn
 
 import curvopt
 from curvopt import extensions as ext
+from curvopt.core.plans import plan_cache
+from experiments.overhead.problems import PROBLEMS
 from experiments.problems import cifar10_3c3d
 
 FIRST = [ext.BatchGrad(), ext.BatchL2Grad(), ext.SumGradSquared(), ext.Variance()]
@@ -97,6 +104,58 @@ def timings(n=64, repeats=30):
         print(f"| {name} | {med * 1e3:.2f} | {med / base:.2f} |")
 
 
+def _median_ms(step, repeats, before=None) -> float:
+    """Median over ``repeats`` of ``step()``'s time in ms, synchronised (``before()`` untimed
+    ahead of each)."""
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 1e3 * sorted(times)[repeats // 2]
+
+
+def prepared(repeats=30):
+    """A structure's first pass (its plan made) against a later one (its plan found), per
+    quantity, on ``deep_narrow`` at N=8 and 3C3D at N=64; ms per pass, the plain pass beside."""
+    print("\n| problem | case | plain ms | first pass ms | later pass ms | first / later |")
+    print("|---|---|---|---|---|---|")
+    for name, n in (("deep_narrow", 8), ("3c3d", 64)):
+        model, X, y, lossfunc = PROBLEMS[name].resized(n).build()
+        model, X, y = model.cuda(), X.cuda(), y.cuda()
+        plain = copy.deepcopy(model)
+        curvopt.extend(model)
+        lossfunc = curvopt.extend(lossfunc)
+
+        def plain_step():
+            plain.zero_grad()
+            lossfunc(plain(X), y).backward()
+
+        for e in (ext.BatchGrad(), ext.KFAC(), ext.DiagGGNExact()):
+
+            def step(e=e):
+                model.zero_grad()
+                with curvopt.collect(e):
+                    lossfunc(model(X), y).backward()
+
+            for _ in range(3):
+                step()
+                plain_step()
+            base = _median_ms(plain_step, repeats)
+            first = _median_ms(step, repeats, before=plan_cache().clear)
+            later = _median_ms(step, repeats)
+            label = type(e).__name__
+            print(
+                f"| {name} | {label} | {base:.2f} | {first:.2f} | {later:.2f} | "
+                f"{first / later:.2f} |"
+            )
+
+
 if __name__ == "__main__":
     compare()
     timings()
+    prepared()

@@ -56,7 +56,7 @@ PARTS = (
     ("    the loss's exact columns", "curvopt.losses.base", "LossRule.sqrt_hessian"),
     ("    the loss's sampled columns", "curvopt.losses.base", "LossRule.sqrt_hessian_mc"),
     ("    contributions made and collected", "curvopt.engine.results", "ResultBuffer.add"),
-    ("    Kronecker output sides", "curvopt.engine.kron_pass", "FactorStream.add"),
+    ("    Kronecker output sides", "curvopt.engine.kron_pass", "kron_factors"),
     ("    Kronecker input sides", "curvopt.engine.kron_pass", "FactorStream.finish"),
     (f"  {GUARD}flow check's hooks placed", "curvopt.guards.flow", "FlowCheck.watch"),
     ("    its region searched", "curvopt.guards.flow", "FlowCheck._region"),

@@ -14,7 +14,7 @@ import torch
 import curvopt
 from curvopt import extensions as ext
 from curvopt.guards.checks import Checks
-from curvopt.guards.tolerance import mismatch, mismatches, roundoff
+from curvopt.guards.tolerance import mismatch, mismatches, roundoff, stacked_mismatches
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers.linear import LinearRule
 
@@ -120,6 +120,36 @@ def test_mismatches_of_many_pairs_decide_each_as_the_reference():
         order = torch.randperm(len(pairs), generator=gen).tolist()
         found = mismatches([pairs[i] for i in order], 64.0)
         assert found == [expected[i] for i in order]
+
+
+def test_stacked_mismatches_decide_each_pair_as_the_reference():
+    """Pairs stacked by shape and dtype (as the spot check of materialised per-sample gradients
+    stacks its parameters), each with its own floor, several stacks read together: each pair's
+    decision is its own reference's, wherever it sits in its stack (a value read into another
+    pair's slot would change some decision: checked by permuting the pairs in the stacks)."""
+    gen = torch.Generator().manual_seed(3)
+    by_shape: dict = {}
+    for a, b in _pairs():
+        by_shape.setdefault((a.shape, a.dtype), []).append((a, b))
+    for k in range(24):  # just inside and outside the bound, at scales far apart
+        a = torch.randn(4, dtype=torch.float64, generator=gen) * 10.0 ** (k % 9 - 4)
+        b = a.clone()
+        b[k % 4] += 64 * torch.finfo(torch.float64).eps * a.abs().max() * (1.5 if k % 2 else 0.5)
+        by_shape.setdefault((a.shape, a.dtype), []).append((a, b))
+    groups = [g for g in by_shape.values() if len(g) > 1]
+    assert len(groups) >= 2
+    for _ in range(4):
+        stacks, expected = [], []
+        for group in groups:
+            order = torch.randperm(len(group), generator=gen).tolist()
+            pairs = [group[i] for i in order]
+            floors = [(0.0, 1e-3)[i % 2] for i in order]
+            a = torch.stack([x for x, _ in pairs])
+            b = torch.stack([y for _, y in pairs])
+            stacks.append((a, b, floors))
+            expected += [reference(x, y, 64.0, f) for (x, y), f in zip(pairs, floors)]
+        assert any(expected) and not all(expected)
+        assert stacked_mismatches(stacks, 64.0) == expected
 
 
 def test_non_finite_sums_of_a_finite_gradient_are_mismatches():

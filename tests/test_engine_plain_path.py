@@ -3,7 +3,7 @@
 * a KFAC step on a two-layer MLP runs no broadcast, compression or checkpoint code (the walk met
   no checkpoint, so ``propagate`` does not ask about live segments);
 * the calls that pass one loss on through the engine, from the loss hook, come back to an
-  engine module they left at most 8 times, for every second-order producer, on the first pass
+  engine module they left at most 7 times, for every second-order producer, on the first pass
   of a structure (row probes) and on later ones.
 """
 
@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import call_trace
 
-MAX_COMEBACKS = 8
+MAX_COMEBACKS = 7
 
 
 def test_a_plain_mlp_step_runs_no_special_case():
@@ -30,7 +30,7 @@ def test_a_plain_mlp_step_runs_no_special_case():
         for first in (True, False)
     ],
 )
-def test_one_loss_comes_back_to_a_module_at_most_8_times(quantity, first):
+def test_one_loss_comes_back_to_a_module_at_most_7_times(quantity, first):
     calls = call_trace.trace(quantity, first).calls
     merged = call_trace.sequence(calls)
     assert merged[0] == "backward" and len(merged) > 3  # the trace saw the pass

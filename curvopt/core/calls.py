@@ -148,3 +148,11 @@ def output_tensors(output) -> List[torch.Tensor]:
     if isinstance(output, (tuple, list)):
         return [t for item in output for t in output_tensors(item)]
     return []
+
+
+def first_column(columns) -> torch.Tensor:
+    """The first of ``columns`` that exists: the columns at a module's output (a tensor), or at
+    each of its outputs (a tuple, ``None`` where none reached that output)."""
+    if isinstance(columns, torch.Tensor):
+        return columns
+    return next(c for c in columns if c is not None)

@@ -43,7 +43,7 @@ def _held_below(module: nn.Module) -> Set[int]:
 def _direct(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
     """The parameters ``module`` holds itself and no descendant holds too."""
     own = [(name, p) for name, p in module._parameters.items() if p is not None]
-    if not own or next(module.children(), None) is None:
+    if not own or not module._modules or next(module.children(), None) is None:  # a leaf
         return own
     below = _held_below(module)
     return [(name, p) for name, p in own if id(p) not in below]
@@ -112,7 +112,10 @@ def _holders(p) -> list:
 def tied(p: nn.Parameter) -> bool:
     """Whether more than one extended module owns ``p`` (weight tying), of the modules
     ``extend`` found holding it."""
-    holders = (ref() for ref in _holders(p))
+    refs = _holders(p)
+    if len(refs) < 2:  # (the usual case: no module to count)
+        return False
+    holders = (ref() for ref in refs)
     return sum(m is not None and any(q is p for _, q in owned(m)) for m in holders) > 1
 
 

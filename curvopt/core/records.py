@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from curvopt.core.calls import Call
+from curvopt.core.calls import Call, first_column
 from curvopt.core.extended import ModuleEntry, entry_for
 from curvopt.core.params import trainable
 from curvopt.core.state import STATE
@@ -193,6 +193,19 @@ class Record:
             return x
         return x.movedim(1, 0)
 
+    def column_call(self, outs):
+        """``(call, columns, N)``: the call as the rules see it (:meth:`call`) given the columns
+        ``outs`` propagated to its outputs (one per output, ``None`` where none reached it;
+        in the parameters' precision), with a stand-in ``grad_out`` of one column's shape (the
+        rules read the batch size off it); ``(None, None, 0)`` where no column reached it."""
+        if all(v is None for v in outs):
+            return None, None, 0
+        columns = self.at_parameter_precision(outs[0] if len(outs) == 1 else tuple(outs))
+        call = self.call()
+        n = first_column(columns).shape[1 + call.batch_dim]
+        call.grad_out = _one_column(columns)
+        return call, columns, n
+
     def call(self, grad_out=None) -> "Call":
         """The call as the rules see it (inputs repeated over the batch for a broadcast call;
         in the parameters' precision, see :meth:`at_parameter_precision`)."""
@@ -252,6 +265,14 @@ class Record:
         if grad is None or grad.shape[int(columns) :] == shape:
             return grad
         return grad.reshape(*grad.shape[: int(columns)], *shape)
+
+
+def _one_column(columns):
+    """The first column of ``columns`` (a tensor, or a tuple of them and ``None``s): a
+    ``grad_out`` of the per-sample shape (:meth:`Record.column_call`)."""
+    if isinstance(columns, torch.Tensor):
+        return columns[0]
+    return tuple(None if c is None else c[0] for c in columns)
 
 
 #: key of the autograd-node metadata marking the output node of an extended loss's call

@@ -194,7 +194,7 @@ class CurvaturePass:
         if diag_exts:
             self.results.add(diagonals(calls, outs, diag_exts, coupled=self.coupled))
         if kron_exts:
-            self.factors.add(calls, outs, kron_exts)
+            self.results.add(self.factors.contributions(calls, outs, kron_exts))
 
 
 class LossColumns:

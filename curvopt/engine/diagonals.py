@@ -13,7 +13,7 @@ import torch
 
 from curvopt.layers import mixes, rule_for
 from curvopt.core.params import owned
-from curvopt.core.calls import Call
+from curvopt.core.calls import Call, first_column
 from curvopt.core.reductions import sum_of_squares
 from curvopt.engine.results import Term
 
@@ -32,7 +32,7 @@ def diag_from_columns(rule, call: Call, columns, name: str, batched: bool, n: in
     fast = rule.column_diag(call, columns, name, batched)
     if fast is not None:
         return fast
-    k = _first(columns).shape[0]
+    k = first_column(columns).shape[0]
     numel = dict(owned(call.module))[name].numel()
     samples = max(1, min(n, _GRAD_BUDGET // max(1, numel)))
     step = max(1, _GRAD_BUDGET // max(1, samples * numel))
@@ -63,27 +63,10 @@ def _squares_per_sample(grads: torch.Tensor) -> torch.Tensor:
     return torch.stack([sum_of_squares(g) for g in grads])
 
 
-def _first(columns) -> torch.Tensor:
-    return (
-        columns if isinstance(columns, torch.Tensor) else next(c for c in columns if c is not None)
-    )
-
-
 def narrow(columns, start: int, stop: int, dim: int = 0):
     if isinstance(columns, torch.Tensor):
         return columns.narrow(dim, start, stop - start)
     return tuple(None if c is None else c.narrow(dim, start, stop - start) for c in columns)
-
-
-def module_call(record, outs):
-    """``(call, columns, N)`` for one module call given its propagated columns (None if unused)."""
-    if all(v is None for v in outs):
-        return None, None, 0
-    columns = record.at_parameter_precision(outs[0] if len(outs) == 1 else tuple(outs))
-    call = record.call()
-    n = _first(columns).shape[1 + call.batch_dim]
-    call.grad_out = _zeros_like_sample(columns)
-    return call, columns, n
 
 
 def batch_column_grads(call, columns, name: str, n: int) -> torch.Tensor:
@@ -91,7 +74,7 @@ def batch_column_grads(call, columns, name: str, n: int) -> torch.Tensor:
     for the whole batch (``coupled``: the columns at the output hold every sample's share);
     summed over chunks of samples, never sliced where the module mixes samples."""
     rule = rule_for(call.module)
-    numel = dict(owned(call.module))[name].numel() * _first(columns).shape[0]
+    numel = dict(owned(call.module))[name].numel() * first_column(columns).shape[0]
     samples = n if mixes(call.module) else max(1, min(n, _GRAD_BUDGET // max(1, numel)))
     total = None
     for first in range(0, n, samples):
@@ -113,7 +96,7 @@ def diagonals(calls, outs, exts, sign: float = 1.0, coupled: bool = False):
     """
     uses = defaultdict(list)
     for record in calls:
-        call, columns, n = module_call(record, outs[record])
+        call, columns, n = record.column_call(outs[record])
         if call is None:
             continue
         for name, p in record.computed():
@@ -137,10 +120,3 @@ def diagonals(calls, outs, exts, sign: float = 1.0, coupled: bool = False):
                 d = torch.stack([sum_of_squares(g) for g in grads])
                 d = d if batched else d.sum(0)
             yield Term(p, ext.attr, d.mul_(sign) if sign != 1.0 else d)
-
-
-def _zeros_like_sample(columns):
-    """A stand-in ``grad_out`` with the per-sample shape of the columns (for batch sizes)."""
-    if isinstance(columns, torch.Tensor):
-        return columns[0]
-    return tuple(None if c is None else c[0] for c in columns)

@@ -24,7 +24,7 @@ from functools import cache, partial
 
 import torch
 
-from curvopt.engine.diagonals import batch_column_grads, diag_from_columns, module_call, narrow
+from curvopt.engine.diagonals import batch_column_grads, diag_from_columns, narrow
 from curvopt.engine.results import Factors, Term
 from curvopt.errors import UnsupportedKroneckerError
 from curvopt.engine.producers import TABLE
@@ -51,11 +51,6 @@ class FactorStream:
         self._columns: dict = {}
         self._chunks = 0  # the chunks of columns added so far
 
-    def add(self, calls, outs, exts) -> None:
-        """The factors of ``exts`` from one chunk of columns ``outs`` at every call."""
-        self.results.add(self._factors(calls, outs, exts))
-        self._chunks += 1
-
     def eigen_columns(self):
         """``coupled``: ``(p, ext, gbar)`` for every parameter of an ``EKFAC`` extension
         ``ext``, ``gbar [K, *p]`` the batch gradients of all its columns (every chunk's)."""
@@ -70,11 +65,13 @@ class FactorStream:
         old = chunks.get(self._chunks)
         chunks[self._chunks] = grads if old is None else old + grads
 
-    def _factors(self, calls, outs, kron_exts):
-        """The ``Factors`` of ``kron_exts`` of every call, one at a time (a parameter without a
-        factorisation: skipped, or its diagonal ``Term``; ``EKFAC``'s fresh bases: noted)."""
+    def contributions(self, calls, outs, kron_exts):
+        """The ``Factors`` of ``kron_exts`` from one chunk of columns ``outs`` at every call, one
+        call's at a time, for the result buffer to add as they come (each added before the next
+        is computed; a parameter without a factorisation: skipped, or its diagonal ``Term``;
+        ``EKFAC``'s fresh bases: noted)."""
         for record in calls:
-            call, columns, n = module_call(record, outs[record])
+            call, columns, n = record.column_call(outs[record])
             if call is None:
                 continue
             for name, p in record.computed():
@@ -119,6 +116,7 @@ class FactorStream:
                         self.results.add_basis(contribution)
                     else:
                         yield contribution
+        self._chunks += 1  # (the chunk is consumed whole: the result buffer adds every one)
 
     def finish(self) -> None:
         """The input side of every call's first contribution (it holds ``None`` there until

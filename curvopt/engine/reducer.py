@@ -95,6 +95,12 @@ class FirstOrderReducer:
         self.reduces = self.want_l2 or self.want_sgs
         #: the attributes of the per-sample gradients (``None``: not kept); ``couple`` leaves it
         self._kept = next((a for made, a in self.first.items() if made.reduces == ("batch",)), None)
+        #: the per-sample gradients are kept (plain attributes, fixed for the pass: read per
+        #: module call, and by the loss hook without a call into this module)
+        self.keeps_per_sample = self._kept is not None
+        #: a producer needs per-sample gradients in any pass (``EKFAC``'s not in a coupled
+        #: one; :meth:`couple` removes only producers with bases, so it leaves this)
+        self.per_sample = any(not made.bases for made in self.first)
         self.results, self.probes = results, probes
         #: ``observe(p, use, total, projected)`` of each sum check (``add_total``)
         self.observers: list = []
@@ -103,16 +109,6 @@ class FirstOrderReducer:
         #: (p, sum_n g_n**2, rule, call, name) whose moments take ``sum_n g_n`` from ``p``'s
         #: gradient of the pass (checked equal to it)
         self.moments_from_grad: List[tuple] = []
-
-    @property
-    def keeps_per_sample(self) -> bool:
-        return self._kept is not None
-
-    @property
-    def per_sample(self) -> bool:
-        """Whether a producer needs per-sample gradients in any pass (``EKFAC``'s not in a
-        coupled one, :meth:`couple`)."""
-        return any(not made.bases for made in self.first)
 
     def couple(self) -> None:
         """The pass is coupled (``curvature``): ``EKFAC``'s ``S`` comes from the loss hook's

@@ -29,12 +29,14 @@ from curvopt.guards.projected import PROJECTED_FACTOR, project
 from curvopt.engine.reducer import reduce_in_chunks
 from curvopt.core.reductions import dense_gradient, probe_columns
 from curvopt.engine.results import name_of
-from curvopt.guards.tolerance import max_abs, mismatch, mismatches, roundoff
+from curvopt.guards.tolerance import max_abs, mismatch, roundoff, stacked_mismatches
 from curvopt.errors import UnsupportedModuleError
 
 #: the spot check of materialised per-sample gradients reads ``_SPANS`` evenly spread runs of
 #: ``_WIDTH`` entries of a parameter with more entries than that (``reductions.probe_columns``)
 _SPANS, _WIDTH = 16, 256
+#: entries of the per-sample gradients stacked for one sum of the spot check (a copy, bounded)
+_STACK_ELEMENTS = 1 << 20
 
 
 class _Total:
@@ -193,21 +195,43 @@ class Checks(PassGuard):
     def check_materialised(self, batch_grads) -> None:
         """Spot check of ``sum_n g_n == grad`` on evenly spread entries of materialised
         per-sample gradients (``batch_grads``: ``id(p) -> (p, [N, *p.shape])``; every entry of
-        a parameter with at most ``_SPANS * _WIDTH``), all parameters' comparisons read at
-        once."""
-        checked = []  # (p, probed per-sample gradients, probed sum, probed grad, key)
+        a parameter with at most ``_SPANS * _WIDTH``). The parameters whose probed per-sample
+        gradients share a shape, dtype and device are stacked (at most ``_STACK_ELEMENTS``
+        entries a stack): one sum and one comparison a stack instead of one a parameter, all
+        comparisons read at once (``tolerance.stacked_mismatches``)."""
+        groups: Dict[tuple, list] = {}  # the per-sample gradients' shape, dtype, device, the
+        # grad's dtype -> [(p, probed per-sample gradients, probed grad, roundoff floor)]
         for key, (p, grad) in self.param_grads.items():
-            if key not in batch_grads:
+            found = batch_grads.get(key)
+            if found is None:
                 continue
-            batch, grad = batch_grads[key][1], dense_gradient(grad)
+            batch, grad = found[1], dense_gradient(grad)
             if grad.numel() > _SPANS * _WIDTH:  # a large parameter: spread runs of entries
                 batch = probe_columns(batch.reshape(batch.shape[0], -1), _SPANS, _WIDTH)
                 grad = probe_columns(grad.reshape(1, -1), _SPANS, _WIDTH)[0]
-            checked.append((p, batch, batch.sum(0), grad, key))  # else all entries, as shaped
-        pairs = [(total, grad, self.compute_eps.get(k, 0.0)) for _, _, total, grad, k in checked]
-        for (p, batch, total, grad, _), wrong in zip(checked, mismatches(pairs, 64)):
-            if wrong:
-                self.suspects.append((p, total, grad, batch.abs().sum(0)))
+            # (the floor: the roundoff of grad's own dtype, which the comparison casts away)
+            floor = roundoff(grad, floor=self.compute_eps.get(key, 0.0))
+            kind = (batch.shape, batch.dtype, batch.device, grad.dtype)
+            groups.setdefault(kind, []).append((p, batch, grad, floor))
+        stacks, members = [], []  # (sums, grads, floors) of each stack; its entries
+        for group in groups.values():
+            per_stack = max(1, _STACK_ELEMENTS // group[0][1].numel())
+            for start in range(0, len(group), per_stack):
+                part = group[start : start + per_stack]
+                batches = [batch for _, batch, _, _ in part]
+                if len(part) == 1:
+                    sums = batches[0].sum(0, keepdim=True)
+                else:
+                    sums = torch.stack(batches).sum(1)
+                grads = torch.stack([grad for _, _, grad, _ in part])  # as the sums: one op
+                grads = grads.reshape(sums.shape).to(sums.dtype)
+                stacks.append((sums, grads, [floor for *_, floor in part]))
+                members.append(part)
+        found = iter(stacked_mismatches(stacks, 64))
+        for (sums, _, _), part in zip(stacks, members):
+            for i, (p, batch, grad, _) in enumerate(part):
+                if next(found):
+                    self.suspects.append((p, sums[i], grad, batch.abs().sum(0)))
 
     def check_suspects(self) -> None:
         """Sums that missed the cheap bound, against the rounding bound (rounding inside each

@@ -83,9 +83,9 @@ def _extremes(entries) -> list:
             alone += members
             continue
         m = len(members)
-        a = torch.stack([entries[k][1] for k in members]).reshape(m, -1)
-        b = torch.stack([entries[k][2] for k in members]).reshape(m, -1)
-        parts += [(a - b).abs_().amax(1), *torch.aminmax(b, dim=1)]
+        a = torch.stack([entries[k][1] for k in members])
+        b = torch.stack([entries[k][2] for k in members])
+        parts += _stack_extremes(a, b)
         for j, k in enumerate(members):
             at[k] = (offset + j, offset + m + j, offset + 2 * m + j)
         offset += 3 * m
@@ -103,6 +103,44 @@ def _extremes(entries) -> list:
             at[k] = (offset + 3 * j, offset + 3 * j + 1, offset + 3 * j + 2)
     read = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
     return [(read[g], read[lo], read[hi]) for g, lo, hi in at]
+
+
+def _stack_extremes(a: torch.Tensor, b: torch.Tensor) -> list:
+    """``[max |a_i - b_i|, min b_i, max b_i]``, each ``[m]``, of the pairs stacked in ``a`` and
+    ``b`` (``[m, ...]``, one shape and dtype): one fresh difference, its abs in place."""
+    m = a.shape[0]
+    b = b.reshape(m, -1)
+    return [(a.reshape(m, -1) - b).abs_().amax(1), *torch.aminmax(b, dim=1)]
+
+
+def stacked_mismatches(stacks, factor: float) -> list:
+    """``mismatch(a[i], b[i], factor, floors[i])`` of every pair of every ``(a, b, floors)`` in
+    ``stacks``, in order: ``a`` and ``b`` ``[m, ...]`` of one shape, dtype and device each
+    (``b`` the references), ``floors`` ``m`` roundoff floors; each stack three operators, all
+    stacks on one device read in one sync (what :func:`mismatches` does for pairs it can
+    stack, with the stacks made by the caller)."""
+    read: dict = {}  # device -> [parts]
+    for a, b, _ in stacks:
+        if a[0].numel():
+            read.setdefault(a.device, []).extend(_stack_extremes(a, b))
+    values = {device: torch.cat(parts).tolist() for device, parts in read.items()}
+    found: list = []
+    at = dict.fromkeys(values, 0)
+    for a, b, floors in stacks:
+        m = a.shape[0]
+        if not a[0].numel():
+            found += [False] * m
+            continue
+        seen, start = values[a.device], at[a.device]
+        at[a.device] = start + 3 * m
+        dtypes = roundoff(a, b)
+        for i in range(m):
+            gap, low, high = seen[start + i], seen[start + m + i], seen[start + 2 * m + i]
+            bound, top = factor * max(dtypes, floors[i]), max(-low, high)
+            # (``_beyond``'s first test, without indexing the stacks: a sum that is right)
+            right = math.isfinite(gap) and gap <= bound * top
+            found.append(not right and _beyond(a[i], b[i], gap, top, bound))
+    return found
 
 
 def _beyond(a, b, gap: float, top: float, bound: float) -> bool:
