@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from curvopt.core.psd import psd_eigh, working_dtype
+from curvopt.inversion.warm_eigh import warm_eigenbasis
 
 #: per side the basis to supply at the next pass: an eigenbasis, or None (the identity)
 Pending = Sequence[torch.Tensor | None]
@@ -77,13 +78,26 @@ def kept(curvature: Sequence[torch.Tensor], pending: Pending | None) -> list[tor
     return [correction.reshape(*rows, -1), *bases]
 
 
-def next_bases(factors: Sequence[torch.Tensor], max_dim: int | None) -> list[torch.Tensor | None]:
+def next_bases(
+    factors: Sequence[torch.Tensor], max_dim: int | None, previous: Pending | None = None
+) -> list[torch.Tensor | None]:
     """Per side the eigenvectors of its factor (:func:`settled_eigenvectors`), None where
     wider than ``max_dim`` (that factor is not decomposed; ``None``: every side is; factors
-    stacked per group: where each group's is)."""
+    stacked per group: where each group's is); a side with a ``previous`` basis (the last
+    refresh's, ``basis_refresh="warm"``) refreshed from it by one power step and a QR
+    (:func:`~curvopt.inversion.warm_eigh.warm_eigenbasis`)."""
+    previous = [None] * len(factors) if previous is None else previous
     return [
-        None if is_wider(f.shape[-1], max_dim) else settled_eigenvectors(f) for f in factors
+        None if is_wider(f.shape[-1], max_dim) else _next_basis(f, q)
+        for f, q in zip(factors, previous)
     ]
+
+
+def _next_basis(factor: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+    """One side's next basis: exact (:func:`settled_eigenvectors`) or warm from ``previous``."""
+    if previous is None:
+        return settled_eigenvectors(factor)
+    return warm_eigenbasis(factor, previous)
 
 
 def settled_eigenvectors(factor: torch.Tensor) -> torch.Tensor:
