@@ -10,9 +10,10 @@ refresh::
     Q R = Y Π                               Y's columns ordered by decreasing s₀, orthonormalised
                                             (Householder QR), signed so that diag(R) ≥ 0
 
-and, where wanted, the new basis's estimates ``s = diag(Qᵀ F Q)`` (:func:`eigenvalue_estimates`,
-one more product). Cost: one ``d × d`` product and one QR (about ``2 d³ + 8/3 d³`` flops);
-on one CPU thread 1.6 to 1.8 times faster than ``eigh`` (``benchmarks/refresh_cost.py``). ``Q`` is orthogonal to rounding
+and, where wanted, the new basis's estimates ``s = diag(Qᵀ F Q)``
+(:func:`eigenvalue_estimates`, one more product). Cost: one ``d × d`` product and one QR (about
+``2 d³ + 8/3 d³`` flops); on one CPU thread 1.3 to 1.5 times faster than ``eigh``
+(``benchmarks/refresh_cost.py``). ``Q`` is orthogonal to rounding
 (Householder), whatever ``F``. It is exact where ``Q₀`` is: ``F Q₀ = Q₀ diag(s₀)`` gives
 ``Q = Q₀`` up to the order of its columns. For a fixed ``F`` with distinct eigenvalues
 ``λ₁ > … > λ_d``, repeated refreshes are subspace iteration: the span of the first ``i`` columns
