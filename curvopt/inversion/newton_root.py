@@ -69,7 +69,7 @@ def newton_inverse_root(
     identity = torch.eye(work.shape[-1], dtype=work.dtype, device=work.device)
     root_x, coupled = _start(work, root, identity, previous)
     steps = 0
-    while steps < max_iterations and float(torch.linalg.matrix_norm(coupled - identity)) > tolerance:
+    while steps < max_iterations and _residual(coupled, identity) > tolerance:
         turn = ((root + 1) * identity - coupled) / root
         root_x = root_x @ turn
         coupled = coupled @ torch.linalg.matrix_power(turn, root)
@@ -82,10 +82,15 @@ def _start(matrix, root, identity, previous):
     if previous is not None:
         start = previous.to(matrix.dtype)
         coupled = matrix @ start
-        if float(torch.linalg.matrix_norm(coupled - identity)) < 0.5:
+        if _residual(coupled, identity) < 0.5:
             return start, coupled
     scale = (root + 1) / (2 * torch.linalg.matrix_norm(matrix))
     return identity * scale ** (1 / root), matrix * scale
+
+
+def _residual(coupled: torch.Tensor, identity: torch.Tensor) -> float:
+    """``‖M − I‖_F``."""
+    return float(torch.linalg.matrix_norm(coupled - identity))
 
 
 def _check(matrix: torch.Tensor, root: int, previous) -> None:

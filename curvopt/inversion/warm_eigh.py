@@ -12,7 +12,7 @@ refresh::
 
 and, where wanted, the new basis's estimates ``s = diag(Qᵀ F Q)``
 (:func:`eigenvalue_estimates`, one more product). Cost: one ``d × d`` product and one QR (about
-``2 d³ + 8/3 d³`` flops); on one CPU thread 1.3 to 1.5 times faster than ``eigh``
+``2 d³ + 8/3 d³`` flops); on one CPU thread 1.35 to 1.55 times faster than ``eigh``
 (``benchmarks/refresh_cost.py``). ``Q`` is orthogonal to rounding
 (Householder), whatever ``F``. It is exact where ``Q₀`` is: ``F Q₀ = Q₀ diag(s₀)`` gives
 ``Q = Q₀`` up to the order of its columns. For a fixed ``F`` with distinct eigenvalues
@@ -45,7 +45,7 @@ def warm_eigenbasis(factor, previous: torch.Tensor) -> torch.Tensor:
     Example:
         >>> import torch
         >>> F = torch.diag(torch.tensor([1.0, 3.0], dtype=torch.float64))
-        >>> warm_eigenbasis(F, torch.eye(2, dtype=torch.float64))
+        >>> warm_eigenbasis(F, torch.eye(2, dtype=torch.float64)).abs()  # 3 first, then 1
         tensor([[0., 1.],
                 [1., 0.]], dtype=torch.float64)
     """

@@ -63,9 +63,8 @@ def _chosen(step: GroupStep) -> dict[tuple, torch.dtype]:
     for item in step.params:
         name, direction = item.state.get("orthogonalize_dtype"), item.direction
         if name is not None and direction is not None and direction.dim() >= 2:
-            chosen[shape_class(direction.reshape(direction.shape[0], -1))] = (
-                NEWTON_SCHULZ_DTYPES[name]
-            )
+            matrix = direction.reshape(direction.shape[0], -1)
+            chosen[shape_class(matrix)] = NEWTON_SCHULZ_DTYPES[name]
     return chosen
 
 
