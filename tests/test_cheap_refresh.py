@@ -11,6 +11,8 @@
   class, and steps as the fixed choice would.
 """
 
+import io
+
 import pytest
 import torch
 from torch import nn
@@ -330,9 +332,9 @@ def test_auto_measures_once_per_shape_class_and_steps_as_its_choice(monkeypatch)
     model, opt = _orthogonalized_run("auto")
     assert len(calls) == 2
     chosen = {opt.state[p]["orthogonalize_dtype"] for p in model.parameters() if p.dim() == 2}
-    assert chosen <= {"bfloat16", "float32"}
+    assert chosen <= {torch.bfloat16, torch.float32}
     if len(chosen) == 1:  # one dtype for every class: the fixed run is the same
-        fixed, _ = _orthogonalized_run(getattr(torch, chosen.pop()))
+        fixed, _ = _orthogonalized_run(chosen.pop())
         for p, q in zip(model.parameters(), fixed.parameters()):
             assert torch.equal(p, q)
 
@@ -359,3 +361,30 @@ def test_auto_is_a_valid_option_and_other_strings_are_not():
     KFAC(nn.Linear(2, 2).parameters(), 0.1, orthogonalize=True, orthogonalize_dtype="auto")
     with pytest.raises(ValueError, match="or 'auto'"):
         KFAC(nn.Linear(2, 2).parameters(), 0.1, orthogonalize=True, orthogonalize_dtype="fast")
+
+
+def test_a_loaded_state_dict_keeps_the_choice_and_does_not_measure_again(monkeypatch):
+    """The chosen dtype lives in the parameters' state: an optimizer loading the state (saved and
+    loaded with ``weights_only=True``) steps with it and measures nothing."""
+    monkeypatch.setattr(orthogonalize_stage, "faster_dtype", lambda m: torch.bfloat16)
+    model, opt = _orthogonalized_run("auto", steps=1)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    twin = KFAC(
+        model.parameters(), lr=0.1, damping=0.1, orthogonalize=True, orthogonalize_dtype="auto"
+    )
+    twin.load_state_dict(torch.load(buffer, weights_only=True))
+    monkeypatch.setattr(orthogonalize_stage, "faster_dtype", _never_measured)
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    generator = torch.Generator().manual_seed(0)
+    X, y = torch.randn(16, 6, generator=generator), torch.randint(0, 3, (16,), generator=generator)
+    twin.zero_grad()
+    lossfunc(model(X), y).backward()
+    twin.step()
+    names = {twin.state[p]["orthogonalize_dtype"] for p in model.parameters() if p.dim() == 2}
+    assert names == {torch.bfloat16}
+
+
+def _never_measured(matrix):
+    raise AssertionError("measured again after loading the state")

@@ -9,9 +9,9 @@ orthogonalisation.
 ``orthogonalize_dtype="auto"`` chooses the precision for the host: the first step that meets a
 matrix of a new shape class (:func:`shape_class`: its device and its sides rounded up to powers
 of two) times Newton–Schulz on it in each of :data:`AUTO_CANDIDATES`, interleaved
-(:func:`faster_dtype`), and keeps the faster one's name in the state of every parameter of that
-class (``state["orthogonalize_dtype"]``): the measurement runs once per class and optimizer,
-and a loaded ``state_dict`` keeps the choice.
+(:func:`faster_dtype`), and keeps the faster one in the state of every parameter of that class
+(``state["orthogonalize_dtype"]``, a ``torch.dtype``): the measurement runs once per class
+and optimizer, and a loaded ``state_dict`` keeps the choice.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from curvopt.optim.options import AUTO_DTYPE, NEWTON_SCHULZ_DTYPES, newton_schulz_dtype
+from curvopt.optim.options import AUTO_DTYPE, newton_schulz_dtype
 from curvopt.optim.stages.base import GroupStep, Stage
 from curvopt.optim.transforms import orthogonalized
 
@@ -50,7 +50,7 @@ class Orthogonalize(Stage):
                 if kind not in chosen:
                     chosen[kind] = faster_dtype(matrix)
                 dtype = chosen[kind]
-                item.update.state["orthogonalize_dtype"] = str(dtype).removeprefix("torch.")
+                item.update.state["orthogonalize_dtype"] = dtype
             scale = max(1.0, matrix.shape[0] / matrix.shape[1]) ** 0.5
             polar = orthogonalized(matrix, dtype=dtype)
             item.direction = polar.mul_(scale).reshape(direction.shape)
@@ -61,10 +61,9 @@ def _chosen(step: GroupStep) -> dict[tuple, torch.dtype]:
     """The dtypes the group's parameters chose at earlier steps, by shape class."""
     chosen = {}
     for item in step.params:
-        name, direction = item.state.get("orthogonalize_dtype"), item.direction
-        if name is not None and direction is not None and direction.dim() >= 2:
-            matrix = direction.reshape(direction.shape[0], -1)
-            chosen[shape_class(matrix)] = NEWTON_SCHULZ_DTYPES[name]
+        dtype, direction = item.state.get("orthogonalize_dtype"), item.direction
+        if dtype is not None and direction is not None and direction.dim() >= 2:
+            chosen[shape_class(direction.reshape(direction.shape[0], -1))] = dtype
     return chosen
 
 
