@@ -10,6 +10,11 @@ refresh::
     Q R = Y Π                               Y's columns ordered by decreasing s₀, orthonormalised
                                             (Householder QR), signed so that diag(R) ≥ 0
 
+``|diag R|``, the norms of the power step's columns orthogonal to the earlier ones, are the
+eigenvalues of a converged basis (``F q = λ q``), and at rounding level (``d ε ‖F‖``) where a
+column of ``Q`` is set by rounding: the null space of ``F`` (``optim.one_sided`` settles the
+basis inside it, as for ``eigh``'s).
+
 and, where wanted, the new basis's estimates ``s = diag(Qᵀ F Q)``
 (:func:`eigenvalue_estimates`, one more product). Cost: one ``d × d`` product and one QR (about
 ``2 d³ + 8/3 d³`` flops); on one CPU thread 1.35 to 1.55 times faster than ``eigh``
@@ -30,7 +35,7 @@ from curvopt.core.psd import working_dtype
 from curvopt.core.reductions import dense
 
 
-def warm_eigenbasis(factor, previous: torch.Tensor) -> torch.Tensor:
+def warm_eigenbasis(factor, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The eigenbasis of ``factor`` refreshed from ``previous`` by one power step and a QR.
 
     Args:
@@ -39,15 +44,17 @@ def warm_eigenbasis(factor, previous: torch.Tensor) -> torch.Tensor:
         previous: ``Q₀``, an orthogonal ``[d, d]`` (``[G, d, d]``) basis, the last refresh's.
 
     Returns:
-        ``Q``, orthogonal, ``[d, d]`` (``[G, d, d]``), its columns ordered by decreasing
-        estimate of the old basis (see the module).
+        ``(r, Q)``: ``r = |diag R|`` (``[d]``; ``[G, d]``), the eigenvalues of ``Q``'s columns
+        where the basis has converged (free; the Rayleigh quotients are
+        :func:`eigenvalue_estimates`), and ``Q``, orthogonal, ``[d, d]`` (``[G, d, d]``).
 
     Example:
         >>> import torch
         >>> F = torch.diag(torch.tensor([1.0, 3.0], dtype=torch.float64))
-        >>> warm_eigenbasis(F, torch.eye(2, dtype=torch.float64)).abs()  # 3 first, then 1
-        tensor([[0., 1.],
-                [1., 0.]], dtype=torch.float64)
+        >>> estimates, basis = warm_eigenbasis(F, torch.eye(2, dtype=torch.float64))
+        >>> estimates, basis.abs()
+        (tensor([3., 1.], dtype=torch.float64), tensor([[0., 1.],
+                [1., 0.]], dtype=torch.float64))
     """
     matrix = dense(factor)
     matrix = matrix.to(working_dtype(matrix.dtype))
@@ -55,8 +62,9 @@ def warm_eigenbasis(factor, previous: torch.Tensor) -> torch.Tensor:
     power = matrix @ previous
     order = (previous * power).sum(-2).argsort(dim=-1, descending=True, stable=True)
     basis, triangle = torch.linalg.qr(power.gather(-1, order.unsqueeze(-2).expand_as(power)))
-    signs = torch.where(triangle.diagonal(dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(basis.dtype)
-    return basis * signs.unsqueeze(-2)
+    diagonal = triangle.diagonal(dim1=-2, dim2=-1)
+    signs = torch.where(diagonal < 0, -1.0, 1.0).to(basis.dtype)
+    return diagonal.abs(), basis * signs.unsqueeze(-2)
 
 
 def eigenvalue_estimates(factor, basis: torch.Tensor) -> torch.Tensor:

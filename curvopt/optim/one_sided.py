@@ -94,10 +94,14 @@ def next_bases(
 
 
 def _next_basis(factor: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
-    """One side's next basis: exact (:func:`settled_eigenvectors`) or warm from ``previous``."""
+    """One side's next basis: exact (:func:`settled_eigenvectors`) or warm from ``previous``,
+    its columns ordered by the power step's norms ``|diag R|`` (ascending, as ``eigh``'s) and
+    those at rounding level, the null space, settled in the same way."""
     if previous is None:
         return settled_eigenvectors(factor)
-    return warm_eigenbasis(factor, previous)
+    norms, basis = warm_eigenbasis(factor, previous)
+    norms, order = norms.sort(dim=-1, stable=True)
+    return _settled_all(norms, basis.gather(-1, order.unsqueeze(-2).expand_as(basis)))
 
 
 def settled_eigenvectors(factor: torch.Tensor) -> torch.Tensor:
@@ -119,8 +123,12 @@ def settled_eigenvectors(factor: torch.Tensor) -> torch.Tensor:
     Returns:
         ``Q`` of the factor's shape, orthogonal, ``F = Q diag(s) Qᵀ`` with ``s`` ascending.
     """
-    eigenvalues, vectors = psd_eigh(factor)
-    if factor.dim() > 2:
+    return _settled_all(*psd_eigh(factor))
+
+
+def _settled_all(eigenvalues: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
+    """:func:`_settled` of one factor's eigenpairs, or of each group's (``[G, d, d]``)."""
+    if vectors.dim() > 2:
         return torch.stack([_settled(s, q) for s, q in zip(eigenvalues, vectors)])
     return _settled(eigenvalues, vectors)
 

@@ -107,7 +107,7 @@ def _refreshed(factor, previous: torch.Tensor | None) -> torch.Tensor:
     """The eigenvectors of one factor: exact, or warm-started from ``previous``."""
     if previous is None:
         return psd_eigh(dense(factor))[1]
-    return warm_eigenbasis(factor, previous)
+    return warm_eigenbasis(factor, previous)[1]
 
 
 def rotate(bases: Bases, tensor: torch.Tensor, back: bool = False) -> torch.Tensor:
