@@ -18,6 +18,10 @@ Its public functions and classes are re-exported by ``curvopt.optim``, the one p
   Sec. 6.3) and the Kronecker solves with the damped factors;
 * ``factor_inverse``: one damped factor ``F + c I``: Cholesky factors, dense inverses, or
   Woodbury from a Gram root (``LowRankInverse``), in a working precision;
+* ``warm_eigh``: an eigenbasis refreshed from the last one by one power step and a QR (SOAP's),
+  in place of a new eigendecomposition (``basis_refresh="warm"``);
+* ``newton_root``: inverse ``p``-th roots by the coupled Newton iteration, products only,
+  optionally in low precision and warm-started (measured against Cholesky, not the default);
 * ``eigen_corrected``: EKFAC's curvature ``Q diag(vec S) Qᵀ`` in a Kronecker eigenbasis: the
   basis, ``S``'s products, solves and quadratic forms.
 

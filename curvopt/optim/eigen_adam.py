@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from curvopt.optim.kfac import KFAC
 from curvopt.optim.newton import NewtonOptimizer
 from curvopt.optim.options import (
+    BASIS_REFRESH,
     KFAC_APPROX,
     NewtonOptions,
     check_number,
@@ -59,6 +60,7 @@ class EigenAdamOptions(NewtonOptions):
     basis: str = option("kronecker", choice("kronecker", "identity"))
     basis_interval: int = option(10, number(1, integer=True))
     max_basis_dim: int | None = option(None, optional(number(1, integer=True)))
+    basis_refresh: str = option("eigh", choice(*BASIS_REFRESH))
     MONTE_CARLO = "kfac"
     curvature: str = option("kfac", choice("kfac", "kflr"))
     curvature_ema: float = option(0.95, number(0.0, 1.0, open_high=True))
@@ -98,6 +100,9 @@ class EigenAdam(NewtonOptimizer):
             ``precondition_frequency``); the factors are averaged at every curvature step.
         max_basis_dim: ``None`` (default: every side rotated) or ``m``: a side wider than ``m``
             keeps the identity basis and its factor is never eigendecomposed.
+        basis_refresh: ``"eigh"`` (default: each refresh eigendecomposes the factors) or
+            ``"warm"`` (the first refresh does; the later ones take one power step from the
+            last basis and a QR, SOAP's refresh, :mod:`curvopt.inversion.warm_eigh`).
         curvature: the factors: ``"kfac"`` (default, Monte-Carlo sampled) or ``"kflr"`` (exact).
         curvature_ema: ``β`` of the factors' average (default 0.95, SOAP's ``shampoo_beta``).
         curvature_interval: read the factors every ``k`` steps (default 1).

@@ -31,6 +31,7 @@ from curvopt.optim.newton import NewtonOptimizer
 from curvopt.optim.plan import refresh_interval
 from curvopt.optim.one_sided import is_one_sided, kept, next_bases, supplied
 from curvopt.optim.options import (
+    BASIS_REFRESH,
     KFAC_APPROX,
     KRONECKER_FALLBACKS,
     NewtonOptions,
@@ -60,6 +61,7 @@ class EKFACOptions(NewtonOptions):
     kfac_approx: str = option("expand", choice(*KFAC_APPROX))
     max_basis_dim: int | None = option(None, optional(number(1, integer=True)))
     basis_source: str = option("last_refresh", choice("current", "last_refresh"))
+    basis_refresh: str = option("eigh", choice(*BASIS_REFRESH))
 
     def relations(self) -> None:
         super().relations()
@@ -74,6 +76,12 @@ class EKFACOptions(NewtonOptions):
                 f"basis_interval ({self.basis_interval}) must be a multiple of "
                 f"curvature_interval ({interval}): the basis is refreshed "
                 "at curvature steps"
+            )
+        if self.basis_refresh == "warm" and self.basis_source == "current":
+            raise ValueError(
+                "basis_refresh='warm' starts from the last refresh's basis, which "
+                "basis_source='current' does not keep (its pass makes fresh bases); pass "
+                "basis_source='last_refresh' (the default) or basis_refresh='eigh'"
             )
 
 
@@ -271,7 +279,8 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         if collected and self._refreshes(param, group):
             factors = values.plain(self._read(update, name, extension, None))
             update.checks += [(f"`{name}`", f) for f in factors]
-            pending = next_bases(factors, max_dim)
+            warm = pending if group["basis_refresh"] == "warm" else None
+            pending = next_bases(factors, max_dim, warm)
         update.state["bases_next"] = pending
         return curvature
 

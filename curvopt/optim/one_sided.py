@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from curvopt.core.psd import psd_eigh, working_dtype
+from curvopt.inversion.warm_eigh import warm_eigenbasis
 
 #: per side the basis to supply at the next pass: an eigenbasis, or None (the identity)
 Pending = Sequence[torch.Tensor | None]
@@ -77,13 +78,30 @@ def kept(curvature: Sequence[torch.Tensor], pending: Pending | None) -> list[tor
     return [correction.reshape(*rows, -1), *bases]
 
 
-def next_bases(factors: Sequence[torch.Tensor], max_dim: int | None) -> list[torch.Tensor | None]:
+def next_bases(
+    factors: Sequence[torch.Tensor], max_dim: int | None, previous: Pending | None = None
+) -> list[torch.Tensor | None]:
     """Per side the eigenvectors of its factor (:func:`settled_eigenvectors`), None where
     wider than ``max_dim`` (that factor is not decomposed; ``None``: every side is; factors
-    stacked per group: where each group's is)."""
+    stacked per group: where each group's is); a side with a ``previous`` basis (the last
+    refresh's, ``basis_refresh="warm"``) refreshed from it by one power step and a QR
+    (:func:`~curvopt.inversion.warm_eigh.warm_eigenbasis`)."""
+    previous = [None] * len(factors) if previous is None else previous
     return [
-        None if is_wider(f.shape[-1], max_dim) else settled_eigenvectors(f) for f in factors
+        None if is_wider(f.shape[-1], max_dim) else _next_basis(f, q)
+        for f, q in zip(factors, previous)
     ]
+
+
+def _next_basis(factor: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+    """One side's next basis: exact (:func:`settled_eigenvectors`) or warm from ``previous``,
+    its columns ordered by the power step's norms ``|diag R|`` (ascending, as ``eigh``'s) and
+    those at rounding level, the null space, settled in the same way."""
+    if previous is None:
+        return settled_eigenvectors(factor)
+    norms, basis = warm_eigenbasis(factor, previous)
+    norms, order = norms.sort(dim=-1, stable=True)
+    return _settled_all(norms, basis.gather(-1, order.unsqueeze(-2).expand_as(basis)))
 
 
 def settled_eigenvectors(factor: torch.Tensor) -> torch.Tensor:
@@ -105,8 +123,12 @@ def settled_eigenvectors(factor: torch.Tensor) -> torch.Tensor:
     Returns:
         ``Q`` of the factor's shape, orthogonal, ``F = Q diag(s) Qᵀ`` with ``s`` ascending.
     """
-    eigenvalues, vectors = psd_eigh(factor)
-    if factor.dim() > 2:
+    return _settled_all(*psd_eigh(factor))
+
+
+def _settled_all(eigenvalues: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
+    """:func:`_settled` of one factor's eigenpairs, or of each group's (``[G, d, d]``)."""
+    if vectors.dim() > 2:
         return torch.stack([_settled(s, q) for s, q in zip(eigenvalues, vectors)])
     return _settled(eigenvalues, vectors)
 

@@ -77,6 +77,11 @@ def flag(name: str, value) -> None:
         raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
+#: how an eigenbasis is refreshed after its first (exact) one (``basis_refresh``, ``EKFAC`` and
+#: ``EigenAdam``): ``"eigh"``, a new eigendecomposition; ``"warm"``, one power step from the last
+#: basis and a QR (``inversion.warm_eigh``, SOAP's)
+BASIS_REFRESH = ("eigh", "warm")
+
 #: the dtypes Newton–Schulz may compute in (``orthogonalize_dtype``), by name
 NEWTON_SCHULZ_DTYPES = {
     name: getattr(torch, name) for name in ("bfloat16", "float16", "float32", "float64")
@@ -92,7 +97,7 @@ def newton_schulz_dtype(value) -> torch.dtype | None:
         return NEWTON_SCHULZ_DTYPES[value]
     raise ValueError(
         f"orthogonalize_dtype must be None or one of {list(NEWTON_SCHULZ_DTYPES)} (as a "
-        f"torch.dtype or its name), got {value!r}"
+        f"torch.dtype or its name), or 'auto', got {value!r}"
     )
 
 
@@ -125,8 +130,14 @@ def _damping(name: str, value) -> None:
         as_damping(value)
 
 
+#: ``orthogonalize_dtype="auto"``: the faster of these on the host, measured once per device and
+#: shape class (``stages.orthogonalize``)
+AUTO_DTYPE = "auto"
+
+
 def _newton_schulz_dtype(name: str, value) -> None:
-    newton_schulz_dtype(value)
+    if value != AUTO_DTYPE:
+        newton_schulz_dtype(value)
 
 
 def _interpolation(name: str, value) -> None:
@@ -202,7 +213,7 @@ class NewtonOptions(CurvatureOptions):
     #: each matrix-shaped update replaced by its polar factor (``stages.orthogonalize``, Muon's)
     orthogonalize: bool = option(False, flag)
     #: the dtype its Newton–Schulz iterations compute in (``None``: the update's; Muon's is
-    #: ``torch.bfloat16``)
+    #: ``torch.bfloat16``; ``"auto"``: bfloat16 or float32, the faster on the host)
     orthogonalize_dtype: Any = option(None, _newton_schulz_dtype)
 
     def relations(self) -> None:

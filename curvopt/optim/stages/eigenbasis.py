@@ -9,6 +9,8 @@ On a basis step the stage takes the eigenvectors of each factor, ``B = Q_B diag(
 ``A = Q_A diag(s_A) Q_Aᵀ`` (:func:`~curvopt.core.psd.psd_eigh`), and keeps them as the
 parameter's basis ``[Q_B, Q_A]`` until the next one; a side wider than ``max_basis_dim`` keeps
 the identity (``None``: its factor is never decomposed, SOAP's one-sided preconditioning).
+With ``basis_refresh="warm"`` the refreshes after the first start from the last basis and take
+one power step and a QR instead (:mod:`~curvopt.inversion.warm_eigh`, SOAP's refresh).
 
 Adam's moments ``m`` and ``v`` (``[dim B, dim A]``, kept in the basis, see
 :mod:`~curvopt.optim.stages.eigenbasis_adam`) move with the basis. With ``R_B = Q_Bᵀ Q'_B``
@@ -35,6 +37,7 @@ import torch
 
 from curvopt.core.psd import psd_eigh
 from curvopt.core.reductions import dense
+from curvopt.inversion.warm_eigh import warm_eigenbasis
 from curvopt.optim.stages.base import GroupStep, Stage
 
 #: per side an orthogonal ``[d, d]`` basis, or ``None`` (the identity)
@@ -44,8 +47,9 @@ Bases = Sequence[torch.Tensor | None]
 class RefreshEigenbasis(Stage):
     """Keep the curvature in use (``state["curvature"]``, averaged by the EMA stage before), and
     on basis steps (the group's step a multiple of ``basis_interval``, or no basis yet) replace
-    ``state["eigenbasis"]`` by the factors' eigenvectors (:func:`eigenbasis`), carrying the
-    stored moments into it (:func:`carry_moments`). A parameter without curvature (its fallback
+    ``state["eigenbasis"]`` by the factors' eigenvectors (:func:`eigenbasis`; warm-started
+    from the old basis under ``basis_refresh="warm"``), carrying the stored moments into it
+    (:func:`carry_moments`). A parameter without curvature (its fallback
     steps it in the identity basis) is left alone."""
 
     order = 25
@@ -61,21 +65,28 @@ class RefreshEigenbasis(Stage):
             if old is not None and step.step % interval:
                 state.update(eigenbasis=old, basis_step=item.state["basis_step"])
                 continue
-            new = eigenbasis(item.curvature, max_dim)
+            warm = step.group["basis_refresh"] == "warm"
+            new = eigenbasis(item.curvature, max_dim, old if warm else None)
             state.update(eigenbasis=new, basis_step=step.step)
             if "exp_avg" in item.state:
                 m, v = carry_moments(item.state["exp_avg"], item.state["exp_avg_sq"], old, new)
                 state.update(exp_avg=m, exp_avg_sq=v)
 
 
-def eigenbasis(factors: Sequence[Any], max_dim: int | None = None) -> list[torch.Tensor | None]:
+def eigenbasis(
+    factors: Sequence[Any], max_dim: int | None = None, previous: Bases | None = None
+) -> list[torch.Tensor | None]:
     """Per factor its eigenvectors ``Q`` (``F = Q diag(s) Qᵀ``, :func:`psd_eigh`, float32 at
-    least), ``None`` (the identity) for a factor wider than ``max_dim``.
+    least), ``None`` (the identity) for a factor wider than ``max_dim``; a side with a
+    ``previous`` basis refreshed from it instead (one power step and a QR,
+    :func:`~curvopt.inversion.warm_eigh.warm_eigenbasis`: approximate eigenvectors).
 
     Args:
         factors: ``[B, A]`` or ``[B]``, square symmetric PSD (dense or ``GramFactor``;
             or stacked per group, ``[G, d, d]``).
         max_dim: ``None`` (every side rotated) or the widest side that is.
+        previous: ``None`` (default: exact eigenvectors) or the last bases, one per factor
+            (``None`` entries: that side decomposed exactly).
 
     Returns:
         ``[Q_B, Q_A]`` (``[Q_B]``), each ``[d, d]`` orthogonal (``[G, d, d]``) or ``None``.
@@ -85,10 +96,18 @@ def eigenbasis(factors: Sequence[Any], max_dim: int | None = None) -> list[torch
         tensor([[0., 1.],
                 [1., 0.]])
     """
+    previous = [None] * len(factors) if previous is None else previous
     return [
-        None if max_dim is not None and f.shape[-1] > max_dim else psd_eigh(dense(f))[1]
-        for f in factors
+        None if max_dim is not None and f.shape[-1] > max_dim else _refreshed(f, q)
+        for f, q in zip(factors, previous)
     ]
+
+
+def _refreshed(factor, previous: torch.Tensor | None) -> torch.Tensor:
+    """The eigenvectors of one factor: exact, or warm-started from ``previous``."""
+    if previous is None:
+        return psd_eigh(dense(factor))[1]
+    return warm_eigenbasis(factor, previous)[1]
 
 
 def rotate(bases: Bases, tensor: torch.Tensor, back: bool = False) -> torch.Tensor:

@@ -4,13 +4,29 @@ the preconditioned (and momentum-averaged) update of a weight ``[m, n, *k]``, as
 Newton–Schulz, in the group's ``orthogonalize_dtype``), scaled as ``torch.optim.Muon``'s
 ``adjust_lr_fn="original"`` does. Vectors keep their update. With the identity as curvature
 this is Muon's step; with Kronecker factors it is Kronecker preconditioning followed by
-orthogonalisation."""
+orthogonalisation.
+
+``orthogonalize_dtype="auto"`` chooses the precision for the host: the first step that meets a
+matrix of a new shape class (:func:`shape_class`: its device and its sides rounded up to powers
+of two) times Newton–Schulz on it in each of :data:`AUTO_CANDIDATES`, interleaved
+(:func:`faster_dtype`), and keeps the faster one in the state of every parameter of that class
+(``state["orthogonalize_dtype"]``, a ``torch.dtype``): the measurement runs once per class
+and optimizer, and a loaded ``state_dict`` keeps the choice.
+"""
 
 from __future__ import annotations
 
-from curvopt.optim.options import newton_schulz_dtype
+import statistics
+import time
+
+import torch
+
+from curvopt.optim.options import AUTO_DTYPE, newton_schulz_dtype
 from curvopt.optim.stages.base import GroupStep, Stage
 from curvopt.optim.transforms import orthogonalized
+
+#: the dtypes ``orthogonalize_dtype="auto"`` chooses from
+AUTO_CANDIDATES = (torch.bfloat16, torch.float32)
 
 
 class Orthogonalize(Stage):
@@ -20,13 +36,76 @@ class Orthogonalize(Stage):
     def __call__(self, step: GroupStep) -> None:
         if not step.group["orthogonalize"]:
             return
-        dtype = newton_schulz_dtype(step.group["orthogonalize_dtype"])
+        automatic = step.group["orthogonalize_dtype"] == AUTO_DTYPE
+        fixed = None if automatic else newton_schulz_dtype(step.group["orthogonalize_dtype"])
+        chosen = _chosen(step) if automatic else {}
         for item in step.params:
             direction = item.direction
             if direction is None or direction.dim() < 2:
                 continue
             matrix = direction.reshape(direction.shape[0], -1)
+            dtype = fixed
+            if automatic:
+                kind = shape_class(matrix)
+                if kind not in chosen:
+                    chosen[kind] = faster_dtype(matrix)
+                dtype = chosen[kind]
+                item.update.state["orthogonalize_dtype"] = dtype
             scale = max(1.0, matrix.shape[0] / matrix.shape[1]) ** 0.5
             polar = orthogonalized(matrix, dtype=dtype)
             item.direction = polar.mul_(scale).reshape(direction.shape)
             item.own = item.direction
+
+
+def _chosen(step: GroupStep) -> dict[tuple, torch.dtype]:
+    """The dtypes the group's parameters chose at earlier steps, by shape class."""
+    chosen = {}
+    for item in step.params:
+        dtype, direction = item.state.get("orthogonalize_dtype"), item.direction
+        if dtype is not None and direction is not None and direction.dim() >= 2:
+            chosen[shape_class(direction.reshape(direction.shape[0], -1))] = dtype
+    return chosen
+
+
+def shape_class(matrix: torch.Tensor) -> tuple:
+    """``(device, rows, cols)``, the sides of ``matrix`` rounded up to powers of two: matrices of
+    one class cost about as much, and the faster dtype of one is that of the others."""
+    rows, cols = matrix.shape
+    return (str(matrix.device), 1 << (rows - 1).bit_length(), 1 << (cols - 1).bit_length())
+
+
+def faster_dtype(matrix: torch.Tensor, rounds: int = 3) -> torch.dtype:
+    """The dtype of :data:`AUTO_CANDIDATES` in which Newton–Schulz on ``matrix`` is faster: the
+    median wall time of ``rounds`` interleaved runs each (after one warm-up run each; a CUDA
+    device is synchronised around every run).
+
+    Args:
+        matrix: ``[rows, cols]``, the update to orthogonalise.
+        rounds: timed runs per dtype.
+
+    Returns:
+        ``torch.bfloat16`` or ``torch.float32``.
+
+    Example:
+        >>> faster_dtype(torch.ones(8, 4)) in AUTO_CANDIDATES
+        True
+    """
+    times = {dtype: [] for dtype in AUTO_CANDIDATES}
+    for round_ in range(rounds + 1):
+        for dtype in AUTO_CANDIDATES:
+            seconds = _timed(matrix, dtype)
+            if round_:
+                times[dtype].append(seconds)
+    return min(AUTO_CANDIDATES, key=lambda dtype: statistics.median(times[dtype]))
+
+
+def _timed(matrix: torch.Tensor, dtype: torch.dtype) -> float:
+    """Seconds of one ``orthogonalized(matrix, dtype=dtype)``."""
+    cuda = matrix.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(matrix.device)
+    start = time.perf_counter()
+    orthogonalized(matrix, dtype=dtype)
+    if cuda:
+        torch.cuda.synchronize(matrix.device)
+    return time.perf_counter() - start
