@@ -1,0 +1,182 @@
+"""The cost of a plain ``KFAC`` step against its floor, and the amortised step against AdamW's.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.plain_step_cost [--rounds 7] [--batch 32]
+        [--problems fmnist_2c2d fmnist_vit fortunes_gpt mnist_autoencoder]
+
+On the four time-to-result workloads' models (``experiments.problems.get_problem``: FMNIST 2C2D,
+the ViT, the character GPT, the autoencoder; their own losses, random inputs of a small batch),
+in one interleaved run (``experiments.timing.interleaved``: blocks of 10 steps on the same 10
+batches, round-robin, the first round not counted; the median over rounds of a block's CPU time
+per step, one thread). A step is ``zero_grad``, forward, loss, backward and the update:
+
+* ``floor``: the un-extended model, the preconditioner's own products done by hand with the
+  inverses a ``KFAC`` step holds (``B⁻¹ G A⁻¹`` per layer: dense products, or the Woodbury
+  forms of low-rank factors; ``g / (c + λ)`` for the parameters without factors), then the
+  plain SGD update ``θ ← θ − lr d`` (``torch._foreach_add_``);
+* ``plain``: ``KFAC`` on the extended model with the paper's update on its cached inverses
+  (``kl_clip=None``: the floor's update) on plain steps only (``curvature_interval`` 10⁹: the
+  curvature of the uncounted first step kept for good);
+* ``plain+clip``: the same with the default trust region (``kl_clip=1e-3``);
+* ``amortised``: ``KFAC(params, lr)`` at its defaults (a refresh every 10 steps: one per block);
+* ``adamw``: ``torch.optim.AdamW`` on the un-extended model.
+
+Printed per workload: ms per step and the ratios ``plain / floor`` (the goal: at most 1.05),
+``plain / adamw`` and ``amortised / adamw`` (the goal: at most 1.15).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+
+import curvopt
+from curvopt.inversion.factor_inverse import LowRankInverse
+from curvopt.optim import KFAC
+from experiments.problems import get_problem
+from experiments.timing import interleaved
+
+COMMAND = "OMP_NUM_THREADS=1 python -m benchmarks.plain_step_cost"
+PROBLEMS = ("fmnist_2c2d", "fmnist_vit", "fortunes_gpt", "mnist_autoencoder")
+BLOCK = 10
+LR = 1e-5
+#: the KFAC entries' options (the curvature of the first, uncounted step kept for good: plain)
+PLAIN = {"curvature_interval": 10**9}
+KFAC_ENTRIES = {
+    "plain": {**PLAIN, "kl_clip": None},
+    "plain+clip": PLAIN,
+    "amortised": {},
+}
+
+
+def _batches(problem, batch: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` random batches of the workload's input shape and a target its loss takes."""
+    generator = torch.Generator().manual_seed(0)
+    shape = problem.input_shape
+    out = []
+    for _ in range(count):
+        if problem.name == "fortunes_gpt":
+            ids = torch.randint(1, 96, (batch, shape[0] + 1), generator=generator)
+            out.append((ids[:, :-1], ids[:, 1:]))
+        elif problem.name == "mnist_autoencoder":
+            X = torch.rand(batch, *shape, generator=generator)
+            out.append((X, X.flatten(1)))
+        else:
+            X = torch.randn(batch, *shape, generator=generator)
+            out.append((X, torch.randint(0, 10, (batch,), generator=generator)))
+    return out
+
+
+def _apply(solvers, matrix: torch.Tensor) -> torch.Tensor:
+    """``B⁻¹ G A⁻¹`` (``B⁻¹ G`` for a bias) from dense inverses or Woodbury forms, by hand."""
+    left, *right = solvers
+    out = left.solve_left(matrix) if isinstance(left, LowRankInverse) else left @ matrix
+    if right:
+        out = right[0].solve_right(out) if isinstance(right[0], LowRankInverse) else out @ right[0]
+    return out
+
+
+class Floor:
+    """fwd + bwd of the plain model, the preconditioner's products by hand, an SGD update; the
+    inverses are those ``source`` (a KFAC optimizer after its first step) holds."""
+
+    def __init__(self, model, source: KFAC, source_params):
+        self.params = list(model.parameters())
+        self.solve = []
+        group, group_state = source.param_groups[0], source._group_state[0]
+        damping = group["relative_damping"] * group_state["curvature_scale"]
+        for param in source_params:
+            state = source.state[param]
+            if "inverse" in state:
+                solvers = state["inverse"]["value"]
+                left = solvers[0]
+                rows = left.shape[0] if torch.is_tensor(left) else left.basis.shape[-1]
+                self.solve.append(("kron", solvers, rows))
+            else:
+                self.solve.append(("diag", state["fallback_diagonal"] + damping, None))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        directions = []
+        for param, (kind, value, rows) in zip(self.params, self.solve):
+            grad = param.grad
+            if kind == "diag":
+                directions.append(grad / value)
+            else:
+                directions.append(_apply(value, grad.reshape(rows, -1)).reshape(grad.shape))
+        torch._foreach_add_(self.params, directions, alpha=-LR)
+
+
+def entries(name: str, batch: int) -> dict:
+    """entry name -> a function running one block of :data:`BLOCK` steps."""
+    problem = get_problem(name)
+    batches = _batches(problem, batch, BLOCK)
+    base = problem.model(0)
+    runs = {}
+    for entry, options in KFAC_ENTRIES.items():
+        model, loss = curvopt.extend(copy.deepcopy(base)), curvopt.extend(problem.loss())
+        opt = KFAC(model.parameters(), lr=LR, **options)
+        runs[entry] = _block(model, loss, opt.zero_grad, opt.step, batches)
+    # the floor's inverses: those of the plain entry after its first (refreshing) step
+    runs["plain"]()
+    floor_model = copy.deepcopy(base)
+    floor = Floor(floor_model, runs["plain"].opt, list(runs["plain"].model.parameters()))
+    runs["floor"] = _block(
+        floor_model, problem.loss(), lambda: floor_model.zero_grad(), floor.step, batches
+    )
+    adam_model = copy.deepcopy(base)
+    adamw = torch.optim.AdamW(adam_model.parameters(), lr=LR)
+    runs["adamw"] = _block(adam_model, problem.loss(), adamw.zero_grad, adamw.step, batches)
+    return {k: runs[k] for k in ("floor", "plain", "plain+clip", "amortised", "adamw")}
+
+
+class _block:
+    """One block: ``BLOCK`` steps of ``zero_grad``, forward, loss, backward, ``step``."""
+
+    def __init__(self, model, loss, zero_grad, step, batches):
+        self.model, self.loss, self.zero_grad, self.step = model, loss, zero_grad, step
+        self.opt = getattr(step, "__self__", None)
+        self.batches = batches
+
+    def __call__(self, *_):
+        for X, y in self.batches:
+            self.zero_grad()
+            self.loss(self.model(X), y).backward()
+            self.step()
+        return None
+
+
+def measure(name: str, batch: int, rounds: int) -> dict[str, float]:
+    """ms per step of each entry (median of ``rounds`` counted rounds, CPU time)."""
+    runs = entries(name, batch)
+    names = list(runs)
+    measured = interleaved(
+        names, lambda n, r: runs[n](), BLOCK, rounds, 1, time.perf_counter, name, lambda _: None
+    )
+    return {n: 1e3 * measured.median(n, 1) for n in names}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=PROBLEMS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    print(f"{COMMAND} --batch {args.batch}: ms per step (CPU time, one thread)")
+    for name in args.problems:
+        ms = measure(name, args.batch, args.rounds)
+        row = ", ".join(f"{k} {v:.1f}" for k, v in ms.items())
+        print(
+            f"{name}: {row}; plain/floor {ms['plain'] / ms['floor']:.3f}, "
+            f"plain+clip/floor {ms['plain+clip'] / ms['floor']:.3f}, "
+            f"plain/adamw {ms['plain'] / ms['adamw']:.2f}, "
+            f"amortised/adamw {ms['amortised'] / ms['adamw']:.2f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
