@@ -59,6 +59,7 @@ from curvopt import extensions
 
 from curvopt.core import values
 from curvopt.core.extended import path_of
+from curvopt.optim.batched import Stacks
 from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, number, skip_options
 from curvopt.inversion.damping import RelativeDamping, damping_strategy, reduction_ratio
 from curvopt.optim.fallback import announce
@@ -222,6 +223,21 @@ class NewtonOptimizer(CurvatureOptimizer):
         ``damping``), shaped like ``g``, and the cache entries to keep in its state."""
         raise NotImplementedError
 
+    def _directions(
+        self, items: list[ParamStep], step: GroupStep
+    ) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        """:meth:`_direction` of each of ``items`` (all with curvature), in order; a subclass
+        may apply blocks of equal shapes together (``optim.batched``, :meth:`_stacks`)."""
+        out = []
+        for item in items:
+            with item.naming_errors():
+                out.append(self._direction(item, step))
+        return out
+
+    def _stacks(self) -> Stacks:
+        """The stacked operands this optimizer's batched products keep (a cache, not saved)."""
+        return self.__dict__.setdefault("_stacked", Stacks())
+
     def _quadratic(self, curvature: Any, step: torch.Tensor) -> torch.Tensor:
         """``sᵀ C s`` for a step ``s`` of the parameter's shape."""
         raise NotImplementedError
@@ -307,7 +323,7 @@ class NewtonOptimizer(CurvatureOptimizer):
     def _preconditioner(self) -> Preconditioner:
         """The stages' narrow view of this optimizer (``stages.base.Preconditioner``)."""
         return Preconditioner(
-            self._direction, self._fallback_direction, self._derived, self._distributed
+            self._directions, self._fallback_direction, self._derived, self._distributed
         )
 
     # ----------------------------------------------------------------- relative damping
