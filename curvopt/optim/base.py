@@ -456,12 +456,18 @@ def _left_unread(value, used) -> bool:
 
 def _all_zero(tensors: Sequence[torch.Tensor]) -> list[bool]:
     """Whether every entry of each of ``tensors`` is 0 (NaN is not): ``‖t‖₁ = 0``, a sum of
-    absolute values that neither cancels nor underflows (squares would); read in one host
-    sync (:func:`_norms`)."""
-    positions, norms = _norms(tensors, 1)
+    absolute values that neither cancels nor underflows (squares would). ``‖t‖₂ > 0`` (or NaN)
+    already says no, and its foreach kernel is several times faster on a CPU than the ℓ1 one:
+    the ℓ1 norm is taken only of the tensors whose ℓ2 norm is 0 (all zero, or squares that
+    underflow). One host sync per norm (:func:`_norms`)."""
+    positions, norms = _norms(tensors, 2)
+    maybe = [i for i, zero in zip(positions, (norms == 0).tolist()) if zero]
+    if not maybe:
+        return [False] * len(tensors)
+    exact, norms = _norms([tensors[i] for i in maybe], 1)
     out = [False] * len(tensors)
-    for i, zero in zip(positions, (norms == 0).tolist()):
-        out[i] = zero
+    for i, zero in zip(exact, (norms == 0).tolist()):
+        out[maybe[i]] = zero
     return out
 
 
