@@ -22,6 +22,10 @@ per step, one thread). A step is ``zero_grad``, forward, loss, backward and the 
 
 Printed per workload: ms per step and the ratios ``plain / floor`` (the goal: at most 1.05),
 ``plain / adamw`` and ``amortised / adamw`` (the goal: at most 1.15).
+
+``--compile``: the batched application of one bucket (stack the gradients, ``B⁻¹ @ G @ A⁻¹``,
+unstack), eager against ``torch.compile``, on the buckets of the workloads' shapes (CPU time
+per call, 200 calls after 5 warm-up calls; the first call's compilation apart).
 """
 
 from __future__ import annotations
@@ -158,13 +162,58 @@ def measure(name: str, batch: int, rounds: int) -> dict[str, float]:
     return {n: 1e3 * measured.median(n, 1) for n in names}
 
 
+#: ``(name, blocks, out, in)``: buckets of the workloads (the ViT's and the GPT's blocks) and
+#: an MLP of eight equal widths
+BUCKETS = (
+    ("ViT qkv", 2, 192, 64),
+    ("ViT fc1", 2, 128, 64),
+    ("GPT qkv", 2, 384, 128),
+    ("GPT fc1", 2, 512, 128),
+    ("MLP 8 x 64", 8, 64, 64),
+)
+
+
+def _bucket_apply(left, right, grads):
+    matrices = torch.stack([g.reshape(left.shape[-1], -1) for g in grads])
+    return (left @ matrices @ right).unbind()
+
+
+def compile_cost() -> None:
+    """Print the batched application's CPU time per call, eager and under ``torch.compile``."""
+    compiled = torch.compile(_bucket_apply)
+    for name, blocks, rows, cols in BUCKETS:
+        left, right = torch.randn(blocks, rows, rows), torch.randn(blocks, cols, cols)
+        grads = [torch.randn(rows, cols) for _ in range(blocks)]
+        start = time.perf_counter()
+        compiled(left, right, grads)
+        first = time.perf_counter() - start
+        eager = _per_call(_bucket_apply, left, right, grads)
+        fast = _per_call(compiled, left, right, grads)
+        print(f"{name}: eager {eager:.3f} ms, compiled {fast:.3f} ms ({fast / eager:.2f}x), "
+              f"first call {first:.1f} s", flush=True)
+
+
+def _per_call(function, *args, calls: int = 200) -> float:
+    for _ in range(5):
+        function(*args)
+    start = time.process_time()
+    for _ in range(calls):
+        function(*args)
+    return 1e3 * (time.process_time() - start) / calls
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=PROBLEMS)
+    parser.add_argument("--compile", action="store_true", help="eager vs torch.compile")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.compile:
+        print(f"{COMMAND} --compile: CPU ms per call of one bucket's batched application")
+        compile_cost()
+        return
     print(f"{COMMAND} --batch {args.batch}: ms per step (CPU time, one thread)")
     for name in args.problems:
         ms = measure(name, args.batch, args.rounds)
