@@ -189,8 +189,11 @@ def compile_cost() -> None:
         first = time.perf_counter() - start
         eager = _per_call(_bucket_apply, left, right, grads)
         fast = _per_call(compiled, left, right, grads)
-        print(f"{name}: eager {eager:.3f} ms, compiled {fast:.3f} ms ({fast / eager:.2f}x), "
-              f"first call {first:.1f} s", flush=True)
+        print(
+            f"{name}: eager {eager:.3f} ms, compiled {fast:.3f} ms ({fast / eager:.2f}x), "
+            f"first call {first:.1f} s",
+            flush=True,
+        )
 
 
 def _per_call(function, *args, calls: int = 200) -> float:

@@ -1,5 +1,5 @@
-"""Batched preconditioning (``curvopt.optim.batched``): the blocks of equal shapes are applied
-together, and the steps are those of the per-layer loop.
+"""Batched preconditioning (``curvopt.optim.plan``: ``buckets``, ``Stacks``): the blocks of
+equal shapes are applied together, and the steps are those of the per-layer loop.
 
 Each case trains a float64 model for several steps (a refresh, then plain steps, a refresh
 again) with ``KFAC``, ``EKFAC`` and ``DiagGGNNewton``, and beside it the same optimizer whose
@@ -18,7 +18,7 @@ from torch import nn
 import curvopt
 from curvopt.inversion.inverses import EigenCorrectedInverse
 from curvopt.optim import EKFAC, KFAC, DiagGGNNewton
-from curvopt.optim.batched import Stacks, buckets
+from curvopt.optim.plan import Stacks, buckets
 from fixtures.zoo import Block
 
 STEPS = 7
@@ -74,15 +74,28 @@ class Transformer(nn.Module):
 
 def _mlp():
     return nn.Sequential(
-        nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(),
-        nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3),
+        nn.Linear(5, 6),
+        nn.Tanh(),
+        nn.Linear(6, 6),
+        nn.Tanh(),
+        nn.Linear(6, 6),
+        nn.Tanh(),
+        nn.Linear(6, 6),
+        nn.Tanh(),
+        nn.Linear(6, 3),
     )
 
 
 def _cnn():
     return nn.Sequential(
-        nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.Conv2d(3, 3, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(3, 3, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 16, 3),
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(3, 3, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(3, 3, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(3 * 16, 3),
     )
 
 

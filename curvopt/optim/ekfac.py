@@ -29,11 +29,10 @@ from curvopt.inversion.eigen_corrected import (
     eigen_corrected_solve,
 )
 from curvopt.core import values
-from curvopt.optim.batched import buckets, shape_key, stacked_matrices, unstacked
 from curvopt.optim.fallback import DiagonalFallback
 from curvopt.inversion.inverses import EigenCorrectedInverse
 from curvopt.optim.newton import NewtonOptimizer
-from curvopt.optim.plan import refresh_interval
+from curvopt.optim.plan import buckets, refresh_interval, shape_key, stacked_matrices, unstacked
 from curvopt.optim.one_sided import is_one_sided, kept, next_bases, supplied
 from curvopt.optim.options import (
     KFAC_APPROX,
@@ -339,7 +338,7 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
     def _directions(self, items, step):
         """The damped direction of each of ``items``: the blocks whose bases and corrections
         have equal shapes applied together, ``Q_B [(Q_Bᵀ G Q_A) ⊘ (S + λ)] Q_Aᵀ`` on the
-        stacks (``optim.batched``), the others (no basis, bases stacked per group) one at a
+        stacks (``optim.plan.Stacks``), the others (no basis, bases stacked per group) one at a
         time."""
         out: list = [None] * len(items)
         keys = [_bucket(item, step) for item in items]

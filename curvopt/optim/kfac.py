@@ -8,12 +8,18 @@ from dataclasses import dataclass
 import torch
 
 from curvopt.core.reductions import dense, diagonal
-from curvopt.optim.batched import buckets, shape_key, stacked_matrices, unstacked
 from curvopt.optim.fallback import DiagonalFallback
 from curvopt.optim.gradient_factors import FactorCapture, factored_cheaper, reproduces
 from curvopt.inversion.kronecker import InverseOptions, KroneckerInverse, as_matrix, kron_quadratic
 from curvopt.optim.newton import Derived, NewtonOptimizer
-from curvopt.optim.plan import cached, refresh_interval
+from curvopt.optim.plan import (
+    buckets,
+    cached,
+    refresh_interval,
+    shape_key,
+    stacked_matrices,
+    unstacked,
+)
 from curvopt.inversion.trace_norm import eigh_solvers
 from curvopt.optim.options import (
     KFAC_APPROX,
@@ -212,7 +218,7 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
     def _directions(self, items, step):
         """The damped direction of each of ``items``, with the blocks whose dense cached inverses
         (``kind`` ``"inverse"``: ``curvature_interval`` or ``inverse_interval`` above 1) have
-        equal shapes applied together, ``B⁻¹_stack @ G_stack @ A⁻¹_stack`` (``optim.batched``);
+        equal shapes applied together, ``B⁻¹_stack @ G_stack @ A⁻¹_stack`` (``optim.plan.Stacks``);
         Cholesky factors, Woodbury forms, exact eigendecompositions, factors stacked per group
         and factored steps are applied one parameter at a time."""
         solved = []

@@ -59,11 +59,10 @@ from curvopt import extensions
 
 from curvopt.core import values
 from curvopt.core.extended import path_of
-from curvopt.optim.batched import Stacks
 from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, number, skip_options
 from curvopt.inversion.damping import RelativeDamping, damping_strategy, reduction_ratio
 from curvopt.optim.fallback import announce
-from curvopt.optim.plan import ParamUpdate, refresh_interval
+from curvopt.optim.plan import ParamUpdate, Stacks, refresh_interval
 from curvopt.optim.stages import (
     NEWTON,
     Chain,
@@ -227,7 +226,7 @@ class NewtonOptimizer(CurvatureOptimizer):
         self, items: list[ParamStep], step: GroupStep
     ) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         """:meth:`_direction` of each of ``items`` (all with curvature), in order; a subclass
-        may apply blocks of equal shapes together (``optim.batched``, :meth:`_stacks`)."""
+        may apply blocks of equal shapes together (``optim.plan.Stacks``, :meth:`_stacks`)."""
         out = []
         for item in items:
             with item.naming_errors():

@@ -88,15 +88,13 @@ class ParamStep:
 class Preconditioner:
     """What the preconditioning stage asks of the optimizer, and no more: the damped directions
     ``d = (C + (λ + δ) I)⁻¹ g`` of the parameters with curvature (``directions``: one per
-    item, in order; blocks of equal shapes may be applied together, ``optim.batched``) and of
+    item, in order; blocks of equal shapes may be applied together, ``optim.plan.Stacks``) and of
     one without (``fallback``), each with the cache entries its state keeps; the cached
     quantity a direction derives from a curvature (``derived(curvature, group, damping,
     curvature_step)``: an inverse or eigendecomposition, or None), which is computed ahead and
     spread over the ranks by ``distributed`` (a ``DistributedCurvature``; None: one process)."""
 
-    directions: Callable[
-        [list[ParamStep], "GroupStep"], list[tuple[torch.Tensor, dict[str, Any]]]
-    ]
+    directions: Callable[[list[ParamStep], "GroupStep"], list[tuple[torch.Tensor, dict[str, Any]]]]
     fallback: Callable[[ParamStep, "GroupStep"], tuple[torch.Tensor, dict[str, Any]]]
     derived: Callable[[Any, dict[str, Any], float, int], Any]
     distributed: Any = None

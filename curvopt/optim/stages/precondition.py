@@ -10,7 +10,7 @@ state ``_direction`` reads, where ``cached`` finds them current.
 The optimizers' ``_directions`` apply their curvature type's ``DampedInverse``
 (``inversion.inverses``; ``inversion.kronecker.KroneckerInverse``), which ``curvopt.linalg``'s
 ``inverse`` operators apply too: ``KFAC``, ``EKFAC`` and ``DiagGGNNewton`` apply the blocks of
-equal shapes together (``optim.batched``), the others one parameter at a time.
+equal shapes together (``optim.plan.Stacks``), the others one parameter at a time.
 """
 
 from __future__ import annotations
