@@ -396,8 +396,9 @@ class CurvatureOptimizer(Optimizer):
         updates = [u for group_updates, _ in plans for u in group_updates]
         check_finite(updates, f"{type(self).__name__}: ", self._remedy)
         decay_change = regularizer_change(self.param_groups, plans) if due else 0.0
+        if updates:  # θ ← θ − Δ, every parameter by one foreach call (element-wise: same bits)
+            torch._foreach_sub_([u.param for u in updates], [u.delta for u in updates])
         for update in updates:
-            update.param.sub_(update.delta)
             self.state[update.param] = update.state
             self._consumed.setdefault(update.param, {}).update(update.consumed)
         for group_state in self._group_state:
@@ -592,9 +593,11 @@ def check_finite(updates: list[ParamUpdate], owner: str = "", remedy: str = REME
     moved = [u for u in updates if u.delta is not None]
     if not checks and not moved:
         return
-    # one read per tensor and one host sync; only a non-finite norm (or overflow) is looked into
+    # one read per tensor and one host sync; only a non-finite norm (or overflow) is looked into.
+    # A checked tensor that is a step Δ itself is read once: the range test needs its norm finite
     params, deltas = [u.param for u in moved], [u.delta for u in moved]
-    if _within_range([t for _, _, t in checks], params, deltas):
+    steps = {id(delta) for delta in deltas}
+    if _within_range([t for _, _, t in checks if id(t) not in steps], params, deltas):
         return
     after = [(u, "parameter after the step", (u.param - u.delta).to(u.param.dtype)) for u in moved]
     for update, what, tensor in checks + after:
