@@ -13,6 +13,8 @@ per step, one thread). A step is ``zero_grad``, forward, loss, backward and the 
   inverses a ``KFAC`` step holds (``B⁻¹ G A⁻¹`` per layer: dense products, or the Woodbury
   forms of low-rank factors; ``g / (c + λ)`` for the parameters without factors), then the
   plain SGD update ``θ ← θ − lr d`` (``torch._foreach_add_``);
+* ``floor+check``: the floor with the finite check a step keeps (the norms of the gradients,
+  the parameters and the steps, one host read);
 * ``plain``: ``KFAC`` on the extended model with the paper's update on its cached inverses
   (``kl_clip=None``: the floor's update) on plain steps only (``curvature_interval`` 10⁹: the
   curvature of the uncounted first step kept for good);
@@ -86,8 +88,8 @@ class Floor:
     """fwd + bwd of the plain model, the preconditioner's products by hand, an SGD update; the
     inverses are those ``source`` (a KFAC optimizer after its first step) holds."""
 
-    def __init__(self, model, source: KFAC, source_params):
-        self.params = list(model.parameters())
+    def __init__(self, model, source: KFAC, source_params, check: bool = False):
+        self.params, self.check = list(model.parameters()), check
         self.solve = []
         group, group_state = source.param_groups[0], source._group_state[0]
         damping = group["relative_damping"] * group_state["curvature_scale"]
@@ -110,6 +112,10 @@ class Floor:
                 directions.append(grad / value)
             else:
                 directions.append(_apply(value, grad.reshape(rows, -1)).reshape(grad.shape))
+        if self.check:
+            grads = [p.grad for p in self.params]
+            norms = [torch._foreach_norm(t) for t in (grads, self.params, directions)]
+            assert bool(torch.stack([n for part in norms for n in part]).isfinite().all())
         torch._foreach_add_(self.params, directions, alpha=-LR)
 
 
@@ -125,15 +131,18 @@ def entries(name: str, batch: int) -> dict:
         runs[entry] = _block(model, loss, opt.zero_grad, opt.step, batches)
     # the floor's inverses: those of the plain entry after its first (refreshing) step
     runs["plain"]()
-    floor_model = copy.deepcopy(base)
-    floor = Floor(floor_model, runs["plain"].opt, list(runs["plain"].model.parameters()))
-    runs["floor"] = _block(
-        floor_model, problem.loss(), lambda: floor_model.zero_grad(), floor.step, batches
-    )
+    for entry, check in (("floor", False), ("floor+check", True)):
+        floor_model = copy.deepcopy(base)
+        sources = list(runs["plain"].model.parameters())
+        floor = Floor(floor_model, runs["plain"].opt, sources, check)
+        runs[entry] = _block(
+            floor_model, problem.loss(), floor_model.zero_grad, floor.step, batches
+        )
     adam_model = copy.deepcopy(base)
     adamw = torch.optim.AdamW(adam_model.parameters(), lr=LR)
     runs["adamw"] = _block(adam_model, problem.loss(), adamw.zero_grad, adamw.step, batches)
-    return {k: runs[k] for k in ("floor", "plain", "plain+clip", "amortised", "adamw")}
+    order = ("floor", "floor+check", "plain", "plain+clip", "amortised", "adamw")
+    return {k: runs[k] for k in order}
 
 
 class _block:
@@ -223,6 +232,7 @@ def main(argv=None) -> None:
         row = ", ".join(f"{k} {v:.1f}" for k, v in ms.items())
         print(
             f"{name}: {row}; plain/floor {ms['plain'] / ms['floor']:.3f}, "
+            f"plain/floor+check {ms['plain'] / ms['floor+check']:.3f}, "
             f"plain+clip/floor {ms['plain+clip'] / ms['floor']:.3f}, "
             f"plain/adamw {ms['plain'] / ms['adamw']:.2f}, "
             f"amortised/adamw {ms['amortised'] / ms['adamw']:.2f}",
