@@ -4,7 +4,9 @@ equal shapes are applied together, and the steps are those of the per-layer loop
 Each case trains a float64 model for several steps (a refresh, then plain steps, a refresh
 again) with ``KFAC``, ``EKFAC`` and ``DiagGGNNewton``, and beside it the same optimizer whose
 directions are the per-parameter loop of the unbatched path (``Loop*``: each parameter's
-``DampedInverse.apply_one``); the parameters agree to 1e-12 at every step. The cases hold
+``DampedInverse.apply_one``); the parameters agree to 1e-12 at every step. A CPU step applies
+its blocks one by one (``plan.batches_pay``: batches do not pay there), so the batched
+optimizers here batch on the CPU too (``Batched*``), as they do on an accelerator. The cases hold
 blocks of equal shapes (else nothing would be batched: checked), next to blocks alone in
 their shapes, parameters without factors (the fallback) and biases.
 """
@@ -18,11 +20,25 @@ from torch import nn
 import curvopt
 from curvopt.inversion.inverses import EigenCorrectedInverse
 from curvopt.optim import EKFAC, KFAC, DiagGGNNewton
-from curvopt.optim.plan import Stacks, buckets
+from curvopt.optim.plan import Stacks, batches_pay, buckets
 from fixtures.zoo import Block
 
 STEPS = 7
 INTERVAL = 3
+
+
+class BatchedKFAC(KFAC):
+    """``KFAC`` batching on the CPU too."""
+
+    def _batches(self, device):
+        return True
+
+
+class BatchedEKFAC(EKFAC):
+    """``EKFAC`` batching on the CPU too."""
+
+    def _batches(self, device):
+        return True
 
 
 class LoopKFAC(KFAC):
@@ -108,13 +124,17 @@ MODELS = {
 
 #: name -> (batched class, per-layer class, options)
 OPTIMIZERS = {
-    "KFAC": (KFAC, LoopKFAC, {"curvature_interval": INTERVAL, "momentum": 0.5}),
+    "KFAC": (BatchedKFAC, LoopKFAC, {"curvature_interval": INTERVAL, "momentum": 0.5}),
     "KFAC-eigh": (
-        KFAC,
+        BatchedKFAC,
         LoopKFAC,
         {"curvature_interval": INTERVAL, "kronecker_damping": "trace_norm_eigh"},
     ),
-    "EKFAC": (EKFAC, LoopEKFAC, {"curvature_interval": INTERVAL, "basis_interval": INTERVAL}),
+    "EKFAC": (
+        BatchedEKFAC,
+        LoopEKFAC,
+        {"curvature_interval": INTERVAL, "basis_interval": INTERVAL},
+    ),
     "DiagGGNNewton": (DiagGGNNewton, LoopDiagGGNNewton, {"curvature_interval": INTERVAL}),
 }
 
@@ -164,7 +184,7 @@ def test_stacks_are_kept_between_refreshes_and_formed_anew_after_one():
     torch.manual_seed(0)
     model = curvopt.extend(_mlp().double())
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
-    opt = KFAC(model.parameters(), lr=0.1, damping=0.1, curvature_interval=INTERVAL)
+    opt = BatchedKFAC(model.parameters(), lr=0.1, damping=0.1, curvature_interval=INTERVAL)
     generator = torch.Generator().manual_seed(0)
     stacks = []
     for _ in range(2 * INTERVAL):
@@ -200,10 +220,30 @@ def test_stacks_are_not_saved():
     torch.manual_seed(0)
     model = curvopt.extend(_mlp().double())
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
-    opt = KFAC(model.parameters(), lr=0.1, damping=0.1, curvature_interval=INTERVAL)
+    opt = BatchedKFAC(model.parameters(), lr=0.1, damping=0.1, curvature_interval=INTERVAL)
     X = torch.randn(8, 5, dtype=torch.float64)
     lossfunc(model(X), torch.randint(0, 3, (8,))).backward()
     opt.step()
     assert opt._stacks()._kept
     assert "_stacked" not in opt.__getstate__()
     assert "_stacked" not in copy.deepcopy(opt).__dict__
+
+
+@pytest.mark.filterwarnings("ignore:.*no Kronecker factorisation")
+@pytest.mark.parametrize("cls", [KFAC, EKFAC])
+def test_a_cpu_step_applies_its_blocks_one_by_one(cls):
+    """Batches pay on an accelerator, not on a CPU: there the default optimizers stack
+    nothing, and their steps are the per-layer loop's."""
+    assert batches_pay(torch.device("cuda")) and not batches_pay(torch.device("cpu"))
+    torch.manual_seed(0)
+    model = curvopt.extend(_mlp().double())
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    options = {"basis_interval": INTERVAL} if cls is EKFAC else {}
+    opt = cls(model.parameters(), lr=0.1, damping=0.1, curvature_interval=INTERVAL, **options)
+    for _ in range(2):
+        opt.zero_grad()
+        lossfunc(
+            model(torch.randn(8, 5, dtype=torch.float64)), torch.randint(0, 3, (8,))
+        ).backward()
+        opt.step()
+    assert not opt._stacks()._kept

@@ -336,12 +336,12 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
 
     # ----------------------------------------------------------------- the step
     def _directions(self, items, step):
-        """The damped direction of each of ``items``: the blocks whose bases and corrections
-        have equal shapes applied together, ``Q_B [(Q_Bᵀ G Q_A) ⊘ (S + λ)] Q_Aᵀ`` on the
-        stacks (``optim.plan.Stacks``), the others (no basis, bases stacked per group) one at a
-        time."""
+        """The damped direction of each of ``items``; on an accelerator (``_batches``) the
+        blocks whose bases and corrections have equal shapes applied together,
+        ``Q_B [(Q_Bᵀ G Q_A) ⊘ (S + λ)] Q_Aᵀ`` on the stacks (``optim.plan.Stacks``), the others
+        (no basis, bases stacked per group) one at a time."""
         out: list = [None] * len(items)
-        keys = [_bucket(item, step) for item in items]
+        keys = [_bucket(item, step) if self._batches(item.grad.device) else None for item in items]
         for key, at in buckets(keys).items():
             if len(at) > 1:
                 grads = [items[i].grad for i in at]

@@ -216,9 +216,10 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
         )
 
     def _directions(self, items, step):
-        """The damped direction of each of ``items``, with the blocks whose dense cached inverses
-        (``kind`` ``"inverse"``: ``curvature_interval`` or ``inverse_interval`` above 1) have
-        equal shapes applied together, ``B⁻¹_stack @ G_stack @ A⁻¹_stack`` (``optim.plan.Stacks``);
+        """The damped direction of each of ``items``; on an accelerator (:meth:`_batches`) the
+        blocks whose dense cached inverses (``kind`` ``"inverse"``: ``curvature_interval`` or
+        ``inverse_interval`` above 1) have equal shapes applied together,
+        ``B⁻¹_stack @ G_stack @ A⁻¹_stack`` (``optim.plan.Stacks``);
         Cholesky factors, Woodbury forms, exact eigendecompositions, factors stacked per group
         and factored steps are applied one parameter at a time."""
         solved = []
@@ -249,7 +250,9 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
         """The key of the blocks ``item`` is applied with (:meth:`_directions`), or None."""
         solvers, grad = inverse.value, item.grad
         dense = inverse.kind == "inverse" and len(inverse.rows) == 1 and not grad.is_sparse
-        if not dense or not all(isinstance(s, torch.Tensor) and s.dim() == 2 for s in solvers):
+        if not dense or not self._batches(grad.device):
+            return None
+        if not all(isinstance(s, torch.Tensor) and s.dim() == 2 for s in solvers):
             return None
         return id(step.group), shape_key(solvers), grad.dtype
 

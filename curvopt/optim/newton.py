@@ -62,7 +62,7 @@ from curvopt.core.extended import path_of
 from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, number, skip_options
 from curvopt.inversion.damping import RelativeDamping, damping_strategy, reduction_ratio
 from curvopt.optim.fallback import announce
-from curvopt.optim.plan import ParamUpdate, Stacks, refresh_interval
+from curvopt.optim.plan import ParamUpdate, Stacks, batches_pay, refresh_interval
 from curvopt.optim.stages import (
     NEWTON,
     Chain,
@@ -232,6 +232,11 @@ class NewtonOptimizer(CurvatureOptimizer):
             with item.naming_errors():
                 out.append(self._direction(item, step))
         return out
+
+    def _batches(self, device: torch.device) -> bool:
+        """Whether this optimizer applies the blocks on ``device`` in batches
+        (``plan.batches_pay``: not on a CPU)."""
+        return batches_pay(device)
 
     def _stacks(self) -> Stacks:
         """The stacked operands this optimizer's batched products keep (a cache, not saved)."""
