@@ -9,8 +9,9 @@ state ``_direction`` reads, where ``cached`` finds them current.
 
 The optimizers' ``_directions`` apply their curvature type's ``DampedInverse``
 (``inversion.inverses``; ``inversion.kronecker.KroneckerInverse``), which ``curvopt.linalg``'s
-``inverse`` operators apply too: ``KFAC``, ``EKFAC`` and ``DiagGGNNewton`` apply the blocks of
-equal shapes together (``optim.plan.Stacks``), the others one parameter at a time.
+``inverse`` operators apply too: ``KFAC`` and ``EKFAC`` apply the blocks of equal shapes
+together on an accelerator (``optim.plan.Stacks``), ``DiagGGNNewton`` all of them by
+``torch._foreach`` calls, the others one parameter at a time.
 """
 
 from __future__ import annotations
