@@ -396,8 +396,9 @@ class CurvatureOptimizer(Optimizer):
         updates = [u for group_updates, _ in plans for u in group_updates]
         check_finite(updates, f"{type(self).__name__}: ", self._remedy)
         decay_change = regularizer_change(self.param_groups, plans) if due else 0.0
+        if updates:  # θ ← θ − Δ, every parameter by one foreach call (element-wise: same bits)
+            torch._foreach_sub_([u.param for u in updates], [u.delta for u in updates])
         for update in updates:
-            update.param.sub_(update.delta)
             self.state[update.param] = update.state
             self._consumed.setdefault(update.param, {}).update(update.consumed)
         for group_state in self._group_state:
@@ -456,12 +457,18 @@ def _left_unread(value, used) -> bool:
 
 def _all_zero(tensors: Sequence[torch.Tensor]) -> list[bool]:
     """Whether every entry of each of ``tensors`` is 0 (NaN is not): ``‖t‖₁ = 0``, a sum of
-    absolute values that neither cancels nor underflows (squares would); read in one host
-    sync (:func:`_norms`)."""
-    positions, norms = _norms(tensors, 1)
+    absolute values that neither cancels nor underflows (squares would). ``‖t‖₂ > 0`` (or NaN)
+    already says no, and its foreach kernel is several times faster on a CPU than the ℓ1 one:
+    the ℓ1 norm is taken only of the tensors whose ℓ2 norm is 0 (all zero, or squares that
+    underflow). One host sync per norm (:func:`_norms`)."""
+    positions, norms = _norms(tensors, 2)
+    maybe = [i for i, zero in zip(positions, (norms == 0).tolist()) if zero]
+    if not maybe:
+        return [False] * len(tensors)
+    exact, norms = _norms([tensors[i] for i in maybe], 1)
     out = [False] * len(tensors)
-    for i, zero in zip(positions, (norms == 0).tolist()):
-        out[i] = zero
+    for i, zero in zip(exact, (norms == 0).tolist()):
+        out[maybe[i]] = zero
     return out
 
 
@@ -586,9 +593,11 @@ def check_finite(updates: list[ParamUpdate], owner: str = "", remedy: str = REME
     moved = [u for u in updates if u.delta is not None]
     if not checks and not moved:
         return
-    # one read per tensor and one host sync; only a non-finite norm (or overflow) is looked into
+    # one read per tensor and one host sync; only a non-finite norm (or overflow) is looked into.
+    # A checked tensor that is a step Δ itself is read once: the range test needs its norm finite
     params, deltas = [u.param for u in moved], [u.delta for u in moved]
-    if _within_range([t for _, _, t in checks], params, deltas):
+    steps = {id(delta) for delta in deltas}
+    if _within_range([t for _, _, t in checks if id(t) not in steps], params, deltas):
         return
     after = [(u, "parameter after the step", (u.param - u.delta).to(u.param.dtype)) for u in moved]
     for update, what, tensor in checks + after:

@@ -23,12 +23,16 @@ import warnings
 from dataclasses import dataclass
 
 from curvopt import extensions
-from curvopt.inversion.eigen_corrected import as_rows, eigen_corrected_quadratic
+from curvopt.inversion.eigen_corrected import (
+    as_rows,
+    eigen_corrected_quadratic,
+    eigen_corrected_solve,
+)
 from curvopt.core import values
 from curvopt.optim.fallback import DiagonalFallback
 from curvopt.inversion.inverses import EigenCorrectedInverse
 from curvopt.optim.newton import NewtonOptimizer
-from curvopt.optim.plan import refresh_interval
+from curvopt.optim.plan import buckets, refresh_interval, shape_key, stacked_matrices, unstacked
 from curvopt.optim.one_sided import is_one_sided, kept, next_bases, supplied
 from curvopt.optim.options import (
     BASIS_REFRESH,
@@ -340,12 +344,43 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         )
 
     # ----------------------------------------------------------------- the step
-    def _direction(self, item, step):
-        inverse = EigenCorrectedInverse.build(item.curvature, step.damping)
+    def _directions(self, items, step):
+        """The damped direction of each of ``items``; on an accelerator (``_batches``) the
+        blocks whose bases and corrections have equal shapes applied together,
+        ``Q_B [(Q_Bᵀ G Q_A) ⊘ (S + λ)] Q_Aᵀ`` on the stacks (``optim.plan.Stacks``), the others
+        (no basis, bases stacked per group) one at a time."""
+        out: list = [None] * len(items)
+        keys = [_bucket(item, step) if self._batches(item.grad.device) else None for item in items]
+        for key, at in buckets(keys).items():
+            if len(at) > 1:
+                grads = [items[i].grad for i in at]
+                curvatures = [items[i].curvature for i in at]
+                for i, direction in zip(at, self._batched(key, curvatures, grads, step.damping)):
+                    out[i] = direction
+        for i, item in enumerate(items):
+            if out[i] is None:
+                inverse = EigenCorrectedInverse.build(item.curvature, step.damping)
+                out[i] = inverse.apply_one(item.grad)
+        return [(direction, self._kept(item, step)) for direction, item in zip(out, items)]
+
+    def _batched(self, key, curvatures, grads, damping):
+        """The eigen-corrected solves of a bucket's blocks on their stacked bases and
+        corrections, kept until the curvature is replaced (:meth:`_stacks`)."""
+        stacks = self._stacks()
+        correction, *bases = [
+            stacks.stacked((key, k), [curvature[k] for curvature in curvatures])
+            for k in range(len(curvatures[0]))
+        ]
+        matrices = stacked_matrices(grads, bases[0].shape[-1], bases[0].dtype)
+        return unstacked(eigen_corrected_solve(bases, correction, matrices, damping), grads)
+
+    def _kept(self, item, step):
+        """The cache entries ``item``'s state keeps: the bases of the next refresh of a
+        parameter whose bases lag (:meth:`_lagged`)."""
         if not self._lagged(item.update.param, step.group):
-            return inverse.apply_one(item.grad), {}
+            return {}
         pending = item.update.state.get("bases_next", item.state.get("bases_next"))
-        return inverse.apply_one(item.grad), {"bases_next": pending}
+        return {"bases_next": pending}
 
     def _curvature_scale(self, curvature):
         """``tr(Q diag(S) Qᵀ)/dim``: the mean of ``S``."""
@@ -354,3 +389,12 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
     def _quadratic(self, curvature, step):
         correction, bases = curvature[0], curvature[1:]
         return eigen_corrected_quadratic(bases, correction, as_rows(step, bases))
+
+
+def _bucket(item, step):
+    """The key of the blocks ``item`` is applied with (``EKFAC._directions``), or None: its
+    correction and bases (2-D, at least one) have the shapes, dtypes and device of the key."""
+    correction, *bases = item.curvature
+    if not bases or item.grad.is_sparse or not all(b.dim() == 2 for b in bases):
+        return None
+    return id(step.group), shape_key([correction, *bases]), item.grad.dtype

@@ -12,7 +12,14 @@ from curvopt.optim.fallback import DiagonalFallback
 from curvopt.optim.gradient_factors import FactorCapture, factored_cheaper, reproduces
 from curvopt.inversion.kronecker import InverseOptions, KroneckerInverse, as_matrix, kron_quadratic
 from curvopt.optim.newton import Derived, NewtonOptimizer
-from curvopt.optim.plan import cached, refresh_interval
+from curvopt.optim.plan import (
+    buckets,
+    cached,
+    refresh_interval,
+    shape_key,
+    stacked_matrices,
+    unstacked,
+)
 from curvopt.inversion.trace_norm import eigh_solvers
 from curvopt.optim.options import (
     KFAC_APPROX,
@@ -208,7 +215,63 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
             lambda: KroneckerInverse.empty(curvature, options),
         )
 
-    def _direction(self, item, step):
+    def _directions(self, items, step):
+        """The damped direction of each of ``items``; on an accelerator (:meth:`_batches`) the
+        blocks whose dense cached inverses (``kind`` ``"inverse"``: ``curvature_interval`` or
+        ``inverse_interval`` above 1) have equal shapes applied together,
+        ``B⁻¹_stack @ G_stack @ A⁻¹_stack`` (``optim.plan.Stacks``);
+        Cholesky factors, Woodbury forms, exact eigendecompositions, factors stacked per group
+        and factored steps are applied one parameter at a time."""
+        solved = []
+        for item in items:
+            with item.naming_errors():
+                solved.append(self._inverse(item, step))
+        out: list = [None] * len(items)
+        if self._capture is not None:  # the factored steps first, each on its own
+            for i, ((inverse, kept), item) in enumerate(zip(solved, items)):
+                direction = self._factored(inverse, item)
+                out[i] = None if direction is None else (direction.reshape(item.grad.shape), kept)
+        keys = [
+            None if done is not None else self._bucket(inverse, item, step)
+            for done, (inverse, _), item in zip(out, solved, items)
+        ]
+        for key, at in buckets(keys).items():
+            if len(at) > 1:  # (one alone: its own products, as always)
+                grads = [items[i].grad for i in at]
+                inverses = [solved[i][0].value for i in at]
+                for i, direction in zip(at, self._batched(key, inverses, grads)):
+                    out[i] = direction, solved[i][1]
+        for i, ((inverse, kept), item) in enumerate(zip(solved, items)):
+            if out[i] is None:
+                out[i] = inverse.apply_one(item.grad), kept
+        return out
+
+    def _bucket(self, inverse, item, step):
+        """The key of the blocks ``item`` is applied with (:meth:`_directions`), or None."""
+        solvers, grad = inverse.value, item.grad
+        dense = inverse.kind == "inverse" and len(inverse.rows) == 1 and not grad.is_sparse
+        if not dense or not self._batches(grad.device):
+            return None
+        if not all(isinstance(s, torch.Tensor) and s.dim() == 2 for s in solvers):
+            return None
+        return id(step.group), shape_key(solvers), grad.dtype
+
+    def _batched(self, key, inverses, grads):
+        """``B⁻¹ G A⁻¹`` (``B⁻¹ G``) of every block of a bucket by one product per side, the
+        stacked inverses kept until a refresh replaces them (:meth:`_stacks`)."""
+        stacks = self._stacks()
+        left, *right = [
+            stacks.stacked((key, side), [value[side] for value in inverses])
+            for side in range(len(inverses[0]))
+        ]
+        result = left @ stacked_matrices(grads, left.shape[-1], left.dtype)
+        if right:
+            result = result @ right[0]
+        return unstacked(result, grads)
+
+    def _inverse(self, item, step):
+        """``(KroneckerInverse, cache entries to keep)`` of ``item``, from its cached entry
+        (computed where due)."""
         grad, curvature, damping = item.grad, item.curvature, step.damping
         matrix = as_matrix(grad, curvature)
         derived = self._derived(curvature, step.group, damping, item.curvature_step)
@@ -228,13 +291,14 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
             )
             kept["eigh_inverse"] = solvers
             kind, value = "inverse", solvers["value"]
-        inverse = KroneckerInverse(kind, value, damping, tuple(matrix.shape[:-1]))
-        direction = None
-        if kind != "eigh":
-            direction = self._factored_direction(inverse.solve, value, matrix, item.update.param)
-        if direction is None:
-            return inverse.apply_one(grad), kept
-        return direction.reshape(grad.shape), kept
+        return KroneckerInverse(kind, value, damping, tuple(matrix.shape[:-1])), kept
+
+    def _factored(self, inverse, item):
+        """The factored direction of ``item`` (:meth:`_factored_direction`), or None."""
+        if inverse.kind == "eigh":
+            return None
+        matrix = item.grad.reshape(*inverse.rows, -1)
+        return self._factored_direction(inverse.solve, inverse.value, matrix, item.update.param)
 
     # ----------------------------------------------------------------- factored steps
     def collect(self):

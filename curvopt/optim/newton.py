@@ -62,7 +62,7 @@ from curvopt.core.extended import path_of
 from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, number, skip_options
 from curvopt.inversion.damping import RelativeDamping, damping_strategy, reduction_ratio
 from curvopt.optim.fallback import announce
-from curvopt.optim.plan import ParamUpdate, refresh_interval
+from curvopt.optim.plan import ParamUpdate, Stacks, batches_pay, refresh_interval
 from curvopt.optim.stages import (
     NEWTON,
     Chain,
@@ -222,6 +222,26 @@ class NewtonOptimizer(CurvatureOptimizer):
         ``damping``), shaped like ``g``, and the cache entries to keep in its state."""
         raise NotImplementedError
 
+    def _directions(
+        self, items: list[ParamStep], step: GroupStep
+    ) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        """:meth:`_direction` of each of ``items`` (all with curvature), in order; a subclass
+        may apply blocks of equal shapes together (``optim.plan.Stacks``, :meth:`_stacks`)."""
+        out = []
+        for item in items:
+            with item.naming_errors():
+                out.append(self._direction(item, step))
+        return out
+
+    def _batches(self, device: torch.device) -> bool:
+        """Whether this optimizer applies the blocks on ``device`` in batches
+        (``plan.batches_pay``: not on a CPU)."""
+        return batches_pay(device)
+
+    def _stacks(self) -> Stacks:
+        """The stacked operands this optimizer's batched products keep (a cache, not saved)."""
+        return self.__dict__.setdefault("_stacked", Stacks())
+
     def _quadratic(self, curvature: Any, step: torch.Tensor) -> torch.Tensor:
         """``sᵀ C s`` for a step ``s`` of the parameter's shape."""
         raise NotImplementedError
@@ -307,7 +327,7 @@ class NewtonOptimizer(CurvatureOptimizer):
     def _preconditioner(self) -> Preconditioner:
         """The stages' narrow view of this optimizer (``stages.base.Preconditioner``)."""
         return Preconditioner(
-            self._direction, self._fallback_direction, self._derived, self._distributed
+            self._directions, self._fallback_direction, self._derived, self._distributed
         )
 
     # ----------------------------------------------------------------- relative damping

@@ -26,6 +26,8 @@ constructor argument ``stages=`` replaces it for one optimizer (``NEWTON.with_st
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
@@ -72,17 +74,27 @@ class ParamStep:
         self.own = self.direction * factor
         return self.own
 
+    @contextlib.contextmanager
+    def naming_errors(self) -> Iterator[None]:
+        """A block in which a failed inversion (``torch.linalg.LinAlgError``) names the
+        parameter (``update.description``) before what failed."""
+        try:
+            yield
+        except torch.linalg.LinAlgError as error:
+            raise torch.linalg.LinAlgError(f"{self.update.description}: {error}") from None
+
 
 @dataclass(frozen=True)
 class Preconditioner:
-    """What the preconditioning stage asks of the optimizer, and no more: the damped direction
-    ``d = (C + (λ + δ) I)⁻¹ g`` of a parameter with curvature (``direction``) and of one
-    without (``fallback``), each with the cache entries its state keeps; the cached quantity
-    ``direction`` derives from a curvature (``derived(curvature, group, damping,
+    """What the preconditioning stage asks of the optimizer, and no more: the damped directions
+    ``d = (C + (λ + δ) I)⁻¹ g`` of the parameters with curvature (``directions``: one per
+    item, in order; blocks of equal shapes may be applied together, ``optim.plan.Stacks``) and of
+    one without (``fallback``), each with the cache entries its state keeps; the cached
+    quantity a direction derives from a curvature (``derived(curvature, group, damping,
     curvature_step)``: an inverse or eigendecomposition, or None), which is computed ahead and
     spread over the ranks by ``distributed`` (a ``DistributedCurvature``; None: one process)."""
 
-    direction: Callable[[ParamStep, "GroupStep"], tuple[torch.Tensor, dict[str, Any]]]
+    directions: Callable[[list[ParamStep], "GroupStep"], list[tuple[torch.Tensor, dict[str, Any]]]]
     fallback: Callable[[ParamStep, "GroupStep"], tuple[torch.Tensor, dict[str, Any]]]
     derived: Callable[[Any, dict[str, Any], float, int], Any]
     distributed: Any = None

@@ -1,6 +1,10 @@
-"""``Δ = lr · v``: the change ``θ ← θ − Δ`` of every parameter (checked to be finite)."""
+"""``Δ = lr · v``: the change ``θ ← θ − Δ`` of every parameter (checked to be finite); the
+directions the step owns scaled in place by one ``torch._foreach_mul_`` (element-wise: the
+bits of a ``mul_`` each)."""
 
 from __future__ import annotations
+
+import torch
 
 from curvopt.optim.stages.base import GroupStep, Stage
 
@@ -10,6 +14,10 @@ class ScaleByLearningRate(Stage):
 
     def __call__(self, step: GroupStep) -> None:
         lr = step.group["lr"]
+        owned = [item.direction for item in step.params if item.owns(item.direction)]
+        if owned:
+            torch._foreach_mul_(owned, lr)
         for item in step.params:
-            item.update.delta = item.scaled(lr)
+            owns = item.owns(item.direction)
+            item.update.delta = item.direction if owns else item.scaled(lr)
             item.update.checks.append(("update", item.update.delta))

@@ -7,9 +7,11 @@ Under ``torch.distributed`` the derived quantities that are due (``_derived``) a
 computed each on one rank and broadcast (``DistributedCurvature.spread``), then put into the
 state ``_direction`` reads, where ``cached`` finds them current.
 
-The optimizers' ``_direction`` applies their curvature type's ``DampedInverse``
+The optimizers' ``_directions`` apply their curvature type's ``DampedInverse``
 (``inversion.inverses``; ``inversion.kronecker.KroneckerInverse``), which ``curvopt.linalg``'s
-``inverse`` operators apply too.
+``inverse`` operators apply too: ``KFAC`` and ``EKFAC`` apply the blocks of equal shapes
+together on an accelerator (``optim.plan.Stacks``), ``DiagGGNNewton`` all of them by
+``torch._foreach`` calls, the others one parameter at a time.
 """
 
 from __future__ import annotations
@@ -29,16 +31,15 @@ class Precondition(Stage):
         preconditioner = step.preconditioner
         if preconditioner.distributed is not None:
             _spread_derived(step)
+        curved = []
         for item in step.params:
-            update = item.update
             if item.curvature is None:
-                item.direction, update.state = preconditioner.fallback(item, step)
-                continue
-            try:
-                item.direction, update.state = preconditioner.direction(item, step)
-            except torch.linalg.LinAlgError as error:
-                raise torch.linalg.LinAlgError(f"{update.description}: {error}") from None
-            update.state.update(curvature=item.curvature, curvature_step=item.curvature_step)
+                item.direction, item.update.state = preconditioner.fallback(item, step)
+            else:
+                curved.append(item)
+        for item, (direction, state) in zip(curved, preconditioner.directions(curved, step)):
+            item.direction, item.update.state = direction, state
+            state.update(curvature=item.curvature, curvature_step=item.curvature_step)
         for item in step.params:
             aliased = _aliases(item.direction, item.grad, item.update.param)
             item.own = None if aliased else item.direction
