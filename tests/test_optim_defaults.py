@@ -19,7 +19,7 @@ from torch import nn
 
 import curvopt
 from curvopt.optim import EKFAC, KFAC, DiagGGNNewton
-from benchmarks.default_robustness import PROBLEMS, loss_ratio, steps_and_target, templated_task
+from benchmarks.default_robustness import PROBLEMS, loss_ratio, steps_and_target
 from fixtures import zoo
 
 #: an absolute damping (the curvature at every step) and the default trust region, kl_clip=1e-3
@@ -90,15 +90,18 @@ def test_readme_settings_train_the_digits_cnn(name, batch):
 
 def test_paper_update_diverges_on_the_digits_cnn_and_the_error_names_the_factor():
     """Without the trust region the README's settings blow up within a few steps (the reason it
-    is on); the step that fails names the parameter and which Kronecker factor failed."""
+    is on), at each of 6 seeds; the step that fails names the parameter and which Kronecker
+    factor failed."""
     X, y = _digits()
-    model = curvopt.extend(_digits_cnn())
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
-    opt = KFAC(model.named_parameters(), **PAPER)
     match = r"parameter '.*' .*Kronecker factor [AB]"
-    with pytest.raises(torch.linalg.LinAlgError, match=match) as error:
-        _train(opt, lambda a, b: lossfunc(model(a), b), X, y, steps=40, batch=128)
-    assert "kl_clip" in str(error.value)  # the option that keeps these settings training
+    for seed in SEEDS:
+        model = curvopt.extend(_digits_cnn(seed))
+        opt = KFAC(model.named_parameters(), **PAPER)
+        loss_of = lambda a, b: lossfunc(model(a), b)  # noqa: E731
+        with pytest.raises(torch.linalg.LinAlgError, match=match) as error:
+            _train(opt, loss_of, X, y, steps=40, batch=128, seed=seed)
+        assert "kl_clip" in str(error.value)  # the option that keeps these settings training
 
 
 @pytest.mark.parametrize("model_name", ["mlp", "resnet_block", "gpt", "bert"])
@@ -199,21 +202,35 @@ def test_a_factor_that_cannot_be_factorised_is_named(side, index):
         opt.step()
 
 
-@pytest.mark.parametrize(
-    "name, problem",
-    [(name, problem) for name in OPTIMIZERS for problem in PROBLEMS] + [("EKFAC", "mnist_logreg")],
-)
+#: ``DiagGGNNewton`` at the absolute ``damping=1e-3`` is not robust on 3C3D and All-CNN-C and
+#: is not among them: its diagonal misses the coupling of a filter's weights, so the trust
+#: region admits steps that raise the loss by 10-80 %, and whether the last step lands on one
+#: decides the run (3C3D: 9 of 12 seeds on target; All-CNN-C: 4 of 6; on an AMD host 3C3D's
+#: seed 0 failed). ``docs/optim.md`` ("The defaults") gives the numbers; the README names the
+#: absolute damping for ``KFAC``
+_README_CASES = [
+    pytest.param(name, problem, marks=[pytest.mark.slow] if problem == "cifar100_allcnnc" else [])
+    for name, problems in {
+        "KFAC": PROBLEMS,
+        "DiagGGNNewton": ("mnist_logreg", "fmnist_2c2d"),
+        "EKFAC": ("mnist_logreg",),
+    }.items()
+    for problem in problems
+]
+
+
+@pytest.mark.parametrize("name, problem", _README_CASES)
 def test_readme_settings_train_the_deepobs_networks(name, problem):
-    """The four DeepOBS networks on 64 images of a learnable task: with these settings
-    the loss on the set falls, by 10 % within 30 steps (SGD with momentum and Adam halve it
-    within 40 on all but All-CNN-C), and on All-CNN-C, which neither of them moves by more than
-    2 % in 40 steps, it stays finite and falls within 10."""
-    torch.manual_seed(0)  # Monte-Carlo curvature
-    model, lossfunc, X, y = templated_task(problem)
-    opt = TRAINED[name](model.parameters(), **README)
-    steps, target = steps_and_target(problem)
-    first, last = _train(opt, lambda a, b: lossfunc(model(a), b), X, y, steps=steps, batch=16)
-    assert math.isfinite(last) and last < target * first, (first, last)
+    """The DeepOBS networks on 64 images of a learnable task, at each of 6 seeds (the
+    Monte-Carlo draws and the batch order: ``benchmarks.default_robustness.loss_ratio``): with
+    these settings the loss on the set falls by 10 % within 30 steps (SGD with momentum and
+    Adam halve it within 40 on all but All-CNN-C), and on All-CNN-C, which neither of them moves
+    by more than 2 % in 40 steps, it stays finite and falls within 10 (two minutes on two
+    cores: ``-m slow``)."""
+    make = partial(TRAINED[name], **README)
+    ratios = [loss_ratio(make, problem, seed) for seed in SEEDS]
+    target = steps_and_target(problem)[1]
+    assert all(math.isfinite(r) and r < target for r in ratios), ratios
 
 
 #: the defaults: ``cls(params, lr=0.05)``, nothing else (curvature every 10 steps, relative
