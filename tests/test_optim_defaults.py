@@ -1,7 +1,9 @@
-"""The settings train without diverging: ``lr=0.05, damping=1e-3`` (an absolute damping, the
-curvature at every step) on the digits CNN, the zoo's models and the DeepOBS networks; the
-defaults, ``lr=0.05`` and nothing else (the curvature every 10 steps, relative damping, the
-trust region), on DeepOBS 2C2D and 3C3D at each of 6 seeds.
+"""The settings train without diverging, each at 6 seeds (no test rides on one seed's
+trajectory, nor on one CPU's rounding): ``lr=0.05, damping=1e-3`` (an absolute damping, the
+curvature at every step) on the digits CNN, the zoo's models and the DeepOBS networks
+(``DiagGGNNewton`` on logistic regression and 2C2D only: ``_README_CASES``); the defaults,
+``lr=0.05`` and nothing else (the curvature every 10 steps, relative damping, the trust region),
+on DeepOBS 2C2D and 3C3D.
 
 The trust region (``kl_clip=1e-3`` by default: the step scaled by
 ``ν = min(1, sqrt(κ / (lr² gᵀd)))``) is what makes small dampings work; the paper's unclipped
@@ -19,7 +21,7 @@ from torch import nn
 
 import curvopt
 from curvopt.optim import EKFAC, KFAC, DiagGGNNewton
-from benchmarks.default_robustness import PROBLEMS, loss_ratio, steps_and_target, templated_task
+from benchmarks.default_robustness import PROBLEMS, loss_ratio, steps_and_target
 from fixtures import zoo
 
 #: an absolute damping (the curvature at every step) and the default trust region, kl_clip=1e-3
@@ -28,6 +30,9 @@ PAPER = {"lr": 0.05, "damping": 1e-3, "kl_clip": None}
 OPTIMIZERS = {"KFAC": KFAC, "DiagGGNNewton": DiagGGNNewton}
 #: trained with the README settings too (the trust-region tests below are for the first two)
 TRAINED = {**OPTIMIZERS, "EKFAC": partial(EKFAC, basis_interval=5)}
+#: every trajectory test runs at each of these seeds: no test rides on one seed's luck (nor on
+#: one CPU's rounding)
+SEEDS = range(6)
 
 
 def _digits():
@@ -36,8 +41,8 @@ def _digits():
     return torch.tensor(X, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16, torch.tensor(y)
 
 
-def _digits_cnn():
-    torch.manual_seed(0)
+def _digits_cnn(seed=0):
+    torch.manual_seed(seed)  # the initialisation and the Monte-Carlo draws
     return nn.Sequential(
         nn.Conv2d(1, 16, 3, padding=1),
         nn.ReLU(),
@@ -52,9 +57,10 @@ def _digits_cnn():
     )
 
 
-def _train(opt, loss_of, X, y, steps, batch):
-    """``steps`` steps on random batches of ``(X, y)``; the loss on all of it before and after."""
-    generator = torch.Generator().manual_seed(0)
+def _train(opt, loss_of, X, y, steps, batch, seed=0):
+    """``steps`` steps on random batches of ``(X, y)`` (their order from ``seed``); the loss on
+    all of it before and after."""
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         first = loss_of(X, y).item()
     for _ in range(steps):
@@ -71,38 +77,94 @@ def _train(opt, loss_of, X, y, steps, batch):
 @pytest.mark.parametrize("batch", [32, 128])
 @pytest.mark.parametrize("name", list(TRAINED))
 def test_readme_settings_train_the_digits_cnn(name, batch):
+    """At each of 6 seeds (the initialisation, the Monte-Carlo draws and the batch order) the
+    loss on the 1,797 digits halves within 40 steps."""
     X, y = _digits()
-    model = curvopt.extend(_digits_cnn())
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
-    opt = TRAINED[name](model.parameters(), **README)
-    first, last = _train(opt, lambda a, b: lossfunc(model(a), b), X, y, steps=40, batch=batch)
-    assert math.isfinite(last) and last < 0.5 * first, (first, last)
+    runs = []
+    for seed in SEEDS:
+        model = curvopt.extend(_digits_cnn(seed))
+        opt = TRAINED[name](model.parameters(), **README)
+        loss_of = lambda a, b: lossfunc(model(a), b)  # noqa: E731
+        runs.append(_train(opt, loss_of, X, y, steps=40, batch=batch, seed=seed))
+    assert all(math.isfinite(last) and last < 0.5 * first for first, last in runs), runs
 
 
 def test_paper_update_diverges_on_the_digits_cnn_and_the_error_names_the_factor():
     """Without the trust region the README's settings blow up within a few steps (the reason it
-    is on); the step that fails names the parameter and which Kronecker factor failed."""
+    is on), at each of 6 seeds; the step that fails names the parameter and which Kronecker
+    factor failed."""
     X, y = _digits()
-    model = curvopt.extend(_digits_cnn())
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
-    opt = KFAC(model.named_parameters(), **PAPER)
     match = r"parameter '.*' .*Kronecker factor [AB]"
-    with pytest.raises(torch.linalg.LinAlgError, match=match) as error:
-        _train(opt, lambda a, b: lossfunc(model(a), b), X, y, steps=40, batch=128)
-    assert "kl_clip" in str(error.value)  # the option that keeps these settings training
+    for seed in SEEDS:
+        model = curvopt.extend(_digits_cnn(seed))
+        opt = KFAC(model.named_parameters(), **PAPER)
+        loss_of = lambda a, b: lossfunc(model(a), b)  # noqa: E731
+        with pytest.raises(torch.linalg.LinAlgError, match=match) as error:
+            _train(opt, loss_of, X, y, steps=40, batch=128, seed=seed)
+        assert "kl_clip" in str(error.value)  # the option that keeps these settings training
 
 
 @pytest.mark.parametrize("model_name", ["mlp", "resnet_block", "gpt", "bert"])
 @pytest.mark.parametrize("name", list(TRAINED))
 def test_readme_settings_train_zoo_models(name, model_name):
-    problem = zoo.ZOO[model_name](dtype=torch.float32)
-    model, lossfunc = curvopt.extend(problem.model), curvopt.extend(problem.lossfunc)
-    X, y = problem.make_batch(64, 0)
-    opt = TRAINED[name](model.parameters(), **README)
-    first, last = _train(
-        opt, lambda a, b: problem.loss_of(model, a, b, lossfunc), X, y, steps=40, batch=16
-    )
-    assert math.isfinite(last) and last < 0.95 * first, (first, last)
+    """At each of 6 seeds (the 64 samples, the Monte-Carlo draws and the batch order) the loss
+    on the samples falls by 5 % within 40 steps of batch 16."""
+    runs = []
+    for seed in SEEDS:
+        problem = zoo.ZOO[model_name](dtype=torch.float32)
+        model, lossfunc = curvopt.extend(problem.model), curvopt.extend(problem.lossfunc)
+        X, y = problem.make_batch(64, seed)
+        torch.manual_seed(seed)  # the Monte-Carlo draws
+        opt = TRAINED[name](model.parameters(), **README)
+        loss_of = lambda a, b: problem.loss_of(model, a, b, lossfunc)  # noqa: E731
+        runs.append(_train(opt, loss_of, X, y, steps=40, batch=16, seed=seed))
+    assert all(math.isfinite(last) and last < 0.95 * first for first, last in runs), runs
+
+
+def _successor_task(vocab, length, seed):
+    """64 sequences of ``length + 1`` tokens following a random successor map (learnable: the
+    next token is a function of the current one), as ``(inputs, targets)``."""
+    generator = torch.Generator().manual_seed(1000 + seed)
+    successor = torch.randperm(vocab, generator=generator)
+    tokens = [torch.randint(0, vocab, (64,), generator=generator)]
+    for _ in range(length):
+        tokens.append(successor[tokens[-1]])
+    tokens = torch.stack(tokens, 1)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "KFAC",
+        pytest.param(
+            "EKFAC",
+            marks=pytest.mark.xfail(
+                strict=True, reason="EKFAC stalls at 12-17 (docs/optim.md, 'The defaults')"
+            ),
+        ),
+    ],
+)
+def test_readme_settings_train_a_badly_scaled_gpt(name):
+    """The tiny GPT with its tied embedding at ``nn.Embedding``'s default ``N(0, 1)`` (logits of
+    order ``sqrt(64)``: a first loss of 39-47; AdamW reaches 2.9-4.4 in 60 steps): at each of 6
+    seeds the loss on the 64 sequences falls below a tenth of the first within 60 steps of
+    batch 16. ``KFAC`` ends at 0.007-0.13; ``EKFAC`` should train as it does (it ends at 12-17:
+    a strict ``xfail``, which fails once it trains)."""
+    vocab, length = 32, 16
+    runs = []
+    for seed in SEEDS:
+        torch.manual_seed(seed)  # the initialisation and the Monte-Carlo draws
+        model = zoo.GPT(vocab=vocab, d=64, heads=4, t_max=length)
+        nn.init.normal_(model.tok.weight)  # nn.Embedding's default, which zoo.GPT rescales
+        model, lossfunc = curvopt.extend(model), curvopt.extend(nn.CrossEntropyLoss())
+        opt = TRAINED[name](model.parameters(), **README)
+        X, y = _successor_task(vocab, length, seed)
+        loss_of = lambda a, b: lossfunc(model(a).reshape(-1, vocab), b.reshape(-1))  # noqa: E731
+        runs.append(_train(opt, loss_of, X, y, steps=60, batch=16, seed=seed))
+    assert all(math.isfinite(last) and last < 0.1 * first for first, last in runs), runs
 
 
 # ----------------------------------------------------------------------------- the trust region
@@ -186,27 +248,40 @@ def test_a_factor_that_cannot_be_factorised_is_named(side, index):
         opt.step()
 
 
-@pytest.mark.parametrize(
-    "name, problem",
-    [(name, problem) for name in OPTIMIZERS for problem in PROBLEMS] + [("EKFAC", "mnist_logreg")],
-)
+#: ``DiagGGNNewton`` at the absolute ``damping=1e-3`` is not robust on 3C3D and All-CNN-C and
+#: is not among them: its diagonal misses the coupling of a filter's weights, so the trust
+#: region admits steps that raise the loss by 10-80 %, and whether the last step lands on one
+#: decides the run (3C3D: 9 of 12 seeds on target; All-CNN-C: 4 of 6; on an AMD host 3C3D's
+#: seed 0 failed). ``docs/optim.md`` ("The defaults") gives the numbers; the README names the
+#: absolute damping for ``KFAC``
+_README_CASES = [
+    pytest.param(name, problem, marks=[pytest.mark.slow] if problem == "cifar100_allcnnc" else [])
+    for name, problems in {
+        "KFAC": PROBLEMS,
+        "DiagGGNNewton": ("mnist_logreg", "fmnist_2c2d"),
+        "EKFAC": ("mnist_logreg",),
+    }.items()
+    for problem in problems
+]
+
+
+@pytest.mark.parametrize("name, problem", _README_CASES)
 def test_readme_settings_train_the_deepobs_networks(name, problem):
-    """The four DeepOBS networks on 64 images of a learnable task: with these settings
-    the loss on the set falls, by 10 % within 30 steps (SGD with momentum and Adam halve it
-    within 40 on all but All-CNN-C), and on All-CNN-C, which neither of them moves by more than
-    2 % in 40 steps, it stays finite and falls within 10."""
-    torch.manual_seed(0)  # Monte-Carlo curvature
-    model, lossfunc, X, y = templated_task(problem)
-    opt = TRAINED[name](model.parameters(), **README)
-    steps, target = steps_and_target(problem)
-    first, last = _train(opt, lambda a, b: lossfunc(model(a), b), X, y, steps=steps, batch=16)
-    assert math.isfinite(last) and last < target * first, (first, last)
+    """The DeepOBS networks on 64 images of a learnable task, at each of 6 seeds (the
+    Monte-Carlo draws and the batch order: ``benchmarks.default_robustness.loss_ratio``): with
+    these settings the loss on the set falls by 10 % within 30 steps (SGD with momentum and
+    Adam halve it within 40 on all but All-CNN-C), and on All-CNN-C, which neither of them moves
+    by more than 2 % in 40 steps, it stays finite and falls within 10 (two minutes on two
+    cores: ``-m slow``)."""
+    make = partial(TRAINED[name], **README)
+    ratios = [loss_ratio(make, problem, seed) for seed in SEEDS]
+    target = steps_and_target(problem)[1]
+    assert all(math.isfinite(r) and r < target for r in ratios), ratios
 
 
 #: the defaults: ``cls(params, lr=0.05)``, nothing else (curvature every 10 steps, relative
 #: damping, the trust region)
 DEFAULTS = {"KFAC": KFAC, "EKFAC": EKFAC, "DiagGGNNewton": DiagGGNNewton}
-SEEDS = range(6)
 
 
 #: EKFAC on 2C2D eigendecomposes its 3136-wide input factor at each refresh: minutes on two
