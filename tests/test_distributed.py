@@ -1,9 +1,14 @@
 """Curvature optimizers over ``torch.distributed`` (``curvopt.optim.distributed``).
 
-The multi-rank checks spawn 2 and 3 gloo ranks on 127.0.0.1 once per world size (start-up,
-mostly importing torch, dominates); every rank runs all scenarios below on a
-``DistributedDataParallel`` model in float64 with its shard of each batch, computes the
-single-process reference itself, and writes its measurements to a JSON file that the tests read.
+The multi-rank checks spawn 2 and 3 gloo ranks once per world size (start-up, mostly importing
+torch, dominates); every rank runs all scenarios below on a ``DistributedDataParallel`` model in
+float64 with its shard of each batch, computes the single-process reference itself, and writes its
+measurements to a JSON file that the tests read.
+
+The harness (:func:`spawn_ranks`, :func:`_join`, :func:`_leave`) is built not to flake on a loaded
+machine: the ranks meet through a ``FileStore`` in the test's temporary folder (no TCP port to
+pick, so no race for one), collectives wait ``TIMEOUT``, and a rank leaves only after every rank
+has finished its last collective, without tearing gloo down (``os._exit``, see :func:`_leave`).
 """
 
 from __future__ import annotations
@@ -11,10 +16,10 @@ from __future__ import annotations
 import copy
 import datetime
 import faulthandler
+import gc
 import json
 import os
 import pickle
-import socket
 import traceback
 
 import pytest
@@ -25,7 +30,7 @@ from torch import nn
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.optim import KFAC, DiagGGNNewton, LevenbergMarquardt, VarianceAdaptedSGD
+from curvopt.optim import EKFAC, KFAC, DiagGGNNewton, LevenbergMarquardt, VarianceAdaptedSGD
 from curvopt.optim.distributed import (
     DistributedCurvature,
     assign_owners,
@@ -34,10 +39,12 @@ from curvopt.optim.distributed import (
     rank_rng,
     resolve,
 )
+from fixtures import zoo
 
 DT = torch.float64
 N = 12  # batch size: shards of 6 (2 ranks) and 4 (3 ranks)
 STEPS = 4
+VOCAB = 7
 
 
 # ----------------------------------------------------------------------------- in-process
@@ -85,17 +92,9 @@ def test_without_torch_distributed_nothing_changes():
         DistributedCurvature()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_explicit_group_of_one_rank_matches_a_single_process():
+def test_explicit_group_of_one_rank_matches_a_single_process(tmp_path):
     """A one-rank group: averaging and spreading are identities, the trajectory is unchanged."""
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-    )
+    _join(0, 1, str(tmp_path))
     try:
         assert resolve(None, True, "KFAC") is None  # automatic: one rank is no distribution
         group = DistributedCurvature(bucket_cap_mb=1e-4)  # tiny buckets: one tensor each
@@ -156,6 +155,20 @@ def grouped_cnn(seed=0):
     )
 
 
+def tiny_gpt(seed=0):
+    """A GPT-style decoder whose output layer's weight *is* the token embedding's."""
+    torch.manual_seed(seed)
+    return curvopt.extend(zoo.GPT(vocab=VOCAB, t_max=4).to(DT))
+
+
+def token_batches(steps, seed=1):
+    """Sequences of 4 tokens and their next tokens (every position counted: equal shards
+    of the loss's divisor)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, VOCAB, (N, 5), generator=g) for _ in range(steps)]
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
 def batches(steps, image=False, seed=1):
     g = torch.Generator().manual_seed(seed)
     shape = (N, 2, 6, 6) if image else (N, 5)
@@ -186,11 +199,14 @@ class Rank:
         dist.all_gather(every, mine)
         return max(float((t - every[0]).abs().max()) for t in every)
 
-    def train(self, make_model, make_opt, data, reduction="mean", collect=None, closure=False):
-        """DDP training on this rank's shards; returns the inner model and the optimizer."""
+    def train(
+        self, make_model, make_opt, data, reduction="mean", collect=None, closure=False, flat=False
+    ):
+        """DDP training on this rank's shards; returns the inner model and the optimizer.
+        ``flat``: the model's outputs and targets have a sequence dim, flattened for the loss."""
         model = make_model()
         ddp = nn.parallel.DistributedDataParallel(model)
-        lossfunc = curvopt.extend(nn.CrossEntropyLoss(reduction=reduction))
+        lossfunc = _loss(reduction, flat)
         opt = make_opt(model.parameters())
         for X, y in data:
             Xs, ys = self.shard(X, y)
@@ -212,11 +228,20 @@ class Rank:
         return model, opt
 
 
-def reference(make_model, make_opt, data, reduction="mean", world=1, closure=False):
+def _loss(reduction="mean", flat=False):
+    """The extended cross-entropy as a function of the outputs and targets (``flat``: of
+    ``[n, T, V]`` logits and ``[n, T]`` tokens, flattened)."""
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss(reduction=reduction))
+    if not flat:
+        return lossfunc
+    return lambda out, y: lossfunc(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def reference(make_model, make_opt, data, reduction="mean", world=1, closure=False, flat=False):
     """One process on the full batches. DDP's objective is the ranks' mean loss: with
     ``reduction="sum"`` that is the full-batch sum divided by the number of ranks."""
     model = make_model()
-    lossfunc = curvopt.extend(nn.CrossEntropyLoss(reduction=reduction))
+    lossfunc = _loss(reduction, flat)
     opt = make_opt(model.parameters(), process_group=False)
     scale = 1.0 / world if reduction == "sum" else 1.0
     for X, y in data:
@@ -374,6 +399,58 @@ def scenarios(R: Rank) -> dict:
         "damping_single": ref_opt.damping(),
     }
 
+    # --- EKFAC: S averaged in the bases every rank shares, factors averaged for the next
+    # bases, their eigendecompositions spread; basis_interval=2 refreshes at steps 0 and 2
+    def make_ekfac(params, **kw):
+        return EKFAC(
+            params,
+            lr=0.2,
+            damping=1e-2,
+            curvature="kflr",
+            basis_interval=2,
+            weight_decay=1e-3,
+            momentum=0.3,
+            **kw,
+        )
+
+    cases = [(f"ekfac_mlp_{r}", mlp, data, r, {}) for r in ("mean", "sum")]
+    cases += [(f"ekfac_cnn_{r}", cnn, images, r, {}) for r in ("mean", "sum")]
+    cases.append(("ekfac_mlp_one_sided", mlp, data, "mean", {"max_basis_dim": 5}))
+    for name, make_model, inputs, reduction, options in cases:
+
+        def make(params, options=options, **kw):
+            return make_ekfac(params, **options, **kw)
+
+        model, opt = R.train(make_model, make, inputs, reduction)
+        ref, _ = reference(make_model, make, inputs, reduction, R.world)
+        out[name] = {
+            "vs_single": _diff(model, ref),
+            "spread": R.spread(model),
+            "moved": _diff(model, make_model()),
+            "decompositions": opt._distributed.stats.inversions,
+            "received": opt._distributed.stats.received,
+        }
+    try:
+        R.train(mlp, lambda params: make_ekfac(params, basis_source="current"), data)
+        out["ekfac_current_refused"] = ""
+    except NotImplementedError as error:
+        out["ekfac_current_refused"] = str(error)
+
+    # --- a tied embedding/head: each use's factors averaged, their nearest product made after
+    tokens = token_batches(STEPS)
+
+    def make_tied(params, **kw):
+        return KFAC(params, lr=0.1, damping=1e-2, curvature="kflr", **kw)
+
+    model, opt = R.train(tiny_gpt, make_tied, tokens, flat=True)
+    ref, _ = reference(tiny_gpt, make_tied, tokens, flat=True)
+    out["tied_gpt"] = {
+        "vs_single": _diff(model, ref),
+        "spread": R.spread(model),
+        "moved": _diff(model, tiny_gpt()),
+        "tied": model.head.weight is model.tok.weight,
+    }
+
     # --- Monte-Carlo curvature: independent per-rank samples, identical replicas
     for name, make, attr in (
         (
@@ -488,27 +565,48 @@ def _raw(params, attr):
 TIMEOUT = datetime.timedelta(seconds=300)
 
 
-def _worker(rank, world, port, outdir):
+def _join(rank, world, outdir) -> dist.FileStore:
+    """Join the default group of ``world`` gloo ranks through a ``FileStore`` in ``outdir``
+    (a fresh folder per run): no TCP port is picked, so no other process can take it between
+    picking and binding. Returns the store (:func:`_leave` meets the other ranks there)."""
+    store = dist.FileStore(os.path.join(outdir, "store"), world)
+    store.set_timeout(TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+    return store
+
+
+def _leave(store, rank, world):
+    """End a spawned rank without tearing gloo down while another rank may still use it.
+
+    The garbage (DDP wrappers in reference cycles, holding the group) is freed while the group
+    is alive; a barrier ends the last collective on every rank; then each rank marks itself
+    done in the store (a file, not a socket) and waits for the others' marks, so that no rank
+    leaves while another still waits for its messages. ``os._exit`` then skips the group's
+    destruction and the interpreter's teardown: gloo's C++ destructors, run after
+    ``destroy_process_group`` or at exit, are what aborts a rank at random ("terminate called
+    without an active exception", SIGABRT), and every result is written by then."""
+    gc.collect()
+    dist.barrier()
+    store.set(f"left{rank}", "1")
+    store.wait([f"left{r}" for r in range(world)])
+    os._exit(0)
+
+
+def _worker(rank, world, outdir):
     torch.set_num_threads(1)
     # a rank killed by a signal (SIGABRT from gloo's C++) leaves its Python stack here
     stack = open(os.path.join(outdir, f"rank{rank}.stack"), "w")
     faulthandler.enable(stack, all_threads=True)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=TIMEOUT
-    )
-    result = {"error": "no result"}
+    store = _join(rank, world, outdir)
     try:
         result = {"ok": scenarios(Rank(rank, world))}
-        # no rank tears its connections down while another still reads from them
-        dist.barrier()
     except BaseException:
-        result = {"error": traceback.format_exc()}
-        raise  # mp.spawn reports it with its traceback
-    finally:
         with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-        dist.destroy_process_group()
-    os._exit(0)  # skip the interpreter's teardown (seconds with torch._dynamo loaded)
+            json.dump({"error": traceback.format_exc()}, f)
+        raise  # mp.spawn reports it with its traceback
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    _leave(store, rank, world)
 
 
 def _outcome(outdir, rank) -> str:
@@ -528,7 +626,7 @@ def spawn_ranks(world, outdir, worker=_worker):
     """``mp.spawn`` the ranks; a rank that fails (an exception, a collective that timed out
     after ``TIMEOUT``, a signal) fails with every rank's outcome in the message."""
     try:
-        mp.spawn(worker, args=(world, _free_port(), outdir), nprocs=world, join=True)
+        mp.spawn(worker, args=(world, outdir), nprocs=world, join=True)
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as error:
         outcomes = "\n".join(f"rank {r}: {_outcome(outdir, r)}" for r in range(world))
         raise AssertionError(
@@ -551,12 +649,10 @@ def ranks(request, tmp_path_factory):
     return results
 
 
-def _aborting_worker(rank, world, port, outdir):
+def _aborting_worker(rank, world, outdir):
     """Rank 1 dies of SIGABRT (as gloo's C++ aborts) while rank 0 waits for it."""
     faulthandler.enable(open(os.path.join(outdir, f"rank{rank}.stack"), "w"), all_threads=True)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=TIMEOUT
-    )
+    _join(rank, world, outdir)
     if rank == 1:
         os.abort()
     dist.barrier()
@@ -571,6 +667,8 @@ def test_a_rank_killed_by_a_signal_fails_naming_every_rank_and_its_stack(tmp_pat
 
 
 TOL = 1e-6
+#: EKFAC and tied weights: one process up to round-off
+EXACT = 1e-12
 
 
 @pytest.mark.parametrize(
@@ -641,3 +739,36 @@ def test_process_group_argument(ranks):
         assert result["process_group"]["uses_group"]
         assert result["process_group"]["local_spread"] > 0.0  # rank-local curvature diverges
         assert result["variance_refused"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ekfac_mlp_mean",
+        "ekfac_mlp_sum",
+        "ekfac_cnn_mean",
+        "ekfac_cnn_sum",
+        "ekfac_mlp_one_sided",
+        "tied_gpt",
+    ],
+)
+def test_ekfac_and_tied_weights_equal_one_process(ranks, name):
+    for result in ranks:
+        r = result[name]
+        assert r["vs_single"] < EXACT, r
+        assert r["spread"] == 0.0, r  # bit-identical replicas
+        assert r["moved"] > 1e-3, r
+    assert ranks[0].get("tied_gpt", {}).get("tied", True)
+
+
+def test_ekfac_eigendecompositions_are_spread_over_the_ranks(ranks):
+    # two basis refreshes (steps 0 and 2) of the MLP's 4 parameters, each decomposed once
+    per_rank = [r["ekfac_mlp_mean"]["decompositions"] for r in ranks]
+    assert sum(per_rank) == 2 * 4 and all(n > 0 for n in per_rank), per_rank
+    for r in ranks:
+        assert r["ekfac_mlp_mean"]["decompositions"] + r["ekfac_mlp_mean"]["received"] == 2 * 4
+
+
+def test_ekfac_current_basis_is_refused_under_ddp(ranks):
+    for result in ranks:
+        assert "basis_source='last_refresh'" in result["ekfac_current_refused"]
