@@ -200,10 +200,19 @@ class Rank:
         return max(float((t - every[0]).abs().max()) for t in every)
 
     def train(
-        self, make_model, make_opt, data, reduction="mean", collect=None, closure=False, flat=False
+        self,
+        make_model,
+        make_opt,
+        data,
+        reduction="mean",
+        collect=None,
+        closure=False,
+        flat=False,
+        before_step=None,
     ):
         """DDP training on this rank's shards; returns the inner model and the optimizer.
-        ``flat``: the model's outputs and targets have a sequence dim, flattened for the loss."""
+        ``flat``: the model's outputs and targets have a sequence dim, flattened for the loss;
+        ``before_step(model)`` runs between the backward pass and the step."""
         model = make_model()
         ddp = nn.parallel.DistributedDataParallel(model)
         lossfunc = _loss(reduction, flat)
@@ -224,6 +233,8 @@ class Rank:
             loss = lossfunc(ddp(Xs), ys)
             with collect() if collect else opt.collect():
                 loss.backward()
+            if before_step is not None:
+                before_step(model)
             opt.step()
         return model, opt
 
@@ -237,7 +248,16 @@ def _loss(reduction="mean", flat=False):
     return lambda out, y: lossfunc(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-def reference(make_model, make_opt, data, reduction="mean", world=1, closure=False, flat=False):
+def reference(
+    make_model,
+    make_opt,
+    data,
+    reduction="mean",
+    world=1,
+    closure=False,
+    flat=False,
+    before_step=None,
+):
     """One process on the full batches. DDP's objective is the ranks' mean loss: with
     ``reduction="sum"`` that is the full-batch sum divided by the number of ranks."""
     model = make_model()
@@ -259,6 +279,8 @@ def reference(make_model, make_opt, data, reduction="mean", world=1, closure=Fal
         loss = lossfunc(model(X), y) * scale
         with opt.collect():
             loss.backward()
+        if before_step is not None:
+            before_step(model)
         opt.step()
     return model, opt
 
@@ -545,12 +567,44 @@ def scenarios(R: Rank) -> dict:
         "group_pickle_refused": refused,
     }
 
-    # --- an optimizer whose statistics cannot be averaged refuses to run distributed
-    try:
-        VarianceAdaptedSGD(mlp().parameters(), lr=0.1)
-        out["variance_refused"] = False
-    except NotImplementedError:
-        out["variance_refused"] = True
+    # --- VarianceAdaptedSGD: Σ g² averaged, the variance that of all ranks' samples
+    for reduction in ("mean", "sum"):
+
+        def make_svag(params, **kw):
+            return VarianceAdaptedSGD(params, lr=0.5, momentum=0.5, weight_decay=1e-3, **kw)
+
+        model, _ = R.train(mlp, make_svag, data, reduction)
+        ref, _ = reference(mlp, make_svag, data, reduction, R.world)
+        out[f"svag_{reduction}"] = {
+            "vs_single": _diff(model, ref),
+            "spread": R.spread(model),
+            "moved": _diff(model, mlp()),
+        }
+
+    # ... with the gradient rescaled before the step (clip_grad_norm_: its variance scales)
+    def clip(model):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+
+    def make_svag(params, **kw):
+        return VarianceAdaptedSGD(params, lr=0.5, **kw)
+
+    model, _ = R.train(mlp, make_svag, data, before_step=clip)
+    ref, _ = reference(mlp, make_svag, data, before_step=clip)
+    out["svag_clipped"] = {
+        "vs_single": _diff(model, ref),
+        "spread": R.spread(model),
+        "moved": _diff(model, mlp()),
+    }
+    try:  # ... or changed otherwise: its variance is unknown, on every rank
+        R.train(
+            mlp,
+            make_svag,
+            data,
+            before_step=lambda m: nn.utils.clip_grad_value_(m.parameters(), 1e-3),
+        )
+        out["svag_clip_value_refused"] = ""
+    except RuntimeError as error:
+        out["svag_clip_value_refused"] = str(error)
     return out
 
 
@@ -738,7 +792,6 @@ def test_process_group_argument(ranks):
         assert all(result["copies"].values()), result["copies"]
         assert result["process_group"]["uses_group"]
         assert result["process_group"]["local_spread"] > 0.0  # rank-local curvature diverges
-        assert result["variance_refused"]
 
 
 @pytest.mark.parametrize(
@@ -750,9 +803,12 @@ def test_process_group_argument(ranks):
         "ekfac_cnn_sum",
         "ekfac_mlp_one_sided",
         "tied_gpt",
+        "svag_mean",
+        "svag_sum",
+        "svag_clipped",
     ],
 )
-def test_ekfac_and_tied_weights_equal_one_process(ranks, name):
+def test_ekfac_tied_weights_and_variance_equal_one_process(ranks, name):
     for result in ranks:
         r = result[name]
         assert r["vs_single"] < EXACT, r
@@ -772,3 +828,8 @@ def test_ekfac_eigendecompositions_are_spread_over_the_ranks(ranks):
 def test_ekfac_current_basis_is_refused_under_ddp(ranks):
     for result in ranks:
         assert "basis_source='last_refresh'" in result["ekfac_current_refused"]
+
+
+def test_variance_of_a_gradient_changed_otherwise_raises_on_every_rank(ranks):
+    for result in ranks:
+        assert "other than by a common factor" in result["svag_clip_value_refused"]

@@ -180,6 +180,14 @@ class Averaging:
                 start = stop
         return pieces
 
+    def average(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The rank averages of ``tensors`` (every rank passes the same shapes in the same
+        order), all-reduced in buckets and waited for: new tensors."""
+        return [
+            bucket.get()[offset : offset + shape.numel()].view(shape).clone()
+            for bucket, offset, shape in self._all_reduce(tensors)
+        ]
+
     def averaged(self, param: torch.Tensor, attr: str, value):
         """The rank average of ``value = param.<attr>`` (the same type of value), waiting for
         its bucket; ``value`` itself if it was not launched. The attribute is left as the
