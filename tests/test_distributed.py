@@ -5,27 +5,19 @@ torch, dominates); every rank runs all scenarios below on a ``DistributedDataPar
 float64 with its shard of each batch, computes the single-process reference itself, and writes its
 measurements to a JSON file that the tests read.
 
-The harness (:func:`spawn_ranks`, :func:`_join`, :func:`_leave`) is built not to flake on a loaded
-machine: the ranks meet through a ``FileStore`` in the test's temporary folder (no TCP port to
-pick, so no race for one), collectives wait ``TIMEOUT``, and a rank leaves only after every rank
-has finished its last collective, without tearing gloo down (``os._exit``, see :func:`_leave`).
+The ranks are spawned by ``distributed_harness`` (a ``FileStore`` instead of a TCP port, long
+timeouts, and a teardown that cannot abort: see there).
 """
 
 from __future__ import annotations
 
 import copy
-import datetime
-import faulthandler
-import gc
-import json
 import os
 import pickle
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import curvopt
@@ -39,6 +31,7 @@ from curvopt.optim.distributed import (
     rank_rng,
     resolve,
 )
+from distributed_harness import join, run_rank, spawn_ranks
 from fixtures import zoo
 
 DT = torch.float64
@@ -94,7 +87,7 @@ def test_without_torch_distributed_nothing_changes():
 
 def test_explicit_group_of_one_rank_matches_a_single_process(tmp_path):
     """A one-rank group: averaging and spreading are identities, the trajectory is unchanged."""
-    _join(0, 1, str(tmp_path))
+    join(0, 1, str(tmp_path))
     try:
         assert resolve(None, True, "KFAC") is None  # automatic: one rank is no distribution
         group = DistributedCurvature(bucket_cap_mb=1e-4)  # tiny buckets: one tensor each
@@ -614,99 +607,20 @@ def _raw(params, attr):
         yield from ([value] if isinstance(value, torch.Tensor) else value)
 
 
-#: how long a rank waits for the others in a collective (and at start-up) before gloo raises
-#: "Timed out waiting ...": generous, since on a loaded machine one rank can lag the others
-TIMEOUT = datetime.timedelta(seconds=300)
-
-
-def _join(rank, world, outdir) -> dist.FileStore:
-    """Join the default group of ``world`` gloo ranks through a ``FileStore`` in ``outdir``
-    (a fresh folder per run): no TCP port is picked, so no other process can take it between
-    picking and binding. Returns the store (:func:`_leave` meets the other ranks there)."""
-    store = dist.FileStore(os.path.join(outdir, "store"), world)
-    store.set_timeout(TIMEOUT)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
-    return store
-
-
-def _leave(store, rank, world):
-    """End a spawned rank without tearing gloo down while another rank may still use it.
-
-    The garbage (DDP wrappers in reference cycles, holding the group) is freed while the group
-    is alive; a barrier ends the last collective on every rank; then each rank marks itself
-    done in the store (a file, not a socket) and waits for the others' marks, so that no rank
-    leaves while another still waits for its messages. ``os._exit`` then skips the group's
-    destruction and the interpreter's teardown: gloo's C++ destructors, run after
-    ``destroy_process_group`` or at exit, are what aborts a rank at random ("terminate called
-    without an active exception", SIGABRT), and every result is written by then."""
-    gc.collect()
-    dist.barrier()
-    store.set(f"left{rank}", "1")
-    store.wait([f"left{r}" for r in range(world)])
-    os._exit(0)
-
-
 def _worker(rank, world, outdir):
     torch.set_num_threads(1)
-    # a rank killed by a signal (SIGABRT from gloo's C++) leaves its Python stack here
-    stack = open(os.path.join(outdir, f"rank{rank}.stack"), "w")
-    faulthandler.enable(stack, all_threads=True)
-    store = _join(rank, world, outdir)
-    try:
-        result = {"ok": scenarios(Rank(rank, world))}
-    except BaseException:
-        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-            json.dump({"error": traceback.format_exc()}, f)
-        raise  # mp.spawn reports it with its traceback
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    _leave(store, rank, world)
-
-
-def _outcome(outdir, rank) -> str:
-    """What rank ``rank`` left: its error, or its stack where it died without writing one."""
-    path = os.path.join(outdir, f"rank{rank}.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f).get("error", "finished")
-    stack = os.path.join(outdir, f"rank{rank}.stack")
-    if not os.path.exists(stack):
-        return "failed before it started (see the error above)"
-    with open(stack) as f:
-        return "killed before writing a result; its stack:\n" + (f.read() or "(none)")
-
-
-def spawn_ranks(world, outdir, worker=_worker):
-    """``mp.spawn`` the ranks; a rank that fails (an exception, a collective that timed out
-    after ``TIMEOUT``, a signal) fails with every rank's outcome in the message."""
-    try:
-        mp.spawn(worker, args=(world, outdir), nprocs=world, join=True)
-    except (mp.ProcessExitedException, mp.ProcessRaisedException) as error:
-        outcomes = "\n".join(f"rank {r}: {_outcome(outdir, r)}" for r in range(world))
-        raise AssertionError(
-            f"{world} gloo ranks failed ({error}; collectives time out after {TIMEOUT}):\n"
-            f"{outcomes}"
-        ) from error
+    run_rank(rank, world, outdir, lambda rank, world: scenarios(Rank(rank, world)))
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda k: f"{k}ranks")
 def ranks(request, tmp_path_factory):
     world = request.param
-    outdir = str(tmp_path_factory.mktemp(f"dist{world}"))
-    spawn_ranks(world, outdir)
-    results = []
-    for rank in range(world):
-        with open(os.path.join(outdir, f"rank{rank}.json")) as f:
-            result = json.load(f)
-        assert "ok" in result, result.get("error")
-        results.append(result["ok"])
-    return results
+    return spawn_ranks(world, str(tmp_path_factory.mktemp(f"dist{world}")), _worker)
 
 
 def _aborting_worker(rank, world, outdir):
     """Rank 1 dies of SIGABRT (as gloo's C++ aborts) while rank 0 waits for it."""
-    faulthandler.enable(open(os.path.join(outdir, f"rank{rank}.stack"), "w"), all_threads=True)
-    _join(rank, world, outdir)
+    join(rank, world, outdir)
     if rank == 1:
         os.abort()
     dist.barrier()
