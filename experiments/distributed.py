@@ -98,13 +98,6 @@ def check_distributable(cfg, info: DistInfo) -> None:
     """``SetupError`` if the run ``cfg`` (a ``RunConfig``) cannot run on ``info``'s ranks."""
     if not info.active:
         return
-    if cfg.optimizer == "vsgd":
-        raise SetupError(
-            f"vsgd (VarianceAdaptedSGD) cannot run on {info.world_size} ranks: its per-sample "
-            "gradient variance cannot be recovered from the ranks' averaged gradients, and each "
-            "rank stepping with its own would desynchronize the replicas; run it in one process "
-            "(python -m experiments run ..., without torchrun)"
-        )
     if cfg.batch_size % info.world_size:
         raise SetupError(
             f"batch size {cfg.batch_size} is not divisible by the {info.world_size} ranks: each "

@@ -1,31 +1,28 @@
 """Curvature optimizers over ``torch.distributed`` (``curvopt.optim.distributed``).
 
-The multi-rank checks spawn 2 and 3 gloo ranks on 127.0.0.1 once per world size (start-up,
-mostly importing torch, dominates); every rank runs all scenarios below on a
-``DistributedDataParallel`` model in float64 with its shard of each batch, computes the
-single-process reference itself, and writes its measurements to a JSON file that the tests read.
+The multi-rank checks spawn 2 and 3 gloo ranks once per world size (start-up, mostly importing
+torch, dominates); every rank runs all scenarios below on a ``DistributedDataParallel`` model in
+float64 with its shard of each batch, computes the single-process reference itself, and writes its
+measurements to a JSON file that the tests read.
+
+The ranks are spawned by ``distributed_harness`` (a ``FileStore`` instead of a TCP port, long
+timeouts, and a teardown that cannot abort: see there).
 """
 
 from __future__ import annotations
 
 import copy
-import datetime
-import faulthandler
-import json
 import os
 import pickle
-import socket
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.optim import KFAC, DiagGGNNewton, LevenbergMarquardt, VarianceAdaptedSGD
+from curvopt.optim import EKFAC, KFAC, DiagGGNNewton, LevenbergMarquardt, VarianceAdaptedSGD
 from curvopt.optim.distributed import (
     DistributedCurvature,
     assign_owners,
@@ -34,10 +31,13 @@ from curvopt.optim.distributed import (
     rank_rng,
     resolve,
 )
+from distributed_harness import join, run_rank, spawn_ranks
+from fixtures import zoo
 
 DT = torch.float64
 N = 12  # batch size: shards of 6 (2 ranks) and 4 (3 ranks)
 STEPS = 4
+VOCAB = 7
 
 
 # ----------------------------------------------------------------------------- in-process
@@ -85,17 +85,9 @@ def test_without_torch_distributed_nothing_changes():
         DistributedCurvature()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_explicit_group_of_one_rank_matches_a_single_process():
+def test_explicit_group_of_one_rank_matches_a_single_process(tmp_path):
     """A one-rank group: averaging and spreading are identities, the trajectory is unchanged."""
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-    )
+    join(0, 1, str(tmp_path))
     try:
         assert resolve(None, True, "KFAC") is None  # automatic: one rank is no distribution
         group = DistributedCurvature(bucket_cap_mb=1e-4)  # tiny buckets: one tensor each
@@ -156,6 +148,20 @@ def grouped_cnn(seed=0):
     )
 
 
+def tiny_gpt(seed=0):
+    """A GPT-style decoder whose output layer's weight *is* the token embedding's."""
+    torch.manual_seed(seed)
+    return curvopt.extend(zoo.GPT(vocab=VOCAB, t_max=4).to(DT))
+
+
+def token_batches(steps, seed=1):
+    """Sequences of 4 tokens and their next tokens (every position counted: equal shards
+    of the loss's divisor)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, VOCAB, (N, 5), generator=g) for _ in range(steps)]
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
 def batches(steps, image=False, seed=1):
     g = torch.Generator().manual_seed(seed)
     shape = (N, 2, 6, 6) if image else (N, 5)
@@ -186,11 +192,23 @@ class Rank:
         dist.all_gather(every, mine)
         return max(float((t - every[0]).abs().max()) for t in every)
 
-    def train(self, make_model, make_opt, data, reduction="mean", collect=None, closure=False):
-        """DDP training on this rank's shards; returns the inner model and the optimizer."""
+    def train(
+        self,
+        make_model,
+        make_opt,
+        data,
+        reduction="mean",
+        collect=None,
+        closure=False,
+        flat=False,
+        before_step=None,
+    ):
+        """DDP training on this rank's shards; returns the inner model and the optimizer.
+        ``flat``: the model's outputs and targets have a sequence dim, flattened for the loss;
+        ``before_step(model)`` runs between the backward pass and the step."""
         model = make_model()
         ddp = nn.parallel.DistributedDataParallel(model)
-        lossfunc = curvopt.extend(nn.CrossEntropyLoss(reduction=reduction))
+        lossfunc = _loss(reduction, flat)
         opt = make_opt(model.parameters())
         for X, y in data:
             Xs, ys = self.shard(X, y)
@@ -208,15 +226,35 @@ class Rank:
             loss = lossfunc(ddp(Xs), ys)
             with collect() if collect else opt.collect():
                 loss.backward()
+            if before_step is not None:
+                before_step(model)
             opt.step()
         return model, opt
 
 
-def reference(make_model, make_opt, data, reduction="mean", world=1, closure=False):
+def _loss(reduction="mean", flat=False):
+    """The extended cross-entropy as a function of the outputs and targets (``flat``: of
+    ``[n, T, V]`` logits and ``[n, T]`` tokens, flattened)."""
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss(reduction=reduction))
+    if not flat:
+        return lossfunc
+    return lambda out, y: lossfunc(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def reference(
+    make_model,
+    make_opt,
+    data,
+    reduction="mean",
+    world=1,
+    closure=False,
+    flat=False,
+    before_step=None,
+):
     """One process on the full batches. DDP's objective is the ranks' mean loss: with
     ``reduction="sum"`` that is the full-batch sum divided by the number of ranks."""
     model = make_model()
-    lossfunc = curvopt.extend(nn.CrossEntropyLoss(reduction=reduction))
+    lossfunc = _loss(reduction, flat)
     opt = make_opt(model.parameters(), process_group=False)
     scale = 1.0 / world if reduction == "sum" else 1.0
     for X, y in data:
@@ -234,6 +272,8 @@ def reference(make_model, make_opt, data, reduction="mean", world=1, closure=Fal
         loss = lossfunc(model(X), y) * scale
         with opt.collect():
             loss.backward()
+        if before_step is not None:
+            before_step(model)
         opt.step()
     return model, opt
 
@@ -374,6 +414,58 @@ def scenarios(R: Rank) -> dict:
         "damping_single": ref_opt.damping(),
     }
 
+    # --- EKFAC: S averaged in the bases every rank shares, factors averaged for the next
+    # bases, their eigendecompositions spread; basis_interval=2 refreshes at steps 0 and 2
+    def make_ekfac(params, **kw):
+        return EKFAC(
+            params,
+            lr=0.2,
+            damping=1e-2,
+            curvature="kflr",
+            basis_interval=2,
+            weight_decay=1e-3,
+            momentum=0.3,
+            **kw,
+        )
+
+    cases = [(f"ekfac_mlp_{r}", mlp, data, r, {}) for r in ("mean", "sum")]
+    cases += [(f"ekfac_cnn_{r}", cnn, images, r, {}) for r in ("mean", "sum")]
+    cases.append(("ekfac_mlp_one_sided", mlp, data, "mean", {"max_basis_dim": 5}))
+    for name, make_model, inputs, reduction, options in cases:
+
+        def make(params, options=options, **kw):
+            return make_ekfac(params, **options, **kw)
+
+        model, opt = R.train(make_model, make, inputs, reduction)
+        ref, _ = reference(make_model, make, inputs, reduction, R.world)
+        out[name] = {
+            "vs_single": _diff(model, ref),
+            "spread": R.spread(model),
+            "moved": _diff(model, make_model()),
+            "decompositions": opt._distributed.stats.inversions,
+            "received": opt._distributed.stats.received,
+        }
+    try:
+        R.train(mlp, lambda params: make_ekfac(params, basis_source="current"), data)
+        out["ekfac_current_refused"] = ""
+    except NotImplementedError as error:
+        out["ekfac_current_refused"] = str(error)
+
+    # --- a tied embedding/head: each use's factors averaged, their nearest product made after
+    tokens = token_batches(STEPS)
+
+    def make_tied(params, **kw):
+        return KFAC(params, lr=0.1, damping=1e-2, curvature="kflr", **kw)
+
+    model, opt = R.train(tiny_gpt, make_tied, tokens, flat=True)
+    ref, _ = reference(tiny_gpt, make_tied, tokens, flat=True)
+    out["tied_gpt"] = {
+        "vs_single": _diff(model, ref),
+        "spread": R.spread(model),
+        "moved": _diff(model, tiny_gpt()),
+        "tied": model.head.weight is model.tok.weight,
+    }
+
     # --- Monte-Carlo curvature: independent per-rank samples, identical replicas
     for name, make, attr in (
         (
@@ -468,12 +560,44 @@ def scenarios(R: Rank) -> dict:
         "group_pickle_refused": refused,
     }
 
-    # --- an optimizer whose statistics cannot be averaged refuses to run distributed
-    try:
-        VarianceAdaptedSGD(mlp().parameters(), lr=0.1)
-        out["variance_refused"] = False
-    except NotImplementedError:
-        out["variance_refused"] = True
+    # --- VarianceAdaptedSGD: Σ g² averaged, the variance that of all ranks' samples
+    for reduction in ("mean", "sum"):
+
+        def make_svag(params, **kw):
+            return VarianceAdaptedSGD(params, lr=0.5, momentum=0.5, weight_decay=1e-3, **kw)
+
+        model, _ = R.train(mlp, make_svag, data, reduction)
+        ref, _ = reference(mlp, make_svag, data, reduction, R.world)
+        out[f"svag_{reduction}"] = {
+            "vs_single": _diff(model, ref),
+            "spread": R.spread(model),
+            "moved": _diff(model, mlp()),
+        }
+
+    # ... with the gradient rescaled before the step (clip_grad_norm_: its variance scales)
+    def clip(model):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+
+    def make_svag(params, **kw):
+        return VarianceAdaptedSGD(params, lr=0.5, **kw)
+
+    model, _ = R.train(mlp, make_svag, data, before_step=clip)
+    ref, _ = reference(mlp, make_svag, data, before_step=clip)
+    out["svag_clipped"] = {
+        "vs_single": _diff(model, ref),
+        "spread": R.spread(model),
+        "moved": _diff(model, mlp()),
+    }
+    try:  # ... or changed otherwise: its variance is unknown, on every rank
+        R.train(
+            mlp,
+            make_svag,
+            data,
+            before_step=lambda m: nn.utils.clip_grad_value_(m.parameters(), 1e-3),
+        )
+        out["svag_clip_value_refused"] = ""
+    except RuntimeError as error:
+        out["svag_clip_value_refused"] = str(error)
     return out
 
 
@@ -483,80 +607,20 @@ def _raw(params, attr):
         yield from ([value] if isinstance(value, torch.Tensor) else value)
 
 
-#: how long a rank waits for the others in a collective (and at start-up) before gloo raises
-#: "Timed out waiting ...": generous, since on a loaded machine one rank can lag the others
-TIMEOUT = datetime.timedelta(seconds=300)
-
-
-def _worker(rank, world, port, outdir):
+def _worker(rank, world, outdir):
     torch.set_num_threads(1)
-    # a rank killed by a signal (SIGABRT from gloo's C++) leaves its Python stack here
-    stack = open(os.path.join(outdir, f"rank{rank}.stack"), "w")
-    faulthandler.enable(stack, all_threads=True)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=TIMEOUT
-    )
-    result = {"error": "no result"}
-    try:
-        result = {"ok": scenarios(Rank(rank, world))}
-        # no rank tears its connections down while another still reads from them
-        dist.barrier()
-    except BaseException:
-        result = {"error": traceback.format_exc()}
-        raise  # mp.spawn reports it with its traceback
-    finally:
-        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-        dist.destroy_process_group()
-    os._exit(0)  # skip the interpreter's teardown (seconds with torch._dynamo loaded)
-
-
-def _outcome(outdir, rank) -> str:
-    """What rank ``rank`` left: its error, or its stack where it died without writing one."""
-    path = os.path.join(outdir, f"rank{rank}.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f).get("error", "finished")
-    stack = os.path.join(outdir, f"rank{rank}.stack")
-    if not os.path.exists(stack):
-        return "failed before it started (see the error above)"
-    with open(stack) as f:
-        return "killed before writing a result; its stack:\n" + (f.read() or "(none)")
-
-
-def spawn_ranks(world, outdir, worker=_worker):
-    """``mp.spawn`` the ranks; a rank that fails (an exception, a collective that timed out
-    after ``TIMEOUT``, a signal) fails with every rank's outcome in the message."""
-    try:
-        mp.spawn(worker, args=(world, _free_port(), outdir), nprocs=world, join=True)
-    except (mp.ProcessExitedException, mp.ProcessRaisedException) as error:
-        outcomes = "\n".join(f"rank {r}: {_outcome(outdir, r)}" for r in range(world))
-        raise AssertionError(
-            f"{world} gloo ranks failed ({error}; collectives time out after {TIMEOUT}):\n"
-            f"{outcomes}"
-        ) from error
+    run_rank(rank, world, outdir, lambda rank, world: scenarios(Rank(rank, world)))
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda k: f"{k}ranks")
 def ranks(request, tmp_path_factory):
     world = request.param
-    outdir = str(tmp_path_factory.mktemp(f"dist{world}"))
-    spawn_ranks(world, outdir)
-    results = []
-    for rank in range(world):
-        with open(os.path.join(outdir, f"rank{rank}.json")) as f:
-            result = json.load(f)
-        assert "ok" in result, result.get("error")
-        results.append(result["ok"])
-    return results
+    return spawn_ranks(world, str(tmp_path_factory.mktemp(f"dist{world}")), _worker)
 
 
-def _aborting_worker(rank, world, port, outdir):
+def _aborting_worker(rank, world, outdir):
     """Rank 1 dies of SIGABRT (as gloo's C++ aborts) while rank 0 waits for it."""
-    faulthandler.enable(open(os.path.join(outdir, f"rank{rank}.stack"), "w"), all_threads=True)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=TIMEOUT
-    )
+    join(rank, world, outdir)
     if rank == 1:
         os.abort()
     dist.barrier()
@@ -571,6 +635,8 @@ def test_a_rank_killed_by_a_signal_fails_naming_every_rank_and_its_stack(tmp_pat
 
 
 TOL = 1e-6
+#: EKFAC and tied weights: one process up to round-off
+EXACT = 1e-12
 
 
 @pytest.mark.parametrize(
@@ -640,4 +706,44 @@ def test_process_group_argument(ranks):
         assert all(result["copies"].values()), result["copies"]
         assert result["process_group"]["uses_group"]
         assert result["process_group"]["local_spread"] > 0.0  # rank-local curvature diverges
-        assert result["variance_refused"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ekfac_mlp_mean",
+        "ekfac_mlp_sum",
+        "ekfac_cnn_mean",
+        "ekfac_cnn_sum",
+        "ekfac_mlp_one_sided",
+        "tied_gpt",
+        "svag_mean",
+        "svag_sum",
+        "svag_clipped",
+    ],
+)
+def test_ekfac_tied_weights_and_variance_equal_one_process(ranks, name):
+    for result in ranks:
+        r = result[name]
+        assert r["vs_single"] < EXACT, r
+        assert r["spread"] == 0.0, r  # bit-identical replicas
+        assert r["moved"] > 1e-3, r
+    assert ranks[0].get("tied_gpt", {}).get("tied", True)
+
+
+def test_ekfac_eigendecompositions_are_spread_over_the_ranks(ranks):
+    # two basis refreshes (steps 0 and 2) of the MLP's 4 parameters, each decomposed once
+    per_rank = [r["ekfac_mlp_mean"]["decompositions"] for r in ranks]
+    assert sum(per_rank) == 2 * 4 and all(n > 0 for n in per_rank), per_rank
+    for r in ranks:
+        assert r["ekfac_mlp_mean"]["decompositions"] + r["ekfac_mlp_mean"]["received"] == 2 * 4
+
+
+def test_ekfac_current_basis_is_refused_under_ddp(ranks):
+    for result in ranks:
+        assert "basis_source='last_refresh'" in result["ekfac_current_refused"]
+
+
+def test_variance_of_a_gradient_changed_otherwise_raises_on_every_rank(ranks):
+    for result in ranks:
+        assert "other than by a common factor" in result["svag_clip_value_refused"]

@@ -14,6 +14,15 @@ steps): the eigenvectors of that window's summed Kronecker factors, collected be
 give one batch's step. With the paper's ``basis_source="current"`` a basis step's pass
 computes fresh bases from its own factors (under gradient accumulation: its first
 micro-batch's), and the other curvature steps supply the current ones.
+
+Under ``torch.distributed`` (``basis_source="last_refresh"``; see ``docs/distributed.md``)
+every rank's pass rotates into the same supplied bases, so ``S``, a sum over samples, is
+averaged over the ranks as the other curvature is (``optim.distributed.common.summands``: ``S``
+alone); the factors of a basis step are averaged, and the eigendecompositions of the next
+bases are spread over the ranks, each computed on one and broadcast (:meth:`EKFAC._spread_bases`).
+``basis_source="current"`` raises there: a basis step's pass makes its bases from its own
+rank's factors, in the middle of the backward pass, so the ranks' ``S`` would be in different
+bases.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+import torch
+
 from curvopt import extensions
 from curvopt.inversion.eigen_corrected import (
     as_rows,
@@ -29,11 +40,13 @@ from curvopt.inversion.eigen_corrected import (
     eigen_corrected_solve,
 )
 from curvopt.core import values
+from curvopt.core.psd import working_dtype
+from curvopt.optim.distributed import Job, inversion_cost
 from curvopt.optim.fallback import DiagonalFallback
 from curvopt.inversion.inverses import EigenCorrectedInverse
 from curvopt.optim.newton import NewtonOptimizer
 from curvopt.optim.plan import buckets, refresh_interval, shape_key, stacked_matrices, unstacked
-from curvopt.optim.one_sided import is_one_sided, kept, next_bases, supplied
+from curvopt.optim.one_sided import is_one_sided, is_wider, kept, next_bases, supplied
 from curvopt.optim.options import (
     BASIS_REFRESH,
     KFAC_APPROX,
@@ -194,8 +207,6 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         True
     """
 
-    _distributable = False  # torch.distributed raises NotImplementedError (not wired up yet)
-
     Options = EKFACOptions
 
     # ----------------------------------------------------------------- what to collect
@@ -251,6 +262,8 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         also their factors, whose eigenvectors are the basis of the next steps
         (:mod:`curvopt.optim.one_sided`)."""
         needs = super()._needs(group, group_state)
+        if needs and self._distributed is not None:
+            self._check_distributable(group)
         wide = [p for p in group["params"] if self._lagged(p, group)]
         lacking = any("bases_next" not in self.state.get(p, {}) for p in wide)
         if needs and wide and (lacking or self._basis_due(group, group_state["step"])):
@@ -284,7 +297,7 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
             factors = values.plain(self._read(update, name, extension, None))
             update.checks += [(f"`{name}`", f) for f in factors]
             warm = pending if group["basis_refresh"] == "warm" else None
-            pending = next_bases(factors, max_dim, warm)
+            pending = self._next_bases(factors, max_dim, warm)
         update.state["bases_next"] = pending
         return curvature
 
@@ -343,6 +356,45 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
             stacklevel=5,
         )
 
+    # ----------------------------------------------------------------- torch.distributed
+    def _check_distributable(self, group) -> None:
+        """Raise where a parameter of ``group`` would get fresh bases from its rank's own
+        factors (``basis_source="current"``, a side within ``max_basis_dim``)."""
+        if any(not self._lagged(p, group) for p in group["params"] if p.requires_grad):
+            raise NotImplementedError(
+                "EKFAC: basis_source='current' under torch.distributed would make each rank's "
+                "eigenbasis from its own shard's factors during the backward pass, so the "
+                "ranks' S could not be averaged. Pass basis_source='last_refresh' (the default: "
+                "the basis of the last refresh's averaged factors, from the next step on)."
+            )
+
+    def _next_bases(self, factors, max_dim, warm):
+        """``next_bases(factors, max_dim, warm)`` (the eigenvectors of the averaged factors of a
+        basis step, warm from the last refresh's bases ``warm`` where given); under
+        ``torch.distributed`` a :class:`_Decomposition` that :meth:`_spread_bases` computes on
+        one rank and broadcasts."""
+        if self._distributed is None:
+            return next_bases(factors, max_dim, warm)
+        return _Decomposition(list(factors), max_dim, warm)
+
+    def _plan_group(self, group, group_state, with_model):
+        """As in ``NewtonOptimizer``; under ``torch.distributed`` the next bases of the group's
+        basis step then spread over the ranks (:meth:`_spread_bases`)."""
+        updates, predicted = super()._plan_group(group, group_state, with_model)
+        if self._distributed is not None:
+            self._spread_bases(updates)
+        return updates, predicted
+
+    def _spread_bases(self, updates) -> None:
+        """The eigendecompositions of the next bases (the :class:`_Decomposition` in the updates'
+        state), each computed on one rank, balanced by ``Σ dim³``, and broadcast: every rank
+        holds the same bases, so the next pass's ``S`` are in one basis."""
+        due = [u for u in updates if isinstance(u.state.get("bases_next"), _Decomposition)]
+        jobs = [u.state["bases_next"].job(u.description) for u in due]
+        for update, found in zip(due, self._distributed.spread(jobs)):
+            pending = update.state["bases_next"].pending(found)
+            update.state = {**update.state, "bases_next": pending}
+
     # ----------------------------------------------------------------- the step
     def _directions(self, items, step):
         """The damped direction of each of ``items``; on an accelerator (``_batches``) the
@@ -398,3 +450,37 @@ def _bucket(item, step):
     if not bases or item.grad.is_sparse or not all(b.dim() == 2 for b in bases):
         return None
     return id(step.group), shape_key([correction, *bases]), item.grad.dtype
+
+
+@dataclass
+class _Decomposition:
+    """The next bases of a parameter under ``torch.distributed``, not yet computed: the
+    eigenvectors of its ``factors`` within ``max_dim``, warm from ``previous`` where given
+    (``one_sided.next_bases``)."""
+
+    factors: list
+    max_dim: int | None
+    previous: list | None = None
+
+    def _decomposed(self) -> list:
+        return [f for f in self.factors if not is_wider(f.shape[-1], self.max_dim)]
+
+    def job(self, description: str) -> Job:
+        """The eigendecompositions as a ``Job`` for ``DistributedCurvature.spread``."""
+        decomposed = self._decomposed()
+        return Job(
+            description,
+            lambda: [
+                b for b in next_bases(self.factors, self.max_dim, self.previous) if b is not None
+            ],
+            lambda: [
+                torch.empty(f.shape, dtype=working_dtype(f.dtype), device=f.device)
+                for f in decomposed
+            ],
+            inversion_cost(decomposed),
+        )
+
+    def pending(self, found: list) -> list:
+        """``next_bases``' value from the job's result ``found``: None for the wide sides."""
+        found = iter(found)
+        return [None if is_wider(f.shape[-1], self.max_dim) else next(found) for f in self.factors]

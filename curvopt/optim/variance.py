@@ -40,6 +40,16 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
     is M-SVAG. When all per-sample gradients agree, ``s = 0`` and ``γ = 1``: the step is SGD's
     (``torch.optim.SGD(lr)`` for ``β = 0``, SGD on the bias-corrected average ``m`` otherwise).
 
+    Under ``torch.distributed`` (a ``DistributedDataParallel`` model, ``process_group=`` as for
+    ``KFAC``) the variance is that of all ranks' samples, as one process on their concatenated
+    batch would find it: with ``K`` ranks of ``n`` samples each (``N = K n``), the per-sample
+    gradients of DDP's objective (the ranks' mean loss) are the ranks' own ``g_n / K``, so
+    ``σ² = (1/N) Σ_n (g_n / K)² − (ḡ / N)²`` with ``Σ_n g_n²`` the rank average of each rank's
+    ``p.sum_grad_squared`` times ``K`` (``SumGradSquared()`` replaces ``Variance()`` there) and
+    ``ḡ`` the gradient DDP averaged. The gradients the backward passes left are averaged too
+    (as DDP averages them, a second all-reduce of the gradient's size) to recognise a rescaled
+    gradient. All ranks need shards of the same size (else the averaging raises).
+
     A gradient rescaled between the backward pass and ``step`` (``clip_grad_norm_``:
     ``p.grad = c · Σ_n g_n``) is the sum of the rescaled per-sample gradients ``c g_n``, whose
     variance is ``c² s``: the step uses that (:func:`rescaling`). A gradient changed otherwise
@@ -78,6 +88,7 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
     """
 
     Options = VarianceAdaptedOptions
+    _distributable = True
 
     def add_param_group(self, param_group):
         """As in ``torch.optim``; also remembers each new parameter's gradient as the backward
@@ -101,24 +112,34 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
 
         self._hooks[param] = param.register_post_accumulate_grad_hook(remember)
 
+    def _moment(self) -> tuple[str, str]:
+        """The attribute (and its extension) the variance comes from: ``variance`` in one
+        process, ``sum_grad_squared`` under ``torch.distributed`` (it adds over ranks)."""
+        if self._distributed is None:
+            return "variance", "Variance"
+        return "sum_grad_squared", "SumGradSquared"
+
     def _needs(self, group, group_state):
-        return [("variance", {}), ("batch_l2", {})]
+        return [(self._moment()[0], {}), ("batch_l2", {})]
 
     def _plan_group(self, group, group_state, with_model):
         beta = group["momentum"]
         updates = []
-        unused = self._unused(group["params"], ("variance", "batch_l2"))
+        attr, extension = self._moment()
+        unused = self._unused(group["params"], (attr, "batch_l2"))
+        seen = self._seen([p for p in group["params"] if id(p) not in unused])
         for index, param in enumerate(group["params"]):
             if id(param) in unused:
                 continue
             state = self.state.get(param, {})
             update = ParamUpdate(param, self._describe(group, index, param))
-            variance = self._read(update, "variance", "Variance", None)
+            moment = self._read(update, attr, extension, None)
             batch_l2 = self._read(update, "batch_l2", "BatchL2Grad", None)
-            update.checks += [("gradient", param.grad), ("`variance`", variance)]
-            n = batch_l2.shape[0]
+            update.checks += [("gradient", param.grad), (f"`{attr}`", moment)]
+            collected, slack = seen.get(param, (None, 0.0))
+            variance, n = self._variance(moment, batch_l2.shape[0], param, collected)
             divided = self._loss_scale.divided_already  # by scaler.unscale_, in place
-            scale = rescaling(param.grad, self._collected.get(param), update.description, divided)
+            scale = rescaling(param.grad, collected, update.description, divided, slack)
             noise = variance * (scale * n * n / (n - 1)) if n > 1 else torch.zeros_like(variance)
 
             grad = add_weight_decay(self._grad(param), param, group["weight_decay"])
@@ -136,6 +157,43 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
             updates.append(update)
         return updates, 0.0
 
+    def _seen(self, params) -> dict:
+        """Per parameter the gradient its backward passes left (``rescaling``'s ``collected``)
+        and the rounding allowed when comparing it with ``p.grad`` (``slack``). Under
+        ``torch.distributed``: the rank averages of the ranks' own gradients (in one all-reduce
+        with their absolute values): DDP's gradient up to the order of the sums, whose rounding
+        is at most ``2 K ε`` times the average of the absolute values."""
+        seen = {p: self._collected[p] for p in params if p in self._collected}
+        if self._distributed is None or not seen:
+            return {p: (c, 0.0) for p, c in seen.items()}
+        copies = [c[0] for c in seen.values()]
+        averages = self._distributed.average(copies + [c.abs() for c in copies])
+        world, count = self._distributed.world_size, len(copies)
+        result = {}
+        for i, (param, (_, written, version)) in enumerate(seen.items()):
+            mean, size = averages[i], averages[count + i]
+            eps = torch.finfo(mean.dtype).eps if mean.dtype.is_floating_point else 0.0
+            result[param] = ((mean, written, version), size * (2 * world * eps))
+        return result
+
+    def _variance(self, moment, n: int, param, collected) -> tuple[torch.Tensor, int]:
+        """``(σ², N)``: the variance of ``param``'s per-sample gradients and their number. In
+        one process ``moment`` is ``p.variance`` over the ``n`` samples; under
+        ``torch.distributed`` it is the rank average of ``Σ g²`` over each rank's ``n``, and
+        ``σ² = (Σ_n (g_n / K)²) / N − (ḡ / N)²`` over all ``N = K n`` samples, ``ḡ`` the
+        averaged gradient of the backward passes (``collected``; ``p.grad`` where none was
+        seen), without loss scale."""
+        if self._distributed is None:
+            return moment, n
+        world = self._distributed.world_size
+        count = n * world
+        if collected is None:
+            grad = self._grad(param)
+        else:
+            grad = collected[0] / (self._loss_scale.values or 1.0)
+        mean = grad / count
+        return (moment / world / count).sub_(mean * mean), count
+
     def step(self, closure=None):
         """As :meth:`CurvatureOptimizer.step`; the remembered gradients are dropped after."""
         try:
@@ -151,7 +209,9 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
                 self._watch(param)
 
 
-def rescaling(grad: torch.Tensor, collected, description: str, divided: float = 1.0) -> float:
+def rescaling(
+    grad: torch.Tensor, collected, description: str, divided: float = 1.0, slack=0.0
+) -> float:
     """``c²`` for ``grad = c · g₀``, ``g₀`` the gradient the backward pass left (``collected``:
     its copy, a weak reference to the tensor it was written to, and that tensor's version)
     divided by ``divided`` (a ``GradScaler``'s scale after ``unscale_``, which divides in place
@@ -159,7 +219,9 @@ def rescaling(grad: torch.Tensor, collected, description: str, divided: float = 
 
     ``c² = 1`` when ``grad`` is that very tensor, unchanged (or no backward pass was seen).
     Otherwise ``c = ⟨grad, g₀⟩ / ‖g₀‖²`` (in float64), and ``grad`` must equal ``c g₀`` up to the
-    rounding of one product per entry (``|grad − c g₀| ≤ 8 ε (|grad| + |c g₀|)``); else
+    rounding of one product per entry and ``|c|`` times ``slack`` (per entry: the rounding by
+    which ``g₀`` may differ from the gradient as it was written, e.g. a rank average summed in
+    another order), ``|grad − c g₀| ≤ 8 ε (|grad| + |c g₀|) + |c| slack``; else
     ``RuntimeError``: the gradient was changed other than by a common factor.
     """
     if collected is None:
@@ -174,6 +236,8 @@ def rescaling(grad: torch.Tensor, collected, description: str, divided: float = 
     eps = torch.finfo(grad.dtype).eps if grad.dtype.is_floating_point else 0.0
     residual = (new - scale * old).abs()
     bound = 8 * eps * (new.abs() + abs(scale) * old.abs())
+    if isinstance(slack, torch.Tensor):
+        bound = bound + abs(scale) * (slack.double() / divided)
     if not bool((residual <= bound).all()) and bool(new.isfinite().all()):
         raise RuntimeError(
             f"VarianceAdaptedSGD: the gradient of {description} was changed after the backward "

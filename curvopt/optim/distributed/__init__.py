@@ -113,6 +113,10 @@ class DistributedCurvature:
         """See :meth:`Averaging.launch`."""
         self.averaging.launch(targets)
 
+    def average(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """See :meth:`Averaging.average`."""
+        return self.averaging.average(tensors)
+
     def averaged(self, param: torch.Tensor, attr: str, value):
         """See :meth:`Averaging.averaged`."""
         return self.averaging.averaged(param, attr, value)
@@ -151,8 +155,9 @@ def resolve(process_group, supported: bool, name: str) -> DistributedCurvature |
     if not supported:
         raise NotImplementedError(
             f"{name} does not support torch.distributed: it would read each rank's own "
-            "statistics and the replicas would take different steps. Use DiagGGNNewton or KFAC, "
-            "or create it before torch.distributed.init_process_group / in a single process"
+            "statistics and the replicas would take different steps. Use DiagGGNNewton, KFAC, "
+            "EKFAC or VarianceAdaptedSGD, or create it before "
+            "torch.distributed.init_process_group / in a single process"
         )
     if isinstance(process_group, DistributedCurvature):
         return process_group

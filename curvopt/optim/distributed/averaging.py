@@ -3,7 +3,10 @@
 After the backward pass (when ``opt.collect()`` exits) the quantities are flattened into a few
 buckets of at most ``bucket_cap`` bytes and all-reduced asynchronously; a bucket is waited for
 only when the first parameter in it is read, and the sum divided by the number of ranks ``K``:
-the curvature of the objective DDP optimizes, ``(1/K) Σ_k L_k``.
+the curvature of the objective DDP optimizes, ``(1/K) Σ_k L_k``. What is all-reduced of a
+typed value is :func:`~.common.summands`: ``EKFAC``'s ``S`` without its (shared) bases, each
+call's factors of a weight used by several calls (a tied embedding and head), whose nearest
+Kronecker product is made again from their averages.
 
 Monte-Carlo curvature: inside the collecting block the random generators (CPU, and the CUDA
 device of the parameters) are re-seeded with ``seed + rank``, ``seed`` drawn from the global
@@ -22,7 +25,14 @@ import torch.distributed as dist
 
 from curvopt.core import values
 
-from curvopt.optim.distributed.common import CommStats, by_kind, control, leaves, nbytes, rebuild
+from curvopt.optim.distributed.common import (
+    CommStats,
+    by_kind,
+    control,
+    from_summands,
+    nbytes,
+    summands,
+)
 
 Target = tuple[torch.Tensor, str]  # (parameter, attribute)
 
@@ -115,7 +125,7 @@ class Averaging:
         if not targets:
             return
         found = [values.read(p, attr) for p, attr in targets]
-        tensors = [[] if v is None else leaves(v) for v in found]
+        tensors = [[] if v is None else summands(v) for v in found]
         self._check_presence(targets, found, tensors)
         flat = [t for ts in tensors for t in ts]
         pieces = self._all_reduce(flat)
@@ -170,6 +180,14 @@ class Averaging:
                 start = stop
         return pieces
 
+    def average(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The rank averages of ``tensors`` (every rank passes the same shapes in the same
+        order), all-reduced in buckets and waited for: new tensors."""
+        return [
+            bucket.get()[offset : offset + shape.numel()].view(shape).clone()
+            for bucket, offset, shape in self._all_reduce(tensors)
+        ]
+
     def averaged(self, param: torch.Tensor, attr: str, value):
         """The rank average of ``value = param.<attr>`` (the same type of value), waiting for
         its bucket; ``value`` itself if it was not launched. The attribute is left as the
@@ -186,6 +204,6 @@ class Averaging:
             bucket.get()[offset : offset + shape.numel()].view(shape).clone()
             for bucket, offset, shape in slot.pieces
         )
-        average = rebuild(value, new_leaves)
+        average = from_summands(value, new_leaves)
         self._averaged[key] = (value, average)
         return average

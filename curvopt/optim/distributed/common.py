@@ -1,5 +1,6 @@
-"""What the parts of :mod:`curvopt.optim.distributed` share: the counters of the collectives
-and the flattening of nested tensor values into flat buffers."""
+"""What the parts of :mod:`curvopt.optim.distributed` share: the counters of the collectives,
+the flattening of nested tensor values into flat buffers, and the tensors of a typed value
+(``curvopt.core.values``) that its rank average is made from (:func:`summands`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from curvopt.core.values import EigenCorrected, KroneckerFactors
 
 
 @dataclass
@@ -57,6 +60,40 @@ def rebuild(tree, new_leaves):
         result[:] = items
         return result
     return type(tree)(items)
+
+
+def summands(value) -> list[torch.Tensor]:
+    """The tensors of ``value`` whose rank averages make its average (:func:`from_summands`).
+
+    * ``EigenCorrected`` ``[S, *bases]``: ``S`` alone. It is a sum over samples
+      (``c · Σ_n (Q_0ᵀ G_n Q_1)²``, ``c`` the loss's divisor) in bases every rank shares, so
+      the average of the ranks' ``S`` over equal shards is the ``S`` of all their samples; the
+      bases are the same on every rank and stay as they are.
+    * ``KroneckerFactors`` with ``uses`` (a weight used by several calls: a tied embedding and
+      head): each call's own factors. Their averages are the full batch's (as one call's
+      factors), and the nearest Kronecker product is made again from them; the average of the
+      ranks' products would not be the product of the full batch (it is not linear).
+    * anything else: all its tensors (:func:`leaves`).
+    """
+    if isinstance(value, EigenCorrected):
+        return [value.eigenvalues]
+    uses = getattr(value, "uses", None)
+    if isinstance(value, KroneckerFactors) and uses:
+        return [t for use in uses.values() for t in summands(use)]
+    return leaves(value)
+
+
+def from_summands(value, new_summands):
+    """``value`` made from the averages of its :func:`summands` (``new_summands``, an iterator
+    over them in order): the same type, attributes and structure."""
+    if isinstance(value, EigenCorrected):
+        return value.replaced([next(new_summands), *value.bases])
+    uses = getattr(value, "uses", None)
+    if isinstance(value, KroneckerFactors) and uses:
+        return KroneckerFactors.of_uses(
+            {name: from_summands(use, new_summands) for name, use in uses.items()}
+        )
+    return rebuild(value, new_summands)
 
 
 def by_kind(tensors: Sequence[torch.Tensor]) -> dict[tuple, list[int]]:
