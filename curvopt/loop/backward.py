@@ -39,6 +39,7 @@ from curvopt.engine.curvature import CurvaturePass
 from curvopt.guards.flow import FlowCheck
 from curvopt.core.extended import live_calls
 from curvopt.core.params import tied
+from curvopt.core.sharded import sharded_index
 from curvopt.guards.participation import Participation
 from curvopt.guards.pass_guards import autocast_off, check_reduction, missing_loss
 from curvopt.guards.pass_guards import one_batch_size
@@ -357,7 +358,9 @@ class BackwardPass:
             raise
         self.reducer.finish()
         n = self.batch_size or 0
-        written = self.results.write(self.accumulator, n, self.taking.untouched)
+        sharded = sharded_index(self.taking.models.values())
+        written = self.results.write(self.accumulator, n, self.taking.untouched, sharded)
+        written |= {key for key, target in sharded.items() if id(target) in written}
         self.accumulator.leave(self.taking.left_out(written), self.extensions, n)
         self.reducer.clear()
         for release in self.guards.release:
