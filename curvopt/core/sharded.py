@@ -5,13 +5,16 @@
 *unsharded* parameter (a plain ``nn.Parameter`` of the full shape, the same object at every
 step) in the module's place. Which of the two a backward pass finds on a module depends on
 when FSDP2 reshards it (after the forward by default; never for the root module): curvopt
-computes with whichever it finds, and writes every quantity on the sharded parameter, the one
-the user and the optimizer hold (``engine.results``).
+keeps them all gathered from the loss on (:class:`Gathered`: the curvature's columns are
+propagated through every layer there, before FSDP2 gathers each module for its own backward),
+computes with the gathered parameters, and writes every quantity on the sharded parameter, the
+one the user and the optimizer hold (``engine.results``).
 
 :func:`sharded_index` maps the unsharded parameters of the models a pass went through to
 their sharded ones. It reads FSDP2's per-module state (``FSDPModule._get_fsdp_state()``, its
-parameter groups' ``FSDPParam``\\ s: ``_unsharded_param``, ``sharded_param``), private API
-checked when read: an ``FSDPParam`` whose two parameters disagree in shape, or whose sharded
+parameter groups' ``FSDPParam``\\ s: ``_unsharded_param``, ``sharded_param``; the groups'
+``reshard_after_backward`` and ``_training_state`` for :class:`Gathered`), private API checked
+when read: an ``FSDPParam`` whose two parameters disagree in shape, or whose sharded
 parameter is not a ``DTensor``, raises ``RuntimeError`` (the installed torch changed them).
 """
 
@@ -24,11 +27,12 @@ from torch import nn
 
 try:
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
     from torch.distributed.tensor import DTensor
 except ImportError:  # a torch built without torch.distributed: no FSDP2 to map
-    FSDPModule = DTensor = None
+    FSDPModule = DTensor = TrainingState = None
 
-__all__ = ["is_sharded", "sharded_index"]
+__all__ = ["Gathered", "is_sharded", "sharded_index"]
 
 
 def is_sharded(p: torch.Tensor) -> bool:
@@ -76,3 +80,46 @@ def sharded_index(models: Iterable[nn.Module]) -> Dict[int, torch.Tensor]:
                     )
                 index[id(unsharded)] = sharded
     return index
+
+
+
+class Gathered:
+    """The ``fully_shard``-ed modules one backward pass keeps gathered (:meth:`hold`) until it
+    ends (:meth:`release`).
+
+    The pass propagates the curvature's columns through every layer when it reaches the loss,
+    with nested ``torch.autograd.grad`` calls. Those run FSDP2's backward hooks too, and its
+    end-of-backward callback (queued by them) reshards every module when the first nested
+    call returns. So :meth:`hold` gathers each module (``FSDPModule.unshard``, a collective:
+    every rank's pass holds the same modules in the same order) with resharding after the
+    backward off (``set_reshard_after_backward(False)``), and :meth:`release` restores each
+    parameter group's setting and reshards the groups that finished their backward meanwhile
+    (their inputs needed gradients); FSDP2's own end-of-backward callback, which runs after
+    the pass's, reshards the others.
+    """
+
+    def __init__(self):
+        self._held: Dict[int, tuple] = {}  # id(module): (module, its groups' settings)
+
+    def hold(self, models: Iterable[nn.Module]) -> None:
+        """Gather the ``fully_shard``-ed modules of ``models`` not held yet."""
+        if FSDPModule is None:
+            return
+        for model in models:
+            for module in model.modules():
+                if not isinstance(module, FSDPModule) or id(module) in self._held:
+                    continue
+                settings = [group.reshard_after_backward for group in _param_groups(module)]
+                self._held[id(module)] = (module, settings)
+                module.set_reshard_after_backward(False, recurse=False)
+                module.unshard()
+
+    def release(self) -> None:
+        """Restore the modules' resharding after the backward, and reshard (as FSDP2 would
+        have) the groups that finished their backward meanwhile."""
+        for module, settings in self._held.values():
+            for group, setting in zip(_param_groups(module), settings):
+                group.reshard_after_backward = setting
+                if setting and group._training_state is TrainingState.POST_BACKWARD:
+                    group.reshard()
+        self._held.clear()

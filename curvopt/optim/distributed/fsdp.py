@@ -1,0 +1,142 @@
+"""FSDP2 (``fully_shard``): a step planned on the whole parameters, applied to each rank's shard.
+
+Under ``torch.distributed.fsdp.fully_shard`` the optimizer holds sharded ``DTensor`` parameters
+(rank ``r`` holds its rows of dim 0), whose gradient FSDP2 has reduce-scattered (the rank
+average, the rank's rows). The curvature a backward pass writes on them is whole (the rank's
+samples, the full shape: ``curvopt.core.sharded``) and is averaged over the ranks as under DDP
+(:mod:`.averaging`). A Kronecker direction ``B⁻¹ G A⁻¹`` mixes every row of ``G``, so for
+the step :class:`FullView` puts a whole stand-in in each sharded parameter's place:
+
+1. **gather**: the parameter and its gradient are all-gathered (``DTensor.full_tensor``) into
+   a plain ``nn.Parameter``, which carries the parameter's quantities (the same objects), its
+   optimizer state and what its previous step consumed;
+2. **step**: the optimizer plans and applies its step on the stand-ins as in one process (the
+   inversions spread over the ranks as under DDP), reading each quantity's rank average by
+   the sharded parameter it was launched for (:meth:`FullView.sharded`);
+3. **scatter back**: each rank copies its rows of the stepped stand-in into its shard, and the
+   state (whole: momentum, curvature EMA, inverses) returns to the sharded parameter.
+
+Every rank computes the same whole step, so each shard moves exactly as the single-process
+step on the concatenated batch would move its rows. The cost: an all-gather of every parameter
+and gradient per step, and the whole parameters, gradients and optimizer state on every rank
+(see ``docs/distributed.md#fsdp2``). One-dimensional meshes (``fully_shard`` over one group)
+only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from curvopt.core.sharded import is_sharded
+
+try:
+    from torch.distributed.tensor import Shard
+except ImportError:  # a torch built without torch.distributed
+    Shard = None
+
+__all__ = ["FullView", "local_rows"]
+
+
+def _shard_dim(p: torch.Tensor) -> int:
+    """The dim ``p`` (a ``DTensor``) is sharded along, on its one-dimensional mesh.
+
+    Raises:
+        NotImplementedError: another placement (HSDP's two-dimensional mesh, replication).
+    """
+    placements = tuple(p.placements)
+    if len(placements) != 1 or not isinstance(placements[0], Shard):
+        raise NotImplementedError(
+            f"curvopt's optimizers step FSDP2 parameters sharded along one dim of a "
+            f"one-dimensional mesh, not a parameter of shape {tuple(p.shape)} placed as "
+            f"{placements}. Apply fully_shard over one process group (no HSDP mesh, no tensor "
+            "parallelism)."
+        )
+    return placements[0].dim
+
+
+def local_rows(p: torch.Tensor, whole: torch.Tensor, leading: int = 0) -> torch.Tensor:
+    """The part of ``whole`` (shaped ``[*lead, *p.shape]``, ``leading`` dims before ``p``'s)
+    that the rank's shard of the ``DTensor`` ``p`` covers: FSDP2's chunks along its shard dim
+    ``s``, ``⌈d_s/K⌉`` entries each, the rank's from ``rank·⌈d_s/K⌉`` on (a view).
+
+    Args:
+        p: a sharded parameter (``fully_shard``).
+        whole: a tensor whose last ``p.ndim`` dims are ``p.shape`` (a quantity of ``p``).
+        leading: how many dims precede them (1 for ``grad_batch``'s batch dim).
+
+    Returns:
+        ``whole`` narrowed to the rank's shard, shaped ``[*lead, *p.to_local().shape]``.
+
+    Example::
+
+        mine = local_rows(layer.weight, layer.weight.grad_batch, leading=1)
+    """
+    dim, local = _shard_dim(p), p.to_local()
+    size, world = p.shape[dim], p.device_mesh.size()
+    start = p.device_mesh.get_local_rank() * math.ceil(size / world)
+    length = local.shape[dim]
+    if tuple(whole.shape[leading:]) != tuple(p.shape) or start + length > size and length:
+        raise ValueError(
+            f"a tensor of shape {tuple(whole.shape)} has no rows of the FSDP2 shard of a "
+            f"parameter of shape {tuple(p.shape)} after {leading} leading dims. Pass the "
+            "parameter's own quantity and its number of leading dims."
+        )
+    return whole.narrow(leading + dim, min(start, size), length)
+
+
+class FullView:
+    """While open, each sharded parameter of ``optimizer``'s groups is replaced by a whole
+    stand-in (a collective: every rank enters with the same groups); on a clean exit each
+    rank copies its rows of the stand-in into its shard. A view without sharded parameters
+    changes nothing."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self._swapped: list[tuple[dict, int, torch.Tensor, nn.Parameter]] = []
+        self._origin: dict[int, torch.Tensor] = {}
+
+    def sharded(self, param: torch.Tensor) -> torch.Tensor:
+        """The sharded parameter a stand-in replaces (``param`` itself otherwise)."""
+        return self._origin.get(id(param), param)
+
+    @torch.no_grad()
+    def __enter__(self) -> FullView:
+        opt = self.optimizer
+        for group in opt.param_groups:
+            for index, p in enumerate(group["params"]):
+                if not is_sharded(p):
+                    continue
+                _shard_dim(p)  # a placement it can step, else it raises now
+                whole = nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)
+                if p.grad is not None:
+                    whole.grad = p.grad.full_tensor()
+                for attr, value in vars(p).items():
+                    if not attr.startswith("_"):  # the quantities curvopt wrote
+                        whole.__dict__[attr] = value
+                _move(opt, p, whole)
+                group["params"][index] = whole
+                self._swapped.append((group, index, p, whole))
+                self._origin[id(whole)] = p
+        return self
+
+    @torch.no_grad()
+    def __exit__(self, kind, error, traceback) -> None:
+        opt = self.optimizer
+        for group, index, p, whole in self._swapped:
+            group["params"][index] = p
+            _move(opt, whole, p)
+            if kind is None:
+                p.to_local().copy_(local_rows(p, whole))
+        self._swapped.clear()
+        self._origin.clear()
+
+
+def _move(opt, old: torch.Tensor, new: torch.Tensor) -> None:
+    """The optimizer's state and consumed record of ``old`` become ``new``'s."""
+    if old in opt.state:
+        opt.state[new] = opt.state.pop(old)
+    if old in opt._consumed:
+        opt._consumed[new] = opt._consumed.pop(old)
