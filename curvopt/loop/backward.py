@@ -152,7 +152,9 @@ class BackwardPass:
                 "model = curvopt.extend(model); see docs/support.md#modules-that-are-not-extended."
             )
         # FSDP2: the pass computes with the gathered parameters
-        self.gathered.hold({id(m): m for r in upstream.calls for m in models_of(r.module)}.values())
+        models = {id(m): m for r in upstream.calls for m in models_of(r.module)}.values()
+        self.gathered.hold(models)
+        self.taking.sharded.update(sharded_index(models))
         if self.taking.skips_all(r.module for r in upstream.calls):
             self.phase = Phase.IGNORED
             return False

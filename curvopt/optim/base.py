@@ -59,6 +59,13 @@ ExtensionSpec = tuple[str, dict[str, Any]]
 #: what to change when a step is not finite (the error's last sentence)
 REMEDY = "Check the loss, and lower the learning rate (lr)"
 
+#: the end of the error for a sharded (FSDP2) parameter without its quantity
+_FSDP_HINT = (
+    " Under FSDP2 the automatic collection (collection='auto', one rank) finds a sharded "
+    "parameter's module only when curvopt.extend ran after fully_shard: extend the model after "
+    "fully_shard, or collect in `with opt.collect():`."
+)
+
 #: the start of the warning ``curvopt.collect(skip_unsupported=...)`` gives at every pass
 _SKIP_WARNING = r"curvopt\.collect\(skip_unsupported=True\) wrote no Kronecker factors"
 
@@ -312,6 +319,7 @@ class CurvatureOptimizer(Optimizer):
                 "the model or the loss was not passed through curvopt.extend, or the backward pass "
                 "did not run inside `opt.collect()` / `opt.step(closure)`."
                 + (hint if "fallback" in self.defaults else "")
+                + (_FSDP_HINT if self._view.sharded(param) is not param else "")
             )
         if value is self._consumed.get(param, {}).get(attr):
             raise RuntimeError(
