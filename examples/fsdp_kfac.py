@@ -33,6 +33,8 @@ import curvopt
 from curvopt.optim import KFAC
 
 BATCH = 64  # the global batch, split evenly over the ranks
+#: the optimizer's options (KFLR: exact factors, the same on every rank's average)
+OPTIONS = {"lr": 0.3, "damping": 1e-2, "curvature": "kflr", "momentum": 0.5}
 
 
 def make_model() -> nn.Sequential:
@@ -73,7 +75,7 @@ def train(steps: int) -> None:
     fully_shard(model)
     curvopt.extend(model)  # before fully_shard works too (see docs/distributed.md#fsdp2)
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
-    opt = KFAC(model.parameters(), lr=0.3, damping=1e-2, curvature="kflr", momentum=0.5)
+    opt = KFAC(model.parameters(), **OPTIONS)
     n = BATCH // world
     for step in range(steps):
         X, y = global_batch(step)

@@ -19,9 +19,14 @@ import datetime
 import faulthandler
 import gc
 import json
+import importlib.util
 import os
+import re
 import socket
+import subprocess
+import sys
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -340,3 +345,40 @@ def test_gpt_with_a_tied_head_under_fsdp2(ranks, optimizer):
             assert tied <= TOL
         else:  # within a tenth of the step's size
             assert tied <= 0.1 * step, (tied, step)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("_example_fsdp_kfac", ROOT / "examples" / "fsdp_kfac.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_example_runs_under_torchrun_as_one_process_would():
+    """``torchrun --nproc_per_node 2 examples/fsdp_kfac.py``: the global batch's losses it
+    prints are those of one process stepping KFAC on the unsharded model."""
+    steps = 6
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    done = subprocess.run(
+        [*command, str(ROOT / "examples" / "fsdp_kfac.py"), "--steps", str(steps)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = {int(k): float(v) for k, v in re.findall(r"step +(\d+) +loss ([\d.]+)", done.stdout)}
+    assert sorted(printed) == [0, 5] and "rank 1: parameter shard" in done.stdout
+    example = _example()
+    model, lossfunc = curvopt.extend(example.make_model()), curvopt.extend(nn.CrossEntropyLoss())
+    opt = KFAC(model.parameters(), **example.OPTIONS, process_group=False)
+    for step in range(steps):
+        X, y = example.global_batch(step)
+        opt.zero_grad()
+        with opt.collect():
+            loss = lossfunc(model(X), y)
+            loss.backward()
+        opt.step()
+        if step in printed:
+            assert abs(float(loss) - printed[step]) <= 1e-4, (step, float(loss), printed[step])
