@@ -14,7 +14,6 @@ destroys the group and leaves with ``os._exit(0)``, past the interpreter's teard
 
 from __future__ import annotations
 
-import copy
 import datetime
 import faulthandler
 import gc
@@ -73,9 +72,7 @@ def build(name: str) -> nn.Module:
     if name == "mlp":
         model = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 5))
     elif name == "cnn":
-        model = nn.Sequential(
-            nn.Conv2d(2, 5, 3), nn.ReLU(), nn.Flatten(), nn.Linear(5 * 2 * 2, 3)
-        )
+        model = nn.Sequential(nn.Conv2d(2, 5, 3), nn.ReLU(), nn.Flatten(), nn.Linear(5 * 2 * 2, 3))
     else:
         model = TwoBlockGPT()
     return model.to(DT)
@@ -227,7 +224,9 @@ def _optimizer(rank: Rank, name: str, optimizer: str) -> dict:
         for (n, p), q in zip(model.named_parameters(), reference.parameters())
     }
     start = dict(build(name).named_parameters())
-    deviations["tied_step"] = float((reference.tok.weight - start["tok.weight"]).abs().max()) if name == "gpt" else 0.0
+    deviations["tied_step"] = (
+        float((reference.tok.weight - start["tok.weight"]).abs().max()) if name == "gpt" else 0.0
+    )
     return deviations
 
 
@@ -290,13 +289,14 @@ def ranks(request, tmp_path_factory):
             else:
                 with open(stack) as f:
                     outcomes.append(f"rank {r}: killed; its stack:\n{f.read()}")
-        raise AssertionError(f"{world} gloo ranks failed ({error}):\n" + "\n".join(outcomes))
+        raise AssertionError(
+            f"{world} gloo ranks failed ({error}):\n" + "\n".join(outcomes)
+        ) from error
     results = []
     for r in range(world):
         with open(os.path.join(outdir, f"rank{r}.json")) as f:
             results.append(json.load(f)["ok"])
     return results
-
 
 
 # ----------------------------------------------------------------------------- tests
@@ -351,7 +351,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("_example_fsdp_kfac", ROOT / "examples" / "fsdp_kfac.py")
+    spec = importlib.util.spec_from_file_location(
+        "_example_fsdp_kfac", ROOT / "examples" / "fsdp_kfac.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -362,10 +364,20 @@ def test_the_example_runs_under_torchrun_as_one_process_would():
     prints are those of one process stepping KFAC on the unsharded model."""
     steps = 6
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+    ]
     done = subprocess.run(
         [*command, str(ROOT / "examples" / "fsdp_kfac.py"), "--steps", str(steps)],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     printed = {int(k): float(v) for k, v in re.findall(r"step +(\d+) +loss ([\d.]+)", done.stdout)}

@@ -82,7 +82,6 @@ def sharded_index(models: Iterable[nn.Module]) -> Dict[int, torch.Tensor]:
     return index
 
 
-
 class Gathered:
     """The ``fully_shard``-ed modules one backward pass keeps gathered (:meth:`hold`) until it
     ends (:meth:`release`).
