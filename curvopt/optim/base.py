@@ -141,7 +141,7 @@ class CurvatureOptimizer(Optimizer):
         self._group_state: list[dict[str, Any]] = []
         self._consumed: dict[torch.Tensor, dict[str, Any]] = {}
         self._loss_scale: LossScale = NONE
-        self._view = FullView(self)
+        self._view = FullView()
         super().__init__(params, defaults)
         self._distributed = distributed.resolve(
             process_group, self._distributable, type(self).__name__
@@ -401,7 +401,7 @@ class CurvatureOptimizer(Optimizer):
             )
         if self._distributed is not None:
             self._distributed.ensure(self._requests()[1])
-        with self._view:  # FSDP2: the step of the whole parameters, applied to the shards
+        with self._view.of(self):  # FSDP2: the whole parameters' step, applied to the shards
             plans = [
                 self._plan_group(group, group_state, with_model=bool(due))
                 for group, group_state in zip(self.param_groups, self._group_state)
@@ -458,7 +458,7 @@ class CurvatureOptimizer(Optimizer):
         self.__dict__.setdefault("_consumed", {})
         self.__dict__.setdefault("_distributed", None)
         self.__dict__.setdefault("_loss_scale", NONE)
-        self.__dict__.setdefault("_view", FullView(self))
+        self.__dict__.setdefault("_view", FullView())
         self._arm(mode)
 
 

@@ -25,6 +25,7 @@ only.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -88,13 +89,11 @@ def local_rows(p: torch.Tensor, whole: torch.Tensor, leading: int = 0) -> torch.
 
 
 class FullView:
-    """While open, each sharded parameter of ``optimizer``'s groups is replaced by a whole
-    stand-in (a collective: every rank enters with the same groups); on a clean exit each
-    rank copies its rows of the stand-in into its shard. A view without sharded parameters
-    changes nothing."""
+    """The stand-ins of an optimizer's sharded parameters, put in their place by :meth:`of`
+    (a collective: every rank opens it with the same groups). A view holds no reference to
+    its optimizer outside :meth:`of` (the optimizer keeps it: no reference cycle)."""
 
-    def __init__(self, optimizer):
-        self.optimizer = optimizer
+    def __init__(self):
         self._swapped: list[tuple[dict, int, torch.Tensor, nn.Parameter]] = []
         self._origin: dict[int, torch.Tensor] = {}
 
@@ -102,9 +101,21 @@ class FullView:
         """The sharded parameter a stand-in replaces (``param`` itself otherwise)."""
         return self._origin.get(id(param), param)
 
+    @contextlib.contextmanager
+    def of(self, optimizer):
+        """While open, each sharded parameter of ``optimizer``'s groups is replaced by its
+        whole stand-in; on a clean exit each rank copies its rows of the stand-in into its
+        shard. Without sharded parameters nothing changes."""
+        self._enter(optimizer)
+        try:
+            yield self
+        except BaseException:
+            self._leave(optimizer, apply=False)
+            raise
+        self._leave(optimizer, apply=True)
+
     @torch.no_grad()
-    def __enter__(self) -> FullView:
-        opt = self.optimizer
+    def _enter(self, opt) -> None:
         for group in opt.param_groups:
             for index, p in enumerate(group["params"]):
                 if not is_sharded(p):
@@ -120,15 +131,13 @@ class FullView:
                 group["params"][index] = whole
                 self._swapped.append((group, index, p, whole))
                 self._origin[id(whole)] = p
-        return self
 
     @torch.no_grad()
-    def __exit__(self, kind, error, traceback) -> None:
-        opt = self.optimizer
+    def _leave(self, opt, apply: bool) -> None:
         for group, index, p, whole in self._swapped:
             group["params"][index] = p
             _move(opt, whole, p)
-            if kind is None:
+            if apply:
                 p.to_local().copy_(local_rows(p, whole))
         self._swapped.clear()
         self._origin.clear()
