@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import curvopt
@@ -153,6 +154,9 @@ def _quantities(rank: Rank, order: str) -> dict:
         dist.all_reduce(average)
         mine = local_rows(p, average / rank.world)
         out["local_rows"] = max(out["local_rows"], _deviation(mine, p.grad.to_local()))
+    with pytest.raises(ValueError, match="is not a quantity of a parameter") as bad:
+        local_rows(next(model.parameters()), torch.zeros(3, 2))
+    out["bad_rows"] = str(bad.value)
     # no quantity is left on FSDP2's gathered parameters: all went to the sharded ones
     gathered = sharded_index([model])
     out["gathered"] = len(gathered)
@@ -230,8 +234,27 @@ def _optimizer(rank: Rank, name: str, optimizer: str) -> dict:
     return deviations
 
 
+def _two_dimensional_mesh(rank: Rank) -> str:
+    """HSDP (``fully_shard`` on a ``(1, K)`` mesh: replicated, then sharded): the step raises
+    on every rank before anything is changed; the error's text."""
+    mesh = init_device_mesh("cpu", (1, rank.world), mesh_dim_names=("replicate", "shard"))
+    model = build("mlp")
+    fully_shard(model, mesh=mesh)
+    curvopt.extend(model)
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    opt = OPTIMIZERS["kfac"](model.parameters())
+    X, y = rank.mine(*batch("mlp"))
+    with opt.collect():
+        lossfunc(model(X), y).backward()
+    with pytest.raises(NotImplementedError) as error:
+        opt.step()
+    unchanged = all(torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))
+    return str(error.value) + ("" if unchanged else " (parameters changed)")
+
+
 def scenarios(rank: Rank) -> dict:
-    out = {}
+    out = {"two_dimensional_mesh": _two_dimensional_mesh(rank)}
     for order in ("before", "after"):
         out[f"quantities_{order}"] = _quantities(rank, order)
     for name in ("mlp", "cnn", "gpt"):
@@ -315,6 +338,14 @@ def test_first_order_quantities_are_the_ranks_samples_whole_on_the_sharded_param
         for what in (*FIRST_ORDER, "loop", "local_rows"):
             assert found[what] <= TOL, (what, found[what])
         assert found["gathered"] == 4 and found["left_on_gathered"] == 0
+        assert "Pass the parameter's own quantity" in found["bad_rows"]
+
+
+def test_a_two_dimensional_mesh_raises_naming_the_fix_and_changes_nothing(ranks):
+    for result in ranks:
+        message = result["two_dimensional_mesh"]
+        assert "one-dimensional mesh" in message and "Apply fully_shard over one" in message
+        assert "(parameters changed)" not in message
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn"])

@@ -71,21 +71,33 @@ def local_rows(p: torch.Tensor, whole: torch.Tensor, leading: int = 0) -> torch.
     Returns:
         ``whole`` narrowed to the rank's shard, shaped ``[*lead, *p.to_local().shape]``.
 
+    Raises:
+        ValueError: ``whole`` is not shaped ``[*lead, *p.shape]``.
+        RuntimeError: the shard is not where FSDP2's chunking puts it (a changed torch).
+        NotImplementedError: ``p`` is not sharded along one dim of a one-dimensional mesh.
+
     Example::
 
         mine = local_rows(layer.weight, layer.weight.grad_batch, leading=1)
     """
-    dim, local = _shard_dim(p), p.to_local()
-    size, world = p.shape[dim], p.device_mesh.size()
-    start = p.device_mesh.get_local_rank() * math.ceil(size / world)
-    length = local.shape[dim]
-    if tuple(whole.shape[leading:]) != tuple(p.shape) or start + length > size and length:
+    dim, length = _shard_dim(p), p.to_local().shape[_shard_dim(p)]
+    if tuple(whole.shape[leading:]) != tuple(p.shape):
         raise ValueError(
-            f"a tensor of shape {tuple(whole.shape)} has no rows of the FSDP2 shard of a "
+            f"local_rows: a tensor of shape {tuple(whole.shape)} is not a quantity of a "
             f"parameter of shape {tuple(p.shape)} after {leading} leading dims. Pass the "
-            "parameter's own quantity and its number of leading dims."
+            "parameter's own quantity and the number of its leading (batch) dims."
         )
-    return whole.narrow(leading + dim, min(start, size), length)
+    size, world = p.shape[dim], p.device_mesh.size()
+    chunk = math.ceil(size / world)
+    start = min(p.device_mesh.get_local_rank() * chunk, size)
+    if length != min(chunk, size - start):
+        raise RuntimeError(
+            f"local_rows: the FSDP2 shard of a parameter of shape {tuple(p.shape)} holds "
+            f"{length} entries of dim {dim}, not the {min(chunk, size - start)} of FSDP2's "
+            "chunking that curvopt assumes. Use a torch version curvopt supports (see "
+            "docs/distributed.md#fsdp2)."
+        )
+    return whole.narrow(leading + dim, start, length)
 
 
 class FullView:
