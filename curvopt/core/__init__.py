@@ -10,6 +10,7 @@
   by identity): per module its path, options, live calls and hook handles, per parameter its
   path and hook handle; whether ``extend`` hooked a module or parameter;
 * ``params``: which extended module owns which parameter (weakly);
+* ``sharded``: FSDP2's sharded parameter behind the unsharded one a pass computes with;
 * ``plans``: the frozen ``Plan`` of each graph structure (what holds for every graph of it:
   calls, row layouts, checked sums, compression cuts), cached across passes;
 * ``reductions``: Gram products carrying their roots, ``GramFactor``, chunked sums;

@@ -194,10 +194,14 @@ class ResultBuffer:
         key = id(p)
         return [a for a in attrs if (key, a) not in self.pending and (key, a) not in self.skipped]
 
-    def write(self, accumulator, n: int, untouched) -> set:
+    def write(self, accumulator, n: int, untouched, sharded=None) -> set:
         """Combine with the earlier passes (``n`` samples in this one) and set every pending
         attribute, except on the parameters ``untouched`` (``id(p) -> True``) by this pass.
-        Returns the ``id``s of the parameters written for (or left out, ``skip``)."""
+        A parameter FSDP2 gathered for the computation is written for on its sharded
+        parameter (``sharded``: ``core.sharded.sharded_index``), whole (the rank's samples,
+        the full shape). Returns the ``id``s of the parameters written for (or left out,
+        ``skip``), the sharded ones included."""
+        sharded = sharded or {}
         for key, uses in self.kron_uses.items():
             self.pending[key] = (self.pending[key][0], _combined(uses))
         if self.skip_into is not None:
@@ -206,9 +210,10 @@ class ResultBuffer:
         for (key, attr), (p, value) in self.pending.items():
             if untouched.get(key):
                 continue
-            value = accumulator.combine(p, attr, typed(quantity(attr), value), n)
-            setattr(p, attr, value)
-            written.add(key)
+            target = sharded.get(key, p)
+            value = accumulator.combine(target, attr, typed(quantity(attr), value), n)
+            setattr(target, attr, value)
+            written.update((key, id(target)))
         self.pending.clear()
         return written
 

@@ -3,7 +3,8 @@
 Only gradient that is accumulated into ``p.grad`` counts: a pass that does not accumulate into a
 parameter (``torch.autograd.grad``, e.g. the input gradient of an adversarial attack, or
 ``backward(inputs=...)`` without it) writes nothing for it, and a parameter outside the pass's
-``scope`` (an optimizer's own parameters) is left alone too.
+``scope`` (an optimizer's own parameters) is left alone too; a parameter FSDP2 gathered for the
+computation is in ``scope`` where its sharded parameter is (``sharded``).
 
 A parameter the pass does not reach at all (an unused head, a skipped branch, an expert without
 tokens) is a parameter of a model the pass went through (what ``extend`` was called on:
@@ -41,6 +42,8 @@ class Participation:
         self.reached: dict = {}
         #: id(model) -> model: the models of the modules whose parameters the pass takes
         self.models: Dict[int, object] = {}
+        #: id(gathered) -> sharded parameter (FSDP2, ``core.sharded``): in ``scope`` as it is
+        self.sharded: Dict[int, object] = {}
 
     def skips(self, p) -> bool:
         """Whether this pass leaves ``p.grad`` alone (``torch.autograd.grad``, ``backward(inputs=
@@ -50,7 +53,8 @@ class Participation:
         is skipped too: the pass computes and writes nothing for it."""
         key = id(p)
         skip = self.untouched.get(key)
-        if skip is None and self.scope is not None and key not in self.scope:
+        scoped = id(self.sharded.get(key, p))
+        if skip is None and self.scope is not None and scoped not in self.scope:
             skip = self.untouched[key] = True
         if skip is None:
             accumulator = self._accumulator(p)

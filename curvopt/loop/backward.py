@@ -37,8 +37,9 @@ from curvopt.guards.checks import Checks
 from curvopt.guards.observer import Ending, LossEvent, ModuleEvent, Observers
 from curvopt.engine.curvature import CurvaturePass
 from curvopt.guards.flow import FlowCheck
-from curvopt.core.extended import live_calls
+from curvopt.core.extended import live_calls, models_of
 from curvopt.core.params import tied
+from curvopt.core.sharded import Gathered, sharded_index
 from curvopt.guards.participation import Participation
 from curvopt.guards.pass_guards import autocast_off, check_reduction, missing_loss
 from curvopt.guards.pass_guards import one_batch_size
@@ -111,6 +112,7 @@ class BackwardPass:
         # curvature through a module mixing samples (``curvature``)
         self.checkpointed = False
         self.coupled = False
+        self.gathered = Gathered()  # FSDP2's modules, gathered from the loss on
         queue_callback(self._finish)
 
     @property
@@ -149,6 +151,10 @@ class BackwardPass:
                 "of modules that were not extended. Extend the model too: "
                 "model = curvopt.extend(model); see docs/support.md#modules-that-are-not-extended."
             )
+        # FSDP2: the pass computes with the gathered parameters
+        models = {id(m): m for r in upstream.calls for m in models_of(r.module)}.values()
+        self.gathered.hold(models)
+        self.taking.sharded.update(sharded_index(models))
         if self.taking.skips_all(r.module for r in upstream.calls):
             self.phase = Phase.IGNORED
             return False
@@ -341,6 +347,7 @@ class BackwardPass:
             self._finish_pass(failed)
 
     def _finish_pass(self, failed: bool) -> None:
+        self.gathered.release()
         for handle in self.handles:
             handle.remove()
         self.walks.clear()
@@ -357,7 +364,9 @@ class BackwardPass:
             raise
         self.reducer.finish()
         n = self.batch_size or 0
-        written = self.results.write(self.accumulator, n, self.taking.untouched)
+        sharded = sharded_index(self.taking.models.values())
+        written = self.results.write(self.accumulator, n, self.taking.untouched, sharded)
+        written |= {key for key, target in sharded.items() if id(target) in written}
         self.accumulator.leave(self.taking.left_out(written), self.extensions, n)
         self.reducer.clear()
         for release in self.guards.release:
@@ -375,6 +384,7 @@ class BackwardPass:
         not run now drop their inputs (an exception's traceback may keep the graph alive)."""
         if self.phase is not Phase.DONE:  # (an error of the end's checks: the pass is over)
             self.phase = Phase.FAILED
+        self.gathered.release()
         for record in self.upstream:
             record.release()
         for handle in self.handles:

@@ -19,7 +19,9 @@ the scaler.
 
 Under ``torch.distributed`` an optimizer that supports it (``_distributable``) averages the
 quantities it collects across ranks and spreads its inversions over them through a
-:class:`~curvopt.optim.distributed.DistributedCurvature` (``process_group=``, see there).
+:class:`~curvopt.optim.distributed.DistributedCurvature` (``process_group=``, see there). Under
+FSDP2 (``fully_shard``) the step is planned on whole stand-ins of the sharded parameters and
+applied to each rank's shard (:class:`~curvopt.optim.distributed.fsdp.FullView`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from curvopt.errors import in_optimizer_terms
 from curvopt.frontend.collect import collect
 from curvopt.frontend.collection import Collection
 from curvopt.optim import distributed
+from curvopt.optim.distributed.fsdp import FullView
 from curvopt.optim.loss_scale import NONE, LossScale, loss_scale
 from curvopt.optim.options import CurvatureOptions, constructor
 from curvopt.optim.plan import ParamUpdate
@@ -55,6 +58,13 @@ ExtensionSpec = tuple[str, dict[str, Any]]
 
 #: what to change when a step is not finite (the error's last sentence)
 REMEDY = "Check the loss, and lower the learning rate (lr)"
+
+#: the end of the error for a sharded (FSDP2) parameter without its quantity
+_FSDP_HINT = (
+    " Under FSDP2 the automatic collection (collection='auto', one rank) finds a sharded "
+    "parameter's module only when curvopt.extend ran after fully_shard: extend the model after "
+    "fully_shard, or collect in `with opt.collect():`."
+)
 
 #: the start of the warning ``curvopt.collect(skip_unsupported=...)`` gives at every pass
 _SKIP_WARNING = r"curvopt\.collect\(skip_unsupported=True\) wrote no Kronecker factors"
@@ -131,6 +141,7 @@ class CurvatureOptimizer(Optimizer):
         self._group_state: list[dict[str, Any]] = []
         self._consumed: dict[torch.Tensor, dict[str, Any]] = {}
         self._loss_scale: LossScale = NONE
+        self._view = FullView()
         super().__init__(params, defaults)
         self._distributed = distributed.resolve(
             process_group, self._distributable, type(self).__name__
@@ -308,6 +319,7 @@ class CurvatureOptimizer(Optimizer):
                 "the model or the loss was not passed through curvopt.extend, or the backward pass "
                 "did not run inside `opt.collect()` / `opt.step(closure)`."
                 + (hint if "fallback" in self.defaults else "")
+                + (_FSDP_HINT if self._view.sharded(param) is not param else "")
             )
         if value is self._consumed.get(param, {}).get(attr):
             raise RuntimeError(
@@ -317,8 +329,8 @@ class CurvatureOptimizer(Optimizer):
                 "`with opt.collect():` (or use `opt.step(closure)`) before every step"
             )
         update.consumed[attr] = value
-        if self._distributed is not None:
-            value = self._distributed.averaged(param, attr, value)
+        if self._distributed is not None:  # launched for the sharded parameter (FSDP2)
+            value = self._distributed.averaged(self._view.sharded(param), attr, value)
         return values.unscaled(extensions.quantity(attr), value, self._loss_scale.values)
 
     def _grad(self, param: torch.Tensor) -> torch.Tensor:
@@ -389,18 +401,19 @@ class CurvatureOptimizer(Optimizer):
             )
         if self._distributed is not None:
             self._distributed.ensure(self._requests()[1])
-        plans = [
-            self._plan_group(group, group_state, with_model=bool(due))
-            for group, group_state in zip(self.param_groups, self._group_state)
-        ]
-        updates = [u for group_updates, _ in plans for u in group_updates]
-        check_finite(updates, f"{type(self).__name__}: ", self._remedy)
-        decay_change = regularizer_change(self.param_groups, plans) if due else 0.0
-        if updates:  # θ ← θ − Δ, every parameter by one foreach call (element-wise: same bits)
-            torch._foreach_sub_([u.param for u in updates], [u.delta for u in updates])
-        for update in updates:
-            self.state[update.param] = update.state
-            self._consumed.setdefault(update.param, {}).update(update.consumed)
+        with self._view.of(self):  # FSDP2: the whole parameters' step, applied to the shards
+            plans = [
+                self._plan_group(group, group_state, with_model=bool(due))
+                for group, group_state in zip(self.param_groups, self._group_state)
+            ]
+            updates = [u for group_updates, _ in plans for u in group_updates]
+            check_finite(updates, f"{type(self).__name__}: ", self._remedy)
+            decay_change = regularizer_change(self.param_groups, plans) if due else 0.0
+            if updates:  # θ ← θ − Δ, every parameter by one foreach call (element-wise: same bits)
+                torch._foreach_sub_([u.param for u in updates], [u.delta for u in updates])
+            for update in updates:
+                self.state[update.param] = update.state
+                self._consumed.setdefault(update.param, {}).update(update.consumed)
         for group_state in self._group_state:
             group_state["step"] += 1
         if due:
@@ -446,6 +459,7 @@ class CurvatureOptimizer(Optimizer):
         self.__dict__.setdefault("_consumed", {})
         self.__dict__.setdefault("_distributed", None)
         self.__dict__.setdefault("_loss_scale", NONE)
+        self.__dict__.setdefault("_view", FullView())
         self._arm(mode)
 
 

@@ -15,6 +15,8 @@ splits the expensive linear algebra between the ranks, in three parts:
    the same update, so the replicas stay bit-identical.
 
 :mod:`.common` holds what they share (:class:`CommStats`, flat buffers of nested values).
+:mod:`.fsdp` steps FSDP2's sharded parameters (``fully_shard``): the optimizer plans on whole
+stand-ins (``FullView``), each rank applies its rows (``local_rows``).
 Optimizers use it when ``torch.distributed`` is initialized with more than one rank, or when
 given ``process_group=`` (a ``ProcessGroup``, a :class:`DistributedCurvature` for its options,
 or ``False`` to stay rank-local). See ``docs/distributed.md``.

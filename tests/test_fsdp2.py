@@ -1,0 +1,427 @@
+"""curvopt under FSDP2 (``torch.distributed.fsdp.fully_shard``): quantities and optimizer steps.
+
+2 and 4 gloo ranks on 127.0.0.1 are spawned once per world size; every rank runs all scenarios
+below in float64 on its shard of one global batch, computes the single-process reference itself
+(the same seeded model, unsharded), and writes the largest deviations to a JSON file that the
+tests read. With 4 ranks the layers' rows do not divide evenly (10 rows: 3, 3, 3, 1; 5 rows:
+2, 2, 1, 0), so FSDP2's padded and empty shards are covered.
+
+Teardown (a rank's process used to die of SIGABRT, "terminate called without an active
+exception", at the interpreter's exit after ``destroy_process_group``): every rank frees its
+FSDP2 modules (``gc.collect()``) while the group is alive, meets the others at a barrier,
+destroys the group and leaves with ``os._exit(0)``, past the interpreter's teardown.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import gc
+import json
+import importlib.util
+import os
+import re
+import socket
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+import curvopt
+from curvopt import extensions as ext
+from curvopt.core.sharded import sharded_index
+from curvopt.optim import KFAC, DiagGGNNewton
+from curvopt.optim.distributed.fsdp import local_rows
+from fixtures.zoo import Block
+
+DT = torch.float64
+N = 8  # the global batch: shards of 4 (2 ranks) and 2 (4 ranks)
+#: how long a rank waits for the others in a collective before gloo raises
+TIMEOUT = datetime.timedelta(seconds=300)
+FIRST_ORDER = ("grad_batch", "batch_l2", "sum_grad_squared", "variance")
+
+
+# ----------------------------------------------------------------------------- models
+class TwoBlockGPT(nn.Module):
+    """Token and position embeddings, two causal blocks, a final LayerNorm and a head tied to
+    the token embedding (``head.weight is tok.weight``)."""
+
+    def __init__(self, vocab=7, d=8, heads=2, t_max=4):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(t_max, d)
+        self.blocks = nn.Sequential(*(Block(d, heads, causal=True) for _ in range(2)))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        h = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        return self.head(self.ln_f(self.blocks(h))).flatten(0, 1)
+
+
+def build(name: str) -> nn.Module:
+    """The model ``name``, initialised from seed 0 (the same on every rank)."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        model = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 5))
+    elif name == "cnn":
+        model = nn.Sequential(nn.Conv2d(2, 5, 3), nn.ReLU(), nn.Flatten(), nn.Linear(5 * 2 * 2, 3))
+    else:
+        model = TwoBlockGPT()
+    return model.to(DT)
+
+
+def batch(name: str):
+    """The global batch of model ``name`` (the same on every rank) and its loss."""
+    g = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        return torch.randn(N, 6, generator=g, dtype=DT), torch.randint(0, 5, (N,), generator=g)
+    if name == "cnn":
+        X = torch.randn(N, 2, 4, 4, generator=g, dtype=DT)
+        return X, torch.randint(0, 3, (N,), generator=g)
+    tokens = torch.randint(0, 7, (N, 5), generator=g)
+    return tokens[:, :-1], tokens[:, 1:].reshape(-1)  # the GPT's logits are [N·T, V]
+
+
+def shard(model: nn.Module, name: str) -> None:
+    """``fully_shard`` on the layers (the GPT: on each block) and on the root. The MLP's
+    last layer is left to the root, whose parameters FSDP2 keeps unsharded after the forward:
+    the backward pass then sees them gathered."""
+    if name == "mlp":
+        fully_shard(model[0])
+    elif name == "cnn":
+        fully_shard(model[0])
+        fully_shard(model[3])
+    else:
+        for block in model.blocks:
+            fully_shard(block)
+    fully_shard(model)
+
+
+class Rank:
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+
+    def mine(self, X, y):
+        """This rank's contiguous shard of a batch (GPT targets: ``T`` rows per sample)."""
+        n = N // self.world
+        rows = y.shape[0] // X.shape[0]
+        start, stop = self.rank * n, (self.rank + 1) * n
+        return X[start:stop], y[start * rows : stop * rows]
+
+
+# ----------------------------------------------------------------------------- scenarios
+def _quantities(rank: Rank, order: str) -> dict:
+    """First-order quantities of the rank's samples under FSDP2 (``extend`` before or after
+    ``fully_shard``) against a per-sample loop (``grad_batch``) and one process."""
+    reference, model = build("mlp"), build("mlp")
+    if order == "before":
+        curvopt.extend(model)
+    shard(model, "mlp")
+    if order == "after":
+        curvopt.extend(model)
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    X, y = rank.mine(*batch("mlp"))
+    exts = (ext.BatchGrad(), ext.BatchL2Grad(), ext.SumGradSquared(), ext.Variance())
+    with curvopt.collect(*exts):
+        lossfunc(model(X), y).backward()
+    curvopt.extend(reference)
+    with curvopt.collect(*exts):
+        lossfunc(reference(X), y).backward()
+    loop = []  # independent: one backward pass per sample of the mean loss's terms
+    for n in range(X.shape[0]):
+        loss = nn.functional.cross_entropy(reference(X[n : n + 1]), y[n : n + 1]) / X.shape[0]
+        loop.append(torch.autograd.grad(loss, list(reference.parameters())))
+    out = {"types": [], "loop": 0.0, "local_rows": 0.0}
+    for attr in FIRST_ORDER:
+        out[attr] = 0.0
+    for i, (p, q) in enumerate(zip(model.parameters(), reference.parameters())):
+        out["types"].append(type(p).__name__)
+        for attr in FIRST_ORDER:
+            out[attr] = max(out[attr], float((getattr(p, attr) - getattr(q, attr)).abs().max()))
+        per_sample = torch.stack([grads[i] for grads in loop])
+        out["loop"] = max(out["loop"], float((p.grad_batch - per_sample).abs().max()))
+        # the samples' sum averaged over the ranks, at the rank's rows: FSDP2's own gradient
+        average = p.grad_batch.sum(0)
+        dist.all_reduce(average)
+        mine = local_rows(p, average / rank.world)
+        out["local_rows"] = max(out["local_rows"], _deviation(mine, p.grad.to_local()))
+    with pytest.raises(ValueError, match="is not a quantity of a parameter") as bad:
+        local_rows(next(model.parameters()), torch.zeros(3, 2))
+    out["bad_rows"] = str(bad.value)
+    # no quantity is left on FSDP2's gathered parameters: all went to the sharded ones
+    gathered = sharded_index([model])
+    out["gathered"] = len(gathered)
+    out["left_on_gathered"] = sum(
+        attr in p.__dict__ for p in _gathered_params(model) for attr in FIRST_ORDER
+    )
+    return out
+
+
+def _deviation(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a − b|`` (0 for empty tensors: a rank's empty shard)."""
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+def _gathered_params(model):
+    """FSDP2's gathered (unsharded) parameters of ``model`` (private: read to check them)."""
+    found = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                found += [fp._unsharded_param for fp in group.fsdp_params]
+    return found
+
+
+OPTIMIZERS = {
+    # KFLR: exact factors, deterministic (MC factors would differ between the ranks' draws)
+    "kfac": lambda params, **kw: KFAC(
+        params, lr=0.2, damping=1e-2, curvature="kflr", momentum=0.5, weight_decay=1e-3, **kw
+    ),
+    "kfac_exact_damping": lambda params, **kw: KFAC(
+        params, lr=0.2, damping=1e-2, curvature="kflr", kronecker_damping="exact", **kw
+    ),
+    "diag_ggn": lambda params, **kw: DiagGGNNewton(
+        params, lr=0.2, damping=1e-2, curvature="exact", momentum=0.5, **kw
+    ),
+}
+
+
+#: steps per model: the GPT one (its tied weight's step is approximate, see the test)
+STEPS = {"mlp": 2, "cnn": 2, "gpt": 1}
+
+
+def _optimizer(rank: Rank, name: str, optimizer: str) -> dict:
+    """``STEPS`` steps under FSDP2 against one process on the concatenated batch: each
+    parameter's largest deviation. The GPT's trust region is off (``kl_clip=None``): its
+    factor, a sum over the group, would carry the tied weight's deviation to every one."""
+    reference, model = build(name), build(name)
+    curvopt.extend(model)
+    shard(model, name)
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    options = {"kl_clip": None} if name == "gpt" else {}
+    opt = OPTIMIZERS[optimizer](model.parameters(), **options)
+    X, y = batch(name)
+    X_mine, y_mine = rank.mine(X, y)
+    for _ in range(STEPS[name]):
+        opt.zero_grad()
+        with opt.collect():
+            lossfunc(model(X_mine), y_mine).backward()
+        opt.step()
+    curvopt.extend(reference)
+    opt_reference = OPTIMIZERS[optimizer](reference.parameters(), process_group=False, **options)
+    for _ in range(STEPS[name]):
+        opt_reference.zero_grad()
+        with opt_reference.collect():
+            lossfunc(reference(X), y).backward()
+        opt_reference.step()
+    deviations = {
+        n: float((p.full_tensor() - q).detach().abs().max())
+        for (n, p), q in zip(model.named_parameters(), reference.parameters())
+    }
+    start = dict(build(name).named_parameters())
+    deviations["tied_step"] = (
+        float((reference.tok.weight - start["tok.weight"]).abs().max()) if name == "gpt" else 0.0
+    )
+    return deviations
+
+
+def _two_dimensional_mesh(rank: Rank) -> str:
+    """HSDP (``fully_shard`` on a ``(1, K)`` mesh: replicated, then sharded): the step raises
+    on every rank before anything is changed; the error's text."""
+    mesh = init_device_mesh("cpu", (1, rank.world), mesh_dim_names=("replicate", "shard"))
+    model = build("mlp")
+    fully_shard(model, mesh=mesh)
+    curvopt.extend(model)
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    opt = OPTIMIZERS["kfac"](model.parameters())
+    X, y = rank.mine(*batch("mlp"))
+    with opt.collect():
+        lossfunc(model(X), y).backward()
+    with pytest.raises(NotImplementedError) as error:
+        opt.step()
+    unchanged = all(torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))
+    return str(error.value) + ("" if unchanged else " (parameters changed)")
+
+
+def scenarios(rank: Rank) -> dict:
+    out = {"two_dimensional_mesh": _two_dimensional_mesh(rank)}
+    for order in ("before", "after"):
+        out[f"quantities_{order}"] = _quantities(rank, order)
+    for name in ("mlp", "cnn", "gpt"):
+        for optimizer in OPTIMIZERS:
+            try:
+                out[f"{optimizer}_{name}"] = _optimizer(rank, name, optimizer)
+            except Exception:  # noqa: BLE001 (reported by the test that reads it)
+                out[f"{optimizer}_{name}"] = traceback.format_exc()
+            gc.collect()
+    return out
+
+
+# ----------------------------------------------------------------------------- spawning
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, outdir):
+    torch.set_num_threads(1)
+    faulthandler.enable(open(os.path.join(outdir, f"rank{rank}.stack"), "w"), all_threads=True)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=TIMEOUT
+    )
+    result = {"error": "no result"}
+    try:
+        result = {"ok": scenarios(Rank(rank, world))}
+        gc.collect()  # the FSDP2 modules and their groups' users go while the group lives
+        dist.barrier()  # no rank tears its connections down while another still reads
+    except BaseException:
+        result = {"error": traceback.format_exc()}
+        raise
+    finally:
+        with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.destroy_process_group()
+    os._exit(0)  # past the interpreter's teardown
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda k: f"{k}ranks")
+def ranks(request, tmp_path_factory):
+    world = request.param
+    outdir = str(tmp_path_factory.mktemp(f"fsdp{world}"))
+    try:
+        mp.spawn(_worker, args=(world, _free_port(), outdir), nprocs=world, join=True)
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as error:
+        outcomes = []
+        for r in range(world):
+            path = os.path.join(outdir, f"rank{r}.json")
+            stack = os.path.join(outdir, f"rank{r}.stack")
+            if os.path.exists(path):
+                with open(path) as f:
+                    outcomes.append(f"rank {r}: {json.load(f).get('error', 'finished')}")
+            else:
+                with open(stack) as f:
+                    outcomes.append(f"rank {r}: killed; its stack:\n{f.read()}")
+        raise AssertionError(
+            f"{world} gloo ranks failed ({error}):\n" + "\n".join(outcomes)
+        ) from error
+    results = []
+    for r in range(world):
+        with open(os.path.join(outdir, f"rank{r}.json")) as f:
+            results.append(json.load(f)["ok"])
+    return results
+
+
+# ----------------------------------------------------------------------------- tests
+TOL = 1e-12
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_first_order_quantities_are_the_ranks_samples_whole_on_the_sharded_parameter(ranks, order):
+    """``extend`` before or after ``fully_shard``: each rank's ``grad_batch``, ``batch_l2``,
+    ``sum_grad_squared`` and ``variance`` are those of its samples (one process, a per-sample
+    loop), whole, on the sharded ``DTensor`` parameters; none is left on FSDP2's gathered
+    ones; ``local_rows`` of the ranks' average is FSDP2's own gradient shard."""
+    for result in ranks:
+        found = result[f"quantities_{order}"]
+        assert set(found["types"]) == {"DTensor"}
+        for what in (*FIRST_ORDER, "loop", "local_rows"):
+            assert found[what] <= TOL, (what, found[what])
+        assert found["gathered"] == 4 and found["left_on_gathered"] == 0
+        assert "Pass the parameter's own quantity" in found["bad_rows"]
+
+
+def test_a_two_dimensional_mesh_raises_naming_the_fix_and_changes_nothing(ranks):
+    for result in ranks:
+        message = result["two_dimensional_mesh"]
+        assert "one-dimensional mesh" in message and "Apply fully_shard over one" in message
+        assert "(parameters changed)" not in message
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_steps_under_fsdp2_equal_one_process_on_the_concatenated_batch(ranks, optimizer, name):
+    """Two steps (momentum, weight decay, the trust region; KFLR's factors are averaged over
+    the ranks: the full batch's, exactly, with equal shards) leave every parameter as one
+    process on the concatenated batch would, on every rank."""
+    for result in ranks:
+        found = result[f"{optimizer}_{name}"]
+        assert isinstance(found, dict), found
+        found.pop("tied_step")
+        assert max(found.values()) <= TOL, found
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_gpt_with_a_tied_head_under_fsdp2(ranks, optimizer):
+    """A two-block GPT, its head tied to the token embedding: one step equals one process to
+    1e-12 for every parameter but the tied one. Allowed approximation: the tied weight's
+    Kronecker factors are each rank's nearest Kronecker product of its two uses, averaged
+    over the ranks (not the nearest product of the averaged uses); exact for the diagonal."""
+    for result in ranks:
+        found = result[f"{optimizer}_gpt"]
+        assert isinstance(found, dict), found
+        tied, step = found.pop("tok.weight"), found.pop("tied_step")
+        assert max(found.values()) <= TOL, found
+        if optimizer == "diag_ggn":
+            assert tied <= TOL
+        else:  # within a tenth of the step's size
+            assert tied <= 0.1 * step, (tied, step)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location(
+        "_example_fsdp_kfac", ROOT / "examples" / "fsdp_kfac.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_example_runs_under_torchrun_as_one_process_would():
+    """``torchrun --nproc_per_node 2 examples/fsdp_kfac.py``: the global batch's losses it
+    prints are those of one process stepping KFAC on the unsharded model."""
+    steps = 6
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+    ]
+    done = subprocess.run(
+        [*command, str(ROOT / "examples" / "fsdp_kfac.py"), "--steps", str(steps)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = {int(k): float(v) for k, v in re.findall(r"step +(\d+) +loss ([\d.]+)", done.stdout)}
+    assert sorted(printed) == [0, 5] and "rank 1: parameter shard" in done.stdout
+    example = _example()
+    model, lossfunc = curvopt.extend(example.make_model()), curvopt.extend(nn.CrossEntropyLoss())
+    opt = KFAC(model.parameters(), **example.OPTIONS, process_group=False)
+    for step in range(steps):
+        X, y = example.global_batch(step)
+        opt.zero_grad()
+        with opt.collect():
+            loss = lossfunc(model(X), y)
+            loss.backward()
+        opt.step()
+        if step in printed:
+            assert abs(float(loss) - printed[step]) <= 1e-4, (step, float(loss), printed[step])
