@@ -35,7 +35,7 @@ class Plan:
     shapes)`` in walk order), ``broadcasts`` (positions of the broadcast calls in ``calls``),
     ``layouts`` (``((root shape, elementwise), found)``, the row layouts ``rows`` verified:
     ``found`` is ``(row_dims, sample map, positions of the transposed calls, the
-    ``rows.RowLayout``)``, or None where no map passed), ``sums_checked`` (the per-sample sums
+    ``layouts.RowLayout``)``, or None where no map passed), ``sums_checked`` (the per-sample sums
     of a curvature-only pass were checked on a pass of this structure, ``checks``), ``sites``
     (``((module token, parameter name), matched)``: whether a raw parameter's per-sample
     gradients read at its site matched its module's rule, ``sites``), ``cuts`` (``((loss input

@@ -6,7 +6,7 @@ The exact square root of a cross-entropy row's Hessian has ``V`` columns. When t
 ``r`` of ``h`` alone, and everything below ``h`` depends on them only through their Gram
 ``M_r = Σ_k c_rk c_rkᵀ`` (``d × d``): every diagonal and Kronecker factor below is a sum over
 columns of squares of linear maps of them. So the columns go to ``h`` with all rows at once
-(``V`` columns ``[V, R, V]``, not ``V`` per slot of ``rows.RowLayout``: above ``h`` no row
+(``V`` columns ``[V, R, V]``, not ``V`` per slot of ``layouts.RowLayout``: above ``h`` no row
 reaches another), each row's ``K × d`` matrix there is replaced by the ``min(K, d)`` rows of
 its R factor (:class:`RowFactors`: ``F_rᵀ F_r = M_r``, without squaring as a Gram would), and
 only those, packed by slot again, enter the layers below (attention mixes positions: ``T·V``
@@ -193,7 +193,7 @@ class RowFactors:
 
     def columns(self, layout, first: int, stop: int, dtype) -> torch.Tensor:
         """``[m · (stop - first), *h]``: for each slot ``s`` of ``first:stop`` of
-        ``rows.RowLayout`` ``layout`` and each ``j < m``, the column holding ``F_r[j]`` at the
+        ``layouts.RowLayout`` ``layout`` and each ``j < m``, the column holding ``F_r[j]`` at the
         position of every row ``r`` of slot ``s`` (rows of distinct samples, as the loss's
         columns were packed) and zeros elsewhere."""
         f = self.factor

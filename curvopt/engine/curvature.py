@@ -3,7 +3,7 @@
 When the gradient reaches an extended loss (the first hook of a backward pass), the loss
 supplies ``S`` with ``H_r = sum_k s_rk s_rk^T`` for every row ``r`` of its input (exact columns,
 or Monte-Carlo columns from sampled targets). The rows are packed so that one propagated
-column never holds two rows of the same sample (``rows.RowLayout``); autograd propagates the
+column never holds two rows of the same sample (``layouts.RowLayout``); autograd propagates the
 columns to the output of every extended module (``propagate``), giving ``V = J_y^T S`` there,
 and each module turns ``V`` and its saved input into diagonals or Kronecker factors. Any graph
 works: residual adds, functional ops, attention, reused modules.
@@ -133,8 +133,9 @@ class CurvaturePass:
         self.layout = establish(
             output, output.shape, calls, self.batched, walk, rule.elementwise, coupled=self.coupled
         )
-        if not (self.coupled or any(TABLE[e.quantity.producer].walks for e in self.exts)):
-            calls = with_sites(calls, walk, output, self.batched, self.layout)  # raw parameters
+        walks_on = any(TABLE[e.quantity.producer].walks for e in self.exts)
+        if walk.broadcasting and not (self.coupled or walks_on):  # raw parameters at their sites
+            calls = with_sites(calls, walk, output, self.batched, self.layout)
         self.factors = FactorStream(
             self.results, self.loss, self.layout, self.skip_diagonal, self.coupled
         )
@@ -201,7 +202,7 @@ class LossColumns:
     """The (scaled) square-root factor of one loss's Hessian from ``source`` (``"exact"``,
     ``"mc"`` with ``mc_samples`` draws, ``"empirical"``), in chunks, and how many of its
     columns fit the memory budget at once. ``root``: the loss input the columns start from;
-    ``layout``: the pass's ``rows.RowLayout``."""
+    ``layout``: the pass's ``layouts.RowLayout``."""
 
     def __init__(self, loss, rule, scale: float, layout, source: str, mc_samples: int):
         self.loss, self.rule, self.scale, self.layout = loss, rule, scale, layout

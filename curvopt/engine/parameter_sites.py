@@ -79,8 +79,9 @@ def with_sites(calls, walk, source, batched: bool, layout) -> dict:
     """``calls`` (``{record: [(output index, edge)]}`` of ``walk``, the walk of ``source``),
     with the :class:`SiteCall` of every raw parameter read at its site, verified on the
     structure's first pass by the probes on ``layout``'s rows (module doc); the owners'
-    ``Record.sites`` bound."""
-    if walk.plan is None or not walk.broadcasting:
+    ``Record.sites`` bound. For a walk that met a broadcasting op (``Walk.broadcasting``): a
+    site is one; the plain path does not come here."""
+    if walk.plan is None:
         return calls
     found = dict(calls)
     for record in calls:
