@@ -2,7 +2,8 @@
 
 * ``producers``: the producer table: for each ``Producer``, the parts of a pass that compute it
   (the pass reads it; nothing else compares producers);
-* ``rows``: which loss rows belong to which sample; the probe-verified packing of columns;
+* ``rows``: which loss rows belong to which sample: the probes that verify a layout
+  (``core.layouts.RowLayout``, kept in the plan);
 * ``compress``: a language model head's exact columns re-factored at its narrower input
   (``HeadCut``, a strategy);
 * ``curvature``: ``CurvaturePass``: the loss's square-root columns (``LossColumns``), packed,
