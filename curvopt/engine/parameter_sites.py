@@ -33,7 +33,7 @@ from __future__ import annotations
 from curvopt.core.calls import Call
 from curvopt.core.params import trainable
 from curvopt.core.plans import add_site
-from curvopt.core.records import token
+from curvopt.core.records import Record, token
 from curvopt.core.state import STATE
 from curvopt.engine.rows import reaches_own_samples
 from curvopt.layers import rule_for
@@ -69,6 +69,10 @@ class SiteCall:
 
     def call(self, grad_out=None) -> Call:
         return Call(self.module, (), {}, grad_out, quiet=STATE.suspend)
+
+    #: the call given the columns at the site, as a record's (``Record.column_call``: through
+    #: :meth:`call` and :meth:`at_parameter_precision`)
+    column_call = Record.column_call
 
     def computed(self) -> list:
         """``[(name, p)]``: the one parameter this call computes."""
