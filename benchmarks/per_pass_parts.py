@@ -52,7 +52,7 @@ PARTS = (
     ("  the loss and modules checked", "curvopt.engine.curvature", "CurvaturePass.check"),
     ("  curvature pass", "curvopt.engine.curvature", "CurvaturePass.run"),
     ("    row layout", "curvopt.engine.curvature", "establish"),
-    ("    columns propagated", "curvopt.engine.strategies", "to_calls"),
+    ("    columns propagated", "curvopt.engine.curvature", "to_calls"),
     ("    the loss's exact columns", "curvopt.losses.base", "LossRule.sqrt_hessian"),
     ("    the loss's sampled columns", "curvopt.losses.base", "LossRule.sqrt_hessian_mc"),
     ("    contributions made and collected", "curvopt.engine.results", "ResultBuffer.add"),

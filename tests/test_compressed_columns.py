@@ -16,7 +16,7 @@ import curvopt
 from curvopt import extensions as ext
 from curvopt.engine import compress
 from curvopt.graph import propagate
-from curvopt.engine import rows as rows_module
+from curvopt.core.layouts import RowLayout
 from fixtures import zoo
 
 N, T, D = 3, 4, 8
@@ -319,8 +319,8 @@ def test_not_compressed_kflr_with_a_skip_is_exact(counted):
 
 
 def _two_slots(rows):
-    """A ``rows.RowLayout`` of two rows per sample: row ``r`` in slot ``r % 2``."""
-    return rows_module.RowLayout(torch.arange(rows) // 2, rows // 2)
+    """A ``layouts.RowLayout`` of two rows per sample: row ``r`` in slot ``r % 2``."""
+    return RowLayout(torch.arange(rows) // 2, rows // 2)
 
 
 class _Cut:

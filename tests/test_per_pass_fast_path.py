@@ -14,6 +14,7 @@ from torch import nn
 import curvopt
 from curvopt import extensions as ext
 from curvopt.guards import participation
+from curvopt.core.layouts import RowLayout
 from curvopt.engine import rows
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers.linear import LinearRule
@@ -76,7 +77,7 @@ def counts(monkeypatch):
         return wrapped
 
     monkeypatch.setattr(rows, "_verified", counting(rows._verified, "probes"))
-    monkeypatch.setattr(rows.RowLayout, "__init__", counting(rows.RowLayout.__init__, "layouts"))
+    monkeypatch.setattr(RowLayout, "__init__", counting(RowLayout.__init__, "layouts"))
     monkeypatch.setattr(
         participation,
         "grad_accumulator",

@@ -1,6 +1,6 @@
-"""The special ways of propagating columns are chosen once, from the walk (``engine.strategies``):
+"""The special ways of propagating columns are chosen once, from the walk (``curvature.choose``):
 
-* the curvature pass hands each group's columns to a strategy (``strategies.Direct`` or
+* the curvature pass hands each group's columns to a strategy (``curvature.Direct`` or
   ``compress.HeadCut``) with a ``contribute(calls, outs)`` callback, and holds no special case
   of its own;
 * whether a cut at a language model's head was found is kept in the structure's plan: a
@@ -16,7 +16,7 @@ from torch import nn
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.engine import compress, curvature, strategies
+from curvopt.engine import compress, curvature
 from curvopt.core import plans
 from curvopt.graph import pooling
 
@@ -40,7 +40,7 @@ def _decoder_passes(vocab, passes, monkeypatch):
     """``passes`` KFLR and DiagGGNExact passes of one decoder; the strategies chosen and the
     calls of ``find_cut`` and ``row_probes``, per pass."""
     chosen, found, probed = [], [], []
-    choose, find_cut, row_probes = strategies.choose, strategies.find_cut, compress.row_probes
+    choose, find_cut, row_probes = curvature.choose, curvature.find_cut, compress.row_probes
 
     def noted(*args, **kwargs):
         strategy = choose(*args, **kwargs)
@@ -48,7 +48,7 @@ def _decoder_passes(vocab, passes, monkeypatch):
         return strategy
 
     monkeypatch.setattr(curvature, "choose", noted)
-    monkeypatch.setattr(strategies, "find_cut", lambda *a: found[-1].append(1) or find_cut(*a))
+    monkeypatch.setattr(curvature, "find_cut", lambda *a: found[-1].append(1) or find_cut(*a))
     monkeypatch.setattr(compress, "row_probes", lambda r: probed[-1].append(1) or row_probes(r))
     torch.manual_seed(0)
     model = curvopt.extend(Decoder(vocab).to(DT))
@@ -64,7 +64,7 @@ def _decoder_passes(vocab, passes, monkeypatch):
 def test_the_curvature_pass_holds_no_special_case():
     for name in ("_narrower", "_propagate_cut", "_exact_rows", "_chunk_size", "columns"):
         assert not hasattr(curvature.CurvaturePass, name), name
-    for strategy in (strategies.Direct, compress.HeadCut):
+    for strategy in (curvature.Direct, compress.HeadCut):
         parameters = inspect.signature(strategy.propagate).parameters
         assert list(parameters) == ["self", "columns", "contribute"]
 

@@ -11,6 +11,8 @@
   path and hook handle; whether ``extend`` hooked a module or parameter;
 * ``params``: which extended module owns which parameter (weakly);
 * ``sharded``: FSDP2's sharded parameter behind the unsharded one a pass computes with;
+* ``layouts``: ``RowLayout``, which loss rows belong to which sample, and the slots that pack
+  rows of distinct samples into one column (verified by ``engine.rows``, kept in a plan);
 * ``plans``: the frozen ``Plan`` of each graph structure (what holds for every graph of it:
   calls, row layouts, checked sums, compression cuts), cached across passes;
 * ``reductions``: Gram products carrying their roots, ``GramFactor``, chunked sums;

@@ -35,12 +35,12 @@ class Plan:
     shapes)`` in walk order), ``broadcasts`` (positions of the broadcast calls in ``calls``),
     ``layouts`` (``((root shape, elementwise), found)``, the row layouts ``rows`` verified:
     ``found`` is ``(row_dims, sample map, positions of the transposed calls, the
-    ``rows.RowLayout``)``, or None where no map passed), ``sums_checked`` (the per-sample sums
+    ``layouts.RowLayout``)``, or None where no map passed), ``sums_checked`` (the per-sample sums
     of a curvature-only pass were checked on a pass of this structure, ``checks``), ``sites``
     (``((module token, parameter name), matched)``: whether a raw parameter's per-sample
     gradients read at its site matched its module's rule, ``sites``), ``cuts`` (``((loss input
     shape, exact columns per row, diagonals asked), found)``: whether ``compress.find_cut`` found
-    a head to compress the exact columns at, ``strategies``; a cut found is bound and checked
+    a head to compress the exact columns at, ``curvature.choose``; a cut found is bound and checked
     again on every pass, none found is not looked for again)."""
 
     key: Hashable
@@ -93,7 +93,7 @@ def add_site(walk, param_key, matched: bool) -> None:
 
 def add_cut(walk, key, found: bool) -> None:
     """Keep in ``walk``'s plan whether a cut was found for the columns described by ``key``
-    (``strategies``)."""
+    (``curvature.choose``)."""
     if walk.plan is None:
         return
     plan = plan_cache().get(walk.plan.key, walk.plan)

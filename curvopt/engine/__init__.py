@@ -2,14 +2,14 @@
 
 * ``producers``: the producer table: for each ``Producer``, the parts of a pass that compute it
   (the pass reads it; nothing else compares producers);
-* ``rows``: which loss rows belong to which sample; the probe-verified packing of columns;
+* ``rows``: which loss rows belong to which sample: the probes that verify a layout
+  (``core.layouts.RowLayout``, kept in the plan);
 * ``compress``: a language model head's exact columns re-factored at its narrower input
   (``HeadCut``, a strategy);
-* ``strategies``: how one group's columns are propagated, chosen from the walk (``Direct``, or
-  ``compress.HeadCut``), the choice kept in the structure's plan;
 * ``curvature``: ``CurvaturePass``: the loss's square-root columns (``LossColumns``), packed,
-  in chunks within a memory budget, propagated by the group's strategy, turned into every
-  module's contributions;
+  in chunks within a memory budget, propagated by the group's strategy (``Direct``, or
+  ``compress.HeadCut``; ``choose`` picks it from the walk, the choice kept in the structure's
+  plan), turned into every module's contributions;
 * ``kron_pass``: ``FactorStream``: Kronecker factors from each chunk of columns;
 * ``parameter_sites``: raw parameters read at the add or expand where they meet the batch, as
   calls of their own (``SiteCall``), probe-verified, instead of re-running their module; in

@@ -6,15 +6,15 @@ The exact square root of a cross-entropy row's Hessian has ``V`` columns. When t
 ``r`` of ``h`` alone, and everything below ``h`` depends on them only through their Gram
 ``M_r = Σ_k c_rk c_rkᵀ`` (``d × d``): every diagonal and Kronecker factor below is a sum over
 columns of squares of linear maps of them. So the columns go to ``h`` with all rows at once
-(``V`` columns ``[V, R, V]``, not ``V`` per slot of ``rows.RowLayout``: above ``h`` no row
+(``V`` columns ``[V, R, V]``, not ``V`` per slot of ``layouts.RowLayout``: above ``h`` no row
 reaches another), each row's ``K × d`` matrix there is replaced by the ``min(K, d)`` rows of
 its R factor (:class:`RowFactors`: ``F_rᵀ F_r = M_r``, without squaring as a Gram would), and
 only those, packed by slot again, enter the layers below (attention mixes positions: ``T·V``
 columns per sample become ``T·d``). The head itself gets the uncompressed columns, packed by
 slot (its factors need them). :class:`HeadCut` is this way of propagating, one of the
-strategies of ``strategies`` (chosen there, from the walk): given the loss's columns
-(``curvature.LossColumns``) and a ``contribute(calls, outs)`` callback, it makes the two stages
-and hands each chunk's columns back, as ``strategies.Direct`` does for the plain way.
+strategies of ``curvature`` (chosen there, from the walk: ``curvature.choose``): given the loss's
+columns (``curvature.LossColumns``) and a ``contribute(calls, outs)`` callback, it makes the two
+stages and hands each chunk's columns back, as ``curvature.Direct`` does for the plain way.
 
 A head whose parameters all need no gradient (a frozen or tied output layer with only the
 layers below trained) is no recorded call: it is found in the graph instead, as ``h Wᵀ (+ b)``
@@ -30,7 +30,7 @@ one to one); and on every pass, before any column is propagated, random probe co
 (:func:`row_probes`) arrive at the head's output unchanged and at ``h`` on their own rows
 alone. Where any fails, the columns go on uncompressed. ``find_cut`` runs on every pass of a
 structure where it found a cut (binding it to the pass's nodes, every condition checked
-again); a structure where it found none is remembered in its plan (``strategies``) and takes
+again); a structure where it found none is remembered in its plan (``curvature``) and takes
 the uncompressed way, exact whatever the graph, without a search.
 
 Reentrant checkpoints below ``h`` are crossed in stages from ``h`` as from the loss
@@ -193,7 +193,7 @@ class RowFactors:
 
     def columns(self, layout, first: int, stop: int, dtype) -> torch.Tensor:
         """``[m · (stop - first), *h]``: for each slot ``s`` of ``first:stop`` of
-        ``rows.RowLayout`` ``layout`` and each ``j < m``, the column holding ``F_r[j]`` at the
+        ``layouts.RowLayout`` ``layout`` and each ``j < m``, the column holding ``F_r[j]`` at the
         position of every row ``r`` of slot ``s`` (rows of distinct samples, as the loss's
         columns were packed) and zeros elsewhere."""
         f = self.factor
@@ -232,11 +232,11 @@ def row_local(probes, sets, at_head_output, at_h) -> bool:
 
 
 class HeadCut:
-    """The exact columns in two stages around ``cut`` (a strategy, ``strategies``): to the head
+    """The exact columns in two stages around ``cut`` (a strategy, ``curvature``): to the head
     and ``h`` with all rows at once, re-factored per row at ``h`` (:class:`RowFactors`), then
     ``d`` per row and slot below. First, on every pass, probe columns check that the graph
     above ``h`` is row-local (:func:`row_probes`, :func:`row_local`); where it is not, the
-    columns go the ``fallback`` way (``strategies.Direct``) instead."""
+    columns go the ``fallback`` way (``curvature.Direct``) instead."""
 
     def __init__(self, cut: Cut, calls, batched: bool, walk, fallback):
         self.cut, self.walk, self.fallback = cut, walk, fallback

@@ -3,7 +3,7 @@
 When the gradient reaches an extended loss (the first hook of a backward pass), the loss
 supplies ``S`` with ``H_r = sum_k s_rk s_rk^T`` for every row ``r`` of its input (exact columns,
 or Monte-Carlo columns from sampled targets). The rows are packed so that one propagated
-column never holds two rows of the same sample (``rows.RowLayout``); autograd propagates the
+column never holds two rows of the same sample (``layouts.RowLayout``); autograd propagates the
 columns to the output of every extended module (``propagate``), giving ``V = J_y^T S`` there,
 and each module turns ``V`` and its saved input into diagonals or Kronecker factors. Any graph
 works: residual adds, functional ops, attention, reused modules.
@@ -11,10 +11,30 @@ works: residual adds, functional ops, attention, reused modules.
 :meth:`CurvaturePass.run` reads top to bottom: the row layout; the extensions grouped by the
 source of their columns; per group, the loss's columns (:class:`LossColumns`: the square-root
 factor in chunks within the memory budget ``_COLUMN_BUDGET``), the group's strategy
-(``strategies.choose``, from the walk: ``strategies.Direct``, or ``compress.HeadCut`` at a
-language model's head) propagating them, and each chunk's propagated columns contributed
-(``diagonals``, ``kron_pass``) through the callback the strategy is given; then the input-side
-factors, and the producers that walk on from the loss (``hessian``, ``kfra``).
+(:func:`choose`, from the walk: :class:`Direct`, or ``compress.HeadCut`` at a language model's
+head) propagating them, and each chunk's propagated columns contributed (``diagonals``,
+``kron_pass``) through the ``contribute(calls, outs)`` callback the strategy is given; then the
+input-side factors, and the producers that walk on from the loss (``hessian``, ``kfra``).
+
+The strategies (the pass itself holds no special case of propagation):
+
+* :class:`Direct`: chunks of columns within the memory budget, packed by slot, each through
+  ``propagate.to_calls`` from the loss input to every call at once (``V = J^T S``);
+* ``compress.HeadCut``: the exact columns of a language model in two stages around the input
+  ``h`` of its head, ``d`` per row below it instead of ``V`` (``compress``); it falls back to
+  its :class:`Direct` where the probe columns show, on this pass, that the map from the loss
+  input to ``h`` is not row-local.
+
+:func:`choose` picks the strategy once per group and pass, from the walk: a cut is looked for
+(``compress.find_cut``) only for the exact columns of a loss with one row dimension where some
+position-wise call's input is narrower than a row's columns; whether one was found is kept in
+the walk's plan (``core.plans.Plan.cuts``, by the loss input's shape, the columns per row and
+whether diagonals are asked). A structure where none was found is not searched again (the
+direct path is exact whatever the graph); one where a cut was found has it found again, on this
+pass's nodes, with every condition of ``find_cut`` checked again, and ``HeadCut`` probes the
+rows on every pass before any column goes. The other special cases of propagation are chosen
+where the columns cross the graph, from the walk (``propagate``'s module doc): reentrant
+checkpoints, max pooling and broadcast calls.
 
 ``EKFAC`` (eigenvalue-corrected curvature): the factors of its fresh bases are made here, with
 the other Kronecker factors, and held in the result buffer; ``S`` is computed from each call's
@@ -53,17 +73,18 @@ from functools import partial
 
 import torch
 
+from curvopt.engine.compress import HeadCut, find_cut
 from curvopt.engine.diagonals import diagonals
 from curvopt.engine.parameter_sites import with_sites
+from curvopt.core.plans import add_cut
 from curvopt.errors import BATCH_STATISTICS, UnsupportedLossError, module_error
 from curvopt.engine.producers import TABLE, coupled_estimate
 from curvopt.engine.loss_context import LossContext
 from curvopt.layers import mixes, mixing, rule_for
 from curvopt.losses import loss_rule_for
-from curvopt.graph.propagate import loss_gradient
+from curvopt.graph.propagate import loss_gradient, to_calls
 from curvopt.engine.kron_pass import FactorStream
 from curvopt.engine.rows import establish
-from curvopt.engine.strategies import choose
 
 #: bound on the elements of propagated columns held at once (all module outputs together):
 #: a memory budget (32 MB in float32); chunks are exact, and they cost little time: autograd's
@@ -133,11 +154,10 @@ class CurvaturePass:
         self.layout = establish(
             output, output.shape, calls, self.batched, walk, rule.elementwise, coupled=self.coupled
         )
-        if not (self.coupled or any(TABLE[e.quantity.producer].walks for e in self.exts)):
-            calls = with_sites(calls, walk, output, self.batched, self.layout)  # raw parameters
-        self.factors = FactorStream(
-            self.results, self.loss, self.layout, self.skip_diagonal, self.coupled
-        )
+        walks_on = any(TABLE[e.quantity.producer].walks for e in self.exts)
+        if walk.broadcasting and not (self.coupled or walks_on):  # raw parameters at their sites
+            calls = with_sites(calls, walk, output, self.batched, self.layout)
+        self.factors = None  # made where the first chunk of columns for it arrives
         groups = defaultdict(list)
         for ext in self.exts:
             made = TABLE[ext.quantity.producer]
@@ -151,7 +171,8 @@ class CurvaturePass:
             groups[key].append(ext)
         for (source, mc_samples), exts in groups.items():
             self._propagate(rule, calls, exts, source, mc_samples)
-        self.factors.finish()
+        if self.factors is not None:
+            self.factors.finish()
         walking = {made: [] for made in TABLE.values() if made.after is not None}  # in order
         for ext in self.exts:
             if TABLE[ext.quantity.producer] in walking:
@@ -181,7 +202,7 @@ class CurvaturePass:
 
     def _propagate(self, rule, calls, exts, source, mc_samples) -> None:
         """One group's columns (``exts``, one ``source``): made, propagated by the group's
-        strategy (``strategies.choose``), turned into contributions."""
+        strategy (:func:`choose`), turned into contributions."""
         kron_exts = [e for e in exts if TABLE[e.quantity.producer].columns == "factors"]
         diag_exts = [e for e in exts if e not in kron_exts]
         columns = LossColumns(self.loss, rule, self.scale, self.layout, source, mc_samples)
@@ -194,14 +215,23 @@ class CurvaturePass:
         if diag_exts:
             self.results.add(diagonals(calls, outs, diag_exts, coupled=self.coupled))
         if kron_exts:
+            if self.factors is None:
+                self.factors = FactorStream(
+                    self.results, self.loss, self.layout, self.skip_diagonal, self.coupled
+                )
             self.results.add(self.factors.contributions(calls, outs, kron_exts))
+
+    def eigen_columns(self):
+        """A coupled pass's ``(p, ext, gbar)`` for ``EKFAC``'s ``S``
+        (``kron_pass.FactorStream.eigen_columns``; none where no Kronecker factor was asked)."""
+        return () if self.factors is None else self.factors.eigen_columns()
 
 
 class LossColumns:
     """The (scaled) square-root factor of one loss's Hessian from ``source`` (``"exact"``,
     ``"mc"`` with ``mc_samples`` draws, ``"empirical"``), in chunks, and how many of its
     columns fit the memory budget at once. ``root``: the loss input the columns start from;
-    ``layout``: the pass's ``rows.RowLayout``."""
+    ``layout``: the pass's ``layouts.RowLayout``."""
 
     def __init__(self, loss, rule, scale: float, layout, source: str, mc_samples: int):
         self.loss, self.rule, self.scale, self.layout = loss, rule, scale, layout
@@ -265,3 +295,51 @@ class LossColumns:
             + sum(record.out_numel[index] for record, edges in calls.items() for index, _ in edges)
         )
         return max(1, (budget or _COLUMN_BUDGET) // per_column)
+
+
+class Direct:
+    """The columns in chunks (as many as fit ``columns.fit(calls)``), each from the loss input
+    to every call of ``calls`` in one ``propagate.to_calls``."""
+
+    def __init__(self, calls, batched: bool, walk):
+        self.calls, self.batched, self.walk = calls, batched, walk
+
+    def propagate(self, columns, contribute) -> None:
+        calls = self.calls
+        for cols in columns.packed(columns.fit(calls)):
+            # (no name holds a chunk's propagated columns while the next one's are made)
+            outs = to_calls(columns.root, calls, cols, self.batched, self.walk)
+            contribute(calls, outs)
+            del outs, cols
+
+
+def choose(walk, calls, columns, batched: bool, diagonals: bool):
+    """The strategy for ``columns`` (``curvature.LossColumns``) to ``calls`` of ``walk``:
+    ``compress.HeadCut`` where a cut is found (module doc), else :class:`Direct`;
+    ``diagonals``: diagonal quantities are asked (a weight tied across the cut forbids it)."""
+    direct = Direct(calls, batched, walk)
+    if columns.source != "exact" or columns.layout.row_dims != 1:
+        return direct
+    root, total = columns.root, columns.per_row()
+    key = (tuple(root.shape), total, diagonals)
+    known = None if walk.plan is None else dict(walk.plan.cuts).get(key)
+    if known is False:
+        return direct
+    cut = find_cut(walk, calls, root, diagonals) if _narrower(calls, total) else None
+    if cut is not None and total <= cut.width:
+        cut = None  # no fewer columns below the head than in a row
+    if known is None:
+        add_cut(walk, key, cut is not None)
+    return direct if cut is None else HeadCut(cut, calls, batched, walk, direct)
+
+
+def _narrower(calls, total: int) -> bool:
+    """Whether a position-wise call's input is narrower than the loss's ``total`` exact columns
+    per row: only there can columns be compressed (``compress``; the cut is such an input)."""
+    return any(
+        record.positionwise
+        and record.args
+        and isinstance(record.args[0], torch.Tensor)
+        and record.args[0].shape[-1] < total
+        for record in calls
+    )

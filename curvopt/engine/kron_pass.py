@@ -144,7 +144,7 @@ class FactorStream:
         """``sqrt(c)``, ``c`` the scale that makes the output side of the first ``k`` samples'
         factors estimate the whole batch's: ``N / k`` for ``reduction="sum"``, ``D / D_k``
         for ``"mean"`` (``D`` the loss's divisor, ``D_k`` that of the rows of the first ``k``
-        samples, ``rows.RowLayout.first``: the sub-batch's own mean); 0 where those rows
+        samples, ``layouts.RowLayout.first``: the sub-batch's own mean); 0 where those rows
         hold no term of the loss (all ignored)."""
         module, output, target = self.loss.module, self.loss.output.detach(), self.loss.target
         if module.reduction == "sum":

@@ -33,7 +33,7 @@ from __future__ import annotations
 from curvopt.core.calls import Call
 from curvopt.core.params import trainable
 from curvopt.core.plans import add_site
-from curvopt.core.records import token
+from curvopt.core.records import Record, token
 from curvopt.core.state import STATE
 from curvopt.engine.rows import reaches_own_samples
 from curvopt.layers import rule_for
@@ -70,6 +70,10 @@ class SiteCall:
     def call(self, grad_out=None) -> Call:
         return Call(self.module, (), {}, grad_out, quiet=STATE.suspend)
 
+    #: the call given the columns at the site, as a record's (``Record.column_call``: through
+    #: :meth:`call` and :meth:`at_parameter_precision`)
+    column_call = Record.column_call
+
     def computed(self) -> list:
         """``[(name, p)]``: the one parameter this call computes."""
         return trainable(self.module)
@@ -79,8 +83,9 @@ def with_sites(calls, walk, source, batched: bool, layout) -> dict:
     """``calls`` (``{record: [(output index, edge)]}`` of ``walk``, the walk of ``source``),
     with the :class:`SiteCall` of every raw parameter read at its site, verified on the
     structure's first pass by the probes on ``layout``'s rows (module doc); the owners'
-    ``Record.sites`` bound."""
-    if walk.plan is None or not walk.broadcasting:
+    ``Record.sites`` bound. For a walk that met a broadcasting op (``Walk.broadcasting``): a
+    site is one; the plain path does not come here."""
+    if walk.plan is None:
         return calls
     found = dict(calls)
     for record in calls:

@@ -14,7 +14,7 @@ batched (the walk met a node without a batching rule, ``walk.Walk.batchable``; t
 once per walk, root and edges, ``pooling.pool_stages``), broadcast calls where the walk bound
 them on their records (``Record.broadcast``, ``broadcast``: the columns read at the
 broadcasting op's output, by sample). Which columns go, and in what chunks, is the engine's
-(``engine.strategies``).
+(``engine.curvature``).
 """
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ class BackwardPass:
         self.watch_broadcasts(upstream.calls)
         cpass.run(upstream)
         if cpass.coupled:
-            self.reducer.correct_columns(cpass.factors.eigen_columns())
+            self.reducer.correct_columns(cpass.eigen_columns())
         self.batch_size = self.batch_size or cpass.layout.samples
         event = LossEvent(upstream, current_autograd_node(), self._active, self._abort)
         for observe in self.guards.loss:
