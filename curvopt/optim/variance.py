@@ -9,6 +9,7 @@ from typing import ClassVar
 import torch
 
 from curvopt.optim.base import CurvatureOptimizer
+from curvopt.optim.distributed.fsdp import refuse_sharded
 from curvopt.optim.options import CurvatureOptions, number, option
 from curvopt.optim.plan import ParamUpdate
 from curvopt.optim.transforms import add_weight_decay
@@ -120,6 +121,8 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
         return "sum_grad_squared", "SumGradSquared"
 
     def _needs(self, group, group_state):
+        why = "its variance has not been checked against one process there"
+        refuse_sharded("VarianceAdaptedSGD", group["params"], why)
         return [(self._moment()[0], {}), ("batch_l2", {})]
 
     def _plan_group(self, group, group_state, with_model):

@@ -38,7 +38,18 @@ try:
 except ImportError:  # a torch built without torch.distributed
     Shard = None
 
-__all__ = ["FullView", "local_rows"]
+__all__ = ["FullView", "local_rows", "refuse_sharded"]
+
+
+def refuse_sharded(optimizer: str, params, why: str) -> None:
+    """Raise ``NotImplementedError`` where ``params`` hold an FSDP2-sharded parameter, for an
+    optimizer (``optimizer``, its name) that does not run under ``fully_shard`` (``why``)."""
+    if any(is_sharded(p) for p in params):
+        raise NotImplementedError(
+            f"{optimizer} does not run under FSDP2 (fully_shard) yet: {why}. Use KFAC or "
+            f"DiagGGNNewton with fully_shard, or {optimizer} under DistributedDataParallel "
+            "(docs/distributed.md)."
+        )
 
 
 def _shard_dim(p: torch.Tensor) -> int:
