@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 from curvopt import extensions
 
 from curvopt.core import values
+from curvopt.core.sharded import is_sharded
 from curvopt.errors import in_optimizer_terms
 from curvopt.frontend.collect import collect
 from curvopt.frontend.collection import Collection
@@ -401,7 +402,9 @@ class CurvatureOptimizer(Optimizer):
             )
         if self._distributed is not None:
             self._distributed.ensure(self._requests()[1])
-        with self._view.of(self):  # FSDP2: the whole parameters' step, applied to the shards
+        sharded = any(is_sharded(p) for group in self.param_groups for p in group["params"])
+        view = self._view.of(self) if sharded else contextlib.nullcontext()
+        with view:  # FSDP2: the whole parameters' step, applied to the shards
             plans = [
                 self._plan_group(group, group_state, with_model=bool(due))
                 for group, group_state in zip(self.param_groups, self._group_state)
