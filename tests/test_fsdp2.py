@@ -160,6 +160,30 @@ def _quantities(rank: Rank, order: str) -> dict:
     return out
 
 
+def _tied_reductions(rank: Rank) -> dict:
+    """The tied GPT's reduced first-order quantities (without ``grad_batch``, so that a
+    parameter used once is reduced call by call) under FSDP2 against one process on the
+    rank's samples: the tied weight's sum its two uses' per-sample gradients before squaring."""
+    reference, model = build("gpt"), build("gpt")
+    curvopt.extend(model)
+    shard(model, "gpt")
+    curvopt.extend(reference)
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    X, y = rank.mine(*batch("gpt"))
+    attrs = ("batch_l2", "sum_grad_squared", "variance")
+    exts = (ext.BatchL2Grad(), ext.SumGradSquared(), ext.Variance())
+    for net in (model, reference):
+        with curvopt.collect(*exts):
+            lossfunc(net(X), y).backward()
+    return {
+        attr: max(
+            _deviation(getattr(p, attr), getattr(q, attr))
+            for p, q in zip(model.parameters(), reference.parameters())
+        )
+        for attr in attrs
+    }
+
+
 def _deviation(a: torch.Tensor, b: torch.Tensor) -> float:
     """``max |a − b|`` (0 for empty tensors: a rank's empty shard)."""
     return float((a - b).abs().max()) if a.numel() else 0.0
@@ -286,6 +310,7 @@ def scenarios(rank: Rank) -> dict:
     }
     for order in ("before", "after"):
         out[f"quantities_{order}"] = _quantities(rank, order)
+    out["tied_reductions"] = _tied_reductions(rank)
     for name in ("mlp", "cnn", "gpt"):
         for optimizer in OPTIMIZERS:
             try:
@@ -325,6 +350,15 @@ def test_first_order_quantities_are_the_ranks_samples_whole_on_the_sharded_param
             assert found[what] <= TOL, (what, found[what])
         assert found["gathered"] == 4 and found["left_on_gathered"] == 0
         assert "Pass the parameter's own quantity" in found["bad_rows"]
+
+
+def test_a_tied_weights_reduced_quantities_sum_its_uses_under_fsdp2(ranks):
+    """The GPT's tied embedding/head: ``batch_l2``, ``sum_grad_squared`` and ``variance`` of
+    the rank's samples equal one process's (FSDP2's gathered parameter is put on both modules;
+    each use alone would be squared apart)."""
+    for result in ranks:
+        found = result["tied_reductions"]
+        assert max(found.values()) <= TOL, found
 
 
 def test_a_two_dimensional_mesh_raises_naming_the_fix_and_changes_nothing(ranks):
