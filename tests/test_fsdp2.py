@@ -26,7 +26,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -101,8 +104,8 @@ def shard(model: nn.Module, name: str) -> None:
 
 
 class Rank:
-    def __init__(self, rank: int, world: int):
-        self.rank, self.world = rank, world
+    def __init__(self, rank: int, world: int, outdir: str = ""):
+        self.rank, self.world, self.outdir = rank, world, outdir
 
     def mine(self, X, y):
         """This rank's contiguous shard of a batch (GPT targets: ``T`` rows per sample)."""
@@ -279,6 +282,89 @@ def _two_dimensional_mesh(rank: Rank) -> str:
     return str(error.value) + ("" if unchanged else " (parameters changed)")
 
 
+#: resumed runs: the relative damping (its scale frozen at each refresh), the inverses cached
+#: for ``curvature_interval=None`` (10) steps, the factors' EMA, momentum
+RESUMED = {
+    "kfac": lambda params: KFAC(
+        params, lr=0.1, curvature="kflr", curvature_ema=0.9, momentum=0.5, kl_clip=None
+    ),
+    "diag_ggn": lambda params: DiagGGNNewton(
+        params, lr=0.1, curvature="exact", curvature_ema=0.9, momentum=0.5
+    ),
+}
+#: the curvature is collected and inverted at steps 0, 10 and 20; saved after step 15, when the
+#: EMA no longer gives the damping scale frozen at step 0 (a lost scale, step counter or EMA
+#: changes the steps after: 1e-3 and more)
+SAVED_AT, RESUMED_UNTIL = 15, 22
+
+
+def _steps(rank: Rank, model, opt, steps: range) -> list:
+    """``steps`` of ``opt`` on the rank's shard of a batch per step; the whole parameters
+    after each."""
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    X, y = batch("mlp")
+    after = []
+    for step in steps:
+        order = torch.randperm(N, generator=torch.Generator().manual_seed(step))
+        X_mine, y_mine = rank.mine(X[order], y[order])
+        opt.zero_grad()
+        with opt.collect():
+            lossfunc(model(X_mine), y_mine).backward()
+        opt.step()
+        after.append([p.full_tensor().detach().clone() for p in model.parameters()])
+    return after
+
+
+def save_checkpoint(model, opt, path: str) -> None:
+    """The recipe of docs/distributed.md#fsdp2: the model's sharded state (DTensors, each rank
+    its shard) and the optimizer's own ``state_dict`` (whole, the same on every rank: one
+    item, written once) saved by ``torch.distributed.checkpoint``."""
+    state = {**get_model_state_dict(model), "optimizer": opt.state_dict()}
+    # (flattening would rebuild the optimizer's dict without its empty dicts)
+    planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    dcp.save(state, checkpoint_id=path, planner=planner)
+
+
+def load_checkpoint(model, opt, path: str) -> None:
+    """The counterpart of :func:`save_checkpoint`, into a model sharded as the saved one and an
+    optimizer made as it was (the same parameters, in the same order)."""
+    state = {**get_model_state_dict(model), "optimizer": {}}
+    # (flattening would copy the dict, and load the optimizer's item into the copy)
+    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    dcp.load(state, checkpoint_id=path, planner=planner)
+    optimizer_state = state.pop("optimizer")
+    set_model_state_dict(model, state)
+    opt.load_state_dict(optimizer_state)
+
+
+def _resumed(rank: Rank, optimizer: str) -> dict:
+    """A run saved after step ``SAVED_AT`` with ``torch.distributed.checkpoint`` (the sharded
+    model state and the optimizer's own ``state_dict``), loaded into a fresh model and
+    optimizer, against the uninterrupted run: the largest deviation of the steps after it,
+    and whether they are equal bit for bit."""
+    model = curvopt.extend(build("mlp"))
+    shard(model, "mlp")
+    opt = RESUMED[optimizer](model.parameters())
+    _steps(rank, model, opt, range(SAVED_AT))
+    path = os.path.join(rank.outdir, f"checkpoint_{optimizer}")
+    save_checkpoint(model, opt, path)
+    uninterrupted = _steps(rank, model, opt, range(SAVED_AT, RESUMED_UNTIL))
+    fresh = curvopt.extend(build("mlp"))
+    shard(fresh, "mlp")
+    with torch.no_grad():  # nothing of the run left in the fresh model
+        for p in fresh.parameters():
+            p.to_local().normal_()
+    opt_fresh = RESUMED[optimizer](fresh.parameters())
+    load_checkpoint(fresh, opt_fresh, path)
+    resumed = _steps(rank, fresh, opt_fresh, range(SAVED_AT, RESUMED_UNTIL))
+    pairs = [(a, b) for run, again in zip(uninterrupted, resumed) for a, b in zip(run, again)]
+    return {
+        "deviation": max(_deviation(a, b) for a, b in pairs),
+        "bitwise": all(torch.equal(a, b) for a, b in pairs),
+        "steps": [s["step"] for s in opt_fresh.state_dict()["group_state"]],
+    }
+
+
 #: the optimizers that refuse sharded parameters
 REFUSED = {
     "VarianceAdaptedSGD": lambda params: VarianceAdaptedSGD(params, lr=0.2),
@@ -311,6 +397,8 @@ def scenarios(rank: Rank) -> dict:
     for order in ("before", "after"):
         out[f"quantities_{order}"] = _quantities(rank, order)
     out["tied_reductions"] = _tied_reductions(rank)
+    for optimizer in RESUMED:
+        out[f"resumed_{optimizer}"] = _resumed(rank, optimizer)
     for name in ("mlp", "cnn", "gpt"):
         for optimizer in OPTIMIZERS:
             try:
@@ -324,7 +412,7 @@ def scenarios(rank: Rank) -> dict:
 # ----------------------------------------------------------------------------- spawning
 def _worker(rank, world, outdir):
     torch.set_num_threads(1)
-    run_rank(rank, world, outdir, lambda r, k: scenarios(Rank(r, k)))
+    run_rank(rank, world, outdir, lambda r, k: scenarios(Rank(r, k, outdir)))
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda k: f"{k}ranks")
@@ -359,6 +447,17 @@ def test_a_tied_weights_reduced_quantities_sum_its_uses_under_fsdp2(ranks):
     for result in ranks:
         found = result["tied_reductions"]
         assert max(found.values()) <= TOL, found
+
+
+@pytest.mark.parametrize("optimizer", sorted(RESUMED))
+def test_a_run_resumed_from_a_dcp_checkpoint_takes_the_same_steps_bit_for_bit(ranks, optimizer):
+    """Saved after step 15 with ``torch.distributed.checkpoint`` (the recipe of
+    docs/distributed.md#fsdp2), loaded into a fresh model and optimizer: steps 16 to 22 (the
+    inverses' refresh at step 20 included) equal the uninterrupted run's bit for bit."""
+    for result in ranks:
+        found = result[f"resumed_{optimizer}"]
+        assert found["bitwise"] and found["deviation"] == 0.0, found
+        assert found["steps"] == [RESUMED_UNTIL], found
 
 
 def test_a_two_dimensional_mesh_raises_naming_the_fix_and_changes_nothing(ranks):
