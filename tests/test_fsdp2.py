@@ -397,7 +397,7 @@ def scenarios(rank: Rank) -> dict:
     for order in ("before", "after"):
         out[f"quantities_{order}"] = _quantities(rank, order)
     out["tied_reductions"] = _tied_reductions(rank)
-    for optimizer in RESUMED:
+    for optimizer in RESUMED if rank.world == 2 else ():  # (the steps: the 2 ranks' check)
         out[f"resumed_{optimizer}"] = _resumed(rank, optimizer)
     for name in ("mlp", "cnn", "gpt"):
         for optimizer in OPTIMIZERS:
@@ -454,6 +454,8 @@ def test_a_run_resumed_from_a_dcp_checkpoint_takes_the_same_steps_bit_for_bit(ra
     """Saved after step 15 with ``torch.distributed.checkpoint`` (the recipe of
     docs/distributed.md#fsdp2), loaded into a fresh model and optimizer: steps 16 to 22 (the
     inverses' refresh at step 20 included) equal the uninterrupted run's bit for bit."""
+    if f"resumed_{optimizer}" not in ranks[0]:
+        pytest.skip("the resumed runs are checked with 2 ranks")
     for result in ranks:
         found = result[f"resumed_{optimizer}"]
         assert found["bitwise"] and found["deviation"] == 0.0, found
