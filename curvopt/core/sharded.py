@@ -100,9 +100,9 @@ def tied_gathered(models: Iterable[nn.Module]) -> Set[int]:
     found: Set[int] = set()
     for fsdp_param in _fsdp_params(models):
         unsharded = fsdp_param.__dict__.get("_unsharded_param")
-        info = getattr(fsdp_param, "_module_info", None)
         if unsharded is None:
             continue
+        info = getattr(fsdp_param, "_module_info", None)
         if not isinstance(getattr(info, "shared_modules", None), list):
             raise RuntimeError(
                 "curvopt cannot tell whether an FSDP2 parameter is tied: this torch's "
