@@ -226,11 +226,19 @@ OPTIMIZERS = {
 
 #: steps per model: the GPT one (its tied weight's step is approximate, see the test)
 STEPS = {"mlp": 2, "cnn": 2, "gpt": 1}
+#: EKFAC's steps: the identity basis at step 0, the basis of step 0's averaged factors at step
+#: 1, at step 2 that of step 1's (``basis_interval=1``) or still step 0's; the GPT's 2
+EKFAC_STEPS = {"mlp": 3, "cnn": 3, "gpt": 2}
+#: the GPT's EKFAC step in the bases of averaged factors: the eigenvectors of its nearly equal
+#: eigenvalues turn the factors' round-off (the ranks' sums in another order) into 1.5e-12 of
+#: the step; one process on the same batch with its samples reversed differs by 8e-13
+EIGENBASIS_TOL = 1e-10
 
 
 def _optimizer(rank: Rank, name: str, optimizer: str) -> dict:
     """``STEPS`` steps under FSDP2 against one process on the concatenated batch: each
-    parameter's largest deviation. The GPT's trust region is off (``kl_clip=None``): its
+    parameter's largest deviation after the last, and the largest after the first
+    (``first_step``). The GPT's trust region is off (``kl_clip=None``): its
     factor, a sum over the group, would carry the tied weight's deviation to every one."""
     reference, model = build(name), build(name)
     curvopt.extend(model)
@@ -238,29 +246,30 @@ def _optimizer(rank: Rank, name: str, optimizer: str) -> dict:
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
     options = {"kl_clip": None} if name == "gpt" else {}
     opt = OPTIMIZERS[optimizer](model.parameters(), **options)
-    X, y = batch(name)
-    X_mine, y_mine = rank.mine(X, y)
-    for _ in range(STEPS[name]):
-        opt.zero_grad()
-        with opt.collect():
-            lossfunc(model(X_mine), y_mine).backward()
-        opt.step()
     curvopt.extend(reference)
     opt_reference = OPTIMIZERS[optimizer](reference.parameters(), process_group=False, **options)
-    for _ in range(STEPS[name]):
-        opt_reference.zero_grad()
-        with opt_reference.collect():
-            lossfunc(reference(X), y).backward()
-        opt_reference.step()
-    deviations = {
-        n: float((p.full_tensor() - q).detach().abs().max())
-        for (n, p), q in zip(model.named_parameters(), reference.parameters())
-    }
+    X, y = batch(name)
+    X_mine, y_mine = rank.mine(X, y)
+    first = None  # the largest deviation after the first step
+    for _ in range((EKFAC_STEPS if optimizer.startswith("ekfac") else STEPS)[name]):
+        for net, o, inputs, targets in (
+            (model, opt, X_mine, y_mine),
+            (reference, opt_reference, X, y),
+        ):
+            o.zero_grad()
+            with o.collect():
+                lossfunc(net(inputs), targets).backward()
+            o.step()
+        deviations = {
+            n: float((p.full_tensor() - q).detach().abs().max())
+            for (n, p), q in zip(model.named_parameters(), reference.parameters())
+        }
+        first = max(deviations.values()) if first is None else first
     start = dict(build(name).named_parameters())
     deviations["tied_step"] = (
         float((reference.tok.weight - start["tok.weight"]).abs().max()) if name == "gpt" else 0.0
     )
-    return deviations
+    return {**deviations, "first_step": first}
 
 
 def _two_dimensional_mesh(rank: Rank) -> str:
@@ -481,9 +490,9 @@ def test_vsgd_under_fsdp2_raises_naming_what_runs_and_changes_nothing(ranks, nam
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_steps_under_fsdp2_equal_one_process_on_the_concatenated_batch(ranks, optimizer, name):
-    """Two steps (momentum, weight decay, the trust region; KFLR's factors are averaged over
-    the ranks: the full batch's, exactly, with equal shards) leave every parameter as one
-    process on the concatenated batch would, on every rank."""
+    """Two steps (EKFAC three, ``EKFAC_STEPS``; momentum, weight decay, the trust region;
+    KFLR's factors are averaged over the ranks: the full batch's, exactly, with equal shards)
+    leave every parameter as one process on the concatenated batch would, on every rank."""
     for result in ranks:
         found = result[f"{optimizer}_{name}"]
         assert isinstance(found, dict), found
@@ -494,14 +503,17 @@ def test_steps_under_fsdp2_equal_one_process_on_the_concatenated_batch(ranks, op
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_gpt_with_a_tied_head_under_fsdp2(ranks, optimizer):
     """A two-block GPT, its head tied to the token embedding: one step equals one process to
-    1e-12 for every parameter, the tied one included (its uses' factors are all-reduced
+    1e-12 for every parameter (EKFAC's second, in the bases of the averaged factors, to
+    ``EIGENBASIS_TOL``), the tied one included (its uses' factors are all-reduced
     before the nearest Kronecker product is formed, as under DDP)."""
+    tolerance = EIGENBASIS_TOL if optimizer.startswith("ekfac") else TOL
     for result in ranks:
         found = result[f"{optimizer}_gpt"]
         assert isinstance(found, dict), found
         step = found.pop("tied_step")
         assert step > 1e-6, step  # the tied weight moved
-        assert max(found.values()) <= TOL, found
+        assert found.pop("first_step") <= TOL, found
+        assert max(found.values()) <= tolerance, found
 
 
 ROOT = Path(__file__).resolve().parents[1]
