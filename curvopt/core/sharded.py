@@ -11,16 +11,19 @@ computes with the gathered parameters, and writes every quantity on the sharded 
 one the user and the optimizer hold (``engine.results``).
 
 :func:`sharded_index` maps the unsharded parameters of the models a pass went through to
-their sharded ones. It reads FSDP2's per-module state (``FSDPModule._get_fsdp_state()``, its
-parameter groups' ``FSDPParam``\\ s: ``_unsharded_param``, ``sharded_param``; the groups'
+their sharded ones; :func:`tied_gathered` names those FSDP2 puts on several modules (a tied
+weight, whose uses' per-sample gradients the pass sums). They read FSDP2's per-module state
+(``FSDPModule._get_fsdp_state()``, its parameter groups' ``FSDPParam``\\ s:
+``_unsharded_param``, ``sharded_param``, ``_module_info``; the groups'
 ``reshard_after_backward`` and ``_training_state`` for :class:`Gathered`), private API checked
-when read: an ``FSDPParam`` whose two parameters disagree in shape, or whose sharded
-parameter is not a ``DTensor``, raises ``RuntimeError`` (the installed torch changed them).
+when read: an ``FSDPParam`` whose two parameters disagree in shape, whose sharded parameter is
+not a ``DTensor``, or without its modules' list, raises ``RuntimeError`` (the installed torch
+changed them).
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable
+from typing import Dict, Iterable, Set
 
 import torch
 from torch import nn
@@ -32,7 +35,7 @@ try:
 except ImportError:  # a torch built without torch.distributed: no FSDP2 to map
     FSDPModule = DTensor = TrainingState = None
 
-__all__ = ["Gathered", "is_sharded", "sharded_index"]
+__all__ = ["Gathered", "is_sharded", "sharded_index", "tied_gathered"]
 
 
 def is_sharded(p: torch.Tensor) -> bool:
@@ -50,6 +53,17 @@ def _param_groups(module: nn.Module) -> list:
     return list(groups)
 
 
+def _fsdp_params(models: Iterable[nn.Module]):
+    """The ``FSDPParam``\\ s of the ``fully_shard``-ed modules of ``models``."""
+    if FSDPModule is None:
+        return
+    for model in models:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                for group in _param_groups(module):
+                    yield from group.fsdp_params
+
+
 def sharded_index(models: Iterable[nn.Module]) -> Dict[int, torch.Tensor]:
     """``id(unsharded) -> sharded``: the parameters FSDP2 gathered for the computation in
     ``models`` (only those gathered at least once), each mapped to its sharded ``DTensor``
@@ -59,27 +73,45 @@ def sharded_index(models: Iterable[nn.Module]) -> Dict[int, torch.Tensor]:
         RuntimeError: FSDP2's internals no longer hold what this reads.
     """
     index: Dict[int, torch.Tensor] = {}
-    if FSDPModule is None:
-        return index
-    for model in models:
-        for module in model.modules():
-            if not isinstance(module, FSDPModule):
-                continue
-            fsdp_params = [fp for group in _param_groups(module) for fp in group.fsdp_params]
-            for fsdp_param in fsdp_params:
-                unsharded = fsdp_param.__dict__.get("_unsharded_param")
-                if unsharded is None:
-                    continue
-                sharded = getattr(fsdp_param, "sharded_param", None)
-                if not is_sharded(sharded) or sharded.shape != unsharded.shape:
-                    raise RuntimeError(
-                        "curvopt cannot map an FSDP2 parameter gathered for the computation to "
-                        "its sharded DTensor parameter: this torch's FSDPParam no longer holds "
-                        "`_unsharded_param` and `sharded_param` of one shape. Use a torch "
-                        "version curvopt supports (see docs/distributed.md#fsdp2)."
-                    )
-                index[id(unsharded)] = sharded
+    for fsdp_param in _fsdp_params(models):
+        unsharded = fsdp_param.__dict__.get("_unsharded_param")
+        if unsharded is None:
+            continue
+        sharded = getattr(fsdp_param, "sharded_param", None)
+        if not is_sharded(sharded) or sharded.shape != unsharded.shape:
+            raise RuntimeError(
+                "curvopt cannot map an FSDP2 parameter gathered for the computation to "
+                "its sharded DTensor parameter: this torch's FSDPParam no longer holds "
+                "`_unsharded_param` and `sharded_param` of one shape. Use a torch "
+                "version curvopt supports (see docs/distributed.md#fsdp2)."
+            )
+        index[id(unsharded)] = sharded
     return index
+
+
+def tied_gathered(models: Iterable[nn.Module]) -> Set[int]:
+    """``id``\\ s of the gathered parameters FSDP2 puts on more than one module of ``models``
+    (a tied weight: ``FSDPParam._module_info.shared_modules``). ``extend`` noted the modules
+    holding the parameters it saw (``core.params.tied``), not these new objects.
+
+    Raises:
+        RuntimeError: FSDP2's internals no longer hold what this reads.
+    """
+    found: Set[int] = set()
+    for fsdp_param in _fsdp_params(models):
+        unsharded = fsdp_param.__dict__.get("_unsharded_param")
+        if unsharded is None:
+            continue
+        info = getattr(fsdp_param, "_module_info", None)
+        if not isinstance(getattr(info, "shared_modules", None), list):
+            raise RuntimeError(
+                "curvopt cannot tell whether an FSDP2 parameter is tied: this torch's "
+                "FSDPParam no longer holds `_module_info.shared_modules`. Use a torch version "
+                "curvopt supports (see docs/distributed.md#fsdp2)."
+            )
+        if info.shared_modules:
+            found.add(id(unsharded))
+    return found
 
 
 class Gathered:

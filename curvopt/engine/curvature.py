@@ -100,10 +100,12 @@ def _coupled(module) -> str:
     return rule_for(module).check(module) or BATCH_STATISTICS
 
 
-def _fresh_bases(ext, calls) -> bool:
+def _fresh_bases(ext, calls, results) -> bool:
     """Whether the ``EKFAC`` extension ``ext`` needs this pass's factors for a parameter of
-    ``calls`` (one without supplied bases)."""
-    return any(ext.supplied(p) is None for record in calls for _, p in record.computed())
+    ``calls`` (one without bases supplied for it, ``results.target(p)``)."""
+    return any(
+        ext.supplied(results.target(p)) is None for record in calls for _, p in record.computed()
+    )
 
 
 class CurvaturePass:
@@ -163,7 +165,7 @@ class CurvaturePass:
             made = TABLE[ext.quantity.producer]
             if made.bases:
                 self._note_reduction(ext, rule)
-                if not (self.coupled or _fresh_bases(ext, calls)):
+                if not (self.coupled or _fresh_bases(ext, calls, self.results)):
                     continue  # every basis supplied: S from the module hooks alone
             if made.columns is None:
                 continue

@@ -86,7 +86,7 @@ class FactorStream:
                     basis = TABLE[ext.quantity.producer].bases
                     if basis and self.coupled:  # its S: from these (``reducer``)
                         self._keep_columns(p, ext, column_grads())
-                    if basis and ext.supplied(p) is not None:
+                    if basis and ext.supplied(self.results.target(p)) is not None:
                         continue
                     approx = ext.options["kfac_approx"]
                     first = not self.results.has_factors(p, ext.attr, record, basis)

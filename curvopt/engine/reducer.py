@@ -244,9 +244,9 @@ class FirstOrderReducer:
             self.results.put(p, ext.attr, [moment(bases).mul_(self.results.divisor), *bases])
 
     def _bases(self, ext, p):
-        """``p``'s bases for ``ext``: supplied (checked), or this pass's; ``None`` where ``p``
-        is skipped (``collect(skip_unsupported=True)``)."""
-        bases = ext.supplied(p)
+        """``p``'s bases for ``ext``: supplied (for the parameter its results go to, checked),
+        or this pass's; ``None`` where ``p`` is skipped (``collect(skip_unsupported=True)``)."""
+        bases = ext.supplied(self.results.target(p))
         if bases is not None:
             return _checked(p, list(bases))
         bases = self.results.basis(p, ext.attr)

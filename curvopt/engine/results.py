@@ -98,6 +98,14 @@ class ResultBuffer:
         #: the scale ``c`` of EKFAC's ``S``: its divisor ``D`` over the factor ``w`` the loss
         #: enters the backward with
         self.divisor = None
+        #: FSDP2: ``id(gathered)`` -> the sharded parameter written for it (``core.sharded``)
+        self.sharded: Dict[int, torch.Tensor] = {}
+
+    def target(self, p) -> torch.Tensor:
+        """The parameter ``p``'s results are written on: its sharded parameter where FSDP2
+        gathered ``p`` for the computation, else ``p`` (the one an optimizer holds, and
+        supplies ``EKFAC``'s bases for)."""
+        return self.sharded.get(id(p), p)
 
     def put(self, p, attr: str, value) -> None:
         """``p.<attr> = value`` when the pass has finished."""
@@ -194,14 +202,13 @@ class ResultBuffer:
         key = id(p)
         return [a for a in attrs if (key, a) not in self.pending and (key, a) not in self.skipped]
 
-    def write(self, accumulator, n: int, untouched, sharded=None) -> set:
+    def write(self, accumulator, n: int, untouched) -> set:
         """Combine with the earlier passes (``n`` samples in this one) and set every pending
         attribute, except on the parameters ``untouched`` (``id(p) -> True``) by this pass.
         A parameter FSDP2 gathered for the computation is written for on its sharded
-        parameter (``sharded``: ``core.sharded.sharded_index``), whole (the rank's samples,
-        the full shape). Returns the ``id``s of the parameters written for (or left out,
-        ``skip``), the sharded ones included."""
-        sharded = sharded or {}
+        parameter (:meth:`target`), whole (the rank's samples, the full shape). Returns the
+        ``id``s of the parameters written for (or left out, ``skip``), the sharded ones
+        included."""
         for key, uses in self.kron_uses.items():
             self.pending[key] = (self.pending[key][0], _combined(uses))
         if self.skip_into is not None:
@@ -210,7 +217,7 @@ class ResultBuffer:
         for (key, attr), (p, value) in self.pending.items():
             if untouched.get(key):
                 continue
-            target = sharded.get(key, p)
+            target = self.target(p)
             value = accumulator.combine(target, attr, typed(quantity(attr), value), n)
             setattr(target, attr, value)
             written.update((key, id(target)))

@@ -39,7 +39,7 @@ from curvopt.engine.curvature import CurvaturePass
 from curvopt.guards.flow import FlowCheck
 from curvopt.core.extended import live_calls, models_of
 from curvopt.core.params import tied
-from curvopt.core.sharded import Gathered, sharded_index
+from curvopt.core.sharded import Gathered, sharded_index, tied_gathered
 from curvopt.guards.participation import Participation
 from curvopt.guards.pass_guards import autocast_off, check_reduction, missing_loss
 from curvopt.guards.pass_guards import one_batch_size
@@ -113,6 +113,7 @@ class BackwardPass:
         self.checkpointed = False
         self.coupled = False
         self.gathered = Gathered()  # FSDP2's modules, gathered from the loss on
+        self.tied_gathered: set = set()  # FSDP2's gathered parameters of several modules
         queue_callback(self._finish)
 
     @property
@@ -154,7 +155,10 @@ class BackwardPass:
         # FSDP2: the pass computes with the gathered parameters
         models = {id(m): m for r in upstream.calls for m in models_of(r.module)}.values()
         self.gathered.hold(models)
-        self.taking.sharded.update(sharded_index(models))
+        sharded = sharded_index(models)
+        self.taking.sharded.update(sharded)
+        self.results.sharded.update(sharded)
+        self.tied_gathered |= tied_gathered(models)
         if self.taking.skips_all(r.module for r in upstream.calls):
             self.phase = Phase.IGNORED
             return False
@@ -315,10 +319,12 @@ class BackwardPass:
     def _reused(self, module, params) -> bool:
         """Whether ``module`` is called several times in this pass or shares a parameter with
         another module (decided at its first call, while its later calls still await their
-        gradients): its per-sample gradients are summed before they are reduced."""
+        gradients; FSDP2's gathered parameters: ``core.sharded.tied_gathered``): its
+        per-sample gradients are summed before they are reduced."""
         key = id(module)
         if key not in self.reused:
-            self.reused[key] = live_calls(module) > 1 or any(tied(p) for _, p in params)
+            shared = any(tied(p) or id(p) in self.tied_gathered for _, p in params)
+            self.reused[key] = live_calls(module) > 1 or shared
         return self.reused[key]
 
     def on_parameter_grad(self, p, grad: torch.Tensor) -> None:
@@ -364,8 +370,9 @@ class BackwardPass:
             raise
         self.reducer.finish()
         n = self.batch_size or 0
-        sharded = sharded_index(self.taking.models.values())
-        written = self.results.write(self.accumulator, n, self.taking.untouched, sharded)
+        sharded = self.results.sharded
+        sharded.update(sharded_index(self.taking.models.values()))
+        written = self.results.write(self.accumulator, n, self.taking.untouched)
         written |= {key for key, target in sharded.items() if id(target) in written}
         self.accumulator.leave(self.taking.left_out(written), self.extensions, n)
         self.reducer.clear()

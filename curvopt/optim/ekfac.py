@@ -42,7 +42,6 @@ from curvopt.inversion.eigen_corrected import (
 from curvopt.core import values
 from curvopt.core.psd import working_dtype
 from curvopt.optim.distributed import Job, inversion_cost
-from curvopt.optim.distributed.fsdp import refuse_sharded
 from curvopt.optim.fallback import DiagonalFallback
 from curvopt.inversion.inverses import EigenCorrectedInverse
 from curvopt.optim.newton import NewtonOptimizer
@@ -263,9 +262,6 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         also their factors, whose eigenvectors are the basis of the next steps
         (:mod:`curvopt.optim.one_sided`)."""
         needs = super()._needs(group, group_state)
-        if needs:
-            why = "the pass would make each rank's eigenbasis from its own factors"
-            refuse_sharded("EKFAC", group["params"], why)
         if needs and self._distributed is not None:
             self._check_distributable(group)
         wide = [p for p in group["params"] if self._lagged(p, group)]

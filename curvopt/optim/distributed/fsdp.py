@@ -46,8 +46,8 @@ def refuse_sharded(optimizer: str, params, why: str) -> None:
     optimizer (``optimizer``, its name) that does not run under ``fully_shard`` (``why``)."""
     if any(is_sharded(p) for p in params):
         raise NotImplementedError(
-            f"{optimizer} does not run under FSDP2 (fully_shard) yet: {why}. Use KFAC or "
-            f"DiagGGNNewton with fully_shard, or {optimizer} under DistributedDataParallel "
+            f"{optimizer} does not run under FSDP2 (fully_shard) yet: {why}. Use KFAC, EKFAC "
+            f"or DiagGGNNewton with fully_shard, or {optimizer} under DistributedDataParallel "
             "(docs/distributed.md)."
         )
 
