@@ -126,10 +126,15 @@ def main(argv=None) -> None:
             ratios = [loss_ratio(make, problem, seed) for seed in range(args.seeds)]
             met = sum(math.isfinite(r) and r < steps_and_target(problem)[1] for r in ratios)
             shown = " ".join(f"{r:.4g}" for r in ratios)
-            print(
-                f"| {args.optimizer} | {args.variant} | {alpha:g} | {problem} | {shown} | {met}/{args.seeds} |",
-                flush=True,
+            cells = (
+                args.optimizer,
+                args.variant,
+                f"{alpha:g}",
+                problem,
+                shown,
+                f"{met}/{args.seeds}",
             )
+            print("| " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
