@@ -27,21 +27,14 @@ the first refresh in one of these ways (``--variant``):
   number of classes).
 
 Printed per variant, ``α`` and network: ``L_end / L_start`` per seed and the seeds on target
-(``default_robustness.steps_and_target``). With ``--swap`` (``loss``, ``loss_trace`` and
-``absolute`` only), instead: the swap of ``tests/test_timm_models.py`` (timm's narrow models, one
-batch of 8, ``lr=0.1``, 8 steps; the ViT and ConvNeXt with drop path 30 steps at seeds 0-2), the
-progress of the optimizer as a fraction of AdamW's (the test needs 0.5), ``h`` from the
-model's logits on the batch at the initial weights.
+(``default_robustness.steps_and_target``).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import math
-import pathlib
-import sys
 
 import torch
 
@@ -102,33 +95,6 @@ class VariantKFAC(KFAC):
         return RelativeDamping(group["relative_damping"]).of(scale or 0.0) + group["weight_decay"]
 
 
-def swap_rows(variant: str, optimizer: str, alphas: list[float]):
-    """One line per timm model and seed: ``h`` and the progress per ``α`` (``--swap``)."""
-    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tests"))
-    timm_models = importlib.import_module("test_timm_models")
-    cases = [(name, 8, 0) for name in timm_models.TRAINED]
-    cases += [(name, 30, seed) for name in timm_models.DROP_PATH for seed in (0, 1, 2)]
-    for name, steps, seed in cases:
-        reference = timm_models._progress(timm_models._train(name, "AdamW", True, steps, seed))
-        torch.manual_seed(seed)
-        make, size = {**timm_models.MODELS, **timm_models.DROP_PATH}[name]
-        model = make(True).train()
-        X = torch.randn(8, 3, size, size, generator=torch.Generator().manual_seed(seed))
-        with torch.no_grad():
-            h = 1.0 if variant == "absolute" else output_scale(model(X), variant == "loss_trace")
-        shown = []
-        for alpha in alphas:
-            timm_models.OPTIMIZERS["candidate"] = functools.partial(
-                {"KFAC": KFAC, "EKFAC": EKFAC}[optimizer],
-                lr=0.1,
-                damping=alpha * h,
-                curvature_interval=10,
-            )
-            losses = timm_models._train(name, "candidate", True, steps, seed)
-            shown.append(f"{timm_models._progress(losses) / reference:.2f}")
-        yield f"| {optimizer} | {variant} | {name} | {seed} | {h:.3g} | {' '.join(shown)} |"
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", choices=VARIANTS, default="mean")
@@ -136,17 +102,7 @@ def main(argv=None) -> None:
     parser.add_argument("--alphas", type=float, nargs="+", default=[0.03])
     parser.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=PROBLEMS)
     parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--swap", action="store_true", help="the timm swap instead")
     args = parser.parse_args(argv)
-    if args.swap:
-        if args.variant not in VARIANTS[4:]:
-            parser.error("--swap measures the absolute variants: absolute, loss, loss_trace")
-        torch.set_num_threads(1)
-        print(f"| optimizer | variant | model | seed | h | progress at α = {args.alphas} |")
-        print("|---|---|---|---|---|---|")
-        for line in swap_rows(args.variant, args.optimizer, args.alphas):
-            print(line, flush=True)
-        return
     if args.optimizer != "KFAC" and args.variant in VARIANTS[:4]:
         parser.error(f"--variant {args.variant} reads KFAC's factors: use --optimizer KFAC")
     absolute_class = {"KFAC": KFAC, "EKFAC": EKFAC}[args.optimizer]
