@@ -475,14 +475,14 @@ def _all_zero(tensors: Sequence[torch.Tensor]) -> list[bool]:
     already says no, and its foreach kernel is several times faster on a CPU than the ℓ1 one:
     the ℓ1 norm is taken only of the tensors whose ℓ2 norm is 0 (all zero, or squares that
     underflow). One host sync per norm (:func:`_norms`)."""
-    positions, norms = _norms(tensors, 2)
-    maybe = [i for i, zero in zip(positions, (norms == 0).tolist()) if zero]
+    norms = _norms(tensors, 2)
+    maybe = [i for i, zero in enumerate((norms == 0).tolist()) if zero]
     if not maybe:
         return [False] * len(tensors)
-    exact, norms = _norms([tensors[i] for i in maybe], 1)
+    norms = _norms([tensors[i] for i in maybe], 1)
     out = [False] * len(tensors)
-    for i, zero in zip(exact, (norms == 0).tolist()):
-        out[maybe[i]] = zero
+    for i, zero in zip(maybe, (norms == 0).tolist()):
+        out[i] = zero
     return out
 
 
@@ -559,13 +559,18 @@ def _within_range(checks: list[torch.Tensor], params, deltas) -> bool:
     (``params``, ``deltas``: the moved parameters and their steps) to stay finite in ``θ``'s
     dtype: finite Euclidean norms, and ``‖θ‖₂ + ‖Δ‖₂ ≤ max`` of the dtype (the sum in float64;
     ``‖·‖∞ ≤ ‖·‖₂``). A NaN or inf entry makes a norm NaN or inf; a norm that overflows
-    where the entries do not only sends the caller to its exact look. Read in one host sync."""
-    _, checked = _norms(checks, 2)
-    positions, sizes = _norms(params, 2)
-    _, steps = _norms(deltas, 2)  # each on its parameter's device: the same positions
-    top = [torch.finfo(params[i].dtype).max for i in positions]
-    in_range = sizes + steps.to(sizes.device) <= torch.tensor(top, device=sizes.device)
-    return bool(checked.isfinite().all() & in_range.all().to(checked.device))
+    where the entries do not only sends the caller to its exact look. All the norms by one
+    foreach call per device (:func:`_norms`), read in one host sync."""
+    count, moved = len(checks), len(params)
+    norms = _norms([*checks, *params, *deltas], 2)
+    sizes, steps = norms[count : count + moved], norms[count + moved :]
+    top = {dtype: torch.finfo(dtype).max for dtype in {p.dtype for p in params}}
+    if len(top) == 1:
+        in_range = sizes + steps <= next(iter(top.values()))
+    else:
+        limits = torch.tensor([top[p.dtype] for p in params], dtype=torch.float64)
+        in_range = sizes + steps <= limits.to(norms.device)
+    return bool(norms[:count].isfinite().all() & in_range.all())
 
 
 def _entries(tensor: torch.Tensor) -> torch.Tensor:
@@ -582,22 +587,24 @@ def _by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]
     return out
 
 
-def _norms(tensors: Sequence[torch.Tensor], order: float) -> tuple[list[int], torch.Tensor]:
+def _norms(tensors: Sequence[torch.Tensor], order: float) -> torch.Tensor:
     """``‖t‖`` of the given ``order`` for each of ``tensors`` (a sparse one through its stored
-    entries), as one float64 vector on the first tensor's device (CPU for none), and the
-    positions of ``tensors`` in its order: one foreach norm per device (a fused kernel on a
-    GPU, vectorised on a CPU)."""
+    entries), in their order, as one float64 vector on the first tensor's device (CPU for
+    none): one foreach norm per device (a fused kernel on a GPU, vectorised on a CPU)."""
     groups = _by_device(tensors)
     device = tensors[0].device if tensors else torch.device("cpu")
-    parts = [
-        torch.stack(torch._foreach_norm([_entries(tensors[i]).detach() for i in at], order))
-        for at in groups.values()
-    ]
-    if parts:
-        norms = torch.cat([n.to(device, torch.float64) for n in parts])
-    else:
-        norms = torch.zeros(0, dtype=torch.float64)
-    return [i for at in groups.values() for i in at], norms
+    with torch.no_grad():
+        parts = [
+            torch.stack(torch._foreach_norm([_entries(tensors[i]) for i in at], order))
+            for at in groups.values()
+        ]
+    if not parts:
+        return torch.zeros(0, dtype=torch.float64)
+    if len(parts) == 1:  # one device: already in the tensors' order
+        return parts[0].to(device, torch.float64)
+    norms = torch.cat([n.to(device, torch.float64) for n in parts])
+    positions = torch.tensor([i for at in groups.values() for i in at], device=device)
+    return torch.empty_like(norms).index_copy_(0, positions, norms)
 
 
 def check_finite(updates: list[ParamUpdate], owner: str = "", remedy: str = REMEDY) -> None:
