@@ -19,7 +19,8 @@ per step, one thread). A step is ``zero_grad``, forward, loss, backward and the 
   (``kl_clip=None``: the floor's update) on plain steps only (``curvature_interval`` 10⁹: the
   curvature of the uncounted first step kept for good);
 * ``plain+clip``: the same with the default trust region (``kl_clip=1e-3``);
-* ``amortised``: ``KFAC(params, lr)`` at its defaults (a refresh every 10 steps: one per block);
+* ``amortised``: ``KFAC(params, lr)`` at its defaults (a refresh every 10 steps: one per block,
+  its last, so that its collection rests through the other entries' blocks);
 * ``adamw``: ``torch.optim.AdamW`` on the un-extended model.
 
 Printed per workload: ms per step and the ratios ``plain / floor`` (the goal: at most 1.05),
@@ -129,8 +130,14 @@ def entries(name: str, batch: int) -> dict:
         model, loss = curvopt.extend(copy.deepcopy(base)), curvopt.extend(problem.loss())
         opt = KFAC(model.parameters(), lr=LR, **options)
         runs[entry] = _block(model, loss, opt.zero_grad, opt.step, batches)
-    # the floor's inverses: those of the plain entry after its first (refreshing) step
+    # the refreshing steps out of the way of the other entries: the plain ones refresh at their
+    # first step only (the plain entry's first block: the floor's inverses are those it holds);
+    # after one step of its own, the amortised entry refreshes at the last step of each of its
+    # blocks and rests through the others' (an extended model's hooks do nothing while every
+    # armed collection in the process rests: STATE.plain)
     runs["plain"]()
+    runs["plain+clip"]()
+    runs["amortised"].one_step()
     for entry, check in (("floor", False), ("floor+check", True)):
         floor_model = copy.deepcopy(base)
         sources = list(runs["plain"].model.parameters())
@@ -155,10 +162,16 @@ class _block:
 
     def __call__(self, *_):
         for X, y in self.batches:
-            self.zero_grad()
-            self.loss(self.model(X), y).backward()
-            self.step()
+            self.one_step(X, y)
         return None
+
+    def one_step(self, X=None, y=None):
+        """One step (on the first batch by default)."""
+        if X is None:
+            X, y = self.batches[0]
+        self.zero_grad()
+        self.loss(self.model(X), y).backward()
+        self.step()
 
 
 def measure(name: str, batch: int, rounds: int) -> dict[str, float]:

@@ -143,6 +143,8 @@ class CurvatureOptimizer(Optimizer):
         self._consumed: dict[torch.Tensor, dict[str, Any]] = {}
         self._loss_scale: LossScale = NONE
         self._view = FullView()
+        #: ``(tensors, their ℓ2 norms)`` taken during the step being planned (``_unused``)
+        self._normed: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         super().__init__(params, defaults)
         self._distributed = distributed.resolve(
             process_group, self._distributable, type(self).__name__
@@ -285,7 +287,8 @@ class CurvatureOptimizer(Optimizer):
         previous step used, or absent (the passes since did not reach it: ``collect`` leaves
         no Kronecker factors of an earlier pass on it). As in ``torch.optim``, such a parameter
         is left unchanged (zero step). The gradients in question are tested together
-        (:func:`_all_zero`)."""
+        (:func:`_all_zero`); their ℓ2 norms are kept for the step's finite check
+        (``_normed``), which then does not read them again."""
         unused, stale = set(), []
         for param in params:
             if param.grad is None:
@@ -294,7 +297,10 @@ class CurvatureOptimizer(Optimizer):
             used = self._consumed.get(param, {})
             if used and all(_left_unread(values.read(param, a), used.get(a)) for a in attrs):
                 stale.append(param)
-        zero = _all_zero([p.grad for p in stale])
+        grads = [p.grad for p in stale]
+        norms = _norms(grads, 2)
+        self._normed.append((grads, norms))
+        zero = _all_zero(grads, norms)
         return unused | {id(p) for p, z in zip(stale, zero) if z}
 
     def _read(self, update: ParamUpdate, attr: str, extension: str, fallback: str | None) -> Any:
@@ -380,6 +386,7 @@ class CurvatureOptimizer(Optimizer):
             return self._step(closure)
         finally:
             self._loss_scale = NONE
+            self._normed = []
             self._collection.reset()
             self._block = None
 
@@ -402,6 +409,7 @@ class CurvatureOptimizer(Optimizer):
             )
         if self._distributed is not None:
             self._distributed.ensure(self._requests()[1])
+        self._normed = []
         sharded = any(is_sharded(p) for group in self.param_groups for p in group["params"])
         view = self._view.of(self) if sharded else contextlib.nullcontext()
         with view:  # FSDP2: the whole parameters' step, applied to the shards
@@ -410,7 +418,7 @@ class CurvatureOptimizer(Optimizer):
                 for group, group_state in zip(self.param_groups, self._group_state)
             ]
             updates = [u for group_updates, _ in plans for u in group_updates]
-            check_finite(updates, f"{type(self).__name__}: ", self._remedy)
+            check_finite(updates, f"{type(self).__name__}: ", self._remedy, self._normed)
             decay_change = regularizer_change(self.param_groups, plans) if due else 0.0
             if updates:  # θ ← θ − Δ, every parameter by one foreach call (element-wise: same bits)
                 torch._foreach_sub_([u.param for u in updates], [u.delta for u in updates])
@@ -463,6 +471,7 @@ class CurvatureOptimizer(Optimizer):
         self.__dict__.setdefault("_distributed", None)
         self.__dict__.setdefault("_loss_scale", NONE)
         self.__dict__.setdefault("_view", FullView())
+        self.__dict__.setdefault("_normed", [])
         self._arm(mode)
 
 
@@ -472,20 +481,21 @@ def _left_unread(value, used) -> bool:
     return value is None or value is used
 
 
-def _all_zero(tensors: Sequence[torch.Tensor]) -> list[bool]:
+def _all_zero(tensors: Sequence[torch.Tensor], norms: torch.Tensor | None = None) -> list[bool]:
     """Whether every entry of each of ``tensors`` is 0 (NaN is not): ``‖t‖₁ = 0``, a sum of
     absolute values that neither cancels nor underflows (squares would). ``‖t‖₂ > 0`` (or NaN)
     already says no, and its foreach kernel is several times faster on a CPU than the ℓ1 one:
     the ℓ1 norm is taken only of the tensors whose ℓ2 norm is 0 (all zero, or squares that
-    underflow). One host sync per norm (:func:`_norms`)."""
-    positions, norms = _norms(tensors, 2)
-    maybe = [i for i, zero in zip(positions, (norms == 0).tolist()) if zero]
+    underflow). One host sync per norm (:func:`_norms`); ``norms``: the ℓ2 norms, where taken
+    already."""
+    norms = _norms(tensors, 2) if norms is None else norms
+    maybe = [i for i, zero in enumerate((norms == 0).tolist()) if zero]
     if not maybe:
         return [False] * len(tensors)
-    exact, norms = _norms([tensors[i] for i in maybe], 1)
+    norms = _norms([tensors[i] for i in maybe], 1)
     out = [False] * len(tensors)
-    for i, zero in zip(exact, (norms == 0).tolist()):
-        out[maybe[i]] = zero
+    for i, zero in zip(maybe, (norms == 0).tolist()):
+        out[i] = zero
     return out
 
 
@@ -557,18 +567,30 @@ def regularizer_change(param_groups, plans) -> float:
     return change
 
 
-def _within_range(checks: list[torch.Tensor], params, deltas) -> bool:
+def _within_range(checks: list[torch.Tensor], params, deltas, normed=()) -> bool:
     """A sufficient condition for every tensor of ``checks`` to be finite and every ``θ − Δ``
     (``params``, ``deltas``: the moved parameters and their steps) to stay finite in ``θ``'s
     dtype: finite Euclidean norms, and ``‖θ‖₂ + ‖Δ‖₂ ≤ max`` of the dtype (the sum in float64;
     ``‖·‖∞ ≤ ‖·‖₂``). A NaN or inf entry makes a norm NaN or inf; a norm that overflows
-    where the entries do not only sends the caller to its exact look. Read in one host sync."""
-    _, checked = _norms(checks, 2)
-    positions, sizes = _norms(params, 2)
-    _, steps = _norms(deltas, 2)  # each on its parameter's device: the same positions
-    top = [torch.finfo(params[i].dtype).max for i in positions]
-    in_range = sizes + steps.to(sizes.device) <= torch.tensor(top, device=sizes.device)
-    return bool(checked.isfinite().all() & in_range.all().to(checked.device))
+    where the entries do not only sends the caller to its exact look. The norms of
+    ``normed`` (``(tensors, norms)``) are those taken already: a checked tensor among them
+    is not read again (and one that is not checked only adds a condition). All the other
+    norms by one foreach call per device (:func:`_norms`), read in one host sync."""
+    known = {id(t) for tensors, _ in normed for t in tensors}
+    checks = [t for t in checks if id(t) not in known]
+    count, moved = len(checks), len(params)
+    norms = _norms([*checks, *params, *deltas], 2)
+    sizes, steps = norms[count : count + moved], norms[count + moved :]
+    top = {dtype: torch.finfo(dtype).max for dtype in {p.dtype for p in params}}
+    if len(top) == 1:
+        in_range = sizes + steps <= next(iter(top.values()))
+    else:
+        limits = torch.tensor([top[p.dtype] for p in params], dtype=torch.float64)
+        in_range = sizes + steps <= limits.to(norms.device)
+    verdict = norms[:count].isfinite().all() & in_range.all()
+    for _, taken in normed:
+        verdict &= taken.isfinite().all().to(verdict.device)
+    return bool(verdict)
 
 
 def _entries(tensor: torch.Tensor) -> torch.Tensor:
@@ -585,27 +607,36 @@ def _by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]
     return out
 
 
-def _norms(tensors: Sequence[torch.Tensor], order: float) -> tuple[list[int], torch.Tensor]:
+def _norms(tensors: Sequence[torch.Tensor], order: float) -> torch.Tensor:
     """``‖t‖`` of the given ``order`` for each of ``tensors`` (a sparse one through its stored
-    entries), as one float64 vector on the first tensor's device (CPU for none), and the
-    positions of ``tensors`` in its order: one foreach norm per device (a fused kernel on a
-    GPU, vectorised on a CPU)."""
+    entries), in their order, as one float64 vector on the first tensor's device (CPU for
+    none): one foreach norm per device (a fused kernel on a GPU, vectorised on a CPU)."""
     groups = _by_device(tensors)
     device = tensors[0].device if tensors else torch.device("cpu")
-    parts = [
-        torch.stack(torch._foreach_norm([_entries(tensors[i]).detach() for i in at], order))
-        for at in groups.values()
-    ]
-    if parts:
-        norms = torch.cat([n.to(device, torch.float64) for n in parts])
-    else:
-        norms = torch.zeros(0, dtype=torch.float64)
-    return [i for at in groups.values() for i in at], norms
+    with torch.no_grad():
+        parts = [
+            torch.stack(torch._foreach_norm([_entries(tensors[i]) for i in at], order))
+            for at in groups.values()
+        ]
+    if not parts:
+        return torch.zeros(0, dtype=torch.float64)
+    if len(parts) == 1:  # one device: already in the tensors' order
+        return parts[0].to(device, torch.float64)
+    norms = torch.cat([n.to(device, torch.float64) for n in parts])
+    positions = torch.tensor([i for at in groups.values() for i in at], device=device)
+    return torch.empty_like(norms).index_copy_(0, positions, norms)
 
 
-def check_finite(updates: list[ParamUpdate], owner: str = "", remedy: str = REMEDY) -> None:
+def check_finite(
+    updates: list[ParamUpdate],
+    owner: str = "",
+    remedy: str = REMEDY,
+    normed: Sequence[tuple[Sequence[torch.Tensor], torch.Tensor]] = (),
+) -> None:
     """Raise ``FloatingPointError`` unless every checked tensor, and every parameter after
-    its update ``θ − Δ``, is finite (``‖θ‖∞ + ‖Δ‖∞ ≤ max`` of the dtype: no overflow)."""
+    its update ``θ − Δ``, is finite (``‖θ‖∞ + ‖Δ‖∞ ≤ max`` of the dtype: no overflow).
+    ``normed``: ``(tensors, their ℓ2 norms)`` taken already in this step (the gradients that
+    ``_unused`` tested), not read again."""
     checks = [(u, what, t) for u in updates for what, t in u.checks]
     moved = [u for u in updates if u.delta is not None]
     if not checks and not moved:
@@ -614,7 +645,7 @@ def check_finite(updates: list[ParamUpdate], owner: str = "", remedy: str = REME
     # A checked tensor that is a step Δ itself is read once: the range test needs its norm finite
     params, deltas = [u.param for u in moved], [u.delta for u in moved]
     steps = {id(delta) for delta in deltas}
-    if _within_range([t for _, _, t in checks if id(t) not in steps], params, deltas):
+    if _within_range([t for _, _, t in checks if id(t) not in steps], params, deltas, normed):
         return
     after = [(u, "parameter after the step", (u.param - u.delta).to(u.param.dtype)) for u in moved]
     for update, what, tensor in checks + after:
