@@ -51,6 +51,11 @@ class Plan:
     sites: Tuple = ()
     cuts: Tuple = ()
 
+    def site(self, key) -> Optional[bool]:
+        """Whether the raw parameter ``key`` (``(module token, parameter name)``) read at its
+        site matched its module's rule on this structure; ``None`` where not checked yet."""
+        return dict(self.sites).get(key)
+
 
 def plan_cache() -> "OrderedDict[Hashable, Plan]":
     """This context's plans by structure key (:data:`PLANS`), made empty on its first use."""

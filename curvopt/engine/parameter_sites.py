@@ -96,7 +96,7 @@ def with_sites(calls, walk, source, batched: bool, layout) -> dict:
             if site is None:
                 continue
             key = (token(record.module), name)
-            verdict = dict(walk.plan.sites).get(key)
+            verdict = walk.plan.site(key)
             if verdict is False:
                 continue
             bound = (record.sites or {}).get(name)
@@ -159,7 +159,7 @@ class SiteReadings:
             if site is None:
                 continue
             key = (token(call.module), name)
-            matched = dict(walk.plan.sites).get(key)
+            matched = walk.plan.site(key)
             if matched is False:
                 continue
             check = (walk, key, rule, call) if matched is None else None  # the first pass
