@@ -1,5 +1,6 @@
-"""Relative damping (``damping=None``, the default): ``λ = α m``, ``m`` the mean over a param
-group of its curvatures' mean eigenvalues ``tr(C)/dim(C)``.
+"""Relative damping (``DiagGGNNewton``'s default, ``relative_damping=α`` for ``KFAC`` and
+``EKFAC``): ``λ = α m``, ``m`` the mean over a param group of its curvatures' mean eigenvalues
+``tr(C)/dim(C)``.
 
 In float64 against hand-formed damped inverses: the Kronecker step with the trace-norm split
 (``m`` from ``(tr B/dim B)(tr A/dim A)``), the diagonal step (``m`` from the diagonals' means),
@@ -122,8 +123,15 @@ def test_relative_damping_makes_the_steps_independent_of_the_losss_scale(name):
     for damping in (None, 1e-3):
         for scale in (1.0, 1000.0):
             model, lossfunc = _problem()
+            relative = {} if name == "DiagGGNNewton" else {"relative_damping": 0.03}
             opt = cls(
-                model.parameters(), 0.1, damping, curvature, curvature_interval=2, kl_clip=None
+                model.parameters(),
+                0.1,
+                damping,
+                curvature,
+                curvature_interval=2,
+                kl_clip=None,
+                **relative,
             )
             runs[damping, scale] = _steps(opt, model, lossfunc, 4, scale)
     for unscaled, scaled in zip(runs[None, 1.0], runs[None, 1000.0]):
@@ -133,10 +141,27 @@ def test_relative_damping_makes_the_steps_independent_of_the_losss_scale(name):
     assert not torch.allclose(*first, rtol=1e-3)  # an absolute damping changes the step
 
 
-def test_relative_damping_is_the_default_and_reports_its_fraction():
+def test_relative_damping_is_the_diagonal_default_and_reports_its_fraction():
     model, _ = _problem()
-    opt = KFAC(model.parameters(), lr=0.1)
+    opt = DiagGGNNewton(model.parameters(), lr=0.1)
     assert opt.defaults["damping"] is None and opt.damping() == opt.defaults["relative_damping"]
+    opt = KFAC(model.parameters(), lr=0.1, relative_damping=0.03)
+    assert opt.defaults["damping"] is None and opt.damping() == 0.03
     assert RelativeDamping(0.1).of(0.0) == 1e-8  # a zero curvature: the least damping
     with pytest.raises(ValueError, match="relative_damping"):
         KFAC(model.parameters(), lr=0.1, relative_damping=-1.0)
+
+
+def test_a_relative_damping_given_as_a_strategy_is_relative():
+    """``damping=RelativeDamping(α)`` takes the steps of ``relative_damping=α`` (the curvature
+    every 10 steps alike), not those of an absolute ``λ = α``."""
+    runs = []
+    for options in ({"damping": RelativeDamping(0.3)}, {"relative_damping": 0.3}):
+        model, lossfunc = _problem()
+        opt = KFAC(model.parameters(), 0.1, curvature="kflr", kl_clip=None, **options)
+        runs.append(_steps(opt, model, lossfunc, 3))
+    for a, b in zip(*runs):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+    group = KFAC(model.parameters(), 0.1, RelativeDamping(0.3)).param_groups[0]
+    assert opt._curvature_due(group, {"step": 10}) and not opt._curvature_due(group, {"step": 1})

@@ -54,7 +54,7 @@ class DiagGGNNewton(NewtonOptimizer):
             train.
             See :mod:`curvopt.optim.newton`.
         momentum, curvature_ema, fallback: see :mod:`curvopt.optim.newton` (off by default).
-        curvature_interval: as for :class:`KFAC` (``None``: 10 under the relative damping, 1
+        curvature_interval: as for :class:`KFAC` (``None``: 10 under the default damping, 1
             with a damping given).
         process_group: under ``torch.distributed``: ``None`` (the default group if initialized
             with several ranks), a ``ProcessGroup``, a ``DistributedCurvature``, or ``False``
