@@ -311,10 +311,6 @@ class ReductionScaledDamping:
         return f"ReductionScaledDamping({self.fraction!r})"
 
 
-#: the strategies that follow a scale read at the refreshes (the curvature's or the loss's):
-#: under them the curvature is read every 10 steps by default (``optim.plan.refresh_interval``)
-SCALED = (RelativeDamping, ReductionScaledDamping)
-
 DampingStrategy = Union[
     ConstantDamping, ScheduledDamping, LevenbergMarquardt, RelativeDamping, ReductionScaledDamping
 ]
@@ -338,7 +334,7 @@ def as_damping(damping) -> DampingStrategy:
         >>> as_damping(1e-3)
         ConstantDamping(0.001)
     """
-    if isinstance(damping, (ConstantDamping, ScheduledDamping, LevenbergMarquardt, *SCALED)):
+    if isinstance(damping, DampingStrategy.__args__):
         return damping
     if isinstance(damping, Real) and not isinstance(damping, bool):
         return ConstantDamping(damping)

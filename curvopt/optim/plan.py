@@ -35,9 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from curvopt.inversion.damping import SCALED
-
-#: ``k`` when none is given under the default damping (:func:`refresh_interval`): the
+#: ``k`` when none is given under the default relative damping (:func:`refresh_interval`): the
 #: curvature (and its inverses) refreshed every ``k`` steps, the steps in between plain ones
 #: that leave the engine alone (``frontend.collection``); the first step always refreshes
 DEFAULT_CURVATURE_INTERVAL = 10
@@ -45,13 +43,11 @@ DEFAULT_CURVATURE_INTERVAL = 10
 
 def refresh_interval(curvature_interval: int | None, damping) -> int:
     """A group's curvature interval: ``curvature_interval`` as given, or for ``None`` (the
-    default) :data:`DEFAULT_CURVATURE_INTERVAL` under the default damping (``damping=None``)
-    or a strategy that follows a scale (``ReductionScaledDamping``, ``RelativeDamping``: the
-    default with another ``α``), and 1 (every step, the paper's update) with another damping
-    given."""
+    default) :data:`DEFAULT_CURVATURE_INTERVAL` under the default relative damping
+    (``damping=None``) and 1 (every step, the paper's update) with a damping given."""
     if curvature_interval is not None:
         return curvature_interval
-    return DEFAULT_CURVATURE_INTERVAL if damping is None or isinstance(damping, SCALED) else 1
+    return DEFAULT_CURVATURE_INTERVAL if damping is None else 1
 
 
 @dataclass
