@@ -1,6 +1,5 @@
-"""Relative damping (``DiagGGNNewton``'s default, ``relative_damping=α`` for ``KFAC`` and
-``EKFAC``): ``λ = α m``, ``m`` the mean over a param group of its curvatures' mean eigenvalues
-``tr(C)/dim(C)``.
+"""Relative damping (``relative_damping=α``, the former default): ``λ = α m``, ``m`` the mean
+over a param group of its curvatures' mean eigenvalues ``tr(C)/dim(C)``.
 
 In float64 against hand-formed damped inverses: the Kronecker step with the trace-norm split
 (``m`` from ``(tr B/dim B)(tr A/dim A)``), the diagonal step (``m`` from the diagonals' means),
@@ -123,7 +122,7 @@ def test_relative_damping_makes_the_steps_independent_of_the_losss_scale(name):
     for damping in (None, 1e-3):
         for scale in (1.0, 1000.0):
             model, lossfunc = _problem()
-            relative = {} if name == "DiagGGNNewton" else {"relative_damping": 0.03}
+            relative = {"relative_damping": 1.0 if name == "DiagGGNNewton" else 0.03}
             opt = cls(
                 model.parameters(),
                 0.1,
@@ -141,12 +140,11 @@ def test_relative_damping_makes_the_steps_independent_of_the_losss_scale(name):
     assert not torch.allclose(*first, rtol=1e-3)  # an absolute damping changes the step
 
 
-def test_relative_damping_is_the_diagonal_default_and_reports_its_fraction():
+def test_relative_damping_is_an_option_and_reports_its_fraction():
     model, _ = _problem()
-    opt = DiagGGNNewton(model.parameters(), lr=0.1)
-    assert opt.defaults["damping"] is None and opt.damping() == opt.defaults["relative_damping"]
-    opt = KFAC(model.parameters(), lr=0.1, relative_damping=0.03)
-    assert opt.defaults["damping"] is None and opt.damping() == 0.03
+    for cls in (KFAC, DiagGGNNewton):
+        opt = cls(model.parameters(), lr=0.1, relative_damping=0.03)
+        assert opt.defaults["damping"] is None and opt.damping() == 0.03
     assert RelativeDamping(0.1).of(0.0) == 1e-8  # a zero curvature: the least damping
     with pytest.raises(ValueError, match="relative_damping"):
         KFAC(model.parameters(), lr=0.1, relative_damping=-1.0)

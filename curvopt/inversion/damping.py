@@ -9,9 +9,9 @@ its mutable state is a small dict created by :meth:`init` and replaced (never mu
 * :class:`LevenbergMarquardt` -- adapts ``λ`` from the reduction ratio ``ρ`` (Martens & Grosse
   2015, Sec. 6.5): ``λ ← ω λ`` if ``ρ < 1/4``, ``λ ← λ / ω`` if ``ρ > 3/4``.
 * :class:`RelativeDamping` -- ``λ = α · m``, a fraction of the curvature's mean eigenvalue
-  ``m = tr(C)/dim(C)`` over a param group (``DiagGGNNewton``'s default, ``damping=None``).
+  ``m = tr(C)/dim(C)`` over a param group (``relative_damping=α``).
 * :class:`ReductionScaledDamping` -- ``λ = α · s``, ``s`` the factor by which the loss's
-  reduction scales one sample's curvature (``KFAC``'s and ``EKFAC``'s default).
+  reduction scales one sample's curvature (the Newton optimizers' default, ``damping=None``).
 """
 
 from __future__ import annotations
@@ -208,8 +208,8 @@ class RelativeDamping:
     classifier goes to zero, and a damping that followed it would let the steps grow without
     bound).
 
-    What ``damping=None`` (the default) of ``DiagGGNNewton``, ``KFAC`` and ``EKFAC`` becomes,
-    with ``α = relative_damping``. Multiplying the loss by ``c`` multiplies ``C`` and ``λ`` by
+    What ``damping=None`` of ``DiagGGNNewton``, ``KFAC`` and ``EKFAC`` becomes with a number
+    ``α = relative_damping``. Multiplying the loss by ``c`` multiplies ``C`` and ``λ`` by
     ``c``, so the step ``(C + λ I)⁻¹ g`` is the same: one default serves a loss summed over
     samples, a per-sample mean and a mean over pixels. One ``λ`` for the group, not one per
     parameter: a layer whose curvature is (nearly) zero or of low rank at a refresh (few
@@ -264,11 +264,11 @@ class ReductionScaledDamping:
     refresh of the curvature. ``s = 1`` for a mean over samples, ``N`` for a sum (``s``
     follows the batch), ``1/P`` for a mean over ``P`` outputs per sample (a per-pixel mean).
 
-    What ``damping=None`` (the default) of ``KFAC`` and ``EKFAC`` becomes. Multiplying the
-    loss by ``c`` multiplies ``C``, ``g``, ``s`` and so ``λ`` by ``c``: the direction
-    ``(C + λ I)⁻¹ g`` is the same, and the trust region ``kl_clip`` follows ``s`` too (the
-    optimizers bound ``lr² gᵀd`` by ``κ s``), so the step is the same: one ``α`` serves a sum
-    over samples, a per-sample mean and a mean over pixels. Unlike a fraction of the
+    What ``damping=None`` (the default) of ``DiagGGNNewton``, ``KFAC`` and ``EKFAC`` becomes.
+    Multiplying the loss by ``c`` multiplies ``C``, ``g``, ``s`` and so ``λ`` by ``c``: the
+    direction ``(C + λ I)⁻¹ g`` is the same, and the trust region ``kl_clip`` follows ``s`` too
+    (the optimizers bound ``lr² gᵀd`` by ``κ s``), so the step is the same: one ``α`` serves a
+    sum over samples, a per-sample mean and a mean over pixels. Unlike a fraction of the
     curvature's own scale (:class:`RelativeDamping`), ``s`` does not depend on the network:
     the damping that trains the DeepOBS networks, the timm and ViT swaps and a badly scaled
     GPT is about ``3e-3`` to ``1e-2`` per sample, whereas their curvatures' mean eigenvalues

@@ -31,13 +31,12 @@ A step whose gradient, curvature, update or resulting parameters are not finite 
 closure's loss over ``LOSS_GROWTH`` (1000) times the first one warns. A finite loss that
 grows without a closure is not seen by the optimizer.
 
-By default (``damping=None``) the damping follows a scale read at the refreshes: ``KFAC``'s and
-``EKFAC``'s the loss's (``λ = α s``, ``s`` the factor by which the loss's reduction scales one
-sample's curvature, handed over by the pass: :class:`~curvopt.inversion.damping.
-ReductionScaledDamping`; the trust region's bound is then ``κ s``), ``DiagGGNNewton``'s the
-curvature's (``λ = α m``, ``m`` the curvatures' mean eigenvalue at the first refresh:
-:class:`~curvopt.inversion.damping.RelativeDamping`, also ``relative_damping=α``); and ``C`` is
-read every 10 steps (``curvature_interval=None``; 1 with another damping given), the steps
+By default (``damping=None``) the damping follows the loss's scale: ``λ = α s``, ``s`` the factor
+by which the loss's reduction scales one sample's curvature, handed over by the pass and re-read
+at every refresh (:class:`~curvopt.inversion.damping.ReductionScaledDamping`; the trust region's
+bound is then ``κ s``); ``relative_damping=α`` damps by a fraction of the curvatures' mean
+eigenvalue at the first refresh instead (:class:`~curvopt.inversion.damping.RelativeDamping`).
+``C`` is read every 10 steps (``curvature_interval=None``; 1 with a damping given), the steps
 between plain ones that leave the engine alone (``frontend.collection``).
 
 Opt-in, per param group: ``curvature_interval`` (read ``C`` every k steps, reuse it between),

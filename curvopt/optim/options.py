@@ -109,19 +109,15 @@ def optional(check: Check) -> Check:
 #: how Kronecker factors treat positions that share a weight (``extensions.KFAC(kfac_approx=)``)
 KFAC_APPROX = ("expand", "reduce")
 
-#: ``α`` of the Kronecker optimizers' (``KFAC``, ``EKFAC``) damping when none is given
-#: (``damping=None``, ``relative_damping=None``): ``λ = α · s``, ``s`` the factor by which the
-#: loss's reduction scales one sample's curvature (``damping.ReductionScaledDamping``), so the
-#: default follows the loss's scale, not the network's; the trust region (``kl_clip=1e-3``,
-#: kfac-pytorch's default, bounding ``lr² gᵀd`` by ``κ s``) bounds the steps. Chosen by
-#: measurement (``benchmarks/default_robustness.py``: six seeds on the four DeepOBS networks;
-#: the swaps of ``tests/test_timm_models.py``, ``tests/test_models_people_train.py``;
+#: ``α`` of the Newton optimizers' (``KFAC``, ``EKFAC``, ``DiagGGNNewton``) damping when none
+#: is given (``damping=None``, ``relative_damping=None``): ``λ = α · s``, ``s`` the factor by
+#: which the loss's reduction scales one sample's curvature (``damping.ReductionScaledDamping``),
+#: so the default follows the loss's scale, not the network's; the trust region
+#: (``kl_clip=1e-3``, kfac-pytorch's default, bounding ``lr² gᵀd`` by ``κ s``) bounds the steps.
+#: Chosen by measurement (``benchmarks/default_robustness.py``: six seeds on the four DeepOBS
+#: networks; the swaps of ``tests/test_timm_models.py``, ``tests/test_models_people_train.py``;
 #: ``docs/optim.md``)
 DEFAULT_REDUCTION_DAMPING = 1e-2
-#: ``α`` of ``DiagGGNNewton``'s default, relative (``λ = α · m``, ``m`` the mean of the group's
-#: diagonals, ``damping.RelativeDamping``): a diagonal of many entries has a mean far below its
-#: large ones, and at 0.03 its steps on 3C3D diverged
-DEFAULT_RELATIVE_DAMPING_DIAGONAL = 1.0
 
 #: ``fallback`` of the Kronecker optimizers (``KFAC``, ``EKFAC``): what a parameter without a
 #: Kronecker factorisation gets (:mod:`curvopt.optim.fallback`); ``None`` raises
