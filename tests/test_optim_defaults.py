@@ -287,7 +287,7 @@ def test_readme_settings_train_the_deepobs_networks(name, problem):
 
 
 #: the optimizers whose defaults the test runs on All-CNN-C too
-ALLCNNC_DEFAULTS = ("KFAC", "DiagGGNNewton")
+ALLCNNC_DEFAULTS = ("KFAC", "EKFAC", "DiagGGNNewton")
 _SLOW_DEFAULTS = {("EKFAC", "fmnist_2c2d"), *((n, "cifar100_allcnnc") for n in ALLCNNC_DEFAULTS)}
 
 #: EKFAC on 2C2D eigendecomposes its 3136-wide input factor at each refresh, and All-CNN-C
