@@ -15,14 +15,14 @@ it met the target of ``tests/test_optim_defaults.py`` (below 0.9; All-CNN-C, whi
 move by less than 2 % in 40 steps: below 1).
 
 Settings: ``defaults`` is ``cls(params, lr=0.05)`` (the curvature every 10 steps, the trust
-region; ``KFAC`` and ``EKFAC`` damped by ``λ = 1e-2 s``, ``s`` the loss's reduction scale, 1 for
-these means over samples; ``DiagGGNNewton`` relative, ``λ = m``); ``relative`` the Kronecker
-optimizers' former default, ``relative_damping=0.03`` (``λ = 0.03 m``, ``m`` the curvatures'
-mean eigenvalue); ``readme`` the absolute ``damping=1e-3`` with the curvature at every step
+region, the damping ``λ = 1e-2 s``, ``s`` the loss's reduction scale, 1 for these means over
+samples); ``relative`` the Kronecker optimizers' former default, ``relative_damping=0.03``
+(``λ = 0.03 m``, ``m`` the curvatures' mean eigenvalue; ``DiagGGNNewton``'s was
+``relative_damping=1``); ``readme`` the absolute ``damping=1e-3`` with the curvature at every step
 (``EKFAC`` with ``basis_interval=5``); ``damping_1e-2`` and ``kl_clip_1e-4`` ``DiagGGNNewton``
-with a ten times larger damping, or a ten times smaller trust region; ``reduction_1e-2`` and
-``reduction_1e-1`` ``DiagGGNNewton`` damped as the Kronecker optimizers' default
-(``ReductionScaledDamping``, the curvature every 10 steps).
+with a ten times larger damping, or a ten times smaller trust region; ``reduction_0.01`` and
+``reduction_0.1`` ``DiagGGNNewton`` damped by ``ReductionScaledDamping(α)`` with the curvature
+every 10 steps (``0.01``: its default).
 ``--scales`` prints the spread of the per-parameter curvature scales the relative damping
 averages (:func:`curvature_scales`).
 """
@@ -46,7 +46,11 @@ OPTIMIZERS = {"KFAC": KFAC, "EKFAC": EKFAC, "DiagGGNNewton": DiagGGNNewton}
 #: settings name -> optimizer name -> keyword options
 SETTINGS = {
     "defaults": {name: {"lr": 0.05} for name in OPTIMIZERS},
-    "relative": {name: {"lr": 0.05, "relative_damping": 0.03} for name in ("KFAC", "EKFAC")},
+    "relative": {
+        "KFAC": {"lr": 0.05, "relative_damping": 0.03},
+        "EKFAC": {"lr": 0.05, "relative_damping": 0.03},
+        "DiagGGNNewton": {"lr": 0.05, "relative_damping": 1.0},
+    },
     "readme": {
         "KFAC": {"lr": 0.05, "damping": 1e-3},
         "EKFAC": {"lr": 0.05, "damping": 1e-3, "basis_interval": 5},
