@@ -342,9 +342,8 @@ def as_damping(damping) -> DampingStrategy:
         return ScheduledDamping(damping)
     raise ValueError(
         f"damping must be a number >= 0, a callable of the step count or a damping strategy "
-        f"(ConstantDamping, ScheduledDamping, LevenbergMarquardt, RelativeDamping, "
-        f"ReductionScaledDamping), got "
-        f"{damping!r} of type {type(damping).__name__}"
+        "(ConstantDamping, ScheduledDamping, LevenbergMarquardt, RelativeDamping, "
+        f"ReductionScaledDamping), got {damping!r} of type {type(damping).__name__}"
     )
 
 
