@@ -202,3 +202,64 @@ def test_a_strategy_given_sets_alpha_and_the_default_reports_it():
     assert KFAC(model.parameters(), 0.1, ReductionScaledDamping(0.05)).damping() == 0.05
     with pytest.raises(ValueError, match="ReductionScaledDamping fraction"):
         ReductionScaledDamping(-1.0)
+
+
+def _sum_step(make, passes, closure=False):
+    """One step of ``make``'s optimizer on a ``MSELoss(reduction="sum")`` over 12 samples, in
+    ``passes`` micro-batches (or by a closure); the parameter change and ``s``."""
+    model = _mlp(4)
+    opt = make(model.parameters())
+    lossfunc = curvopt.extend(nn.MSELoss(reduction="sum"))
+    X, y = _pixels(n=12, seed=5)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def backward():
+        opt.zero_grad()
+        for part in torch.arange(12).chunk(passes):
+            lossfunc(model(X[part]), y[part]).backward()
+        return torch.zeros(())
+
+    if closure:
+        opt.step(backward)
+    elif opt._collection_mode == "explicit":
+        with opt.collect():
+            backward()
+        opt.step()
+    else:
+        backward()
+        opt.step()
+    change = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())])
+    return change, opt._group_state[0]["reduction_scale"]
+
+
+def test_micro_batches_explicit_blocks_and_closures_hand_over_s():
+    """Two micro-batches of a sum over 6 samples each: ``s = 12`` and the step of one batch of
+    12 (``KFAC(kflr)``), whether the optimizer's armed collection, its ``opt.collect()`` block
+    (``collection="explicit"``) or a closure collects them."""
+    one, scale = _sum_step(lambda ps: KFAC(ps, 0.5, curvature="kflr"), passes=1)
+    assert scale == 12.0
+    for options, closure in (({}, False), ({"collection": "explicit"}, False), ({}, True)):
+        two, scale = _sum_step(
+            lambda ps, o=options: KFAC(ps, 0.5, curvature="kflr", **o), passes=2, closure=closure
+        )
+        assert scale == 12.0
+        torch.testing.assert_close(two, one, rtol=1e-10, atol=1e-14)
+
+
+def test_passes_in_a_block_of_your_own_keep_the_last_s():
+    """The optimizer's collection stands aside for a ``curvopt.collect`` block that computes its
+    quantities: it sees no ``s`` and keeps the last one, 1 before any (the documented fallback):
+    the step of the absolute ``λ = 1e-2`` and ``κ = 1e-3``, whatever the sum's ``N = 12``."""
+    changes = []
+    for damping in (None, DEFAULT_REDUCTION_DAMPING):
+        model = _mlp(4)
+        opt = KFAC(model.parameters(), 0.5, damping, curvature="kflr")
+        lossfunc = curvopt.extend(nn.MSELoss(reduction="sum"))
+        X, y = _pixels(n=12, seed=5)
+        with curvopt.collect(extensions.KFLR()) as block:
+            lossfunc(model(X), y).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        changes.append(torch.cat([(b - p).flatten() for b, p in zip(before, model.parameters())]))
+        assert block.reduction_scale == 12.0 and "reduction_scale" not in opt._group_state[0]
+    torch.testing.assert_close(changes[0], changes[1], rtol=1e-12, atol=1e-15)
