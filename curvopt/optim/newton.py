@@ -24,7 +24,8 @@ factors whose range misses part of the gradient), the paper's step ``lr · d`` i
 longer than the model can be trusted, and training diverges; ``ν`` shortens exactly those
 steps, so the effective step is ``min(lr, sqrt(κ / gᵀd)) · d``. ``kl_clip=None`` gives the
 paper's update ``θ ← θ − lr · d`` (Dangel et al. 2020). For ``reduction="sum"`` ``gᵀd``
-grows with the batch size ``N``; scale ``κ`` by ``N`` to keep the same per-sample bound.
+grows with the batch size ``N``: under the default damping the bound is ``κ s`` (``s = N``),
+with a damping given scale ``κ`` by ``N`` to keep the same per-sample bound.
 
 A step whose gradient, curvature, update or resulting parameters are not finite raises
 ``FloatingPointError`` naming the optimizer, the parameter and the options to change; a
