@@ -343,10 +343,14 @@ class CurvatureOptimizer(Optimizer):
     def _reduction_scale(self) -> float:
         """``s`` of the passes this step reads: the factor by which their losses' reductions
         scale one sample's curvature (``collect.reduction_scale``), from the block
-        :meth:`collect` opened or the armed collection's window; under ``torch.distributed``
-        its mean over the ranks, as the curvature's. 0 where none of them ran a pass."""
+        :meth:`collect` opened or the armed collection's window; divided by a
+        ``GradScaler``'s loss scale, as the curvature is (``loss_scale``); under
+        ``torch.distributed`` its mean over the ranks, as the curvature's. 0 where none of
+        them ran a pass."""
         block = self.__dict__.get("_block")
         scale = (self._collection if block is None else block).reduction_scale
+        if self._loss_scale.values is not None:
+            scale /= self._loss_scale.values
         return scale if self._distributed is None else self._distributed.mean(scale)
 
     def _grad(self, param: torch.Tensor) -> torch.Tensor:
