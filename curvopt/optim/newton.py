@@ -346,9 +346,9 @@ class NewtonOptimizer(CurvatureOptimizer):
             self._directions, self._fallback_direction, self._derived, self._distributed
         )
 
-    # ----------------------------------------------------------------- relative damping
+    # ----------------------------------------------------------------- scale-following damping
     def _relative_damping(self, step: GroupStep, group_state: dict[str, Any]) -> float:
-        """``λ + δ`` of a group with relative damping (``damping=None``): ``λ = α · m``, ``m``
+        """``λ + δ`` of a group with relative damping (``relative_damping=α``): ``λ = α · m``, ``m``
         the mean over the group's parameters of their curvature's mean eigenvalue
         (:meth:`_curvature_scale`) at the first refresh that finds one above zero (one host
         read), kept in the group state from then on: the scale of the loss, not of a
