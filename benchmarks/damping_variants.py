@@ -1,4 +1,4 @@
-"""Which relative damping trains every DeepOBS network at the defaults: candidate group scales.
+"""Which damping trains every DeepOBS network at the defaults: candidate scales.
 
     OMP_NUM_THREADS=1 python -m benchmarks.damping_variants --variant mean --alphas 0.03 2
         [--problems ...] [--seeds 2]
@@ -9,7 +9,8 @@ the first refresh in one of these ways (``--variant``):
 
 (``--optimizer EKFAC``: the absolute ones only)
 
-* ``mean`` -- today's default: the mean over the group's parameters of ``tr(C)/dim(C)``;
+* ``mean`` -- the former default (``relative_damping``): the mean over the group's parameters
+  of ``tr(C)/dim(C)``;
 * ``max`` -- their largest ``tr(C)/dim(C)``;
 * ``output`` -- the loss's output-space scale times the inputs': the largest ``tr(B)/dim(B)``
   of the group (the output layer's ``B``, the loss Hessian w.r.t. the network's output, as
@@ -18,7 +19,8 @@ the first refresh in one of these ways (``--variant``):
 * ``rising`` -- ``mean`` re-read at every refresh, never below its largest value so far (the
   first refresh's a floor);
 * ``absolute`` -- no scale: ``λ = α`` (``damping=α``), the curvature every 10 steps as at the
-  defaults (``curvature_interval=10``);
+  defaults (``curvature_interval=10``): for these means over samples (``s = 1``) the steps of
+  the default ``λ = α s`` at ``α`` (``ReductionScaledDamping``, ``α = 1e-2``);
 * ``loss`` -- the loss's own curvature at the output: ``λ = α · h``, ``h`` the mean eigenvalue
   of the cross-entropy's Hessian w.r.t. the logits, ``(1 − Σ_c p_c²)/C``, averaged over the
   task's images at the initial weights (:func:`output_scale`; the same for any network whose

@@ -14,10 +14,15 @@ the ratio ``L_end / L_start`` of the loss on the 64 images at each seed, and in 
 it met the target of ``tests/test_optim_defaults.py`` (below 0.9; All-CNN-C, which SGD and Adam
 move by less than 2 % in 40 steps: below 1).
 
-Settings: ``defaults`` is ``cls(params, lr=0.05)`` (relative damping, the curvature every 10
-steps, the trust region); ``readme`` the absolute ``damping=1e-3`` with the curvature at every
-step (``EKFAC`` with ``basis_interval=5``); ``damping_1e-2`` and ``kl_clip_1e-4``
-``DiagGGNNewton`` with a ten times larger damping, or a ten times smaller trust region.
+Settings: ``defaults`` is ``cls(params, lr=0.05)`` (the curvature every 10 steps, the trust
+region, the damping ``λ = 1e-2 s``, ``s`` the loss's reduction scale, 1 for these means over
+samples); ``relative`` the Kronecker optimizers' former default, ``relative_damping=0.03``
+(``λ = 0.03 m``, ``m`` the curvatures' mean eigenvalue; ``DiagGGNNewton``'s was
+``relative_damping=1``); ``readme`` the absolute ``damping=1e-3`` with the curvature at every step
+(``EKFAC`` with ``basis_interval=5``); ``damping_1e-2`` and ``kl_clip_1e-4`` ``DiagGGNNewton``
+with a ten times larger damping, or a ten times smaller trust region; ``reduction_0.01`` and
+``reduction_0.1`` ``DiagGGNNewton`` damped by ``ReductionScaledDamping(α)`` with the curvature
+every 10 steps (``0.01``: its default).
 ``--scales`` prints the spread of the per-parameter curvature scales the relative damping
 averages (:func:`curvature_scales`).
 """
@@ -32,7 +37,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 import curvopt
-from curvopt.optim import EKFAC, KFAC, DiagGGNNewton
+from curvopt.optim import EKFAC, KFAC, DiagGGNNewton, ReductionScaledDamping
 from experiments.problems import get_problem
 
 COMMAND = "OMP_NUM_THREADS=1 python -m benchmarks.default_robustness"
@@ -41,6 +46,11 @@ OPTIMIZERS = {"KFAC": KFAC, "EKFAC": EKFAC, "DiagGGNNewton": DiagGGNNewton}
 #: settings name -> optimizer name -> keyword options
 SETTINGS = {
     "defaults": {name: {"lr": 0.05} for name in OPTIMIZERS},
+    "relative": {
+        "KFAC": {"lr": 0.05, "relative_damping": 0.03},
+        "EKFAC": {"lr": 0.05, "relative_damping": 0.03},
+        "DiagGGNNewton": {"lr": 0.05, "relative_damping": 1.0},
+    },
     "readme": {
         "KFAC": {"lr": 0.05, "damping": 1e-3},
         "EKFAC": {"lr": 0.05, "damping": 1e-3, "basis_interval": 5},
@@ -48,6 +58,16 @@ SETTINGS = {
     },
     "damping_1e-2": {"DiagGGNNewton": {"lr": 0.05, "damping": 1e-2}},
     "kl_clip_1e-4": {"DiagGGNNewton": {"lr": 0.05, "damping": 1e-3, "kl_clip": 1e-4}},
+    **{
+        f"reduction_{alpha:g}": {
+            "DiagGGNNewton": {
+                "lr": 0.05,
+                "damping": ReductionScaledDamping(alpha),
+                "curvature_interval": 10,
+            }
+        }
+        for alpha in (1e-2, 1e-1)
+    },
 }
 BATCH = 16
 SAMPLES = 64

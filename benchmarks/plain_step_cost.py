@@ -93,7 +93,8 @@ class Floor:
         self.params, self.check = list(model.parameters()), check
         self.solve = []
         group, group_state = source.param_groups[0], source._group_state[0]
-        damping = group["relative_damping"] * group_state["curvature_scale"]
+        strategy, _ = source._damping(group, group_state)  # the default: λ = α s
+        damping = strategy.of(group_state["reduction_scale"])
         for param in source_params:
             state = source.state[param]
             if "inverse" in state:

@@ -22,6 +22,11 @@ Presets (curvature optimizers only; see docs/optim.md for the reasoning):
   it is evaluated at its average (``opt.eval()``), and runs with a warm-up and no decay, as
   schedule-free AdamW.
 
+A damped optimizer's option ``reduction_scaled=True`` makes its ``damping`` (and its ``kl_clip``)
+a value per unit of the loss's reduction scale ``s``: ``damping=ReductionScaledDamping(λ)``,
+``λ s`` and ``κ s`` in the optimizer (``curvopt.inversion.damping``), so one value serves a
+loss averaged over samples (``s = 1``) and one averaged over the pixels of each (``s = 1/P``).
+
 ``eigen_adam`` (``curvopt.optim.EigenAdam``: Adam's moments in the eigenbasis of KFAC's
 Monte-Carlo Kronecker factors, SOAP-like) takes Adam's learning rates and no damping: it is not
 in :data:`DAMPED` and no preset applies to it; its options (``basis_interval``, ``betas``, ...)
@@ -117,11 +122,19 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
         ) from err
 
 
+#: the option of a damped optimizer that makes its damping per unit of the loss's reduction
+#: scale (:func:`make_optimizer`; see the module doc)
+REDUCTION_SCALED = "reduction_scaled"
+
+
 def allowed_options(name: str) -> list[str]:
-    """The constructor keywords of optimizer ``name`` that may be set as options."""
+    """The constructor keywords of optimizer ``name`` that may be set as options (a damped
+    one's also :data:`REDUCTION_SCALED`)."""
     params = set(inspect.signature(optimizer_class(name).__init__).parameters)
     if name == "muon":  # Muon's keywords, and the AdamW part's lr (experiments.peers)
         params.add("adamw_lr_ratio")
+    if name in DAMPED:
+        params.add(REDUCTION_SCALED)
     return sorted(k for k in params if k not in FIXED_KEYWORDS and k not in OPTIMIZERS[name][1])
 
 
@@ -192,10 +205,12 @@ def make_optimizer(
         return build_peer(cfg.optimizer, groups, cfg.lr, **kwargs), False
     if cls_name is None:
         return cls(groups, lr=cfg.lr, **kwargs), False
-    if cfg.damping is not None:
-        kwargs["damping"] = cfg.damping
     import curvopt
 
+    if kwargs.pop(REDUCTION_SCALED, False):
+        kwargs["damping"] = curvopt.optim.ReductionScaledDamping(cfg.damping)
+    elif cfg.damping is not None:
+        kwargs["damping"] = cfg.damping
     curvopt.extend(model)
     curvopt.extend(lossfunc)
     opt = cls(groups, lr=cfg.lr, **kwargs)

@@ -257,8 +257,8 @@ def test_an_l2_penalty_in_the_loss_suggests_weight_decay(make):
         (
             {"lr": 0.1, "damping": "1e-3"},
             "damping must be a number >= 0, a callable of the step count or a damping strategy "
-            "(ConstantDamping, ScheduledDamping, LevenbergMarquardt, RelativeDamping), got '1e-3' "
-            "of type str",
+            "(ConstantDamping, ScheduledDamping, LevenbergMarquardt, RelativeDamping, "
+            "ReductionScaledDamping), got '1e-3' of type str",
         ),
         (
             {"lr": 0.1, "damping": -1.0},

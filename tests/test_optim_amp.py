@@ -26,6 +26,10 @@ OPTIMIZERS = {
     "DiagGGNNewton-exact": lambda ps: DiagGGNNewton(ps, lr=0.1, damping=1e-2, curvature="exact"),
     "VarianceAdaptedSGD": lambda ps: VarianceAdaptedSGD(ps, lr=0.1, momentum=0.5),
     "EKFAC": lambda ps: EKFAC(ps, lr=0.1, damping=1e-2, basis_interval=2, momentum=0.5),
+    # the defaults: the damping λ = α s and the bound κ s of the unscaled loss's s
+    "KFAC-defaults": lambda ps: KFAC(ps, lr=0.5, curvature_interval=2),
+    "EKFAC-defaults": lambda ps: EKFAC(ps, lr=0.5, curvature_interval=2),
+    "DiagGGNNewton-defaults": lambda ps: DiagGGNNewton(ps, lr=0.5, curvature_interval=2),
 }
 
 

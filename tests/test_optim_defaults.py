@@ -30,6 +30,9 @@ PAPER = {"lr": 0.05, "damping": 1e-3, "kl_clip": None}
 OPTIMIZERS = {"KFAC": KFAC, "DiagGGNNewton": DiagGGNNewton}
 #: trained with the README settings too (the trust-region tests below are for the first two)
 TRAINED = {**OPTIMIZERS, "EKFAC": partial(EKFAC, basis_interval=5)}
+#: the defaults: ``cls(params, lr=0.05)``, nothing else (curvature every 10 steps, the damping
+#: ``λ = 1e-2 s`` of ``KFAC`` and ``EKFAC``, ``DiagGGNNewton``'s relative one, the trust region)
+DEFAULTS = {"KFAC": KFAC, "EKFAC": EKFAC, "DiagGGNNewton": DiagGGNNewton}
 #: every trajectory test runs at each of these seeds: no test rides on one seed's luck (nor on
 #: one CPU's rounding)
 SEEDS = range(6)
@@ -136,23 +139,26 @@ def _successor_task(vocab, length, seed):
 
 
 @pytest.mark.parametrize(
-    "name",
+    "name, settings",
     [
-        "KFAC",
+        ("KFAC", "readme"),
+        ("KFAC", "defaults"),
         pytest.param(
             "EKFAC",
+            "readme",
             marks=pytest.mark.xfail(
                 strict=True, reason="EKFAC stalls at 12-17 (docs/optim.md, 'The defaults')"
             ),
         ),
     ],
 )
-def test_readme_settings_train_a_badly_scaled_gpt(name):
+def test_readme_settings_train_a_badly_scaled_gpt(name, settings):
     """The tiny GPT with its tied embedding at ``nn.Embedding``'s default ``N(0, 1)`` (logits of
     order ``sqrt(64)``: a first loss of 39-47; AdamW reaches 2.9-4.4 in 60 steps): at each of 6
     seeds the loss on the 64 sequences falls below a tenth of the first within 60 steps of
-    batch 16. ``KFAC`` ends at 0.007-0.13; ``EKFAC`` should train as it does (it ends at 12-17:
-    a strict ``xfail``, which fails once it trains)."""
+    batch 16. ``KFAC`` ends at 0.007-0.13 with the README's settings, at 0.14-0.70 at its
+    defaults; ``EKFAC`` should train as it does (it ends at 12-17, at its defaults 8.8-14: a
+    strict ``xfail``, which fails once it trains)."""
     vocab, length = 32, 16
     runs = []
     for seed in SEEDS:
@@ -160,7 +166,8 @@ def test_readme_settings_train_a_badly_scaled_gpt(name):
         model = zoo.GPT(vocab=vocab, d=64, heads=4, t_max=length)
         nn.init.normal_(model.tok.weight)  # nn.Embedding's default, which zoo.GPT rescales
         model, lossfunc = curvopt.extend(model), curvopt.extend(nn.CrossEntropyLoss())
-        opt = TRAINED[name](model.parameters(), **README)
+        make = TRAINED[name] if settings == "readme" else DEFAULTS[name]
+        opt = make(model.parameters(), **(README if settings == "readme" else {"lr": 0.05}))
         X, y = _successor_task(vocab, length, seed)
         loss_of = lambda a, b: lossfunc(model(a).reshape(-1, vocab), b.reshape(-1))  # noqa: E731
         runs.append(_train(opt, loss_of, X, y, steps=60, batch=16, seed=seed))
@@ -279,21 +286,23 @@ def test_readme_settings_train_the_deepobs_networks(name, problem):
     assert all(math.isfinite(r) and r < target for r in ratios), ratios
 
 
-#: the defaults: ``cls(params, lr=0.05)``, nothing else (curvature every 10 steps, relative
-#: damping, the trust region)
-DEFAULTS = {"KFAC": KFAC, "EKFAC": EKFAC, "DiagGGNNewton": DiagGGNNewton}
+#: the optimizers whose defaults the test runs on All-CNN-C too
+ALLCNNC_DEFAULTS = ("KFAC", "EKFAC", "DiagGGNNewton")
+_SLOW_DEFAULTS = {("EKFAC", "fmnist_2c2d"), *((n, "cifar100_allcnnc") for n in ALLCNNC_DEFAULTS)}
 
-
-#: EKFAC on 2C2D eigendecomposes its 3136-wide input factor at each refresh: minutes on two
-#: cores, so it runs with ``-m slow`` (it passes there at every seed)
+#: EKFAC on 2C2D eigendecomposes its 3136-wide input factor at each refresh, and All-CNN-C
+#: takes 10 steps of 20-40 s: minutes on two cores, so they run with ``-m slow`` (they pass
+#: there at every seed); All-CNN-C, which neither SGD nor Adam moves by more than 2 % in 40
+#: steps, for the Kronecker optimizers, whose former relative damping diverged on it
 _DEFAULT_CASES = [
     pytest.param(
         name,
         problem,
-        marks=[pytest.mark.slow] if (name, problem) == ("EKFAC", "fmnist_2c2d") else [],
+        marks=[pytest.mark.slow] if (name, problem) in _SLOW_DEFAULTS else [],
     )
     for name in DEFAULTS
-    for problem in ("fmnist_2c2d", "cifar10_3c3d")
+    for problem in ("fmnist_2c2d", "cifar10_3c3d", "cifar100_allcnnc")
+    if problem != "cifar100_allcnnc" or name in ALLCNNC_DEFAULTS
 ]
 
 
@@ -301,10 +310,12 @@ _DEFAULT_CASES = [
 def test_the_defaults_train_the_deepobs_networks_at_every_seed(name, problem):
     """At its defaults each optimizer lowers the loss on the set by 10 % within 30 steps of
     batch 16 at each of 6 seeds (the Monte-Carlo draws and the batch order; the loop of the
-    README's swap, ``benchmarks.default_robustness.loss_ratio``)."""
+    README's swap, ``benchmarks.default_robustness.loss_ratio``); on All-CNN-C it stays finite
+    and falls within 10 steps."""
     make = lambda params: DEFAULTS[name](params, lr=0.05)  # noqa: E731
     ratios = [loss_ratio(make, problem, seed) for seed in SEEDS]
-    assert all(math.isfinite(r) and r < 0.9 for r in ratios), ratios
+    target = steps_and_target(problem)[1]
+    assert all(math.isfinite(r) and r < target for r in ratios), ratios
 
 
 @pytest.mark.parametrize("name", list(TRAINED))

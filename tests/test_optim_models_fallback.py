@@ -25,6 +25,7 @@ from torch import nn
 import curvopt
 from curvopt.errors import UnsupportedKroneckerError
 from curvopt.optim import EKFAC, KFAC, DiagGGNNewton
+from curvopt.optim.options import DEFAULT_REDUCTION_DAMPING
 
 DT = torch.float64
 N = 6
@@ -82,7 +83,7 @@ def _quiet(make):
 # ------------------------------------------------------------------------- damping (item 6)
 @pytest.mark.parametrize("optimizer", [KFAC, EKFAC, DiagGGNNewton])
 def test_damping_defaults_to_relative(optimizer):
-    """``damping=None`` by default (relative, ``λ = α m``, ``tests/test_relative_damping.py``);
+    """``damping=None`` by default (``λ = α s``, ``tests/test_reduction_scaled_damping.py``);
     a damping given positionally or by keyword is the same absolute ``λ``."""
     assert inspect.signature(optimizer).parameters["damping"].default is None
     steps = []
@@ -100,7 +101,7 @@ def test_damping_defaults_to_relative(optimizer):
     assert torch.equal(steps[0], steps[1])
     opt = optimizer([nn.Parameter(torch.zeros(2, 2))], lr=0.1)
     assert opt.param_groups[0]["damping"] is None
-    assert opt.damping() == opt.param_groups[0]["relative_damping"]
+    assert opt.damping() == DEFAULT_REDUCTION_DAMPING
 
 
 # ------------------------------------------------------------------------- fallbacks (item 5)

@@ -1,5 +1,5 @@
-"""Relative damping (``damping=None``, the default): ``λ = α m``, ``m`` the mean over a param
-group of its curvatures' mean eigenvalues ``tr(C)/dim(C)``.
+"""Relative damping (``relative_damping=α``, the former default): ``λ = α m``, ``m`` the mean
+over a param group of its curvatures' mean eigenvalues ``tr(C)/dim(C)``.
 
 In float64 against hand-formed damped inverses: the Kronecker step with the trace-norm split
 (``m`` from ``(tr B/dim B)(tr A/dim A)``), the diagonal step (``m`` from the diagonals' means),
@@ -122,8 +122,15 @@ def test_relative_damping_makes_the_steps_independent_of_the_losss_scale(name):
     for damping in (None, 1e-3):
         for scale in (1.0, 1000.0):
             model, lossfunc = _problem()
+            relative = {"relative_damping": 1.0 if name == "DiagGGNNewton" else 0.03}
             opt = cls(
-                model.parameters(), 0.1, damping, curvature, curvature_interval=2, kl_clip=None
+                model.parameters(),
+                0.1,
+                damping,
+                curvature,
+                curvature_interval=2,
+                kl_clip=None,
+                **relative,
             )
             runs[damping, scale] = _steps(opt, model, lossfunc, 4, scale)
     for unscaled, scaled in zip(runs[None, 1.0], runs[None, 1000.0]):
@@ -133,10 +140,28 @@ def test_relative_damping_makes_the_steps_independent_of_the_losss_scale(name):
     assert not torch.allclose(*first, rtol=1e-3)  # an absolute damping changes the step
 
 
-def test_relative_damping_is_the_default_and_reports_its_fraction():
+def test_relative_damping_is_an_option_and_reports_its_fraction():
     model, _ = _problem()
-    opt = KFAC(model.parameters(), lr=0.1)
-    assert opt.defaults["damping"] is None and opt.damping() == opt.defaults["relative_damping"]
+    for cls in (KFAC, DiagGGNNewton):
+        opt = cls(model.parameters(), lr=0.1, relative_damping=0.03)
+        assert opt.defaults["damping"] is None and opt.damping() == 0.03
     assert RelativeDamping(0.1).of(0.0) == 1e-8  # a zero curvature: the least damping
     with pytest.raises(ValueError, match="relative_damping"):
         KFAC(model.parameters(), lr=0.1, relative_damping=-1.0)
+
+
+def test_a_relative_damping_given_as_a_strategy_is_relative():
+    """``damping=RelativeDamping(α)`` takes the steps of ``relative_damping=α``, not those of
+    an absolute ``λ = α`` (as every damping given, with the curvature at every step unless
+    ``curvature_interval`` says otherwise)."""
+    runs = []
+    for options in ({"damping": RelativeDamping(0.3)}, {"relative_damping": 0.3}, {"damping": 0.3}):
+        model, lossfunc = _problem()
+        opt = KFAC(
+            model.parameters(), 0.1, curvature="kflr", kl_clip=None, curvature_interval=2, **options
+        )
+        runs.append(torch.cat([d.flatten() for d in _steps(opt, model, lossfunc, 3)[-1]]))
+    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
+    assert not torch.allclose(runs[0], runs[2], rtol=1e-3)
+    group = KFAC(model.parameters(), 0.1, RelativeDamping(0.3)).param_groups[0]
+    assert opt._curvature_due(group, {"step": 1})  # a damping given: every step

@@ -4,6 +4,7 @@ on a small generated text, the models, the metrics, ``ttr --quick`` on both work
 peer built and stepped on a tiny model."""
 
 import hashlib
+from dataclasses import replace
 import importlib.util
 import json
 import math
@@ -276,26 +277,43 @@ def test_eigen_adams_grid_is_adams_doubled_at_each_problems_batch_size():
     assert "basis_interval" in allowed_options("eigen_adam")
 
 
-def test_the_autoencoders_kfac_grids_are_the_per_sample_ones_over_784():
-    """Damping and ``kl_clip`` (the ``practical`` preset's where the setting does not set it)
-    divided by the 784 pixels the autoencoder's loss averages over; the GPT keeps the values
-    set for per-sample averages."""
-    from experiments.optimizers import resolve_options
+def test_the_autoencoders_kfac_grids_are_the_others_per_unit_of_the_reduction_scale():
+    """The autoencoder's KFAC grids hold the GPT's values (set for per-sample averages), given
+    per unit of the loss's reduction scale (``reduction_scaled``): ``λ s`` and ``κ s`` with
+    ``s = 1/784`` for its per-pixel mean. A step of the README's setting is the step of the
+    damping and ``kl_clip`` divided by 784 by hand, as the committed runs were given them."""
+    from experiments.optimizers import make_optimizer
 
-    for name in ("kfac", "sf_kfac"):
+    problem = get_problem("mnist_autoencoder")
+    for name in ("kfac", "sf_kfac", "kfac_ns"):
         scaled, plain = GRIDS["mnist_autoencoder"][name], GRIDS["fortunes_gpt"][name]
         assert len(scaled) == len(plain) == 4
         for s, p in zip(scaled, plain):
-            assert (s.lr, s.preset, s.schedule) == (p.lr, p.preset, p.schedule)
-            assert s.damping == pytest.approx(p.damping / 784)
-            clip = resolve_options(name, s.preset, s.options)["kl_clip"]
-            plain_clip = resolve_options(name, p.preset, p.options)["kl_clip"]
-            if plain_clip is None:
-                assert clip is None
-            else:
-                assert clip == pytest.approx(plain_clip / 784)
-            others = {k: v for k, v in s.options if k != "kl_clip"}
-            assert others == {k: v for k, v in p.options if k != "kl_clip"}
+            assert (s.lr, s.damping, s.preset, s.schedule) == (
+                p.lr,
+                p.damping,
+                p.preset,
+                p.schedule,
+            )
+            assert dict(s.options) == {**dict(p.options), "reduction_scaled": True}
+    readme = next(s for s in GRIDS["mnist_autoencoder"]["kfac"] if s.damping == 1e-3)
+    by_hand = replace(readme, damping=1e-3 / 784, options=(("kl_clip", 1e-3 / 784),))
+    x = torch.rand(8, 784, generator=torch.Generator().manual_seed(0))
+    steps, dampings = [], []
+    for setting in (readme, by_hand):
+        model, lossfunc = problem.model(0), problem.loss()
+        opt, _ = make_optimizer(setting.config("mnist_autoencoder", 0), problem, model, lossfunc)
+        before = [p.detach().clone() for p in model.parameters()]
+        torch.manual_seed(1)  # the Monte-Carlo draws
+        lossfunc(model(x), x).backward()
+        opt.step()
+        dampings.append(type(opt.param_groups[0]["damping"]).__name__)
+        steps.append(
+            torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())])
+        )
+    assert dampings == ["ReductionScaledDamping", "float"]
+    assert steps[0].abs().max() > 0
+    torch.testing.assert_close(steps[0], steps[1], rtol=1e-4, atol=1e-9)
 
 
 def test_kfac_with_damping_and_kl_clip_over_the_terms_steps_as_on_the_per_sample_loss():

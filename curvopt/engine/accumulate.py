@@ -50,6 +50,9 @@ class Accumulator:
 
     def __init__(self):
         self.written: Dict[Tuple[int, str], Tuple[object, int]] = {}
+        #: ``s`` of the passes so far: the sum of each pass's ``ResultBuffer.reduction_scale``,
+        #: as their curvatures add (two micro-batches of ``loss / 2``: ``s = 1``)
+        self.reduction_scale = 0.0
 
     def bases(self, p, attr: str):
         """The bases earlier passes wrote in ``p.<attr> = [S, *bases]``, or None."""

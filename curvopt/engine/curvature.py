@@ -151,6 +151,8 @@ class CurvaturePass:
         plan bound to this pass)."""
         output = self.loss.output
         rule = loss_rule_for(self.loss.module)
+        scale = rule.reduction_scale(self.loss.module, output.detach(), self.loss.target)
+        self.results.reduction_scale += self.weight * scale  # ``s``: the optimizers' damping
         calls, self.batched = walk.calls, walk.batchable
         self.walk = walk
         self.layout = establish(

@@ -100,6 +100,10 @@ class ResultBuffer:
         self.divisor = None
         #: FSDP2: ``id(gathered)`` -> the sharded parameter written for it (``core.sharded``)
         self.sharded: Dict[int, torch.Tensor] = {}
+        #: ``s = Σ_l w_l N_l / D_l`` over the pass's extended losses (``LossRule.reduction_scale``
+        #: times the factor ``w_l`` each enters the backward with), handed to the accumulator
+        #: with the values (:meth:`write`)
+        self.reduction_scale = 0.0
 
     def target(self, p) -> torch.Tensor:
         """The parameter ``p``'s results are written on: its sharded parameter where FSDP2
@@ -222,6 +226,8 @@ class ResultBuffer:
             setattr(target, attr, value)
             written.update((key, id(target)))
         self.pending.clear()
+        accumulator.reduction_scale += self.reduction_scale
+        self.reduction_scale = 0.0
         return written
 
     def clear(self) -> None:
@@ -230,3 +236,4 @@ class ResultBuffer:
         self.basis_uses.clear()
         self.bases.clear()
         self.pending.clear()
+        self.reduction_scale = 0.0

@@ -120,6 +120,13 @@ class collect:  # noqa: N801  (used like a function: ``with curvopt.collect(...)
             self._warn_skipped()
         return False
 
+    @property
+    def reduction_scale(self) -> float:
+        """``s`` of the curvature this block's passes wrote: ``Σ w N / D`` over their extended
+        losses (``LossRule.reduction_scale``; ``w`` the factor a loss enters the backward
+        with), the scale of one sample's curvature in theirs; 0 before any."""
+        return self._accumulator.reduction_scale
+
     def _warn_skipped(self) -> None:
         """One warning naming each cause once, with the parameters it left out."""
         if self.skipped:

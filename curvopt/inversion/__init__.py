@@ -7,8 +7,8 @@ Its public functions and classes are re-exported by ``curvopt.optim``, the one p
 (``from curvopt.optim import kron_solve``); the modules below are their home.
 
 * ``damping``: damping strategies (``ConstantDamping``, ``ScheduledDamping``,
-  ``LevenbergMarquardt``, ``RelativeDamping``, ``as_damping``, ``damping_strategy``,
-  ``reduction_ratio``): the scalar ``λ`` over steps;
+  ``LevenbergMarquardt``, ``RelativeDamping``, ``ReductionScaledDamping``, ``as_damping``,
+  ``damping_strategy``, ``reduction_ratio``): the scalar ``λ`` over steps;
 * ``inverses``: ``DampedInverse``, one per curvature type (``build`` once, ``apply`` to a batch):
   ``DiagonalInverse``, ``EigenCorrectedInverse`` (Kronecker's is in ``kronecker``);
 * ``diagonal``: a diagonal curvature ``diag(c)``: ``g / (c + λ)`` and the quadratic form;

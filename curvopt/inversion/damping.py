@@ -9,7 +9,9 @@ its mutable state is a small dict created by :meth:`init` and replaced (never mu
 * :class:`LevenbergMarquardt` -- adapts ``λ`` from the reduction ratio ``ρ`` (Martens & Grosse
   2015, Sec. 6.5): ``λ ← ω λ`` if ``ρ < 1/4``, ``λ ← λ / ω`` if ``ρ > 3/4``.
 * :class:`RelativeDamping` -- ``λ = α · m``, a fraction of the curvature's mean eigenvalue
-  ``m = tr(C)/dim(C)`` over a param group (the Newton optimizers' default, ``damping=None``).
+  ``m = tr(C)/dim(C)`` over a param group (``relative_damping=α``).
+* :class:`ReductionScaledDamping` -- ``λ = α · s``, ``s`` the factor by which the loss's
+  reduction scales one sample's curvature (the Newton optimizers' default, ``damping=None``).
 """
 
 from __future__ import annotations
@@ -206,8 +208,8 @@ class RelativeDamping:
     classifier goes to zero, and a damping that followed it would let the steps grow without
     bound).
 
-    What ``damping=None`` (the default) of ``DiagGGNNewton``, ``KFAC`` and ``EKFAC`` becomes,
-    with ``α = relative_damping``. Multiplying the loss by ``c`` multiplies ``C`` and ``λ`` by
+    What ``damping=None`` of ``DiagGGNNewton``, ``KFAC`` and ``EKFAC`` becomes with a number
+    ``α = relative_damping``. Multiplying the loss by ``c`` multiplies ``C`` and ``λ`` by
     ``c``, so the step ``(C + λ I)⁻¹ g`` is the same: one default serves a loss summed over
     samples, a per-sample mean and a mean over pixels. One ``λ`` for the group, not one per
     parameter: a layer whose curvature is (nearly) zero or of low rank at a refresh (few
@@ -254,7 +256,64 @@ class RelativeDamping:
         return f"RelativeDamping({self.fraction!r}, min_damping={self.min_damping!r})"
 
 
-DampingStrategy = Union[ConstantDamping, ScheduledDamping, LevenbergMarquardt, RelativeDamping]
+class ReductionScaledDamping:
+    """A damping that follows the loss's reduction: ``λ = α · s``, ``s = Σ w N / D`` the factor
+    by which the reduction of the loss scales one sample's curvature (``N`` the loss's samples,
+    ``D`` its divisor, ``w`` the factor it enters the backward with, summed over the losses and
+    the micro-batches of a step: ``losses.base.LossRule.reduction_scale``), re-read at every
+    refresh of the curvature. ``s = 1`` for a mean over samples, ``N`` for a sum (``s``
+    follows the batch), ``1/P`` for a mean over ``P`` outputs per sample (a per-pixel mean).
+
+    What ``damping=None`` (the default) of ``DiagGGNNewton``, ``KFAC`` and ``EKFAC`` becomes.
+    Multiplying the loss by ``c`` multiplies ``C``, ``g``, ``s`` and so ``λ`` by ``c``: the
+    direction ``(C + λ I)⁻¹ g`` is the same, and the trust region ``kl_clip`` follows ``s`` too
+    (the optimizers bound ``lr² gᵀd`` by ``κ s``), so the step is the same: one ``α`` serves a
+    sum over samples, a per-sample mean and a mean over pixels. Unlike a fraction of the
+    curvature's own scale (:class:`RelativeDamping`), ``s`` does not depend on the network:
+    the damping that trains the DeepOBS networks, the timm and ViT swaps and a badly scaled
+    GPT is about ``3e-3`` to ``1e-2`` per sample, whereas their curvatures' mean eigenvalues
+    spread over three decades (``docs/optim.md``). The value the optimizer reports
+    (:meth:`value`) is ``α``.
+
+    Args:
+        fraction: ``α ≥ 0``, finite: the damping of a loss averaged over samples.
+
+    Raises:
+        ValueError: ``fraction`` is negative or not finite.
+
+    Example:
+        >>> from curvopt.optim import ReductionScaledDamping
+        >>> ReductionScaledDamping(1e-2).of(scale=128.0)  # a loss summed over 128 samples
+        1.28
+    """
+
+    adaptive = False
+
+    def __init__(self, fraction: float):
+        _check_nonnegative("ReductionScaledDamping fraction", fraction)
+        self.fraction = float(fraction)
+
+    def init(self) -> State:
+        return {}
+
+    def value(self, state: State, step: int) -> float:
+        return self.fraction
+
+    def update(self, state: State, rho: float) -> State:
+        return state
+
+    def of(self, scale: float) -> float:
+        """``λ = α · scale`` for a loss whose reduction scales a sample's curvature by
+        ``scale``."""
+        return self.fraction * scale
+
+    def __repr__(self) -> str:
+        return f"ReductionScaledDamping({self.fraction!r})"
+
+
+DampingStrategy = Union[
+    ConstantDamping, ScheduledDamping, LevenbergMarquardt, RelativeDamping, ReductionScaledDamping
+]
 
 
 def as_damping(damping) -> DampingStrategy:
@@ -265,7 +324,7 @@ def as_damping(damping) -> DampingStrategy:
             (:class:`ScheduledDamping`) or a strategy (returned as it is).
 
     Returns:
-        A :class:`ConstantDamping`, :class:`ScheduledDamping` or :class:`LevenbergMarquardt`.
+        A :class:`ConstantDamping`, :class:`ScheduledDamping`, or the strategy given.
 
     Raises:
         ValueError: anything else, or a negative or non-finite number.
@@ -275,9 +334,7 @@ def as_damping(damping) -> DampingStrategy:
         >>> as_damping(1e-3)
         ConstantDamping(0.001)
     """
-    if isinstance(
-        damping, (ConstantDamping, ScheduledDamping, LevenbergMarquardt, RelativeDamping)
-    ):
+    if isinstance(damping, DampingStrategy.__args__):
         return damping
     if isinstance(damping, Real) and not isinstance(damping, bool):
         return ConstantDamping(damping)
@@ -285,16 +342,22 @@ def as_damping(damping) -> DampingStrategy:
         return ScheduledDamping(damping)
     raise ValueError(
         f"damping must be a number >= 0, a callable of the step count or a damping strategy "
-        f"(ConstantDamping, ScheduledDamping, LevenbergMarquardt, RelativeDamping), got "
-        f"{damping!r} of type {type(damping).__name__}"
+        "(ConstantDamping, ScheduledDamping, LevenbergMarquardt, RelativeDamping, "
+        f"ReductionScaledDamping), got {damping!r} of type {type(damping).__name__}"
     )
 
 
-def damping_strategy(damping, relative_damping: float) -> DampingStrategy:
-    """The strategy of a param group's ``damping``: :class:`RelativeDamping` of
-    ``relative_damping`` for ``None`` (the Newton optimizers' default), else
-    :func:`as_damping`."""
-    return RelativeDamping(relative_damping) if damping is None else as_damping(damping)
+def damping_strategy(
+    damping, relative_damping: float | None, reduction_damping: float
+) -> DampingStrategy:
+    """The strategy of a param group's ``damping``: for ``None`` (the Newton optimizers'
+    default) :class:`RelativeDamping` of ``relative_damping`` where it is a number, else
+    :class:`ReductionScaledDamping` of ``reduction_damping``; otherwise :func:`as_damping`."""
+    if damping is not None:
+        return as_damping(damping)
+    if relative_damping is not None:
+        return RelativeDamping(relative_damping)
+    return ReductionScaledDamping(reduction_damping)
 
 
 def reduction_ratio(actual: float, predicted: float) -> float:
@@ -326,4 +389,6 @@ def reduction_ratio(actual: float, predicted: float) -> float:
 
 
 # plain-data strategies may be loaded with torch.load(weights_only=True) (a schedule holds code)
-torch.serialization.add_safe_globals([ConstantDamping, LevenbergMarquardt, RelativeDamping])
+torch.serialization.add_safe_globals(
+    [ConstantDamping, LevenbergMarquardt, RelativeDamping, ReductionScaledDamping]
+)

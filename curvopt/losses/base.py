@@ -128,6 +128,16 @@ class LossRule(ABC):
         """The normaliser of reduction "mean": every element of ``output`` (one term each)."""
         return output.numel()
 
+    def reduction_scale(self, loss_module, output, target) -> float:
+        """``s = N / D``, ``N = output.shape[0]`` the loss's samples and ``D`` its
+        :meth:`divisor`: the factor by which the reduction scales one sample's curvature
+        (``Σ_n J_nᵀ H_n J_n / D``): 1 for a mean over samples (one term each, as a
+        cross-entropy over ``[N, C]`` logits or ``[N·T, V]`` flattened tokens), ``N`` for
+        "sum", ``1/P`` for a mean over the ``P`` outputs of each sample (a per-pixel mean);
+        0 when the mean counts no term."""
+        divisor = self.divisor(loss_module, output, target)
+        return output.shape[0] / divisor if divisor else 0.0
+
     @abstractmethod
     def num_columns(self, loss_module, output):
         """Number ``K`` of columns of the exact factor."""

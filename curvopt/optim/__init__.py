@@ -7,8 +7,8 @@ on their own; those of the damping-and-inversion layer live in ``curvopt.inversi
 surface:
 
 * damping strategies: :class:`ConstantDamping`, :class:`ScheduledDamping`,
-  :class:`LevenbergMarquardt`, :class:`RelativeDamping`, :func:`as_damping`,
-  :func:`reduction_ratio`;
+  :class:`LevenbergMarquardt`, :class:`RelativeDamping`, :class:`ReductionScaledDamping`,
+  :func:`as_damping`, :func:`reduction_ratio`;
 * inversion: :func:`cholesky_factor`, :func:`cholesky_solve_right`, :func:`cholesky_inverse`,
   :func:`psd_eigh`, :func:`cached`;
 * diagonal curvature: :func:`diag_precondition`, :func:`diag_quadratic`;
@@ -27,6 +27,7 @@ from curvopt.core.psd import psd_eigh
 from curvopt.inversion.damping import (
     ConstantDamping,
     LevenbergMarquardt,
+    ReductionScaledDamping,
     RelativeDamping,
     ScheduledDamping,
     as_damping,
@@ -78,6 +79,7 @@ __all__ = [
     "LevenbergMarquardt",
     "LowRankInverse",
     "NewtonOptimizer",
+    "ReductionScaledDamping",
     "RelativeDamping",
     "ScheduledDamping",
     "VarianceAdaptedSGD",

@@ -340,6 +340,19 @@ class CurvatureOptimizer(Optimizer):
             value = self._distributed.averaged(self._view.sharded(param), attr, value)
         return values.unscaled(extensions.quantity(attr), value, self._loss_scale.values)
 
+    def _reduction_scale(self) -> float:
+        """``s`` of the passes this step reads: the factor by which their losses' reductions
+        scale one sample's curvature (``collect.reduction_scale``), from the block
+        :meth:`collect` opened or the armed collection's window; divided by a
+        ``GradScaler``'s loss scale, as the curvature is (``loss_scale``); under
+        ``torch.distributed`` its mean over the ranks, as the curvature's. 0 where none of
+        them ran a pass."""
+        block = self.__dict__.get("_block")
+        scale = (self._collection if block is None else block).reduction_scale
+        if self._loss_scale.values is not None:
+            scale /= self._loss_scale.values
+        return scale if self._distributed is None else self._distributed.mean(scale)
+
     def _grad(self, param: torch.Tensor) -> torch.Tensor:
         """``param.grad``, divided by the loss scale of a ``GradScaler`` step unless the scaler
         unscaled it already (``loss_scale``)."""

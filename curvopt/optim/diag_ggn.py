@@ -9,13 +9,7 @@ import torch
 from curvopt.inversion.diagonal import diag_quadratic
 from curvopt.inversion.inverses import DiagonalInverse
 from curvopt.optim.newton import NewtonOptimizer
-from curvopt.optim.options import (
-    DEFAULT_RELATIVE_DAMPING_DIAGONAL,
-    NewtonOptions,
-    choice,
-    number,
-    option,
-)
+from curvopt.optim.options import NewtonOptions, choice, option
 
 #: ``curvature=`` -> the attribute its extension writes (``curvopt.extensions.writer``)
 _ATTRS = {"mc": "diag_ggn_mc", "exact": "diag_ggn_exact"}
@@ -23,12 +17,10 @@ _ATTRS = {"mc": "diag_ggn_mc", "exact": "diag_ggn_exact"}
 
 @dataclass(frozen=True)
 class DiagGGNOptions(NewtonOptions):
-    """:class:`NewtonOptions` with ``curvature="mc" | "exact"`` and its own relative damping
-    (``DEFAULT_RELATIVE_DAMPING_DIAGONAL``)."""
+    """:class:`NewtonOptions` with ``curvature="mc" | "exact"``."""
 
     MONTE_CARLO = "mc"
     curvature: str = option("mc", choice(*_ATTRS))
-    relative_damping: float = option(DEFAULT_RELATIVE_DAMPING_DIAGONAL, number())
 
 
 class DiagGGNNewton(NewtonOptimizer):
@@ -37,12 +29,13 @@ class DiagGGNNewton(NewtonOptimizer):
     Args:
         params: parameters or param groups, as for ``torch.optim.SGD``.
         lr: learning rate ``≥ 0``.
-        damping: ``λ``: ``None`` (default: relative, ``λ = α m``, ``α = relative_damping``,
-            ``m`` the diagonals' mean at the first refresh; :class:`RelativeDamping`), or an
-            absolute one: a number ``≥ 0``, a callable of the step count, or a damping strategy
+        damping: ``λ``: ``None`` (default: ``λ = α s`` as for :class:`KFAC`, ``α = 1e-2``,
+            ``s`` the loss's reduction scale; :class:`ReductionScaledDamping`), or an absolute
+            one: a number ``≥ 0``, a callable of the step count, or a damping strategy
             (:class:`ConstantDamping`, :class:`ScheduledDamping`, :class:`LevenbergMarquardt`).
-        relative_damping: ``α`` of ``damping=None``, ``1.0`` by default (the diagonal's mean is
-            far below its large entries).
+        relative_damping: ``None`` (default) or ``α``: ``damping=None`` is then relative,
+            ``λ = α m``, ``m`` the diagonals' mean at the first refresh (the former default,
+            ``α = 1``; :class:`RelativeDamping`).
         curvature: ``"mc"`` (``DiagGGNMC``, ``p.diag_ggn_mc``) or ``"exact"``
             (``DiagGGNExact``, ``p.diag_ggn_exact``).
         weight_decay: ``δ ≥ 0`` (added to the gradient and to the damping).
@@ -54,7 +47,7 @@ class DiagGGNNewton(NewtonOptimizer):
             train.
             See :mod:`curvopt.optim.newton`.
         momentum, curvature_ema, fallback: see :mod:`curvopt.optim.newton` (off by default).
-        curvature_interval: as for :class:`KFAC` (``None``: 10 under the relative damping, 1
+        curvature_interval: as for :class:`KFAC` (``None``: 10 under the default damping, 1
             with a damping given).
         process_group: under ``torch.distributed``: ``None`` (the default group if initialized
             with several ranks), a ``ProcessGroup``, a ``DistributedCurvature``, or ``False``

@@ -130,11 +130,16 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
     Args:
         params: parameters or param groups, as for ``torch.optim.SGD``.
         lr: learning rate ``≥ 0``.
-        damping: ``λ``: ``None`` (default: relative, ``λ = α m``, ``α = relative_damping``,
-            ``m`` the curvatures' mean eigenvalue at the first refresh; ``RelativeDamping``),
-            or an absolute one: a number ``≥ 0``, a callable of the step count, or a damping
-            strategy; so ``EKFAC(params, lr=0.1)`` trains (with the trust region ``kl_clip``).
-        relative_damping: ``α`` of ``damping=None``, ``0.03`` by default.
+        damping: ``λ``: ``None`` (default: ``λ = α s``, ``α = 1e-2``, ``s`` the factor by
+            which the loss's reduction scales one sample's curvature, re-read at every
+            refresh, the trust region's ``κ`` scaled by ``s`` too;
+            ``damping=ReductionScaledDamping(α), curvature_interval=10`` is the default with
+            another ``α``), or an absolute one: a number ``≥ 0``, a callable of the step
+            count, or a damping strategy; so ``EKFAC(params, lr=0.1)`` trains (with the trust
+            region ``kl_clip``).
+        relative_damping: ``None`` (default) or ``α``: ``damping=None`` is then relative,
+            ``λ = α m``, ``m`` the curvatures' mean eigenvalue at the first refresh
+            (``RelativeDamping``).
         curvature: the factors giving the basis: ``"kfac"`` (MC-sampled) or ``"kflr"``.
         weight_decay: ``δ ≥ 0`` (added to the gradient and to the damping).
         reduction: ``None`` (default: the scale ``c`` of ``S`` follows the loss's reduction),

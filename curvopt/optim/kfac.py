@@ -72,11 +72,16 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
     Args:
         params: parameters or param groups, as for ``torch.optim.SGD``.
         lr: learning rate ``≥ 0``.
-        damping: ``λ``: ``None`` (default: relative, ``λ = α m``, ``α = relative_damping``,
-            ``m`` the curvatures' mean eigenvalue at the first refresh; ``RelativeDamping``),
-            or an absolute one: a number ``≥ 0``, a callable of the step count, or a damping
-            strategy; so ``KFAC(params, lr=0.1)`` trains (with the trust region ``kl_clip``).
-        relative_damping: ``α`` of ``damping=None``, ``0.03`` by default.
+        damping: ``λ``: ``None`` (default: ``λ = α s``, ``α = 1e-2``, ``s`` the factor by
+            which the loss's reduction scales one sample's curvature, re-read at every
+            refresh, the trust region's ``κ`` scaled by ``s`` too;
+            ``damping=ReductionScaledDamping(α), curvature_interval=10`` is the default with
+            another ``α``), or an absolute one: a number ``≥ 0``, a callable of the step
+            count, or a damping strategy; so ``KFAC(params, lr=0.1)`` trains (with the trust
+            region ``kl_clip``).
+        relative_damping: ``None`` (default) or ``α``: ``damping=None`` is then relative,
+            ``λ = α m``, ``m`` the curvatures' mean eigenvalue at the first refresh
+            (``RelativeDamping``).
         curvature: ``"kfac"`` (MC-sampled), ``"kflr"`` (exact loss Hessian) or ``"kfra"``.
         weight_decay: ``δ ≥ 0`` (added to the gradient and to the damping).
         kronecker_damping: ``"trace_norm"`` (default): ``(B + √λ/π I)⁻¹ G (A + π√λ I)⁻¹`` with
@@ -114,7 +119,7 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
             preconditions such parameters warns once, naming them.
         momentum, curvature_ema: see :mod:`curvopt.optim.newton` (off by default).
         curvature_interval: the curvature (and the inverses) every ``k`` steps, plain steps
-            between (the hooks do nothing); ``None`` (default): 10 under the relative damping,
+            between (the hooks do nothing); ``None`` (default): 10 under the default damping,
             1 (every step) with a damping given.
         process_group: under ``torch.distributed``: ``None`` (the default group if initialized
             with several ranks), a ``ProcessGroup``, a ``DistributedCurvature``, or ``False``

@@ -24,17 +24,21 @@ factors whose range misses part of the gradient), the paper's step ``lr · d`` i
 longer than the model can be trusted, and training diverges; ``ν`` shortens exactly those
 steps, so the effective step is ``min(lr, sqrt(κ / gᵀd)) · d``. ``kl_clip=None`` gives the
 paper's update ``θ ← θ − lr · d`` (Dangel et al. 2020). For ``reduction="sum"`` ``gᵀd``
-grows with the batch size ``N``; scale ``κ`` by ``N`` to keep the same per-sample bound.
+grows with the batch size ``N``: under the default damping the bound is ``κ s`` (``s = N``),
+with a damping given scale ``κ`` by ``N`` to keep the same per-sample bound.
 
 A step whose gradient, curvature, update or resulting parameters are not finite raises
 ``FloatingPointError`` naming the optimizer, the parameter and the options to change; a
 closure's loss over ``LOSS_GROWTH`` (1000) times the first one warns. A finite loss that
 grows without a closure is not seen by the optimizer.
 
-By default (``damping=None``) the damping is relative (``λ = α m``, ``m`` the curvatures' mean
-eigenvalue at the first refresh: :class:`~curvopt.inversion.damping.RelativeDamping`) and ``C`` is
-read every 10 steps (``curvature_interval=None``; 1 with a damping given), the steps between
-plain ones that leave the engine alone (``frontend.collection``).
+By default (``damping=None``) the damping follows the loss's scale: ``λ = α s``, ``s`` the factor
+by which the loss's reduction scales one sample's curvature, handed over by the pass and re-read
+at every refresh (:class:`~curvopt.inversion.damping.ReductionScaledDamping`; the trust region's
+bound is then ``κ s``); ``relative_damping=α`` damps by a fraction of the curvatures' mean
+eigenvalue at the first refresh instead (:class:`~curvopt.inversion.damping.RelativeDamping`).
+``C`` is read every 10 steps (``curvature_interval=None``; 1 with a damping given), the steps
+between plain ones that leave the engine alone (``frontend.collection``).
 
 Opt-in, per param group: ``curvature_interval`` (read ``C`` every k steps, reuse it between),
 ``curvature_ema`` (``C ← β C + (1 − β) C_new``), ``momentum``, ``schedule_free`` (β; evaluate
@@ -60,8 +64,14 @@ from curvopt import extensions
 from curvopt.core import values
 from curvopt.core.extended import path_of
 from curvopt.optim.base import CurvatureOptimizer, ExtensionSpec, number, skip_options
-from curvopt.inversion.damping import RelativeDamping, damping_strategy, reduction_ratio
+from curvopt.inversion.damping import (
+    ReductionScaledDamping,
+    RelativeDamping,
+    damping_strategy,
+    reduction_ratio,
+)
 from curvopt.optim.fallback import announce
+from curvopt.optim.options import DEFAULT_REDUCTION_DAMPING
 from curvopt.optim.plan import ParamUpdate, Stacks, batches_pay, refresh_interval
 from curvopt.optim.stages import (
     NEWTON,
@@ -289,7 +299,9 @@ class NewtonOptimizer(CurvatureOptimizer):
         return fallback is None or "fallback_diagonal" not in state
 
     def _damping(self, group, group_state):
-        strategy = damping_strategy(group["damping"], group["relative_damping"])
+        strategy = damping_strategy(
+            group["damping"], group["relative_damping"], DEFAULT_REDUCTION_DAMPING
+        )
         return strategy, group_state["damping"] or strategy.init()
 
     def _plan_group(self, group, group_state, with_model):
@@ -317,8 +329,12 @@ class NewtonOptimizer(CurvatureOptimizer):
                     name = path_of(param) or update.description
                     self.__dict__.setdefault("_fell_back", {})[name] = group["fallback"]
             step.params.append(item)
-        if group["damping"] is None:
+        strategy, _ = self._damping(group, group_state)
+        if isinstance(strategy, RelativeDamping):
             step.damping = self._relative_damping(step, group_state)
+        elif isinstance(strategy, ReductionScaledDamping):
+            step.kl_scale = self._group_reduction_scale(step, group_state)
+            step.damping = strategy.of(step.kl_scale) + group["weight_decay"]
         for stage in self._stages.for_group(group):
             stage(step)
         predicted = self._predicted(step) if with_model else 0.0
@@ -330,9 +346,9 @@ class NewtonOptimizer(CurvatureOptimizer):
             self._directions, self._fallback_direction, self._derived, self._distributed
         )
 
-    # ----------------------------------------------------------------- relative damping
+    # ----------------------------------------------------------------- scale-following damping
     def _relative_damping(self, step: GroupStep, group_state: dict[str, Any]) -> float:
-        """``λ + δ`` of a group with relative damping (``damping=None``): ``λ = α · m``, ``m``
+        """``λ + δ`` of a group with relative damping (``relative_damping=α``): ``λ = α · m``, ``m``
         the mean over the group's parameters of their curvature's mean eigenvalue
         (:meth:`_curvature_scale`) at the first refresh that finds one above zero (one host
         read), kept in the group state from then on: the scale of the loss, not of a
@@ -345,8 +361,19 @@ class NewtonOptimizer(CurvatureOptimizer):
             found = float(torch.stack(scales).mean())
             if found > 0:
                 scale = group_state["curvature_scale"] = found
-        group = step.group
-        return RelativeDamping(group["relative_damping"]).of(scale or 0.0) + group["weight_decay"]
+        strategy, _ = self._damping(step.group, group_state)
+        return strategy.of(scale or 0.0) + step.group["weight_decay"]
+
+    def _group_reduction_scale(self, step: GroupStep, group_state: dict[str, Any]) -> float:
+        """``s`` of a group whose damping follows the loss's reduction: read from the passes of
+        this step's window (:meth:`_reduction_scale`) at every step that refreshes a curvature
+        of the group, kept in the group state until the next (1, a mean over samples', before
+        any: passes run in a ``curvopt.collect`` block of your own hand it no ``s``)."""
+        if any(item.fresh is not None for item in step.params):
+            found = self._reduction_scale()
+            if found > 0:
+                group_state["reduction_scale"] = found
+        return group_state.get("reduction_scale", 1.0)
 
     def _curvature_scale(self, curvature: Any) -> torch.Tensor:
         """``tr(C)/dim(C)``, the mean eigenvalue of ``curvature`` (a diagonal: its mean)."""

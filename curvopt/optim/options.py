@@ -109,16 +109,15 @@ def optional(check: Check) -> Check:
 #: how Kronecker factors treat positions that share a weight (``extensions.KFAC(kfac_approx=)``)
 KFAC_APPROX = ("expand", "reduce")
 
-#: ``α`` of the damping when none is given (``damping=None``): relative, ``λ = α · m``, ``m``
-#: the mean eigenvalue ``tr(C)/dim(C)`` of the group's curvatures (``damping.RelativeDamping``),
-#: so the default follows the loss's scale; the trust region (``kl_clip=1e-3``, kfac-pytorch's
-#: default) bounds the steps. Chosen by measurement (``tests/test_optim_defaults.py``'s six
-#: seeds on 2C2D and 3C3D, the ViT of ``tests/test_optim_models_fallback.py``): the Kronecker
-#: optimizers' (``KFAC``, ``EKFAC``)
-DEFAULT_RELATIVE_DAMPING = 0.03
-#: the diagonal one's (``DiagGGNNewton``): a diagonal of many entries has a mean far below its
-#: large ones, and at 0.03 its steps on 3C3D diverged
-DEFAULT_RELATIVE_DAMPING_DIAGONAL = 1.0
+#: ``α`` of the Newton optimizers' (``KFAC``, ``EKFAC``, ``DiagGGNNewton``) damping when none
+#: is given (``damping=None``, ``relative_damping=None``): ``λ = α · s``, ``s`` the factor by
+#: which the loss's reduction scales one sample's curvature (``damping.ReductionScaledDamping``),
+#: so the default follows the loss's scale, not the network's; the trust region
+#: (``kl_clip=1e-3``, kfac-pytorch's default, bounding ``lr² gᵀd`` by ``κ s``) bounds the steps.
+#: Chosen by measurement (``benchmarks/default_robustness.py``: six seeds on the four DeepOBS
+#: networks; the swaps of ``tests/test_timm_models.py``, ``tests/test_models_people_train.py``;
+#: ``docs/optim.md``)
+DEFAULT_REDUCTION_DAMPING = 1e-2
 
 #: ``fallback`` of the Kronecker optimizers (``KFAC``, ``EKFAC``): what a parameter without a
 #: Kronecker factorisation gets (:mod:`curvopt.optim.fallback`); ``None`` raises
@@ -126,7 +125,7 @@ KRONECKER_FALLBACKS = (None, "sgd", "diagonal")
 
 
 def _damping(name: str, value) -> None:
-    if value is not None:  # None: relative (``relative_damping``)
+    if value is not None:  # None: the default (``relative_damping``, else reduction-scaled)
         as_damping(value)
 
 
@@ -192,8 +191,10 @@ class NewtonOptions(CurvatureOptions):
 
     POSITIONAL: ClassVar[tuple[str, ...]] = ("lr", "damping", "curvature", "weight_decay")
 
-    #: ``λ``: None (relative: ``relative_damping`` times the curvatures' mean eigenvalue), a
-    #: number (absolute), a callable of the step count or a strategy (``inversion.damping``)
+    #: ``λ``: None (the default: ``relative_damping`` times the curvatures' mean eigenvalue
+    #: where that is a number, else ``DEFAULT_REDUCTION_DAMPING`` times the loss's reduction
+    #: scale ``s``), a number (absolute), a callable of the step count or a strategy
+    #: (``inversion.damping``)
     damping: Any = option(None, _damping)
     curvature: str = option()  # each optimizer declares its default and choices
     mc_samples: int = option(1, number(1, integer=True))
@@ -201,8 +202,9 @@ class NewtonOptions(CurvatureOptions):
     curvature_ema: float = option(0.0, number(0.0, 1.0, open_high=True))
     #: ``k``: the curvature every ``k`` steps; None: ``plan.refresh_interval``'s (10 or 1)
     curvature_interval: int | None = option(None, optional(number(1, integer=True)))
-    #: ``α`` of ``damping=None``: ``λ = α · m``, ``m`` the mean of the curvatures' ``tr(C)/dim(C)``
-    relative_damping: float = option(DEFAULT_RELATIVE_DAMPING, number())
+    #: ``α`` of a relative ``damping=None``: ``λ = α · m``, ``m`` the mean of the curvatures'
+    #: ``tr(C)/dim(C)``; None: the damping follows the loss's reduction instead
+    relative_damping: float | None = option(None, optional(number()))
     kl_clip: float | None = option(1e-3, optional(number()))
     fallback: str | None = option(None, choice(None, "sgd"))
     #: ``K``: Kronecker factors from the first ``K`` samples of each batch (``extensions.KFAC(
@@ -217,7 +219,7 @@ class NewtonOptions(CurvatureOptions):
     orthogonalize_dtype: Any = option(None, _newton_schulz_dtype)
 
     def relations(self) -> None:
-        strategy = damping_strategy(self.damping, self.relative_damping)
+        strategy = damping_strategy(self.damping, self.relative_damping, DEFAULT_REDUCTION_DAMPING)
         if self.schedule_free is not None and strategy.adaptive:
             raise ValueError(
                 "schedule_free does not combine with adaptive (Levenberg-Marquardt) damping, "

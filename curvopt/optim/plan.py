@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-#: ``k`` when none is given under the default relative damping (:func:`refresh_interval`): the
+#: ``k`` when none is given under the default damping (:func:`refresh_interval`): the
 #: curvature (and its inverses) refreshed every ``k`` steps, the steps in between plain ones
 #: that leave the engine alone (``frontend.collection``); the first step always refreshes
 DEFAULT_CURVATURE_INTERVAL = 10
@@ -43,8 +43,8 @@ DEFAULT_CURVATURE_INTERVAL = 10
 
 def refresh_interval(curvature_interval: int | None, damping) -> int:
     """A group's curvature interval: ``curvature_interval`` as given, or for ``None`` (the
-    default) :data:`DEFAULT_CURVATURE_INTERVAL` under the default relative damping
-    (``damping=None``) and 1 (every step, the paper's update) with a damping given."""
+    default) :data:`DEFAULT_CURVATURE_INTERVAL` under the default damping (``damping=None``)
+    and 1 (every step, the paper's update) with a damping given."""
     if curvature_interval is not None:
         return curvature_interval
     return DEFAULT_CURVATURE_INTERVAL if damping is None else 1

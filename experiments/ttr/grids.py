@@ -77,17 +77,21 @@ options are the class's defaults, SOAP's (``betas=(0.95, 0.95)``, ``eps=1e-8``,
 at Adam's winner uses Adam's results, not its own: a head start over the peers whose grids sit
 at their package's default lr, stated here.
 
-The autoencoder's KFAC and schedule-free KFAC grids are the other problems' with the damping
-and ``kl_clip`` divided by 784 (:func:`_per_pixel`), a rule fixed before their runs, not tuned
-on results. The grids' values were set for losses averaged over samples, one term per sample;
-``BCEWithLogitsLoss`` also averages over the 784 pixels of an image, so the loss, its gradient
-``g`` and its curvature ``C`` are 1/784 of the per-image loss's. KFAC's step
-``(C + λ I)⁻¹ g`` on the per-pixel loss with damping ``λ/784`` is the step on the per-image loss
-with ``λ`` (trace-norm damping splits ``λ/784`` between the factors so that the damped product
-is 1/784 of the per-image one too), and the trust region's ``lr² gᵀd`` is 1/784 of the per-image
-one, so ``kl_clip/784`` clips the same steps. With the grids' values unscaled (the first runs),
-a damping of 0.1 weighed as 78 would on the per-image loss, and neither KFAC setting nor
-schedule-free KFAC reached a target (``results/ttr/workloads.md``).
+The autoencoder's KFAC, schedule-free KFAC and ``kfac_ns`` grids hold the other problems'
+values, given per unit of the loss's reduction scale (``reduction_scaled=True``,
+:data:`PER_SAMPLE`: ``damping=ReductionScaledDamping(λ)``, so ``λ s`` and ``kl_clip`` ``κ s`` in
+the optimizer, ``s`` the factor by which the loss's reduction scales one sample's curvature). The
+grids' values were set for losses averaged over samples, one term per sample (``s = 1``);
+``BCEWithLogitsLoss`` also averages over the 784 pixels of an image (``s = 1/784``), so the
+loss, its gradient ``g`` and its curvature ``C`` are 1/784 of the per-image loss's. KFAC's step
+``(C + λ s I)⁻¹ g`` on the per-pixel loss is the step on the per-image loss with ``λ``
+(trace-norm damping splits ``λ/784`` between the factors so that the damped product is 1/784 of
+the per-image one too), and the trust region's ``lr² gᵀd`` is 1/784 of the per-image one, so
+``κ/784`` clips the same steps. These are the settings of the committed runs, which gave the
+damping and ``kl_clip`` divided by 784 by hand (a rule fixed before their runs, not tuned on
+results): mathematically the same steps, so those results stand. With the grids' values unscaled
+(the first runs), a damping of 0.1 weighed as 78 would on the per-image loss, and neither KFAC
+setting nor schedule-free KFAC reached a target (``results/ttr/workloads.md``).
 """
 
 from __future__ import annotations
@@ -96,7 +100,6 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..config import RunConfig
-from ..optimizers import resolve_options
 from .schedules import SCHEDULES
 
 #: the batch sizes every optimizer's settings are tried at
@@ -226,8 +229,9 @@ WORKLOAD_BATCH = {"fortunes_gpt": 32, "mnist_autoencoder": 128}
 #: ``eigen_adam``'s basis refreshed every 10 steps (the class's default, written out so that the
 #: cost's blocks see the period)
 BASIS_10 = {"basis_interval": 10}
-#: the loss terms averaged per sample by ``mnist_autoencoder``'s loss (its 784 pixels)
-AUTOENCODER_PIXELS = 784
+#: damping and ``kl_clip`` per unit of the loss's reduction scale ``s`` (the autoencoder's
+#: per-pixel mean: ``s = 1/784``; see the module doc)
+PER_SAMPLE = {"reduction_scaled": True}
 
 
 def _eigen_adam(lrs=(2e-3, 4e-3, 4e-3, 8e-3), **batch_sizes) -> tuple[Setting, ...]:
@@ -239,19 +243,13 @@ def _eigen_adam(lrs=(2e-3, 4e-3, 4e-3, 8e-3), **batch_sizes) -> tuple[Setting, .
     return _grid("eigen_adam", *points, **batch_sizes)
 
 
-def _per_pixel(settings: tuple[Setting, ...], terms: int) -> tuple[Setting, ...]:
-    """``settings`` for a loss averaged over ``terms`` terms per sample: damping and
-    ``kl_clip`` (the preset's where the setting does not set it) divided by ``terms``, so that
-    the steps are those of the settings on the per-sample loss (see the module doc)."""
-    out = []
-    for s in settings:
-        options = dict(s.options)
-        clip = resolve_options(s.optimizer, s.preset, s.options).get("kl_clip")
-        if clip is not None:
-            options["kl_clip"] = clip / terms
-        damping = None if s.damping is None else s.damping / terms
-        out.append(replace(s, damping=damping, options=tuple(options.items())))
-    return tuple(out)
+def _per_sample(settings: tuple[Setting, ...]) -> tuple[Setting, ...]:
+    """``settings`` with their damping and ``kl_clip`` per unit of the loss's reduction scale
+    (:data:`PER_SAMPLE`), for a loss that averages over several terms per sample (see the
+    module doc)."""
+    return tuple(
+        replace(s, options=tuple({**dict(s.options), **PER_SAMPLE}.items())) for s in settings
+    )
 
 
 def _peers_53(**batch_sizes) -> dict[str, tuple[Setting, ...]]:
@@ -280,7 +278,7 @@ def _kfac_newton_schulz(
 
 def _workload(problem: str) -> dict[str, tuple[Setting, ...]]:
     """A workload's grids at its own batch size (see the module doc); the autoencoder's KFAC
-    grids scaled to its loss's per-pixel average (:func:`_per_pixel`)."""
+    grids per unit of its loss's reduction scale (:func:`_per_sample`)."""
     b = {"batch_sizes": (WORKLOAD_BATCH[problem],)}
     grids = {
         "adam": _first_order("adam", (1e-3, 2e-3, 2e-3, 4e-3), **b),
@@ -302,7 +300,7 @@ def _workload(problem: str) -> dict[str, tuple[Setting, ...]]:
     }
     if problem == "mnist_autoencoder":
         for name in ("kfac", "sf_kfac", "kfac_ns"):
-            grids[name] = _per_pixel(grids[name], AUTOENCODER_PIXELS)
+            grids[name] = _per_sample(grids[name])
     return grids
 
 

@@ -110,6 +110,9 @@ class GroupStep:
     step: int
     damping: float
     params: list[ParamStep] = field(default_factory=list)
+    #: the factor of the trust region's bound ``κ``: the loss's reduction scale ``s`` under a
+    #: damping that follows it (``ReductionScaledDamping``), else 1
+    kl_scale: float = 1.0
 
 
 class Stage:

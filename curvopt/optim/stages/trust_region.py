@@ -1,5 +1,8 @@
 """``d ← ν d`` with ``ν = min(1, sqrt(κ / (lr² Σ gᵀd)))`` over the group (``kl_clip`` κ; no
-stage for ``None``): the step's length in the damped curvature is at most ``κ``."""
+stage for ``None``): the step's length in the damped curvature is at most ``κ``. Under a
+damping that follows the loss's reduction (``ReductionScaledDamping``) the bound is ``κ s``
+(``GroupStep.kl_scale``): ``gᵀd`` scales with the loss, so the same steps are clipped whatever
+its reduction."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ class ScaleByTrustRegion(Stage):
             [i.grad for i in items],
             [i.direction for i in items],
             step.group["lr"],
-            step.group["kl_clip"],
+            step.group["kl_clip"] * step.kl_scale,
         )
         if nu != 1.0:
             for item in items:
