@@ -87,6 +87,29 @@ def test_flattened_tokens_of_a_sequence_count_one_each():
     assert block.reduction_scale == pytest.approx(1.0, rel=1e-12)
 
 
+@pytest.mark.parametrize("ignore_index", [-100, 2])
+def test_a_sequences_logits_count_their_positions_as_flattened_tokens_do(ignore_index):
+    """``[N, C, T]`` logits (``nn.CrossEntropyLoss``'s own sequence layout) give the ``s`` of
+    the same logits flattened to ``[N·T, C]``: one term per position, also where
+    ``ignore_index`` drops some, so that the default damping does not depend on the layout."""
+    model = _mlp()
+    g = torch.Generator().manual_seed(4)
+    X, y = torch.randn(4, 5, 5, generator=g, dtype=DT), torch.randint(0, 3, (4, 5), generator=g)
+    scales = []
+    for layout in ("sequence", "flat"):
+        lossfunc = curvopt.extend(nn.CrossEntropyLoss(ignore_index=ignore_index))
+        with curvopt.collect(extensions.KFLR()) as block:
+            logits = model(X)  # [N, T, C]
+            if layout == "sequence":
+                lossfunc(logits.transpose(1, 2), y).backward()
+            else:
+                lossfunc(logits.reshape(-1, 3), y.reshape(-1)).backward()
+        scales.append(block.reduction_scale)
+    kept = float((y != ignore_index).sum())
+    assert scales[0] == pytest.approx(y.numel() / kept, rel=1e-12)
+    assert scales[1] == pytest.approx(scales[0], rel=1e-12)
+
+
 def test_several_losses_and_micro_batches_add_as_their_curvatures():
     """Two losses in one pass: ``Σ_l w_l N_l / D_l``; two micro-batches: their sum (two of
     ``loss / 2`` make one batch's ``1``)."""

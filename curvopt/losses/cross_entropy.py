@@ -126,6 +126,15 @@ class CrossEntropyLossRule(LossRule):
                 )
         return alpha, count
 
+    def reduction_scale(self, loss_module, output, target) -> float:
+        """``s = P / D``, ``P = output[:, 0].numel()`` the loss's positions (one class
+        distribution each: ``N`` rows of ``[N, C]`` logits, ``N·T`` of ``[N, C, T]``) and ``D``
+        its :meth:`divisor`: a position's curvature is one term, whatever the layout, so
+        ``[N, C, T]`` logits and the same logits flattened to ``[N·T, C]`` give the same ``s``
+        (1 for a mean over the kept positions, ``P`` for a sum); 0 when the mean counts none."""
+        divisor = self.divisor(loss_module, output, target)
+        return output[:, 0].numel() / divisor if divisor else 0.0
+
     def num_columns(self, loss_module, output):
         return output[0].numel()
 
