@@ -302,3 +302,14 @@ def test_hook_gradient_of_a_subclass_goes_through_register_hook():
     assert calls == [hook]
     with pytest.raises(RuntimeError, match="doesn't require gradient"):
         ti.hook_gradient(torch.zeros(2), hook)
+
+
+def test_any_autocast_enabled():
+    """One read answers what asking each device type does, on and off, nested."""
+    assert not ti.any_autocast_enabled()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ti.any_autocast_enabled() and torch.is_autocast_enabled("cpu")
+        with torch.autocast("cpu", enabled=False):
+            assert not ti.any_autocast_enabled()
+        assert ti.any_autocast_enabled()
+    assert not ti.any_autocast_enabled()

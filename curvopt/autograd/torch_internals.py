@@ -39,6 +39,12 @@ def queue_callback(fn: Callable[[], None]) -> None:
     Variable._execution_engine.queue_callback(fn)
 
 
+def any_autocast_enabled() -> bool:
+    """Whether autocast is on for any device type (one read, where asking ``cpu`` and ``cuda``
+    each is two)."""
+    return torch._C._is_any_autocast_enabled()
+
+
 def hook_gradient(t: torch.Tensor, hook: Callable) -> None:
     """``t.register_hook(hook)`` for good, without the removal handle (``RemovableHandle``,
     and the import ``Tensor.register_hook`` runs on every call: two thirds of its cost): the
