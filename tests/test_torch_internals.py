@@ -265,3 +265,51 @@ def test_rerun_checkpoint(preserve):
         assert torch.equal(outputs[0], plain)
     (g,) = torch.autograd.grad(outputs[0].sum(), h)  # through the graph upstream: h = x * 1.0
     assert g.shape == h.shape and outputs[0].grad_fn is not None
+
+
+@pytest.mark.parametrize("leaf", [False, True])
+def test_hook_gradient_runs_where_register_hook_would(leaf):
+    """``hook_gradient`` is ``register_hook`` without its handle: on a leaf and on a node's
+    output, between two hooks of torch's in registration order, its return value replaces the
+    gradient as theirs does, and a handle of torch's still removes only its own hook."""
+    x = _x(3)
+    t = x if leaf else x * 2
+    seen = []
+    first = t.register_hook(lambda g: seen.append(("first", g.clone())))
+    ti.hook_gradient(t, lambda g: seen.append(("ours", g.clone())) or g * 10)
+    t.register_hook(lambda g: seen.append(("last", g.clone())))
+    first.remove()
+    (t * torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)).sum().backward()
+    assert [name for name, _ in seen] == ["ours", "last"]
+    torch.testing.assert_close(seen[0][1], torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
+    torch.testing.assert_close(seen[1][1], 10 * seen[0][1])
+    expected = 10 * seen[0][1] * (1 if leaf else 2)
+    torch.testing.assert_close(x.grad, expected)
+
+
+def test_hook_gradient_of_a_subclass_goes_through_register_hook():
+    """A tensor subclass's ``register_hook`` (its ``__torch_function__``) is honoured."""
+    calls = []
+
+    class Logged(torch.Tensor):
+        def register_hook(self, hook):
+            calls.append(hook)
+            return super().register_hook(hook)
+
+    t = (_x(2) * 2).as_subclass(Logged)
+    hook = lambda g: None  # noqa: E731
+    ti.hook_gradient(t, hook)
+    assert calls == [hook]
+    with pytest.raises(RuntimeError, match="doesn't require gradient"):
+        ti.hook_gradient(torch.zeros(2), hook)
+
+
+def test_any_autocast_enabled():
+    """One read answers what asking each device type does, on and off, nested."""
+    assert not ti.any_autocast_enabled()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ti.any_autocast_enabled() and torch.is_autocast_enabled("cpu")
+        with torch.autocast("cpu", enabled=False):
+            assert not ti.any_autocast_enabled()
+        assert ti.any_autocast_enabled()
+    assert not ti.any_autocast_enabled()

@@ -9,6 +9,7 @@ Node names are the class names of autograd nodes (``type(tensor.grad_fn).__name_
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -36,6 +37,31 @@ def will_engine_execute_node(node) -> bool:
 def queue_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` when the running backward pass ends."""
     Variable._execution_engine.queue_callback(fn)
+
+
+def any_autocast_enabled() -> bool:
+    """Whether autocast is on for any device type (one read, where asking ``cpu`` and ``cuda``
+    each is two)."""
+    return torch._C._is_any_autocast_enabled()
+
+
+def hook_gradient(t: torch.Tensor, hook: Callable) -> None:
+    """``t.register_hook(hook)`` for good, without the removal handle (``RemovableHandle``,
+    and the import ``Tensor.register_hook`` runs on every call: two thirds of its cost): the
+    same steps otherwise, so ``hook`` runs where ``register_hook`` would put it, after the hooks
+    registered before it and before those registered after it. Keyed by ``hook`` itself in
+    ``t._backward_hooks`` (torch keys by its handles' integer ids, so no key is shared; ``hook``
+    must be a fresh object, a closure). A tensor subclass (``__torch_function__``) or a tensor
+    that requires no gradient goes through ``register_hook`` itself."""
+    if type(t) is not torch.Tensor or not t.requires_grad:
+        t.register_hook(hook)
+        return
+    hooks = t._backward_hooks
+    if hooks is None:
+        t._backward_hooks = hooks = OrderedDict()
+        if t.grad_fn is not None:
+            t.grad_fn._register_hook_dict(t)
+    hooks[hook] = hook
 
 
 def drop_empty_tensor_hooks(t: torch.Tensor) -> None:

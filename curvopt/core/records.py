@@ -104,7 +104,10 @@ def take_random_state(module: nn.Module) -> Optional[RandomState]:
 
 def records_on(node) -> List[Tuple["Record", int, int]]:
     """``(record, output index, node output nr)`` of the live module calls ``node`` produced."""
-    return [e for e in node.metadata.get(_METADATA, ()) if e[0].args is not None]
+    entries = node.metadata.get(_METADATA)
+    if entries is None:  # (most nodes of a walk: no list made for them)
+        return []
+    return [e for e in entries if e[0].args is not None]
 
 
 class Record:

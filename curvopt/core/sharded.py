@@ -35,12 +35,21 @@ try:
 except ImportError:  # a torch built without torch.distributed: no FSDP2 to map
     FSDPModule = DTensor = TrainingState = None
 
-__all__ = ["Gathered", "is_sharded", "sharded_index", "tied_gathered"]
+__all__ = ["Gathered", "any_fully_sharded", "is_sharded", "sharded_index", "tied_gathered"]
 
 
 def is_sharded(p: torch.Tensor) -> bool:
     """Whether ``p`` is a ``DTensor`` (FSDP2's sharded parameters are)."""
     return DTensor is not None and isinstance(p, DTensor)
+
+
+def any_fully_sharded() -> bool:
+    """Whether a ``fully_shard``-ed module can exist in this process: ``fully_shard`` gives a
+    module a class of its own derived from ``FSDPModule``, so where ``FSDPModule`` has no
+    subclass alive no module is one, and the walks of a model's modules that look for them
+    (:func:`sharded_index`, :func:`tied_gathered`, :meth:`Gathered.hold`) would find none.
+    (Once ``fully_shard`` ran in the process its classes stay: the walks run.)"""
+    return FSDPModule is not None and bool(FSDPModule.__subclasses__())
 
 
 def _param_groups(module: nn.Module) -> list:
@@ -55,7 +64,7 @@ def _param_groups(module: nn.Module) -> list:
 
 def _fsdp_params(models: Iterable[nn.Module]):
     """The ``FSDPParam``\\ s of the ``fully_shard``-ed modules of ``models``."""
-    if FSDPModule is None:
+    if not any_fully_sharded():
         return
     for model in models:
         for module in model.modules():
@@ -134,7 +143,7 @@ class Gathered:
 
     def hold(self, models: Iterable[nn.Module]) -> None:
         """Gather the ``fully_shard``-ed modules of ``models`` not held yet."""
-        if FSDPModule is None:
+        if not any_fully_sharded():
             return
         for model in models:
             for module in model.modules():

@@ -46,6 +46,7 @@ from curvopt.core.records import (
 from curvopt.core.calls import output_tensors
 from curvopt.core.state import STATE, SUSPENDED
 from curvopt.autograd.torch_internals import current_graph_task_id, drop_empty_tensor_hooks
+from curvopt.autograd.torch_internals import hook_gradient
 
 __all__ = ["extend", "unextend", "is_extended", "Record"]
 
@@ -94,7 +95,7 @@ def _module_forward_hook(entry: ModuleEntry, module, args, kwargs, output):
     for tap in entry.taps:
         tap.called(record)
     if len(anchors) == 1:
-        anchors[0].register_hook(module_hook(record))
+        hook_gradient(anchors[0], module_hook(record))
     else:
         register_multi_grad_hook(anchors, module_hook(record, several=True), mode="all")
 

@@ -22,7 +22,7 @@ then) and never writes a result itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -37,13 +37,13 @@ class LossEvent:
     abort: Callable[[], None]
 
 
-@dataclass(frozen=True)
-class ModuleEvent:
+class ModuleEvent(NamedTuple):
     """A module call's output gradients ``grads`` (batch first) arrived: ``record`` the call's
     ``core.records.Record``, ``params`` the ``(name, p)`` of its module this pass accumulates
     into; ``curvature``: the pass computes curvature and this call's gradient belongs to its own
     autograd task (inside a re-run checkpoint, torch's nested backward is checked at the
-    checkpoint's node instead)."""
+    checkpoint's node instead). One per module call: a named tuple, made in half the time of a
+    frozen dataclass."""
 
     record: object
     grads: tuple

@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from curvopt.autograd.torch_internals import any_autocast_enabled
 from curvopt.errors import MissingLossError, batch_mismatch, reduction_none_error
 
 _NO_OP = contextlib.nullcontext()
@@ -17,7 +18,7 @@ _NO_OP = contextlib.nullcontext()
 def autocast_off() -> contextlib.AbstractContextManager:
     """Autocast disabled while curvopt computes (a backward pass run inside ``autocast`` would
     otherwise compute the quantities in whatever dtype each op's autocast policy picks)."""
-    if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+    if not any_autocast_enabled():  # (the usual case: one read)
         return _NO_OP
     stack = contextlib.ExitStack()
     for device in ("cpu", "cuda"):

@@ -120,9 +120,10 @@ def rule_for(module: nn.Module) -> "LayerRule":
     ):
         return _REPARAMETRIZED[0]
     klass = type(module)
-    if klass not in _RESOLVED:
-        _RESOLVED[klass] = _resolve(klass)
-    return _RESOLVED[klass]
+    rule = _RESOLVED.get(klass)  # (one lookup: ``in`` then ``[]`` makes two weak references)
+    if rule is None:
+        rule = _RESOLVED[klass] = _resolve(klass)
+    return rule
 
 
 def _registered(klass: type) -> Optional["LayerRule"]:
