@@ -324,11 +324,16 @@ def _steps(rank: Rank, model, opt, steps: range) -> list:
     return after
 
 
+def optimizer_key() -> str:
+    """The checkpoint's item of this rank's optimizer state (each rank keeps its own part)."""
+    return f"optimizer_rank{dist.get_rank()}"
+
+
 def save_checkpoint(model, opt, path: str) -> None:
     """The recipe of docs/distributed.md#fsdp2: the model's sharded state (DTensors, each rank
-    its shard) and the optimizer's own ``state_dict`` (whole, the same on every rank: one
-    item, written once) saved by ``torch.distributed.checkpoint``."""
-    state = {**get_model_state_dict(model), "optimizer": opt.state_dict()}
+    its shard) and the optimizer's own ``state_dict`` (each rank's part: its layers' state and
+    its rows of momentum; one item per rank) saved by ``torch.distributed.checkpoint``."""
+    state = {**get_model_state_dict(model), optimizer_key(): opt.state_dict()}
     # (flattening would rebuild the optimizer's dict without its empty dicts)
     planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     dcp.save(state, checkpoint_id=path, planner=planner)
@@ -337,11 +342,11 @@ def save_checkpoint(model, opt, path: str) -> None:
 def load_checkpoint(model, opt, path: str) -> None:
     """The counterpart of :func:`save_checkpoint`, into a model sharded as the saved one and an
     optimizer made as it was (the same parameters, in the same order)."""
-    state = {**get_model_state_dict(model), "optimizer": {}}
+    state = {**get_model_state_dict(model), optimizer_key(): {}}
     # (flattening would copy the dict, and load the optimizer's item into the copy)
     planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     dcp.load(state, checkpoint_id=path, planner=planner)
-    optimizer_state = state.pop("optimizer")
+    optimizer_state = state.pop(optimizer_key())
     set_model_state_dict(model, state)
     opt.load_state_dict(optimizer_state)
 

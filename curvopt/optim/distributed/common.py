@@ -29,6 +29,8 @@ class CommStats:
     inversion_s: float = 0.0  # ... and the time they took
     received: int = 0  # ... received from other ranks
     broadcast_wait_s: float = 0.0  # time blocked waiting for the other ranks' inverses
+    alltoall_bytes: int = 0  # FSDP2: rows sent to their owners and directions' rows back
+    alltoall_calls: int = 0
 
     def reset(self) -> None:
         for name, value in CommStats().__dict__.items():
