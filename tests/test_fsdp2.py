@@ -37,7 +37,9 @@ import curvopt
 from curvopt import extensions as ext
 from curvopt.core.sharded import sharded_index
 from curvopt.optim import EKFAC, KFAC, DiagGGNNewton, VarianceAdaptedSGD
+from curvopt.optim.distributed import state_nbytes
 from curvopt.optim.distributed.fsdp import local_rows
+from curvopt.optim.distributed.owners import owners_of
 from distributed_harness import run_rank, spawn_ranks
 from fixtures.zoo import Block
 
@@ -269,7 +271,24 @@ def _optimizer(rank: Rank, name: str, optimizer: str) -> dict:
     deviations["tied_step"] = (
         float((reference.tok.weight - start["tok.weight"]).abs().max()) if name == "gpt" else 0.0
     )
-    return {**deviations, "first_step": first}
+    state = {**_state_layout(rank, model, opt), "one_process": state_nbytes(opt_reference.state)}
+    return {**deviations, "first_step": first, "state": state}
+
+
+def _state_layout(rank: Rank, model, opt) -> dict:
+    """What this rank's optimizer state holds of each parameter (its keys, the shape of its
+    momentum, its shard's shape), the owner ``owners_of`` names, and the bytes held."""
+    params = list(model.parameters())
+    layout = {
+        "owners": owners_of(params, rank.world),
+        "keys": [sorted(opt.state.get(p, {})) for p in params],
+        "momentum": [list(opt.state.get(p, {}).get("momentum", torch.zeros(0)).shape) for p in params],
+        "shard": [list(p.to_local().shape) for p in params],
+        "bytes": state_nbytes(opt.state),
+    }
+    total = torch.tensor([layout["bytes"]], dtype=torch.int64)
+    dist.all_reduce(total)
+    return {**layout, "bytes_all_ranks": int(total)}
 
 
 def _two_dimensional_mesh(rank: Rank) -> str:
@@ -501,8 +520,38 @@ def test_steps_under_fsdp2_equal_one_process_on_the_concatenated_batch(ranks, op
     for result in ranks:
         found = result[f"{optimizer}_{name}"]
         assert isinstance(found, dict), found
-        found.pop("tied_step")
+        found = dict(found)  # (its state layout is read by another test)
+        found.pop("tied_step"), found.pop("state")
         assert max(found.values()) <= TOL, found
+
+
+#: the optimizers whose state each layer's owner keeps alone (EKFAC's bases: on every rank)
+OWNED = ("diag_ggn", "kfac", "kfac_exact_damping")
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt"])
+@pytest.mark.parametrize("optimizer", OWNED)
+def test_each_rank_keeps_only_its_own_layers_curvature_under_fsdp2(ranks, optimizer, name):
+    """After the steps above (equal to one process): each parameter's curvature, its inverses
+    and derived entries are in the state of exactly its owner (``owners_of``, balanced by
+    ``Σ dim³``); every other rank keeps only the owner's number and its rows of momentum
+    (shaped as its shard). So the ranks' state adds up to one process's, and each rank holds
+    less than one process."""
+    world = len(ranks)
+    for rank, result in enumerate(ranks):
+        layout = result[f"{optimizer}_{name}"]["state"]
+        for owner, keys, momentum, shard in zip(
+            layout["owners"], layout["keys"], layout["momentum"], layout["shard"]
+        ):
+            if owner == rank:
+                assert "curvature" in keys and "curvature_owner" not in keys, keys
+            else:
+                assert set(keys) <= {"curvature_owner", "momentum"}, keys
+            if "momentum" in keys:
+                assert momentum == shard, (momentum, shard)
+        assert len(set(layout["owners"])) == min(world, len(layout["owners"]))
+        assert layout["bytes_all_ranks"] == layout["one_process"], layout
+        assert layout["bytes"] < layout["one_process"], layout
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
@@ -515,7 +564,8 @@ def test_gpt_with_a_tied_head_under_fsdp2(ranks, optimizer):
     for result in ranks:
         found = result[f"{optimizer}_gpt"]
         assert isinstance(found, dict), found
-        step = found.pop("tied_step")
+        found = dict(found)  # (its state layout is read by another test)
+        step, _ = found.pop("tied_step"), found.pop("state")
         assert step > 1e-6, step  # the tied weight moved
         assert found.pop("first_step") <= TOL, found
         assert max(found.values()) <= tolerance, found

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from curvopt.optim.distributed.assignment import Job, assign_owners, inversion_cost
 from curvopt.optim.distributed.averaging import Averaging, Target, draw_seed, rank_rng
-from curvopt.optim.distributed.common import CommStats, control
+from curvopt.optim.distributed.common import CommStats, control, state_nbytes
 from curvopt.optim.distributed.spreading import Spreading
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "inversion_cost",
     "rank_rng",
     "resolve",
+    "state_nbytes",
 ]
 
 
