@@ -391,11 +391,45 @@ def _resumed(rank: Rank, optimizer: str) -> dict:
     load_checkpoint(fresh, opt_fresh, path)
     resumed = _steps(rank, fresh, opt_fresh, range(SAVED_AT, RESUMED_UNTIL))
     pairs = [(a, b) for run, again in zip(uninterrupted, resumed) for a, b in zip(run, again)]
+    other = opt.state_dict()  # this rank's part, loaded as if there were twice as many ranks
+    other["fsdp_ranks"] = {**other["fsdp_ranks"], "world_size": 2 * rank.world}
+    with pytest.raises(ValueError, match="as many FSDP2 ranks as saved it") as refused:
+        opt_fresh.load_state_dict(other)
     return {
         "deviation": max(_deviation(a, b) for a, b in pairs),
         "bitwise": all(torch.equal(a, b) for a, b in pairs),
         "steps": [s["step"] for s in opt_fresh.state_dict()["group_state"]],
+        "other_world": str(refused.value),
     }
+
+
+def _failure(rank: Rank) -> dict:
+    """A singular factor without damping under FSDP2: its owner's inversion fails, and every
+    rank raises ``LinAlgError`` with nothing changed; a damped step on the same ranks follows."""
+    model = curvopt.extend(build("mlp"))
+    shard(model, "mlp")
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    first, *rest = model.parameters()  # the first layer's weight alone undamped
+    groups = [{"params": [first], "damping": 0.0}, {"params": rest}]
+    opt = KFAC(groups, lr=0.3, damping=1e-2, curvature="kflr")
+    X, y = batch("mlp")
+    X = X.clone()
+    X[:, 0] = 0  # the input factor of the first layer is singular: no inverse without damping
+    X_mine, y_mine = rank.mine(X, y)
+    with opt.collect():
+        lossfunc(model(X_mine), y_mine).backward()
+    with pytest.raises(torch.linalg.LinAlgError) as error:
+        opt.step()
+    unchanged = all(torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))
+    opt.param_groups[0]["damping"] = 1e-2
+    opt.zero_grad()
+    with opt.collect():
+        lossfunc(model(X_mine), y_mine).backward()
+    opt.step()
+    moved = not any(torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))
+    owners = owners_of(list(model.parameters()), rank.world)
+    return {"message": str(error.value), "unchanged": unchanged, "moved": moved, "owner": owners[0]}
 
 
 #: the optimizers that refuse sharded parameters
@@ -427,6 +461,7 @@ def scenarios(rank: Rank) -> dict:
         "two_dimensional_mesh": _two_dimensional_mesh(rank),
         **{n: _refused(rank, n) for n in REFUSED},
     }
+    out["failure"] = _failure(rank)
     for order in ("before", "after"):
         out[f"quantities_{order}"] = _quantities(rank, order)
     out["tied_reductions"] = _tied_reductions(rank)
@@ -489,10 +524,12 @@ def test_a_run_resumed_from_a_dcp_checkpoint_takes_the_same_steps_bit_for_bit(ra
     inverses' refresh at step 20 included) equal the uninterrupted run's bit for bit."""
     if f"resumed_{optimizer}" not in ranks[0]:
         pytest.skip("the resumed runs are checked with 2 ranks")
-    for result in ranks:
+    for rank, result in enumerate(ranks):
         found = result[f"resumed_{optimizer}"]
         assert found["bitwise"] and found["deviation"] == 0.0, found
         assert found["steps"] == [RESUMED_UNTIL], found
+        # each rank's part of the state: loaded with as many ranks as saved it, else refused
+        assert f"rank {rank} of {2 * len(ranks)} under FSDP2" in found["other_world"], found
 
 
 def test_a_two_dimensional_mesh_raises_naming_the_fix_and_changes_nothing(ranks):
@@ -500,6 +537,19 @@ def test_a_two_dimensional_mesh_raises_naming_the_fix_and_changes_nothing(ranks)
         message = result["two_dimensional_mesh"]
         assert "one-dimensional mesh" in message and "Apply fully_shard over one" in message
         assert "(parameters changed)" not in message
+
+
+def test_a_failed_inversion_on_its_owner_raises_on_every_rank_and_changes_nothing(ranks):
+    """The first layer's singular factor fails on its owner only; every rank raises
+    ``LinAlgError`` (the owner its own, naming the parameter; the others naming the owner),
+    nothing is changed, and a damped step on the same ranks then moves every parameter."""
+    for rank, result in enumerate(ranks):
+        found = result["failure"]
+        if rank == found["owner"]:
+            assert "parameter #0" in found["message"], found
+        else:
+            assert f"failed on rank {found['owner']}" in found["message"], found
+        assert found["unchanged"] and found["moved"], found
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
