@@ -14,31 +14,95 @@ K gloo ranks on this machine and stepped by ``KFAC`` (KFLR, momentum) and ``Diag
 (every rank the whole state, the same optimizer with ``_owned_state = False``). K = 1 is one
 process on the unsharded model. Run::
 
-    OMP_NUM_THREADS=1 python benchmarks/fsdp_memory.py            # the table of docs/distributed.md
-    OMP_NUM_THREADS=1 python benchmarks/fsdp_memory.py --models gpt --ranks 4
+    OMP_NUM_THREADS=1 python -m benchmarks.fsdp_memory     # the table of docs/distributed.md
+    OMP_NUM_THREADS=1 python -m benchmarks.fsdp_memory --models gpt --ranks 4
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import resource
-import sys
 import tempfile
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.fsdp import fully_shard
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the tests' models and rank harness
-
-import curvopt  # noqa: E402
-from curvopt.optim import KFAC, DiagGGNNewton  # noqa: E402
-from curvopt.optim.distributed import state_nbytes  # noqa: E402
-import test_fsdp2 as cases  # noqa: E402
-from distributed_harness import run_rank, spawn_ranks  # noqa: E402
+import curvopt
+from curvopt.optim import KFAC, DiagGGNNewton
+from curvopt.optim.distributed import state_nbytes
+from fixtures.zoo import Block
 
 STEPS = 3
+N = 8  # the global batch
+DT = torch.float64
+
+
+class TwoBlockGPT(nn.Module):
+    """Token and position embeddings, two causal blocks, a final LayerNorm and a head tied to
+    the token embedding (``tests/test_fsdp2.py``'s GPT)."""
+
+    def __init__(self, vocab=7, d=8, heads=2, t_max=4):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(t_max, d)
+        self.blocks = nn.Sequential(*(Block(d, heads, causal=True) for _ in range(2)))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        h = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        return self.head(self.ln_f(self.blocks(h))).flatten(0, 1)
+
+
+#: the GPTs' vocabulary, width, heads and tokens
+GPTS = {"gpt": (7, 8, 2, 4), "wide": (512, 128, 4, 16)}
+
+
+def model_of(name: str) -> nn.Module:
+    """The model ``name`` from seed 0 (the tests' MLP, CNN and GPT, and the wide GPT)."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 5)).to(DT)
+    if name == "cnn":
+        layers = (nn.Conv2d(2, 5, 3), nn.ReLU(), nn.Flatten(), nn.Linear(5 * 2 * 2, 3))
+        return nn.Sequential(*layers).to(DT)
+    vocab, d, heads, t_max = GPTS[name]
+    return TwoBlockGPT(vocab, d, heads, t_max).to(DT)
+
+
+def batch_of(name: str, rank: int, world: int):
+    """The rank's shard of the global batch of ``name``."""
+    g = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        X, y = torch.randn(N, 6, generator=g, dtype=DT), torch.randint(0, 5, (N,), generator=g)
+    elif name == "cnn":
+        X = torch.randn(N, 2, 4, 4, generator=g, dtype=DT)
+        y = torch.randint(0, 3, (N,), generator=g)
+    else:
+        vocab, _, _, t_max = GPTS[name]
+        tokens = torch.randint(0, vocab, (N, t_max + 1), generator=g)
+        X, y = tokens[:, :-1], tokens[:, 1:]
+    n = N // world
+    X, y = X[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+    return X, y.reshape(-1)
+
+
+def shard(model: nn.Module, name: str) -> None:
+    """``fully_shard`` as the tests apply it: per layer (the GPT: per block) and the root."""
+    if name == "mlp":
+        fully_shard(model[0])
+    elif name == "cnn":
+        fully_shard(model[0])
+        fully_shard(model[3])
+    else:
+        for block in model.blocks:
+            fully_shard(block)
+    fully_shard(model)
 
 
 class WholeKFAC(KFAC):
@@ -59,29 +123,15 @@ OPTIMIZERS = {
 }
 
 
-def model_of(name: str) -> torch.nn.Module:
-    if name != "wide":
-        return cases.build(name)
-    torch.manual_seed(0)
-    return cases.TwoBlockGPT(vocab=512, d=128, heads=4, t_max=16).to(cases.DT)
-
-
-def batch_of(name: str):
-    if name != "wide":
-        return cases.batch(name)
-    tokens = torch.randint(0, 512, (cases.N, 17), generator=torch.Generator().manual_seed(1))
-    return tokens[:, :-1], tokens[:, 1:].reshape(-1)
-
-
 def measure(rank: int, world: int, name: str, optimizer: str, layout: str) -> dict:
     """One rank's figures for one configuration (K = 1: one process, unsharded)."""
     owned, whole, options = OPTIMIZERS[optimizer]
     make = owned if layout == "owned" else whole
     model = curvopt.extend(model_of(name))
     if world > 1:
-        cases.shard(model, "gpt" if name == "wide" else name)
-    lossfunc = curvopt.extend(torch.nn.CrossEntropyLoss())
-    X, y = cases.Rank(rank, world).mine(*batch_of(name))
+        shard(model, name)
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    X, y = batch_of(name, rank, world)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     opt = make(model.parameters(), momentum=0.5, **options)
     for _ in range(STEPS):
@@ -99,20 +149,30 @@ def measure(rank: int, world: int, name: str, optimizer: str, layout: str) -> di
 
 
 def run(world: int, name: str, optimizer: str, layout: str) -> list[dict]:
-    """The figures of every rank (K = 1 in this process's child, as the others)."""
+    """The figures of every rank of one configuration, each rank a fresh process."""
     with tempfile.TemporaryDirectory() as outdir:
-        return spawn_ranks(world, outdir, _Worker((name, optimizer, layout)))
+        config = (name, optimizer, layout)
+        mp.spawn(_rank, args=(world, outdir, config), nprocs=world, join=True)
+        found = []
+        for rank in range(world):
+            with open(os.path.join(outdir, f"rank{rank}.json")) as f:
+                found.append(json.load(f))
+        return found
 
 
-class _Worker:
-    """A rank of one configuration (picklable for ``torch.multiprocessing.spawn``)."""
-
-    def __init__(self, config):
-        self.config = config
-
-    def __call__(self, rank, world, outdir):
-        torch.set_num_threads(1)
-        run_rank(rank, world, outdir, lambda r, k: measure(r, k, *self.config))
+def _rank(rank: int, world: int, outdir: str, config) -> None:
+    """One rank: join through a ``FileStore``, measure, write its figures, meet the others
+    and leave without tearing gloo down (``os._exit``, as the tests' ranks do)."""
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(outdir, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    found = measure(rank, world, *config)
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(found, f)
+    dist.barrier()
+    store.set(f"left{rank}", "1")
+    store.wait([f"left{r}" for r in range(world)])
+    os._exit(0)
 
 
 def kib(n: float) -> str:
