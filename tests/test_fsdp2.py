@@ -282,7 +282,9 @@ def _state_layout(rank: Rank, model, opt) -> dict:
     layout = {
         "owners": owners_of(params, rank.world),
         "keys": [sorted(opt.state.get(p, {})) for p in params],
-        "momentum": [list(opt.state.get(p, {}).get("momentum", torch.zeros(0)).shape) for p in params],
+        "momentum": [
+            list(opt.state.get(p, {}).get("momentum", torch.zeros(0)).shape) for p in params
+        ],
         "shard": [list(p.to_local().shape) for p in params],
         "bytes": state_nbytes(opt.state),
     }

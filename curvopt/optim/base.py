@@ -477,7 +477,7 @@ class CurvatureOptimizer(Optimizer):
                 f"{type(self).__name__}.load_state_dict: this state was saved as the part of "
                 f"{_layout_text(saved)}, but this optimizer keeps the part of "
                 f"{_layout_text(layout)}. Load each rank's own state_dict with as many FSDP2 "
-                "ranks as saved it (docs/distributed.md#checkpoints-with-torchdistributedcheckpoint)."
+                "ranks as saved it (docs/distributed.md, FSDP2 checkpoints)."
             )
         if group_state is None or len(group_state) != len(state_dict["param_groups"]):
             raise ValueError(

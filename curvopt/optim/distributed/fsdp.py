@@ -240,9 +240,17 @@ class FullView:
             for index, p in enumerate(group["params"])
             if is_sharded(p)
         ]
+        component = opt._distributed
         for _, _, p in found:
             _shard_dim(p)  # a placement it can step, else it raises now
-        component = opt._distributed
+            mesh = p.device_mesh
+            if (mesh.size(), mesh.get_local_rank()) != (component.world_size, component.rank):
+                raise NotImplementedError(
+                    f"a parameter of shape {tuple(p.shape)} is sharded over {mesh.size()} ranks "
+                    f"(this one rank {mesh.get_local_rank()}), the optimizer's process group "
+                    f"has {component.world_size} (this one rank {component.rank}). Give the "
+                    "optimizer the process group fully_shard shards over (process_group=)."
+                )
         params = [p for _, _, p in found]
         owners = owners_of(params, component.world_size)
         stepped = [i for i, p in enumerate(params) if p.grad is not None]
