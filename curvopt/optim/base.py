@@ -413,8 +413,8 @@ class CurvatureOptimizer(Optimizer):
             self._distributed.ensure(self._requests()[1])
         self._normed = []
         sharded = any(is_sharded(p) for group in self.param_groups for p in group["params"])
-        owned = self._distributed is not None and self._owns_state()
-        view = self._view.of(self, owned) if sharded else contextlib.nullcontext()
+        layout = self._sharded_layout() if self._distributed is not None else "whole"
+        view = self._view.of(self, layout) if sharded else contextlib.nullcontext()
         with view:  # FSDP2: the whole parameters' step, applied to the shards
             plans = [
                 self._plan_group(group, group_state, with_model=bool(due))
@@ -441,16 +441,18 @@ class CurvatureOptimizer(Optimizer):
             self._adapt(due, actual, sum(predicted for _, predicted in plans))
         return loss
 
-    def _owns_state(self) -> bool:
-        """Whether, under FSDP2, each sharded parameter's state is kept by one owner rank
-        (``optim.distributed.fsdp``) rather than whole on every rank (default: whole)."""
-        return False
+    def _sharded_layout(self) -> str:
+        """Under FSDP2, where a sharded parameter's state lives (``optim.distributed.fsdp``):
+        ``"whole"`` on every rank (default), ``"owned"`` by one owner rank (the rows of
+        element-wise buffers on every rank) or ``"rows"`` (an element-wise step: each rank
+        its rows of everything)."""
+        return "whole"
 
     def _owner_layout(self) -> dict[str, int] | None:
-        """``{"world_size", "rank"}`` when the state is kept by owners under FSDP2 (each rank
-        then holds its own part: its layers' state, its rows of momentum), else None."""
+        """``{"world_size", "rank"}`` when each rank keeps its own part of the state under FSDP2
+        (its layers' state, its rows of momentum: :meth:`_sharded_layout`), else None."""
         params = [p for group in self.param_groups for p in group["params"]]
-        if self._distributed is None or not self._owns_state():
+        if self._distributed is None or self._sharded_layout() == "whole":
             return None
         if not any(is_sharded(p) for p in params):
             return None

@@ -125,7 +125,7 @@ class NewtonOptimizer(CurvatureOptimizer):
     """
 
     _distributable = True
-    #: under FSDP2, keep each layer's state on its owner rank only (:meth:`_owns_state`)
+    #: under FSDP2, keep each layer's state on its owner rank only (:meth:`_sharded_layout`)
     _owned_state = True
     #: the chain of stages this class runs (a constructor argument ``stages=`` replaces it)
     stages: ClassVar[Chain] = NEWTON
@@ -372,17 +372,19 @@ class NewtonOptimizer(CurvatureOptimizer):
         total, count = self._distributed.sum(local)
         return total / count if count else 0.0
 
-    def _owns_state(self) -> bool:
+    def _sharded_layout(self) -> str:
         """Under FSDP2 each sharded parameter's curvature, inverses and direction are its owner
-        rank's (``optim.distributed.fsdp``), unless a group's step needs the whole step
-        everywhere: adaptive damping (``sᵀCs`` over the group), ``orthogonalize`` (after
-        momentum, not element-wise) or ``schedule_free`` (``opt.eval`` swaps whole state)."""
-        return self._owned_state and all(
+        rank's (``"owned"``, ``optim.distributed.fsdp``), unless a group's step needs the whole
+        step everywhere (``"whole"``): adaptive damping (``sᵀCs`` over the group),
+        ``orthogonalize`` (after momentum, not element-wise) or ``schedule_free``
+        (``opt.eval`` swaps whole state)."""
+        owned = self._owned_state and all(
             not self._damping(group, state)[0].adaptive
             and not group["orthogonalize"]
             and group["schedule_free"] is None
             for group, state in zip(self.param_groups, self._group_state)
         )
+        return "owned" if owned else "whole"
 
     def _curvature_scale(self, curvature: Any) -> torch.Tensor:
         """``tr(C)/dim(C)``, the mean eigenvalue of ``curvature`` (a diagonal: its mean)."""

@@ -20,7 +20,7 @@ Every rank computes the same whole step, so each shard moves exactly as the sing
 step on the concatenated batch would move its rows. The cost: an all-gather of every parameter
 and gradient per step, and the whole parameters, gradients and optimizer state on every rank.
 
-**State kept by owners** (``FullView.of(optimizer, owned=True)``: ``KFAC``, ``DiagGGNNewton``,
+**State kept by owners** (``FullView.of(optimizer, "owned")``: ``KFAC``, ``DiagGGNNewton``,
 :mod:`.owners`): each sharded parameter has one owner rank. Only the owner gets the whole
 stand-in (its rows gathered by one all-to-all, :func:`~.owners.to_owners`), reads the averaged
 curvature, keeps it (its EMA, inverses) and computes the whole direction; the other ranks step
@@ -30,6 +30,9 @@ all-to-all); the stages after it are element-wise (momentum, kept as the rank's 
 learning rate) or sum over the rows and all-reduce the scalar (the trust region's ``gᵀd``).
 A failure on one rank (a failed inversion, a non-finite value) is raised on every rank
 (:meth:`FullView.agreeing`, :func:`exchange`). See ``docs/distributed.md#fsdp2``.
+**Rows** (``FullView.of(optimizer, "rows")``: ``VarianceAdaptedSGD``, whose step is
+element-wise): every rank steps a stand-in of its shard, reads its rows of the averaged
+quantities (:meth:`FullView.rows_of`) and keeps its rows of the state; nothing is gathered.
 One-dimensional meshes (``fully_shard`` over one group) only.
 """
 
@@ -52,18 +55,7 @@ try:
 except ImportError:  # a torch built without torch.distributed
     Shard = None
 
-__all__ = ["FullView", "Rows", "exchange", "local_rows", "refuse_sharded"]
-
-
-def refuse_sharded(optimizer: str, params, why: str) -> None:
-    """Raise ``NotImplementedError`` where ``params`` hold an FSDP2-sharded parameter, for an
-    optimizer (``optimizer``, its name) that does not run under ``fully_shard`` (``why``)."""
-    if any(is_sharded(p) for p in params):
-        raise NotImplementedError(
-            f"{optimizer} does not run under FSDP2 (fully_shard) yet: {why}. Use KFAC, EKFAC "
-            f"or DiagGGNNewton with fully_shard, or {optimizer} under DistributedDataParallel "
-            "(docs/distributed.md)."
-        )
+__all__ = ["FullView", "Rows", "exchange", "local_rows"]
 
 
 def _shard_dim(p: torch.Tensor) -> int:
@@ -127,7 +119,7 @@ def local_rows(p: torch.Tensor, whole: torch.Tensor, leading: int = 0) -> torch.
 
 @dataclass
 class Rows:
-    """A sharded parameter whose state one rank keeps (``FullView.of(..., owned=True)``)."""
+    """A sharded parameter stepped as rows (``FullView.of(..., "owned" or "rows")``)."""
 
     #: the sharded ``DTensor`` parameter (the optimizer's state is keyed by it between steps)
     sharded: torch.Tensor
@@ -155,11 +147,12 @@ class FullView:
         return self._origin.get(id(param), param)
 
     def rows(self, param: torch.Tensor) -> Rows | None:
-        """The :class:`Rows` of a stand-in while the view is open with owned state, else None."""
+        """The :class:`Rows` of a stand-in while the view is open as ``"owned"`` or ``"rows"``,
+        else None."""
         return self._rows.get(id(param))
 
     def remote(self, param: torch.Tensor) -> bool:
-        """Whether another rank keeps the state of the stand-in ``param`` (owned state)."""
+        """Whether another rank keeps the state of the stand-in ``param`` (``"owned"``)."""
         rows = self._rows.get(id(param))
         return rows is not None and not rows.mine
 
@@ -171,15 +164,30 @@ class FullView:
         sharded = self.sharded(param)
         return torch.empty(sharded.shape, dtype=sharded.dtype, device="meta")
 
+    def rows_of(self, param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        """The rank's rows of a quantity ``whole`` of the stand-in ``param`` (shaped like the
+        sharded parameter) while the view is open with :class:`Rows`, else ``whole``."""
+        rows = self._rows.get(id(param))
+        if rows is None:
+            return whole
+        return rows_of(rows.sharded, whole, self._distributed.rank)
+
     @contextlib.contextmanager
-    def of(self, optimizer, owned: bool = False):
-        """While open, each sharded parameter of ``optimizer``'s groups is replaced by its
-        whole stand-in; on a clean exit each rank copies its rows of the stand-in into its
-        shard. With ``owned`` (``optimizer._distributed`` set) only the parameter's owner gets
-        the whole stand-in, the others one of their shard (:class:`Rows`), stepped in place.
+    def of(self, optimizer, layout: str = "whole"):
+        """While open, each sharded parameter of ``optimizer``'s groups is replaced by a
+        stand-in. ``layout`` (``optimizer._distributed`` set for the last two):
+
+        * ``"whole"``: a whole stand-in on every rank; on a clean exit each rank copies its
+          rows of it into its shard;
+        * ``"owned"``: a whole stand-in on the parameter's owner only, on the other ranks one
+          of their shard (:class:`Rows`), stepped in place;
+        * ``"rows"``: on every rank a stand-in of its shard, stepped in place.
+
         Without sharded parameters nothing changes."""
-        if owned:
+        if layout == "owned":
             self._enter_owned(optimizer)
+        elif layout == "rows":
+            self._enter_rows(optimizer)
         else:
             self._enter(optimizer)
         try:
@@ -232,6 +240,24 @@ class FullView:
                 _carry(p, whole)
                 self._put(opt, group, index, p, whole, None)
 
+    @staticmethod
+    def _checked(opt):
+        """``opt``'s ``DistributedCurvature``, once every sharded parameter is sharded along
+        one dim over its process group (else ``NotImplementedError`` naming the fix)."""
+        component = opt._distributed
+        for group in opt.param_groups:
+            for p in filter(is_sharded, group["params"]):
+                _shard_dim(p)  # a placement it can step, else it raises now
+                mesh = p.device_mesh
+                if (mesh.size(), mesh.get_local_rank()) != (component.world_size, component.rank):
+                    raise NotImplementedError(
+                        f"a parameter of shape {tuple(p.shape)} is sharded over {mesh.size()} "
+                        f"ranks (this one rank {mesh.get_local_rank()}), the optimizer's process "
+                        f"group has {component.world_size} (this one rank {component.rank}). "
+                        "Give the optimizer the group fully_shard shards over (process_group=)."
+                    )
+        return component
+
     @torch.no_grad()
     def _enter_owned(self, opt) -> None:
         found = [
@@ -240,17 +266,7 @@ class FullView:
             for index, p in enumerate(group["params"])
             if is_sharded(p)
         ]
-        component = opt._distributed
-        for _, _, p in found:
-            _shard_dim(p)  # a placement it can step, else it raises now
-            mesh = p.device_mesh
-            if (mesh.size(), mesh.get_local_rank()) != (component.world_size, component.rank):
-                raise NotImplementedError(
-                    f"a parameter of shape {tuple(p.shape)} is sharded over {mesh.size()} ranks "
-                    f"(this one rank {mesh.get_local_rank()}), the optimizer's process group "
-                    f"has {component.world_size} (this one rank {component.rank}). Give the "
-                    "optimizer the process group fully_shard shards over (process_group=)."
-                )
+        component = self._checked(opt)
         params = [p for _, _, p in found]
         owners = owners_of(params, component.world_size)
         stepped = [i for i, p in enumerate(params) if p.grad is not None]
@@ -264,10 +280,7 @@ class FullView:
                 whole_of.setdefault(i, []).append(tensor)
         self._distributed = component
         for i, (group, index, p) in enumerate(found):
-            local = nn.Parameter(p.to_local(), requires_grad=p.requires_grad)
-            if p.grad is not None:
-                local.grad = p.grad.to_local()
-            _carry(p, local)
+            local = self._local(p)
             rows = Rows(p, owners[i], owners[i] == component.rank, local)
             stand_in = local
             if rows.mine and i in whole_of:
@@ -278,6 +291,28 @@ class FullView:
             self._origin[id(local)] = p
             self._rows[id(local)] = self._rows[id(stand_in)] = rows
             self._put(opt, group, index, p, stand_in, rows)
+
+    @torch.no_grad()
+    def _enter_rows(self, opt) -> None:
+        component = self._checked(opt)
+        self._distributed = component
+        for group in opt.param_groups:
+            for index, p in enumerate(group["params"]):
+                if is_sharded(p):
+                    local = self._local(p)
+                    rows = Rows(p, component.rank, True, local)
+                    self._rows[id(local)] = rows
+                    self._put(opt, group, index, p, local, rows)
+
+    @staticmethod
+    def _local(p: torch.Tensor) -> nn.Parameter:
+        """A plain parameter sharing the memory of ``p``'s shard, with its gradient's shard
+        and ``p``'s quantities."""
+        local = nn.Parameter(p.to_local(), requires_grad=p.requires_grad)
+        if p.grad is not None:
+            local.grad = p.grad.to_local()
+        _carry(p, local)
+        return local
 
     def _put(self, opt, group, index, p, stand_in, rows) -> None:
         _move(opt, p, stand_in)
