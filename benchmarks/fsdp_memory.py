@@ -185,14 +185,18 @@ def main() -> None:
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS))
     parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     args = parser.parse_args()
-    print("| model | optimizer | K | layout | state per rank (max) | ratio to K = 1 "
-          "| peak RSS growth per rank (max) | all-to-all sent per rank and step (max) |")
+    print(
+        "| model | optimizer | K | layout | state per rank (max) | ratio to K = 1 "
+        "| peak RSS growth per rank (max) | all-to-all sent per rank and step (max) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name in args.models:
         for optimizer in args.optimizers:
             single = run(1, name, optimizer, "whole")[0]
-            print(f"| {name} | {optimizer} | 1 | – | {kib(single['state'])} | 1.00 "
-                  f"| {kib(single['peak_rss'])} | – |")
+            print(
+                f"| {name} | {optimizer} | 1 | – | {kib(single['state'])} | 1.00 "
+                f"| {kib(single['peak_rss'])} | – |"
+            )
             for world in args.ranks:
                 for layout in ("whole", "owned"):
                     found = run(world, name, optimizer, layout)
