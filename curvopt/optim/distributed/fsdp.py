@@ -5,7 +5,12 @@ Under ``torch.distributed.fsdp.fully_shard`` the optimizer holds sharded ``DTens
 average, the rank's rows). The curvature a backward pass writes on them is whole (the rank's
 samples, the full shape: ``curvopt.core.sharded``) and is averaged over the ranks as under DDP
 (:mod:`.averaging`). A Kronecker direction ``B⁻¹ G A⁻¹`` mixes every row of ``G``, so for
-the step :class:`FullView` puts a whole stand-in in each sharded parameter's place:
+the step :class:`FullView` puts a stand-in in each sharded parameter's place, in one of three
+layouts (the optimizer's ``_sharded_layout``).
+
+**Whole** (``FullView.of(optimizer, "whole")``: ``EKFAC``, whose every pass needs every
+layer's bases on every rank, and groups with adaptive damping, ``orthogonalize`` or
+``schedule_free``):
 
 1. **gather**: the parameter and its gradient are all-gathered (``DTensor.full_tensor``) into
    a plain ``nn.Parameter``, which carries the parameter's quantities (the same objects), its
@@ -22,14 +27,16 @@ and gradient per step, and the whole parameters, gradients and optimizer state o
 
 **State kept by owners** (``FullView.of(optimizer, "owned")``: ``KFAC``, ``DiagGGNNewton``,
 :mod:`.owners`): each sharded parameter has one owner rank. Only the owner gets the whole
-stand-in (its rows gathered by one all-to-all, :func:`~.owners.to_owners`), reads the averaged
-curvature, keeps it (its EMA, inverses) and computes the whole direction; the other ranks step
-a stand-in of their shard (:class:`Rows`: it shares the shard's memory). After the
+stand-in (its rows and its gradient's gathered by all-to-alls, :func:`~.owners.to_owners`),
+reads the averaged curvature, keeps it (its EMA, inverses) and computes the whole direction;
+the other ranks step a stand-in of their shard (:class:`Rows`: it shares the shard's memory).
+After the
 preconditioning stage :func:`exchange` sends each rank its rows of every direction (one
 all-to-all); the stages after it are element-wise (momentum, kept as the rank's rows, and the
 learning rate) or sum over the rows and all-reduce the scalar (the trust region's ``gᵀd``).
 A failure on one rank (a failed inversion, a non-finite value) is raised on every rank
 (:meth:`FullView.agreeing`, :func:`exchange`). See ``docs/distributed.md#fsdp2``.
+
 **Rows** (``FullView.of(optimizer, "rows")``: ``VarianceAdaptedSGD``, whose step is
 element-wise): every rank steps a stand-in of its shard, reads its rows of the averaged
 quantities (:meth:`FullView.rows_of`) and keeps its rows of the state; nothing is gathered.
@@ -43,9 +50,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-
 import torch.distributed as dist
+from torch import nn
 
 from curvopt.core.sharded import is_sharded
 from curvopt.optim.distributed.owners import from_owners, owners_of, rows_of, to_owners
