@@ -4,7 +4,10 @@
 below in float64 on its shard of one global batch, computes the single-process reference itself
 (the same seeded model, unsharded), and writes the largest deviations to a JSON file that the
 tests read. With 4 ranks the layers' rows do not divide evenly (10 rows: 3, 3, 3, 1; 5 rows:
-2, 2, 1, 0), so FSDP2's padded and empty shards are covered.
+2, 2, 1, 0), so FSDP2's padded and empty shards are covered. Each rank also reports what its
+optimizer state holds, so that the tests check that every layer's curvature is kept by its
+owner rank alone (``KFAC``, ``DiagGGNNewton``) and that the ranks' states add up to one
+process's.
 
 Teardown (a rank's process used to die of SIGABRT, "terminate called without an active
 exception", at the interpreter's exit after ``destroy_process_group``): every rank frees its
