@@ -11,9 +11,10 @@ or without it, spawning the ranks on this machine's CPUs (gloo)::
 The model is sharded (``fully_shard`` on each block and on the root), then extended; the
 optimizer holds the sharded ``DTensor`` parameters. Each step the backward pass writes the
 Kronecker factors of the rank's samples on them, ``opt.step()`` averages the factors over the
-ranks, computes each inverse on one rank, and applies the step of the whole parameter to the
-rank's rows (``docs/distributed.md#fsdp2``). Rank 0 prints the loss of the global batch and, at
-the end, the bytes each rank holds: its parameter shard and the optimizer's state.
+ranks; each layer's owner rank keeps its factors and inverses and computes its whole direction,
+and every rank applies its rows of each direction to its shard (``docs/distributed.md#fsdp2``).
+Rank 0 prints the loss of the global batch and, at the end, the bytes each rank holds: its
+parameter shard and its part of the optimizer's state.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch.distributed.fsdp import fully_shard
 
 import curvopt
 from curvopt.optim import KFAC
+from curvopt.optim.distributed import state_nbytes
 
 BATCH = 64  # the global batch, split evenly over the ranks
 #: the optimizer's options (KFLR: exact factors, the same on every rank's average)
@@ -53,16 +55,10 @@ def global_batch(step: int):
     return X, (X @ teacher).argmax(1)
 
 
-def tensor_bytes(value) -> int:
-    """Bytes of the tensors in a nested state value."""
-    if isinstance(value, torch.Tensor):
-        local = value.to_local() if hasattr(value, "to_local") else value
-        return local.numel() * local.element_size()
-    if isinstance(value, dict):
-        return sum(tensor_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(tensor_bytes(v) for v in value)
-    return 0
+def shard_bytes(p: torch.Tensor) -> int:
+    """Bytes of the rank's shard of a parameter."""
+    local = p.to_local() if hasattr(p, "to_local") else p
+    return local.numel() * local.element_size()
 
 
 def train(steps: int) -> None:
@@ -89,8 +85,8 @@ def train(steps: int) -> None:
         dist.all_reduce(mean)
         if rank == 0 and (step % 5 == 0 or step == steps - 1):
             print(f"step {step:3d}  loss {float(mean) / world:.4f}")
-    shard = sum(tensor_bytes(p) for p in model.parameters())
-    state = sum(tensor_bytes(s) for s in opt.state.values())
+    shard = sum(shard_bytes(p) for p in model.parameters())
+    state = state_nbytes(opt.state)
     sizes = torch.tensor([shard, state], dtype=torch.float64)
     everyone = [torch.zeros_like(sizes) for _ in range(world)]
     dist.all_gather(everyone, sizes)

@@ -4,7 +4,10 @@
 below in float64 on its shard of one global batch, computes the single-process reference itself
 (the same seeded model, unsharded), and writes the largest deviations to a JSON file that the
 tests read. With 4 ranks the layers' rows do not divide evenly (10 rows: 3, 3, 3, 1; 5 rows:
-2, 2, 1, 0), so FSDP2's padded and empty shards are covered.
+2, 2, 1, 0), so FSDP2's padded and empty shards are covered. Each rank also reports what its
+optimizer state holds, so that the tests check that every layer's curvature is kept by its
+owner rank alone (``KFAC``, ``DiagGGNNewton``) and that the ranks' states add up to one
+process's.
 
 Teardown (a rank's process used to die of SIGABRT, "terminate called without an active
 exception", at the interpreter's exit after ``destroy_process_group``): every rank frees its
@@ -37,7 +40,9 @@ import curvopt
 from curvopt import extensions as ext
 from curvopt.core.sharded import sharded_index
 from curvopt.optim import EKFAC, KFAC, DiagGGNNewton, VarianceAdaptedSGD
+from curvopt.optim.distributed import state_nbytes
 from curvopt.optim.distributed.fsdp import local_rows
+from curvopt.optim.distributed.owners import owners_of
 from distributed_harness import run_rank, spawn_ranks
 from fixtures.zoo import Block
 
@@ -269,7 +274,26 @@ def _optimizer(rank: Rank, name: str, optimizer: str) -> dict:
     deviations["tied_step"] = (
         float((reference.tok.weight - start["tok.weight"]).abs().max()) if name == "gpt" else 0.0
     )
-    return {**deviations, "first_step": first}
+    state = {**_state_layout(rank, model, opt), "one_process": state_nbytes(opt_reference.state)}
+    return {**deviations, "first_step": first, "state": state}
+
+
+def _state_layout(rank: Rank, model, opt) -> dict:
+    """What this rank's optimizer state holds of each parameter (its keys, the shape of its
+    momentum, its shard's shape), the owner ``owners_of`` names, and the bytes held."""
+    params = list(model.parameters())
+    layout = {
+        "owners": owners_of(params, rank.world),
+        "keys": [sorted(opt.state.get(p, {})) for p in params],
+        "momentum": [
+            list(opt.state.get(p, {}).get("momentum", torch.zeros(0)).shape) for p in params
+        ],
+        "shard": [list(p.to_local().shape) for p in params],
+        "bytes": state_nbytes(opt.state),
+    }
+    total = torch.tensor([layout["bytes"]], dtype=torch.int64)
+    dist.all_reduce(total)
+    return {**layout, "bytes_all_ranks": int(total)}
 
 
 def _two_dimensional_mesh(rank: Rank) -> str:
@@ -291,11 +315,19 @@ def _two_dimensional_mesh(rank: Rank) -> str:
     return str(error.value) + ("" if unchanged else " (parameters changed)")
 
 
-#: resumed runs: the relative damping (its scale frozen at each refresh), the inverses cached
-#: for ``curvature_interval=None`` (10) steps, the factors' EMA, momentum
+#: resumed runs: ``KFAC`` with the relative damping (its scale frozen at the first refresh,
+#: summed over the owners), ``DiagGGNNewton`` with the default (``s`` read at each refresh), the
+#: inverses cached for ``curvature_interval=10`` steps, the factors' EMA, momentum
 RESUMED = {
     "kfac": lambda params: KFAC(
-        params, lr=0.1, curvature="kflr", curvature_ema=0.9, momentum=0.5, kl_clip=None
+        params,
+        lr=0.1,
+        curvature="kflr",
+        curvature_ema=0.9,
+        momentum=0.5,
+        kl_clip=None,
+        relative_damping=0.03,
+        curvature_interval=10,
     ),
     "diag_ggn": lambda params: DiagGGNNewton(
         params, lr=0.1, curvature="exact", curvature_ema=0.9, momentum=0.5
@@ -324,11 +356,16 @@ def _steps(rank: Rank, model, opt, steps: range) -> list:
     return after
 
 
+def optimizer_key() -> str:
+    """The checkpoint's item of this rank's optimizer state (each rank keeps its own part)."""
+    return f"optimizer_rank{dist.get_rank()}"
+
+
 def save_checkpoint(model, opt, path: str) -> None:
     """The recipe of docs/distributed.md#fsdp2: the model's sharded state (DTensors, each rank
-    its shard) and the optimizer's own ``state_dict`` (whole, the same on every rank: one
-    item, written once) saved by ``torch.distributed.checkpoint``."""
-    state = {**get_model_state_dict(model), "optimizer": opt.state_dict()}
+    its shard) and the optimizer's own ``state_dict`` (each rank's part: its layers' state and
+    its rows of momentum; one item per rank) saved by ``torch.distributed.checkpoint``."""
+    state = {**get_model_state_dict(model), optimizer_key(): opt.state_dict()}
     # (flattening would rebuild the optimizer's dict without its empty dicts)
     planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     dcp.save(state, checkpoint_id=path, planner=planner)
@@ -337,11 +374,11 @@ def save_checkpoint(model, opt, path: str) -> None:
 def load_checkpoint(model, opt, path: str) -> None:
     """The counterpart of :func:`save_checkpoint`, into a model sharded as the saved one and an
     optimizer made as it was (the same parameters, in the same order)."""
-    state = {**get_model_state_dict(model), "optimizer": {}}
+    state = {**get_model_state_dict(model), optimizer_key(): {}}
     # (flattening would copy the dict, and load the optimizer's item into the copy)
     planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     dcp.load(state, checkpoint_id=path, planner=planner)
-    optimizer_state = state.pop("optimizer")
+    optimizer_state = state.pop(optimizer_key())
     set_model_state_dict(model, state)
     opt.load_state_dict(optimizer_state)
 
@@ -367,42 +404,98 @@ def _resumed(rank: Rank, optimizer: str) -> dict:
     load_checkpoint(fresh, opt_fresh, path)
     resumed = _steps(rank, fresh, opt_fresh, range(SAVED_AT, RESUMED_UNTIL))
     pairs = [(a, b) for run, again in zip(uninterrupted, resumed) for a, b in zip(run, again)]
+    other = opt.state_dict()  # this rank's part, loaded as if there were twice as many ranks
+    other["fsdp_ranks"] = {**other["fsdp_ranks"], "world_size": 2 * rank.world}
+    with pytest.raises(ValueError, match="as many FSDP2 ranks as saved it") as refused:
+        opt_fresh.load_state_dict(other)
     return {
         "deviation": max(_deviation(a, b) for a, b in pairs),
         "bitwise": all(torch.equal(a, b) for a, b in pairs),
         "steps": [s["step"] for s in opt_fresh.state_dict()["group_state"]],
+        "other_world": str(refused.value),
     }
 
 
-#: the optimizers that refuse sharded parameters
-REFUSED = {
-    "VarianceAdaptedSGD": lambda params: VarianceAdaptedSGD(params, lr=0.2),
-}
-
-
-def _refused(rank: Rank, name: str) -> str:
-    """VarianceAdaptedSGD under FSDP2: it raises before any pass on every rank
-    (where it arms its collection); the error's text."""
-    model = build("mlp")
-    curvopt.extend(model)
+def _failure(rank: Rank) -> dict:
+    """A singular factor without damping under FSDP2: its owner's inversion fails, and every
+    rank raises ``LinAlgError`` with nothing changed; a damped step on the same ranks follows."""
+    model = curvopt.extend(build("mlp"))
     shard(model, "mlp")
     before = [p.full_tensor().clone() for p in model.parameters()]
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
-    X, y = rank.mine(*batch("mlp"))
-    with pytest.raises(NotImplementedError) as error:
-        opt = REFUSED[name](model.parameters())
-        with opt.collect():
-            lossfunc(model(X), y).backward()
+    first, *rest = model.parameters()  # the first layer's weight alone undamped
+    groups = [{"params": [first], "damping": 0.0}, {"params": rest}]
+    opt = KFAC(groups, lr=0.3, damping=1e-2, curvature="kflr")
+    X, y = batch("mlp")
+    X = X.clone()
+    X[:, 0] = 0  # the input factor of the first layer is singular: no inverse without damping
+    X_mine, y_mine = rank.mine(X, y)
+    with opt.collect():
+        lossfunc(model(X_mine), y_mine).backward()
+    with pytest.raises(torch.linalg.LinAlgError) as error:
         opt.step()
     unchanged = all(torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))
-    return str(error.value) + ("" if unchanged else " (parameters changed)")
+    opt.param_groups[0]["damping"] = 1e-2
+    opt.zero_grad()
+    with opt.collect():
+        lossfunc(model(X_mine), y_mine).backward()
+    opt.step()
+    moved = not any(torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))
+    owners = owners_of(list(model.parameters()), rank.world)
+    return {"message": str(error.value), "unchanged": unchanged, "moved": moved, "owner": owners[0]}
+
+
+#: ``VarianceAdaptedSGD``'s cases: the model, and the largest norm ``clip_grad_norm_`` leaves
+#: (None: no clipping; 0.05 clips every step here)
+VARIANCE_CASES = {"mlp": None, "cnn": None, "gpt": None, "mlp_clipped": 0.05}
+
+
+def _variance_adapted(rank: Rank, case: str) -> dict:
+    """``VarianceAdaptedSGD`` (momentum, weight decay) under FSDP2, two steps, against one
+    process on the concatenated batch: each rank steps its rows with its rows of the averaged
+    ``Σ g²`` and of FSDP2's gradient. With ``clip_grad_norm_`` on the sharded gradients (a
+    rescaling it recognises) and on the reference's."""
+    name, clip = case.split("_")[0], VARIANCE_CASES[case]
+    reference, model = build(name), build(name)
+    curvopt.extend(model)
+    shard(model, name)
+    curvopt.extend(reference)
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    options = {"lr": 0.2, "momentum": 0.5, "weight_decay": 1e-3}
+    opt = VarianceAdaptedSGD(model.parameters(), **options)
+    opt_reference = VarianceAdaptedSGD(reference.parameters(), **options, process_group=False)
+    X, y = batch(name)
+    X_mine, y_mine = rank.mine(X, y)
+    norms = []
+    for _ in range(2):
+        for net, o, inputs, targets in (
+            (model, opt, X_mine, y_mine),
+            (reference, opt_reference, X, y),
+        ):
+            o.zero_grad()
+            with o.collect():
+                lossfunc(net(inputs), targets).backward()
+            if clip is not None:
+                norms.append(float(nn.utils.clip_grad_norm_(net.parameters(), clip)))
+            o.step()
+    params = list(model.parameters())
+    shapes = [list(opt.state[p]["exp_avg"].shape) == list(p.to_local().shape) for p in params]
+    return {
+        "deviation": max(
+            float((p.full_tensor() - q).detach().abs().max())
+            for p, q in zip(params, reference.parameters())
+        ),
+        "rows_of_momentum": all(shapes),
+        "clipped": min(norms) > clip if clip is not None else None,
+    }
 
 
 def scenarios(rank: Rank) -> dict:
     out = {
         "two_dimensional_mesh": _two_dimensional_mesh(rank),
-        **{n: _refused(rank, n) for n in REFUSED},
+        **{f"variance_{c}": _variance_adapted(rank, c) for c in VARIANCE_CASES},
     }
+    out["failure"] = _failure(rank)
     for order in ("before", "after"):
         out[f"quantities_{order}"] = _quantities(rank, order)
     out["tied_reductions"] = _tied_reductions(rank)
@@ -465,10 +558,12 @@ def test_a_run_resumed_from_a_dcp_checkpoint_takes_the_same_steps_bit_for_bit(ra
     inverses' refresh at step 20 included) equal the uninterrupted run's bit for bit."""
     if f"resumed_{optimizer}" not in ranks[0]:
         pytest.skip("the resumed runs are checked with 2 ranks")
-    for result in ranks:
+    for rank, result in enumerate(ranks):
         found = result[f"resumed_{optimizer}"]
         assert found["bitwise"] and found["deviation"] == 0.0, found
         assert found["steps"] == [RESUMED_UNTIL], found
+        # each rank's part of the state: loaded with as many ranks as saved it, else refused
+        assert f"rank {rank} of {2 * len(ranks)} under FSDP2" in found["other_world"], found
 
 
 def test_a_two_dimensional_mesh_raises_naming_the_fix_and_changes_nothing(ranks):
@@ -478,13 +573,30 @@ def test_a_two_dimensional_mesh_raises_naming_the_fix_and_changes_nothing(ranks)
         assert "(parameters changed)" not in message
 
 
-@pytest.mark.parametrize("name", sorted(REFUSED))
-def test_vsgd_under_fsdp2_raises_naming_what_runs_and_changes_nothing(ranks, name):
+def test_a_failed_inversion_on_its_owner_raises_on_every_rank_and_changes_nothing(ranks):
+    """The first layer's singular factor fails on its owner only; every rank raises
+    ``LinAlgError`` (the owner its own, naming the parameter; the others naming the owner),
+    nothing is changed, and a damped step on the same ranks then moves every parameter."""
+    for rank, result in enumerate(ranks):
+        found = result["failure"]
+        if rank == found["owner"]:
+            assert "parameter #0" in found["message"], found
+        else:
+            assert f"failed on rank {found['owner']}" in found["message"], found
+        assert found["unchanged"] and found["moved"], found
+
+
+@pytest.mark.parametrize("case", sorted(VARIANCE_CASES))
+def test_variance_adapted_sgd_under_fsdp2_equals_one_process(ranks, case):
+    """``VarianceAdaptedSGD`` (momentum, weight decay), two steps, every rank its rows: equal
+    to one process on the concatenated batch to 1e-12 (MLP, CNN, the tied GPT; with
+    ``clip_grad_norm_`` clipping the sharded gradients at every step), ``exp_avg`` kept as
+    the rank's rows."""
     for result in ranks:
-        message = result[name]
-        assert f"{name} does not run under FSDP2" in message
-        assert "KFAC, EKFAC or DiagGGNNewton" in message
-        assert "(parameters changed)" not in message
+        found = result[f"variance_{case}"]
+        assert found["deviation"] <= TOL, found
+        assert found["rows_of_momentum"], found
+        assert found["clipped"] in (None, True), found
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
@@ -496,8 +608,38 @@ def test_steps_under_fsdp2_equal_one_process_on_the_concatenated_batch(ranks, op
     for result in ranks:
         found = result[f"{optimizer}_{name}"]
         assert isinstance(found, dict), found
-        found.pop("tied_step")
+        found = dict(found)  # (its state layout is read by another test)
+        found.pop("tied_step"), found.pop("state")
         assert max(found.values()) <= TOL, found
+
+
+#: the optimizers whose state each layer's owner keeps alone (EKFAC's bases: on every rank)
+OWNED = ("diag_ggn", "kfac", "kfac_exact_damping")
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt"])
+@pytest.mark.parametrize("optimizer", OWNED)
+def test_each_rank_keeps_only_its_own_layers_curvature_under_fsdp2(ranks, optimizer, name):
+    """After the steps above (equal to one process): each parameter's curvature, its inverses
+    and derived entries are in the state of exactly its owner (``owners_of``, balanced by
+    ``Σ dim³``); every other rank keeps only the owner's number and its rows of momentum
+    (shaped as its shard). So the ranks' state adds up to one process's, and each rank holds
+    less than one process."""
+    world = len(ranks)
+    for rank, result in enumerate(ranks):
+        layout = result[f"{optimizer}_{name}"]["state"]
+        for owner, keys, momentum, shard in zip(
+            layout["owners"], layout["keys"], layout["momentum"], layout["shard"]
+        ):
+            if owner == rank:
+                assert "curvature" in keys and "curvature_owner" not in keys, keys
+            else:
+                assert set(keys) <= {"curvature_owner", "momentum"}, keys
+            if "momentum" in keys:
+                assert momentum == shard, (momentum, shard)
+        assert len(set(layout["owners"])) == min(world, len(layout["owners"]))
+        assert layout["bytes_all_ranks"] == layout["one_process"], layout
+        assert layout["bytes"] < layout["one_process"], layout
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
@@ -510,7 +652,8 @@ def test_gpt_with_a_tied_head_under_fsdp2(ranks, optimizer):
     for result in ranks:
         found = result[f"{optimizer}_gpt"]
         assert isinstance(found, dict), found
-        step = found.pop("tied_step")
+        found = dict(found)  # (its state layout is read by another test)
+        step, _ = found.pop("tied_step"), found.pop("state")
         assert step > 1e-6, step  # the tied weight moved
         assert found.pop("first_step") <= TOL, found
         assert max(found.values()) <= tolerance, found

@@ -300,7 +300,7 @@ class CurvatureOptimizer(Optimizer):
         grads = [p.grad for p in stale]
         norms = _norms(grads, 2)
         self._normed.append((grads, norms))
-        zero = _all_zero(grads, norms)
+        zero = self._view.agreed(_all_zero(grads, norms))  # FSDP2: each rank its part
         return unused | {id(p) for p, z in zip(stale, zero) if z}
 
     def _read(self, update: ParamUpdate, attr: str, extension: str, fallback: str | None) -> Any:
@@ -336,7 +336,9 @@ class CurvatureOptimizer(Optimizer):
                 "`with opt.collect():` (or use `opt.step(closure)`) before every step"
             )
         update.consumed[attr] = value
-        if self._distributed is not None:  # launched for the sharded parameter (FSDP2)
+        if self._distributed is not None and self._view.remote(param):
+            self._distributed.discard(self._view.sharded(param), attr)  # its owner averages it
+        elif self._distributed is not None:  # launched for the sharded parameter (FSDP2)
             value = self._distributed.averaged(self._view.sharded(param), attr, value)
         return values.unscaled(extensions.quantity(attr), value, self._loss_scale.values)
 
@@ -424,14 +426,16 @@ class CurvatureOptimizer(Optimizer):
             self._distributed.ensure(self._requests()[1])
         self._normed = []
         sharded = any(is_sharded(p) for group in self.param_groups for p in group["params"])
-        view = self._view.of(self) if sharded else contextlib.nullcontext()
+        layout = self._sharded_layout() if self._distributed is not None else "whole"
+        view = self._view.of(self, layout) if sharded else contextlib.nullcontext()
         with view:  # FSDP2: the whole parameters' step, applied to the shards
             plans = [
                 self._plan_group(group, group_state, with_model=bool(due))
                 for group, group_state in zip(self.param_groups, self._group_state)
             ]
             updates = [u for group_updates, _ in plans for u in group_updates]
-            check_finite(updates, f"{type(self).__name__}: ", self._remedy, self._normed)
+            with self._view.agreeing():  # FSDP2, owned state: raised on every rank
+                check_finite(updates, f"{type(self).__name__}: ", self._remedy, self._normed)
             decay_change = regularizer_change(self.param_groups, plans) if due else 0.0
             if updates:  # θ ← θ − Δ, every parameter by one foreach call (element-wise: same bits)
                 torch._foreach_sub_([u.param for u in updates], [u.delta for u in updates])
@@ -450,16 +454,46 @@ class CurvatureOptimizer(Optimizer):
             self._adapt(due, actual, sum(predicted for _, predicted in plans))
         return loss
 
+    def _sharded_layout(self) -> str:
+        """Under FSDP2, where a sharded parameter's state lives (``optim.distributed.fsdp``):
+        ``"whole"`` on every rank (default), ``"owned"`` by one owner rank (the rows of
+        element-wise buffers on every rank) or ``"rows"`` (an element-wise step: each rank
+        its rows of everything)."""
+        return "whole"
+
+    def _owner_layout(self) -> dict[str, int] | None:
+        """``{"world_size", "rank"}`` when each rank keeps its own part of the state under FSDP2
+        (its layers' state, its rows of momentum: :meth:`_sharded_layout`), else None."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        if self._distributed is None or self._sharded_layout() == "whole":
+            return None
+        if not any(is_sharded(p) for p in params):
+            return None
+        return {"world_size": self._distributed.world_size, "rank": self._distributed.rank}
+
     # ----------------------------------------------------------------- saving
     def state_dict(self) -> dict[str, Any]:
-        """As in ``torch.optim``, plus ``"group_state"``: step counters and damping state."""
+        """As in ``torch.optim``, plus ``"group_state"``: step counters and damping state;
+        under FSDP2 with the state kept by owners, ``"fsdp_ranks"``: the rank whose part it
+        is, and of how many (:meth:`_owner_layout`)."""
         state_dict = super().state_dict()
         state_dict["group_state"] = copy.deepcopy(self._group_state)
+        layout = self._owner_layout()
+        if layout is not None:
+            state_dict["fsdp_ranks"] = layout
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         group_state = state_dict.pop("group_state", None)
+        saved, layout = state_dict.pop("fsdp_ranks", None), self._owner_layout()
+        if saved != layout and (saved is not None or state_dict.get("state")):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: this state was saved as the part of "
+                f"{_layout_text(saved)}, but this optimizer keeps the part of "
+                f"{_layout_text(layout)}. Load each rank's own state_dict with as many FSDP2 "
+                "ranks as saved it (docs/distributed.md, FSDP2 checkpoints)."
+            )
         if group_state is None or len(group_state) != len(state_dict["param_groups"]):
             raise ValueError(
                 f"this state_dict was not saved by {type(self).__name__}.state_dict() (it has no "
@@ -486,6 +520,12 @@ class CurvatureOptimizer(Optimizer):
         self.__dict__.setdefault("_view", FullView())
         self.__dict__.setdefault("_normed", [])
         self._arm(mode)
+
+
+def _layout_text(layout: dict[str, int] | None) -> str:
+    if layout is None:
+        return "a whole optimizer (one process, DDP, or FSDP2 with the state on every rank)"
+    return f"rank {layout['rank']} of {layout['world_size']} under FSDP2"
 
 
 def _left_unread(value, used) -> bool:

@@ -213,6 +213,9 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
     """
 
     Options = EKFACOptions
+    #: under FSDP2 every rank's pass rotates its samples' gradients into every layer's bases,
+    #: so the bases (and with them the step) stay whole on every rank (docs/distributed.md)
+    _owned_state = False
 
     # ----------------------------------------------------------------- what to collect
     def _extension(self, group):

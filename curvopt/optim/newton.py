@@ -135,6 +135,8 @@ class NewtonOptimizer(CurvatureOptimizer):
     """
 
     _distributable = True
+    #: under FSDP2, keep each layer's state on its owner rank only (:meth:`_sharded_layout`)
+    _owned_state = True
     #: the chain of stages this class runs (a constructor argument ``stages=`` replaces it)
     stages: ClassVar[Chain] = NEWTON
     _KEYWORDS: ClassVar[dict[str, Any]] = {**CurvatureOptimizer._KEYWORDS, "stages": None}
@@ -294,7 +296,7 @@ class NewtonOptimizer(CurvatureOptimizer):
         """No stored curvature and no fallback that steps it without one (``"sgd"``, or a
         ``"diagonal"`` already kept): must be read at the next step, due or not."""
         state, fallback = self.state.get(param, {}), group["fallback"]
-        if "curvature" in state or fallback == "sgd":
+        if "curvature" in state or "curvature_owner" in state or fallback == "sgd":
             return False
         return fallback is None or "fallback_diagonal" not in state
 
@@ -321,9 +323,12 @@ class NewtonOptimizer(CurvatureOptimizer):
             update.checks.append(("gradient", param.grad))
             curvature = state.get("curvature"), state.get("curvature_step")
             item = ParamStep(update, self._grad(param), state, *curvature)
+            item.rows = self._view.rows(param)  # FSDP2, owned state: its owner and rows
             if due or self._lacks_curvature(group, param):
                 item.fresh = self._read_curvature(update, group, attr, extension)
-                if item.fresh is not None:  # in use from this step on (the EMA stage averages)
+                if self._view.remote(param):  # checked here, kept by its owner
+                    item.fresh = None
+                elif item.fresh is not None:  # in use from this step on (the EMA stage averages)
                     item.curvature, item.curvature_step = item.fresh, step.step
                 elif item.curvature is None:  # stepped by the fallback: announced once
                     name = path_of(param) or update.description
@@ -355,7 +360,12 @@ class NewtonOptimizer(CurvatureOptimizer):
         curvature that collapses once the batches are fit."""
         scale = group_state.get("curvature_scale")
         curvatures = [item.curvature for item in step.params if item.curvature is not None]
-        if scale is None and curvatures:
+        sharded = any(item.rows is not None for item in step.params)
+        if scale is None and sharded:  # FSDP2, owned state: each rank its layers' part
+            found = self._scale_over_ranks(step)
+            if found > 0:
+                scale = group_state["curvature_scale"] = found
+        elif scale is None and curvatures:
             device = _device(curvatures[0])
             scales = [self._curvature_scale(c).to(device, torch.float64) for c in curvatures]
             found = float(torch.stack(scales).mean())
@@ -374,6 +384,34 @@ class NewtonOptimizer(CurvatureOptimizer):
             if found > 0:
                 group_state["reduction_scale"] = found
         return group_state.get("reduction_scale", 1.0)
+
+    def _scale_over_ranks(self, step: GroupStep) -> float:
+        """The mean of :meth:`_curvature_scale` over the group's curvatures when each rank
+        holds those of its own layers (FSDP2, owned state), the parameters replicated on every
+        rank counted on rank 0: one all-reduce of ``[Σ, count]`` (0.0 for none)."""
+        first = self._distributed.rank == 0
+        curvatures = [
+            item.curvature
+            for item in step.params
+            if item.curvature is not None and (item.rows is not None or first)
+        ]
+        local = [float(sum(float(self._curvature_scale(c)) for c in curvatures)), len(curvatures)]
+        total, count = self._distributed.sum(local)
+        return total / count if count else 0.0
+
+    def _sharded_layout(self) -> str:
+        """Under FSDP2 each sharded parameter's curvature, inverses and direction are its owner
+        rank's (``"owned"``, ``optim.distributed.fsdp``), unless a group's step needs the whole
+        step everywhere (``"whole"``): adaptive damping (``sᵀCs`` over the group),
+        ``orthogonalize`` (after momentum, not element-wise) or ``schedule_free``
+        (``opt.eval`` swaps whole state)."""
+        owned = self._owned_state and all(
+            not self._damping(group, state)[0].adaptive
+            and not group["orthogonalize"]
+            and group["schedule_free"] is None
+            for group, state in zip(self.param_groups, self._group_state)
+        )
+        return "owned" if owned else "whole"
 
     def _curvature_scale(self, curvature: Any) -> torch.Tensor:
         """``tr(C)/dim(C)``, the mean eigenvalue of ``curvature`` (a diagonal: its mean)."""
@@ -395,7 +433,7 @@ class NewtonOptimizer(CurvatureOptimizer):
         if raw is None:
             return None
         try:
-            self._check_curvature(raw, update.param)
+            self._check_curvature(raw, self._view.whole_like(update.param))
         except ValueError as error:
             raise ValueError(f"{update.description}: {error}") from None
         tensors = [raw] if isinstance(raw, torch.Tensor) else list(raw)

@@ -9,7 +9,6 @@ from typing import ClassVar
 import torch
 
 from curvopt.optim.base import CurvatureOptimizer
-from curvopt.optim.distributed.fsdp import refuse_sharded
 from curvopt.optim.options import CurvatureOptions, number, option
 from curvopt.optim.plan import ParamUpdate
 from curvopt.optim.transforms import add_weight_decay
@@ -49,7 +48,10 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
     ``p.sum_grad_squared`` times ``K`` (``SumGradSquared()`` replaces ``Variance()`` there) and
     ``ḡ`` the gradient DDP averaged. The gradients the backward passes left are averaged too
     (as DDP averages them, a second all-reduce of the gradient's size) to recognise a rescaled
-    gradient. All ranks need shards of the same size (else the averaging raises).
+    gradient. All ranks need shards of the same size (else the averaging raises). Under FSDP2
+    (``fully_shard``) each rank steps its rows: its rows of the averaged ``Σ g²``, of FSDP2's
+    averaged gradient (seen after its reduce-scatter, so not averaged again) and of
+    ``exp_avg``.
 
     A gradient rescaled between the backward pass and ``step`` (``clip_grad_norm_``:
     ``p.grad = c · Σ_n g_n``) is the sum of the rescaled per-sample gradients ``c g_n``, whose
@@ -120,9 +122,12 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
             return "variance", "Variance"
         return "sum_grad_squared", "SumGradSquared"
 
+    def _sharded_layout(self) -> str:
+        """Under FSDP2 each rank steps its rows (the step is element-wise): its rows of the
+        averaged ``Σ g²``, of FSDP2's averaged gradient and of ``exp_avg``."""
+        return "rows"
+
     def _needs(self, group, group_state):
-        why = "its variance has not been checked against one process there"
-        refuse_sharded("VarianceAdaptedSGD", group["params"], why)
         return [(self._moment()[0], {}), ("batch_l2", {})]
 
     def _plan_group(self, group, group_state, with_model):
@@ -136,7 +141,7 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
                 continue
             state = self.state.get(param, {})
             update = ParamUpdate(param, self._describe(group, index, param))
-            moment = self._read(update, attr, extension, None)
+            moment = self._view.rows_of(param, self._read(update, attr, extension, None))
             batch_l2 = self._read(update, "batch_l2", "BatchL2Grad", None)
             update.checks += [("gradient", param.grad), (f"`{attr}`", moment)]
             collected, slack = seen.get(param, (None, 0.0))
@@ -166,9 +171,16 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
         ``torch.distributed``: the rank averages of the ranks' own gradients (in one all-reduce
         with their absolute values): DDP's gradient up to the order of the sums, whose rounding
         is at most ``2 K ε`` times the average of the absolute values."""
-        seen = {p: self._collected[p] for p in params if p in self._collected}
+        seen, rows = {}, {}
+        for p in params:
+            found = self._collected.get(self._view.sharded(p))
+            if found is not None and self._view.rows(p) is not None:  # FSDP2: averaged already
+                copy, written, version = found
+                rows[p] = ((copy.to_local(), written, version), 0.0)
+            elif found is not None:
+                seen[p] = found
         if self._distributed is None or not seen:
-            return {p: (c, 0.0) for p, c in seen.items()}
+            return {**rows, **{p: (c, 0.0) for p, c in seen.items()}}
         copies = [c[0] for c in seen.values()]
         averages = self._distributed.average(copies + [c.abs() for c in copies])
         world, count = self._distributed.world_size, len(copies)
@@ -177,7 +189,7 @@ class VarianceAdaptedSGD(CurvatureOptimizer):
             mean, size = averages[i], averages[count + i]
             eps = torch.finfo(mean.dtype).eps if mean.dtype.is_floating_point else 0.0
             result[param] = ((mean, written, version), size * (2 * world * eps))
-        return result
+        return {**rows, **result}
 
     def _variance(self, moment, n: int, param, collected) -> tuple[torch.Tensor, int]:
         """``(σ², N)``: the variance of ``param``'s per-sample gradients and their number. In

@@ -16,7 +16,9 @@ splits the expensive linear algebra between the ranks, in three parts:
 
 :mod:`.common` holds what they share (:class:`CommStats`, flat buffers of nested values).
 :mod:`.fsdp` steps FSDP2's sharded parameters (``fully_shard``): the optimizer plans on whole
-stand-ins (``FullView``), each rank applies its rows (``local_rows``).
+stand-ins (``FullView``), each rank applies its rows (``local_rows``); with the state kept by
+owners (``KFAC``, ``DiagGGNNewton``) each parameter's stand-in is whole on its owner only
+(:mod:`.owners`: who owns what, the all-to-alls of rows).
 Optimizers use it when ``torch.distributed`` is initialized with more than one rank, or when
 given ``process_group=`` (a ``ProcessGroup``, a :class:`DistributedCurvature` for its options,
 or ``False`` to stay rank-local). See ``docs/distributed.md``.
@@ -29,7 +31,7 @@ import torch.distributed as dist
 
 from curvopt.optim.distributed.assignment import Job, assign_owners, inversion_cost
 from curvopt.optim.distributed.averaging import Averaging, Target, draw_seed, rank_rng
-from curvopt.optim.distributed.common import CommStats, control
+from curvopt.optim.distributed.common import CommStats, control, state_nbytes
 from curvopt.optim.distributed.spreading import Spreading
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "inversion_cost",
     "rank_rng",
     "resolve",
+    "state_nbytes",
 ]
 
 
@@ -123,16 +126,24 @@ class DistributedCurvature:
         """See :meth:`Averaging.averaged`."""
         return self.averaging.averaged(param, attr, value)
 
+    def discard(self, param: torch.Tensor, attr: str) -> None:
+        """See :meth:`Averaging.discard`."""
+        self.averaging.discard(param, attr)
+
     def spread(self, jobs: list[Job]) -> list:
         """See :meth:`Spreading.spread`."""
         return self.spreading.spread(jobs)
 
     def mean(self, value: float) -> float:
         """The mean of a Python number over the ranks (e.g. the change of the loss)."""
+        return self.sum([value])[0] / self.world_size
+
+    def sum(self, numbers: list[float]) -> list[float]:
+        """The sums of Python numbers over the ranks (float64; every rank the same list)."""
         device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
-        tensor = torch.tensor([value], dtype=torch.float64, device=device)
+        tensor = torch.tensor(numbers, dtype=torch.float64, device=device)
         control(tensor, self.group, self.stats)
-        return float(tensor.item()) / self.world_size
+        return tensor.tolist()
 
 
 def _restore(bucket_cap_mb: float) -> DistributedCurvature | None:

@@ -188,6 +188,12 @@ class Averaging:
             for bucket, offset, shape in self._all_reduce(tensors)
         ]
 
+    def discard(self, param: torch.Tensor, attr: str) -> None:
+        """Forget the average of ``param.<attr>`` (not read on this rank: FSDP2's owner of the
+        parameter reads it), so that its bucket is freed once the other slots are read."""
+        self._slots.pop((id(param), attr), None)
+        self._averaged.pop((id(param), attr), None)
+
     def averaged(self, param: torch.Tensor, attr: str, value):
         """The rank average of ``value = param.<attr>`` (the same type of value), waiting for
         its bucket; ``value`` itself if it was not launched. The attribute is left as the

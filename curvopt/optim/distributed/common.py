@@ -29,6 +29,8 @@ class CommStats:
     inversion_s: float = 0.0  # ... and the time they took
     received: int = 0  # ... received from other ranks
     broadcast_wait_s: float = 0.0  # time blocked waiting for the other ranks' inverses
+    alltoall_bytes: int = 0  # FSDP2: rows sent to their owners and directions' rows back
+    alltoall_calls: int = 0
 
     def reset(self) -> None:
         for name, value in CommStats().__dict__.items():
@@ -106,3 +108,28 @@ def by_kind(tensors: Sequence[torch.Tensor]) -> dict[tuple, list[int]]:
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def state_nbytes(state) -> int:
+    """Bytes of the tensors an optimizer's ``state`` (``opt.state``, or one parameter's) holds:
+    nested dicts, lists, tuples and objects' attributes, each tensor counted once.
+
+    Example::
+
+        held = state_nbytes(opt.state)   # under FSDP2: this rank's part
+    """
+    seen: set[int] = set()
+
+    def walk(value) -> int:
+        if id(value) in seen:
+            return 0
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            return nbytes(value)
+        if isinstance(value, dict):
+            return sum(walk(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return sum(walk(v) for v in value)
+        return sum(walk(v) for v in getattr(value, "__dict__", {}).values())
+
+    return walk(state)

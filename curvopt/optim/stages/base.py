@@ -61,6 +61,11 @@ class ParamStep:
     #: transformed (``direction``; from the lr stage on ``update.delta``). A stage that keeps
     #: that tensor in a state sets ``own = None`` (as the momentum stage does)
     own: torch.Tensor | None = None
+    #: under FSDP2 with the state kept by owners (``optim.distributed.fsdp.Rows``): the sharded
+    #: parameter, its owner rank and this rank's shard. Up to the preconditioning stage the
+    #: owner's item is whole and another rank's has no curvature; after it (``fsdp.exchange``)
+    #: every rank's item holds its rows (gradient, direction, ``update.param``). None otherwise
+    rows: Any = None
 
     def owns(self, tensor: torch.Tensor | None) -> bool:
         """Whether ``tensor`` is the step's own (:attr:`own`): a stage may change it in place."""

@@ -5,7 +5,9 @@ without. The new state holds ``C`` and the step it is from, and the cached deriv
 
 Under ``torch.distributed`` the derived quantities that are due (``_derived``) are first
 computed each on one rank and broadcast (``DistributedCurvature.spread``), then put into the
-state ``_direction`` reads, where ``cached`` finds them current.
+state ``_direction`` reads, where ``cached`` finds them current. Under FSDP2 with the state kept
+by owners (``ParamStep.rows``) a sharded parameter's owner computes them and its whole
+direction alone, and every rank then receives its rows of it (``distributed.fsdp.exchange``).
 
 The optimizers' ``_directions`` apply their curvature type's ``DampedInverse``
 (``inversion.inverses``; ``inversion.kronecker.KroneckerInverse``), which ``curvopt.linalg``'s
@@ -21,6 +23,7 @@ import torch
 
 from curvopt.optim.plan import cached
 from curvopt.optim.distributed import Job, inversion_cost
+from curvopt.optim.distributed.fsdp import exchange
 from curvopt.optim.stages.base import GroupStep, Stage
 
 
@@ -31,18 +34,35 @@ class Precondition(Stage):
         preconditioner = step.preconditioner
         if preconditioner.distributed is not None:
             _spread_derived(step)
-        curved = []
-        for item in step.params:
-            if item.curvature is None:
-                item.direction, item.update.state = preconditioner.fallback(item, step)
-            else:
-                curved.append(item)
-        for item, (direction, state) in zip(curved, preconditioner.directions(curved, step)):
-            item.direction, item.update.state = direction, state
-            state.update(curvature=item.curvature, curvature_step=item.curvature_step)
+        sharded = any(item.rows is not None for item in step.params)
+        failure = None
+        try:
+            _directions(step)
+        except Exception as error:  # noqa: BLE001 (FSDP2: raised on every rank by the exchange)
+            if not sharded:
+                raise
+            failure = error
+        if sharded:  # FSDP2, owned state: each rank its rows of every direction
+            exchange(step.params, failure, preconditioner.distributed)
         for item in step.params:
             aliased = _aliases(item.direction, item.grad, item.update.param)
             item.own = None if aliased else item.direction
+
+
+def _directions(step: GroupStep) -> None:
+    """The direction and new state of every item this rank computes (all but those of
+    parameters another rank owns under FSDP2)."""
+    preconditioner, curved = step.preconditioner, []
+    for item in step.params:
+        if item.rows is not None and not item.rows.mine:
+            continue  # its owner computes it
+        if item.curvature is None:
+            item.direction, item.update.state = preconditioner.fallback(item, step)
+        else:
+            curved.append(item)
+    for item, (direction, state) in zip(curved, preconditioner.directions(curved, step)):
+        item.direction, item.update.state = direction, state
+        state.update(curvature=item.curvature, curvature_step=item.curvature_step)
 
 
 def _aliases(direction: torch.Tensor, grad: torch.Tensor, param: torch.Tensor) -> bool:
@@ -58,7 +78,7 @@ def _spread_derived(step: GroupStep) -> None:
     """Compute the due derived quantities on their ranks and put them into the items' state."""
     preconditioner, due = step.preconditioner, []  # (item, Derived)
     for item in step.params:
-        if item.curvature is None:
+        if item.curvature is None or item.rows is not None:  # (FSDP2: its owner's own)
             continue
         derived = preconditioner.derived(
             item.curvature, step.group, step.damping, item.curvature_step

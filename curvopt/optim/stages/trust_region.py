@@ -7,7 +7,7 @@ its reduction."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -19,12 +19,18 @@ class ScaleByTrustRegion(Stage):
     identity_at = ("kl_clip", None)
 
     def __call__(self, step: GroupStep) -> None:
-        items = step.params
+        items, total = step.params, None
+        distributed = step.preconditioner.distributed
+        if any(item.rows is not None for item in items):  # FSDP2, owned state: rows per rank
+            # the whole parameters (replicated on every rank) counted once, on rank 0
+            items = [i for i in items if i.rows is not None or distributed.rank == 0]
+            total = distributed.sum
         nu = kl_clip_factor(
             [i.grad for i in items],
             [i.direction for i in items],
             step.group["lr"],
             step.group["kl_clip"] * step.kl_scale,
+            total,
         )
         if nu != 1.0:
             for item in items:
@@ -32,7 +38,11 @@ class ScaleByTrustRegion(Stage):
 
 
 def kl_clip_factor(
-    grads: Iterable[torch.Tensor], directions: Iterable[torch.Tensor], lr: float, kl_clip: float
+    grads: Iterable[torch.Tensor],
+    directions: Iterable[torch.Tensor],
+    lr: float,
+    kl_clip: float,
+    total: Callable[[list[float]], list[float]] | None = None,
 ) -> float:
     """``ν = min(1, sqrt(κ / (lr² Σ g·d)))`` over all pairs ``(g, d)`` of a group.
 
@@ -45,6 +55,8 @@ def kl_clip_factor(
         directions: the preconditioned directions ``d``, shaped as the gradients.
         lr: the learning rate.
         kl_clip: the bound ``κ``.
+        total: where the pairs are parts of the group's (FSDP2: each rank its rows), the sum
+            over the ranks of ``[Σ g·d]`` (``DistributedCurvature.sum``); None: one process.
 
     Returns:
         ``ν`` (a float), 1 when ``Σ g·d ≤ 0`` or ``lr == 0``.
@@ -55,13 +67,16 @@ def kl_clip_factor(
         0.5
     """
     products = [_dot(g, d) for g, d in zip(grads, directions)]
-    if not products:
+    if not products and total is None:
         return 1.0
     # one host sync for the whole group
-    total = float(sum(p.to(products[0].device) for p in products)) * lr**2
-    if not total > 0:
+    found = float(sum(p.to(products[0].device) for p in products)) if products else 0.0
+    if total is not None:
+        found = total([found])[0]
+    squared = found * lr**2
+    if not squared > 0:
         return 1.0
-    return min(1.0, math.sqrt(kl_clip / total))
+    return min(1.0, math.sqrt(kl_clip / squared))
 
 
 def _dot(grad: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
