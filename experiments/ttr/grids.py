@@ -61,9 +61,11 @@ setting and lr 0.01, 0.02 and 0.05 constant (``results/ttr/logs/kfac_newton_schu
 its grid saw those three runs first; on the autoencoder the damping and ``kl_clip`` are
 divided by 784 as KFAC's (below). On FMNIST 2C2D (batch 128) and the ViT (with
 ``fallback="diagonal"`` for the raw tokens, as ``sf_kfac``'s) the same grid, added before any
-run there. Since 2026-12-06 its Newton-Schulz iterations compute in bfloat16, as Muon's
-(``orthogonalize_dtype``; 4-6x faster on the 1000-wide layers with this CPU's bfloat16 units);
-the GPT's and the autoencoder's grids ran again with it (their float32 runs:
+run there. Its Newton-Schulz iterations compute in the faster of bfloat16 and float32 on the
+host (``orthogonalize_dtype="auto"``, measured once per device): bfloat16, as Muon's, on the
+Intel host that ran the committed grids (4-6x faster on the 1000-wide layers with its bfloat16
+units), float32 where bfloat16 products are slower (several times on an AMD EPYC host); the
+GPT's and the autoencoder's grids ran with bfloat16 (their float32 runs:
 ``results/ttr/logs/kfac_ns_float32_*.json``).
 
 ``eigen_adam`` (``curvopt.optim.EigenAdam``: Adam's moments in the eigenbasis of KFAC's
@@ -261,8 +263,8 @@ def _peers_53(**batch_sizes) -> dict[str, tuple[Setting, ...]]:
     }
 
 
-#: Newton-Schulz in bfloat16, as torch.optim.Muon's (``orthogonalize_dtype``)
-NS_BF16 = {"orthogonalize_dtype": "bfloat16"}
+#: Newton-Schulz in the host's faster precision: bfloat16 (as torch.optim.Muon's) or float32
+NS_AUTO = {"orthogonalize_dtype": "auto"}
 
 
 def _kfac_newton_schulz(
@@ -270,10 +272,10 @@ def _kfac_newton_schulz(
 ) -> tuple[Setting, ...]:
     """``kfac_ns``: KFAC's ``practical`` setting with the 16 samples' curvature (its winner on
     the workloads' 2C2D-sized grids; ``options``) and ``orthogonalize=True``, Newton-Schulz in
-    bfloat16 as Muon's (:data:`NS_BF16`); the orthogonalised step's length is the lr's, as
+    the host's faster precision (:data:`NS_AUTO`); the orthogonalised step's length is the lr's, as
     Muon's, so its grid is Muon's: 0.01 and 0.02 constant, 0.02 and 0.05 with warm-up +
     cosine."""
-    return _first_order("kfac_ns", lrs, 0.1, "practical", {**options, **NS_BF16}, **batch_sizes)
+    return _first_order("kfac_ns", lrs, 0.1, "practical", {**options, **NS_AUTO}, **batch_sizes)
 
 
 def _workload(problem: str) -> dict[str, tuple[Setting, ...]]:
