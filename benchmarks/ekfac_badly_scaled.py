@@ -20,11 +20,11 @@ Part 1 (seed 0, one batch of 16 sequences, at this initialisation and at ``zoo.G
   ``|p − y|²`` and of its GGN ``Σ_c p_c (1 − p_c)``.
 
 Part 2 (each seed): ``EKFAC`` with the README settings (``lr=0.05, damping=1e-3,
-basis_interval=5``: the test's; ``--settings defaults``: ``lr=0.05`` alone), 60 steps of batch 16 as the test trains; the loss on the 64
-sequences at the start and the end, with ``S`` as the optimizer computes it (the observed
-targets) and with ``S`` from targets drawn from the model's softmax (the Fisher: the collecting
-backward pass on drawn targets, the step's gradient from a second, uncollected pass on the
-observed ones).
+basis_interval=5``: the test's; ``--settings defaults``: ``lr=0.05`` alone), 60 steps of batch
+16 as the test trains; the loss on the 64 sequences at the start and the end, with ``S`` as the
+optimizer computes it (the observed targets) and with ``S`` from targets drawn from the model's
+softmax (the Fisher: the collecting backward pass on drawn targets, the step's gradient from a
+second, uncollected pass on the observed ones).
 """
 
 from __future__ import annotations
