@@ -8,6 +8,7 @@ switched on later, checkpointing (reentrant or not), a model that was not extend
 
 import copy
 import gc
+import weakref
 
 import pytest
 import torch
@@ -47,6 +48,14 @@ def _data(n=N):
 
 def _extended(plain):
     return curvopt.extend(copy.deepcopy(plain)), curvopt.extend(nn.CrossEntropyLoss())
+
+
+def _collect_if_alive(freed: weakref.ref) -> None:
+    """Makes sure the object behind ``freed`` (its last reference deleted) is gone, so that a
+    fresh one may reuse its ``id``: reference counting frees it at once; the collector (slow on
+    the suite's large heap) runs only if a reference cycle still holds it."""
+    if freed() is not None:
+        gc.collect()
 
 
 def _diag(blocks, p, name):
@@ -206,8 +215,9 @@ def test_fresh_modules_never_share_a_cache_token():
             assert token(module) != seen[id(module)]
             return
         seen[id(module)] = token(module)
+        freed = weakref.ref(module)
         del module
-        gc.collect()
+        _collect_if_alive(freed)
     pytest.fail("no id was reused in 200 fresh modules: the test cannot exercise the reuse")
 
 
@@ -226,8 +236,9 @@ def test_sweep_of_fresh_models_checks_every_model():
                 with curvopt.collect(ext.DiagGGNExact()):
                     loss.backward()
             assert_no_attributes(model)
+        freed = weakref.ref(model)
         del model, lossfunc, out, loss
-        gc.collect()
+        _collect_if_alive(freed)
 
 
 # ------------------------------------------------------------------ item 5: mixup inside the model
@@ -401,8 +412,9 @@ def test_second_extended_loss_switched_on_later(fresh):
     exts = (ext.DiagGGNExact(), ext.DiagHessian(), ext.KFLR())
     for weight in (0.0, 0.5):
         if fresh and weight:
+            freed = weakref.ref(model)
             del model
-            gc.collect()
+            _collect_if_alive(freed)
             model = curvopt.extend(copy.deepcopy(plain))
         clear_attributes(model, ALL_ATTRS)
         h, out = model(x)
