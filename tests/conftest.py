@@ -15,6 +15,8 @@ The references never touch curvopt: they run on a *plain* deep copy of the model
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from typing import Callable, Dict, Sequence, Tuple, Union
 
 import pytest
@@ -347,6 +349,14 @@ def run_second_order(model: nn.Module, lossfunc: Callable, inputs: Inputs, targe
     with curvopt.collect(*extensions):
         loss.backward()
     return loss
+
+
+def collect_if_alive(freed: weakref.ref) -> None:
+    """Makes sure the object behind ``freed`` (its last reference deleted) is gone, e.g. so that
+    a fresh one may reuse its ``id``: reference counting frees it at once; a full collection
+    (slow on the suite's large heap) runs only if a reference cycle still holds it."""
+    if freed() is not None:
+        gc.collect()
 
 
 def assert_no_attributes(

@@ -7,7 +7,6 @@ switched on later, checkpointing (reentrant or not), a model that was not extend
 """
 
 import copy
-import gc
 import weakref
 
 import pytest
@@ -19,6 +18,7 @@ from conftest import (
     assert_close,
     assert_no_attributes,
     clear_attributes,
+    collect_if_alive,
     ggn_reference,
     hessian_reference,
     per_sample_grads_loop,
@@ -48,14 +48,6 @@ def _data(n=N):
 
 def _extended(plain):
     return curvopt.extend(copy.deepcopy(plain)), curvopt.extend(nn.CrossEntropyLoss())
-
-
-def _collect_if_alive(freed: weakref.ref) -> None:
-    """Makes sure the object behind ``freed`` (its last reference deleted) is gone, so that a
-    fresh one may reuse its ``id``: reference counting frees it at once; the collector (slow on
-    the suite's large heap) runs only if a reference cycle still holds it."""
-    if freed() is not None:
-        gc.collect()
 
 
 def _diag(blocks, p, name):
@@ -217,7 +209,7 @@ def test_fresh_modules_never_share_a_cache_token():
         seen[id(module)] = token(module)
         freed = weakref.ref(module)
         del module
-        _collect_if_alive(freed)
+        collect_if_alive(freed)
     pytest.fail("no id was reused in 200 fresh modules: the test cannot exercise the reuse")
 
 
@@ -238,7 +230,7 @@ def test_sweep_of_fresh_models_checks_every_model():
             assert_no_attributes(model)
         freed = weakref.ref(model)
         del model, lossfunc, out, loss
-        _collect_if_alive(freed)
+        collect_if_alive(freed)
 
 
 # ------------------------------------------------------------------ item 5: mixup inside the model
@@ -414,7 +406,7 @@ def test_second_extended_loss_switched_on_later(fresh):
         if fresh and weight:
             freed = weakref.ref(model)
             del model
-            _collect_if_alive(freed)
+            collect_if_alive(freed)
             model = curvopt.extend(copy.deepcopy(plain))
         clear_attributes(model, ALL_ATTRS)
         h, out = model(x)
