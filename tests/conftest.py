@@ -26,6 +26,7 @@ from torch.func import functional_call, grad, vmap
 
 import curvopt
 from curvopt import extensions as ext
+from curvopt.core.state import STATE
 from curvopt.inversion import factor_inverse
 
 torch.set_num_threads(1)
@@ -356,6 +357,16 @@ def collect_if_alive(freed: weakref.ref) -> None:
     a fresh one may reuse its ``id``: reference counting frees it at once; a full collection
     (slow on the suite's large heap) runs only if a reference cycle still holds it."""
     if freed() is not None:
+        gc.collect()
+
+
+def free_earlier_optimizers() -> None:
+    """Frees the optimizers of earlier tests left in reference cycles (an armed one would take
+    part in this test's passes). The full collection (slow on the suite's large heap) runs
+    only when a collection is still open, armed or waiting (``curvopt.core.state``): an
+    optimizer that is gone has disarmed its collection."""
+    waiting = any(ref() is not None for ref in STATE.armed + STATE.explicit)
+    if waiting or STATE.collecting is not None or STATE.open is not None:
         gc.collect()
 
 
