@@ -15,6 +15,8 @@ The references never touch curvopt: they run on a *plain* deep copy of the model
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from typing import Callable, Dict, Sequence, Tuple, Union
 
 import pytest
@@ -24,6 +26,7 @@ from torch.func import functional_call, grad, vmap
 
 import curvopt
 from curvopt import extensions as ext
+from curvopt.core.state import STATE
 from curvopt.inversion import factor_inverse
 
 torch.set_num_threads(1)
@@ -349,6 +352,24 @@ def run_second_order(model: nn.Module, lossfunc: Callable, inputs: Inputs, targe
     return loss
 
 
+def collect_if_alive(freed: weakref.ref) -> None:
+    """Makes sure the object behind ``freed`` (its last reference deleted) is gone, e.g. so that
+    a fresh one may reuse its ``id``: reference counting frees it at once; a full collection
+    (slow on the suite's large heap) runs only if a reference cycle still holds it."""
+    if freed() is not None:
+        gc.collect()
+
+
+def free_earlier_optimizers() -> None:
+    """Frees the optimizers of earlier tests left in reference cycles (an armed one would take
+    part in this test's passes). The full collection (slow on the suite's large heap) runs
+    only when a collection is still open, armed or waiting (``curvopt.core.state``): an
+    optimizer that is gone has disarmed its collection."""
+    waiting = any(ref() is not None for ref in STATE.armed + STATE.explicit)
+    if waiting or STATE.collecting is not None or STATE.open is not None:
+        gc.collect()
+
+
 def assert_no_attributes(
     model: nn.Module, attrs: Sequence[str] = ALL_ATTRS, what: str = ""
 ) -> None:
@@ -383,6 +404,16 @@ def assert_unbiased(samples: torch.Tensor, exact: torch.Tensor, what: str, z: fl
     scale, scale_se = scales.mean().item(), (scales.std() / k**0.5).item()
     assert z * scale_se < 0.1, f"{what}: underpowered (SE of the scale {scale_se:.3g})"
     assert abs(scale - 1) <= z * scale_se, f"{what}: scale {scale:.5f} != 1 (SE {scale_se:.3g})"
+
+
+def pytest_collection_finish(session):
+    """The objects alive once every test module is imported (torch, the peers, the modules'
+    parametrizations: about 600k) move to the collector's permanent generation
+    (``gc.freeze``): the full collections that tests run (freeing models and optimizers left
+    in reference cycles) and the automatic ones then skip them. Only the cost changes: they
+    stay alive as they would, and what the tests create is collected as before."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,10 +4,9 @@ parameters and the steps are normed by one foreach call (``base._within_range``)
 and its error are those of the exact look at every entry.
 """
 
-import gc
-
 import pytest
 import torch
+from conftest import free_earlier_optimizers
 from torch import nn
 
 import curvopt
@@ -18,7 +17,7 @@ from curvopt.optim.plan import ParamUpdate
 
 @pytest.fixture(autouse=True)
 def _no_other_optimizer():
-    gc.collect()
+    free_earlier_optimizers()
 
 
 def _update(param, grad, delta):

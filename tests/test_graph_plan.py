@@ -10,13 +10,13 @@
 """
 
 import dataclasses
-import gc
+import weakref
 import pathlib
 import re
 
 import pytest
 import torch
-from conftest import DT
+from conftest import DT, collect_if_alive
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -164,8 +164,9 @@ def test_fresh_models_reusing_ids_get_their_own_plans(walks, probed):
     for seed in range(3):
         model, lossfunc = _model(seed=seed)
         _pass(model, lossfunc, [ext.DiagGGNExact()])
+        freed = weakref.ref(model)
         del model, lossfunc
-        gc.collect()
+        collect_if_alive(freed)
     assert len({walk.key for walk in walks}) == 3
     assert len({id(walk.plan) for walk in walks}) == 3
     assert len(probed) == 3

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from conftest import free_earlier_optimizers
 from torch import nn
 
 import curvopt
@@ -26,7 +27,7 @@ OPTIMIZERS = {"KFAC": KFAC, "EKFAC": EKFAC, "DiagGGNNewton": DiagGGNNewton}
 @pytest.fixture(autouse=True)
 def _no_other_optimizer():
     """Optimizers of earlier tests, in reference cycles, are freed: an awake one would collect."""
-    gc.collect()
+    free_earlier_optimizers()
 
 
 def _refreshes(name: str, step: int, interval: int) -> bool:
@@ -245,7 +246,7 @@ def test_the_defaults_rest_nine_steps_in_ten_and_a_damping_given_none(name, monk
     spy = Spy(monkeypatch)
     refreshes = {step for step in range(12) if _refreshes(name, step, 10)}
     for damping, collecting in ((None, refreshes), (1e-3, set(range(12)))):
-        gc.collect()
+        free_earlier_optimizers()
         model, lossfunc = _problem()
         opt = OPTIMIZERS[name](model.parameters(), lr=0.1, damping=damping)
         seen = set()
@@ -263,7 +264,7 @@ def test_an_explicit_optimizer_keeps_the_records_its_block_needs():
     """A resting armed optimizer on one model, an explicit one on another (forward outside its
     block, backward inside, as documented): the hooks record while the explicit one's next
     step collects, and its steps equal those of a twin made where nothing else is alive."""
-    gc.collect()
+    free_earlier_optimizers()
     model, lossfunc = _problem()
     resting = KFAC(model.parameters(), lr=0.1, damping=0.1, curvature_interval=5)
     for step in range(2):

@@ -7,7 +7,7 @@ switched on later, checkpointing (reentrant or not), a model that was not extend
 """
 
 import copy
-import gc
+import weakref
 
 import pytest
 import torch
@@ -18,6 +18,7 @@ from conftest import (
     assert_close,
     assert_no_attributes,
     clear_attributes,
+    collect_if_alive,
     ggn_reference,
     hessian_reference,
     per_sample_grads_loop,
@@ -206,8 +207,9 @@ def test_fresh_modules_never_share_a_cache_token():
             assert token(module) != seen[id(module)]
             return
         seen[id(module)] = token(module)
+        freed = weakref.ref(module)
         del module
-        gc.collect()
+        collect_if_alive(freed)
     pytest.fail("no id was reused in 200 fresh modules: the test cannot exercise the reuse")
 
 
@@ -226,8 +228,9 @@ def test_sweep_of_fresh_models_checks_every_model():
                 with curvopt.collect(ext.DiagGGNExact()):
                     loss.backward()
             assert_no_attributes(model)
+        freed = weakref.ref(model)
         del model, lossfunc, out, loss
-        gc.collect()
+        collect_if_alive(freed)
 
 
 # ------------------------------------------------------------------ item 5: mixup inside the model
@@ -401,8 +404,9 @@ def test_second_extended_loss_switched_on_later(fresh):
     exts = (ext.DiagGGNExact(), ext.DiagHessian(), ext.KFLR())
     for weight in (0.0, 0.5):
         if fresh and weight:
+            freed = weakref.ref(model)
             del model
-            gc.collect()
+            collect_if_alive(freed)
             model = curvopt.extend(copy.deepcopy(plain))
         clear_attributes(model, ALL_ATTRS)
         h, out = model(x)

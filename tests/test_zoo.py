@@ -266,21 +266,64 @@ MC_CASES = [
 ]
 
 
+#: collected together in each pass of a model and reduction: the draws are shared, and each
+#: quantity's values are those of its pass alone (checked on the first pass)
+SHARED_PASSES = ("DiagGGNMC", "KFAC-expand")
+
+
+def _same_value(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def mc_passes():
+    """``(name, reduction, quantity) -> (model, {quantity: {param name: [value per pass]}})``:
+    the ``PASSES`` passes (seeds ``0, 1, ...``) of ``quantity``, with the other supported
+    quantities of ``SHARED_PASSES`` collected in the same passes, computed once for all of them
+    (the Monte-Carlo draws of a pass serve them all); ``model`` is the last pass's."""
+    cache: dict = {}
+
+    def passes(name, reduction, quantity):
+        together = (quantity,)
+        if quantity in SHARED_PASSES:
+            together = tuple(q for q in SHARED_PASSES if (name, q) not in UNSUPPORTED)
+        key = (name, reduction, together)
+        if key not in cache:
+            mc = MC_SAMPLES.get(name, 1500)
+            draws: dict = {q: {} for q in together}
+            for seed in range(PASSES):
+                torch.manual_seed(seed)
+                extensions = [MC_QUANTITIES[q][0](mc_samples=mc) for q in together]
+                model = _run(name, reduction, *extensions)
+                for q in together:
+                    for pname, p in trainable(model).items():
+                        value = getattr(p, MC_QUANTITIES[q][1], None)
+                        assert value is not None, f"{name} {pname}.{MC_QUANTITIES[q][1]}: missing"
+                        draws[q].setdefault(pname, []).append(value)
+            cache[key] = model, draws
+        return cache[key]
+
+    return passes
+
+
 @pytest.mark.parametrize("name, reduction, quantity", MC_CASES)
-def test_monte_carlo(name, quantity, reduction):
+def test_monte_carlo(name, quantity, reduction, mc_passes):
     make, attr = MC_QUANTITIES[quantity]
     mc = MC_SAMPLES.get(name, 1500)
     if (name, quantity) in UNSUPPORTED:
         _check_unsupported(name, reduction, quantity, lambda: make(mc_samples=mc))
         return
-    draws = {}
-    for seed in range(PASSES):
-        torch.manual_seed(seed)
-        model = _run(name, reduction, make(mc_samples=mc))
-        for pname, p in trainable(model).items():
+    model, shared = mc_passes(name, reduction, quantity)
+    draws = shared[quantity]
+    if len(shared) > 1:  # collected alone, the first pass draws and writes the same values
+        torch.manual_seed(0)
+        alone = _run(name, reduction, make(mc_samples=mc))
+        for pname, p in trainable(alone).items():
             value = getattr(p, attr, None)
             assert value is not None, f"{name} {pname}.{attr}: missing"
-            draws.setdefault(pname, []).append(value)
+            assert _same_value(value, draws[pname][0]), f"{name} {pname}.{attr}: alone"
     if quantity.startswith("KFAC"):
         expected = _kronecker_expected(name, reduction, quantity.split("-")[1], model)
         for pname, values in draws.items():
