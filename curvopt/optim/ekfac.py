@@ -29,15 +29,17 @@ from __future__ import annotations
 
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from curvopt import extensions
 from curvopt.inversion.eigen_corrected import (
     as_rows,
+    basis_eigenvalues,
     eigen_corrected_quadratic,
     eigen_corrected_solve,
+    factor_products,
 )
 from curvopt.core import values
 from curvopt.core.psd import working_dtype
@@ -79,6 +81,9 @@ class EKFACOptions(NewtonOptions):
     max_basis_dim: int | None = option(None, optional(number(1, integer=True)))
     basis_source: str = option("last_refresh", choice("current", "last_refresh"))
     basis_refresh: str = option("eigh", choice(*BASIS_REFRESH))
+    #: None (default): "ggn" under the default damping (``basis_source="last_refresh"``),
+    #: "correction" with a damping given (:func:`trust_metric`)
+    trust_metric: str | None = option(None, optional(choice("ggn", "correction")))
 
     def relations(self) -> None:
         super().relations()
@@ -93,6 +98,12 @@ class EKFACOptions(NewtonOptions):
                 f"basis_interval ({self.basis_interval}) must be a multiple of "
                 f"curvature_interval ({interval}): the basis is refreshed "
                 "at curvature steps"
+            )
+        if self.trust_metric == "ggn" and self.basis_source == "current":
+            raise ValueError(
+                "trust_metric='ggn' measures steps in the eigenvalues of the factors of the "
+                "last refresh, which basis_source='current' does not collect; pass "
+                "basis_source='last_refresh' (the default) or trust_metric='correction'"
             )
         if self.basis_refresh == "warm" and self.basis_source == "current":
             raise ValueError(
@@ -301,13 +312,33 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         name = group["curvature"]
         fresh = values.read(param, name)
         collected = fresh is not None and fresh is not self._consumed.get(param, {}).get(name)
-        if collected and self._refreshes(param, group):
+        collected = collected and self._refreshes(param, group)
+        if collected:
             factors = values.plain(self._read(update, name, extension, None))
             update.checks += [(f"`{name}`", f) for f in factors]
             warm = pending if group["basis_refresh"] == "warm" else None
             pending = self._next_bases(factors, max_dim, warm)
         update.state["bases_next"] = pending
+        if trust_metric(group) == "ggn":
+            self._read_eigenvalues(update, curvature, factors if collected else None)
         return curvature
+
+    def _read_eigenvalues(self, update, curvature, factors) -> None:
+        """Under ``trust_metric="ggn"`` put into ``update.state`` the factors' eigenvalue
+        products ``K = s_B s_Aᵀ`` in the basis of ``curvature`` (``"trust_curvature"``: those
+        kept from the last refresh, ``"eigenvalues_next"``, or on the first step the diagonals
+        of the ``factors`` collected beside it) and, from fresh ``factors``, those of the next
+        bases (computed where they are, :meth:`_spread_bases` under ``torch.distributed``)."""
+        state = self.state.get(update.param, {})
+        eigenvalues = state.get("eigenvalues_next")
+        if eigenvalues is None and factors is None:  # none kept (a state loaded): gᵀd
+            return
+        if eigenvalues is None:  # the first step: the identity basis
+            eigenvalues = basis_eigenvalues([None] * len(factors), factors)
+        update.state["trust_curvature"] = factor_products(eigenvalues, curvature[0].shape)
+        pending = update.state["bases_next"]
+        if factors is not None and not isinstance(pending, _Decomposition):
+            update.state["eigenvalues_next"] = basis_eigenvalues(pending, factors)
 
     def _without_factors(self, param, group) -> bool:
         """Whether a lagged ``param`` has no Kronecker factors: the first window (which
@@ -400,8 +431,12 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         due = [u for u in updates if isinstance(u.state.get("bases_next"), _Decomposition)]
         jobs = [u.state["bases_next"].job(u.description) for u in due]
         for update, found in zip(due, self._distributed.spread(jobs)):
-            pending = update.state["bases_next"].pending(found)
+            decomposition = update.state["bases_next"]
+            pending = decomposition.pending(found)
             update.state = {**update.state, "bases_next": pending}
+            if "trust_curvature" in update.state:  # trust_metric="ggn"
+                eigenvalues = basis_eigenvalues(pending, decomposition.factors)
+                update.state["eigenvalues_next"] = eigenvalues
 
     # ----------------------------------------------------------------- the step
     def _directions(self, items, step):
@@ -439,8 +474,26 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         parameter whose bases lag (:meth:`_lagged`)."""
         if not self._lagged(item.update.param, step.group):
             return {}
-        pending = item.update.state.get("bases_next", item.state.get("bases_next"))
-        return {"bases_next": pending}
+        names = ("bases_next", "eigenvalues_next", "trust_curvature")
+        kept = {name: item.update.state.get(name, item.state.get(name)) for name in names}
+        return {name: value for name, value in kept.items() if value is not None}
+
+    def _preconditioner(self):
+        """As ``NewtonOptimizer``'s; the trust region measures a step in the metric of
+        ``trust_metric`` (:meth:`_trust_quadratic`)."""
+        return replace(super()._preconditioner(), measure=self._trust_quadratic)
+
+    def _trust_quadratic(self, item, step):
+        """Under ``trust_metric="ggn"``: ``dᵀ (Q diag(vec K) Qᵀ + (λ + δ) I) d`` with ``K``
+        the factors' eigenvalue products in the basis (``Σ (K + λ + δ) ⊙ (Q_Bᵀ D Q_A)²``), the
+        Fisher's Kronecker approximation in the step's basis; None (the trust region's
+        ``gᵀd``, in ``S``'s metric) under ``"correction"``."""
+        products = item.update.state.get("trust_curvature")
+        if trust_metric(step.group) != "ggn" or products is None:
+            return None
+        bases = item.curvature[1:]
+        metric = products + step.damping
+        return eigen_corrected_quadratic(bases, metric, as_rows(item.direction, bases))
 
     def _curvature_scale(self, curvature):
         """``tr(Q diag(S) Qᵀ)/dim``: the mean of ``S``."""
@@ -449,6 +502,16 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
     def _quadratic(self, curvature, step):
         correction, bases = curvature[0], curvature[1:]
         return eigen_corrected_quadratic(bases, correction, as_rows(step, bases))
+
+
+def trust_metric(group) -> str:
+    """The metric a group's trust region measures steps in: its ``trust_metric``, for None
+    (the default) ``"ggn"`` under the default damping (``damping=None``) with
+    ``basis_source="last_refresh"``, else ``"correction"`` (``gᵀd``: the metric of ``S``)."""
+    if group["trust_metric"] is not None:
+        return group["trust_metric"]
+    default = group["damping"] is None and group["basis_source"] == "last_refresh"
+    return "ggn" if default else "correction"
 
 
 def _bucket(item, step):
