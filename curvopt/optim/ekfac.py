@@ -279,13 +279,15 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         """The ``EKFAC`` extension where due; with one-sided parameters (every one under
         ``basis_source="last_refresh"``), on their basis steps (and before they have a basis)
         also their factors, whose eigenvectors are the basis of the next steps
-        (:mod:`curvopt.optim.one_sided`)."""
+        (:mod:`curvopt.optim.one_sided`); under ``trust_metric="ggn"`` at every curvature step,
+        the trust region's metric (:func:`_trust_curvature`)."""
         needs = super()._needs(group, group_state)
         if needs and self._distributed is not None:
             self._check_distributable(group)
         wide = [p for p in group["params"] if self._lagged(p, group)]
         lacking = any("bases_next" not in self.state.get(p, {}) for p in wide)
-        if needs and wide and (lacking or self._basis_due(group, group_state["step"])):
+        due = lacking or trust_metric(group) == "ggn" or self._basis_due(group, group_state["step"])
+        if needs and wide and due:
             factor_options = {"mc_samples": group["mc_samples"]}
             needs.append(
                 (group["curvature"], {**factor_options, "kfac_approx": group["kfac_approx"]})
@@ -309,36 +311,21 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
             return curvature
         pending = self.state.get(param, {}).get("bases_next")
         curvature = kept(curvature, pending)
-        name = group["curvature"]
+        name, ggn = group["curvature"], trust_metric(group) == "ggn"
         fresh = values.read(param, name)
         collected = fresh is not None and fresh is not self._consumed.get(param, {}).get(name)
-        collected = collected and self._refreshes(param, group)
-        if collected:
+        refreshes = collected and self._refreshes(param, group)
+        factors = None
+        if refreshes or (collected and ggn):
             factors = values.plain(self._read(update, name, extension, None))
             update.checks += [(f"`{name}`", f) for f in factors]
+        if ggn:  # None without factors (a state loaded): gᵀd
+            update.state["trust_curvature"] = _trust_curvature(curvature, pending, factors)
+        if refreshes:
             warm = pending if group["basis_refresh"] == "warm" else None
             pending = self._next_bases(factors, max_dim, warm)
         update.state["bases_next"] = pending
-        if trust_metric(group) == "ggn":
-            self._read_eigenvalues(update, curvature, factors if collected else None)
         return curvature
-
-    def _read_eigenvalues(self, update, curvature, factors) -> None:
-        """Under ``trust_metric="ggn"`` put into ``update.state`` the factors' eigenvalue
-        products ``K = s_B s_Aᵀ`` in the basis of ``curvature`` (``"trust_curvature"``: those
-        kept from the last refresh, ``"eigenvalues_next"``, or on the first step the diagonals
-        of the ``factors`` collected beside it) and, from fresh ``factors``, those of the next
-        bases (computed where they are, :meth:`_spread_bases` under ``torch.distributed``)."""
-        state = self.state.get(update.param, {})
-        eigenvalues = state.get("eigenvalues_next")
-        if eigenvalues is None and factors is None:  # none kept (a state loaded): gᵀd
-            return
-        if eigenvalues is None:  # the first step: the identity basis
-            eigenvalues = basis_eigenvalues([None] * len(factors), factors)
-        update.state["trust_curvature"] = factor_products(eigenvalues, curvature[0].shape)
-        pending = update.state["bases_next"]
-        if factors is not None and not isinstance(pending, _Decomposition):
-            update.state["eigenvalues_next"] = basis_eigenvalues(pending, factors)
 
     def _without_factors(self, param, group) -> bool:
         """Whether a lagged ``param`` has no Kronecker factors: the first window (which
@@ -431,12 +418,8 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         due = [u for u in updates if isinstance(u.state.get("bases_next"), _Decomposition)]
         jobs = [u.state["bases_next"].job(u.description) for u in due]
         for update, found in zip(due, self._distributed.spread(jobs)):
-            decomposition = update.state["bases_next"]
-            pending = decomposition.pending(found)
+            pending = update.state["bases_next"].pending(found)
             update.state = {**update.state, "bases_next": pending}
-            if "trust_curvature" in update.state:  # trust_metric="ggn"
-                eigenvalues = basis_eigenvalues(pending, decomposition.factors)
-                update.state["eigenvalues_next"] = eigenvalues
 
     # ----------------------------------------------------------------- the step
     def _directions(self, items, step):
@@ -474,7 +457,7 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         parameter whose bases lag (:meth:`_lagged`)."""
         if not self._lagged(item.update.param, step.group):
             return {}
-        names = ("bases_next", "eigenvalues_next", "trust_curvature")
+        names = ("bases_next", "trust_curvature")
         kept = {name: item.update.state.get(name, item.state.get(name)) for name in names}
         return {name: value for name, value in kept.items() if value is not None}
 
@@ -512,6 +495,17 @@ def trust_metric(group) -> str:
         return group["trust_metric"]
     default = group["damping"] is None and group["basis_source"] == "last_refresh"
     return "ggn" if default else "correction"
+
+
+def _trust_curvature(curvature, pending, factors):
+    """``K = diag(Q_Bᵀ B Q_B) diag(Q_Aᵀ A Q_A)ᵀ`` of this step's Kronecker ``factors`` in the
+    bases ``pending`` of the correction ``S`` (``curvature[0]``, whose shape ``K`` takes; the
+    identity where None): the diagonal of ``Qᵀ (B ⊗ A) Q``, which ``trust_metric="ggn"``
+    measures steps in; None without ``factors``."""
+    if factors is None:
+        return None
+    pending = [None] * len(factors) if pending is None else pending
+    return factor_products(basis_eigenvalues(pending, factors), curvature[0].shape)
 
 
 def _bucket(item, step):
