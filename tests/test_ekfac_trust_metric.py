@@ -29,6 +29,11 @@ def _psd(d: int, generator: torch.Generator) -> torch.Tensor:
     return root @ root.T
 
 
+def _orthogonal(d: int, generator: torch.Generator) -> torch.Tensor:
+    square = torch.randn(d, d, dtype=torch.float64, generator=generator)
+    return torch.linalg.qr(square)[0].contiguous()
+
+
 def test_quadratic_in_the_factors_eigenbasis_is_the_dense_kronecker_one():
     """``Σ (K + λ) ⊙ (Q_Bᵀ D Q_A)²`` with ``K = s_B s_Aᵀ`` from the factors' eigenbases equals
     ``vec(D)ᵀ (Q_B diag(s_B) Q_Bᵀ ⊗ Q_A diag(s_A) Q_Aᵀ + λ I) vec(D)`` (row-major ``vec``)."""
@@ -49,8 +54,7 @@ def test_eigenvalues_in_another_basis_are_the_diagonal_of_the_kronecker_product_
     side) ``K`` is ``diag(Qᵀ (B ⊗ A) Q)``; a side without a basis (``None``) is the identity."""
     generator = torch.Generator().manual_seed(1)
     B, A = _psd(3, generator), _psd(4, generator)
-    Q_B = torch.linalg.qr(torch.randn(3, 3, dtype=torch.float64, generator=generator))[0].contiguous()
-    Q_A = torch.linalg.qr(torch.randn(4, 4, dtype=torch.float64, generator=generator))[0].contiguous()
+    Q_B, Q_A = (_orthogonal(d, generator) for d in (3, 4))
     products = factor_products(basis_eigenvalues([Q_B, Q_A], [B, A]), torch.Size([3, 4]))
     Q = torch.kron(Q_B, Q_A)
     expected = torch.diagonal(Q.T @ torch.kron(B, A) @ Q).reshape(3, 4)
@@ -96,7 +100,7 @@ def test_clipped_step_is_scaled_by_the_dense_kfac_trust_region(lr):
     for p, q in zip(factors["ggn"].values(), factors["free"].values()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
     length = 0.0
-    for (weight_or_bias, fs), delta in zip(factors["free"].items(), deltas["free"]):
+    for fs, delta in zip(factors["free"].values(), deltas["free"]):
         direction = (delta / lr).reshape(-1)
         kron = fs[0] if len(fs) == 1 else torch.kron(fs[0], fs[1])
         metric = kron + damping * torch.eye(len(direction), dtype=torch.float64)

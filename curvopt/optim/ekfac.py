@@ -23,6 +23,12 @@ bases are spread over the ranks, each computed on one and broadcast (:meth:`EKFA
 ``basis_source="current"`` raises there: a basis step's pass makes its bases from its own
 rank's factors, in the middle of the backward pass, so the ranks' ``S`` would be in different
 bases.
+
+The trust region (``kl_clip``) measures a step ``D`` under ``trust_metric="ggn"`` (the default
+under the default damping) in the Kronecker factors' eigenvalues in the basis,
+``Σ (K + λ + δ) ⊙ (Q_Bᵀ D Q_A)²``, not in ``S`` (``gᵀd``): at confidently wrong predictions the
+empirical Fisher's ``S`` is hundreds of times the GGN and cuts every step (``docs/optim.md``,
+"EKFAC from a badly scaled initialisation").
 """
 
 from __future__ import annotations
@@ -101,8 +107,8 @@ class EKFACOptions(NewtonOptions):
             )
         if self.trust_metric == "ggn" and self.basis_source == "current":
             raise ValueError(
-                "trust_metric='ggn' measures steps in the eigenvalues of the factors of the "
-                "last refresh, which basis_source='current' does not collect; pass "
+                "trust_metric='ggn' measures steps in the Kronecker factors collected beside "
+                "EKFAC, which basis_source='current' does not collect. Pass "
                 "basis_source='last_refresh' (the default) or trust_metric='correction'"
             )
         if self.basis_refresh == "warm" and self.basis_source == "current":
@@ -183,6 +189,14 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
             from the first step on), ``"sgd"`` (the plain gradient) or ``None`` (raise, naming
             them); see :mod:`curvopt.optim.fallback`. The first step that preconditions such
             parameters warns once, naming them.
+        trust_metric: the metric the trust region ``kl_clip`` measures a step ``D`` in:
+            ``"ggn"``, ``Σ (K + λ + δ) ⊙ (Q_Bᵀ D Q_A)²`` with ``K = diag(Q_Bᵀ B Q_B)
+            diag(Q_Aᵀ A Q_A)ᵀ`` of the Kronecker factors ``B, A`` of each curvature step (the
+            GGN's Kronecker approximation in the basis; they are collected at every curvature
+            step), or ``"correction"``, ``gᵀd`` (in the metric of ``S``, the empirical Fisher's,
+            which at confidently wrong predictions is hundreds of times the GGN and cuts every
+            step). ``None`` (default): ``"ggn"`` under the default damping (with
+            ``basis_source="last_refresh"``), ``"correction"`` with a damping given.
         momentum, curvature_interval, kl_clip: see :class:`~curvopt.optim.KFAC`
             and :mod:`curvopt.optim.newton`. ``curvature_ema`` is not supported (``S`` of an
             old basis cannot be averaged with one of a new basis).
