@@ -1,7 +1,7 @@
 """Why ``EKFAC`` does not train the tiny GPT from a badly scaled initialisation, measured.
 
     OMP_NUM_THREADS=1 python -m benchmarks.ekfac_badly_scaled [--seeds 0 1 2 3 4 5]
-        [--settings readme|defaults]
+        [--settings readme|defaults] [--trust-metric ggn|correction]
 
 The problem of ``tests/test_optim_defaults.py::test_readme_settings_train_a_badly_scaled_gpt``
 (:func:`badly_scaled_gpt`, :func:`successor_task`): ``fixtures.zoo.GPT`` (vocabulary 32, width
@@ -20,7 +20,8 @@ Part 1 (seed 0, one batch of 16 sequences, at this initialisation and at ``zoo.G
   ``|p − y|²`` and of its GGN ``Σ_c p_c (1 − p_c)``.
 
 Part 2 (each seed): ``EKFAC`` with the README settings (``lr=0.05, damping=1e-3,
-basis_interval=5``: the test's; ``--settings defaults``: ``lr=0.05`` alone), 60 steps of batch
+basis_interval=5``: the test's; ``--settings defaults``: ``lr=0.05`` alone; ``--trust-metric``:
+its ``trust_metric``, by default the settings' own), 60 steps of batch
 16 as the test trains; the loss on the 64 sequences at the start and the end, with ``S`` as the
 optimizer computes it (the observed targets) and with ``S`` from targets drawn from the model's
 softmax (the Fisher: the collecting backward pass on drawn targets, the step's gradient from a
@@ -110,11 +111,14 @@ def scales(seed: int, badly_scaled: bool) -> None:
     print(f"logits: EF trace {empirical:.3g}, GGN trace {ggn:.3g}, ratio {empirical / ggn:.3g}\n")
 
 
-def train(seed: int, drawn_targets: bool, settings: str) -> tuple[float, float]:
+def train(
+    seed: int, drawn_targets: bool, settings: str, trust_metric: str | None = None
+) -> tuple[float, float]:
     """Part 2: the first and last loss on the 64 sequences after 60 steps of batch 16."""
     model, loss_of, X, y = _problem(seed)
     collection = "explicit" if drawn_targets else "auto"  # explicit: the second pass uncollected
     options = {"damping": DAMPING, "basis_interval": 5} if settings == "readme" else {}
+    options["trust_metric"] = trust_metric
     opt = EKFAC(model.parameters(), 0.05, collection=collection, **options)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -141,12 +145,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(6)))
     parser.add_argument("--settings", choices=["readme", "defaults"], default="readme")
+    parser.add_argument("--trust-metric", choices=["ggn", "correction"], default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     for badly_scaled in (True, False):
         scales(0, badly_scaled)
     for drawn_targets in (False, True):
-        runs = [train(seed, drawn_targets, args.settings) for seed in args.seeds]
+        runs = [train(seed, drawn_targets, args.settings, args.trust_metric) for seed in args.seeds]
         label = "drawn targets (Fisher)" if drawn_targets else "observed targets (EF, today)"
         print(f"S from {label}: " + " ".join(f"{f:.1f}->{last:.3g}" for f, last in runs))
 

@@ -431,6 +431,8 @@ def scenarios(R: Rank) -> dict:
     cases = [(f"ekfac_mlp_{r}", mlp, data, r, {}) for r in ("mean", "sum")]
     cases += [(f"ekfac_cnn_{r}", cnn, images, r, {}) for r in ("mean", "sum")]
     cases.append(("ekfac_mlp_one_sided", mlp, data, "mean", {"max_basis_dim": 5}))
+    # the trust region in the averaged factors' eigenvalues, whole on every rank
+    cases.append(("ekfac_mlp_ggn", mlp, data, "mean", {"trust_metric": "ggn"}))
     for name, make_model, inputs, reduction, options in cases:
 
         def make(params, options=options, **kw):
@@ -716,6 +718,7 @@ def test_process_group_argument(ranks):
         "ekfac_cnn_mean",
         "ekfac_cnn_sum",
         "ekfac_mlp_one_sided",
+        "ekfac_mlp_ggn",
         "tied_gpt",
         "svag_mean",
         "svag_sum",

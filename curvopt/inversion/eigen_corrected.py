@@ -30,6 +30,7 @@ import torch
 
 from curvopt.layers.eigenbasis import as_rows, rotate
 from curvopt.core.psd import psd_eigh
+from curvopt.core.reductions import dense, diagonal
 
 __all__ = [
     "as_rows",
@@ -38,6 +39,8 @@ __all__ = [
     "eigen_corrected_solve",
     "eigen_corrected_matmul",
     "eigen_corrected_quadratic",
+    "basis_eigenvalues",
+    "factor_products",
 ]
 
 Bases = Sequence[torch.Tensor]
@@ -70,3 +73,28 @@ def eigen_corrected_quadratic(
     """``vec(M)ᵀ Q diag(vec S) Qᵀ vec(M) = Σ S ⊙ (Q_Bᵀ M Q_A)²``, a scalar tensor."""
     rotated = rotate(bases, matrix)
     return (correction * rotated * rotated).sum()
+
+
+def basis_eigenvalues(
+    bases: Sequence[torch.Tensor | None], factors: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Per side ``diag(Q_iᵀ F_i Q_i)`` (``[d]``, ``[G, d]`` for stacked ``[G, d, d]``): the
+    factor's eigenvalues where ``Q_i`` is its eigenbasis, its diagonal where the side keeps the
+    identity (``None``); in the basis' dtype (the factor's without one)."""
+    out = []
+    for basis, factor in zip(bases, factors):
+        if basis is None:
+            out.append(diagonal(factor))
+            continue
+        matrix = dense(factor).to(basis.dtype)
+        out.append(((matrix @ basis) * basis).sum(-2))
+    return out
+
+
+def factor_products(eigenvalues: Sequence[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """``s_B s_Aᵀ`` (``s_B`` for one side) shaped as the correction ``S`` (``shape``): the
+    diagonal of ``Qᵀ (B ⊗ A) Q = diag(Q_Bᵀ B Q_B) ⊗ diag(Q_Aᵀ A Q_A)`` in the basis of ``S``."""
+    products = eigenvalues[0].unsqueeze(-1)
+    if len(eigenvalues) == 2:
+        products = products * eigenvalues[1]
+    return products.reshape(shape)

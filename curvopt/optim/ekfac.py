@@ -23,21 +23,29 @@ bases are spread over the ranks, each computed on one and broadcast (:meth:`EKFA
 ``basis_source="current"`` raises there: a basis step's pass makes its bases from its own
 rank's factors, in the middle of the backward pass, so the ranks' ``S`` would be in different
 bases.
+
+The trust region (``kl_clip``) measures a step ``D`` under ``trust_metric="ggn"`` (the default
+under the default damping) in the Kronecker factors' eigenvalues in the basis,
+``Σ (K + λ + δ) ⊙ (Q_Bᵀ D Q_A)²``, not in ``S`` (``gᵀd``): at confidently wrong predictions the
+empirical Fisher's ``S`` is hundreds of times the GGN and cuts every step (``docs/optim.md``,
+"EKFAC from a badly scaled initialisation").
 """
 
 from __future__ import annotations
 
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from curvopt import extensions
 from curvopt.inversion.eigen_corrected import (
     as_rows,
+    basis_eigenvalues,
     eigen_corrected_quadratic,
     eigen_corrected_solve,
+    factor_products,
 )
 from curvopt.core import values
 from curvopt.core.psd import working_dtype
@@ -79,6 +87,9 @@ class EKFACOptions(NewtonOptions):
     max_basis_dim: int | None = option(None, optional(number(1, integer=True)))
     basis_source: str = option("last_refresh", choice("current", "last_refresh"))
     basis_refresh: str = option("eigh", choice(*BASIS_REFRESH))
+    #: None (default): "ggn" under the default damping (``basis_source="last_refresh"``),
+    #: "correction" with a damping given (:func:`trust_metric`)
+    trust_metric: str | None = option(None, optional(choice("ggn", "correction")))
 
     def relations(self) -> None:
         super().relations()
@@ -93,6 +104,12 @@ class EKFACOptions(NewtonOptions):
                 f"basis_interval ({self.basis_interval}) must be a multiple of "
                 f"curvature_interval ({interval}): the basis is refreshed "
                 "at curvature steps"
+            )
+        if self.trust_metric == "ggn" and self.basis_source == "current":
+            raise ValueError(
+                "trust_metric='ggn' measures steps in the Kronecker factors collected beside "
+                "EKFAC, which basis_source='current' does not collect. Pass "
+                "basis_source='last_refresh' (the default) or trust_metric='correction'"
             )
         if self.basis_refresh == "warm" and self.basis_source == "current":
             raise ValueError(
@@ -172,6 +189,14 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
             from the first step on), ``"sgd"`` (the plain gradient) or ``None`` (raise, naming
             them); see :mod:`curvopt.optim.fallback`. The first step that preconditions such
             parameters warns once, naming them.
+        trust_metric: the metric the trust region ``kl_clip`` measures a step ``D`` in:
+            ``"ggn"``, ``Σ (K + λ + δ) ⊙ (Q_Bᵀ D Q_A)²`` with ``K = diag(Q_Bᵀ B Q_B)
+            diag(Q_Aᵀ A Q_A)ᵀ`` of the Kronecker factors ``B, A`` of each curvature step (the
+            GGN's Kronecker approximation in the basis; they are collected at every curvature
+            step), or ``"correction"``, ``gᵀd`` (in the metric of ``S``, the empirical Fisher's,
+            which at confidently wrong predictions is hundreds of times the GGN and cuts every
+            step). ``None`` (default): ``"ggn"`` under the default damping (with
+            ``basis_source="last_refresh"``), ``"correction"`` with a damping given.
         momentum, curvature_interval, kl_clip: see :class:`~curvopt.optim.KFAC`
             and :mod:`curvopt.optim.newton`. ``curvature_ema`` is not supported (``S`` of an
             old basis cannot be averaged with one of a new basis).
@@ -268,13 +293,15 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         """The ``EKFAC`` extension where due; with one-sided parameters (every one under
         ``basis_source="last_refresh"``), on their basis steps (and before they have a basis)
         also their factors, whose eigenvectors are the basis of the next steps
-        (:mod:`curvopt.optim.one_sided`)."""
+        (:mod:`curvopt.optim.one_sided`); under ``trust_metric="ggn"`` at every curvature step,
+        the trust region's metric (:func:`_trust_curvature`)."""
         needs = super()._needs(group, group_state)
         if needs and self._distributed is not None:
             self._check_distributable(group)
         wide = [p for p in group["params"] if self._lagged(p, group)]
         lacking = any("bases_next" not in self.state.get(p, {}) for p in wide)
-        if needs and wide and (lacking or self._basis_due(group, group_state["step"])):
+        due = lacking or trust_metric(group) == "ggn" or self._basis_due(group, group_state["step"])
+        if needs and wide and due:
             factor_options = {"mc_samples": group["mc_samples"]}
             needs.append(
                 (group["curvature"], {**factor_options, "kfac_approx": group["kfac_approx"]})
@@ -298,12 +325,17 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
             return curvature
         pending = self.state.get(param, {}).get("bases_next")
         curvature = kept(curvature, pending)
-        name = group["curvature"]
+        name, ggn = group["curvature"], trust_metric(group) == "ggn"
         fresh = values.read(param, name)
         collected = fresh is not None and fresh is not self._consumed.get(param, {}).get(name)
-        if collected and self._refreshes(param, group):
+        refreshes = collected and self._refreshes(param, group)
+        factors = None
+        if refreshes or (collected and ggn):
             factors = values.plain(self._read(update, name, extension, None))
             update.checks += [(f"`{name}`", f) for f in factors]
+        if ggn:  # None without factors (a state loaded): gᵀd
+            update.state["trust_curvature"] = _trust_curvature(curvature, pending, factors)
+        if refreshes:
             warm = pending if group["basis_refresh"] == "warm" else None
             pending = self._next_bases(factors, max_dim, warm)
         update.state["bases_next"] = pending
@@ -439,8 +471,26 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         parameter whose bases lag (:meth:`_lagged`)."""
         if not self._lagged(item.update.param, step.group):
             return {}
-        pending = item.update.state.get("bases_next", item.state.get("bases_next"))
-        return {"bases_next": pending}
+        names = ("bases_next", "trust_curvature")
+        kept = {name: item.update.state.get(name, item.state.get(name)) for name in names}
+        return {name: value for name, value in kept.items() if value is not None}
+
+    def _preconditioner(self):
+        """As ``NewtonOptimizer``'s; the trust region measures a step in the metric of
+        ``trust_metric`` (:meth:`_trust_quadratic`)."""
+        return replace(super()._preconditioner(), measure=self._trust_quadratic)
+
+    def _trust_quadratic(self, item, step):
+        """Under ``trust_metric="ggn"``: ``dᵀ (Q diag(vec K) Qᵀ + (λ + δ) I) d`` with ``K``
+        the factors' eigenvalue products in the basis (``Σ (K + λ + δ) ⊙ (Q_Bᵀ D Q_A)²``), the
+        Fisher's Kronecker approximation in the step's basis; None (the trust region's
+        ``gᵀd``, in ``S``'s metric) under ``"correction"``."""
+        products = item.update.state.get("trust_curvature")
+        if trust_metric(step.group) != "ggn" or products is None:
+            return None
+        bases = item.curvature[1:]
+        metric = products + step.damping
+        return eigen_corrected_quadratic(bases, metric, as_rows(item.direction, bases))
 
     def _curvature_scale(self, curvature):
         """``tr(Q diag(S) Qᵀ)/dim``: the mean of ``S``."""
@@ -449,6 +499,27 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
     def _quadratic(self, curvature, step):
         correction, bases = curvature[0], curvature[1:]
         return eigen_corrected_quadratic(bases, correction, as_rows(step, bases))
+
+
+def trust_metric(group) -> str:
+    """The metric a group's trust region measures steps in: its ``trust_metric``, for None
+    (the default) ``"ggn"`` under the default damping (``damping=None``) with
+    ``basis_source="last_refresh"``, else ``"correction"`` (``gᵀd``: the metric of ``S``)."""
+    if group["trust_metric"] is not None:
+        return group["trust_metric"]
+    default = group["damping"] is None and group["basis_source"] == "last_refresh"
+    return "ggn" if default else "correction"
+
+
+def _trust_curvature(curvature, pending, factors):
+    """``K = diag(Q_Bᵀ B Q_B) diag(Q_Aᵀ A Q_A)ᵀ`` of this step's Kronecker ``factors`` in the
+    bases ``pending`` of the correction ``S`` (``curvature[0]``, whose shape ``K`` takes; the
+    identity where None): the diagonal of ``Qᵀ (B ⊗ A) Q``, which ``trust_metric="ggn"``
+    measures steps in; None without ``factors``."""
+    if factors is None:
+        return None
+    pending = [None] * len(factors) if pending is None else pending
+    return factor_products(basis_eigenvalues(pending, factors), curvature[0].shape)
 
 
 def _bucket(item, step):

@@ -97,12 +97,16 @@ class Preconditioner:
     one without (``fallback``), each with the cache entries its state keeps; the cached
     quantity a direction derives from a curvature (``derived(curvature, group, damping,
     curvature_step)``: an inverse or eigendecomposition, or None), which is computed ahead and
-    spread over the ranks by ``distributed`` (a ``DistributedCurvature``; None: one process)."""
+    spread over the ranks by ``distributed`` (a ``DistributedCurvature``; None: one process);
+    and the metric the trust region measures a direction in (``measure``)."""
 
     directions: Callable[[list[ParamStep], "GroupStep"], list[tuple[torch.Tensor, dict[str, Any]]]]
     fallback: Callable[[ParamStep, "GroupStep"], tuple[torch.Tensor, dict[str, Any]]]
     derived: Callable[[Any, dict[str, Any], float, int], Any]
     distributed: Any = None
+    #: the trust region's ``dᵀ M d`` of an item with curvature in a metric ``M`` of the
+    #: optimizer's (a scalar tensor), or None: ``gᵀd``, the damped curvature's (None: always)
+    measure: Callable[["ParamStep", "GroupStep"], torch.Tensor | None] | None = None
 
 
 @dataclass

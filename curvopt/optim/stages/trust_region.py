@@ -1,5 +1,7 @@
 """``d ← ν d`` with ``ν = min(1, sqrt(κ / (lr² Σ gᵀd)))`` over the group (``kl_clip`` κ; no
-stage for ``None``): the step's length in the damped curvature is at most ``κ``. Under a
+stage for ``None``): the step's length in the damped curvature is at most ``κ``. An optimizer
+may measure it in another metric ``M`` (``Preconditioner.measure``: ``dᵀ M d`` in place of
+``gᵀd = dᵀ (C + λ) d``; ``EKFAC(trust_metric="ggn")``). Under a
 damping that follows the loss's reduction (``ReductionScaledDamping``) the bound is ``κ s``
 (``GroupStep.kl_scale``): ``gᵀd`` scales with the loss, so the same steps are clipped whatever
 its reduction."""
@@ -25,9 +27,8 @@ class ScaleByTrustRegion(Stage):
             # the whole parameters (replicated on every rank) counted once, on rank 0
             items = [i for i in items if i.rows is not None or distributed.rank == 0]
             total = distributed.sum
-        nu = kl_clip_factor(
-            [i.grad for i in items],
-            [i.direction for i in items],
+        nu = trust_factor(
+            [_measured(item, step) for item in items],
             step.group["lr"],
             step.group["kl_clip"] * step.kl_scale,
             total,
@@ -67,6 +68,18 @@ def kl_clip_factor(
         0.5
     """
     products = [_dot(g, d) for g, d in zip(grads, directions)]
+    return trust_factor(products, lr, kl_clip, total)
+
+
+def trust_factor(
+    products: list[torch.Tensor],
+    lr: float,
+    kl_clip: float,
+    total: Callable[[list[float]], list[float]] | None = None,
+) -> float:
+    """``ν = min(1, sqrt(κ / (lr² Σ p)))`` from the group's squared step lengths ``p`` (scalar
+    tensors: ``g·d``, or ``dᵀ M d`` in the optimizer's metric), summed over the ranks by
+    ``total`` where given (as in :func:`kl_clip_factor`); 1 when ``Σ p ≤ 0`` or ``lr == 0``."""
     if not products and total is None:
         return 1.0
     # one host sync for the whole group
@@ -77,6 +90,14 @@ def kl_clip_factor(
     if not squared > 0:
         return 1.0
     return min(1.0, math.sqrt(kl_clip / squared))
+
+
+def _measured(item, step: GroupStep) -> torch.Tensor:
+    """The item's squared step length: ``dᵀ M d`` in the optimizer's metric
+    (``Preconditioner.measure``) where it has one, else ``g·d``."""
+    measure = step.preconditioner.measure
+    found = None if measure is None or item.curvature is None else measure(item, step)
+    return _dot(item.grad, item.direction) if found is None else found
 
 
 def _dot(grad: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:

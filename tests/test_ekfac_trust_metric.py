@@ -1,0 +1,146 @@
+"""``EKFAC(trust_metric=...)``: the metric the trust region ``kl_clip`` measures a step in.
+
+``"ggn"`` (the default under the default damping): ``dᵀ (Q diag(vec K) Qᵀ + λ I) d`` with ``K``
+the Kronecker factors' eigenvalue products ``s_B s_Aᵀ`` in the step's basis, checked in float64
+against the dense ``vec(D)ᵀ (B ⊗ A + λ I) vec(D)``; ``"correction"`` (with a damping given):
+``gᵀd``, in the metric of ``S``, the steps recorded before the option existed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import curvopt
+from curvopt.inversion.eigen_corrected import (
+    basis_eigenvalues,
+    eigen_corrected_quadratic,
+    factor_products,
+)
+from curvopt.optim import EKFAC
+from curvopt.optim.ekfac import trust_metric
+
+
+def _psd(d: int, generator: torch.Generator) -> torch.Tensor:
+    root = torch.randn(d, d + 2, dtype=torch.float64, generator=generator)
+    return root @ root.T
+
+
+def _orthogonal(d: int, generator: torch.Generator) -> torch.Tensor:
+    square = torch.randn(d, d, dtype=torch.float64, generator=generator)
+    return torch.linalg.qr(square)[0].contiguous()
+
+
+def test_quadratic_in_the_factors_eigenbasis_is_the_dense_kronecker_one():
+    """``Σ (K + λ) ⊙ (Q_Bᵀ D Q_A)²`` with ``K = s_B s_Aᵀ`` from the factors' eigenbases equals
+    ``vec(D)ᵀ (Q_B diag(s_B) Q_Bᵀ ⊗ Q_A diag(s_A) Q_Aᵀ + λ I) vec(D)`` (row-major ``vec``)."""
+    generator = torch.Generator().manual_seed(0)
+    B, A = _psd(3, generator), _psd(5, generator)
+    bases = [torch.linalg.eigh(B)[1], torch.linalg.eigh(A)[1]]
+    D = torch.randn(3, 5, dtype=torch.float64, generator=generator)
+    damping = 0.3
+    products = factor_products(basis_eigenvalues(bases, [B, A]), torch.Size([3, 5]))
+    found = eigen_corrected_quadratic(bases, products + damping, D)
+    dense = torch.kron(B, A) + damping * torch.eye(15, dtype=torch.float64)
+    expected = D.reshape(-1) @ dense @ D.reshape(-1)
+    torch.testing.assert_close(found, expected, rtol=1e-12, atol=0)
+
+
+def test_eigenvalues_in_another_basis_are_the_diagonal_of_the_kronecker_product_there():
+    """In a basis that is not the factors' eigenbasis (a warm refresh's, the identity of a wide
+    side) ``K`` is ``diag(Qᵀ (B ⊗ A) Q)``; a side without a basis (``None``) is the identity."""
+    generator = torch.Generator().manual_seed(1)
+    B, A = _psd(3, generator), _psd(4, generator)
+    Q_B, Q_A = (_orthogonal(d, generator) for d in (3, 4))
+    products = factor_products(basis_eigenvalues([Q_B, Q_A], [B, A]), torch.Size([3, 4]))
+    Q = torch.kron(Q_B, Q_A)
+    expected = torch.diagonal(Q.T @ torch.kron(B, A) @ Q).reshape(3, 4)
+    torch.testing.assert_close(products, expected, rtol=1e-12, atol=1e-14)
+    identity = factor_products(basis_eigenvalues([Q_B, None], [B, A]), torch.Size([3, 4]))
+    Q = torch.kron(Q_B, torch.eye(4, dtype=torch.float64))
+    expected = torch.diagonal(Q.T @ torch.kron(B, A) @ Q).reshape(3, 4)
+    torch.testing.assert_close(identity, expected, rtol=1e-12, atol=1e-14)
+    bias = factor_products(basis_eigenvalues([Q_B], [B]), torch.Size([3, 1]))
+    torch.testing.assert_close(bias[:, 0], torch.diagonal(Q_B.T @ B @ Q_B), rtol=1e-12, atol=0)
+
+
+def _layer_and_batch():
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    layer = curvopt.extend(nn.Linear(4, 3).to(torch.float64))
+    x = 3 * torch.randn(16, 4, dtype=torch.float64, generator=generator)
+    y = torch.randint(0, 3, (16,), generator=generator)
+    return layer, curvopt.extend(nn.CrossEntropyLoss()), x, y
+
+
+@pytest.mark.parametrize("lr", [0.5, 5.0])
+def test_clipped_step_is_scaled_by_the_dense_kfac_trust_region(lr):
+    """Step 1 (in the eigenbasis of step 0's ``KFLR`` factors ``B, A``) of ``trust_metric="ggn"``
+    is the twin's unclipped step (``kl_clip=None``) times ``ν = min(1, sqrt(κ / (lr² Σ_p
+    vec(D_p)ᵀ (B ⊗ A + λ I) vec(D_p))))``, ``D_p`` the unclipped direction of the weight and
+    the bias (``B + λ I`` alone); step 0 is taken at ``lr = 0`` so that both are at one point."""
+    damping, kl_clip, deltas, factors = 1e-2, 1e-3, {}, {}
+    for name, options in (("ggn", {"trust_metric": "ggn"}), ("free", {"kl_clip": None})):
+        layer, lossfunc, x, y = _layer_and_batch()
+        opt = EKFAC(layer.parameters(), lr=0.0, damping=damping, curvature="kflr", **options)
+        with opt.collect():
+            lossfunc(layer(x), y).backward()
+        factors[name] = {p: [f.clone() for f in p.kflr] for p in (layer.weight, layer.bias)}
+        opt.step()
+        opt.param_groups[0]["lr"] = lr
+        before = [p.detach().clone() for p in layer.parameters()]
+        opt.zero_grad()
+        with opt.collect():
+            lossfunc(layer(x), y).backward()
+        opt.step()
+        deltas[name] = [b - p.detach() for b, p in zip(before, layer.parameters())]
+    for p, q in zip(factors["ggn"].values(), factors["free"].values()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    length = 0.0
+    for fs, delta in zip(factors["free"].values(), deltas["free"]):
+        direction = (delta / lr).reshape(-1)
+        kron = fs[0] if len(fs) == 1 else torch.kron(fs[0], fs[1])
+        metric = kron + damping * torch.eye(len(direction), dtype=torch.float64)
+        length += float(direction @ metric @ direction)
+    nu = min(1.0, math.sqrt(kl_clip / (lr**2 * length)))
+    assert nu < 1.0  # the trust region cuts this step: the test can tell the metrics apart
+    for clipped, free in zip(deltas["ggn"], deltas["free"]):
+        torch.testing.assert_close(clipped, nu * free, rtol=1e-10, atol=1e-14)
+
+
+def test_the_metric_follows_the_damping_as_the_curvature_interval_does():
+    """``trust_metric=None``: ``"ggn"`` under the default damping, ``"correction"`` (``gᵀd``,
+    the steps recorded before) with a damping given or ``basis_source="current"``; naming
+    ``"ggn"`` with ``basis_source="current"`` (which collects no factors of the last refresh)
+    raises, naming the fix."""
+    params = [nn.Parameter(torch.zeros(2, 2))]
+    assert trust_metric(EKFAC(params, 0.1).param_groups[0]) == "ggn"
+    assert trust_metric(EKFAC(params, 0.1, damping=1e-3).param_groups[0]) == "correction"
+    current = EKFAC(params, 0.1, basis_source="current").param_groups[0]
+    assert trust_metric(current) == "correction"
+    named = EKFAC(params, 0.1, damping=1e-3, trust_metric="ggn").param_groups[0]
+    assert trust_metric(named) == "ggn"
+    with pytest.raises(ValueError, match="trust_metric='ggn'.*basis_source='last_refresh'"):
+        EKFAC(params, 0.1, basis_source="current", trust_metric="ggn")
+    with pytest.raises(ValueError, match="trust_metric"):
+        EKFAC(params, 0.1, trust_metric="fisher")
+
+
+def test_correction_metric_is_the_gradient_product():
+    """``trust_metric="correction"`` clips by ``gᵀd`` as before: the same steps as the
+    default with a damping given, bit for bit."""
+    steps = []
+    for options in ({}, {"trust_metric": "correction"}):
+        layer, lossfunc, x, y = _layer_and_batch()
+        opt = EKFAC(layer.parameters(), lr=5.0, damping=1e-2, **options)
+        for _ in range(3):
+            opt.zero_grad()
+            with opt.collect():
+                lossfunc(layer(x), y).backward()
+            opt.step()
+        steps.append([p.detach().clone() for p in layer.parameters()])
+    for a, b in zip(*steps):
+        assert torch.equal(a, b)
