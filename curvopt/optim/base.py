@@ -142,7 +142,7 @@ class CurvatureOptimizer(Optimizer):
         self._group_state: list[dict[str, Any]] = []
         self._consumed: dict[torch.Tensor, dict[str, Any]] = {}
         self._loss_scale: LossScale = NONE
-        self._view = FullView()
+        self._view: LocalView | FullView = LocalView()  # FullView once a parameter is sharded
         #: ``(tensors, their ℓ2 norms)`` taken during the step being planned (``_unused``)
         self._normed: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         super().__init__(params, defaults)
@@ -427,6 +427,8 @@ class CurvatureOptimizer(Optimizer):
         self._normed = []
         sharded = any(is_sharded(p) for group in self.param_groups for p in group["params"])
         layout = self._sharded_layout() if self._distributed is not None else "whole"
+        if sharded and not isinstance(self._view, FullView):
+            self._view = FullView()
         view = self._view.of(self, layout) if sharded else contextlib.nullcontext()
         with view:  # FSDP2: the whole parameters' step, applied to the shards
             plans = [
@@ -517,9 +519,37 @@ class CurvatureOptimizer(Optimizer):
         self.__dict__.setdefault("_consumed", {})
         self.__dict__.setdefault("_distributed", None)
         self.__dict__.setdefault("_loss_scale", NONE)
-        self.__dict__.setdefault("_view", FullView())
+        self.__dict__.setdefault("_view", LocalView())
         self.__dict__.setdefault("_normed", [])
         self._arm(mode)
+
+
+class LocalView:
+    """The parameters as they are: what an FSDP2 :class:`FullView` answers with nothing
+    sharded (each parameter its own, no rows, no owner on another rank, nothing for the ranks
+    to agree on). An optimizer holds one until a step finds a sharded parameter and opens a
+    ``FullView``, so that a step without FSDP2 reads nothing of it."""
+
+    def sharded(self, param: torch.Tensor) -> torch.Tensor:
+        return param
+
+    def rows(self, param: torch.Tensor) -> None:
+        return None
+
+    def remote(self, param: torch.Tensor) -> bool:
+        return False
+
+    def whole_like(self, param: torch.Tensor) -> torch.Tensor:
+        return param
+
+    def rows_of(self, param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        return whole
+
+    def agreeing(self):
+        return contextlib.nullcontext()
+
+    def agreed(self, flags: list[bool]) -> list[bool]:
+        return flags
 
 
 def _layout_text(layout: dict[str, int] | None) -> str:
