@@ -93,6 +93,40 @@ def test_a_parameter_without_kronecker_factors_is_named_with_the_opt_in():
     assert "docs/support.md#no-kronecker-factors" in message
 
 
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        curvopt.optim.KFAC,
+        curvopt.optim.EKFAC,
+        curvopt.optim.DiagGGNNewton,
+        curvopt.optim.VarianceAdaptedSGD,
+    ],
+)
+def test_a_sparse_gradient_is_named_before_any_step(optimizer):
+    """``nn.Embedding(sparse=True)`` gives a sparse ``p.grad``: each optimizer names the
+    parameter and the dense option, where torch's own reshape or division error came out, and
+    changes no parameter."""
+    torch.manual_seed(0)
+    body = nn.Sequential(OrderedDict(emb=nn.Embedding(10, 4, sparse=True)))
+    model = curvopt.extend(
+        nn.Sequential(OrderedDict(body=body, flat=nn.Flatten(), head=nn.Linear(12, 3))).to(DT)
+    )
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    X, y = torch.randint(0, 10, (8, 3)), torch.randint(0, 3, (8,))
+    opt = optimizer(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def run():
+        opt.zero_grad()
+        with opt.collect():
+            lossfunc(model(X), y).backward()
+        opt.step()
+
+    message = raised(TypeError, run)
+    check(message, type(opt).__name__, "'body.emb.weight'", "sparse", "sparse=False")
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
 # ------------------------------------------------------------------------------- the loss
 @pytest.mark.parametrize("loss", [nn.CrossEntropyLoss, nn.MSELoss])
 def test_reduction_none_says_the_same_wherever_it_is_met(loss):

@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 from curvopt import extensions
 
 from curvopt.core import values
+from curvopt.core.extended import path_of
 from curvopt.core.sharded import is_sharded
 from curvopt.errors import in_optimizer_terms
 from curvopt.frontend.collect import collect
@@ -294,6 +295,13 @@ class CurvatureOptimizer(Optimizer):
             if param.grad is None:
                 unused.add(id(param))
                 continue
+            if param.grad.layout is not torch.strided:
+                raise TypeError(
+                    f"{type(self).__name__}: parameter '{path_of(param) or tuple(param.shape)}' "
+                    f"has a sparse gradient ({param.grad.layout}), which a curvature step cannot "
+                    "precondition. Build its module with dense gradients (nn.Embedding(..., "
+                    "sparse=False), the default)."
+                )
             used = self._consumed.get(param, {})
             if used and all(_left_unread(values.read(param, a), used.get(a)) for a in attrs):
                 stale.append(param)
