@@ -93,8 +93,10 @@ def basis_eigenvalues(
 
 def factor_products(eigenvalues: Sequence[torch.Tensor], shape: torch.Size) -> torch.Tensor:
     """``s_B s_Aᵀ`` (``s_B`` for one side) shaped as the correction ``S`` (``shape``): the
-    diagonal of ``Qᵀ (B ⊗ A) Q = diag(Q_Bᵀ B Q_B) ⊗ diag(Q_Aᵀ A Q_A)`` in the basis of ``S``."""
-    products = eigenvalues[0].unsqueeze(-1)
+    diagonal of ``Qᵀ (B ⊗ A) Q = diag(Q_Bᵀ B Q_B) ⊗ diag(Q_Aᵀ A Q_A)`` in the basis of ``S``;
+    for a grouped convolution's stacked ``[G, d]`` sides, one such product per group, in the
+    parameter's order ``[G, d_B, d_A]``."""
+    products = eigenvalues[0].unsqueeze(-1)  # [(G,) d_B, 1]
     if len(eigenvalues) == 2:
-        products = products * eigenvalues[1]
+        products = products * eigenvalues[1].unsqueeze(-2)  # [(G,) 1, d_A]: per group
     return products.reshape(shape)
