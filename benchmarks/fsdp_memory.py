@@ -35,28 +35,11 @@ from torch.distributed.fsdp import fully_shard
 import curvopt
 from curvopt.optim import KFAC, DiagGGNNewton
 from curvopt.optim.distributed import state_nbytes
-from fixtures.zoo import Block
+from fixtures.zoo import TwoBlockGPT
 
 STEPS = 3
 N = 8  # the global batch
 DT = torch.float64
-
-
-class TwoBlockGPT(nn.Module):
-    """Token and position embeddings, two causal blocks, a final LayerNorm and a head tied to
-    the token embedding (``tests/test_fsdp2.py``'s GPT)."""
-
-    def __init__(self, vocab=7, d=8, heads=2, t_max=4):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(t_max, d)
-        self.blocks = nn.Sequential(*(Block(d, heads, causal=True) for _ in range(2)))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.tok.weight
-
-    def forward(self, idx):
-        h = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-        return self.head(self.ln_f(self.blocks(h))).flatten(0, 1)
 
 
 #: the GPTs' vocabulary, width, heads and tokens

@@ -44,7 +44,7 @@ from curvopt.optim.distributed import state_nbytes
 from curvopt.optim.distributed.fsdp import local_rows
 from curvopt.optim.distributed.owners import owners_of
 from distributed_harness import run_rank, spawn_ranks
-from fixtures.zoo import Block
+from fixtures.zoo import TwoBlockGPT
 
 DT = torch.float64
 N = 8  # the global batch: shards of 4 (2 ranks) and 2 (4 ranks)
@@ -52,23 +52,6 @@ FIRST_ORDER = ("grad_batch", "batch_l2", "sum_grad_squared", "variance")
 
 
 # ----------------------------------------------------------------------------- models
-class TwoBlockGPT(nn.Module):
-    """Token and position embeddings, two causal blocks, a final LayerNorm and a head tied to
-    the token embedding (``head.weight is tok.weight``)."""
-
-    def __init__(self, vocab=7, d=8, heads=2, t_max=4):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(t_max, d)
-        self.blocks = nn.Sequential(*(Block(d, heads, causal=True) for _ in range(2)))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.tok.weight
-
-    def forward(self, idx):
-        h = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-        return self.head(self.ln_f(self.blocks(h))).flatten(0, 1)
-
-
 def build(name: str) -> nn.Module:
     """The model ``name``, initialised from seed 0 (the same on every rank)."""
     torch.manual_seed(0)
