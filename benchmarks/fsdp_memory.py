@@ -1,9 +1,10 @@
 """Memory of the optimizer's state per rank under FSDP2: kept by each layer's owner, or whole.
 
 The MLP, CNN and two-block GPT (tied head) of ``tests/test_fsdp2.py`` and a wider GPT
-(``--wide``: vocabulary 512, width 128, 4 heads, 16 tokens) are sharded by ``fully_shard`` over
-K gloo ranks on this machine and stepped by ``KFAC`` (KFLR, momentum) and ``DiagGGNNewton``
-(exact, momentum), float64, a global batch of 8. Each rank reports after the steps:
+(``wide``: vocabulary 512, width 128, 4 heads, 16 tokens), all from ``fixtures.sharded_models``,
+are sharded by ``fully_shard`` over K gloo ranks on this machine and stepped by ``KFAC`` (KFLR,
+momentum) and ``DiagGGNNewton`` (exact, momentum), float64, a global batch of 8. Each rank
+reports after the steps:
 
 * ``state``: bytes of the tensors in its ``opt.state`` (``curvopt.optim.distributed.state_nbytes``),
 * ``peak_rss``: the growth of the process's peak resident set from just before the optimizer
@@ -30,62 +31,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 
 import curvopt
 from curvopt.optim import KFAC, DiagGGNNewton
 from curvopt.optim.distributed import state_nbytes
-from fixtures.zoo import TwoBlockGPT
+from fixtures.sharded_models import build, global_batch, rank_shard, shard
 
 STEPS = 3
-N = 8  # the global batch
-DT = torch.float64
-
-
-#: the GPTs' vocabulary, width, heads and tokens
-GPTS = {"gpt": (7, 8, 2, 4), "wide": (512, 128, 4, 16)}
-
-
-def model_of(name: str) -> nn.Module:
-    """The model ``name`` from seed 0 (the tests' MLP, CNN and GPT, and the wide GPT)."""
-    torch.manual_seed(0)
-    if name == "mlp":
-        return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 5)).to(DT)
-    if name == "cnn":
-        layers = (nn.Conv2d(2, 5, 3), nn.ReLU(), nn.Flatten(), nn.Linear(5 * 2 * 2, 3))
-        return nn.Sequential(*layers).to(DT)
-    vocab, d, heads, t_max = GPTS[name]
-    return TwoBlockGPT(vocab, d, heads, t_max).to(DT)
-
-
-def batch_of(name: str, rank: int, world: int):
-    """The rank's shard of the global batch of ``name``."""
-    g = torch.Generator().manual_seed(1)
-    if name == "mlp":
-        X, y = torch.randn(N, 6, generator=g, dtype=DT), torch.randint(0, 5, (N,), generator=g)
-    elif name == "cnn":
-        X = torch.randn(N, 2, 4, 4, generator=g, dtype=DT)
-        y = torch.randint(0, 3, (N,), generator=g)
-    else:
-        vocab, _, _, t_max = GPTS[name]
-        tokens = torch.randint(0, vocab, (N, t_max + 1), generator=g)
-        X, y = tokens[:, :-1], tokens[:, 1:]
-    n = N // world
-    X, y = X[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
-    return X, y.reshape(-1)
-
-
-def shard(model: nn.Module, name: str) -> None:
-    """``fully_shard`` as the tests apply it: per layer (the GPT: per block) and the root."""
-    if name == "mlp":
-        fully_shard(model[0])
-    elif name == "cnn":
-        fully_shard(model[0])
-        fully_shard(model[3])
-    else:
-        for block in model.blocks:
-            fully_shard(block)
-    fully_shard(model)
 
 
 class WholeKFAC(KFAC):
@@ -110,11 +62,11 @@ def measure(rank: int, world: int, name: str, optimizer: str, layout: str) -> di
     """One rank's figures for one configuration (K = 1: one process, unsharded)."""
     owned, whole, options = OPTIMIZERS[optimizer]
     make = owned if layout == "owned" else whole
-    model = curvopt.extend(model_of(name))
+    model = curvopt.extend(build(name))
     if world > 1:
         shard(model, name)
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
-    X, y = batch_of(name, rank, world)
+    X, y = rank_shard(*global_batch(name), rank, world)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     opt = make(model.parameters(), momentum=0.5, **options)
     for _ in range(STEPS):

@@ -125,34 +125,37 @@ def prepared(repeats=30):
     print("\n| problem | case | plain ms | first pass ms | later pass ms | first / later |")
     print("|---|---|---|---|---|---|")
     for name, n in (("deep_narrow", 8), ("3c3d", 64)):
-        model, X, y, lossfunc = PROBLEMS[name].resized(n).build()
-        model, X, y = model.cuda(), X.cuda(), y.cuda()
-        plain = copy.deepcopy(model)
-        curvopt.extend(model)
-        lossfunc = curvopt.extend(lossfunc)
+        _prepared_rows(name, n, repeats)
 
-        def plain_step():
-            plain.zero_grad()
-            lossfunc(plain(X), y).backward()
 
-        for e in (ext.BatchGrad(), ext.KFAC(), ext.DiagGGNExact()):
+def _prepared_rows(name: str, n: int, repeats: int):
+    """The rows of :func:`prepared` for problem ``name`` at batch ``n``."""
+    model, X, y, lossfunc = PROBLEMS[name].resized(n).build()
+    model, X, y = model.cuda(), X.cuda(), y.cuda()
+    plain = copy.deepcopy(model)
+    curvopt.extend(model)
+    lossfunc = curvopt.extend(lossfunc)
 
-            def step(e=e):
-                model.zero_grad()
-                with curvopt.collect(e):
-                    lossfunc(model(X), y).backward()
+    def plain_step():
+        plain.zero_grad()
+        lossfunc(plain(X), y).backward()
 
-            for _ in range(3):
-                step()
-                plain_step()
-            base = _median_ms(plain_step, repeats)
-            first = _median_ms(step, repeats, before=plan_cache().clear)
-            later = _median_ms(step, repeats)
-            label = type(e).__name__
-            print(
-                f"| {name} | {label} | {base:.2f} | {first:.2f} | {later:.2f} | "
-                f"{first / later:.2f} |"
-            )
+    for e in (ext.BatchGrad(), ext.KFAC(), ext.DiagGGNExact()):
+
+        def step(e=e):
+            model.zero_grad()
+            with curvopt.collect(e):
+                lossfunc(model(X), y).backward()
+
+        for _ in range(3):
+            step()
+            plain_step()
+        base = _median_ms(plain_step, repeats)
+        first = _median_ms(step, repeats, before=plan_cache().clear)
+        later = _median_ms(step, repeats)
+        label = type(e).__name__
+        ratio = first / later
+        print(f"| {name} | {label} | {base:.2f} | {first:.2f} | {later:.2f} | {ratio:.2f} |")
 
 
 if __name__ == "__main__":

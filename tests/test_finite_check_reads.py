@@ -74,17 +74,17 @@ def test_a_plain_step_norms_each_gradient_parameter_and_step_once(optimizer, mon
     model, lossfunc = _model()
     opt = optimizer(model.parameters(), lr=0.1, curvature_interval=5)
     X, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    read = []
+    foreach_norm = torch._foreach_norm
+
+    def counted(tensors, *args, **kwargs):
+        read.extend(id(t) for t in tensors)
+        return foreach_norm(tensors, *args, **kwargs)
+
     for _ in range(2):  # a refresh, then a plain step
         opt.zero_grad()
         lossfunc(model(X), y).backward()
         if opt._group_state[0]["step"] == 1:
-            read = []
-            foreach_norm = torch._foreach_norm
-
-            def counted(tensors, *args, **kwargs):
-                read.extend(id(t) for t in tensors)
-                return foreach_norm(tensors, *args, **kwargs)
-
             monkeypatch.setattr(torch, "_foreach_norm", counted)
         opt.step()
     monkeypatch.undo()

@@ -44,51 +44,9 @@ from curvopt.optim.distributed import state_nbytes
 from curvopt.optim.distributed.fsdp import local_rows
 from curvopt.optim.distributed.owners import owners_of
 from distributed_harness import run_rank, spawn_ranks
-from fixtures.zoo import TwoBlockGPT
+from fixtures.sharded_models import N, build, global_batch, rank_shard, shard
 
-DT = torch.float64
-N = 8  # the global batch: shards of 4 (2 ranks) and 2 (4 ranks)
 FIRST_ORDER = ("grad_batch", "batch_l2", "sum_grad_squared", "variance")
-
-
-# ----------------------------------------------------------------------------- models
-def build(name: str) -> nn.Module:
-    """The model ``name``, initialised from seed 0 (the same on every rank)."""
-    torch.manual_seed(0)
-    if name == "mlp":
-        model = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 5))
-    elif name == "cnn":
-        model = nn.Sequential(nn.Conv2d(2, 5, 3), nn.ReLU(), nn.Flatten(), nn.Linear(5 * 2 * 2, 3))
-    else:
-        model = TwoBlockGPT()
-    return model.to(DT)
-
-
-def batch(name: str):
-    """The global batch of model ``name`` (the same on every rank) and its loss."""
-    g = torch.Generator().manual_seed(1)
-    if name == "mlp":
-        return torch.randn(N, 6, generator=g, dtype=DT), torch.randint(0, 5, (N,), generator=g)
-    if name == "cnn":
-        X = torch.randn(N, 2, 4, 4, generator=g, dtype=DT)
-        return X, torch.randint(0, 3, (N,), generator=g)
-    tokens = torch.randint(0, 7, (N, 5), generator=g)
-    return tokens[:, :-1], tokens[:, 1:].reshape(-1)  # the GPT's logits are [N·T, V]
-
-
-def shard(model: nn.Module, name: str) -> None:
-    """``fully_shard`` on the layers (the GPT: on each block) and on the root. The MLP's
-    last layer is left to the root, whose parameters FSDP2 keeps unsharded after the forward:
-    the backward pass then sees them gathered."""
-    if name == "mlp":
-        fully_shard(model[0])
-    elif name == "cnn":
-        fully_shard(model[0])
-        fully_shard(model[3])
-    else:
-        for block in model.blocks:
-            fully_shard(block)
-    fully_shard(model)
 
 
 class Rank:
@@ -96,11 +54,8 @@ class Rank:
         self.rank, self.world, self.outdir = rank, world, outdir
 
     def mine(self, X, y):
-        """This rank's contiguous shard of a batch (GPT targets: ``T`` rows per sample)."""
-        n = N // self.world
-        rows = y.shape[0] // X.shape[0]
-        start, stop = self.rank * n, (self.rank + 1) * n
-        return X[start:stop], y[start * rows : stop * rows]
+        """This rank's contiguous shard of a global batch."""
+        return rank_shard(X, y, self.rank, self.world)
 
 
 # ----------------------------------------------------------------------------- scenarios
@@ -114,7 +69,7 @@ def _quantities(rank: Rank, order: str) -> dict:
     if order == "after":
         curvopt.extend(model)
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
-    X, y = rank.mine(*batch("mlp"))
+    X, y = rank.mine(*global_batch("mlp"))
     exts = (ext.BatchGrad(), ext.BatchL2Grad(), ext.SumGradSquared(), ext.Variance())
     with curvopt.collect(*exts):
         lossfunc(model(X), y).backward()
@@ -160,7 +115,7 @@ def _tied_reductions(rank: Rank) -> dict:
     shard(model, "gpt")
     curvopt.extend(reference)
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
-    X, y = rank.mine(*batch("gpt"))
+    X, y = rank.mine(*global_batch("gpt"))
     attrs = ("batch_l2", "sum_grad_squared", "variance")
     exts = (ext.BatchL2Grad(), ext.SumGradSquared(), ext.Variance())
     for net in (model, reference):
@@ -236,7 +191,7 @@ def _optimizer(rank: Rank, name: str, optimizer: str) -> dict:
     opt = OPTIMIZERS[optimizer](model.parameters(), **options)
     curvopt.extend(reference)
     opt_reference = OPTIMIZERS[optimizer](reference.parameters(), process_group=False, **options)
-    X, y = batch(name)
+    X, y = global_batch(name)
     X_mine, y_mine = rank.mine(X, y)
     first = None  # the largest deviation after the first step
     for _ in range((EKFAC_STEPS if optimizer.startswith("ekfac") else STEPS)[name]):
@@ -289,7 +244,7 @@ def _two_dimensional_mesh(rank: Rank) -> str:
     before = [p.full_tensor().clone() for p in model.parameters()]
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
     opt = OPTIMIZERS["kfac"](model.parameters())
-    X, y = rank.mine(*batch("mlp"))
+    X, y = rank.mine(*global_batch("mlp"))
     with opt.collect():
         lossfunc(model(X), y).backward()
     with pytest.raises(NotImplementedError) as error:
@@ -326,7 +281,7 @@ def _steps(rank: Rank, model, opt, steps: range) -> list:
     """``steps`` of ``opt`` on the rank's shard of a batch per step; the whole parameters
     after each."""
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
-    X, y = batch("mlp")
+    X, y = global_batch("mlp")
     after = []
     for step in steps:
         order = torch.randperm(N, generator=torch.Generator().manual_seed(step))
@@ -409,7 +364,7 @@ def _failure(rank: Rank) -> dict:
     first, *rest = model.parameters()  # the first layer's weight alone undamped
     groups = [{"params": [first], "damping": 0.0}, {"params": rest}]
     opt = KFAC(groups, lr=0.3, damping=1e-2, curvature="kflr")
-    X, y = batch("mlp")
+    X, y = global_batch("mlp")
     X = X.clone()
     X[:, 0] = 0  # the input factor of the first layer is singular: no inverse without damping
     X_mine, y_mine = rank.mine(X, y)
@@ -447,7 +402,7 @@ def _variance_adapted(rank: Rank, case: str) -> dict:
     options = {"lr": 0.2, "momentum": 0.5, "weight_decay": 1e-3}
     opt = VarianceAdaptedSGD(model.parameters(), **options)
     opt_reference = VarianceAdaptedSGD(reference.parameters(), **options, process_group=False)
-    X, y = batch(name)
+    X, y = global_batch(name)
     X_mine, y_mine = rank.mine(X, y)
     norms = []
     for _ in range(2):
@@ -611,7 +566,7 @@ def test_each_rank_keeps_only_its_own_layers_curvature_under_fsdp2(ranks, optimi
     world = len(ranks)
     for rank, result in enumerate(ranks):
         layout = result[f"{optimizer}_{name}"]["state"]
-        for owner, keys, momentum, shard in zip(
+        for owner, keys, momentum, shard_shape in zip(
             layout["owners"], layout["keys"], layout["momentum"], layout["shard"]
         ):
             if owner == rank:
@@ -619,7 +574,7 @@ def test_each_rank_keeps_only_its_own_layers_curvature_under_fsdp2(ranks, optimi
             else:
                 assert set(keys) <= {"curvature_owner", "momentum"}, keys
             if "momentum" in keys:
-                assert momentum == shard, (momentum, shard)
+                assert momentum == shard_shape, (momentum, shard_shape)
         assert len(set(layout["owners"])) == min(world, len(layout["owners"]))
         assert layout["bytes_all_ranks"] == layout["one_process"], layout
         assert layout["bytes"] < layout["one_process"], layout
