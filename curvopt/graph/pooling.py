@@ -3,7 +3,11 @@
 ``vmap`` has no batching rule for torch's max-pool backward, so columns would cross a graph
 with max pooling one at a time. The pooling's transposed Jacobian is known instead: each entry
 of a column goes to the input position of its window's maximum (the node's saved indices,
-``torch_internals.max_pool_transpose``), for all columns in one ``scatter_add``.
+``torch_internals.max_pool_transpose``), for all columns in one ``scatter_add``. The constant
+padding before a 'same' pooling or convolution (``F.pad``, ``nn.ZeroPad2d``) is crossed the same
+way where the stages allow it: ``vmap`` runs its backward column by column and stacks the
+results, its transpose crops all columns at once (``torch_internals.pad_transpose``). Below,
+"pooling" stands for both.
 
 Columns then travel in stages (:func:`across_pools`), as across reentrant checkpoints
 (``checkpointing``): a *region* is what autograd reaches from a root without passing a max-pool
@@ -34,7 +38,13 @@ from torch.autograd.graph import GradientEdge
 
 from curvopt.graph.checkpointing import reach
 from curvopt.graph.search import search
-from curvopt.autograd.torch_internals import MAX_POOL, NO_BATCHING_RULE, max_pool_transpose
+from curvopt.autograd.torch_internals import (
+    CONSTANT_PAD,
+    MAX_POOL,
+    NO_BATCHING_RULE,
+    max_pool_transpose,
+    pad_transpose,
+)
 
 
 class _Stage:
@@ -63,11 +73,22 @@ def pool_stages(root, edges, walk) -> Optional[List[_Stage]]:
 
 
 def _stages(node, edges, walk) -> Optional[List[_Stage]]:
-    """:func:`pool_stages` from the root node ``node``, made."""
+    """:func:`pool_stages` from the root node ``node``, made: across the max poolings and the
+    constant paddings, or, where a path goes around a padding, across the max poolings alone
+    (the paddings' backward then runs batched inside the stages, as ``vmap`` runs it)."""
     pools = {n for n in walk.edges if type(n).__name__ in MAX_POOL}
     others = (n for n in walk.edges if n not in pools)
     if not pools or any(type(n).__name__ in NO_BATCHING_RULE for n in others):
         return None
+    pads = {n for n in walk.edges if type(n).__name__ == CONSTANT_PAD}
+    return (pads and _crossing(node, edges, walk, pools | pads)) or _crossing(
+        node, edges, walk, pools
+    )
+
+
+def _crossing(node, edges, walk, pools) -> Optional[List[_Stage]]:
+    """The stages from ``node`` to ``edges`` across the nodes ``pools``, or ``None`` where a
+    path goes around one of them."""
     stages = {None: _Stage(None, None, [node], walk, pools)}
     feeders, todo = {}, [None]
     while todo:
@@ -103,6 +124,14 @@ def _upstream(pools, nexts) -> set:
     return set(search(starts, lambda node: [fn for fn, _ in nexts(node)]))
 
 
+def _transpose(node, columns: torch.Tensor) -> torch.Tensor:
+    """``J^T`` of a crossed node on ``columns`` ``[k, *out]``: a padding's crop or a max
+    pooling's scatter."""
+    if type(node).__name__ == CONSTANT_PAD:
+        return pad_transpose(node, columns)
+    return max_pool_transpose(node, columns)
+
+
 def across_pools(grad, stages, root, edges, columns):
     """``grad(outputs, inputs, columns, batched)`` (autograd's batched ``J^T``, ``[k, *edge]``
     per input or ``None``) from ``root`` (columns ``[k, *root]``) to ``edges`` in ``stages``
@@ -117,7 +146,7 @@ def across_pools(grad, stages, root, edges, columns):
             if arrived is None or stage.start[0] is None:
                 continue
             roots = [GradientEdge(*stage.start)]
-            cols = [max_pool_transpose(stage.pool, arrived)]
+            cols = [_transpose(stage.pool, arrived)]
         asks = [edges[j] for j in stage.wanted] + [GradientEdge(p, 0) for p in stage.meets]
         if not asks:
             continue
