@@ -241,6 +241,18 @@ class SamePadded(nn.Module):
         return self.fc(F.pad(h, (0, -1, -1, 0)).flatten(1))  # [N, 2, 3, 3]
 
 
+def _direct_padded():
+    """A convolution's output padded directly (the padding's input is a module output)."""
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3),
+        nn.ZeroPad2d((0, 1, 0, 1)),
+        nn.MaxPool2d(3, stride=2),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(3 * 4 * 4, CLASSES),
+    )
+
+
 class AroundPad(SamePadded):
     """A path around a padding (a padded and cropped copy added to the tensor itself)."""
 
@@ -268,9 +280,10 @@ def _run_counting_pads(plain, x, lossfunc, y, *extensions):
     """Two passes; ``(model, runs of the paddings' backward in the second pass, paddings)``."""
     model = extended_copy(plain)
     loss = curvopt.extend(lossfunc)
+    runs = [0]
     for _ in range(2):
         out = model(x)
-        pads, runs = _named_nodes(out, torch_internals.CONSTANT_PAD), [0]
+        pads, runs[0] = _named_nodes(out, torch_internals.CONSTANT_PAD), 0
         for node in pads:
             node.register_prehook(lambda grads: runs.__setitem__(0, runs[0] + 1))
         with curvopt.collect(*extensions):
@@ -299,8 +312,9 @@ def _padded_problem(make):
     return plain, x, torch.randint(0, CLASSES, (N,), generator=gen), nn.CrossEntropyLoss()
 
 
-def test_columns_cross_constant_padding_at_once_and_exactly(crops, scatters):
-    plain, x, y, lossfunc = _padded_problem(SamePadded)
+@pytest.mark.parametrize("make, paddings", [(SamePadded, 3), (_direct_padded, 1)])
+def test_columns_cross_constant_padding_at_once_and_exactly(make, paddings, crops, scatters):
+    plain, x, y, lossfunc = _padded_problem(make)
     _, per_sample = ggn_reference(plain, lossfunc, x, y)
     expected = kronecker(plain, lossfunc, x, y)
     model, runs, pads = _run_counting_pads(
@@ -313,7 +327,7 @@ def test_columns_cross_constant_padding_at_once_and_exactly(crops, scatters):
     for key, (b, a) in expected.items():
         assert_close(modules[key].weight.kflr[0], b, f"{key} B")
         assert_close(modules[key].weight.kflr[1], a, f"{key} A")
-    assert pads == 3 and runs == pads  # each padding's backward ran once: the loss's own
+    assert pads == paddings and runs == pads  # each padding's backward ran once: the loss's
     assert crops and min(crops) > 1 and scatters  # all columns of a chunk at once
 
 

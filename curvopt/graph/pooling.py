@@ -62,9 +62,9 @@ class _Stage:
 
 def pool_stages(root, edges, walk) -> Optional[List[_Stage]]:
     """The stages from ``root`` (a tensor or edge) to ``edges`` across the max-pool (and
-    constant-pad) nodes of ``walk`` (``walk.Walk``), each after every stage that feeds it; ``None`` where there is no
-    pooling to cross or the stages would not be exact and batched (module doc). Made once per
-    walk, root and edges (kept in ``walk.pool_stages``)."""
+    constant-pad) nodes of ``walk`` (``walk.Walk``), each after every stage that feeds it;
+    ``None`` where there is no pooling to cross or the stages would not be exact and batched
+    (module doc). Made once per walk, root and edges (kept in ``walk.pool_stages``)."""
     node = root.grad_fn if isinstance(root, torch.Tensor) else root.node
     key = (node, root.output_nr, tuple(edges))
     if key not in walk.pool_stages:
