@@ -135,30 +135,40 @@ def _transpose(node, columns: torch.Tensor) -> torch.Tensor:
 def across_pools(grad, stages, root, edges, columns):
     """``grad(outputs, inputs, columns, batched)`` (autograd's batched ``J^T``, ``[k, *edge]``
     per input or ``None``) from ``root`` (columns ``[k, *root]``) to ``edges`` in ``stages``
-    (:func:`pool_stages`): one batched call per stage, the poolings by their indices."""
+    (:func:`pool_stages`): one batched call per stage, the poolings by their indices. The
+    columns arrived at a pooling are let go once its stage has taken them (unless an edge asks
+    for them), so a stage holds no earlier stage's columns."""
     result = [None] * len(edges)
     pending = {}  # pooling node -> the columns arrived at its output
+    kept = {edge.node for edge in edges}  # poolings whose output an edge asks for
     for stage in stages:
-        if stage.pool is None:
-            roots, cols = [root], [columns]
-        else:
-            arrived = pending.get(stage.pool)
-            if arrived is None or stage.start[0] is None:
-                continue
-            roots = [GradientEdge(*stage.start)]
-            cols = [_transpose(stage.pool, arrived)]
-        asks = [edges[j] for j in stage.wanted] + [GradientEdge(p, 0) for p in stage.meets]
-        if not asks:
-            continue
-        found = grad(roots, asks, cols, True)
-        for j, v in zip(stage.wanted, found):
-            if v is not None:
-                result[j] = v if result[j] is None else result[j] + v
-        for pool, v in zip(stage.meets, found[len(stage.wanted) :]):
-            if v is not None:
-                old = pending.get(pool)
-                pending[pool] = v if old is None else old + v
+        _run_stage(grad, stage, root, columns, edges, result, pending, kept)
     for j, edge in enumerate(edges):  # an edge into a pooling: all that arrived there
         if edge.node in pending:
             result[j] = pending[edge.node]
     return result
+
+
+def _run_stage(grad, stage, root, columns, edges, result, pending, kept) -> None:
+    """One stage of :func:`across_pools`: its batched call, its edges' columns added into
+    ``result`` and those of the poolings it meets into ``pending``."""
+    if stage.pool is None:
+        roots, cols = [root], [columns]
+    else:
+        taken = pending.get if stage.pool in kept else pending.pop
+        arrived = taken(stage.pool, None)
+        if arrived is None or stage.start[0] is None:
+            return
+        roots, cols = [GradientEdge(*stage.start)], [_transpose(stage.pool, arrived)]
+        del arrived
+    asks = [edges[j] for j in stage.wanted] + [GradientEdge(p, 0) for p in stage.meets]
+    if not asks:
+        return
+    found = grad(roots, asks, cols, True)
+    for j, v in zip(stage.wanted, found):
+        if v is not None:
+            result[j] = v if result[j] is None else result[j] + v
+    for pool, v in zip(stage.meets, found[len(stage.wanted) :]):
+        if v is not None:
+            old = pending.get(pool)
+            pending[pool] = v if old is None else old + v
