@@ -222,3 +222,134 @@ def test_max_pool_transpose_is_the_pooling_backward(pool):
         expected = node(c)  # the pooling's own backward, one column
         expected = expected[0] if isinstance(expected, tuple) else expected
         torch.testing.assert_close(g, expected, rtol=0, atol=0)
+
+
+class SamePadded(nn.Module):
+    """DeepOBS 3C3D's 'same' layers: a ``ZeroPad2d`` before a max pooling and before a
+    convolution, and a crop (a negative pad) before the head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(2, 3, 3), nn.Conv2d(3, 2, 3)
+        self.pool = nn.Sequential(nn.ZeroPad2d((0, 1, 0, 1)), nn.MaxPool2d(3, stride=2))
+        self.same = nn.ZeroPad2d(1)
+        self.fc = nn.Linear(2 * 3 * 3, CLASSES)
+
+    def forward(self, x):
+        h = self.pool(torch.relu(self.conv1(x)))  # [N, 3, 4, 4]
+        h = torch.sigmoid(self.conv2(self.same(h)))  # [N, 2, 4, 4]
+        return self.fc(F.pad(h, (0, -1, -1, 0)).flatten(1))  # [N, 2, 3, 3]
+
+
+def _direct_padded():
+    """A convolution's output padded directly (the padding's input is a module output)."""
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3),
+        nn.ZeroPad2d((0, 1, 0, 1)),
+        nn.MaxPool2d(3, stride=2),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(3 * 4 * 4, CLASSES),
+    )
+
+
+class AroundPad(SamePadded):
+    """A path around a padding (a padded and cropped copy added to the tensor itself)."""
+
+    def forward(self, x):
+        h = torch.relu(self.conv1(x))
+        h = h + F.pad(h, (1, 1, 1, 1))[..., 1:-1, 1:-1]
+        h = F.max_pool2d(h, 2)  # [N, 3, 4, 4]
+        return self.fc(torch.tanh(self.conv2(self.same(h)))[..., 1:, 1:].flatten(1))
+
+
+def _named_nodes(out, name):
+    found, stack, seen = [], [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == name:
+            found.append(node)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return found
+
+
+def _run_counting_pads(plain, x, lossfunc, y, *extensions):
+    """Two passes; ``(model, runs of the paddings' backward in the second pass, paddings)``."""
+    model = extended_copy(plain)
+    loss = curvopt.extend(lossfunc)
+    runs = [0]
+    for _ in range(2):
+        out = model(x)
+        pads, runs[0] = _named_nodes(out, torch_internals.CONSTANT_PAD), 0
+        for node in pads:
+            node.register_prehook(lambda grads: runs.__setitem__(0, runs[0] + 1))
+        with curvopt.collect(*extensions):
+            loss(out, y).backward()
+    return model, runs[0], len(pads)
+
+
+@pytest.fixture
+def crops(monkeypatch):
+    calls = []
+    plain = pooling.pad_transpose
+
+    def counted(node, columns):
+        calls.append(columns.shape[0])
+        return plain(node, columns)
+
+    monkeypatch.setattr(pooling, "pad_transpose", counted)
+    return calls
+
+
+def _padded_problem(make):
+    torch.manual_seed(0)
+    plain = make().to(DT)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(N, 2, 10, 10, dtype=DT, generator=gen)
+    return plain, x, torch.randint(0, CLASSES, (N,), generator=gen), nn.CrossEntropyLoss()
+
+
+@pytest.mark.parametrize("make, paddings", [(SamePadded, 3), (_direct_padded, 1)])
+def test_columns_cross_constant_padding_at_once_and_exactly(make, paddings, crops, scatters):
+    plain, x, y, lossfunc = _padded_problem(make)
+    _, per_sample = ggn_reference(plain, lossfunc, x, y)
+    expected = kronecker(plain, lossfunc, x, y)
+    model, runs, pads = _run_counting_pads(
+        plain, x, lossfunc, y, ext.DiagGGNExact(), ext.BatchDiagGGNExact(), ext.KFLR()
+    )
+    for key, p in trainable(model).items():
+        assert_close(p.diag_ggn_exact_batch, per_sample[key], key)
+        assert_close(p.diag_ggn_exact, per_sample[key].sum(0), key)
+    modules = dict(model.named_modules())
+    for key, (b, a) in expected.items():
+        assert_close(modules[key].weight.kflr[0], b, f"{key} B")
+        assert_close(modules[key].weight.kflr[1], a, f"{key} A")
+    assert pads == paddings and runs == pads  # each padding's backward ran once: the loss's
+    assert crops and min(crops) > 1 and scatters  # all columns of a chunk at once
+
+
+def test_a_path_around_a_padding_keeps_the_poolings_staged_and_exact(crops, scatters):
+    plain, x, y, lossfunc = _padded_problem(AroundPad)
+    _, per_sample = ggn_reference(plain, lossfunc, x, y)
+    model, runs, pads = _run_counting_pads(plain, x, lossfunc, y, ext.DiagGGNExact())
+    for key, p in trainable(model).items():
+        assert_close(p.diag_ggn_exact, per_sample[key].sum(0), key)
+    assert not crops and runs > pads  # the paddings' backward ran for the columns
+    assert scatters and min(scatters) > 1  # the pooling still crossed by its indices
+
+
+@pytest.mark.parametrize("pad", [(1, 2), (0, 1, 2, 0), (-1, 1, 0, -2), (1, 1, 1, 1, 1, 0)])
+def test_pad_transpose_is_the_padding_backward(pad):
+    """Each of ``k`` columns cropped (or, for a negative pad, padded back) equals the padding's
+    own backward."""
+    x = torch.randn(2, 3, 5, 6, dtype=DT, requires_grad=True)
+    node = F.pad(x, pad).grad_fn
+    assert type(node).__name__ == torch_internals.CONSTANT_PAD
+    columns = torch.randn(4, *F.pad(x, pad).shape, dtype=DT)
+    got = torch_internals.pad_transpose(node, columns)
+    assert got.shape == (4, *x.shape)
+    for c, g in zip(columns, got):
+        torch.testing.assert_close(g, node(c), rtol=0, atol=0)

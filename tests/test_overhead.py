@@ -101,6 +101,14 @@ def test_cli_batch_option_and_json(tmp_path, capsys):
     assert payload["problems"]["logreg"]["description"].endswith("N=4")
 
 
+def test_cli_profile_runs_at_the_batch_asked_for(capsys):
+    argv = ["--profile", "logreg:BatchGrad", "--batch", "3", "--threads", "1"]
+    assert cli.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "logreg:BatchGrad:curvopt" in table
+    assert "[3, 784]" in table and "[64, 784]" not in table
+
+
 def test_cli_explains_the_targets_below_the_table(capsys):
     """The ✓/✗ marks come with their meaning (the main job prints this table too); with another
     batch size there are no targets and no explanation."""

@@ -17,6 +17,7 @@ GENERATED = {
     "BROADCASTING_OPS": ti.BROADCASTING_OPS,
     "NO_BATCHING_RULE": ti.NO_BATCHING_RULE,
     "MAX_POOL": set(ti.MAX_POOL),
+    "CONSTANT_PAD": {ti.CONSTANT_PAD},
     "FROZEN_PRODUCTS": set(ti.FROZEN_PRODUCTS),
     "DATA_INDEXING": ti.DATA_INDEXING,
     "LINEAR_OPS": ti.LINEAR_OPS,
@@ -72,6 +73,7 @@ GRAPHS = [
     (lambda: F.max_pool2d(_x(1, 1, 4, 4), 2), ti.NO_BATCHING_RULE, "MaxPool2DWithIndicesBackward0"),
     (lambda: F.max_pool1d(_x(1, 1, 4), 2), ti.NO_BATCHING_RULE, "MaxPool2DWithIndicesBackward0"),
     (lambda: F.max_pool3d(_x(1, 1, 2, 4, 4), 2), set(ti.MAX_POOL), "MaxPool3DWithIndicesBackward0"),
+    (lambda: F.pad(_x(1, 2, 3), (1, -1)), {ti.CONSTANT_PAD}, "ConstantPadNdBackward0"),
     (lambda: F.linear(_x(2, 3, 4), _frozen(5, 4)), set(ti.FROZEN_PRODUCTS), "MmBackward0"),
     (
         lambda: F.linear(_x(2, 3, 4), _frozen(5, 4), _frozen(5)),

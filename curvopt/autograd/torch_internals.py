@@ -121,6 +121,14 @@ def max_pool_transpose(node, columns: torch.Tensor) -> torch.Tensor:
     return out.view(k, *shape)
 
 
+def pad_transpose(node, columns: torch.Tensor) -> torch.Tensor:
+    """``J^T`` of the constant padding of ``node`` (a ``CONSTANT_PAD`` node, ``F.pad`` or
+    ``nn.ZeroPad2d``) on ``columns`` ``[k, *out]``: ``[k, *in]``, the padded borders cut off
+    (a negative pad, a crop, comes back as zeros). The pad acts on the trailing dims only, so
+    all ``k`` columns go at once, exactly (entries are moved, never summed)."""
+    return torch.constant_pad_nd(columns, [-p for p in saved(node, "pad")])
+
+
 # ----------------------------------------------------------------------------- node names
 
 #: the leaf node of a tensor that requires grad (``node.variable`` is the tensor)
@@ -142,6 +150,9 @@ FROZEN_PRODUCTS = {"MmBackward0": 0, "AddmmBackward0": 1}
 #: max pooling (``F.max_pool1d`` runs as the 2-D op on ``[.., 1, L]``) -> its spatial dims; its
 #: ``J^T`` is ``max_pool_transpose`` (the saved indices), all columns at once
 MAX_POOL = {"MaxPool2DWithIndicesBackward0": 2, "MaxPool3DWithIndicesBackward0": 3}
+#: constant padding (``F.pad``, ``nn.ZeroPad2d``): ``vmap`` runs its backward column by column
+#: and stacks the results; ``pad_transpose`` crops all columns at once
+CONSTANT_PAD = "ConstantPadNdBackward0"
 #: backward ops that ``vmap`` runs sample by sample (no batching rule in PyTorch): graphs with
 #: them propagate columns one at a time, which is faster than the vmap fallback; the max-pool
 #: nodes among them are crossed by ``max_pool_transpose`` where the walk is known
@@ -308,11 +319,18 @@ REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 
 def saved(node, name: str):
-    """The attribute ``name`` a loss node saved in the forward (a tensor, None, or a number;
-    signed integers such as ``ignore_index`` and ``dim`` come back as unsigned 64-bit)."""
+    """The attribute ``name`` a node saved in the forward (a tensor, None, a number or a tuple
+    of numbers; signed integers such as ``ignore_index``, ``dim`` or a negative pad come back
+    from torch as unsigned 64-bit, and are returned signed)."""
     value = getattr(node, f"_saved_{name}")
+    if isinstance(value, tuple):
+        return tuple(_signed(v) for v in value)
+    return _signed(value)
+
+
+def _signed(value):
     if isinstance(value, int) and value >= 1 << 63:
-        value -= 1 << 64
+        return value - (1 << 64)
     return value
 
 

@@ -7,7 +7,8 @@
 * ``propagate``: ``J^T`` of many columns at once from a root to the module outputs;
 * ``checkpointing``: reentrant ``torch.utils.checkpoint`` segments re-run, columns propagated
   across them in stages;
-* ``pooling``: columns across max pooling all at once, scattered at its saved indices;
+* ``pooling``: columns across max pooling all at once, scattered at its saved indices (and
+  across constant padding, cropped);
 * ``broadcast``: calls without a batch dim (positions of a shared ``arange``).
 
 This package imports nothing itself: each module is imported by name.

@@ -157,7 +157,7 @@ def execute(args: argparse.Namespace) -> int:
     if args.profile:
         parts = args.profile.split(":")
         print(f"torch.set_num_threads({torch.get_num_threads()})")
-        print(profile(*parts, device=args.device))
+        print(profile(*parts, device=args.device, batch=args.batch))
         return 0
 
     backends = []

@@ -229,12 +229,16 @@ def profile(
     steps: int = 10,
     row_limit: int = 25,
     device: str = "cpu",
+    batch: int | None = None,
 ) -> str:
-    """torch.profiler table (self time, by op and input shape) of ``steps`` steps of one case."""
+    """torch.profiler table (self time, by op and input shape) of ``steps`` steps of one case,
+    at the problem's own batch size or ``batch`` samples."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     problem = PROBLEMS[problem_name]
+    if batch is not None:
+        problem = problem.resized(batch)
     inst = Instance.of(problem, device, QUANTITIES[quantity].linear_only)
     if quantity == PLAIN:
         step = PlainBackend().make_step(inst, QUANTITIES[PLAIN])
