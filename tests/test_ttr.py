@@ -269,7 +269,9 @@ def test_the_best_peer_is_the_fastest_optimizer_curvopt_does_not_provide():
     assert "| 0.50 (sf_adamw) |" in markdown_table(list(rows.values()))
 
 
-def test_cli_ttr_then_ttr_cost_write_the_json_files_and_the_figure_draws(tmp_path, capsys):
+def test_cli_ttr_then_ttr_cost_write_the_json_files_and_the_figure_draws(
+    tmp_path, capsys, monkeypatch
+):
     out = tmp_path / "ttr"
     args = ["ttr", "--quick", "--synthetic", "--problems", "mnist_logreg", "--json", str(out)]
     extra = ["--optimizers", "adam", "kfac", "--seeds", "2", "--max-steps", "10"]
@@ -308,6 +310,18 @@ def test_cli_ttr_then_ttr_cost_write_the_json_files_and_the_figure_draws(tmp_pat
     assert machine.endswith("logical CPUs") and all(r["cost_machine"] == machine for r in table)
     assert f"mnist_logreg cost on {machine}, torch " in capsys.readouterr().out
     assert f"\n\n* mnist_logreg: ms/step measured on {machine}\n" in (out / "ttr.md").read_text()
+
+    def concurrent(problem, *args, **kwargs):
+        """Another problem's ttr_cost writes cost.json while this one measures."""
+        other = json.loads((out / "cost.json").read_text())
+        other["problems"]["other"] = {"entries": {}, "meta": {}}
+        (out / "cost.json").write_text(json.dumps(other))
+        return dict(cost)
+
+    monkeypatch.setattr(ttr_cli, "measure_costs", concurrent)
+    assert main(cost_args) == 0
+    kept = json.loads((out / "cost.json").read_text())["problems"]
+    assert set(kept) == {"mnist_logreg", "other"} and kept["mnist_logreg"]["block"] == 10
     paths = paper_figs.plot_ttr(out, tmp_path / "figs")
     assert [p.name for p in paths] == ["ttr.png"] and paths[0].read_bytes()[:4] == b"\x89PNG"
     assert paper_figs.plot_ttr(tmp_path / "nothing", tmp_path / "figs") == []

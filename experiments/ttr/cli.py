@@ -284,8 +284,7 @@ def execute_cost(args) -> int:
     if not entries:
         raise ValueError(f"no ttr results in {args.folder}: run python -m experiments ttr first")
     problems = args.problems or list(dict.fromkeys(e["problem"] for e in entries))
-    # problems not measured now keep their last measurement (each with the meta of its run)
-    out = {"meta": _meta(args), "problems": load_costs(args.folder).get("problems", {})}
+    start, measured = _meta(args), {}
     for problem in problems:
         winners = {
             e["optimizer"]: winner_setting(e)
@@ -297,11 +296,14 @@ def execute_cost(args) -> int:
         splits = _splits(problem, 1, args)
         meta = _meta(args)
         _log(f"{problem} cost on {meta['machine']}, torch {meta['torch']}, threads {args.threads}")
-        out["problems"][problem] = measure_costs(
+        measured[problem] = measure_costs(
             problem, winners, splits, args.rounds, args.warmup, log=_log
         )
-        out["problems"][problem]["meta"] = meta
-    write_json(Path(args.folder) / COST, out)
+        measured[problem]["meta"] = meta
+    # problems not measured now keep their last measurement (each with the meta of its run),
+    # read only now: a ttr_cost of other problems that ended meanwhile keeps its own
+    earlier = load_costs(args.folder).get("problems", {})
+    write_json(Path(args.folder) / COST, {"meta": start, "problems": {**earlier, **measured}})
     rows, path = write_summary(args.folder, _meta(args))
     print(f"written: {relative(path)}")
     return 0
