@@ -3,6 +3,8 @@ evaluation is off the clock, tuning picks by steps, the cost measurement interle
 files and the figure."""
 
 import json
+import os
+import platform
 import time
 
 import pytest
@@ -10,11 +12,12 @@ from ttr_data import band_splits
 
 import paper_figs
 from experiments.__main__ import main
+from experiments.ttr import cli as ttr_cli
 from experiments.ttr import cost as cost_mod
 from experiments.ttr import protocol
 from experiments.ttr.cost import measure_costs, period
 from experiments.ttr.protocol import RunResult, Setting, TtrProblem, select, train_to_targets
-from experiments.ttr.report import markdown_table, median_steps, summarize
+from experiments.ttr.report import machines_note, markdown_table, median_steps, summarize
 from experiments.ttr.schedules import lr_factor
 
 
@@ -217,11 +220,15 @@ def test_summary_multiplies_median_steps_by_cost_and_divides_by_adam():
                         "per_step_s": 0.001,
                         "per_step_wall_s": 0.001,
                     },
-                }
+                },
+                "meta": {"machine": "CPU A, 2 logical CPUs"},
             }
         }
     }
     adam, momentum = summarize(entries, costs)
+    assert adam["cost_machine"] == "CPU A, 2 logical CPUs" and momentum["cost_machine"] is None
+    assert machines_note([adam, momentum]) == "* p: ms/step measured on CPU A, 2 logical CPUs"
+    assert machines_note([momentum]) == ""
     assert adam["steps"] == {"0.9": 110} and adam["est_s"]["0.9"] == pytest.approx(1.1)
     assert adam["est_ratio_to_adam"] == 1.0 and adam["wall_s"] == pytest.approx(11.0)
     assert momentum["steps"] == {"0.9": 70} and momentum["cost_per_step_s"] is None
@@ -262,7 +269,9 @@ def test_the_best_peer_is_the_fastest_optimizer_curvopt_does_not_provide():
     assert "| 0.50 (sf_adamw) |" in markdown_table(list(rows.values()))
 
 
-def test_cli_ttr_then_ttr_cost_write_the_json_files_and_the_figure_draws(tmp_path):
+def test_cli_ttr_then_ttr_cost_write_the_json_files_and_the_figure_draws(
+    tmp_path, capsys, monkeypatch
+):
     out = tmp_path / "ttr"
     args = ["ttr", "--quick", "--synthetic", "--problems", "mnist_logreg", "--json", str(out)]
     extra = ["--optimizers", "adam", "kfac", "--seeds", "2", "--max-steps", "10"]
@@ -296,6 +305,23 @@ def test_cli_ttr_then_ttr_cost_write_the_json_files_and_the_figure_draws(tmp_pat
     assert set(cost["entries"]) == {"adam", "kfac"} and cost["block"] == 10
     table = json.loads((out / "summary.json").read_text())["table"]
     assert all(r["cost_per_step_s"] > 0 for r in table)
+    # the CPU model that measured the costs: in cost.json, the log, the rows and under the table
+    machine = cost["meta"]["machine"]
+    assert machine.endswith("logical CPUs") and all(r["cost_machine"] == machine for r in table)
+    assert f"mnist_logreg cost on {machine}, torch " in capsys.readouterr().out
+    assert f"\n\n* mnist_logreg: ms/step measured on {machine}\n" in (out / "ttr.md").read_text()
+
+    def concurrent(problem, *args, **kwargs):
+        """Another problem's ttr_cost writes cost.json while this one measures."""
+        other = json.loads((out / "cost.json").read_text())
+        other["problems"]["other"] = {"entries": {}, "meta": {}}
+        (out / "cost.json").write_text(json.dumps(other))
+        return dict(cost)
+
+    monkeypatch.setattr(ttr_cli, "measure_costs", concurrent)
+    assert main(cost_args) == 0
+    kept = json.loads((out / "cost.json").read_text())["problems"]
+    assert set(kept) == {"mnist_logreg", "other"} and kept["mnist_logreg"]["block"] == 10
     paths = paper_figs.plot_ttr(out, tmp_path / "figs")
     assert [p.name for p in paths] == ["ttr.png"] and paths[0].read_bytes()[:4] == b"\x89PNG"
     assert paper_figs.plot_ttr(tmp_path / "nothing", tmp_path / "figs") == []
@@ -376,3 +402,17 @@ def test_cli_tunes_the_chosen_settings_and_resumes_from_its_own_file(tmp_path, c
     assert "(reused)" in capsys.readouterr().out
     assert main(args + ["--settings", "9"]) == 2
     assert "--settings 9 is past its grid of 8 settings (0 to 7)" in capsys.readouterr().err
+
+
+def test_the_machine_is_the_cpu_model_with_its_numbers(tmp_path):
+    """A virtual machine's generic model name gets its family, model and stepping; without
+    ``/proc/cpuinfo`` the platform's name stands in."""
+    cpuinfo = tmp_path / "cpuinfo"
+    core = "processor\t: {}\ncpu family\t: 6\nmodel\t\t: 167\n"
+    core += "model name\t: Intel(R) Xeon(R) Processor\n"
+    cpuinfo.write_text(core.format(0) + "stepping\t: 1\n\n" + core.format(1) + "stepping\t: 1\n")
+    machine, cpus = ttr_cli._machine(cpuinfo).rsplit(", ", 1)
+    assert machine == "Intel(R) Xeon(R) Processor (family 6, model 167, stepping 1)"
+    assert cpus == f"{os.cpu_count()} logical CPUs"
+    fallback = platform.processor() or platform.machine()
+    assert ttr_cli._machine(tmp_path / "missing") == f"{fallback}, {os.cpu_count()} logical CPUs"

@@ -45,13 +45,27 @@ QUICK = {"max_steps": 20, "eval_every": 5, "eval_size": 256}
 QUICK_DIR = Path(tempfile.gettempdir()) / "curvopt_ttr_quick"
 
 
-def _machine() -> str:
+#: the numbers of a ``/proc/cpuinfo`` entry that identify a CPU model: (field, label)
+CPU_NUMBERS = (("cpu family", "family"), ("model", "model"), ("stepping", "stepping"))
+
+
+def _machine(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """The CPU model and the number of logical CPUs: ``cpuinfo``'s model name with its family,
+    model and stepping numbers (a virtual machine's name may be generic, e.g. "Intel(R) Xeon(R)
+    Processor": the numbers tell its models apart), else :mod:`platform`'s name."""
     model = platform.processor() or platform.machine()
     try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
+        with open(cpuinfo) as f:
+            first = f.read().split("\n\n", 1)[0]
+    except OSError:
+        first = ""
+    fields = dict(
+        (key.strip(), value.strip())
+        for key, value in (line.split(":", 1) for line in first.splitlines() if ":" in line)
+    )
+    if "model name" in fields:
+        numbers = ", ".join(f"{label} {fields[key]}" for key, label in CPU_NUMBERS if key in fields)
+        model = fields["model name"] + (f" ({numbers})" if numbers else "")
     return f"{model}, {os.cpu_count()} logical CPUs"
 
 
@@ -270,8 +284,7 @@ def execute_cost(args) -> int:
     if not entries:
         raise ValueError(f"no ttr results in {args.folder}: run python -m experiments ttr first")
     problems = args.problems or list(dict.fromkeys(e["problem"] for e in entries))
-    # problems not measured now keep their last measurement (each with the meta of its run)
-    out = {"meta": _meta(args), "problems": load_costs(args.folder).get("problems", {})}
+    start, measured = _meta(args), {}
     for problem in problems:
         winners = {
             e["optimizer"]: winner_setting(e)
@@ -281,11 +294,16 @@ def execute_cost(args) -> int:
         if not winners:
             raise ValueError(f"no ttr results for {problem} in {args.folder}")
         splits = _splits(problem, 1, args)
-        out["problems"][problem] = measure_costs(
+        meta = _meta(args)
+        _log(f"{problem} cost on {meta['machine']}, torch {meta['torch']}, threads {args.threads}")
+        measured[problem] = measure_costs(
             problem, winners, splits, args.rounds, args.warmup, log=_log
         )
-        out["problems"][problem]["meta"] = _meta(args)
-    write_json(Path(args.folder) / COST, out)
+        measured[problem]["meta"] = meta
+    # problems not measured now keep their last measurement (each with the meta of its run),
+    # read only now: a ttr_cost of other problems that ended meanwhile keeps its own
+    earlier = load_costs(args.folder).get("problems", {})
+    write_json(Path(args.folder) / COST, {"meta": start, "problems": {**earlier, **measured}})
     rows, path = write_summary(args.folder, _meta(args))
     print(f"written: {relative(path)}")
     return 0

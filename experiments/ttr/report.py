@@ -7,8 +7,10 @@ A results folder (default ``experiments/results/ttr/``) holds
   (:func:`experiments.ttr.protocol.tune_and_run`: its tuning runs, the winner, the winner's
   seeds) and ``meta`` (machine, threads, command);
 * ``cost.json``: per problem, the interleaved cost per step of the winners
-  (:func:`experiments.ttr.cost.measure_costs`) and ``meta``;
-* ``summary.json`` and ``ttr.md``: the table (:func:`summarize`).
+  (:func:`experiments.ttr.cost.measure_costs`) and ``meta`` (the CPU model it ran on, threads,
+  command);
+* ``summary.json`` and ``ttr.md``: the table (:func:`summarize`), and under it the CPU model
+  that measured each problem's cost per step (:func:`machines_note`).
 
 Files written before the batch size was tuned (settings without ``batch_size``) read as runs at
 the problem's batch size. A calibration entry (a problem without targets yet) is not a row.
@@ -106,10 +108,12 @@ def summarize(entries: list[dict], costs: dict) -> list[dict]:
             continue
         setting = winner_setting(entry)
         runs = entry["runs"]
-        measured = costs.get("problems", {}).get(problem, {}).get("entries", {}).get(optimizer)
-        cost = cost_wall = None
+        measurement = costs.get("problems", {}).get(problem, {})
+        measured = measurement.get("entries", {}).get(optimizer)
+        cost = cost_wall = machine = None
         if measured is not None and _same(problem, Setting.from_dict(measured["setting"]), setting):
             cost, cost_wall = measured["per_step_s"], measured["per_step_wall_s"]
+            machine = measurement.get("meta", {}).get("machine")
         steps, per_seed, est = {}, {}, {}
         for t in targets:
             key = target_key(t)
@@ -132,6 +136,7 @@ def summarize(entries: list[dict], costs: dict) -> list[dict]:
                 "steps_per_seed": per_seed,
                 "cost_per_step_s": cost,
                 "cost_per_step_wall_s": cost_wall,
+                "cost_machine": machine,
                 "est_s": est,
                 "wall_s": median_steps(wall),
                 "wall_s_per_seed": wall,
@@ -234,11 +239,28 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def machines_note(rows: list[dict]) -> str:
+    """One line per problem whose cost per step is known: the CPU model(s) that measured it
+    (``cost_machine`` of its rows); ``""`` when no row has a cost."""
+    machines: dict[str, list[str]] = {}
+    for r in rows:
+        if r.get("cost_machine"):
+            seen = machines.setdefault(r["problem"], [])
+            if r["cost_machine"] not in seen:
+                seen.append(r["cost_machine"])
+    return "\n".join(
+        f"* {problem}: ms/step measured on {'; '.join(names)}"
+        for problem, names in machines.items()
+    )
+
+
 def write_summary(folder: str | Path, meta: dict) -> tuple[list[dict], Path]:
-    """Summarise ``folder``'s entries with its cost file into ``summary.json`` and ``ttr.md``."""
+    """Summarise ``folder``'s entries with its cost file into ``summary.json`` and ``ttr.md``
+    (the table, then :func:`machines_note`)."""
     folder = Path(folder)
     rows = summarize(load_entries(folder), load_costs(folder))
     write_json(folder / SUMMARY, {"meta": meta, "table": rows})
-    text = markdown_table(rows)
+    note = machines_note(rows)
+    text = markdown_table(rows) + (f"\n\n{note}" if note else "")
     atomic_write(folder / TABLE, lambda p: p.write_text(text + "\n"))
     return rows, folder / SUMMARY
