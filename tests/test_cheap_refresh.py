@@ -406,3 +406,15 @@ def test_warm_bases_keep_ekfac_under_accumulation_one_batch(problem, curvature):
     assert moved > 1e-3
     assert (two - one).norm() <= 1e-12 * moved, float((two - one).norm() / moved)
     assert not warned
+
+
+@pytest.mark.parametrize(
+    "bfloat16_seconds, chosen",
+    [(0.5, torch.bfloat16), (1 / 1.5, torch.bfloat16), (0.7, torch.float32), (2.0, torch.float32)],
+)
+def test_bfloat16_is_chosen_only_where_clearly_faster(monkeypatch, bfloat16_seconds, chosen):
+    """Timings are noisy near the crossover: bfloat16 must beat float32's time (1 s here) by
+    ``BFLOAT16_MARGIN`` (1.5x), else the class keeps float32 whatever the noise says."""
+    seconds = {torch.bfloat16: bfloat16_seconds, torch.float32: 1.0}
+    monkeypatch.setattr(orthogonalize_stage, "_timed", lambda matrix, dtype: seconds[dtype])
+    assert orthogonalize_stage.faster_dtype(torch.ones(4, 4)) is chosen

@@ -62,11 +62,13 @@ its grid saw those three runs first; on the autoencoder the damping and ``kl_cli
 divided by 784 as KFAC's (below). On FMNIST 2C2D (batch 128) and the ViT (with
 ``fallback="diagonal"`` for the raw tokens, as ``sf_kfac``'s) the same grid, added before any
 run there. Its Newton-Schulz iterations compute in the faster of bfloat16 and float32 on the
-host (``orthogonalize_dtype="auto"``, measured once per device): bfloat16, as Muon's, on the
-Intel host that ran the committed grids (4-6x faster on the 1000-wide layers with its bfloat16
-units), float32 where bfloat16 products are slower (several times on an AMD EPYC host); the
-GPT's and the autoencoder's grids ran with bfloat16 (their float32 runs:
-``results/ttr/logs/kfac_ns_float32_*.json``).
+host (``orthogonalize_dtype="auto"``, measured once per shape class, bfloat16 only where it is
+at least 1.5x faster): on the Intel host that ran the committed grids that is bfloat16 on the
+wide layers (3-4x faster from 256 x 256 on with its bfloat16 units) and float32 on the small
+ones; on an AMD EPYC host, where bfloat16 products are several times slower, float32. The
+committed runs predate it and ran every matrix in bfloat16 (their float32 runs:
+``results/ttr/logs/kfac_ns_float32_*.json``); under ``"auto"`` seed 0 takes the same steps on
+the GPT and the autoencoder.
 
 ``eigen_adam`` (``curvopt.optim.EigenAdam``: Adam's moments in the eigenbasis of KFAC's
 factors, refreshed every 10 steps), on the two workloads and on FMNIST 2C2D (batch 128), fixed
