@@ -67,8 +67,7 @@ at least 1.5x faster): on the Intel host that ran the committed grids that is bf
 wide layers (3-4x faster from 256 x 256 on with its bfloat16 units) and float32 on the small
 ones; on an AMD EPYC host, where bfloat16 products are several times slower, float32. The
 committed runs predate it and ran every matrix in bfloat16 (their float32 runs:
-``results/ttr/logs/kfac_ns_float32_*.json``); under ``"auto"`` seed 0 takes the same steps on
-the GPT and the autoencoder.
+``results/ttr/logs/kfac_ns_float32_*.json``).
 
 ``eigen_adam`` (``curvopt.optim.EigenAdam``: Adam's moments in the eigenbasis of KFAC's
 factors, refreshed every 10 steps), on the two workloads and on FMNIST 2C2D (batch 128), fixed
