@@ -187,6 +187,13 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
             factors of this step's backward pass; under gradient accumulation those of its
             first micro-batch (``S`` is still that of all of them), so the step is not one
             batch's, and it warns once.
+        basis_refresh: how a basis is refreshed after the first (exact) one: ``"eigh"`` (a new
+            eigendecomposition, the paper's) or ``"warm"`` (one power step from the last
+            refresh's basis and a QR, :mod:`curvopt.inversion.warm_eigh`; needs
+            ``basis_source="last_refresh"``). ``None`` (default): ``"warm"`` under the default
+            damping with ``basis_source="last_refresh"``, ``"eigh"`` otherwise. Either way a
+            factor equal to one decomposed at the same refresh (a layer's bias and weight share
+            the output side) takes that basis, the same bits.
         max_basis_dim: ``None`` (default: two-sided bases) or ``m``: a side of a parameter
             wider than ``m`` keeps the identity basis (SOAP-style, :mod:`curvopt.optim.one_sided`;
             its factor is never eigendecomposed), the other side's basis comes from the factors
@@ -475,7 +482,7 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         for i, item in enumerate(items):
             if out[i] is None:
                 inverse = EigenCorrectedInverse.build(item.curvature, step.damping)
-                if not measured or not item.curvature[1:]:
+                if not measured:
                     out[i] = inverse.apply_one(item.grad)
                     continue
                 out[i], coordinates = inverse.apply_with_coordinates(item.grad)
