@@ -10,16 +10,20 @@ images, batch 32), a BERT-style encoder (``fixtures.zoo.BERT``: width 64, 4 head
 positions, vocabulary 96, batch 32) and the character GPT of ``experiments.workloads``
 (``CharGPT``: 0.43 M parameters, 64 characters, batch 32). A step is ``zero_grad``, forward,
 loss, backward, ``step``. The entries run interleaved (``experiments.timing.interleaved``):
-blocks of 10 steps (one period of the default ``curvature_interval``: one refresh, nine plain
-steps) on the same 10 batches, round-robin, the first round not counted; an entry's cost is
-the median over rounds of its block's CPU time per step (one thread). Printed: ms per step
+blocks of 10 steps (one period of the default ``curvature_interval``: nine plain steps, then
+one refresh) on the same 10 batches, round-robin, the first round not counted; an entry's cost
+is the median over rounds of its block's CPU time per step (one thread). Each entry takes one
+step before the rounds, so that its refresh is the last step of each of its blocks: between its
+blocks its collection rests, and it does not wake the hooks of the other entries' extended
+models (their hooks do nothing only while every armed collection in the process rests,
+``STATE.plain``), as no other optimizer wakes them in a run of one. Printed: ms per step
 and the ratio to AdamW's (the goal: at most 1.5). ``KFAC plain`` refreshes only at its first
-step, in the uncounted round: every counted step is a plain one (the hooks return at once),
+step, before the rounds: every counted step is a plain one (the hooks return at once),
 its cost the floor of the defaults'.
 
 ``--split`` prints instead where each entry's steps go: the CPU time of the forward (with
 ``zero_grad`` and the loss), the backward and ``opt.step()`` (``experiments.timing.timed_step``)
-of a block's first step (a refresh) and of the others (plain steps: their median), medians
+of a block's last step (a refresh) and of the others (plain steps: their median), medians
 over the counted rounds.
 """
 
@@ -44,7 +48,7 @@ BLOCK = 10
 BATCH = 32
 LR = {"AdamW": 1e-3, "KFAC": 0.05, "EKFAC": 0.05, "DiagGGNNewton": 0.05, "KFAC plain": 0.05}
 CURVOPT = {"KFAC": KFAC, "EKFAC": EKFAC, "DiagGGNNewton": DiagGGNNewton, "KFAC plain": KFAC}
-#: ``KFAC plain``: the curvature of the first step (in the uncounted round) kept for good, so
+#: ``KFAC plain``: the curvature of the first step (before the rounds) kept for good, so
 #: that every counted step is a plain one: the floor of a step that leaves the engine alone
 OPTIONS = {"KFAC plain": {"curvature_interval": 10**9}}
 COMMAND = "OMP_NUM_THREADS=1 python -m benchmarks.default_step_cost"
@@ -98,6 +102,7 @@ def setups(model_name: str) -> tuple[dict, list]:
         else:
             model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
             opt = CURVOPT[name](model.parameters(), lr=LR[name], **OPTIONS.get(name, {}))
+        _block(model, lossfunc, opt, batches[:1])(name, 0)  # the refreshes end the blocks
         made[name] = model, lossfunc, opt
     return made, batches
 
@@ -137,7 +142,7 @@ def measure(model_name: str, rounds: int) -> dict[str, float]:
 
 
 def split(model_name: str, rounds: int) -> dict[str, dict[str, dict[str, float]]]:
-    """name -> ``"refresh"`` (a block's first step) / ``"plain"`` (the others) -> phase ->
+    """name -> ``"refresh"`` (a block's last step) / ``"plain"`` (the others) -> phase ->
     ms (CPU time; medians over the counted rounds, of the plain steps' median per round)."""
     made, batches = setups(model_name)
     times: dict = {name: {"refresh": [], "plain": []} for name in made}
@@ -149,9 +154,9 @@ def split(model_name: str, rounds: int) -> dict[str, dict[str, dict[str, float]]
             for X, y in batches
         ]
         if round_ > 0:  # (the first round is not counted)
-            times[name]["refresh"].append(steps[0])
+            times[name]["refresh"].append(steps[-1])
             times[name]["plain"].append(
-                {k: statistics.median(s[k] for s in steps[1:]) for k in steps[0]}
+                {k: statistics.median(s[k] for s in steps[:-1]) for k in steps[-1]}
             )
         return None
 
