@@ -534,8 +534,9 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
             return None
         bases = item.curvature[1:]
         metric = products + step.damping
-        direction, coordinates = (self._coordinates or {}).get(id(item), (None, None))
-        if direction is item.direction:  # the solve's coordinates of this very direction
+        # the solve's coordinates of this very direction, held until read (a parameter's size)
+        direction, coordinates = (self._coordinates or {}).pop(id(item), (None, None))
+        if direction is not None and direction is item.direction:
             return (metric * coordinates * coordinates).sum()
         return eigen_corrected_quadratic(bases, metric, as_rows(item.direction, bases))
 

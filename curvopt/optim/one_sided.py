@@ -82,7 +82,7 @@ def next_bases(
     factors: Sequence[torch.Tensor],
     max_dim: int | None,
     previous: Pending | None = None,
-    found: "Refresh | None" = None,
+    found: Refresh | None = None,
 ) -> list[torch.Tensor | None]:
     """Per side the eigenvectors of its factor (:func:`settled_eigenvectors`), None where
     wider than ``max_dim`` (that factor is not decomposed; ``None``: every side is; factors
