@@ -160,10 +160,10 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         damping: ``λ``: ``None`` (default: ``λ = α s``, ``α = 1e-2``, ``s`` the factor by
             which the loss's reduction scales one sample's curvature, re-read at every
             refresh, the trust region's ``κ`` scaled by ``s`` too;
-            ``damping=ReductionScaledDamping(α), curvature_interval=10`` is the default with
-            another ``α``), or an absolute one: a number ``≥ 0``, a callable of the step
-            count, or a damping strategy; so ``EKFAC(params, lr=0.1)`` trains (with the trust
-            region ``kl_clip``).
+            ``damping=ReductionScaledDamping(α), curvature_interval=10, trust_metric="ggn",
+            basis_refresh="warm"`` is the default with another ``α``), or an absolute one: a
+            number ``≥ 0``, a callable of the step count, or a damping strategy; so
+            ``EKFAC(params, lr=0.1)`` trains (with the trust region ``kl_clip``).
         relative_damping: ``None`` (default) or ``α``: ``damping=None`` is then relative,
             ``λ = α m``, ``m`` the curvatures' mean eigenvalue at the first refresh
             (``RelativeDamping``).
