@@ -9,7 +9,7 @@ replaces:
   the direction again: the steps of a twin that rotates it (a stage between the preconditioning
   and the trust region, which makes the optimizer measure the direction itself) to 1e-12;
 * ``basis_refresh=None`` (the default) is ``"warm"`` under the default damping and ``"eigh"``
-  with a damping given (the paper's), bit for bit the steps of the option named.
+  with a damping (or a relative damping) given, bit for bit the steps of the option named.
 """
 
 from __future__ import annotations
@@ -155,9 +155,13 @@ def test_the_trust_region_measures_the_solves_coordinates(seed, monkeypatch):
 
 # ------------------------------------------------------------------------- warm by default
 def test_basis_refresh_default_is_warm_under_the_default_damping_only():
+    """Warm under ``λ = α s`` alone: not with a damping, a relative damping, the paper's
+    ``basis_source="current"``, nor where named."""
     params = list(_mlp(0).parameters())
     assert basis_refresh(EKFAC(params, lr=0.1).param_groups[0]) == "warm"
     assert basis_refresh(EKFAC(params, lr=0.1, damping=1e-3).param_groups[0]) == "eigh"
+    relative = EKFAC(params, lr=0.1, relative_damping=0.03).param_groups[0]
+    assert basis_refresh(relative) == "eigh"
     current = EKFAC(params, lr=0.1, basis_source="current").param_groups[0]
     assert basis_refresh(current) == "eigh"
     named = EKFAC(params, lr=0.1, basis_refresh="eigh").param_groups[0]
