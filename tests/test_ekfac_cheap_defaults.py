@@ -182,3 +182,21 @@ def test_the_default_refresh_steps_as_the_refresh_it_names(options, named):
     assert torch.equal(default, _trajectory(make(named), 0)[0])
     if named == "warm":
         assert not torch.equal(default, _trajectory(make("eigh"), 0)[0])
+
+
+@pytest.mark.parametrize(
+    "options", [{"damping": 1e-2, "trust_metric": "ggn"}, {"relative_damping": 0.03}]
+)
+def test_other_dampings_keep_rotating_the_direction(options, monkeypatch):
+    """With a damping or a relative damping given the trust region (``"ggn"``) rotates each
+    direction into the basis as before: those settings keep their steps to the bit."""
+    calls = []
+    quadratic = ekfac_module.eigen_corrected_quadratic
+
+    def counted(*args):
+        calls.append(1)
+        return quadratic(*args)
+
+    monkeypatch.setattr(ekfac_module, "eigen_corrected_quadratic", counted)
+    _trajectory(lambda p: EKFAC(p, lr=1.0, **options), 0, steps=3)
+    assert len(calls) == 3 * 4  # every parameter at every step

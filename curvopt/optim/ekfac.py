@@ -491,11 +491,14 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         return [(direction, self._kept(item, step)) for direction, item in zip(out, items)]
 
     def _measured_in_basis(self, step) -> bool:
-        """Whether the trust region measures the group's directions in the basis
-        (``trust_metric="ggn"``, :meth:`_trust_quadratic`) right after the preconditioning, no
-        stage of the group's chain between them: then the solve's coordinates in the basis
-        (``Q_Bᵀ D Q_A``) are kept for it, so that it rotates no direction again."""
-        if trust_metric(step.group) != "ggn" or step.group["kl_clip"] is None:
+        """Whether, under the default damping (:func:`default_damping`: other settings keep
+        the rounding of their steps), the trust region measures the group's directions in the
+        basis (``trust_metric="ggn"``, :meth:`_trust_quadratic`) right after the
+        preconditioning, no stage of the group's chain between them: then the solve's
+        coordinates in the basis (``Q_Bᵀ D Q_A``) are kept for it, so that it rotates no
+        direction again."""
+        group = step.group
+        if not default_damping(group) or trust_metric(group) != "ggn" or group["kl_clip"] is None:
             return False
         orders = [stage.order for stage in self._stages.for_group(step.group)]
         return not any(Precondition.order < order < ScaleByTrustRegion.order for order in orders)
@@ -565,14 +568,21 @@ def basis_refresh(group) -> str:
     for None (the default) ``"warm"`` (``inversion.warm_eigh``: one power step from the last
     refresh's basis and a QR) under the default damping (``damping=None`` and
     ``relative_damping=None``: ``λ = α s``) with ``basis_source="last_refresh"``, else
-    ``"eigh"`` (a new eigendecomposition, the paper's). Not under the relative damping, whose
-    ``λ`` is far below the default's on some networks: there a warm basis missed CIFAR-10
-    3C3D's target at one of 6 seeds (``benchmarks.default_robustness --settings relative``),
-    which the exact one meets at all six."""
+    ``"eigh"`` (a new eigendecomposition, the paper's). Not under the relative damping (the
+    former default), which keeps its steps: at the 6 seeds of
+    ``benchmarks.default_robustness --settings relative`` a warm basis missed CIFAR-10 3C3D's
+    target at one, which the exact one meets at all six."""
     if group["basis_refresh"] is not None:
         return group["basis_refresh"]
-    default = group["damping"] is None and group["relative_damping"] is None
-    return "warm" if default and group["basis_source"] == "last_refresh" else "eigh"
+    warm = default_damping(group) and group["basis_source"] == "last_refresh"
+    return "warm" if warm else "eigh"
+
+
+def default_damping(group) -> bool:
+    """Whether a group steps under the default damping ``λ = α s`` (neither ``damping`` nor
+    ``relative_damping`` given): where ``EKFAC``'s cheaper refreshes apply (:func:`basis_refresh`,
+    ``EKFAC._measured_in_basis``); every other setting keeps its steps to the bit."""
+    return group["damping"] is None and group["relative_damping"] is None
 
 
 def _trust_curvature(curvature, pending, factors):
