@@ -10,18 +10,28 @@ images, batch 32), a BERT-style encoder (``fixtures.zoo.BERT``: width 64, 4 head
 positions, vocabulary 96, batch 32) and the character GPT of ``experiments.workloads``
 (``CharGPT``: 0.43 M parameters, 64 characters, batch 32). A step is ``zero_grad``, forward,
 loss, backward, ``step``. The entries run interleaved (``experiments.timing.interleaved``):
-blocks of 10 steps (one period of the default ``curvature_interval``: one refresh, nine plain
-steps) on the same 10 batches, round-robin, the first round not counted; an entry's cost is
-the median over rounds of its block's CPU time per step (one thread). Printed: ms per step
+blocks of 10 steps (one period of the default ``curvature_interval``: nine plain steps, then
+one refresh) on the same 10 batches, round-robin, the first round not counted; an entry's cost
+is the median over rounds of its block's CPU time per step (one thread). Each entry takes one
+step before the rounds, so that its refresh is the last step of each of its blocks: between its
+blocks its collection rests, and it does not wake the hooks of the other entries' extended
+models (their hooks do nothing only while every armed collection in the process rests,
+``STATE.plain``), as no other optimizer wakes them in a run of one. Printed: ms per step
 and the ratio to AdamW's (the goal: at most 1.5). ``KFAC plain`` refreshes only at its first
-step, in the uncounted round: every counted step is a plain one (the hooks return at once),
+step, before the rounds: every counted step is a plain one (the hooks return at once),
 its cost the floor of the defaults'.
+
+``--split`` prints instead where each entry's steps go: the CPU time of the forward (with
+``zero_grad`` and the loss), the backward and ``opt.step()`` (``experiments.timing.timed_step``)
+of a block's last step (a refresh) and of the others (plain steps: their median), medians
+over the counted rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import time
 
 import torch
@@ -29,7 +39,7 @@ from torch import nn
 
 import curvopt
 from curvopt.optim import EKFAC, KFAC, DiagGGNNewton
-from experiments.timing import interleaved
+from experiments.timing import interleaved, timed_step
 from experiments.workloads import CONTEXT, VOCAB, CharGPT
 from fixtures import zoo
 
@@ -38,7 +48,7 @@ BLOCK = 10
 BATCH = 32
 LR = {"AdamW": 1e-3, "KFAC": 0.05, "EKFAC": 0.05, "DiagGGNNewton": 0.05, "KFAC plain": 0.05}
 CURVOPT = {"KFAC": KFAC, "EKFAC": EKFAC, "DiagGGNNewton": DiagGGNNewton, "KFAC plain": KFAC}
-#: ``KFAC plain``: the curvature of the first step (in the uncounted round) kept for good, so
+#: ``KFAC plain``: the curvature of the first step (before the rounds) kept for good, so
 #: that every counted step is a plain one: the floor of a step that leaves the engine alone
 OPTIONS = {"KFAC plain": {"curvature_interval": 10**9}}
 COMMAND = "OMP_NUM_THREADS=1 python -m benchmarks.default_step_cost"
@@ -76,14 +86,14 @@ MODELS = {
 }
 
 
-def entries(model_name: str) -> dict:
-    """name -> a function running one block of :data:`BLOCK` steps (None: it ran)."""
+def setups(model_name: str) -> tuple[dict, list]:
+    """``(name -> (model, loss, optimizer), the BLOCK batches)`` of every entry."""
     make_model, make_batch = MODELS[model_name]
     generator = torch.Generator().manual_seed(0)
     batches = [make_batch(generator) for _ in range(BLOCK)]
     torch.manual_seed(0)
     base = make_model()
-    runs = {}
+    made = {}
     for name in ("AdamW", *CURVOPT):
         model = copy.deepcopy(base)
         lossfunc = nn.CrossEntropyLoss()
@@ -92,8 +102,15 @@ def entries(model_name: str) -> dict:
         else:
             model, lossfunc = curvopt.extend(model), curvopt.extend(lossfunc)
             opt = CURVOPT[name](model.parameters(), lr=LR[name], **OPTIONS.get(name, {}))
-        runs[name] = _block(model, lossfunc, opt, batches)
-    return runs
+        _block(model, lossfunc, opt, batches[:1])(name, 0)  # the refreshes end the blocks
+        made[name] = model, lossfunc, opt
+    return made, batches
+
+
+def entries(model_name: str) -> dict:
+    """name -> a function running one block of :data:`BLOCK` steps (None: it ran)."""
+    made, batches = setups(model_name)
+    return {name: _block(*parts, batches) for name, parts in made.items()}
 
 
 def _block(model, lossfunc, opt, batches):
@@ -124,12 +141,63 @@ def measure(model_name: str, rounds: int) -> dict[str, float]:
     return {name: 1e3 * measured.median(name, 1) for name in names}
 
 
+def split(model_name: str, rounds: int) -> dict[str, dict[str, dict[str, float]]]:
+    """name -> ``"refresh"`` (a block's last step) / ``"plain"`` (the others) -> phase ->
+    ms (CPU time; medians over the counted rounds, of the plain steps' median per round)."""
+    made, batches = setups(model_name)
+    times: dict = {name: {"refresh": [], "plain": []} for name in made}
+
+    def run(name: str, round_: int):
+        model, lossfunc, opt = made[name]
+        steps = [
+            timed_step(model, lossfunc, opt, False, X, y, time.process_time).times
+            for X, y in batches
+        ]
+        if round_ > 0:  # (the first round is not counted)
+            times[name]["refresh"].append(steps[-1])
+            times[name]["plain"].append(
+                {k: statistics.median(s[k] for s in steps[:-1]) for k in steps[-1]}
+            )
+        return None
+
+    interleaved(list(made), run, BLOCK, rounds, 1, time.perf_counter, model_name, lambda line: None)
+    return {
+        name: {
+            kind: {k: 1e3 * statistics.median(s[k] for s in samples) for k in PARTS}
+            for kind, samples in kinds.items()
+        }
+        for name, kinds in times.items()
+    }
+
+
+#: the phases :func:`split` prints, ``experiments.timing.timed_step``'s names
+PARTS = {"forward_s": "forward", "backward_s": "backward", "step_s": "step"}
+
+
+def _print_split(model_name: str, rounds: int) -> None:
+    for name, kinds in split(model_name, rounds).items():
+        row = "; ".join(
+            f"{kind} " + ", ".join(f"{PARTS[k]} {ms:.1f}" for k, ms in parts.items())
+            + f" (total {sum(parts.values()):.1f})"
+            for kind, parts in kinds.items()
+        )
+        print(f"{model_name} {name}: {row}", flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument(
+        "--split", action="store_true", help="ms of forward, backward and step, refresh / plain"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.split:
+        print(f"{COMMAND} --split: ms (CPU time, one thread)")
+        for model_name in args.models:
+            _print_split(model_name, args.rounds)
+        return
     print(f"{COMMAND}: ms per step (CPU time, one thread), x AdamW's")
     for model_name in args.models:
         costs = measure(model_name, args.rounds)

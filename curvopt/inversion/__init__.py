@@ -23,7 +23,7 @@ Its public functions and classes are re-exported by ``curvopt.optim``, the one p
 * ``newton_root``: inverse ``p``-th roots by the coupled Newton iteration, products only,
   optionally in low precision and warm-started (measured against Cholesky, not the default);
 * ``eigen_corrected``: EKFAC's curvature ``Q diag(vec S) Qᵀ`` in a Kronecker eigenbasis: the
-  basis, ``S``'s products, solves and quadratic forms.
+  basis, ``S``'s products, solves (and their coordinates in the basis) and quadratic forms.
 
 Imports point down only: ``core`` and ``layers`` (the eigenbasis rotation); nothing here
 imports ``optim`` or ``linalg``.

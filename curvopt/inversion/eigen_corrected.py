@@ -37,6 +37,7 @@ __all__ = [
     "rotate",
     "kron_basis",
     "eigen_corrected_solve",
+    "eigen_corrected_coordinates",
     "eigen_corrected_matmul",
     "eigen_corrected_quadratic",
     "basis_eigenvalues",
@@ -56,8 +57,17 @@ def eigen_corrected_solve(
 ) -> torch.Tensor:
     """``(Q diag(vec S) Qᵀ + λ I)⁻¹ vec(G)`` as the matrix ``Q_B [(Q_Bᵀ G Q_A) / (S + λ)] Q_Aᵀ``
     (``G`` of shape ``[..., dim B, dim A]``), in ``matrix``'s dtype."""
-    rotated = rotate(bases, matrix) / (correction + damping)
+    rotated = eigen_corrected_coordinates(bases, correction, matrix, damping)
     return rotate(bases, rotated, back=True).to(matrix.dtype)
+
+
+def eigen_corrected_coordinates(
+    bases: Bases, correction: torch.Tensor, matrix: torch.Tensor, damping: float
+) -> torch.Tensor:
+    """``(Q_Bᵀ G Q_A) / (S + λ)``: the solve of :func:`eigen_corrected_solve` in the basis, the
+    coordinates ``Q_Bᵀ D Q_A`` of its direction ``D`` (in ``bases``' dtype), from which a
+    quadratic form diagonal in the basis, ``Σ M ⊙ (Q_Bᵀ D Q_A)²``, needs no rotation of ``D``."""
+    return rotate(bases, matrix) / (correction + damping)
 
 
 def eigen_corrected_matmul(

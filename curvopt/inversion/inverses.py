@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from curvopt.inversion.diagonal import diag_precondition
-from curvopt.inversion.eigen_corrected import as_rows, eigen_corrected_solve
+from curvopt.inversion.eigen_corrected import as_rows, eigen_corrected_coordinates, rotate
 
 
 class DampedInverse:
@@ -68,6 +68,12 @@ class EigenCorrectedInverse(DampedInverse):
         return cls(curvature[0], list(curvature[1:]), damping)
 
     def apply_one(self, grad):
+        return self.apply_with_coordinates(grad)[0]
+
+    def apply_with_coordinates(self, grad) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(d, Q_Bᵀ D Q_A)``: :meth:`apply_one`'s direction and its coordinates in the basis
+        (``eigen_corrected_coordinates``, the solve's intermediate), ``[dim B, dim A]``."""
         rows = as_rows(grad, self.bases)
-        solved = eigen_corrected_solve(self.bases, self.correction, rows, self.damping)
-        return solved.reshape(grad.shape)
+        rotated = eigen_corrected_coordinates(self.bases, self.correction, rows, self.damping)
+        solved = rotate(self.bases, rotated, back=True).to(rows.dtype)
+        return solved.reshape(grad.shape), rotated

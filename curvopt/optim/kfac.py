@@ -209,8 +209,10 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
         options = InverseOptions(group["kronecker_damping"], reused, low_rank, group["max_rank"])
         return options
 
-    def _derived(self, curvature, group, damping, curvature_step):
-        options = self._inverse_options(group)
+    def _derived(self, curvature, group, damping, curvature_step, options=None):
+        """As ``NewtonOptimizer``'s: the cached inverse; ``options`` the group's
+        :meth:`_inverse_options` where known (:meth:`_directions` makes them once a step)."""
+        options = self._inverse_options(group) if options is None else options
         damped = options.kind not in ("eigh", "trace_norm_eigh")  # the others hold for every λ
         return Derived(
             options.kind,
@@ -227,10 +229,10 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
         ``B⁻¹_stack @ G_stack @ A⁻¹_stack`` (``optim.plan.Stacks``);
         Cholesky factors, Woodbury forms, exact eigendecompositions, factors stacked per group
         and factored steps are applied one parameter at a time."""
-        solved = []
+        solved, options = [], self._inverse_options(step.group) if items else None
         for item in items:
             with item.naming_errors():
-                solved.append(self._inverse(item, step))
+                solved.append(self._inverse(item, step, options))
         out: list = [None] * len(items)
         if self._capture is not None:  # the factored steps first, each on its own
             for i, ((inverse, kept), item) in enumerate(zip(solved, items)):
@@ -254,8 +256,9 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
     def _bucket(self, inverse, item, step):
         """The key of the blocks ``item`` is applied with (:meth:`_directions`), or None."""
         solvers, grad = inverse.value, item.grad
-        dense = inverse.kind == "inverse" and len(inverse.rows) == 1 and not grad.is_sparse
-        if not dense or not self._batches(grad.device):
+        if not self._batches(grad.device):  # (a CPU's: one at a time)
+            return None
+        if inverse.kind != "inverse" or len(inverse.rows) != 1 or grad.is_sparse:
             return None
         if not all(isinstance(s, torch.Tensor) and s.dim() == 2 for s in solvers):
             return None
@@ -274,12 +277,13 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
             result = result @ right[0]
         return unstacked(result, grads)
 
-    def _inverse(self, item, step):
+    def _inverse(self, item, step, options=None):
         """``(KroneckerInverse, cache entries to keep)`` of ``item``, from its cached entry
-        (computed where due)."""
+        (computed where due) under the group's :meth:`_inverse_options` ``options`` (None:
+        made here)."""
         grad, curvature, damping = item.grad, item.curvature, step.damping
         matrix = as_matrix(grad, curvature)
-        derived = self._derived(curvature, step.group, damping, item.curvature_step)
+        derived = self._derived(curvature, step.group, damping, item.curvature_step, options)
         entry = cached(
             item.state.get(derived.name), derived.key, step.step, derived.interval, derived.compute
         )

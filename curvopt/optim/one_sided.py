@@ -79,18 +79,58 @@ def kept(curvature: Sequence[torch.Tensor], pending: Pending | None) -> list[tor
 
 
 def next_bases(
-    factors: Sequence[torch.Tensor], max_dim: int | None, previous: Pending | None = None
+    factors: Sequence[torch.Tensor],
+    max_dim: int | None,
+    previous: Pending | None = None,
+    found: Refresh | None = None,
 ) -> list[torch.Tensor | None]:
     """Per side the eigenvectors of its factor (:func:`settled_eigenvectors`), None where
     wider than ``max_dim`` (that factor is not decomposed; ``None``: every side is; factors
     stacked per group: where each group's is); a side with a ``previous`` basis (the last
     refresh's, ``basis_refresh="warm"``) refreshed from it by one power step and a QR
-    (:func:`~curvopt.inversion.warm_eigh.warm_eigenbasis`)."""
+    (:func:`~curvopt.inversion.warm_eigh.warm_eigenbasis`); a side whose factor and previous
+    basis equal those of a side decomposed before in ``found`` (one refresh's) takes that
+    side's basis (:class:`Refresh`)."""
     previous = [None] * len(factors) if previous is None else previous
+    found = Refresh() if found is None else found
     return [
-        None if is_wider(f.shape[-1], max_dim) else _next_basis(f, q)
+        None if is_wider(f.shape[-1], max_dim) else found.basis(f, q)
         for f, q in zip(factors, previous)
     ]
+
+
+class Refresh:
+    """The bases decomposed at one refresh, so that a factor equal to one decomposed before,
+    from an equal previous basis (or none), is not decomposed again: a layer's bias has its
+    weight's output-side factor (``[B]`` and ``[B, A]``, equal entries), so its basis is the
+    weight's, the same bits a second decomposition of the same matrix gives. A factor is
+    compared (``torch.equal``) only with those of its shape, dtype and trace (one host read)."""
+
+    def __init__(self):
+        self._found: dict[tuple, list[tuple]] = {}
+
+    def basis(self, factor: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+        """``factor``'s next basis (:func:`_next_basis`), or the equal one found before."""
+        if not isinstance(factor, torch.Tensor):  # (a Gram root's form: decomposed alone)
+            return _next_basis(factor, previous)
+        trace = float(factor.diagonal(dim1=-2, dim2=-1).sum())
+        key = (factor.shape, factor.dtype, factor.device, trace)
+        candidates = self._found.setdefault(key, [])
+        for earlier, earlier_previous, basis in candidates:
+            if torch.equal(earlier, factor) and _equal(earlier_previous, previous):
+                return basis
+        basis = _next_basis(factor, previous)
+        candidates.append((factor, previous, basis))
+        return basis
+
+
+def _equal(first: torch.Tensor | None, second: torch.Tensor | None) -> bool:
+    """Whether two previous bases are both absent, or of one shape and dtype with equal
+    entries."""
+    if first is None or second is None:
+        return first is second
+    same = first.shape == second.shape and first.dtype == second.dtype
+    return same and torch.equal(first, second)
 
 
 def _next_basis(factor: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
