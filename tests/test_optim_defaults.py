@@ -89,7 +89,7 @@ def test_readme_settings_train_the_digits_cnn(name, batch):
     for seed in SEEDS:
         model = curvopt.extend(_digits_cnn(seed))
         opt = TRAINED[name](model.parameters(), **README)
-        loss_of = lambda a, b: lossfunc(model(a), b)  # noqa: E731
+        loss_of = lambda a, b, model=model: lossfunc(model(a), b)  # noqa: E731
         runs.append(_train(opt, loss_of, X, y, steps=40, batch=batch, seed=seed))
     assert all(math.isfinite(last) and last < 0.5 * first for first, last in runs), runs
 
@@ -104,7 +104,7 @@ def test_paper_update_diverges_on_the_digits_cnn_and_the_error_names_the_factor(
     for seed in SEEDS:
         model = curvopt.extend(_digits_cnn(seed))
         opt = KFAC(model.named_parameters(), **PAPER)
-        loss_of = lambda a, b: lossfunc(model(a), b)  # noqa: E731
+        loss_of = lambda a, b, model=model: lossfunc(model(a), b)  # noqa: E731
         with pytest.raises(torch.linalg.LinAlgError, match=match) as error:
             _train(opt, loss_of, X, y, steps=40, batch=128, seed=seed)
         assert "kl_clip" in str(error.value)  # the option that keeps these settings training
@@ -122,7 +122,7 @@ def test_readme_settings_train_zoo_models(name, model_name):
         X, y = problem.make_batch(64, seed)
         torch.manual_seed(seed)  # the Monte-Carlo draws
         opt = TRAINED[name](model.parameters(), **README)
-        loss_of = lambda a, b: problem.loss_of(model, a, b, lossfunc)  # noqa: E731
+        loss_of = partial(problem.loss_of, model, lossfunc=lossfunc)
         runs.append(_train(opt, loss_of, X, y, steps=40, batch=16, seed=seed))
     assert all(math.isfinite(last) and last < 0.95 * first for first, last in runs), runs
 
@@ -173,7 +173,9 @@ def test_readme_settings_train_a_badly_scaled_gpt(name, settings):
         make = BADLY_SCALED[name] if settings == "readme" else DEFAULTS[name]
         opt = make(model.parameters(), **(README if settings == "readme" else {"lr": 0.05}))
         X, y = successor_task(vocab, length, seed)
-        loss_of = lambda a, b: lossfunc(model(a).reshape(-1, vocab), b.reshape(-1))  # noqa: E731
+        loss_of = lambda a, b, model=model, lossfunc=lossfunc: lossfunc(  # noqa: E731
+            model(a).reshape(-1, vocab), b.reshape(-1)
+        )
         runs.append(_train(opt, loss_of, X, y, steps=60, batch=16, seed=seed))
     assert all(math.isfinite(last) and last < 0.1 * first for first, last in runs), runs
 
