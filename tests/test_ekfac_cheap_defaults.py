@@ -126,12 +126,9 @@ class _Identity(Stage):
         return None
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_the_trust_region_measures_the_solves_coordinates(seed, monkeypatch):
-    """At the defaults (``trust_metric="ggn"``) the trust region's ``Σ (K + λ) ⊙ (Q_Bᵀ D Q_A)²``
-    is read off the solve's coordinates, no direction rotated again
-    (``eigen_corrected_quadratic`` is not called), and the steps (the trust region cuts them:
-    ``lr=1``) are those of the twin that rotates each direction, to 1e-12."""
+def _quadratic_calls(monkeypatch) -> list:
+    """One entry per call of ``ekfac.eigen_corrected_quadratic`` (a direction rotated into the
+    basis for the trust region), recorded as it runs."""
     calls = []
     quadratic = ekfac_module.eigen_corrected_quadratic
 
@@ -140,6 +137,16 @@ def test_the_trust_region_measures_the_solves_coordinates(seed, monkeypatch):
         return quadratic(*args)
 
     monkeypatch.setattr(ekfac_module, "eigen_corrected_quadratic", counted)
+    return calls
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_trust_region_measures_the_solves_coordinates(seed, monkeypatch):
+    """At the defaults (``trust_metric="ggn"``) the trust region's ``Σ (K + λ) ⊙ (Q_Bᵀ D Q_A)²``
+    is read off the solve's coordinates, no direction rotated again
+    (``eigen_corrected_quadratic`` is not called), and the steps (the trust region cuts them:
+    ``lr=1``) are those of the twin that rotates each direction, to 1e-12."""
+    calls = _quadratic_calls(monkeypatch)
     coordinates, _, _ = _trajectory(lambda p: EKFAC(p, lr=1.0), seed)
     assert not calls
     chain = NEWTON.with_stage(_Identity())
@@ -175,8 +182,10 @@ def test_basis_refresh_default_is_warm_under_the_default_damping_only():
 def test_the_default_refresh_steps_as_the_refresh_it_names(options, named):
     """Over five basis refreshes, ``EKFAC(lr)`` steps as ``basis_refresh="warm"`` and, with a
     damping given, as ``"eigh"``, bit for bit; the warm default is not the exact one."""
-    make = lambda refresh: lambda p: EKFAC(  # noqa: E731
-        p, lr=0.1, curvature_interval=2, basis_refresh=refresh, **options
+    make = lambda refresh: (
+        lambda p: EKFAC(  # noqa: E731
+            p, lr=0.1, curvature_interval=2, basis_refresh=refresh, **options
+        )
     )
     default, _, _ = _trajectory(make(None), 0)
     assert torch.equal(default, _trajectory(make(named), 0)[0])
@@ -190,13 +199,6 @@ def test_the_default_refresh_steps_as_the_refresh_it_names(options, named):
 def test_other_dampings_keep_rotating_the_direction(options, monkeypatch):
     """With a damping or a relative damping given the trust region (``"ggn"``) rotates each
     direction into the basis as before: those settings keep their steps to the bit."""
-    calls = []
-    quadratic = ekfac_module.eigen_corrected_quadratic
-
-    def counted(*args):
-        calls.append(1)
-        return quadratic(*args)
-
-    monkeypatch.setattr(ekfac_module, "eigen_corrected_quadratic", counted)
+    calls = _quadratic_calls(monkeypatch)
     _trajectory(lambda p: EKFAC(p, lr=1.0, **options), 0, steps=3)
     assert len(calls) == 3 * 4  # every parameter at every step

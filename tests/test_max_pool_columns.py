@@ -134,17 +134,22 @@ def _run(plain, x, y, lossfunc, *extensions):
     return model, runs[0], len(_pool_nodes(out))
 
 
-@pytest.fixture
-def scatters(monkeypatch):
+def _column_counts(monkeypatch, name: str) -> list:
+    """The number of columns of each call of ``pooling.<name>``, recorded as it runs."""
     calls = []
-    plain = pooling.max_pool_transpose
+    plain = getattr(pooling, name)
 
     def counted(node, columns):
         calls.append(columns.shape[0])
         return plain(node, columns)
 
-    monkeypatch.setattr(pooling, "max_pool_transpose", counted)
+    monkeypatch.setattr(pooling, name, counted)
     return calls
+
+
+@pytest.fixture
+def scatters(monkeypatch):
+    return _column_counts(monkeypatch, "max_pool_transpose")
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -293,15 +298,7 @@ def _run_counting_pads(plain, x, lossfunc, y, *extensions):
 
 @pytest.fixture
 def crops(monkeypatch):
-    calls = []
-    plain = pooling.pad_transpose
-
-    def counted(node, columns):
-        calls.append(columns.shape[0])
-        return plain(node, columns)
-
-    monkeypatch.setattr(pooling, "pad_transpose", counted)
-    return calls
+    return _column_counts(monkeypatch, "pad_transpose")
 
 
 def _padded_problem(make):
