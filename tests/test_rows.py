@@ -31,7 +31,8 @@ def test_probe_sets_separate_every_pair(n):
 
 
 class _Pair(nn.Module):
-    """Adds to samples ``s`` and ``m`` ``weight`` times each other's hidden units."""
+    """Adds to sample ``s`` ``weight`` times the hidden units of sample ``m`` (one way: a
+    probe on ``s``'s rows leaks into ``m``, none on ``m``'s into ``s``)."""
 
     def __init__(self, s, m, weight):
         super().__init__()
@@ -40,9 +41,9 @@ class _Pair(nn.Module):
 
     def forward(self, x):
         h = torch.tanh(self.a(x))
-        partner = torch.arange(len(x))
-        partner[self.s], partner[self.m] = self.m, self.s
-        return self.b(h + self.weight * (partner != torch.arange(len(x)))[:, None] * h[partner])
+        source = torch.arange(len(x))
+        source[self.s] = self.m
+        return self.b(h + self.weight * (source != torch.arange(len(x)))[:, None] * h[source])
 
 
 @pytest.fixture
@@ -74,12 +75,15 @@ def _sizes(n):
 
 
 def _last_pair(n):
-    """Two samples whose codes agree on every set but those of the last propagation."""
+    """Samples ``s``, ``m`` that only the last propagation's sets separate as the leak of
+    :class:`_Pair` needs (a set holding ``s`` and not ``m``): every earlier set holding ``s``
+    holds ``m`` too."""
     sets = rows.probe_sets(n)
     last = (len(_sizes(n)) - 1) * rows._PROBES_PER_CALL
     for s in range(n):
-        for m in range(s + 1, n):
-            if bool((sets[s, :last] == sets[m, :last]).all()):
+        for m in range(n):
+            earlier = bool((sets[s, :last] & ~sets[m, :last]).any())
+            if s != m and not earlier and bool((sets[s, last:] & ~sets[m, last:]).any()):
                 return s, m
     raise AssertionError("no such pair")
 

@@ -260,7 +260,9 @@ class LossColumns:
         module, output, target = loss.module, loss.output.detach(), loss.target
         if self.source == "mc":
             cols = rule.sqrt_hessian_mc(module, output, target, self.mc_samples, check=False)
-            yield cols * self.scale
+            scaled = cols * self.scale
+            del cols  # (the generator's frame would hold the unscaled factor while it is used)
+            yield scaled
             return
         if self.source == "empirical":
             divisor = rule.divisor(module, output, target)

@@ -16,8 +16,9 @@ rows of the samples whose bit ``j`` is ``1``, propagated to every module output,
 the samples whose bit ``j`` is ``0``. No code covers another, so for any two samples ``s != m``
 some probe holds ``s``'s rows and not ``m``'s: these ``k`` columns (``k`` the least with
 ``C(k, k // 2) >= N``: 8 for ``N = 64``, 5 for ``N = 8``; two per bit, ``2 ceil(log2 N)``, would
-be 12 and 6), propagated two at a time (the probes' memory is that of two columns, whatever
-``N``), catch any row that depends on a sample other than its own:
+be 12 and 6), propagated one at a time (the probes' memory is that of one column, whatever
+``N``: a structure's first pass peaks no higher than a pass of one Monte-Carlo column), catch
+any row that depends on a sample other than its own:
 functional batch norm or ``h - h.mean(0)`` between layers, a sequence-first model read as
 batch-first, layers that disagree on the batch. Verified layouts are kept in the plan of the
 graph's structure (``core.plans.Plan.layouts``, with the calls found transposed), so the probes
@@ -39,8 +40,9 @@ from curvopt.core.plans import add_layout
 from curvopt.layers import mixing, rule_for
 from curvopt.graph.propagate import to_calls
 
-#: probe columns per propagation: the probes' memory
-_PROBES_PER_CALL = 2
+#: probe columns per propagation: the probes' memory (one column: the first pass of a
+#: structure, which runs them, then peaks no higher than the later passes of ``KFAC``)
+_PROBES_PER_CALL = 1
 
 
 def batch_sizes(calls) -> Dict[object, int]:

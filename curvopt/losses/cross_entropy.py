@@ -164,8 +164,10 @@ class CrossEntropyLossRule(LossRule):
         probs = output.softmax(1).reshape(batch, num_classes, -1).transpose(1, 2)  # [N, D, C]
         beta = self._beta(loss_module, output, target)  # [N, D]
         sampled = _sample_classes(probs.reshape(-1, num_classes), mc_samples)
-        one_hot = F.one_hot(sampled.T.reshape(mc_samples, *beta.shape), num_classes).to(output)
-        columns = (beta / mc_samples).sqrt()[..., None] * (one_hot - probs)  # [M, N, D, C]
+        # (one_hot - probs) * sqrt(beta / M), [M, N, D, C], made in place in one buffer
+        columns = output.new_zeros(mc_samples, *probs.shape)
+        columns.scatter_(-1, sampled.T.reshape(mc_samples, *beta.shape, 1), 1.0).sub_(probs)
+        columns.mul_((beta / mc_samples).sqrt()[..., None])
         return columns.transpose(2, 3).reshape(mc_samples, *output.shape)
 
 
