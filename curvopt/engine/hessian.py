@@ -210,9 +210,9 @@ def _reject_enclosing(node, calls, upstream: Walk) -> None:
             if p.requires_grad and id(p) in upstream.accumulators:
                 raise _error(
                     f"parameter {name!r} of module {module_path(record.module)!r} "
-                    f"({type(record.module).__name__}) is used upstream of the curved op "
-                    f"{type(node).__name__} inside that module's own call, where curvopt "
-                    "cannot read the op's term for it"
+                    f"({type(record.module).__name__}) feeds the curved op "
+                    f"{type(node).__name__} inside the module's own call, whose term curvopt "
+                    "cannot give it"
                 )
 
 
