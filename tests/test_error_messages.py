@@ -156,6 +156,23 @@ def test_a_second_order_quantity_without_an_extended_loss_names_the_fix():
     assert "docs/support.md#missing-extended-loss" in message
 
 
+@pytest.mark.parametrize("optimizer", ["KFAC", "EKFAC", "DiagGGNNewton"])
+def test_an_unrecognised_loss_reached_from_an_optimizer_is_named_briefly(optimizer):
+    """The extensions an optimizer collects are named by their class: ``optim.EKFAC``'s own
+    (its supplied bases, a callable) never reach the message."""
+    model = curvopt.extend(nn.Linear(3, 2).to(DT))
+    opt = getattr(curvopt.optim, optimizer)(model.parameters(), lr=0.1, damping=1e-2)
+    X, y = torch.randn(4, 3, dtype=DT), torch.randn(4, 2, dtype=DT)
+
+    def run():
+        F.l1_loss(model(X), y).backward()
+        opt.step()
+
+    message = raised(MissingLossError, run)
+    check(message, "curvopt.extend(nn.CrossEntropyLoss())", "F.cross_entropy")
+    assert " at 0x" not in message and "<function" not in message
+
+
 # ------------------------------------------------------------ one cause, one message
 def _batchnorm_model():
     torch.manual_seed(0)

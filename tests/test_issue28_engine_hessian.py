@@ -270,3 +270,40 @@ def test_a_raw_parameter_curved_in_a_product_or_divisor_raises(op):
         with curvopt.collect(ext.DiagHessian()):
             curvopt.extend(nn.CrossEntropyLoss())(model(X), y).backward()
     assert all(not hasattr(p, "diag_h") for p in model.parameters())
+
+
+class _RawParameterBeforeCurve(nn.Module):
+    """A raw parameter ``w`` of the model upstream of a curved op that the model's own call
+    encloses (its output is the output of ``b``): ``∂²L/∂w²`` has the term of ``tanh''``,
+    which curvopt could only read inside the model's call."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.a, self.b, self.op = nn.Linear(3, 3).to(DT), nn.Linear(3, 2).to(DT), op
+        self.w = nn.Parameter(torch.rand(3, dtype=DT) + 1)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.op(self, x)))
+
+
+_BEFORE_CURVE = {
+    "tanh(x * w)": lambda m, x: x * m.w,
+    "tanh(a(x) + w)": lambda m, x: m.a(x) + m.w,
+}
+
+
+@pytest.mark.parametrize("op", sorted(_BEFORE_CURVE))
+def test_a_raw_parameter_upstream_of_a_curved_op_in_its_module_raises(op):
+    torch.manual_seed(0)
+    model = _RawParameterBeforeCurve(_BEFORE_CURVE[op])
+    X, y = torch.randn(4, 3, dtype=DT), torch.randint(0, 2, (4,))
+    expected = _hessian_diagonals(model, X, y)["w"]
+    curvopt.extend(model)
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    with curvopt.collect(ext.DiagGGNExact()):
+        lossfunc(model(X), y).backward()
+    assert (model.w.diag_ggn_exact - expected).abs().max() > 1e-3  # tanh'' matters for w
+    with pytest.raises(UnsupportedModuleError, match=r"parameter 'w' of module '_RawParam"):
+        with curvopt.collect(ext.DiagHessian()):
+            lossfunc(model(X), y).backward()
+    assert all(not hasattr(p, "diag_h") for p in model.parameters())

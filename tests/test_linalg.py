@@ -264,6 +264,41 @@ def test_kfac_blocks_are_the_collected_factors_weighted_over_batches(name, reduc
     )
 
 
+@pytest.mark.parametrize(
+    "loss",
+    [
+        nn.CrossEntropyLoss(ignore_index=-1),
+        nn.CrossEntropyLoss(weight=torch.tensor([0.3, 1.0, 2.0], dtype=DT)),
+        nn.CrossEntropyLoss(weight=torch.tensor([0.3, 1.0, 2.0], dtype=DT), ignore_index=-1),
+    ],
+    ids=["ignore_index", "class_weights", "both"],
+)
+def test_batches_weigh_by_their_loss_divisor_as_one_batch(loss):
+    """Per-pixel cross-entropy ``[N, C, H, W]`` over two batches whose shares of counted
+    targets (or of class weight) differ: the operators are those of the loss on the data as one
+    batch (each batch weighted by its loss's divisor ``D_b``, not by its size)."""
+    gen = torch.Generator().manual_seed(0)
+    model = curvopt.extend(
+        nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Conv2d(3, 3, 1)).to(DT)
+    )
+    lossfunc = curvopt.extend(loss)
+    images = [torch.randn(n, 2, 3, 3, generator=gen, dtype=DT) for n in (2, 3)]
+    data = [(x, torch.randint(0, 3, (len(x), 3, 3), generator=gen)) for x in images]
+    dropped = -1 if loss.ignore_index == -1 else 0  # ignored, or the lightest class
+    data[0][1][0, :2] = dropped
+    data[0][1][1, 0, 0] = dropped
+    one = [_joined(data)]
+    ggn, hess = dense_ggn(model, lossfunc, data), dense_hessian(model, lossfunc, data)
+    assert_matrix(linalg.GGN(model, lossfunc, data).to_dense(), ggn)
+    assert_matrix(linalg.Hessian(model, lossfunc, data).to_dense(), hess)
+    for curvature, dense in (("ggn_exact", ggn), ("hessian", hess)):
+        diag = linalg.Diagonal(model, lossfunc, data, curvature=curvature)
+        assert_matrix(diag.to_dense(), torch.diag(torch.diagonal(dense)))
+    for operator in (linalg.KFAC, linalg.EKFAC):
+        expected = operator(model, lossfunc, one, curvature="kflr").to_dense()
+        assert_matrix(operator(model, lossfunc, data, curvature="kflr").to_dense(), expected)
+
+
 def test_kflr_of_one_sample_is_the_exact_ggn_block():
     model, lossfunc, data = problem("mlp", sizes=(1,))
     ggn = dense_ggn(model, lossfunc, data)

@@ -198,6 +198,24 @@ def _reject_shared(calls) -> None:
             seen[id(p)] = record
 
 
+def _reject_enclosing(node, calls, upstream: Walk) -> None:
+    """Raise for a call whose parameter is upstream of the curved op ``node`` although the call
+    itself is not: its module encloses the op (a model owning a raw parameter, ``self.l(tanh(x
+    * self.scale))``), and its rule reads columns only at its own output, downstream of the
+    op, so the op's term ``J_aᵀ diag(r_a) J_a`` would never reach the parameter."""
+    for record in calls:
+        if record in upstream.calls:
+            continue
+        for name, p in owned(record.module):
+            if p.requires_grad and id(p) in upstream.accumulators:
+                raise _error(
+                    f"parameter {name!r} of module {module_path(record.module)!r} "
+                    f"({type(record.module).__name__}) feeds the curved op "
+                    f"{type(node).__name__} inside the module's own call, whose term curvopt "
+                    "cannot give it"
+                )
+
+
 def residuals(context, gradient, calls, exts):
     """``Term``s: the residual terms of ``exts`` (``diag_h``/``diag_h_batch``) of every
     parameter, one at a time (``context``: the loss's ``loss_context.LossContext``;
@@ -224,6 +242,7 @@ def residuals(context, gradient, calls, exts):
             continue
         direct, index = producers.get((fn, nr), (None, None))
         upstream = Walk(fn, within=walk)  # a part of the loss's walk, read again
+        _reject_enclosing(node, calls, upstream)
         others = {record: calls[record] for record in upstream.calls if record in calls}
         if direct is not None and rule_for(direct.module).has_weighted_squares(direct.module):
             # in the call's output shape: an in-place op on a view modifies the output's base

@@ -29,8 +29,10 @@ def autocast_off() -> contextlib.AbstractContextManager:
 
 def missing_loss(exts) -> MissingLossError:
     """The error for a module hook of a pass computing ``exts`` (second order) before any
-    loss record's: the loss backpropagated is none curvopt reads."""
-    names = ", ".join(repr(e) for e in exts)
+    loss record's: the loss backpropagated is none curvopt reads. The extensions are named by
+    their class (their options can hold an optimizer's internal callables, such as the bases an
+    ``optim.EKFAC`` supplies)."""
+    names = ", ".join(dict.fromkeys(type(e).__name__ for e in exts))
     return MissingLossError(
         f"{names} need(s) the loss, but curvopt could not read the loss that was "
         "backpropagated. Compute it with lossfunc = curvopt.extend(nn.CrossEntropyLoss()) "

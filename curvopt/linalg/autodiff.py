@@ -108,9 +108,9 @@ class OutputProducts:
         params: Tensors,
         vectors: Tensors,
         output_operator: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]],
-    ) -> tuple[int, list[torch.Tensor]]:
-        """``(R, Jᵀ M J V)``: ``vectors [[K, *p.shape]]``; ``output_operator(f)`` returns
-        ``u ↦ M u`` for one output-shaped ``u``."""
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``(f, Jᵀ M J V)``: ``vectors [[K, *p.shape]]``; ``output_operator(f)`` returns
+        ``u ↦ M u`` for one output-shaped ``u``; ``f`` the loss input (detached)."""
         params = tuple(p.detach() for p in params)
         if self.forward_mode:
             rng = _rng_state(params[0].device)
@@ -124,13 +124,13 @@ class OutputProducts:
         return jtmj_reverse(forward, params, vectors, output_operator)
 
 
-def jtmj_forward(forward, params, vectors, output_operator) -> tuple[int, list[torch.Tensor]]:
-    """``(R, Jᵀ M J V)`` with ``J V`` by ``jvp``: per chunk of columns one forward, computing
+def jtmj_forward(forward, params, vectors, output_operator) -> tuple[torch.Tensor, list]:
+    """``(f, Jᵀ M J V)`` with ``J V`` by ``jvp``: per chunk of columns one forward, computing
     ``f`` once and its tangents (vmapped over the columns), under the ``vjp`` that records
     ``f``'s graph; ``M`` built once per batch, from the first chunk's ``f``. A single column
     runs without ``vmap``, whose batching rules split some kernels (a convolution's backward
     into one call per input)."""
-    apply_m, parts, rows = None, [], 0
+    apply_m, parts, loss_input = None, [], None
     with _differentiable():
         for chunk in zip(*(v.split(CHUNK) for v in vectors)):
             single = len(chunk[0]) == 1
@@ -143,18 +143,19 @@ def jtmj_forward(forward, params, vectors, output_operator) -> tuple[int, list[t
 
             output, pullback, tangents = vjp(linearized, *params, has_aux=True)
             if apply_m is None:
-                rows, apply_m = output.shape[0], output_operator(output.detach())
+                loss_input = output.detach()
+                apply_m = output_operator(loss_input)
             if single:
                 parts.append([r[None] for r in pullback(apply_m(tangents[0]))])
             else:
                 parts.append(vmap(lambda t, back=pullback, m=apply_m: back(m(t)))(tangents))
     if len(parts) == 1:
-        return rows, list(parts[0])
-    return rows, [torch.cat(columns) for columns in zip(*parts)]
+        return loss_input, list(parts[0])
+    return loss_input, [torch.cat(columns) for columns in zip(*parts)]
 
 
-def jtmj_reverse(forward, params, vectors, output_operator) -> tuple[int, list[torch.Tensor]]:
-    """``(R, Jᵀ M J V)`` with ``J V`` as the transpose of the pullback (reverse over reverse)."""
+def jtmj_reverse(forward, params, vectors, output_operator) -> tuple[torch.Tensor, list]:
+    """``(f, Jᵀ M J V)`` with ``J V`` as the transpose of the pullback (reverse over reverse)."""
     with _differentiable():
         output, pullback = vjp(forward, *params)
         output = output.detach()
@@ -165,7 +166,7 @@ def jtmj_reverse(forward, params, vectors, output_operator) -> tuple[int, list[t
             return pullback(apply_m(transpose(vector)[0]))
 
         result = vmap(one, chunk_size=CHUNK)(*vectors)
-    return output.shape[0], list(result)
+    return output, list(result)
 
 
 def _rng_state(device: torch.device) -> tuple:
@@ -181,8 +182,9 @@ def _set_rng_state(device: torch.device, state: tuple) -> None:
 
 def hessian_matmat(
     forward: Callable, loss: Callable, params: Tensors, vectors: Tensors
-) -> tuple[int, list[torch.Tensor]]:
-    """``(R, ∇²_θ loss(forward(θ)) V)`` by reverse-over-reverse differentiation."""
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(f, ∇²_θ loss(forward(θ)) V)`` by reverse-over-reverse differentiation (``f`` the
+    loss input, detached)."""
     params = tuple(p.detach() for p in params)
 
     def objective(*ps):
@@ -193,7 +195,7 @@ def hessian_matmat(
         gradient = grad(objective, argnums=tuple(range(len(params))), has_aux=True)
         _, pullback, output = vjp(gradient, *params, has_aux=True)
         result = vmap(lambda *v: pullback(v), chunk_size=CHUNK)(*vectors)
-    return output.shape[0], list(result)
+    return output.detach(), list(result)
 
 
 def loss_hessian(loss: Callable) -> Callable:

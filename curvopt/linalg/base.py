@@ -2,12 +2,13 @@
 
 ``P`` counts the entries of the trainable parameters, ordered as ``model.parameters()``, each
 ``vec(p)`` row-major. Vectors cross the boundary as numpy arrays and are computed on as torch
-tensors of the model's dtype and device. Curvature over batches ``b`` with ``R_b`` loss rows
-(dim 0 of the loss input) is ``C = (1/R) Σ_b R_b C_b`` for ``reduction="mean"`` (as if the
-data were one batch, ``R = Σ_b R_b``) and ``C = Σ_b C_b`` for ``"sum"``. ``R_b`` counts rows
-whatever their targets: with ``ignore_index`` or class weights each ``C_b`` keeps its own
-normaliser and batches are still weighted by ``R_b`` (equal to one big batch when every batch
-has the same share of counted rows).
+tensors of the model's dtype and device. Curvature over batches ``b`` is ``C = (1/D) Σ_b D_b
+C_b`` for ``reduction="mean"`` and ``C = Σ_b C_b`` for ``"sum"``, ``D_b`` the divisor of batch
+``b``'s loss (``LossRule.divisor``: its rows ``R_b`` (dim 0 of the loss input) for one term per
+row, the counted rows with ``ignore_index``, their class weights' sum, ``R_b·K`` for ``K``
+outputs per row) and ``D = Σ_b D_b``: ``C_b`` is ``(1/D_b)`` times its terms, so ``C`` is the
+matrix of the loss on all of the data as one batch. (``EmpiricalFisher``, scaled per batch by
+its rows, weighs batches by ``R_b``.)
 
 Inputs may be a tensor, a tuple or a dict (``model(**inputs)``, Hugging Face style), and
 ``output=`` picks the tensor of the model's output the loss takes (default: the output, or the
@@ -110,8 +111,9 @@ class CurvatureOperator(ParameterOperator):
     ``P`` counts the entries of the trainable parameters, ordered as ``model.parameters()``,
     each ``vec(p)`` row-major; numpy in, numpy out (``op @ v``, ``op.matmat``,
     ``op.to_dense()``), computed in torch with the model's dtype and device. Over batches ``b``
-    with ``R_b`` loss rows the matrix is ``C = (1/R) Σ_b R_b C_b`` for ``reduction="mean"`` (as
-    if ``data`` were one batch, ``R = Σ_b R_b``) and ``C = Σ_b C_b`` for ``"sum"``. Subclasses
+    the matrix is ``C = (1/D) Σ_b D_b C_b`` for ``reduction="mean"``, ``D_b`` the divisor of
+    batch ``b``'s loss and ``D = Σ_b D_b`` (as if ``data`` were one batch), and ``C = Σ_b C_b``
+    for ``"sum"``. Subclasses
     implement ``_batch_matmat`` or override ``_apply``. Parameters and ``.grad`` are never
     changed.
 
@@ -174,24 +176,30 @@ class CurvatureOperator(ParameterOperator):
             return t.to(self.device, self.torch_dtype)
         return t.to(self.device)
 
-    def weighted_sum(self, pairs: Iterable[tuple[int, torch.Tensor]]) -> torch.Tensor:
-        """``Σ_b R_b C_b / R`` ("mean", as a running mean: one batch is returned as it is) or
-        ``Σ_b C_b`` ("sum") over ``pairs`` ``(R_b, C_b)``."""
-        total, rows = None, 0
-        for count, value in pairs:
+    def weight(self, output: torch.Tensor, targets) -> float:
+        """``D_b``, batch ``b``'s weight in the mean over batches: its loss's divisor (the loss
+        input ``output`` and ``targets`` of the batch)."""
+        return loss_rule_for(self.lossfunc).divisor(self.lossfunc, output, targets)
+
+    def weighted_sum(self, pairs: Iterable[tuple[float, torch.Tensor]]) -> torch.Tensor:
+        """``Σ_b D_b C_b / D`` ("mean", as a running mean: one batch is returned as it is) or
+        ``Σ_b C_b`` ("sum") over ``pairs`` ``(D_b, C_b)``."""
+        total, seen = None, 0
+        for weight, value in pairs:
             if total is None:
                 total = value
             elif self.mean:
-                total = total + (value - total) * (count / (rows + count))
+                total = total + (value - total) * (weight / (seen + weight))
             else:
                 total = total + value
-            rows += count
+            seen += weight
         if total is None:
             raise ValueError("curvopt.linalg: data yielded no batch this time (exhausted?)")
         return total
 
     def _batch_matmat(self, inputs, targets, vectors: list[torch.Tensor]):
-        """``(R_b, [C_b V per parameter])`` for ``vectors`` ``[[K, *p.shape]]``."""
+        """``(f_b, [C_b V per parameter])`` for ``vectors`` ``[[K, *p.shape]]``, ``f_b`` the
+        batch's loss input (detached)."""
         raise NotImplementedError
 
     def _apply(self, matrix: torch.Tensor) -> torch.Tensor:
@@ -200,7 +208,7 @@ class CurvatureOperator(ParameterOperator):
 
         def pairs():
             for inputs, targets in self.batches():
-                rows, result = self._batch_matmat(inputs, targets, vectors)
-                yield rows, self.join(result)
+                output, result = self._batch_matmat(inputs, targets, vectors)
+                yield self.weight(output, targets), self.join(result)
 
         return self.weighted_sum(pairs())

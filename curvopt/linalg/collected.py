@@ -37,8 +37,11 @@ def _preserved(params: list[torch.Tensor], attr: str):
                 setattr(p, attr, value)
 
 
-def collected(op: CurvatureOperator, extension: Extension, seed: int) -> Iterator[tuple[int, list]]:
-    """``(R_b, [p.<extension.attr> per trainable parameter])`` for every batch of ``op.data``."""
+def collected(
+    op: CurvatureOperator, extension: Extension, seed: int
+) -> Iterator[tuple[int, float, list]]:
+    """``(R_b, D_b, [p.<extension.attr> per trainable parameter])`` for every batch of
+    ``op.data``: its rows (dim 0 of the loss input), its weight ``op.weight`` and the values."""
     devices = [op.device] if op.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), _preserved(op.params, extension.attr):
         torch.manual_seed(seed)
@@ -59,4 +62,4 @@ def collected(op: CurvatureOperator, extension: Extension, seed: int) -> Iterato
                     "module; extend the whole model (curvopt.extend(model)) and freeze unused "
                     "parameters (requires_grad=False)"
                 )
-            yield output.shape[0], values
+            yield output.shape[0], op.weight(output.detach(), targets), values

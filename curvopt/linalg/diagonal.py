@@ -77,8 +77,8 @@ class Diagonal(CurvatureOperator):
         extension = extensions.extension(_CURVATURES[curvature], mc_samples)
 
         self.diagonal = self.weighted_sum(
-            (rows, torch.cat([v.detach().flatten() for v in values]))
-            for rows, values in collected(self, extension, seed)
+            (weight, torch.cat([v.detach().flatten() for v in values]))
+            for _, weight, values in collected(self, extension, seed)
         )
 
     def _apply(self, matrix):

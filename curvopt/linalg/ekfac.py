@@ -7,7 +7,7 @@ factors of :class:`~curvopt.linalg.KFAC` (accumulated over all of ``data``) and
 gradients (extension ``EKFAC`` in the supplied bases ``Q``, one pass per batch; on the GGN's
 scale: ``D Σ_n g_n g_nᵀ`` for "mean", ``D`` the loss's divisor, the sum for "sum").
 Batches are weighted as in :mod:`curvopt.linalg.base`: batch ``b`` contributes ``S_b = D_b
-Σ_{n∈b} (Q_Bᵀ G_n Q_A)²`` ("mean", weight ``R_b / R``, its share of the loss rows) or
+Σ_{n∈b} (Q_Bᵀ G_n Q_A)²`` ("mean", weight ``D_b / D``, its share of the loss's divisor) or
 ``Σ_{n∈b} (...)²`` ("sum"), the optimizer's correction of that batch. With one loss term per
 sample (``D = N``: a classifier's cross-entropy) it is the projection of
 :class:`~curvopt.linalg.EmpiricalFisher` onto the matrices diagonal in ``Q``.
@@ -81,8 +81,8 @@ class EKFAC(CurvatureOperator):
 
         supplied = extensions.EKFAC(bases=dict(zip(self.params, self.bases)))
         self.corrections = self._sum(
-            (rows, [value[0] for value in values])
-            for rows, values in collected(self, supplied, seed)
+            (weight, [value[0] for value in values])
+            for _, weight, values in collected(self, supplied, seed)
         )
         self.matrix = BlockDiagonal(
             self.params,
@@ -96,7 +96,7 @@ class EKFAC(CurvatureOperator):
         """Per parameter, ``weighted_sum`` of the batches' corrections."""
         batches = list(pairs)
         return [
-            self.weighted_sum((rows, values[i]) for rows, values in batches)
+            self.weighted_sum((weight, values[i]) for weight, values in batches)
             for i in range(len(self.params))
         ]
 

@@ -146,6 +146,11 @@ class EmpiricalFisher(_PerSample):
         True
     """
 
+    def weight(self, output, targets) -> float:
+        """``R_b``: the matrix of each batch is scaled by its rows (``M_r`` times ``R_b``), so
+        batches weigh by their rows."""
+        return output.shape[0]
+
     def output_operator(self, targets):
         def operator(output):
             gradient = grad(self.loss(targets))(output)

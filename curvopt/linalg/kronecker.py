@@ -94,12 +94,15 @@ class KFAC(CurvatureOperator):
             raise ValueError(
                 f"KFAC: curvature must be one of {', '.join(_CURVATURES)}, got {curvature!r}"
             )
-        sums, rows = None, 0
-        for count, values in collected(self, extensions.extension(curvature, mc_samples), seed):
-            weighted = [self._weighted(fs, lambda f, w: f.detach() * w, count) for fs in values]
+        sums, rows, total = None, 0, 0
+        batches = collected(self, extensions.extension(curvature, mc_samples), seed)
+        for count, weight, values in batches:
+            weighted = [
+                self._weighted(fs, lambda f, w: f.detach() * w, count, weight) for fs in values
+            ]
             sums = weighted if sums is None else [_add(s, w) for s, w in zip(sums, weighted)]
-            rows += count
-        self.factors = [self._weighted(fs, lambda f, w: f / w, rows) for fs in sums]
+            rows, total = rows + count, total + weight
+        self.factors = [self._weighted(fs, lambda f, w: f / w, rows, total) for fs in sums]
         for p, factors in zip(self.params, self.factors):
             as_matrix(p.detach(), factors)
         self.matrix = BlockDiagonal(
@@ -107,11 +110,12 @@ class KFAC(CurvatureOperator):
             [_kron_block(_rows(fs), lambda m, fs=fs: kron_matmul(fs, m)) for fs in self.factors],
         )
 
-    def _weighted(self, factors, weigh, rows: int):
-        """``weigh(F, w)`` for each factor with the batch weight (and final divisor) ``w``:
-        ``R_b`` (``R``), or 1 for the output side (``values.KroneckerFactors``) under
-        ``"sum"``."""
-        output_weight = rows if self.mean else 1
+    def _weighted(self, factors, weigh, rows: int, weight: float):
+        """``weigh(F, w)`` for each factor with the batch weight (and final divisor) ``w``: the
+        input side averages over samples, ``R_b`` (``R``); the output side
+        (``values.KroneckerFactors``) carries the loss's ``1/D_b``, ``D_b`` (``D``) under
+        ``"mean"`` (``CurvatureOperator.weight``), 1 under ``"sum"``."""
+        output_weight = weight if self.mean else 1
         return factors.sidewise(
             factors, lambda f, _: weigh(f, output_weight), lambda f, _: weigh(f, rows)
         )
