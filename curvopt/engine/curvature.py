@@ -131,9 +131,11 @@ class CurvaturePass:
     def check(self, walk, per_sample: bool = False) -> None:
         """The loss's target and the calls of ``walk`` (``walk.Walk`` of its input) are
         supported; ``coupled`` where a call mixes samples, whose rule's reason is raised
-        where the pass also wants ``per_sample`` (first-order) quantities."""
+        where the pass also wants ``per_sample`` (first-order) quantities. The loss's rule,
+        looked up here, is the one :meth:`run` uses (``rule``)."""
         module, output, target = self.loss.module, self.loss.output, self.loss.target
-        loss_rule_for(module).check(module, output.detach(), target)
+        self.rule = loss_rule_for(module)
+        self.rule.check(module, output.detach(), target)
         mixer = mixing(walk.calls)
         self.coupled = mixer is not None  # the Monte-Carlo columns propagate through the batch
         if self.coupled and per_sample:
@@ -150,7 +152,7 @@ class CurvaturePass:
         """All curvature of this loss, given ``walk`` (``walk.Walk`` of its input, its
         plan bound to this pass)."""
         output = self.loss.output
-        rule = loss_rule_for(self.loss.module)
+        rule = self.rule
         scale = rule.reduction_scale(self.loss.module, output.detach(), self.loss.target)
         self.results.reduction_scale += self.weight * scale  # ``s``: the optimizers' damping
         calls, self.batched = walk.calls, walk.batchable
@@ -260,7 +262,7 @@ class LossColumns:
         module, output, target = loss.module, loss.output.detach(), loss.target
         if self.source == "mc":
             cols = rule.sqrt_hessian_mc(module, output, target, self.mc_samples, check=False)
-            yield cols * self.scale
+            yield self._scaled(cols)
             return
         if self.source == "empirical":
             divisor = rule.divisor(module, output, target)
@@ -287,7 +289,12 @@ class LossColumns:
         for start in range(0, total, per_chunk):
             columns = range(start, min(total, start + per_chunk))
             cols = self.rule.sqrt_hessian(module, output, target, columns=columns, check=False)
-            yield cols * self.scale
+            yield self._scaled(cols)
+
+    def _scaled(self, cols):
+        """``cols`` (fresh from the rule) times ``scale``, the square root of the factor the loss
+        enters the backward with: ``cols`` itself where that is 1 (the product is exact)."""
+        return cols if self.scale == 1.0 else cols * self.scale
 
     def fit(self, calls, extra: int = 0, budget: int = 0) -> int:
         """Columns per chunk so that all propagated columns fit in ``budget`` elements

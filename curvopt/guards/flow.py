@@ -90,7 +90,8 @@ class FlowCheck(PassGuard):
         self.modules.update((c, walk.segment_of(c)) for c in walk.checkpoints)
         for record, edges in walk.calls.items():
             self.modules.update((edge.node, record.module) for _, edge in edges)
-        starts = [*self.modules, *(n for n in users if _extended_leaf(n))]
+        leaves = walk.accumulators.values()  # (the walk's nodes that accumulate into a leaf)
+        starts = [*self.modules, *(n for n in leaves if n in users and is_extended(n.variable))]
         region = search(starts, lambda node: users.get(node, ()))  # downstream of what is read
         check = [n for n in region if n not in self.watched]
         self.watched.update(check)
@@ -149,11 +150,6 @@ class FlowCheck(PassGuard):
         self.watched.clear()
         self.senders.clear()
         self.modules.clear()
-
-
-def _extended_leaf(node) -> bool:
-    """``node`` accumulates into a parameter of an extended module."""
-    return type(node).__name__ == ACCUMULATE_GRAD and is_extended(node.variable)
 
 
 def _flow_error(node, module) -> Exception:
