@@ -148,24 +148,25 @@ class CrossEntropyLossRule(LossRule):
 
     def _sqrt_hessian(self, loss_module, output, target, ks):
         batch, num_classes = output.shape[:2]
+        k = ks.shape[0]  # (``len``, a tensor's ``__len__``, is a Python call)
         probs = output.softmax(1).reshape(batch, num_classes, -1)  # [N, C, D]
         beta = self._beta(loss_module, output, target)  # [N, D]
         if probs.shape[2] == 1:  # one position: the columns are the factor
             p = probs[:, :, 0]
             root = (beta * p).sqrt_()  # [N, C]
-            if len(ks) == num_classes:  # every column, in order (the usual case)
+            if k == num_classes:  # every column, in order (the usual case)
                 coeff, one_hot = root.T, torch.eye(num_classes, dtype=p.dtype, device=p.device)
             else:
                 coeff, one_hot = root[:, ks].T, F.one_hot(ks, num_classes).to(output)
             # [k, N] · ([k, 1, C] - [N, C])
-            return (coeff[..., None] * (one_hot[:, None, :] - p)).reshape(len(ks), *output.shape)
+            return (coeff[..., None] * (one_hot[:, None, :] - p)).reshape(k, *output.shape)
         cs, ds = ks // probs.shape[2], ks % probs.shape[2]
         one_hot = F.one_hot(cs, num_classes).to(output)[:, None, :]  # [k, 1, C]
         coeff = (beta[:, ds] * probs[:, cs, ds]).sqrt().T  # [k, N]
         columns = coeff[..., None] * (one_hot - probs[:, :, ds].permute(2, 0, 1))  # [k, N, C]
-        factor = output.new_zeros(len(ks), *probs.shape)
-        factor[torch.arange(len(ks), device=ks.device), :, :, ds] = columns
-        return factor.reshape(len(ks), *output.shape)
+        factor = output.new_zeros(k, *probs.shape)
+        factor[torch.arange(k, device=ks.device), :, :, ds] = columns
+        return factor.reshape(k, *output.shape)
 
     def _sqrt_hessian_mc(self, loss_module, output, target, mc_samples):
         batch, num_classes = output.shape[:2]
