@@ -80,7 +80,7 @@ from curvopt.core.plans import add_cut
 from curvopt.errors import BATCH_STATISTICS, UnsupportedLossError, module_error
 from curvopt.engine.producers import TABLE, coupled_estimate
 from curvopt.engine.loss_context import LossContext
-from curvopt.layers import mixes, mixing, rule_for
+from curvopt.layers import mixes, rule_for
 from curvopt.losses import loss_rule_for
 from curvopt.graph.propagate import loss_gradient, to_calls
 from curvopt.engine.kron_pass import FactorStream
@@ -136,7 +136,8 @@ class CurvaturePass:
         module, output, target = self.loss.module, self.loss.output, self.loss.target
         self.rule = loss_rule_for(module)
         self.rule.check(module, output.detach(), target)
-        mixer = mixing(walk.calls)
+        mixed = [record for record in walk.calls if mixes(record.module)]
+        mixer = mixed[0] if mixed else None
         self.coupled = mixer is not None  # the Monte-Carlo columns propagate through the batch
         if self.coupled and per_sample:
             raise module_error(mixer.module, _coupled(mixer.module))
@@ -144,7 +145,7 @@ class CurvaturePass:
             if not coupled_estimate(ext):
                 raise module_error(mixer.module, _coupled(mixer.module))
         for record in walk.calls:
-            reason = None if mixes(record.module) else rule_for(record.module).check(record.module)
+            reason = None if record in mixed else rule_for(record.module).check(record.module)
             if reason is not None:
                 raise module_error(record.module, reason)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable, Dict, Tuple
 
-from curvopt.core.extended import is_extended
 from curvopt.graph.search import search
 from curvopt.engine.results import name_of
 from curvopt.core.reductions import dense_gradient
@@ -90,8 +89,7 @@ class FlowCheck(PassGuard):
         self.modules.update((c, walk.segment_of(c)) for c in walk.checkpoints)
         for record, edges in walk.calls.items():
             self.modules.update((edge.node, record.module) for _, edge in edges)
-        leaves = walk.accumulators.values()  # (the walk's nodes that accumulate into a leaf)
-        starts = [*self.modules, *(n for n in leaves if n in users and is_extended(n.variable))]
+        starts = [*self.modules, *(n for n in walk.extended_leaves if n in users)]
         region = search(starts, lambda node: users.get(node, ()))  # downstream of what is read
         check = [n for n in region if n not in self.watched]
         self.watched.update(check)
