@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 from torch.autograd import Variable
+from torch.autograd.graph import _engine_run_backward
 
 # ----------------------------------------------------------------------------- accessors
 # The accessors read in every hook of a pass are torch's own functions under curvopt's names,
@@ -40,6 +41,27 @@ def queue_callback(fn: Callable[[], None]) -> None:
 #: ``any_autocast_enabled()``: whether autocast is on for any device type (one read, where
 #: asking ``cpu`` and ``cuda`` each is two)
 any_autocast_enabled = torch._C._is_any_autocast_enabled
+
+
+def batched_vjp(outputs: tuple, inputs: tuple, columns: tuple) -> tuple:
+    """``torch.autograd.grad(outputs, inputs, columns, retain_graph=True, allow_unused=True,
+    is_grads_batched=True)`` (``outputs``, ``inputs``: tensors or gradient edges; ``columns``
+    ``[k, *output]`` each, plain tensors): the same steps, the engine's backward run once
+    over the columns batched along dim 0 at a fresh level of torch's ``vmap`` and the results
+    unbatched (``None`` for an input not reached), without the argument checks and the tree
+    flattening of ``grad``'s ``vmap`` (about 200 Python calls a call). The engine checks the
+    columns' shapes against the outputs'; an op without a batching rule raises as it does
+    under ``grad``."""
+    level = torch._C._vmapmode_increment_nesting()
+    try:
+        batched = tuple(torch._add_batch_dim(c, 0, level) for c in columns)
+        found = _engine_run_backward(
+            outputs, batched, True, False, inputs, True, accumulate_grad=False
+        )
+        k = columns[0].shape[0]
+        return tuple(None if g is None else torch._remove_batch_dim(g, level, k, 0) for g in found)
+    finally:
+        torch._C._vmapmode_decrement_nesting()
 
 
 def hook_gradient(t: torch.Tensor, hook: Callable) -> None:

@@ -24,6 +24,7 @@ import torch
 from curvopt.graph.pooling import across_pools, pool_stages
 from curvopt.graph.checkpointing import through
 from curvopt.core.state import STATE
+from curvopt.autograd.torch_internals import batched_vjp
 
 
 def backpropagate(outputs, edges, columns: torch.Tensor, batched: bool, walk):
@@ -49,14 +50,7 @@ def _grad(outputs, edges, columns, batched: bool):
     with STATE.suspend():
         if batched:
             try:
-                return torch.autograd.grad(
-                    outputs,
-                    edges,
-                    columns,
-                    retain_graph=True,
-                    is_grads_batched=True,
-                    allow_unused=True,
-                )
+                return batched_vjp(tuple(outputs), tuple(edges), tuple(columns))
             except (RuntimeError, NotImplementedError):
                 pass
         per_column = [
