@@ -3,7 +3,8 @@ lie upstream is ``walk``'s).
 
 PyTorch's autograd applies the transposed Jacobian from a tensor (or gradient edge) to the
 outputs of every extended module call upstream, for many columns at once
-(``is_grads_batched``, i.e. ``vmap`` over the backward graph) where every backward op has a
+(``is_grads_batched``, i.e. ``vmap`` over the backward graph: ``torch_internals.batched_vjp``,
+its steps without ``grad``'s argument handling) where every backward op has a
 batching rule, in batched stages across max pooling (``pooling``) where the walk of the graph
 is given, one column at a time otherwise.
 
