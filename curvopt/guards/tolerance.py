@@ -118,7 +118,7 @@ def _stack_extremes(a: torch.Tensor, b: torch.Tensor) -> list:
 def stacked_mismatches(stacks, factor: float) -> list:
     """``mismatch(a[i], b[i], factor, floors[i])`` of every pair of every ``(a, b, floors)`` in
     ``stacks``, in order: ``a`` and ``b`` ``[m, ...]`` of one shape, dtype and device each
-    (``b`` the references), ``floors`` ``m`` roundoff floors; each stack four operators, all
+    (``b`` the references), ``floors`` ``m`` roundoff floors; each stack five operators, all
     stacks on one device read in one sync (what :func:`mismatches` does for pairs it can
     stack, with the stacks made by the caller)."""
     read: dict = {}  # device -> [parts]
