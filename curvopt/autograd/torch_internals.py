@@ -14,7 +14,6 @@ from typing import Callable
 
 import torch
 from torch.autograd import Variable
-from torch.autograd.graph import _engine_run_backward
 
 # ----------------------------------------------------------------------------- accessors
 # The accessors read in every hook of a pass are torch's own functions under curvopt's names,
@@ -43,6 +42,14 @@ def queue_callback(fn: Callable[[], None]) -> None:
 any_autocast_enabled = torch._C._is_any_autocast_enabled
 
 
+#: the engine's backward as ``torch.autograd.grad`` runs it (``_engine_run_backward``: with what
+#: ``grad`` does around the engine, its debug logging and the caller's context stashed for the
+#: device threads); before torch 2.3, which has no such function, ``grad`` runs the engine itself
+_run_backward = getattr(
+    torch.autograd.graph, "_engine_run_backward", Variable._execution_engine.run_backward
+)
+
+
 def batched_vjp(outputs: tuple, inputs: tuple, columns: tuple) -> tuple:
     """``torch.autograd.grad(outputs, inputs, columns, retain_graph=True, allow_unused=True,
     is_grads_batched=True)`` (``outputs``, ``inputs``: tensors or gradient edges; ``columns``
@@ -55,9 +62,7 @@ def batched_vjp(outputs: tuple, inputs: tuple, columns: tuple) -> tuple:
     level = torch._C._vmapmode_increment_nesting()
     try:
         batched = tuple(torch._add_batch_dim(c, 0, level) for c in columns)
-        found = _engine_run_backward(
-            outputs, batched, True, False, inputs, True, accumulate_grad=False
-        )
+        found = _run_backward(outputs, batched, True, False, inputs, True, accumulate_grad=False)
         k = columns[0].shape[0]
         return tuple(None if g is None else torch._remove_batch_dim(g, level, k, 0) for g in found)
     finally:

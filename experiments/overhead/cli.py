@@ -308,7 +308,6 @@ def print_timing(args, backends, results, infos, load, floors=None, calibration=
         )
 
 
-
 def calls_table(problems, cases, backends, batch, device: str) -> str:
     """The Python calls a step of each case makes, one column per backend, ``n/a`` where a
     backend cannot compute the case (``timing.python_calls``)."""
