@@ -399,6 +399,16 @@ BAD_INPUTS = [
         "zero class weight",
     ),
     (nn.CrossEntropyLoss(), X, -torch.ones_like(X), UnsupportedLossError, "no square root"),
+    # indices in range, which proves the normaliser only without class weights and with
+    # ignore_index outside [0, C): the normaliser is still checked where either fails
+    (nn.CrossEntropyLoss(ignore_index=1), X, torch.tensor([1, 1]), ValueError, "0/0"),
+    (
+        nn.CrossEntropyLoss(weight=torch.tensor([0.0, 1.0, 1.0], dtype=DT)),
+        X,
+        torch.tensor([0, 0]),
+        ValueError,
+        "zero class weight",
+    ),
 ]
 
 

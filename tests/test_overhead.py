@@ -129,3 +129,14 @@ def test_old_entry_point_package_loads_no_torch():
     root = pathlib.Path(__file__).resolve().parents[1]
     run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.strip() == "False", run.stderr
+
+
+def test_cli_calls_counts_each_step_of_each_backend(capsys):
+    """``--calls``: a row per case with a count per backend, the plain step's first; a step
+    that does more makes more calls (hooks only over plain, a quantity over hooks only)."""
+    argv = ["--problems", "logreg", "--quantities", "hooks", "BatchGrad", "--batch", "3"]
+    assert cli.main([*argv, "--threads", "1", "--backends", "curvopt", "--calls"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| logreg")]
+    counts = {row.split("|")[2].strip(): float(row.split("|")[3].replace(",", "")) for row in rows}
+    assert list(counts) == ["plain", "hooks", "BatchGrad"]
+    assert 0 < counts["plain"] < counts["hooks"] < counts["BatchGrad"]

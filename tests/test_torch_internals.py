@@ -315,3 +315,58 @@ def test_any_autocast_enabled():
             assert not ti.any_autocast_enabled()
         assert ti.any_autocast_enabled()
     assert not ti.any_autocast_enabled()
+
+
+def test_batched_vjp_is_grad_with_batched_columns_bit_for_bit():
+    """``batched_vjp`` gives what ``torch.autograd.grad(..., is_grads_batched=True)`` gives,
+    bit for bit: from a tensor and a gradient edge, to gradient edges and a leaf, ``None``
+    for an input the outputs do not reach; the graph is kept for the next call."""
+    x, w, unused = _x(4, 3), _x(3, 5), _x(2)
+    h = x @ w
+    y = torch.tanh(h) * h.sum(1, keepdim=True)
+    z = y.exp().sum(1)
+    outputs = (z, torch.autograd.graph.get_gradient_edge(y))
+    inputs = (torch.autograd.graph.get_gradient_edge(h), w, unused)
+    columns = (torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, 5, dtype=torch.float64))
+    ours = ti.batched_vjp(outputs, inputs, columns)
+    theirs = torch.autograd.grad(
+        outputs, inputs, columns, retain_graph=True, is_grads_batched=True, allow_unused=True
+    )
+    assert ours[2] is None and theirs[2] is None
+    for a, b in zip(ours[:2], theirs[:2]):
+        assert a.shape == b.shape and torch.equal(a, b)
+    again = ti.batched_vjp(outputs, inputs, columns)  # the graph was retained
+    assert all(torch.equal(a, b) for a, b in zip(again[:2], ours[:2]))
+
+
+def test_batched_vjp_raises_where_grad_raises_and_leaves_no_vmap_level():
+    """A backward without a batching rule raises (``propagate`` then goes column by column),
+    and the ``vmap`` level is left again: a later batched call works."""
+
+    class Opaque(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return torch.from_numpy(g.numpy() * 2)  # no batching rule: vmap cannot run it
+
+    x = _x(3)
+    y = Opaque.apply(x)
+    columns = (torch.ones(2, 3, dtype=torch.float64),)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        torch.autograd.grad((y,), (x,), columns, retain_graph=True, is_grads_batched=True)
+    before = _vmap_level()
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        ti.batched_vjp((y,), (x,), columns)
+    assert _vmap_level() == before
+    (g,) = ti.batched_vjp((x * 3,), (x,), columns)
+    assert torch.equal(g, torch.full((2, 3), 3.0, dtype=torch.float64))
+
+
+def _vmap_level() -> int:
+    """The level the next ``vmap`` would take (torch's nesting, left as it was)."""
+    level = torch._C._vmapmode_increment_nesting()
+    torch._C._vmapmode_decrement_nesting()
+    return level

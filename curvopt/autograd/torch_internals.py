@@ -16,22 +16,20 @@ import torch
 from torch.autograd import Variable
 
 # ----------------------------------------------------------------------------- accessors
+# The accessors read in every hook of a pass are torch's own functions under curvopt's names,
+# not wrappers (a Python call fewer at each read).
 
+#: ``current_graph_task_id()``: the id of the autograd task (backward run) now executing on
+#: this thread, ``-1`` outside
+current_graph_task_id = torch._C._current_graph_task_id
 
-def current_graph_task_id() -> int:
-    """Id of the autograd task (backward run) now executing on this thread, ``-1`` outside."""
-    return torch._C._current_graph_task_id()
+#: ``current_autograd_node()``: the autograd node whose hook is running now, or ``None``
+#: outside a backward pass
+current_autograd_node = torch._C._current_autograd_node
 
-
-def current_autograd_node():
-    """The autograd node whose hook is running now, or ``None`` outside a backward pass."""
-    return torch._C._current_autograd_node()
-
-
-def will_engine_execute_node(node) -> bool:
-    """Whether the running backward pass will execute ``node`` (raises ``RuntimeError`` for a
-    node that is an input of ``torch.autograd.grad``)."""
-    return torch._C._will_engine_execute_node(node)
+#: ``will_engine_execute_node(node)``: whether the running backward pass will execute ``node``
+#: (raises ``RuntimeError`` for a node that is an input of ``torch.autograd.grad``)
+will_engine_execute_node = torch._C._will_engine_execute_node
 
 
 def queue_callback(fn: Callable[[], None]) -> None:
@@ -39,10 +37,36 @@ def queue_callback(fn: Callable[[], None]) -> None:
     Variable._execution_engine.queue_callback(fn)
 
 
-def any_autocast_enabled() -> bool:
-    """Whether autocast is on for any device type (one read, where asking ``cpu`` and ``cuda``
-    each is two)."""
-    return torch._C._is_any_autocast_enabled()
+#: ``any_autocast_enabled()``: whether autocast is on for any device type (one read, where
+#: asking ``cpu`` and ``cuda`` each is two)
+any_autocast_enabled = torch._C._is_any_autocast_enabled
+
+
+#: the engine's backward as ``torch.autograd.grad`` runs it (``_engine_run_backward``: with what
+#: ``grad`` does around the engine, its debug logging and the caller's context stashed for the
+#: device threads); before torch 2.3, which has no such function, ``grad`` runs the engine itself
+_run_backward = getattr(
+    torch.autograd.graph, "_engine_run_backward", Variable._execution_engine.run_backward
+)
+
+
+def batched_vjp(outputs: tuple, inputs: tuple, columns: tuple) -> tuple:
+    """``torch.autograd.grad(outputs, inputs, columns, retain_graph=True, allow_unused=True,
+    is_grads_batched=True)`` (``outputs``, ``inputs``: tensors or gradient edges; ``columns``
+    ``[k, *output]`` each, plain tensors): the same steps, the engine's backward run once
+    over the columns batched along dim 0 at a fresh level of torch's ``vmap`` and the results
+    unbatched (``None`` for an input not reached), without the argument checks and the tree
+    flattening of ``grad``'s ``vmap`` (about 200 Python calls a call). The engine checks the
+    columns' shapes against the outputs'; an op without a batching rule raises as it does
+    under ``grad``."""
+    level = torch._C._vmapmode_increment_nesting()
+    try:
+        batched = tuple(torch._add_batch_dim(c, 0, level) for c in columns)
+        found = _run_backward(outputs, batched, True, False, inputs, True, accumulate_grad=False)
+        k = columns[0].shape[0]
+        return tuple(None if g is None else torch._remove_batch_dim(g, level, k, 0) for g in found)
+    finally:
+        torch._C._vmapmode_decrement_nesting()
 
 
 def hook_gradient(t: torch.Tensor, hook: Callable) -> None:

@@ -80,7 +80,7 @@ from curvopt.core.plans import add_cut
 from curvopt.errors import BATCH_STATISTICS, UnsupportedLossError, module_error
 from curvopt.engine.producers import TABLE, coupled_estimate
 from curvopt.engine.loss_context import LossContext
-from curvopt.layers import mixes, mixing, rule_for
+from curvopt.layers import mixes, rule_for
 from curvopt.losses import loss_rule_for
 from curvopt.graph.propagate import loss_gradient, to_calls
 from curvopt.engine.kron_pass import FactorStream
@@ -131,10 +131,13 @@ class CurvaturePass:
     def check(self, walk, per_sample: bool = False) -> None:
         """The loss's target and the calls of ``walk`` (``walk.Walk`` of its input) are
         supported; ``coupled`` where a call mixes samples, whose rule's reason is raised
-        where the pass also wants ``per_sample`` (first-order) quantities."""
+        where the pass also wants ``per_sample`` (first-order) quantities. The loss's rule,
+        looked up here, is the one :meth:`run` uses (``rule``)."""
         module, output, target = self.loss.module, self.loss.output, self.loss.target
-        loss_rule_for(module).check(module, output.detach(), target)
-        mixer = mixing(walk.calls)
+        self.rule = loss_rule_for(module)
+        self.rule.check(module, output.detach(), target)
+        mixed = [record for record in walk.calls if mixes(record.module)]
+        mixer = mixed[0] if mixed else None
         self.coupled = mixer is not None  # the Monte-Carlo columns propagate through the batch
         if self.coupled and per_sample:
             raise module_error(mixer.module, _coupled(mixer.module))
@@ -142,7 +145,7 @@ class CurvaturePass:
             if not coupled_estimate(ext):
                 raise module_error(mixer.module, _coupled(mixer.module))
         for record in walk.calls:
-            reason = None if mixes(record.module) else rule_for(record.module).check(record.module)
+            reason = None if record in mixed else rule_for(record.module).check(record.module)
             if reason is not None:
                 raise module_error(record.module, reason)
 
@@ -150,7 +153,7 @@ class CurvaturePass:
         """All curvature of this loss, given ``walk`` (``walk.Walk`` of its input, its
         plan bound to this pass)."""
         output = self.loss.output
-        rule = loss_rule_for(self.loss.module)
+        rule = self.rule
         scale = rule.reduction_scale(self.loss.module, output.detach(), self.loss.target)
         self.results.reduction_scale += self.weight * scale  # ``s``: the optimizers' damping
         calls, self.batched = walk.calls, walk.batchable
@@ -259,10 +262,11 @@ class LossColumns:
         rule, loss = self.rule, self.loss
         module, output, target = loss.module, loss.output.detach(), loss.target
         if self.source == "mc":
-            cols = rule.sqrt_hessian_mc(module, output, target, self.mc_samples, check=False)
-            scaled = cols * self.scale
-            del cols  # (the generator's frame would hold the unscaled factor while it is used)
-            yield scaled
+            # (one name: the frame holds no unscaled factor while the columns are used)
+            cols = self._scaled(
+                rule.sqrt_hessian_mc(module, output, target, self.mc_samples, check=False)
+            )
+            yield cols
             return
         if self.source == "empirical":
             divisor = rule.divisor(module, output, target)
@@ -289,7 +293,13 @@ class LossColumns:
         for start in range(0, total, per_chunk):
             columns = range(start, min(total, start + per_chunk))
             cols = self.rule.sqrt_hessian(module, output, target, columns=columns, check=False)
-            yield cols * self.scale
+            cols = self._scaled(cols)  # (the frame then holds no unscaled copy while it is used)
+            yield cols
+
+    def _scaled(self, cols):
+        """``cols`` (fresh from the rule) times ``scale``, the square root of the factor the loss
+        enters the backward with: ``cols`` itself where that is 1 (the product is exact)."""
+        return cols if self.scale == 1.0 else cols * self.scale
 
     def fit(self, calls, extra: int = 0, budget: int = 0) -> int:
         """Columns per chunk so that all propagated columns fit in ``budget`` elements

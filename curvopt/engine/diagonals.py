@@ -41,11 +41,13 @@ def diag_from_columns(rule, call: Call, columns, name: str, batched: bool, n: in
     per_sample = []
     for first in range(0, n, samples):
         last = min(n, first + samples)
-        sub = call if (first, last) == (0, n) else call.slice(first, last)
-        sub_columns = narrow(columns, first, last, dim=1 + call.batch_dim)
+        whole = (first, last) == (0, n)  # (the usual case: one chunk, the columns as they are)
+        sub = call if whole else call.slice(first, last)
+        sub_columns = columns if whole else narrow(columns, first, last, dim=1 + call.batch_dim)
         totals = None
         for start in range(0, k, step):
-            chunk = narrow(sub_columns, start, min(k, start + step))
+            stop = min(k, start + step)
+            chunk = sub_columns if (start, stop) == (0, k) else narrow(sub_columns, start, stop)
             grads = rule.column_grads(sub, chunk, name)  # [n, k, *p]; may alias the columns
             squares = _squares_per_sample(grads) if batched else sum_of_squares(grads, dims=2)
             totals = squares if totals is None else totals.add_(squares)

@@ -219,14 +219,15 @@ def _reject_enclosing(node, calls, upstream: Walk) -> None:
 def residuals(context, gradient, calls, exts):
     """``Term``s: the residual terms of ``exts`` (``diag_h``/``diag_h_batch``) of every
     parameter, one at a time (``context``: the loss's ``loss_context.LossContext``;
-    ``gradient``: ``dL/d output`` of the loss as it enters the pass)."""
+    ``gradient()``: ``dL/d output`` of the loss as it enters the pass, asked only where a
+    curved op lies upstream of the loss)."""
     _reject_shared(calls)
     output, walk = context.output, context.walk
     nodes = curved_nodes(output, walk)
     if not nodes:
         return
     edges = [GradientEdge(nd, 0) for nd, _ in nodes]
-    deltas = backpropagate(output, edges, gradient[None], False, walk)
+    deltas = backpropagate(output, edges, gradient()[None], False, walk)
     producers = {}
     for record, edges in calls.items():
         for i, edge in edges:

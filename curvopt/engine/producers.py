@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+from functools import partial
 from typing import Callable, Optional, Tuple
 
 from curvopt.engine.hessian import residuals
@@ -35,10 +36,11 @@ from curvopt.graph.propagate import loss_gradient
 
 def _residual_terms(context, loss, weight: float, calls, exts):
     """DiagHessian's residual terms (``hessian.residuals``) from the gradient w.r.t. the loss
-    input of the loss ``loss`` entering the backward with the factor ``weight``."""
+    input of the loss ``loss`` entering the backward with the factor ``weight`` (computed only
+    where a curved op needs it)."""
     if loss.no_hessian is not None:
         raise UnsupportedLossError(loss.no_hessian)
-    return residuals(context, loss_gradient(loss, weight), calls, exts)
+    return residuals(context, partial(loss_gradient, loss, weight), calls, exts)
 
 
 def _recursion(context, loss, weight: float, calls, exts):

@@ -43,7 +43,7 @@ from curvopt.core.records import LossRecord, mark_extended_loss
 from curvopt.entry.recognize import NO_HESSIAN
 from curvopt.core.state import STATE, SUSPENDED
 from curvopt.graph.search import edges_of
-from curvopt.autograd.torch_internals import LOG_SOFTMAX, ROW_VIEWS, saved
+from curvopt.autograd.torch_internals import LOG_SOFTMAX, ROW_VIEWS, hook_gradient, saved
 
 #: key, in the ``__dict__`` of a functional loss's result, of the handle of its hook
 #: (:func:`_record`): the loss tensor curvopt's own call returned, kept with it as its hook is
@@ -112,7 +112,7 @@ def hook_loss(module: nn.Module, args, kwargs, output: torch.Tensor) -> None:
     if handle is not None:
         handle.remove()
     record = LossRecord(module, args, kwargs)
-    output.register_hook(loss_hook(record))
+    hook_gradient(output, loss_hook(record))  # (for good: no removal handle)
     if output.grad_fn is not None:
         mark_extended_loss(output)
 

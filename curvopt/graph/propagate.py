@@ -3,7 +3,8 @@ lie upstream is ``walk``'s).
 
 PyTorch's autograd applies the transposed Jacobian from a tensor (or gradient edge) to the
 outputs of every extended module call upstream, for many columns at once
-(``is_grads_batched``, i.e. ``vmap`` over the backward graph) where every backward op has a
+(``is_grads_batched``, i.e. ``vmap`` over the backward graph: ``torch_internals.batched_vjp``,
+its steps without ``grad``'s argument handling) where every backward op has a
 batching rule, in batched stages across max pooling (``pooling``) where the walk of the graph
 is given, one column at a time otherwise.
 
@@ -24,6 +25,7 @@ import torch
 from curvopt.graph.pooling import across_pools, pool_stages
 from curvopt.graph.checkpointing import through
 from curvopt.core.state import STATE
+from curvopt.autograd.torch_internals import batched_vjp
 
 
 def backpropagate(outputs, edges, columns: torch.Tensor, batched: bool, walk):
@@ -49,14 +51,7 @@ def _grad(outputs, edges, columns, batched: bool):
     with STATE.suspend():
         if batched:
             try:
-                return torch.autograd.grad(
-                    outputs,
-                    edges,
-                    columns,
-                    retain_graph=True,
-                    is_grads_batched=True,
-                    allow_unused=True,
-                )
+                return batched_vjp(tuple(outputs), tuple(edges), tuple(columns))
             except (RuntimeError, NotImplementedError):
                 pass
         per_column = [

@@ -64,8 +64,9 @@ class Walk:
     checkpoint taking its re-run output); ``edges[node]``: the edges (``search.edges_of``)
     of every node walked past; ``batchable``: columns may be propagated batched; ``foreign``:
     parameters it reaches that no extended module owns; ``accumulators``: the
-    ``AccumulateGrad`` node of every leaf it reaches, by ``id``; ``reentrant``: a checkpoint it
-    could not walk through;
+    ``AccumulateGrad`` node of every leaf it reaches, by ``id``; ``extended_leaves``: those of
+    the extended parameters (the flow check's); ``reentrant``: a checkpoint it could not walk
+    through;
     ``key``: the structure's key (None: indexes by data); ``plan``: the structure's plan.
 
     A reentrant checkpoint is walked through where curvopt re-ran its segment, and re-run on
@@ -87,6 +88,7 @@ class Walk:
         self.batchable = True
         self.foreign: list = []
         self.accumulators: Dict[int, object] = {}  # id(leaf): its ``AccumulateGrad`` node
+        self.extended_leaves: list = []  # the ``AccumulateGrad`` nodes of extended parameters
         self.reentrant = False
         self.checkpoints: list = []  # the re-run checkpoints walked through
         # a checkpoint curvopt re-ran was met, here or by ``within`` (``checkpointing``)
@@ -121,7 +123,9 @@ class Walk:
             if kind == ACCUMULATE_GRAD:
                 leaf = node.variable
                 self.accumulators[id(leaf)] = node
-                if isinstance(leaf, torch.nn.Parameter) and not is_extended(leaf):
+                if is_extended(leaf):
+                    self.extended_leaves.append(node)
+                elif isinstance(leaf, torch.nn.Parameter):
                     self.foreign.append(leaf)
             elif kind in NO_BATCHING_RULE:
                 self.batchable = False

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable, Dict, Tuple
 
-from curvopt.core.extended import is_extended
 from curvopt.graph.search import search
 from curvopt.engine.results import name_of
 from curvopt.core.reductions import dense_gradient
@@ -90,7 +89,7 @@ class FlowCheck(PassGuard):
         self.modules.update((c, walk.segment_of(c)) for c in walk.checkpoints)
         for record, edges in walk.calls.items():
             self.modules.update((edge.node, record.module) for _, edge in edges)
-        starts = [*self.modules, *(n for n in users if _extended_leaf(n))]
+        starts = [*self.modules, *(n for n in walk.extended_leaves if n in users)]
         region = search(starts, lambda node: users.get(node, ()))  # downstream of what is read
         check = [n for n in region if n not in self.watched]
         self.watched.update(check)
@@ -149,11 +148,6 @@ class FlowCheck(PassGuard):
         self.watched.clear()
         self.senders.clear()
         self.modules.clear()
-
-
-def _extended_leaf(node) -> bool:
-    """``node`` accumulates into a parameter of an extended module."""
-    return type(node).__name__ == ACCUMULATE_GRAD and is_extended(node.variable)
 
 
 def _flow_error(node, module) -> Exception:

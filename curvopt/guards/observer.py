@@ -62,8 +62,19 @@ class Ending:
     batch_grads: dict
 
 
+#: the events of a pass, in the order :class:`Observers` lists them
+EVENTS = ("loss", "module", "total", "parameter", "finish", "release")
+
+
 class PassGuard:
-    """A check of one backward pass, attached to the events it observes."""
+    """A check of one backward pass, attached to the events it observes: ``observes``, the
+    events whose methods its class overrides, found when the class is made."""
+
+    observes: tuple = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.observes = tuple(e for e in EVENTS if getattr(cls, e) is not getattr(PassGuard, e))
 
     def loss(self, event: LossEvent) -> None:
         """An extended loss's curvature was computed."""
@@ -88,16 +99,14 @@ class PassGuard:
 
 class Observers:
     """The guards of one pass, in order, as each event's observers: the bound methods of the
-    guards that attach to it (a guard's method that is :class:`PassGuard`'s own is not called)."""
+    guards that attach to it (a guard's method that is :class:`PassGuard`'s own is not called:
+    ``PassGuard.observes``)."""
 
     def __init__(self, guards):
-        def attached(event: str) -> list:
-            default = getattr(PassGuard, event)
-            return [getattr(g, event) for g in guards if getattr(type(g), event) is not default]
-
-        self.loss = attached("loss")
-        self.module = attached("module")
-        self.total = attached("total")
-        self.parameter = attached("parameter")
-        self.finish = attached("finish")
-        self.release = attached("release")
+        attached: dict = {event: [] for event in EVENTS}
+        for guard in guards:
+            for event in guard.observes:
+                attached[event].append(getattr(guard, event))
+        self.loss, self.module, self.total, self.parameter, self.finish, self.release = (
+            attached.values()
+        )

@@ -53,16 +53,17 @@ class Participation:
         is skipped too: the pass computes and writes nothing for it."""
         key = id(p)
         skip = self.untouched.get(key)
-        scoped = id(self.sharded.get(key, p))
-        if skip is None and self.scope is not None and scoped not in self.scope:
-            skip = self.untouched[key] = True
-        if skip is None:
+        if skip is not None:  # (looked up once a pass)
+            return skip
+        if self.scope is not None and id(self.sharded.get(key, p)) not in self.scope:
+            skip = True
+        else:
             accumulator = self._accumulator(p)
             try:
                 skip = not will_engine_execute_node(accumulator) and self._reaches(accumulator)
             except RuntimeError:  # p is an input of torch.autograd.grad
                 skip = True
-            self.untouched[key] = skip
+        self.untouched[key] = skip
         return skip
 
     def _accumulator(self, p):

@@ -182,9 +182,10 @@ class DiagonalLossRule(LossRule):
 
     def _sqrt_hessian(self, loss_module, output, target, ks):
         r = self._sqrt_diagonal(loss_module, output, target).reshape(output.shape[0], -1)
-        factor = r.new_zeros(len(ks), *r.shape)
-        factor[torch.arange(len(ks), device=ks.device), :, ks] = r[:, ks].T
-        return factor.reshape(len(ks), *output.shape)
+        k = ks.shape[0]  # (``len``, a tensor's ``__len__``, is a Python call)
+        factor = r.new_zeros(k, *r.shape)
+        factor[torch.arange(k, device=ks.device), :, ks] = r[:, ks].T
+        return factor.reshape(k, *output.shape)
 
     @abstractmethod
     def _sqrt_diagonal(self, loss_module, output, target):

@@ -55,12 +55,15 @@ class CrossEntropyLossRule(LossRule):
                     "CrossEntropyLoss: ignore_index is not supported with probability targets "
                     "(as in torch); leave it at its default -100."
                 )
-        else:
-            self._check_class_indices(loss_module, output, target)
-        self._beta(loss_module, output, target)
+        elif self._check_class_indices(loss_module, output, target):
+            return  # every row kept at weight 1: the normaliser is the rows' count, >= 1
+        self._beta(loss_module, output, target)  # the normaliser and sign of alpha
 
     @staticmethod
-    def _check_class_indices(loss_module, output, target):
+    def _check_class_indices(loss_module, output, target) -> bool:
+        """Raise for class indices out of range; True where that check proves what
+        :meth:`_beta` would check (every index in ``[0, C)``, ``ignore_index`` outside it, no
+        class weights: alpha is 1 on every row, the normaliser their count)."""
         expected = (output.shape[0], *output.shape[2:])
         if target.dtype == torch.bool or target.is_complex():
             raise ValueError(
@@ -74,13 +77,15 @@ class CrossEntropyLossRule(LossRule):
             )
         low, high = torch.aminmax(target)
         if low.item() >= 0 and high.item() < output.shape[1]:  # the usual case: two reads
-            return
+            ignored = 0 <= loss_module.ignore_index < output.shape[1]
+            return loss_module.weight is None and not ignored
         bad = ((target < 0) | (target >= output.shape[1])) & (target != loss_module.ignore_index)
         if bad.any():
             raise ValueError(
                 f"CrossEntropyLoss: class indices must lie in [0, {output.shape[1]}) or equal "
                 f"ignore_index={loss_module.ignore_index}."
             )
+        return False
 
     def _beta(self, loss_module, output, target):
         """``beta`` of shape ``[N, D]`` (see module doc); validates the normaliser and sign."""
@@ -97,7 +102,10 @@ class CrossEntropyLossRule(LossRule):
         num_classes = output.shape[1]
         eps = loss_module.label_smoothing
         weight = loss_module.weight
-        weight = output.new_ones(num_classes) if weight is None else weight.to(output)
+        if weight is not None:
+            weight = weight.to(output)
+        elif target.is_floating_point() or eps != 0:  # (the usual case needs no weight)
+            weight = output.new_ones(num_classes)
         if target.is_floating_point():
             probs = target.to(output).reshape(*output.shape[:2], -1)  # [N, C, D]
             alpha = (1 - eps) * torch.einsum("c,ncd->nd", weight, probs) + eps * weight.mean()
@@ -140,24 +148,25 @@ class CrossEntropyLossRule(LossRule):
 
     def _sqrt_hessian(self, loss_module, output, target, ks):
         batch, num_classes = output.shape[:2]
+        k = ks.shape[0]  # (``len``, a tensor's ``__len__``, is a Python call)
         probs = output.softmax(1).reshape(batch, num_classes, -1)  # [N, C, D]
         beta = self._beta(loss_module, output, target)  # [N, D]
         if probs.shape[2] == 1:  # one position: the columns are the factor
             p = probs[:, :, 0]
             root = (beta * p).sqrt_()  # [N, C]
-            if len(ks) == num_classes:  # every column, in order (the usual case)
+            if k == num_classes:  # every column, in order (the usual case)
                 coeff, one_hot = root.T, torch.eye(num_classes, dtype=p.dtype, device=p.device)
             else:
                 coeff, one_hot = root[:, ks].T, F.one_hot(ks, num_classes).to(output)
             # [k, N] · ([k, 1, C] - [N, C])
-            return (coeff[..., None] * (one_hot[:, None, :] - p)).reshape(len(ks), *output.shape)
+            return (coeff[..., None] * (one_hot[:, None, :] - p)).reshape(k, *output.shape)
         cs, ds = ks // probs.shape[2], ks % probs.shape[2]
         one_hot = F.one_hot(cs, num_classes).to(output)[:, None, :]  # [k, 1, C]
         coeff = (beta[:, ds] * probs[:, cs, ds]).sqrt().T  # [k, N]
         columns = coeff[..., None] * (one_hot - probs[:, :, ds].permute(2, 0, 1))  # [k, N, C]
-        factor = output.new_zeros(len(ks), *probs.shape)
-        factor[torch.arange(len(ks), device=ks.device), :, :, ds] = columns
-        return factor.reshape(len(ks), *output.shape)
+        factor = output.new_zeros(k, *probs.shape)
+        factor[torch.arange(k, device=ks.device), :, :, ds] = columns
+        return factor.reshape(k, *output.shape)
 
     def _sqrt_hessian_mc(self, loss_module, output, target, mc_samples):
         batch, num_classes = output.shape[:2]

@@ -5,6 +5,7 @@
     python -m experiments overhead --cases backpack --batch 8 --threads 1   # against BackPACK
     python -m experiments overhead --problems gpt --quantities BatchGrad DiagGGNMC
     python -m experiments overhead --profile 3c3d:Variance   # torch.profiler table of one case
+    python -m experiments overhead --cases backpack --problems logreg --calls   # calls a step
     python -m experiments overhead --cases curvlinops --memory   # + peak MB, fresh processes
     python -m experiments overhead --cases backpack --floors     # + each cell's floor
 
@@ -37,7 +38,7 @@ from .report import (
     memory_table,
     payload,
 )
-from .timing import Result, measure, profile
+from .timing import Result, measure, profile, python_calls
 
 #: named case sets (``--cases``)
 CASE_SETS = {
@@ -64,6 +65,7 @@ examples:
   python -m experiments overhead --cases backpack --batch 8 --threads 1   # against BackPACK
   python -m experiments overhead --problems gpt --quantities BatchGrad DiagGGNMC
   python -m experiments overhead --profile 3c3d:Variance   # torch.profiler table of one case
+  python -m experiments overhead --cases backpack --problems logreg --calls   # calls a step
   python -m experiments overhead --cases curvlinops --memory   # against curvlinops, + memory
   python -m experiments overhead --cases backpack --floors     # + floors in flops and bytes
 """
@@ -149,6 +151,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PROBLEM:QUANTITY[:BACKEND]",
         help="print a torch.profiler table of one case instead of the ratio table",
     )
+    p.add_argument(
+        "--calls",
+        action="store_true",
+        help="print the Python calls a step of each case makes (cProfile's count, mean of "
+        "20 steps) instead of the ratio table: deterministic where times scatter",
+    )
 
 
 def execute(args: argparse.Namespace) -> int:
@@ -177,6 +185,9 @@ def execute(args: argparse.Namespace) -> int:
         cases = [(p, q) for p in problems for q in args.quantities]
     else:
         cases = [(p, q) for p, q in case_set if p in problems]
+    if args.calls:
+        print(calls_table(problems, cases, backends, args.batch, args.device))
+        return 0
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
 
     results: list[Result] = []
@@ -295,6 +306,29 @@ def print_timing(args, backends, results, infos, load, floors=None, calibration=
             f"{calibration.flops_per_s / 1e9:.1f} GFLOP/s, copy "
             f"{calibration.bytes_per_s / 1e9:.1f} GB/s.\n" + FLOORS_NOTE
         )
+
+
+def calls_table(problems, cases, backends, batch, device: str) -> str:
+    """The Python calls a step of each case makes, one column per backend, ``n/a`` where a
+    backend cannot compute the case (``timing.python_calls``)."""
+    lines = [
+        "Python calls a step (cProfile's count, Python functions and builtins; mean of 20 steps"
+        f" after 5), torch.set_num_threads({torch.get_num_threads()}), {device}:",
+        "",
+        "| problem | quantity | " + " | ".join(backends) + " |",
+        "|---|---|" + "---|" * len(backends),
+    ]
+    for pname in problems:
+        problem = PROBLEMS[pname] if batch is None else PROBLEMS[pname].resized(batch)
+        quantities = [q for p, q in cases if p == pname]
+        found = python_calls(problem, quantities, backends, device)
+        plain = f"{found[('plain', PLAIN)]:,.0f}"
+        lines.append(f"| {pname} | {PLAIN} | " + " | ".join(plain for _ in backends) + " |")
+        for qname in quantities:
+            counts = (found.get((b, qname)) for b in backends)
+            cells = ("n/a" if c is None else f"{c:,.0f}" for c in counts)
+            lines.append(f"| {pname} | {qname} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 OVERHEAD = Command(

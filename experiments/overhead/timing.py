@@ -1,4 +1,5 @@
-"""Interleaved timing of the overhead benchmark's steps, and profiling of one step.
+"""Interleaved timing of the overhead benchmark's steps, profiling of one step, and the Python
+calls of each step (``python_calls``).
 
 After a warm-up (buffers allocated, steady state), each round runs every step of a problem in a
 freshly shuffled order and divides each step's time by the plain step's time *of the same
@@ -9,9 +10,11 @@ busy other processes kept the CPUs in each round, so busy rounds can be dropped.
 
 from __future__ import annotations
 
+import cProfile
 import gc
 import math
 import os
+import pstats
 import random
 import statistics
 import time
@@ -220,6 +223,31 @@ def measure(
         "other_load_per_round": loads,
     }
     return list(by_key.values()) + results, info
+
+
+#: ``python_calls``: steps counted, after the warm-up steps
+CALL_STEPS, CALL_WARMUP = 20, 5
+
+
+def python_calls(
+    problem: Problem, quantities: Sequence[str], backends: Sequence[str], device: str = "cpu"
+) -> dict[tuple[str, str], float]:
+    """``{(backend, quantity): calls}``, the plain step's under ``("plain", PLAIN)``: the Python
+    calls of one step (cProfile's count, Python functions and builtins: deterministic where
+    times scatter), the mean of ``CALL_STEPS`` steps after ``CALL_WARMUP`` (plans made, buffers
+    allocated); a case a backend cannot compute is left out."""
+    steps, _ = build_steps(problem, quantities, backends, device)
+    found = {}
+    for key, step in steps.items():
+        for _ in range(CALL_WARMUP):
+            step()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(CALL_STEPS):
+            step()
+        profiler.disable()
+        found[key] = sum(v[1] for v in pstats.Stats(profiler).stats.values()) / CALL_STEPS
+    return found
 
 
 def profile(
