@@ -31,7 +31,7 @@ def _sliced_gram(conv, x):
     out = [s - k + 1 for s, k in zip(size, conv.kernel_size)]
     slices = []
     for offset in itertools.product(*(range(k) for k in conv.kernel_size)):
-        window = (slice(None), slice(None), *(slice(o, o + l) for o, l in zip(offset, out)))
+        window = (slice(None), slice(None), *(slice(o, o + size) for o, size in zip(offset, out)))
         slices.append(padded[window].reshape(n, c, -1))
     patches = torch.stack(slices, 2).reshape(n, -1, math.prod(out))  # [N, C k, L]
     rows = patches.transpose(1, 2).reshape(-1, patches.shape[1])
@@ -140,7 +140,9 @@ def _factors(make, shape, extension, monkeypatch, forced: bool):
     with curvopt.collect(extension):
         loss.backward()
     name = "kflr" if isinstance(extension, ext.KFLR) else "kfac"
-    weights = [m.weight for m in model.modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d))]
+    weights = [
+        m.weight for m in model.modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
+    ]
     return [getattr(w, name) for w in weights], calls
 
 
@@ -159,12 +161,16 @@ NETS = {
         2,
     ),
     "conv1d": (
-        lambda: nn.Sequential(nn.Conv1d(2, 3, 4, padding=2), nn.Tanh(), nn.Flatten(), nn.LazyLinear(3)),
+        lambda: nn.Sequential(
+            nn.Conv1d(2, 3, 4, padding=2), nn.Tanh(), nn.Flatten(), nn.LazyLinear(3)
+        ),
         (2, 9),
         1,
     ),
     "conv3d": (
-        lambda: nn.Sequential(nn.Conv3d(2, 2, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.LazyLinear(3)),
+        lambda: nn.Sequential(
+            nn.Conv3d(2, 2, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.LazyLinear(3)
+        ),
         (2, 3, 4, 3),
         1,
     ),

@@ -21,12 +21,13 @@ dimensions (inclusion-exclusion)::
 
 In a term, the dimensions outside ``T`` correlate as above (offset ``d_t = j_t - i_t``); those in
 ``T`` see only the image positions ``m_t + i_t`` of border locations: the strips ``P_t`` of
-``k_t - 1 - a_t`` positions at the start and ``k_t - 1 - b_t`` at the end. Each term is one
-weight gradient (or, for ``T`` all dimensions, one Gram) of the input restricted to the strips of
-``T``, the strip positions as channels, ``Q_T [(c, s), (c', s'), d_{~T}]``, mapped onto the
-factor by the counts ``W_t[i, j, s, s'] = #{m ∈ B_t : m + i = P_t[s], m + j = P_t[s']}`` and the
-offsets ``D_t[i, j, e] = 1[e = j - i + k - 1]``. The strips are thin: ``(k - 1)`` positions at
-most per side, none where the padding is ``k - 1`` or more.
+``k_t - 1 - a_t`` positions at the start and ``k_t - 1 - b_t`` at the end, thin (none where the
+padding is ``k - 1`` or more). A term's correlations ``Q_T [(c, s), (c', s'), d_{~T}]`` are
+those of the input restricted to the strips of ``T``, the strip positions as channels: for ``T``
+empty the weight gradient above, for any other one matmul of the restricted input with its
+windows of ``(2k - 1)^{D - |T|}`` offsets (small: the strips are thin). Each entry goes to the
+factor's ``(i, j)`` with ``i, j`` per dimension: in ``T``, ``(s, s') = (m + i, m + j)`` for a
+border location ``m`` (summed over them), outside ``T``, ``d = j - i`` (one ``index_add_``).
 
 :func:`correlation_pays` is the shape rule for using it (:meth:`ConvRule.kron_input_factor`).
 """
@@ -81,7 +82,9 @@ def correlation_pays(module: nn.Module, x: torch.Tensor) -> bool:
     gram = n * positions * features**2
     if n * positions < features or gram < _MIN_GRAM_MACS:
         return False
-    strips = [len(_strips(s, k, _borders(s, k, a, b))) for s, k, (a, b) in zip(sizes, kernel, padding)]
+    strips = [
+        len(_strips(s, k, _borders(s, k, a, b))) for s, k, (a, b) in zip(sizes, kernel, padding)
+    ]
     cost = 0
     for subset in itertools.product((False, True), repeat=len(sizes)):
         cost += math.prod(
@@ -110,8 +113,22 @@ def _strips(size: int, kernel: int, border: list[int]) -> list[int]:
 
 def correlation_input_factor(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The input-side factor ``A [C k, C k]`` of ``module`` (a ``ConvNd`` with stride 1,
-    dilation 1, one group and zero padding, see :func:`correlation_pays`) from its input ``x [N, C, *S]``, channel-major like ``weight.flatten(1)``,
-    by correlations and border strips (module docstring), never unfolding ``x``."""
+    dilation 1, one group and zero padding, see :func:`correlation_pays`) from its input
+    ``x [N, C, *S]``, channel-major like ``weight.flatten(1)``, by correlations and border
+    strips (module docstring), never unfolding ``x``.
+
+    Args:
+        module: the convolution.
+        x: its input (float32 or float64).
+
+    Returns:
+        ``1/(N L) Σ_{n, l} u_nl u_nlᵀ`` over the patches ``u_nl`` (``[C prod(k)]``) of ``x``.
+
+    Example::
+
+        conv = nn.Conv2d(16, 8, 3, padding=1)
+        factor = correlation_input_factor(conv, torch.randn(32, 16, 16, 16))  # [144, 144]
+    """
     n, channels, *sizes = x.shape
     kernel, padding = module.kernel_size, _padding(module)
     borders = [_borders(s, k, a, b) for s, k, (a, b) in zip(sizes, kernel, padding)]
@@ -168,7 +185,9 @@ def _correlations(x, kernel, subset, strips) -> torch.Tensor:
     rows = rows.reshape(n, width, *(sizes[t] for t in outer))
     wide = [2 * kernel[t] - 1 for t in outer]
     if outer:  # [N L, (2k - 1)^{~T} width], kernel offset-major
-        windows = unfold(rows, wide, [1] * len(outer), [k // 2 for k in wide], [1] * len(outer), True)
+        windows = unfold(
+            rows, wide, [1] * len(outer), [k // 2 for k in wide], [1] * len(outer), True
+        )
         windows = windows.flatten(0, 1)
         rows = rows.movedim(1, -1).reshape(-1, width)
     else:
