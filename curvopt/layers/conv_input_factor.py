@@ -49,12 +49,15 @@ _MIN_CHANNELS = 8
 #: cost (a few dozen small operations, about 1 ms on one CPU thread)
 _MIN_GRAM_MACS = 10**8
 #: the correlations are used where their multiply-adds are at most this fraction of the Gram's
-#: (per multiply-add, a weight gradient is up to twice as slow as a matmul of the same size)
-_COST_RATIO = 0.5
-#: products that one weight gradient sums per entry at most: it sums them one after the other,
+#: (per multiply-add, a weight gradient is up to twice as slow as a matmul of the same size; on
+#: one CPU thread a fraction of 0.34 took 0.6 of the Gram's time, 0.37-0.40 about 0.95, 0.63
+#: took 1.25 of it)
+_COST_RATIO = 0.4
+#: products that the weight gradient sums per entry at most: it sums them one after the other,
 #: its float32 error growing with their count (about 3e-6 of the largest entry for 8192, ten
 #: times the error of the blocked matmul of the patches' Gram), so the batch goes in chunks of
-#: samples and the chunks' correlations are added (within twice the matmul's error)
+#: samples, as groups of one call, and the chunks' correlations are added (within three times
+#: the matmul's error; the groups cost 0-10% more time)
 _PRODUCTS_PER_SUM = 2048
 
 
@@ -155,27 +158,8 @@ def _correlations(x, kernel, subset, strips) -> torch.Tensor:
     dims = len(sizes)
     inner = [t for t in range(dims) if subset[t]]
     outer = [t for t in range(dims) if not subset[t]]
-    if not inner:  # the whole input: weight gradients ``[C, C, *(2k - 1)]``, summed over chunks
-        weight = x.new_empty(channels, channels, *(2 * k - 1 for k in kernel))
-        step = max(1, _PRODUCTS_PER_SUM // math.prod(sizes))
-        total = None
-        for start in range(0, n, step):
-            chunk = x[start : start + step]
-            part = torch.ops.aten.convolution_backward(
-                chunk,
-                chunk,
-                weight,
-                None,
-                [1] * dims,
-                [k - 1 for k in kernel],
-                [1] * dims,
-                False,
-                [0] * dims,
-                1,
-                [False, True, False],
-            )[1]
-            total = part if total is None else total.add_(part)
-        return total
+    if not inner:  # the whole input: one weight gradient ``[C, C, *(2k - 1)]``
+        return _whole_correlations(x, kernel)
     rows = x
     for t in inner:
         rows = rows.index_select(2 + t, torch.tensor(strips[t], device=x.device))
@@ -203,6 +187,32 @@ def _correlations(x, kernel, subset, strips) -> torch.Tensor:
     for t in range(dims):
         order += [left[t], right[t]] if subset[t] else [offset[t]]
     return corr.permute(order)
+
+
+def _whole_correlations(x, kernel) -> torch.Tensor:
+    """``R [C, C, *(2k - 1)]`` (``R[c, c', d + k - 1] = Σ_{n, p} x[n, c, p] x[n, c', p + d]``)
+    by one weight gradient. The batch is split into ``G`` chunks (the samples ``n ≡ g`` modulo
+    ``G``), the chunks as groups of channels (``[N / G, G C, *S]``), ``G`` the least divisor
+    of ``N`` with at most ``_PRODUCTS_PER_SUM`` products per sum, and the ``G`` results added."""
+    n, channels, *sizes = x.shape
+    dims = len(sizes)
+    needed = -(-n * math.prod(sizes) // _PRODUCTS_PER_SUM)
+    groups = next(g for g in range(max(1, min(needed, n)), n + 1) if n % g == 0)
+    stacked = x.reshape(n // groups, groups * channels, *sizes)
+    correlations = torch.ops.aten.convolution_backward(
+        stacked,
+        stacked,
+        x.new_empty(groups * channels, channels, *(2 * k - 1 for k in kernel)),
+        None,
+        [1] * dims,
+        [k - 1 for k in kernel],
+        [1] * dims,
+        False,
+        [0] * dims,
+        groups,
+        [False, True, False],
+    )[1]
+    return correlations.view(groups, channels, *correlations.shape[1:]).sum(0)
 
 
 def _entries(kernel, subset, borders, strips, device) -> tuple[torch.Tensor, torch.Tensor]:
