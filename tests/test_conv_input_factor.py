@@ -100,16 +100,17 @@ def test_factor_is_the_unfolded_gram(case):
         torch.testing.assert_close(factor, _unfold_gram(conv, x), rtol=1e-12, atol=1e-12)
 
 
-def test_float32_factor_is_close():
-    """The sums of float32 (the correlations minus the border terms) stay as close to the
-    float64 Gram as the unfolded route's."""
-    torch.manual_seed(0)
+@pytest.mark.parametrize("seed", range(3))
+def test_float32_factor_is_close(seed):
+    """In float32 (the correlations summed in chunks of samples, minus the border terms) the
+    factor is within twice the unfolded route's distance to the float64 Gram."""
+    torch.manual_seed(seed)
     conv = nn.Conv2d(16, 4, 3, padding=1)
-    x = torch.randn(32, 16, 16, 16)
+    x = torch.randn(32, 16, 16, 16) + 0.5  # (an offset, as after a ReLU)
     expected = _unfold_gram(conv.to(DT), x.to(DT))
-    unfolded = _unfold_gram(conv, x)
+    unfolded = _unfold_gram(conv.float(), x)
     error = (correlation_input_factor(conv.float(), x).to(DT) - expected).abs().max()
-    assert error <= 4 * (unfolded.to(DT) - expected).abs().max() + 1e-6
+    assert error <= 2 * (unfolded.to(DT) - expected).abs().max()
 
 
 def _factors(make, shape, extension, monkeypatch, forced: bool):
