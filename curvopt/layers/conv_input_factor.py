@@ -50,8 +50,9 @@ _MIN_CHANNELS = 8
 _MIN_GRAM_MACS = 10**8
 #: the correlations are used where their multiply-adds are at most this fraction of the Gram's
 #: (per multiply-add, a weight gradient is up to twice as slow as a matmul of the same size; on
-#: one CPU thread a fraction of 0.34 took 0.6 of the Gram's time, 0.37-0.40 0.8-1.05, 0.63
-#: took 1.25 of it; a 3x3 kernel on a large image, padding 1, is 25/81 = 0.31)
+#: one CPU thread a fraction of 0.34 took 0.6-0.8 of the Gram's time, 0.37-0.40 0.8-1.05, 0.63
+#: took 1.25 of it; a 3x3 kernel on a large image, padding 1, is 25/81 = 0.31; not measured
+#: on GPUs)
 _COST_RATIO = 0.35
 #: products that the weight gradient sums per entry at most: it sums them one after the other,
 #: its float32 error growing with their count (about 3e-6 of the largest entry for 8192, ten
