@@ -100,6 +100,21 @@ def test_factor_is_the_unfolded_gram(case):
         torch.testing.assert_close(factor, _unfold_gram(conv, x), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("layout", ["channels_last", "transposed"])
+def test_strided_inputs(layout):
+    """Inputs not contiguous in the default layout give the same factor."""
+    conv = nn.Conv2d(3, 2, 3, padding=1).to(DT)
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 6, 7, dtype=DT)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    else:
+        x = x.transpose(2, 3).contiguous().transpose(2, 3)
+    assert not x.is_contiguous()
+    factor = correlation_input_factor(conv, x)
+    torch.testing.assert_close(factor, _unfold_gram(conv, x), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_float32_factor_is_close(seed):
     """In float32 (the correlations summed in chunks of samples, minus the border terms) the
