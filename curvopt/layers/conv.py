@@ -21,6 +21,7 @@ import math
 import torch
 from torch import nn
 
+from curvopt.layers.conv_input_factor import correlation_input_factor, correlation_pays
 from curvopt.layers.eigenbasis import eigen_moment
 from curvopt.layers.kron import input_factor_by_samples, output_factor_channels_first
 from curvopt.layers.registry import LayerRule, register
@@ -253,8 +254,13 @@ class ConvRule(ConvRuleBase):
         return output_factor_channels_first(v, approx, module.groups)
 
     def kron_input_factor(self, call, name, approx, n):
+        """The patches' Gram ``A`` (``layers.kron``); for "expand" where the shape rule
+        ``conv_input_factor.correlation_pays`` holds, the same matrix from the input's
+        correlations, without unfolding (``layers.conv_input_factor``)."""
         module = call.module
         x, groups = call.input, module.groups
+        if approx == "expand" and correlation_pays(module, x):
+            return correlation_input_factor(module, x)
         features = module.in_channels * math.prod(module.kernel_size)
         positions = x[0].numel() // module.in_channels // math.prod(module.stride)  # about
         if groups == 1:
