@@ -41,7 +41,7 @@ from torch.optim import Optimizer
 from curvopt import extensions
 
 from curvopt.core import values
-from curvopt.core.extended import path_of
+from curvopt.core.extended import is_extended, path_of
 from curvopt.core.sharded import is_sharded
 from curvopt.errors import in_optimizer_terms
 from curvopt.frontend.collect import collect
@@ -328,11 +328,18 @@ class CurvatureOptimizer(Optimizer):
                 " To update such parameters with the plain (weight-decayed) gradient instead, "
                 "pass fallback='sgd' (for all parameters or in their param group)."
             )
+            cause = (
+                f"Either its module type is not supported by {extension}, the model or the loss "
+                "was not passed through curvopt.extend, or the backward pass did not run inside "
+                "`opt.collect()` / `opt.step(closure)`."
+                if is_extended(param)
+                else "It belongs to no model passed through curvopt.extend (a copy.deepcopy of "
+                "an extended model is a plain model): call curvopt.extend(model) on the model "
+                "that holds it, once, before its backward pass."
+            )
             raise RuntimeError(
                 f"{description} has no `{attr}` after the backward pass, so {type(self).__name__} "
-                f"cannot precondition it. Either its module type is not supported by {extension}, "
-                "the model or the loss was not passed through curvopt.extend, or the backward pass "
-                "did not run inside `opt.collect()` / `opt.step(closure)`."
+                f"cannot precondition it. {cause}"
                 + (hint if "fallback" in self.defaults else "")
                 + (_FSDP_HINT if self._view.sharded(param) is not param else "")
             )
