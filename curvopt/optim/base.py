@@ -267,6 +267,21 @@ class CurvatureOptimizer(Optimizer):
         block = self.__dict__.get("_block")
         return set(self._collection.skipped) | set(getattr(block, "skipped", None) or ())
 
+    def _raise_non_finite_gradient(self, error: Exception) -> None:
+        """Raise ``FloatingPointError`` (from ``error``, a factorisation that failed while the
+        step was planned) where a gradient of the step is not finite: that is the cause, and
+        the step's finite check would have named it had the plan got that far."""
+        for group in self.param_groups:
+            for index, param in enumerate(group["params"]):
+                grad = param.grad
+                if grad is not None and not bool(_entries(grad).isfinite().all()):
+                    raise FloatingPointError(
+                        f"{type(self).__name__}: the gradient of "
+                        f"{self._describe(group, index, param)} is not finite (the loss "
+                        f"exploded, or the backward pass overflowed); no parameter was "
+                        f"updated. {self._remedy}."
+                    ) from error
+
     # ----------------------------------------------------------------- reading quantities
     def _describe(self, group: dict[str, Any], index: int, param: torch.Tensor) -> str:
         """``parameter 'name' (shape ...)``, or its position over all groups (as in state_dict)."""
@@ -446,10 +461,14 @@ class CurvatureOptimizer(Optimizer):
             self._view = FullView()
         view = self._view.of(self, layout) if sharded else contextlib.nullcontext()
         with view:  # FSDP2: the whole parameters' step, applied to the shards
-            plans = [
-                self._plan_group(group, group_state, with_model=bool(due))
-                for group, group_state in zip(self.param_groups, self._group_state)
-            ]
+            try:
+                plans = [
+                    self._plan_group(group, group_state, with_model=bool(due))
+                    for group, group_state in zip(self.param_groups, self._group_state)
+                ]
+            except torch.linalg.LinAlgError as error:
+                self._raise_non_finite_gradient(error)
+                raise
             updates = [u for group_updates, _ in plans for u in group_updates]
             with self._view.agreeing():  # FSDP2, owned state: raised on every rank
                 check_finite(updates, f"{type(self).__name__}: ", self._remedy, self._normed)
