@@ -342,22 +342,28 @@ def test_the_trust_region_is_on_by_default(name):
     ],
     ids=["kflr", "kfac-exact", "kflr-eigh", "EKFAC", "DiagGGNNewton"],
 )
-def test_an_infinite_input_raises_floating_point_error_naming_the_gradient(make_optimizer):
-    """An ``inf`` in the data makes the first layer's gradient and input-side factor non-finite:
-    the step raises ``FloatingPointError`` naming that gradient, as the docstrings promise,
-    for every optimizer (the Kronecker ones used to raise the ``LinAlgError`` of the factor's
-    Cholesky or eigendecomposition), and changes nothing."""
+@pytest.mark.parametrize(
+    "value, named",
+    [(math.inf, r"gradient of parameter #0"), (1e200, r"`\w+` of parameter #0 \(shape \(5, 4\)\)")],
+    ids=["inf", "overflow"],
+)
+def test_a_non_finite_input_raises_floating_point_error_naming_what(make_optimizer, value, named):
+    """An ``inf`` in the data makes the first layer's gradient non-finite, a ``1e200`` its
+    curvature (the input-side factor ``x xᵀ`` overflows) but not its gradient: the step raises
+    ``FloatingPointError`` naming what is not finite, as the docstrings promise, for every
+    optimizer (where an eigendecomposition or Cholesky factor met it first, the Kronecker ones
+    used to raise its ``LinAlgError``), and changes nothing."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
     model, lossfunc = curvopt.extend(model), curvopt.extend(nn.CrossEntropyLoss())
     x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
-    x[0, 0] = math.inf
+    x[0, 0] = value
     opt = make_optimizer(model.parameters())
     before = [p.detach().clone() for p in model.parameters()]
     opt.zero_grad()
     lossfunc(model(x), y).backward()
-    assert not torch.isfinite(model[0].weight.grad).all()
-    with pytest.raises(FloatingPointError, match=r"gradient of parameter #0 \(shape \(5, 4\)\)"):
+    assert torch.isfinite(model[0].weight.grad).all() == (value != math.inf)
+    with pytest.raises(FloatingPointError, match=named):
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 

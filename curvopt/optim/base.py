@@ -267,20 +267,36 @@ class CurvatureOptimizer(Optimizer):
         block = self.__dict__.get("_block")
         return set(self._collection.skipped) | set(getattr(block, "skipped", None) or ())
 
-    def _raise_non_finite_gradient(self, error: Exception) -> None:
+    def _raise_non_finite(self, error: Exception) -> None:
         """Raise ``FloatingPointError`` (from ``error``, a factorisation that failed while the
-        step was planned) where a gradient of the step is not finite: that is the cause, and
-        the step's finite check would have named it had the plan got that far."""
-        for group in self.param_groups:
-            for index, param in enumerate(group["params"]):
-                grad = param.grad
-                if grad is not None and not bool(_entries(grad).isfinite().all()):
-                    raise FloatingPointError(
-                        f"{type(self).__name__}: the gradient of "
-                        f"{self._describe(group, index, param)} is not finite (the loss "
-                        f"exploded, or the backward pass overflowed); no parameter was "
-                        f"updated. {self._remedy}."
-                    ) from error
+        step was planned) where a gradient of the step, or else a curvature quantity it reads,
+        is not finite: that is the cause, and the step's finite check would have named it had
+        the plan got that far."""
+        reads: dict[int, list[str]] = {}
+        for param, attr in self._requests()[1]:
+            reads.setdefault(id(param), []).append(attr)
+        located = [
+            (group, index, param)
+            for group in self.param_groups
+            for index, param in enumerate(group["params"])
+        ]
+        gradients = [(g, i, p, "gradient", p.grad) for g, i, p in located]
+        quantities = [
+            (g, i, p, f"`{attr}`", values.read(p, attr))
+            for g, i, p in located
+            for attr in reads.get(id(p), ())
+        ]
+        for group, index, param, what, value in gradients + quantities:
+            tensors = [] if value is None else values.plain(value)
+            tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+            if not all(bool(_entries(t).isfinite().all()) for t in tensors):
+                cause = " (the loss exploded, or the backward pass overflowed)"
+                raise FloatingPointError(
+                    f"{type(self).__name__}: the {what} of "
+                    f"{self._describe(group, index, param)} is not finite"
+                    f"{cause if what == 'gradient' else ''}; no parameter was updated. "
+                    f"{self._remedy}."
+                ) from error
 
     # ----------------------------------------------------------------- reading quantities
     def _describe(self, group: dict[str, Any], index: int, param: torch.Tensor) -> str:
@@ -467,7 +483,7 @@ class CurvatureOptimizer(Optimizer):
                     for group, group_state in zip(self.param_groups, self._group_state)
                 ]
             except torch.linalg.LinAlgError as error:
-                self._raise_non_finite_gradient(error)
+                self._raise_non_finite(error)
                 raise
             updates = [u for group_updates, _ in plans for u in group_updates]
             with self._view.agreeing():  # FSDP2, owned state: raised on every rank
