@@ -363,7 +363,7 @@ class CurvatureOptimizer(Optimizer):
                 f"Either its module type is not supported by {extension}, the model or the loss "
                 "was not passed through curvopt.extend, or the backward pass did not run inside "
                 "`opt.collect()` / `opt.step(closure)`."
-                if is_extended(param)
+                if is_extended(param) or self._view.sharded(param) is not param
                 else "It belongs to no model passed through curvopt.extend (a copy.deepcopy of "
                 "an extended model is a plain model): call curvopt.extend(model) on the model "
                 "that holds it, once, before its backward pass."
