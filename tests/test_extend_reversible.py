@@ -276,3 +276,37 @@ def test_extending_a_model_that_holds_a_copy_replaces_the_copied_hooks():
     ]
     curvopt.unextend(wrapped)
     assert all(not h and not pre for h, pre in _hooks(wrapped)[0].values())
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda p: curvopt.optim.KFAC(p, lr=0.1, damping=0.1, curvature="kflr", kl_clip=None),
+        lambda p: curvopt.optim.DiagGGNNewton(p, lr=0.1, damping=0.1, curvature="exact"),
+        lambda p: curvopt.optim.VarianceAdaptedSGD(p, lr=0.1),
+    ],
+    ids=["KFAC", "DiagGGNNewton", "VarianceAdaptedSGD"],
+)
+def test_an_optimizer_on_a_copy_of_an_extended_model_names_the_copy_and_the_fix(make_optimizer):
+    """The copy is a plain model: its step raises, saying so and naming ``curvopt.extend``,
+    and changes nothing; extended, the copy takes the original's step."""
+    model = curvopt.extend(_plain())
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    x, y = _data()
+    twin = copy.deepcopy(model)
+    before = [p.detach().clone() for p in twin.parameters()]
+    opt = make_optimizer(twin.parameters())
+    lossfunc(twin(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"copy\.deepcopy of an extended model.*curvopt\.extend"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(twin.parameters(), before))
+
+    curvopt.extend(twin)
+    for net in (model, twin):
+        step = make_optimizer(net.parameters())
+        step.zero_grad()
+        lossfunc(net(x), y).backward()
+        step.step()
+    assert not torch.equal(next(model.parameters()), before[0])
+    for got, want in zip(twin.parameters(), model.parameters()):
+        assert torch.equal(got, want)

@@ -331,6 +331,43 @@ def test_the_trust_region_is_on_by_default(name):
     assert cls([nn.Parameter(torch.zeros(2, 2))], 0.1, 0.1).defaults["kl_clip"] == 1e-3
 
 
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda p: KFAC(p, lr=0.1, damping=1e-2, curvature="kflr"),
+        lambda p: KFAC(p, lr=0.1, damping=1e-2, curvature="kfac", kronecker_damping="exact"),
+        lambda p: KFAC(p, 0.1, 1e-2, "kflr", kronecker_damping="trace_norm_eigh"),
+        lambda p: EKFAC(p, lr=0.1, damping=1e-2, curvature="kflr"),
+        lambda p: DiagGGNNewton(p, lr=0.1, damping=1e-2, curvature="exact"),
+    ],
+    ids=["kflr", "kfac-exact", "kflr-eigh", "EKFAC", "DiagGGNNewton"],
+)
+@pytest.mark.parametrize(
+    "value, named",
+    [(math.inf, r"gradient of parameter #0"), (1e200, r"`\w+` of parameter #0 \(shape \(5, 4\)\)")],
+    ids=["inf", "overflow"],
+)
+def test_a_non_finite_input_raises_floating_point_error_naming_what(make_optimizer, value, named):
+    """An ``inf`` in the data makes the first layer's gradient non-finite, a ``1e200`` its
+    curvature (the input-side factor ``x xᵀ`` overflows) but not its gradient: the step raises
+    ``FloatingPointError`` naming what is not finite, as the docstrings promise, for every
+    optimizer (where an eigendecomposition or Cholesky factor met it first, the Kronecker ones
+    used to raise its ``LinAlgError``), and changes nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    model, lossfunc = curvopt.extend(model), curvopt.extend(nn.CrossEntropyLoss())
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    x[0, 0] = value
+    opt = make_optimizer(model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    lossfunc(model(x), y).backward()
+    assert torch.isfinite(model[0].weight.grad).all() == (value != math.inf)
+    with pytest.raises(FloatingPointError, match=named):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
 def test_error_messages_name_the_optimizer_and_the_options_to_change():
     layer, lossfunc, x, y = _one_layer()
     opt = KFAC(layer.named_parameters(), **README)

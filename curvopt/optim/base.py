@@ -41,7 +41,7 @@ from torch.optim import Optimizer
 from curvopt import extensions
 
 from curvopt.core import values
-from curvopt.core.extended import path_of
+from curvopt.core.extended import is_extended, path_of
 from curvopt.core.sharded import is_sharded
 from curvopt.errors import in_optimizer_terms
 from curvopt.frontend.collect import collect
@@ -267,6 +267,37 @@ class CurvatureOptimizer(Optimizer):
         block = self.__dict__.get("_block")
         return set(self._collection.skipped) | set(getattr(block, "skipped", None) or ())
 
+    def _raise_non_finite(self, error: Exception) -> None:
+        """Raise ``FloatingPointError`` (from ``error``, a factorisation that failed while the
+        step was planned) where a gradient of the step, or else a curvature quantity it reads,
+        is not finite: that is the cause, and the step's finite check would have named it had
+        the plan got that far."""
+        reads: dict[int, list[str]] = {}
+        for param, attr in self._requests()[1]:
+            reads.setdefault(id(param), []).append(attr)
+        located = [
+            (group, index, param)
+            for group in self.param_groups
+            for index, param in enumerate(group["params"])
+        ]
+        gradients = [(g, i, p, "gradient", p.grad) for g, i, p in located]
+        quantities = [
+            (g, i, p, f"`{attr}`", values.read(p, attr))
+            for g, i, p in located
+            for attr in reads.get(id(p), ())
+        ]
+        for group, index, param, what, value in gradients + quantities:
+            tensors = [] if value is None else values.plain(value)
+            tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+            if not all(bool(_entries(t).isfinite().all()) for t in tensors):
+                cause = " (the loss exploded, or the backward pass overflowed)"
+                raise FloatingPointError(
+                    f"{type(self).__name__}: the {what} of "
+                    f"{self._describe(group, index, param)} is not finite"
+                    f"{cause if what == 'gradient' else ''}; no parameter was updated. "
+                    f"{self._remedy}."
+                ) from error
+
     # ----------------------------------------------------------------- reading quantities
     def _describe(self, group: dict[str, Any], index: int, param: torch.Tensor) -> str:
         """``parameter 'name' (shape ...)``, or its position over all groups (as in state_dict)."""
@@ -328,11 +359,18 @@ class CurvatureOptimizer(Optimizer):
                 " To update such parameters with the plain (weight-decayed) gradient instead, "
                 "pass fallback='sgd' (for all parameters or in their param group)."
             )
+            cause = (
+                f"Either its module type is not supported by {extension}, the model or the loss "
+                "was not passed through curvopt.extend, or the backward pass did not run inside "
+                "`opt.collect()` / `opt.step(closure)`."
+                if is_extended(param) or self._view.sharded(param) is not param
+                else "It belongs to no model passed through curvopt.extend (a copy.deepcopy of "
+                "an extended model is a plain model): call curvopt.extend(model) on the model "
+                "that holds it, once, before its backward pass."
+            )
             raise RuntimeError(
                 f"{description} has no `{attr}` after the backward pass, so {type(self).__name__} "
-                f"cannot precondition it. Either its module type is not supported by {extension}, "
-                "the model or the loss was not passed through curvopt.extend, or the backward pass "
-                "did not run inside `opt.collect()` / `opt.step(closure)`."
+                f"cannot precondition it. {cause}"
                 + (hint if "fallback" in self.defaults else "")
                 + (_FSDP_HINT if self._view.sharded(param) is not param else "")
             )
@@ -439,10 +477,14 @@ class CurvatureOptimizer(Optimizer):
             self._view = FullView()
         view = self._view.of(self, layout) if sharded else contextlib.nullcontext()
         with view:  # FSDP2: the whole parameters' step, applied to the shards
-            plans = [
-                self._plan_group(group, group_state, with_model=bool(due))
-                for group, group_state in zip(self.param_groups, self._group_state)
-            ]
+            try:
+                plans = [
+                    self._plan_group(group, group_state, with_model=bool(due))
+                    for group, group_state in zip(self.param_groups, self._group_state)
+                ]
+            except torch.linalg.LinAlgError as error:
+                self._raise_non_finite(error)
+                raise
             updates = [u for group_updates, _ in plans for u in group_updates]
             with self._view.agreeing():  # FSDP2, owned state: raised on every rank
                 check_finite(updates, f"{type(self).__name__}: ", self._remedy, self._normed)
