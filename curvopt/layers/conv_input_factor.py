@@ -29,15 +29,25 @@ windows of ``(2k - 1)^{D - |T|}`` offsets (small: the strips are thin). Each ent
 factor's ``(i, j)`` with ``i, j`` per dimension: in ``T``, ``(s, s') = (m + i, m + j)`` for a
 border location ``m`` (summed over them), outside ``T``, ``d = j - i`` (one ``index_add_``).
 
+A term's correlations are symmetric, ``Q_T [(c, s), (c', s'), d] = Q_T [(c', s'), (c, s), -d]``,
+so in the first dimension ``h`` outside ``T`` only the offsets ``d_h ∈ [0, k_h)`` are computed
+(``k_h`` of the ``2 k_h - 1``: the weight gradient of a kernel ``k_h`` wide there, the input
+padded after only); an entry with ``d_h < 0`` is read from the transposed channel pair at
+``-d`` with ``s, s'`` swapped. Which entries go where depends on the shapes only: each input
+shape's index maps are built once (:func:`_terms`, a memo of a pure function of integers).
+
 :func:`correlation_pays` is the shape rule for using it (:meth:`ConvRule.kron_input_factor`).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from curvopt.layers.unfold import unfold
@@ -68,8 +78,8 @@ def correlation_pays(module: nn.Module, x: torch.Tensor) -> bool:
     group, zero padding, float32 or float64, ``N L ≥ C prod(k)`` so that the patches' Gram
     would carry no root, ``reductions.gram_root``) and it pays (at least ``_MIN_CHANNELS``
     channels, a Gram of at least ``_MIN_GRAM_MACS`` multiply-adds, and at most
-    ``_COST_RATIO`` of them: ``|S| (2k - 1)^D`` plus the strips' per channel pair and sample
-    against ``L k^{2D}``; a 1x1 kernel has none to save)."""
+    ``_COST_RATIO`` of them: the terms' multiply-adds per channel pair and sample,
+    :func:`_term_macs`, against ``L k^{2D}``; a 1x1 kernel has none to save)."""
     n, channels, *sizes = x.shape
     kernel, padding = module.kernel_size, _padding(module)
     if not (
@@ -89,13 +99,24 @@ def correlation_pays(module: nn.Module, x: torch.Tensor) -> bool:
     strips = [
         len(_strips(s, k, _borders(s, k, a, b))) for s, k, (a, b) in zip(sizes, kernel, padding)
     ]
-    cost = 0
-    for subset in itertools.product((False, True), repeat=len(sizes)):
-        cost += math.prod(
-            p * p if inside else s * (2 * k - 1)
-            for inside, s, k, p in zip(subset, sizes, kernel, strips)
-        )
+    cost = sum(
+        _term_macs(inner, sizes, kernel, strips)
+        for inner in itertools.product((False, True), repeat=len(sizes))
+    )
     return n * channels**2 * cost <= _COST_RATIO * gram
+
+
+def _term_macs(inner, sizes, kernel, strips) -> int:
+    """The multiply-adds per channel pair and sample of the term of the dimensions ``inner``
+    (``T``): per dimension ``p_t²`` in ``T`` (``p_t`` strip positions), ``|S_t| k_t`` in the
+    first one outside ``T`` (the offsets ``d ≥ 0``), ``|S_t| (2 k_t - 1)`` in the others."""
+    outer = [t for t in range(len(sizes)) if not inner[t]]
+    return math.prod(
+        strips[t] ** 2
+        if inner[t]
+        else sizes[t] * (kernel[t] if t == outer[0] else 2 * kernel[t] - 1)
+        for t in range(len(sizes))
+    )
 
 
 def _padding(module: nn.Module) -> list[tuple[int, int]]:
@@ -134,51 +155,103 @@ def correlation_input_factor(module: nn.Module, x: torch.Tensor) -> torch.Tensor
         factor = correlation_input_factor(conv, torch.randn(32, 16, 16, 16))  # [144, 144]
     """
     n, channels, *sizes = x.shape
-    kernel, padding = module.kernel_size, _padding(module)
+    kernel, padding = tuple(module.kernel_size), tuple(_padding(module))
+    whole, *borders = _terms(tuple(sizes), kernel, padding)
+    # [(i, j), (c, c')]: the whole input's term gives every entry once, in order
+    factor = _table(x, kernel, whole).index_select(0, whole.sources.to(x.device))
+    for term in borders:
+        entries = _table(x, kernel, term).index_select(0, term.sources.to(x.device))
+        factor.index_add_(0, term.targets.to(x.device), entries, alpha=term.sign)
+    positions = math.prod(s + a + b - k + 1 for s, k, (a, b) in zip(sizes, kernel, padding))
+    size = math.prod(kernel)
+    reordered = factor.view(size, size, channels, channels).permute(2, 0, 3, 1)
+    out = x.new_empty(channels, size, channels, size)
+    torch.div(reordered, n * positions, out=out)  # the reordering copy, scaled on the way
+    return out.view(channels * size, channels * size)
+
+
+class _Term(NamedTuple):
+    """One term of the inclusion-exclusion (module docstring): its dimensions ``T``
+    (``inner``), their strips ``P_t`` (empty outside ``T``) and where its correlations go:
+    ``factor[targets] += sign * table[sources]`` (flattened ``(i, j)`` and rows of
+    :func:`_table`)."""
+
+    inner: tuple[bool, ...]
+    strips: tuple[torch.Tensor, ...]
+    targets: torch.Tensor
+    sources: torch.Tensor
+    sign: int
+
+
+@functools.lru_cache(maxsize=64)
+def _terms(sizes: tuple, kernel: tuple, padding: tuple) -> tuple[_Term, ...]:
+    """The terms of an input of spatial sizes ``sizes`` (a pure function of integers, kept for
+    each shape: the index maps cost more than the small layers' arithmetic), the whole input's
+    first, its entries in the order of ``(i, j)``; none for a dimension set with no strips."""
     borders = [_borders(s, k, a, b) for s, k, (a, b) in zip(sizes, kernel, padding)]
     strips = [_strips(s, k, border) for s, k, border in zip(sizes, kernel, borders)]
-    size = math.prod(kernel)
-    factor = x.new_zeros(size * size, channels * channels)  # [(i, j), (c, c')]
-    for subset in itertools.product((False, True), repeat=len(sizes)):
-        if any(inside and not strip for inside, strip in zip(subset, strips)):
+    terms = []
+    for inner in itertools.product((False, True), repeat=len(sizes)):
+        if any(t and not strip for t, strip in zip(inner, strips)):
             continue  # no border in a dimension of the subset: the term is zero
-        corr = _correlations(x, kernel, subset, strips)
-        corr = corr.reshape(channels, channels, -1).permute(2, 0, 1).reshape(-1, channels**2)
-        targets, sources = _entries(kernel, subset, borders, strips, x.device)
-        sign = -1 if sum(subset) % 2 else 1
-        factor.index_add_(0, targets, corr.index_select(0, sources), alpha=sign)
-    positions = math.prod(s + a + b - k + 1 for s, k, (a, b) in zip(sizes, kernel, padding))
-    factor = factor.view(size, size, channels, channels).permute(2, 0, 3, 1)
-    return factor.reshape(channels * size, channels * size).div_(n * positions)
+        pairs = sorted(_entries(kernel, inner, borders, strips))
+        terms.append(
+            _Term(
+                inner,
+                tuple(torch.tensor(strip if t else []) for t, strip in zip(inner, strips)),
+                torch.tensor([target for target, _ in pairs], dtype=torch.long),
+                torch.tensor([source for _, source in pairs], dtype=torch.long),
+                -1 if sum(inner) % 2 else 1,
+            )
+        )
+    return tuple(terms)
 
 
-def _correlations(x, kernel, subset, strips) -> torch.Tensor:
-    """``Q_T [C, C, z...]``, per dimension ``z = (s, s')`` (strip positions, a dimension in
-    ``subset``) or ``e`` (the offset ``d + k - 1``, any other), in the order of the dimensions."""
+def _table(x, kernel, term) -> torch.Tensor:
+    """A term's correlations ``[Z, C²]`` (``(c, c')`` flattened): rows ``z`` flattened over
+    the dimensions, per dimension ``(s, s')`` (strip positions, in ``T``), ``d`` (the first
+    dimension outside ``T``, ``d ∈ [0, k)``) or ``d + k - 1`` (the others); where a dimension
+    lies outside ``T``, followed by the same rows with ``(c, c')`` transposed (read at ``-d``,
+    ``(s', s)``)."""
+    channels = x.shape[1]
+    if any(term.inner):
+        corr = _strip_correlations(x, kernel, term)
+    else:
+        corr = _whole_correlations(x, kernel)
+    rows = corr.reshape(channels, channels, -1).permute(2, 0, 1)  # [Z, C, C]
+    if all(term.inner):
+        return rows.reshape(-1, channels * channels)
+    return torch.cat([rows, rows.transpose(1, 2)]).view(-1, channels * channels)
+
+
+def _strip_correlations(x, kernel, term) -> torch.Tensor:
+    """``Q_T [C, C, z...]`` of a term with strips (``T`` not empty; ``z`` as in
+    :func:`_table`): one matmul of the input restricted to the strips, the strip positions
+    as channels, with its windows outside ``T``."""
     n, channels, *sizes = x.shape
     dims = len(sizes)
-    inner = [t for t in range(dims) if subset[t]]
-    outer = [t for t in range(dims) if not subset[t]]
-    if not inner:  # the whole input: one weight gradient ``[C, C, *(2k - 1)]``
-        return _whole_correlations(x, kernel)
+    inner = [t for t in range(dims) if term.inner[t]]
+    outer = [t for t in range(dims) if not term.inner[t]]
     rows = x
     for t in inner:
-        rows = rows.index_select(2 + t, torch.tensor(strips[t], device=x.device))
+        rows = rows.index_select(2 + t, term.strips[t].to(x.device))
     # [N, C * prod(P_T), *S_~T]: the strip positions as channels
     rows = rows.permute(0, 1, *(2 + t for t in inner), *(2 + t for t in outer))
-    width = channels * math.prod(len(strips[t]) for t in inner)
+    width = channels * math.prod(len(term.strips[t]) for t in inner)
     rows = rows.reshape(n, width, *(sizes[t] for t in outer))
-    wide = [2 * kernel[t] - 1 for t in outer]
-    if outer:  # [N L, (2k - 1)^{~T} width], kernel offset-major
-        windows = unfold(
-            rows, wide, [1] * len(outer), [k // 2 for k in wide], [1] * len(outer), True
-        )
+    # the offsets d ∈ [0, k) in the first dimension outside T, (-k, k) in the others
+    wide = [kernel[t] if a == 0 else 2 * kernel[t] - 1 for a, t in enumerate(outer)]
+    if outer:  # [N L, prod(wide) width], kernel offset-major
+        before = [0] + [kernel[t] - 1 for t in outer[1:]]
+        after = [kernel[t] - 1 for t in outer]
+        padded = F.pad(rows, [p for b, a in zip(before[::-1], after[::-1]) for p in (b, a)])
+        windows = unfold(padded, wide, [1] * len(outer), [0] * len(outer), [1] * len(outer), True)
         windows = windows.flatten(0, 1)
         rows = rows.movedim(1, -1).reshape(-1, width)
     else:
         windows = rows
     corr = rows.T @ windows  # [(c, s_T), (e_~T, c', s'_T)]
-    shape = [channels, *(len(strips[t]) for t in inner)]
+    shape = [channels, *(len(term.strips[t]) for t in inner)]
     corr = corr.view(*shape, *wide, *shape)
     # -> [C, C, per dimension (s, s') or e]
     left = {t: 1 + a for a, t in enumerate(inner)}
@@ -186,27 +259,30 @@ def _correlations(x, kernel, subset, strips) -> torch.Tensor:
     right = {t: len(shape) + len(wide) + 1 + a for a, t in enumerate(inner)}
     order = [0, len(shape) + len(wide)]
     for t in range(dims):
-        order += [left[t], right[t]] if subset[t] else [offset[t]]
+        order += [left[t], right[t]] if term.inner[t] else [offset[t]]
     return corr.permute(order)
 
 
 def _whole_correlations(x, kernel) -> torch.Tensor:
-    """``R [C, C, *(2k - 1)]`` (``R[c, c', d + k - 1] = Σ_{n, p} x[n, c, p] x[n, c', p + d]``)
-    by one weight gradient. The batch is split into ``G`` chunks (the samples ``n ≡ g`` modulo
-    ``G``), the chunks as groups of channels (``[N / G, G C, *S]``), ``G`` the least divisor
-    of ``N`` with at most ``_PRODUCTS_PER_SUM`` products per sum, and the ``G`` results added."""
+    """``R [C, C, k_1, (2k - 1)...]`` (``R[c, c', d + k - 1] = Σ_{n, p} x[n, c, p] x[n, c',
+    p + d]``, in the first dimension ``R[c, c', d]``, ``d ≥ 0``) by one weight gradient, the
+    input padded by ``k - 1`` after in the first dimension and on both sides in the others.
+    The batch is split into ``G`` chunks (the samples ``n ≡ g`` modulo ``G``), the chunks as
+    groups of channels (``[N / G, G C, *S]``), ``G`` the least divisor of ``N`` with at most
+    ``_PRODUCTS_PER_SUM`` products per sum, and the ``G`` results added."""
     n, channels, *sizes = x.shape
     dims = len(sizes)
     needed = -(-n * math.prod(sizes) // _PRODUCTS_PER_SUM)
     groups = next(g for g in range(max(1, min(needed, n)), n + 1) if n % g == 0)
     stacked = x.reshape(n // groups, groups * channels, *sizes)
+    padded = F.pad(stacked, [0, 0] * (dims - 1) + [0, kernel[0] - 1])
     correlations = torch.ops.aten.convolution_backward(
         stacked,
-        stacked,
-        x.new_empty(groups * channels, channels, *(2 * k - 1 for k in kernel)),
+        padded,
+        x.new_empty(groups * channels, channels, kernel[0], *(2 * k - 1 for k in kernel[1:])),
         None,
         [1] * dims,
-        [k - 1 for k in kernel],
+        [0, *(k - 1 for k in kernel[1:])],
         [1] * dims,
         False,
         [0] * dims,
@@ -216,32 +292,42 @@ def _whole_correlations(x, kernel) -> torch.Tensor:
     return correlations.view(groups, channels, *correlations.shape[1:]).sum(0)
 
 
-def _entries(kernel, subset, borders, strips, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where a term's correlations :func:`_correlations` (flattened over the dimensions' ``z``)
-    go in the factor (flattened ``(i, j)``), one pair per entry: at ``(i, j)`` the sum over the
-    border locations ``m`` of the term's dimensions of the entries at ``(s, s') = (m + i,
-    m + j)`` (none where one is outside the strips), in the others the entry at
-    ``e = j - i + k - 1``."""
-    per_dimension = []  # per dimension: (i, j, z) and the radix of z
+def _entries(kernel, inner, borders, strips) -> list[tuple[int, int]]:
+    """Where a term's rows of :func:`_table` go in the factor (flattened ``(i, j)``), one
+    pair ``(target, source)`` per entry: at ``(i, j)`` the sum over the border locations
+    ``m`` of the dimensions in ``T`` of the rows at ``(s, s') = (m + i, m + j)`` (none where
+    one is outside the strips), in the others at ``d = j - i``; where ``d < 0`` in the first
+    dimension outside ``T``, the transposed rows at ``-d`` and ``(s', s)``."""
+    outer = [t for t in range(len(kernel)) if not inner[t]]
+    per_dimension = []  # per dimension: (i, j, row, transposed row) and the radix of the rows
     for t, k in enumerate(kernel):
-        if subset[t]:
+        if inner[t]:
             where = {p: s for s, p in enumerate(strips[t])}
-            triples = [
-                (i, j, where[m + i] * len(where) + where[m + j])
+            quadruples = [
+                (
+                    i,
+                    j,
+                    where[m + i] * len(where) + where[m + j],
+                    where[m + j] * len(where) + where[m + i],
+                )
                 for m in borders[t]
                 for i in range(k)
                 for j in range(k)
                 if m + i in where and m + j in where
             ]
-            per_dimension.append((triples, len(where) ** 2))
+            per_dimension.append((quadruples, len(where) ** 2))
+        elif t == outer[0]:
+            quadruples = [(i, j, j - i, i - j) for i in range(k) for j in range(k)]
+            per_dimension.append((quadruples, k))
         else:
-            triples = [(i, j, j - i + k - 1) for i in range(k) for j in range(k)]
-            per_dimension.append((triples, 2 * k - 1))
-    targets, sources = [], []
-    for combination in itertools.product(*(triples for triples, _ in per_dimension)):
+            quadruples = [(i, j, j - i + k - 1, i - j + k - 1) for i in range(k) for j in range(k)]
+            per_dimension.append((quadruples, 2 * k - 1))
+    rows = math.prod(radix for _, radix in per_dimension)  # of the untransposed half
+    pairs = []
+    for combination in itertools.product(*(quadruples for quadruples, _ in per_dimension)):
+        transposed = bool(outer) and combination[outer[0]][2] < 0
         i = j = z = 0
-        for (a, b, e), k, (_, radix) in zip(combination, kernel, per_dimension):
-            i, j, z = i * k + a, j * k + b, z * radix + e
-        targets.append(i * math.prod(kernel) + j)
-        sources.append(z)
-    return torch.tensor(targets, device=device), torch.tensor(sources, device=device)
+        for (a, b, e, f), k, (_, radix) in zip(combination, kernel, per_dimension):
+            i, j, z = i * k + a, j * k + b, z * radix + (f if transposed else e)
+        pairs.append((i * math.prod(kernel) + j, z + rows if transposed else z))
+    return pairs
