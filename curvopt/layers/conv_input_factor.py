@@ -24,8 +24,9 @@ In a term, the dimensions outside ``T`` correlate as above (offset ``d_t = j_t -
 ``k_t - 1 - a_t`` positions at the start and ``k_t - 1 - b_t`` at the end, thin (none where the
 padding is ``k - 1`` or more). A term's correlations ``Q_T [(c, s), (c', s'), d_{~T}]`` are
 those of the input restricted to the strips of ``T``, the strip positions as channels: for ``T``
-empty the weight gradient above, for any other one matmul of the restricted input with its
-windows of ``(2k - 1)^{D - |T|}`` offsets (small: the strips are thin). Each entry goes to the
+empty the weight gradient above, for any other the same weight gradient of the restricted input
+in the dimensions outside ``T`` (small: the strips are thin; a matmul where ``T`` holds them
+all). Each entry goes to the
 factor's ``(i, j)`` with ``i, j`` per dimension: in ``T``, ``(s, s') = (m + i, m + j)`` for a
 border location ``m`` (summed over them), outside ``T``, ``d = j - i`` (one ``index_add_``).
 
@@ -50,7 +51,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from curvopt.layers.unfold import unfold
 
 #: input channels from which the correlations' weight gradient does about as many multiply-adds
 #: per second as the patches' matmul (with fewer it is several times slower per multiply-add)
@@ -215,19 +215,21 @@ def _table(x, kernel, term) -> torch.Tensor:
     ``(s', s)``)."""
     channels = x.shape[1]
     if any(term.inner):
-        corr = _strip_correlations(x, kernel, term)
+        table = _strip_correlations(x, kernel, term).reshape(-1, channels, channels)
     else:
-        corr = _whole_correlations(x, kernel)
-    rows = corr.reshape(channels, channels, -1).permute(2, 0, 1)  # [Z, C, C]
+        table = _correlations(x, kernel).view(channels, channels, -1).permute(2, 0, 1)
     if all(term.inner):
-        return rows.reshape(-1, channels * channels)
-    return torch.cat([rows, rows.transpose(1, 2)]).view(-1, channels * channels)
+        return table.view(-1, channels * channels)
+    return torch.cat([table, table.transpose(1, 2)]).view(-1, channels * channels)
 
 
 def _strip_correlations(x, kernel, term) -> torch.Tensor:
-    """``Q_T [C, C, z...]`` of a term with strips (``T`` not empty; ``z`` as in
+    """``Q_T [z..., C, C]`` of a term with strips (``T`` not empty; ``z`` as in
     :func:`_table`): one matmul of the input restricted to the strips, the strip positions
-    as channels, with its windows outside ``T``."""
+    as channels (``W = C prod(P_T)`` columns), with its windows outside ``T``: the restricted
+    input zero-padded (``k - 1`` after in the first dimension outside ``T``, on both sides in
+    the others) and viewed at every offset ``[N L, prod(wide) W]``, the columns of the offset
+    ``d = 0`` as the other operand."""
     n, channels, *sizes = x.shape
     dims = len(sizes)
     inner = [t for t in range(dims) if term.inner[t]]
@@ -235,41 +237,46 @@ def _strip_correlations(x, kernel, term) -> torch.Tensor:
     rows = x
     for t in inner:
         rows = rows.index_select(2 + t, term.strips[t].to(x.device))
-    # [N, C * prod(P_T), *S_~T]: the strip positions as channels
-    rows = rows.permute(0, 1, *(2 + t for t in inner), *(2 + t for t in outer))
-    width = channels * math.prod(len(term.strips[t]) for t in inner)
-    rows = rows.reshape(n, width, *(sizes[t] for t in outer))
-    # the offsets d ∈ [0, k) in the first dimension outside T, (-k, k) in the others
-    wide = [kernel[t] if a == 0 else 2 * kernel[t] - 1 for a, t in enumerate(outer)]
-    if outer:  # [N L, prod(wide) width], kernel offset-major
-        before = [0] + [kernel[t] - 1 for t in outer[1:]]
-        after = [kernel[t] - 1 for t in outer]
-        padded = F.pad(rows, [p for b, a in zip(before[::-1], after[::-1]) for p in (b, a)])
-        windows = unfold(padded, wide, [1] * len(outer), [0] * len(outer), [1] * len(outer), True)
-        windows = windows.flatten(0, 1)
-        rows = rows.movedim(1, -1).reshape(-1, width)
-    else:
-        windows = rows
-    corr = rows.T @ windows  # [(c, s_T), (e_~T, c', s'_T)]
+    # [N, *S_~T, C, *P_T]: the strip positions as channels, last
+    rows = rows.permute(0, *(2 + t for t in outer), 1, *(2 + t for t in inner))
     shape = [channels, *(len(term.strips[t]) for t in inner)]
+    width = math.prod(shape)
+    if outer:
+        before = [0] + [kernel[t] - 1 for t in outer[1:]]
+        wide = [kernel[t] + b for t, b in zip(outer, before)]
+        padded = x.new_zeros(n, *(sizes[t] + w - 1 for t, w in zip(outer, wide)), *shape)
+        padded[(slice(None), *(slice(b, b + sizes[t]) for t, b in zip(outer, before)))] = rows
+        padded = padded.view(n, *padded.shape[1 : 1 + len(outer)], width)
+        strides = padded.stride()
+        windows = padded.as_strided(
+            (n, *(sizes[t] for t in outer), *wide, width),
+            (strides[0], *strides[1:-1], *strides[1:-1], 1),
+        ).reshape(-1, math.prod(wide) * width)  # [N L, (e, c', s'_T)]
+        centre = sum(b * math.prod(wide[a + 1 :]) for a, b in enumerate(before))  # d = 0
+        corr = windows[:, centre * width : (centre + 1) * width].T @ windows
+    else:
+        rows = rows.reshape(n, width)
+        corr = rows.T @ rows
+        wide = []
+    # [(c, s_T), (e_~T, c', s'_T)] -> [z..., c, c'], per dimension (s, s') or e
     corr = corr.view(*shape, *wide, *shape)
-    # -> [C, C, per dimension (s, s') or e]
-    left = {t: 1 + a for a, t in enumerate(inner)}
-    offset = {t: len(shape) + a for a, t in enumerate(outer)}
-    right = {t: len(shape) + len(wide) + 1 + a for a, t in enumerate(inner)}
-    order = [0, len(shape) + len(wide)]
+    order = []
     for t in range(dims):
-        order += [left[t], right[t]] if term.inner[t] else [offset[t]]
-    return corr.permute(order)
+        if term.inner[t]:
+            order += [1 + inner.index(t), len(shape) + len(wide) + 1 + inner.index(t)]
+        else:
+            order.append(len(shape) + outer.index(t))
+    return corr.permute(*order, 0, len(shape) + len(wide))
 
 
-def _whole_correlations(x, kernel) -> torch.Tensor:
-    """``R [C, C, k_1, (2k - 1)...]`` (``R[c, c', d + k - 1] = Σ_{n, p} x[n, c, p] x[n, c',
-    p + d]``, in the first dimension ``R[c, c', d]``, ``d ≥ 0``) by one weight gradient, the
-    input padded by ``k - 1`` after in the first dimension and on both sides in the others.
-    The batch is split into ``G`` chunks (the samples ``n ≡ g`` modulo ``G``), the chunks as
-    groups of channels (``[N / G, G C, *S]``), ``G`` the least divisor of ``N`` with at most
-    ``_PRODUCTS_PER_SUM`` products per sum, and the ``G`` results added."""
+def _correlations(x, kernel) -> torch.Tensor:
+    """``R [C, C, k_1, (2k - 1)...]`` of ``x [N, C, *S]`` (``R[c, c', d + k - 1] = Σ_{n, p}
+    x[n, c, p] x[n, c', p + d]``, in the first dimension ``R[c, c', d]``, ``d ≥ 0``) by one
+    weight gradient, the input padded by ``k - 1`` after in the first dimension and on both
+    sides in the others. The batch is split into ``G`` chunks (the samples ``n ≡ g`` modulo
+    ``G``), the chunks as groups of channels (``[N / G, G C, *S]``), ``G`` the least divisor
+    of ``N`` with at most ``_PRODUCTS_PER_SUM`` products per sum, and the ``G`` results
+    added."""
     n, channels, *sizes = x.shape
     dims = len(sizes)
     needed = -(-n * math.prod(sizes) // _PRODUCTS_PER_SUM)
@@ -289,6 +296,8 @@ def _whole_correlations(x, kernel) -> torch.Tensor:
         groups,
         [False, True, False],
     )[1]
+    if groups == 1:
+        return correlations
     return correlations.view(groups, channels, *correlations.shape[1:]).sum(0)
 
 
