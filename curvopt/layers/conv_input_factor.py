@@ -56,14 +56,17 @@ from torch import nn
 #: per second as the patches' matmul (with fewer it is several times slower per multiply-add)
 _MIN_CHANNELS = 8
 #: multiply-adds of the patches' Gram below which the correlations do not recover their fixed
-#: cost (a few dozen small operations, about 1 ms on one CPU thread)
-_MIN_GRAM_MACS = 10**8
-#: the correlations are used where their multiply-adds are at most this fraction of the Gram's
-#: (per multiply-add, a weight gradient is up to twice as slow as a matmul of the same size; on
-#: one CPU thread a fraction of 0.34 took 0.6-0.8 of the Gram's time, 0.37-0.40 0.8-1.05, 0.63
-#: took 1.25 of it; a 3x3 kernel on a large image, padding 1, is 25/81 = 0.31; not measured
-#: on GPUs)
-_COST_RATIO = 0.35
+#: cost (about 20 small operations, 0.5 ms on one CPU thread; channels 8-32, 3x3 and 5x5
+#: kernels with padding k // 2, one thread: a Gram of 4-5e7 took 0.8-1.45 of the unfolded
+#: route's time, one of 8-10e7 0.65-0.9)
+_MIN_GRAM_MACS = 6 * 10**7
+#: the correlations are used where their multiply-adds (:func:`_term_macs`) are at most this
+#: fraction of the Gram's (per multiply-add, a weight gradient is up to twice as slow as a
+#: matmul of the same size, the strips' matmuls slower where they are wide; on one CPU thread,
+#: Grams of 2e8-1.5e9: fractions of 0.21-0.24 took 0.4-0.87 of the unfolded route's time,
+#: 0.31 (5x5, padding 1) 1.0-1.3, 0.35-0.39 (no padding) 0.76-1.2, 0.5 and more 1.5-6; a 3x3
+#: kernel on a large image, padding 1, is 15/81 = 0.19; not measured on GPUs)
+_COST_RATIO = 0.28
 #: products that the weight gradient sums per entry at most: it sums them one after the other,
 #: its float32 error growing with their count (about 3e-6 of the largest entry for 8192, ten
 #: times the error of the blocked matmul of the patches' Gram), so the batch goes in chunks of
@@ -171,13 +174,21 @@ def correlation_input_factor(module: nn.Module, x: torch.Tensor) -> torch.Tensor
 
 
 class _Term(NamedTuple):
-    """One term of the inclusion-exclusion (module docstring): its dimensions ``T``
-    (``inner``), their strips ``P_t`` (empty outside ``T``) and where its correlations go:
-    ``factor[targets] += sign * table[sources]`` (flattened ``(i, j)`` and rows of
-    :func:`_table`)."""
+    """One term of the inclusion-exclusion (module docstring), all that depends on the shapes
+    only: its dimensions ``T`` (``inner``) and the others (``outer``), the strips ``P_t`` of
+    ``T``, per dimension outside ``T`` the zero padding ``before`` the restricted input (``k -
+    1 - before`` after) and the offsets' count ``wide``, the offset ``d = 0``'s index among
+    them (``centre``), the ``order`` that puts the matmul's ``[C, *P_T, *wide, C, *P_T]`` as
+    ``[z..., C, C]``, and where its correlations go: ``factor[targets] += sign *
+    table[sources]`` (flattened ``(i, j)`` and rows of :func:`_table`)."""
 
-    inner: tuple[bool, ...]
+    inner: tuple[int, ...]
+    outer: tuple[int, ...]
     strips: tuple[torch.Tensor, ...]
+    before: tuple[int, ...]
+    wide: tuple[int, ...]
+    centre: int
+    order: tuple[int, ...]
     targets: torch.Tensor
     sources: torch.Tensor
     sign: int
@@ -191,17 +202,35 @@ def _terms(sizes: tuple, kernel: tuple, padding: tuple) -> tuple[_Term, ...]:
     borders = [_borders(s, k, a, b) for s, k, (a, b) in zip(sizes, kernel, padding)]
     strips = [_strips(s, k, border) for s, k, border in zip(sizes, kernel, borders)]
     terms = []
-    for inner in itertools.product((False, True), repeat=len(sizes)):
-        if any(t and not strip for t, strip in zip(inner, strips)):
+    for subset in itertools.product((False, True), repeat=len(sizes)):
+        if any(t and not strip for t, strip in zip(subset, strips)):
             continue  # no border in a dimension of the subset: the term is zero
-        pairs = sorted(_entries(kernel, inner, borders, strips))
+        inner = tuple(t for t in range(len(sizes)) if subset[t])
+        outer = tuple(t for t in range(len(sizes)) if not subset[t])
+        before = tuple(0 if a == 0 else kernel[t] - 1 for a, t in enumerate(outer))
+        wide = tuple(kernel[t] + b for t, b in zip(outer, before))
+        centre = sum(b * math.prod(wide[a + 1 :]) for a, b in enumerate(before))  # d = 0
+        order = []  # of [C, *P_T, *wide, C, *P_T]
+        for t in range(len(sizes)):
+            if subset[t]:
+                a = inner.index(t)
+                order += [1 + a, 2 + len(inner) + len(wide) + a]
+            else:
+                order.append(1 + len(inner) + outer.index(t))
+        order += [0, 1 + len(inner) + len(wide)]
+        pairs = sorted(_entries(kernel, subset, borders, strips))
         terms.append(
             _Term(
                 inner,
-                tuple(torch.tensor(strip if t else []) for t, strip in zip(inner, strips)),
+                outer,
+                tuple(torch.tensor(strips[t]) for t in inner),
+                before,
+                wide,
+                centre,
+                tuple(order),
                 torch.tensor([target for target, _ in pairs], dtype=torch.long),
                 torch.tensor([source for _, source in pairs], dtype=torch.long),
-                -1 if sum(inner) % 2 else 1,
+                -1 if len(inner) % 2 else 1,
             )
         )
     return tuple(terms)
@@ -214,16 +243,16 @@ def _table(x, kernel, term) -> torch.Tensor:
     lies outside ``T``, followed by the same rows with ``(c, c')`` transposed (read at ``-d``,
     ``(s', s)``)."""
     channels = x.shape[1]
-    if any(term.inner):
-        table = _strip_correlations(x, kernel, term).reshape(-1, channels, channels)
+    if term.inner:
+        table = _strip_correlations(x, term).reshape(-1, channels, channels)
     else:
         table = _correlations(x, kernel).view(channels, channels, -1).permute(2, 0, 1)
-    if all(term.inner):
+    if not term.outer:
         return table.view(-1, channels * channels)
     return torch.cat([table, table.transpose(1, 2)]).view(-1, channels * channels)
 
 
-def _strip_correlations(x, kernel, term) -> torch.Tensor:
+def _strip_correlations(x, term) -> torch.Tensor:
     """``Q_T [z..., C, C]`` of a term with strips (``T`` not empty; ``z`` as in
     :func:`_table`): one matmul of the input restricted to the strips, the strip positions
     as channels (``W = C prod(P_T)`` columns), with its windows outside ``T``: the restricted
@@ -231,42 +260,29 @@ def _strip_correlations(x, kernel, term) -> torch.Tensor:
     the others) and viewed at every offset ``[N L, prod(wide) W]``, the columns of the offset
     ``d = 0`` as the other operand."""
     n, channels, *sizes = x.shape
-    dims = len(sizes)
-    inner = [t for t in range(dims) if term.inner[t]]
-    outer = [t for t in range(dims) if not term.inner[t]]
     rows = x
-    for t in inner:
-        rows = rows.index_select(2 + t, term.strips[t].to(x.device))
+    for t, strip in zip(term.inner, term.strips):
+        rows = rows.index_select(2 + t, strip.to(x.device))
     # [N, *S_~T, C, *P_T]: the strip positions as channels, last
-    rows = rows.permute(0, *(2 + t for t in outer), 1, *(2 + t for t in inner))
-    shape = [channels, *(len(term.strips[t]) for t in inner)]
-    width = math.prod(shape)
-    if outer:
-        before = [0] + [kernel[t] - 1 for t in outer[1:]]
-        wide = [kernel[t] + b for t, b in zip(outer, before)]
-        padded = x.new_zeros(n, *(sizes[t] + w - 1 for t, w in zip(outer, wide)), *shape)
-        padded[(slice(None), *(slice(b, b + sizes[t]) for t, b in zip(outer, before)))] = rows
-        padded = padded.view(n, *padded.shape[1 : 1 + len(outer)], width)
-        strides = padded.stride()
+    rows = rows.permute(0, *(2 + t for t in term.outer), 1, *(2 + t for t in term.inner))
+    width = math.prod(rows.shape[1 + len(term.outer) :])
+    if term.outer:
+        outer_sizes = [sizes[t] for t in term.outer]
+        padded = x.new_zeros(n, *(s + w - 1 for s, w in zip(outer_sizes, term.wide)), width)
+        padded[(slice(None), *(slice(b, b + s) for s, b in zip(outer_sizes, term.before)))] = (
+            rows.reshape(n, *outer_sizes, width)
+        )
+        strides = padded.stride()[1:-1]
         windows = padded.as_strided(
-            (n, *(sizes[t] for t in outer), *wide, width),
-            (strides[0], *strides[1:-1], *strides[1:-1], 1),
-        ).reshape(-1, math.prod(wide) * width)  # [N L, (e, c', s'_T)]
-        centre = sum(b * math.prod(wide[a + 1 :]) for a, b in enumerate(before))  # d = 0
-        corr = windows[:, centre * width : (centre + 1) * width].T @ windows
+            (n, *outer_sizes, *term.wide, width), (padded.stride(0), *strides, *strides, 1)
+        ).reshape(-1, math.prod(term.wide) * width)  # [N L, (e, c', s'_T)]
+        corr = windows[:, term.centre * width : (term.centre + 1) * width].T @ windows
     else:
         rows = rows.reshape(n, width)
         corr = rows.T @ rows
-        wide = []
     # [(c, s_T), (e_~T, c', s'_T)] -> [z..., c, c'], per dimension (s, s') or e
-    corr = corr.view(*shape, *wide, *shape)
-    order = []
-    for t in range(dims):
-        if term.inner[t]:
-            order += [1 + inner.index(t), len(shape) + len(wide) + 1 + inner.index(t)]
-        else:
-            order.append(len(shape) + outer.index(t))
-    return corr.permute(*order, 0, len(shape) + len(wide))
+    strips = [len(strip) for strip in term.strips]
+    return corr.view(channels, *strips, *term.wide, channels, *strips).permute(term.order)
 
 
 def _correlations(x, kernel) -> torch.Tensor:
