@@ -236,7 +236,7 @@ def test_reduce_and_groups_keep_the_unfolded_route(approx, monkeypatch):
         (nn.Conv2d(16, 16, 3, padding=1), (32, 16, 16, 16), True),  # the default ResNet's blocks
         (nn.Conv2d(32, 64, 5, padding=2), (64, 32, 14, 14), True),  # 2C2D's second
         (nn.Conv2d(16, 16, 3, padding=1), (32, 16, 32, 32), True),
-        (nn.Conv2d(96, 128, 3, padding=1), (64, 96, 6, 6), True),  # 3C3D's third
+        (nn.Conv2d(96, 128, 3, padding=1), (64, 96, 6, 6), True),  # 96 channels on 6x6
         (nn.Conv2d(16, 16, 3, padding=1), (32, 16, 12, 12), True),  # a Gram of 1e8
         (nn.Conv2d(16, 16, 3, padding=1), (32, 16, 8, 8), False),  # one of 4e7
         (nn.Conv2d(16, 16, 5, padding=1), (32, 16, 8, 8), False),  # wide strips: 0.31
