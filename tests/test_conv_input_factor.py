@@ -115,6 +115,20 @@ def test_strided_inputs(layout):
     torch.testing.assert_close(factor, _unfold_gram(conv, x), rtol=1e-12, atol=1e-12)
 
 
+def test_index_maps_are_built_once_per_shape():
+    """A second input of the same shape reuses the first one's index maps (``_terms``)."""
+    conv = nn.Conv2d(3, 2, 3, padding=1).to(DT)
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 5, 6, dtype=DT)
+    first = correlation_input_factor(conv, x)
+    before = conv_input_factor._terms.cache_info()
+    second = correlation_input_factor(conv, 2 * x)
+    after = conv_input_factor._terms.cache_info()
+    assert (after.hits, after.misses) == (before.hits + 1, before.misses)
+    torch.testing.assert_close(second, 4 * first, rtol=1e-12, atol=0)
+    torch.testing.assert_close(second, _unfold_gram(conv, 2 * x), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_float32_factor_is_close(seed):
     """In float32 (the correlations summed in chunks of samples, minus the border terms) the

@@ -159,12 +159,12 @@ def correlation_input_factor(module: nn.Module, x: torch.Tensor) -> torch.Tensor
     """
     n, channels, *sizes = x.shape
     kernel, padding = tuple(module.kernel_size), tuple(_padding(module))
-    whole, *borders = _terms(tuple(sizes), kernel, padding)
+    whole, *borders = _terms(tuple(sizes), kernel, padding, x.device)
     # [(i, j), (c, c')]: the whole input's term gives every entry once, in order
-    factor = _table(x, kernel, whole).index_select(0, whole.sources.to(x.device))
+    factor = _table(x, kernel, whole).index_select(0, whole.sources)
     for term in borders:
-        entries = _table(x, kernel, term).index_select(0, term.sources.to(x.device))
-        factor.index_add_(0, term.targets.to(x.device), entries, alpha=term.sign)
+        entries = _table(x, kernel, term).index_select(0, term.sources)
+        factor.index_add_(0, term.targets, entries, alpha=term.sign)
     positions = math.prod(s + a + b - k + 1 for s, k, (a, b) in zip(sizes, kernel, padding))
     size = math.prod(kernel)
     reordered = factor.view(size, size, channels, channels).permute(2, 0, 3, 1)
@@ -195,10 +195,11 @@ class _Term(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def _terms(sizes: tuple, kernel: tuple, padding: tuple) -> tuple[_Term, ...]:
+def _terms(sizes: tuple, kernel: tuple, padding: tuple, device) -> tuple[_Term, ...]:
     """The terms of an input of spatial sizes ``sizes`` (a pure function of integers, kept for
-    each shape: the index maps cost more than the small layers' arithmetic), the whole input's
-    first, its entries in the order of ``(i, j)``; none for a dimension set with no strips."""
+    each shape: the index maps cost more than the small layers' arithmetic; their tensors on
+    ``device``), the whole input's first, its entries in the order of ``(i, j)``; none for a
+    dimension set with no strips."""
     borders = [_borders(s, k, a, b) for s, k, (a, b) in zip(sizes, kernel, padding)]
     strips = [_strips(s, k, border) for s, k, border in zip(sizes, kernel, borders)]
     terms = []
@@ -223,13 +224,13 @@ def _terms(sizes: tuple, kernel: tuple, padding: tuple) -> tuple[_Term, ...]:
             _Term(
                 inner,
                 outer,
-                tuple(torch.tensor(strips[t]) for t in inner),
+                tuple(torch.tensor(strips[t], device=device) for t in inner),
                 before,
                 wide,
                 centre,
                 tuple(order),
-                torch.tensor([target for target, _ in pairs], dtype=torch.long),
-                torch.tensor([source for _, source in pairs], dtype=torch.long),
+                torch.tensor([target for target, _ in pairs], dtype=torch.long, device=device),
+                torch.tensor([source for _, source in pairs], dtype=torch.long, device=device),
                 -1 if len(inner) % 2 else 1,
             )
         )
@@ -262,7 +263,7 @@ def _strip_correlations(x, term) -> torch.Tensor:
     n, channels, *sizes = x.shape
     rows = x
     for t, strip in zip(term.inner, term.strips):
-        rows = rows.index_select(2 + t, strip.to(x.device))
+        rows = rows.index_select(2 + t, strip)
     # [N, *S_~T, C, *P_T]: the strip positions as channels, last
     rows = rows.permute(0, *(2 + t for t in term.outer), 1, *(2 + t for t in term.inner))
     width = math.prod(rows.shape[1 + len(term.outer) :])
