@@ -115,6 +115,20 @@ def test_strided_inputs(layout):
     torch.testing.assert_close(factor, _unfold_gram(conv, x), rtol=1e-12, atol=1e-12)
 
 
+def test_index_maps_are_built_once_per_shape():
+    """A second input of the same shape reuses the first one's index maps (``_terms``)."""
+    conv = nn.Conv2d(3, 2, 3, padding=1).to(DT)
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 5, 6, dtype=DT)
+    first = correlation_input_factor(conv, x)
+    before = conv_input_factor._terms.cache_info()
+    second = correlation_input_factor(conv, 2 * x)
+    after = conv_input_factor._terms.cache_info()
+    assert (after.hits, after.misses) == (before.hits + 1, before.misses)
+    torch.testing.assert_close(second, 4 * first, rtol=1e-12, atol=0)
+    torch.testing.assert_close(second, _unfold_gram(conv, 2 * x), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_float32_factor_is_close(seed):
     """In float32 (the correlations summed in chunks of samples, minus the border terms) the
@@ -236,7 +250,10 @@ def test_reduce_and_groups_keep_the_unfolded_route(approx, monkeypatch):
         (nn.Conv2d(16, 16, 3, padding=1), (32, 16, 16, 16), True),  # the default ResNet's blocks
         (nn.Conv2d(32, 64, 5, padding=2), (64, 32, 14, 14), True),  # 2C2D's second
         (nn.Conv2d(16, 16, 3, padding=1), (32, 16, 32, 32), True),
-        (nn.Conv2d(96, 128, 3, padding=1), (64, 96, 6, 6), False),  # 3C3D's: strips of 6x6
+        (nn.Conv2d(96, 128, 3, padding=1), (64, 96, 6, 6), True),  # 96 channels on 6x6
+        (nn.Conv2d(16, 16, 3, padding=1), (32, 16, 12, 12), True),  # a Gram of 1e8
+        (nn.Conv2d(16, 16, 3, padding=1), (32, 16, 8, 8), False),  # one of 4e7
+        (nn.Conv2d(16, 16, 5, padding=1), (32, 16, 8, 8), False),  # wide strips: 0.31
         (nn.Conv2d(3, 16, 3, padding=1), (32, 3, 16, 16), False),  # few channels
         (nn.Conv2d(64, 96, 3), (64, 64, 14, 14), False),  # no padding: wide strips
         (nn.Conv2d(16, 16, 3, padding=1), (8, 16, 8, 8), False),  # too small to recover
