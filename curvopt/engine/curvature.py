@@ -57,8 +57,12 @@ columns (``MSELoss``); one draw's relative standard deviation measured 1.3 (medi
 (max) for cross-entropy (``tests/test_batchnorm_expectation.py``). ``EKFAC``: the bases from
 those factors, ``S = Σ_k (Q_0ᵀ Ĝ_k Q_1)²`` from the same ``ĝ_k`` (``kron_pass`` keeps them,
 ``reducer`` rotates them: unbiased for ``diag(Qᵀ G Q)``, not the empirical Fisher's diagonal of
-an uncoupled pass), so its columns propagate with supplied bases too. Exact and per-sample
-quantities raise, naming the module (exact: ``N²`` propagations; per sample: not defined).
+an uncoupled pass), so its columns propagate with supplied bases too. The exact quantities of
+the same producers take the exact columns of one row each (``RowLayout.singly``: ``R K``
+columns, chunked by ``_COLUMN_BUDGET``; the loss Hessian is block-diagonal over rows, so
+``G = Σ_{r,k} J^T s_rk s_rkᵀ J``): the same contributions are then exact, ``diag(G)``, the
+one-dimensional blocks of ``G`` and ``B = Σ_n J_nᵀ H J_n``. Per-sample quantities (not
+defined), ``DiagHessian`` and KFRA (``producers``: not ``coupled``) raise, naming the module.
 
 That nothing outside the extended losses feeds the gradients (a term of the objective whose
 curvature this would miss) is checked on every pass without propagating anything: hooks on the
