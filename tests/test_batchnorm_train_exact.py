@@ -10,6 +10,7 @@ Checked in float64 against ``torch.func`` on the whole-batch function
   one-dimensional parameter's ``kflr`` block against its exact GGN block;
 * ``EKFAC(factors="kflr")``: ``S`` against ``diag(Qᵀ G Q)`` in its own bases;
 * the Monte-Carlo ``KFAC`` of many draws approaches ``KFLR`` (several seeds);
+* timm's ``BatchNormAct2d``: as ``BatchNorm2d`` then its activation;
 * ``optim.DiagGGNNewton(curvature="exact")`` and ``optim.KFAC(curvature="kflr")``: one step
   equals the damped Newton step with the dense references.
 """
@@ -20,6 +21,7 @@ import pytest
 import torch
 from test_batchnorm_expectation import CASES, _problem, _pure, _reference
 from test_ekfac_coupled import _expected
+from timm_loader import timm_or_skip
 
 import curvopt
 import curvopt.engine.curvature
@@ -95,8 +97,9 @@ def _spectra(factors):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_monte_carlo_kfac_approaches_kflr(seed):
-    """``KFAC``'s coupled Monte-Carlo factors average to ``KFLR``'s: ``DRAWS`` columns in one
-    pass; the output sides within 10% (Frobenius; measured 1.7% to 4.2% over six seeds), the input sides equal."""
+    """``KFAC``'s coupled Monte-Carlo factors average to ``KFLR``'s: 4000 columns in one pass;
+    the output sides within 10% (Frobenius; measured 1.7% to 4.2% over six seeds), the input
+    sides equal."""
     model, X, y, lossfunc, layer, _ = _setup("mlp", "ce", "mean", 6)
     exact = _collect(model, X, y, lossfunc, ext.KFLR())
     exact = {k: [f.clone() for f in p.kflr] for k, p in exact.items()}
@@ -148,9 +151,36 @@ def test_kfac_kflr_steps_with_the_coupled_factors():
         kronecker_damping="exact",
     )
     grads, steps = _one_step(opt, model, X, y, lossfunc)
-    for name in (f"{layer}.weight", *(k for k, s in steps.items() if s.dim() == 1)):
+    weight, kron = f"{layer}.weight", torch.kron(B_ref.contiguous(), A_ref.contiguous())
+    for name in (weight, *(k for k, s in steps.items() if s.dim() == 1)):
         s = index[name]
-        curvature = torch.kron(B_ref.contiguous(), A_ref.contiguous()) if name == f"{layer}.weight" else G[s, s]
+        curvature = kron if name == weight else G[s, s]
         eye = torch.eye(curvature.shape[0], dtype=DT)
         expected = -lr * torch.linalg.solve(curvature + damping * eye, grads[name].flatten())
         torch.testing.assert_close(steps[name].flatten(), expected, rtol=1e-8, atol=1e-12)
+
+
+def test_timm_batchnorm_act_is_batchnorm_then_its_activation():
+    """timm's ``BatchNormAct2d`` in training mode: the exact curvature equals that of the same
+    network written as ``BatchNorm2d`` then ``ReLU`` (checked against ``G`` above)."""
+    layers = timm_or_skip().layers
+    torch.manual_seed(0)
+    fused = torch.nn.Sequential(
+        torch.nn.Conv2d(2, 3, 3, padding=1), layers.BatchNormAct2d(3, act_layer=torch.nn.ReLU),
+        torch.nn.Flatten(), torch.nn.Linear(48, 3),
+    ).to(DT)  # fmt: skip
+    fused[1].weight.data.uniform_(0.5, 1.5)
+    fused[1].bias.data.normal_(0, 0.3)
+    plain = torch.nn.Sequential(
+        fused[0], torch.nn.BatchNorm2d(3), torch.nn.ReLU(), fused[2], fused[3]
+    ).to(DT)
+    plain[1].load_state_dict(fused[1].state_dict(), strict=False)
+    X, y = torch.randn(5, 2, 4, 4, dtype=DT), torch.randint(0, 3, (5,))
+    values = []
+    for model in (fused, plain):
+        lossfunc = torch.nn.CrossEntropyLoss()
+        params = _collect(model, X, y, lossfunc, ext.DiagGGNExact(), ext.KFLR())
+        values.append([t.clone() for p in params.values() for t in (p.diag_ggn_exact, *p.kflr)])
+    assert len(values[0]) == len(values[1]) == 14  # weights 3 each (diagonal, B, A), 1-D ones 2
+    for a, b in zip(*values):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
