@@ -1,11 +1,10 @@
-"""BatchNorm in training mode: what is not defined (per-sample quantities) or would cost ``N²``
-propagations (exact curvature) raises a clear error naming the module, before anything is
-written; the Monte-Carlo quantities go through (``test_batchnorm_expectation``: their values;
-``test_ekfac_coupled``: EKFAC's, whose bases from exact factors raise)."""
+"""BatchNorm in training mode: what is not defined (per-sample quantities) or not made in a
+coupled pass (``DiagHessian``, KFRA) raises a clear error naming the module, before anything is
+written; the summed GGN quantities go through (``test_batchnorm_expectation`` and
+``test_ekfac_coupled``: the Monte-Carlo ones' values; ``test_batchnorm_train_exact``: the exact
+ones')."""
 
 from __future__ import annotations
-
-from functools import partial
 
 import pytest
 import torch
@@ -36,23 +35,16 @@ REFUSED = [
     ext.BatchL2Grad,
     ext.SumGradSquared,
     ext.Variance,
-    ext.DiagGGNExact,
     ext.BatchDiagGGNExact,
     ext.BatchDiagGGNMC,
     ext.DiagHessian,
     ext.BatchDiagHessian,
-    ext.KFLR,
     ext.KFRA,
     ext.KFACEmpirical,
-    partial(ext.EKFAC, factors="kflr"),  # bases from exact factors
 ]
 
 
-def _name(make) -> str:
-    return getattr(make, "__name__", None) or f"{make.func.__name__}-{make.keywords['factors']}"
-
-
-@pytest.mark.parametrize("make", REFUSED, ids=_name)
+@pytest.mark.parametrize("make", REFUSED, ids=lambda make: make.__name__)
 def test_exact_and_per_sample_quantities_raise_naming_the_module(make):
     model = curvopt.extend(_model())
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
@@ -72,7 +64,8 @@ def test_exact_and_per_sample_quantities_raise_naming_the_module(make):
 @pytest.mark.parametrize("build", ["eval", "no_running_stats"])
 def test_running_statistics_stay_exact_and_batch_statistics_are_coupled(build):
     """Eval mode (running statistics): samples independent, exact quantities as before.
-    ``track_running_stats=False``: batch statistics in eval mode too, so coupled."""
+    ``track_running_stats=False``: batch statistics in eval mode too, so coupled: per-sample
+    quantities raise, the summed ones go through."""
     model = _model()
     if build == "no_running_stats":
         model[1] = nn.BatchNorm2d(3, track_running_stats=False).to(DT)
@@ -86,26 +79,21 @@ def test_running_statistics_stay_exact_and_batch_statistics_are_coupled(build):
         assert model[1].weight.grad_batch.shape == (5, 3)
         return
     with pytest.raises(UnsupportedModuleError, match="statistics of the whole batch"):
-        with curvopt.collect(ext.DiagGGNExact()):
+        with curvopt.collect(ext.BatchDiagGGNExact()):
             loss.backward()
     loss = lossfunc(model(X), y)
-    with curvopt.collect(ext.DiagGGNMC(), ext.KFAC()):
+    with curvopt.collect(ext.DiagGGNMC(), ext.KFAC(), ext.DiagGGNExact(), ext.KFLR()):
         loss.backward()
-    assert model[1].weight.kfac[0].shape == (3, 3)
+    assert model[1].weight.kfac[0].shape == model[1].weight.kflr[0].shape == (3, 3)
 
 
-@pytest.mark.parametrize("name", ["EKFAC-kflr", "DiagGGNNewton-exact", "KFAC-kflr"])
-def test_optimizers_of_exact_curvature_raise(name):
+def test_optimizers_of_recursive_curvature_raise():
+    """``KFAC(curvature="kfra")``: its recursion is not made in a coupled pass (the exact
+    curvatures, ``"kflr"`` and ``DiagGGNNewton(curvature="exact")``, step:
+    ``test_batchnorm_train_exact``)."""
     model = curvopt.extend(_model())
     X, y = _data()
-    if name == "EKFAC-kflr":
-        opt = curvopt.optim.EKFAC(model.parameters(), lr=0.1, damping=1e-2, curvature="kflr")
-    elif name == "KFAC-kflr":
-        opt = curvopt.optim.KFAC(model.parameters(), lr=0.1, damping=1e-2, curvature="kflr")
-    else:
-        opt = curvopt.optim.DiagGGNNewton(
-            model.parameters(), lr=0.1, damping=1e-2, curvature="exact"
-        )
+    opt = curvopt.optim.KFAC(model.parameters(), lr=0.1, damping=1e-2, curvature="kfra")
     with pytest.raises(UnsupportedModuleError, match=r"'1' \(BatchNorm2d\)"):
         F.cross_entropy(model(X), y).backward()
         opt.step()

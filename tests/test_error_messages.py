@@ -201,11 +201,11 @@ def _batchnorm_message(make, functional: bool) -> str:
 
 
 def test_batchnorm_in_training_mode_gives_one_message_whatever_the_entry_point():
-    """An extended loss module or a functional loss, a per-sample quantity or an exact
-    curvature: the same message, naming the module and both fixes."""
+    """An extended loss module or a functional loss, a per-sample quantity or a curvature not
+    made in a coupled pass: the same message, naming the module and both fixes."""
     messages = {
         (make.__name__, functional): _batchnorm_message(make, functional)
-        for make in (ext.BatchGrad, ext.DiagGGNExact, ext.KFLR)
+        for make in (ext.BatchGrad, ext.BatchDiagGGNExact, ext.KFRA)
         for functional in (False, True)
     }
     assert len(set(messages.values())) == 1, messages
@@ -217,17 +217,13 @@ def test_batchnorm_in_training_mode_gives_one_message_whatever_the_entry_point()
 
 @pytest.mark.parametrize(
     "make, curvature, monte_carlo",
-    [
-        (curvopt.optim.DiagGGNNewton, "exact", "mc"),
-        (curvopt.optim.KFAC, "kflr", "kfac"),
-        (curvopt.optim.EKFAC, "kflr", "kfac"),
-    ],
+    [(curvopt.optim.KFAC, "kfra", "kfac")],
 )
 @pytest.mark.parametrize("collection", ["auto", "explicit"])
 def test_batchnorm_reached_from_an_optimizer_names_its_argument(
     make, curvature, monte_carlo, collection
 ):
-    """Exact curvature through BatchNorm in training mode, asked for by an optimizer (armed or
+    """KFRA through BatchNorm in training mode, asked for by an optimizer (armed or
     in ``opt.collect()``): the fix is the optimizer's ``curvature=`` argument, not an
     extension class; the error is raised by the backward pass, as from ``collect``."""
     model = _batchnorm_model()
@@ -247,7 +243,7 @@ def test_batchnorm_reached_from_an_optimizer_names_its_argument(
     assert "DiagGGNMC" not in message and "KFAC)" not in message
     assert message.endswith("see docs/support.md#batchnorm-in-training-mode.")
     # the same model through curvopt.collect keeps the extension classes
-    assert "(DiagGGNMC, KFAC)" in _batchnorm_message(ext.KFLR, functional=False)
+    assert "(DiagGGNMC, KFAC)" in _batchnorm_message(ext.KFRA, functional=False)
 
 
 def test_batchnorm_from_an_optimizer_then_from_collect_each_in_its_terms():
@@ -256,13 +252,13 @@ def test_batchnorm_from_an_optimizer_then_from_collect_each_in_its_terms():
     model = _batchnorm_model()
     X, y = torch.randn(5, 2, 4, 4, dtype=DT), torch.randint(0, 3, (5,))
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
-    opt = curvopt.optim.KFAC(model.parameters(), lr=0.1, curvature="kflr")
+    opt = curvopt.optim.KFAC(model.parameters(), lr=0.1, curvature="kfra")
     message = raised(UnsupportedModuleError, lambda: lossfunc(model(X), y).backward())
     assert "KFAC(..., curvature='kfac')" in message
     del opt
 
     def run():
-        with curvopt.collect(ext.KFLR()):
+        with curvopt.collect(ext.KFRA()):
             lossfunc(model(X), y).backward()
 
     assert "(DiagGGNMC, KFAC)" in raised(UnsupportedModuleError, run)

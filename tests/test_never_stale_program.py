@@ -58,8 +58,8 @@ FIRST_ORDER = {
 FRESH = {"kflr": ext.KFLR, "kfac": ext.KFAC, "diag_ggn_mc": ext.DiagGGNMC}
 EXTENSIONS = {**FIRST_ORDER, "diag_ggn_exact": ext.DiagGGNExact, "diag_h": ext.DiagHessian, **FRESH}
 ALL = tuple(EXTENSIONS)
-#: what a model whose samples mix (BatchNorm in training mode) can have: Monte-Carlo curvature
-SAMPLED = ("kfac", "diag_ggn_mc")
+#: what a model whose samples mix (BatchNorm in training mode) can have: summed GGN curvature
+COUPLED = ("kfac", "diag_ggn_mc", "kflr", "diag_ggn_exact")
 
 LOSSES = {
     "ce-mean": lambda: nn.CrossEntropyLoss(),
@@ -494,10 +494,10 @@ CASES = {
         lambda: mlp(nn.Dropout(0.5)).eval(), lambda m, loss: _train(m, True)
     ),
     "batchnorm train to eval": Case(
-        lambda: mlp(nn.BatchNorm1d(5)), lambda m, loss: _train(m, False), first_attrs=SAMPLED
+        lambda: mlp(nn.BatchNorm1d(5)), lambda m, loss: _train(m, False), first_attrs=COUPLED
     ),
     "batchnorm eval to train": Case(
-        lambda: mlp(nn.BatchNorm1d(5)).eval(), lambda m, loss: _train(m, True), attrs=SAMPLED
+        lambda: mlp(nn.BatchNorm1d(5)).eval(), lambda m, loss: _train(m, True), attrs=COUPLED
     ),
     # shapes and dtype
     "batch size": Case(mlp, lambda m, loss: batch(loss, n=N + 3)),

@@ -161,10 +161,11 @@ def _bn_model():
     ).to(DT)
 
 
-@pytest.mark.parametrize("name", ["DiagGGNExact", "BatchDiagGGNExact", "KFLR"])
+@pytest.mark.parametrize("name", ["BatchDiagGGNExact", "DiagHessian", "KFRA"])
 def test_batchnorm_train_mode_raises(name, seed):
-    """Exact quantities (``N²`` propagations under batch statistics); the Monte-Carlo ones
-    are estimated (``tests/test_batchnorm_expectation.py``)."""
+    """Per-sample quantities (not defined under batch statistics), ``DiagHessian`` and KFRA;
+    the summed GGN ones go through (``tests/test_batchnorm_train_exact.py``: exact,
+    ``tests/test_batchnorm_expectation.py``: Monte-Carlo)."""
     model = extended_copy(_bn_model()).train()
     x, y = _data()
     loss = curvopt.extend(nn.CrossEntropyLoss())(model(x), y)

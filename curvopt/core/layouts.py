@@ -33,6 +33,12 @@ class RowLayout:
         rank[order] = torch.arange(sample.numel(), device=sample.device) - starts[sample[order]]
         self.slot = rank
 
+    @classmethod
+    def singly(cls, rows: int, row_dims: int, device) -> "RowLayout":
+        """Every one of ``rows`` rows in a slot of its own: a column holds one row. The exact
+        columns of a coupled pass (``engine.curvature``), where every row reaches every sample."""
+        return cls(torch.zeros(rows, dtype=torch.long, device=device), 1, row_dims)
+
     def masks(self, first: int, stop: int, dtype, device) -> torch.Tensor:
         """``[stop - first, R]``: 1 where row ``r`` is in slot ``s``."""
         slots = torch.arange(first, stop, device=device)

@@ -57,8 +57,12 @@ columns (``MSELoss``); one draw's relative standard deviation measured 1.3 (medi
 (max) for cross-entropy (``tests/test_batchnorm_expectation.py``). ``EKFAC``: the bases from
 those factors, ``S = Σ_k (Q_0ᵀ Ĝ_k Q_1)²`` from the same ``ĝ_k`` (``kron_pass`` keeps them,
 ``reducer`` rotates them: unbiased for ``diag(Qᵀ G Q)``, not the empirical Fisher's diagonal of
-an uncoupled pass), so its columns propagate with supplied bases too. Exact and per-sample
-quantities raise, naming the module (exact: ``N²`` propagations; per sample: not defined).
+an uncoupled pass), so its columns propagate with supplied bases too. The exact quantities of
+the same producers take the exact columns of one row each (``RowLayout.singly``: ``R K``
+columns, chunked by ``_COLUMN_BUDGET``; the loss Hessian is block-diagonal over rows, so
+``G = Σ_{r,k} J^T s_rk s_rkᵀ J``): the same contributions are then exact, ``diag(G)``, the
+one-dimensional blocks of ``G`` and ``B = Σ_n J_nᵀ H J_n``. Per-sample quantities (not
+defined), ``DiagHessian`` and KFRA (``producers``: not ``coupled``) raise, naming the module.
 
 That nothing outside the extended losses feeds the gradients (a term of the objective whose
 curvature this would miss) is checked on every pass without propagating anything: hooks on the
@@ -76,6 +80,7 @@ import torch
 from curvopt.engine.compress import HeadCut, find_cut
 from curvopt.engine.diagonals import diagonals
 from curvopt.engine.parameter_sites import with_sites
+from curvopt.core.layouts import RowLayout
 from curvopt.core.plans import add_cut
 from curvopt.errors import BATCH_STATISTICS, UnsupportedLossError, module_error
 from curvopt.engine.producers import TABLE, coupled_estimate
@@ -212,8 +217,12 @@ class CurvaturePass:
         strategy (:func:`choose`), turned into contributions."""
         kron_exts = [e for e in exts if TABLE[e.quantity.producer].columns == "factors"]
         diag_exts = [e for e in exts if e not in kron_exts]
-        columns = LossColumns(self.loss, rule, self.scale, self.layout, source, mc_samples)
-        strategy = choose(self.walk, calls, columns, self.batched, bool(diag_exts))
+        layout = self.layout
+        if self.coupled and source == "exact":  # every row reaches every sample: one a column
+            rows = math.prod(self.loss.output.shape[: layout.row_dims])
+            layout = RowLayout.singly(rows, layout.row_dims, self.loss.output.device)
+        columns = LossColumns(self.loss, rule, self.scale, layout, source, mc_samples)
+        strategy = choose(self.walk, calls, columns, self.batched, bool(diag_exts), self.coupled)
         contribute = partial(self._contribute, diag_exts=diag_exts, kron_exts=kron_exts)
         strategy.propagate(columns, contribute)
 
@@ -329,12 +338,13 @@ class Direct:
             del outs, cols
 
 
-def choose(walk, calls, columns, batched: bool, diagonals: bool):
+def choose(walk, calls, columns, batched: bool, diagonals: bool, coupled: bool = False):
     """The strategy for ``columns`` (``curvature.LossColumns``) to ``calls`` of ``walk``:
-    ``compress.HeadCut`` where a cut is found (module doc), else :class:`Direct`;
-    ``diagonals``: diagonal quantities are asked (a weight tied across the cut forbids it)."""
+    ``compress.HeadCut`` where a cut is found (module doc), else :class:`Direct` (always in a
+    ``coupled`` pass); ``diagonals``: diagonal quantities are asked (a weight tied across the
+    cut forbids it)."""
     direct = Direct(calls, batched, walk)
-    if columns.source != "exact" or columns.layout.row_dims != 1:
+    if columns.source != "exact" or columns.layout.row_dims != 1 or coupled:
         return direct
     root, total = columns.root, columns.per_row()
     key = (tuple(root.shape), total, diagonals)

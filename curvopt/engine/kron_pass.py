@@ -13,7 +13,8 @@ output side estimates the whole batch's; a parameter without a factorisation
 parameter's block is ``sum_k gbar_k gbar_k^T`` and the fallback diagonal ``sum_k gbar_k**2``,
 ``gbar_k = sum_n J_n^T v_nk`` the batch gradient of column ``k`` (whole batch, ``samples=K`` or
 not), unbiased for the exact block; the output side of a factored weight is unchanged,
-``sum_{k,rows} v v^T``, unbiased for its coupled definition; ``EKFAC``'s ``gbar_k`` (summed over
+``sum_{k,rows} v v^T``, unbiased for its coupled definition (Monte-Carlo columns; exact for the
+exact columns of one row each); ``EKFAC``'s ``gbar_k`` (summed over
 the calls using the parameter, supplied bases or fresh) are kept for its ``S``
 (:meth:`FactorStream.eigen_columns`, rotated by ``reducer``)."""
 

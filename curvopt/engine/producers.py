@@ -14,8 +14,9 @@ pass loops over them: nothing else in curvopt compares producers. The parts, by 
   made only where a basis is not supplied), then the work that walks on from the loss through
   the module calls themselves (``walks``; ``after``: DiagHessian's residual terms,
   ``hessian``, and the KFRA recursion, ``kfra``, in this order);
-* ``coupled``: defined, and estimated without bias, by a pass whose Monte-Carlo columns
-  propagate through a module that mixes samples (:func:`coupled_estimate`);
+* ``coupled``: defined by a pass whose columns propagate through a module that mixes samples
+  (:func:`coupled_estimate`): estimated without bias from Monte-Carlo columns, exact from
+  exact columns of one row each;
 * ``reference``: the second derivative ``curvopt.verify`` checks an exact diagonal against
   (``"ggn"``, ``"hessian"``), ``None`` where the quantity has none of its own.
 """
@@ -63,7 +64,7 @@ class Implementation:
             then computed by their modules' rules, ``parameter_sites``).
         after: ``after(context, loss, weight, calls, exts)``, the contributions made once the
             columns are done (``context``: the frozen ``LossContext``).
-        coupled: defined by a coupled pass's Monte-Carlo columns (summed quantities only).
+        coupled: defined by a coupled pass's columns (summed quantities only).
         reference: the second derivative ``verify`` compares an exact diagonal with.
     """
 
@@ -95,9 +96,10 @@ TABLE = types.MappingProxyType(
 
 
 def coupled_estimate(ext) -> bool:
-    """Whether ``ext`` is defined, and estimated without bias, by a pass whose Monte-Carlo
-    columns propagate through a module that mixes samples (``coupled``): a summed GGN
-    diagonal, Kronecker factors or ``EKFAC``'s ``[S, *bases]`` (``S`` from the columns' batch
-    gradients, ``curvature``), from sampled targets."""
+    """Whether ``ext`` is defined by a pass whose columns propagate through a module that
+    mixes samples (``coupled``): a summed GGN diagonal, Kronecker factors or ``EKFAC``'s
+    ``[S, *bases]`` (``S`` from the columns' batch gradients, ``curvature``), estimated
+    without bias from sampled targets (``"mc"``) or exact (``"exact"``: ``R K`` columns of
+    one row each, ``R`` rows of ``K`` columns)."""
     coupled = TABLE[ext.quantity.producer].coupled
-    return ext.source == "mc" and coupled and not ext.quantity.per_sample
+    return ext.source in ("mc", "exact") and coupled and not ext.quantity.per_sample

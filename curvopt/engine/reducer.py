@@ -22,7 +22,9 @@ batch). It differs from the uncoupled ``S``, ``diag(Qᵀ EF Q)`` of the empirica
 observed targets, which equals ``diag(Qᵀ G Q)`` only in expectation over targets drawn from the
 model: the coupled ``S`` estimates the GGN's diagonal in the basis, the targets not used. Its
 variance is that of the coupled diagonal (``curvature``), entry by entry in the basis: one
-column's relative standard deviation about ``√2`` for Gaussian columns."""
+column's relative standard deviation about ``√2`` for Gaussian columns. With exact factors
+(``factors="kflr"``) the columns are the exact ones of one row each, ``Σ_k ĝ_k ĝ_kᵀ = G``, and
+``S = diag(Qᵀ G Q)`` exactly."""
 
 from __future__ import annotations
 

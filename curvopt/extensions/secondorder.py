@@ -65,7 +65,10 @@ class DiagGGNExact(_Curvature):
     Scaling: ``G`` is that of the loss as computed, so with ``reduction="mean"`` it carries the
     loss's ``1/D`` (``D = N`` for an ``[N, C]`` cross-entropy input; see
     ``docs/conventions.md``) and is the average over samples; with ``"sum"`` it is the sum.
-    Micro-batches add.
+    Where a module mixes samples (BatchNorm in training mode) ``J`` is the Jacobian of the
+    whole batch's outputs: ``diag(G) = Σ_{r,k} ĝ_rk²``, ``ĝ_rk`` the batch gradient of the
+    square root's column ``k`` on row ``r`` alone (``R K`` propagated columns, ``N C`` for a
+    classifier). Micro-batches add.
 
     Takes no arguments.
 
@@ -265,6 +268,10 @@ class KFLR(_Curvature):
     ``reduction="mean"``), ``A`` is a mean. With one sample and no weight sharing,
     ``kron(*p.kflr)`` is the GGN block exactly. (``nn.Embedding`` and Hugging Face's
     ``Conv1D`` list the input side first; the value's ``output_index`` says which.)
+    Where a module mixes samples (BatchNorm in training mode) the columns are those of one row
+    each (``R K`` of them), ``V`` their gradients at the layer's output for the whole batch,
+    so ``B = Σ_n (∂f/∂z_n)ᵀ H (∂f/∂z_n)``, what :class:`KFAC`'s factors estimate there; a
+    one-dimensional parameter's ``[B]`` is its GGN block exactly.
     Micro-batches combine: ``B`` adds, ``A`` averages weighted by batch size.
 
     Args:
@@ -502,7 +509,8 @@ class EKFAC(_MonteCarlo):
     A module that mixes samples (BatchNorm in training mode) leaves no per-sample gradients:
     there ``S = Σ_k (Q_0ᵀ Ĝ_k Q_1)²`` with ``Ĝ_k`` the batch gradient of the ``k``-th of the
     ``mc_samples`` sampled columns, so that ``E[S] = diag(Qᵀ G Q)`` for fixed bases (the GGN's
-    diagonal in the basis, not the empirical Fisher's); ``factors="kflr"`` raises there.
+    diagonal in the basis, not the empirical Fisher's); with ``factors="kflr"`` the columns
+    are the exact ones of one row each (``R K`` of them, :class:`KFLR`) and ``S = diag(Qᵀ G Q)``.
     ``collect(skip_unsupported="diagonal")`` writes ``p.ekfac_diagonal`` for a parameter
     without factors: the GGN diagonal of the same columns (Monte-Carlo, or exact for
     ``"kflr"``).

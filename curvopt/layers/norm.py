@@ -14,8 +14,8 @@ dims of the output that the parameters do not index.
   statistics, which mixes samples (``mixes_samples``): per-sample gradients do not exist and
   ``check`` says so. The rule still gives each sample's term of the batch gradient for a given
   output gradient, ``x_hat`` from the batch's statistics (``w`` and ``b`` act after the
-  normalisation, so these terms sum to the exact gradient): the coupled Monte-Carlo curvature
-  (``engine.curvature``) sums them over the batch before squaring.
+  normalisation, so these terms sum to the exact gradient): the coupled curvature
+  (``engine.curvature``, Monte-Carlo or exact) sums them over the batch before squaring.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ its parent's rule only where it is registered for it (``registry.rule_for``). Re
   with ``z = x_hat * w + b`` the ``nn.BatchNorm2d`` output and ``act`` elementwise; with
   ``g_z = act'(z) * g`` (the gradient at ``z``) the per-sample gradients are BatchNorm's
   (:class:`BatchNormAct2dRule`): in eval mode exact, in training mode (batch statistics) each
-  sample's term of the batch gradient, for the coupled Monte-Carlo curvature as BatchNorm's.
+  sample's term of the batch gradient, for the coupled curvature as BatchNorm's.
 """
 
 from __future__ import annotations

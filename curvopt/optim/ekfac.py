@@ -146,7 +146,8 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
     *per-sample* empirical Fisher in the basis (the basis itself is KFAC's approximation).
     With BatchNorm in training mode (per-sample gradients do not exist) ``S`` is the unbiased
     Monte-Carlo estimate of ``diag(Qᵀ G Q)`` from the sampled columns' batch gradients
-    (``curvature="kfac"`` only; see ``curvopt.extensions.EKFAC``).
+    (``curvature="kfac"``), or ``diag(Qᵀ G Q)`` itself (``"kflr"``, from ``R K`` exact columns
+    of one row each); see ``curvopt.extensions.EKFAC``.
 
     Cost of ``S`` per curvature step (extension ``EKFAC``): a dense layer without weight
     sharing rotates its inputs and output gradients (``N (out² + in²)`` flops) and never forms
