@@ -14,7 +14,7 @@ import torch
 import curvopt
 from curvopt import extensions as ext
 from curvopt.guards.checks import Checks
-from curvopt.guards.tolerance import mismatch, mismatches, roundoff, stacked_mismatches
+from curvopt.guards.tolerance import mismatch, mismatches, roundoff, segment_mismatches
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers.linear import LinearRule
 
@@ -122,34 +122,34 @@ def test_mismatches_of_many_pairs_decide_each_as_the_reference():
         assert found == [expected[i] for i in order]
 
 
-def test_stacked_mismatches_decide_each_pair_as_the_reference():
-    """Pairs stacked by shape and dtype (as the spot check of materialised per-sample gradients
-    stacks its parameters), each with its own floor, several stacks read together: each pair's
-    decision is its own reference's, wherever it sits in its stack (a value read into another
-    pair's slot would change some decision: checked by permuting the pairs in the stacks)."""
+def test_segment_mismatches_decide_each_pair_as_the_reference():
+    """Pairs laid side by side, flat (as the spot check of materialised per-sample gradients
+    lays its parameters), each a segment of its own length with its own floor, flats of
+    several dtypes read together: each pair's decision is its own reference's, wherever it
+    sits (a value read into another segment's slot would change some decision: checked by
+    permuting the pairs)."""
     gen = torch.Generator().manual_seed(3)
-    by_shape: dict = {}
-    for a, b in _pairs():
-        by_shape.setdefault((a.shape, a.dtype), []).append((a, b))
-    for k in range(24):  # just inside and outside the bound, at scales far apart
-        a = torch.randn(4, dtype=torch.float64, generator=gen) * 10.0 ** (k % 9 - 4)
+    pairs = [(a.reshape(-1), b.reshape(-1)) for a, b in _pairs() if a.shape == b.shape]
+    for k in range(24):  # just inside and outside the bound, at scales far apart, many lengths
+        a = torch.randn(1 + k % 5, dtype=torch.float64, generator=gen) * 10.0 ** (k % 9 - 4)
         b = a.clone()
-        b[k % 4] += 64 * torch.finfo(torch.float64).eps * a.abs().max() * (1.5 if k % 2 else 0.5)
-        by_shape.setdefault((a.shape, a.dtype), []).append((a, b))
-    groups = [g for g in by_shape.values() if len(g) > 1]
-    assert len(groups) >= 2
-    for _ in range(4):
-        stacks, expected = [], []
-        for group in groups:
-            order = torch.randperm(len(group), generator=gen).tolist()
-            pairs = [group[i] for i in order]
+        b[k % a.numel()] += (
+            64 * torch.finfo(torch.float64).eps * a.abs().max() * (1.5 if k % 2 else 0.5)
+        )
+        pairs.append((a, b))
+    pairs = [(a, b) for a, b in pairs if a.numel()]
+    for trial in range(4):
+        flats, expected = [], []
+        for dtype in (torch.float64, torch.float32, torch.float16)[: 1 + trial % 3]:
+            order = torch.randperm(len(pairs), generator=gen).tolist()
+            chosen = [(pairs[i][0].to(dtype), pairs[i][1].to(dtype)) for i in order]
             floors = [(0.0, 1e-3)[i % 2] for i in order]
-            a = torch.stack([x for x, _ in pairs])
-            b = torch.stack([y for _, y in pairs])
-            stacks.append((a, b, floors))
-            expected += [reference(x, y, 64.0, f) for (x, y), f in zip(pairs, floors)]
+            a = torch.cat([x for x, _ in chosen])
+            b = torch.cat([y for _, y in chosen])
+            flats.append((a, b, [x.numel() for x, _ in chosen], floors))
+            expected += [reference(x, y, 64.0, f) for (x, y), f in zip(chosen, floors)]
         assert any(expected) and not all(expected)
-        assert stacked_mismatches(stacks, 64.0) == expected
+        assert segment_mismatches(flats, 64.0) == expected
 
 
 def test_non_finite_sums_of_a_finite_gradient_are_mismatches():

@@ -13,7 +13,7 @@ from torch import nn
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.guards import participation
+from curvopt.guards import checks, participation
 from curvopt.core.layouts import RowLayout
 from curvopt.engine import rows
 from curvopt.errors import UnsupportedModuleError
@@ -203,6 +203,54 @@ def test_a_replayed_pass_spot_checks_a_large_parameter(monkeypatch):
     with pytest.raises(UnsupportedModuleError, match="0.weight"):
         _pass(model, lossfunc, x, y, ext.BatchGrad)
     assert not hasattr(model[0].weight, ext.BatchGrad.attr)
+    monkeypatch.setattr(LinearRule, "batch_grad", right)
+    again = _pass(model, lossfunc, x, y, ext.BatchGrad)
+    assert all(torch.equal(first[name], again[name]) for name in first)
+
+
+_SPOT_MODEL = {  # parameter -> the shape of its per-sample gradients after N
+    "0.weight": (10, 600),  # more entries than the spot check reads: spread runs of them
+    "0.bias": (10,),
+    "2.weight": (7, 10),
+    "2.bias": (7,),
+    "4.weight": (5, 7),
+    "4.bias": (5,),
+}
+
+
+@pytest.mark.parametrize("flat_entries", [None, 8 * 20])
+@pytest.mark.parametrize("target", sorted(_SPOT_MODEL))
+def test_the_spot_check_of_all_parameters_at_once_finds_each_wrong_one(
+    target, flat_entries, monkeypatch
+):
+    """The spot check lays every parameter's per-sample gradients side by side (one sum and
+    one comparison a flat; ``flat_entries``: flats of at most 20 columns, each parameter's
+    own or a few small ones together): one entry of one parameter off by 0.1% of its largest
+    per-sample gradient, on a pass of a structure cached and checked, raises and names that
+    parameter, whichever it is and wherever it sits; the clean passes before and after pass
+    and write the same numbers."""
+    if flat_entries is not None:
+        monkeypatch.setattr(checks, "_STACK_ELEMENTS", flat_entries)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(600, 10), nn.ReLU(), nn.Linear(10, 7), nn.Tanh())
+    model = curvopt.extend(model.append(nn.Linear(7, 5)).to(DT))
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    x, y = torch.randn(8, 600, dtype=DT), torch.randint(5, (8,))
+    first = _pass(model, lossfunc, x, y, ext.BatchGrad)
+    _pass(model, lossfunc, x, y, ext.BatchGrad)
+    right = LinearRule.batch_grad
+
+    def wrong(self, call, name, out=None):
+        g = right(self, call, name, out)
+        if (name, tuple(g.shape[1:])) == (target.split(".")[1], _SPOT_MODEL[target]):
+            g[(0,) * g.dim()] += 1e-3 * g.abs().max()
+        return g
+
+    monkeypatch.setattr(LinearRule, "batch_grad", wrong)
+    _forget(model, ext.BatchGrad.attr)
+    with pytest.raises(UnsupportedModuleError, match=f"'{target}'"):
+        _pass(model, lossfunc, x, y, ext.BatchGrad)
+    assert not any(hasattr(p, ext.BatchGrad.attr) for p in model.parameters())
     monkeypatch.setattr(LinearRule, "batch_grad", right)
     again = _pass(model, lossfunc, x, y, ext.BatchGrad)
     assert all(torch.equal(first[name], again[name]) for name in first)

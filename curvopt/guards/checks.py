@@ -29,13 +29,14 @@ from curvopt.guards.projected import PROJECTED_FACTOR, project
 from curvopt.engine.reducer import reduce_in_chunks
 from curvopt.core.reductions import dense_gradient, probe_columns
 from curvopt.engine.results import name_of
-from curvopt.guards.tolerance import max_abs, mismatch, roundoff, stacked_mismatches
+from curvopt.guards.tolerance import max_abs, mismatch, roundoff, segment_mismatches
 from curvopt.errors import UnsupportedModuleError
 
 #: the spot check of materialised per-sample gradients reads ``_SPANS`` evenly spread runs of
 #: ``_WIDTH`` entries of a parameter with more entries than that (``reductions.probe_columns``)
 _SPANS, _WIDTH = 16, 256
-#: entries of the per-sample gradients stacked for one sum of the spot check (a copy, bounded)
+#: entries of the per-sample gradients laid side by side for one sum of the spot check (a copy,
+#: bounded; a parameter whose probed entries are more is a flat of its own)
 _STACK_ELEMENTS = 1 << 20
 
 
@@ -195,43 +196,49 @@ class Checks(PassGuard):
     def check_materialised(self, batch_grads) -> None:
         """Spot check of ``sum_n g_n == grad`` on evenly spread entries of materialised
         per-sample gradients (``batch_grads``: ``id(p) -> (p, [N, *p.shape])``; every entry of
-        a parameter with at most ``_SPANS * _WIDTH``). The parameters whose probed per-sample
-        gradients share a shape, dtype and device are stacked (at most ``_STACK_ELEMENTS``
-        entries a stack): one sum and one comparison a stack instead of one a parameter, all
-        comparisons read at once (``tolerance.stacked_mismatches``)."""
-        groups: Dict[tuple, list] = {}  # the per-sample gradients' shape, dtype, device, the
-        # grad's dtype -> [(p, probed per-sample gradients, probed grad, roundoff floor)]
+        a parameter with at most ``_SPANS * _WIDTH``). The probed entries of all parameters
+        whose per-sample gradients share a batch size, dtype and device (and their gradients
+        a dtype) are laid side by side, flat (at most ``_STACK_ELEMENTS`` per-sample entries a
+        flat): one sum and one comparison a flat, each parameter its own segment with its own
+        bound, all flats read at once (``tolerance.segment_mismatches``)."""
+        groups: Dict[tuple, list] = {}  # the per-sample gradients' N, dtype, device, the
+        # grad's dtype -> [(p, probed per-sample gradients [N, k], probed grad [k])]
         for key, (p, grad) in self.param_grads.items():
             found = batch_grads.get(key)
             if found is None:
                 continue
             batch, grad = found[1], dense_gradient(grad)
-            if grad.numel() > _SPANS * _WIDTH:  # a large parameter: spread runs of entries
-                batch = probe_columns(batch.reshape(batch.shape[0], -1), _SPANS, _WIDTH)
+            size = grad.numel()
+            if not size:
+                continue  # nothing to compare
+            rows = batch.shape[0]
+            if size > _SPANS * _WIDTH:  # a large parameter: spread runs of entries
+                batch = probe_columns(batch.reshape(rows, -1), _SPANS, _WIDTH)
                 grad = probe_columns(grad.reshape(1, -1), _SPANS, _WIDTH)[0]
+            kind = (rows, batch.dtype, batch.device, grad.dtype)
+            groups.setdefault(kind, []).append((p, batch.reshape(rows, -1), grad.reshape(-1)))
+        flats, members = [], []  # (sums, grads, lengths, floors) of each flat; its entries
+        for (rows, *_), group in groups.items():
             # (the floor: the roundoff of grad's own dtype, which the comparison casts away)
-            floor = roundoff(grad, floor=self.compute_eps.get(key, 0.0))
-            kind = (batch.shape, batch.dtype, batch.device, grad.dtype)
-            groups.setdefault(kind, []).append((p, batch, grad, floor))
-        stacks, members = [], []  # (sums, grads, floors) of each stack; its entries
-        for group in groups.values():
-            per_stack = max(1, _STACK_ELEMENTS // group[0][1].numel())
-            for start in range(0, len(group), per_stack):
-                part = group[start : start + per_stack]
-                batches = [batch for _, batch, _, _ in part]
+            floor = roundoff(group[0][2])
+            for part in _flat_parts(group, max(1, _STACK_ELEMENTS // max(1, rows))):
+                batches = [batch for _, batch, _ in part]
+                grads = [grad for _, _, grad in part]
                 if len(part) == 1:
-                    sums = batches[0].sum(0, keepdim=True)
+                    sums, grads = batches[0].sum(0), grads[0]
                 else:
-                    sums = torch.stack(batches).sum(1)
-                grads = torch.stack([grad for _, _, grad, _ in part])  # as the sums: one op
-                grads = grads.reshape(sums.shape).to(sums.dtype)
-                stacks.append((sums, grads, [floor for *_, floor in part]))
+                    sums, grads = torch.cat(batches, 1).sum(0), torch.cat(grads)
+                lengths = [batch.shape[1] for batch in batches]
+                floors = [floor] * len(part)
+                if self.compute_eps:  # autocast calls: their roundoff, where it is larger
+                    floors = [max(floor, self.compute_eps.get(id(p), 0.0)) for p, *_ in part]
+                flats.append((sums, grads.to(sums.dtype), lengths, floors))
                 members.append(part)
-        found = iter(stacked_mismatches(stacks, 64))
-        for (sums, _, _), part in zip(stacks, members):
-            for i, (p, batch, grad, _) in enumerate(part):
+        found = iter(segment_mismatches(flats, 64))
+        for (sums, _, lengths, _), part in zip(flats, members):
+            for (p, batch, grad), segment in zip(part, sums.split(lengths)):
                 if next(found):
-                    self.suspects.append((p, sums[i], grad, batch.abs().sum(0)))
+                    self.suspects.append((p, segment, grad, batch.abs().sum(0)))
 
     def check_suspects(self) -> None:
         """Sums that missed the cheap bound, against the rounding bound (rounding inside each
@@ -282,6 +289,21 @@ class Checks(PassGuard):
 
     def clear(self) -> None:
         self.param_grads.clear()
+
+
+def _flat_parts(group, width: int):
+    """``group`` (``(p, [N, k], [k])`` entries) cut, in order, into runs of at most ``width``
+    columns ``k`` in all (a longer entry alone)."""
+    part, used = [], 0
+    for entry in group:
+        columns = entry[1].shape[1]
+        if part and used + columns > width:
+            yield part
+            part, used = [], 0
+        part.append(entry)
+        used += columns
+    if part:
+        yield part
 
 
 def _raise_wrong_sum(p, gap) -> None:

@@ -115,33 +115,37 @@ def _stack_extremes(a: torch.Tensor, b: torch.Tensor) -> list:
     return [(a.reshape(m, -1) - b).abs_().amax(1), b.amin(1), b.amax(1)]
 
 
-def stacked_mismatches(stacks, factor: float) -> list:
-    """``mismatch(a[i], b[i], factor, floors[i])`` of every pair of every ``(a, b, floors)`` in
-    ``stacks``, in order: ``a`` and ``b`` ``[m, ...]`` of one shape, dtype and device each
-    (``b`` the references), ``floors`` ``m`` roundoff floors; each stack five operators, all
-    stacks on one device read in one sync (what :func:`mismatches` does for pairs it can
-    stack, with the stacks made by the caller)."""
-    read: dict = {}  # device -> [parts]
-    for a, b, _ in stacks:
-        if a[0].numel():
-            read.setdefault(a.device, []).extend(_stack_extremes(a, b))
-    values = {device: torch.cat(parts).tolist() for device, parts in read.items()}
+def segment_mismatches(flats, factor: float) -> list:
+    """``mismatch(a_i, b_i, factor, floors[i])`` of every segment ``i`` of every
+    ``(a, b, lengths, floors)`` in ``flats``, in order: ``a`` and ``b`` ``[K]`` of one dtype and
+    device (``b`` the references), cut into segments of ``lengths`` (each at least 1; they
+    add up to ``K``), ``floors`` their roundoff floors. The extremes of all segments of a flat
+    are one operator (``max |a_i - b_i|`` and ``max |b_i|``, exact, NaN kept: ``_foreach_norm``
+    with ``ord=inf``), all flats on one device read in one sync; a segment is decided in
+    Python without a call where its sum is right (``gap <= bound * top``, finite), by
+    ``_beyond`` otherwise."""
+    read: dict = {}  # device -> [(max |a_i - b_i| of every segment, then max |b_i|)]
+    for a, b, lengths, _ in flats:
+        ends = torch._foreach_norm([*(a - b).split(lengths), *b.split(lengths)], math.inf)
+        read.setdefault(a.device, []).append(torch.stack(ends))
+    values = {
+        device: (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+        for device, parts in read.items()
+    }
     found: list = []
     at = dict.fromkeys(values, 0)
-    for a, b, floors in stacks:
-        m = a.shape[0]
-        if not a[0].numel():
-            found += [False] * m
-            continue
-        seen, start = values[a.device], at[a.device]
-        at[a.device] = start + 3 * m
+    for a, b, lengths, floors in flats:
+        m, seen, start = len(lengths), values[a.device], at[a.device]
+        at[a.device] = start + 2 * m
         dtypes = roundoff(a, b)
-        for i in range(m):
-            gap, low, high = seen[start + i], seen[start + m + i], seen[start + 2 * m + i]
-            bound, top = factor * max(dtypes, floors[i]), max(-low, high)
-            # (``_beyond``'s first test, without indexing the stacks: a sum that is right)
-            right = math.isfinite(gap) and gap <= bound * top
-            found.append(not right and _beyond(a[i], b[i], gap, top, bound))
+        for i, floor in enumerate(floors):
+            gap, top = seen[start + i], seen[start + m + i]
+            bound = factor * (dtypes if dtypes >= floor else floor)  # factor * max(...)
+            if gap <= bound * top < math.inf:  # (a NaN gap compares False)
+                found.append(False)
+                continue
+            segment = slice(sum(lengths[:i]), sum(lengths[: i + 1]))
+            found.append(_beyond(a[segment], b[segment], gap, top, bound))
     return found
 
 
