@@ -19,6 +19,7 @@ for the sums that miss it, the rounding bound ``8 eps (sum_n |g_n| + |grad|) + 1
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -201,13 +202,14 @@ class Checks(PassGuard):
         a dtype) are laid side by side, flat (at most ``_STACK_ELEMENTS`` per-sample entries a
         flat): one sum and one comparison a flat, each parameter its own segment with its own
         bound, all flats read at once (``tolerance.segment_mismatches``)."""
-        groups: Dict[tuple, list] = {}  # the per-sample gradients' N, dtype, device, the
-        # grad's dtype -> [(p, probed per-sample gradients [N, k], probed grad [k])]
+        groups: Dict[tuple, list] = defaultdict(list)  # the per-sample gradients' N, dtype,
+        # device, the grad's dtype -> [(p, probed per-sample gradients [N, k], probed grad [k])]
         for key, (p, grad) in self.param_grads.items():
-            found = batch_grads.get(key)
-            if found is None:
+            if key not in batch_grads:
                 continue
-            batch, grad = found[1], dense_gradient(grad)
+            batch = batch_grads[key][1]
+            if grad.is_sparse:
+                grad = dense_gradient(grad)
             size = grad.numel()
             if not size:
                 continue  # nothing to compare
@@ -215,8 +217,9 @@ class Checks(PassGuard):
             if size > _SPANS * _WIDTH:  # a large parameter: spread runs of entries
                 batch = probe_columns(batch.reshape(rows, -1), _SPANS, _WIDTH)
                 grad = probe_columns(grad.reshape(1, -1), _SPANS, _WIDTH)[0]
-            kind = (rows, batch.dtype, batch.device, grad.dtype)
-            groups.setdefault(kind, []).append((p, batch.reshape(rows, -1), grad.reshape(-1)))
+            if batch.ndim != 2:  # (``ndim`` is no call: a bias is flat as it is)
+                batch, grad = batch.reshape(rows, -1), grad.reshape(-1)
+            groups[rows, batch.dtype, batch.device, grad.dtype].append((p, batch, grad))
         flats, members = [], []  # (sums, grads, lengths, floors) of each flat; its entries
         for (rows, *_), group in groups.items():
             # (the floor: the roundoff of grad's own dtype, which the comparison casts away)
@@ -234,9 +237,12 @@ class Checks(PassGuard):
                     floors = [max(floor, self.compute_eps.get(id(p), 0.0)) for p, *_ in part]
                 flats.append((sums, grads.to(sums.dtype), lengths, floors))
                 members.append(part)
-        found = iter(segment_mismatches(flats, 64))
+        found = segment_mismatches(flats, 64)
+        if True not in found:  # every sum right (the common case: no segment cut out)
+            return
+        found = iter(found)
         for (sums, _, lengths, _), part in zip(flats, members):
-            for (p, batch, grad), segment in zip(part, sums.split(lengths)):
+            for (p, batch, grad), segment in zip(part, sums.split_with_sizes(lengths)):
                 if next(found):
                     self.suspects.append((p, segment, grad, batch.abs().sum(0)))
 
@@ -294,16 +300,14 @@ class Checks(PassGuard):
 def _flat_parts(group, width: int):
     """``group`` (``(p, [N, k], [k])`` entries) cut, in order, into runs of at most ``width``
     columns ``k`` in all (a longer entry alone)."""
-    part, used = [], 0
-    for entry in group:
+    start, used = 0, 0
+    for end, entry in enumerate(group):
         columns = entry[1].shape[1]
-        if part and used + columns > width:
-            yield part
-            part, used = [], 0
-        part.append(entry)
+        if end > start and used + columns > width:
+            yield group[start:end]
+            start, used = end, 0
         used += columns
-    if part:
-        yield part
+    yield group[start:]
 
 
 def _raise_wrong_sum(p, gap) -> None:

@@ -126,7 +126,8 @@ def segment_mismatches(flats, factor: float) -> list:
     ``_beyond`` otherwise."""
     read: dict = {}  # device -> [(max |a_i - b_i| of every segment, then max |b_i|)]
     for a, b, lengths, _ in flats:
-        ends = torch._foreach_norm([*(a - b).split(lengths), *b.split(lengths)], math.inf)
+        gaps, tops = (a - b).split_with_sizes(lengths), b.split_with_sizes(lengths)
+        ends = torch._foreach_norm([*gaps, *tops], math.inf)
         read.setdefault(a.device, []).append(torch.stack(ends))
     values = {
         device: (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
@@ -136,16 +137,15 @@ def segment_mismatches(flats, factor: float) -> list:
     at = dict.fromkeys(values, 0)
     for a, b, lengths, floors in flats:
         m, seen, start = len(lengths), values[a.device], at[a.device]
-        at[a.device] = start + 2 * m
+        at[a.device], first = start + 2 * m, len(found)
+        found += [False] * m
         dtypes = roundoff(a, b)
         for i, floor in enumerate(floors):
             gap, top = seen[start + i], seen[start + m + i]
             bound = factor * (dtypes if dtypes >= floor else floor)  # factor * max(...)
-            if gap <= bound * top < math.inf:  # (a NaN gap compares False)
-                found.append(False)
-                continue
-            segment = slice(sum(lengths[:i]), sum(lengths[: i + 1]))
-            found.append(_beyond(a[segment], b[segment], gap, top, bound))
+            if not gap <= bound * top < math.inf:  # (a NaN gap compares False)
+                segment = slice(sum(lengths[:i]), sum(lengths[: i + 1]))
+                found[first + i] = _beyond(a[segment], b[segment], gap, top, bound)
     return found
 
 
