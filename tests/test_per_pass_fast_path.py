@@ -223,12 +223,11 @@ _SPOT_MODEL = {  # parameter -> the shape of its per-sample gradients after N
 def test_the_spot_check_of_all_parameters_at_once_finds_each_wrong_one(
     target, flat_entries, monkeypatch
 ):
-    """The spot check lays every parameter's per-sample gradients side by side (one sum and
-    one comparison a flat; ``flat_entries``: flats of at most 20 columns, each parameter's
-    own or a few small ones together): one entry of one parameter off by 0.1% of its largest
-    per-sample gradient, on a pass of a structure cached and checked, raises and names that
-    parameter, whichever it is and wherever it sits; the clean passes before and after pass
-    and write the same numbers."""
+    """The spot check compares every parameter's sums at once (one comparison for all, each
+    parameter its own segment; ``flat_entries``: stacks of one parameter each): one entry of
+    one parameter off by 0.1% of its largest per-sample gradient, on a pass of a structure
+    cached and checked, raises and names that parameter, whichever it is and wherever it
+    sits; the clean passes before and after pass and write the same numbers."""
     if flat_entries is not None:
         monkeypatch.setattr(checks, "_STACK_ELEMENTS", flat_entries)
     torch.manual_seed(0)

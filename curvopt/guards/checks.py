@@ -36,8 +36,7 @@ from curvopt.errors import UnsupportedModuleError
 #: the spot check of materialised per-sample gradients reads ``_SPANS`` evenly spread runs of
 #: ``_WIDTH`` entries of a parameter with more entries than that (``reductions.probe_columns``)
 _SPANS, _WIDTH = 16, 256
-#: entries of the per-sample gradients laid side by side for one sum of the spot check (a copy,
-#: bounded; a parameter whose probed entries are more is a flat of its own)
+#: entries of the per-sample gradients stacked for one sum of the spot check (a copy, bounded)
 _STACK_ELEMENTS = 1 << 20
 
 
@@ -197,13 +196,14 @@ class Checks(PassGuard):
     def check_materialised(self, batch_grads) -> None:
         """Spot check of ``sum_n g_n == grad`` on evenly spread entries of materialised
         per-sample gradients (``batch_grads``: ``id(p) -> (p, [N, *p.shape])``; every entry of
-        a parameter with at most ``_SPANS * _WIDTH``). The probed entries of all parameters
-        whose per-sample gradients share a batch size, dtype and device (and their gradients
-        a dtype) are laid side by side, flat (at most ``_STACK_ELEMENTS`` per-sample entries a
-        flat): one sum and one comparison a flat, each parameter its own segment with its own
-        bound, all flats read at once (``tolerance.segment_mismatches``)."""
-        groups: Dict[tuple, list] = defaultdict(list)  # the per-sample gradients' N, dtype,
-        # device, the grad's dtype -> [(p, probed per-sample gradients [N, k], probed grad [k])]
+        a parameter with at most ``_SPANS * _WIDTH``). The parameters whose probed per-sample
+        gradients share a shape, dtype and device are stacked (at most ``_STACK_ELEMENTS``
+        entries a stack): one sum a stack (each parameter's sums as its own ``sum(0)``, bit
+        for bit). The sums of all stacks of one dtype and device are then laid side by side,
+        flat, each parameter its own segment with its own bound: one comparison for them all,
+        all read at once (``tolerance.segment_mismatches``)."""
+        stacks: Dict[tuple, list] = defaultdict(list)  # the per-sample gradients' shape,
+        # dtype, device, the grad's dtype -> [(p, probed per-sample gradients, probed grad)]
         for key, (p, grad) in self.param_grads.items():
             if key not in batch_grads:
                 continue
@@ -213,38 +213,47 @@ class Checks(PassGuard):
             size = grad.numel()
             if not size:
                 continue  # nothing to compare
-            rows = batch.shape[0]
             if size > _SPANS * _WIDTH:  # a large parameter: spread runs of entries
-                batch = probe_columns(batch.reshape(rows, -1), _SPANS, _WIDTH)
+                batch = probe_columns(batch.reshape(batch.shape[0], -1), _SPANS, _WIDTH)
                 grad = probe_columns(grad.reshape(1, -1), _SPANS, _WIDTH)[0]
-            if batch.ndim != 2:  # (``ndim`` is no call: a bias is flat as it is)
-                batch, grad = batch.reshape(rows, -1), grad.reshape(-1)
-            groups[rows, batch.dtype, batch.device, grad.dtype].append((p, batch, grad))
-        flats, members = [], []  # (sums, grads, lengths, floors) of each flat; its entries
-        for (rows, *_), group in groups.items():
-            # (the floor: the roundoff of grad's own dtype, which the comparison casts away)
-            floor = roundoff(group[0][2])
-            for part in _flat_parts(group, max(1, _STACK_ELEMENTS // max(1, rows))):
-                batches = [batch for _, batch, _ in part]
-                grads = [grad for _, _, grad in part]
-                if len(part) == 1:
-                    sums, grads = batches[0].sum(0), grads[0]
+            stacks[batch.shape, batch.dtype, batch.device, grad.dtype].append((p, batch, grad))
+        flats: Dict[tuple, list] = defaultdict(list)  # dtype, device, the grad's dtype ->
+        # [(sums, grads, lengths, entries)] of each stack, flat
+        for (_, *kind), group in stacks.items():
+            size, per_stack = group[0][2].numel(), max(1, _STACK_ELEMENTS // group[0][1].numel())
+            for start in range(0, len(group), per_stack):
+                part = group[start : start + per_stack]
+                m = len(part)
+                if m == 1:
+                    sums, grads = part[0][1].sum(0), part[0][2]
                 else:
-                    sums, grads = torch.cat(batches, 1).sum(0), torch.cat(grads)
-                lengths = [batch.shape[1] for batch in batches]
-                floors = [floor] * len(part)
-                if self.compute_eps:  # autocast calls: their roundoff, where it is larger
-                    floors = [max(floor, self.compute_eps.get(id(p), 0.0)) for p, *_ in part]
-                flats.append((sums, grads.to(sums.dtype), lengths, floors))
-                members.append(part)
-        found = segment_mismatches(flats, 64)
+                    sums = torch.stack([batch for _, batch, _ in part]).sum(1)
+                    grads = torch.stack([grad for _, _, grad in part])
+                flats[tuple(kind)].append((sums.reshape(-1), grads.reshape(-1), [size] * m, part))
+        compared, members = [], []  # (sums, grads, lengths, floors) of each flat; its entries
+        for group in flats.values():
+            if len(group) == 1:
+                sums, grads, lengths, part = group[0]
+            else:
+                sums, grads = torch.cat([f[0] for f in group]), torch.cat([f[1] for f in group])
+                lengths = [n for f in group for n in f[2]]
+                part = [entry for f in group for entry in f[3]]
+            # (the floor: the roundoff of grad's own dtype, which the comparison casts away)
+            floor = roundoff(grads)
+            floors = [floor] * len(lengths)
+            if self.compute_eps:  # autocast calls: their roundoff, where it is larger
+                floors = [max(floor, self.compute_eps.get(id(p), 0.0)) for p, *_ in part]
+            compared.append((sums, grads.to(sums.dtype), lengths, floors))
+            members.append(part)
+        found = segment_mismatches(compared, 64)
         if True not in found:  # every sum right (the common case: no segment cut out)
             return
         found = iter(found)
-        for (sums, _, lengths, _), part in zip(flats, members):
+        for (sums, _, lengths, _), part in zip(compared, members):
             for (p, batch, grad), segment in zip(part, sums.split_with_sizes(lengths)):
                 if next(found):
-                    self.suspects.append((p, segment, grad, batch.abs().sum(0)))
+                    magnitude = batch.abs().sum(0).reshape(-1)
+                    self.suspects.append((p, segment, grad.reshape(-1), magnitude))
 
     def check_suspects(self) -> None:
         """Sums that missed the cheap bound, against the rounding bound (rounding inside each
@@ -295,19 +304,6 @@ class Checks(PassGuard):
 
     def clear(self) -> None:
         self.param_grads.clear()
-
-
-def _flat_parts(group, width: int):
-    """``group`` (``(p, [N, k], [k])`` entries) cut, in order, into runs of at most ``width``
-    columns ``k`` in all (a longer entry alone)."""
-    start, used = 0, 0
-    for end, entry in enumerate(group):
-        columns = entry[1].shape[1]
-        if end > start and used + columns > width:
-            yield group[start:end]
-            start, used = end, 0
-        used += columns
-    yield group[start:]
 
 
 def _raise_wrong_sum(p, gap) -> None:
