@@ -16,7 +16,7 @@ from curvopt import extensions as ext
 from curvopt.core.reductions import probe_columns
 from curvopt.guards import checks as checks_module
 from curvopt.guards.checks import Checks
-from curvopt.guards.tolerance import mismatch, mismatches, roundoff, segment_mismatches
+from curvopt.guards.tolerance import mismatch, mismatches, roundoff, stacked_mismatches
 from curvopt.errors import UnsupportedModuleError
 from curvopt.layers.linear import LinearRule
 
@@ -124,34 +124,34 @@ def test_mismatches_of_many_pairs_decide_each_as_the_reference():
         assert found == [expected[i] for i in order]
 
 
-def test_segment_mismatches_decide_each_pair_as_the_reference():
-    """Pairs laid side by side, flat (as the spot check of materialised per-sample gradients
-    lays its parameters), each a segment of its own length with its own floor, flats of
-    several dtypes read together: each pair's decision is its own reference's, wherever it
-    sits (a value read into another segment's slot would change some decision: checked by
-    permuting the pairs)."""
+def test_stacked_mismatches_decide_each_pair_as_the_reference():
+    """Pairs stacked by shape and dtype (as the spot check of materialised per-sample gradients
+    stacks its parameters), each with its own floor, several stacks read together: each pair's
+    decision is its own reference's, wherever it sits in its stack (a value read into another
+    pair's slot would change some decision: checked by permuting the pairs in the stacks)."""
     gen = torch.Generator().manual_seed(3)
-    pairs = [(a.reshape(-1), b.reshape(-1)) for a, b in _pairs() if a.shape == b.shape]
-    for k in range(24):  # just inside and outside the bound, at scales far apart, many lengths
-        a = torch.randn(1 + k % 5, dtype=torch.float64, generator=gen) * 10.0 ** (k % 9 - 4)
+    by_shape: dict = {}
+    for a, b in _pairs():
+        by_shape.setdefault((a.shape, a.dtype), []).append((a, b))
+    for k in range(24):  # just inside and outside the bound, at scales far apart
+        a = torch.randn(4, dtype=torch.float64, generator=gen) * 10.0 ** (k % 9 - 4)
         b = a.clone()
-        b[k % a.numel()] += (
-            64 * torch.finfo(torch.float64).eps * a.abs().max() * (1.5 if k % 2 else 0.5)
-        )
-        pairs.append((a, b))
-    pairs = [(a, b) for a, b in pairs if a.numel()]
-    for trial in range(4):
-        flats, expected = [], []
-        for dtype in (torch.float64, torch.float32, torch.float16)[: 1 + trial % 3]:
-            order = torch.randperm(len(pairs), generator=gen).tolist()
-            chosen = [(pairs[i][0].to(dtype), pairs[i][1].to(dtype)) for i in order]
+        b[k % 4] += 64 * torch.finfo(torch.float64).eps * a.abs().max() * (1.5 if k % 2 else 0.5)
+        by_shape.setdefault((a.shape, a.dtype), []).append((a, b))
+    groups = [g for g in by_shape.values() if len(g) > 1]
+    assert len(groups) >= 2
+    for _ in range(4):
+        stacks, expected = [], []
+        for group in groups:
+            order = torch.randperm(len(group), generator=gen).tolist()
+            pairs = [group[i] for i in order]
             floors = [(0.0, 1e-3)[i % 2] for i in order]
-            a = torch.cat([x for x, _ in chosen])
-            b = torch.cat([y for _, y in chosen])
-            flats.append((a, b, [x.numel() for x, _ in chosen], floors))
-            expected += [reference(x, y, 64.0, f) for (x, y), f in zip(chosen, floors)]
+            a = torch.stack([x for x, _ in pairs])
+            b = torch.stack([y for _, y in pairs])
+            stacks.append((a, b, floors))
+            expected += [reference(x, y, 64.0, f) for (x, y), f in zip(pairs, floors)]
         assert any(expected) and not all(expected)
-        assert segment_mismatches(flats, 64.0) == expected
+        assert stacked_mismatches(stacks, 64.0) == expected
 
 
 def test_non_finite_sums_of_a_finite_gradient_are_mismatches():
@@ -265,17 +265,17 @@ def test_a_nan_per_sample_gradient_of_a_finite_gradient_raises(extension, monkey
     assert not hasattr(model[0].weight, getattr(ext, extension).attr)
 
 
-@pytest.mark.parametrize("flat_entries", [None, 8 * 24])
-def test_spot_check_finds_the_parameters_the_reference_finds(flat_entries, monkeypatch):
+@pytest.mark.parametrize("stack_entries", [None, 8 * 24])
+def test_spot_check_finds_the_parameters_the_reference_finds(stack_entries, monkeypatch):
     """``Checks.check_materialised`` on parameters of many shapes (a large one read in spread
     runs), per-sample gradients in three dtypes against gradients in their own or another
     dtype, some computed under autocast (a roundoff floor), each sum just inside or just
     outside the cheap bound at one entry it reads: the parameters it notes as suspects are
     those whose read entries the textbook formula (``reference``) finds wrong, with the
     entries it read, each summed as that parameter's own ``sum(0)`` bit for bit; with stacks
-    as large as they come or of at most 24 entries (``flat_entries``)."""
-    if flat_entries is not None:
-        monkeypatch.setattr(checks_module, "_STACK_ELEMENTS", flat_entries)
+    as large as they come or of at most 24 entries (``stack_entries``)."""
+    if stack_entries is not None:
+        monkeypatch.setattr(checks_module, "_STACK_ELEMENTS", stack_entries)
     gen = torch.Generator().manual_seed(4)
     shapes = [(3,), (4, 5), (2, 3, 2), (), (20, 300), (7,), (5, 4)]
     dtypes = [(torch.float64, torch.float64), (torch.float32, torch.float32)]
@@ -306,7 +306,7 @@ def test_spot_check_finds_the_parameters_the_reference_finds(flat_entries, monke
     assert {id(p) for p, *_ in checks.suspects} == expected
     for p, total, grad, magnitude in checks.suspects:  # the entries read, as read
         batch = probe_columns(batch_grads[id(p)][1].reshape(8, -1), 16, 256).reshape(8, -1)
-        assert torch.equal(total, batch.sum(0))
-        assert torch.equal(magnitude, batch.abs().sum(0))
+        assert torch.equal(total.reshape(-1), batch.sum(0))
+        assert torch.equal(magnitude.reshape(-1), batch.abs().sum(0))
         read = probe_columns(checks.param_grads[id(p)][1].reshape(1, -1), 16, 256)[0]
-        assert torch.equal(grad, read.reshape(-1))
+        assert torch.equal(grad.reshape(-1), read.reshape(-1))

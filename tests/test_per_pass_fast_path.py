@@ -218,18 +218,18 @@ _SPOT_MODEL = {  # parameter -> the shape of its per-sample gradients after N
 }
 
 
-@pytest.mark.parametrize("flat_entries", [None, 8 * 20])
+@pytest.mark.parametrize("stack_entries", [None, 8 * 20])
 @pytest.mark.parametrize("target", sorted(_SPOT_MODEL))
 def test_the_spot_check_of_all_parameters_at_once_finds_each_wrong_one(
-    target, flat_entries, monkeypatch
+    target, stack_entries, monkeypatch
 ):
-    """The spot check compares every parameter's sums at once (one comparison for all, each
-    parameter its own segment; ``flat_entries``: stacks of one parameter each): one entry of
-    one parameter off by 0.1% of its largest per-sample gradient, on a pass of a structure
-    cached and checked, raises and names that parameter, whichever it is and wherever it
-    sits; the clean passes before and after pass and write the same numbers."""
-    if flat_entries is not None:
-        monkeypatch.setattr(checks, "_STACK_ELEMENTS", flat_entries)
+    """The spot check stacks the parameters of one shape and reads all stacks' comparisons
+    at once (``stack_entries``: stacks of one parameter each): one entry of one parameter off
+    by 0.1% of its largest per-sample gradient, on a pass of a structure cached and checked,
+    raises and names that parameter, whichever it is and wherever it sits; the clean passes
+    before and after pass and write the same numbers."""
+    if stack_entries is not None:
+        monkeypatch.setattr(checks, "_STACK_ELEMENTS", stack_entries)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(600, 10), nn.ReLU(), nn.Linear(10, 7), nn.Tanh())
     model = curvopt.extend(model.append(nn.Linear(7, 5)).to(DT))

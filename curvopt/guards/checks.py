@@ -30,7 +30,7 @@ from curvopt.guards.projected import PROJECTED_FACTOR, project
 from curvopt.engine.reducer import reduce_in_chunks
 from curvopt.core.reductions import dense_gradient, probe_columns
 from curvopt.engine.results import name_of
-from curvopt.guards.tolerance import max_abs, mismatch, roundoff, segment_mismatches
+from curvopt.guards.tolerance import max_abs, mismatch, roundoff, stacked_mismatches
 from curvopt.errors import UnsupportedModuleError
 
 #: the spot check of materialised per-sample gradients reads ``_SPANS`` evenly spread runs of
@@ -198,11 +198,11 @@ class Checks(PassGuard):
         per-sample gradients (``batch_grads``: ``id(p) -> (p, [N, *p.shape])``; every entry of
         a parameter with at most ``_SPANS * _WIDTH``). The parameters whose probed per-sample
         gradients share a shape, dtype and device are stacked (at most ``_STACK_ELEMENTS``
-        entries a stack): one sum a stack (each parameter's sums as its own ``sum(0)``, bit
-        for bit). The sums of all stacks of one dtype and device are then laid side by side,
-        flat, each parameter its own segment with its own bound: one comparison for them all,
-        all read at once (``tolerance.segment_mismatches``)."""
-        stacks: Dict[tuple, list] = defaultdict(list)  # the per-sample gradients' shape,
+        entries a stack): one sum and one comparison a stack instead of one a parameter, all
+        comparisons read at once (``tolerance.stacked_mismatches``). A parameter costs no
+        Python call beyond its ``numel`` (and a large one's probes); a pass whose sums are all
+        right, none beyond that at the end."""
+        groups: Dict[tuple, list] = defaultdict(list)  # the per-sample gradients' shape,
         # dtype, device, the grad's dtype -> [(p, probed per-sample gradients, probed grad)]
         for key, (p, grad) in self.param_grads.items():
             if key not in batch_grads:
@@ -210,50 +210,36 @@ class Checks(PassGuard):
             batch = batch_grads[key][1]
             if grad.is_sparse:
                 grad = dense_gradient(grad)
-            size = grad.numel()
-            if not size:
-                continue  # nothing to compare
-            if size > _SPANS * _WIDTH:  # a large parameter: spread runs of entries
+            if grad.numel() > _SPANS * _WIDTH:  # a large parameter: spread runs of entries
                 batch = probe_columns(batch.reshape(batch.shape[0], -1), _SPANS, _WIDTH)
                 grad = probe_columns(grad.reshape(1, -1), _SPANS, _WIDTH)[0]
-            stacks[batch.shape, batch.dtype, batch.device, grad.dtype].append((p, batch, grad))
-        flats: Dict[tuple, list] = defaultdict(list)  # dtype, device, the grad's dtype ->
-        # [(sums, grads, lengths, entries)] of each stack, flat
-        for (_, *kind), group in stacks.items():
-            size, per_stack = group[0][2].numel(), max(1, _STACK_ELEMENTS // group[0][1].numel())
+            groups[batch.shape, batch.dtype, batch.device, grad.dtype].append((p, batch, grad))
+        stacks, members = [], []  # (sums, grads, floors) of each stack; its entries
+        for group in groups.values():
+            # (the floor: the roundoff of grad's own dtype, which the comparison casts away)
+            floor = roundoff(group[0][2])
+            per_stack = max(1, _STACK_ELEMENTS // group[0][1].numel())
             for start in range(0, len(group), per_stack):
                 part = group[start : start + per_stack]
-                m = len(part)
-                if m == 1:
-                    sums, grads = part[0][1].sum(0), part[0][2]
+                if len(part) == 1:
+                    sums = part[0][1].sum(0, keepdim=True)
                 else:
                     sums = torch.stack([batch for _, batch, _ in part]).sum(1)
-                    grads = torch.stack([grad for _, _, grad in part])
-                flats[tuple(kind)].append((sums.reshape(-1), grads.reshape(-1), [size] * m, part))
-        compared, members = [], []  # (sums, grads, lengths, floors) of each flat; its entries
-        for group in flats.values():
-            if len(group) == 1:
-                sums, grads, lengths, part = group[0]
-            else:
-                sums, grads = torch.cat([f[0] for f in group]), torch.cat([f[1] for f in group])
-                lengths = [n for f in group for n in f[2]]
-                part = [entry for f in group for entry in f[3]]
-            # (the floor: the roundoff of grad's own dtype, which the comparison casts away)
-            floor = roundoff(grads)
-            floors = [floor] * len(lengths)
-            if self.compute_eps:  # autocast calls: their roundoff, where it is larger
-                floors = [max(floor, self.compute_eps.get(id(p), 0.0)) for p, *_ in part]
-            compared.append((sums, grads.to(sums.dtype), lengths, floors))
-            members.append(part)
-        found = segment_mismatches(compared, 64)
-        if True not in found:  # every sum right (the common case: no segment cut out)
+                grads = torch.stack([grad for _, _, grad in part])  # as the sums: one op
+                grads = grads.reshape(sums.shape).to(sums.dtype)
+                floors = [floor] * len(part)
+                if self.compute_eps:  # autocast calls: their roundoff, where it is larger
+                    floors = [max(floor, self.compute_eps.get(id(p), 0.0)) for p, *_ in part]
+                stacks.append((sums, grads, floors))
+                members.append(part)
+        found = stacked_mismatches(stacks, 64)
+        if True not in found:  # every sum right (the common case)
             return
         found = iter(found)
-        for (sums, _, lengths, _), part in zip(compared, members):
-            for (p, batch, grad), segment in zip(part, sums.split_with_sizes(lengths)):
+        for (sums, _, _), part in zip(stacks, members):
+            for i, (p, batch, grad) in enumerate(part):
                 if next(found):
-                    magnitude = batch.abs().sum(0).reshape(-1)
-                    self.suspects.append((p, segment, grad.reshape(-1), magnitude))
+                    self.suspects.append((p, sums[i], grad, batch.abs().sum(0)))
 
     def check_suspects(self) -> None:
         """Sums that missed the cheap bound, against the rounding bound (rounding inside each

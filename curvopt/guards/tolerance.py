@@ -115,37 +115,37 @@ def _stack_extremes(a: torch.Tensor, b: torch.Tensor) -> list:
     return [(a.reshape(m, -1) - b).abs_().amax(1), b.amin(1), b.amax(1)]
 
 
-def segment_mismatches(flats, factor: float) -> list:
-    """``mismatch(a_i, b_i, factor, floors[i])`` of every segment ``i`` of every
-    ``(a, b, lengths, floors)`` in ``flats``, in order: ``a`` and ``b`` ``[K]`` of one dtype and
-    device (``b`` the references), cut into segments of ``lengths`` (each at least 1; they
-    add up to ``K``), ``floors`` their roundoff floors. The extremes of all segments of a flat
-    are one operator (``max |a_i - b_i|`` and ``max |b_i|``, exact, NaN kept: ``_foreach_norm``
-    with ``ord=inf``), all flats on one device read in one sync; a segment is decided in
-    Python without a call where its sum is right (``gap <= bound * top``, finite), by
-    ``_beyond`` otherwise."""
-    read: dict = {}  # device -> [(max |a_i - b_i| of every segment, then max |b_i|)]
-    for a, b, lengths, _ in flats:
-        gaps, tops = (a - b).split_with_sizes(lengths), b.split_with_sizes(lengths)
-        ends = torch._foreach_norm([*gaps, *tops], math.inf)
-        read.setdefault(a.device, []).append(torch.stack(ends))
-    values = {
-        device: (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
-        for device, parts in read.items()
-    }
+def stacked_mismatches(stacks, factor: float) -> list:
+    """``mismatch(a[i], b[i], factor, floors[i])`` of every pair of every ``(a, b, floors)`` in
+    ``stacks``, in order: ``a`` and ``b`` ``[m, ...]`` of one shape, dtype and device each
+    (``b`` the references), ``floors`` ``m`` roundoff floors; each stack five operators, all
+    stacks on one device read in one sync (what :func:`mismatches` does for pairs it can
+    stack, with the stacks made by the caller); a pair whose sum is right is decided without a
+    Python call."""
+    read: dict = {}  # device -> [parts]
+    for a, b, _ in stacks:
+        if a[0].numel():
+            read.setdefault(a.device, []).extend(_stack_extremes(a, b))
+    values = {device: torch.cat(parts).tolist() for device, parts in read.items()}
     found: list = []
     at = dict.fromkeys(values, 0)
-    for a, b, lengths, floors in flats:
-        m, seen, start = len(lengths), values[a.device], at[a.device]
-        at[a.device], first = start + 2 * m, len(found)
+    for a, b, floors in stacks:
+        m, first = a.shape[0], len(found)
         found += [False] * m
+        if not a[0].numel():
+            continue
+        seen, start = values[a.device], at[a.device]
+        at[a.device] = start + 3 * m
         dtypes = roundoff(a, b)
         for i, floor in enumerate(floors):
-            gap, top = seen[start + i], seen[start + m + i]
-            bound = factor * (dtypes if dtypes >= floor else floor)  # factor * max(...)
-            if not gap <= bound * top < math.inf:  # (a NaN gap compares False)
-                segment = slice(sum(lengths[:i]), sum(lengths[: i + 1]))
-                found[first + i] = _beyond(a[segment], b[segment], gap, top, bound)
+            gap, low, high = seen[start + i], seen[start + m + i], seen[start + 2 * m + i]
+            # (``max(x, y)`` written out as ``y if y > x else x``, what it returns, no call)
+            bound = factor * (floor if floor > dtypes else dtypes)
+            top = high if high > -low else -low
+            # (``_beyond``'s first test, without indexing the stacks and without a call: a sum
+            # that is right; a NaN gap compares False, an infinite one fails ``< inf``)
+            if not gap <= bound * top < math.inf:
+                found[first + i] = _beyond(a[i], b[i], gap, top, bound)
     return found
 
 
