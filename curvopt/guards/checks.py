@@ -223,10 +223,12 @@ class Checks(PassGuard):
                 part = group[start : start + per_stack]
                 if len(part) == 1:
                     sums = part[0][1].sum(0, keepdim=True)
+                    grads = part[0][2].reshape(sums.shape)
                 else:
                     sums = torch.stack([batch for _, batch, _ in part]).sum(1)
-                grads = torch.stack([grad for _, _, grad in part])  # as the sums: one op
-                grads = grads.reshape(sums.shape).to(sums.dtype)
+                    grads = torch.stack([grad for _, _, grad in part])  # as the sums: one op
+                if grads.dtype != sums.dtype:
+                    grads = grads.to(sums.dtype)
                 floors = [floor] * len(part)
                 if self.compute_eps:  # autocast calls: their roundoff, where it is larger
                     floors = [max(floor, self.compute_eps.get(id(p), 0.0)) for p, *_ in part]
