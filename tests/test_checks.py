@@ -13,6 +13,8 @@ import torch
 
 import curvopt
 from curvopt import extensions as ext
+from curvopt.core.reductions import probe_columns
+from curvopt.guards import checks as checks_module
 from curvopt.guards.checks import Checks
 from curvopt.guards.tolerance import mismatch, mismatches, roundoff, stacked_mismatches
 from curvopt.errors import UnsupportedModuleError
@@ -261,3 +263,50 @@ def test_a_nan_per_sample_gradient_of_a_finite_gradient_raises(extension, monkey
             loss.backward()
     assert torch.isfinite(model[0].weight.grad).all()
     assert not hasattr(model[0].weight, getattr(ext, extension).attr)
+
+
+@pytest.mark.parametrize("stack_entries", [None, 8 * 24])
+def test_spot_check_finds_the_parameters_the_reference_finds(stack_entries, monkeypatch):
+    """``Checks.check_materialised`` on parameters of many shapes (a large one read in spread
+    runs), per-sample gradients in three dtypes against gradients in their own or another
+    dtype, some computed under autocast (a roundoff floor), each sum just inside or just
+    outside the cheap bound at one entry it reads: the parameters it notes as suspects are
+    those whose read entries the textbook formula (``reference``) finds wrong, with the
+    entries it read, each summed as that parameter's own ``sum(0)`` bit for bit; with stacks
+    as large as they come or of at most 24 entries (``stack_entries``)."""
+    if stack_entries is not None:
+        monkeypatch.setattr(checks_module, "_STACK_ELEMENTS", stack_entries)
+    gen = torch.Generator().manual_seed(4)
+    shapes = [(3,), (4, 5), (2, 3, 2), (), (20, 300), (7,), (5, 4)]
+    dtypes = [(torch.float64, torch.float64), (torch.float32, torch.float32)]
+    dtypes += [(torch.float32, torch.float64), (torch.float16, torch.float32)]
+    checks, batch_grads, expected = Checks(), {}, set()
+    for k in range(40):
+        shape, (dtype, grad_dtype) = shapes[k % len(shapes)], dtypes[k % len(dtypes)]
+        p = torch.nn.Parameter(torch.zeros(shape, dtype=grad_dtype))
+        batch = torch.randn(8, *shape, generator=gen).to(dtype) * 10.0 ** (k % 5 - 2)
+        sums = batch.sum(0)
+        eps = max(torch.finfo(dtype).eps, torch.finfo(grad_dtype).eps)
+        floor = torch.finfo(torch.float16).eps if k % 7 == 3 else 0.0
+        grad = sums.to(grad_dtype, copy=True)
+        read = probe_columns(grad.reshape(1, -1), 16, 256)[0].reshape(-1)
+        grad.reshape(-1)[-1 if read.numel() == grad.numel() else 0] += (
+            64 * max(eps, floor) * float(read.abs().max()) * (0.5 + (k % 3) / 2)
+        )
+        checks.param_grads[id(p)] = (p, grad)
+        batch_grads[id(p)] = (p, batch)
+        if floor:
+            checks.compute_eps[id(p)] = floor
+        read_sums = probe_columns(sums.reshape(1, -1), 16, 256)[0].reshape(-1)
+        read = probe_columns(grad.reshape(1, -1), 16, 256)[0].reshape(-1)
+        if reference(read_sums, read.to(read_sums.dtype), 64.0, max(floor, eps)):
+            expected.add(id(p))
+    assert 5 < len(expected) < 35
+    checks.check_materialised(batch_grads)
+    assert {id(p) for p, *_ in checks.suspects} == expected
+    for p, total, grad, magnitude in checks.suspects:  # the entries read, as read
+        batch = probe_columns(batch_grads[id(p)][1].reshape(8, -1), 16, 256).reshape(8, -1)
+        assert torch.equal(total.reshape(-1), batch.sum(0))
+        assert torch.equal(magnitude.reshape(-1), batch.abs().sum(0))
+        read = probe_columns(checks.param_grads[id(p)][1].reshape(1, -1), 16, 256)[0]
+        assert torch.equal(grad.reshape(-1), read.reshape(-1))

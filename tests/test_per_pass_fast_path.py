@@ -13,7 +13,7 @@ from torch import nn
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.guards import participation
+from curvopt.guards import checks, participation
 from curvopt.core.layouts import RowLayout
 from curvopt.engine import rows
 from curvopt.errors import UnsupportedModuleError
@@ -203,6 +203,49 @@ def test_a_replayed_pass_spot_checks_a_large_parameter(monkeypatch):
     with pytest.raises(UnsupportedModuleError, match="0.weight"):
         _pass(model, lossfunc, x, y, ext.BatchGrad)
     assert not hasattr(model[0].weight, ext.BatchGrad.attr)
+    monkeypatch.setattr(LinearRule, "batch_grad", right)
+    again = _pass(model, lossfunc, x, y, ext.BatchGrad)
+    assert all(torch.equal(first[name], again[name]) for name in first)
+
+
+_SPOT_TARGETS = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias", "6.bias"]
+
+
+@pytest.mark.parametrize("stack_entries", [None, 8 * 10])
+@pytest.mark.parametrize("target", _SPOT_TARGETS)
+def test_the_spot_check_of_all_parameters_at_once_finds_each_wrong_one(
+    target, stack_entries, monkeypatch
+):
+    """The spot check stacks the parameters of one shape (two 10 x 10 weights, three biases
+    of 10) and reads all stacks' comparisons at once (``stack_entries``: stacks of at most 80
+    entries, a parameter or a few biases each): one entry of one parameter off by 0.1% of its
+    largest per-sample gradient, on a pass of a structure cached and checked, raises and
+    names that parameter, whichever it is and wherever it sits in its stack (a 600 x 10
+    weight: in the spread runs it reads); the clean passes before and after pass and write
+    the same numbers."""
+    if stack_entries is not None:
+        monkeypatch.setattr(checks, "_STACK_ELEMENTS", stack_entries)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(600, 10), nn.ReLU(), nn.Linear(10, 10), nn.Tanh())
+    model = curvopt.extend(model.extend([nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 5)]).to(DT))
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    x, y = torch.randn(8, 600, dtype=DT), torch.randint(5, (8,))
+    first = _pass(model, lossfunc, x, y, ext.BatchGrad)
+    _pass(model, lossfunc, x, y, ext.BatchGrad)
+    right = LinearRule.batch_grad
+    index, name_in_module = target.split(".")
+
+    def wrong(self, call, name, out=None):
+        g = right(self, call, name, out)
+        if call.module is model[int(index)] and name == name_in_module:
+            g[(0,) * g.dim()] += 1e-3 * g.abs().max()
+        return g
+
+    monkeypatch.setattr(LinearRule, "batch_grad", wrong)
+    _forget(model, ext.BatchGrad.attr)
+    with pytest.raises(UnsupportedModuleError, match=f"'{target}'"):
+        _pass(model, lossfunc, x, y, ext.BatchGrad)
+    assert not any(hasattr(p, ext.BatchGrad.attr) for p in model.parameters())
     monkeypatch.setattr(LinearRule, "batch_grad", right)
     again = _pass(model, lossfunc, x, y, ext.BatchGrad)
     assert all(torch.equal(first[name], again[name]) for name in first)

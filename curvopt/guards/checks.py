@@ -19,6 +19,7 @@ for the sums that miss it, the rounding bound ``8 eps (sum_n |g_n| + |grad|) + 1
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -198,38 +199,47 @@ class Checks(PassGuard):
         a parameter with at most ``_SPANS * _WIDTH``). The parameters whose probed per-sample
         gradients share a shape, dtype and device are stacked (at most ``_STACK_ELEMENTS``
         entries a stack): one sum and one comparison a stack instead of one a parameter, all
-        comparisons read at once (``tolerance.stacked_mismatches``)."""
-        groups: Dict[tuple, list] = {}  # the per-sample gradients' shape, dtype, device, the
-        # grad's dtype -> [(p, probed per-sample gradients, probed grad, roundoff floor)]
+        comparisons read at once (``tolerance.stacked_mismatches``). A parameter costs no
+        Python call beyond its ``numel`` (and a large one's probes); a pass whose sums are all
+        right, none beyond that at the end."""
+        groups: Dict[tuple, list] = defaultdict(list)  # the per-sample gradients' shape,
+        # dtype, device, the grad's dtype -> [(p, probed per-sample gradients, probed grad)]
         for key, (p, grad) in self.param_grads.items():
-            found = batch_grads.get(key)
-            if found is None:
+            if key not in batch_grads:
                 continue
-            batch, grad = found[1], dense_gradient(grad)
+            batch = batch_grads[key][1]
+            if grad.is_sparse:
+                grad = dense_gradient(grad)
             if grad.numel() > _SPANS * _WIDTH:  # a large parameter: spread runs of entries
                 batch = probe_columns(batch.reshape(batch.shape[0], -1), _SPANS, _WIDTH)
                 grad = probe_columns(grad.reshape(1, -1), _SPANS, _WIDTH)[0]
-            # (the floor: the roundoff of grad's own dtype, which the comparison casts away)
-            floor = roundoff(grad, floor=self.compute_eps.get(key, 0.0))
-            kind = (batch.shape, batch.dtype, batch.device, grad.dtype)
-            groups.setdefault(kind, []).append((p, batch, grad, floor))
+            groups[batch.shape, batch.dtype, batch.device, grad.dtype].append((p, batch, grad))
         stacks, members = [], []  # (sums, grads, floors) of each stack; its entries
         for group in groups.values():
+            # (the floor: the roundoff of grad's own dtype, which the comparison casts away)
+            floor = roundoff(group[0][2])
             per_stack = max(1, _STACK_ELEMENTS // group[0][1].numel())
             for start in range(0, len(group), per_stack):
                 part = group[start : start + per_stack]
-                batches = [batch for _, batch, _, _ in part]
                 if len(part) == 1:
-                    sums = batches[0].sum(0, keepdim=True)
+                    sums = part[0][1].sum(0, keepdim=True)
+                    grads = part[0][2].reshape(sums.shape)
                 else:
-                    sums = torch.stack(batches).sum(1)
-                grads = torch.stack([grad for _, _, grad, _ in part])  # as the sums: one op
-                grads = grads.reshape(sums.shape).to(sums.dtype)
-                stacks.append((sums, grads, [floor for *_, floor in part]))
+                    sums = torch.stack([batch for _, batch, _ in part]).sum(1)
+                    grads = torch.stack([grad for _, _, grad in part])  # as the sums: one op
+                if grads.dtype != sums.dtype:
+                    grads = grads.to(sums.dtype)
+                floors = [floor] * len(part)
+                if self.compute_eps:  # autocast calls: their roundoff, where it is larger
+                    floors = [max(floor, self.compute_eps.get(id(p), 0.0)) for p, *_ in part]
+                stacks.append((sums, grads, floors))
                 members.append(part)
-        found = iter(stacked_mismatches(stacks, 64))
+        found = stacked_mismatches(stacks, 64)
+        if True not in found:  # every sum right (the common case)
+            return
+        found = iter(found)
         for (sums, _, _), part in zip(stacks, members):
-            for i, (p, batch, grad, _) in enumerate(part):
+            for i, (p, batch, grad) in enumerate(part):
                 if next(found):
                     self.suspects.append((p, sums[i], grad, batch.abs().sum(0)))
 

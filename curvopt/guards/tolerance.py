@@ -120,7 +120,8 @@ def stacked_mismatches(stacks, factor: float) -> list:
     ``stacks``, in order: ``a`` and ``b`` ``[m, ...]`` of one shape, dtype and device each
     (``b`` the references), ``floors`` ``m`` roundoff floors; each stack five operators, all
     stacks on one device read in one sync (what :func:`mismatches` does for pairs it can
-    stack, with the stacks made by the caller)."""
+    stack, with the stacks made by the caller); a pair whose sum is right is decided without a
+    Python call."""
     read: dict = {}  # device -> [parts]
     for a, b, _ in stacks:
         if a[0].numel():
@@ -129,19 +130,22 @@ def stacked_mismatches(stacks, factor: float) -> list:
     found: list = []
     at = dict.fromkeys(values, 0)
     for a, b, floors in stacks:
-        m = a.shape[0]
+        m, first = a.shape[0], len(found)
+        found += [False] * m
         if not a[0].numel():
-            found += [False] * m
             continue
         seen, start = values[a.device], at[a.device]
         at[a.device] = start + 3 * m
         dtypes = roundoff(a, b)
-        for i in range(m):
+        for i, floor in enumerate(floors):
             gap, low, high = seen[start + i], seen[start + m + i], seen[start + 2 * m + i]
-            bound, top = factor * max(dtypes, floors[i]), max(-low, high)
-            # (``_beyond``'s first test, without indexing the stacks: a sum that is right)
-            right = math.isfinite(gap) and gap <= bound * top
-            found.append(not right and _beyond(a[i], b[i], gap, top, bound))
+            # (``max(x, y)`` written out as ``y if y > x else x``, what it returns, no call)
+            bound = factor * (floor if floor > dtypes else dtypes)
+            top = high if high > -low else -low
+            # (``_beyond``'s first test, without indexing the stacks and without a call: a sum
+            # that is right; a NaN gap compares False, an infinite one fails ``< inf``)
+            if not gap <= bound * top < math.inf:
+                found[first + i] = _beyond(a[i], b[i], gap, top, bound)
     return found
 
 
