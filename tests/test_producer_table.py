@@ -88,7 +88,9 @@ def test_every_declared_quantity_is_computed_by_some_part():
         (ext.DiagGGNMC(), True),
         (ext.KFAC(), True),
         (ext.EKFAC(), True),
-        (ext.DiagGGNExact(), False),  # exact columns: no sampled targets
+        (ext.DiagGGNExact(), True),  # exact columns of one loss row each
+        (ext.KFLR(), True),
+        (ext.KFACEmpirical(), False),  # the empirical column: no loss-Hessian root
         (ext.BatchDiagGGNMC(), False),  # per sample: not defined where samples mix
         (ext.KFRA(), False),
         (ext.DiagHessian(), False),
