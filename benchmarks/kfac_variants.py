@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.commands import set_threads
+from experiments.commands import portable_argument, set_threads
 from experiments.config import RunConfig
 from experiments.data import load_dataset, make_splits
 from experiments.problems import get_problem
@@ -241,7 +241,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     table = _table(result, others)
     command = "OMP_NUM_THREADS=1 python -m benchmarks.kfac_variants " + " ".join(
-        argv if argv is not None else sys.argv[1:]
+        map(portable_argument, argv if argv is not None else sys.argv[1:])
     )
     if args.merge:
         _merge(out, result, table, command)

@@ -109,10 +109,12 @@ def relative(path: str | Path) -> str:
 
 def command_line(argv: list[str]) -> str:
     """``python -m experiments ARGV...`` with absolute paths made :func:`relative`."""
-    return shlex.join(["python", "-m", "experiments", *map(_arg, argv)])
+    return shlex.join(["python", "-m", "experiments", *map(portable_argument, argv)])
 
 
-def _arg(text: str) -> str:
+def portable_argument(text: str) -> str:
+    """One command-line argument as a result file may record it: an absolute path, alone or
+    as ``--key=PATH``, made :func:`relative`; anything else as given."""
     key, eq, value = text.partition("=") if text.startswith("-") else ("", "", text)
     return key + eq + relative(value) if os.path.isabs(value) else text
 

@@ -68,8 +68,12 @@ def test_committed_results_record_no_absolute_path():
 _MACHINE_PATH = re.compile(r"(?:^|[\s\"'=(\[:,])/(?:work|home|tmp|Users|root|opt|usr|var|mnt)/")
 
 
+#: the folders of committed results: the experiments' and the benchmarks'
+RESULTS = (REPO / "experiments" / "results", REPO / "benchmarks" / "results")
+
+
 def test_committed_result_files_and_logs_hold_no_machine_path():
-    files = [p for p in sorted((REPO / "experiments" / "results").rglob("*")) if p.is_file()]
+    files = [p for root in RESULTS for p in sorted(root.rglob("*")) if p.is_file()]
     assert any(p.suffix == ".log" for p in files)
     offending = []
     for path in files:
@@ -88,3 +92,11 @@ def test_the_machine_path_pattern_finds_what_it_must():
     assert _MACHINE_PATH.search('File "/tmp/wvit/curvopt/optim/kfac.py", line 3')
     assert not _MACHINE_PATH.search("written: experiments/results/ttr/summary.json")
     assert not _MACHINE_PATH.search("<site-packages>/torch/_inductor/lowering.py ratio 1/2")
+
+
+def test_a_benchmark_records_its_arguments_portably(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    arguments = ["--data-root", str(tmp_path / "data"), "--out=/elsewhere/x", "--seeds", "3"]
+    assert list(map(commands.portable_argument, arguments)) == [
+        "--data-root", "data", "--out=.../x", "--seeds", "3"
+    ]
