@@ -69,8 +69,11 @@ browser:  ## Debian's chromium for the headless-browser test (apt-get, as root)
 ttr-quick: $(EXTRAS)  ## smoke run of the benchmark: a few steps per setting, 1 seed, into /tmp
 	OMP_NUM_THREADS=1 nice $(PY) -m experiments ttr --quick $(TTR_ARGS)
 
+# The tests run in TEST_WORKERS processes (pytest-xdist), one torch thread each, a test file
+# per process at a time (its module fixtures built once).
+TEST_WORKERS ?= 2
 test: $(EXTRAS)  ## the unit tests (with the extras, so that no comparison is skipped)
-	OMP_NUM_THREADS=2 $(PY) -m pytest tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)  ## overhead benchmarks (pytest-benchmark) and the ratio table
 	$(PY) -m pytest benchmarks --benchmark-only
