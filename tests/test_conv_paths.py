@@ -36,3 +36,22 @@ def test_grouped_kernel_gives_the_unfolded_monte_carlo_diagonal(case, monkeypatc
     for a, b in zip(unfolded, grouped):
         torch.testing.assert_close(a, b)
     assert float(unfolded[0].abs().sum()) > 0
+
+
+@pytest.mark.parametrize("per_column_left", [True, False])
+@pytest.mark.parametrize("groups", [1, 3])
+def test_column_products_by_columns_and_arranged_agree_with_einsum(groups, per_column_left):
+    """``_column_outer``'s two layouts (one ``bmm`` per column, or one on the per-column operand
+    arranged sample-major) against the per-group products written out by ``einsum``."""
+    k, n, a, b, length = 4, 5, 2, 3, 7
+    torch.manual_seed(0)
+    left = torch.randn((k if per_column_left else 1) * n, groups * a, length, dtype=DT)
+    right = torch.randn((1 if per_column_left else k) * n, groups * b, length, dtype=DT)
+    lg = left.reshape(-1, n, groups, a, length).expand(k, n, groups, a, length)
+    rg = right.reshape(-1, n, groups, b, length).expand(k, n, groups, b, length)
+    expected = torch.einsum("kngal,kngbl->nkgab", lg, rg).reshape(n, k, groups * a, b)
+    conv = curvopt.layers.conv
+    for outer in (conv._column_outer_by_columns, conv._column_outer_arranged):
+        found = outer(left, right, k, n, groups, per_column_left)
+        torch.testing.assert_close(found, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(conv._column_outer(left, right, k, n, groups), expected)

@@ -48,7 +48,24 @@ def _grouped_outer(left, right, groups, out):
 def _column_outer(left, right, k: int, n: int, groups: int) -> torch.Tensor:
     """Per group ``left right^T`` where one operand is per column (batch ``K N``, k-major) and
     the other per sample (batch ``N``): ``[N, K, G*a, b]`` from ``[., G*a, L]``, ``[., G*b, L]``.
+
+    Two layouts compute the same dot products over ``L`` (the same bits where the ``bmm``
+    kernel's sums do not depend on the number of rows, as measured on this project's hosts): one
+    ``bmm`` on the per-column operand rearranged sample-major (a copy of ``K N G c L`` entries,
+    ``c`` its rows per group), or one ``bmm`` per column written into the result's column
+    (a copy of the products, ``N K G a b`` entries). The second moves less where the per-sample
+    operand has fewer rows per group than ``L`` (a first convolution: ``C_in k`` of 75 against
+    784 positions), and there it was measured 2-3x faster at batch 64 (one thread).
     """
+    per_column_left = right.shape[0] == n
+    samples = right if per_column_left else left
+    by_columns = samples.shape[1] // groups < samples.shape[-1]
+    outer = _column_outer_by_columns if by_columns else _column_outer_arranged
+    return outer(left, right, k, n, groups, per_column_left)
+
+
+def _column_outer_arranged(left, right, k, n, groups, per_column_left) -> torch.Tensor:
+    """:func:`_column_outer` by one ``bmm`` on the per-column operand arranged sample-major."""
 
     def arrange(t):  # -> [N * G, K_t * c, L]
         t = t.reshape(-1, n, groups, t.shape[1] // groups, t.shape[-1]).permute(1, 2, 0, 3, 4)
@@ -56,11 +73,31 @@ def _column_outer(left, right, k: int, n: int, groups: int) -> torch.Tensor:
 
     lt, rt = arrange(left), arrange(right)
     a, b = left.shape[1] // groups, right.shape[1] // groups
-    if right.shape[0] == n:
+    if per_column_left:
         out = torch.bmm(lt, rt.transpose(1, 2)).view(n, groups, k, a, b)
     else:
         out = torch.bmm(rt, lt.transpose(1, 2)).view(n, groups, k, b, a).transpose(-1, -2)
     return out.permute(0, 2, 1, 3, 4).reshape(n, k, groups * a, b)
+
+
+def _column_outer_by_columns(left, right, k, n, groups, per_column_left) -> torch.Tensor:
+    """:func:`_column_outer` by one ``bmm`` per column (the operands in the order, and so the
+    products, of its rearranged ``bmm``)."""
+    a, b = left.shape[1] // groups, right.shape[1] // groups
+    length = left.shape[-1]
+    out = left.new_empty(n, k, groups * a, b)
+
+    def per_group(t):  # [N, G * c, L] -> [N * G, c, L]
+        return t.reshape(n * groups, t.shape[1] // groups, length)
+
+    for column in range(k):
+        at = slice(column * n, (column + 1) * n)
+        if per_column_left:
+            product = torch.bmm(per_group(left[at]), per_group(right).transpose(1, 2))
+        else:
+            product = torch.bmm(per_group(right[at]), per_group(left).transpose(1, 2)).mT
+        out[:, column] = product.reshape(n, groups * a, b)
+    return out
 
 
 #: per-group input channels from which one grouped convolution backward (samples as groups)
