@@ -217,6 +217,40 @@ def test_fisher_mc_is_fixed_by_seed_and_unbiased_for_ggn():
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_mse_fisher_is_the_empirical_fisher_expected_under_the_loss_gaussian(reduction):
+    """``MSELoss`` on ``K = 3`` outputs: the loss of one sample is the negative log-likelihood
+    of ``N(f, σ² I)`` up to a constant, ``ℓ_n = ‖f − y‖² / K`` (``σ² = K/2``) for ``"mean"`` and
+    ``‖f − y‖²`` (``σ² = 1/2``) for ``"sum"``. ``EmpiricalFisher`` at targets drawn from it
+    has the expectation ``G`` (exactly: the ``2K`` targets ``f ± σ √K e_k`` of equal weight
+    have the Gaussian's second moments, and ``EF`` is quadratic in ``f − y`` sample by
+    sample), and ``FisherMC``, which draws them, is unbiased for ``G``."""
+    gen = torch.Generator().manual_seed(0)
+    model = curvopt.extend(nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 3)).to(DT))
+    lossfunc = curvopt.extend(nn.MSELoss(reduction=reduction))
+    X = torch.randn(5, 2, generator=gen, dtype=DT)
+    data = [(X, torch.randn(5, 3, generator=gen, dtype=DT))]
+    ggn = dense_ggn(model, lossfunc, data)
+    with torch.no_grad():
+        f = model(X)
+    outputs = f.shape[1]
+    spread = (outputs / 2 if reduction == "mean" else 0.5) ** 0.5 * outputs**0.5
+    expected_ef = np.mean(
+        [
+            linalg.EmpiricalFisher(model, lossfunc, [(X, f + sign * spread * e)]).to_dense()
+            for e in torch.eye(outputs, dtype=DT)
+            for sign in (1, -1)
+        ],
+        axis=0,
+    )
+    assert_matrix(expected_ef, ggn)
+    ef = linalg.EmpiricalFisher(model, lossfunc, data).to_dense()
+    assert np.linalg.norm(ef - ggn.numpy()) > 0.1 * np.linalg.norm(ggn.numpy())  # a real check
+    many = linalg.FisherMC(model, lossfunc, data, mc_samples=20_000, seed=0).to_dense()
+    error = np.linalg.norm(many - ggn.numpy()) / np.linalg.norm(ggn.numpy())
+    assert error < 0.03, error
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_diagonals_match_dense_diagonals(reduction):
     model, lossfunc, data = problem("mlp", reduction)
     ggn, hess = dense_ggn(model, lossfunc, data), dense_hessian(model, lossfunc, data)
