@@ -184,3 +184,43 @@ def test_timm_batchnorm_act_is_batchnorm_then_its_activation():
     assert len(values[0]) == len(values[1]) == 14  # weights 3 each (diagonal, B, A), 1-D ones 2
     for a, b in zip(*values):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("loss", ["ce", "mse"])
+def test_kflr_of_the_first_samples_is_their_share_of_the_coupled_factors(loss, reduction):
+    """``KFLR(samples=K)`` before a BatchNorm in training mode: the factors of the layer's first
+    ``K`` rows, ``B_K = (N/K) Σ_{m<K} (∂f/∂z_m)ᵀ H (∂f/∂z_m)`` (every loss row's columns, ``f``
+    the whole batch's outputs, ``H`` the loss's Hessian with its ``1/N``) and
+    ``A_K = mean_{m<K} x_m x_mᵀ``; with ``K = N`` the whole batch's."""
+    torch.manual_seed(0)
+    first = torch.nn.Linear(3, 4).to(DT)
+    norm, head = torch.nn.BatchNorm1d(4).to(DT), torch.nn.Linear(4, 3).to(DT)
+    model = torch.nn.Sequential(first, norm, torch.nn.Tanh(), head).train()
+    lossfunc = (torch.nn.CrossEntropyLoss if loss == "ce" else torch.nn.MSELoss)(
+        reduction=reduction
+    )
+    n = 6
+    X = torch.randn(n, 3, dtype=DT)
+    y = torch.randint(0, 3, (n,)) if loss == "ce" else torch.randn(n, 3, dtype=DT)
+
+    def rest(z):  # the outputs as a function of the layer's output (batch statistics)
+        h = torch.nn.functional.batch_norm(z, None, None, norm.weight, norm.bias, True)
+        return head(torch.tanh(h))
+
+    z = first(X).detach()
+    jacobian = torch.func.jacrev(rest)(z)  # [N, C, N, out]
+    logits = rest(z).detach()
+    hessian = torch.func.hessian(lambda f: lossfunc(f, y))(logits)  # [N, C, N, C]
+    for k in (2, n):
+        rows = range(k)
+        output_side = sum(
+            torch.einsum("ica,icjd,jdb->ab", jacobian[:, :, m], hessian, jacobian[:, :, m])
+            for m in rows
+        ) * (n / k)
+        input_side = X[:k].T @ X[:k] / k
+        _collect(model, X, y, lossfunc, ext.KFLR(samples=k))
+        output_side = output_side.detach()
+        scale = float(output_side.abs().max())
+        _close(first.weight.kflr[0], output_side, scale, f"B of {k} samples")
+        _close(first.weight.kflr[1], input_side, float(input_side.abs().max()), f"A of {k}")

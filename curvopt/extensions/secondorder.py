@@ -283,7 +283,8 @@ class KFLR(_Curvature):
         samples: ``None`` (default: the whole batch) or ``K ≥ 1``: the factors of the first
             ``K`` samples of the batch alone, the output side ``B`` scaled to estimate the
             whole batch's (``N/K`` for ``reduction="sum"``, the sub-batch's own mean for
-            ``"mean"``).
+            ``"mean"``). Where a module mixes samples, the first ``K`` rows of the layer:
+            ``B_K = (N/K) Σ_{m<K} (∂f/∂z_m)ᵀ H (∂f/∂z_m)``, every loss row's columns.
 
     Raises:
         ValueError: ``kfac_approx`` is not ``"expand"``/``"reduce"``, or ``samples`` is not
