@@ -251,6 +251,32 @@ def test_mse_fisher_is_the_empirical_fisher_expected_under_the_loss_gaussian(red
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_bce_fisher_is_the_ggn_and_the_empirical_fisher_expected_is_its_kth(reduction):
+    """``BCEWithLogitsLoss`` on ``K = 3`` outputs: ``FisherMC`` is unbiased for ``G``;
+    ``EmpiricalFisher``'s expectation at targets drawn from Bernoulli(``σ(f)``) (exactly: the
+    ``2^K`` targets of each sample weighted by their probabilities) is ``G/K`` for ``"mean"``,
+    whose sample loss is ``1/K`` times the log-likelihood, and ``G`` for ``"sum"``."""
+    gen = torch.Generator().manual_seed(0)
+    model = curvopt.extend(nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 3)).to(DT))
+    lossfunc = curvopt.extend(nn.BCEWithLogitsLoss(reduction=reduction))
+    X = torch.randn(4, 2, generator=gen, dtype=DT)
+    data = [(X, torch.randint(0, 2, (4, 3), generator=gen).to(DT))]
+    ggn = dense_ggn(model, lossfunc, data).numpy()
+    with torch.no_grad():
+        p = torch.sigmoid(model(X))
+    targets = torch.cartesian_prod(*[torch.tensor([0.0, 1.0], dtype=DT)] * p.shape[1])
+    expected_ef = sum(
+        float(torch.where(t == 1, p[n], 1 - p[n]).prod())
+        * linalg.EmpiricalFisher(model, lossfunc, [(X[n : n + 1], t[None])]).to_dense()
+        for n in range(len(X))
+        for t in targets
+    ) / (len(X) if reduction == "mean" else 1)
+    assert_matrix(expected_ef, ggn / (p.shape[1] if reduction == "mean" else 1))
+    many = linalg.FisherMC(model, lossfunc, data, mc_samples=20_000, seed=0).to_dense()
+    assert np.linalg.norm(many - ggn) / np.linalg.norm(ggn) < 0.03
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_diagonals_match_dense_diagonals(reduction):
     model, lossfunc, data = problem("mlp", reduction)
     ggn, hess = dense_ggn(model, lossfunc, data), dense_hessian(model, lossfunc, data)
