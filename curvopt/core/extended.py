@@ -172,6 +172,12 @@ def is_extended(obj) -> bool:
     return entry.handle is not None if isinstance(entry, ParameterEntry) else bool(entry.hooks)
 
 
+def is_extended_parameter(p: torch.Tensor) -> bool:
+    """:func:`is_extended` of a tensor (a leaf of the graph), read without asking its type."""
+    entry = _PARAMETERS.get(p)
+    return entry is not None and entry.handle is not None
+
+
 def owns_children(module: nn.Module) -> bool:
     """Whether the rule ``extend`` found for ``module`` handles its children's parameters."""
     entry = _MODULES.get(module)

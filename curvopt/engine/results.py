@@ -218,10 +218,11 @@ class ResultBuffer:
         if self.skip_into is not None:
             self.skip_into.update(self.skipped.values())
         written = {key for key, _ in self.skipped}
+        sharded = self.sharded
         for (key, attr), (p, value) in self.pending.items():
             if untouched.get(key):
                 continue
-            target = self.target(p)
+            target = sharded.get(key, p)  # (:meth:`target`, the id at hand)
             value = accumulator.combine(target, attr, typed(quantity(attr), value), n)
             setattr(target, attr, value)
             written.update((key, id(target)))

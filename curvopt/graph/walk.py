@@ -36,7 +36,7 @@ from curvopt.graph.broadcast import find
 from curvopt.graph.checkpointing import Segment, Segments
 from curvopt.core.plans import Plan, plan_of
 from curvopt.graph.search import edges_of, search, upstream
-from curvopt.core.extended import is_extended
+from curvopt.core.extended import is_extended_parameter
 from curvopt.core.records import records_on, token
 from curvopt.autograd.torch_internals import (
     ACCUMULATE_GRAD,
@@ -123,7 +123,7 @@ class Walk:
             if kind == ACCUMULATE_GRAD:
                 leaf = node.variable
                 self.accumulators[id(leaf)] = node
-                if is_extended(leaf):
+                if is_extended_parameter(leaf):
                     self.extended_leaves.append(node)
                 elif isinstance(leaf, torch.nn.Parameter):
                     self.foreign.append(leaf)
