@@ -267,7 +267,8 @@ class BackwardPass:
             self._watch_upstream(record)
         if record.broadcast is not None:
             grads = (record.broadcast.grad,)  # per sample, read downstream of the broadcast
-        grads = tuple(record.batch_first(g) for g in grads)
+        if record.transposed:  # (else ``batch_first`` is the identity)
+            grads = tuple(record.batch_first(g) for g in grads)
         if len(grads) > 1 and grads[0] is None:  # the batch size is read from the first output
             zeros = torch.zeros(record.out_shapes[0], dtype=record.dtype, device=record.device)
             grads = (zeros, *grads[1:])
