@@ -104,8 +104,8 @@ class Walk:
         self._walk(start, recompute, within)
 
     def _walk(self, start, recompute, within) -> None:
-        # the key, flat: per node walked, its type, its number of edges, each edge as the
-        # discovery number of its node (-1 for none) and the output it takes, its calls
+        # the key, flat: per node walked, its type, its number of edges, its calls, each edge
+        # as the discovery number of its node (-1 for none) and the output it takes
         key, found = [], {start: 0}
         calls, edges = self.calls, self.edges
 
@@ -133,7 +133,14 @@ class Walk:
                 self.by_data = True
             elif kind in BROADCASTING_OPS:
                 self.broadcasting = True
-            key += (kind, len(nexts))
+            entries = records_on(node)
+            if entries:
+                described = tuple((token(r.module), i, r.out_shapes) for r, i, _ in entries)
+                key += (kind, len(nexts), described)
+                for record, index, output_nr in entries:
+                    calls[record].append((index, GradientEdge(node, output_nr)))
+            else:
+                key += (kind, len(nexts), ())
             on = []
             for fn, nr in nexts:
                 if fn is None:
@@ -141,13 +148,6 @@ class Walk:
                 else:
                     on.append(fn)
                     key += (found.setdefault(fn, len(found)), nr)
-            entries = records_on(node)
-            if entries:
-                key.append(tuple((token(r.module), i, r.out_shapes) for r, i, _ in entries))
-                for record, index, output_nr in entries:
-                    calls[record].append((index, GradientEdge(node, output_nr)))
-            else:
-                key.append(())
             return on
 
         search([start], expand)
@@ -171,7 +171,7 @@ class Walk:
             recompute.append(segment)
         if segment is None:
             self.reentrant = True
-            key.extend((kind, 0, ()))
+            key += (kind, 0, ())
             return []
         self.segmented = True
         self.edges[node] = edges_of(node)
@@ -180,13 +180,12 @@ class Walk:
             for t in segment.outputs
             if isinstance(t, torch.Tensor) and t.grad_fn is not None
         ]
-        key.extend((kind, len(nexts)))
+        key += (kind, len(nexts), ())
         if nexts:
             self.checkpoints.append(node)
         self.reruns[node] = nexts
         for fn, nr in nexts:
-            key.extend((found.setdefault(fn, len(found)), nr))
-        key.append(())
+            key += (found.setdefault(fn, len(found)), nr)
         return [fn for fn, _ in nexts]
 
     def _described(self) -> Plan:
