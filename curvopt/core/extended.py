@@ -41,6 +41,7 @@ class ModuleEntry:
         "hooks",
         "watcher",
         "taps",
+        "notes_random",
     )
 
     def __init__(self):
@@ -52,6 +53,8 @@ class ModuleEntry:
         self.sequence_first = False  # declared: extend(model, sequence_first=True)
         self.live = 0  # its calls awaiting their gradients (``records.Record``)
         self.hooks: List = []  # handles of its forward (pre-)hooks: it is extended when any
+        #: a pre-hook notes the generator state each forward draws from (``records``)
+        self.notes_random = False
         self.watcher = None  # handle of the hook reading the loss a model returns
         #: consumers of its calls beside the backward passes (``optim.gradient_factors``): the
         #: forward hook hands each new ``Record`` to ``tap.called(record)``, its gradient hook
