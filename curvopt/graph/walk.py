@@ -251,9 +251,9 @@ class Walk:
     def users(self) -> Dict[object, list]:
         """``users[node]``: the nodes of the walk that take an output of ``node``."""
         if self._users is None:
-            users = defaultdict(list)
+            users, reruns = defaultdict(list), self.reruns
             for node, nexts in self.edges.items():
-                for fn, _ in self.reruns.get(node, nexts):
+                for fn, _ in reruns.get(node, nexts) if reruns else nexts:
                     if fn is not None:
                         users[fn].append(node)
             self._users = users

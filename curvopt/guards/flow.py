@@ -112,10 +112,13 @@ class FlowCheck(PassGuard):
         users = walk.users
         # a re-run reentrant checkpoint takes its re-run outputs (no input index): its node is
         # checked like a call's output, named by its segment (``checkpointing``)
-        self.modules.update((c, walk.segment_of(c)) for c in walk.checkpoints)
-        for record, edges in walk.calls.items():
-            self.modules.update((edge.node, record.module) for _, edge in edges)
-        starts = [*self.modules, *(n for n in walk.extended_leaves if n in users)]
+        modules = self.modules
+        for node in walk.checkpoints:
+            modules[node] = walk.segment_of(node)
+        for record, edges in walk.calls.items():  # (loops: a generator costs a call per step)
+            for _, edge in edges:
+                modules[edge.node] = record.module
+        starts = [*modules, *[n for n in walk.extended_leaves if n in users]]
         region = search(starts, lambda node: users.get(node, ()))  # downstream of what is read
         check = [n for n in region if n not in self.watched]
         self.watched.update(check)
