@@ -19,6 +19,7 @@ from torch import nn
 import curvopt
 from curvopt import extensions as ext
 from curvopt.errors import UnsupportedModuleError
+from curvopt.core.plans import plan_cache
 
 N = 6
 CE = nn.CrossEntropyLoss()
@@ -227,3 +228,39 @@ def test_term_at_a_node_checked_after_it_or_before_it(python):
         with curvopt.collect(ext.DiagGGNExact()):
             (lossfunc(out, y) + 0.3 * (model.a.weight**2).sum()).backward()
     assert model.a.weight.grad is None
+
+
+def test_region_kept_per_structure_follows_the_extended_parameters():
+    """The nodes the check watches are kept per graph structure and set of extended parameters
+    (``Plan.regions``): a weight frozen at ``extend`` and unfrozen after is not extended (no
+    hook) and its node is not watched; extended again, on a graph of the same structure, its
+    node is, and a term on it raises. The passes around have the reference's numbers."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(DT)
+    model = copy.deepcopy(plain)
+    model[0].weight.requires_grad_(False)
+    curvopt.extend(model)
+    model[0].weight.requires_grad_(True)
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    x, y = torch.randn(N, 4, dtype=DT), torch.randint(0, 3, (N,))
+    want = _reference(plain, x, y)
+    earlier = set(plan_cache())  # (the structures of the tests before)
+
+    def run(lam):
+        clear_attributes(model, ALL_ATTRS)
+        out = model(x)
+        loss = lossfunc(out, y) + lam * (model[0].weight ** 2).sum()
+        with curvopt.collect(ext.DiagGGNExact()):
+            loss.backward()
+        for name, p in model.named_parameters():
+            assert_close(p.diag_ggn_exact.flatten(), want[name], name)
+
+    run(0.0)
+    run(0.0)  # (the structure's region, kept)
+    curvopt.extend(model)  # now the weight's hook is there: extended, its node watched
+    with pytest.raises(UnsupportedModuleError, match="'0.weight' receives gradient from outside"):
+        run(0.3)
+    assert_no_attributes(model)
+    run(0.0)
+    plans = [p for key, p in plan_cache().items() if key not in earlier and p.regions]
+    assert len(plans) == 1 and len(plans[0].regions) == 2  # one structure, two regions

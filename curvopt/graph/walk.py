@@ -66,7 +66,7 @@ class Walk:
     parameters it reaches that no extended module owns; ``accumulators``: the
     ``AccumulateGrad`` node of every leaf it reaches, by ``id``; ``extended_leaves``: those of
     the extended parameters (the flow check's); ``reentrant``: a checkpoint it could not walk
-    through;
+    through; ``numbers``: each node's discovery number (the key's name for it), in that order;
     ``key``: the structure's key (None: indexes by data); ``plan``: the structure's plan.
 
     A reentrant checkpoint is walked through where curvopt re-ran its segment, and re-run on
@@ -151,6 +151,7 @@ class Walk:
             return on
 
         search([start], expand)
+        self.numbers = found
         if self.checkpoints:
             self.segments.adopt(self.edges)
         broadcasts = self._broadcasts() if self.broadcasting else ()

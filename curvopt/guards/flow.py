@@ -24,6 +24,7 @@ from collections import defaultdict
 from typing import Callable, Dict, Tuple
 
 from curvopt.graph.search import search
+from curvopt.core.plans import add_region
 from curvopt.engine.results import name_of
 from curvopt.core.reductions import dense_gradient
 from curvopt.guards.tolerance import mismatch
@@ -109,17 +110,27 @@ class FlowCheck(PassGuard):
         call's output or an extended parameter, and the loss's own nodes between its output
         and its input."""
         self.reached.update(walk.calls)
-        users = walk.users
         # a re-run reentrant checkpoint takes its re-run outputs (no input index): its node is
         # checked like a call's output, named by its segment (``checkpointing``)
         modules = self.modules
         for node in walk.checkpoints:
             modules[node] = walk.segment_of(node)
+        read = [*walk.checkpoints]  # this walk's nodes whose output is read
         for record, edges in walk.calls.items():  # (loops: a generator costs a call per step)
             for _, edge in edges:
                 modules[edge.node] = record.module
-        starts = [*modules, *[n for n in walk.extended_leaves if n in users]]
-        region = search(starts, lambda node: users.get(node, ()))  # downstream of what is read
+                read.append(edge.node)
+        numbers = walk.numbers
+        leaves = tuple([numbers[n] for n in walk.extended_leaves])
+        known = None if walk.plan is None else walk.plan.region(leaves)
+        if known is None:  # downstream of what is read
+            users = walk.users
+            starts = [*read, *[n for n in walk.extended_leaves if n in users]]
+            region = list(search(starts, lambda node: users.get(node, ())))
+            add_region(walk, leaves, tuple([numbers[n] for n in region]))
+        else:  # the structure's, for these extended leaves: bound to this pass's nodes
+            nodes = list(numbers)
+            region = [nodes[i] for i in known]
         check = [n for n in region if n not in self.watched]
         self.watched.update(check)
         inside = walk.between(loss_node)
