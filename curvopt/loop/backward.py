@@ -288,13 +288,14 @@ class BackwardPass:
         if reason is not None:
             raise module_error(module, reason)
         grad_out = grads[0] if len(grads) == 1 else grads
-        call = record.call(grad_out)
         if not self.first:
             if self.checks.sums:  # (those read at their sites: verified by the probes)
+                call = record.call(grad_out)
                 for name, p in params:
                     if name not in (record.sites or ()):
                         self.reducer.add_total(p, rule, call, name)
             return
+        call = record.call(grad_out)
         self.batch_size = one_batch_size(call, self.batch_size)
         materialise = self.reducer.keeps_per_sample or self._reused(module, params)
         at_sites, readers = self.sites.claim(rule, call, params, materialise)
