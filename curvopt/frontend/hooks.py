@@ -71,7 +71,10 @@ def _module_forward_hook(entry: ModuleEntry, module, args, kwargs, output):
     random = take_random_state(module) if entry.notes_random else None  # (else none noted)
     if SUSPENDED.get() or not torch.is_grad_enabled() or module_entry(module) is not entry:
         return
-    if not any(p.requires_grad for _, p in owned(module, entry.owns_children)):
+    for _, p in owned(module, entry.owns_children):  # (a loop: a generator costs a call a step)
+        if p.requires_grad:
+            break
+    else:
         return
     outputs = [t for t in output_tensors(output) if t.requires_grad]
     if not outputs:
