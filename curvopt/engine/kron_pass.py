@@ -105,7 +105,7 @@ class FactorStream:
                             if self.coupled:
                                 d = column_grads().square().sum(0)
                             else:
-                                d = diag_from_columns(rule, sub, cols, name, False, k)
+                                d = diag_from_columns(rule, sub, cols, name, p, False, k)
                             yield Term(p, ext.fallback.attr, d)
                         continue
                     index = rule.output_factor_index(name)
