@@ -65,9 +65,8 @@ def owned(module: nn.Module, whole: Optional[bool] = None) -> List[Tuple[str, nn
     return _direct(module)
 
 
-def trainable(module: nn.Module, whole: Optional[bool] = None) -> List[Tuple[str, nn.Parameter]]:
-    """Those of :func:`owned`'s pairs whose parameter requires grad."""
-    return [(name, p) for name, p in owned(module, whole) if p.requires_grad]
+def trainable(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
+    return [(name, p) for name, p in owned(module) if p.requires_grad]
 
 
 def note_extended(module: nn.Module, model: nn.Module) -> None:
