@@ -19,6 +19,7 @@ from torch import nn
 import curvopt
 from curvopt import extensions as ext
 from curvopt.errors import UnsupportedModuleError
+from curvopt.core.plans import plan_cache
 
 N = 6
 CE = nn.CrossEntropyLoss()
@@ -158,3 +159,108 @@ def test_target_that_depends_on_the_model_raises():
         with curvopt.collect(ext.DiagGGNExact()):
             mse(a[:, :2], b).backward()
     assert_no_attributes(model)
+
+
+class _Double(torch.autograd.Function):
+    """``2 u`` as a custom ``autograd.Function``: its node's backward is Python."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(u):
+        return 2 * u
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
+class _Doubled(nn.Module):
+    """``b(double(tanh(a(x))))``, the doubling a custom ``autograd.Function`` or the op."""
+
+    def __init__(self, python):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+        self.python = python
+        self.doubled = None
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        self.doubled = _Double.apply(h) if self.python else 2 * h
+        return self.b(self.doubled)
+
+
+@pytest.mark.parametrize("python", [False, True], ids=["op", "function"])
+def test_term_at_a_node_checked_after_it_or_before_it(python):
+    """The check of what a node received runs in its one hook after it (an op's node) or before
+    it (a custom ``autograd.Function``'s, whose backward is Python; a parameter's
+    ``AccumulateGrad``, which passes nothing on): a term entering there passes at weight 0 with
+    the reference's numbers and raises, naming the node, at weight 0.3; a term on a parameter
+    raises before its ``p.grad`` is touched."""
+    torch.manual_seed(0)
+    plain = _Doubled(python).to(DT)
+    model = curvopt.extend(copy.deepcopy(plain))
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    x, y = torch.randn(N, 4, dtype=DT), torch.randint(0, 3, (N,))
+    want = _reference(plain, x, y)
+    node = "DoubleBackward" if python else "MulBackward0"
+    for lam in (0.0, 0.0, 0.3, 0.0):
+        clear_attributes(model, ALL_ATTRS)
+        out = model(x)
+        loss = lossfunc(out, y) + lam * (model.doubled**2).sum()
+        if lam == 0.0:
+            with curvopt.collect(ext.DiagGGNExact()):
+                loss.backward()
+            for name, p in model.named_parameters():
+                assert_close(p.diag_ggn_exact.flatten(), want[name], name)
+            continue
+        with pytest.raises(UnsupportedModuleError, match=f"intermediate result .*{node}"):
+            with curvopt.collect(ext.DiagGGNExact()):
+                loss.backward()
+        assert_no_attributes(model)
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    with pytest.raises(UnsupportedModuleError, match="'a.weight' receives gradient from outside"):
+        with curvopt.collect(ext.DiagGGNExact()):
+            (lossfunc(out, y) + 0.3 * (model.a.weight**2).sum()).backward()
+    assert model.a.weight.grad is None
+
+
+def test_region_kept_per_structure_follows_the_extended_parameters():
+    """The nodes the check watches are kept per graph structure and set of extended parameters
+    (``Plan.regions``): a weight frozen at ``extend`` and unfrozen after is not extended (no
+    hook) and its node is not watched; extended again, on a graph of the same structure, its
+    node is, and a term on it raises. The passes around have the reference's numbers."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(DT)
+    model = copy.deepcopy(plain)
+    model[0].weight.requires_grad_(False)
+    curvopt.extend(model)
+    model[0].weight.requires_grad_(True)
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    x, y = torch.randn(N, 4, dtype=DT), torch.randint(0, 3, (N,))
+    want = _reference(plain, x, y)
+    earlier = set(plan_cache())  # (the structures of the tests before)
+
+    def run(lam):
+        clear_attributes(model, ALL_ATTRS)
+        out = model(x)
+        loss = lossfunc(out, y) + lam * (model[0].weight ** 2).sum()
+        with curvopt.collect(ext.DiagGGNExact()):
+            loss.backward()
+        for name, p in model.named_parameters():
+            assert_close(p.diag_ggn_exact.flatten(), want[name], name)
+
+    run(0.0)
+    run(0.0)  # (the structure's region, kept)
+    curvopt.extend(model)  # now the weight's hook is there: extended, its node watched
+    with pytest.raises(UnsupportedModuleError, match="'0.weight' receives gradient from outside"):
+        run(0.3)
+    assert_no_attributes(model)
+    run(0.0)
+    plans = [p for key, p in plan_cache().items() if key not in earlier and p.regions]
+    assert len(plans) == 1 and len(plans[0].regions) == 2  # one structure, two regions

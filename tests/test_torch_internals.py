@@ -140,6 +140,8 @@ def test_python_node_names():
     x = _x(3)
     out = checkpoint(torch.sin, x, use_reentrant=True)
     assert type(out.grad_fn).__name__ == ti.REENTRANT_CHECKPOINT
+    assert isinstance(out.grad_fn, ti.PYTHON_FUNCTION_NODE)  # a Python backward
+    assert not isinstance(torch.sin(x).grad_fn, ti.PYTHON_FUNCTION_NODE)  # a C++ op's
     compiled = torch.compile(torch.sin, backend="aot_eager")
     assert type(compiled(_x(3)).grad_fn).__name__ in ti.COMPILED
 

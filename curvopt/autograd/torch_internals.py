@@ -199,6 +199,9 @@ DATA_INDEXING = {
 #: node runs (recomputed inside it), and it refuses ``torch.autograd.grad``; curvopt re-runs
 #: the segment itself for curvature (``rerun_checkpoint``, ``curvopt.graph.checkpointing``)
 REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
+#: the backward nodes of custom ``torch.autograd.Function``\ s (a reentrant checkpoint's among
+#: them): their backward is Python, which may run anything, a nested backward pass included
+PYTHON_FUNCTION_NODE = torch.autograd.function.BackwardCFunction
 #: backward nodes of graphs compiled by ``torch.compile``, whose ops columns cannot pass
 COMPILED = {"CompiledFunctionBackward", "CompiledFunction"}
 

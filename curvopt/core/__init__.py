@@ -14,7 +14,8 @@
 * ``layouts``: ``RowLayout``, which loss rows belong to which sample, and the slots that pack
   rows of distinct samples into one column (verified by ``engine.rows``, kept in a plan);
 * ``plans``: the frozen ``Plan`` of each graph structure (what holds for every graph of it:
-  calls, row layouts, checked sums, compression cuts), cached across passes;
+  calls, row layouts, checked sums, compression cuts, the flow check's regions), cached across
+  passes;
 * ``reductions``: Gram products carrying their roots, ``GramFactor``, chunked sums;
 * ``values``: the typed values ``collect`` writes, the seam to the optimizers
   (``KroneckerFactors`` with its ``uses``, ``EigenCorrected``, ``read``, ``unscaled``);

@@ -41,6 +41,7 @@ class ModuleEntry:
         "hooks",
         "watcher",
         "taps",
+        "notes_random",
     )
 
     def __init__(self):
@@ -52,6 +53,8 @@ class ModuleEntry:
         self.sequence_first = False  # declared: extend(model, sequence_first=True)
         self.live = 0  # its calls awaiting their gradients (``records.Record``)
         self.hooks: List = []  # handles of its forward (pre-)hooks: it is extended when any
+        #: a pre-hook notes the generator state each forward draws from (``records``)
+        self.notes_random = False
         self.watcher = None  # handle of the hook reading the loss a model returns
         #: consumers of its calls beside the backward passes (``optim.gradient_factors``): the
         #: forward hook hands each new ``Record`` to ``tap.called(record)``, its gradient hook
@@ -125,9 +128,9 @@ def entry_of(obj):
     return _table(obj).get(obj)
 
 
-def module_entry(module: nn.Module) -> Optional[ModuleEntry]:
-    """The entry of ``module`` (a module or loss), or None: :func:`entry_of` for the hooks."""
-    return _MODULES.get(module)
+#: ``module_entry(module)``: the entry of ``module`` (a module or loss), or None:
+#: :func:`entry_of` for the hooks (the table's own lookup: a Python call fewer at each read)
+module_entry = _MODULES.get
 
 
 def entry_for(obj):
@@ -172,6 +175,12 @@ def is_extended(obj) -> bool:
     return entry.handle is not None if isinstance(entry, ParameterEntry) else bool(entry.hooks)
 
 
+def is_extended_parameter(p: torch.Tensor) -> bool:
+    """:func:`is_extended` of a tensor (a leaf of the graph), read without asking its type."""
+    entry = _PARAMETERS.get(p)
+    return entry is not None and entry.handle is not None
+
+
 def owns_children(module: nn.Module) -> bool:
     """Whether the rule ``extend`` found for ``module`` handles its children's parameters."""
     entry = _MODULES.get(module)
@@ -181,8 +190,12 @@ def owns_children(module: nn.Module) -> bool:
 def models_of(module: nn.Module) -> List[nn.Module]:
     """The modules ``extend`` was called on that hold ``module`` (its models), alive."""
     entry = _MODULES.get(module)
-    found = [] if entry is None else [ref() for ref in entry.models]
-    return [model for model in found if model is not None]
+    found = []
+    for ref in () if entry is None else entry.models:
+        model = ref()
+        if model is not None:
+            found.append(model)
+    return found
 
 
 def live_calls(module: nn.Module) -> int:

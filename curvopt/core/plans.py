@@ -4,7 +4,8 @@ A fresh forward makes fresh autograd nodes, so what holds for the graph's *struc
 apart from any graph: :class:`Plan`, frozen, holds the structure facts (the calls in order,
 which of them are broadcast, the verified row layouts with the calls found transposed, whether
 the per-sample sums were checked, the site readings that matched, whether the loss's exact
-columns are compressed at a language model's head), one per structure, keyed by the walk's
+columns are compressed at a language model's head, the nodes the flow check watches for each
+set of extended parameters), one per structure, keyed by the walk's
 canonical form (``graph.walk.Walk.key``), the most recent 256 kept. The cache is the
 context's (:data:`PLANS`, a context variable: a thread's, or an asyncio task's where it made
 one), not the process's: a pass reads and extends the plans of the context its loss hook runs
@@ -41,7 +42,10 @@ class Plan:
     gradients read at its site matched its module's rule, ``sites``), ``cuts`` (``((loss input
     shape, exact columns per row, diagonals asked), found)``: whether ``compress.find_cut`` found
     a head to compress the exact columns at, ``curvature.choose``; a cut found is bound and checked
-    again on every pass, none found is not looked for again)."""
+    again on every pass, none found is not looked for again), ``regions`` (``(extended leaves,
+    region)``: the nodes the flow check watches, ``guards.flow``, as the walk's discovery
+    numbers, for the numbers of the extended parameters' ``AccumulateGrad`` nodes, which the
+    key does not fix)."""
 
     key: Hashable
     calls: Tuple = ()
@@ -50,11 +54,17 @@ class Plan:
     sums_checked: bool = False
     sites: Tuple = ()
     cuts: Tuple = ()
+    regions: Tuple = ()
 
     def site(self, key) -> Optional[bool]:
         """Whether the raw parameter ``key`` (``(module token, parameter name)``) read at its
         site matched its module's rule on this structure; ``None`` where not checked yet."""
         return dict(self.sites).get(key)
+
+    def region(self, leaves) -> Optional[Tuple[int, ...]]:
+        """The flow check's region where the extended parameters' ``AccumulateGrad`` nodes are
+        the walk's nodes ``leaves`` (discovery numbers); ``None`` where not found yet."""
+        return dict(self.regions).get(leaves)
 
 
 def plan_cache() -> "OrderedDict[Hashable, Plan]":
@@ -103,6 +113,16 @@ def add_cut(walk, key, found: bool) -> None:
         return
     plan = plan_cache().get(walk.plan.key, walk.plan)
     walk.plan = dataclasses.replace(plan, cuts=(*plan.cuts, (key, found)))
+    _store(walk.plan)
+
+
+def add_region(walk, leaves, region) -> None:
+    """Keep in ``walk``'s plan the flow check's ``region`` for the extended leaves ``leaves``
+    (both as discovery numbers, :meth:`Plan.region`)."""
+    if walk.plan is None:
+        return
+    plan = plan_cache().get(walk.plan.key, walk.plan)
+    walk.plan = dataclasses.replace(plan, regions=(*plan.regions, (leaves, region)))
     _store(walk.plan)
 
 

@@ -317,8 +317,10 @@ class LossRecord:
 def _parameter_precision(module: nn.Module, compute: torch.dtype):
     """``(compute, accumulate)`` when ``module`` computed in a dtype other than its parameters'
     (``compute``, its output's dtype: autocast), else ``None``."""
-    p = next((q for q in module._parameters.values() if q is not None), None)
-    if p is None:  # parameters of children only (a rule owning them)
+    for p in module._parameters.values():  # (a loop: a generator costs a call per step)
+        if p is not None:
+            break
+    else:  # parameters of children only (a rule owning them)
         p = next(module.parameters(), None)
     if p is None or p.dtype == compute or not p.is_floating_point():
         return None

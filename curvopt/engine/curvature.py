@@ -85,7 +85,7 @@ from curvopt.core.plans import add_cut
 from curvopt.errors import BATCH_STATISTICS, UnsupportedLossError, module_error
 from curvopt.engine.producers import TABLE, coupled_estimate
 from curvopt.engine.loss_context import LossContext
-from curvopt.layers import mixes, rule_for
+from curvopt.layers import rule_for
 from curvopt.losses import loss_rule_for
 from curvopt.graph.propagate import loss_gradient, to_calls
 from curvopt.engine.kron_pass import FactorStream
@@ -141,18 +141,24 @@ class CurvaturePass:
         module, output, target = self.loss.module, self.loss.output, self.loss.target
         self.rule = loss_rule_for(module)
         self.rule.check(module, output.detach(), target)
-        mixed = [record for record in walk.calls if mixes(record.module)]
-        mixer = mixed[0] if mixed else None
+        rules, mixer = [], None  # (module, rule, mixes samples), each rule looked up once
+        for record in walk.calls:
+            module = record.module
+            rule = rule_for(module)
+            mixing = rule.mixes_samples(module)
+            if mixing and mixer is None:
+                mixer = module
+            rules.append((module, rule, mixing))
         self.coupled = mixer is not None  # the Monte-Carlo columns propagate through the batch
         if self.coupled and per_sample:
-            raise module_error(mixer.module, _coupled(mixer.module))
+            raise module_error(mixer, _coupled(mixer))
         for ext in self.exts if self.coupled else ():
             if not coupled_estimate(ext):
-                raise module_error(mixer.module, _coupled(mixer.module))
-        for record in walk.calls:
-            reason = None if record in mixed else rule_for(record.module).check(record.module)
+                raise module_error(mixer, _coupled(mixer))
+        for module, rule, mixing in rules:
+            reason = None if mixing else rule.check(module)
             if reason is not None:
-                raise module_error(record.module, reason)
+                raise module_error(module, reason)
 
     def run(self, walk) -> None:
         """All curvature of this loss, given ``walk`` (``walk.Walk`` of its input, its
@@ -314,11 +320,11 @@ class LossColumns:
         """Columns per chunk so that all propagated columns fit in ``budget`` elements
         (``_COLUMN_BUDGET`` by default; with ``extra`` elements per column besides the loss
         input and the calls' outputs)."""
-        per_column = (
-            extra
-            + self.loss.output.numel()
-            + sum(record.out_numel[index] for record, edges in calls.items() for index, _ in edges)
-        )
+        per_column = extra + self.loss.output.numel()
+        for record, edges in calls.items():  # (a loop: a generator costs a call per step)
+            numel = record.out_numel
+            for index, _ in edges:
+                per_column += numel[index]
         return max(1, (budget or _COLUMN_BUDGET) // per_column)
 
 

@@ -25,8 +25,9 @@ _GRAD_BUDGET = 1 << 22
 _VECTORISED = 1 << 16
 
 
-def diag_from_columns(rule, call: Call, columns, name: str, batched: bool, n: int):
-    """``sum_k (J_n^T v_nk)**2`` summed over n (``batched=False``) or per n, ``[N, *p]``.
+def diag_from_columns(rule, call: Call, columns, name: str, p, batched: bool, n: int):
+    """``sum_k (J_n^T v_nk)**2`` summed over n (``batched=False``) or per n, ``[N, *p]``, for
+    the parameter ``p`` its module calls ``name``.
 
     Uses the rule's factorised ``column_diag`` where it has one; otherwise materialises
     ``[k, n, *p.shape]`` in chunks of columns and samples that stay within a budget.
@@ -35,7 +36,7 @@ def diag_from_columns(rule, call: Call, columns, name: str, batched: bool, n: in
     if fast is not None:
         return fast
     k = first_column(columns).shape[0]
-    numel = dict(owned(call.module))[name].numel()
+    numel = p.numel()
     samples = max(1, min(n, _GRAD_BUDGET // max(1, numel)))
     step = max(1, _GRAD_BUDGET // max(1, samples * numel))
     per_sample = []
@@ -115,7 +116,7 @@ def diagonals(calls, outs, exts, sign: float = 1.0, coupled: bool = False):
             batched = ext.quantity.per_sample
             if len(entries) == 1:
                 _, name, call, columns, n = entries[0]
-                d = diag_from_columns(rule_for(call.module), call, columns, name, batched, n)
+                d = diag_from_columns(rule_for(call.module), call, columns, name, p, batched, n)
             else:
                 grads = sum(
                     rule_for(call.module).column_grads(call, columns, name)

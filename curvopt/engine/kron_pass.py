@@ -30,7 +30,7 @@ from curvopt.engine.results import Factors, Term
 from curvopt.errors import UnsupportedKroneckerError
 from curvopt.engine.producers import TABLE
 from curvopt.layers import rule_for
-from curvopt.layers.kron import grouped_gram, kron_factors, output_factor_index
+from curvopt.layers.kron import grouped_gram, kron_factors
 from curvopt.losses import loss_rule_for
 
 
@@ -75,6 +75,7 @@ class FactorStream:
             call, columns, n = record.column_call(outs[record])
             if call is None:
                 continue
+            rule = rule_for(call.module)
             for name, p in record.computed():
                 # ``coupled``: the batch gradients of the columns, made once where wanted
                 # (every use is in a coupled pass)
@@ -94,21 +95,20 @@ class FactorStream:
                     sub, cols, k = self._sub_batch(call, columns, n, ext)
                     try:
                         if self.coupled and p.dim() == 1:  # the whole batch's block, unbiased
-                            groups = rule_for(call.module).kron_groups(call.module, name)
+                            groups = rule.kron_groups(call.module, name)
                             factors = [grouped_gram(column_grads(), groups)]
                         else:
                             factors = kron_factors(sub, cols, name, p, approx, k)
                     except UnsupportedKroneckerError as error:
                         self.results.skip(p, ext.attr, error, record)
                         if self.skip_diagonal:  # of the same (sub-)batch
-                            rule = rule_for(call.module)
                             if self.coupled:
                                 d = column_grads().square().sum(0)
                             else:
-                                d = diag_from_columns(rule, sub, cols, name, False, k)
+                                d = diag_from_columns(rule, sub, cols, name, p, False, k)
                             yield Term(p, ext.fallback.attr, d)
                         continue
-                    index = output_factor_index(call.module, name)
+                    index = rule.output_factor_index(name)
                     if first and len(factors) == 2:  # the input side: from ``finish``
                         inputs = sub.without_grad()  # not the columns
                         self._inputs.append((inputs, name, approx, k, factors, 1 - index))

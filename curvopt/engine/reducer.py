@@ -138,7 +138,8 @@ class FirstOrderReducer:
                     self.results.put(p, ext.attr, None)
         else:
             self._reduce(p, rule, call, name)
-            self._correct(p, lambda bases: rule.eigen_correction(call, name, bases))
+            if self.corrected:  # (EKFAC's)
+                self._correct(p, lambda bases: rule.eigen_correction(call, name, bases))
 
     def add_total(self, p, rule, call, name, total=None) -> Optional[torch.Tensor]:
         """This call's ``sum_n g_n`` for the checks, returned: ``total`` (from per-sample
@@ -225,7 +226,8 @@ class FirstOrderReducer:
                 sgs = sum_of_squares(batch) if self.want_sgs else None
                 total = batch.sum(0) if self.want_moments else None
                 self._store(p, {"l2": l2, "sgs": sgs, "total": total})
-            self._correct(p, lambda bases, batch=batch: eigen_moment_of(batch, bases))
+            if self.corrected:  # (EKFAC's)
+                self._correct(p, lambda bases, batch=batch: eigen_moment_of(batch, bases))
 
     def clear(self) -> None:
         """The pass ended: drop the per-sample gradients, gradients and probes it holds."""

@@ -61,6 +61,9 @@ def _combined(uses) -> KroneckerFactors:
     """The factors of the calls ``uses`` (``record -> (factors, out_index)``) together
     (``KroneckerFactors.of_uses``), each call named by its module's path, and ``#k`` for its
     ``k``-th call of the pass (``k > 1``)."""
+    if len(uses) == 1:  # (one call: its own factors, which ``of_uses`` names no call of)
+        ((factors, out_index),) = uses.values()
+        return KroneckerFactors(factors, out_index)
     named, seen = {}, {}
     for record in sorted(uses, key=lambda r: r.seq):  # forward order
         path = module_path(record.module)
@@ -218,10 +221,11 @@ class ResultBuffer:
         if self.skip_into is not None:
             self.skip_into.update(self.skipped.values())
         written = {key for key, _ in self.skipped}
+        sharded = self.sharded
         for (key, attr), (p, value) in self.pending.items():
             if untouched.get(key):
                 continue
-            target = self.target(p)
+            target = sharded.get(key, p)  # (:meth:`target`, the id at hand)
             value = accumulator.combine(target, attr, typed(quantity(attr), value), n)
             setattr(target, attr, value)
             written.update((key, id(target)))

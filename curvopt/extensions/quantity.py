@@ -46,6 +46,9 @@ class Kind(enum.Enum):
     FACTORS = "a list of Kronecker factors (values.KroneckerFactors)"
     EIGEN_CORRECTED = "[S, *bases]: eigenvalues in Kronecker eigenbases (values.EigenCorrected)"
 
+    #: the identity hash, as :class:`Producer`'s (a pass looks kinds up per parameter written)
+    __hash__ = object.__hash__
+
 
 class Combine(enum.Enum):
     """How the values of two backward passes (over ``N_1`` and ``N_2`` samples) combine.
@@ -76,6 +79,9 @@ class Combine(enum.Enum):
     SAME_BASIS = (
         "[S, *bases]: S added where both passes used the same (supplied) bases, else raises"
     )
+
+    #: the identity hash, as :class:`Producer`'s (a pass looks combine rules up per parameter)
+    __hash__ = object.__hash__
 
 
 class Producer(enum.Enum):

@@ -68,10 +68,13 @@ def _module_forward_hook(entry: ModuleEntry, module, args, kwargs, output):
     copied with the module onto a copy, whose entry is not this one, does nothing)."""
     if STATE.plain:
         return
-    random = take_random_state(module)
+    random = take_random_state(module) if entry.notes_random else None  # (else none noted)
     if SUSPENDED.get() or not torch.is_grad_enabled() or module_entry(module) is not entry:
         return
-    if not any(p.requires_grad for _, p in owned(module, entry.owns_children)):
+    for _, p in owned(module, entry.owns_children):  # (a loop: a generator costs a call a step)
+        if p.requires_grad:
+            break
+    else:
         return
     outputs = [t for t in output_tensors(output) if t.requires_grad]
     if not outputs:
@@ -164,6 +167,7 @@ def _hook(module: nn.Module, path: str, fn, before=None) -> None:
     _drop_copied(module)
     if before is not None:
         entry.hooks.append(module.register_forward_pre_hook(before, with_kwargs=True))
+        entry.notes_random = True
     entry.hooks.append(module.register_forward_hook(fn, with_kwargs=True))
 
 

@@ -36,7 +36,7 @@ from curvopt.graph.broadcast import find
 from curvopt.graph.checkpointing import Segment, Segments
 from curvopt.core.plans import Plan, plan_of
 from curvopt.graph.search import edges_of, search, upstream
-from curvopt.core.extended import is_extended
+from curvopt.core.extended import is_extended_parameter
 from curvopt.core.records import records_on, token
 from curvopt.autograd.torch_internals import (
     ACCUMULATE_GRAD,
@@ -66,7 +66,7 @@ class Walk:
     parameters it reaches that no extended module owns; ``accumulators``: the
     ``AccumulateGrad`` node of every leaf it reaches, by ``id``; ``extended_leaves``: those of
     the extended parameters (the flow check's); ``reentrant``: a checkpoint it could not walk
-    through;
+    through; ``numbers``: each node's discovery number (the key's name for it), in that order;
     ``key``: the structure's key (None: indexes by data); ``plan``: the structure's plan.
 
     A reentrant checkpoint is walked through where curvopt re-ran its segment, and re-run on
@@ -104,8 +104,8 @@ class Walk:
         self._walk(start, recompute, within)
 
     def _walk(self, start, recompute, within) -> None:
-        # the key, flat: per node walked, its type, its number of edges, each edge as the
-        # discovery number of its node (-1 for none) and the output it takes, its calls
+        # the key, flat: per node walked, its type, its number of edges, its calls, each edge
+        # as the discovery number of its node (-1 for none) and the output it takes
         key, found = [], {start: 0}
         calls, edges = self.calls, self.edges
 
@@ -123,7 +123,7 @@ class Walk:
             if kind == ACCUMULATE_GRAD:
                 leaf = node.variable
                 self.accumulators[id(leaf)] = node
-                if is_extended(leaf):
+                if is_extended_parameter(leaf):
                     self.extended_leaves.append(node)
                 elif isinstance(leaf, torch.nn.Parameter):
                     self.foreign.append(leaf)
@@ -133,7 +133,14 @@ class Walk:
                 self.by_data = True
             elif kind in BROADCASTING_OPS:
                 self.broadcasting = True
-            key += (kind, len(nexts))
+            entries = records_on(node)
+            if entries:
+                described = tuple((token(r.module), i, r.out_shapes) for r, i, _ in entries)
+                key += (kind, len(nexts), described)
+                for record, index, output_nr in entries:
+                    calls[record].append((index, GradientEdge(node, output_nr)))
+            else:
+                key += (kind, len(nexts), ())
             on = []
             for fn, nr in nexts:
                 if fn is None:
@@ -141,16 +148,10 @@ class Walk:
                 else:
                     on.append(fn)
                     key += (found.setdefault(fn, len(found)), nr)
-            entries = records_on(node)
-            if entries:
-                key.append(tuple((token(r.module), i, r.out_shapes) for r, i, _ in entries))
-                for record, index, output_nr in entries:
-                    calls[record].append((index, GradientEdge(node, output_nr)))
-            else:
-                key.append(())
             return on
 
         search([start], expand)
+        self.numbers = found
         if self.checkpoints:
             self.segments.adopt(self.edges)
         broadcasts = self._broadcasts() if self.broadcasting else ()
@@ -171,7 +172,7 @@ class Walk:
             recompute.append(segment)
         if segment is None:
             self.reentrant = True
-            key.extend((kind, 0, ()))
+            key += (kind, 0, ())
             return []
         self.segmented = True
         self.edges[node] = edges_of(node)
@@ -180,13 +181,12 @@ class Walk:
             for t in segment.outputs
             if isinstance(t, torch.Tensor) and t.grad_fn is not None
         ]
-        key.extend((kind, len(nexts)))
+        key += (kind, len(nexts), ())
         if nexts:
             self.checkpoints.append(node)
         self.reruns[node] = nexts
         for fn, nr in nexts:
-            key.extend((found.setdefault(fn, len(found)), nr))
-        key.append(())
+            key += (found.setdefault(fn, len(found)), nr)
         return [fn for fn, _ in nexts]
 
     def _described(self) -> Plan:
@@ -252,9 +252,9 @@ class Walk:
     def users(self) -> Dict[object, list]:
         """``users[node]``: the nodes of the walk that take an output of ``node``."""
         if self._users is None:
-            users = defaultdict(list)
+            users, reruns = defaultdict(list), self.reruns
             for node, nexts in self.edges.items():
-                for fn, _ in self.reruns.get(node, nexts):
+                for fn, _ in reruns.get(node, nexts) if reruns else nexts:
                     if fn is not None:
                         users[fn].append(node)
             self._users = users

@@ -79,7 +79,9 @@ class Checks(PassGuard):
 
     def module(self, event: ModuleEvent) -> None:
         self.note_precision(event.record, event.params)
-        self.seen.update(id(p) for _, p in event.params)
+        seen = self.seen
+        for _, p in event.params:
+            seen.add(id(p))
 
     def parameter(self, p, grad) -> None:
         self.parameter_grad(p, grad)

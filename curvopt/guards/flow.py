@@ -9,6 +9,13 @@ receives the very tensor it sent unless something else adds to it (an identity t
 arithmetic); anything else is compared by value (``tolerance.mismatch``), so that a term whose
 weight is 0 on this pass passes and the same term with weight 0.3 on the next raises. It runs
 on every pass, from hooks on the nodes, each acting only in its pass's autograd task.
+
+A node that passes gradient on gets one hook, run after it: it checks what the node received
+(the gradients the engine handed it, ``grad_outputs``, the ones it computed with) and records
+what it sent. A node that passes none on (a parameter's ``AccumulateGrad``) has nothing to
+record: it gets its check alone, run before it (``p.grad`` is not touched where the check
+fails). So does a custom ``autograd.Function``'s node (a reentrant checkpoint's): its backward
+is Python, which may run a nested backward pass, and the check comes before that.
 """
 
 from __future__ import annotations
@@ -17,10 +24,15 @@ from collections import defaultdict
 from typing import Callable, Dict, Tuple
 
 from curvopt.graph.search import search
+from curvopt.core.plans import add_region
 from curvopt.engine.results import name_of
 from curvopt.core.reductions import dense_gradient
 from curvopt.guards.tolerance import mismatch
-from curvopt.autograd.torch_internals import ACCUMULATE_GRAD, current_autograd_node
+from curvopt.autograd.torch_internals import (
+    ACCUMULATE_GRAD,
+    PYTHON_FUNCTION_NODE,
+    current_autograd_node,
+)
 from curvopt.autograd.torch_internals import current_graph_task_id
 from curvopt.errors import UnsupportedModuleError, module_error
 from curvopt.guards.observer import LossEvent, ModuleEvent, PassGuard
@@ -40,6 +52,7 @@ class FlowCheck(PassGuard):
         self.task = task
         self.reached: set = set()  # module calls upstream of the extended losses
         self.watched: set = set()  # autograd nodes whose incoming gradient is checked
+        self.checked_after: set = set()  # those of them checked by their hook run after them
         self.senders: dict = {}  # autograd node whose outgoing gradient is recorded -> its edges
         self.sent: Dict[Tuple[object, int], list] = defaultdict(list)  # (node, nr): gradients
         self.modules: dict = {}  # autograd node -> the module whose call's output it produced
@@ -50,22 +63,36 @@ class FlowCheck(PassGuard):
         """Hooks on the graph upstream of one extended loss (``walk``: of its input;
         ``loss_node``: its output's node), registered after the curvature's own backward ran
         through the graph; they act while ``active()`` (in this pass's autograd task, until
-        :meth:`release`) and call ``abort()`` before raising. Every node gets the same two
-        hooks, which find the node they run for as the engine's current node: no closure and
-        no handle per node (their garbage would be collected on every pass); after the pass
-        they stay on the graph, inert, until it is freed."""
+        :meth:`release`) and call ``abort()`` before raising. A node that passes gradient on
+        gets one hook after it (its check too, module docstring), any other checked node one
+        before it; the hooks are the same for every node and find the node they run for as
+        the engine's current node: no closure and no handle per node (their garbage would be
+        collected on every pass); after the pass they stay on the graph, inert, until it is
+        freed."""
         self.active, self.abort = active, abort
         check, send = self._region(walk, loss_node)
         on_sent, on_arrival = self._on_sent, self._on_arrival
+        senders = self.senders
         for node in send:
-            self.senders[node] = walk.next_of(node)
-            node.register_hook(on_sent)
+            nexts = walk.next_of(node)
+            if nexts:  # (nothing to record for a node that passes no gradient on)
+                senders[node] = nexts
+                node.register_hook(on_sent)
         for node in check:
-            node.register_prehook(on_arrival)
+            if node in senders and not isinstance(node, PYTHON_FUNCTION_NODE):
+                self.checked_after.add(node)
+            else:
+                node.register_prehook(on_arrival)
 
-    def _on_sent(self, grad_inputs, _grad_outputs) -> None:
+    def _on_sent(self, grad_inputs, grad_outputs) -> None:
         if current_graph_task_id() == self.task and self.active():
             node = current_autograd_node()
+            if node in self.checked_after:
+                try:
+                    self.check_flow(node, grad_outputs)
+                except BaseException:
+                    self.abort()
+                    raise
             self.record_sent(self.senders[node], grad_inputs)
 
     def _on_arrival(self, grad_outputs) -> None:
@@ -78,19 +105,32 @@ class FlowCheck(PassGuard):
             raise
 
     def _region(self, walk, loss_node):
-        """The nodes newly to check (``check_flow`` before they run) and newly to record
+        """The nodes newly to check (``check_flow``, :meth:`watch` says where) and newly to record
         (``record_sent`` after they ran): those of the graph that lie downstream of a module
         call's output or an extended parameter, and the loss's own nodes between its output
         and its input."""
         self.reached.update(walk.calls)
-        users = walk.users
         # a re-run reentrant checkpoint takes its re-run outputs (no input index): its node is
         # checked like a call's output, named by its segment (``checkpointing``)
-        self.modules.update((c, walk.segment_of(c)) for c in walk.checkpoints)
-        for record, edges in walk.calls.items():
-            self.modules.update((edge.node, record.module) for _, edge in edges)
-        starts = [*self.modules, *(n for n in walk.extended_leaves if n in users)]
-        region = search(starts, lambda node: users.get(node, ()))  # downstream of what is read
+        modules = self.modules
+        for node in walk.checkpoints:
+            modules[node] = walk.segment_of(node)
+        read = [*walk.checkpoints]  # this walk's nodes whose output is read
+        for record, edges in walk.calls.items():  # (loops: a generator costs a call per step)
+            for _, edge in edges:
+                modules[edge.node] = record.module
+                read.append(edge.node)
+        numbers = walk.numbers
+        leaves = tuple([numbers[n] for n in walk.extended_leaves])
+        known = None if walk.plan is None else walk.plan.region(leaves)
+        if known is None:  # downstream of what is read
+            users = walk.users
+            starts = [*read, *[n for n in walk.extended_leaves if n in users]]
+            region = list(search(starts, lambda node: users.get(node, ())))
+            add_region(walk, leaves, tuple([numbers[n] for n in region]))
+        else:  # the structure's, for these extended leaves: bound to this pass's nodes
+            nodes = list(numbers)
+            region = [nodes[i] for i in known]
         check = [n for n in region if n not in self.watched]
         self.watched.update(check)
         inside = walk.between(loss_node)
@@ -146,6 +186,7 @@ class FlowCheck(PassGuard):
         self.reached.clear()
         self.sent.clear()
         self.watched.clear()
+        self.checked_after.clear()
         self.senders.clear()
         self.modules.clear()
 

@@ -58,7 +58,7 @@ class Participation:
         if self.scope is not None and id(self.sharded.get(key, p)) not in self.scope:
             skip = True
         else:
-            accumulator = self._accumulator(p)
+            accumulator = self._accumulator(p, key)
             try:
                 skip = not will_engine_execute_node(accumulator) and self._reaches(accumulator)
             except RuntimeError:  # p is an input of torch.autograd.grad
@@ -66,11 +66,11 @@ class Participation:
         self.untouched[key] = skip
         return skip
 
-    def _accumulator(self, p):
-        """``p``'s ``AccumulateGrad`` node: as a walk of this pass met it, else made from ``p``
-        (``grad_accumulator``, a view of ``p``: the same node)."""
+    def _accumulator(self, p, key: int):
+        """``p``'s ``AccumulateGrad`` node (``key``: ``id(p)``): as a walk of this pass met it,
+        else made from ``p`` (``grad_accumulator``, a view of ``p``: the same node)."""
         for walk in self.walks:
-            node = walk.accumulators.get(id(p))
+            node = walk.accumulators.get(key)
             if node is not None:
                 return node
         return grad_accumulator(p)

@@ -201,7 +201,10 @@ def mixes(module: nn.Module) -> bool:
 def mixing(calls):
     """The first of ``calls`` (module calls: anything with a ``module``) whose module
     :func:`mixes` samples, or None."""
-    return next((call for call in calls if mixes(call.module)), None)
+    for call in calls:
+        if mixes(call.module):
+            return call
+    return None
 
 
 #: the methods of a rule that compute from a module call (first argument: the call, or the

@@ -39,7 +39,7 @@ from curvopt.engine.curvature import CurvaturePass
 from curvopt.guards.flow import FlowCheck
 from curvopt.core.extended import live_calls, models_of
 from curvopt.core.params import tied
-from curvopt.core.sharded import Gathered, sharded_index, tied_gathered
+from curvopt.core.sharded import Gathered, any_fully_sharded, sharded_index, tied_gathered
 from curvopt.guards.participation import Participation
 from curvopt.guards.pass_guards import autocast_off, check_reduction, missing_loss
 from curvopt.guards.pass_guards import one_batch_size
@@ -152,13 +152,8 @@ class BackwardPass:
                 "of modules that were not extended. Extend the model too: "
                 "model = curvopt.extend(model); see docs/support.md#modules-that-are-not-extended."
             )
-        # FSDP2: the pass computes with the gathered parameters
-        models = {id(m): m for r in upstream.calls for m in models_of(r.module)}.values()
-        self.gathered.hold(models)
-        sharded = sharded_index(models)
-        self.taking.sharded.update(sharded)
-        self.results.sharded.update(sharded)
-        self.tied_gathered |= tied_gathered(models)
+        if any_fully_sharded():  # (else no module is: ``core.sharded``)
+            self._gather(upstream.calls)
         if self.taking.skips_all(r.module for r in upstream.calls):
             self.phase = Phase.IGNORED
             return False
@@ -184,6 +179,15 @@ class BackwardPass:
             observe(event)
         self.checkpointed = self.checkpointed or bool(segments)
         return True
+
+    def _gather(self, calls) -> None:
+        """FSDP2: the pass computes with the gathered parameters of the models of ``calls``."""
+        models = {id(m): m for r in calls for m in models_of(r.module)}.values()
+        self.gathered.hold(models)
+        sharded = sharded_index(models)
+        self.taking.sharded.update(sharded)
+        self.results.sharded.update(sharded)
+        self.tied_gathered |= tied_gathered(models)
 
     def _active(self) -> bool:
         return self.phase not in (Phase.FAILED, Phase.IGNORED)
@@ -263,7 +267,8 @@ class BackwardPass:
             self._watch_upstream(record)
         if record.broadcast is not None:
             grads = (record.broadcast.grad,)  # per sample, read downstream of the broadcast
-        grads = tuple(record.batch_first(g) for g in grads)
+        if record.transposed:  # (else ``batch_first`` is the identity)
+            grads = tuple(record.batch_first(g) for g in grads)
         if len(grads) > 1 and grads[0] is None:  # the batch size is read from the first output
             zeros = torch.zeros(record.out_shapes[0], dtype=record.dtype, device=record.device)
             grads = (zeros, *grads[1:])
@@ -283,13 +288,14 @@ class BackwardPass:
         if reason is not None:
             raise module_error(module, reason)
         grad_out = grads[0] if len(grads) == 1 else grads
-        call = record.call(grad_out)
         if not self.first:
             if self.checks.sums:  # (those read at their sites: verified by the probes)
+                call = record.call(grad_out)
                 for name, p in params:
                     if name not in (record.sites or ()):
                         self.reducer.add_total(p, rule, call, name)
             return
+        call = record.call(grad_out)
         self.batch_size = one_batch_size(call, self.batch_size)
         materialise = self.reducer.keeps_per_sample or self._reused(module, params)
         at_sites, readers = self.sites.claim(rule, call, params, materialise)
@@ -371,7 +377,8 @@ class BackwardPass:
         self.reducer.finish()
         n = self.batch_size or 0
         sharded = self.results.sharded
-        sharded.update(sharded_index(self.taking.models.values()))
+        if any_fully_sharded():
+            sharded.update(sharded_index(self.taking.models.values()))
         written = self.results.write(self.accumulator, n, self.taking.untouched)
         written |= {key for key, target in sharded.items() if id(target) in written}
         self.accumulator.leave(self.taking.left_out(written), self.extensions, n)

@@ -68,7 +68,10 @@ def module_hook(record, several: bool = False):
 def _on_module(record, grads) -> None:
     if SUSPENDED.get():
         return
-    grads = tuple(record.shaped(i, g) for i, g in enumerate(grads))
+    if len(grads) == 1:  # (the usual case: no generator, which costs a call a step)
+        grads = (record.shaped(0, grads[0]),)
+    else:
+        grads = tuple(record.shaped(i, g) for i, g in enumerate(grads))
     for tap in record.extended.taps:
         tap.differentiated(record, grads)
     if record.args is None:
