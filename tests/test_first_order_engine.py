@@ -80,6 +80,7 @@ def _record_objects():
 @pytest.fixture
 def no_rule_work(monkeypatch):
     """Every rule computation raises: outside ``collect`` none may run."""
+    gc.collect()  # optimizers of earlier tests, armed, would wake every extended model's hooks
 
     def forbidden(*args, **kwargs):
         raise AssertionError("per-sample work outside collect")
