@@ -230,11 +230,14 @@ def test_term_at_a_node_checked_after_it_or_before_it(python):
     assert model.a.weight.grad is None
 
 
-def test_region_kept_per_structure_follows_the_extended_parameters():
-    """The nodes the check watches are kept per graph structure and set of extended parameters
-    (``Plan.regions``): a weight frozen at ``extend`` and unfrozen after is not extended (no
-    hook) and its node is not watched; extended again, on a graph of the same structure, its
-    node is, and a term on it raises. The passes around have the reference's numbers."""
+def test_a_weight_unfrozen_after_extend_is_hooked_and_watched_at_its_next_forward():
+    """A weight frozen at ``extend`` (no gradient hook: a tensor that does not require grad
+    takes none) and unfrozen after gets its hook at its module's next forward
+    (``frontend.hooks``, ``ModuleEntry.unhooked``), so its node is watched from the first pass
+    on: a term on it raises, as on any extended weight, with no second ``extend``. The nodes
+    the check watches are kept per graph structure and set of extended parameters
+    (``Plan.regions``): the passes share one region. The passes around have the reference's
+    numbers."""
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(DT)
     model = copy.deepcopy(plain)
@@ -246,21 +249,19 @@ def test_region_kept_per_structure_follows_the_extended_parameters():
     want = _reference(plain, x, y)
     earlier = set(plan_cache())  # (the structures of the tests before)
 
-    def run(lam):
+    def run(lam, *extensions):
         clear_attributes(model, ALL_ATTRS)
         out = model(x)
         loss = lossfunc(out, y) + lam * (model[0].weight ** 2).sum()
-        with curvopt.collect(ext.DiagGGNExact()):
+        with curvopt.collect(ext.DiagGGNExact(), *extensions):
             loss.backward()
         for name, p in model.named_parameters():
             assert_close(p.diag_ggn_exact.flatten(), want[name], name)
 
-    run(0.0)
-    run(0.0)  # (the structure's region, kept)
-    curvopt.extend(model)  # now the weight's hook is there: extended, its node watched
     with pytest.raises(UnsupportedModuleError, match="'0.weight' receives gradient from outside"):
-        run(0.3)
+        run(0.3, ext.BatchGrad())  # (a first-order quantity would miss the term unwatched)
     assert_no_attributes(model)
     run(0.0)
+    run(0.0)  # (the structure's region, kept)
     plans = [p for key, p in plan_cache().items() if key not in earlier and p.regions]
-    assert len(plans) == 1 and len(plans[0].regions) == 2  # one structure, two regions
+    assert len(plans) == 1 and len(plans[0].regions) == 1  # one structure, one region

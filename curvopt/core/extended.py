@@ -42,6 +42,7 @@ class ModuleEntry:
         "watcher",
         "taps",
         "notes_random",
+        "unhooked",
     )
 
     def __init__(self):
@@ -55,6 +56,9 @@ class ModuleEntry:
         self.hooks: List = []  # handles of its forward (pre-)hooks: it is extended when any
         #: a pre-hook notes the generator state each forward draws from (``records``)
         self.notes_random = False
+        #: some of its parameters did not require grad when ``extend`` ran, so they have no
+        #: gradient hook yet: its forward hook adds one to each that requires grad now
+        self.unhooked = False
         self.watcher = None  # handle of the hook reading the loss a model returns
         #: consumers of its calls beside the backward passes (``optim.gradient_factors``): the
         #: forward hook hands each new ``Record`` to ``tap.called(record)``, its gradient hook

@@ -71,6 +71,8 @@ def _module_forward_hook(entry: ModuleEntry, module, args, kwargs, output):
     random = take_random_state(module) if entry.notes_random else None  # (else none noted)
     if SUSPENDED.get() or not torch.is_grad_enabled() or module_entry(module) is not entry:
         return
+    if entry.unhooked:
+        _hook_unfrozen(module, entry)
     for _, p in owned(module, entry.owns_children):  # (a loop: a generator costs a call a step)
         if p.requires_grad:
             break
@@ -101,6 +103,21 @@ def _module_forward_hook(entry: ModuleEntry, module, args, kwargs, output):
         hook_gradient(anchors[0], module_hook(record))
     else:
         register_multi_grad_hook(anchors, module_hook(record, several=True), mode="all")
+
+
+def _hook_unfrozen(module: nn.Module, entry: ModuleEntry) -> None:
+    """Give the gradient hook to each of ``module``'s parameters that was frozen when ``extend``
+    ran and requires grad now (unfrozen for fine-tuning), before this call's backward: its
+    gradient is then checked like every other extended parameter's."""
+    unhooked = False
+    for _, p in owned(module, entry.owns_children):
+        parameter = entry_of(p)
+        if parameter is not None and parameter.handle is None:
+            if p.requires_grad:
+                parameter.handle = p.register_hook(parameter_hook(p))
+            else:
+                unhooked = True
+    entry.unhooked = unhooked
 
 
 def _outer_task():
@@ -177,14 +194,17 @@ def _install(module: nn.Module, path: str, sequence_first: bool, model: nn.Modul
     _drop_copied(module)
     rule = rule_for(module)
     params = owned_parameters(module, rule.owns_children)
+    unhooked = False
     for name, p in params.items():
         entry = entry_for(p)
         if p.requires_grad and entry.handle is None:
             entry.handle = p.register_hook(parameter_hook(p))
+        unhooked = unhooked or entry.handle is None
         if entry.path is None:
             entry.path = f"{path}.{name}" if path else name
     if params:
         entry = entry_for(module)
+        entry.unhooked = unhooked
         entry.owns_children = rule.owns_children
         entry.sequence_first = entry.sequence_first or sequence_first
         note_extended(module, model)
