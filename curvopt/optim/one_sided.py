@@ -152,10 +152,23 @@ def settled_eigenvectors(factor: torch.Tensor) -> torch.Tensor:
     ``d ε s_max`` of 0), set by rounding: a factor summed over micro-batches and the same
     factor of one batch, equal to rounding, get bases turned against each other there. Unlike
     the current batch's gradients, the next steps' have components in that space, so ``S``
-    (the diagonal in the basis) would differ. Here ``N`` is replaced by ``N V``, ``V`` the
-    eigenvectors of ``Nᵀ D N`` with ``D = diag(√1, …, √d)``: the same for every basis of the
-    space (up to signs, which ``S`` and the step do not see) wherever those eigenvalues are
-    distinct. Factors stacked per group (``[G, d, d]``) are settled group by group.
+    (the diagonal in the basis) would differ. Here the null space of ``k`` columns gets a basis
+    set by the factor alone, by whichever of two constructions is cheaper:
+
+    - ``k ≤ d − k``: ``N`` is replaced by ``N V``, ``V`` the eigenvectors of ``Nᵀ D N`` with
+      ``D = diag(√1, …, √d)``: the same for every basis of the space (up to signs, which ``S``
+      and the step do not see) wherever those eigenvalues are distinct (an ``eigh`` of
+      ``k × k`` and two ``d × k × k`` products);
+    - ``k > d − k`` (a factor of few samples, as a bias's ``Σ_n g_n g_nᵀ`` of ``N < d``
+      samples): ``N`` is replaced by the last ``k`` columns of the orthogonal factor ``H`` of
+      the Householder QR of the other eigenvectors ``R [d, d − k]`` (ascending), ``R = H
+      [T; 0]``: the orthogonal complement of their span, a function of those eigenvectors,
+      which are the factor's alone where their eigenvalues are distinct, and not of their
+      signs (a reflector does not see its vector's). ``H`` is ``d − k`` reflectors
+      (``4 d² (d − k)`` flops): on the character GPT's ``[512, 512]`` bias factor of rank 32,
+      3 ms where the ``eigh`` of the ``480 × 480`` null block and its products take 19 ms.
+
+    Factors stacked per group (``[G, d, d]``) are settled group by group.
 
     Args:
         factor: a symmetric PSD ``[d, d]`` matrix, or ``[G, d, d]`` of them.
@@ -180,7 +193,20 @@ def _settled(eigenvalues: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
     nullity = int((eigenvalues <= floor).sum())
     if nullity < 2:
         return vectors
+    if nullity > dim - nullity:
+        return torch.cat([_complement(vectors[:, nullity:]), vectors[:, nullity:]], dim=1)
     null = vectors[:, :nullity]
     weights = torch.arange(1, dim + 1, dtype=null.dtype, device=null.device).sqrt()
     turn = torch.linalg.eigh(null.mT @ (weights[:, None] * null))[1]
     return torch.cat([null @ turn, vectors[:, nullity:]], dim=1)
+
+
+def _complement(vectors: torch.Tensor) -> torch.Tensor:
+    """An orthonormal basis ``[d, d − r]`` of the orthogonal complement of the orthonormal
+    columns ``vectors [d, r]``: the last ``d − r`` columns of the orthogonal factor of their
+    Householder QR, the product of its ``r`` reflectors, which depend on the columns but not
+    on their signs (the identity for ``r = 0``)."""
+    dim, rank = vectors.shape
+    reflectors, scales = torch.geqrf(vectors)
+    square = torch.nn.functional.pad(reflectors, (0, dim - rank))
+    return torch.linalg.householder_product(square, scales)[:, rank:]
