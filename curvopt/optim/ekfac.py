@@ -49,6 +49,7 @@ from curvopt.inversion.eigen_corrected import (
 )
 from curvopt.core import values
 from curvopt.core.psd import working_dtype
+from curvopt.inversion.warm_eigh import power_step
 from curvopt.optim.distributed import Job, inversion_cost
 from curvopt.optim.fallback import DiagonalFallback
 from curvopt.inversion.inverses import EigenCorrectedInverse
@@ -352,11 +353,12 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         if refreshes or (collected and ggn):
             factors = values.plain(self._read(update, name, extension, None))
             update.checks += [(f"`{name}`", f) for f in factors]
+        warm = pending if refreshes and basis_refresh(group) == "warm" else None
+        powers = _power_steps(factors, warm)
         if ggn:  # None without factors (a state loaded): gᵀd
-            update.state["trust_curvature"] = _trust_curvature(curvature, pending, factors)
+            update.state["trust_curvature"] = _trust_curvature(curvature, pending, factors, powers)
         if refreshes:
-            warm = pending if basis_refresh(group) == "warm" else None
-            pending = self._next_bases(factors, max_dim, warm)
+            pending = self._next_bases(factors, max_dim, warm, powers)
         update.state["bases_next"] = pending
         return curvature
 
@@ -427,14 +429,14 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
                 "the basis of the last refresh's averaged factors, from the next step on)."
             )
 
-    def _next_bases(self, factors, max_dim, warm):
+    def _next_bases(self, factors, max_dim, warm, powers=None):
         """``next_bases(factors, max_dim, warm)`` (the eigenvectors of the averaged factors of a
-        basis step, warm from the last refresh's bases ``warm`` where given; a factor equal to
-        one of the group's decomposed before takes its basis, ``one_sided.Refresh``); under
-        ``torch.distributed`` a :class:`_Decomposition` that :meth:`_spread_bases` computes on
-        one rank and broadcasts."""
+        basis step, warm from the last refresh's bases ``warm`` where given, from their power
+        steps ``powers``; a factor equal to one of the group's decomposed before takes its
+        basis, ``one_sided.Refresh``); under ``torch.distributed`` a :class:`_Decomposition`
+        that :meth:`_spread_bases` computes on one rank and broadcasts."""
         if self._distributed is None:
-            return next_bases(factors, max_dim, warm, self._refresh)
+            return next_bases(factors, max_dim, warm, self._refresh, powers)
         return _Decomposition(list(factors), max_dim, warm)
 
     #: the bases decomposed while a group's step is planned (``one_sided.Refresh``)
@@ -586,15 +588,26 @@ def default_damping(group) -> bool:
     return group["damping"] is None and group["relative_damping"] is None
 
 
-def _trust_curvature(curvature, pending, factors):
+def _trust_curvature(curvature, pending, factors, powers=None):
     """``K = diag(Q_Bᵀ B Q_B) diag(Q_Aᵀ A Q_A)ᵀ`` of this step's Kronecker ``factors`` in the
     bases ``pending`` of the correction ``S`` (``curvature[0]``, whose shape ``K`` takes; the
     identity where None): the diagonal of ``Qᵀ (B ⊗ A) Q``, which ``trust_metric="ggn"``
-    measures steps in; None without ``factors``."""
+    measures steps in, from the products ``F Q`` of a warm refresh (``powers``) where formed;
+    None without ``factors``."""
     if factors is None:
         return None
     pending = [None] * len(factors) if pending is None else pending
-    return factor_products(basis_eigenvalues(pending, factors), curvature[0].shape)
+    eigenvalues = basis_eigenvalues(pending, factors, powers)
+    return factor_products(eigenvalues, curvature[0].shape)
+
+
+def _power_steps(factors, warm):
+    """Per side ``F Q`` (``warm_eigh.power_step``) of the ``factors`` and the bases ``warm`` a
+    warm refresh starts from, which the trust region's ``diag(Qᵀ F Q)`` shares (one product
+    per side, not two); None for a side without a basis, and without factors or bases."""
+    if factors is None or warm is None:
+        return None
+    return [None if q is None else power_step(f, q) for f, q in zip(factors, warm)]
 
 
 def _bucket(item, step):

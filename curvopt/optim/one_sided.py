@@ -83,19 +83,22 @@ def next_bases(
     max_dim: int | None,
     previous: Pending | None = None,
     found: Refresh | None = None,
+    powers: Pending | None = None,
 ) -> list[torch.Tensor | None]:
     """Per side the eigenvectors of its factor (:func:`settled_eigenvectors`), None where
     wider than ``max_dim`` (that factor is not decomposed; ``None``: every side is; factors
     stacked per group: where each group's is); a side with a ``previous`` basis (the last
     refresh's, ``basis_refresh="warm"``) refreshed from it by one power step and a QR
-    (:func:`~curvopt.inversion.warm_eigh.warm_eigenbasis`); a side whose factor and previous
-    basis equal those of a side decomposed before in ``found`` (one refresh's) takes that
-    side's basis (:class:`Refresh`)."""
+    (:func:`~curvopt.inversion.warm_eigh.warm_eigenbasis`; its power step ``F Q`` taken from
+    ``powers`` where given, :func:`~curvopt.inversion.warm_eigh.power_step`); a side whose
+    factor and previous basis equal those of a side decomposed before in ``found`` (one
+    refresh's) takes that side's basis (:class:`Refresh`)."""
     previous = [None] * len(factors) if previous is None else previous
+    powers = [None] * len(factors) if powers is None else powers
     found = Refresh() if found is None else found
     return [
-        None if is_wider(f.shape[-1], max_dim) else found.basis(f, q)
-        for f, q in zip(factors, previous)
+        None if is_wider(f.shape[-1], max_dim) else found.basis(f, q, y)
+        for f, q, y in zip(factors, previous, powers)
     ]
 
 
@@ -109,17 +112,23 @@ class Refresh:
     def __init__(self):
         self._found: dict[tuple, list[tuple]] = {}
 
-    def basis(self, factor: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
-        """``factor``'s next basis (:func:`_next_basis`), or the equal one found before."""
+    def basis(
+        self,
+        factor: torch.Tensor,
+        previous: torch.Tensor | None,
+        power: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``factor``'s next basis (:func:`_next_basis`, from the power step ``power`` where
+        formed already), or the equal one found before."""
         if not isinstance(factor, torch.Tensor):  # (a Gram root's form: decomposed alone)
-            return _next_basis(factor, previous)
+            return _next_basis(factor, previous, power)
         trace = float(factor.diagonal(dim1=-2, dim2=-1).sum())
         key = (factor.shape, factor.dtype, factor.device, trace)
         candidates = self._found.setdefault(key, [])
         for earlier, earlier_previous, basis in candidates:
             if torch.equal(earlier, factor) and _equal(earlier_previous, previous):
                 return basis
-        basis = _next_basis(factor, previous)
+        basis = _next_basis(factor, previous, power)
         candidates.append((factor, previous, basis))
         return basis
 
@@ -133,13 +142,16 @@ def _equal(first: torch.Tensor | None, second: torch.Tensor | None) -> bool:
     return same and torch.equal(first, second)
 
 
-def _next_basis(factor: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
-    """One side's next basis: exact (:func:`settled_eigenvectors`) or warm from ``previous``,
-    its columns ordered by the power step's norms ``|diag R|`` (ascending, as ``eigh``'s) and
-    those at rounding level, the null space, settled in the same way."""
+def _next_basis(
+    factor: torch.Tensor, previous: torch.Tensor | None, power: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One side's next basis: exact (:func:`settled_eigenvectors`) or warm from ``previous``
+    (with its power step ``power = F Q`` where formed already), its columns ordered by the
+    power step's norms ``|diag R|`` (ascending, as ``eigh``'s) and those at rounding level, the
+    null space, settled in the same way."""
     if previous is None:
         return settled_eigenvectors(factor)
-    norms, basis = warm_eigenbasis(factor, previous)
+    norms, basis = warm_eigenbasis(factor, previous, power)
     norms, order = norms.sort(dim=-1, stable=True)
     return _settled_all(norms, basis.gather(-1, order.unsqueeze(-2).expand_as(basis)))
 
