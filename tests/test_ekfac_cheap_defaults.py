@@ -10,6 +10,8 @@ replaces:
   and the trust region, which makes the optimizer measure the direction itself) to 1e-12;
 * a warm refresh's power step ``F Q`` gives the trust region's ``diag(Qᵀ F Q)`` too: bit for
   bit the steps of forming it twice;
+* ``basis_interval=None`` (the default) is every third curvature step under the default
+  damping and every one with a damping given, bit for bit the steps of the interval named;
 * ``basis_refresh=None`` (the default) is ``"warm"`` under the default damping and ``"eigh"``
   with a damping (or a relative damping) given, bit for bit the steps of the option named.
 """
@@ -25,7 +27,7 @@ from curvopt.inversion.eigen_corrected import basis_eigenvalues
 from curvopt.inversion.warm_eigh import power_step, warm_eigenbasis
 from curvopt.optim import EKFAC
 from curvopt.optim import ekfac as ekfac_module
-from curvopt.optim.ekfac import basis_refresh
+from curvopt.optim.ekfac import basis_interval, basis_refresh
 from curvopt.optim.one_sided import Refresh, next_bases, settled_eigenvectors
 from curvopt.optim.stages import NEWTON, GroupStep, Stage
 
@@ -208,13 +210,39 @@ def test_basis_refresh_default_is_warm_under_the_default_damping_only():
     assert basis_refresh(named) == "eigh"
 
 
+def test_basis_interval_default_is_three_curvature_intervals_under_the_default_damping_only():
+    params = list(_mlp(0).parameters())
+    group = lambda **options: EKFAC(params, lr=0.1, **options).param_groups[0]  # noqa: E731
+    assert basis_interval(group()) == 30
+    assert basis_interval(group(curvature_interval=2)) == 6
+    assert basis_interval(group(damping=1e-3)) == 1  # the paper's: a basis at every step
+    assert basis_interval(group(relative_damping=0.03)) == 10
+    assert basis_interval(group(basis_source="current")) == 10
+    assert basis_interval(group(curvature_interval=2, basis_interval=4)) == 4
+
+
+@pytest.mark.parametrize("options, named", [({}, 6), ({"damping": 1e-2}, 2)])
+def test_the_default_basis_interval_steps_as_the_interval_it_names(options, named):
+    """Over 24 steps with ``curvature_interval=2``, ``EKFAC(lr)`` steps as ``basis_interval=6``
+    and, with a damping given, as ``basis_interval=2``, bit for bit; the default is not a basis
+    at every curvature step (``S`` is still recomputed at each, in the last basis)."""
+    make = lambda interval: (  # noqa: E731
+        lambda p: EKFAC(p, lr=0.1, curvature_interval=2, basis_interval=interval, **options)
+    )
+    default, _, _ = _trajectory(make(None), 0, steps=24)
+    assert torch.equal(default, _trajectory(make(named), 0, steps=24)[0])
+    if named == 6:
+        assert not torch.equal(default, _trajectory(make(2), 0, steps=24)[0])
+
+
 @pytest.mark.parametrize(
     "options, named",
     [({}, "warm"), ({"damping": 1e-2}, "eigh")],
 )
 def test_the_default_refresh_steps_as_the_refresh_it_names(options, named):
-    """Over five basis refreshes, ``EKFAC(lr)`` steps as ``basis_refresh="warm"`` and, with a
-    damping given, as ``"eigh"``, bit for bit; the warm default is not the exact one."""
+    """Over 12 steps (basis refreshes at steps 0 and 6 under the default damping, at every
+    second step with a damping given), ``EKFAC(lr)`` steps as ``basis_refresh="warm"`` and,
+    with a damping given, as ``"eigh"``, bit for bit; the warm default is not the exact one."""
     make = lambda refresh: (
         lambda p: EKFAC(  # noqa: E731
             p, lr=0.1, curvature_interval=2, basis_refresh=refresh, **options
