@@ -3,16 +3,18 @@
     OMP_NUM_THREADS=1 python -m benchmarks.default_step_cost [--rounds 7] [--models gpt]
 
 ``KFAC``, ``EKFAC`` and ``DiagGGNNewton`` built as a user builds them, ``cls(params, lr=...)``
-(the defaults: curvature every 10 steps, relative damping, the trust region), and
+(the defaults: curvature every 10 steps, ``EKFAC``'s basis every 30, the damping
+``λ = 1e-2 s``, the trust region), and
 ``torch.optim.AdamW`` on an un-extended copy of the model, on three networks: a small ResNet
 with BatchNorm in training mode (``fixtures.zoo.resnet``: two blocks of width 16, 16x16
 images, batch 32), a BERT-style encoder (``fixtures.zoo.BERT``: width 64, 4 heads, 32
 positions, vocabulary 96, batch 32) and the character GPT of ``experiments.workloads``
 (``CharGPT``: 0.43 M parameters, 64 characters, batch 32). A step is ``zero_grad``, forward,
 loss, backward, ``step``. The entries run interleaved (``experiments.timing.interleaved``):
-blocks of 10 steps (one period of the default ``curvature_interval``: nine plain steps, then
-one refresh) on the same 10 batches, round-robin, the first round not counted; an entry's cost
-is the median over rounds of its block's CPU time per step (one thread). Each entry takes one
+blocks of 30 steps (one period of ``EKFAC``'s default basis refresh, three of the default
+``curvature_interval``: nine plain steps, then a refresh, three times; ``EKFAC``'s third a
+basis refresh) on the same 30 batches, round-robin, the first round not counted; an entry's
+cost is the median over rounds of its block's CPU time per step (one thread). Each entry takes one
 step before the rounds, so that its refresh is the last step of each of its blocks: between its
 blocks its collection rests, and it does not wake the hooks of the other entries' extended
 models (their hooks do nothing only while every armed collection in the process rests,
@@ -23,8 +25,9 @@ its cost the floor of the defaults'.
 
 ``--split`` prints instead where each entry's steps go: the CPU time of the forward (with
 ``zero_grad`` and the loss), the backward and ``opt.step()`` (``experiments.timing.timed_step``)
-of a block's last step (a refresh) and of the others (plain steps: their median), medians
-over the counted rounds.
+of a block's last step (a refresh; ``EKFAC``'s a basis refresh) and of the others (plain
+steps: their median, which the block's two other refreshes do not move), medians over the
+counted rounds.
 """
 
 from __future__ import annotations
@@ -43,8 +46,8 @@ from experiments.timing import interleaved, timed_step
 from experiments.workloads import CONTEXT, VOCAB, CharGPT
 from fixtures import zoo
 
-#: steps of a block: one period of the default curvature interval
-BLOCK = 10
+#: steps of a block: one period of EKFAC's default basis interval (three curvature intervals)
+BLOCK = 30
 BATCH = 32
 LR = {"AdamW": 1e-3, "KFAC": 0.05, "EKFAC": 0.05, "DiagGGNNewton": 0.05, "KFAC plain": 0.05}
 CURVOPT = {"KFAC": KFAC, "EKFAC": EKFAC, "DiagGGNNewton": DiagGGNNewton, "KFAC plain": KFAC}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,13 +28,34 @@ from torch import nn
 import curvopt
 from curvopt import extensions as ext
 from curvopt.optim import EKFAC
-from curvopt.optim.one_sided import settled_eigenvectors
+from curvopt.optim.one_sided import next_bases, settled_eigenvectors
 from fixtures import zoo
 
 DT = torch.float64
 N = 32
 STEPS = 3
-PROBLEMS = {"gpt": zoo.gpt, "mlp": zoo.mlp}
+
+
+def _wide_mlp(reduction: str) -> SimpleNamespace:
+    """``Linear(24, 80) - Tanh - Linear(80, 3)``: factors wider than twice the batch of
+    :data:`N`, so that most of a factor is null space (the second layer's input factor, and
+    under ``curvature="kfac"`` the first layer's output factor), which
+    ``one_sided.settled_eigenvectors`` settles as the complement of the other eigenvectors
+    (without it the steps of 2 micro-batches are 1e-2 from one batch's)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 80), nn.Tanh(), nn.Linear(80, 3)).to(DT)
+
+    def make_batch(n: int, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        inputs = torch.randn(n, 24, generator=gen, dtype=DT)
+        return inputs, torch.randint(0, 3, (n,), generator=gen)
+
+    lossfunc = nn.CrossEntropyLoss(reduction=reduction)
+    loss_on = lambda out, y, other=None: (other or lossfunc)(out, y)  # noqa: E731
+    return SimpleNamespace(model=model, lossfunc=lossfunc, make_batch=make_batch, loss_on=loss_on)
+
+
+PROBLEMS = {"gpt": zoo.gpt, "mlp": zoo.mlp, "wide": _wide_mlp}
 
 
 def _flat(model) -> torch.Tensor:
@@ -204,6 +226,32 @@ def test_settled_eigenvectors_of_a_null_space_do_not_depend_on_rounding():
         torch.testing.assert_close(q.T @ q, torch.eye(6, dtype=DT))
         rotated = q.T @ f @ q
         torch.testing.assert_close(rotated, torch.diag(rotated.diagonal()), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("rank", [3, 2], ids=["null block", "complement of the range"])
+def test_settled_null_space_is_the_factors_alone(rank):
+    """Both constructions of :func:`settled_eigenvectors` (nullity ``6 - rank``: 3 ≤ 3 turns
+    ``eigh``'s null block, 4 > 2 takes the complement of the other eigenvectors): the factor
+    of the whole batch and the one summed over halves (equal to rounding) get the same basis
+    up to signs, eigenvectors of the factor; so do the bases of a warm refresh (``next_bases``)
+    from the basis of another batch's factor of the same rows' space; the null columns span the
+    null space of ``eigh``'s own (the projections agree)."""
+    gen = torch.Generator().manual_seed(1)
+    mixing = torch.randn(rank, 6, generator=gen, dtype=DT)
+    rows, earlier = (torch.randn(16, rank, generator=gen, dtype=DT) @ mixing for _ in range(2))
+    whole, halves = rows.T @ rows, rows[:8].T @ rows[:8] + rows[8:].T @ rows[8:]
+    previous = settled_eigenvectors(earlier.T @ earlier)
+    nullity = 6 - rank
+    for settle in (settled_eigenvectors, lambda f: next_bases([f], None, [previous])[0]):
+        settled = [settle(f) for f in (whole, halves)]
+        alignment = (settled[0].T @ settled[1]).abs()
+        torch.testing.assert_close(alignment, torch.eye(6, dtype=DT), atol=1e-10, rtol=0)
+        for f, q in zip((whole, halves), settled):
+            torch.testing.assert_close(q.T @ q, torch.eye(6, dtype=DT))
+            null = torch.linalg.eigh(f)[1][:, :nullity]
+            torch.testing.assert_close(f @ q[:, :nullity], null * 0, atol=1e-12, rtol=0)
+            projection = q[:, :nullity] @ q[:, :nullity].T
+            torch.testing.assert_close(projection, null @ null.T, atol=1e-10, rtol=0)
 
 
 def test_basis_source_is_validated():

@@ -8,6 +8,10 @@ replaces:
   (``Q_Bᵀ D Q_A``, ``inversion.eigen_corrected.eigen_corrected_coordinates``) instead of rotating
   the direction again: the steps of a twin that rotates it (a stage between the preconditioning
   and the trust region, which makes the optimizer measure the direction itself) to 1e-12;
+* a warm refresh's power step ``F Q`` gives the trust region's ``diag(Qᵀ F Q)`` too: bit for
+  bit the steps of forming it twice;
+* ``basis_interval=None`` (the default) is every third curvature step under the default
+  damping and every one with a damping given, bit for bit the steps of the interval named;
 * ``basis_refresh=None`` (the default) is ``"warm"`` under the default damping and ``"eigh"``
   with a damping (or a relative damping) given, bit for bit the steps of the option named.
 """
@@ -19,10 +23,11 @@ import torch
 from torch import nn
 
 import curvopt
-from curvopt.inversion.warm_eigh import warm_eigenbasis
+from curvopt.inversion.eigen_corrected import basis_eigenvalues
+from curvopt.inversion.warm_eigh import power_step, warm_eigenbasis
 from curvopt.optim import EKFAC
 from curvopt.optim import ekfac as ekfac_module
-from curvopt.optim.ekfac import basis_refresh
+from curvopt.optim.ekfac import basis_interval, basis_refresh
 from curvopt.optim.one_sided import Refresh, next_bases, settled_eigenvectors
 from curvopt.optim.stages import NEWTON, GroupStep, Stage
 
@@ -99,8 +104,8 @@ def test_a_layers_bias_takes_its_weights_output_basis(refresh):
     ``Refresh`` per parameter) bit for bit."""
 
     class Alone(Refresh):  # a refresh that never finds a factor decomposed before
-        def basis(self, factor, previous):
-            return Refresh().basis(factor, previous)
+        def basis(self, factor, previous, power=None):
+            return Refresh().basis(factor, previous, power)
 
     make = lambda p: EKFAC(p, lr=0.1, curvature_interval=2, basis_refresh=refresh)  # noqa: E731
     shared, model, opt = _trajectory(make, 0)
@@ -113,6 +118,36 @@ def test_a_layers_bias_takes_its_weights_output_basis(refresh):
     finally:
         ekfac_module.Refresh = original
     assert torch.equal(shared, alone)
+
+
+def test_the_trust_region_shares_the_warm_refreshs_power_step(monkeypatch):
+    """At a warm refresh the trust region's ``diag(Qᵀ F Q)`` reads the power step ``F Q`` of
+    the refresh (``warm_eigh.power_step``) instead of forming ``F Q`` again: the eigenvalues
+    are those of the separate product and of ``Qᵀ F Q``'s diagonal (float64), and the default
+    steps (warm refreshes every 2 steps) are those of a twin that forms its own, bit for bit."""
+    generator = torch.Generator().manual_seed(2)
+    factor, basis = _psd(6, generator), settled_eigenvectors(_psd(6, generator))
+    power = power_step(factor, basis)
+    shared = basis_eigenvalues([basis], [factor], [power])[0]
+    assert torch.equal(shared, basis_eigenvalues([basis], [factor])[0])
+    torch.testing.assert_close(shared, (basis.T @ factor @ basis).diagonal())
+    assert torch.equal(warm_eigenbasis(factor, basis, power)[1], warm_eigenbasis(factor, basis)[1])
+
+    shared_powers = []
+    original = ekfac_module._power_steps
+
+    def recorded(factors, warm):
+        powers = original(factors, warm)
+        shared_powers.extend(q for q in powers or [] if q is not None)
+        return powers
+
+    make = lambda p: EKFAC(p, lr=0.1, curvature_interval=2)  # noqa: E731
+    monkeypatch.setattr(ekfac_module, "_power_steps", recorded)
+    steps, _, _ = _trajectory(make, 0)
+    assert len(shared_powers) > 0  # the refreshes after the first shared them
+    monkeypatch.setattr(ekfac_module, "_power_steps", lambda factors, warm: None)
+    separate, _, _ = _trajectory(make, 0)
+    assert torch.equal(steps, separate)
 
 
 # ------------------------------------------------------------------------- the trust region
@@ -175,13 +210,39 @@ def test_basis_refresh_default_is_warm_under_the_default_damping_only():
     assert basis_refresh(named) == "eigh"
 
 
+def test_basis_interval_default_is_three_curvature_intervals_under_the_default_damping_only():
+    params = list(_mlp(0).parameters())
+    group = lambda **options: EKFAC(params, lr=0.1, **options).param_groups[0]  # noqa: E731
+    assert basis_interval(group()) == 30
+    assert basis_interval(group(curvature_interval=2)) == 6
+    assert basis_interval(group(damping=1e-3)) == 1  # the paper's: a basis at every step
+    assert basis_interval(group(relative_damping=0.03)) == 10
+    assert basis_interval(group(basis_source="current")) == 10
+    assert basis_interval(group(curvature_interval=2, basis_interval=4)) == 4
+
+
+@pytest.mark.parametrize("options, named", [({}, 6), ({"damping": 1e-2}, 2)])
+def test_the_default_basis_interval_steps_as_the_interval_it_names(options, named):
+    """Over 24 steps with ``curvature_interval=2``, ``EKFAC(lr)`` steps as ``basis_interval=6``
+    and, with a damping given, as ``basis_interval=2``, bit for bit; the default is not a basis
+    at every curvature step (``S`` is still recomputed at each, in the last basis)."""
+    make = lambda interval: (  # noqa: E731
+        lambda p: EKFAC(p, lr=0.1, curvature_interval=2, basis_interval=interval, **options)
+    )
+    default, _, _ = _trajectory(make(None), 0, steps=24)
+    assert torch.equal(default, _trajectory(make(named), 0, steps=24)[0])
+    if named == 6:
+        assert not torch.equal(default, _trajectory(make(2), 0, steps=24)[0])
+
+
 @pytest.mark.parametrize(
     "options, named",
     [({}, "warm"), ({"damping": 1e-2}, "eigh")],
 )
 def test_the_default_refresh_steps_as_the_refresh_it_names(options, named):
-    """Over five basis refreshes, ``EKFAC(lr)`` steps as ``basis_refresh="warm"`` and, with a
-    damping given, as ``"eigh"``, bit for bit; the warm default is not the exact one."""
+    """Over 12 steps (basis refreshes at steps 0 and 6 under the default damping, at every
+    second step with a damping given), ``EKFAC(lr)`` steps as ``basis_refresh="warm"`` and,
+    with a damping given, as ``"eigh"``, bit for bit; the warm default is not the exact one."""
     make = lambda refresh: (
         lambda p: EKFAC(  # noqa: E731
             p, lr=0.1, curvature_interval=2, basis_refresh=refresh, **options

@@ -86,18 +86,24 @@ def eigen_corrected_quadratic(
 
 
 def basis_eigenvalues(
-    bases: Sequence[torch.Tensor | None], factors: Sequence[torch.Tensor]
+    bases: Sequence[torch.Tensor | None],
+    factors: Sequence[torch.Tensor],
+    powers: Sequence[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
     """Per side ``diag(Q_iᵀ F_i Q_i)`` (``[d]``, ``[G, d]`` for stacked ``[G, d, d]``): the
     factor's eigenvalues where ``Q_i`` is its eigenbasis, its diagonal where the side keeps the
-    identity (``None``); in the basis' dtype (the factor's without one)."""
+    identity (``None``); in the basis' dtype (the factor's without one). ``powers``: per side
+    ``F_i Q_i`` in the basis' dtype where formed already (a warm refresh's power step), else
+    None (formed here)."""
+    powers = [None] * len(factors) if powers is None else powers
     out = []
-    for basis, factor in zip(bases, factors):
+    for basis, factor, power in zip(bases, factors, powers):
         if basis is None:
             out.append(diagonal(factor))
             continue
-        matrix = dense(factor).to(basis.dtype)
-        out.append(((matrix @ basis) * basis).sum(-2))
+        if power is None or power.dtype != basis.dtype:
+            power = dense(factor).to(basis.dtype) @ basis
+        out.append((power * basis).sum(-2))
     return out
 
 

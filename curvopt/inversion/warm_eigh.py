@@ -35,13 +35,39 @@ from curvopt.core.psd import working_dtype
 from curvopt.core.reductions import dense
 
 
-def warm_eigenbasis(factor, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def power_step(factor, previous: torch.Tensor) -> torch.Tensor:
+    """``Y = F Q₀`` in ``working_dtype`` (float32 for bfloat16/float16): the power step of
+    :func:`warm_eigenbasis`, from which ``diag(Q₀ᵀ F Q₀) = Σ_i (Q₀ ⊙ Y)_ij`` (the old basis's
+    eigenvalue estimates, which ``EKFAC``'s trust region reads) takes no second product.
+
+    Args:
+        factor: ``F``, ``[d, d]`` (dense or a ``GramFactor``; or ``[G, d, d]``).
+        previous: ``Q₀``, ``[d, d]`` (``[G, d, d]``).
+
+    Returns:
+        ``[d, d]`` (``[G, d, d]``).
+
+    Example:
+        >>> import torch
+        >>> power_step(torch.diag(torch.tensor([1.0, 3.0])), torch.eye(2))
+        tensor([[1., 0.],
+                [0., 3.]])
+    """
+    matrix = dense(factor)
+    matrix = matrix.to(working_dtype(matrix.dtype))
+    return matrix @ previous.to(matrix.dtype)
+
+
+def warm_eigenbasis(
+    factor, previous: torch.Tensor, power: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The eigenbasis of ``factor`` refreshed from ``previous`` by one power step and a QR.
 
     Args:
         factor: ``F``, symmetric PSD ``[d, d]`` (dense or a ``GramFactor``), or stacked per
             group ``[G, d, d]``; computed in ``working_dtype`` (float32 for bfloat16/float16).
         previous: ``Q₀``, an orthogonal ``[d, d]`` (``[G, d, d]``) basis, the last refresh's.
+        power: ``F Q₀`` (:func:`power_step`) where formed already; None: formed here.
 
     Returns:
         ``(r, Q)``: ``r = |diag R|`` (``[d]``; ``[G, d]``), the eigenvalues of ``Q``'s columns
@@ -56,10 +82,8 @@ def warm_eigenbasis(factor, previous: torch.Tensor) -> tuple[torch.Tensor, torch
         (tensor([3., 1.], dtype=torch.float64), tensor([[0., 1.],
                 [1., 0.]], dtype=torch.float64))
     """
-    matrix = dense(factor)
-    matrix = matrix.to(working_dtype(matrix.dtype))
-    previous = previous.to(matrix.dtype)
-    power = matrix @ previous
+    power = power_step(factor, previous) if power is None else power
+    previous = previous.to(power.dtype)
     order = (previous * power).sum(-2).argsort(dim=-1, descending=True, stable=True)
     basis, triangle = torch.linalg.qr(power.gather(-1, order.unsqueeze(-2).expand_as(power)))
     diagonal = triangle.diagonal(dim1=-2, dim2=-1)

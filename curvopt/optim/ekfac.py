@@ -49,6 +49,7 @@ from curvopt.inversion.eigen_corrected import (
 )
 from curvopt.core import values
 from curvopt.core.psd import working_dtype
+from curvopt.inversion.warm_eigh import power_step
 from curvopt.optim.distributed import Job, inversion_cost
 from curvopt.optim.fallback import DiagonalFallback
 from curvopt.inversion.inverses import EigenCorrectedInverse
@@ -89,7 +90,8 @@ class EKFACOptions(NewtonOptions):
     fallback: str | None = option("diagonal", choice(*KRONECKER_FALLBACKS))
     curvature_ema: float = option(0.0, number(0.0, 1.0, open_high=True), keyword=False)
     reduction: str | None = option(None, optional(choice("mean", "sum")))
-    #: None (default): at every curvature step (``curvature_interval``)
+    #: None (default): every ``BASIS_CURVATURE_STEPS`` curvature steps under the default
+    #: damping, at every curvature step with a damping given (:func:`basis_interval`)
     basis_interval: int | None = option(None, optional(number(1, integer=True)))
     kfac_approx: str = option("expand", choice(*KFAC_APPROX))
     max_basis_dim: int | None = option(None, optional(number(1, integer=True)))
@@ -162,7 +164,8 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
             which the loss's reduction scales one sample's curvature, re-read at every
             refresh, the trust region's ``κ`` scaled by ``s`` too;
             ``damping=ReductionScaledDamping(α), curvature_interval=10, trust_metric="ggn",
-            basis_refresh="warm"`` is the default with another ``α``), or an absolute one: a
+            basis_refresh="warm", basis_interval=30`` is the default with another ``α``), or
+            an absolute one: a
             number ``≥ 0``, a callable of the step count, or a damping strategy; so
             ``EKFAC(params, lr=0.1)`` trains (with the trust region ``kl_clip``).
         relative_damping: ``None`` (default) or ``α``: ``damping=None`` is then relative,
@@ -174,7 +177,9 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
             or ``"mean"``/``"sum"``: the backward pass raises if the loss's differs.
         basis_interval: refresh the basis every ``k`` steps (a multiple of
             ``curvature_interval``); in between ``S`` is still recomputed in the old basis.
-            ``None`` (default): at every curvature step.
+            ``None`` (default): every 3 curvature steps under the default damping (no
+            ``damping`` nor ``relative_damping`` given) with ``basis_source="last_refresh"``,
+            30 steps at the default ``curvature_interval``; at every curvature step otherwise.
         mc_samples: Monte-Carlo samples for ``curvature="kfac"``.
         kfac_approx: ``"expand"`` (default) or ``"reduce"``: the factors whose eigenbasis is
             used, as in ``curvopt.extensions.EKFAC``.
@@ -276,8 +281,7 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         return first_basis or super()._curvature_due(group, group_state)
 
     def _basis_due(self, group, step: int) -> bool:
-        interval = refresh_interval(group["curvature_interval"], group["damping"])
-        return step % (group["basis_interval"] or interval) == 0
+        return step % basis_interval(group) == 0
 
     def _supplied(self, param):
         """The bases the next pass uses for ``param``: its current ones, or ``None`` (fresh)
@@ -352,11 +356,12 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         if refreshes or (collected and ggn):
             factors = values.plain(self._read(update, name, extension, None))
             update.checks += [(f"`{name}`", f) for f in factors]
+        warm = pending if refreshes and basis_refresh(group) == "warm" else None
+        powers = _power_steps(factors, warm)
         if ggn:  # None without factors (a state loaded): gᵀd
-            update.state["trust_curvature"] = _trust_curvature(curvature, pending, factors)
+            update.state["trust_curvature"] = _trust_curvature(curvature, pending, factors, powers)
         if refreshes:
-            warm = pending if basis_refresh(group) == "warm" else None
-            pending = self._next_bases(factors, max_dim, warm)
+            pending = self._next_bases(factors, max_dim, warm, powers)
         update.state["bases_next"] = pending
         return curvature
 
@@ -427,14 +432,14 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
                 "the basis of the last refresh's averaged factors, from the next step on)."
             )
 
-    def _next_bases(self, factors, max_dim, warm):
+    def _next_bases(self, factors, max_dim, warm, powers=None):
         """``next_bases(factors, max_dim, warm)`` (the eigenvectors of the averaged factors of a
-        basis step, warm from the last refresh's bases ``warm`` where given; a factor equal to
-        one of the group's decomposed before takes its basis, ``one_sided.Refresh``); under
-        ``torch.distributed`` a :class:`_Decomposition` that :meth:`_spread_bases` computes on
-        one rank and broadcasts."""
+        basis step, warm from the last refresh's bases ``warm`` where given, from their power
+        steps ``powers``; a factor equal to one of the group's decomposed before takes its
+        basis, ``one_sided.Refresh``); under ``torch.distributed`` a :class:`_Decomposition`
+        that :meth:`_spread_bases` computes on one rank and broadcasts."""
         if self._distributed is None:
-            return next_bases(factors, max_dim, warm, self._refresh)
+            return next_bases(factors, max_dim, warm, self._refresh, powers)
         return _Decomposition(list(factors), max_dim, warm)
 
     #: the bases decomposed while a group's step is planned (``one_sided.Refresh``)
@@ -564,6 +569,24 @@ def trust_metric(group) -> str:
     return "ggn" if default else "correction"
 
 
+#: curvature steps per basis refresh under the default damping (:func:`basis_interval`)
+BASIS_CURVATURE_STEPS = 3
+
+
+def basis_interval(group) -> int:
+    """The steps between a group's basis refreshes: its ``basis_interval``, for None (the
+    default) :data:`BASIS_CURVATURE_STEPS` curvature intervals under the default damping
+    (:func:`default_damping`) with ``basis_source="last_refresh"`` (``S`` is still recomputed
+    at every curvature step, in the last basis; at the 6 seeds of
+    ``benchmarks.default_robustness`` 2C2D and 3C3D train as with a basis at every curvature
+    step), else one curvature interval (the paper's schedule and the recorded steps)."""
+    interval = refresh_interval(group["curvature_interval"], group["damping"])
+    if group["basis_interval"] is not None:
+        return group["basis_interval"]
+    cheap = default_damping(group) and group["basis_source"] == "last_refresh"
+    return BASIS_CURVATURE_STEPS * interval if cheap else interval
+
+
 def basis_refresh(group) -> str:
     """How a group's bases are refreshed after the first (exact) one: its ``basis_refresh``,
     for None (the default) ``"warm"`` (``inversion.warm_eigh``: one power step from the last
@@ -586,15 +609,26 @@ def default_damping(group) -> bool:
     return group["damping"] is None and group["relative_damping"] is None
 
 
-def _trust_curvature(curvature, pending, factors):
+def _trust_curvature(curvature, pending, factors, powers=None):
     """``K = diag(Q_Bᵀ B Q_B) diag(Q_Aᵀ A Q_A)ᵀ`` of this step's Kronecker ``factors`` in the
     bases ``pending`` of the correction ``S`` (``curvature[0]``, whose shape ``K`` takes; the
     identity where None): the diagonal of ``Qᵀ (B ⊗ A) Q``, which ``trust_metric="ggn"``
-    measures steps in; None without ``factors``."""
+    measures steps in, from the products ``F Q`` of a warm refresh (``powers``) where formed;
+    None without ``factors``."""
     if factors is None:
         return None
     pending = [None] * len(factors) if pending is None else pending
-    return factor_products(basis_eigenvalues(pending, factors), curvature[0].shape)
+    eigenvalues = basis_eigenvalues(pending, factors, powers)
+    return factor_products(eigenvalues, curvature[0].shape)
+
+
+def _power_steps(factors, warm):
+    """Per side ``F Q`` (``warm_eigh.power_step``) of the ``factors`` and the bases ``warm`` a
+    warm refresh starts from, which the trust region's ``diag(Qᵀ F Q)`` shares (one product
+    per side, not two); None for a side without a basis, and without factors or bases."""
+    if factors is None or warm is None:
+        return None
+    return [None if q is None else power_step(f, q) for f, q in zip(factors, warm)]
 
 
 def _bucket(item, step):
