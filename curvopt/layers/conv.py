@@ -45,6 +45,13 @@ def _grouped_outer(left, right, groups, out):
     return torch.bmm(left, right.transpose(1, 2), out=flat)
 
 
+#: the size of the per-column operand from which one ``bmm`` per column beats rearranging it
+#: (:func:`_column_outer`). Measured on one thread, float32, ten columns of first convolutions
+#: (``C_in k`` of 25-75, 196-784 positions): 1.1-1.4x slower at 4-16 MB, 0.91-0.96x at 32 MB,
+#: 0.54-0.80x at 64-128 MB
+_BY_COLUMNS_BYTES = 24 << 20
+
+
 def _column_outer(left, right, k: int, n: int, groups: int) -> torch.Tensor:
     """Per group ``left right^T`` where one operand is per column (batch ``K N``, k-major) and
     the other per sample (batch ``N``): ``[N, K, G*a, b]`` from ``[., G*a, L]``, ``[., G*b, L]``.
@@ -55,11 +62,14 @@ def _column_outer(left, right, k: int, n: int, groups: int) -> torch.Tensor:
     ``c`` its rows per group), or one ``bmm`` per column written into the result's column
     (a copy of the products, ``N K G a b`` entries). The second moves less where the per-sample
     operand has fewer rows per group than ``L`` (a first convolution: ``C_in k`` of 75 against
-    784 positions), and there it was measured 2-3x faster at batch 64 (one thread).
+    784 positions), and it pays where the copy it saves is large (:data:`_BY_COLUMNS_BYTES`).
     """
     per_column_left = right.shape[0] == n
-    samples = right if per_column_left else left
-    by_columns = samples.shape[1] // groups < samples.shape[-1]
+    samples, columns = (right, left) if per_column_left else (left, right)
+    copy_bytes = columns.numel() * columns.element_size()
+    by_columns = (
+        samples.shape[1] // groups < samples.shape[-1] and copy_bytes >= _BY_COLUMNS_BYTES
+    )
     outer = _column_outer_by_columns if by_columns else _column_outer_arranged
     return outer(left, right, k, n, groups, per_column_left)
 
