@@ -56,9 +56,9 @@ class ModuleEntry:
         self.hooks: List = []  # handles of its forward (pre-)hooks: it is extended when any
         #: a pre-hook notes the generator state each forward draws from (``records``)
         self.notes_random = False
-        #: some of its parameters did not require grad when ``extend`` ran, so they have no
-        #: gradient hook yet: its forward hook adds one to each that requires grad now
-        self.unhooked = False
+        #: weak references to its parameters that did not require grad when ``extend`` ran,
+        #: so have no gradient hook yet: its forward hook adds one to each that requires grad now
+        self.unhooked: List[weakref.ref] = []
         self.watcher = None  # handle of the hook reading the loss a model returns
         #: consumers of its calls beside the backward passes (``optim.gradient_factors``): the
         #: forward hook hands each new ``Record`` to ``tap.called(record)``, its gradient hook
@@ -67,11 +67,13 @@ class ModuleEntry:
 
     def __getstate__(self) -> dict:
         """Copied with a copy of its module (the module's forward hook is bound to it), whose
-        hooks do nothing: without the weak references to the models, which do not pickle."""
-        return {name: getattr(self, name) for name in self.__slots__ if name != "models"}
+        hooks do nothing: without the weak references (to the models, to the parameters without
+        a hook), which do not pickle."""
+        weak = ("models", "unhooked")
+        return {name: getattr(self, name) for name in self.__slots__ if name not in weak}
 
     def __setstate__(self, state: dict) -> None:
-        self.models = []
+        self.models, self.unhooked = [], []
         for name, value in state.items():
             setattr(self, name, value)
 

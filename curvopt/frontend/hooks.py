@@ -24,6 +24,7 @@ otherwise (:func:`_eager_for_curvature`); ``unextend`` restores its forward.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Optional
 
 import torch
@@ -71,13 +72,13 @@ def _module_forward_hook(entry: ModuleEntry, module, args, kwargs, output):
     random = take_random_state(module) if entry.notes_random else None  # (else none noted)
     if SUSPENDED.get() or not torch.is_grad_enabled() or module_entry(module) is not entry:
         return
-    if entry.unhooked:
-        _hook_unfrozen(module, entry)
     for _, p in owned(module, entry.owns_children):  # (a loop: a generator costs a call a step)
         if p.requires_grad:
             break
     else:
         return
+    if entry.unhooked:
+        _hook_unfrozen(entry)
     outputs = [t for t in output_tensors(output) if t.requires_grad]
     if not outputs:
         return
@@ -105,19 +106,23 @@ def _module_forward_hook(entry: ModuleEntry, module, args, kwargs, output):
         register_multi_grad_hook(anchors, module_hook(record, several=True), mode="all")
 
 
-def _hook_unfrozen(module: nn.Module, entry: ModuleEntry) -> None:
-    """Give the gradient hook to each of ``module``'s parameters that was frozen when ``extend``
-    ran and requires grad now (unfrozen for fine-tuning), before this call's backward: its
-    gradient is then checked like every other extended parameter's."""
-    unhooked = False
-    for _, p in owned(module, entry.owns_children):
+def _hook_unfrozen(entry: ModuleEntry) -> None:
+    """Give the gradient hook to each parameter of ``entry``'s module that was frozen when
+    ``extend`` ran and requires grad now (unfrozen for fine-tuning), before this call's
+    backward: its gradient is then checked like every other extended parameter's. One still
+    frozen costs a look at ``requires_grad`` per call (a LoRA layer's base weight)."""
+    frozen = []
+    for ref in entry.unhooked:
+        p = ref()
+        if p is None:
+            continue
+        if not p.requires_grad:
+            frozen.append(ref)
+            continue
         parameter = entry_of(p)
         if parameter is not None and parameter.handle is None:
-            if p.requires_grad:
-                parameter.handle = p.register_hook(parameter_hook(p))
-            else:
-                unhooked = True
-    entry.unhooked = unhooked
+            parameter.handle = p.register_hook(parameter_hook(p))
+    entry.unhooked = frozen
 
 
 def _outer_task():
@@ -194,12 +199,13 @@ def _install(module: nn.Module, path: str, sequence_first: bool, model: nn.Modul
     _drop_copied(module)
     rule = rule_for(module)
     params = owned_parameters(module, rule.owns_children)
-    unhooked = False
+    unhooked = []
     for name, p in params.items():
         entry = entry_for(p)
         if p.requires_grad and entry.handle is None:
             entry.handle = p.register_hook(parameter_hook(p))
-        unhooked = unhooked or entry.handle is None
+        if entry.handle is None:
+            unhooked.append(weakref.ref(p))
         if entry.path is None:
             entry.path = f"{path}.{name}" if path else name
     if params:
