@@ -26,6 +26,7 @@ from torch.func import functional_call
 
 import curvopt
 from curvopt import extensions as ext
+from curvopt.autograd import torch_internals
 from curvopt.errors import CurvoptError
 
 N = 3
@@ -221,3 +222,46 @@ def test_prelu_with_a_parameter_dependent_slope_raises(seed):
     with pytest.raises(CurvoptError), curvopt.collect(ext.DiagHessian()):
         loss.backward()
     assert_no_attributes(model)
+
+
+class CheckpointedCurves(nn.Module):
+    """``fc1 -> [sigmoid, gelu, silu, tanh inside a use_reentrant=False checkpoint] -> fc2``:
+    curved ops whose ``phi''`` is read off their saved result (sigmoid, tanh) and off their
+    saved input (gelu, silu), all inside the checkpoint; ``checkpointed`` off is the reference."""
+
+    def __init__(self, checkpointed=True):
+        super().__init__()
+        self.fc1, self.mid, self.fc2 = nn.Linear(3, 5), nn.Linear(5, 5), nn.Linear(5, 3)
+        self.checkpointed = checkpointed
+
+    def block(self, h):
+        h = F.gelu(self.mid(torch.sigmoid(h))) + F.silu(h)
+        return torch.tanh(h)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.checkpointed:
+            h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False)
+        else:
+            h = self.block(h)
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_curved_ops_inside_a_non_reentrant_checkpoint(reduction, seed):
+    """curvopt reads the saved tensors of the checkpointed curved ops apart from torch's
+    backward (``torch_internals.SavedTensorsApart``), which then still finds them: the diagonal
+    and the gradients equal the un-checkpointed model's."""
+    if torch_internals._GRAPH_EXEC_GROUP is None:
+        pytest.skip("torch before 2.10 has no GraphExecGroup")
+    plain = CheckpointedCurves().to(DT)
+    reference = copy.deepcopy(plain)
+    reference.checkpointed = False
+    x, target = torch.randn(N + 2, 3, dtype=DT), torch.randint(0, 3, (N + 2,))
+    check_hessian(plain, x, reduction, target, reference)
+    lossfunc = nn.CrossEntropyLoss(reduction=reduction)
+    model, unchecked = extended_copy(plain), copy.deepcopy(reference)
+    run_second_order(model, curvopt.extend(lossfunc), x, target, ext.DiagHessian())
+    lossfunc(unchecked(x), target).backward()
+    for (name, p), q in zip(trainable(model).items(), trainable(unchecked).values()):
+        assert_close(p.grad, q.grad, f"{name}.grad")

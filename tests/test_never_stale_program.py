@@ -574,22 +574,9 @@ CHEAP = [
 ]
 
 
-#: cases today's engine gets wrong (independent of the change: their first pass fails alike)
-XFAIL = {
-    "checkpoint on, DiagHessian": (
-        "DiagHessian reads the saved tensors of the curved nodes inside a use_reentrant=False "
-        "checkpoint (engine/hessian.py, through autograd/second_derivatives.py: "
-        "TanhBackward0._saved_result) before torch's backward unpacks them, and torch's "
-        "CheckpointError ('Unpack is being triggered for a tensor that was already unpacked "
-        "once') escapes raw, on a model's first pass too"
-    ),
-}
-
-
 def _params():
     for name in CASES:
-        marks = [pytest.mark.xfail(strict=True, reason=XFAIL[name])] if name in XFAIL else []
-        yield pytest.param(name, "ce-mean", marks=marks, id=f"{name}-ce-mean")
+        yield pytest.param(name, "ce-mean", id=f"{name}-ce-mean")
     for name in CHEAP:
         for loss in OTHER_LOSSES:
             yield pytest.param(name, loss, id=f"{name}-{loss}")

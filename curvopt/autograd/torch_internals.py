@@ -13,6 +13,7 @@ from collections import OrderedDict
 from typing import Callable
 
 import torch
+import torch.utils.checkpoint
 from torch.autograd import Variable
 
 # ----------------------------------------------------------------------------- accessors
@@ -124,6 +125,39 @@ def grad_accumulator(p: torch.Tensor):
     """The ``AccumulateGrad`` node of a leaf tensor ``p`` (that of a view of it points there)."""
     with torch.enable_grad():
         return p.view_as(p).grad_fn.next_functions[0][0]
+
+
+#: torch's ``GraphExecGroup`` (torch 2.10 on; ``None`` before): backward runs under one of them
+#: share the recomputation of each ``use_reentrant=False`` checkpoint region
+_GRAPH_EXEC_GROUP = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
+
+
+class SavedTensorsApart:
+    """Read autograd nodes' saved tensors during a backward pass apart from it.
+
+    Inside a ``use_reentrant=False`` checkpoint a saved tensor is recomputed when first read,
+    and each read of it per backward run (per graph task, or per ``GraphExecGroup``) releases
+    it: a read in a hook of the running backward would leave torch's own backward nothing
+    (``CheckpointError``, "already unpacked once"). ``with apart: node._saved_result`` reads
+    under a group of its own instead, so the checkpointed region is recomputed once for all
+    the reads under the same object, and torch's backward recomputes it again for its own.
+    Without ``GraphExecGroup`` (torch before 2.10), or inside a group the caller entered
+    (groups do not nest), reads run as they are (outside checkpoints that is all there is).
+    """
+
+    def __init__(self):
+        self._group = None if _GRAPH_EXEC_GROUP is None else _GRAPH_EXEC_GROUP()
+        self._entered = False
+
+    def __enter__(self):
+        self._entered = self._group is not None and torch._C._get_graph_exec_group() is None
+        if self._entered:
+            self._group.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._entered:
+            self._group.__exit__(*exc)
 
 
 def add_alpha(node) -> float:

@@ -42,6 +42,7 @@ from curvopt.autograd.torch_internals import (
     DIVISION,
     IN_PLACE_ON_VIEW,
     LINEAR_OPS,
+    SavedTensorsApart,
     backward_with_graph,
     ones_of_input,
 )
@@ -232,11 +233,13 @@ def residuals(context, gradient, calls, exts):
     for record, edges in calls.items():
         for i, edge in edges:
             producers[(edge.node, edge.output_nr)] = record, i
+    apart = SavedTensorsApart()  # inside a non-reentrant checkpoint: torch's backward reads too
     for (node, second), delta in zip(nodes, deltas):
         if delta is None:
             continue
         if second is None:
-            second = SECOND_DERIVATIVES[type(node).__name__](node)
+            with apart, STATE.suspend():
+                second = SECOND_DERIVATIVES[type(node).__name__](node)
         r = delta[0] * second
         fn, nr = walk.next_of(node)[0]
         if fn is None:
