@@ -84,9 +84,23 @@ def note_extended(module: nn.Module, model: nn.Module) -> None:
 def model_parameters(model: nn.Module) -> List[nn.Parameter]:
     """The parameters of ``model``'s extended modules (looked up now), each once, frozen ones
     included: those a backward pass through ``model`` could write for, or leaves no earlier
-    value on (``requires_grad`` switched off since)."""
+    value on (``requires_grad`` switched off since).
+
+    The modules are those of ``model.modules()``, in its order (depth first, a module before
+    its children, one met again skipped with its children), walked from a stack rather than
+    ``named_modules``' nested generators (a Python call per module and level of nesting, at
+    the end of every pass)."""
     found: Dict[int, nn.Parameter] = {}
-    for module in model.modules():
+    seen: Set[nn.Module] = set()
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if module is None or module in seen:
+            continue
+        seen.add(module)
+        children = module._modules
+        if children:
+            stack.extend(reversed(children.values()))
         entry = module_entry(module)
         if entry is not None and entry.hooks:  # extended
             for _, p in owned(module, entry.owns_children):

@@ -41,7 +41,7 @@ from curvopt.core.extended import live_calls, models_of
 from curvopt.core.params import tied
 from curvopt.core.sharded import Gathered, any_fully_sharded, sharded_index, tied_gathered
 from curvopt.guards.participation import Participation
-from curvopt.guards.pass_guards import autocast_off, check_reduction, missing_loss
+from curvopt.guards.pass_guards import check_reduction, missing_loss, without_autocast
 from curvopt.guards.pass_guards import one_batch_size
 from curvopt.engine.probes import Probes
 from curvopt.engine.reducer import FirstOrderReducer
@@ -129,8 +129,7 @@ class BackwardPass:
             return self.phase is Phase.FAILED
         segments: list = []
         try:
-            with autocast_off():
-                return self._on_loss(record, grad, segments)
+            return without_autocast(self._on_loss, record, grad, segments)
         except BaseException as error:
             self._abort()
             self._raise_in_terms(error)
@@ -253,8 +252,7 @@ class BackwardPass:
         if self.phase is Phase.IGNORED or self.taking.skips_all((record.module,)):
             return False
         try:
-            with autocast_off():
-                self._on_module(record, grads)
+            without_autocast(self._on_module, record, grads)
         except BaseException as error:
             self._abort()
             self._raise_in_terms(error)
@@ -314,8 +312,7 @@ class BackwardPass:
             if not active() or grad_outputs[0] is None:
                 return
             try:
-                with autocast_off():
-                    reader(grad_outputs[0])
+                without_autocast(reader, grad_outputs[0])
             except BaseException:
                 abort()
                 raise
@@ -343,20 +340,22 @@ class BackwardPass:
             return
         try:
             self.reducer.parameter_grad(p, grad)
-            with autocast_off():  # the sum check computes (projected sums: matmuls)
-                for observe in self.guards.parameter:
-                    observe(p, grad)
+            # (the sum check computes: projected sums, matmuls)
+            without_autocast(self._observe_parameter, p, grad)
         except BaseException as error:
             self._abort()
             self._raise_in_terms(error)
             raise
 
+    def _observe_parameter(self, p, grad) -> None:
+        for observe in self.guards.parameter:
+            observe(p, grad)
+
     # ---------------------------------------------------------------- end of pass
     def _finish(self) -> None:
         failed = self.phase is Phase.FAILED
         self.phase = Phase.DONE
-        with autocast_off():
-            self._finish_pass(failed)
+        without_autocast(self._finish_pass, failed)
 
     def _finish_pass(self, failed: bool) -> None:
         self.gathered.release()
