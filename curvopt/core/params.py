@@ -66,6 +66,12 @@ def owned(module: nn.Module, whole: Optional[bool] = None) -> List[Tuple[str, nn
 
 
 def trainable(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
+    """The ``(name, parameter)`` of :func:`owned` that require grad, looked up now. A module
+    without children whose rule owns none (the usual case: read at every module call of a
+    pass) is read straight from its ``_parameters``, what :func:`owned` returns for it."""
+    entry = module_entry(module)
+    if not module._modules and (entry is None or not entry.owns_children):
+        return [(n, p) for n, p in module._parameters.items() if p is not None and p.requires_grad]
     return [(name, p) for name, p in owned(module) if p.requires_grad]
 
 

@@ -12,6 +12,7 @@ import torch
 from curvopt.autograd.torch_internals import any_autocast_enabled
 from curvopt.errors import MissingLossError, batch_mismatch, reduction_none_error
 
+
 def without_autocast(fn, *args):
     """``fn(*args)`` with autocast disabled while curvopt computes (a backward pass run inside
     ``autocast`` would otherwise compute the quantities in whatever dtype each op's autocast
