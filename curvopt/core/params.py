@@ -25,8 +25,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from torch import nn
 
-from curvopt.core.extended import ParameterEntry, entry_for, entry_of, module_entry
-from curvopt.core.extended import owns_children
+from curvopt.core.extended import entry_for, module_entry, owns_children, parameter_entry
 
 
 def _held_below(module: nn.Module) -> Set[int]:
@@ -92,21 +91,18 @@ def model_parameters(model: nn.Module) -> List[nn.Parameter]:
     included: those a backward pass through ``model`` could write for, or leaves no earlier
     value on (``requires_grad`` switched off since).
 
-    The modules are those of ``model.modules()``, in its order (depth first, a module before
-    its children, one met again skipped with its children), walked from a stack rather than
-    ``named_modules``' nested generators (a Python call per module and level of nesting, at
-    the end of every pass)."""
+    The modules are those of ``model.modules()``, each once, read level by level from a list
+    that grows as it is read, not through ``named_modules``' nested generators (a Python call
+    per module and level of nesting, at the end of every pass); their order is not
+    ``modules()``' (each parameter found is one of the set, handled on its own)."""
     found: Dict[int, nn.Parameter] = {}
-    seen: Set[nn.Module] = set()
-    stack = [model]
-    while stack:
-        module = stack.pop()
-        if module is None or module in seen:
-            continue
-        seen.add(module)
-        children = module._modules
-        if children:
-            stack.extend(reversed(children.values()))
+    modules = [model]
+    seen: Set[nn.Module] = {model}
+    for module in modules:  # (``modules`` grows while it is read)
+        for child in module._modules.values():
+            if child is not None and child not in seen:
+                seen.add(child)
+                modules.append(child)
         entry = module_entry(module)
         if entry is not None and entry.hooks:  # extended
             for _, p in owned(module, entry.owns_children):
@@ -125,8 +121,8 @@ def forget(modules) -> None:
 
 def _holders(p) -> list:
     """The weak references to the modules ``extend`` found holding ``p`` (empty: none)."""
-    entry = entry_of(p)
-    return entry.holders if isinstance(entry, ParameterEntry) else []
+    entry = parameter_entry(p)
+    return [] if entry is None else entry.holders
 
 
 def tied(p: nn.Parameter) -> bool:

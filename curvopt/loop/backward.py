@@ -325,10 +325,15 @@ class BackwardPass:
         gradients; FSDP2's gathered parameters: ``core.sharded.tied_gathered``): its
         per-sample gradients are summed before they are reduced."""
         key = id(module)
-        if key not in self.reused:
-            shared = any(tied(p) or id(p) in self.tied_gathered for _, p in params)
-            self.reused[key] = live_calls(module) > 1 or shared
-        return self.reused[key]
+        reused = self.reused.get(key)
+        if reused is None:
+            reused = live_calls(module) > 1
+            for _, p in params:  # (a loop: a generator costs a call per step)
+                if reused:
+                    break
+                reused = tied(p) or id(p) in self.tied_gathered
+            self.reused[key] = reused
+        return reused
 
     def on_parameter_grad(self, p, grad: torch.Tensor) -> None:
         """``p``'s whole gradient of this pass. Its hook normally runs after those of all the
