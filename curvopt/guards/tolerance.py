@@ -101,11 +101,7 @@ def _extremes(entries) -> list:
     if alone:
         parts.append(
             torch.stack(
-                [
-                    v
-                    for _, a, b, _ in (entries[k] for k in alone)
-                    for v in _pair_extremes(a, b)
-                ]
+                [v for _, a, b, _ in (entries[k] for k in alone) for v in _pair_extremes(a, b)]
             )
         )
         for j, k in enumerate(alone):
