@@ -204,6 +204,8 @@ class Checks(PassGuard):
         comparisons read at once (``tolerance.stacked_mismatches``). A parameter costs no
         Python call beyond its ``numel`` (and a large one's probes); a pass whose sums are all
         right, none beyond that at the end."""
+        if not batch_grads:  # (none materialised: nothing to compare)
+            return
         groups: Dict[tuple, list] = defaultdict(list)  # the per-sample gradients' shape,
         # dtype, device, the grad's dtype -> [(p, probed per-sample gradients, probed grad)]
         for key, (p, grad) in self.param_grads.items():
