@@ -28,6 +28,10 @@ from torch import nn
 from curvopt.core.extended import entry_for, module_entry, owns_children, parameter_entry
 
 
+#: :func:`trainable`'s default: ``entry`` not read by the caller
+_LOOK_UP = object()
+
+
 def _held_below(module: nn.Module) -> Set[int]:
     """ids of the parameters held by ``module``'s descendants (empty for a leaf module)."""
     return {
@@ -64,14 +68,17 @@ def owned(module: nn.Module, whole: Optional[bool] = None) -> List[Tuple[str, nn
     return _direct(module)
 
 
-def trainable(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
-    """The ``(name, parameter)`` of :func:`owned` that require grad, looked up now. A module
+def trainable(module: nn.Module, entry=_LOOK_UP) -> List[Tuple[str, nn.Parameter]]:
+    """The ``(name, parameter)`` of :func:`owned` that require grad, looked up now (``entry``:
+    ``module``'s entry in ``extended``, or None, where the caller read it already). A module
     without children whose rule owns none (the usual case: read at every module call of a
     pass) is read straight from its ``_parameters``, what :func:`owned` returns for it."""
-    entry = module_entry(module)
-    if not module._modules and (entry is None or not entry.owns_children):
+    if entry is _LOOK_UP:
+        entry = module_entry(module)
+    whole = entry is not None and entry.owns_children
+    if not module._modules and not whole:
         return [(n, p) for n, p in module._parameters.items() if p is not None and p.requires_grad]
-    return [(name, p) for name, p in owned(module) if p.requires_grad]
+    return [(name, p) for name, p in owned(module, whole) if p.requires_grad]
 
 
 def note_extended(module: nn.Module, model: nn.Module) -> None:
