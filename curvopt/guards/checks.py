@@ -83,9 +83,6 @@ class Checks(PassGuard):
         for _, p in event.params:
             seen.add(id(p))
 
-    def parameter(self, p, grad) -> None:
-        self.parameter_grad(p, grad)
-
     def total(self, p, use, total, projected) -> None:
         if projected is None:
             self.add_total(p, use, total)
@@ -98,9 +95,6 @@ class Checks(PassGuard):
         self.check_suspects()
         self.check_complete(ending.results, ending.attrs)
         self.mark_checked()
-
-    def release(self) -> None:
-        self.clear()
 
     def note_precision(self, record, params) -> None:
         """A call computed in a lower precision than its parameters (autocast) makes ``p.grad``
@@ -159,6 +153,9 @@ class Checks(PassGuard):
         self.param_grads[id(p)] = (p, grad)
         if id(p) in self.totals:
             self.check_sum(p)
+
+    #: the ``parameter`` event is :meth:`parameter_grad` itself (no call between)
+    parameter = parameter_grad
 
     def has_grad(self, p) -> bool:
         """Whether ``p`` received its gradient of this pass."""
@@ -296,6 +293,9 @@ class Checks(PassGuard):
 
     def clear(self) -> None:
         self.param_grads.clear()
+
+    #: the ``release`` event is :meth:`clear` itself
+    release = clear
 
 
 def _raise_wrong_sum(p, gap) -> None:
