@@ -249,17 +249,21 @@ class BackwardPass:
         accumulates into none of its parameters): its record stays for another pass."""
         if self.phase is Phase.FAILED:
             return True
-        if self.phase is Phase.IGNORED or self.taking.skips_all((record.module,)):
+        if self.phase is Phase.IGNORED:
+            return False
+        owned, params = self.taking.of(record.module)  # (``skips_all`` of the one module)
+        if owned and not params:
             return False
         try:
-            without_autocast(self._on_module, record, grads)
+            without_autocast(self._on_module, record, grads, params)
         except BaseException as error:
             self._abort()
             self._raise_in_terms(error)
             raise
         return True
 
-    def _on_module(self, record, grads) -> None:
+    def _on_module(self, record, grads, params) -> None:
+        """``params``: the ``(name, p)`` of the call's module this pass accumulates into."""
         module = record.module
         if self.phase is Phase.WAITING and self.first:
             self._watch_upstream(record)
@@ -275,7 +279,6 @@ class BackwardPass:
                 raise missing_loss(self.second_order_exts)
         elif not self.first:
             return
-        params = self.taking.of(module)[1]
         # (inside a checkpoint, torch's nested backward: the flow hooks check its node)
         nested = self.checkpointed and current_graph_task_id() != self.task
         event = ModuleEvent(record, grads, params, bool(self.second_order_exts) and not nested)
