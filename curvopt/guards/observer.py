@@ -21,15 +21,14 @@ then) and never writes a result itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 
-@dataclass(frozen=True)
-class LossEvent:
+class LossEvent(NamedTuple):
     """An extended loss's curvature was computed: ``walk`` (``graph.walk.Walk`` of its input),
     ``node`` (its output's autograd node), ``active()`` (whether the pass still computes) and
-    ``abort()`` (ends the pass on an error), for hooks a guard leaves on the graph."""
+    ``abort()`` (ends the pass on an error), for hooks a guard leaves on the graph. A named
+    tuple, as :class:`ModuleEvent` (a frozen dataclass sets each field by a Python call)."""
 
     walk: object
     node: object
@@ -51,11 +50,11 @@ class ModuleEvent(NamedTuple):
     curvature: bool
 
 
-@dataclass(frozen=True)
-class Ending:
+class Ending(NamedTuple):
     """What a pass that ends without an error hands its guards: the ``results`` buffer
     (``engine.results.ResultBuffer``), the curvature attributes ``attrs`` it was asked for, and
-    ``batch_grads`` (``id(p) -> (p, [N, *p.shape])``, the materialised per-sample gradients)."""
+    ``batch_grads`` (``id(p) -> (p, [N, *p.shape])``, the materialised per-sample gradients).
+    A named tuple, as :class:`ModuleEvent`."""
 
     results: object
     attrs: set
