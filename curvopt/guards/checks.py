@@ -219,9 +219,12 @@ class Checks(PassGuard):
         for group in groups.values():
             # (the floor: the roundoff of grad's own dtype, which the comparison casts away)
             floor = roundoff(group[0][2])
-            per_stack = max(1, _STACK_ELEMENTS // group[0][1].numel())
-            for start in range(0, len(group), per_stack):
-                part = group[start : start + per_stack]
+            if len(group) == 1:  # (the stack of one parameter: no size to split it by)
+                parts: list = [group]
+            else:
+                per_stack = max(1, _STACK_ELEMENTS // group[0][1].numel())
+                parts = [group[i : i + per_stack] for i in range(0, len(group), per_stack)]
+            for part in parts:
                 if len(part) == 1:
                     sums = part[0][1].sum(0, keepdim=True)
                     grads = part[0][2].reshape(sums.shape)

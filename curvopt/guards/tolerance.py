@@ -132,22 +132,26 @@ def stacked_mismatches(stacks, factor: float) -> list:
     (``b`` the references), ``floors`` ``m`` roundoff floors; each stack five operators, all
     stacks on one device read in one sync (what :func:`mismatches` does for pairs it can
     stack, with the stacks made by the caller); a pair whose sum is right is decided without a
-    Python call."""
+    Python call. A stack of one pair is read as :func:`mismatch` reads it, three operators on
+    the whole of it (the same three values: a maximum and a minimum are exact)."""
     read: dict = {}  # device -> [parts]
     for a, b, _ in stacks:
-        if a[0].numel():
-            read.setdefault(a.device, []).extend(_stack_extremes(a, b))
+        if a.numel():
+            if a.shape[0] == 1:  # (``[gap, low, high]``: the layout of ``m = 1`` below)
+                read.setdefault(a.device, []).append(torch.stack(_pair_extremes(a, b)))
+            else:
+                read.setdefault(a.device, []).extend(_stack_extremes(a, b))
     values = {device: torch.cat(parts).tolist() for device, parts in read.items()}
     found: list = []
     at = dict.fromkeys(values, 0)
     for a, b, floors in stacks:
         m, first = a.shape[0], len(found)
         found += [False] * m
-        if not a[0].numel():
+        if not a.numel():
             continue
         seen, start = values[a.device], at[a.device]
         at[a.device] = start + 3 * m
-        dtypes = roundoff(a, b)
+        dtypes = roundoff(a)  # (``b`` has ``a``'s dtype)
         for i, floor in enumerate(floors):
             gap, low, high = seen[start + i], seen[start + m + i], seen[start + 2 * m + i]
             # (``max(x, y)`` written out as ``y if y > x else x``, what it returns, no call)
