@@ -50,7 +50,9 @@ def mismatch(a, b, factor: float, floor: float = 0.0) -> bool:
     if b.dtype != a.dtype:
         b = b.to(a.dtype)
     gap, low, high = torch.stack(_pair_extremes(a, b)).tolist()
-    return _beyond(a, b, gap, max(-low, high), factor * eps)
+    top, bound = (high if high > -low else -low), factor * eps  # (``max``, no call)
+    # (``_beyond``'s first test without a call, as :func:`stacked_mismatches` writes it)
+    return False if gap <= bound * top < math.inf else _beyond(a, b, gap, top, bound)
 
 
 def mismatches(pairs, factor: float) -> list:
