@@ -68,6 +68,16 @@ def owned(module: nn.Module, whole: Optional[bool] = None) -> List[Tuple[str, nn
     return _direct(module)
 
 
+def owned_tensors(module: nn.Module, whole: bool):
+    """The parameters of :func:`owned` (``whole``: as the caller read it), without their names:
+    for a module without children whose rule owns none (the usual case, read at every forward
+    and at the end of every pass), its ``_parameters``' values themselves, ``None`` included
+    (a parameter set to None: the caller skips it)."""
+    if not whole and not module._modules:
+        return module._parameters.values()
+    return [p for _, p in owned(module, whole)]
+
+
 def trainable(module: nn.Module, entry=_LOOK_UP) -> List[Tuple[str, nn.Parameter]]:
     """The ``(name, parameter)`` of :func:`owned` that require grad, looked up now (``entry``:
     ``module``'s entry in ``extended``, or None, where the caller read it already). A module
@@ -112,8 +122,9 @@ def model_parameters(model: nn.Module) -> List[nn.Parameter]:
                 modules.append(child)
         entry = module_entry(module)
         if entry is not None and entry.hooks:  # extended
-            for _, p in owned(module, entry.owns_children):
-                found.setdefault(id(p), p)
+            for p in owned_tensors(module, entry.owns_children):
+                if p is not None:
+                    found.setdefault(id(p), p)
     return list(found.values())
 
 
