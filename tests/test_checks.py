@@ -154,6 +154,26 @@ def test_stacked_mismatches_decide_each_pair_as_the_reference():
         assert stacked_mismatches(stacks, 64.0) == expected
 
 
+def test_stacks_of_one_pair_decide_as_the_reference():
+    """A stack of one pair (a parameter whose shape no other shares) is read by three
+    operators on the whole stack, not by the stacked ones: each pair, alone or among stacks of
+    several, in every dtype, decides as its reference (and not every pair alike)."""
+    dtypes = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    pairs = [(a.to(dtypes[k % 4]), b.to(dtypes[k % 4])) for k, (a, b) in enumerate(_pairs())]
+    stacks = [(a[None], b[None], [(0.0, 1e-3)[k % 2]]) for k, (a, b) in enumerate(pairs)]
+    expected = [reference(a, b, 64.0, floors[0]) for a, b, floors in stacks]
+    assert any(expected) and not all(expected)
+    assert stacked_mismatches(stacks, 64.0) == expected
+    a = torch.randn(3, 4, dtype=torch.float64, generator=gen)  # among a stack of three
+    b = a.clone()
+    b[1, 2] += 64 * torch.finfo(torch.float64).eps * a[1].abs().max() * 1.5
+    mixed = [stacks[0], (a, b, [0.0, 0.0, 0.0]), *stacks[1:]]
+    inner = [reference(x, y, 64.0, 0.0) for x, y in zip(a, b)]
+    assert inner == [False, True, False]
+    assert stacked_mismatches(mixed, 64.0) == [expected[0], *inner, *expected[1:]]
+
+
 def test_non_finite_sums_of_a_finite_gradient_are_mismatches():
     """NaN or inf in the per-sample sum where ``p.grad`` is finite is never a pass (it was,
     before: ``max`` of a NaN difference compares False); a non-finite ``p.grad`` is not

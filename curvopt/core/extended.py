@@ -138,6 +138,10 @@ def entry_of(obj):
 #: :func:`entry_of` for the hooks (the table's own lookup: a Python call fewer at each read)
 module_entry = _MODULES.get
 
+#: ``parameter_entry(p)``: the :class:`ParameterEntry` of the tensor ``p``, or None (the table's
+#: own lookup, as :data:`module_entry`)
+parameter_entry = _PARAMETERS.get
+
 
 def entry_for(obj):
     """The entry of ``obj``, made (empty) if it has none."""

@@ -25,8 +25,11 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from torch import nn
 
-from curvopt.core.extended import ParameterEntry, entry_for, entry_of, module_entry
-from curvopt.core.extended import owns_children
+from curvopt.core.extended import entry_for, module_entry, owns_children, parameter_entry
+
+
+#: :func:`trainable`'s default: ``entry`` not read by the caller
+_LOOK_UP = object()
 
 
 def _held_below(module: nn.Module) -> Set[int]:
@@ -65,8 +68,27 @@ def owned(module: nn.Module, whole: Optional[bool] = None) -> List[Tuple[str, nn
     return _direct(module)
 
 
-def trainable(module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
-    return [(name, p) for name, p in owned(module) if p.requires_grad]
+def owned_tensors(module: nn.Module, whole: bool):
+    """The parameters of :func:`owned` (``whole``: as the caller read it), without their names:
+    for a module without children whose rule owns none (the usual case, read at every forward
+    and at the end of every pass), its ``_parameters``' values themselves, ``None`` included
+    (a parameter set to None: the caller skips it)."""
+    if not whole and not module._modules:
+        return module._parameters.values()
+    return [p for _, p in owned(module, whole)]
+
+
+def trainable(module: nn.Module, entry=_LOOK_UP) -> List[Tuple[str, nn.Parameter]]:
+    """The ``(name, parameter)`` of :func:`owned` that require grad, looked up now (``entry``:
+    ``module``'s entry in ``extended``, or None, where the caller read it already). A module
+    without children whose rule owns none (the usual case: read at every module call of a
+    pass) is read straight from its ``_parameters``, what :func:`owned` returns for it."""
+    if entry is _LOOK_UP:
+        entry = module_entry(module)
+    whole = entry is not None and entry.owns_children
+    if not module._modules and not whole:
+        return [(n, p) for n, p in module._parameters.items() if p is not None and p.requires_grad]
+    return [(name, p) for name, p in owned(module, whole) if p.requires_grad]
 
 
 def note_extended(module: nn.Module, model: nn.Module) -> None:
@@ -84,13 +106,25 @@ def note_extended(module: nn.Module, model: nn.Module) -> None:
 def model_parameters(model: nn.Module) -> List[nn.Parameter]:
     """The parameters of ``model``'s extended modules (looked up now), each once, frozen ones
     included: those a backward pass through ``model`` could write for, or leaves no earlier
-    value on (``requires_grad`` switched off since)."""
+    value on (``requires_grad`` switched off since).
+
+    The modules are those of ``model.modules()``, each once, read level by level from a list
+    that grows as it is read, not through ``named_modules``' nested generators (a Python call
+    per module and level of nesting, at the end of every pass); their order is not
+    ``modules()``' (each parameter found is one of the set, handled on its own)."""
     found: Dict[int, nn.Parameter] = {}
-    for module in model.modules():
+    modules = [model]
+    seen: Set[nn.Module] = {model}
+    for module in modules:  # (``modules`` grows while it is read)
+        for child in module._modules.values():
+            if child is not None and child not in seen:
+                seen.add(child)
+                modules.append(child)
         entry = module_entry(module)
         if entry is not None and entry.hooks:  # extended
-            for _, p in owned(module, entry.owns_children):
-                found.setdefault(id(p), p)
+            for p in owned_tensors(module, entry.owns_children):
+                if p is not None:
+                    found.setdefault(id(p), p)
     return list(found.values())
 
 
@@ -105,8 +139,8 @@ def forget(modules) -> None:
 
 def _holders(p) -> list:
     """The weak references to the modules ``extend`` found holding ``p`` (empty: none)."""
-    entry = entry_of(p)
-    return entry.holders if isinstance(entry, ParameterEntry) else []
+    entry = parameter_entry(p)
+    return [] if entry is None else entry.holders
 
 
 def tied(p: nn.Parameter) -> bool:

@@ -250,8 +250,9 @@ class Record:
         return value if target is None else _cast(value, *target)
 
     def release(self):
-        """Drop the inputs; the module has one call fewer awaiting its gradient."""
-        if getattr(self, "args", None) is not None:
+        """Drop the inputs; the module has one call fewer awaiting its gradient (on a record
+        whose ``__init__`` never ran, ``__del__`` catches the missing attribute)."""
+        if self.args is not None:
             self.args = self.kwargs = self.shared = self.sites = None
             self.extended.live -= 1
 

@@ -86,23 +86,33 @@ class FirstOrderReducer:
             for ext in extensions:
                 if TABLE[ext.quantity.producer] is made and (ext.order == 1 or made.bases):
                     self.first.setdefault(made, []).append(ext.attr)
-        wanted = {reduction for made in self.first for reduction in made.reduces}
+        # (what follows from the producers, read in one loop: a comprehension or generator
+        # costs a call each, and this runs every pass)
         #: (reductions, attributes) of each producer made of reductions, in the table's order
-        self._stored = [(made.reduces, attrs) for made, attrs in self.first.items() if made.reduces]
+        self._stored: list = []
+        #: the attributes of the per-sample gradients (``None``: not kept); ``couple`` leaves it
+        self._kept = None
+        #: a producer needs per-sample gradients in any pass (``EKFAC``'s not in a coupled
+        #: one; :meth:`couple` removes only producers with bases, so it leaves this)
+        self.per_sample = False
+        wanted: set = set()
+        for made, attrs in self.first.items():
+            if made.reduces:
+                self._stored.append((made.reduces, attrs))
+                wanted.update(made.reduces)
+            if self._kept is None and made.reduces == ("batch",):
+                self._kept = attrs
+            if not made.bases:
+                self.per_sample = True
         #: what the reductions want, fixed for the pass (no table lookup per parameter)
         self.want_l2 = "l2" in wanted
         self.want_sgs = "sgs" in wanted
         self.want_moments = "total" in wanted
         #: a producer computed from the per-sample gradients without keeping them
         self.reduces = self.want_l2 or self.want_sgs
-        #: the attributes of the per-sample gradients (``None``: not kept); ``couple`` leaves it
-        self._kept = next((a for made, a in self.first.items() if made.reduces == ("batch",)), None)
         #: the per-sample gradients are kept (plain attributes, fixed for the pass: read per
         #: module call, and by the loss hook without a call into this module)
         self.keeps_per_sample = self._kept is not None
-        #: a producer needs per-sample gradients in any pass (``EKFAC``'s not in a coupled
-        #: one; :meth:`couple` removes only producers with bases, so it leaves this)
-        self.per_sample = any(not made.bases for made in self.first)
         self.results, self.probes = results, probes
         #: ``observe(p, use, total, projected)`` of each sum check (``add_total``)
         self.observers: list = []

@@ -189,6 +189,10 @@ def refresh() -> None:
     """``STATE.collecting``: the router while a block is open or an armed collection is
     awake (not resting, ``Collection.follow``); ``STATE.plain`` while collections are armed,
     all resting, no explicit one waits for a step that collects, and no block is open."""
+    if not STATE.armed and not STATE.explicit:  # (a collect block alone: nothing to ask)
+        STATE.collecting = ROUTER if STATE.open is not None else None
+        STATE.plain = False
+        return
     armed = [c for c in (ref() for ref in STATE.armed) if c is not None]
     awake = any(not c.resting for c in armed)
     waiting = any(c is not None and not c.resting for c in (ref() for ref in STATE.explicit))

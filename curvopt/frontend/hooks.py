@@ -35,7 +35,7 @@ from curvopt.loop.routing import module_hook, parameter_hook
 from curvopt.layers import rule_for
 from curvopt.core.extended import ModuleEntry, drop, entry_for, entry_of, is_extended
 from curvopt.core.extended import module_entry
-from curvopt.core.params import forget, holders, note_extended, owned, owned_parameters
+from curvopt.core.params import forget, holders, note_extended, owned_parameters, owned_tensors
 from curvopt.entry.recognize import returned_loss, watch
 from curvopt.entry.functional import hook_loss, wants_loss, watch_outputs
 from curvopt.core.records import (
@@ -72,8 +72,9 @@ def _module_forward_hook(entry: ModuleEntry, module, args, kwargs, output):
     random = take_random_state(module) if entry.notes_random else None  # (else none noted)
     if SUSPENDED.get() or not torch.is_grad_enabled() or module_entry(module) is not entry:
         return
-    for _, p in owned(module, entry.owns_children):  # (a loop: a generator costs a call a step)
-        if p.requires_grad:
+    # (a loop: a generator costs a call a step)
+    for p in owned_tensors(module, entry.owns_children):
+        if p is not None and p.requires_grad:
             break
     else:
         return

@@ -83,9 +83,6 @@ class Checks(PassGuard):
         for _, p in event.params:
             seen.add(id(p))
 
-    def parameter(self, p, grad) -> None:
-        self.parameter_grad(p, grad)
-
     def total(self, p, use, total, projected) -> None:
         if projected is None:
             self.add_total(p, use, total)
@@ -98,9 +95,6 @@ class Checks(PassGuard):
         self.check_suspects()
         self.check_complete(ending.results, ending.attrs)
         self.mark_checked()
-
-    def release(self) -> None:
-        self.clear()
 
     def note_precision(self, record, params) -> None:
         """A call computed in a lower precision than its parameters (autocast) makes ``p.grad``
@@ -160,6 +154,9 @@ class Checks(PassGuard):
         if id(p) in self.totals:
             self.check_sum(p)
 
+    #: the ``parameter`` event is :meth:`parameter_grad` itself (no call between)
+    parameter = parameter_grad
+
     def has_grad(self, p) -> bool:
         """Whether ``p`` received its gradient of this pass."""
         return id(p) in self.param_grads
@@ -204,6 +201,8 @@ class Checks(PassGuard):
         comparisons read at once (``tolerance.stacked_mismatches``). A parameter costs no
         Python call beyond its ``numel`` (and a large one's probes); a pass whose sums are all
         right, none beyond that at the end."""
+        if not batch_grads:  # (none materialised: nothing to compare)
+            return
         groups: Dict[tuple, list] = defaultdict(list)  # the per-sample gradients' shape,
         # dtype, device, the grad's dtype -> [(p, probed per-sample gradients, probed grad)]
         for key, (p, grad) in self.param_grads.items():
@@ -220,9 +219,12 @@ class Checks(PassGuard):
         for group in groups.values():
             # (the floor: the roundoff of grad's own dtype, which the comparison casts away)
             floor = roundoff(group[0][2])
-            per_stack = max(1, _STACK_ELEMENTS // group[0][1].numel())
-            for start in range(0, len(group), per_stack):
-                part = group[start : start + per_stack]
+            if len(group) == 1:  # (the stack of one parameter: no size to split it by)
+                parts: list = [group]
+            else:
+                per_stack = max(1, _STACK_ELEMENTS // group[0][1].numel())
+                parts = [group[i : i + per_stack] for i in range(0, len(group), per_stack)]
+            for part in parts:
                 if len(part) == 1:
                     sums = part[0][1].sum(0, keepdim=True)
                     grads = part[0][2].reshape(sums.shape)
@@ -294,6 +296,9 @@ class Checks(PassGuard):
 
     def clear(self) -> None:
         self.param_grads.clear()
+
+    #: the ``release`` event is :meth:`clear` itself
+    release = clear
 
 
 def _raise_wrong_sum(p, gap) -> None:

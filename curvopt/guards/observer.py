@@ -21,15 +21,14 @@ then) and never writes a result itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 
-@dataclass(frozen=True)
-class LossEvent:
+class LossEvent(NamedTuple):
     """An extended loss's curvature was computed: ``walk`` (``graph.walk.Walk`` of its input),
     ``node`` (its output's autograd node), ``active()`` (whether the pass still computes) and
-    ``abort()`` (ends the pass on an error), for hooks a guard leaves on the graph."""
+    ``abort()`` (ends the pass on an error), for hooks a guard leaves on the graph. A named
+    tuple, as :class:`ModuleEvent` (a frozen dataclass sets each field by a Python call)."""
 
     walk: object
     node: object
@@ -51,11 +50,11 @@ class ModuleEvent(NamedTuple):
     curvature: bool
 
 
-@dataclass(frozen=True)
-class Ending:
+class Ending(NamedTuple):
     """What a pass that ends without an error hands its guards: the ``results`` buffer
     (``engine.results.ResultBuffer``), the curvature attributes ``attrs`` it was asked for, and
-    ``batch_grads`` (``id(p) -> (p, [N, *p.shape])``, the materialised per-sample gradients)."""
+    ``batch_grads`` (``id(p) -> (p, [N, *p.shape])``, the materialised per-sample gradients).
+    A named tuple, as :class:`ModuleEvent`."""
 
     results: object
     attrs: set
@@ -103,10 +102,11 @@ class Observers:
     ``PassGuard.observes``)."""
 
     def __init__(self, guards):
-        attached: dict = {event: [] for event in EVENTS}
-        for guard in guards:
-            for event in guard.observes:
-                attached[event].append(getattr(guard, event))
-        self.loss, self.module, self.total, self.parameter, self.finish, self.release = (
-            attached.values()
-        )
+        # (one list each, written out: per guard and event a ``getattr`` and an ``append``
+        # cost two Python calls a pass, a list comprehension one an event)
+        self.loss = [g.loss for g in guards if "loss" in g.observes]
+        self.module = [g.module for g in guards if "module" in g.observes]
+        self.total = [g.total for g in guards if "total" in g.observes]
+        self.parameter = [g.parameter for g in guards if "parameter" in g.observes]
+        self.finish = [g.finish for g in guards if "finish" in g.observes]
+        self.release = [g.release for g in guards if "release" in g.observes]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from curvopt.graph.search import reaches
-from curvopt.core.extended import models_of
+from curvopt.core.extended import module_entry
 from curvopt.core.params import model_parameters, trainable
 from curvopt.autograd.torch_internals import (
     current_autograd_node,
@@ -93,11 +93,15 @@ class Participation:
         key = id(module)
         found = self.parameters.get(key)
         if found is None:
-            params = trainable(module)
+            entry = module_entry(module)  # (read once: its parameters and its models)
+            params = trainable(module, entry)
             found = self.parameters[key] = params, [(n, p) for n, p in params if not self.skips(p)]
-            if found[1]:
-                for model in models_of(module):
-                    self.models.setdefault(id(model), model)
+            if found[1] and entry is not None:  # the models of ``models_of``
+                models = self.models
+                for ref in entry.models:
+                    model = ref()
+                    if model is not None:
+                        models.setdefault(id(model), model)
         return found
 
     def left_out(self, written) -> list:

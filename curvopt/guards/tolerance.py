@@ -40,8 +40,19 @@ def mismatch(a, b, factor: float, floor: float = 0.0) -> bool:
 
     Non-finite values: where ``b`` is finite everywhere, a non-finite ``a`` (or a difference
     that overflows) is a mismatch, never a pass; where ``b`` itself is not finite there is
-    nothing to verify against (the gradient is visibly broken) and it is not one."""
-    return mismatches([(a, b, floor)], factor)[0]
+    nothing to verify against (the gradient is visibly broken) and it is not one.
+
+    One pair is what :func:`mismatches` does for a pair it cannot stack: the same operators
+    and one read, without its lists (about twenty Python calls fewer a comparison)."""
+    if not a.numel():
+        return False
+    eps = roundoff(a, b, floor=floor)
+    if b.dtype != a.dtype:
+        b = b.to(a.dtype)
+    gap, low, high = torch.stack(_pair_extremes(a, b)).tolist()
+    top, bound = (high if high > -low else -low), factor * eps  # (``max``, no call)
+    # (``_beyond``'s first test without a call, as :func:`stacked_mismatches` writes it)
+    return False if gap <= bound * top < math.inf else _beyond(a, b, gap, top, bound)
 
 
 def mismatches(pairs, factor: float) -> list:
@@ -92,17 +103,19 @@ def _extremes(entries) -> list:
     if alone:
         parts.append(
             torch.stack(
-                [
-                    v
-                    for _, a, b, _ in (entries[k] for k in alone)
-                    for v in ((a - b).abs_().max(), *torch.aminmax(b))
-                ]
+                [v for _, a, b, _ in (entries[k] for k in alone) for v in _pair_extremes(a, b)]
             )
         )
         for j, k in enumerate(alone):
             at[k] = (offset + 3 * j, offset + 3 * j + 1, offset + 3 * j + 2)
     read = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
     return [(read[g], read[lo], read[hi]) for g, lo, hi in at]
+
+
+def _pair_extremes(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """``(max |a - b|, min b, max b)`` of one pair, 0-dim each: one fresh difference, its abs
+    in place."""
+    return ((a - b).abs_().max(), *torch.aminmax(b))
 
 
 def _stack_extremes(a: torch.Tensor, b: torch.Tensor) -> list:
@@ -121,22 +134,26 @@ def stacked_mismatches(stacks, factor: float) -> list:
     (``b`` the references), ``floors`` ``m`` roundoff floors; each stack five operators, all
     stacks on one device read in one sync (what :func:`mismatches` does for pairs it can
     stack, with the stacks made by the caller); a pair whose sum is right is decided without a
-    Python call."""
+    Python call. A stack of one pair is read as :func:`mismatch` reads it, three operators on
+    the whole of it (the same three values: a maximum and a minimum are exact)."""
     read: dict = {}  # device -> [parts]
     for a, b, _ in stacks:
-        if a[0].numel():
-            read.setdefault(a.device, []).extend(_stack_extremes(a, b))
+        if a.numel():
+            if a.shape[0] == 1:  # (``[gap, low, high]``: the layout of ``m = 1`` below)
+                read.setdefault(a.device, []).append(torch.stack(_pair_extremes(a, b)))
+            else:
+                read.setdefault(a.device, []).extend(_stack_extremes(a, b))
     values = {device: torch.cat(parts).tolist() for device, parts in read.items()}
     found: list = []
     at = dict.fromkeys(values, 0)
     for a, b, floors in stacks:
         m, first = a.shape[0], len(found)
         found += [False] * m
-        if not a[0].numel():
+        if not a.numel():
             continue
         seen, start = values[a.device], at[a.device]
         at[a.device] = start + 3 * m
-        dtypes = roundoff(a, b)
+        dtypes = roundoff(a)  # (``b`` has ``a``'s dtype)
         for i, floor in enumerate(floors):
             gap, low, high = seen[start + i], seen[start + m + i], seen[start + 2 * m + i]
             # (``max(x, y)`` written out as ``y if y > x else x``, what it returns, no call)

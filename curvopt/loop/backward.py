@@ -41,7 +41,7 @@ from curvopt.core.extended import live_calls, models_of
 from curvopt.core.params import tied
 from curvopt.core.sharded import Gathered, any_fully_sharded, sharded_index, tied_gathered
 from curvopt.guards.participation import Participation
-from curvopt.guards.pass_guards import autocast_off, check_reduction, missing_loss
+from curvopt.guards.pass_guards import check_reduction, missing_loss, without_autocast
 from curvopt.guards.pass_guards import one_batch_size
 from curvopt.engine.probes import Probes
 from curvopt.engine.reducer import FirstOrderReducer
@@ -129,8 +129,7 @@ class BackwardPass:
             return self.phase is Phase.FAILED
         segments: list = []
         try:
-            with autocast_off():
-                return self._on_loss(record, grad, segments)
+            return without_autocast(self._on_loss, record, grad, segments)
         except BaseException as error:
             self._abort()
             self._raise_in_terms(error)
@@ -250,18 +249,21 @@ class BackwardPass:
         accumulates into none of its parameters): its record stays for another pass."""
         if self.phase is Phase.FAILED:
             return True
-        if self.phase is Phase.IGNORED or self.taking.skips_all((record.module,)):
+        if self.phase is Phase.IGNORED:
+            return False
+        owned, params = self.taking.of(record.module)  # (``skips_all`` of the one module)
+        if owned and not params:
             return False
         try:
-            with autocast_off():
-                self._on_module(record, grads)
+            without_autocast(self._on_module, record, grads, params)
         except BaseException as error:
             self._abort()
             self._raise_in_terms(error)
             raise
         return True
 
-    def _on_module(self, record, grads) -> None:
+    def _on_module(self, record, grads, params) -> None:
+        """``params``: the ``(name, p)`` of the call's module this pass accumulates into."""
         module = record.module
         if self.phase is Phase.WAITING and self.first:
             self._watch_upstream(record)
@@ -277,7 +279,6 @@ class BackwardPass:
                 raise missing_loss(self.second_order_exts)
         elif not self.first:
             return
-        params = self.taking.of(module)[1]
         # (inside a checkpoint, torch's nested backward: the flow hooks check its node)
         nested = self.checkpointed and current_graph_task_id() != self.task
         event = ModuleEvent(record, grads, params, bool(self.second_order_exts) and not nested)
@@ -314,8 +315,7 @@ class BackwardPass:
             if not active() or grad_outputs[0] is None:
                 return
             try:
-                with autocast_off():
-                    reader(grad_outputs[0])
+                without_autocast(reader, grad_outputs[0])
             except BaseException:
                 abort()
                 raise
@@ -328,10 +328,15 @@ class BackwardPass:
         gradients; FSDP2's gathered parameters: ``core.sharded.tied_gathered``): its
         per-sample gradients are summed before they are reduced."""
         key = id(module)
-        if key not in self.reused:
-            shared = any(tied(p) or id(p) in self.tied_gathered for _, p in params)
-            self.reused[key] = live_calls(module) > 1 or shared
-        return self.reused[key]
+        reused = self.reused.get(key)
+        if reused is None:
+            reused = live_calls(module) > 1
+            for _, p in params:  # (a loop: a generator costs a call per step)
+                if reused:
+                    break
+                reused = tied(p) or id(p) in self.tied_gathered
+            self.reused[key] = reused
+        return reused
 
     def on_parameter_grad(self, p, grad: torch.Tensor) -> None:
         """``p``'s whole gradient of this pass. Its hook normally runs after those of all the
@@ -343,20 +348,22 @@ class BackwardPass:
             return
         try:
             self.reducer.parameter_grad(p, grad)
-            with autocast_off():  # the sum check computes (projected sums: matmuls)
-                for observe in self.guards.parameter:
-                    observe(p, grad)
+            # (the sum check computes: projected sums, matmuls)
+            without_autocast(self._observe_parameter, p, grad)
         except BaseException as error:
             self._abort()
             self._raise_in_terms(error)
             raise
 
+    def _observe_parameter(self, p, grad) -> None:
+        for observe in self.guards.parameter:
+            observe(p, grad)
+
     # ---------------------------------------------------------------- end of pass
     def _finish(self) -> None:
         failed = self.phase is Phase.FAILED
         self.phase = Phase.DONE
-        with autocast_off():
-            self._finish_pass(failed)
+        without_autocast(self._finish_pass, failed)
 
     def _finish_pass(self, failed: bool) -> None:
         self.gathered.release()
