@@ -7,7 +7,8 @@
 * for curvature, every parameter with a gradient gets every requested curvature attribute
   (that the gradient enters through the extended losses alone is ``flow``'s check).
 
-The per-sample sums of a curvature-only pass are checked on the first pass of each graph
+The per-sample sums of a curvature-only pass, and of a pass whose per-sample gradients feed
+only ``EKFAC``'s ``S`` (a curvature quantity), are checked on the first pass of each graph
 structure (its ``core.plans.Plan.sums_checked``): with the flow checked on every pass, what a
 sum check adds (a parameter used again inside the losses' graph, a rule that disagrees with
 autograd) is a property of the structure.
@@ -72,7 +73,9 @@ class Checks(PassGuard):
         self.projected_suspects: List[tuple] = []
         self.compute_eps: Dict[int, float] = {}  # id(p): roundoff of autocast calls using p
         self.structures: list = []  # keys of the extended losses' graphs (``walk.Walk``)
-        self.sums = False  # whether curvature-only passes check their per-sample sums
+        #: whether the per-sample sums of a pass without first-order reductions (curvature
+        #: only, or ``EKFAC``'s ``S``) are checked: on a structure's first pass
+        self.sums = False
 
     def loss(self, event: LossEvent) -> None:
         self.note_walk(event.walk)
