@@ -438,3 +438,32 @@ def test_ekfac_sums_are_checked_as_a_curvature_passs(mutate, monkeypatch):
     for _ in range(2):
         run(ext.EKFAC(), ext.BatchL2Grad())
         assert sorted(sums) == ["bias", "bias", "weight", "weight"]  # first order: every pass
+
+
+@pytest.mark.parametrize("grad_entry", [0.0, 1e-6, float("inf"), float("nan")])
+@pytest.mark.parametrize("sum_entry", [0.0, float("nan")])
+def test_a_projected_sum_is_noted_as_the_reference_decides(grad_entry, sum_entry):
+    """``Checks`` on one projected call: a sum noted as wrong exactly where the reference
+    decides so, from the same projections: ``uᵀ grad v`` not all finite (nothing to verify
+    against) passes; else the gap to the projected sum must be within ``64 eps M`` (a NaN gap
+    is not)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(7, 5, bias=False).to(DT)
+    rule = rule_for(linear)
+    call = Call(linear, (torch.randn(4, 3, 7, dtype=DT),), {}, None)
+    call.grad_out = torch.randn(4, 3, 5, dtype=DT)
+    p = linear.weight
+    grad = rule.grad_sum(call, "weight").clone()
+    grad[2, 3] += grad_entry * float(grad.abs().max())
+    probes = Probes().of(p)
+    projected, magnitude = rule.projected_sum(call, "weight", *probes)
+    projected = projected.clone()
+    projected[0] += sum_entry
+    checks = Checks()
+    checks.add_projected(p, (rule, call, "weight"), probes, projected, magnitude)
+    checks.parameter_grad(p, grad)
+    seen = ((grad @ probes[1]) * probes[0]).sum(0)
+    bound = magnitude * 64 * torch.finfo(DT).eps
+    expected = bool(seen.isfinite().all()) and not bool(((projected - seen).abs() <= bound).all())
+    assert bool(checks.projected_suspects) == expected
+    assert expected == (math.isfinite(grad_entry) and (grad_entry > 0 or sum_entry != 0))

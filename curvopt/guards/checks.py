@@ -181,18 +181,18 @@ class Checks(PassGuard):
 
     def _check_projected(self, p, entry, grad) -> None:
         """The projected sums against ``uᵀ grad v`` to ``64 eps M``, else noted as wrong (a
-        call that gave a full sum is projected too, with ``sum_n |g_n|`` for its ``M``)."""
+        call that gave a full sum is projected too, with ``sum_n |g_n|`` for its ``M``); a
+        gradient that is not finite has nothing to verify against. One read of the device."""
         u, v = entry.probes
         total, magnitude = entry.projected, entry.magnitude
         if entry.total is not None:
             total = total + project(entry.total, u, v)
             magnitude = magnitude + _norm_sum(p, entry.full)
         seen = project(grad, u, v)
-        if not bool(seen.isfinite().all()):
-            return  # the gradient itself is not finite: nothing to verify against
         eps = roundoff(total, grad, floor=self.compute_eps.get(id(p), 0.0))
         gap = (total - seen.to(total.dtype)).abs_()
-        if not bool((gap <= magnitude * (PROJECTED_FACTOR * eps)).all()):  # NaN: not <=
+        within = (gap <= magnitude * (PROJECTED_FACTOR * eps)).all()  # NaN: not <=
+        if not bool(within.logical_or_(seen.isfinite().all().logical_not_())):
             self.projected_suspects.append((p, total, seen))
 
     def check_materialised(self, batch_grads) -> None:
