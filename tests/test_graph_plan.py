@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 import curvopt
 from curvopt import extensions as ext
 from curvopt.core import plans
+from curvopt.core.records import records_on, token
 from curvopt.engine import rows
 from curvopt.graph import walk as walk_module
 from fixtures import zoo
@@ -188,6 +189,39 @@ def test_same_node_types_other_edges_differ():
     a, b = torch.randn(2, 3, requires_grad=True).unbind(0)
     assert walk_module.Walk(a.sin()).key != walk_module.Walk(b.sin()).key  # output 0 vs 1
     assert walk_module.Walk(x.exp() + x.sin()).key == second.key  # a fresh graph, one structure
+
+
+def _decoded(key):
+    """A walk's key read back: per node, ``(type, calls, [(discovery number, output nr)])``
+    (a string opens a node's entry, a tuple holds its calls, pairs of ints its edges)."""
+    nodes = []
+    for entry in key:
+        if isinstance(entry, str):
+            nodes.append((entry, None, []))
+        elif isinstance(entry, tuple):
+            nodes[-1] = (nodes[-1][0], entry, nodes[-1][2])
+        else:
+            nodes[-1][2].append(entry)
+    return [(kind, calls, list(zip(flat[::2], flat[1::2]))) for kind, calls, flat in nodes]
+
+
+def test_the_key_gives_the_graph_back():
+    """On the zoo's decoder (branches, residual adds, shared inputs, constants, modules called
+    on several nodes): the key read back gives every node walked, in the order walked, its type,
+    its calls and its edges, each the discovery number of the node it passes gradient to (-1:
+    none) and the output it takes."""
+    problem = zoo.gpt()
+    model = curvopt.extend(problem.model)
+    x, _ = problem.make_batch(2)
+    walk = walk_module.Walk(model(x))
+    numbers = walk.numbers
+    expected = []
+    for node in walk.edges:  # (the order the walk expanded them in)
+        calls = tuple((token(r.module), index, r.out_shapes) for r, index, _ in records_on(node))
+        edges = [(numbers.get(fn, -1), nr) for fn, nr in walk.edges[node]]
+        expected.append((type(node).__name__, calls, edges))
+    assert any(calls for _, calls, _ in expected) and any(len(e) > 1 for *_, e in expected)
+    assert _decoded(walk.key[0]) == expected
 
 
 def test_plan_names_the_broadcast_calls(walks):

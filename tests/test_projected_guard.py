@@ -383,3 +383,87 @@ def test_the_cheaper_check_is_chosen(monkeypatch):
     with curvopt.collect(ext.BatchL2Grad()):
         F.cross_entropy(net(torch.randn(8, 256)), torch.randint(0, 3, (8,))).backward()
     assert (net[0], "weight") not in used and (net[2], "weight") in used
+
+
+@pytest.mark.parametrize("mutate", [_scale_row, _swap_grad_rows])
+def test_ekfac_sums_are_checked_as_a_curvature_passs(mutate, monkeypatch):
+    """``EKFAC``'s per-sample gradients feed only its ``S``: its sums are checked on a graph
+    structure's first pass (a wrong factor raises there, naming the weight, and writes
+    nothing), and not on the next passes of that structure, where ``S`` is what it was and the
+    flow check (every pass) still raises on a term from outside the extended loss. With a
+    first-order quantity beside it, the sums are checked on every pass."""
+    torch.manual_seed(0)
+    net, shape = _sequence_model()
+    net = curvopt.extend(net)
+    x, y = torch.randn(*shape, dtype=DT), torch.randint(0, 3, (4, 3))
+    loss_module = curvopt.extend(nn.CrossEntropyLoss())
+
+    def lossfunc(out, y):
+        return loss_module(out.reshape(-1, 3), y.reshape(-1))
+
+    sums = []  # the names of the sums handed to the checks
+    observe = Checks.total
+    monkeypatch.setattr(
+        Checks, "total", lambda self, p, use, *a: sums.append(use[2]) or observe(self, p, use, *a)
+    )
+
+    def run(*extensions, penalty=0.0):
+        sums.clear()
+        net.zero_grad()
+        for p in net.parameters():
+            for attr in ("ekfac", "batch_l2"):
+                if hasattr(p, attr):
+                    delattr(p, attr)
+        out = net(x)
+        torch.manual_seed(1)  # (the Monte-Carlo columns of the bases' factors)
+        with curvopt.collect(*extensions):
+            (lossfunc(out, y) + penalty * out.square().sum()).backward()
+        return [[t.clone() for t in p.ekfac] for p in net.parameters()]
+
+    with monkeypatch.context() as wrong:
+        wrong.setattr(Record, "call", _mutating(net[0], mutate))
+        with pytest.raises(UnsupportedModuleError, match="0.weight"):
+            run(ext.EKFAC())
+    assert not hasattr(net[0].weight, "ekfac")
+    first = run(ext.EKFAC())
+    assert sorted(sums) == ["bias", "bias", "weight", "weight"]  # the structure's first
+    again = run(ext.EKFAC())  # (pass that succeeded)
+    assert sums == []  # not again
+    for before, after in zip(first, again):
+        for a, b in zip(before, after):
+            assert torch.equal(a, b)
+    with pytest.raises(UnsupportedModuleError, match="extended loss\\(es\\) alone"):
+        run(ext.EKFAC(), penalty=0.1)
+    assert not hasattr(net[0].weight, "ekfac")
+    for _ in range(2):
+        run(ext.EKFAC(), ext.BatchL2Grad())
+        assert sorted(sums) == ["bias", "bias", "weight", "weight"]  # first order: every pass
+
+
+@pytest.mark.parametrize("grad_entry", [0.0, 1e-6, float("inf"), float("nan")])
+@pytest.mark.parametrize("sum_entry", [0.0, float("nan")])
+def test_a_projected_sum_is_noted_as_the_reference_decides(grad_entry, sum_entry):
+    """``Checks`` on one projected call: a sum noted as wrong exactly where the reference
+    decides so, from the same projections: ``uᵀ grad v`` not all finite (nothing to verify
+    against) passes; else the gap to the projected sum must be within ``64 eps M`` (a NaN gap
+    is not)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(7, 5, bias=False).to(DT)
+    rule = rule_for(linear)
+    call = Call(linear, (torch.randn(4, 3, 7, dtype=DT),), {}, None)
+    call.grad_out = torch.randn(4, 3, 5, dtype=DT)
+    p = linear.weight
+    grad = rule.grad_sum(call, "weight").clone()
+    grad[2, 3] += grad_entry * float(grad.abs().max())
+    probes = Probes().of(p)
+    projected, magnitude = rule.projected_sum(call, "weight", *probes)
+    projected = projected.clone()
+    projected[0] += sum_entry
+    checks = Checks()
+    checks.add_projected(p, (rule, call, "weight"), probes, projected, magnitude)
+    checks.parameter_grad(p, grad)
+    seen = ((grad @ probes[1]) * probes[0]).sum(0)
+    bound = magnitude * 64 * torch.finfo(DT).eps
+    expected = bool(seen.isfinite().all()) and not bool(((projected - seen).abs() <= bound).all())
+    assert bool(checks.projected_suspects) == expected
+    assert expected == (math.isfinite(grad_entry) and (grad_entry > 0 or sum_entry != 0))

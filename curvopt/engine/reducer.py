@@ -138,16 +138,20 @@ class FirstOrderReducer:
             if bases is not None:
                 self.results.put(p, ext.attr, [eigen_moment_of(grads, bases), *bases])
 
-    def add(self, p, rule, call, name, materialise: bool) -> None:
+    def add(self, p, rule, call, name, materialise: bool, sums: bool = True) -> None:
         """One call's contribution for ``p``: added into ``[N, *p.shape]`` (``materialise``: the
-        per-sample gradients are wanted, or ``p`` is used by several calls) or reduced at once."""
+        per-sample gradients are wanted, or ``p`` is used by several calls) or reduced at once.
+        ``sums``: the checks compare this call's ``sum_n g_n`` (:meth:`add_total`); ``False``
+        only where no producer of the pass reduces the per-sample gradients (``per_sample``:
+        ``EKFAC``'s ``S`` alone) and the structure's sums were checked (``guards.checks``)."""
         if materialise:
             self._accumulate(p, rule, call, name)
             for ext in self.corrected:  # S follows from the sum at the end (``finish``)
                 if self._bases(ext, p) is not None:
                     self.results.put(p, ext.attr, None)
         else:
-            self._reduce(p, rule, call, name)
+            if sums:  # (else ``S`` alone: no reduction is read, only the checks' sum)
+                self._reduce(p, rule, call, name)
             if self.corrected:  # (EKFAC's)
                 self._correct(p, lambda bases: rule.eigen_correction(call, name, bases))
 

@@ -104,8 +104,9 @@ class Walk:
         self._walk(start, recompute, within)
 
     def _walk(self, start, recompute, within) -> None:
-        # the key, flat: per node walked, its type, its number of edges, its calls, each edge
-        # as the discovery number of its node (-1 for none) and the output it takes
+        # the key, flat: per node walked, its type (a string), its calls (a tuple), each edge
+        # as the discovery number of its node (-1 for none) and the output it takes (two
+        # ints: the next string ends a node's edges, so their count needs no entry)
         key, found = [], {start: 0}
         calls, edges = self.calls, self.edges
 
@@ -133,22 +134,22 @@ class Walk:
                 self.by_data = True
             elif kind in BROADCASTING_OPS:
                 self.broadcasting = True
-            entries = records_on(node)
-            if entries:
-                described = tuple((token(r.module), i, r.out_shapes) for r, i, _ in entries)
-                key += (kind, len(nexts), described)
-                for record, index, output_nr in entries:
-                    calls[record].append((index, GradientEdge(node, output_nr)))
-            else:
-                key += (kind, len(nexts), ())
-            on = []
-            for fn, nr in nexts:
+            described = ()  # (built in the loop: a generator costs a call per entry)
+            for record, index, output_nr in records_on(node):
+                described += ((token(record.module), index, record.out_shapes),)
+                calls[record].append((index, GradientEdge(node, output_nr)))
+            key += (kind, described)
+            if not nexts:  # (a leaf's accumulator)
+                return nexts
+            for fn, nr in nexts:  # (no call but a new node's count: ``in`` and ``[]``)
                 if fn is None:
                     key += (-1, nr)
+                elif fn in found:
+                    key += (found[fn], nr)
                 else:
-                    on.append(fn)
-                    key += (found.setdefault(fn, len(found)), nr)
-            return on
+                    number = found[fn] = len(found)
+                    key += (number, nr)
+            return [fn for fn, _ in nexts]  # (``search`` skips the None of a constant)
 
         search([start], expand)
         self.numbers = found
@@ -172,7 +173,7 @@ class Walk:
             recompute.append(segment)
         if segment is None:
             self.reentrant = True
-            key += (kind, 0, ())
+            key += (kind, ())
             return []
         self.segmented = True
         self.edges[node] = edges_of(node)
@@ -181,7 +182,7 @@ class Walk:
             for t in segment.outputs
             if isinstance(t, torch.Tensor) and t.grad_fn is not None
         ]
-        key += (kind, len(nexts), ())
+        key += (kind, ())
         if nexts:
             self.checkpoints.append(node)
         self.reruns[node] = nexts

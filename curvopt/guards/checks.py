@@ -7,7 +7,8 @@
 * for curvature, every parameter with a gradient gets every requested curvature attribute
   (that the gradient enters through the extended losses alone is ``flow``'s check).
 
-The per-sample sums of a curvature-only pass are checked on the first pass of each graph
+The per-sample sums of a curvature-only pass, and of a pass whose per-sample gradients feed
+only ``EKFAC``'s ``S`` (a curvature quantity), are checked on the first pass of each graph
 structure (its ``core.plans.Plan.sums_checked``): with the flow checked on every pass, what a
 sum check adds (a parameter used again inside the losses' graph, a rule that disagrees with
 autograd) is a property of the structure.
@@ -72,7 +73,9 @@ class Checks(PassGuard):
         self.projected_suspects: List[tuple] = []
         self.compute_eps: Dict[int, float] = {}  # id(p): roundoff of autocast calls using p
         self.structures: list = []  # keys of the extended losses' graphs (``walk.Walk``)
-        self.sums = False  # whether curvature-only passes check their per-sample sums
+        #: whether the per-sample sums of a pass without first-order reductions (curvature
+        #: only, or ``EKFAC``'s ``S``) are checked: on a structure's first pass
+        self.sums = False
 
     def loss(self, event: LossEvent) -> None:
         self.note_walk(event.walk)
@@ -178,18 +181,18 @@ class Checks(PassGuard):
 
     def _check_projected(self, p, entry, grad) -> None:
         """The projected sums against ``uᵀ grad v`` to ``64 eps M``, else noted as wrong (a
-        call that gave a full sum is projected too, with ``sum_n |g_n|`` for its ``M``)."""
+        call that gave a full sum is projected too, with ``sum_n |g_n|`` for its ``M``); a
+        gradient that is not finite has nothing to verify against. One read of the device."""
         u, v = entry.probes
         total, magnitude = entry.projected, entry.magnitude
         if entry.total is not None:
             total = total + project(entry.total, u, v)
             magnitude = magnitude + _norm_sum(p, entry.full)
         seen = project(grad, u, v)
-        if not bool(seen.isfinite().all()):
-            return  # the gradient itself is not finite: nothing to verify against
         eps = roundoff(total, grad, floor=self.compute_eps.get(id(p), 0.0))
         gap = (total - seen.to(total.dtype)).abs_()
-        if not bool((gap <= magnitude * (PROJECTED_FACTOR * eps)).all()):  # NaN: not <=
+        within = (gap <= magnitude * (PROJECTED_FACTOR * eps)).all()  # NaN: not <=
+        if not bool(within.logical_or_(seen.isfinite().all().logical_not_())):
             self.projected_suspects.append((p, total, seen))
 
     def check_materialised(self, batch_grads) -> None:

@@ -302,9 +302,12 @@ class BackwardPass:
         at_sites, readers = self.sites.claim(rule, call, params, materialise)
         for node, reader in readers:
             self.handles.append(node.register_prehook(self._site_hook(reader)))
+        # (the sums of a pass whose per-sample gradients feed only EKFAC's ``S``, a curvature
+        # quantity, are checked as a curvature-only pass's: on a structure's first pass)
+        sums = self.reducer.per_sample or self.checks.sums
         for name, p in params:
             if id(p) not in at_sites:
-                self.reducer.add(p, rule, call, name, materialise)
+                self.reducer.add(p, rule, call, name, materialise, sums)
 
     def _site_hook(self, reader):
         """The hook reading a raw parameter's site (``SiteReadings.claim``) while the pass
