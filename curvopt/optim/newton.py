@@ -72,7 +72,7 @@ from curvopt.inversion.damping import (
 )
 from curvopt.optim.fallback import announce
 from curvopt.optim.options import DEFAULT_REDUCTION_DAMPING
-from curvopt.optim.plan import ParamUpdate, Stacks, batches_pay, refresh_interval
+from curvopt.optim.plan import ParamUpdate, Prepared, Stacks, batches_pay, refresh_interval
 from curvopt.optim.stages import (
     NEWTON,
     Chain,
@@ -253,6 +253,11 @@ class NewtonOptimizer(CurvatureOptimizer):
     def _stacks(self) -> Stacks:
         """The stacked operands this optimizer's batched products keep (a cache, not saved)."""
         return self.__dict__.setdefault("_stacked", Stacks())
+
+    def _prepared(self) -> Prepared:
+        """What this optimizer's plain steps derive per parameter from its cached state
+        (``optim.plan.Prepared``: a cache, not saved)."""
+        return self.__dict__.setdefault("_prepared_steps", Prepared())
 
     def _quadratic(self, curvature: Any, step: torch.Tensor) -> torch.Tensor:
         """``sᵀ C s`` for a step ``s`` of the parameter's shape."""
