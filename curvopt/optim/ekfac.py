@@ -478,7 +478,11 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         ``Q_B [(Q_Bᵀ G Q_A) ⊘ (S + λ)] Q_Aᵀ`` on the stacks (``optim.plan.Stacks``), the others
         (no basis, bases stacked per group) one at a time."""
         out: list = [None] * len(items)
-        keys = [_bucket(item, step) if self._batches(item.grad.device) else None for item in items]
+        keys = (
+            [_bucket(item, step) if self._batches(item.grad.device) else None for item in items]
+            if self._batching(items)
+            else []
+        )
         for key, at in buckets(keys).items():
             if len(at) > 1:
                 grads = [items[i].grad for i in at]

@@ -238,10 +238,14 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
             for i, ((inverse, kept), item) in enumerate(zip(solved, items)):
                 direction = self._factored(inverse, item)
                 out[i] = None if direction is None else (direction.reshape(item.grad.shape), kept)
-        keys = [
-            None if done is not None else self._bucket(inverse, item, step)
-            for done, (inverse, _), item in zip(out, solved, items)
-        ]
+        keys = (
+            [
+                None if done is not None else self._bucket(inverse, item, step)
+                for done, (inverse, _), item in zip(out, solved, items)
+            ]
+            if self._batching(items)
+            else []
+        )
         for key, at in buckets(keys).items():
             if len(at) > 1:  # (one alone: its own products, as always)
                 grads = [items[i].grad for i in at]
