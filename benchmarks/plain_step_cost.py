@@ -29,7 +29,7 @@ Printed per workload: ms per step and the ratios ``plain / floor`` (the goal: at
 ``--step-only``: ``opt.step()`` alone on fixed gradients (the Python and kernels of a plain step
 without the forward and backward): ``KFAC`` and ``EKFAC`` at their defaults on plain steps (the
 curvature of a first step kept), and ``torch.optim.AdamW``, on the same gradients, interleaved
-in blocks of 30 steps (ms per step, medians of the rounds, CPU time).
+in blocks of 10 steps (ms per step, medians of the rounds, CPU time).
 
 ``--compile``: the batched application of one bucket (stack the gradients, ``B⁻¹ @ G @ A⁻¹``,
 unstack), eager against ``torch.compile``, on the buckets of the workloads' shapes (CPU time
@@ -190,9 +190,8 @@ def measure(name: str, batch: int, rounds: int) -> dict[str, float]:
     return {n: 1e3 * measured.median(n, 1) for n in names}
 
 
-#: ``--step-only``: the optimizers whose plain ``opt.step()`` is timed, and the steps of a block
+#: ``--step-only``: the optimizers whose plain ``opt.step()`` is timed
 STEP_ONLY = {"KFAC": KFAC, "EKFAC": EKFAC}
-STEP_BLOCK = 30
 
 
 def step_only(name: str, batch: int, rounds: int) -> dict[str, float]:
@@ -217,7 +216,7 @@ def step_only(name: str, batch: int, rounds: int) -> dict[str, float]:
     measured = interleaved(
         names,
         lambda n, r: runs[n](),
-        STEP_BLOCK,
+        BLOCK,
         rounds,
         1,
         time.perf_counter,
@@ -229,7 +228,7 @@ def step_only(name: str, batch: int, rounds: int) -> dict[str, float]:
 
 def _steps(step):
     def run():
-        for _ in range(STEP_BLOCK):
+        for _ in range(BLOCK):
             step()
 
     return run
