@@ -26,10 +26,11 @@ per step, one thread). A step is ``zero_grad``, forward, loss, backward and the 
 Printed per workload: ms per step and the ratios ``plain / floor`` (the goal: at most 1.05),
 ``plain / adamw`` and ``amortised / adamw`` (the goal: at most 1.15).
 
-``--step-only``: ``opt.step()`` alone on fixed gradients (the Python and kernels of a plain step
-without the forward and backward): ``KFAC`` and ``EKFAC`` at their defaults on plain steps (the
-curvature of a first step kept), and ``torch.optim.AdamW``, on the same gradients, interleaved
-in blocks of 10 steps (ms per step, medians of the rounds, CPU time).
+``--step-only``: ``opt.step()`` alone on fixed gradients, the Python and kernels of a plain step
+without the forward and backward (also on the ResNet and the encoder of
+``benchmarks.default_step_cost``: ``--problems resnet encoder``): ``KFAC`` and ``EKFAC`` at their
+defaults on plain steps (the curvature of a first step kept), and ``torch.optim.AdamW``, on the
+same gradients, interleaved in blocks of 10 steps (ms per step, medians of the rounds, CPU time).
 
 ``--compile``: the batched application of one bucket (stack the gradients, ``B⁻¹ @ G @ A⁻¹``,
 unstack), eager against ``torch.compile``, on the buckets of the workloads' shapes (CPU time
@@ -46,6 +47,7 @@ import torch
 
 import curvopt
 from curvopt.inversion.factor_inverse import LowRankInverse
+from benchmarks import default_step_cost
 from curvopt.optim import EKFAC, KFAC
 from experiments.problems import get_problem
 from experiments.timing import interleaved
@@ -198,11 +200,10 @@ def step_only(name: str, batch: int, rounds: int) -> dict[str, float]:
     """ms of ``opt.step()`` alone per optimizer of :data:`STEP_ONLY` (plain steps at the
     defaults, on the gradients of one batch) and AdamW's on the same gradients (median of
     ``rounds`` counted rounds, CPU time)."""
-    problem = get_problem(name)
-    X, y = _batches(problem, batch, 1)[0]
-    base, runs = problem.model(0), {}
+    base, make_loss, (X, y) = _step_only_problem(name, batch)
+    runs = {}
     for entry, optimizer in STEP_ONLY.items():
-        model, loss = curvopt.extend(copy.deepcopy(base)), curvopt.extend(problem.loss())
+        model, loss = curvopt.extend(copy.deepcopy(base)), curvopt.extend(make_loss())
         opt = optimizer(model.parameters(), lr=LR, **PLAIN)
         for _ in range(2):  # a refresh, then the gradients every counted step reuses
             opt.zero_grad()
@@ -210,7 +211,7 @@ def step_only(name: str, batch: int, rounds: int) -> dict[str, float]:
             opt.step()
         runs[entry] = _steps(opt.step)
     adam_model = copy.deepcopy(base)
-    problem.loss()(adam_model(X), y).backward()
+    make_loss()(adam_model(X), y).backward()
     runs["adamw"] = _steps(torch.optim.AdamW(adam_model.parameters(), lr=LR).step)
     names = list(runs)
     measured = interleaved(
@@ -224,6 +225,18 @@ def step_only(name: str, batch: int, rounds: int) -> dict[str, float]:
         lambda _: None,
     )
     return {n: 1e3 * measured.median(n, 1) for n in names}
+
+
+def _step_only_problem(name: str, batch: int):
+    """``(model, loss maker, one batch)`` of a workload, or of a network of
+    ``benchmarks.default_step_cost`` (``resnet``, ``encoder``: its batch of 32)."""
+    if name in default_step_cost.MODELS:
+        make_model, make_batch = default_step_cost.MODELS[name]
+        generator = torch.Generator().manual_seed(0)
+        torch.manual_seed(0)
+        return make_model(), torch.nn.CrossEntropyLoss, make_batch(generator)
+    problem = get_problem(name)
+    return problem.model(0), problem.loss, _batches(problem, batch, 1)[0]
 
 
 def _steps(step):
@@ -281,7 +294,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=PROBLEMS)
+    parser.add_argument(
+        "--problems",
+        nargs="+",
+        default=list(PROBLEMS),
+        choices=[*PROBLEMS, *default_step_cost.MODELS],
+        help="the workloads; with --step-only also default_step_cost's networks",
+    )
     parser.add_argument("--compile", action="store_true", help="eager vs torch.compile")
     parser.add_argument("--step-only", action="store_true", help="opt.step() on fixed gradients")
     args = parser.parse_args(argv)
