@@ -26,6 +26,12 @@ per step, one thread). A step is ``zero_grad``, forward, loss, backward and the 
 Printed per workload: ms per step and the ratios ``plain / floor`` (the goal: at most 1.05),
 ``plain / adamw`` and ``amortised / adamw`` (the goal: at most 1.15).
 
+``--step-only``: ``opt.step()`` alone on fixed gradients, the Python and kernels of a plain step
+without the forward and backward (also on the ResNet and the encoder of
+``benchmarks.default_step_cost``: ``--problems resnet encoder``): ``KFAC`` and ``EKFAC`` at their
+defaults on plain steps (the curvature of a first step kept), and ``torch.optim.AdamW``, on the
+same gradients, interleaved in blocks of 10 steps (ms per step, medians of the rounds, CPU time).
+
 ``--compile``: the batched application of one bucket (stack the gradients, ``B⁻¹ @ G @ A⁻¹``,
 unstack), eager against ``torch.compile``, on the buckets of the workloads' shapes (CPU time
 per call, 200 calls after 5 warm-up calls; the first call's compilation apart).
@@ -41,7 +47,8 @@ import torch
 
 import curvopt
 from curvopt.inversion.factor_inverse import LowRankInverse
-from curvopt.optim import KFAC
+from benchmarks import default_step_cost
+from curvopt.optim import EKFAC, KFAC
 from experiments.problems import get_problem
 from experiments.timing import interleaved
 
@@ -185,6 +192,61 @@ def measure(name: str, batch: int, rounds: int) -> dict[str, float]:
     return {n: 1e3 * measured.median(n, 1) for n in names}
 
 
+#: ``--step-only``: the optimizers whose plain ``opt.step()`` is timed
+STEP_ONLY = {"KFAC": KFAC, "EKFAC": EKFAC}
+
+
+def step_only(name: str, batch: int, rounds: int) -> dict[str, float]:
+    """ms of ``opt.step()`` alone per optimizer of :data:`STEP_ONLY` (plain steps at the
+    defaults, on the gradients of one batch) and AdamW's on the same gradients (median of
+    ``rounds`` counted rounds, CPU time)."""
+    base, make_loss, (X, y) = _step_only_problem(name, batch)
+    runs = {}
+    for entry, optimizer in STEP_ONLY.items():
+        model, loss = curvopt.extend(copy.deepcopy(base)), curvopt.extend(make_loss())
+        opt = optimizer(model.parameters(), lr=LR, **PLAIN)
+        for _ in range(2):  # a refresh, then the gradients every counted step reuses
+            opt.zero_grad()
+            loss(model(X), y).backward()
+            opt.step()
+        runs[entry] = _steps(opt.step)
+    adam_model = copy.deepcopy(base)
+    make_loss()(adam_model(X), y).backward()
+    runs["adamw"] = _steps(torch.optim.AdamW(adam_model.parameters(), lr=LR).step)
+    names = list(runs)
+    measured = interleaved(
+        names,
+        lambda n, r: runs[n](),
+        BLOCK,
+        rounds,
+        1,
+        time.perf_counter,
+        name,
+        lambda _: None,
+    )
+    return {n: 1e3 * measured.median(n, 1) for n in names}
+
+
+def _step_only_problem(name: str, batch: int):
+    """``(model, loss maker, one batch)`` of a workload, or of a network of
+    ``benchmarks.default_step_cost`` (``resnet``, ``encoder``: its batch of 32)."""
+    if name in default_step_cost.MODELS:
+        make_model, make_batch = default_step_cost.MODELS[name]
+        generator = torch.Generator().manual_seed(0)
+        torch.manual_seed(0)
+        return make_model(), torch.nn.CrossEntropyLoss, make_batch(generator)
+    problem = get_problem(name)
+    return problem.model(0), problem.loss, _batches(problem, batch, 1)[0]
+
+
+def _steps(step):
+    def run():
+        for _ in range(BLOCK):
+            step()
+
+    return run
+
+
 #: ``(name, blocks, out, in)``: buckets of the workloads (the ViT's and the GPT's blocks) and
 #: an MLP of eight equal widths
 BUCKETS = (
@@ -232,10 +294,24 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=PROBLEMS)
+    parser.add_argument(
+        "--problems",
+        nargs="+",
+        default=list(PROBLEMS),
+        choices=[*PROBLEMS, *default_step_cost.MODELS],
+        help="the workloads; with --step-only also default_step_cost's networks",
+    )
     parser.add_argument("--compile", action="store_true", help="eager vs torch.compile")
+    parser.add_argument("--step-only", action="store_true", help="opt.step() on fixed gradients")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.step_only:
+        print(f"{COMMAND} --step-only: ms per opt.step() on fixed gradients (CPU time, one thread)")
+        for name in args.problems:
+            ms = step_only(name, args.batch, args.rounds)
+            row = ", ".join(f"{k} {v:.2f}" for k, v in ms.items())
+            print(f"{name}: {row}", flush=True)
+        return
     if args.compile:
         print(f"{COMMAND} --compile: CPU ms per call of one bucket's batched application")
         compile_cost()

@@ -16,13 +16,14 @@ differently).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from curvopt.inversion.diagonal import diag_precondition
-from curvopt.inversion.eigen_corrected import as_rows, eigen_corrected_coordinates, rotate
+from curvopt.inversion.eigen_corrected import as_rows, rotate
 
 
 class DampedInverse:
@@ -70,10 +71,17 @@ class EigenCorrectedInverse(DampedInverse):
     def apply_one(self, grad):
         return self.apply_with_coordinates(grad)[0]
 
+    @functools.cached_property
+    def divisor(self) -> torch.Tensor:
+        """``S + λ``, formed once per inverse (``EKFAC`` keeps its inverse between refreshes:
+        a plain step divides by it and adds nothing)."""
+        return self.correction + self.damping
+
     def apply_with_coordinates(self, grad) -> tuple[torch.Tensor, torch.Tensor]:
         """``(d, Q_Bᵀ D Q_A)``: :meth:`apply_one`'s direction and its coordinates in the basis
-        (``eigen_corrected_coordinates``, the solve's intermediate), ``[dim B, dim A]``."""
+        (``eigen_corrected_coordinates``' ``(Q_Bᵀ G Q_A) / (S + λ)``, the solve's
+        intermediate, with :attr:`divisor`), ``[dim B, dim A]``."""
         rows = as_rows(grad, self.bases)
-        rotated = eigen_corrected_coordinates(self.bases, self.correction, rows, self.damping)
+        rotated = rotate(self.bases, rows) / self.divisor
         solved = rotate(self.bases, rotated, back=True).to(rows.dtype)
         return solved.reshape(grad.shape), rotated

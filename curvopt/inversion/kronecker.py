@@ -25,8 +25,9 @@ damping and inverse here acts on each group's block (batched over the groups).
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ from curvopt.inversion.inverses import DampedInverse
 from curvopt.inversion.trace_norm import (
     Factors,
     eigh_solvers,
+    kron_applier,
     kron_cholesky_solve,
     kron_solve,
     trace_norm_cholesky,
@@ -260,15 +262,24 @@ class KroneckerInverse(DampedInverse):
         """``(solvers, matrix) ↦`` the damped solve of a trace-norm ``value``."""
         return kron_cholesky_solve if self.kind == "cholesky" else kron_solve
 
-    def apply_one(self, grad):
-        matrix = grad.reshape(*self.rows, -1)
+    @functools.cached_property
+    def applied(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``G ↦`` the damped solve of ``G`` (``[*rows, ·]``), resolved once per inverse (its
+        kind, the solvers' precision and forms: ``trace_norm.kron_applier``), so that an
+        inverse kept from step to step (``KFAC``'s plain steps) re-derives none of it."""
         if self.kind == "eigh":
-            direction = exact_damped_solve(self.value, matrix, self.damping)
-        elif self.kind == "trace_norm_eigh":
-            direction = kron_solve(eigh_solvers(self.value, self.damping), matrix)
-        else:
-            direction = self.solve(self.value, matrix)
-        return direction.reshape(grad.shape)
+            return functools.partial(_exact_solve, self.value, self.damping)
+        if self.kind == "trace_norm_eigh":
+            return kron_applier(eigh_solvers(self.value, self.damping))
+        return kron_applier(self.value, cholesky=self.kind == "cholesky")
+
+    def apply_one(self, grad):
+        return self.applied(grad.reshape(*self.rows, -1)).reshape(grad.shape)
+
+
+def _exact_solve(value, damping: float, matrix: torch.Tensor) -> torch.Tensor:
+    """:func:`exact_damped_solve` with the matrix last (``KroneckerInverse.applied``)."""
+    return exact_damped_solve(value, matrix, damping)
 
 
 def _kept(factor, options: InverseOptions) -> int:

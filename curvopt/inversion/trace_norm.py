@@ -34,7 +34,7 @@ no Gram root, no rank cap).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -296,7 +296,7 @@ def kron_cholesky_solve(solvers: Sequence, matrix: torch.Tensor) -> torch.Tensor
         >>> torch.allclose(optim.kron_cholesky_solve(solvers, G), torch.ones(2, 3))
         True
     """
-    return _kron_apply(solvers, matrix, torch.cholesky_solve, cholesky_solve_right)
+    return kron_applier(solvers, cholesky=True)(matrix)
 
 
 def kron_solve(solvers: Sequence, matrix: torch.Tensor) -> torch.Tensor:
@@ -321,26 +321,42 @@ def kron_solve(solvers: Sequence, matrix: torch.Tensor) -> torch.Tensor:
         >>> torch.allclose(optim.kron_solve(solvers, G), torch.ones(2, 3))
         True
     """
-    return _kron_apply(solvers, matrix, lambda m, f: f @ m, lambda m, f: m @ f)
+    return kron_applier(solvers)(matrix)
 
 
-def _kron_apply(solvers, matrix, dense_left, dense_right) -> torch.Tensor:
-    """``B⁻¹ G A⁻¹`` with dense entries applied as ``dense_left(G, ·)`` / ``dense_right(G, ·)``
-    and :class:`LowRankInverse` entries by Woodbury."""
-    dtype = matrix.dtype
-    left = solvers[0]
-    matrix = matrix.to(left.basis.dtype if isinstance(left, LowRankInverse) else left.dtype)
-    if isinstance(left, LowRankInverse):
-        result = left.solve_left(matrix)
-    else:
-        result = dense_left(matrix, left)
-    if len(solvers) == 2:
-        right = solvers[1]
-        if isinstance(right, LowRankInverse):
-            result = right.solve_right(result)
+def kron_applier(
+    solvers: Sequence, cholesky: bool = False
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``G ↦ B⁻¹ G A⁻¹`` (``B⁻¹ G``) of :func:`kron_solve` (``cholesky``: of
+    :func:`kron_cholesky_solve`) with everything but the products resolved once: the solvers'
+    precision, and per side a dense entry's product or triangular solves, or a
+    :class:`LowRankInverse`'s Woodbury form. The kernels and their order are those of the
+    solve (the same bits); a plain step applies a cached inverse by the function
+    ``KroneckerInverse`` keeps (``inversion.kronecker``)."""
+    dense_left, dense_right = (
+        (torch.cholesky_solve, cholesky_solve_right)
+        if cholesky
+        else (lambda m, f: f @ m, lambda m, f: m @ f)
+    )
+    sides = []
+    for side, solver in enumerate(solvers[:2]):
+        if isinstance(solver, LowRankInverse):
+            sides.append(solver.solve_right if side else solver.solve_left)
+        elif side:
+            sides.append(lambda m, f=solver: dense_right(m, f))
         else:
-            result = dense_right(result, right)
-    return result.to(dtype)
+            sides.append(lambda m, f=solver: dense_left(m, f))
+    left = solvers[0]
+    precision = left.basis.dtype if isinstance(left, LowRankInverse) else left.dtype
+
+    def apply(matrix: torch.Tensor) -> torch.Tensor:
+        dtype = matrix.dtype
+        result = matrix if dtype is precision else matrix.to(precision)
+        for side in sides:
+            result = side(result)
+        return result if result.dtype is dtype else result.to(dtype)
+
+    return apply
 
 
 #: the eigendecompositions ``(s, Q)`` of the factors (:func:`trace_norm_eigh`)

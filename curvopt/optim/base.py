@@ -493,7 +493,8 @@ class CurvatureOptimizer(Optimizer):
                 torch._foreach_sub_([u.param for u in updates], [u.delta for u in updates])
             for update in updates:
                 self.state[update.param] = update.state
-                self._consumed.setdefault(update.param, {}).update(update.consumed)
+                if update.consumed:  # (a plain step reads none)
+                    self._consumed.setdefault(update.param, {}).update(update.consumed)
         for group_state in self._group_state:
             group_state["step"] += 1
         if due:

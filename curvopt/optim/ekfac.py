@@ -478,7 +478,11 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         ``Q_B [(Q_Bᵀ G Q_A) ⊘ (S + λ)] Q_Aᵀ`` on the stacks (``optim.plan.Stacks``), the others
         (no basis, bases stacked per group) one at a time."""
         out: list = [None] * len(items)
-        keys = [_bucket(item, step) if self._batches(item.grad.device) else None for item in items]
+        keys = (
+            [_bucket(item, step) if self._batches(item.grad.device) else None for item in items]
+            if self._batching(items)
+            else []
+        )
         for key, at in buckets(keys).items():
             if len(at) > 1:
                 grads = [items[i].grad for i in at]
@@ -488,13 +492,25 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         measured = self._coordinates is not None and self._measured_in_basis(step)
         for i, item in enumerate(items):
             if out[i] is None:
-                inverse = EigenCorrectedInverse.build(item.curvature, step.damping)
+                inverse = self._inverse(item, step)
                 if not measured:
                     out[i] = inverse.apply_one(item.grad)
                     continue
                 out[i], coordinates = inverse.apply_with_coordinates(item.grad)
                 self._coordinates[id(item)] = out[i], coordinates
         return [(direction, self._kept(item, step)) for direction, item in zip(out, items)]
+
+    def _inverse(self, item, step) -> EigenCorrectedInverse:
+        """``item``'s ``EigenCorrectedInverse``, its ``S + λ`` formed once between refreshes
+        (``optim.plan.Prepared``: while ``item.curvature`` is the very object and the damping
+        and the gradient's shape, dtype and device are the same)."""
+        grad, prepared = item.grad, self._prepared()
+        sources, inputs = (item.curvature,), (step.damping, grad.shape, grad.dtype, grad.device)
+        inverse = prepared.get(item.update.param, sources, inputs)
+        if inverse is None:
+            inverse = EigenCorrectedInverse.build(item.curvature, step.damping)
+            prepared.put(item.update.param, sources, inputs, inverse)
+        return inverse
 
     def _measured_in_basis(self, step) -> bool:
         """Whether, under the default damping (:func:`default_damping`: other settings keep
@@ -543,12 +559,22 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         if trust_metric(step.group) != "ggn" or products is None:
             return None
         bases = item.curvature[1:]
-        metric = products + step.damping
+        metric = self._trust_metric(item, products, step.damping)
         # the solve's coordinates of this very direction, held until read (a parameter's size)
         direction, coordinates = (self._coordinates or {}).pop(id(item), (None, None))
         if direction is not None and direction is item.direction:
             return (metric * coordinates * coordinates).sum()
         return eigen_corrected_quadratic(bases, metric, as_rows(item.direction, bases))
+
+    def _trust_metric(self, item, products, damping) -> torch.Tensor:
+        """``K + λ + δ`` of ``item``'s ``products`` ``K``, formed once between refreshes
+        (``optim.plan.Prepared``, as :meth:`_inverse`)."""
+        key, inputs = (item.update.param, "trust_metric"), (damping,)
+        metric = self._prepared().get(key, (products,), inputs)
+        if metric is None:
+            metric = products + damping
+            self._prepared().put(key, (products,), inputs, metric)
+        return metric
 
     def _curvature_scale(self, curvature):
         """``tr(Q diag(S) Qᵀ)/dim``: the mean of ``S``."""

@@ -238,10 +238,14 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
             for i, ((inverse, kept), item) in enumerate(zip(solved, items)):
                 direction = self._factored(inverse, item)
                 out[i] = None if direction is None else (direction.reshape(item.grad.shape), kept)
-        keys = [
-            None if done is not None else self._bucket(inverse, item, step)
-            for done, (inverse, _), item in zip(out, solved, items)
-        ]
+        keys = (
+            [
+                None if done is not None else self._bucket(inverse, item, step)
+                for done, (inverse, _), item in zip(out, solved, items)
+            ]
+            if self._batching(items)
+            else []
+        )
         for key, at in buckets(keys).items():
             if len(at) > 1:  # (one alone: its own products, as always)
                 grads = [items[i].grad for i in at]
@@ -280,27 +284,33 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
     def _inverse(self, item, step, options=None):
         """``(KroneckerInverse, cache entries to keep)`` of ``item``, from its cached entry
         (computed where due) under the group's :meth:`_inverse_options` ``options`` (None:
-        made here)."""
-        grad, curvature, damping = item.grad, item.curvature, step.damping
-        matrix = as_matrix(grad, curvature)
-        derived = self._derived(curvature, step.group, damping, item.curvature_step, options)
-        entry = cached(
-            item.state.get(derived.name), derived.key, step.step, derived.interval, derived.compute
-        )
-        kept = {derived.name: entry}
+        made here). Between refreshes the inverse resolved for its products is the one of the
+        last step (``optim.plan.Prepared``: while its entries are the very objects in
+        ``item.state`` and the damping, options and gradient's shape, dtype and device are
+        the same), so a plain step re-derives nothing."""
+        grad, damping = item.grad, step.damping
+        options = self._inverse_options(step.group) if options is None else options
+        sources = (item.state.get(options.kind), item.state.get("eigh_inverse"))
+        inputs = (options, damping, item.curvature_step, grad.shape, grad.dtype, grad.device)
+        prepared = self._prepared()
+        found = prepared.get(item.update.param, sources, inputs)
+        if found is not None:
+            return found[0], dict(found[1])
+        matrix = as_matrix(grad, item.curvature)
+        derived = self._derived(item.curvature, step.group, damping, item.curvature_step, options)
+        entry = cached(sources[0], derived.key, step.step, derived.interval, derived.compute)
+        kept, current = {derived.name: entry}, entry["key"] == derived.key
         kind, value = derived.name, entry["value"]
         if kind == "trace_norm_eigh":  # the damped inverses of the decomposition, per λ
             key = (entry["step"], damping)
-            solvers = cached(
-                item.state.get("eigh_inverse"),
-                key,
-                step.step,
-                1,
-                lambda: eigh_solvers(value, damping),
-            )
+            solvers = cached(sources[1], key, step.step, 1, lambda: eigh_solvers(value, damping))
             kept["eigh_inverse"] = solvers
             kind, value = "inverse", solvers["value"]
-        return KroneckerInverse(kind, value, damping, tuple(matrix.shape[:-1])), kept
+        inverse = KroneckerInverse(kind, value, damping, tuple(matrix.shape[:-1]))
+        if current:  # what the next step finds cached for the same inputs: these entries
+            state = (kept[derived.name], kept.get("eigh_inverse"))
+            prepared.put(item.update.param, state, inputs, (inverse, dict(kept)))
+        return inverse, kept
 
     def _factored(self, inverse, item):
         """The factored direction of ``item`` (:meth:`_factored_direction`), or None."""

@@ -72,7 +72,7 @@ from curvopt.inversion.damping import (
 )
 from curvopt.optim.fallback import announce
 from curvopt.optim.options import DEFAULT_REDUCTION_DAMPING
-from curvopt.optim.plan import ParamUpdate, Stacks, batches_pay, refresh_interval
+from curvopt.optim.plan import ParamUpdate, Prepared, Stacks, batches_pay, refresh_interval
 from curvopt.optim.stages import (
     NEWTON,
     Chain,
@@ -250,9 +250,22 @@ class NewtonOptimizer(CurvatureOptimizer):
         (``plan.batches_pay``: not on a CPU)."""
         return batches_pay(device)
 
+    def _batching(self, items: list[ParamStep]) -> bool:
+        """Whether any of ``items`` is on a device whose blocks are applied in batches
+        (:meth:`_batches`; else, on a CPU, the buckets are not formed at all)."""
+        return any(self._batches(device) for device in {item.grad.device for item in items})
+
     def _stacks(self) -> Stacks:
         """The stacked operands this optimizer's batched products keep (a cache, not saved)."""
         return self.__dict__.setdefault("_stacked", Stacks())
+
+    def _prepared(self) -> Prepared:
+        """What this optimizer's plain steps derive per parameter from its cached state
+        (``optim.plan.Prepared``: a cache, not saved)."""
+        prepared = self.__dict__.get("_prepared_steps")
+        if prepared is None:
+            prepared = self.__dict__["_prepared_steps"] = Prepared()
+        return prepared
 
     def _quadratic(self, curvature: Any, step: torch.Tensor) -> torch.Tensor:
         """``sᵀ C s`` for a step ``s`` of the parameter's shape."""

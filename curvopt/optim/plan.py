@@ -152,7 +152,43 @@ class Stacks:
         return stack
 
 
-def _same(kept: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> bool:
+class Prepared:
+    """What a plain step derives per parameter from its cached state, kept from step to step.
+
+    Between two refreshes a parameter's cache entries (inverses, bases: the dicts of
+    :func:`cached`, replaced, never changed in place) stay the very objects, so what a step
+    derives from them (the inverse resolved for its products, the eigenvalues plus the damping)
+    is the same at every plain step. ``get(param, sources, inputs)`` returns what ``put`` kept
+    for ``param`` while ``sources`` are the very objects kept with it and ``inputs`` (damping,
+    options, the gradient's shape, dtype and device) compare equal, else None: a refresh, a
+    new damping or param group option, a loaded ``state_dict`` (new objects) or a move to
+    another dtype or device prepares anew. Like :class:`Stacks` a cache that steers no number
+    (what it holds is what the step would derive again), neither saved nor pickled.
+
+    Example:
+        >>> import torch
+        >>> prepared, entry = Prepared(), {"value": torch.eye(2)}
+        >>> prepared.put("w", (entry,), (0.1,), "solve")
+        >>> prepared.get("w", (entry,), (0.1,)), prepared.get("w", (entry,), (0.2,))
+        ('solve', None)
+        >>> prepared.get("w", (dict(entry),), (0.1,)) is None  # another object: a refresh
+        True
+    """
+
+    def __init__(self):
+        self._kept: dict[Hashable, tuple[tuple, tuple, Any]] = {}
+
+    def get(self, param: Hashable, sources: Sequence[Any], inputs: tuple) -> Any:
+        kept = self._kept.get(param)
+        if kept is not None and _same(kept[0], sources) and kept[1] == inputs:
+            return kept[2]
+        return None
+
+    def put(self, param: Hashable, sources: Sequence[Any], inputs: tuple, value: Any) -> None:
+        self._kept[param] = (tuple(sources), inputs, value)
+
+
+def _same(kept: Sequence[Any], tensors: Sequence[Any]) -> bool:
     return len(kept) == len(tensors) and all(a is b for a, b in zip(kept, tensors))
 
 

@@ -26,8 +26,6 @@ constructor argument ``stages=`` replaces it for one optimizer (``NEWTON.with_st
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
@@ -79,14 +77,29 @@ class ParamStep:
         self.own = self.direction * factor
         return self.own
 
-    @contextlib.contextmanager
-    def naming_errors(self) -> Iterator[None]:
+    def naming_errors(self) -> "NamingErrors":
         """A block in which a failed inversion (``torch.linalg.LinAlgError``) names the
         parameter (``update.description``) before what failed."""
-        try:
-            yield
-        except torch.linalg.LinAlgError as error:
-            raise torch.linalg.LinAlgError(f"{self.update.description}: {error}") from None
+        return NamingErrors(self.update.description)
+
+
+class NamingErrors:
+    """The block of :meth:`ParamStep.naming_errors`: a ``LinAlgError`` raised in it is raised
+    again as one that starts with ``description`` (a class, not a generator: entered once per
+    parameter at every step)."""
+
+    __slots__ = ("description",)
+
+    def __init__(self, description: str):
+        self.description = description
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if kind is not None and issubclass(kind, torch.linalg.LinAlgError):
+            raise torch.linalg.LinAlgError(f"{self.description}: {error}") from None
+        return False
 
 
 @dataclass(frozen=True)

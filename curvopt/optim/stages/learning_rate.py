@@ -14,10 +14,10 @@ class ScaleByLearningRate(Stage):
 
     def __call__(self, step: GroupStep) -> None:
         lr = step.group["lr"]
-        owned = [item.direction for item in step.params if item.owns(item.direction)]
+        owns = [item.owns(item.direction) for item in step.params]
+        owned = [item.direction for item, own in zip(step.params, owns) if own]
         if owned:
             torch._foreach_mul_(owned, lr)
-        for item in step.params:
-            owns = item.owns(item.direction)
-            item.update.delta = item.direction if owns else item.scaled(lr)
+        for item, own in zip(step.params, owns):
+            item.update.delta = item.direction if own else item.scaled(lr)
             item.update.checks.append(("update", item.update.delta))

@@ -69,9 +69,12 @@ def _aliases(direction: torch.Tensor, grad: torch.Tensor, param: torch.Tensor) -
     """Whether ``direction`` shares memory with the gradient in use, ``param.grad`` or the
     parameter (the fallback ``'sgd'`` returns the gradient itself): then no stage may change
     it in place."""
-    others = (grad, param.grad, param)
     memory = direction.untyped_storage().data_ptr()
-    return any(t is not None and t.untyped_storage().data_ptr() == memory for t in others)
+    held = param.grad
+    for other in (grad, param) if held is grad else (grad, held, param):
+        if other is not None and other.untyped_storage().data_ptr() == memory:
+            return True
+    return False
 
 
 def _spread_derived(step: GroupStep) -> None:
