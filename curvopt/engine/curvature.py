@@ -138,10 +138,11 @@ class CurvaturePass:
         """The loss's target and the calls of ``walk`` (``walk.Walk`` of its input) are
         supported; ``coupled`` where a call mixes samples, whose rule's reason is raised
         where the pass also wants ``per_sample`` (first-order) quantities. The loss's rule,
-        looked up here, is the one :meth:`run` uses (``rule``)."""
+        looked up here, is the one :meth:`run` uses (``rule``), with the loss's divisor its
+        check returns (``divisor``)."""
         module, target = self.loss.module, self.loss.target
         self.rule = loss_rule_for(module)
-        self.rule.check(module, self.loss_input, target)
+        self.divisor = self.rule.check(module, self.loss_input, target)  # (read once a pass)
         rules, mixer = [], None  # (module, rule, mixes samples), each rule looked up once
         for record in walk.calls:
             module = record.module
@@ -166,7 +167,6 @@ class CurvaturePass:
         plan bound to this pass)."""
         output = self.loss.output
         rule, module, target = self.rule, self.loss.module, self.loss.target
-        self.divisor = rule.divisor(module, self.loss_input, target)  # (read once a pass)
         scale = rule.reduction_scale(module, self.loss_input, target, divisor=self.divisor)
         self.results.reduction_scale += self.weight * scale  # ``s``: the optimizers' damping
         calls, self.batched = walk.calls, walk.batchable

@@ -100,8 +100,9 @@ class LossRule(ABC):
                 f"{name} has unknown reduction={loss_module.reduction!r}. Use 'mean' or 'sum'."
             )
 
-    def check(self, loss_module, output, target):
-        """Validate options, ``output`` (float, ``[N, ...]``, finite) and ``target``."""
+    def check(self, loss_module, output, target) -> float:
+        """Validate options, ``output`` (float, ``[N, ...]``, finite) and ``target``; returns
+        their :meth:`divisor` (which a rule's target check may prove on the way)."""
         self.check_options(loss_module)
         name = type(loss_module).__name__
         if not isinstance(output, torch.Tensor):
@@ -123,11 +124,13 @@ class LossRule(ABC):
             )
         if not isinstance(target, torch.Tensor):
             raise TypeError(f"{name}: target must be a tensor, got {type(target).__name__}.")
-        self._check_target(loss_module, output, target)
+        divisor = self._check_target(loss_module, output, target)
+        return self.divisor(loss_module, output, target) if divisor is None else divisor
 
     @abstractmethod
     def _check_target(self, loss_module, output, target):
-        """Raise ``ValueError``/``UnsupportedLossError`` for bad targets (output already valid)."""
+        """Raise ``ValueError``/``UnsupportedLossError`` for bad targets (output already valid);
+        return the :meth:`divisor` where the check found it, else None."""
 
     def divisor(self, loss_module, output, target) -> float:
         """``D`` with ``loss = (1/D) Σ_r ℓ_r`` over the loss's terms ``r``: 1 for "sum", the
@@ -161,7 +164,8 @@ class LossRule(ABC):
         (``check=False``: the caller has run :meth:`check` on these arguments; ``divisor``:
         their :meth:`divisor`, where the caller holds it)."""
         if check:
-            self.check(loss_module, output, target)
+            checked = self.check(loss_module, output, target)
+            divisor = checked if divisor is None else divisor
         output = _detached(output)
         ks = _column_indices(columns, self.num_columns(loss_module, output), output.device)
         return self._sqrt_hessian(loss_module, output, target, ks, divisor)
@@ -174,7 +178,8 @@ class LossRule(ABC):
         if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
             raise ValueError(f"mc_samples must be a positive int, got {mc_samples!r}")
         if check:
-            self.check(loss_module, output, target)
+            checked = self.check(loss_module, output, target)
+            divisor = checked if divisor is None else divisor
         output = _detached(output)
         return self._sqrt_hessian_mc(loss_module, output, target, mc_samples, divisor)
 

@@ -58,10 +58,10 @@ class CrossEntropyLossRule(LossRule):
                     "(as in torch); leave it at its default -100."
                 )
         elif self._check_class_indices(loss_module, output, target):
-            return  # every row kept at weight 1: the normaliser is the rows' count, >= 1
+            # every row kept at weight 1: the normaliser is the positions' count, >= 1
+            return 1.0 if loss_module.reduction == "sum" else _counted_exactly(output)
         counted = self._alpha(loss_module, output, target)[1]  # checks the sign of alpha
-        if loss_module.reduction == "mean":
-            _count(counted)  # checks the normaliser
+        return 1.0 if loss_module.reduction == "sum" else float(_count(counted))
 
     @staticmethod
     def _check_class_indices(loss_module, output, target) -> bool:
@@ -93,7 +93,13 @@ class CrossEntropyLossRule(LossRule):
 
     def _beta(self, loss_module, output, target, divisor):
         """``beta = s alpha`` of shape ``[N, D]`` (see module doc), ``s = 1 / divisor`` for
-        "mean" (``divisor``: :meth:`divisor` of these arguments, computed here where None)."""
+        "mean" (``divisor``: :meth:`divisor` of these arguments, computed here where None).
+        Without class weights or smoothing, a "mean" over every position
+        (:func:`_counted_exactly`) has ``alpha = 1``: ``beta = s`` without reading the target."""
+        plain = loss_module.weight is None and loss_module.label_smoothing == 0
+        if plain and divisor is not None and divisor == _counted_exactly(output):
+            batch = output.shape[0]
+            return output.new_full((batch, _positions(output) // batch), 1.0 / divisor)
         alpha, counted = self._alpha(loss_module, output, target)
         if loss_module.reduction == "mean" and divisor is None:
             divisor = _count(counted)
@@ -187,6 +193,14 @@ class CrossEntropyLossRule(LossRule):
 def _positions(output: torch.Tensor) -> int:
     """``P = N prod(d)``, the positions of logits ``[N, C, *d]`` (``output[:, 0].numel()``)."""
     return output.shape[0] * math.prod(output.shape[2:])
+
+
+def _counted_exactly(output: torch.Tensor):
+    """The number of positions as "mean" counts them where every row is kept at weight 1: the
+    sum of that many ones in ``output``'s dtype, ``float(P)`` where the dtype holds every
+    integer up to ``P``; None beyond (where that sum rounds)."""
+    positions = _positions(output)
+    return float(positions) if positions <= 2 / torch.finfo(output.dtype).eps else None
 
 
 def _count(counted) -> float:
