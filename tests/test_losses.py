@@ -103,6 +103,7 @@ CE_OPTIONS = [
     "weight+ignore+smooth",
     "soft",
     "soft+weight+smooth",
+    "soft+unnormalised",
     "soft+unnormalised+weight",
 ]
 BCE_OPTIONS = ["plain", "weight-last", "weight-full", "pos_weight", "pos_weight+weight-last+soft"]
@@ -426,6 +427,9 @@ def test_bad_inputs_are_rejected_by_every_entry_point(loss, output, target, erro
 def test_all_ignored_is_fine_with_sum_reduction():
     loss = nn.CrossEntropyLoss(reduction="sum")
     factor = loss_rule_for(loss).sqrt_hessian(loss, X, torch.tensor([-100, -100]))
+    assert not factor.any()
+    # one position: its divisor 1 equals the count of positions, yet it counts nothing
+    factor = loss_rule_for(loss).sqrt_hessian(loss, X[:1], torch.tensor([-100]))
     assert not factor.any()
 
 

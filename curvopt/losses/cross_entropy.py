@@ -94,10 +94,12 @@ class CrossEntropyLossRule(LossRule):
     def _beta(self, loss_module, output, target, divisor):
         """``beta = s alpha`` of shape ``[N, D]`` (see module doc), ``s = 1 / divisor`` for
         "mean" (``divisor``: :meth:`divisor` of these arguments, computed here where None).
-        Without class weights or smoothing, a "mean" over every position
-        (:func:`_counted_exactly`) has ``alpha = 1``: ``beta = s`` without reading the target."""
+        Class indices without class weights or smoothing, counted by a "mean" at every position
+        (:func:`_counted_exactly`), have ``alpha = 1``: ``beta = s`` without reading them."""
         plain = loss_module.weight is None and loss_module.label_smoothing == 0
-        if plain and divisor is not None and divisor == _counted_exactly(output):
+        plain = plain and not target.is_floating_point()  # (soft targets: alpha = sum_c t_c)
+        every = divisor is not None and divisor == _counted_exactly(output)
+        if plain and every and loss_module.reduction == "mean":  # ("sum": its 1 counts none)
             batch = output.shape[0]
             return output.new_full((batch, _positions(output) // batch), 1.0 / divisor)
         alpha, counted = self._alpha(loss_module, output, target)
