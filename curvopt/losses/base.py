@@ -170,9 +170,7 @@ class LossRule(ABC):
         ks = _column_indices(columns, self.num_columns(loss_module, output), output.device)
         return self._sqrt_hessian(loss_module, output, target, ks, divisor)
 
-    def sqrt_hessian_mc(
-        self, loss_module, output, target, mc_samples, check=True, divisor=None
-    ):
+    def sqrt_hessian_mc(self, loss_module, output, target, mc_samples, check=True, divisor=None):
         """Monte-Carlo factor ``[mc_samples, *output.shape]``, unbiased for ``H_n`` (``check``
         and ``divisor`` as in :meth:`sqrt_hessian`)."""
         if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:

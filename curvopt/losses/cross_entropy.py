@@ -170,7 +170,8 @@ class CrossEntropyLossRule(LossRule):
             else:
                 coeff, one_hot = root[:, ks].T, F.one_hot(ks, num_classes).to(output)
             # [k, N] · ([k, 1, C] - [N, C])
-            return (coeff[..., None] * (one_hot[:, None, :] - p)).reshape(k, *output.shape)
+            columns = coeff.unsqueeze(2) * (one_hot.unsqueeze(1) - p)
+            return columns if output.dim() == 2 else columns.reshape(k, *output.shape)
         probs = output.softmax(1).reshape(batch, num_classes, -1)  # [N, C, D]
         cs, ds = ks // probs.shape[2], ks % probs.shape[2]
         one_hot = F.one_hot(cs, num_classes).to(output)[:, None, :]  # [k, 1, C]
@@ -188,7 +189,7 @@ class CrossEntropyLossRule(LossRule):
         # (one_hot - probs) * sqrt(beta / M), [M, N, D, C], made in place in one buffer
         columns = output.new_zeros(mc_samples, *probs.shape)
         columns.scatter_(-1, sampled.T.reshape(mc_samples, *beta.shape, 1), 1.0).sub_(probs)
-        columns.mul_((beta / mc_samples).sqrt()[..., None])
+        columns.mul_((beta / mc_samples).sqrt().unsqueeze(-1))
         return columns.transpose(2, 3).reshape(mc_samples, *output.shape)
 
 
