@@ -25,7 +25,7 @@ _ROW_LOOP = 1 << 14
 
 def sum_of_squares(x: torch.Tensor, dims: int = 1) -> torch.Tensor:
     """``sum over the first `dims` dims of x**2``, shape ``x.shape[dims:]``."""
-    rows = x.reshape(-1, *x.shape[dims:])
+    rows = x if dims == 1 else x.reshape(-1, *x.shape[dims:])
     if math.prod(x.shape[dims:]) < _ROW_LOOP:
         return (rows * rows).sum(0)
     total = torch.zeros_like(rows[0])
