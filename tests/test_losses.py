@@ -103,6 +103,7 @@ CE_OPTIONS = [
     "weight+ignore+smooth",
     "soft",
     "soft+weight+smooth",
+    "soft+unnormalised",
     "soft+unnormalised+weight",
 ]
 BCE_OPTIONS = ["plain", "weight-last", "weight-full", "pos_weight", "pos_weight+weight-last+soft"]
@@ -427,6 +428,9 @@ def test_all_ignored_is_fine_with_sum_reduction():
     loss = nn.CrossEntropyLoss(reduction="sum")
     factor = loss_rule_for(loss).sqrt_hessian(loss, X, torch.tensor([-100, -100]))
     assert not factor.any()
+    # one position: its divisor 1 equals the count of positions, yet it counts nothing
+    factor = loss_rule_for(loss).sqrt_hessian(loss, X[:1], torch.tensor([-100]))
+    assert not factor.any()
 
 
 @pytest.mark.parametrize(
@@ -485,3 +489,82 @@ def test_cross_entropy_sampler_stays_in_range_for_rows_not_summing_to_one(dtype)
         p = p / p.sum()
         freq = torch.bincount(row, minlength=4).double() / draws
         assert bool(((freq - p).abs() <= 5 * (p * (1 - p) / draws).sqrt() + 1e-12).all())
+
+
+# ----------------------------------------------------------------------------- divisor read once
+
+
+@pytest.mark.parametrize(("make", "args"), CASES)
+def test_divisor_handed_in_gives_the_same_numbers(make, args):
+    """A pass reads the loss's divisor once and hands it to ``reduction_scale`` and the
+    factors: the numbers are those each computes on its own, bit for bit."""
+    loss, output, target = make(*args)
+    rule = loss_rule_for(loss)
+    divisor = rule.divisor(loss, output, target)
+    assert rule.check(loss, output, target) == divisor
+    assert rule.reduction_scale(loss, output, target, divisor=divisor) == rule.reduction_scale(
+        loss, output, target
+    )
+    own = rule.sqrt_hessian(loss, output, target)
+    handed = rule.sqrt_hessian(loss, output, target, check=False, divisor=divisor)
+    assert torch.equal(handed, own)
+    draws = []
+    for given_divisor in (None, divisor):
+        torch.manual_seed(3)
+        draws.append(rule.sqrt_hessian_mc(loss, output, target, 2, divisor=given_divisor))
+    assert torch.equal(*draws)
+
+
+@pytest.mark.parametrize("option", ["plain", "weight+ignore+smooth", "soft+weight"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_cross_entropy_with_one_trailing_position_matches_hessian(option, reduction):
+    """Logits ``[N, C, 1]``: the one-position factor, against ``torch.func.hessian``."""
+    loss, output, target = ce_case(3, (1,), option, reduction, seed=1)
+    rule = loss_rule_for(loss)
+    factor = rule.sqrt_hessian(loss, output, target)
+    assert factor.shape == (C, *output.shape)
+    torch.testing.assert_close(gram(factor), reference_blocks(loss, output, target))
+    assert torch.equal(factor[..., 0], rule.sqrt_hessian(loss, output[..., 0], target[..., 0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("size", [3, 40, 5000])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_finite_check_rejects_every_non_finite_input(dtype, size, bad):
+    """The loss input's finite check (``max |x|`` finite) rejects a nan or an infinity at
+    any position, as ``isfinite(x).all()`` does, and passes finite inputs."""
+    rule = loss_rule_for(nn.MSELoss())
+    gen = torch.Generator().manual_seed(size)
+    output = torch.randn(2, size, generator=gen).to(dtype)
+    rule.check(nn.MSELoss(), output, output)
+    for position in (0, size // 2, 2 * size - 1):
+        broken = output.clone()
+        broken.view(-1)[position] = bad
+        assert not torch.isfinite(broken).all()
+        with pytest.raises(ValueError, match="inf or nan"):
+            rule.check(nn.MSELoss(), broken, output)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("n", "tail"), [(5, ()), (3, (4,)), (300, ())])
+def test_cross_entropy_mean_over_every_position_skips_the_target(dtype, n, tail):
+    """Without class weights or smoothing, "mean" over every position has ``beta = 1 / P``:
+    the factors made from the divisor alone equal those made from the target's row weights,
+    bit for bit; the divisor the check proves is the one ``divisor`` reads (300 positions:
+    more than bfloat16 counts exactly, where the check leaves the count to ``divisor``)."""
+    gen = torch.Generator().manual_seed(n)
+    loss = nn.CrossEntropyLoss()
+    output = (2 * torch.randn(n, C, *tail, generator=gen)).to(dtype)
+    target = torch.randint(0, C, (n, *tail), generator=gen)
+    rule = loss_rule_for(loss)
+    divisor = rule.check(loss, output, target)
+    assert divisor == rule.divisor(loss, output, target)
+    from_target = rule.sqrt_hessian(loss, output, target, check=False)  # divisor unknown
+    assert torch.equal(rule.sqrt_hessian(loss, output, target, divisor=divisor), from_target)
+    draws = []
+    for given_divisor in (None, divisor):
+        torch.manual_seed(0)
+        draws.append(
+            rule.sqrt_hessian_mc(loss, output, target, 3, check=False, divisor=given_divisor)
+        )
+    assert torch.equal(*draws)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from curvopt import extensions as ext
 from experiments.overhead import cli, report
@@ -140,3 +141,33 @@ def test_cli_calls_counts_each_step_of_each_backend(capsys):
     counts = {row.split("|")[2].strip(): float(row.split("|")[3].replace(",", "")) for row in rows}
     assert list(counts) == ["plain", "hooks", "BatchGrad"]
     assert 0 < counts["plain"] < counts["hooks"] < counts["BatchGrad"]
+
+
+def test_cli_operators_counts_the_operators_of_each_step(capsys):
+    """``--operators``: the torch operators a step dispatches, the same every step (a whole
+    number); the plain step's are those a dispatch mode sees in one step of the plain model,
+    and per-sample gradients add operators."""
+    argv = ["--problems", "logreg", "--quantities", "BatchGrad", "--batch", "3"]
+    assert cli.main([*argv, "--threads", "1", "--backends", "curvopt", "--operators"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| logreg")]
+    counts = {row.split("|")[2].strip(): float(row.split("|")[3].replace(",", "")) for row in rows}
+    assert list(counts) == ["plain", "BatchGrad"]
+    assert all(count == int(count) for count in counts.values())
+    assert counts["plain"] == _operators_of(build_steps(PROBLEMS["logreg"].resized(3), [], [])[0])
+    assert counts["plain"] < counts["BatchGrad"]
+
+
+def _operators_of(steps) -> int:
+    """The ATen operators one plain step dispatches (after a warm-up step)."""
+    step = steps[("plain", PLAIN)]
+    step()
+    seen = []
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        step()
+    return len(seen)

@@ -383,3 +383,11 @@ def test_model_partly_extended(seed):
             assert_close(p.diag_ggn_exact, torch.diagonal(blocks[name]).reshape(p.shape), name)
         else:
             assert not hasattr(p, "diag_ggn_exact"), name
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("loss_name", list(LOSSES))
+def test_linear_on_one_position(loss_name, reduction, seed):
+    """``Linear`` on ``[N, 1, I]`` inputs takes the factorised diagonal of ``[N, I]`` inputs
+    (one position), its columns ``[K, N, 1, O]`` read as ``[K, N, O]``."""
+    check_ggn(nn.Sequential(nn.Linear(4, 3), nn.Flatten()), _x(1, 4), loss_name, reduction)

@@ -14,6 +14,7 @@ for ``M ≤ D/2`` that form is always the cheaper one); where a dense matrix is 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +25,8 @@ _ROW_LOOP = 1 << 14
 
 def sum_of_squares(x: torch.Tensor, dims: int = 1) -> torch.Tensor:
     """``sum over the first `dims` dims of x**2``, shape ``x.shape[dims:]``."""
-    rows = x.reshape(-1, *x.shape[dims:])
-    if rows[0].numel() < _ROW_LOOP:
+    rows = x if dims == 1 else x.reshape(-1, *x.shape[dims:])
+    if math.prod(x.shape[dims:]) < _ROW_LOOP:
         return (rows * rows).sum(0)
     total = torch.zeros_like(rows[0])
     for row in rows:

@@ -132,15 +132,17 @@ class CurvaturePass:
                 "scaled by a nonnegative factor."
             )
         self.scale = math.sqrt(self.weight)
+        self.loss_input = loss_record.output.detach()  # the values the loss's rule reads
 
     def check(self, walk, per_sample: bool = False) -> None:
         """The loss's target and the calls of ``walk`` (``walk.Walk`` of its input) are
         supported; ``coupled`` where a call mixes samples, whose rule's reason is raised
         where the pass also wants ``per_sample`` (first-order) quantities. The loss's rule,
-        looked up here, is the one :meth:`run` uses (``rule``)."""
-        module, output, target = self.loss.module, self.loss.output, self.loss.target
+        looked up here, is the one :meth:`run` uses (``rule``), with the loss's divisor its
+        check returns (``divisor``)."""
+        module, target = self.loss.module, self.loss.target
         self.rule = loss_rule_for(module)
-        self.rule.check(module, output.detach(), target)
+        self.divisor = self.rule.check(module, self.loss_input, target)  # (read once a pass)
         rules, mixer = [], None  # (module, rule, mixes samples), each rule looked up once
         for record in walk.calls:
             module = record.module
@@ -164,8 +166,8 @@ class CurvaturePass:
         """All curvature of this loss, given ``walk`` (``walk.Walk`` of its input, its
         plan bound to this pass)."""
         output = self.loss.output
-        rule = self.rule
-        scale = rule.reduction_scale(self.loss.module, output.detach(), self.loss.target)
+        rule, module, target = self.rule, self.loss.module, self.loss.target
+        scale = rule.reduction_scale(module, self.loss_input, target, divisor=self.divisor)
         self.results.reduction_scale += self.weight * scale  # ``s``: the optimizers' damping
         calls, self.batched = walk.calls, walk.batchable
         self.walk = walk
@@ -180,7 +182,7 @@ class CurvaturePass:
         for ext in self.exts:
             made = TABLE[ext.quantity.producer]
             if made.bases:
-                self._note_reduction(ext, rule)
+                self._note_reduction(ext)
                 if not (self.coupled or _fresh_bases(ext, calls, self.results)):
                     continue  # every basis supplied: S from the module hooks alone
             if made.columns is None:
@@ -198,18 +200,16 @@ class CurvaturePass:
         walking = {made: exts for made, exts in walking.items() if exts}
         if not walking:
             return
-        exact = LossColumns(self.loss, rule, self.scale, self.layout, "exact", 0)
+        exact = LossColumns(self, self.layout, "exact", 0)
         context = LossContext(output, walk, self.batched, exact.packed)
         for made, exts in walking.items():  # the table's: DiagHessian's residuals, then KFRA
             self.results.add(made.after(context, self.loss, self.weight, calls, exts))
 
-    def _note_reduction(self, ext, rule) -> None:
+    def _note_reduction(self, ext) -> None:
         """``EKFAC``'s scale is the divisor ``D`` of this pass's one loss (its rule's
         ``divisor``) and the factor the loss enters the backward with: note them, and check
         the reduction against the one ``ext`` expects (if it says)."""
-        module, output = self.loss.module, self.loss.output.detach()
-        divisor = rule.divisor(module, output, self.loss.target)
-        self.results.note_loss(self.loss, divisor, self.weight)
+        self.results.note_loss(self.loss, self.divisor, self.weight)
         expected, actual = ext.options["reduction"], getattr(self.loss.module, "reduction", None)
         if expected is not None and expected != actual:
             raise UnsupportedLossError(
@@ -227,7 +227,7 @@ class CurvaturePass:
         if self.coupled and source == "exact":  # every row reaches every sample: one a column
             rows = math.prod(self.loss.output.shape[: layout.row_dims])
             layout = RowLayout.singly(rows, layout.row_dims, self.loss.output.device)
-        columns = LossColumns(self.loss, rule, self.scale, layout, source, mc_samples)
+        columns = LossColumns(self, layout, source, mc_samples)
         strategy = choose(self.walk, calls, columns, self.batched, bool(diag_exts), self.coupled)
         contribute = partial(self._contribute, diag_exts=diag_exts, kron_exts=kron_exts)
         strategy.propagate(columns, contribute)
@@ -252,13 +252,15 @@ class CurvaturePass:
 class LossColumns:
     """The (scaled) square-root factor of one loss's Hessian from ``source`` (``"exact"``,
     ``"mc"`` with ``mc_samples`` draws, ``"empirical"``), in chunks, and how many of its
-    columns fit the memory budget at once. ``root``: the loss input the columns start from;
-    ``layout``: the pass's ``layouts.RowLayout``."""
+    columns fit the memory budget at once, for the loss of ``owner`` (its ``CurvaturePass``:
+    the loss's rule, factor and divisor, read once a pass). ``root``: the loss input the
+    columns start from; ``layout``: the pass's ``layouts.RowLayout``."""
 
-    def __init__(self, loss, rule, scale: float, layout, source: str, mc_samples: int):
-        self.loss, self.rule, self.scale, self.layout = loss, rule, scale, layout
+    def __init__(self, owner: CurvaturePass, layout, source: str, mc_samples: int):
+        self.loss, self.rule, self.scale, self.layout = owner.loss, owner.rule, owner.scale, layout
+        self.divisor, self.loss_input = owner.divisor, owner.loss_input
         self.source, self.mc_samples = source, mc_samples
-        self.root = loss.output
+        self.root = owner.loss.output
 
     @property
     def budget(self) -> int:
@@ -275,17 +277,18 @@ class LossColumns:
         empirical column, ``sqrt(c)`` times the loss gradient with ``c`` the reduction's
         divisor, holds every row: propagated, it sums each sample's rows)."""
         rule, loss = self.rule, self.loss
-        module, output, target = loss.module, loss.output.detach(), loss.target
+        module, output, target = loss.module, self.loss_input, loss.target
         if self.source == "mc":
             # (one name: the frame holds no unscaled factor while the columns are used)
             cols = self._scaled(
-                rule.sqrt_hessian_mc(module, output, target, self.mc_samples, check=False)
+                rule.sqrt_hessian_mc(
+                    module, output, target, self.mc_samples, check=False, divisor=self.divisor
+                )
             )
             yield cols
             return
         if self.source == "empirical":
-            divisor = rule.divisor(module, output, target)
-            yield loss_gradient(loss, self.scale * math.sqrt(divisor)).unsqueeze(0)
+            yield loss_gradient(loss, self.scale * math.sqrt(self.divisor)).unsqueeze(0)
             return
         slots = self.layout.num_slots
         per_chunk = max(1, chunk // slots)
@@ -303,11 +306,13 @@ class LossColumns:
     def rows(self, per_chunk: int):
         """The exact factor's (scaled) columns ``[k, R, *F]``, ``per_chunk`` per row, every row
         in each (not packed)."""
-        module, output, target = self.loss.module, self.loss.output.detach(), self.loss.target
+        module, output, target = self.loss.module, self.loss_input, self.loss.target
         total = self.rule.num_columns(module, output)
         for start in range(0, total, per_chunk):
             columns = range(start, min(total, start + per_chunk))
-            cols = self.rule.sqrt_hessian(module, output, target, columns=columns, check=False)
+            cols = self.rule.sqrt_hessian(
+                module, output, target, columns=columns, check=False, divisor=self.divisor
+            )
             cols = self._scaled(cols)  # (the frame then holds no unscaled copy while it is used)
             yield cols
 

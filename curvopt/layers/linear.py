@@ -15,6 +15,8 @@ link ``W`` (two-dimensional inputs).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -124,10 +126,13 @@ class LinearRule(LayerRule):
     def column_diag(self, call, columns, name, batched):
         """Without positions (``T = 1``): ``sum_k v_nko^2 x_ni^2``, a product of two squares."""
         x = call.input
-        if name == "bias" or x.reshape(x.shape[0], -1, x.shape[-1]).shape[1] != 1:
+        if name == "bias" or math.prod(x.shape[1:-1]) != 1:
             return None
-        v2 = sum_of_squares(columns.reshape(columns.shape[0], x.shape[0], -1))  # [N, O]
-        x2 = x.reshape(x.shape[0], -1).square()  # [N, I]
+        if x.dim() > 2:  # ``[N, 1, ..., I]``: as ``[N, I]``, the columns as ``[K, N, O]``
+            columns = columns.reshape(columns.shape[0], x.shape[0], -1)
+            x = x.reshape(x.shape[0], -1)
+        v2 = sum_of_squares(columns)  # [N, O]
+        x2 = x.square()  # [N, I]
         return v2.unsqueeze(2) * x2.unsqueeze(1) if batched else v2.T @ x2
 
     def grad_sum(self, call, name):

@@ -3,7 +3,9 @@
 ``loss_rule_for(loss_module)`` returns the rule of a supported loss module
 (``CrossEntropyLoss``, ``MSELoss``, ``BCEWithLogitsLoss``). Every module of this package is
 imported here, so a new loss is added by adding one module that defines a ``LossRule``
-subclass decorated with ``@register_loss_rule(TheLoss)``.
+subclass decorated with ``@register_loss_rule(TheLoss)``. A rule's ``check`` returns the loss's
+divisor, which a pass hands to ``reduction_scale`` and the factors (``divisor=``, passed on to
+the rule's ``_sqrt_hessian``/``_sqrt_hessian_mc``): the normaliser is read once a pass.
 """
 
 import importlib

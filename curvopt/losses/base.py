@@ -10,6 +10,7 @@ sum over samples, so that Hessian is block-diagonal with ``P x P`` blocks ``H_n`
                                    from the predictive distribution the loss implies.
 """
 
+import math
 from abc import ABC, abstractmethod
 
 import torch
@@ -58,6 +59,12 @@ def reduction_scale(loss_module, count):
     return 1.0 if loss_module.reduction == "sum" else 1.0 / count
 
 
+def _all_finite(x: torch.Tensor) -> bool:
+    """Whether every element of ``x`` is finite: ``max |x|`` is, as the maximum propagates nan
+    (two operators and one read, where ``isfinite(x).all()`` runs five)."""
+    return math.isfinite(x.abs().amax().item())
+
+
 def _column_indices(columns, num_columns, device):
     """Column indices ``[k]`` (long) selected by ``columns`` (None, range or slice)."""
     if columns is None:
@@ -69,6 +76,11 @@ def _column_indices(columns, num_columns, device):
     if len(columns) and (min(columns) < 0 or max(columns) >= num_columns):
         raise ValueError(f"columns {columns} out of bounds for a factor with {num_columns} columns")
     return torch.arange(columns.start, columns.stop, columns.step, device=device)
+
+
+def _detached(output: torch.Tensor) -> torch.Tensor:
+    """``output`` out of the autograd graph (itself where it is: no operator)."""
+    return output.detach() if output.requires_grad else output
 
 
 class LossRule(ABC):
@@ -88,8 +100,9 @@ class LossRule(ABC):
                 f"{name} has unknown reduction={loss_module.reduction!r}. Use 'mean' or 'sum'."
             )
 
-    def check(self, loss_module, output, target):
-        """Validate options, ``output`` (float, ``[N, ...]``, finite) and ``target``."""
+    def check(self, loss_module, output, target) -> float:
+        """Validate options, ``output`` (float, ``[N, ...]``, finite) and ``target``; returns
+        their :meth:`divisor` (which a rule's target check may prove on the way)."""
         self.check_options(loss_module)
         name = type(loss_module).__name__
         if not isinstance(output, torch.Tensor):
@@ -105,17 +118,19 @@ class LossRule(ABC):
                 f"{name}: the loss input must have a batch dimension and at least one "
                 f"element, got shape {tuple(output.shape)}."
             )
-        if not torch.isfinite(output).all():
+        if not _all_finite(output):
             raise ValueError(
                 f"{name}: the loss input contains inf or nan; its Hessian is undefined."
             )
         if not isinstance(target, torch.Tensor):
             raise TypeError(f"{name}: target must be a tensor, got {type(target).__name__}.")
-        self._check_target(loss_module, output, target)
+        divisor = self._check_target(loss_module, output, target)
+        return self.divisor(loss_module, output, target) if divisor is None else divisor
 
     @abstractmethod
     def _check_target(self, loss_module, output, target):
-        """Raise ``ValueError``/``UnsupportedLossError`` for bad targets (output already valid)."""
+        """Raise ``ValueError``/``UnsupportedLossError`` for bad targets (output already valid);
+        return the :meth:`divisor` where the check found it, else None."""
 
     def divisor(self, loss_module, output, target) -> float:
         """``D`` with ``loss = (1/D) Σ_r ℓ_r`` over the loss's terms ``r``: 1 for "sum", the
@@ -128,45 +143,54 @@ class LossRule(ABC):
         """The normaliser of reduction "mean": every element of ``output`` (one term each)."""
         return output.numel()
 
-    def reduction_scale(self, loss_module, output, target) -> float:
+    def reduction_scale(self, loss_module, output, target, divisor=None) -> float:
         """``s = N / D``, ``N = output.shape[0]`` the loss's samples and ``D`` its
         :meth:`divisor`: the factor by which the reduction scales one sample's curvature
         (``Σ_n J_nᵀ H_n J_n / D``): 1 for a mean over samples (one term each, as a
         cross-entropy over ``[N, C]`` logits or ``[N·T, V]`` flattened tokens), ``N`` for
         "sum", ``1/P`` for a mean over the ``P`` outputs of each sample (a per-pixel mean);
-        0 when the mean counts no term."""
-        divisor = self.divisor(loss_module, output, target)
+        0 when the mean counts no term. ``divisor``: :meth:`divisor` of these arguments, where
+        the caller holds it (a pass computes it once)."""
+        if divisor is None:
+            divisor = self.divisor(loss_module, output, target)
         return output.shape[0] / divisor if divisor else 0.0
 
     @abstractmethod
     def num_columns(self, loss_module, output):
         """Number ``K`` of columns of the exact factor."""
 
-    def sqrt_hessian(self, loss_module, output, target, columns=None, check=True):
+    def sqrt_hessian(self, loss_module, output, target, columns=None, check=True, divisor=None):
         """Exact factor ``[k, *output.shape]``: rows ``columns`` (default all ``K``) of ``S``
-        (``check=False``: the caller has run :meth:`check` on these arguments)."""
+        (``check=False``: the caller has run :meth:`check` on these arguments; ``divisor``:
+        their :meth:`divisor`, where the caller holds it)."""
         if check:
-            self.check(loss_module, output, target)
-        output = output.detach()
+            checked = self.check(loss_module, output, target)
+            divisor = checked if divisor is None else divisor
+        output = _detached(output)
         ks = _column_indices(columns, self.num_columns(loss_module, output), output.device)
-        return self._sqrt_hessian(loss_module, output, target, ks)
+        return self._sqrt_hessian(loss_module, output, target, ks, divisor)
 
-    def sqrt_hessian_mc(self, loss_module, output, target, mc_samples, check=True):
-        """Monte-Carlo factor ``[mc_samples, *output.shape]``, unbiased for ``H_n``."""
+    def sqrt_hessian_mc(self, loss_module, output, target, mc_samples, check=True, divisor=None):
+        """Monte-Carlo factor ``[mc_samples, *output.shape]``, unbiased for ``H_n`` (``check``
+        and ``divisor`` as in :meth:`sqrt_hessian`)."""
         if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
             raise ValueError(f"mc_samples must be a positive int, got {mc_samples!r}")
         if check:
-            self.check(loss_module, output, target)
-        output = output.detach()
-        return self._sqrt_hessian_mc(loss_module, output, target, mc_samples)
+            checked = self.check(loss_module, output, target)
+            divisor = checked if divisor is None else divisor
+        output = _detached(output)
+        return self._sqrt_hessian_mc(loss_module, output, target, mc_samples, divisor)
 
     @abstractmethod
-    def _sqrt_hessian(self, loss_module, output, target, ks):
-        """Rows ``ks`` (long tensor ``[k]``) of the exact factor, ``[k, *output.shape]``."""
+    def _sqrt_hessian(self, loss_module, output, target, ks, divisor):
+        """Rows ``ks`` (long tensor ``[k]``) of the exact factor, ``[k, *output.shape]``
+        (``divisor``: :meth:`divisor` of these arguments where the caller holds it, else None:
+        a rule whose scale needs it computes it then)."""
 
     @abstractmethod
-    def _sqrt_hessian_mc(self, loss_module, output, target, mc_samples):
-        """Monte-Carlo factor ``[mc_samples, *output.shape]``, already scaled by 1/sqrt(M)."""
+    def _sqrt_hessian_mc(self, loss_module, output, target, mc_samples, divisor):
+        """Monte-Carlo factor ``[mc_samples, *output.shape]``, already scaled by 1/sqrt(M)
+        (``divisor`` as in :meth:`_sqrt_hessian`)."""
 
 
 class DiagonalLossRule(LossRule):
@@ -178,9 +202,9 @@ class DiagonalLossRule(LossRule):
     elementwise = True
 
     def num_columns(self, loss_module, output):
-        return output[0].numel()
+        return math.prod(output.shape[1:])
 
-    def _sqrt_hessian(self, loss_module, output, target, ks):
+    def _sqrt_hessian(self, loss_module, output, target, ks, divisor):
         r = self._sqrt_diagonal(loss_module, output, target).reshape(output.shape[0], -1)
         k = ks.shape[0]  # (``len``, a tensor's ``__len__``, is a Python call)
         factor = r.new_zeros(k, *r.shape)

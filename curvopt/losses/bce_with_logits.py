@@ -53,7 +53,7 @@ class BCEWithLogitsLossRule(DiagonalLossRule):
         variance = torch.sigmoid(output) * torch.sigmoid(-output)
         return (self._sample_scale(loss_module, output, target) * variance).sqrt()
 
-    def _sqrt_hessian_mc(self, loss_module, output, target, mc_samples):
+    def _sqrt_hessian_mc(self, loss_module, output, target, mc_samples, divisor):
         prob = torch.sigmoid(output)
         sampled = torch.bernoulli(prob.expand(mc_samples, *output.shape))
         scale = self._sample_scale(loss_module, output, target) / mc_samples

@@ -28,7 +28,7 @@ class MSELossRule(DiagonalLossRule):
         scale = reduction_scale(loss_module, output.numel())
         return torch.full_like(output, math.sqrt(2 * scale))
 
-    def _sqrt_hessian_mc(self, loss_module, output, target, mc_samples):
+    def _sqrt_hessian_mc(self, loss_module, output, target, mc_samples, divisor):
         scale = reduction_scale(loss_module, output.numel())
         z = torch.randn(mc_samples, *output.shape, dtype=output.dtype, device=output.device)
         return math.sqrt(2 * scale / mc_samples) * z

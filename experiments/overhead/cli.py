@@ -6,6 +6,7 @@
     python -m experiments overhead --problems gpt --quantities BatchGrad DiagGGNMC
     python -m experiments overhead --profile 3c3d:Variance   # torch.profiler table of one case
     python -m experiments overhead --cases backpack --problems logreg --calls   # calls a step
+    python -m experiments overhead --cases backpack --problems logreg --operators   # operators
     python -m experiments overhead --cases curvlinops --memory   # + peak MB, fresh processes
     python -m experiments overhead --cases backpack --floors     # + each cell's floor
 
@@ -38,7 +39,7 @@ from .report import (
     memory_table,
     payload,
 )
-from .timing import Result, measure, profile, python_calls
+from .timing import Result, measure, profile, python_calls, torch_operators
 
 #: named case sets (``--cases``)
 CASE_SETS = {
@@ -66,6 +67,7 @@ examples:
   python -m experiments overhead --problems gpt --quantities BatchGrad DiagGGNMC
   python -m experiments overhead --profile 3c3d:Variance   # torch.profiler table of one case
   python -m experiments overhead --cases backpack --problems logreg --calls   # calls a step
+  python -m experiments overhead --cases backpack --problems logreg --operators   # operators
   python -m experiments overhead --cases curvlinops --memory   # against curvlinops, + memory
   python -m experiments overhead --cases backpack --floors     # + floors in flops and bytes
 """
@@ -157,6 +159,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="print the Python calls a step of each case makes (cProfile's count, mean of "
         "20 steps) instead of the ratio table: deterministic where times scatter",
     )
+    p.add_argument(
+        "--operators",
+        action="store_true",
+        help="print the torch (ATen) operators a step of each case dispatches (mean of 20 "
+        "steps) instead of the ratio table",
+    )
 
 
 def execute(args: argparse.Namespace) -> int:
@@ -185,8 +193,8 @@ def execute(args: argparse.Namespace) -> int:
         cases = [(p, q) for p in problems for q in args.quantities]
     else:
         cases = [(p, q) for p, q in case_set if p in problems]
-    if args.calls:
-        print(calls_table(problems, cases, backends, args.batch, args.device))
+    if args.calls or args.operators:
+        print(calls_table(problems, cases, backends, args.batch, args.device, args.operators))
         return 0
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
 
@@ -308,12 +316,18 @@ def print_timing(args, backends, results, infos, load, floors=None, calibration=
         )
 
 
-def calls_table(problems, cases, backends, batch, device: str) -> str:
-    """The Python calls a step of each case makes, one column per backend, ``n/a`` where a
-    backend cannot compute the case (``timing.python_calls``)."""
+def calls_table(problems, cases, backends, batch, device: str, operators: bool = False) -> str:
+    """The Python calls a step of each case makes (``operators``: the torch operators it
+    dispatches), one column per backend, ``n/a`` where a backend cannot compute the case
+    (``timing.python_calls``, ``timing.torch_operators``)."""
+    counted = (
+        "torch operators a step (ATen operators below autograd, views and host reads included"
+        if operators
+        else "Python calls a step (cProfile's count, Python functions and builtins"
+    )
     lines = [
-        "Python calls a step (cProfile's count, Python functions and builtins; mean of 20 steps"
-        f" after 5), torch.set_num_threads({torch.get_num_threads()}), {device}:",
+        f"{counted}; mean of 20 steps after 5), torch.set_num_threads({torch.get_num_threads()}),"
+        f" {device}:",
         "",
         "| problem | quantity | " + " | ".join(backends) + " |",
         "|---|---|" + "---|" * len(backends),
@@ -321,7 +335,9 @@ def calls_table(problems, cases, backends, batch, device: str) -> str:
     for pname in problems:
         problem = PROBLEMS[pname] if batch is None else PROBLEMS[pname].resized(batch)
         quantities = [q for p, q in cases if p == pname]
-        found = python_calls(problem, quantities, backends, device)
+        found = (torch_operators if operators else python_calls)(
+            problem, quantities, backends, device
+        )
         plain = f"{found[('plain', PLAIN)]:,.0f}"
         lines.append(f"| {pname} | {PLAIN} | " + " | ".join(plain for _ in backends) + " |")
         for qname in quantities:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .backends import BACKENDS, Instance, PlainBackend, Step, Unsupported
 from .cases import PLAIN, QUANTITIES
@@ -247,6 +248,37 @@ def python_calls(
             step()
         profiler.disable()
         found[key] = sum(v[1] for v in pstats.Stats(profiler).stats.values()) / CALL_STEPS
+    return found
+
+
+class _OperatorCount(TorchDispatchMode):
+    """Counts the ATen operators dispatched while it is active (``count``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def torch_operators(
+    problem: Problem, quantities: Sequence[str], backends: Sequence[str], device: str = "cpu"
+) -> dict[tuple[str, str], float]:
+    """``{(backend, quantity): operators}`` as :func:`python_calls` gives calls: the ATen
+    operators one step dispatches below autograd (a ``TorchDispatchMode``'s count: views and
+    host reads, ``_local_scalar_dense``, included; a composite operator counts as the
+    operators it runs), the mean of ``CALL_STEPS`` steps after ``CALL_WARMUP``."""
+    steps, _ = build_steps(problem, quantities, backends, device)
+    found = {}
+    for key, step in steps.items():
+        for _ in range(CALL_WARMUP):
+            step()
+        with _OperatorCount() as counter:
+            for _ in range(CALL_STEPS):
+                step()
+        found[key] = counter.count / CALL_STEPS
     return found
 
 
