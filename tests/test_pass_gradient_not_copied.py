@@ -103,7 +103,7 @@ def test_post_accumulate_hook_changing_grad_in_place_checks_the_backward_gradien
 
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(double)
-    for step in range(2):
+    for _ in range(2):  # (the second pass: a structure whose sums were checked)
         model.zero_grad(set_to_none=True)
         with curvopt.collect(ext.BatchGrad(), ext.Variance(), ext.DiagGGNExact()):
             lossfunc(model(x), y).backward()
