@@ -19,6 +19,8 @@
 * ``reductions``: Gram products carrying their roots, ``GramFactor``, chunked sums;
 * ``values``: the typed values ``collect`` writes, the seam to the optimizers
   (``KroneckerFactors`` with its ``uses``, ``EigenCorrected``, ``read``, ``unscaled``);
+* ``passgrad``: a parameter's gradient of the pass, kept so that autograd still takes the
+  tensor over into ``p.grad`` rather than copying it (``held``, read back by ``gradient``);
 * ``buffers``: recycled ``grad_batch`` storage; ``psd``: ``psd_eigh``;
 * ``inputs``: tensor / tuple / dict model inputs and ``ModelOutput`` selection;
 * ``state``: what the hooks find the active collections through (set only while a ``collect``

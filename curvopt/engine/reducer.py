@@ -36,6 +36,7 @@ from curvopt.core.buffers import empty_result
 from curvopt.errors import UnsupportedModuleError
 from curvopt.engine.producers import TABLE
 from curvopt.layers.eigenbasis import eigen_moment_of
+from curvopt.core.passgrad import gradient, held
 from curvopt.core.reductions import dense_gradient, squared_norms, sum_of_squares
 from curvopt.engine.results import name_of
 
@@ -180,8 +181,8 @@ class FirstOrderReducer:
 
     def parameter_grad(self, p, grad) -> None:
         """``p``'s whole gradient of this pass (``MOMENTS``' ``sum_n g_n`` where the sum was
-        projected, :meth:`finish`)."""
-        self.grads[id(p)] = grad
+        projected, :meth:`finish`), kept as ``passgrad.held`` keeps it (no copy by autograd)."""
+        self.grads[id(p)] = held(p, grad)
 
     def _accumulate(self, p, rule, call, name) -> None:
         found = self.batch_grads.get(id(p))
@@ -225,7 +226,7 @@ class FirstOrderReducer:
         for p, sgs, rule, call, name in self.moments_from_grad:
             grad = self.grads.get(id(p))
             if grad is not None:
-                total = dense_gradient(grad).to(sgs.dtype, copy=True)
+                total = dense_gradient(gradient(grad)).to(sgs.dtype, copy=True)
             else:  # no gradient accumulated (nothing checked against): the sum itself
                 total = rule.grad_sum(call, name)
                 if total is None:

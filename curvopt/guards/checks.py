@@ -29,6 +29,7 @@ from curvopt.core.plans import mark_sums_checked
 from curvopt.guards.observer import Ending, LossEvent, ModuleEvent, PassGuard
 from curvopt.guards.projected import PROJECTED_FACTOR, project
 from curvopt.engine.reducer import reduce_in_chunks
+from curvopt.core.passgrad import gradient, held
 from curvopt.core.reductions import dense_gradient, probe_columns
 from curvopt.engine.results import name_of
 from curvopt.guards.tolerance import max_abs, mismatch, roundoff, stacked_mismatches
@@ -152,10 +153,13 @@ class Checks(PassGuard):
 
     def parameter_grad(self, p, grad) -> None:
         """``p``'s whole gradient of this pass, checked against the sum of its per-sample
-        gradients if those are in already."""
-        self.param_grads[id(p)] = (p, grad)
-        if id(p) in self.totals:
+        gradients if those are in already; kept as ``passgrad.held`` keeps it (no copy by
+        autograd)."""
+        key = id(p)
+        self.param_grads[key] = (p, grad)
+        if key in self.totals:
             self.check_sum(p)
+        self.param_grads[key] = (p, held(p, grad))
 
     #: the ``parameter`` event is :meth:`parameter_grad` itself (no call between)
     parameter = parameter_grad
@@ -166,7 +170,7 @@ class Checks(PassGuard):
 
     def pass_grad(self, p) -> torch.Tensor:
         """``p``'s whole gradient of this pass (dense)."""
-        return dense_gradient(self.param_grads[id(p)][1])
+        return dense_gradient(gradient(self.param_grads[id(p)][1]))
 
     def check_sum(self, p) -> None:
         """``sum_n g_n == grad`` to the cheap bound, or else noted for the rounding bound."""
@@ -208,10 +212,10 @@ class Checks(PassGuard):
             return
         groups: Dict[tuple, list] = defaultdict(list)  # the per-sample gradients' shape,
         # dtype, device, the grad's dtype -> [(p, probed per-sample gradients, probed grad)]
-        for key, (p, grad) in self.param_grads.items():
+        for key, (p, kept) in self.param_grads.items():
             if key not in batch_grads:
                 continue
-            batch = batch_grads[key][1]
+            batch, grad = batch_grads[key][1], gradient(kept)
             if grad.is_sparse:
                 grad = dense_gradient(grad)
             if grad.numel() > _SPANS * _WIDTH:  # a large parameter: spread runs of entries
@@ -258,7 +262,8 @@ class Checks(PassGuard):
             _raise_wrong_sum(p, (total - seen.to(total.dtype)).abs_())
         if not self.suspects:
             return
-        grads = (dense_gradient(g) for _, g in self.param_grads.values() if g.numel())
+        grads = (dense_gradient(gradient(g)) for _, g in self.param_grads.values())
+        grads = [g for g in grads if g.numel()]
         largest = float(max_abs(*grads))
         for p, total, grad, magnitude in self.suspects:
             gap = (total - grad.to(total.dtype)).abs_()
