@@ -370,6 +370,13 @@ def free_earlier_optimizers() -> None:
         gc.collect()
 
 
+@pytest.fixture(autouse=True)
+def no_earlier_optimizer():
+    """Every test starts without the armed collection of an earlier test's optimizer (a resting
+    one makes the forward hooks rest: a forward run outside a collect block records nothing)."""
+    free_earlier_optimizers()
+
+
 def assert_no_attributes(
     model: nn.Module, attrs: Sequence[str] = ALL_ATTRS, what: str = ""
 ) -> None:

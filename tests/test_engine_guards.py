@@ -4,6 +4,8 @@ Each case either compares with an independent ``torch.func`` reference in float6
 documented exception and that nothing was written.
 """
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,7 @@ from torch import nn
 import curvopt
 from curvopt import extensions as ext
 from curvopt.errors import AccumulationError, UnsupportedModuleError
+from curvopt.optim import KFAC
 
 N = 6
 
@@ -609,3 +612,30 @@ def test_broadcast_along_batch_and_sequence_sums_over_the_sequence():
         assert_close(p.grad_batch, grads[name], name)
         assert_close(p.diag_ggn_exact, torch.diagonal(blocks[name]).reshape(p.shape), name)
         assert_close(p.diag_ggn_exact_batch, per_sample[name], name)
+
+
+def test_a_forward_while_an_optimizer_rests_is_named():
+    """A forward pass run outside ``collect`` while an armed optimizer rests between refreshes
+    (its hooks record nothing) raises naming that cause; the same forward inside the block
+    gives the block its quantities (against a loop over samples)."""
+    torch.manual_seed(0)
+    other = curvopt.extend(nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)))
+    opt = KFAC(other.parameters(), lr=0.1)
+    mse = curvopt.extend(nn.MSELoss())
+    opt.zero_grad()
+    mse(other(torch.randn(5, 4)), torch.randn(5, 2)).backward()
+    opt.step()  # a refresh; the next steps rest
+    plain = nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    model = curvopt.extend(copy.deepcopy(plain))
+    x, y = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    loss = mse(model(x), y)
+    with pytest.raises(UnsupportedModuleError, match="rested between refreshes"):
+        with curvopt.collect(ext.BatchGrad()):
+            loss.backward()
+    model.zero_grad()
+    with curvopt.collect(ext.BatchGrad()):
+        mse(model(x), y).backward()
+    reference = per_sample_grads_loop(plain, nn.MSELoss(), x, y)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_batch, reference[name], rtol=1e-10, atol=1e-12)
+    del opt

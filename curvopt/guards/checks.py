@@ -279,9 +279,10 @@ class Checks(PassGuard):
             if key not in self.seen:
                 raise UnsupportedModuleError(
                     f"curvopt: parameter {name_of(p)!r} received a gradient, but its module was "
-                    "never called in this pass (a functional use, F.linear(h, layer.weight)). "
-                    "Call the module instead; see "
-                    "docs/support.md#gradient-from-other-terms."
+                    "never called in this pass (a functional use, F.linear(h, layer.weight)), or "
+                    "its forward ran while every armed curvopt optimizer rested between "
+                    "refreshes. Call the module, inside the collect block where an optimizer "
+                    "rests; see docs/support.md#gradient-from-other-terms."
                 )
         for key in list(self.totals):
             if key in self.param_grads:
