@@ -219,8 +219,8 @@ class Checks(PassGuard):
             if grad.is_sparse:
                 grad = dense_gradient(grad)
             if grad.numel() > _SPANS * _WIDTH:  # a large parameter: spread runs of entries
-                batch = probe_columns(batch.reshape(batch.shape[0], -1), _SPANS, _WIDTH)
-                grad = probe_columns(grad.reshape(1, -1), _SPANS, _WIDTH)[0]
+                batch = probe_columns(batch, _SPANS, _WIDTH)
+                grad = probe_columns(grad, _SPANS, _WIDTH, rows=False)
             groups[batch.shape, batch.dtype, batch.device, grad.dtype].append((p, batch, grad))
         stacks, members = [], []  # (sums, grads, floors) of each stack; its entries and sums
         for group in groups.values():
@@ -234,9 +234,9 @@ class Checks(PassGuard):
             for part in parts:
                 if len(part) == 1:  # (the pair itself: ``stacked_mismatches`` reads it whole)
                     sums = part[0][1].sum(0)
-                    grads = part[0][2]
+                    grads, totals = part[0][2], [sums]
                 else:
-                    sums = torch.stack([batch for _, batch, _ in part]).sum(1)
+                    sums = totals = torch.stack([batch for _, batch, _ in part]).sum(1)
                     grads = torch.stack([grad for _, _, grad in part])  # as the sums: one op
                 if grads.dtype != sums.dtype:
                     grads = grads.to(sums.dtype)
@@ -244,13 +244,13 @@ class Checks(PassGuard):
                 if self.compute_eps:  # autocast calls: their roundoff, where it is larger
                     floors = [max(floor, self.compute_eps.get(id(p), 0.0)) for p, *_ in part]
                 stacks.append((sums, grads, floors))
-                members.append((part, [sums] if len(part) == 1 else sums))
+                members.append((part, totals))
         found = stacked_mismatches(stacks, 64)
         if True not in found:  # every sum right (the common case)
             return
         found = iter(found)
-        for part, sums in members:
-            for (p, batch, grad), total in zip(part, sums):
+        for part, totals in members:
+            for (p, batch, grad), total in zip(part, totals):
                 if next(found):
                     self.suspects.append((p, total, grad, batch.abs().sum(0)))
 

@@ -145,8 +145,8 @@ def stacked_mismatches(stacks, factor: float) -> list:
             if gap.shape != b.shape:  # (``b`` broadcast to ``a``: the values it compares)
                 b = b.expand(gap.shape)
             joined = (torch.stack if len(floors) == 1 else torch.cat)([gap, b]).abs_()
-            if joined.dim() > 1:  # ([2 m] maxima: the gaps, then the tops)
-                joined = joined.amax(tuple(range(1, joined.dim())))
+            if joined.ndim > 1:  # ([2 m] maxima: the gaps, then the tops)
+                joined = joined.amax(tuple(range(1, joined.ndim)))
             read.setdefault(a.device, []).append(joined)
     values = {device: torch.cat(parts).tolist() for device, parts in read.items()}
     found: list = []
