@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import curvopt
 from curvopt import extensions as ext
@@ -155,9 +156,9 @@ def test_stacked_mismatches_decide_each_pair_as_the_reference():
 
 
 def test_stacks_of_one_pair_decide_as_the_reference():
-    """A stack of one pair (a parameter whose shape no other shares) is read by three
-    operators on the whole stack, not by the stacked ones: each pair, alone or among stacks of
-    several, in every dtype, decides as its reference (and not every pair alike)."""
+    """A stack of one pair (a parameter whose shape no other shares) is read whole, as a
+    stack of several is: each pair, alone or among stacks of several, in every dtype, decides
+    as its reference (and not every pair alike)."""
     dtypes = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
     gen = torch.Generator().manual_seed(5)
     pairs = [(a.to(dtypes[k % 4]), b.to(dtypes[k % 4])) for k, (a, b) in enumerate(_pairs())]
@@ -172,6 +173,75 @@ def test_stacks_of_one_pair_decide_as_the_reference():
     inner = [reference(x, y, 64.0, 0.0) for x, y in zip(a, b)]
     assert inner == [False, True, False]
     assert stacked_mismatches(mixed, 64.0) == [expected[0], *inner, *expected[1:]]
+
+
+def test_a_stack_given_as_the_pair_itself_decides_as_the_reference():
+    """A stack of one pair may be the pair itself, of any shape (0-dim, empty, broadcasting
+    included; ``len(floors) == 1``): each decides as its reference, alone or among stacks of
+    several, in every dtype (and not every pair alike)."""
+    dtypes = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+    gen = torch.Generator().manual_seed(6)
+    pairs = [(a.to(dtypes[k % 4]), b.to(dtypes[k % 4])) for k, (a, b) in enumerate(_pairs())]
+    stacks = [(a, b, [(0.0, 1e-3)[k % 2]]) for k, (a, b) in enumerate(pairs)]
+    stacks.append((torch.full((2, 3), 1.5), torch.full((2, 3), 1.5), [0.0]))  # two dims
+    expected = [reference(a, b, 64.0, floors[0]) for a, b, floors in stacks]
+    assert any(expected) and not all(expected)
+    assert stacked_mismatches(stacks, 64.0) == expected
+    a = torch.randn(3, 2, 2, dtype=torch.float64, generator=gen)  # among a stack of three
+    b = a.clone()
+    b[2, 1, 0] += 64 * torch.finfo(torch.float64).eps * a[2].abs().max() * 1.5
+    mixed = [*stacks[:3], (a, b, [0.0, 1e-3, 0.0]), *stacks[3:]]
+    inner = [reference(x, y, 64.0, f) for x, y, f in zip(a, b, [0.0, 1e-3, 0.0])]
+    assert inner == [False, False, True]
+    assert stacked_mismatches(mixed, 64.0) == [*expected[:3], *inner, *expected[3:]]
+
+
+class _Operators(TorchDispatchMode):
+    """The ATen operators dispatched while it is active (``names``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_each_stack_is_read_by_four_operators():
+    """The spot check's cost where every sum is right: a stack, of one pair given whole or of
+    several, is four operators (its difference, the join, one ``abs_`` and one maximum), and
+    all stacks on a device are read by one ``cat`` (the read itself, ``tolist``, dispatches
+    none)."""
+    gen = torch.Generator().manual_seed(7)
+    sums = [torch.randn(shape, generator=gen) for shape in ((10,), (16, 256), (3, 5, 2))]
+    stacks = [(a, a.clone(), [0.0] * (3 if a.ndim == 3 else 1)) for a in sums]
+    with _Operators() as seen:
+        found = stacked_mismatches(stacks, 64.0)
+    assert found == [False] * 5
+    joins = ["stack", "stack", "cat"]
+    assert sorted(seen.names) == sorted(["sub", "abs_", "amax"] * 3 + joins + ["cat"])
+
+
+def test_probe_columns_reads_spread_runs_of_each_row():
+    """``probe_columns`` against the runs cut out by hand (``spans`` runs of ``width`` entries,
+    the ``k``-th starting at ``k (M - width) // (spans - 1)`` of the flattened row): rows of
+    several dims, a non-contiguous ``x`` (a copy read), a single row without its dim
+    (``rows=False``), and a row short enough to be read whole."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 7, 50, dtype=torch.float64, generator=gen)  # M = 350
+    spans, width = 4, 20
+    step = (350 - width) // (spans - 1)
+    flat = x.reshape(3, -1)
+    by_hand = torch.stack([flat[:, k * step : k * step + width] for k in range(spans)], 1)
+    assert torch.equal(probe_columns(x, spans, width), by_hand)
+    assert probe_columns(x, spans, width).data_ptr() == x.data_ptr()  # a view, no copy
+    assert torch.equal(probe_columns(x[0], spans, width, rows=False), by_hand[0])
+    turned = x.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, not contiguous
+    assert torch.equal(probe_columns(turned, spans, width), by_hand)
+    assert torch.equal(probe_columns(turned[1], spans, width, rows=False), by_hand[1])
+    assert torch.equal(probe_columns(x, 16, 256), flat[:, None])  # M <= 16 * 256: whole
+    assert torch.equal(probe_columns(x[2], 16, 256, rows=False), flat[2][None])
 
 
 def test_non_finite_sums_of_a_finite_gradient_are_mismatches():

@@ -39,17 +39,24 @@ def squared_norms(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x.reshape(x.shape[0], -1), dim=1).square_()
 
 
-def probe_columns(x: torch.Tensor, spans: int = 16, width: int = 256) -> torch.Tensor:
-    """``x [R, M]`` (contiguous rows) restricted to ``spans`` evenly spaced runs of ``width``
-    columns, as a strided view ``[R, spans, width]`` (no copy), for cheap spot checks; ``x``
-    itself (as ``[R, 1, M]``) when it has at most ``spans * width`` columns."""
-    rows, numel = x.shape
-    if x.stride(1) != 1:
+def probe_columns(
+    x: torch.Tensor, spans: int = 16, width: int = 256, rows: bool = True
+) -> torch.Tensor:
+    """``x [R, ...]``, ``R`` rows of ``M`` entries each, restricted to ``spans`` evenly spaced
+    runs of ``width`` entries of each row, as a strided view ``[R, spans, width]`` (no copy
+    where ``x`` is contiguous), for cheap spot checks; ``x`` itself (as ``[R, 1, M]``) when
+    ``M <= spans * width``. Without ``rows``, ``x`` is a single row and ``R`` is left out:
+    ``[spans, width]`` (the same entries as ``probe_columns(x.reshape(1, -1))[0]``, with no
+    view between)."""
+    if not x.is_contiguous():
         x = x.contiguous()
+    lead = x.shape[:1] if rows else ()
+    numel = math.prod(x.shape[1:] if rows else x.shape)
     if numel <= spans * width:
-        return x.unsqueeze(1)
+        return x.reshape(*lead, 1, numel)
     step = (numel - width) // (spans - 1)
-    return x.as_strided((rows, spans, width), (x.stride(0), step, 1), x.storage_offset())
+    strides = (numel, step, 1) if rows else (step, 1)
+    return x.as_strided((*lead, spans, width), strides, x.storage_offset())
 
 
 def nonzero_rows(rows: torch.Tensor) -> torch.Tensor:

@@ -219,10 +219,10 @@ class Checks(PassGuard):
             if grad.is_sparse:
                 grad = dense_gradient(grad)
             if grad.numel() > _SPANS * _WIDTH:  # a large parameter: spread runs of entries
-                batch = probe_columns(batch.reshape(batch.shape[0], -1), _SPANS, _WIDTH)
-                grad = probe_columns(grad.reshape(1, -1), _SPANS, _WIDTH)[0]
+                batch = probe_columns(batch, _SPANS, _WIDTH)
+                grad = probe_columns(grad, _SPANS, _WIDTH, rows=False)
             groups[batch.shape, batch.dtype, batch.device, grad.dtype].append((p, batch, grad))
-        stacks, members = [], []  # (sums, grads, floors) of each stack; its entries
+        stacks, members = [], []  # (sums, grads, floors) of each stack; its entries and sums
         for group in groups.values():
             # (the floor: the roundoff of grad's own dtype, which the comparison casts away)
             floor = roundoff(group[0][2])
@@ -232,11 +232,11 @@ class Checks(PassGuard):
                 per_stack = max(1, _STACK_ELEMENTS // group[0][1].numel())
                 parts = [group[i : i + per_stack] for i in range(0, len(group), per_stack)]
             for part in parts:
-                if len(part) == 1:
-                    sums = part[0][1].sum(0, keepdim=True)
-                    grads = part[0][2].reshape(sums.shape)
+                if len(part) == 1:  # (the pair itself: ``stacked_mismatches`` reads it whole)
+                    sums = part[0][1].sum(0)
+                    grads, totals = part[0][2], [sums]
                 else:
-                    sums = torch.stack([batch for _, batch, _ in part]).sum(1)
+                    sums = totals = torch.stack([batch for _, batch, _ in part]).sum(1)
                     grads = torch.stack([grad for _, _, grad in part])  # as the sums: one op
                 if grads.dtype != sums.dtype:
                     grads = grads.to(sums.dtype)
@@ -244,15 +244,15 @@ class Checks(PassGuard):
                 if self.compute_eps:  # autocast calls: their roundoff, where it is larger
                     floors = [max(floor, self.compute_eps.get(id(p), 0.0)) for p, *_ in part]
                 stacks.append((sums, grads, floors))
-                members.append(part)
+                members.append((part, totals))
         found = stacked_mismatches(stacks, 64)
         if True not in found:  # every sum right (the common case)
             return
         found = iter(found)
-        for (sums, _, _), part in zip(stacks, members):
-            for i, (p, batch, grad) in enumerate(part):
+        for part, totals in members:
+            for (p, batch, grad), total in zip(part, totals):
                 if next(found):
-                    self.suspects.append((p, sums[i], grad, batch.abs().sum(0)))
+                    self.suspects.append((p, total, grad, batch.abs().sum(0)))
 
     def check_suspects(self) -> None:
         """Sums that missed the cheap bound, against the rounding bound (rounding inside each

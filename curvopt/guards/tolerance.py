@@ -131,38 +131,43 @@ def _stack_extremes(a: torch.Tensor, b: torch.Tensor) -> list:
 def stacked_mismatches(stacks, factor: float) -> list:
     """``mismatch(a[i], b[i], factor, floors[i])`` of every pair of every ``(a, b, floors)`` in
     ``stacks``, in order: ``a`` and ``b`` ``[m, ...]`` of one shape, dtype and device each
-    (``b`` the references), ``floors`` ``m`` roundoff floors; each stack five operators, all
-    stacks on one device read in one sync (what :func:`mismatches` does for pairs it can
-    stack, with the stacks made by the caller); a pair whose sum is right is decided without a
-    Python call. A stack of one pair is read as :func:`mismatch` reads it, three operators on
-    the whole of it (the same three values: a maximum and a minimum are exact)."""
+    (``b`` the references), ``floors`` ``m`` roundoff floors; a stack of one pair may give the
+    pair itself (any shape, ``m = len(floors) = 1``). Each stack is four operators, all stacks
+    on one device read in one sync (what :func:`mismatches` does for pairs it can stack, with
+    the stacks made by the caller): ``max |a_i - b_i|`` and ``max |b_i|`` of all its pairs as
+    the maxima of one joined ``[|a - b|; |b|]`` (``max |b|`` is ``max(-min b, max b)``
+    exactly, and a NaN reaches both maxima); a pair whose sum is right is decided without a
+    Python call."""
     read: dict = {}  # device -> [parts]
-    for a, b, _ in stacks:
+    for a, b, floors in stacks:
         if a.numel():
-            if a.shape[0] == 1:  # (``[gap, low, high]``: the layout of ``m = 1`` below)
-                read.setdefault(a.device, []).append(torch.stack(_pair_extremes(a, b)))
-            else:
-                read.setdefault(a.device, []).extend(_stack_extremes(a, b))
+            gap = a - b
+            if gap.shape != b.shape:  # (``b`` broadcast to ``a``: the values it compares)
+                b = b.expand(gap.shape)
+            joined = (torch.stack if len(floors) == 1 else torch.cat)([gap, b]).abs_()
+            if joined.ndim > 1:  # ([2 m] maxima: the gaps, then the tops)
+                joined = joined.amax(tuple(range(1, joined.ndim)))
+            read.setdefault(a.device, []).append(joined)
     values = {device: torch.cat(parts).tolist() for device, parts in read.items()}
     found: list = []
     at = dict.fromkeys(values, 0)
     for a, b, floors in stacks:
-        m, first = a.shape[0], len(found)
+        m, first = len(floors), len(found)
         found += [False] * m
         if not a.numel():
             continue
         seen, start = values[a.device], at[a.device]
-        at[a.device] = start + 3 * m
+        at[a.device] = start + 2 * m
         dtypes = roundoff(a)  # (``b`` has ``a``'s dtype)
         for i, floor in enumerate(floors):
-            gap, low, high = seen[start + i], seen[start + m + i], seen[start + 2 * m + i]
+            gap, top = seen[start + i], seen[start + m + i]
             # (``max(x, y)`` written out as ``y if y > x else x``, what it returns, no call)
             bound = factor * (floor if floor > dtypes else dtypes)
-            top = high if high > -low else -low
             # (``_beyond``'s first test, without indexing the stacks and without a call: a sum
             # that is right; a NaN gap compares False, an infinite one fails ``< inf``)
             if not gap <= bound * top < math.inf:
-                found[first + i] = _beyond(a[i], b[i], gap, top, bound)
+                pair = (a, b) if m == 1 else (a[i], b[i])
+                found[first + i] = _beyond(*pair, gap, top, bound)
     return found
 
 
