@@ -56,10 +56,12 @@ def _cholesky(
     """``L`` of ``M``, in float64 when the input's precision fails (raises if that fails);
     ``in_float64()`` gives ``M`` computed in float64 for the retry (default: ``M`` cast)."""
     factor, info = torch.linalg.cholesky_ex(matrix)
-    if bool((info != 0).any()) and matrix.dtype != torch.float64:
+    failed = _failed(info)
+    if failed and matrix.dtype != torch.float64:
         exact = matrix.to(torch.float64) if in_float64 is None else in_float64()
         factor, info = torch.linalg.cholesky_ex(exact)
-    if bool((info != 0).any()):
+        failed = _failed(info)
+    if failed:
         raise torch.linalg.LinAlgError(
             f"cholesky: the {tuple(matrix.shape)} matrix is not positive definite, even in "
             "float64; increase the damping so that curvature + damping is positive definite. "
@@ -67,6 +69,12 @@ def _cholesky(
             "on (kl_clip, default 1e-3; kl_clip=None is the unclipped update) or lower lr"
         )
     return factor
+
+
+def _failed(info: torch.Tensor) -> bool:
+    """Whether a Cholesky factorisation failed: its ``info`` (a scalar, ``[G]`` for a stack of
+    matrices) is nonzero; a scalar read as it is, with no reduction."""
+    return bool(info.any() if info.dim() else info)
 
 
 def cholesky_factor(

@@ -76,8 +76,7 @@ def trace_norm_shifts(means: Sequence[torch.Tensor], damping: float) -> list:
 def trace_norm_ratio(mean_b: torch.Tensor, mean_a: torch.Tensor) -> torch.Tensor:
     """``sqrt(mean_a / mean_b)``, 1 unless both are positive."""
     usable = (mean_a > 0) & (mean_b > 0)
-    ratio = torch.where(usable, mean_a / torch.where(usable, mean_b, 1), 1)
-    return ratio.sqrt()
+    return torch.where(usable, mean_a / mean_b, 1).sqrt()  # (the unused quotients dropped)
 
 
 def trace_norm_pi(factors: Factors) -> torch.Tensor:
