@@ -85,6 +85,12 @@ def test_hook_returning_a_new_gradient_checks_the_backward_gradient():
         p.register_hook(lambda g: 2 * g)
     with curvopt.collect(ext.BatchGrad(), ext.Variance()):
         lossfunc(model(x), y).backward()
+    _assert_doubled_grad_and_backward_moments(model, plain, x, y)
+
+
+def _assert_doubled_grad_and_backward_moments(model, plain, x, y):
+    """``p.grad`` is twice the backward's gradient; ``grad_batch`` and ``variance`` are those
+    of the backward's per-sample gradients (a loop over samples)."""
     grads = per_sample_grads_loop(plain, CE, x, y)
     for key, p in model.named_parameters():
         assert_close(p.grad, 2 * grads[key].sum(0), key)
@@ -107,11 +113,7 @@ def test_post_accumulate_hook_changing_grad_in_place_checks_the_backward_gradien
         model.zero_grad(set_to_none=True)
         with curvopt.collect(ext.BatchGrad(), ext.Variance(), ext.DiagGGNExact()):
             lossfunc(model(x), y).backward()
-    grads = per_sample_grads_loop(plain, CE, x, y)
-    for key, p in model.named_parameters():
-        assert_close(p.grad, 2 * grads[key].sum(0), key)
-        assert_close(p.grad_batch, grads[key], key)
-        assert_close(p.variance, grads[key].var(0, unbiased=False), key)
+    _assert_doubled_grad_and_backward_moments(model, plain, x, y)
 
 
 def test_tied_parameter_still_raises_without_a_kept_gradient():
