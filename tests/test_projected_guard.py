@@ -32,6 +32,7 @@ from curvopt.errors import UnsupportedModuleError
 from curvopt.layers import rule_for
 from curvopt.layers.linear import LinearRule
 from curvopt.core.calls import Call
+from curvopt.core.passgrad import held
 from curvopt.core.records import Record
 
 
@@ -358,7 +359,7 @@ def test_a_parameter_with_projected_and_full_sums(wrong, seed):
     projected = rule.projected_sum(calls[0], "weight", *probes)
     checks.add_projected(p, (rule, calls[0], "weight"), probes, *projected)
     checks.add_total(p, (rule, calls[1], "weight"), rule.grad_sum(calls[1], "weight"))
-    checks.parameter_grad(p, grad)
+    checks.parameter_grad(p, grad, held(p, grad))
     checks.check_seen()
     if wrong:
         with pytest.raises(UnsupportedModuleError, match="outside the module"):
@@ -461,7 +462,7 @@ def test_a_projected_sum_is_noted_as_the_reference_decides(grad_entry, sum_entry
     projected[0] += sum_entry
     checks = Checks()
     checks.add_projected(p, (rule, call, "weight"), probes, projected, magnitude)
-    checks.parameter_grad(p, grad)
+    checks.parameter_grad(p, grad, held(p, grad))
     seen = ((grad @ probes[1]) * probes[0]).sum(0)
     bound = magnitude * 64 * torch.finfo(DT).eps
     expected = bool(seen.isfinite().all()) and not bool(((projected - seen).abs() <= bound).all())

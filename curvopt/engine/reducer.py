@@ -36,7 +36,7 @@ from curvopt.core.buffers import empty_result
 from curvopt.errors import UnsupportedModuleError
 from curvopt.engine.producers import TABLE
 from curvopt.layers.eigenbasis import eigen_moment_of
-from curvopt.core.passgrad import gradient, held
+from curvopt.core.passgrad import gradient
 from curvopt.core.reductions import dense_gradient, squared_norms, sum_of_squares
 from curvopt.engine.results import name_of
 
@@ -179,10 +179,10 @@ class FirstOrderReducer:
             observe(p, use, total, None)
         return total
 
-    def parameter_grad(self, p, grad) -> None:
+    def parameter_grad(self, p, kept) -> None:
         """``p``'s whole gradient of this pass (``MOMENTS``' ``sum_n g_n`` where the sum was
-        projected, :meth:`finish`), kept as ``passgrad.held`` keeps it (no copy by autograd)."""
-        self.grads[id(p)] = held(p, grad)
+        projected, :meth:`finish`), as ``passgrad.held`` kept it (no copy by autograd)."""
+        self.grads[id(p)] = kept
 
     def _accumulate(self, p, rule, call, name) -> None:
         found = self.batch_grads.get(id(p))

@@ -29,7 +29,7 @@ from curvopt.core.plans import mark_sums_checked
 from curvopt.guards.observer import Ending, LossEvent, ModuleEvent, PassGuard
 from curvopt.guards.projected import PROJECTED_FACTOR, project
 from curvopt.engine.reducer import reduce_in_chunks
-from curvopt.core.passgrad import gradient, held
+from curvopt.core.passgrad import gradient
 from curvopt.core.reductions import dense_gradient, probe_columns
 from curvopt.engine.results import name_of
 from curvopt.guards.tolerance import max_abs, mismatch, roundoff, stacked_mismatches
@@ -151,15 +151,15 @@ class Checks(PassGuard):
         if id(p) in self.param_grads:  # the parameter's hook ran first (dependent outputs)
             self.check_sum(p)
 
-    def parameter_grad(self, p, grad) -> None:
+    def parameter_grad(self, p, grad, kept) -> None:
         """``p``'s whole gradient of this pass, checked against the sum of its per-sample
-        gradients if those are in already; kept as ``passgrad.held`` keeps it (no copy by
-        autograd)."""
+        gradients if those are in already; then ``kept`` (``passgrad.held``'s, no copy by
+        autograd) in its place."""
         key = id(p)
         self.param_grads[key] = (p, grad)
         if key in self.totals:
             self.check_sum(p)
-        self.param_grads[key] = (p, held(p, grad))
+        self.param_grads[key] = (p, kept)
 
     #: the ``parameter`` event is :meth:`parameter_grad` itself (no call between)
     parameter = parameter_grad

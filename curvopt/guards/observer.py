@@ -86,8 +86,9 @@ class PassGuard:
         ``[*p.shape]``, or ``None`` where it was seen through probes, ``projected = ((u, v),
         [K] projected sum, magnitude sum_r |b_r| |a_r|)`` (``None`` otherwise)."""
 
-    def parameter(self, p, grad) -> None:
-        """``p``'s whole gradient of this pass arrived."""
+    def parameter(self, p, grad, kept) -> None:
+        """``p``'s whole gradient of this pass arrived (``kept``: what the pass keeps of it,
+        ``core.passgrad.held``, for reading it back at the end)."""
 
     def finish(self, ending: Ending) -> None:
         """The pass ends without an error so far: raise to fail it."""

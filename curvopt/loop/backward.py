@@ -39,6 +39,7 @@ from curvopt.engine.curvature import CurvaturePass
 from curvopt.guards.flow import FlowCheck
 from curvopt.core.extended import live_calls, models_of
 from curvopt.core.params import tied
+from curvopt.core.passgrad import held
 from curvopt.core.sharded import Gathered, any_fully_sharded, sharded_index, tied_gathered
 from curvopt.guards.participation import Participation
 from curvopt.guards.pass_guards import check_reduction, missing_loss, without_autocast
@@ -350,17 +351,18 @@ class BackwardPass:
         if self.taking.skips(p):
             return
         try:
-            self.reducer.parameter_grad(p, grad)
+            kept = held(p, grad)  # (what the pass keeps of it: autograd may still take it over)
+            self.reducer.parameter_grad(p, kept)
             # (the sum check computes: projected sums, matmuls)
-            without_autocast(self._observe_parameter, p, grad)
+            without_autocast(self._observe_parameter, p, grad, kept)
         except BaseException as error:
             self._abort()
             self._raise_in_terms(error)
             raise
 
-    def _observe_parameter(self, p, grad) -> None:
+    def _observe_parameter(self, p, grad, kept) -> None:
         for observe in self.guards.parameter:
-            observe(p, grad)
+            observe(p, grad, kept)
 
     # ---------------------------------------------------------------- end of pass
     def _finish(self) -> None:
