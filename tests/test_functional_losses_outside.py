@@ -19,7 +19,7 @@ from torch import nn
 
 import curvopt
 from curvopt import extensions as ext
-from curvopt.errors import MissingLossError
+from curvopt.errors import MissingLossError, UnsupportedLossError
 from curvopt.optim import EKFAC, KFAC, DiagGGNNewton
 
 DT = torch.float64
@@ -279,3 +279,128 @@ def test_outputs_stay_plain_without_second_order():
         assert type(loss) is torch.Tensor and type(out.argmax(1)) is torch.Tensor
         assert repr(out).startswith("tensor(")
         loss.backward()
+
+
+class SmoothedCrossEntropy(nn.modules.loss._Loss):
+    """A user's loss class (a loss module to ``extend``: torch's loss base class) without a rule
+    of its own, returning ``F.cross_entropy``'s result."""
+
+    def __init__(self, reduction):
+        super().__init__(reduction=reduction)
+
+    def forward(self, logits, target):
+        return F.cross_entropy(logits, target, label_smoothing=0.1, reduction=self.reduction)
+
+
+class DoubledCrossEntropy(SmoothedCrossEntropy):
+    """As above, but its result is not the functional call's: curvopt cannot read it."""
+
+    def forward(self, logits, target):
+        return 2 * super().forward(logits, target)
+
+
+#: name -> (model, extended loss module for a reduction, the same loss functionally, target)
+RULELESS = {
+    "nll_module": (
+        "mlp",
+        lambda r: nn.NLLLoss(weight=WEIGHT, reduction=r),
+        lambda o, y, r: F.nll_loss(F.log_softmax(o, 1), y, weight=WEIGHT, reduction=r),
+        _labels,
+    ),
+    "nll_module_kdim": (
+        "sequence",
+        lambda r: nn.NLLLoss(ignore_index=1, reduction=r),
+        lambda o, y, r: F.nll_loss(
+            F.log_softmax(o.transpose(1, 2), 1), y, ignore_index=1, reduction=r
+        ),
+        lambda n: _labels(n, (T,)),
+    ),
+    "user_class": (
+        "cnn",
+        SmoothedCrossEntropy,
+        lambda o, y, r: F.cross_entropy(o, y, label_smoothing=0.1, reduction=r),
+        _labels,
+    ),
+}
+
+
+def _ruleless(case, reduction):
+    """``(plain model, extended model, module loss(out, y), functional loss, X, y)``: the
+    module's input is the log-softmax where the functional loss takes one."""
+    kind, make_module, functional, target = RULELESS[case]
+    torch.manual_seed(0)
+    plain = MODELS[kind]().to(DT)
+    lossfunc = curvopt.extend(make_module(reduction))
+    if case == "nll_module":
+        module_loss = lambda o, y: lossfunc(F.log_softmax(o, 1), y)  # noqa: E731
+    elif case == "nll_module_kdim":
+        module_loss = lambda o, y: lossfunc(F.log_softmax(o.transpose(1, 2), 1), y)  # noqa: E731
+    else:
+        module_loss = lossfunc
+    model = curvopt.extend(copy.deepcopy(plain))
+    loss = lambda o, y: functional(o, y, reduction)  # noqa: E731
+    return plain, model, module_loss, loss, _data(kind, 5), target(5)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("case", sorted(RULELESS))
+def test_an_extended_loss_module_without_a_rule_is_read_as_its_functional_loss(case, reduction):
+    """``curvopt.extend(nn.NLLLoss())`` after a log-softmax, or a user's class returning
+    ``F.cross_entropy``'s result: the GGN diagonal and KFLR of the functional loss it returns."""
+    plain, model, module_loss, functional, X, y = _ruleless(case, reduction)
+    got = _collected(model, lambda o, t, r: module_loss(o, t), X, y, reduction, ext.DiagGGNExact())
+    blocks, _ = reference.ggn(plain, functional, X, y)
+    for name, block in blocks.items():
+        want = block.diagonal().reshape(got[name].shape)
+        torch.testing.assert_close(got[name], want, rtol=1e-10, atol=1e-12)
+    _collected(model, lambda o, t, r: module_loss(o, t), X, y, reduction, ext.KFLR())
+    modules = dict(model.named_modules())
+    for name, factors in reference.kronecker(plain, functional, X, y).items():
+        if isinstance(modules[name], nn.Embedding):  # the reference's (B, A); p.kflr: vec order
+            factors = factors[::-1]
+        for got_f, want_f in zip(modules[name].weight.kflr, factors):
+            torch.testing.assert_close(got_f, want_f, rtol=1e-10, atol=1e-12)
+
+
+def test_a_user_loss_class_returning_a_cross_entropy_has_its_hessian_diagonal():
+    plain, model, module_loss, functional, X, y = _ruleless("user_class", "mean")
+    got = _collected(model, lambda o, t, r: module_loss(o, t), X, y, "mean", ext.DiagHessian())
+    want, _ = reference.hessian(plain, functional, X, y)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["nll_module", "nll_module_kdim"])
+def test_hessian_diagonal_through_an_extended_nll_loss_raises(case):
+    _, model, module_loss, _, X, y = _ruleless(case, "mean")
+    with pytest.raises(Exception, match="DiagHessian"):
+        _collected(model, lambda o, t, r: module_loss(o, t), X, y, "mean", ext.DiagHessian())
+
+
+@pytest.mark.parametrize("name", ["KFAC", "EKFAC"])
+def test_optimizers_step_on_an_extended_nll_loss_as_on_the_functional_one(name):
+    def train(lossfunc):
+        torch.manual_seed(0)
+        model = curvopt.extend(_mlp().to(DT))
+        opt = OPTIMIZERS[name](model.parameters())
+        X, y = _data("mlp", 8), _labels(8)
+        for _ in range(3):
+            opt.zero_grad()
+            lossfunc(F.log_softmax(model(X), 1), y).backward()
+            opt.step()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    want = train(F.nll_loss)
+    assert torch.equal(train(curvopt.extend(nn.NLLLoss())), want)
+
+
+def test_an_extended_loss_module_curvopt_cannot_read_raises():
+    """A class without a rule whose result is not a recognised call's names itself; an extended
+    ``NLLLoss`` on logits (no log-softmax) is a loss curvopt does not read."""
+    _, model, _, X, y = _problem("ce")
+    doubled = curvopt.extend(DoubledCrossEntropy("mean"))
+    with pytest.raises(UnsupportedLossError, match="DoubledCrossEntropy"):
+        _collected(model, lambda o, t, r: doubled(o, t), X, y, None, ext.KFLR())
+    nll = curvopt.extend(nn.NLLLoss())
+    with pytest.raises(MissingLossError, match="F.cross_entropy"):
+        _collected(model, lambda o, t, r: nll(o, t), X, y, None, ext.KFLR())

@@ -37,6 +37,7 @@ from torch import nn
 from torch.nn import _reduction
 
 from curvopt.core.extended import set_path
+from curvopt.losses import has_loss_rule
 from curvopt.loop.routing import loss_hook, on_loss
 from curvopt.core.calls import output_tensors
 from curvopt.core.records import LossRecord, mark_extended_loss
@@ -107,9 +108,15 @@ def watch_outputs(output, loss: Optional[torch.Tensor] = None) -> None:
 def hook_loss(module: nn.Module, args, kwargs, output: torch.Tensor) -> None:
     """Hook ``output``, the result of the loss ``module`` on ``args``/``kwargs``, as an extended
     loss: its record receives ``d total / d output`` in the backward pass. A functional record
-    made for the same output inside the module's forward is dropped: the module's own is kept."""
-    handle = output.__dict__.pop(_RECORD_HANDLE, None)
+    made for the same output inside the module's forward is dropped: the module's own is kept.
+    Where the module's class has no loss rule but returns such a call's result as it is
+    (``nn.NLLLoss``, whose ``F.nll_loss`` after a ``log_softmax`` is read as a cross-entropy, or a
+    user's class returning ``F.cross_entropy(...)``), the functional record is kept instead."""
+    handle = output.__dict__.get(_RECORD_HANDLE)
     if handle is not None:
+        if not has_loss_rule(module):
+            return
+        del output.__dict__[_RECORD_HANDLE]
         handle.remove()
     record = LossRecord(module, args, kwargs)
     hook_gradient(output, loss_hook(record))  # (for good: no removal handle)

@@ -11,9 +11,21 @@ the rule's ``_sqrt_hessian``/``_sqrt_hessian_mc``): the normaliser is read once 
 import importlib
 import pkgutil
 
-from curvopt.losses.base import DiagonalLossRule, LossRule, loss_rule_for, register_loss_rule
+from curvopt.losses.base import (
+    DiagonalLossRule,
+    LossRule,
+    has_loss_rule,
+    loss_rule_for,
+    register_loss_rule,
+)
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["DiagonalLossRule", "LossRule", "loss_rule_for", "register_loss_rule"]
+__all__ = [
+    "DiagonalLossRule",
+    "LossRule",
+    "has_loss_rule",
+    "loss_rule_for",
+    "register_loss_rule",
+]

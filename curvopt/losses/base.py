@@ -31,6 +31,21 @@ def register_loss_rule(loss_type):
     return register
 
 
+def has_loss_rule(loss_module) -> bool:
+    """Whether :func:`loss_rule_for` finds a rule for ``loss_module``'s class (its options
+    are not checked)."""
+    loss_cls = type(loss_module)
+    if loss_cls in _RULES:
+        return True
+    base = _registered_base(loss_cls)
+    return base is not None and loss_cls.forward is base.forward
+
+
+def _registered_base(loss_cls):
+    """The nearest base class of ``loss_cls`` with a registered rule, or None."""
+    return next((c for c in loss_cls.__mro__[1:] if c in _RULES), None)
+
+
 def loss_rule_for(loss_module):
     """The rule of ``loss_module``; raises ``UnsupportedLossError`` for unknown losses/options.
 
@@ -39,7 +54,7 @@ def loss_rule_for(loss_module):
     loss_cls = type(loss_module)
     rule = _RULES.get(loss_cls)
     if rule is None:
-        base = next((c for c in loss_cls.__mro__[1:] if c in _RULES), None)
+        base = _registered_base(loss_cls)
         if base is None or loss_cls.forward is not base.forward:
             supported = ", ".join(sorted(c.__name__ for c in _RULES))
             raise UnsupportedLossError(
