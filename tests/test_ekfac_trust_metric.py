@@ -1,9 +1,9 @@
 """``EKFAC(trust_metric=...)``: the metric the trust region ``kl_clip`` measures a step in.
 
-``"ggn"`` (the default under the default damping): ``dᵀ (Q diag(vec K) Qᵀ + λ I) d`` with ``K``
+``"ggn"`` (the default, whatever the damping): ``dᵀ (Q diag(vec K) Qᵀ + λ I) d`` with ``K``
 the Kronecker factors' eigenvalue products ``s_B s_Aᵀ`` in the step's basis, checked in float64
-against the dense ``vec(D)ᵀ (B ⊗ A + λ I) vec(D)``; ``"correction"`` (with a damping given):
-``gᵀd``, in the metric of ``S``, the steps recorded before the option existed.
+against the dense ``vec(D)ᵀ (B ⊗ A + λ I) vec(D)``; ``"correction"`` (the default with
+``basis_source="current"``): ``gᵀd``, in the metric of ``S``.
 """
 
 from __future__ import annotations
@@ -170,36 +170,51 @@ def test_clipped_step_is_scaled_by_the_dense_kfac_trust_region(lr):
         torch.testing.assert_close(clipped, nu * free, rtol=1e-10, atol=1e-14)
 
 
-def test_the_metric_follows_the_damping_as_the_curvature_interval_does():
-    """``trust_metric=None``: ``"ggn"`` under the default damping, ``"correction"`` (``gᵀd``,
-    the steps recorded before) with a damping given or ``basis_source="current"``; naming
-    ``"ggn"`` with ``basis_source="current"`` (which collects no factors of the last refresh)
-    raises, naming the fix."""
+def test_the_metric_follows_the_basis_source():
+    """``trust_metric=None``: ``"ggn"`` with ``basis_source="last_refresh"`` (the default),
+    whatever the damping; ``"correction"`` (``gᵀd``) with ``basis_source="current"``, which
+    collects no factors beside ``S``; naming ``"ggn"`` with ``basis_source="current"`` raises,
+    naming the fix."""
     params = [nn.Parameter(torch.zeros(2, 2))]
     assert trust_metric(EKFAC(params, 0.1).param_groups[0]) == "ggn"
-    assert trust_metric(EKFAC(params, 0.1, damping=1e-3).param_groups[0]) == "correction"
-    current = EKFAC(params, 0.1, basis_source="current").param_groups[0]
+    assert trust_metric(EKFAC(params, 0.1, damping=1e-3).param_groups[0]) == "ggn"
+    current = EKFAC(params, 0.1, damping=1e-3, basis_source="current").param_groups[0]
     assert trust_metric(current) == "correction"
-    named = EKFAC(params, 0.1, damping=1e-3, trust_metric="ggn").param_groups[0]
-    assert trust_metric(named) == "ggn"
+    named = EKFAC(params, 0.1, damping=1e-3, trust_metric="correction").param_groups[0]
+    assert trust_metric(named) == "correction"
     with pytest.raises(ValueError, match="trust_metric='ggn'.*basis_source='last_refresh'"):
         EKFAC(params, 0.1, basis_source="current", trust_metric="ggn")
     with pytest.raises(ValueError, match="trust_metric"):
         EKFAC(params, 0.1, trust_metric="fisher")
 
 
-def test_correction_metric_is_the_gradient_product():
-    """``trust_metric="correction"`` clips by ``gᵀd`` as before: the same steps as the
-    default with a damping given, bit for bit."""
-    steps = []
-    for options in ({}, {"trust_metric": "correction"}):
+@pytest.mark.parametrize("lr", [0.5, 5.0])
+def test_correction_metric_is_the_gradient_product(lr):
+    """Step 1 of ``trust_metric="correction"`` is the twin's unclipped step (``kl_clip=None``)
+    times ``ν = min(1, sqrt(κ / (lr² Σ_p gᵀd)))``, ``g`` the gradient and ``d`` the unclipped
+    direction; step 0 is taken at ``lr = 0`` so that both are at one point."""
+    kl_clip, deltas, grads = 1e-3, {}, {}
+    for name, options in (
+        ("correction", {"trust_metric": "correction"}),
+        ("free", {"kl_clip": None}),
+    ):
         layer, lossfunc, x, y = _layer_and_batch()
-        opt = EKFAC(layer.parameters(), lr=5.0, damping=1e-2, **options)
-        for _ in range(3):
-            opt.zero_grad()
-            with opt.collect():
-                lossfunc(layer(x), y).backward()
-            opt.step()
-        steps.append([p.detach().clone() for p in layer.parameters()])
-    for a, b in zip(*steps):
-        assert torch.equal(a, b)
+        opt = EKFAC(layer.parameters(), lr=0.0, damping=1e-2, **options)
+        with opt.collect():
+            lossfunc(layer(x), y).backward()
+        opt.step()
+        opt.param_groups[0]["lr"] = lr
+        before = [p.detach().clone() for p in layer.parameters()]
+        opt.zero_grad()
+        with opt.collect():
+            lossfunc(layer(x), y).backward()
+        grads[name] = [p.grad.clone() for p in layer.parameters()]
+        opt.step()
+        deltas[name] = [b - p.detach() for b, p in zip(before, layer.parameters())]
+    for g, h in zip(grads["correction"], grads["free"]):
+        torch.testing.assert_close(g, h, rtol=0, atol=0)
+    length = sum(float((g * delta / lr).sum()) for g, delta in zip(grads["free"], deltas["free"]))
+    nu = min(1.0, math.sqrt(kl_clip / (lr**2 * length)))
+    assert nu < 1.0  # the trust region cuts this step: the test can tell it from none
+    for clipped, free in zip(deltas["correction"], deltas["free"]):
+        torch.testing.assert_close(clipped, nu * free, rtol=1e-10, atol=1e-14)
