@@ -196,3 +196,23 @@ def test_fresh_bases_match_the_loop_over_samples(name, routed):
         for basis, factor in zip(bases, written["kfac"][k]):
             torch.testing.assert_close(basis, psd_eigh(factor)[1], rtol=0, atol=0)
         _assert_matches(S, _moment(grads[k], bases, scale))
+
+
+def test_embeddings_one_sample_at_a_time_match_the_loop_over_samples(routed, monkeypatch):
+    """With room for one sample's one-hot tokens (``CHUNK_ELEMENTS``), each embedding's ``S``
+    is summed over one-sample chunks, and equals the loop's."""
+    monkeypatch.setattr("curvopt.layers.registry.CHUNK_ELEMENTS", 1)
+    model, x, y, _ = _problem("tokens")
+    grads, scale = _per_sample_grads(model, x, y, "mean")
+    model = curvopt.extend(model)
+    bases = {
+        p: [_orthogonal(p.shape[0], 1), _orthogonal(p.shape[1], 2)]
+        for p in (model.tok.weight, model.pos.weight)
+    }
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    with curvopt.collect(ext.EKFAC(bases=bases)):
+        lossfunc(model(x).reshape(-1, 3), y.reshape(-1)).backward()
+    for k in ("tok.weight", "pos.weight"):
+        p = model.get_parameter(k)
+        assert sum(b is bases[p][0] for b in routed["operands"]) == x.shape[0], k
+        _assert_matches(p.ekfac[0], _moment(grads[k], bases[p], scale))

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from curvopt.layers.eigenbasis import eigen_moment
-from curvopt.layers.registry import LayerRule, register
+from curvopt.layers.registry import LayerRule, moment_in_chunks, register
 from curvopt.core.reductions import gram
 
 
@@ -114,14 +114,20 @@ class EmbeddingRule(LayerRule):
         """``Σ_n (Q_Aᵀ onehot_nᵀ g_n Q_B)²`` from the one-hot tokens and the gradients
         (:meth:`gradient_rows`, ``[N, T, V]`` and ``[N, T, D]``) where both sides have a basis:
         ``eigen_moment`` rotates them (``T (V² + D²)`` flops a sample where they are fewer than
-        the ``V D (V + D)`` of a rotated per-sample gradient ``[V, D]``)."""
+        the ``V D (V + D)`` of a rotated per-sample gradient ``[V, D]``), over chunks of
+        samples whose one-hot tokens hold at most ``CHUNK_ELEMENTS`` (a vocabulary far wider
+        than the embedding)."""
         if len(bases) != 2:
             return super().eigen_correction(call, name, bases)
-        onehot, g = self.gradient_rows(call, name)
-        n = call.grad_out.shape[0]
-        return eigen_moment(
-            onehot.reshape(n, -1, onehot.shape[-1]), g.reshape(n, -1, g.shape[-1]), bases
-        )
+
+        def moment(part):
+            onehot, g = self.gradient_rows(part, name)
+            n = part.grad_out.shape[0]
+            onehot, g = onehot.reshape(n, -1, onehot.shape[-1]), g.reshape(n, -1, g.shape[-1])
+            return eigen_moment(onehot, g, bases)
+
+        positions = call.input.numel() // call.batch_size
+        return moment_in_chunks(call, positions * call.module.num_embeddings, moment)
 
     def gradient_rows(self, call, name):
         """``G = onehot(idx)ᵀ g``: ``(one-hot tokens [R, V], gradients [R, D])``, padding
