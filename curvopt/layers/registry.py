@@ -413,8 +413,10 @@ class LayerRule:
         """``Σ_n (Q_0ᵀ G_n Q_1)²`` (``[dim Q_0, ·]``, see ``layers.kron``) of ``name``'s
         per-sample gradients ``G_n`` in the basis ``bases`` (``[Q_0, Q_1]``, ``[Q_0]`` or
         ``[]``), for ``EKFAC``. Default: :meth:`batch_grad` over chunks of samples, rotated
-        (``layers.kron.eigen_moment_of``); a rule overrides it with
-        ``layers.kron.eigen_moment`` on its canonical operands to avoid ``[N, *p.shape]``."""
+        (``layers.eigenbasis.eigen_moment_of``, :func:`moment_in_chunks`); a rule overrides it
+        with ``layers.eigenbasis.eigen_moment`` on its canonical operands to avoid
+        ``[N, *p.shape]``, or ``eigen_moment_of_vectors`` for a one-dimensional parameter shared
+        over positions."""
         numel = call.module.get_parameter(name).numel()
         return moment_in_chunks(
             call, numel, lambda part: eigen_moment_of(self.batch_grad(part, name), bases)
