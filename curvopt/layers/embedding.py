@@ -7,7 +7,8 @@ distinct (sample, token) pair ``a_nv``, so that ``||g_n||^2 = sum_v ||a_nv||^2``
 Kronecker factors ``[A (V x V), B (D x D)]``, in the order of ``W``'s dims: those of a
 bias-free ``Linear`` on one-hot tokens (padding tokens: zero vectors), "expand"
 ``A = diag(token counts) / (N T)``, "reduce" ``A = mean_n xbar xbar^T`` with ``xbar`` the token
-frequencies of sample ``n``; ``B`` as for ``Linear`` (``layers.kron``).
+frequencies of sample ``n``; ``B`` as for ``Linear`` (``layers.kron``). ``EKFAC``'s moment
+from the one-hot tokens and the gradients as a ``Linear``'s operands (``layers.eigenbasis``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from curvopt.layers.registry import LayerRule, register
+from curvopt.layers.eigenbasis import eigen_moment
+from curvopt.layers.registry import LayerRule, moment_in_chunks, register
 from curvopt.core.reductions import gram
 
 
@@ -107,6 +109,25 @@ class EmbeddingRule(LayerRule):
         if module.padding_idx is not None:
             counts[module.padding_idx] = 0
         return torch.diag(counts / idx.numel())
+
+    def eigen_correction(self, call, name, bases):
+        """``Σ_n (Q_Aᵀ onehot_nᵀ g_n Q_B)²`` from the one-hot tokens and the gradients
+        (:meth:`gradient_rows`, ``[N, T, V]`` and ``[N, T, D]``) where both sides have a basis:
+        ``eigen_moment`` rotates them (``T (V² + D²)`` flops a sample where they are fewer than
+        the ``V D (V + D)`` of a rotated per-sample gradient ``[V, D]``), over chunks of
+        samples whose one-hot tokens hold at most ``CHUNK_ELEMENTS`` (a vocabulary far wider
+        than the embedding)."""
+        if len(bases) != 2:
+            return super().eigen_correction(call, name, bases)
+
+        def moment(part):
+            onehot, g = self.gradient_rows(part, name)
+            n = part.grad_out.shape[0]
+            onehot, g = onehot.reshape(n, -1, onehot.shape[-1]), g.reshape(n, -1, g.shape[-1])
+            return eigen_moment(onehot, g, bases)
+
+        positions = call.input.numel() // call.batch_size
+        return moment_in_chunks(call, positions * call.module.num_embeddings, moment)
 
     def gradient_rows(self, call, name):
         """``G = onehot(idx)ᵀ g``: ``(one-hot tokens [R, V], gradients [R, D])``, padding

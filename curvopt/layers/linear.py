@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from curvopt.layers.eigenbasis import eigen_moment
+from curvopt.layers.eigenbasis import eigen_moment, eigen_moment_of_vectors
 from curvopt.layers.kron import input_factor, output_factor
 from curvopt.layers.registry import LayerRule, register
 from curvopt.core.reductions import sum_of_squares
@@ -160,10 +160,13 @@ class LinearRule(LayerRule):
         return g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
 
     def eigen_correction(self, call, name, bases):
-        """The weight's ``Σ_n (Q_Bᵀ g_nᵀ x_n Q_A)²`` from the rotated ``x`` and ``g``."""
+        """The weight's ``Σ_n (Q_Bᵀ g_nᵀ x_n Q_A)²`` from the rotated ``x`` and ``g``; over
+        positions (``T > 1``) the bias's ``Σ_n (Q_Bᵀ g_n)²`` by one product for the batch."""
+        x, g = _flat(call)
+        if name == "bias" and g.shape[1] > 1 and len(bases) == 1:
+            return eigen_moment_of_vectors(_bias_grad(g), bases[0])
         if name == "bias" or len(bases) != 2:
             return super().eigen_correction(call, name, bases)
-        x, g = _flat(call)
         return eigen_moment(g, x, bases)
 
     def has_weighted_squares(self, module):

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from curvopt.errors import BATCH_STATISTICS
+from curvopt.layers.eigenbasis import eigen_moment_of_vectors
 from curvopt.layers.registry import LayerRule, register
 
 
@@ -47,6 +48,15 @@ class _AffineNormRule(LayerRule):
         if out is None:
             return result
         return out.copy_(result)
+
+    def eigen_correction(self, call, name, bases):
+        """A one-dimensional parameter shared over positions (output dims it does not index):
+        ``Σ_n (Q_0ᵀ g_n)²`` by one product for the batch (``eigen_moment_of_vectors``)."""
+        g, param = call.grad_out, call.module.get_parameter(name)
+        shared = g.numel() > g.shape[0] * param.numel()
+        if shared and param.dim() == 1 and len(bases) == 1:
+            return eigen_moment_of_vectors(self.batch_grad(call, name), bases[0])
+        return super().eigen_correction(call, name, bases)
 
 
 @register(nn.LayerNorm)

@@ -50,6 +50,20 @@ _FALLBACK: List["LayerRule"] = []
 _REPARAMETRIZED: List["LayerRule"] = []
 
 
+def moment_in_chunks(call, per_sample: int, moment: Callable) -> torch.Tensor:
+    """``Σ`` of ``moment(part)`` over the calls ``part`` of consecutive samples of ``call``
+    (``Call.slice``), each of at most ``CHUNK_ELEMENTS // per_sample`` samples (one at least):
+    an ``EKFAC`` moment whose per-sample operands hold ``per_sample`` elements, summed in the
+    order of the samples."""
+    n = call.batch_size
+    step = max(1, CHUNK_ELEMENTS // max(1, per_sample))
+    total = None
+    for start in range(0, n, step):
+        part = moment(call.slice(start, min(n, start + step)))
+        total = part if total is None else total.add_(part)
+    return total
+
+
 def register(*module_types: Type[nn.Module]) -> Callable:
     """Class decorator: register one rule instance for the given module types."""
 
@@ -399,17 +413,14 @@ class LayerRule:
         """``Σ_n (Q_0ᵀ G_n Q_1)²`` (``[dim Q_0, ·]``, see ``layers.kron``) of ``name``'s
         per-sample gradients ``G_n`` in the basis ``bases`` (``[Q_0, Q_1]``, ``[Q_0]`` or
         ``[]``), for ``EKFAC``. Default: :meth:`batch_grad` over chunks of samples, rotated
-        (``layers.kron.eigen_moment_of``); a rule overrides it with
-        ``layers.kron.eigen_moment`` on its canonical operands to avoid ``[N, *p.shape]``."""
-        n = call.batch_size
+        (``layers.eigenbasis.eigen_moment_of``, :func:`moment_in_chunks`); a rule overrides it
+        with ``layers.eigenbasis.eigen_moment`` on its canonical operands to avoid
+        ``[N, *p.shape]``, or ``eigen_moment_of_vectors`` for a one-dimensional parameter shared
+        over positions."""
         numel = call.module.get_parameter(name).numel()
-        step = max(1, CHUNK_ELEMENTS // max(1, numel))
-        total = None
-        for start in range(0, n, step):
-            grads = self.batch_grad(call.slice(start, min(n, start + step)), name)
-            part = eigen_moment_of(grads, bases)
-            total = part if total is None else total.add_(part)
-        return total
+        return moment_in_chunks(
+            call, numel, lambda part: eigen_moment_of(self.batch_grad(part, name), bases)
+        )
 
     def kron_groups(self, module: nn.Module, name: str) -> int:
         """``G``: the groups of ``name``'s entries that have separate Kronecker blocks, each
