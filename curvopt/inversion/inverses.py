@@ -91,4 +91,10 @@ class EigenCorrectedInverse(DampedInverse):
         solved = rotate(self.bases, rotated, back=True, transposed=transposed)
         if solved.dtype != rows.dtype:
             solved = solved.to(rows.dtype)
-        return solved.reshape(grad.shape), rotated
+        return shaped(solved, grad.shape), rotated
+
+
+def shaped(tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``tensor.reshape(shape)``: ``tensor`` itself where it has that shape (a step applies its
+    inverses at every step: no view formed to no purpose)."""
+    return tensor if tensor.shape == shape else tensor.reshape(shape)

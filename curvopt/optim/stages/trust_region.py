@@ -113,7 +113,12 @@ def _dot(grad: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
     if dtype is not direction.dtype or dtype not in _DOT_DTYPES:  # (else: no cast to make)
         dtype = torch.promote_types(torch.promote_types(dtype, direction.dtype), torch.float32)
         grad, direction = grad.to(dtype), direction.to(dtype)
-    return torch.dot(grad.reshape(-1), direction.reshape(-1))
+    return torch.dot(_flat(grad), _flat(direction))
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a vector: itself where it is one (no view to form), else ``reshape(-1)``."""
+    return tensor if tensor.dim() == 1 else tensor.reshape(-1)
 
 
 #: the dtypes :func:`_dot` takes a product in as they are (at least float32)
