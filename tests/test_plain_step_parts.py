@@ -18,7 +18,7 @@ from conftest import free_earlier_optimizers
 from torch import nn
 
 import curvopt
-from curvopt.inversion.inverses import EigenCorrectedInverse, shaped
+from curvopt.inversion.inverses import EigenCorrectedInverse
 from curvopt.layers.eigenbasis import rotate
 from curvopt.optim import EKFAC
 from curvopt.optim.base import _norms, _within_range
@@ -94,12 +94,6 @@ def test_eigen_corrected_solve_applied_again_is_the_dense_solve(shape):
     torch.testing.assert_close(
         coordinates.reshape(-1), q.T @ grad.reshape(-1) / (correction.reshape(-1) + 0.05)
     )
-
-
-def test_shaped_forms_a_view_only_where_the_shape_differs():
-    tensor = torch.randn(4, 3, dtype=DT)
-    assert shaped(tensor, torch.Size([4, 3])) is tensor
-    assert torch.equal(shaped(tensor, torch.Size([12])), tensor.reshape(-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, DT])

@@ -91,10 +91,6 @@ class EigenCorrectedInverse(DampedInverse):
         solved = rotate(self.bases, rotated, back=True, transposed=transposed)
         if solved.dtype != rows.dtype:
             solved = solved.to(rows.dtype)
-        return shaped(solved, grad.shape), rotated
-
-
-def shaped(tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """``tensor.reshape(shape)``: ``tensor`` itself where it has that shape (a step applies its
-    inverses at every step: no view formed to no purpose)."""
-    return tensor if tensor.shape == shape else tensor.reshape(shape)
+        if solved.shape != grad.shape:  # (no view formed where it has its shape already)
+            solved = solved.reshape(grad.shape)
+        return solved, rotated

@@ -36,7 +36,7 @@ import torch
 from curvopt.core.psd import psd_eigh
 from curvopt.core.reductions import dense, empty_like
 from curvopt.inversion.factor_inverse import capped
-from curvopt.inversion.inverses import DampedInverse, shaped
+from curvopt.inversion.inverses import DampedInverse
 from curvopt.inversion.trace_norm import (
     Factors,
     eigh_solvers,
@@ -274,8 +274,10 @@ class KroneckerInverse(DampedInverse):
         return kron_applier(self.value, cholesky=self.kind == "cholesky")
 
     def apply_one(self, grad):
+        # (no view formed where the gradient and the direction have their shapes already)
         matrix = grad if grad.shape[:-1] == self.rows else grad.reshape(*self.rows, -1)
-        return shaped(self.applied(matrix), grad.shape)
+        direction = self.applied(matrix)
+        return direction if direction.shape == grad.shape else direction.reshape(grad.shape)
 
 
 def _exact_solve(value, damping: float, matrix: torch.Tensor) -> torch.Tensor:
