@@ -319,14 +319,12 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         (:mod:`curvopt.optim.one_sided`); under ``trust_metric="ggn"`` at every curvature step,
         the trust region's metric (:func:`_trust_curvature`)."""
         needs = super()._needs(group, group_state)
-        if not needs:  # a plain step's window: no factors either
-            return needs
-        if self._distributed is not None:
+        if needs and self._distributed is not None:
             self._check_distributable(group)
         wide = [p for p in group["params"] if self._lagged(p, group)]
         lacking = any("bases_next" not in self.state.get(p, {}) for p in wide)
         due = lacking or trust_metric(group) == "ggn" or self._basis_due(group, group_state["step"])
-        if wide and due:
+        if needs and wide and due:
             factor_options = {"mc_samples": group["mc_samples"]}
             needs.append(
                 (group["curvature"], {**factor_options, "kfac_approx": group["kfac_approx"]})
