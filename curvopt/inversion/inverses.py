@@ -77,11 +77,20 @@ class EigenCorrectedInverse(DampedInverse):
         a plain step divides by it and adds nothing)."""
         return self.correction + self.damping
 
+    @functools.cached_property
+    def transposed(self) -> list[torch.Tensor]:
+        """``[Q.mT for Q in bases]``: the views the rotations take, formed once per inverse."""
+        return [basis.mT for basis in self.bases]
+
     def apply_with_coordinates(self, grad) -> tuple[torch.Tensor, torch.Tensor]:
         """``(d, Q_Bᵀ D Q_A)``: :meth:`apply_one`'s direction and its coordinates in the basis
         (``eigen_corrected_coordinates``' ``(Q_Bᵀ G Q_A) / (S + λ)``, the solve's
         intermediate, with :attr:`divisor`), ``[dim B, dim A]``."""
-        rows = as_rows(grad, self.bases)
-        rotated = rotate(self.bases, rows) / self.divisor
-        solved = rotate(self.bases, rotated, back=True).to(rows.dtype)
-        return solved.reshape(grad.shape), rotated
+        rows, transposed = as_rows(grad, self.bases), self.transposed
+        rotated = rotate(self.bases, rows, transposed=transposed) / self.divisor
+        solved = rotate(self.bases, rotated, back=True, transposed=transposed)
+        if solved.dtype != rows.dtype:
+            solved = solved.to(rows.dtype)
+        if solved.shape != grad.shape:  # (no view formed where it has its shape already)
+            solved = solved.reshape(grad.shape)
+        return solved, rotated

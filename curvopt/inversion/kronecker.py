@@ -274,7 +274,10 @@ class KroneckerInverse(DampedInverse):
         return kron_applier(self.value, cholesky=self.kind == "cholesky")
 
     def apply_one(self, grad):
-        return self.applied(grad.reshape(*self.rows, -1)).reshape(grad.shape)
+        # (no view formed where the gradient and the direction have their shapes already)
+        matrix = grad if grad.shape[:-1] == self.rows else grad.reshape(*self.rows, -1)
+        direction = self.applied(matrix)
+        return direction if direction.shape == grad.shape else direction.reshape(grad.shape)
 
 
 def _exact_solve(value, damping: float, matrix: torch.Tensor) -> torch.Tensor:

@@ -30,21 +30,29 @@ def as_rows(tensor: torch.Tensor, bases, leading: int = 0) -> torch.Tensor:
     return tensor.reshape(*tensor.shape[:leading], *rows, -1)
 
 
-def rotate(bases, matrix: torch.Tensor, back: bool = False) -> torch.Tensor:
+def rotate(bases, matrix: torch.Tensor, back: bool = False, transposed=None) -> torch.Tensor:
     """``Q_0ᵀ M Q_1`` into the eigenbasis (``back``: ``Q_0 M Q_1ᵀ`` out of it), for ``M`` of
     shape ``[..., dim Q_0, dim Q_1]``; a missing factor is the identity. In ``bases``' dtype.
+    ``transposed``: the views ``[Q.mT for Q in bases]`` where the caller keeps them (a solve
+    applied at every step: the same views, so the same products, without forming them again).
 
     With leading dims the left product is taken as ``(Mᵀ Q_0)ᵀ``: one matrix product over all
     of them (``Q_0ᵀ @ M`` would broadcast ``Q_0`` into one small product per leading index)."""
     if bases:
-        matrix = matrix.to(bases[0].dtype)
-        left = bases[0].mT if back else bases[0]
+        first = bases[0]
+        if matrix.dtype != first.dtype:
+            matrix = matrix.to(first.dtype)
         if matrix.dim() > 2:
-            matrix = (matrix.mT @ left).mT
+            matrix = (matrix.mT @ (first.mT if back else first)).mT
+        elif back:
+            matrix = first @ matrix
         else:
-            matrix = left.mT @ matrix
+            matrix = (first.mT if transposed is None else transposed[0]) @ matrix
     if len(bases) == 2:
-        matrix = matrix @ (bases[1].mT if back else bases[1])
+        if back:
+            matrix = matrix @ (bases[1].mT if transposed is None else transposed[1])
+        else:
+            matrix = matrix @ bases[1]
     return matrix
 
 

@@ -145,7 +145,7 @@ class CurvatureOptimizer(Optimizer):
         self._loss_scale: LossScale = NONE
         self._view: LocalView | FullView = LocalView()  # FullView once a parameter is sharded
         #: ``(tensors, their ℓ2 norms)`` taken during the step being planned (``_unused``)
-        self._normed: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        self._normed: list[tuple[list[torch.Tensor], list[float]]] = []
         super().__init__(params, defaults)
         self._distributed = distributed.resolve(
             process_group, self._distributable, type(self).__name__
@@ -615,21 +615,20 @@ def _left_unread(value, used) -> bool:
     return value is None or value is used
 
 
-def _all_zero(tensors: Sequence[torch.Tensor], norms: torch.Tensor | None = None) -> list[bool]:
+def _all_zero(tensors: Sequence[torch.Tensor], norms: list[float] | None = None) -> list[bool]:
     """Whether every entry of each of ``tensors`` is 0 (NaN is not): ``‖t‖₁ = 0``, a sum of
     absolute values that neither cancels nor underflows (squares would). ``‖t‖₂ > 0`` (or NaN)
     already says no, and its foreach kernel is several times faster on a CPU than the ℓ1 one:
     the ℓ1 norm is taken only of the tensors whose ℓ2 norm is 0 (all zero, or squares that
-    underflow). One host sync per norm (:func:`_norms`); ``norms``: the ℓ2 norms, where taken
+    underflow). One host read per norm (:func:`_norms`); ``norms``: the ℓ2 norms, where taken
     already."""
     norms = _norms(tensors, 2) if norms is None else norms
-    maybe = [i for i, zero in enumerate((norms == 0).tolist()) if zero]
+    maybe = [i for i, norm in enumerate(norms) if norm == 0]
     if not maybe:
         return [False] * len(tensors)
-    norms = _norms([tensors[i] for i in maybe], 1)
     out = [False] * len(tensors)
-    for i, zero in zip(maybe, (norms == 0).tolist()):
-        out[i] = zero
+    for i, norm in zip(maybe, _norms([tensors[i] for i in maybe], 1)):
+        out[i] = norm == 0
     return out
 
 
@@ -709,22 +708,24 @@ def _within_range(checks: list[torch.Tensor], params, deltas, normed=()) -> bool
     where the entries do not only sends the caller to its exact look. The norms of
     ``normed`` (``(tensors, norms)``) are those taken already: a checked tensor among them
     is not read again (and one that is not checked only adds a condition). All the other
-    norms by one foreach call per device (:func:`_norms`), read in one host sync."""
+    norms by one foreach call per device, read in one host read (:func:`_norms`); the verdict
+    on the host, from those floats."""
     known = {id(t) for tensors, _ in normed for t in tensors}
     checks = [t for t in checks if id(t) not in known]
     count, moved = len(checks), len(params)
     norms = _norms([*checks, *params, *deltas], 2)
-    sizes, steps = norms[count : count + moved], norms[count + moved :]
-    top = {dtype: torch.finfo(dtype).max for dtype in {p.dtype for p in params}}
-    if len(top) == 1:
-        in_range = sizes + steps <= next(iter(top.values()))
-    else:
-        limits = torch.tensor([top[p.dtype] for p in params], dtype=torch.float64)
-        in_range = sizes + steps <= limits.to(norms.device)
-    verdict = norms[:count].isfinite().all() & in_range.all()
-    for _, taken in normed:
-        verdict &= taken.isfinite().all().to(verdict.device)
-    return bool(verdict)
+    if not all(math.isfinite(norm) for norm in norms[:count]):
+        return False
+    if not all(math.isfinite(norm) for _, taken in normed for norm in taken):
+        return False
+    top: dict[torch.dtype, float] = {}
+    for param, size, step in zip(params, norms[count : count + moved], norms[count + moved :]):
+        limit = top.get(param.dtype)
+        if limit is None:
+            limit = top[param.dtype] = torch.finfo(param.dtype).max
+        if not size + step <= limit:
+            return False
+    return True
 
 
 def _entries(tensor: torch.Tensor) -> torch.Tensor:
@@ -741,31 +742,28 @@ def _by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]
     return out
 
 
-def _norms(tensors: Sequence[torch.Tensor], order: float) -> torch.Tensor:
+def _norms(tensors: Sequence[torch.Tensor], order: float) -> list[float]:
     """``‖t‖`` of the given ``order`` for each of ``tensors`` (a sparse one through its stored
-    entries), in their order, as one float64 vector on the first tensor's device (CPU for
-    none): one foreach norm per device (a fused kernel on a GPU, vectorised on a CPU)."""
+    entries), in their order, as Python floats (exact: a norm's own dtype widened): one
+    foreach norm per device (a fused kernel on a GPU, vectorised on a CPU) and one host read
+    of its results."""
     groups = _by_device(tensors)
-    device = tensors[0].device if tensors else torch.device("cpu")
+    out = [0.0] * len(tensors)
     with torch.no_grad():
-        parts = [
-            torch.stack(torch._foreach_norm([_entries(tensors[i]) for i in at], order))
-            for at in groups.values()
-        ]
-    if not parts:
-        return torch.zeros(0, dtype=torch.float64)
-    if len(parts) == 1:  # one device: already in the tensors' order
-        return parts[0].to(device, torch.float64)
-    norms = torch.cat([n.to(device, torch.float64) for n in parts])
-    positions = torch.tensor([i for at in groups.values() for i in at], device=device)
-    return torch.empty_like(norms).index_copy_(0, positions, norms)
+        for at in groups.values():
+            found = torch._foreach_norm([_entries(tensors[i]) for i in at], order)
+            if len(groups) == 1:  # one device: already in the tensors' order
+                return torch.stack(found).tolist()
+            for i, norm in zip(at, torch.stack(found).tolist()):
+                out[i] = norm
+    return out
 
 
 def check_finite(
     updates: list[ParamUpdate],
     owner: str = "",
     remedy: str = REMEDY,
-    normed: Sequence[tuple[Sequence[torch.Tensor], torch.Tensor]] = (),
+    normed: Sequence[tuple[Sequence[torch.Tensor], Sequence[float]]] = (),
 ) -> None:
     """Raise ``FloatingPointError`` unless every checked tensor, and every parameter after
     its update ``θ − Δ``, is finite (``‖θ‖∞ + ‖Δ‖∞ ≤ max`` of the dtype: no overflow).

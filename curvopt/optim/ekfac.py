@@ -515,7 +515,7 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
     def _measured_in_basis(self, step) -> bool:
         """Whether, under the default damping (:func:`default_damping`: other settings keep
         the rounding of their steps), the trust region measures the group's directions in the
-        basis (``trust_metric="ggn"``, :meth:`_trust_quadratic`) right after the
+        basis (``trust_metric="ggn"``, :meth:`_trust_quadratics`) right after the
         preconditioning, no stage of the group's chain between them: then the solve's
         coordinates in the basis (``Q_Bᵀ D Q_A``) are kept for it, so that it rotates no
         direction again."""
@@ -546,25 +546,41 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         return {name: value for name, value in kept.items() if value is not None}
 
     def _preconditioner(self):
-        """As ``NewtonOptimizer``'s; the trust region measures a step in the metric of
-        ``trust_metric`` (:meth:`_trust_quadratic`)."""
-        return replace(super()._preconditioner(), measure=self._trust_quadratic)
+        """As ``NewtonOptimizer``'s; the trust region measures the steps in the metric of
+        ``trust_metric`` (:meth:`_trust_quadratics`)."""
+        return replace(super()._preconditioner(), measure=self._trust_quadratics)
 
-    def _trust_quadratic(self, item, step):
-        """Under ``trust_metric="ggn"``: ``dᵀ (Q diag(vec K) Qᵀ + (λ + δ) I) d`` with ``K``
-        the factors' eigenvalue products in the basis (``Σ (K + λ + δ) ⊙ (Q_Bᵀ D Q_A)²``), the
-        Fisher's Kronecker approximation in the step's basis; None (the trust region's
-        ``gᵀd``, in ``S``'s metric) under ``"correction"``."""
-        products = item.update.state.get("trust_curvature")
-        if trust_metric(step.group) != "ggn" or products is None:
-            return None
-        bases = item.curvature[1:]
-        metric = self._trust_metric(item, products, step.damping)
-        # the solve's coordinates of this very direction, held until read (a parameter's size)
-        direction, coordinates = (self._coordinates or {}).pop(id(item), (None, None))
-        if direction is not None and direction is item.direction:
-            return (metric * coordinates * coordinates).sum()
-        return eigen_corrected_quadratic(bases, metric, as_rows(item.direction, bases))
+    def _trust_quadratics(self, items, step):
+        """Under ``trust_metric="ggn"``: per item ``dᵀ (Q diag(vec K) Qᵀ + (λ + δ) I) d`` with
+        ``K`` the factors' eigenvalue products in the basis (``Σ (K + λ + δ) ⊙ (Q_Bᵀ D Q_A)²``),
+        the Fisher's Kronecker approximation in the step's basis; None (the trust region's
+        ``gᵀd``, in ``S``'s metric) under ``"correction"`` and for an item without ``K``. The
+        products of the items whose solve kept the coordinates of their very direction by two
+        ``torch._foreach_mul`` calls (element-wise: the bits of ``K ⊙ c ⊙ c`` each)."""
+        out = [None] * len(items)
+        if trust_metric(step.group) != "ggn":
+            return out
+        # the solve's coordinates of these very directions, held until read (a parameter's size)
+        coordinates, at, metrics, found = self._coordinates or {}, [], [], []
+        for i, item in enumerate(items):
+            products = item.update.state.get("trust_curvature")
+            if products is None:
+                continue
+            metric = self._trust_metric(item, products, step.damping)
+            direction, coordinate = coordinates.pop(id(item), (None, None))
+            if direction is not None and direction is item.direction:
+                at.append(i)
+                metrics.append(metric)
+                found.append(coordinate)
+            else:
+                bases = item.curvature[1:]
+                out[i] = eigen_corrected_quadratic(bases, metric, as_rows(item.direction, bases))
+        if at:
+            squares = torch._foreach_mul(metrics, found)
+            torch._foreach_mul_(squares, found)
+            for i, square in zip(at, squares):
+                out[i] = square.sum()
+        return out
 
     def _trust_metric(self, item, products, damping) -> torch.Tensor:
         """``K + λ + δ`` of ``item``'s ``products`` ``K``, formed once between refreshes

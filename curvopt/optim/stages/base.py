@@ -83,6 +83,17 @@ class ParamStep:
         return NamingErrors(self.update.description)
 
 
+def scaled_directions(items: list[ParamStep], factor: float) -> list[torch.Tensor]:
+    """``factor · direction`` of each of ``items`` (:meth:`ParamStep.scaled`): the directions
+    the step owns in place by one ``torch._foreach_mul_`` (element-wise: the bits of a
+    ``mul_`` each, one call in place of one per parameter), the others into new tensors."""
+    owns = [item.owns(item.direction) for item in items]
+    owned = [item.direction for item, own in zip(items, owns) if own]
+    if owned:
+        torch._foreach_mul_(owned, factor)
+    return [item.direction if own else item.scaled(factor) for item, own in zip(items, owns)]
+
+
 class NamingErrors:
     """The block of :meth:`ParamStep.naming_errors`: a ``LinAlgError`` raised in it is raised
     again as one that starts with ``description`` (a class, not a generator: entered once per
@@ -117,9 +128,10 @@ class Preconditioner:
     fallback: Callable[[ParamStep, "GroupStep"], tuple[torch.Tensor, dict[str, Any]]]
     derived: Callable[[Any, dict[str, Any], float, int], Any]
     distributed: Any = None
-    #: the trust region's ``dᵀ M d`` of an item with curvature in a metric ``M`` of the
-    #: optimizer's (a scalar tensor), or None: ``gᵀd``, the damped curvature's (None: always)
-    measure: Callable[["ParamStep", "GroupStep"], torch.Tensor | None] | None = None
+    #: the trust region's ``dᵀ M d`` of each of the items (all with curvature) in a metric
+    #: ``M`` of the optimizer's (scalar tensors), or None for one: ``gᵀd``, the damped
+    #: curvature's (None: always)
+    measure: Callable[[list["ParamStep"], "GroupStep"], list[torch.Tensor | None]] | None = None
 
 
 @dataclass

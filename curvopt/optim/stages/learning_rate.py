@@ -4,20 +4,13 @@ bits of a ``mul_`` each)."""
 
 from __future__ import annotations
 
-import torch
-
-from curvopt.optim.stages.base import GroupStep, Stage
+from curvopt.optim.stages.base import GroupStep, Stage, scaled_directions
 
 
 class ScaleByLearningRate(Stage):
     order = 60
 
     def __call__(self, step: GroupStep) -> None:
-        lr = step.group["lr"]
-        owns = [item.owns(item.direction) for item in step.params]
-        owned = [item.direction for item, own in zip(step.params, owns) if own]
-        if owned:
-            torch._foreach_mul_(owned, lr)
-        for item, own in zip(step.params, owns):
-            item.update.delta = item.direction if own else item.scaled(lr)
-            item.update.checks.append(("update", item.update.delta))
+        for item, delta in zip(step.params, scaled_directions(step.params, step.group["lr"])):
+            item.update.delta = delta
+            item.update.checks.append(("update", delta))

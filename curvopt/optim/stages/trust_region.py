@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from curvopt.optim.stages.base import GroupStep, Stage
+from curvopt.optim.stages.base import GroupStep, Stage, scaled_directions
 
 
 class ScaleByTrustRegion(Stage):
@@ -28,14 +28,11 @@ class ScaleByTrustRegion(Stage):
             items = [i for i in items if i.rows is not None or distributed.rank == 0]
             total = distributed.sum
         nu = trust_factor(
-            [_measured(item, step) for item in items],
-            step.group["lr"],
-            step.group["kl_clip"] * step.kl_scale,
-            total,
+            _measured(items, step), step.group["lr"], step.group["kl_clip"] * step.kl_scale, total
         )
         if nu != 1.0:
-            for item in items:
-                item.direction = item.scaled(nu)
+            for item, direction in zip(items, scaled_directions(items, nu)):
+                item.direction = direction
 
 
 def kl_clip_factor(
@@ -94,12 +91,19 @@ def trust_factor(
     return min(1.0, math.sqrt(kl_clip / squared))
 
 
-def _measured(item, step: GroupStep) -> torch.Tensor:
-    """The item's squared step length: ``dᵀ M d`` in the optimizer's metric
-    (``Preconditioner.measure``) where it has one, else ``g·d``."""
-    measure = step.preconditioner.measure
-    found = None if measure is None or item.curvature is None else measure(item, step)
-    return _dot(item.grad, item.direction) if found is None else found
+def _measured(items, step: GroupStep) -> list[torch.Tensor]:
+    """The items' squared step lengths: ``dᵀ M d`` in the optimizer's metric
+    (``Preconditioner.measure``, of the items with curvature at once) where it has one, else
+    ``g·d``."""
+    measure, found = step.preconditioner.measure, [None] * len(items)
+    curved = [i for i, item in enumerate(items) if item.curvature is not None]
+    if measure is not None and curved:
+        for i, product in zip(curved, measure([items[i] for i in curved], step)):
+            found[i] = product
+    return [
+        _dot(item.grad, item.direction) if product is None else product
+        for item, product in zip(items, found)
+    ]
 
 
 def _dot(grad: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
@@ -109,7 +113,12 @@ def _dot(grad: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
     if dtype is not direction.dtype or dtype not in _DOT_DTYPES:  # (else: no cast to make)
         dtype = torch.promote_types(torch.promote_types(dtype, direction.dtype), torch.float32)
         grad, direction = grad.to(dtype), direction.to(dtype)
-    return torch.dot(grad.reshape(-1), direction.reshape(-1))
+    return torch.dot(_flat(grad), _flat(direction))
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a vector: itself where it is one (no view to form), else ``reshape(-1)``."""
+    return tensor if tensor.dim() == 1 else tensor.reshape(-1)
 
 
 #: the dtypes :func:`_dot` takes a product in as they are (at least float32)
