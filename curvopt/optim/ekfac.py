@@ -316,14 +316,14 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         """The ``EKFAC`` extension where due; with one-sided parameters (every one under
         ``basis_source="last_refresh"``), on their basis steps (and before they have a basis)
         also their factors, whose eigenvectors are the basis of the next steps
-        (:mod:`curvopt.optim.one_sided`); under ``trust_metric="ggn"`` at every curvature step,
-        the trust region's metric (:func:`_trust_curvature`)."""
+        (:mod:`curvopt.optim.one_sided`), which under ``trust_metric="ggn"`` also give the trust
+        region's metric until the next basis step (:func:`_trust_curvature`)."""
         needs = super()._needs(group, group_state)
         if needs and self._distributed is not None:
             self._check_distributable(group)
         wide = [p for p in group["params"] if self._lagged(p, group)]
         lacking = any("bases_next" not in self.state.get(p, {}) for p in wide)
-        due = lacking or trust_metric(group) == "ggn" or self._basis_due(group, group_state["step"])
+        due = lacking or self._basis_due(group, group_state["step"])
         if needs and wide and due:
             factor_options = {"mc_samples": group["mc_samples"]}
             needs.append(
@@ -335,7 +335,10 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         """As in ``NewtonOptimizer``; a one-sided parameter's (every one's under
         ``basis_source="last_refresh"``) ``[S, *bases]`` without its trailing identity sides
         (``one_sided.kept``), and from fresh factors its next bases (kept in ``update.state``
-        until :meth:`_direction` returns them into the new state)."""
+        until :meth:`_direction` returns them into the new state); under
+        ``trust_metric="ggn"`` the trust region's ``K`` in ``S``'s basis: from a basis step's
+        factors on that step, else the one kept in the state from the last (``trust_next``,
+        :meth:`_kept_trust_curvature`)."""
         param, max_dim = update.param, group["max_basis_dim"]
         if self._lagged(param, group) and self._without_factors(param, group):
             name = group["curvature"]  # missing: stepped by the fallback (or raises)
@@ -353,17 +356,33 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         collected = fresh is not None and fresh is not self._consumed.get(param, {}).get(name)
         refreshes = collected and self._refreshes(param, group)
         factors = None
-        if refreshes or (collected and ggn):
+        if refreshes:
             factors = values.plain(self._read(update, name, extension, None))
             update.checks += [(f"`{name}`", f) for f in factors]
         warm = pending if refreshes and basis_refresh(group) == "warm" else None
         powers = _power_steps(factors, warm)
-        if ggn:  # None without factors (a state loaded): gᵀd
+        if ggn and refreshes:
             update.state["trust_curvature"] = _trust_curvature(curvature, pending, factors, powers)
+        elif ggn:
+            products = self._kept_trust_curvature(param, curvature)
+            update.state["trust_curvature"] = update.state["trust_next"] = products
         if refreshes:
             pending = self._next_bases(factors, max_dim, warm, powers)
+        if ggn and refreshes and self._distributed is None:  # else in _spread_bases
+            update.state["trust_next"] = _trust_curvature(None, pending, factors)
         update.state["bases_next"] = pending
         return curvature
+
+    def _kept_trust_curvature(self, param, curvature):
+        """``K`` of the last basis step's factors in the bases it refreshed (the state's
+        ``trust_next``, the basis of this step's ``S``), shaped as ``S`` (``curvature[0]``;
+        kept so shaped: one object until the next basis step, whose ``K + λ + δ`` is formed
+        once, :meth:`_trust_metric`); None where the state has none (one loaded without it:
+        ``gᵀd`` until the next basis step)."""
+        products = self.state.get(param, {}).get("trust_next")
+        if products is None or products.shape == curvature[0].shape:
+            return products
+        return products.reshape(curvature[0].shape)
 
     def _without_factors(self, param, group) -> bool:
         """Whether a lagged ``param`` has no Kronecker factors: the first window (which
@@ -458,18 +477,23 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         finally:
             self._refresh, self._coordinates = None, None
         if self._distributed is not None:
-            self._spread_bases(updates)
+            self._spread_bases(updates, trust_metric(group) == "ggn")
         return updates, predicted
 
-    def _spread_bases(self, updates) -> None:
+    def _spread_bases(self, updates, ggn: bool) -> None:
         """The eigendecompositions of the next bases (the :class:`_Decomposition` in the updates'
         state), each computed on one rank, balanced by ``Σ dim³``, and broadcast: every rank
-        holds the same bases, so the next pass's ``S`` are in one basis."""
+        holds the same bases, so the next pass's ``S`` are in one basis; under ``ggn``
+        (``trust_metric="ggn"``) with them the trust region's ``K`` in them, from the averaged
+        factors: the same on every rank."""
         due = [u for u in updates if isinstance(u.state.get("bases_next"), _Decomposition)]
         jobs = [u.state["bases_next"].job(u.description) for u in due]
         for update, found in zip(due, self._distributed.spread(jobs)):
-            pending = update.state["bases_next"].pending(found)
+            decomposition = update.state["bases_next"]
+            pending = decomposition.pending(found)
             update.state = {**update.state, "bases_next": pending}
+            if ggn:
+                update.state["trust_next"] = _trust_curvature(None, pending, decomposition.factors)
 
     # ----------------------------------------------------------------- the step
     def _directions(self, items, step):
@@ -541,7 +565,7 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         parameter whose bases lag (:meth:`_lagged`)."""
         if not self._lagged(item.update.param, step.group):
             return {}
-        names = ("bases_next", "trust_curvature")
+        names = ("bases_next", "trust_curvature", "trust_next")
         kept = {name: item.update.state.get(name, item.state.get(name)) for name in names}
         return {name: value for name, value in kept.items() if value is not None}
 
@@ -635,16 +659,15 @@ def default_damping(group) -> bool:
 
 
 def _trust_curvature(curvature, pending, factors, powers=None):
-    """``K = diag(Q_Bᵀ B Q_B) diag(Q_Aᵀ A Q_A)ᵀ`` of this step's Kronecker ``factors`` in the
-    bases ``pending`` of the correction ``S`` (``curvature[0]``, whose shape ``K`` takes; the
-    identity where None): the diagonal of ``Qᵀ (B ⊗ A) Q``, which ``trust_metric="ggn"``
-    measures steps in, from the products ``F Q`` of a warm refresh (``powers``) where formed;
-    None without ``factors``."""
-    if factors is None:
-        return None
+    """``K = diag(Q_Bᵀ B Q_B) diag(Q_Aᵀ A Q_A)ᵀ`` of a basis step's Kronecker ``factors`` in the
+    bases ``pending`` (the identity where None): the diagonal of ``Qᵀ (B ⊗ A) Q``, which
+    ``trust_metric="ggn"`` measures steps in, from the products ``F Q`` of a warm refresh
+    (``powers``) where formed; shaped as the correction ``S`` (``curvature[0]``) in these
+    bases, flat for None (the next bases', whose ``S`` is not computed yet:
+    ``EKFAC._kept_trust_curvature`` shapes it)."""
     pending = [None] * len(factors) if pending is None else pending
     eigenvalues = basis_eigenvalues(pending, factors, powers)
-    return factor_products(eigenvalues, curvature[0].shape)
+    return factor_products(eigenvalues, (-1,) if curvature is None else curvature[0].shape)
 
 
 def _power_steps(factors, warm):
