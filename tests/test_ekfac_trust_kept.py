@@ -252,3 +252,24 @@ def test_the_kept_metric_of_one_sided_and_grouped_parameters_is_the_dense_one(ma
             expected = _dense_products(factors[name], bases, correction.shape)
             found = opt.state[p]["trust_curvature"]
             torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_the_kept_metric_follows_the_batch_size_of_a_summed_loss():
+    """A summed loss on batches of 8 (the basis step 0) and then 12: at step 1 the metric is
+    the dense ``diag(Qᵀ (B_0 ⊗ A_0) Q)`` times ``12 / 8`` (the reduction scales ``s``), as
+    ``S`` of the batch of 12 is; with a mean (``s = 1`` for both) it is the kept one."""
+    for reduction, ratio in (("sum", 12 / 8), ("mean", 1.0)):
+        layer = _layer()
+        lossfunc = curvopt.extend(nn.CrossEntropyLoss(reduction=reduction))
+        opt = EKFAC(layer.parameters(), lr=0.0, damping=1e-2, curvature="kflr", basis_interval=3)
+        (x, y), (x1, y1) = _batches(2)
+        factors = _kflr(layer, nn.CrossEntropyLoss(reduction=reduction), x[:8], y[:8])
+        for inputs, targets in ((x[:8], y[:8]), (x1[:12], y1[:12])):
+            opt.zero_grad()
+            lossfunc(layer(inputs), targets).backward()
+            opt.step()
+        for name, p in layer.named_parameters():
+            correction, *bases = opt.state[p]["curvature"]
+            expected = ratio * _dense_products(factors[name], bases, correction.shape)
+            found = opt.state[p]["trust_curvature"]
+            torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-12)

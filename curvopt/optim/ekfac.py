@@ -28,7 +28,8 @@ The trust region (``kl_clip``) measures a step ``D`` under ``trust_metric="ggn"`
 with the default ``basis_source``) in the Kronecker factors' eigenvalues in the basis,
 ``Σ (K + λ + δ) ⊙ (Q_Bᵀ D Q_A)²``, not in ``S`` (``gᵀd``): at confidently wrong predictions the
 empirical Fisher's ``S`` is hundreds of times the GGN and cuts every step (``docs/optim.md``,
-"EKFAC from a badly scaled initialisation").
+"EKFAC from a badly scaled initialisation"). ``K`` comes from the factors of the last basis
+step (collected on basis steps only), kept in the bases that step refreshed until the next.
 """
 
 from __future__ import annotations
@@ -215,9 +216,10 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
             parameters warns once, naming them.
         trust_metric: the metric the trust region ``kl_clip`` measures a step ``D`` in:
             ``"ggn"``, ``Σ (K + λ + δ) ⊙ (Q_Bᵀ D Q_A)²`` with ``K = diag(Q_Bᵀ B Q_B)
-            diag(Q_Aᵀ A Q_A)ᵀ`` of the Kronecker factors ``B, A`` of each curvature step (the
-            GGN's Kronecker approximation in the basis; they are collected at every curvature
-            step), or ``"correction"``, ``gᵀd`` (in the metric of ``S``, the empirical Fisher's,
+            diag(Q_Aᵀ A Q_A)ᵀ`` of the Kronecker factors ``B, A`` of the last basis step (the
+            GGN's Kronecker approximation in the basis; collected on basis steps only, so that
+            between refreshes ``K`` is up to ``basis_interval`` steps old while ``S`` is
+            fresh), or ``"correction"``, ``gᵀd`` (in the metric of ``S``, the empirical Fisher's,
             which at confidently wrong predictions is hundreds of times the GGN and cuts every
             step). ``None`` (default): ``"ggn"`` with ``basis_source="last_refresh"`` (the
             default), whatever the damping; ``"correction"`` with ``basis_source="current"``.
@@ -364,25 +366,45 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         if ggn and refreshes:
             update.state["trust_curvature"] = _trust_curvature(curvature, pending, factors, powers)
         elif ggn:
-            products = self._kept_trust_curvature(param, curvature)
-            update.state["trust_curvature"] = update.state["trust_next"] = products
+            update.state["trust_curvature"] = self._kept_trust_curvature(param, curvature, update)
         if refreshes:
             pending = self._next_bases(factors, max_dim, warm, powers)
+        if ggn and refreshes:
+            update.state["trust_scale"] = self._window_scale()
         if ggn and refreshes and self._distributed is None:  # else in _spread_bases
             update.state["trust_next"] = _trust_curvature(None, pending, factors)
         update.state["bases_next"] = pending
         return curvature
 
-    def _kept_trust_curvature(self, param, curvature):
+    def _kept_trust_curvature(self, param, curvature, update):
         """``K`` of the last basis step's factors in the bases it refreshed (the state's
         ``trust_next``, the basis of this step's ``S``), shaped as ``S`` (``curvature[0]``;
-        kept so shaped: one object until the next basis step, whose ``K + λ + δ`` is formed
-        once, :meth:`_trust_metric`); None where the state has none (one loaded without it:
+        kept so shaped in ``update.state``), times ``s / s_r``: this window's reduction scale
+        over the basis step's (``trust_scale``; ``EKFAC._window_scale``), so that ``K``
+        follows the loss's reduction and batch size as ``S`` does (a sum over batches of
+        other sizes; where either is unknown, 0, or they are equal: ``K`` itself, one object
+        until the next basis step, whose ``K + λ + δ`` is formed once,
+        :meth:`_trust_metric`). None where the state has none (one loaded without it:
         ``gᵀd`` until the next basis step)."""
-        products = self.state.get(param, {}).get("trust_next")
-        if products is None or products.shape == curvature[0].shape:
+        state = self.state.get(param, {})
+        products = state.get("trust_next")
+        if products is None:
+            return None
+        if products.shape != curvature[0].shape:
+            products = products.reshape(curvature[0].shape)
+        update.state["trust_next"] = products
+        update.state["trust_scale"] = kept_scale = state.get("trust_scale", 0.0)
+        scale = self._window_scale()
+        if scale == kept_scale or not scale or not kept_scale:
             return products
-        return products.reshape(curvature[0].shape)
+        return products * (scale / kept_scale)
+
+    def _window_scale(self) -> float:
+        """``s`` of this step's passes (``_reduction_scale``; 0 where unknown), read once per
+        planned group (under ``torch.distributed`` a mean over the ranks)."""
+        if self._scale is None:
+            self._scale = self._reduction_scale()
+        return self._scale
 
     def _without_factors(self, param, group) -> bool:
         """Whether a lagged ``param`` has no Kronecker factors: the first window (which
@@ -466,6 +488,9 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
     #: while a group's step is planned: ``id(item) -> (d, Q_Bᵀ D Q_A)`` of the directions the
     #: trust region measures in the basis (:meth:`_measured_in_basis`)
     _coordinates: dict | None = None
+    #: while a group's step is planned: its passes' reduction scale, once read
+    #: (:meth:`_window_scale`)
+    _scale: float | None = None
 
     def _plan_group(self, group, group_state, with_model):
         """As in ``NewtonOptimizer``, the bases of its basis step decomposed once per distinct
@@ -475,7 +500,7 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         try:
             updates, predicted = super()._plan_group(group, group_state, with_model)
         finally:
-            self._refresh, self._coordinates = None, None
+            self._refresh, self._coordinates, self._scale = None, None, None
         if self._distributed is not None:
             self._spread_bases(updates, trust_metric(group) == "ggn")
         return updates, predicted
@@ -565,7 +590,7 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         parameter whose bases lag (:meth:`_lagged`)."""
         if not self._lagged(item.update.param, step.group):
             return {}
-        names = ("bases_next", "trust_curvature", "trust_next")
+        names = ("bases_next", "trust_curvature", "trust_next", "trust_scale")
         kept = {name: item.update.state.get(name, item.state.get(name)) for name in names}
         return {name: value for name, value in kept.items() if value is not None}
 
