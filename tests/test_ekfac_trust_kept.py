@@ -1,12 +1,15 @@
 """``EKFAC(trust_metric="ggn")`` keeps the trust region's metric from the last basis refresh.
 
-The Kronecker factors are collected on basis steps only (every ``basis_interval`` steps, and
+With warm refreshes (the default under the default damping ``λ = 1e-2 s``, here ``1e-2``:
+means over samples) the Kronecker factors are collected on basis steps only (every ``basis_interval`` steps, and
 before a parameter has a basis); between them the trust region measures a step ``D`` in
 ``Σ (K + λ + δ) ⊙ (Q_Bᵀ D Q_A)²`` with ``K = diag(Qᵀ (B_r ⊗ A_r) Q)`` of the factors ``B_r, A_r``
 of the last basis step ``r`` in the bases ``Q`` of the step (those ``r`` refreshed), while ``S``
-is the step's own. Checked in float64 against dense references (``torch.kron`` of factors
-collected by a twin model at the same parameters), under a change of damping, both refreshes,
-micro-batches, a saved and loaded state, one-sided parameters and a grouped convolution.
+is the step's own; with exact refreshes (a damping given) the factors of every curvature
+step (the steps of those settings unchanged). Checked in float64 against dense references (``torch.kron`` of
+factors collected by a twin model at the same parameters), under a change of damping, both
+refreshes, micro-batches, a saved and loaded state, one-sided parameters and a grouped
+convolution.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from curvopt.optim import EKFAC
 
 DT = torch.float64
 KL_CLIP = 1e-3
+#: the default damping ``λ = 1e-2 s`` with the curvature at every step, a basis every third
+KEPT = {"curvature_interval": 1, "basis_interval": 3}
 
 
 def _batches(count: int, features: int = 4):
@@ -70,17 +75,18 @@ def _layer() -> nn.Module:
     return curvopt.extend(nn.Linear(4, 3).to(DT))
 
 
-def _run(options, batches, lr_at: dict, damping_at: dict | None = None):
+def _run(options, batches, lr_at: dict, decay_at: dict | None = None):
     """``(layer, opt, deltas)`` of ``EKFAC(Linear(4, 3), lr=0, curvature="kflr", **options)``
-    stepped once per batch (``lr_at[t]``, ``damping_at[t]`` from step ``t`` on); ``deltas[t]``
-    the change of ``[weight, bias]`` at step ``t``."""
+    stepped once per batch (``lr_at[t]``, ``decay_at[t]`` the ``weight_decay`` δ from step
+    ``t`` on); ``deltas[t]`` the change of ``[weight, bias]`` at step ``t``."""
     layer = _layer()
     lossfunc = curvopt.extend(nn.CrossEntropyLoss())
     opt = EKFAC(layer.parameters(), lr=0.0, curvature="kflr", **options)
     deltas = {}
     for t, (x, y) in enumerate(batches):
         opt.param_groups[0]["lr"] = lr_at.get(t, opt.param_groups[0]["lr"])
-        opt.param_groups[0]["damping"] = (damping_at or {}).get(t, opt.param_groups[0]["damping"])
+        group = opt.param_groups[0]
+        group["weight_decay"] = (decay_at or {}).get(t, group["weight_decay"])
         before = [p.detach().clone() for p in layer.parameters()]
         opt.zero_grad()
         lossfunc(layer(x), y).backward()
@@ -103,29 +109,32 @@ def _length(layer, opt, factors, deltas, lr, damping) -> float:
     return total
 
 
-@pytest.mark.parametrize("refresh", ["eigh", "warm"])
+@pytest.mark.parametrize(
+    "named", [{}, {"damping": 1e-2, "basis_refresh": "warm"}], ids=["defaults", "warm named"]
+)
 @pytest.mark.parametrize("step, refreshed", [(2, 0), (4, 3), (5, 3)])
-@pytest.mark.parametrize("new_damping", [None, 0.05], ids=["same damping", "damping changed"])
+@pytest.mark.parametrize("decay", [None, 0.04], ids=["same damping", "damping changed"])
 def test_a_step_between_refreshes_is_clipped_in_the_last_refreshs_factors(
-    refresh, step, refreshed, new_damping
+    named, step, refreshed, decay
 ):
     """``basis_interval=3`` (refreshes at steps 0 and 3), steps at ``lr=0`` on changing batches
     until ``step``: that step is its unclipped twin's (``kl_clip=None``) times ``ν = min(1,
     sqrt(κ / (lr² Σ_p vec(D_p)ᵀ (Q diag(K) Qᵀ + λ I) vec(D_p))))``, ``K`` of the factors of the
     batch of step ``refreshed`` (not those of the step's own batch, which give another ``ν``),
-    ``λ`` the damping of the step (``new_damping`` set at that step)."""
-    batches, lr, damping = _batches(step + 1), 0.5, 1e-2
-    options = {"damping": damping, "basis_interval": 3, "basis_refresh": refresh}
-    damping_at = {} if new_damping is None else {step: new_damping}
+    ``λ + δ`` the damping of the step (``1e-2``, plus a weight decay ``δ`` set at that
+    step)."""
+    batches, lr = _batches(step + 1), 0.5
+    options = {**KEPT, **named}
+    decay_at = {} if decay is None else {step: decay}
     runs = {
-        name: _run({**options, "kl_clip": clip}, batches, {step: lr}, damping_at)
+        name: _run({**options, "kl_clip": clip}, batches, {step: lr}, decay_at)
         for name, clip in (("ggn", KL_CLIP), ("free", None))
     }
     layer, opt, deltas = runs["free"]
     start, lossfunc = _layer(), nn.CrossEntropyLoss()  # lr = 0 before the step: its parameters
     kept = _kflr(start, lossfunc, *batches[refreshed])
     fresh = _kflr(start, lossfunc, *batches[step])
-    damping = new_damping or damping
+    damping = 1e-2 + (decay or 0.0)
     nu = {
         name: min(1.0, math.sqrt(KL_CLIP / (lr**2 * _length(layer, opt, f, deltas[step], lr, damping))))
         for name, f in (("kept", kept), ("fresh", fresh))
@@ -136,11 +145,16 @@ def test_a_step_between_refreshes_is_clipped_in_the_last_refreshs_factors(
         torch.testing.assert_close(clipped, nu["kept"] * free, rtol=1e-10, atol=1e-14)
 
 
-def test_factors_are_collected_on_basis_steps_only():
+@pytest.mark.parametrize(
+    "options, kept",
+    [({}, True), ({"damping": 1e-2}, False), ({"damping": 1e-2, "basis_refresh": "warm"}, True)],
+)
+def test_factors_are_collected_on_basis_steps_only(options, kept):
     """``p.kflr`` is written by the passes of the basis steps (0 and 3 of ``basis_interval=3``)
-    alone."""
+    alone with warm refreshes (the default damping's, or named), by every pass with exact ones
+    (a damping given)."""
     layer, lossfunc = _layer(), curvopt.extend(nn.CrossEntropyLoss())
-    opt = EKFAC(layer.parameters(), lr=0.1, damping=1e-2, curvature="kflr", basis_interval=3)
+    opt = EKFAC(layer.parameters(), lr=0.1, curvature="kflr", **KEPT, **options)
     collected, last = [], None
     for x, y in _batches(6):
         opt.zero_grad()
@@ -148,7 +162,8 @@ def test_factors_are_collected_on_basis_steps_only():
         collected.append(layer.weight.kflr[0] is not last)  # a quantity stays until replaced
         last = layer.weight.kflr[0]
         opt.step()
-    assert collected == [True, False, False, True, False, False]
+    expected = [True, False, False, True, False, False] if kept else [True] * 6
+    assert collected == expected
 
 
 def test_the_default_collects_factors_on_basis_steps_only():
@@ -188,7 +203,7 @@ def test_a_loaded_state_keeps_the_metric():
     """A state saved between refreshes (after step 4 of ``basis_interval=3``) and loaded into a
     new optimizer takes the steps 5 and 6 of the uninterrupted run, bit for bit."""
     batches = _batches(7)
-    options = {"damping": 1e-2, "basis_interval": 3, "kl_clip": KL_CLIP}
+    options = {**KEPT, "kl_clip": KL_CLIP}
     layer, _, whole = _run(options, batches, {0: 0.5})
     saved_layer, saved, _ = _run(options, batches[:5], {0: 0.5})
     state = copy.deepcopy(saved.state_dict())
@@ -230,10 +245,9 @@ def test_the_kept_metric_of_one_sided_and_grouped_parameters_is_the_dense_one(ma
     opt = EKFAC(
         model.parameters(),
         lr=0.05,
-        damping=1e-2,
         curvature="kflr",
-        basis_interval=3,
         max_basis_dim=max_basis_dim,
+        **KEPT,
     )
     generator = torch.Generator().manual_seed(1)
     factors = None
@@ -261,7 +275,7 @@ def test_the_kept_metric_follows_the_batch_size_of_a_summed_loss():
     for reduction, ratio in (("sum", 12 / 8), ("mean", 1.0)):
         layer = _layer()
         lossfunc = curvopt.extend(nn.CrossEntropyLoss(reduction=reduction))
-        opt = EKFAC(layer.parameters(), lr=0.0, damping=1e-2, curvature="kflr", basis_interval=3)
+        opt = EKFAC(layer.parameters(), lr=0.0, curvature="kflr", **KEPT)
         (x, y), (x1, y1) = _batches(2)
         factors = _kflr(layer, nn.CrossEntropyLoss(reduction=reduction), x[:8], y[:8])
         for inputs, targets in ((x[:8], y[:8]), (x1[:12], y1[:12])):
