@@ -1,15 +1,15 @@
 """``EKFAC(trust_metric="ggn")`` keeps the trust region's metric from the last basis refresh.
 
 With warm refreshes (the default under the default damping ``λ = 1e-2 s``, here ``1e-2``:
-means over samples) the Kronecker factors are collected on basis steps only (every ``basis_interval`` steps, and
-before a parameter has a basis); between them the trust region measures a step ``D`` in
-``Σ (K + λ + δ) ⊙ (Q_Bᵀ D Q_A)²`` with ``K = diag(Qᵀ (B_r ⊗ A_r) Q)`` of the factors ``B_r, A_r``
-of the last basis step ``r`` in the bases ``Q`` of the step (those ``r`` refreshed), while ``S``
-is the step's own; with exact refreshes (a damping given) the factors of every curvature
-step (the steps of those settings unchanged). Checked in float64 against dense references (``torch.kron`` of
-factors collected by a twin model at the same parameters), under a change of damping, both
-refreshes, micro-batches, a saved and loaded state, one-sided parameters and a grouped
-convolution.
+means over samples) the Kronecker factors are collected on basis steps only (every
+``basis_interval`` steps, and before a parameter has a basis); between them the trust region
+measures a step ``D`` in ``Σ (K + λ + δ) ⊙ (Q_Bᵀ D Q_A)²`` with ``K = diag(Qᵀ (B_r ⊗ A_r) Q)`` of
+the factors ``B_r, A_r`` of the last basis step ``r`` in the bases ``Q`` of the step (those
+``r`` refreshed), while ``S`` is the step's own; with exact refreshes (a damping given) the
+factors of every curvature step (the steps of those settings unchanged). Checked in float64
+against dense references (``torch.kron`` of factors collected by a twin model at the same
+parameters), under a change of damping, micro-batches, a saved and loaded state, a summed loss
+over batches of other sizes, one-sided parameters and a grouped convolution.
 """
 
 from __future__ import annotations
@@ -135,10 +135,11 @@ def test_a_step_between_refreshes_is_clipped_in_the_last_refreshs_factors(
     kept = _kflr(start, lossfunc, *batches[refreshed])
     fresh = _kflr(start, lossfunc, *batches[step])
     damping = 1e-2 + (decay or 0.0)
-    nu = {
-        name: min(1.0, math.sqrt(KL_CLIP / (lr**2 * _length(layer, opt, f, deltas[step], lr, damping))))
+    lengths = {
+        name: _length(layer, opt, f, deltas[step], lr, damping)
         for name, f in (("kept", kept), ("fresh", fresh))
     }
+    nu = {name: min(1.0, math.sqrt(KL_CLIP / (lr**2 * length))) for name, length in lengths.items()}
     assert nu["kept"] < 1.0  # the trust region cuts the step
     assert abs(nu["fresh"] - nu["kept"]) > 1e-3 * nu["kept"]  # the factors can be told apart
     for clipped, free in zip(runs["ggn"][2][step], deltas[step]):

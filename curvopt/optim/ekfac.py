@@ -222,10 +222,11 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
             approximation in the basis): with warm refreshes (``basis_refresh``, the default
             under the default damping) those of the last basis step (collected on basis steps
             only, so that between refreshes ``K`` is up to ``basis_interval`` steps old while
-            ``S`` is fresh), else those of each curvature step; or ``"correction"``, ``gᵀd`` (in the metric of ``S``, the empirical Fisher's,
-            which at confidently wrong predictions is hundreds of times the GGN and cuts every
-            step). ``None`` (default): ``"ggn"`` with ``basis_source="last_refresh"`` (the
-            default), whatever the damping; ``"correction"`` with ``basis_source="current"``.
+            ``S`` is fresh), else those of each curvature step; or ``"correction"``, ``gᵀd``
+            (in the metric of ``S``, the empirical Fisher's, which at confidently wrong
+            predictions is hundreds of times the GGN and cuts every step). ``None``
+            (default): ``"ggn"`` with ``basis_source="last_refresh"`` (the default), whatever
+            the damping; ``"correction"`` with ``basis_source="current"``.
         momentum, curvature_interval, kl_clip: see :class:`~curvopt.optim.KFAC`
             and :mod:`curvopt.optim.newton`. ``curvature_ema`` is not supported (``S`` of an
             old basis cannot be averaged with one of a new basis).
