@@ -433,6 +433,8 @@ def scenarios(R: Rank) -> dict:
     cases.append(("ekfac_mlp_one_sided", mlp, data, "mean", {"max_basis_dim": 5}))
     # the trust region in the averaged factors' eigenvalues, whole on every rank
     cases.append(("ekfac_mlp_ggn", mlp, data, "mean", {"trust_metric": "ggn"}))
+    # warm refreshes: the trust region's K kept from the basis step, formed after the spread
+    cases.append(("ekfac_mlp_kept", mlp, data, "mean", {"basis_refresh": "warm"}))
     for name, make_model, inputs, reduction, options in cases:
 
         def make(params, options=options, **kw):
@@ -719,6 +721,7 @@ def test_process_group_argument(ranks):
         "ekfac_cnn_sum",
         "ekfac_mlp_one_sided",
         "ekfac_mlp_ggn",
+        "ekfac_mlp_kept",
         "tied_gpt",
         "svag_mean",
         "svag_sum",
