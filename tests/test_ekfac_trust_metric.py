@@ -135,39 +135,51 @@ def _layer_and_batch():
     return layer, curvopt.extend(nn.CrossEntropyLoss()), x, y
 
 
+DAMPING = 1e-2
+
+
+def _second_step(lr: float, **options):
+    """Step 0 at ``lr = 0`` (so that twins stand at one point), then step 1 at ``lr``: step 0's
+    ``KFLR`` factors of the weight and the bias (None where not collected), step 1's gradients
+    and its parameter deltas."""
+    layer, lossfunc, x, y = _layer_and_batch()
+    opt = EKFAC(layer.parameters(), lr=0.0, damping=DAMPING, **options)
+    with opt.collect():
+        lossfunc(layer(x), y).backward()
+    factors = [getattr(p, "kflr", None) for p in (layer.weight, layer.bias)]
+    factors = [None if f is None else [t.clone() for t in f] for f in factors]
+    opt.step()
+    opt.param_groups[0]["lr"] = lr
+    before = [p.detach().clone() for p in layer.parameters()]
+    opt.zero_grad()
+    with opt.collect():
+        lossfunc(layer(x), y).backward()
+    grads = [p.grad.clone() for p in layer.parameters()]
+    opt.step()
+    return factors, grads, [b - p.detach() for b, p in zip(before, layer.parameters())]
+
+
 @pytest.mark.parametrize("lr", [0.5, 5.0])
 def test_clipped_step_is_scaled_by_the_dense_kfac_trust_region(lr):
     """Step 1 (in the eigenbasis of step 0's ``KFLR`` factors ``B, A``) of ``trust_metric="ggn"``
     is the twin's unclipped step (``kl_clip=None``) times ``ν = min(1, sqrt(κ / (lr² Σ_p
     vec(D_p)ᵀ (B ⊗ A + λ I) vec(D_p))))``, ``D_p`` the unclipped direction of the weight and
     the bias (``B + λ I`` alone); step 0 is taken at ``lr = 0`` so that both are at one point."""
-    damping, kl_clip, deltas, factors = 1e-2, 1e-3, {}, {}
-    for name, options in (("ggn", {"trust_metric": "ggn"}), ("free", {"kl_clip": None})):
-        layer, lossfunc, x, y = _layer_and_batch()
-        opt = EKFAC(layer.parameters(), lr=0.0, damping=damping, curvature="kflr", **options)
-        with opt.collect():
-            lossfunc(layer(x), y).backward()
-        factors[name] = {p: [f.clone() for f in p.kflr] for p in (layer.weight, layer.bias)}
-        opt.step()
-        opt.param_groups[0]["lr"] = lr
-        before = [p.detach().clone() for p in layer.parameters()]
-        opt.zero_grad()
-        with opt.collect():
-            lossfunc(layer(x), y).backward()
-        opt.step()
-        deltas[name] = [b - p.detach() for b, p in zip(before, layer.parameters())]
-    for p, q in zip(factors["ggn"].values(), factors["free"].values()):
+    kl_clip = 1e-3
+    factors, _, clipped = _second_step(lr, curvature="kflr", trust_metric="ggn")
+    free_factors, _, free = _second_step(lr, curvature="kflr", kl_clip=None)
+    for p, q in zip(factors, free_factors):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
     length = 0.0
-    for fs, delta in zip(factors["free"].values(), deltas["free"]):
+    for fs, delta in zip(free_factors, free):
         direction = (delta / lr).reshape(-1)
         kron = fs[0] if len(fs) == 1 else torch.kron(fs[0], fs[1])
-        metric = kron + damping * torch.eye(len(direction), dtype=torch.float64)
+        metric = kron + DAMPING * torch.eye(len(direction), dtype=torch.float64)
         length += float(direction @ metric @ direction)
     nu = min(1.0, math.sqrt(kl_clip / (lr**2 * length)))
     assert nu < 1.0  # the trust region cuts this step: the test can tell the metrics apart
-    for clipped, free in zip(deltas["ggn"], deltas["free"]):
-        torch.testing.assert_close(clipped, nu * free, rtol=1e-10, atol=1e-14)
+    for step, full in zip(clipped, free):
+        torch.testing.assert_close(step, nu * full, rtol=1e-10, atol=1e-14)
 
 
 def test_the_metric_follows_the_basis_source():
@@ -193,28 +205,13 @@ def test_correction_metric_is_the_gradient_product(lr):
     """Step 1 of ``trust_metric="correction"`` is the twin's unclipped step (``kl_clip=None``)
     times ``ν = min(1, sqrt(κ / (lr² Σ_p gᵀd)))``, ``g`` the gradient and ``d`` the unclipped
     direction; step 0 is taken at ``lr = 0`` so that both are at one point."""
-    kl_clip, deltas, grads = 1e-3, {}, {}
-    for name, options in (
-        ("correction", {"trust_metric": "correction"}),
-        ("free", {"kl_clip": None}),
-    ):
-        layer, lossfunc, x, y = _layer_and_batch()
-        opt = EKFAC(layer.parameters(), lr=0.0, damping=1e-2, **options)
-        with opt.collect():
-            lossfunc(layer(x), y).backward()
-        opt.step()
-        opt.param_groups[0]["lr"] = lr
-        before = [p.detach().clone() for p in layer.parameters()]
-        opt.zero_grad()
-        with opt.collect():
-            lossfunc(layer(x), y).backward()
-        grads[name] = [p.grad.clone() for p in layer.parameters()]
-        opt.step()
-        deltas[name] = [b - p.detach() for b, p in zip(before, layer.parameters())]
-    for g, h in zip(grads["correction"], grads["free"]):
+    kl_clip = 1e-3
+    _, grads, clipped = _second_step(lr, trust_metric="correction")
+    _, free_grads, free = _second_step(lr, kl_clip=None)
+    for g, h in zip(grads, free_grads):
         torch.testing.assert_close(g, h, rtol=0, atol=0)
-    length = sum(float((g * delta / lr).sum()) for g, delta in zip(grads["free"], deltas["free"]))
+    length = sum(float((g * delta / lr).sum()) for g, delta in zip(free_grads, free))
     nu = min(1.0, math.sqrt(kl_clip / (lr**2 * length)))
     assert nu < 1.0  # the trust region cuts this step: the test can tell it from none
-    for clipped, free in zip(deltas["correction"], deltas["free"]):
-        torch.testing.assert_close(clipped, nu * free, rtol=1e-10, atol=1e-14)
+    for step, full in zip(clipped, free):
+        torch.testing.assert_close(step, nu * full, rtol=1e-10, atol=1e-14)
