@@ -90,14 +90,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "practical": {
         "DiagGGNNewton": dict(_AMORTISED),
         "KFAC": {**_AMORTISED, "inverse_interval": 10},
-        # eigenvalues corrected every step (no EMA): only the basis is amortised; the trust
-        # region in S (the metric the committed time-to-result runs used)
-        "EKFAC": {
-            "basis_interval": 10,
-            "momentum": 0.9,
-            "kl_clip": 1e-3,
-            "trust_metric": "correction",
-        },
+        # eigenvalues corrected every step (no EMA): only the basis is amortised
+        "EKFAC": {"basis_interval": 10, "momentum": 0.9, "kl_clip": 1e-3},
     },
     "schedule_free": {
         "KFAC": {**_AMORTISED, "inverse_interval": 10, "momentum": 0.0, "schedule_free": 0.9},

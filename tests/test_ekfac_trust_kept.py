@@ -110,7 +110,9 @@ def _length(layer, opt, factors, deltas, lr, damping) -> float:
 
 
 @pytest.mark.parametrize(
-    "named", [{}, {"damping": 1e-2, "basis_refresh": "warm"}], ids=["defaults", "warm named"]
+    "named",
+    [{}, {"damping": 1e-2, "basis_refresh": "warm", "trust_metric": "ggn"}],
+    ids=["defaults", "warm named"],
 )
 @pytest.mark.parametrize("step, refreshed", [(2, 0), (4, 3), (5, 3)])
 @pytest.mark.parametrize("decay", [None, 0.04], ids=["same damping", "damping changed"])
@@ -148,12 +150,16 @@ def test_a_step_between_refreshes_is_clipped_in_the_last_refreshs_factors(
 
 @pytest.mark.parametrize(
     "options, kept",
-    [({}, True), ({"damping": 1e-2}, False), ({"damping": 1e-2, "basis_refresh": "warm"}, True)],
+    [
+        ({}, True),
+        ({"damping": 1e-2, "trust_metric": "ggn"}, False),
+        ({"damping": 1e-2, "basis_refresh": "warm", "trust_metric": "ggn"}, True),
+    ],
 )
 def test_factors_are_collected_on_basis_steps_only(options, kept):
     """``p.kflr`` is written by the passes of the basis steps (0 and 3 of ``basis_interval=3``)
     alone with warm refreshes (the default damping's, or named), by every pass with exact ones
-    (a damping given)."""
+    (a damping given), under ``trust_metric="ggn"`` (the default damping's, else named)."""
     layer, lossfunc = _layer(), curvopt.extend(nn.CrossEntropyLoss())
     opt = EKFAC(layer.parameters(), lr=0.1, curvature="kflr", **KEPT, **options)
     collected, last = [], None

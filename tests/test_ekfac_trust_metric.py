@@ -1,9 +1,9 @@
 """``EKFAC(trust_metric=...)``: the metric the trust region ``kl_clip`` measures a step in.
 
-``"ggn"`` (the default, whatever the damping): ``dᵀ (Q diag(vec K) Qᵀ + λ I) d`` with ``K``
+``"ggn"`` (the default under the default damping): ``dᵀ (Q diag(vec K) Qᵀ + λ I) d`` with ``K``
 the Kronecker factors' eigenvalue products ``s_B s_Aᵀ`` in the step's basis, checked in float64
-against the dense ``vec(D)ᵀ (B ⊗ A + λ I) vec(D)``; ``"correction"`` (the default with
-``basis_source="current"``): ``gᵀd``, in the metric of ``S``.
+against the dense ``vec(D)ᵀ (B ⊗ A + λ I) vec(D)``; ``"correction"`` (the default with a
+damping given): ``gᵀd``, in the metric of ``S``.
 """
 
 from __future__ import annotations
@@ -182,14 +182,15 @@ def test_clipped_step_is_scaled_by_the_dense_kfac_trust_region(lr):
         torch.testing.assert_close(step, nu * full, rtol=1e-10, atol=1e-14)
 
 
-def test_the_metric_follows_the_basis_source():
-    """``trust_metric=None``: ``"ggn"`` with ``basis_source="last_refresh"`` (the default),
-    whatever the damping; ``"correction"`` (``gᵀd``) with ``basis_source="current"``, which
-    collects no factors beside ``S``; naming ``"ggn"`` with ``basis_source="current"`` raises,
-    naming the fix."""
+def test_the_metric_follows_the_damping_as_the_curvature_interval_does():
+    """``trust_metric=None``: ``"ggn"`` under the default damping, ``"correction"`` (``gᵀd``)
+    with a damping given or ``basis_source="current"`` (which collects no factors beside
+    ``S``); naming ``"ggn"`` with ``basis_source="current"`` raises, naming the fix."""
     params = [nn.Parameter(torch.zeros(2, 2))]
     assert trust_metric(EKFAC(params, 0.1).param_groups[0]) == "ggn"
-    assert trust_metric(EKFAC(params, 0.1, damping=1e-3).param_groups[0]) == "ggn"
+    assert trust_metric(EKFAC(params, 0.1, damping=1e-3).param_groups[0]) == "correction"
+    named_ggn = EKFAC(params, 0.1, damping=1e-3, trust_metric="ggn").param_groups[0]
+    assert trust_metric(named_ggn) == "ggn"
     current = EKFAC(params, 0.1, damping=1e-3, basis_source="current").param_groups[0]
     assert trust_metric(current) == "correction"
     named = EKFAC(params, 0.1, damping=1e-3, trust_metric="correction").param_groups[0]

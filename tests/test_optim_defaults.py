@@ -127,10 +127,10 @@ def test_readme_settings_train_zoo_models(name, model_name):
     assert all(math.isfinite(last) and last < 0.95 * first for first, last in runs), runs
 
 
-#: the README's settings, and EKFAC's with its trust region measured in ``S``
+#: the README's settings, and EKFAC's with its trust region in the factors' eigenvalues
 BADLY_SCALED = {
     **TRAINED,
-    "EKFAC trust_metric='correction'": partial(EKFAC, basis_interval=5, trust_metric="correction"),
+    "EKFAC trust_metric='ggn'": partial(EKFAC, basis_interval=5, trust_metric="ggn"),
 }
 
 
@@ -140,15 +140,16 @@ BADLY_SCALED = {
         ("KFAC", "readme"),
         ("KFAC", "defaults"),
         ("EKFAC", "defaults"),
-        ("EKFAC", "readme"),
+        ("EKFAC trust_metric='ggn'", "readme"),
         pytest.param(
-            "EKFAC trust_metric='correction'",
+            "EKFAC",
             "readme",
             marks=pytest.mark.xfail(
                 strict=True,
-                reason="a trust region measured in S (trust_metric='correction'), the "
-                "empirical Fisher, 3e2-9e2 times the GGN here, stalls at 12-17 (docs/optim.md, "
-                "'EKFAC from a badly scaled initialisation')",
+                reason="EKFAC with a damping given measures its trust region in S "
+                "(trust_metric='correction'), the empirical Fisher, 3e2-9e2 times the GGN "
+                "here: it stalls at 12-17 (docs/optim.md, 'EKFAC from a badly scaled "
+                "initialisation')",
             ),
         ),
     ],
@@ -159,11 +160,11 @@ def test_readme_settings_train_a_badly_scaled_gpt(name, settings):
     seeds the loss on the 64 sequences falls below a tenth of the first within 60 steps of
     batch 16. ``KFAC`` ends at 0.007-0.13 with the README's settings, at 0.14-0.70 at its
     defaults. ``EKFAC``'s ``S`` is the empirical Fisher's, 3e2-9e2 times the GGN's on this model
-    (``python -m benchmarks.ekfac_badly_scaled``): its trust region measures steps in the
-    factors' eigenvalues (``trust_metric="ggn"``, the default with the default
-    ``basis_source``), and it ends at 0.03-1.1 at its defaults and at 3e-6 to 0.05 with the
-    README's settings; measured in ``S`` (``trust_metric="correction"``) at 12-17 (a strict
-    ``xfail``: the reason for the default)."""
+    (``python -m benchmarks.ekfac_badly_scaled``): at its defaults its trust region measures
+    steps in the factors' eigenvalues (``trust_metric="ggn"``) and it ends at 0.03-1.1, with the
+    README's settings and that metric named at 3e-6 to 0.05; with the README's settings alone
+    (a damping given: the metric of ``S``) at 12-17 (a strict ``xfail``, which fails once it
+    trains)."""
     vocab, length = VOCAB, LENGTH
     runs = []
     for seed in SEEDS:

@@ -25,7 +25,7 @@ rank's factors, in the middle of the backward pass, so the ranks' ``S`` would be
 bases.
 
 The trust region (``kl_clip``) measures a step ``D`` under ``trust_metric="ggn"`` (the default
-with the default ``basis_source``) in the Kronecker factors' eigenvalues in the basis,
+under the default damping) in the Kronecker factors' eigenvalues in the basis,
 ``Σ (K + λ + δ) ⊙ (Q_Bᵀ D Q_A)²``, not in ``S`` (``gᵀd``): at confidently wrong predictions the
 empirical Fisher's ``S`` is hundreds of times the GGN and cuts every step (``docs/optim.md``,
 "EKFAC from a badly scaled initialisation"). With warm refreshes (the default under the default
@@ -102,8 +102,8 @@ class EKFACOptions(NewtonOptions):
     #: None (default): "warm" under the default damping (``basis_source="last_refresh"``),
     #: "eigh" with a damping or a ``relative_damping`` given (:func:`basis_refresh`)
     basis_refresh: str | None = option(None, optional(choice(*BASIS_REFRESH)))
-    #: None (default): "ggn" with ``basis_source="last_refresh"`` (the default), "correction"
-    #: with ``basis_source="current"`` (:func:`trust_metric`)
+    #: None (default): "ggn" under the default damping (``basis_source="last_refresh"``),
+    #: "correction" with a damping given (:func:`trust_metric`)
     trust_metric: str | None = option(None, optional(choice("ggn", "correction")))
 
     def relations(self) -> None:
@@ -225,8 +225,8 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
             ``S`` is fresh), else those of each curvature step; or ``"correction"``, ``gᵀd``
             (in the metric of ``S``, the empirical Fisher's, which at confidently wrong
             predictions is hundreds of times the GGN and cuts every step). ``None``
-            (default): ``"ggn"`` with ``basis_source="last_refresh"`` (the default), whatever
-            the damping; ``"correction"`` with ``basis_source="current"``.
+            (default): ``"ggn"`` under the default damping (with
+            ``basis_source="last_refresh"``), ``"correction"`` with a damping given.
         momentum, curvature_interval, kl_clip: see :class:`~curvopt.optim.KFAC`
             and :mod:`curvopt.optim.newton`. ``curvature_ema`` is not supported (``S`` of an
             old basis cannot be averaged with one of a new basis).
@@ -662,11 +662,12 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
 
 def trust_metric(group) -> str:
     """The metric a group's trust region measures steps in: its ``trust_metric``, for None
-    (the default) ``"ggn"`` with ``basis_source="last_refresh"`` (the default), else
-    ``"correction"`` (``gᵀd``: the metric of ``S``; ``"current"`` collects no factors)."""
+    (the default) ``"ggn"`` under the default damping (``damping=None``) with
+    ``basis_source="last_refresh"``, else ``"correction"`` (``gᵀd``: the metric of ``S``)."""
     if group["trust_metric"] is not None:
         return group["trust_metric"]
-    return "ggn" if group["basis_source"] == "last_refresh" else "correction"
+    default = group["damping"] is None and group["basis_source"] == "last_refresh"
+    return "ggn" if default else "correction"
 
 
 #: curvature steps per basis refresh under the default damping (:func:`basis_interval`)
