@@ -34,11 +34,17 @@ def register_loss_rule(loss_type):
 def has_loss_rule(loss_module) -> bool:
     """Whether :func:`loss_rule_for` finds a rule for ``loss_module``'s class (its options
     are not checked)."""
-    loss_cls = type(loss_module)
-    if loss_cls in _RULES:
-        return True
+    return _rule_of(type(loss_module)) is not None
+
+
+def _rule_of(loss_cls):
+    """The rule of ``loss_cls``: its own, else that of its nearest registered base class
+    unless it overrides that class's ``forward``; None for neither."""
+    rule = _RULES.get(loss_cls)
+    if rule is not None:
+        return rule
     base = _registered_base(loss_cls)
-    return base is not None and loss_cls.forward is base.forward
+    return None if base is None or loss_cls.forward is not base.forward else _RULES[base]
 
 
 def _registered_base(loss_cls):
@@ -52,19 +58,17 @@ def loss_rule_for(loss_module):
     A subclass of a registered loss uses that loss's rule unless it overrides ``forward``.
     """
     loss_cls = type(loss_module)
-    rule = _RULES.get(loss_cls)
+    rule = _rule_of(loss_cls)
     if rule is None:
         base = _registered_base(loss_cls)
-        if base is None or loss_cls.forward is not base.forward:
-            supported = ", ".join(sorted(c.__name__ for c in _RULES))
-            raise UnsupportedLossError(
-                f"curvopt cannot compute curvature for the loss {loss_cls.__name__}"
-                + (f" (it overrides {base.__name__}.forward)" if base is not None else "")
-                + f". Use one of {supported}, or add a curvopt.losses.LossRule subclass decorated "
-                f"with @curvopt.losses.register_loss_rule({loss_cls.__name__}); see "
-                "docs/support.md#losses."
-            )
-        rule = _RULES[base]
+        supported = ", ".join(sorted(c.__name__ for c in _RULES))
+        raise UnsupportedLossError(
+            f"curvopt cannot compute curvature for the loss {loss_cls.__name__}"
+            + (f" (it overrides {base.__name__}.forward)" if base is not None else "")
+            + f". Use one of {supported}, or add a curvopt.losses.LossRule subclass decorated "
+            f"with @curvopt.losses.register_loss_rule({loss_cls.__name__}); see "
+            "docs/support.md#losses."
+        )
     rule.check_options(loss_module)
     return rule
 

@@ -381,8 +381,8 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
             pending = self._next_bases(factors, max_dim, warm, powers)
         if keeps and refreshes:
             update.state["trust_scale"] = self._window_scale()
-        if keeps and refreshes and self._distributed is None:  # else in _spread_bases
-            update.state["trust_next"] = _trust_curvature(None, pending, factors)
+            if self._distributed is None:  # else in _spread_bases
+                update.state["trust_next"] = _trust_curvature(None, pending, factors)
         update.state["bases_next"] = pending
         return curvature
 
