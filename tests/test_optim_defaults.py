@@ -261,17 +261,19 @@ def test_a_factor_that_cannot_be_factorised_is_named(side, index):
         opt.step()
 
 
-#: ``DiagGGNNewton`` at the absolute ``damping=1e-3`` is not robust on 3C3D and All-CNN-C and
-#: is not among them: its diagonal misses the coupling of a filter's weights, so the trust
-#: region admits steps that raise the loss by 10-80 %, and whether the last step lands on one
-#: decides the run (3C3D: 9 of 12 seeds on target; All-CNN-C: 4 of 6; on an AMD host 3C3D's
-#: seed 0 failed). ``docs/optim.md`` ("The defaults") gives the numbers; the README names the
-#: absolute damping for ``KFAC``
+#: ``DiagGGNNewton`` at the absolute ``damping=1e-3`` is not robust on the conv nets and is not
+#: among them: its diagonal misses the coupling of a filter's weights, so the trust region admits
+#: steps that raise the loss by 10-80 %, and whether the last step lands on one decides the run
+#: (3C3D: 9 of 12 seeds on target; All-CNN-C: 4 of 6; 2C2D: 6 of 6 on an Intel host, 4 of 6 on
+#: an AMD host, whose rounding sent seeds 1 and 4 to 1.46 and 1.34 of the first loss). With a
+#: tenth of the trust region it is (:func:`test_diagonal_newton_with_a_tighter_trust_region`);
+#: ``docs/optim.md`` ("The defaults") gives the numbers; the README names the absolute damping
+#: for ``KFAC``
 _README_CASES = [
     pytest.param(name, problem, marks=[pytest.mark.slow] if problem == "cifar100_allcnnc" else [])
     for name, problems in {
         "KFAC": PROBLEMS,
-        "DiagGGNNewton": ("mnist_logreg", "fmnist_2c2d"),
+        "DiagGGNNewton": ("mnist_logreg",),
         "EKFAC": ("mnist_logreg",),
     }.items()
     for problem in problems
@@ -291,6 +293,18 @@ def test_readme_settings_train_the_deepobs_networks(name, problem):
     target = steps_and_target(problem)[1]
     assert all(math.isfinite(r) and r < target for r in ratios), ratios
 
+
+
+@pytest.mark.parametrize("problem", ["fmnist_2c2d", "cifar10_3c3d"])
+def test_diagonal_newton_with_a_tighter_trust_region(problem):
+    """``DiagGGNNewton`` at the README's absolute ``damping=1e-3`` with a tenth of the default
+    trust region (``kl_clip=1e-4``), the setting ``docs/optim.md`` gives for the conv nets: the
+    loss falls by 10 % within 30 steps on 2C2D and 3C3D at each of 6 seeds, where the default
+    ``kl_clip=1e-3`` lets a step that misses the filters' coupling decide the run."""
+    make = partial(DiagGGNNewton, **README, kl_clip=1e-4)
+    ratios = [loss_ratio(make, problem, seed) for seed in SEEDS]
+    target = steps_and_target(problem)[1]
+    assert all(math.isfinite(r) and r < target for r in ratios), ratios
 
 #: the optimizers whose defaults the test runs on All-CNN-C too
 ALLCNNC_DEFAULTS = ("KFAC", "EKFAC", "DiagGGNNewton")
