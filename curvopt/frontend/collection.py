@@ -7,8 +7,9 @@ one writes an attribute two of them want).
 
 A window whose step refreshes no curvature (``curvature_interval``) is a plain one: the
 collection rests (:meth:`Collection.follow`, asked at the start of each window whether its
-owner's next step collects), stays armed but takes no pass, and while every armed collection
-rests and no block is open the forward hooks do nothing (``STATE.plain``).
+owner's next step collects), stays armed but takes no pass, and the models it covers
+(:meth:`Collection.covers`) carry no hook while no awake collection covers them and no block
+is open (``resting``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from curvopt.frontend.collect import alive, collect, forget, refresh
 from curvopt.errors import AccumulationError, ExtensionConflictError
 from curvopt.extensions.base import Extension
 from curvopt.extensions.quantity import Combine, quantity
-from curvopt.core.extended import live_calls
+from curvopt.core.extended import live_calls, models_of
 from curvopt.core.params import holders
 from curvopt.core.state import STATE
 
@@ -68,6 +69,9 @@ class Collection(collect):
         self._warned = False  # the window's skipped parameters were warned about
         #: ``(scope, the extended modules owning its parameters)``, kept while the scope stays
         self._owners: tuple = (set(), [])
+        #: weak references to the models of the last window that named parameters (their
+        #: hooks rest while it does: ``resting``); None before any
+        self._covered: Optional[list] = None
         self.passes = 0  # the backward passes of this window that collected
 
     @property
@@ -97,6 +101,14 @@ class Collection(collect):
         if resting != self.resting:
             self.resting = resting
             refresh()
+
+    def covers(self) -> Optional[set]:
+        """The ids of the models whose hooks it needs while awake, and lets rest while it
+        rests: those holding the parameters of its last window that named any; None (every
+        model) before it has collected."""
+        if self._covered is None:
+            return None
+        return {id(m) for m in (ref() for ref in self._covered) if m is not None}
 
     def _wanted(self) -> bool:
         return self._collects is None or bool(self._collects())
@@ -184,6 +196,9 @@ class Collection(collect):
             scope = {key for key, _ in wanted}
             if scope != self._owners[0]:
                 self._owners = (scope, holders(self._params))
+                if scope:
+                    models = {id(m): m for h in self._owners[1] for m in models_of(h)}
+                    self._covered = [weakref.ref(m) for m in models.values()]
             self._window = (exts, wanted, scope, options)
             self.extensions = tuple(exts)
             self.skip_unsupported = options.get("skip_unsupported", False)

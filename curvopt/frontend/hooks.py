@@ -3,9 +3,10 @@
 
 Outside ``collect`` a hook only keeps references to inputs that autograd already saved for
 the weight gradient, and drops them as soon as the gradient passes the module; nothing is
-computed. While the optimizers' armed collections all rest (a plain step, which refreshes no
-curvature: ``STATE.plain``) and no block is open, a hook returns at once: no record, no
-gradient hook. Hooks are installed on every module that owns parameters (and on losses).
+computed. Hooks are installed on every module that owns parameters (and on losses); while the
+optimizers' armed collections covering a model rest (a plain step, which refreshes no
+curvature) and no block is open, the model's hooks are taken off (``resting``), so a hook
+that runs has work to do.
 
 Nothing is written onto the user's modules or parameters: what ``extend`` installed (paths,
 options, hook handles) is kept in ``curvopt.core.extended``, weakly, and ``unextend`` removes
@@ -55,7 +56,7 @@ __all__ = ["extend", "unextend", "is_extended", "Record"]
 def _random_state_hook(module, args, kwargs):
     """Before the forward of a module whose rule re-runs it: the generator state it draws from,
     where it draws (``LayerRule.draws_random``)."""
-    if STATE.plain or SUSPENDED.get() or not torch.is_grad_enabled():
+    if SUSPENDED.get() or not torch.is_grad_enabled():
         return
     if not rule_for(module).draws_random(module):
         return
@@ -67,8 +68,6 @@ def _random_state_hook(module, args, kwargs):
 def _module_forward_hook(entry: ModuleEntry, module, args, kwargs, output):
     """After a forward of an extended module (``entry``: its entry, bound at ``extend``; a hook
     copied with the module onto a copy, whose entry is not this one, does nothing)."""
-    if STATE.plain:
-        return
     random = take_random_state(module) if entry.notes_random else None  # (else none noted)
     if SUSPENDED.get() or not torch.is_grad_enabled() or module_entry(module) is not entry:
         return
@@ -136,7 +135,7 @@ def _outer_task():
 
 
 def _loss_forward_hook(module, args, kwargs, output):
-    if STATE.plain or SUSPENDED.get() or not torch.is_grad_enabled() or not output.requires_grad:
+    if SUSPENDED.get() or not torch.is_grad_enabled() or not output.requires_grad:
         return
     entry = module_entry(module)
     if entry is not None and entry.hooks:  # not a copy of an extended loss
