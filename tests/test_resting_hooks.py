@@ -384,3 +384,38 @@ def test_a_compiled_model_rests_too():
         lossfunc(model(X), y).backward()
         opt.step()
     assert hasattr(inner[0].weight, "kflr")
+
+
+class _Checkpointed(nn.Module):
+    """``_model``'s layers, the last through ``torch.utils.checkpoint`` (``reentrant``: re-run
+    inside the backward's own autograd task) or not (``None``)."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.body, self.head = nn.Sequential(*_model()[:2]), _model()[2]
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        if self.reentrant is None:
+            return self.head(self.body(x))
+        checkpoint = torch.utils.checkpoint.checkpoint
+        return checkpoint(self.head, self.body(x), use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_checkpointed_model_rests_and_refreshes_as_the_plain_one(reentrant):
+    """Gradient checkpointing re-runs the forward in the backward: with hooks on at the
+    refreshes and off between, the steps equal those of the model without checkpoints."""
+    runs = []
+    for how in (reentrant, None):
+        gc.collect()
+        model = curvopt.extend(_Checkpointed(how))
+        lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+        opt = KFAC(model.parameters(), lr=0.1, damping=0.1, curvature="kflr", curvature_interval=2)
+        for step in range(5):
+            opt.zero_grad()
+            assert _ours(model.head) == (step % 2 == 0), step
+            _train(model, lossfunc, opt, step)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for p, q in zip(*runs):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
