@@ -19,10 +19,11 @@ step compute nothing. ``taken`` is true while the hooks of some extended modules
 losses' while ``plain`` holds): forward and backward of a resting model cost what the plain
 model's cost.
 
-These six are the collections' arming, which the user's thread sets (``collect``, an
-optimizer) and the hooks read, also a backward hook that autograd runs in a worker thread of
-its own (a CUDA device's): a context variable set in the user's thread would not reach it, so
-they stay here, set only by the collections (``frontend``), never by a pass or a layer rule.
+These are the collections' arming (and, ``taken``, what ``resting`` made of it), which the
+user's thread sets (``collect``, an optimizer) and the hooks read, also a backward hook that
+autograd runs in a worker thread of its own (a CUDA device's): a context variable set in the
+user's thread would not reach it, so they stay here, set only by the collections
+(``frontend``), never by a pass or a layer rule.
 
 The suspend switch is not: it is a context variable, :data:`SUSPENDED` (read by the hooks as
 ``SUSPENDED.get()``), true inside :meth:`_State.suspend`, which curvopt enters where it re-runs
@@ -48,7 +49,7 @@ class _State:
         self.open = None  # the open curvopt.collect block, if any
         self.armed: tuple = ()  # weakref.ref to each armed collection, oldest first
         self.explicit: tuple = ()  # weakref.ref to each explicit optimizer's collection
-        self.plain = False  # armed collections, all resting, no block: the hooks do nothing
+        self.plain = False  # armed collections, all resting, no block: no pass will collect
         self.taken = False  # some hooks are taken off, their models resting (``resting``)
 
     @staticmethod

@@ -12,7 +12,8 @@ Nothing is written onto the user's modules or parameters: what ``extend`` instal
 options, hook handles) is kept in ``curvopt.core.extended``, weakly, and ``unextend`` removes
 the hooks through their handles. A copy of an extended module (``copy.deepcopy``, pickling)
 carries copies of the hooks but no entry: they do nothing (the copy is a plain module), and
-``extend`` or ``unextend`` of the copy removes them (:func:`_drop_copied`).
+``extend`` or ``unextend`` of the copy removes them (:func:`_drop_copied`); a copy of a
+resting model carries none.
 
 A ``torch.compile``d model (``OptimizedModule``) runs its compiled graph, whose backward is one
 fused op: first-order quantities come out of it as from the eager model, curvature cannot
