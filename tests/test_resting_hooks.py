@@ -202,8 +202,9 @@ def test_two_optimizers_on_two_models_rest_by_their_own_schedules():
 
 def test_a_generator_refreshes_through_a_resting_discriminator():
     """A GAN's generator step backpropagates through the discriminator, whose optimizer rests:
-    its hooks stay off (but in the generator's optimizer's first window), and the generator's
-    steps equal those through a discriminator whose hooks record (no optimizer of its own)."""
+    its hooks stay off (but in the generator's optimizer's first window, before which it knows
+    no model of its own), and the generator's steps equal those through a discriminator whose
+    hooks record (no optimizer of its own)."""
     runs = []
     for rests in (True, False):
         gc.collect()
@@ -222,7 +223,6 @@ def test_a_generator_refreshes_through_a_resting_discriminator():
         opt_g = KFAC(G.parameters(), lr=0.1, damping=0.1, curvature="kflr", curvature_interval=2)
         for step in range(1, 6):
             opt_g.zero_grad()
-            # (its first window: a collection that has not collected covers every model)
             assert _ours(D[0]) == (step == 1 or not rests), step
             X, y = _batch(step)
             lossfunc(D(G(X[:, :3])), y % 2).backward()
@@ -419,3 +419,26 @@ def test_a_checkpointed_model_rests_and_refreshes_as_the_plain_one(reentrant):
         runs.append([p.detach().clone() for p in model.parameters()])
     for p, q in zip(*runs):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_parameters_of_a_resting_model_added_to_an_awake_optimizer_wake_it():
+    """``add_param_group`` with parameters of model B, whose own optimizer rests, to A's
+    optimizer, which collects every step: B's hooks are back before the next forward (A's
+    collection covers every model until its next pass names its parameters, then A's and B's),
+    and A's step preconditions B's layer with its curvature."""
+    A, B = curvopt.extend(_model(seed=0)), curvopt.extend(_model(seed=1))
+    lossfunc = curvopt.extend(nn.CrossEntropyLoss())
+    opt_a = KFAC(A.parameters(), lr=0.1, damping=0.1, curvature="kflr", curvature_interval=1)
+    opt_b = KFAC(B[0].parameters(), lr=0.1, damping=0.1, curvature="kflr", curvature_interval=9)
+    for step in range(4):
+        if step == 2:
+            opt_a.add_param_group({"params": list(B[2].parameters())})
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        assert (_ours(A[0]), _ours(B[0]), _ours(B[2])) == (1, *[int(step in (0, 2, 3))] * 2)
+        X, y = _batch(step)
+        lossfunc(A(X), y).backward()
+        lossfunc(B(X), y).backward()
+        opt_a.step()
+        opt_b.step()
+    assert hasattr(B[2].weight, "kflr")  # in no optimizer but A's

@@ -11,7 +11,8 @@ resting model cost what the plain model's cost.
 
 What rests is decided per model (the module ``extend`` was called on). A collection covers the
 models holding the parameters of its last window that named any (``Collection.covers``); one
-that has not collected yet covers every model. A module's hooks are off while
+that has not collected yet, or whose owner's parameters may have changed since
+(``add_param_group``, a loaded state), covers every model. A module's hooks are off while
 
 * no ``collect`` block is open (it may read any extended module) and no explicit collection
   waits for a step that collects (``STATE.explicit``: it needs the records of the forward
