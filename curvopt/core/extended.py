@@ -73,11 +73,11 @@ class ModuleEntry:
         """Copied with a copy of its module (the module's forward hook is bound to it), whose
         hooks do nothing: without the weak references (to the models, to the parameters without
         a hook), which do not pickle."""
-        weak = ("models", "unhooked", "taken")
+        weak = ("models", "unhooked")
         return {name: getattr(self, name) for name in self.__slots__ if name not in weak}
 
     def __setstate__(self, state: dict) -> None:
-        self.models, self.unhooked, self.taken = [], [], None
+        self.models, self.unhooked = [], []
         for name, value in state.items():
             setattr(self, name, value)
 
