@@ -14,6 +14,7 @@ import copy
 import gc
 import io
 import pickle
+import sys
 
 import pytest
 import torch
@@ -442,3 +443,38 @@ def test_parameters_of_a_resting_model_added_to_an_awake_optimizer_wake_it():
         opt_a.step()
         opt_b.step()
     assert hasattr(B[2].weight, "kflr")  # in no optimizer but A's
+
+
+def _python_calls(model, lossfunc, X, y) -> int:
+    """The Python function calls of one forward and backward (on the CPU the backward runs in
+    this thread, its tensor hooks too)."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    model.zero_grad()
+    sys.setprofile(count)
+    try:
+        lossfunc(model(X), y).backward()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_a_resting_model_makes_the_python_calls_of_the_plain_model():
+    """The cost of issue 65, counted rather than timed: forward and backward of a resting
+    model make as many Python calls as the plain model's (torch's fast path for a module
+    without hooks, no tensor hook into Python), and more once woken."""
+    plain = _model()
+    model, lossfunc = curvopt.extend(copy.deepcopy(plain)), curvopt.extend(nn.CrossEntropyLoss())
+    opt = KFAC(model.parameters(), lr=0.0, curvature_interval=2)
+    _train(model, lossfunc, opt, 0)
+    X, y = _batch(1)
+    for _ in range(2):  # (the first call of each warms caches up)
+        counts = [_python_calls(m, f, X, y) for m, f in ((plain, nn.CrossEntropyLoss()),
+                                                        (model, lossfunc))]  # fmt: skip
+    assert counts[1] == counts[0], counts
+    opt.step()  # its refresh window: the hooks back
+    assert _python_calls(model, lossfunc, X, y) > counts[0]
