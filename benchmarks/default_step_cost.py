@@ -15,12 +15,11 @@ blocks of 30 steps (one period of ``EKFAC``'s default basis refresh, three of th
 ``curvature_interval``: nine plain steps, then a refresh, three times; ``EKFAC``'s third a
 basis refresh) on the same 30 batches, round-robin, the first round not counted; an entry's
 cost is the median over rounds of its block's CPU time per step (one thread). Each entry takes one
-step before the rounds, so that its refresh is the last step of each of its blocks: between its
-blocks its collection rests, and it does not wake the hooks of the other entries' extended
-models (their hooks do nothing only while every armed collection in the process rests,
-``STATE.plain``), as no other optimizer wakes them in a run of one. Printed: ms per step
-and the ratio to AdamW's (the goal: at most 1.5). ``KFAC plain`` refreshes only at its first
-step, before the rounds: every counted step is a plain one (the hooks return at once),
+step before the rounds, so that its refresh is the last step of each of its blocks, and its
+first window, in which its collection covers every model, is over: from then on each model's
+hooks rest by its own optimizer (``frontend.resting``), as in a run of one. Printed: ms per
+step and the ratio to AdamW's (the goal: at most 1.5). ``KFAC plain`` refreshes only at its
+first step, before the rounds: every counted step is a plain one (its model carries no hook),
 its cost the floor of the defaults'.
 
 ``--split`` prints instead where each entry's steps go: the CPU time of the forward (with

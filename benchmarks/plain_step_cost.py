@@ -20,7 +20,7 @@ per step, one thread). A step is ``zero_grad``, forward, loss, backward and the 
   curvature of the uncounted first step kept for good);
 * ``plain+clip``: the same with the default trust region (``kl_clip=1e-3``);
 * ``amortised``: ``KFAC(params, lr)`` at its defaults (a refresh every 10 steps: one per block,
-  its last, so that its collection rests through the other entries' blocks);
+  its last);
 * ``adamw``: ``torch.optim.AdamW`` on the un-extended model.
 
 Printed per workload: ms per step and the ratios ``plain / floor`` (the goal: at most 1.05),
@@ -138,11 +138,11 @@ def entries(name: str, batch: int) -> dict:
         model, loss = curvopt.extend(copy.deepcopy(base)), curvopt.extend(problem.loss())
         opt = KFAC(model.parameters(), lr=LR, **options)
         runs[entry] = _block(model, loss, opt.zero_grad, opt.step, batches)
-    # the refreshing steps out of the way of the other entries: the plain ones refresh at their
-    # first step only (the plain entry's first block: the floor's inverses are those it holds);
-    # after one step of its own, the amortised entry refreshes at the last step of each of its
-    # blocks and rests through the others' (an extended model's hooks do nothing while every
-    # armed collection in the process rests: STATE.plain)
+    # the refreshing steps out of the rounds: the plain ones refresh at their first step only
+    # (the plain entry's first block: the floor's inverses are those it holds); after one step
+    # of its own, the amortised entry refreshes at the last step of each of its blocks. Each
+    # collection's first window (which covers every model) is over before the rounds; then each
+    # model's hooks rest by its own optimizer (``frontend.resting``)
     runs["plain"]()
     runs["plain+clip"]()
     runs["amortised"].one_step()

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.utils.checkpoint
 from torch.autograd import Variable
+from torch.utils.hooks import RemovableHandle
 
 # ----------------------------------------------------------------------------- accessors
 # The accessors read in every hook of a pass are torch's own functions under curvopt's names,
@@ -95,6 +96,75 @@ def drop_empty_tensor_hooks(t: torch.Tensor) -> None:
     never hooked has, clears it (the assignment resets the tensor's hooks in C++)."""
     if t._backward_hooks is not None and not t._backward_hooks:
         t._backward_hooks = None
+
+
+class TakenOff:
+    """A hook taken out of torch's hook dicts (:func:`take_off`), to go back where it was
+    (:func:`put_back`): its key and function, the keys that came before it in its dict, and
+    the extra dicts (``with_kwargs``) that held its key."""
+
+    __slots__ = ("key", "hook", "before", "extras")
+
+    def __init__(self, key, hook, before: frozenset, extras: tuple):
+        self.key, self.hook, self.before, self.extras = key, hook, before, extras
+
+
+def take_off(handle) -> Optional[TakenOff]:
+    """Take the hook of ``handle`` (a ``RemovableHandle``) out of its dict and extra dicts
+    without dropping it; None where it is not in its dict (removed already)."""
+    hooks = handle.hooks_dict_ref()
+    if hooks is None or handle.id not in hooks:
+        return None
+    keys = list(hooks)
+    before = frozenset(keys[: keys.index(handle.id)])
+    hook = hooks.pop(handle.id)
+    extras = []
+    for ref in handle.extra_dict_ref:
+        extra = ref()
+        if extra is not None and handle.id in extra:
+            extras.append((ref, extra.pop(handle.id)))
+    return TakenOff(handle.id, hook, before, tuple(extras))
+
+
+def put_back(hooks: dict, taken: TakenOff, key=None) -> None:
+    """Insert ``taken``'s hook into ``hooks`` (under ``key``, default its own) where it would
+    be had it never been taken off: after the last hook that came before it then and is still
+    there; the hooks registered since (appended: after it; ``prepend=True``: before it) and
+    those that followed it keep their places relative to it."""
+    keys = list(hooks)
+    key = taken.key if key is None else key
+    hooks[key] = taken.hook
+    last = max((i for i, k in enumerate(keys) if k in taken.before), default=-1)
+    for k in keys[last + 1 :]:  # behind it again, in their order
+        hooks[k] = hooks.pop(k)
+    for ref, value in taken.extras:
+        extra = ref()
+        if extra is not None:
+            extra[key] = value
+
+
+def take_off_tensor_hook(t: torch.Tensor, handle) -> Optional[TakenOff]:
+    """:func:`take_off` of a tensor hook; once ``t`` has no hook left, its dispatcher goes too
+    (:func:`drop_empty_tensor_hooks`): the backward then calls nothing of Python for ``t``."""
+    taken = take_off(handle)
+    drop_empty_tensor_hooks(t)
+    return taken
+
+
+def put_back_tensor_hook(t: torch.Tensor, taken: TakenOff) -> RemovableHandle:
+    """Hook ``t`` with ``taken``'s hook again, where it was among ``t``'s hooks (:func:`put_back`),
+    by ``Tensor.register_hook``'s steps (which refuse a tensor frozen meanwhile, and import
+    at every call: also at the interpreter's exit, where a weakref callback may put hooks
+    back); the new handle is returned (the old one's dict may be gone:
+    :func:`take_off_tensor_hook`)."""
+    hooks = t._backward_hooks
+    if hooks is None:
+        t._backward_hooks = hooks = OrderedDict()  # (the assignment hands autograd the dict)
+        if t.grad_fn is not None:
+            t.grad_fn._register_hook_dict(t)
+    handle = RemovableHandle(hooks)
+    put_back(hooks, taken, handle.id)
+    return handle
 
 
 def storage_use_count(storage) -> int:

@@ -43,6 +43,7 @@ class ModuleEntry:
         "taps",
         "notes_random",
         "unhooked",
+        "taken",
     )
 
     def __init__(self):
@@ -64,6 +65,9 @@ class ModuleEntry:
         #: forward hook hands each new ``Record`` to ``tap.called(record)``, its gradient hook
         #: the output gradients to ``tap.differentiated(record, grads)``
         self.taps: List = []
+        #: its hooks (``hooks`` and ``watcher``) taken off while they have nothing to do
+        #: (``frontend.resting``): ``[(handle, torch_internals.TakenOff)]``; None: installed
+        self.taken: Optional[list] = None
 
     def __getstate__(self) -> dict:
         """Copied with a copy of its module (the module's forward hook is bound to it), whose
@@ -81,11 +85,13 @@ class ModuleEntry:
 class ParameterEntry:
     """What ``extend`` keeps of a parameter of a module it hooked."""
 
-    __slots__ = ("path", "handle", "holders")
+    __slots__ = ("path", "handle", "holders", "taken")
 
     def __init__(self):
         self.path: Optional[str] = None  # its path in the model, for error messages
         self.handle = None  # its tensor hook's handle (None: it did not require grad)
+        #: its tensor hook, taken off while its modules' hooks rest (``frontend.resting``)
+        self.taken = None
         #: weak references to the extended modules found holding it, in order (``params``)
         self.holders: List[weakref.ref] = []
 
@@ -119,6 +125,15 @@ class _Table:
     def __len__(self) -> int:
         return len(self._data)
 
+    def items(self) -> List[tuple]:
+        """``(obj, entry)`` of every live ``obj``."""
+        found = []
+        for ref, entry in list(self._data.values()):
+            obj = ref()
+            if obj is not None:
+                found.append((obj, entry))
+        return found
+
 
 _MODULES = _Table()
 _PARAMETERS = _Table()
@@ -141,6 +156,13 @@ module_entry = _MODULES.get
 #: ``parameter_entry(p)``: the :class:`ParameterEntry` of the tensor ``p``, or None (the table's
 #: own lookup, as :data:`module_entry`)
 parameter_entry = _PARAMETERS.get
+
+
+#: ``module_entries()``: ``(module, ModuleEntry)`` of every live module or loss with an entry
+module_entries = _MODULES.items
+
+#: ``parameter_entries()``: ``(tensor, ParameterEntry)`` of every live parameter with an entry
+parameter_entries = _PARAMETERS.items
 
 
 def entry_for(obj):

@@ -14,13 +14,16 @@ their own blocks (``collection="explicit"``, ``torch.distributed``): they take n
 one whose next step collects needs the records of the forward that comes before its block.
 ``plain`` is true while collections are armed, all of them rest, no explicit one waits for a
 step that collects and no block is open: the optimizers said that the passes until their next
-step compute nothing, so the forward hooks return at once (no record, no gradient hook) and
-forward and backward cost what the plain model's cost.
+step compute nothing. ``taken`` is true while the hooks of some extended modules are taken off
+(``frontend.resting``: those of the models whose armed collections all rest; the extended
+losses' while ``plain`` holds): forward and backward of a resting model cost what the plain
+model's cost.
 
-These five are the collections' arming, which the user's thread sets (``collect``, an
-optimizer) and the hooks read, also a backward hook that autograd runs in a worker thread of
-its own (a CUDA device's): a context variable set in the user's thread would not reach it, so
-they stay here, set only by the collections (``frontend``), never by a pass or a layer rule.
+These are the collections' arming (and, ``taken``, what ``resting`` made of it), which the
+user's thread sets (``collect``, an optimizer) and the hooks read, also a backward hook that
+autograd runs in a worker thread of its own (a CUDA device's): a context variable set in the
+user's thread would not reach it, so they stay here, set only by the collections
+(``frontend``), never by a pass or a layer rule.
 
 The suspend switch is not: it is a context variable, :data:`SUSPENDED` (read by the hooks as
 ``SUSPENDED.get()``), true inside :meth:`_State.suspend`, which curvopt enters where it re-runs
@@ -46,7 +49,8 @@ class _State:
         self.open = None  # the open curvopt.collect block, if any
         self.armed: tuple = ()  # weakref.ref to each armed collection, oldest first
         self.explicit: tuple = ()  # weakref.ref to each explicit optimizer's collection
-        self.plain = False  # armed collections, all resting, no block: the hooks do nothing
+        self.plain = False  # armed collections, all resting, no block: no pass will collect
+        self.taken = False  # some hooks are taken off, their models resting (``resting``)
 
     @staticmethod
     @contextlib.contextmanager

@@ -22,6 +22,7 @@ from curvopt.loop.routing import ROUTER
 from curvopt.errors import ExtensionConflictError
 from curvopt.extensions.base import Extension
 from curvopt.core.state import STATE
+from curvopt.frontend.resting import settle
 from curvopt.autograd.torch_internals import current_graph_task_id
 
 
@@ -188,16 +189,18 @@ def skipped_by_cause(skipped: Dict[str, str]) -> str:
 def refresh() -> None:
     """``STATE.collecting``: the router while a block is open or an armed collection is
     awake (not resting, ``Collection.follow``); ``STATE.plain`` while collections are armed,
-    all resting, no explicit one waits for a step that collects, and no block is open."""
+    all resting, no explicit one waits for a step that collects, and no block is open; then
+    the hooks that have nothing to do taken off, those that may act put back (``resting``)."""
     if not STATE.armed and not STATE.explicit:  # (a collect block alone: nothing to ask)
         STATE.collecting = ROUTER if STATE.open is not None else None
         STATE.plain = False
-        return
-    armed = [c for c in (ref() for ref in STATE.armed) if c is not None]
-    awake = any(not c.resting for c in armed)
-    waiting = any(c is not None and not c.resting for c in (ref() for ref in STATE.explicit))
-    STATE.collecting = ROUTER if STATE.open is not None or awake else None
-    STATE.plain = STATE.open is None and bool(armed) and not awake and not waiting
+    else:
+        armed = [c for c in (ref() for ref in STATE.armed) if c is not None]
+        awake = any(not c.resting for c in armed)
+        waiting = any(c is not None and not c.resting for c in (ref() for ref in STATE.explicit))
+        STATE.collecting = ROUTER if STATE.open is not None or awake else None
+        STATE.plain = STATE.open is None and bool(armed) and not awake and not waiting
+    settle()
 
 
 def alive() -> tuple:

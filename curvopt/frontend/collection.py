@@ -7,8 +7,9 @@ one writes an attribute two of them want).
 
 A window whose step refreshes no curvature (``curvature_interval``) is a plain one: the
 collection rests (:meth:`Collection.follow`, asked at the start of each window whether its
-owner's next step collects), stays armed but takes no pass, and while every armed collection
-rests and no block is open the forward hooks do nothing (``STATE.plain``).
+owner's next step collects), stays armed but takes no pass, and the models it covers
+(:meth:`Collection.covers`) carry no hook while no awake collection covers them and no block
+is open (``resting``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from curvopt.frontend.collect import alive, collect, forget, refresh
 from curvopt.errors import AccumulationError, ExtensionConflictError
 from curvopt.extensions.base import Extension
 from curvopt.extensions.quantity import Combine, quantity
-from curvopt.core.extended import live_calls
+from curvopt.core.extended import live_calls, models_of
 from curvopt.core.params import holders
 from curvopt.core.state import STATE
 
@@ -68,6 +69,11 @@ class Collection(collect):
         self._warned = False  # the window's skipped parameters were warned about
         #: ``(scope, the extended modules owning its parameters)``, kept while the scope stays
         self._owners: tuple = (set(), [])
+        #: ``(scope, weak references to the models holding its parameters)`` of its last
+        #: window that named parameters (their hooks rest while it does: ``resting``); None
+        #: before any, and after its owner's parameters may have changed (:meth:`follow`)
+        self._covered: Optional[tuple] = None
+        self._moved = False  # ``_covered`` changed in a pass since the hooks were settled
         self.passes = 0  # the backward passes of this window that collected
 
     @property
@@ -92,11 +98,31 @@ class Collection(collect):
             refresh()
 
     def follow(self) -> None:
-        """Rest through this window, or wake, as the owner's next step needs (``collects``)."""
+        """Rest through this window, or wake, as the owner's next step needs (``collects``),
+        where its owner's parameters may have changed (``add_param_group``, a loaded state):
+        until its next pass names them, it covers every model (:meth:`covers`), so that the
+        models of parameters added, resting under another optimizer, record the forward."""
+        self._moved = self._moved or self._covered is not None
+        self._covered = None
+        self._follow()
+
+    def _follow(self) -> None:
+        """Rest through this window, or wake (at the start of each window); the hooks settled
+        anew also where the last window's pass changed the models it covers (found during a
+        backward, where no hook dict is changed)."""
         resting = not self._wanted()
-        if resting != self.resting:
+        if resting != self.resting or self._moved:
             self.resting = resting
+            self._moved = False
             refresh()
+
+    def covers(self) -> Optional[set]:
+        """The ids of the models whose hooks it needs while awake, and lets rest while it
+        rests: those holding the parameters of its last window that named any; None (every
+        model) before such a window, or after :meth:`follow`."""
+        if self._covered is None:
+            return None
+        return {id(m) for m in (ref() for ref in self._covered[1]) if m is not None}
 
     def _wanted(self) -> bool:
         return self._collects is None or bool(self._collects())
@@ -137,7 +163,7 @@ class Collection(collect):
         self._params = []
         self._warned = False
         self.skipped = {}
-        self.follow()
+        self._follow()
 
     def check(self, owner: str) -> None:
         """Raise where the values of this window are not this collection's alone (and warn
@@ -184,10 +210,18 @@ class Collection(collect):
             scope = {key for key, _ in wanted}
             if scope != self._owners[0]:
                 self._owners = (scope, holders(self._params))
+            if scope and (self._covered is None or self._covered[0] is not self._owners[0]):
+                self._cover()
             self._window = (exts, wanted, scope, options)
             self.extensions = tuple(exts)
             self.skip_unsupported = options.get("skip_unsupported", False)
         return self._window
+
+    def _cover(self) -> None:
+        """Note the models holding this window's parameters (``_owners``)."""
+        models = {id(m): m for h in self._owners[1] for m in models_of(h)}
+        self._moved = self._moved or self._covered is None or models.keys() != self.covers()
+        self._covered = (self._owners[0], [weakref.ref(m) for m in models.values()])
 
     def _taken(self, wanted: set) -> Tuple[set, Optional[str]]:
         """The attributes of ``wanted`` that a collection before this one writes this pass,

@@ -3,15 +3,17 @@
 
 Outside ``collect`` a hook only keeps references to inputs that autograd already saved for
 the weight gradient, and drops them as soon as the gradient passes the module; nothing is
-computed. While the optimizers' armed collections all rest (a plain step, which refreshes no
-curvature: ``STATE.plain``) and no block is open, a hook returns at once: no record, no
-gradient hook. Hooks are installed on every module that owns parameters (and on losses).
+computed. Hooks are installed on every module that owns parameters (and on losses); while the
+optimizers' armed collections covering a model rest (a plain step, which refreshes no
+curvature) and no block is open, the model's hooks are taken off (``resting``), so a hook
+that runs has work to do.
 
 Nothing is written onto the user's modules or parameters: what ``extend`` installed (paths,
 options, hook handles) is kept in ``curvopt.core.extended``, weakly, and ``unextend`` removes
 the hooks through their handles. A copy of an extended module (``copy.deepcopy``, pickling)
 carries copies of the hooks but no entry: they do nothing (the copy is a plain module), and
-``extend`` or ``unextend`` of the copy removes them (:func:`_drop_copied`).
+``extend`` or ``unextend`` of the copy removes them (:func:`_drop_copied`); a copy of a
+resting model carries none.
 
 A ``torch.compile``d model (``OptimizedModule``) runs its compiled graph, whose backward is one
 fused op: first-order quantities come out of it as from the eager model, curvature cannot
@@ -55,7 +57,7 @@ __all__ = ["extend", "unextend", "is_extended", "Record"]
 def _random_state_hook(module, args, kwargs):
     """Before the forward of a module whose rule re-runs it: the generator state it draws from,
     where it draws (``LayerRule.draws_random``)."""
-    if STATE.plain or SUSPENDED.get() or not torch.is_grad_enabled():
+    if SUSPENDED.get() or not torch.is_grad_enabled():
         return
     if not rule_for(module).draws_random(module):
         return
@@ -67,8 +69,6 @@ def _random_state_hook(module, args, kwargs):
 def _module_forward_hook(entry: ModuleEntry, module, args, kwargs, output):
     """After a forward of an extended module (``entry``: its entry, bound at ``extend``; a hook
     copied with the module onto a copy, whose entry is not this one, does nothing)."""
-    if STATE.plain:
-        return
     random = take_random_state(module) if entry.notes_random else None  # (else none noted)
     if SUSPENDED.get() or not torch.is_grad_enabled() or module_entry(module) is not entry:
         return
@@ -136,7 +136,7 @@ def _outer_task():
 
 
 def _loss_forward_hook(module, args, kwargs, output):
-    if STATE.plain or SUSPENDED.get() or not torch.is_grad_enabled() or not output.requires_grad:
+    if SUSPENDED.get() or not torch.is_grad_enabled() or not output.requires_grad:
         return
     entry = module_entry(module)
     if entry is not None and entry.hooks:  # not a copy of an extended loss
