@@ -29,6 +29,7 @@ and be saved with ``state_dict``.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -189,7 +190,7 @@ class Prepared:
 
 
 def _same(kept: Sequence[Any], tensors: Sequence[Any]) -> bool:
-    return len(kept) == len(tensors) and all(a is b for a, b in zip(kept, tensors))
+    return len(kept) == len(tensors) and all(map(operator.is_, kept, tensors))
 
 
 def stacked_matrices(grads: Sequence[torch.Tensor], rows: int, dtype: torch.dtype) -> torch.Tensor:
