@@ -606,17 +606,14 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
 
     def _kept(self, items, step):
         """The cache entries each of ``items``' state keeps: the bases of the next refresh of a
-        parameter whose bases lag (:meth:`_lagged`), those its new state (``update.state``)
-        holds, else those of its state before the step; by passes over the states' entries."""
-        group, out = step.group, []
-        for item in items:
-            if not self._lagged(item.update.param, group):
-                out.append({})
-                continue
-            found = {n: v for n, v in item.state.items() if n in _KEPT}
-            found.update({n: v for n, v in item.update.state.items() if n in _KEPT})
-            out.append({n: found[n] for n in _KEPT if n in found and found[n] is not None})
-        return out
+        parameter whose bases lag (:meth:`_lagged`, :func:`_next_entries`)."""
+        group = step.group
+        return [
+            _next_entries(item.state, item.update.state)
+            if self._lagged(item.update.param, group)
+            else {}
+            for item in items
+        ]
 
     def _preconditioner(self):
         """As ``NewtonOptimizer``'s; the trust region measures the steps in the metric of
@@ -634,20 +631,23 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         if trust_metric(step.group) != "ggn":
             return out
         # the solve's coordinates of these very directions, held until read (a parameter's size)
-        coordinates, at, metrics, found = self._coordinates or {}, [], [], []
+        coordinates = self._coordinates or {}
         products = [item.update.state.get("trust_curvature") for item in items]
-        for i, (item, metric) in enumerate(zip(items, self._trust_metrics(items, products, step))):
-            if metric is None:
-                continue
-            direction, coordinate = coordinates.pop(id(item), (None, None))
-            if direction is not None and direction is item.direction:
-                at.append(i)
-                metrics.append(metric)
-                found.append(coordinate)
-            else:
+        metrics = self._trust_metrics(items, products, step)
+        held = [coordinates.pop(id(item), (None, None)) for item in items]
+        # those whose solve kept the coordinates of their very direction, and the others
+        at = [
+            i
+            for i, (item, metric, (direction, _)) in enumerate(zip(items, metrics, held))
+            if metric is not None and direction is not None and direction is item.direction
+        ]
+        measured = set(at)
+        for i, (item, metric) in enumerate(zip(items, metrics)):
+            if metric is not None and i not in measured:
                 bases = item.curvature[1:]
                 out[i] = eigen_corrected_quadratic(bases, metric, as_rows(item.direction, bases))
         if at:
+            metrics, found = [metrics[i] for i in at], [held[i][1] for i in at]
             squares = torch._foreach_mul(metrics, found)
             torch._foreach_mul_(squares, found)
             for i, square in zip(at, squares):
@@ -679,6 +679,17 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
 
 #: the cache entries of the next refresh a lagged parameter's state keeps (``EKFAC._kept``)
 _KEPT = ("bases_next", "trust_curvature", "trust_next", "trust_scale")
+
+
+def _next_entries(old: dict, new: dict) -> dict:
+    """The entries of :data:`_KEPT` after a step: those the new state ``new`` holds (a None
+    there: none), else those of the state before it, ``old``; in :data:`_KEPT`'s order."""
+    out = {}
+    for name in _KEPT:
+        value = new[name] if name in new else old[name] if name in old else None
+        if value is not None:
+            out[name] = value
+    return out
 
 
 def trust_metric(group) -> str:

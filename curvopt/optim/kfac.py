@@ -288,9 +288,9 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
         if not items:
             return []
         options, grads = self._inverse_options(step.group), [item.grad for item in items]
-        states = [item.state for item in items]
+        states, kind = [item.state for item in items], options.kind
         sources = [item.update.param for item in items]
-        sources += [state.get(options.kind) for state in states]
+        sources += [state.get(kind) for state in states]
         sources += [state.get("eigh_inverse") for state in states]
         inputs = (
             options,
@@ -311,7 +311,7 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
             solved.append((inverse, kept))
             current = current and now
         if current:  # what the next step finds cached for the same inputs: these entries
-            kept = [(kept.get(options.kind), kept.get("eigh_inverse")) for _, kept in solved]
+            kept = [(kept.get(kind), kept.get("eigh_inverse")) for _, kept in solved]
             sources[len(items) :] = [entry for entries in zip(*kept) for entry in entries]
             prepared.put(key, sources, inputs, [(inverse, dict(kept)) for inverse, kept in solved])
         return solved
