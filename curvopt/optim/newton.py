@@ -327,19 +327,14 @@ class NewtonOptimizer(CurvatureOptimizer):
         due = self._curvature_due(group, group_state)
         params = group["params"]
         unused = self._unused(params, (attr,))
-        divisor, sharded = self._loss_scale.grad, isinstance(self._view, FullView)
+        sharded = isinstance(self._view, FullView)
         for param, key, description in zip(params, map(id, params), self._descriptions(group)):
             if key in unused:
                 continue
-            state, grad = self.state.get(param, {}), param.grad
-            update = ParamUpdate(param, description, checks=[("gradient", grad)])
-            item = ParamStep(
-                update,
-                grad if divisor is None else grad / divisor,  # (``_grad``)
-                state,
-                state.get("curvature"),
-                state.get("curvature_step"),
-            )
+            state = self.state.get(param, {})
+            update = ParamUpdate(param, description, checks=[("gradient", param.grad)])
+            curvature = state.get("curvature"), state.get("curvature_step")
+            item = ParamStep(update, self._grad(param), state, *curvature)
             if sharded:  # FSDP2, owned state: its owner and rows
                 item.rows = self._view.rows(param)
             if due or ("curvature" not in state and self._lacks_curvature(group, state)):
