@@ -55,14 +55,21 @@ def _batches():
 
 
 def _kept(opt) -> dict:
-    """What the cache keeps: ``id(param)`` (the inverse) or ``(id(param), what)`` (``EKFAC``'s
-    trust metric) ``->`` the object."""
+    """What the cache keeps per parameter: ``id(param)`` (the inverse) or ``(id(param), what)``
+    (``EKFAC``'s trust metric) ``->`` the object. A group's entry (``("inverses", ·)``,
+    ``("trust_metrics", ·)``) holds one object per parameter, the parameters its first
+    sources."""
     prepared = opt.__dict__.get("_prepared_steps")
-    kept = {} if prepared is None else prepared._kept
-    return {
-        id(key) if torch.is_tensor(key) else (id(key[0]), key[1]): value[2]
-        for key, value in kept.items()
-    }
+    out = {}
+    for key, (sources, _, value) in ({} if prepared is None else prepared._kept).items():
+        if key[0] == "inverses":  # KFAC: (inverse, entries); EKFAC: the inverse
+            for param, derived in zip(sources, value):
+                out[id(param)] = derived[0] if isinstance(derived, tuple) else derived
+        elif key[0] == "trust_metrics":
+            for param, derived in zip(sources, value):
+                if derived is not None:
+                    out[(id(param), "trust_metric")] = derived
+    return out
 
 
 def _run(name: str, emptied: bool):

@@ -34,6 +34,7 @@ no Gram root, no rank cap).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -332,19 +333,20 @@ def kron_applier(
     :class:`LowRankInverse`'s Woodbury form. The kernels and their order are those of the
     solve (the same bits); a plain step applies a cached inverse by the function
     ``KroneckerInverse`` keeps (``inversion.kronecker``)."""
-    dense_left, dense_right = (
-        (torch.cholesky_solve, cholesky_solve_right)
-        if cholesky
-        else (lambda m, f: f @ m, lambda m, f: m @ f)
-    )
-    sides = []
+    sides = []  # the kernels themselves (partials), no wrapper to call
     for side, solver in enumerate(solvers[:2]):
         if isinstance(solver, LowRankInverse):
             sides.append(solver.solve_right if side else solver.solve_left)
+        elif cholesky:
+            sides.append(
+                functools.partial(cholesky_solve_right, factor=solver)
+                if side
+                else functools.partial(torch.cholesky_solve, input2=solver)
+            )
         elif side:
-            sides.append(lambda m, f=solver: dense_right(m, f))
+            sides.append(functools.partial(torch.matmul, other=solver))  # G ↦ G A⁻¹
         else:
-            sides.append(lambda m, f=solver: dense_left(m, f))
+            sides.append(functools.partial(torch.matmul, solver))  # G ↦ B⁻¹ G
     left = solvers[0]
     precision = left.basis.dtype if isinstance(left, LowRankInverse) else left.dtype
 

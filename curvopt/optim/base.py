@@ -50,7 +50,7 @@ from curvopt.optim import distributed
 from curvopt.optim.distributed.fsdp import FullView
 from curvopt.optim.loss_scale import NONE, LossScale, loss_scale
 from curvopt.optim.options import CurvatureOptions, constructor
-from curvopt.optim.plan import ParamUpdate
+from curvopt.optim.plan import ParamUpdate, Prepared
 from curvopt.optim.state_placement import placed
 
 __all__ = ["CurvatureOptimizer", "ExtensionSpec", "ParamUpdate"]
@@ -313,6 +313,32 @@ class CurvatureOptimizer(Optimizer):
             where = f"#{offset + index}"
         return f"parameter {where} (shape {tuple(param.shape)})"
 
+    def _descriptions(self, group: dict[str, Any]) -> list[str]:
+        """:meth:`_describe` of each of ``group``'s parameters, formed once and kept
+        (``optim.plan.Prepared``) while the group holds the very parameters, of the same shapes
+        and names, at the same position among the groups."""
+        position, offset = 0, 0
+        for other in self.param_groups:
+            if other is group:
+                break
+            position, offset = position + 1, offset + len(other["params"])
+        params, names = group["params"], group.get("param_names")
+        inputs = (offset, tuple(names) if names else None, [p.shape for p in params])
+        prepared = self._prepared()
+        found = prepared.get(("descriptions", position), params, inputs)
+        if found is None:
+            found = [self._describe(group, i, p) for i, p in enumerate(params)]
+            prepared.put(("descriptions", position), params, inputs, found)
+        return found
+
+    def _prepared(self) -> Prepared:
+        """What this optimizer's plain steps derive from its cached state and its param groups
+        (``optim.plan.Prepared``: a cache, not saved)."""
+        prepared = self.__dict__.get("_prepared_steps")
+        if prepared is None:
+            prepared = self.__dict__["_prepared_steps"] = Prepared()
+        return prepared
+
     def _unused(self, params: Sequence[torch.Tensor], attrs: Sequence[str]) -> set[int]:
         """The ids of ``params`` that took no part in this step: ``grad`` is None, or all zero
         (after ``zero_grad(set_to_none=False)``) while each of its ``attrs`` is still the one a
@@ -321,21 +347,21 @@ class CurvatureOptimizer(Optimizer):
         is left unchanged (zero step). The gradients in question are tested together
         (:func:`_all_zero`); their ℓ2 norms are kept for the step's finite check
         (``_normed``), which then does not read them again."""
-        unused, stale = set(), []
-        for param in params:
-            if param.grad is None:
-                unused.add(id(param))
-                continue
-            if param.grad.layout is not torch.strided:
-                raise TypeError(
-                    f"{type(self).__name__}: parameter '{path_of(param) or tuple(param.shape)}' "
-                    f"has a sparse gradient ({param.grad.layout}), which a curvature step cannot "
-                    "precondition. Build its module with dense gradients (nn.Embedding(..., "
-                    "sparse=False), the default)."
-                )
-            used = self._consumed.get(param, {})
-            if used and all(_left_unread(values.read(param, a), used.get(a)) for a in attrs):
-                stale.append(param)
+        held = [(p, p.grad) for p in params]
+        sparse = [p for p, g in held if g is not None and g.layout is not torch.strided]
+        if sparse:
+            param = sparse[0]
+            raise TypeError(
+                f"{type(self).__name__}: parameter '{path_of(param) or tuple(param.shape)}' "
+                f"has a sparse gradient ({param.grad.layout}), which a curvature step cannot "
+                "precondition. Build its module with dense gradients (nn.Embedding(..., "
+                "sparse=False), the default)."
+            )
+        unused = {id(p) for p, g in held if g is None}
+        used = map(self._consumed.get, params)
+        stale = [
+            p for (p, g), u in zip(held, used) if g is not None and u and _left_unread(p, u, attrs)
+        ]
         grads = [p.grad for p in stale]
         norms = _norms(grads, 2)
         self._normed.append((grads, norms))
@@ -471,7 +497,7 @@ class CurvatureOptimizer(Optimizer):
         if self._distributed is not None:
             self._distributed.ensure(self._requests()[1])
         self._normed = []
-        sharded = any(is_sharded(p) for group in self.param_groups for p in group["params"])
+        sharded = self._any_sharded([p for group in self.param_groups for p in group["params"]])
         layout = self._sharded_layout() if self._distributed is not None else "whole"
         if sharded and not isinstance(self._view, FullView):
             self._view = FullView()
@@ -506,6 +532,16 @@ class CurvatureOptimizer(Optimizer):
             actual += decay_change
             self._adapt(due, actual, sum(predicted for _, predicted in plans))
         return loss
+
+    def _any_sharded(self, params: list[torch.Tensor]) -> bool:
+        """Whether any of ``params`` is sharded (FSDP2, ``core.sharded.is_sharded``): looked at
+        again only for other parameters (``optim.plan.Prepared``; a tensor's type is its own)."""
+        prepared = self._prepared()
+        found = prepared.get("sharded", params, ())
+        if found is None:
+            found = any(is_sharded(p) for p in params)
+            prepared.put("sharded", params, (), found)
+        return found
 
     def _sharded_layout(self) -> str:
         """Under FSDP2, where a sharded parameter's state lives (``optim.distributed.fsdp``):
@@ -609,10 +645,14 @@ def _layout_text(layout: dict[str, int] | None) -> str:
     return f"rank {layout['rank']} of {layout['world_size']} under FSDP2"
 
 
-def _left_unread(value, used) -> bool:
-    """Whether ``value`` of an attribute is none of a pass since the last step: absent, or the
-    object a previous step used."""
-    return value is None or value is used
+def _left_unread(param: torch.Tensor, used: dict[str, Any], attrs: Sequence[str]) -> bool:
+    """Whether each of ``attrs`` of ``param`` is none of a pass since the last step: absent, or
+    the object a previous step used (``used``: the objects by attribute)."""
+    for attr in attrs:
+        value = values.read(param, attr)
+        if value is not None and value is not used.get(attr):
+            return False
+    return True
 
 
 def _all_zero(tensors: Sequence[torch.Tensor], norms: list[float] | None = None) -> list[bool]:
@@ -709,23 +749,19 @@ def _within_range(checks: list[torch.Tensor], params, deltas, normed=()) -> bool
     ``normed`` (``(tensors, norms)``) are those taken already: a checked tensor among them
     is not read again (and one that is not checked only adds a condition). All the other
     norms by one foreach call per device, read in one host read (:func:`_norms`); the verdict
-    on the host, from those floats."""
-    known = {id(t) for tensors, _ in normed for t in tensors}
-    checks = [t for t in checks if id(t) not in known]
+    on the host, from those floats, by passes over whole lists (no call per tensor)."""
+    known = {i for tensors, _ in normed for i in map(id, tensors)}
+    checks = [t for t, i in zip(checks, map(id, checks)) if i not in known]
     count, moved = len(checks), len(params)
     norms = _norms([*checks, *params, *deltas], 2)
-    if not all(math.isfinite(norm) for norm in norms[:count]):
+    if not all(map(math.isfinite, norms[:count])):
         return False
-    if not all(math.isfinite(norm) for _, taken in normed for norm in taken):
+    if not all([all(map(math.isfinite, taken)) for _, taken in normed]):
         return False
-    top: dict[torch.dtype, float] = {}
-    for param, size, step in zip(params, norms[count : count + moved], norms[count + moved :]):
-        limit = top.get(param.dtype)
-        if limit is None:
-            limit = top[param.dtype] = torch.finfo(param.dtype).max
-        if not size + step <= limit:
-            return False
-    return True
+    top = {dtype: torch.finfo(dtype).max for dtype in {param.dtype for param in params}}
+    limits = [top[param.dtype] for param in params]
+    sizes, steps = norms[count : count + moved], norms[count + moved :]
+    return all([size + step <= limit for size, step, limit in zip(sizes, steps, limits)])
 
 
 def _entries(tensor: torch.Tensor) -> torch.Tensor:
@@ -747,13 +783,16 @@ def _norms(tensors: Sequence[torch.Tensor], order: float) -> list[float]:
     entries), in their order, as Python floats (exact: a norm's own dtype widened): one
     foreach norm per device (a fused kernel on a GPU, vectorised on a CPU) and one host read
     of its results."""
-    groups = _by_device(tensors)
+    entries = [_entries(t) if t.is_sparse else t for t in tensors]
+    if len({t.device for t in entries}) <= 1:  # one device (or none): in the tensors' order
+        if not entries:
+            return []
+        with torch.no_grad():
+            return torch.stack(torch._foreach_norm(entries, order)).tolist()
     out = [0.0] * len(tensors)
     with torch.no_grad():
-        for at in groups.values():
-            found = torch._foreach_norm([_entries(tensors[i]) for i in at], order)
-            if len(groups) == 1:  # one device: already in the tensors' order
-                return torch.stack(found).tolist()
+        for at in _by_device(entries).values():
+            found = torch._foreach_norm([entries[i] for i in at], order)
             for i, norm in zip(at, torch.stack(found).tolist()):
                 out[i] = norm
     return out
@@ -776,8 +815,10 @@ def check_finite(
     # one read per tensor and one host sync; only a non-finite norm (or overflow) is looked into.
     # A checked tensor that is a step Δ itself is read once: the range test needs its norm finite
     params, deltas = [u.param for u in moved], [u.delta for u in moved]
-    steps = {id(delta) for delta in deltas}
-    if _within_range([t for _, _, t in checks if id(t) not in steps], params, deltas, normed):
+    steps, tensors = set(map(id, deltas)), [t for _, _, t in checks]
+    if _within_range(
+        [t for t, i in zip(tensors, map(id, tensors)) if i not in steps], params, deltas, normed
+    ):
         return
     after = [(u, "parameter after the step", (u.param - u.delta).to(u.param.dtype)) for u in moved]
     for update, what, tensor in checks + after:

@@ -142,13 +142,13 @@ class EigenAdam(NewtonOptimizer):
     def _curvature_due(self, group, group_state):
         return group["basis"] != "identity" and super()._curvature_due(group, group_state)
 
-    def _lacks_curvature(self, group, param):
+    def _lacks_curvature(self, group, state):
         """A parameter with factors has them from its first step on (every group's first step
         reads them); one without is stepped by ``fallback="adam"`` and is never read again
         before its curvature step; with ``fallback=None`` a missing one raises when read."""
         if group["basis"] == "identity" or group["fallback"] == "adam":
             return False
-        return "curvature" not in self.state.get(param, {})
+        return "curvature" not in state
 
     def _check_curvature(self, curvature, param):
         KFAC._check_curvature(self, curvature, param)  # square factors of the parameter's size

@@ -326,13 +326,15 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         region's metric (:func:`_trust_curvature`): until the next basis step where
         :func:`keeps_trust_curvature`, else collected at every curvature step."""
         needs = super()._needs(group, group_state)
-        if needs and self._distributed is not None:
+        if not needs:  # (a plain step: nothing to add to)
+            return needs
+        if self._distributed is not None:
             self._check_distributable(group)
         wide = [p for p in group["params"] if self._lagged(p, group)]
         lacking = any("bases_next" not in self.state.get(p, {}) for p in wide)
         every = trust_metric(group) == "ggn" and not keeps_trust_curvature(group)
         due = lacking or every or self._basis_due(group, group_state["step"])
-        if needs and wide and due:
+        if wide and due:
             factor_options = {"mc_samples": group["mc_samples"]}
             needs.append(
                 (group["curvature"], {**factor_options, "kfac_approx": group["kfac_approx"]})
@@ -394,7 +396,7 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         follows the loss's reduction and batch size as ``S`` does (a sum over batches of
         other sizes; where either is unknown, 0, or they are equal: ``K`` itself, one object
         until the next basis step, whose ``K + λ + δ`` is formed once,
-        :meth:`_trust_metric`). None where the state has none (one loaded without it:
+        :meth:`_trust_metrics`). None where the state has none (one loaded without it:
         ``gᵀd`` until the next basis step)."""
         state = self.state.get(param, {})
         products = state.get("trust_next")
@@ -549,27 +551,34 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
                 for i, direction in zip(at, self._batched(key, curvatures, grads, step.damping)):
                     out[i] = direction
         measured = self._coordinates is not None and self._measured_in_basis(step)
-        for i, item in enumerate(items):
-            if out[i] is None:
-                inverse = self._inverse(item, step)
-                if not measured:
-                    out[i] = inverse.apply_one(item.grad)
-                    continue
-                out[i], coordinates = inverse.apply_with_coordinates(item.grad)
-                self._coordinates[id(item)] = out[i], coordinates
-        return [(direction, self._kept(item, step)) for direction, item in zip(out, items)]
+        alone = [i for i, direction in enumerate(out) if direction is None]
+        for i, inverse in zip(alone, self._inverses([items[i] for i in alone], step)):
+            if measured:
+                out[i], coordinates = inverse.apply_with_coordinates(items[i].grad)
+                self._coordinates[id(items[i])] = out[i], coordinates
+            else:
+                out[i] = inverse.apply_one(items[i].grad)
+        return list(zip(out, self._kept(items, step)))
 
-    def _inverse(self, item, step) -> EigenCorrectedInverse:
-        """``item``'s ``EigenCorrectedInverse``, its ``S + λ`` formed once between refreshes
-        (``optim.plan.Prepared``: while ``item.curvature`` is the very object and the damping
-        and the gradient's shape, dtype and device are the same)."""
-        grad, prepared = item.grad, self._prepared()
-        sources, inputs = (item.curvature,), (step.damping, grad.shape, grad.dtype, grad.device)
-        inverse = prepared.get(item.update.param, sources, inputs)
-        if inverse is None:
-            inverse = EigenCorrectedInverse.build(item.curvature, step.damping)
-            prepared.put(item.update.param, sources, inputs, inverse)
-        return inverse
+    def _inverses(self, items, step) -> list[EigenCorrectedInverse]:
+        """Each of ``items``' ``EigenCorrectedInverse``, their ``S + λ`` formed once between
+        refreshes (``optim.plan.Prepared``, one entry for the group: while the items are of
+        the very parameters, their curvatures the very objects, and the damping and the
+        gradients' shapes, dtypes and devices are the same)."""
+        grads = [item.grad for item in items]
+        sources = [item.update.param for item in items] + [item.curvature for item in items]
+        inputs = (
+            step.damping,
+            [grad.shape for grad in grads],
+            [grad.dtype for grad in grads],
+            [grad.device for grad in grads],
+        )
+        prepared, key = self._prepared(), ("inverses", id(step.group))
+        inverses = prepared.get(key, sources, inputs)
+        if inverses is None:
+            inverses = [EigenCorrectedInverse.build(i.curvature, step.damping) for i in items]
+            prepared.put(key, sources, inputs, inverses)
+        return inverses
 
     def _measured_in_basis(self, step) -> bool:
         """Whether, under the default damping (:func:`default_damping`: other settings keep
@@ -595,14 +604,16 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         matrices = stacked_matrices(grads, bases[0].shape[-1], bases[0].dtype)
         return unstacked(eigen_corrected_solve(bases, correction, matrices, damping), grads)
 
-    def _kept(self, item, step):
-        """The cache entries ``item``'s state keeps: the bases of the next refresh of a
-        parameter whose bases lag (:meth:`_lagged`)."""
-        if not self._lagged(item.update.param, step.group):
-            return {}
-        names = ("bases_next", "trust_curvature", "trust_next", "trust_scale")
-        kept = {name: item.update.state.get(name, item.state.get(name)) for name in names}
-        return {name: value for name, value in kept.items() if value is not None}
+    def _kept(self, items, step):
+        """The cache entries each of ``items``' state keeps: the bases of the next refresh of a
+        parameter whose bases lag (:meth:`_lagged`, :func:`_next_entries`)."""
+        group = step.group
+        return [
+            _next_entries(item.state, item.update.state)
+            if self._lagged(item.update.param, group)
+            else {}
+            for item in items
+        ]
 
     def _preconditioner(self):
         """As ``NewtonOptimizer``'s; the trust region measures the steps in the metric of
@@ -620,36 +631,42 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
         if trust_metric(step.group) != "ggn":
             return out
         # the solve's coordinates of these very directions, held until read (a parameter's size)
-        coordinates, at, metrics, found = self._coordinates or {}, [], [], []
-        for i, item in enumerate(items):
-            products = item.update.state.get("trust_curvature")
-            if products is None:
-                continue
-            metric = self._trust_metric(item, products, step.damping)
-            direction, coordinate = coordinates.pop(id(item), (None, None))
-            if direction is not None and direction is item.direction:
-                at.append(i)
-                metrics.append(metric)
-                found.append(coordinate)
-            else:
+        coordinates = self._coordinates or {}
+        products = [item.update.state.get("trust_curvature") for item in items]
+        metrics = self._trust_metrics(items, products, step)
+        held = [coordinates.pop(id(item), (None, None)) for item in items]
+        # those whose solve kept the coordinates of their very direction, and the others
+        at = [
+            i
+            for i, (item, metric, (direction, _)) in enumerate(zip(items, metrics, held))
+            if metric is not None and direction is not None and direction is item.direction
+        ]
+        measured = set(at)
+        for i, (item, metric) in enumerate(zip(items, metrics)):
+            if metric is not None and i not in measured:
                 bases = item.curvature[1:]
                 out[i] = eigen_corrected_quadratic(bases, metric, as_rows(item.direction, bases))
         if at:
+            metrics, found = [metrics[i] for i in at], [held[i][1] for i in at]
             squares = torch._foreach_mul(metrics, found)
             torch._foreach_mul_(squares, found)
             for i, square in zip(at, squares):
                 out[i] = square.sum()
         return out
 
-    def _trust_metric(self, item, products, damping) -> torch.Tensor:
-        """``K + λ + δ`` of ``item``'s ``products`` ``K``, formed once between refreshes
-        (``optim.plan.Prepared``, as :meth:`_inverse`)."""
-        key, inputs = (item.update.param, "trust_metric"), (damping,)
-        metric = self._prepared().get(key, (products,), inputs)
-        if metric is None:
-            metric = products + damping
-            self._prepared().put(key, (products,), inputs, metric)
-        return metric
+    def _trust_metrics(self, items, products, step) -> list[torch.Tensor | None]:
+        """``K + λ + δ`` of each of the items' ``products`` ``K`` (None where there are none),
+        formed once between refreshes (``optim.plan.Prepared``, one entry for the group, as
+        :meth:`_inverses`: while the items are of the very parameters, their ``K`` the very
+        objects and the damping the same)."""
+        damping, prepared = step.damping, self._prepared()
+        key, sources = ("trust_metrics", id(step.group)), [item.update.param for item in items]
+        sources += products
+        metrics = prepared.get(key, sources, (damping,))
+        if metrics is None:
+            metrics = [None if k is None else k + damping for k in products]
+            prepared.put(key, sources, (damping,), metrics)
+        return metrics
 
     def _curvature_scale(self, curvature):
         """``tr(Q diag(S) Qᵀ)/dim``: the mean of ``S``."""
@@ -658,6 +675,21 @@ class EKFAC(DiagonalFallback, NewtonOptimizer):
     def _quadratic(self, curvature, step):
         correction, bases = curvature[0], curvature[1:]
         return eigen_corrected_quadratic(bases, correction, as_rows(step, bases))
+
+
+#: the cache entries of the next refresh a lagged parameter's state keeps (``EKFAC._kept``)
+_KEPT = ("bases_next", "trust_curvature", "trust_next", "trust_scale")
+
+
+def _next_entries(old: dict, new: dict) -> dict:
+    """The entries of :data:`_KEPT` after a step: those the new state ``new`` holds (a None
+    there: none), else those of the state before it, ``old``; in :data:`_KEPT`'s order."""
+    out = {}
+    for name in _KEPT:
+        value = new[name] if name in new else old[name] if name in old else None
+        if value is not None:
+            out[name] = value
+    return out
 
 
 def trust_metric(group) -> str:

@@ -229,10 +229,7 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
         ``B⁻¹_stack @ G_stack @ A⁻¹_stack`` (``optim.plan.Stacks``);
         Cholesky factors, Woodbury forms, exact eigendecompositions, factors stacked per group
         and factored steps are applied one parameter at a time."""
-        solved, options = [], self._inverse_options(step.group) if items else None
-        for item in items:
-            with item.naming_errors():
-                solved.append(self._inverse(item, step, options))
+        solved = self._inverses(items, step)
         out: list = [None] * len(items)
         if self._capture is not None:  # the factored steps first, each on its own
             for i, ((inverse, kept), item) in enumerate(zip(solved, items)):
@@ -281,36 +278,69 @@ class KFAC(DiagonalFallback, NewtonOptimizer):
             result = result @ right[0]
         return unstacked(result, grads)
 
-    def _inverse(self, item, step, options=None):
-        """``(KroneckerInverse, cache entries to keep)`` of ``item``, from its cached entry
-        (computed where due) under the group's :meth:`_inverse_options` ``options`` (None:
-        made here). Between refreshes the inverse resolved for its products is the one of the
-        last step (``optim.plan.Prepared``: while its entries are the very objects in
-        ``item.state`` and the damping, options and gradient's shape, dtype and device are
-        the same), so a plain step re-derives nothing."""
+    def _inverses(self, items, step):
+        """``(KroneckerInverse, cache entries to keep)`` of each of ``items`` (:meth:`_inverse`).
+        Between refreshes they are those of the last step (``optim.plan.Prepared``, one entry
+        for the group: while the items are of the very parameters, their entries the very
+        objects in their state, and the damping, the group's inverse options, the curvature
+        steps and the gradients' shapes, dtypes and devices are the same), so that a plain
+        step re-derives nothing and looks up once, not once per parameter."""
+        if not items:
+            return []
+        options, grads = self._inverse_options(step.group), [item.grad for item in items]
+        states, kind = [item.state for item in items], options.kind
+        sources = [item.update.param for item in items]
+        sources += [state.get(kind) for state in states]
+        sources += [state.get("eigh_inverse") for state in states]
+        inputs = (
+            options,
+            step.damping,
+            [item.curvature_step for item in items],
+            [grad.shape for grad in grads],
+            [grad.dtype for grad in grads],
+            [grad.device for grad in grads],
+        )
+        prepared, key = self._prepared(), ("inverses", id(step.group))
+        found = prepared.get(key, sources, inputs)
+        if found is not None:  # (the state of each step its own dict)
+            return [(inverse, dict(kept)) for inverse, kept in found]
+        solved, current = [], True
+        for item in items:
+            with item.naming_errors():
+                inverse, kept, now = self._inverse(item, step, options)
+            solved.append((inverse, kept))
+            current = current and now
+        if current:  # what the next step finds cached for the same inputs: these entries
+            kept = [(kept.get(kind), kept.get("eigh_inverse")) for _, kept in solved]
+            sources[len(items) :] = [entry for entries in zip(*kept) for entry in entries]
+            prepared.put(key, sources, inputs, [(inverse, dict(kept)) for inverse, kept in solved])
+        return solved
+
+    def _inverse(self, item, step, options):
+        """``(KroneckerInverse, cache entries to keep, whether the entry is current)`` of
+        ``item``, from its cached entry (computed where due) under the group's
+        :meth:`_inverse_options` ``options``."""
         grad, damping = item.grad, step.damping
-        options = self._inverse_options(step.group) if options is None else options
-        sources = (item.state.get(options.kind), item.state.get("eigh_inverse"))
-        inputs = (options, damping, item.curvature_step, grad.shape, grad.dtype, grad.device)
-        prepared = self._prepared()
-        found = prepared.get(item.update.param, sources, inputs)
-        if found is not None:
-            return found[0], dict(found[1])
         matrix = as_matrix(grad, item.curvature)
         derived = self._derived(item.curvature, step.group, damping, item.curvature_step, options)
-        entry = cached(sources[0], derived.key, step.step, derived.interval, derived.compute)
+        entry = cached(
+            item.state.get(derived.name), derived.key, step.step, derived.interval, derived.compute
+        )
         kept, current = {derived.name: entry}, entry["key"] == derived.key
         kind, value = derived.name, entry["value"]
         if kind == "trace_norm_eigh":  # the damped inverses of the decomposition, per λ
             key = (entry["step"], damping)
-            solvers = cached(sources[1], key, step.step, 1, lambda: eigh_solvers(value, damping))
+            solvers = cached(
+                item.state.get("eigh_inverse"),
+                key,
+                step.step,
+                1,
+                lambda: eigh_solvers(value, damping),
+            )
             kept["eigh_inverse"] = solvers
             kind, value = "inverse", solvers["value"]
         inverse = KroneckerInverse(kind, value, damping, tuple(matrix.shape[:-1]))
-        if current:  # what the next step finds cached for the same inputs: these entries
-            state = (kept[derived.name], kept.get("eigh_inverse"))
-            prepared.put(item.update.param, state, inputs, (inverse, dict(kept)))
-        return inverse, kept
+        return inverse, kept, current
 
     def _factored(self, inverse, item):
         """The factored direction of ``item`` (:meth:`_factored_direction`), or None."""

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -70,9 +71,10 @@ from curvopt.inversion.damping import (
     damping_strategy,
     reduction_ratio,
 )
+from curvopt.optim.distributed.fsdp import FullView
 from curvopt.optim.fallback import announce
 from curvopt.optim.options import DEFAULT_REDUCTION_DAMPING
-from curvopt.optim.plan import ParamUpdate, Prepared, Stacks, batches_pay, refresh_interval
+from curvopt.optim.plan import ParamUpdate, Stacks, batches_pay, refresh_interval
 from curvopt.optim.stages import (
     NEWTON,
     Chain,
@@ -259,14 +261,6 @@ class NewtonOptimizer(CurvatureOptimizer):
         """The stacked operands this optimizer's batched products keep (a cache, not saved)."""
         return self.__dict__.setdefault("_stacked", Stacks())
 
-    def _prepared(self) -> Prepared:
-        """What this optimizer's plain steps derive per parameter from its cached state
-        (``optim.plan.Prepared``: a cache, not saved)."""
-        prepared = self.__dict__.get("_prepared_steps")
-        if prepared is None:
-            prepared = self.__dict__["_prepared_steps"] = Prepared()
-        return prepared
-
     def _quadratic(self, curvature: Any, step: torch.Tensor) -> torch.Tensor:
         """``sᵀ C s`` for a step ``s`` of the parameter's shape."""
         raise NotImplementedError
@@ -299,16 +293,20 @@ class NewtonOptimizer(CurvatureOptimizer):
         return group_state["step"] % interval == 0
 
     def _needs(self, group, group_state) -> list[ExtensionSpec]:
-        if self._curvature_due(group, group_state) or any(
-            self._lacks_curvature(group, p) for p in group["params"] if p.requires_grad
-        ):
+        if self._curvature_due(group, group_state):
+            return [self._extension(group)]
+        params = [p for p in group["params"] if p.requires_grad]
+        states = [s for s in map(self.state.get, params, repeat({})) if "curvature" not in s]
+        if any([self._lacks_curvature(group, state) for state in states]):
             return [self._extension(group)]
         return []
 
-    def _lacks_curvature(self, group, param) -> bool:
-        """No stored curvature and no fallback that steps it without one (``"sgd"``, or a
-        ``"diagonal"`` already kept): must be read at the next step, due or not."""
-        state, fallback = self.state.get(param, {}), group["fallback"]
+    def _lacks_curvature(self, group, state) -> bool:
+        """Whether a parameter whose state is ``state`` has no stored curvature and no fallback
+        that steps it without one (``"sgd"``, or a ``"diagonal"`` already kept): it must be
+        read at the next step, due or not. Asked only of a state without ``"curvature"`` (one
+        with a stored curvature lacks none)."""
+        fallback = group["fallback"]
         if "curvature" in state or "curvature_owner" in state or fallback == "sgd":
             return False
         return fallback is None or "fallback_diagonal" not in state
@@ -327,17 +325,19 @@ class NewtonOptimizer(CurvatureOptimizer):
         attr, _ = self._extension(group)
         extension = extensions.writer(attr).__name__
         due = self._curvature_due(group, group_state)
-        unused = self._unused(group["params"], (attr,))
-        for index, param in enumerate(group["params"]):
-            if id(param) in unused:
+        params = group["params"]
+        unused = self._unused(params, (attr,))
+        sharded = isinstance(self._view, FullView)
+        for param, key, description in zip(params, map(id, params), self._descriptions(group)):
+            if key in unused:
                 continue
             state = self.state.get(param, {})
-            update = ParamUpdate(param, self._describe(group, index, param))
-            update.checks.append(("gradient", param.grad))
+            update = ParamUpdate(param, description, checks=[("gradient", param.grad)])
             curvature = state.get("curvature"), state.get("curvature_step")
             item = ParamStep(update, self._grad(param), state, *curvature)
-            item.rows = self._view.rows(param)  # FSDP2, owned state: its owner and rows
-            if due or self._lacks_curvature(group, param):
+            if sharded:  # FSDP2, owned state: its owner and rows
+                item.rows = self._view.rows(param)
+            if due or ("curvature" not in state and self._lacks_curvature(group, state)):
                 item.fresh = self._read_curvature(update, group, attr, extension)
                 if self._view.remote(param):  # checked here, kept by its owner
                     item.fresh = None
@@ -373,7 +373,7 @@ class NewtonOptimizer(CurvatureOptimizer):
         curvature that collapses once the batches are fit."""
         scale = group_state.get("curvature_scale")
         curvatures = [item.curvature for item in step.params if item.curvature is not None]
-        sharded = any(item.rows is not None for item in step.params)
+        sharded = any([item.rows is not None for item in step.params])
         if scale is None and sharded:  # FSDP2, owned state: each rank its layers' part
             found = self._scale_over_ranks(step)
             if found > 0:
@@ -392,7 +392,7 @@ class NewtonOptimizer(CurvatureOptimizer):
         this step's window (:meth:`_reduction_scale`) at every step that refreshes a curvature
         of the group, kept in the group state until the next (1, a mean over samples', before
         any: passes run in a ``curvopt.collect`` block of your own hand it no ``s``)."""
-        if any(item.fresh is not None for item in step.params):
+        if any([item.fresh is not None for item in step.params]):
             found = self._reduction_scale()
             if found > 0:
                 group_state["reduction_scale"] = found

@@ -29,6 +29,7 @@ and be saved with ``state_dict``.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -153,17 +154,22 @@ class Stacks:
 
 
 class Prepared:
-    """What a plain step derives per parameter from its cached state, kept from step to step.
+    """What a plain step derives from its cached state and its param groups, kept from step
+    to step.
 
     Between two refreshes a parameter's cache entries (inverses, bases: the dicts of
     :func:`cached`, replaced, never changed in place) stay the very objects, so what a step
     derives from them (the inverse resolved for its products, the eigenvalues plus the damping)
-    is the same at every plain step. ``get(param, sources, inputs)`` returns what ``put`` kept
-    for ``param`` while ``sources`` are the very objects kept with it and ``inputs`` (damping,
-    options, the gradient's shape, dtype and device) compare equal, else None: a refresh, a
-    new damping or param group option, a loaded ``state_dict`` (new objects) or a move to
-    another dtype or device prepares anew. Like :class:`Stacks` a cache that steers no number
-    (what it holds is what the step would derive again), neither saved nor pickled.
+    is the same at every plain step. ``get(key, sources, inputs)`` returns what ``put`` kept
+    under ``key`` while ``sources`` are the very objects kept with it (compared by identity,
+    in one pass) and ``inputs`` (damping, options, the gradients' shapes, dtypes and devices)
+    compare equal, else None: a refresh, a new damping or param group option, a loaded
+    ``state_dict`` (new objects), another set of parameters taking part (a gradient that is
+    None, ``requires_grad`` switched) or a move to another dtype or device prepares anew. A
+    key is a whole param group's (its sources the parameters taking part, then their entries;
+    its value one item per parameter), so that a plain step looks up once per group, not once
+    per parameter. Like :class:`Stacks` a cache that steers no number (what it holds is what
+    the step would derive again), neither saved nor pickled.
 
     Example:
         >>> import torch
@@ -189,7 +195,7 @@ class Prepared:
 
 
 def _same(kept: Sequence[Any], tensors: Sequence[Any]) -> bool:
-    return len(kept) == len(tensors) and all(a is b for a, b in zip(kept, tensors))
+    return len(kept) == len(tensors) and all(map(operator.is_, kept, tensors))
 
 
 def stacked_matrices(grads: Sequence[torch.Tensor], rows: int, dtype: torch.dtype) -> torch.Tensor:

@@ -34,7 +34,7 @@ class Precondition(Stage):
         preconditioner = step.preconditioner
         if preconditioner.distributed is not None:
             _spread_derived(step)
-        sharded = any(item.rows is not None for item in step.params)
+        sharded = any([item.rows is not None for item in step.params])
         failure = None
         try:
             _directions(step)

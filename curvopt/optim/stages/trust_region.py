@@ -23,7 +23,7 @@ class ScaleByTrustRegion(Stage):
     def __call__(self, step: GroupStep) -> None:
         items, total = step.params, None
         distributed = step.preconditioner.distributed
-        if any(item.rows is not None for item in items):  # FSDP2, owned state: rows per rank
+        if any([item.rows is not None for item in items]):  # FSDP2, owned state: rows per rank
             # the whole parameters (replicated on every rank) counted once, on rank 0
             items = [i for i in items if i.rows is not None or distributed.rank == 0]
             total = distributed.sum
@@ -113,12 +113,9 @@ def _dot(grad: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
     if dtype is not direction.dtype or dtype not in _DOT_DTYPES:  # (else: no cast to make)
         dtype = torch.promote_types(torch.promote_types(dtype, direction.dtype), torch.float32)
         grad, direction = grad.to(dtype), direction.to(dtype)
-    return torch.dot(_flat(grad), _flat(direction))
-
-
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as a vector: itself where it is one (no view to form), else ``reshape(-1)``."""
-    return tensor if tensor.dim() == 1 else tensor.reshape(-1)
+    # as vectors: a vector itself (no view to form), else ``reshape(-1)``
+    grad = grad if grad.ndim == 1 else grad.reshape(-1)
+    return torch.dot(grad, direction if direction.ndim == 1 else direction.reshape(-1))
 
 
 #: the dtypes :func:`_dot` takes a product in as they are (at least float32)
