@@ -45,11 +45,8 @@ class LoopKFAC(KFAC):
     """``KFAC`` with each direction by its own ``KroneckerInverse.apply_one``."""
 
     def _directions(self, items, step):
-        out = []
-        for item in items:
-            inverse, kept = self._inverse(item, step)
-            out.append((inverse.apply_one(item.grad), kept))
-        return out
+        solved = zip(self._inverses(items, step), items)
+        return [(inverse.apply_one(item.grad), kept) for (inverse, kept), item in solved]
 
 
 class LoopEKFAC(EKFAC):
@@ -57,11 +54,8 @@ class LoopEKFAC(EKFAC):
 
     def _directions(self, items, step):
         return [
-            (
-                EigenCorrectedInverse.build(item.curvature, step.damping).apply_one(item.grad),
-                self._kept(item, step),
-            )
-            for item in items
+            (EigenCorrectedInverse.build(item.curvature, step.damping).apply_one(item.grad), kept)
+            for item, kept in zip(items, self._kept(items, step))
         ]
 
 

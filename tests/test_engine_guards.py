@@ -615,27 +615,34 @@ def test_broadcast_along_batch_and_sequence_sums_over_the_sequence():
 
 
 def test_a_forward_while_an_optimizer_rests_is_named():
-    """A forward pass run outside ``collect`` while an armed optimizer rests between refreshes
-    (its hooks record nothing) raises naming that cause; the same forward inside the block
-    gives the block its quantities (against a loop over samples)."""
+    """A forward pass run outside ``collect`` while the armed optimizer of its model rests
+    between refreshes (its model carries no hook then) raises naming that cause when its
+    backward runs inside a block; the forward of a model that no optimizer covers keeps its
+    hooks and gives the block its quantities, as does the rested model's forward inside the
+    block (both against a loop over samples)."""
     torch.manual_seed(0)
-    other = curvopt.extend(nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)))
-    opt = KFAC(other.parameters(), lr=0.1)
+    plain = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    rested = curvopt.extend(copy.deepcopy(plain))
+    opt = KFAC(rested.parameters(), lr=0.0)  # (steps of length 0: ``rested`` stays ``plain``)
     mse = curvopt.extend(nn.MSELoss())
     opt.zero_grad()
-    mse(other(torch.randn(5, 4)), torch.randn(5, 2)).backward()
+    mse(rested(torch.randn(5, 4, dtype=torch.float64)), torch.randn(5, 2).double()).backward()
     opt.step()  # a refresh; the next steps rest
-    plain = nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 2)).double()
-    model = curvopt.extend(copy.deepcopy(plain))
-    x, y = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
-    loss = mse(model(x), y)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    rested.zero_grad()
+    loss = mse(rested(x), y)
     with pytest.raises(UnsupportedModuleError, match="rested between refreshes"):
         with curvopt.collect(ext.BatchGrad()):
             loss.backward()
-    model.zero_grad()
-    with curvopt.collect(ext.BatchGrad()):
-        mse(model(x), y).backward()
     reference = per_sample_grads_loop(plain, nn.MSELoss(), x, y)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad_batch, reference[name], rtol=1e-10, atol=1e-12)
+    uncovered = curvopt.extend(copy.deepcopy(plain))
+    loss = mse(uncovered(x), y)  # outside the block, while ``opt`` rests
+    with curvopt.collect(ext.BatchGrad()):
+        loss.backward()
+    rested.zero_grad()
+    with curvopt.collect(ext.BatchGrad()):
+        mse(rested(x), y).backward()
+    for model in (uncovered, rested):
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad_batch, reference[name], rtol=1e-10, atol=1e-12)
     del opt

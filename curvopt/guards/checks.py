@@ -280,7 +280,7 @@ class Checks(PassGuard):
                 raise UnsupportedModuleError(
                     f"curvopt: parameter {name_of(p)!r} received a gradient, but its module was "
                     "never called in this pass (a functional use, F.linear(h, layer.weight)), or "
-                    "its forward ran while every armed curvopt optimizer rested between "
+                    "its forward ran while the curvopt optimizers of its model rested between "
                     "refreshes. Call the module, inside the collect block where an optimizer "
                     "rests; see docs/support.md#gradient-from-other-terms."
                 )
