@@ -15,6 +15,7 @@ loaded ``state_dict`` and ``add_param_group``: ``test_prepared_steps``.)
 import pytest
 import torch
 from conftest import free_earlier_optimizers
+from test_prepared_steps import _batches as batches
 from torch import nn
 
 import curvopt
@@ -42,17 +43,6 @@ def _model():
     return curvopt.extend(model.double())
 
 
-def _batches():
-    generator = torch.Generator().manual_seed(1)
-    return [
-        (
-            torch.randn(5, 12, generator=generator, dtype=torch.float64),
-            torch.randint(0, 3, (5,), generator=generator),
-        )
-        for _ in range(STEPS)
-    ]
-
-
 def _group_entry(opt):
     """The object a group's entry keeps (``("inverses", id(group))``), or None."""
     prepared = opt.__dict__.get("_prepared_steps")
@@ -66,7 +56,7 @@ def _run(name: str, emptied: bool):
     model, lossfunc = _model(), curvopt.extend(nn.CrossEntropyLoss())
     opt = OPTIMIZERS[name](model.parameters(), lr=0.1, curvature_interval=5)
     trajectory, reused, before = [], [], None
-    for step, (X, y) in enumerate(_batches()):
+    for step, (X, y) in zip(range(STEPS), batches()):  # (its first STEPS batches)
         event = EVENTS.get(step)
         if event == "frozen":
             model[2].bias.requires_grad_(False)
